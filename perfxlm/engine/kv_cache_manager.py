@@ -1,0 +1,172 @@
+"""The KV block pool: allocation, prefix caching and eviction. The only owner of blocks and ref counts.
+
+Every block is in exactly one state:
+
+    used     ref_cnt > 0                     held by one or more requests
+    cached   ref_cnt == 0, has a block_hash  content still valid, reusable by a prefix match
+    free     ref_cnt == 0, no hash           empty
+
+Cached and free blocks wait together in one LRU queue (an ordered dict); allocation takes
+from its front and drops the hash of a cached block it takes (eviction).
+
+1. get_computed_blocks(req): the longest run of the prompt's full blocks whose hash chain
+   (hash of parent hash + the block's token ids) is cached; at least one token is always left
+   to compute, so the step that follows can sample.
+2. allocate_slots(req, n, hits): all or nothing. Touches the hit blocks, takes new ones, and
+   registers the hash of every block that this step fills completely.
+3. free(req): ref counts down; blocks with none left go to the queue's tail, the request's
+   last block first, so the end of a sequence is evicted before its shareable beginning.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from perfxlm.engine.request import Request
+
+
+@dataclass(slots=True, eq=False)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[int, KVCacheBlock] = {}  # block hash -> block
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_hashes: dict[str, list[int]] = {}  # hash chain over the request's full blocks
+        self.req_num_hashed_blocks: dict[str, int] = {}  # leading blocks already registered
+        # Prefix-cache statistics, in tokens.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now (free + cached)."""
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free_queue) / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    # ---- prefix caching ------------------------------------------------------------------
+    def _hashes(self, request: Request, num_full_blocks: int) -> list[int]:
+        hashes = self.req_to_hashes.setdefault(request.request_id, [])
+        tokens, bs = request.all_token_ids, self.block_size
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash((parent, tuple(tokens[i * bs : (i + 1) * bs]))))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in self._hashes(request, max_blocks):
+            block = self.cached.get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    # ---- allocation ----------------------------------------------------------------------
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None
+    ) -> bool:
+        hits = new_computed_blocks or []
+        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(hits) * self.block_size
+        num_total = num_computed + num_new_tokens
+        num_new_blocks = self.blocks_needed(num_total) - len(req_blocks) - len(hits)
+        # Hit blocks sitting in the free queue stop being available once touched.
+        num_touched_free = sum(1 for b in hits if b.ref_cnt == 0)
+        if num_new_blocks > len(self.free_queue) - num_touched_free:
+            if not req_blocks:
+                del self.req_to_blocks[request.request_id]
+            return False
+        for block in hits:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+        req_blocks.extend(hits)
+        for _ in range(max(num_new_blocks, 0)):
+            _, block = self.free_queue.popitem(last=False)
+            if block.block_hash is not None:  # evict
+                if self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            req_blocks.append(block)
+        if self.enable_prefix_caching:
+            self._register_full_blocks(request, req_blocks, min(num_total, request.num_tokens))
+        return True
+
+    def _register_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_known: int) -> None:
+        rid = request.request_id
+        num_full = num_known // self.block_size
+        start = self.req_num_hashed_blocks.get(rid, 0)
+        if num_full <= start:
+            return
+        hashes = self._hashes(request, num_full)
+        for i in range(start, num_full):
+            block = req_blocks[i]
+            if block.block_hash is None and hashes[i] not in self.cached:
+                block.block_hash = hashes[i]
+                self.cached[hashes[i]] = block
+        self.req_num_hashed_blocks[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        rid = request.request_id
+        blocks = self.req_to_blocks.pop(rid, [])
+        self.req_to_hashes.pop(rid, None)
+        self.req_num_hashed_blocks.pop(rid, None)
+        for block in reversed(blocks):
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = block
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.free_queue.values():
+            block.block_hash = None
+        self.cached = {h: b for h, b in self.cached.items() if b.ref_cnt > 0}
+
+    # ---- invariants ----------------------------------------------------------------------
+    def check_invariants(self) -> dict[str, int]:
+        """Raise AssertionError if the pool is inconsistent; return the state counts."""
+        refs = [0] * self.num_blocks
+        for blocks in self.req_to_blocks.values():
+            for b in blocks:
+                refs[b.block_id] += 1
+        counts = {"used": 0, "cached": 0, "free": 0}
+        for b in self.blocks:
+            assert b.ref_cnt >= 0, f"block {b.block_id} has ref_cnt {b.ref_cnt}"
+            assert b.ref_cnt == refs[b.block_id], f"block {b.block_id}: ref_cnt {b.ref_cnt} != holders {refs[b.block_id]}"
+            in_queue = b.block_id in self.free_queue
+            assert in_queue == (b.ref_cnt == 0), f"block {b.block_id}: ref_cnt {b.ref_cnt}, in free queue {in_queue}"
+            if b.block_hash is not None:
+                assert self.cached.get(b.block_hash) is b, f"block {b.block_id} hash not registered"
+            state = "used" if b.ref_cnt else ("cached" if b.block_hash is not None else "free")
+            counts[state] += 1
+        for h, b in self.cached.items():
+            assert b.block_hash == h, "cached map points at a block with another hash"
+        assert sum(counts.values()) == self.num_blocks
+        return counts

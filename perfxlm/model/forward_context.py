@@ -1,0 +1,54 @@
+"""Per-step attention metadata, set by the model runner and read by attention layers.
+
+A model file never sees the cache layout or the batch composition: attention layers call
+`get_forward_context()` and find everything they need there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+
+@dataclass(slots=True)
+class PrefillSeq:
+    """One sequence with more than one new token this step (a prompt or a prompt chunk)."""
+
+    start: int  # first row of this sequence in the flattened batch
+    end: int
+    num_context_tokens: int  # tokens already in the cache before this step
+    block_table: torch.Tensor  # [num_blocks] int64, blocks covering context + new tokens
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    # [num_tokens] int64: where each new token's K/V goes in the flattened cache
+    slot_mapping: torch.Tensor
+    # Rows [0, num_decode_tokens) are single-token sequences (decodes), batched in one kernel call.
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64
+    decode_seq_lens: torch.Tensor | None  # [num_decodes] int64, context + 1
+    # Rows after the decodes: multi-token sequences, one attention call each.
+    prefills: list[PrefillSeq]
+
+
+_current: AttentionMetadata | None = None
+
+
+@contextlib.contextmanager
+def set_forward_context(metadata: AttentionMetadata) -> Iterator[None]:
+    global _current
+    assert _current is None, "forward contexts do not nest"
+    _current = metadata
+    try:
+        yield
+    finally:
+        _current = None
+
+
+def get_forward_context() -> AttentionMetadata:
+    assert _current is not None, "attention called outside set_forward_context()"
+    return _current

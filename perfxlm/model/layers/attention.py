@@ -1,0 +1,48 @@
+"""The attention layer: writes this step's K/V into the paged cache, then attends.
+
+It reads the batch layout from the forward context; the runner binds `kv_cache` once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from perfxlm.model.forward_context import get_forward_context
+from perfxlm.ops.attention import paged_decode_attention, prefill_attention, write_kv_cache
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}).")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        # (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,
+    ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+        assert self.kv_cache is not None, "KV cache not bound"
+        meta = get_forward_context()
+        key_cache, value_cache = self.kv_cache
+        write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decode_tokens
+        if nd:
+            out[:nd] = paged_decode_attention(
+                q[:nd], key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale
+            )
+        for seq in meta.prefills:
+            s, e = seq.start, seq.end
+            out[s:e] = prefill_attention(
+                q[s:e], k[s:e], v[s:e], key_cache, value_cache, seq.block_table, seq.num_context_tokens, self.scale
+            )
+        return out.view(out.shape[0], -1)

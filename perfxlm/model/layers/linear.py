@@ -1,0 +1,40 @@
+"""Linear layers, including the fused ones (QKV, gate|up) that load several checkpoint tensors."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
+    """Several projections of the same input stacked along the output dim; each checkpoint
+    tensor is loaded into its slice (`shard`)."""
+
+    def __init__(self, in_features: int, output_sizes: dict[str, int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(output_sizes.values()), bias)
+        self.output_sizes = output_sizes
+        self.offsets: dict[str, int] = {}
+        offset = 0
+        for name, size in output_sizes.items():
+            self.offsets[name] = offset
+            offset += size
+
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
+        start, size = self.offsets[shard], self.output_sizes[shard]
+        target = param.data.narrow(0, start, size)
+        if target.shape != loaded.shape:
+            raise ValueError(f"shard {shard!r}: checkpoint shape {tuple(loaded.shape)} != {tuple(target.shape)}")
+        target.copy_(loaded)

@@ -1,0 +1,79 @@
+"""Rotary position embedding (rotate-half / NeoX layout, as Hugging Face Llama uses)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any]]:
+    """(rope_theta, scaling dict) from either transformers 4.x (`rope_theta`, `rope_scaling`)
+    or 5.x (`rope_parameters`) configs."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
+    merged = {**scaling, **params}
+    theta = merged.pop("rope_theta", None) or getattr(hf_config, "rope_theta", None) or 10000.0
+    return float(theta), merged
+
+
+def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        factor = scaling["factor"]
+        low_freq_factor = scaling["low_freq_factor"]
+        high_freq_factor = scaling["high_freq_factor"]
+        old_context_len = scaling["original_max_position_embeddings"]
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are scaled down by `factor`, short ones kept, the band between blended.
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, blended, scaled)
+    raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: default, linear, llama3).")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any]) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq = _inv_freq(head_dim, theta, scaling)
+        # Plain attributes, not buffers: computed on the CPU even when the model is built on meta.
+        t = torch.arange(max_position, dtype=torch.int64, device="cpu").float()
+        freqs = torch.outer(t, inv_freq.to("cpu"))
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
+        self.cos_cache = emb.cos()
+        self.sin_cache = emb.sin()
+        self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if dtype not in self._cast:
+            self._cast[dtype] = (self.cos_cache.to(dtype), self.sin_cache.to(dtype))
+        return self._cast[dtype]
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos_table, sin_table = self._tables(q.dtype)
+        cos = cos_table[positions].unsqueeze(1)
+        sin = sin_table[positions].unsqueeze(1)
+        return _apply(q, cos, sin), _apply(k, cos, sin)
+
+
+def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,59 @@
+"""Turn a model path into a ready model: config, architecture, weights (HF safetensors, GGUF or dummy)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator
+
+import torch
+from tqdm import tqdm
+
+from perfxlm.model.registry import resolve_model_class
+
+
+def load_hf_config(path: str) -> Any:
+    if path.endswith(".gguf"):
+        from perfxlm.model.loader.gguf import load_gguf_config
+
+        return load_gguf_config(path)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"{path!r} is neither a .gguf file nor a folder with a config.json.")
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def get_model(model_path: str, hf_config: Any, dtype: torch.dtype, load_format: str, seed: int | None = 0):
+    model_cls = resolve_model_class(hf_config)
+    with _default_dtype(dtype), torch.no_grad():
+        # Layers allocate with torch.empty: building the model costs no initialisation pass.
+        model = model_cls(hf_config)
+        if load_format == "dummy":
+            from perfxlm.model.loader.dummy import fill_dummy_weights
+
+            fill_dummy_weights(model, seed or 0)
+        else:
+            weights = _iter_weights(model_path, hf_config, load_format)
+            model.load_weights(tqdm(weights, desc="Loading weights", unit="tensor", leave=False))
+    return model.eval()
+
+
+def _iter_weights(model_path: str, hf_config: Any, load_format: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if load_format == "gguf":
+        from perfxlm.model.loader.gguf import iter_gguf_weights
+
+        return iter_gguf_weights(model_path, hf_config)
+    from perfxlm.model.loader.hf import iter_safetensors_weights
+
+    return iter_safetensors_weights(model_path)

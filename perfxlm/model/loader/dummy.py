@@ -1,0 +1,19 @@
+"""Random weights of the right shapes, for benchmarking sizes we have no checkpoint for."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+@torch.no_grad()
+def fill_dummy_weights(model: nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight") or param.ndim == 1 and "norm" in name:
+            param.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.zero_()
+        else:
+            values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=gen)
+            param.copy_(values)

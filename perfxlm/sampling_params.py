@@ -1,0 +1,146 @@
+"""SamplingParams with vLLM's field names, defaults and validation."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, fields
+from enum import IntEnum
+from typing import Any
+
+_SAMPLING_EPS = 1e-5
+
+
+class RequestOutputKind(IntEnum):
+    CUMULATIVE = 0  # every output holds everything generated so far
+    DELTA = 1  # every output holds only what is new since the last one
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+class SamplingType(IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+# Fields this engine accepts but does not implement yet: a non-default value raises instead of
+# being silently ignored.
+_UNSUPPORTED_DEFAULTS: dict[str, Any] = {
+    "best_of": None,
+    "logprobs": None,
+    "prompt_logprobs": None,
+    "logit_bias": None,
+    "allowed_token_ids": None,
+    "bad_words": None,
+    "truncate_prompt_tokens": None,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Filled in by the engine (EOS of the model plus stop_token_ids), as vLLM does.
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.all_stop_token_ids = set(self.stop_token_ids)
+        if 0 < self.temperature < _SAMPLING_EPS:
+            # Tiny temperatures overflow the softmax; treat them as greedy like vLLM.
+            self.temperature = 0.0
+        if self.top_k == 0:
+            self.top_k = -1
+        self._verify()
+        if self.temperature < _SAMPLING_EPS:
+            # Greedy: the filters do nothing, so normalise them (as vLLM does).
+            self.top_p, self.top_k, self.min_p = 1.0, -1, 0.0
+
+    def _verify(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"{name} {why}, got {getattr(self, name)!r}.")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        if self.best_of is not None and self.best_of < self.n:
+            raise bad("best_of", f"must be >= n ({self.n})")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "must be in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            raise bad("repetition_penalty", "must be > 0")
+        if not self.temperature >= 0.0:
+            raise bad("temperature", "must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", "must be -1 or 0 (disable) or at least 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "must be an integer or None")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", "must be an integer >= 1")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", "must be >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "must hold non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must hold non-negative integers")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise bad("logprobs", "must be >= 0")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise bad("prompt_logprobs", "must be >= 0")
+        if self.n > 1 or (self.best_of or 1) > 1:
+            raise ValueError("n > 1 / best_of > 1 is not supported yet by perfxlm.")
+        for name, default in _UNSUPPORTED_DEFAULTS.items():
+            if getattr(self, name) != default:
+                raise ValueError(f"SamplingParams.{name} is not supported yet by perfxlm (got {getattr(self, name)!r}).")
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < _SAMPLING_EPS:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM_SEED if self.seed is not None else SamplingType.RANDOM
+
+    def clone(self) -> "SamplingParams":
+        return copy.deepcopy(self)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr)
+        return f"SamplingParams({shown})"
