@@ -1,0 +1,523 @@
+"""GGUF checkpoints (llama.cpp format): config, weights and tokenizer, in Hugging Face terms.
+
+The header is parsed here with `struct` rather than with `gguf.GGUFReader`: the reader builds a numpy
+view per vocabulary string and takes seconds on a 50k-token vocabulary, this parser milliseconds.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import struct
+import tempfile
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+import gguf
+import numpy as np
+import torch
+
+from perfxlm.ops.gguf_dequant import dequantize
+
+if TYPE_CHECKING:
+    import transformers
+
+logger = logging.getLogger(__name__)
+
+Q = gguf.GGMLQuantizationType
+
+# ---------------------------------------------------------------------------------------------------------
+# Architecture tables. Adding an architecture that shares llama's tensor layout (qwen2, mistral, ...) means
+# adding an `_ArchSpec` entry: its HF config class and architecture, its metadata keys, and whether
+# llama.cpp's converter permuted q/k for it.
+# ---------------------------------------------------------------------------------------------------------
+
+# `{arch}.<key>` -> HF config attribute, shared by llama-like decoders
+_DECODER_KEYS: dict[str, str] = {
+    "block_count": "num_hidden_layers",
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "rope.freq_base": "rope_theta",
+    "vocab_size": "vocab_size",
+}
+
+# GGUF tensor name -> HF parameter name; `{n}` is the layer index
+_DECODER_TENSORS: dict[str, str] = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "blk.{n}.attn_q": "model.layers.{n}.self_attn.q_proj",
+    "blk.{n}.attn_k": "model.layers.{n}.self_attn.k_proj",
+    "blk.{n}.attn_v": "model.layers.{n}.self_attn.v_proj",
+    "blk.{n}.attn_output": "model.layers.{n}.self_attn.o_proj",
+    "blk.{n}.ffn_gate": "model.layers.{n}.mlp.gate_proj",
+    "blk.{n}.ffn_up": "model.layers.{n}.mlp.up_proj",
+    "blk.{n}.ffn_down": "model.layers.{n}.mlp.down_proj",
+    "blk.{n}.attn_norm": "model.layers.{n}.input_layernorm",
+    "blk.{n}.ffn_norm": "model.layers.{n}.post_attention_layernorm",
+}
+
+# tensors llama.cpp writes for its own use that have no HF parameter (rope_freqs: precomputed llama3
+# rope factors, which HF derives from the config instead)
+_IGNORED_TENSORS = re.compile(r"^(rope_freqs|blk\.\d+\.rope_freqs|rope_factors_(long|short))\.weight$")
+
+
+@dataclass(frozen=True)
+class _ArchSpec:
+    config_class: str  # attribute of `transformers`
+    hf_architecture: str
+    config_keys: dict[str, str]
+    tensors: dict[str, str]
+    # llama.cpp interleaves q/k rows for its rope layout on these architectures; undone on load
+    permute_qk: bool
+    extra_config: dict[str, Any] = field(default_factory=dict)
+
+
+_ARCHS: dict[str, _ArchSpec] = {
+    "llama": _ArchSpec("LlamaConfig", "LlamaForCausalLM", _DECODER_KEYS, _DECODER_TENSORS, permute_qk=True),
+}
+
+
+def _spec(arch: str) -> _ArchSpec:
+    try:
+        return _ARCHS[arch]
+    except KeyError:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(_ARCHS))})."
+        ) from None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Header parsing
+# ---------------------------------------------------------------------------------------------------------
+
+_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_NUMPY_TYPES = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
+                6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}  # fmt: skip
+_STRING, _ARRAY, _FLOAT32 = 8, 9, 6
+_SUPPORTED_VERSIONS = (2, 3)
+
+
+class _StringArray(Sequence[str]):
+    """A metadata string array (a vocabulary, a merge list) decoded only when first indexed."""
+
+    def __init__(self, buf: memoryview, offset: int, count: int):
+        self._buf, self._offset, self._count = buf, offset, count
+        self._items: list[str] | None = None
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if self._items is None:
+            items, buf, pos = [], self._buf, self._offset
+            for _ in range(self._count):
+                (length,) = struct.unpack_from("<Q", buf, pos)
+                items.append(bytes(buf[pos + 8 : pos + 8 + length]).decode("utf-8", errors="replace"))
+                pos += 8 + length
+            self._items = items
+        return self._items[index]
+
+    def __repr__(self) -> str:
+        return f"<{self._count} strings>"
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    name: str
+    shape: tuple[int, ...]  # torch order (reverse of ggml's ne)
+    ggml_type: Q
+    offset: int  # absolute offset in the file
+    nbytes: int
+
+
+class GGUFFile:
+    """Parsed GGUF header (metadata and tensor table) over a read-only memory map of the file."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._map = np.memmap(path, mode="r", dtype=np.uint8)
+        buf = memoryview(self._map)
+        if bytes(buf[:4]) != b"GGUF":
+            raise ValueError(f"{path!r} is not a GGUF file (bad magic).")
+        (version,) = struct.unpack_from("<I", buf, 4)
+        if version & 0xFFFF == 0:
+            raise ValueError(f"{path!r} is a big-endian GGUF file, which is not supported.")
+        if version not in _SUPPORTED_VERSIONS:
+            raise ValueError(f"{path!r} is GGUF version {version}; supported: {_SUPPORTED_VERSIONS}.")
+        self.version = version
+        tensor_count, kv_count = struct.unpack_from("<QQ", buf, 8)
+        pos = 24
+
+        self.metadata: dict[str, Any] = {}
+        for _ in range(kv_count):
+            key, pos = self._string(buf, pos)
+            (vtype,) = struct.unpack_from("<I", buf, pos)
+            self.metadata[key], pos = self._value(buf, pos + 4, vtype)
+
+        infos = []
+        for _ in range(tensor_count):
+            name, pos = self._string(buf, pos)
+            (n_dims,) = struct.unpack_from("<I", buf, pos)
+            ne = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+            pos += 4 + 8 * n_dims
+            raw_type, offset = struct.unpack_from("<IQ", buf, pos)
+            pos += 12
+            infos.append((name, tuple(reversed(ne)), raw_type, offset))
+
+        alignment = int(self.metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT))
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"{path!r} has an invalid alignment {alignment}.")
+        data_start = (pos + alignment - 1) // alignment * alignment
+
+        self.tensors: dict[str, GGUFTensorInfo] = {}
+        for name, shape, raw_type, offset in infos:
+            try:
+                qtype = Q(raw_type)
+                block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+            except (ValueError, KeyError):
+                raise ValueError(f"Tensor {name!r} in {path!r} has unknown GGML type {raw_type}.") from None
+            nbytes = math.prod(shape) // block_elems * block_bytes
+            start = data_start + offset
+            if start + nbytes > self._map.size:
+                raise ValueError(f"Tensor {name!r} runs past the end of {path!r} (truncated file?).")
+            self.tensors[name] = GGUFTensorInfo(name, shape, qtype, start, nbytes)
+
+    @staticmethod
+    def _string(buf: memoryview, pos: int) -> tuple[str, int]:
+        (length,) = struct.unpack_from("<Q", buf, pos)
+        return bytes(buf[pos + 8 : pos + 8 + length]).decode("utf-8"), pos + 8 + length
+
+    def _value(self, buf: memoryview, pos: int, vtype: int) -> tuple[Any, int]:
+        if vtype in _SCALAR_FORMATS:
+            fmt = "<" + _SCALAR_FORMATS[vtype]
+            (value,) = struct.unpack_from(fmt, buf, pos)
+            if vtype == _FLOAT32:
+                # shortest decimal that is the same float32: 1e-05 rather than 9.999999747378752e-06
+                value = float(str(np.float32(value)))
+            return value, pos + struct.calcsize(fmt)
+        if vtype == _STRING:
+            return self._string(buf, pos)
+        if vtype == _ARRAY:
+            etype, count = struct.unpack_from("<IQ", buf, pos)
+            pos += 12
+            if etype in _NUMPY_TYPES:
+                dtype = np.dtype(_NUMPY_TYPES[etype]).newbyteorder("<")
+                values = np.frombuffer(buf, dtype=dtype, count=count, offset=pos)
+                return values.tolist(), pos + count * dtype.itemsize
+            if etype == _STRING:
+                start = pos
+                for _ in range(count):
+                    (length,) = struct.unpack_from("<Q", buf, pos)
+                    pos += 8 + length
+                return _StringArray(buf, start, count), pos
+            if etype == _ARRAY:
+                values = []
+                for _ in range(count):
+                    value, pos = self._value(buf, pos, _ARRAY)
+                    values.append(value)
+                return values, pos
+        raise ValueError(f"{self.path!r} has metadata of unknown GGUF value type {vtype}.")
+
+    @property
+    def architecture(self) -> str:
+        arch = self.metadata.get("general.architecture")
+        if not isinstance(arch, str):
+            raise ValueError(f"{self.path!r} has no general.architecture metadata.")
+        return arch
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes as `GGUFReader` shows them: typed for F32/F16, else (..., row bytes) uint8."""
+        info = self.tensors[name]
+        data = self._map[info.offset : info.offset + info.nbytes]
+        if info.ggml_type == Q.F32:
+            return data.view(np.float32).reshape(info.shape)
+        if info.ggml_type == Q.F16:
+            return data.view(np.float16).reshape(info.shape)
+        block_elems, block_bytes = gguf.GGML_QUANT_SIZES[info.ggml_type]
+        cols = info.shape[-1] if info.shape else 1
+        return data.reshape(*info.shape[:-1], cols // block_elems * block_bytes)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The tensor dequantized to float32, in its torch shape."""
+        info = self.tensors[name]
+        return dequantize(self.raw(name), info.ggml_type, info.shape)
+
+
+def _file_key(path: str) -> tuple[str, int, int]:
+    path = os.path.abspath(path)
+    st = os.stat(path)
+    return path, st.st_size, st.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=4)
+def _open_cached(path: str, size: int, mtime_ns: int) -> GGUFFile:
+    return GGUFFile(path)
+
+
+def open_gguf(path: str) -> GGUFFile:
+    """Parse a GGUF file's header; reused across calls while the file is unchanged."""
+    return _open_cached(*_file_key(path))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------------------
+
+def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
+    prefix = f"{arch}.rope.scaling."
+    kind = meta.get(prefix + "type")
+    factor = meta.get(prefix + "factor")
+    if kind is None and f"{arch}.rope.scale_linear" in meta:  # older files
+        kind, factor = "linear", meta[f"{arch}.rope.scale_linear"]
+    if kind in (None, "none") or factor is None:
+        return None
+    if kind not in ("linear", "yarn"):
+        logger.warning("Ignoring unsupported GGUF rope scaling type %r.", kind)
+        return None
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
+    if kind == "yarn":
+        for gguf_key, hf_key in (
+            ("original_context_length", "original_max_position_embeddings"),
+            ("attn_factor", "attention_factor"),
+            ("yarn_beta_fast", "beta_fast"),
+            ("yarn_beta_slow", "beta_slow"),
+        ):
+            if prefix + gguf_key in meta:
+                scaling[hf_key] = meta[prefix + gguf_key]
+    return scaling
+
+
+def load_gguf_config(path: str) -> "transformers.PretrainedConfig":
+    """A transformers config (`LlamaConfig` for llama files) built from the GGUF file's metadata."""
+    import transformers
+
+    f = open_gguf(path)
+    arch = f.architecture
+    spec = _spec(arch)
+    meta = f.metadata
+
+    kwargs: dict[str, Any] = dict(spec.extra_config)
+    for gguf_key, hf_key in spec.config_keys.items():
+        if f"{arch}.{gguf_key}" in meta:
+            kwargs[hf_key] = meta[f"{arch}.{gguf_key}"]
+    for required in ("num_hidden_layers", "hidden_size", "num_attention_heads"):
+        if required not in kwargs:
+            raise ValueError(f"{path!r} lacks the {arch}.* metadata for {required}.")
+    if isinstance(kwargs.get("num_key_value_heads"), list):  # per-layer list in some files
+        kwargs["num_key_value_heads"] = max(kwargs["num_key_value_heads"])
+
+    if "vocab_size" not in kwargs:
+        if "tokenizer.ggml.tokens" in meta:
+            kwargs["vocab_size"] = len(meta["tokenizer.ggml.tokens"])
+        elif "token_embd.weight" in f.tensors:
+            kwargs["vocab_size"] = f.tensors["token_embd.weight"].shape[0]
+
+    head_dim = meta.get(f"{arch}.rope.dimension_count", meta.get(f"{arch}.attention.key_length"))
+    if head_dim is not None:
+        kwargs["head_dim"] = int(head_dim)
+
+    rope_theta = float(kwargs.pop("rope_theta", 10000.0))
+    rope_scaling = _rope_scaling(meta, arch)
+    # both the 4.x (rope_theta / rope_scaling) and the 5.x (rope_parameters) spelling are accepted by
+    # the config classes as constructor arguments, and normalized to whichever that version uses
+    kwargs["rope_theta"] = rope_theta
+    if rope_scaling is not None:
+        kwargs["rope_scaling"] = rope_scaling
+
+    tensors = f.tensors
+    kwargs["tie_word_embeddings"] = "output.weight" not in tensors
+    kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    if "blk.0.ffn_up.bias" in tensors:
+        kwargs["mlp_bias"] = True
+
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    # llama.cpp also ends generation on the end-of-turn / end-of-message tokens chat models emit
+    extra_eos = [
+        meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta
+    ]
+    eos_ids = [i for i in dict.fromkeys([eos, *extra_eos]) if i is not None]
+    kwargs["bos_token_id"] = bos
+    kwargs["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None)
+    kwargs["pad_token_id"] = meta.get("tokenizer.ggml.padding_token_id")
+    kwargs["architectures"] = [spec.hf_architecture]
+
+    config = getattr(transformers, spec.config_class)(**kwargs)
+    # 5.x keeps the base frequency only in rope_parameters; code written for 4.x reads config.rope_theta
+    if getattr(config, "rope_theta", None) is None:
+        config.rope_theta = rope_theta
+    if isinstance(getattr(type(config), "torch_dtype", None), property):
+        config.dtype = torch.float32  # newer transformers: torch_dtype is a deprecated alias of dtype
+    else:
+        config.torch_dtype = torch.float32
+    return config
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Weights
+# ---------------------------------------------------------------------------------------------------------
+
+def _name_table(spec: _ArchSpec) -> list[tuple[re.Pattern[str], str]]:
+    table = []
+    for gguf_name, hf_name in spec.tensors.items():
+        pattern = re.escape(gguf_name).replace(re.escape("{n}"), r"(?P<n>\d+)")
+        table.append((re.compile(rf"^{pattern}\.(?P<kind>weight|bias)$"), hf_name))
+    return table
+
+
+def _hf_name(name: str, table: list[tuple[re.Pattern[str], str]]) -> str | None:
+    for pattern, hf_name in table:
+        m = pattern.match(name)
+        if m:
+            groups = m.groupdict()
+            return hf_name.format(n=groups.get("n")) + "." + groups["kind"]
+    return None
+
+
+def unpermute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (its converter's `permute`), giving the HF layout back.
+
+    Same as transformers' `LlamaTensorProcessor._reverse_permute_weights`: within each head the rows
+    were reordered from [first half | second half] to interleaved pairs.
+    """
+    dim = weight.shape[0] // n_head // 2
+    w = weight.reshape(n_head, dim, 2, *weight.shape[1:])
+    return w.transpose(1, 2).reshape(weight.shape)
+
+
+def iter_gguf_weights(path: str, config: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face parameter name, float32 tensor) for every model tensor in the GGUF file.
+
+    Tensors are dequantized one at a time, as the iterator is consumed. A tied model yields no
+    lm_head.weight. `config` (for the head counts) defaults to `load_gguf_config(path)`.
+    """
+    # opened here rather than in the generator so a bad file or architecture fails at the call
+    f = open_gguf(path)
+    spec = _spec(f.architecture)
+    config = config if config is not None else load_gguf_config(path)
+    n_head = config.num_attention_heads
+    n_kv_head = getattr(config, "num_key_value_heads", None) or n_head
+    return _iter_weights(f, spec, n_head, n_kv_head)
+
+
+def _iter_weights(
+    f: GGUFFile, spec: _ArchSpec, n_head: int, n_kv_head: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    table = _name_table(spec)
+    for name in f.tensors:
+        hf_name = _hf_name(name, table)
+        if hf_name is None:
+            if not _IGNORED_TENSORS.match(name):
+                logger.warning("Skipping GGUF tensor %r: no Hugging Face counterpart known.", name)
+            continue
+        tensor = f.tensor(name)
+        if spec.permute_qk:
+            if ".self_attn.q_proj." in hf_name:
+                tensor = unpermute_qk(tensor, n_head)
+            elif ".self_attn.k_proj." in hf_name:
+                tensor = unpermute_qk(tensor, n_kv_head)
+        yield hf_name, tensor
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------------------------------------
+
+# bump when the cached layout or the conversion changes, so stale caches are not reused
+_TOKENIZER_CACHE_VERSION = 1
+_TOKENIZER_FLAGS_FILE = "perfxlm_gguf_tokenizer.json"
+
+
+def _tokenizer_cache_dir(path: str, cache_dir: str | None) -> str:
+    import transformers
+
+    root = cache_dir or os.path.join(
+        os.environ.get("PERFXLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "perfxlm"),
+        "tokenizers",
+    )
+    abspath, size, mtime_ns = _file_key(path)
+    # the saved format is transformers' own, so a different transformers version converts afresh
+    ident = f"{abspath}|{size}|{mtime_ns}|{transformers.__version__}|{_TOKENIZER_CACHE_VERSION}"
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.basename(abspath))[:64]
+    return os.path.join(root, f"{stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}")
+
+
+def _convert_tokenizer(path: str):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    folder, name = os.path.split(os.path.abspath(path))
+    try:
+        # builds the same tokenizer as AutoTokenizer without AutoTokenizer's detour through the
+        # model config, which parses the whole GGUF header with gguf-py and costs seconds
+        return PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
+    except Exception as e:  # noqa: BLE001 - any failure: fall back to the canonical route
+        logger.debug("Direct GGUF tokenizer conversion failed (%s); using AutoTokenizer.", e)
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+def _special_flags(tok) -> dict[str, Any]:
+    flags = {k: getattr(tok, k, None) for k in ("add_bos_token", "add_eos_token")}
+    return {k: v for k, v in flags.items() if isinstance(v, bool)}
+
+
+def load_gguf_tokenizer(path: str, cache_dir: str | None = None, use_cache: bool = True):
+    """A transformers fast tokenizer (with the file's chat template) for a GGUF file.
+
+    The conversion from GGUF metadata is cached with `save_pretrained` under `cache_dir` (default
+    `$PERFXLM_CACHE_DIR/tokenizers`, else `~/.cache/perfxlm/tokenizers`), keyed on the file's path, size
+    and mtime, so later loads skip it.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    if not use_cache:
+        return _convert_tokenizer(path)
+
+    target = _tokenizer_cache_dir(path, cache_dir)
+    flags_file = os.path.join(target, _TOKENIZER_FLAGS_FILE)
+    if os.path.isfile(flags_file):
+        try:
+            with open(flags_file) as fh:
+                flags = json.load(fh)
+            # the bos/eos flags are passed explicitly, as the GGUF conversion does, so the rebuilt
+            # post-processor is the same
+            tok = PreTrainedTokenizerFast.from_pretrained(target, **flags)
+            tok.name_or_path = os.path.abspath(path)
+            return tok
+        except Exception as e:  # noqa: BLE001 - a broken cache entry is rebuilt below
+            logger.warning("Rebuilding unreadable tokenizer cache %s: %s", target, e)
+            shutil.rmtree(target, ignore_errors=True)
+
+    tok = _convert_tokenizer(path)
+    try:
+        _save_tokenizer_cache(tok, target)
+    except OSError as e:  # a read-only or full cache only costs speed
+        logger.warning("Could not cache the GGUF tokenizer in %s: %s", target, e)
+    return tok
+
+
+def _save_tokenizer_cache(tok, target: str) -> None:
+    parent = os.path.dirname(target)
+    os.makedirs(parent, exist_ok=True)
+    # written beside the target and renamed into place, so readers never see a partial entry
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
+    try:
+        tok.save_pretrained(tmp)
+        with open(os.path.join(tmp, _TOKENIZER_FLAGS_FILE), "w") as fh:
+            json.dump(_special_flags(tok), fh)
+        if os.path.isfile(os.path.join(target, _TOKENIZER_FLAGS_FILE)):
+            return  # a concurrent process finished the same entry first
+        shutil.rmtree(target, ignore_errors=True)  # leftovers of an incomplete entry
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

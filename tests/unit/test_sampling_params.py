@@ -1,0 +1,42 @@
+import pytest
+
+from perfxlm import SamplingParams
+from perfxlm.sampling_params import SamplingType
+
+
+def test_defaults_match_vllm():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens) == (1, 1.0, 1.0, -1, 0.0, 16)
+    assert p.stop == [] and p.stop_token_ids == [] and not p.ignore_eos
+    assert p.sampling_type == SamplingType.RANDOM
+
+
+def test_greedy_and_seed_types():
+    assert SamplingParams(temperature=0).sampling_type == SamplingType.GREEDY
+    assert SamplingParams(seed=3).sampling_type == SamplingType.RANDOM_SEED
+    assert SamplingParams(stop="x").stop == ["x"]
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 0}, "n"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+    ],
+)
+def test_invalid_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_unsupported_fields_raise_instead_of_being_ignored():
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=2)
