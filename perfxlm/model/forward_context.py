@@ -31,6 +31,7 @@ class AttentionMetadata:
     num_decode_tokens: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64
     decode_seq_lens: torch.Tensor | None  # [num_decodes] int64, context + 1
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool, built once per step
     # Rows after the decodes: multi-token sequences, one attention call each.
     prefills: list[PrefillSeq]
 

@@ -25,8 +25,13 @@ def write_kv_cache(
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     # [B, max_blocks] -> [B, num_kv_heads, max_blocks * block_size, head_dim]
     batch = block_tables.shape[0]
-    gathered = cache[block_tables]  # [B, max_blocks, block_size, H, D]
+    # index_select on a 2-D view: several times faster than advanced indexing on the 4-D cache.
+    gathered = cache.view(cache.shape[0], -1).index_select(0, block_tables.reshape(-1))
     return gathered.view(batch, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
+
+
+def decode_mask(seq_lens: torch.Tensor, max_len: int) -> torch.Tensor:  # [B, 1, 1, max_len] bool
+    return (torch.arange(max_len)[None, :] < seq_lens[:, None]).view(seq_lens.shape[0], 1, 1, max_len)
 
 
 def paged_decode_attention(
@@ -36,6 +41,7 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [B, max_blocks] int64
     seq_lens: torch.Tensor,  # [B] int64, tokens to attend to (including the query's own)
     scale: float,
+    mask: torch.Tensor | None = None,  # decode_mask(...) of the same step, to build it once for all layers
 ) -> torch.Tensor:  # [B, num_heads, head_dim]
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
@@ -44,8 +50,8 @@ def paged_decode_attention(
     value = _gather(value_cache, block_tables)
     # The heads of one KV group become the "query length" axis: GQA without repeating K/V.
     q = query.view(batch, num_kv_heads, group, head_dim)
-    positions = torch.arange(key.shape[2])
-    mask = (positions[None, :] < seq_lens[:, None]).view(batch, 1, 1, -1)
+    if mask is None:
+        mask = decode_mask(seq_lens, block_tables.shape[1] * key_cache.shape[1])
     out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
     return out.reshape(batch, num_heads, head_dim)
 

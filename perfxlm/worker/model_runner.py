@@ -14,6 +14,7 @@ from perfxlm.engine.messages import ModelRunnerOutput, ScheduledRequest, Schedul
 from perfxlm.model.forward_context import AttentionMetadata, PrefillSeq, set_forward_context
 from perfxlm.model.layers.attention import Attention
 from perfxlm.model.layers.sampler import Sampler, SamplingMetadata
+from perfxlm.ops.attention import decode_mask
 from perfxlm.sampling_params import SamplingType
 
 
@@ -76,11 +77,12 @@ class ModelRunner:
             tables[i, : len(s.block_ids)] = s.block_ids
         slot_mapping = tables[req_of_token, positions // bs] * bs + positions % bs
         tables_t = torch.from_numpy(tables)
-        decode_tables = decode_lens = None
+        decode_tables = decode_lens = mask = None
         if num_decodes:
             dec_max = max(len(s.block_ids) for s in order[:num_decodes])
             decode_tables = tables_t[:num_decodes, :dec_max]
             decode_lens = torch.from_numpy(starts[:num_decodes] + 1)
+            mask = decode_mask(decode_lens, dec_max * bs)
         prefills = [
             PrefillSeq(int(ends[i] - lens[i]), int(ends[i]), int(starts[i]), tables_t[i, : len(order[i].block_ids)])
             for i in range(num_decodes, len(order))
@@ -90,6 +92,7 @@ class ModelRunner:
             num_decode_tokens=num_decodes,
             decode_block_tables=decode_tables,
             decode_seq_lens=decode_lens,
+            decode_mask=mask,
             prefills=prefills,
         )
         sample_rows = torch.tensor([int(ends[i]) - 1 for i, s in enumerate(order) if s.do_sample], dtype=torch.int64)

@@ -57,7 +57,7 @@ def test_bf16_logits_close_to_fp32(tiny_llama):
     for dtype in (torch.float32, torch.bfloat16):
         model = get_model(tiny_llama, config, dtype, "safetensors")
         ModelRunner(model, num_blocks=4, block_size=16, dtype=dtype)
-        meta = AttentionMetadata(torch.arange(40), 0, None, None, [PrefillSeq(0, 40, 0, torch.arange(3))])
+        meta = AttentionMetadata(torch.arange(40), 0, None, None, None, [PrefillSeq(0, 40, 0, torch.arange(3))])
         with torch.inference_mode(), set_forward_context(meta):
             logits[dtype] = model.compute_logits(model(ids, torch.arange(40)))
     ref, got = logits[torch.float32], logits[torch.bfloat16]

@@ -59,7 +59,7 @@ def test_bf16_logits_within_tolerance(default_model, hf_model):
         ref = hf_model(ids[None]).logits[0].float()
     model = get_model(default_model, config, torch.bfloat16, "gguf")
     ModelRunner(model, num_blocks=8, block_size=16, dtype=torch.bfloat16)
-    meta = AttentionMetadata(torch.arange(n), 0, None, None, [PrefillSeq(0, n, 0, torch.arange(4))])
+    meta = AttentionMetadata(torch.arange(n), 0, None, None, None, [PrefillSeq(0, n, 0, torch.arange(4))])
     with torch.inference_mode(), set_forward_context(meta):
         got = model.compute_logits(model(ids, torch.arange(n)))
     # Stated tolerance: bf16 logits within 5 % of the fp32 logit range (max abs error) and

@@ -81,3 +81,17 @@ def test_seeded_rows_are_reproducible_and_batch_independent():
 def test_top_k_one_is_greedy():
     logits = torch.randn(6, 40)
     assert torch.equal(Sampler()(logits, meta(6, top_k=1)), logits.argmax(-1))
+
+
+def test_top_p_falls_back_to_full_sort_when_candidates_are_not_enough():
+    # A nearly flat 5000-token distribution: the 1024 best tokens hold ~25 % of the mass, so
+    # top_p=0.9 must look past them; top_p=0.01 stays within them.
+    logits = torch.randn(2, 5000, generator=torch.Generator().manual_seed(0)) * 0.01
+    logits[:, :10] += 3.0
+    ps = [0.9, 0.01]
+    out = apply_top_k_top_p(logits.clone(), None, torch.tensor(ps))
+    for row, p in enumerate(ps):
+        probs = logits[row].softmax(-1).sort(descending=True).values
+        expected = int((probs.cumsum(0) - probs < p).sum())
+        assert int(torch.isfinite(out[row]).sum()) == expected
+    assert int(torch.isfinite(out[0]).sum()) > 1024

@@ -34,11 +34,12 @@ class Attention(nn.Module):
         meta = get_forward_context()
         key_cache, value_cache = self.kv_cache
         write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype)
         nd = meta.num_decode_tokens
         if nd:
             out[:nd] = paged_decode_attention(
-                q[:nd], key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale
+                q[:nd], key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
+                meta.decode_mask,
             )
         for seq in meta.prefills:
             s, e = seq.start, seq.end

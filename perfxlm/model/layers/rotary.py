@@ -61,19 +61,14 @@ class RotaryEmbedding(nn.Module):
             self._cast[dtype] = (self.cos_cache.to(dtype), self.sin_cache.to(dtype))
         return self._cast[dtype]
 
-    def forward(
-        self,
-        positions: torch.Tensor,  # [num_tokens]
-        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos_table, sin_table = self._tables(q.dtype)
-        cos = cos_table[positions].unsqueeze(1)
-        sin = sin_table[positions].unsqueeze(1)
-        return _apply(q, cos, sin), _apply(k, cos, sin)
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[num_tokens, 1, head_dim] tables for this step: looked up once per forward, used by every layer."""
+        cos_table, sin_table = self._tables(dtype)
+        return cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
 
 
-def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, num_heads, head_dim]; q and k heads may come concatenated along dim 1."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -12,12 +12,12 @@ from perfxlm.model.layers.attention import Attention
 from perfxlm.model.layers.embed_head import LMHead, VocabEmbedding
 from perfxlm.model.layers.linear import Linear, MergedLinear
 from perfxlm.model.layers.norm import RMSNorm
-from perfxlm.model.layers.rotary import RotaryEmbedding, rope_parameters
+from perfxlm.model.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from perfxlm.model.models.base import CausalLM
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: Any) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
@@ -27,17 +27,16 @@ class LlamaAttention(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj = MergedLinear(hidden, {"q": q_size, "k": kv_size, "v": kv_size}, bias=bias)
         self.o_proj = Linear(q_size, hidden, bias=bias)
-        self.rotary_emb = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
-        self.split = [q_size, kv_size, kv_size]
+        self.qk_size = q_size + kv_size
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
+        qkv = self.qkv_proj(x)
+        # q and k heads are adjacent in the fused output: rotate them in one pass.
+        qk = apply_rotary(qkv[:, : self.qk_size].view(n, -1, self.head_dim), *rope)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.qk_size :].view(n, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -55,22 +54,22 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: Any) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary)
+        self.self_attn = LlamaAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
+        x = self.self_attn(rope, x)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -81,15 +80,16 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         theta, scaling = rope_parameters(config)
-        rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
+        self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rotary_emb.cos_sin(positions, x.dtype)
         residual = None
         for layer in self.layers:
-            x, residual = layer(positions, x, residual)
+            x, residual = layer(rope, x, residual)
         x, _ = self.norm(x, residual)
         return x
 
