@@ -7,6 +7,15 @@ from typing import Any
 
 
 @dataclass
+class Logprob:
+    """One token's log probability, its rank in the distribution (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class RequestMetrics:
     """Wall-clock timestamps (time.time()) of a request's life."""
 

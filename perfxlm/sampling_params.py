@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field, fields
 from enum import IntEnum
-from typing import Any
 
 _SAMPLING_EPS = 1e-5
 
@@ -20,22 +19,6 @@ class SamplingType(IntEnum):
     GREEDY = 0
     RANDOM = 1
     RANDOM_SEED = 2
-
-
-# Fields this engine accepts but does not implement yet: a non-default value raises instead of
-# being silently ignored.
-_UNSUPPORTED_DEFAULTS: dict[str, Any] = {
-    "best_of": None,
-    "logprobs": None,
-    "prompt_logprobs": None,
-    "logit_bias": None,
-    "allowed_token_ids": None,
-    "bad_words": None,
-    "truncate_prompt_tokens": None,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-}
 
 
 @dataclass
@@ -68,6 +51,8 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled in by the engine (EOS of the model plus stop_token_ids), as vLLM does.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # bad_words tokenized by the engine (each word with and without a leading space).
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -126,11 +111,36 @@ class SamplingParams:
             raise bad("logprobs", "must be >= 0")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise bad("prompt_logprobs", "must be >= 0")
-        if self.n > 1 or (self.best_of or 1) > 1:
-            raise ValueError("n > 1 / best_of > 1 is not supported yet by perfxlm.")
-        for name, default in _UNSUPPORTED_DEFAULTS.items():
-            if getattr(self, name) != default:
-                raise ValueError(f"SamplingParams.{name} is not supported yet by perfxlm (got {getattr(self, name)!r}).")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", "must be a dict {token_id: bias}")
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise bad("logit_bias", "must map integer token ids to numbers") from None
+            if any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
+                raise bad("logit_bias", "values must be in [-100, 100]")
+            if any(k < 0 for k in self.logit_bias):
+                raise bad("logit_bias", "keys must be non-negative token ids")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids):
+                raise bad("allowed_token_ids", "must be a non-empty list of non-negative token ids")
+        if self.bad_words is not None and any(not isinstance(w, str) or not w for w in self.bad_words):
+            raise bad("bad_words", "must hold non-empty strings")
+        if self.truncate_prompt_tokens is not None and (
+            not isinstance(self.truncate_prompt_tokens, int) or self.truncate_prompt_tokens < 1
+        ):
+            raise bad("truncate_prompt_tokens", "must be an integer >= 1")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            try:
+                self.output_kind = RequestOutputKind(self.output_kind)
+            except ValueError:
+                raise bad("output_kind", "must be a RequestOutputKind") from None
+
+    @property
+    def needs_sampled_logprob(self) -> bool:
+        """best_of ranks completions by cumulative logprob, so it needs them even unasked."""
+        return self.logprobs is not None or (self.best_of or self.n) > self.n
 
     @property
     def sampling_type(self) -> SamplingType:

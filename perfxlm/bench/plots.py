@@ -21,30 +21,28 @@ def _ensure_dir(path: str) -> None:
 
 
 def plot_sweep(rows: Sequence[Mapping[str, Any]], path: str, title: str | None = None) -> str:
-    """Generated tokens/s and decode step time against batch size, one panel each."""
+    """Throughput, decode step time and prefill time against batch size, one panel each."""
     plt = _pyplot()
     batches = [r["batch_size"] for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(14, 4.2))
     ax1.plot(batches, [r["throughput_tok_s"] for r in rows], "o-", color="tab:blue", label="generated tokens/s")
     ax1.plot(batches, [r.get("decode_tok_s", float("nan")) for r in rows], "s--", color="tab:cyan",
-             label="decode tokens/s (B / step time)")
-    ax1.set_xlabel("batch size")
+             label="decode tokens/s (batch / step time)")
     ax1.set_ylabel("tokens/s")
     ax1.set_title("throughput")
     ax1.legend(fontsize=8)
-    ax2.plot(batches, [r["decode_ms"] for r in rows], "o-", color="tab:red", label="decode step")
-    ax2.set_xlabel("batch size")
+    ax2.plot(batches, [r["decode_ms"] for r in rows], "o-", color="tab:red")
     ax2.set_ylabel("ms")
     ax2.set_title("decode step time")
-    ax2b = ax2.twinx()
-    ax2b.plot(batches, [r["prefill_ms"] for r in rows], "^:", color="tab:gray", label="prefill (right axis)")
-    ax2b.set_ylabel("prefill ms")
-    lines = ax2.get_lines() + ax2b.get_lines()
-    ax2.legend(lines, [ln.get_label() for ln in lines], fontsize=8, loc="upper left")
-    for ax in (ax1, ax2):
+    ax3.plot(batches, [r["prefill_ms"] for r in rows], "o-", color="tab:gray")
+    ax3.set_ylabel("ms")
+    ax3.set_title("prefill time (whole batch)")
+    for ax in (ax1, ax2, ax3):
+        ax.set_xlabel("batch size")
         ax.set_xscale("log", base=2)
         ax.set_xticks(batches)
         ax.set_xticklabels([str(b) for b in batches])
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.08)
         ax.grid(True, alpha=0.3)
     if title:
         fig.suptitle(title, fontsize=10)

@@ -3,6 +3,7 @@ once, here, with errors that say what to fix."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from perfxlm.config import EngineConfig
@@ -39,19 +40,24 @@ class InputProcessor:
             token_ids = self.tokenizer.encode(text)
         return text, token_ids
 
-    def process(self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None):
+    def process(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None
+    ) -> ProcessedRequest:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
         text, token_ids = self.tokenize_prompt(prompt)
+        if params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens :]
         n = len(token_ids)
         if n == 0:
             raise ValueError("The prompt is empty: give at least one token.")
         for t in token_ids:
             if not isinstance(t, int) or not 0 <= t < self.vocab_size:
                 raise ValueError(f"prompt_token_ids holds {t!r}, outside the vocabulary [0, {self.vocab_size}).")
-        for t in params.stop_token_ids or ():
-            if t >= self.vocab_size:
-                raise ValueError(f"stop_token_ids holds {t}, outside the vocabulary [0, {self.vocab_size}).")
+        for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+            bad = [t for t in (getattr(params, name) or ()) if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} holds token id {bad[0]}, outside the vocabulary [0, {self.vocab_size}).")
         if n >= self.max_model_len:
             raise ValueError(
                 f"The prompt has {n} tokens, but max_model_len is {self.max_model_len}: "
@@ -63,14 +69,52 @@ class InputProcessor:
                 f"The prompt ({n} tokens) plus max_tokens ({max_tokens}) is {n + max_tokens} tokens, more than "
                 f"max_model_len ({self.max_model_len}): lower max_tokens or shorten the prompt."
             )
+        num_seqs = params.best_of or params.n
         if n + max_tokens > self.max_pool_tokens:
             raise ValueError(
                 f"The prompt ({n} tokens) plus max_tokens ({max_tokens}) needs {n + max_tokens} tokens of KV cache, "
                 f"more than the whole pool ({self.max_pool_tokens} tokens): lower max_tokens or enlarge the cache "
                 "(kv_cache_gib / num_kv_blocks)."
             )
-        eos = self.config.eos_token_ids
+        eos = set(self.config.eos_token_ids)
         if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
-            eos = eos | {self.tokenizer.eos_token_id}
-        request = Request(request_id, token_ids, params, max_tokens, eos, arrival_time)
-        return request, text
+            eos.add(self.tokenizer.eos_token_id)
+        params = params.clone()
+        params.all_stop_token_ids = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else eos)
+        if params.bad_words:
+            params._bad_words_token_ids = self._tokenize_bad_words(params.bad_words)
+
+        if num_seqs == 1:
+            child_ids, child_params = [request_id], [params]
+        else:
+            child_ids = [f"{i}_{request_id}" for i in range(num_seqs)]
+            child_params = []
+            for i in range(num_seqs):
+                p = params.clone()
+                if p.seed is not None:
+                    p.seed = p.seed + i  # siblings must differ, and stay reproducible
+                child_params.append(p)
+        request = Request(child_ids[0], token_ids, child_params[0], max_tokens, eos, arrival_time)
+        request.fork_children = list(zip(child_ids[1:], child_params[1:]))
+        return ProcessedRequest(request, text, child_ids, child_params, params)
+
+    def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer; this engine runs with skip_tokenizer_init=True.")
+        out: list[list[int]] = []
+        for word in words:
+            # A word can start a text or follow a space: ban both spellings, as vLLM does.
+            for variant in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
+
+@dataclass(slots=True)
+class ProcessedRequest:
+    request: Request  # the first sequence; its fork_children carry the siblings
+    prompt: str | None
+    child_ids: list[str]
+    child_params: list[SamplingParams]
+    params: SamplingParams

@@ -75,7 +75,8 @@ class KVCacheManager:
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        if not self.enable_prefix_caching:
+        # Prompt logprobs need every prompt position computed, so such requests never read the cache.
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
@@ -133,6 +134,32 @@ class KVCacheManager:
                 block.block_hash = hashes[i]
                 self.cached[hashes[i]] = block
         self.req_num_hashed_blocks[rid] = num_full
+
+    def fork(self, parent: Request, child: Request) -> tuple[int, int] | None | bool:
+        """Give `child` the parent's computed prompt blocks: full blocks are shared (ref_cnt + 1), a
+        partial last block is copied into a new block. Returns the (src, dst) copy, None if no copy
+        is needed, or False if no block was free (the child must then recompute)."""
+        blocks = self.req_to_blocks[parent.request_id]
+        num_full, partial = divmod(parent.num_computed_tokens, self.block_size)
+        child_blocks = blocks[:num_full]
+        copy = None
+        if partial:
+            if not self.free_queue:
+                return False
+            _, new = self.free_queue.popitem(last=False)
+            if new.block_hash is not None:
+                if self.cached.get(new.block_hash) is new:
+                    del self.cached[new.block_hash]
+                new.block_hash = None
+            new.ref_cnt = 1
+            copy = (blocks[num_full].block_id, new.block_id)
+        for block in child_blocks:
+            block.ref_cnt += 1
+        self.req_to_blocks[child.request_id] = child_blocks + ([new] if partial else [])
+        hashes = self.req_to_hashes.get(parent.request_id, [])
+        self.req_to_hashes[child.request_id] = hashes[:num_full]
+        self.req_num_hashed_blocks[child.request_id] = min(self.req_num_hashed_blocks.get(parent.request_id, 0), num_full)
+        return copy
 
     def free(self, request: Request) -> None:
         rid = request.request_id

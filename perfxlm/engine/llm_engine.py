@@ -70,13 +70,21 @@ class LLMEngine:
         self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None
     ) -> None:
         arrival_time = arrival_time if arrival_time is not None else time.time()
-        request, text = self.input_processor.process(request_id, prompt, params, arrival_time)
-        self.scheduler.add_request(request)
-        self.output_processor.add_request(request_id, text, request.prompt_token_ids, params, arrival_time)
+        if request_id in self.output_processor.states:
+            raise ValueError(f"request_id {request_id!r} is already in use.")
+        pr = self.input_processor.process(request_id, prompt, params, arrival_time)
+        self.scheduler.add_request(pr.request)
+        self.output_processor.add_request(
+            request_id, pr.child_ids, pr.child_params, pr.prompt, pr.request.prompt_token_ids, pr.params, arrival_time
+        )
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-        outs = [self.output_processor.abort(rid) for rid in request_ids]
+        outs = []
+        for rid in request_ids:
+            state = self.output_processor.states.get(rid)
+            if state is not None:
+                self.scheduler.finish_requests(state.child_ids, RequestStatus.FINISHED_ABORTED)
+                outs.append(self.output_processor.abort(rid))
         return [o for o in outs if o is not None]
 
     def has_unfinished_requests(self) -> bool:

@@ -23,7 +23,11 @@ class ScheduledRequest:
     block_ids: list[int]  # the request's whole block table after allocation
     do_sample: bool  # True when this step reaches the end of the known tokens
     sampling_params: SamplingParams
-    num_output_tokens: int  # tokens generated so far (for min_tokens and penalties)
+    prompt_token_ids: list[int]  # read-only views of the request's tokens (penalties, bad words,
+    output_token_ids: list[int]  # min_tokens, prompt logprobs)
+    # n > 1 / best_of: at the first sample, these children are sampled from the same logits and then
+    # forked off this request, sharing its prompt blocks (the prompt is prefilled once).
+    fork_children: list[tuple[str, SamplingParams]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -33,16 +37,26 @@ class SchedulerOutput:
     # Requests that finished since the last step: the runner drops their per-request state.
     finished_request_ids: set[str] = field(default_factory=set)
     num_preemptions: int = 0
+    # (src, dst) KV blocks to copy before the forward pass: the partial last block of a forked prompt.
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
 
+# One position's logprobs: (token ids, logprobs, rank of the first id). The first id is the
+# sampled (or, for prompts, the actual) token; the rest are the top-k.
+LogprobEntry = tuple[list[int], list[float], int]
+
+
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    # request_id -> sampled token id, for every scheduled request with do_sample
+    # request_id -> sampled token id, for every scheduled request with do_sample (and forked children)
     sampled_token_ids: dict[str, int]
+    logprobs: dict[str, LogprobEntry] = field(default_factory=dict)
+    # request_id -> (position of the first entry, entries) for prompt tokens covered this step
+    prompt_logprobs: dict[str, tuple[int, list[LogprobEntry]]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -53,3 +67,5 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
+    new_logprobs: list[LogprobEntry] | None = None
+    new_prompt_logprobs: tuple[int, list[LogprobEntry]] | None = None

@@ -55,6 +55,8 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.first_scheduled_time: float | None = None
+        # n > 1 / best_of: (request_id, params) of the siblings to fork off at the first sample.
+        self.fork_children: list[tuple[str, SamplingParams]] = []
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -11,7 +11,9 @@ Each step hands out a token budget (max_num_batched_tokens):
    (max_num_seqs) and blocks last: prefix-cache hits are skipped, the rest is scheduled,
    chunked when it exceeds the budget.
 3. update_from_output() appends sampled tokens, applies EOS / stop ids / max_tokens, and frees
-   the blocks of finished requests.
+   the blocks of finished requests. A request with n > 1 / best_of forks its siblings at its first
+   sample: they share its prompt blocks (the last partial block is copied), so the prompt is
+   prefilled once.
 
 The scheduler assigns tokens per request, never phases: prefill chunks, prefix hits and decodes
 share one path. It is the only code that changes a request's status or num_computed_tokens.
@@ -25,6 +27,7 @@ from collections import deque
 from perfxlm.engine.kv_cache_manager import KVCacheManager
 from perfxlm.engine.messages import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from perfxlm.engine.request import Request, RequestStatus
+from perfxlm.sampling_params import SamplingParams
 
 
 class Scheduler:
@@ -43,7 +46,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished_request_ids: set[str] = set()
+        self.blocks_to_copy: list[tuple[int, int]] = []
         self.num_preemptions_total = 0
+        self.num_prompt_tokens_computed = 0  # prefill work done, in tokens (recomputation included)
 
     # ---- queue management ----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -74,6 +79,7 @@ class Scheduler:
             else:
                 self.waiting.remove(request)
             request.stop_reason = stop_reason
+            request.fork_children = []  # unborn siblings die with it
             self._finish(request, status)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
@@ -125,23 +131,29 @@ class Scheduler:
 
         self.num_preemptions_total += num_preemptions
         finished, self.finished_request_ids = self.finished_request_ids, set()
+        copies, self.blocks_to_copy = self.blocks_to_copy, []
         return SchedulerOutput(
             scheduled=scheduled,
             num_batched_tokens=self.max_num_batched_tokens - budget,
             finished_request_ids=finished,
             num_preemptions=num_preemptions,
+            blocks_to_copy=copies,
         )
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
+        do_sample = start + num_new == request.num_tokens
+        self.num_prompt_tokens_computed += max(0, min(start + num_new, request.num_prompt_tokens) - start)
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start : start + num_new],
             num_computed_tokens=start,
             block_ids=self.kv.block_ids(request.request_id),
-            do_sample=start + num_new == request.num_tokens,
+            do_sample=do_sample,
             sampling_params=request.sampling_params,
-            num_output_tokens=request.num_output_tokens,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            fork_children=request.fork_children if do_sample else [],
         )
 
     def _preempt(self, request: Request) -> None:
@@ -159,25 +171,59 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished or preempted meanwhile
             request.num_computed_tokens += len(sr.token_ids)
+            prompt_lps = mro.prompt_logprobs.get(sr.request_id)
             if not sr.do_sample:
+                if prompt_lps is not None:
+                    outputs.append(self._output(request, [], None, mro, prompt_lps))
                 continue
-            token = mro.sampled_token_ids[sr.request_id]
-            request.append_output_token(token)
-            status = self._check_stop(request, token)
-            if status is not None:
-                self.running.remove(request)
-                self._finish(request, status)
-            outputs.append(
-                EngineCoreOutput(
-                    request_id=request.request_id,
-                    new_token_ids=[token],
-                    finish_reason=status.finish_reason if status is not None else None,
-                    stop_reason=request.stop_reason,
-                    num_cached_tokens=max(request.num_cached_tokens, 0),
-                    first_scheduled_time=request.first_scheduled_time,
-                )
-            )
+            children = self._fork(request, sr.fork_children) if sr.fork_children else []
+            for req in [request, *children]:
+                token = mro.sampled_token_ids[req.request_id]
+                req.append_output_token(token)
+                status = self._check_stop(req, token)
+                if status is not None:
+                    self.running.remove(req) if req.status == RequestStatus.RUNNING else self.waiting.remove(req)
+                    self._finish(req, status)
+                outputs.append(self._output(req, [token], status, mro, prompt_lps if req is request else None))
         return outputs
+
+    def _output(self, request: Request, tokens: list[int], status: RequestStatus | None, mro: ModelRunnerOutput,
+                prompt_lps) -> EngineCoreOutput:
+        lp = mro.logprobs.get(request.request_id)
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=tokens,
+            finish_reason=status.finish_reason if status is not None else None,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            first_scheduled_time=request.first_scheduled_time,
+            new_logprobs=[lp] if lp is not None and tokens else None,
+            new_prompt_logprobs=prompt_lps,
+        )
+
+    def _fork(self, parent: Request, children: list[tuple[str, SamplingParams]]) -> list[Request]:
+        """Siblings of an n > 1 request start where the parent is now: prompt computed, one token to come."""
+        parent.fork_children = []
+        forked = []
+        for child_id, params in children:
+            child = Request(child_id, parent.prompt_token_ids, params, parent.max_tokens, parent.eos_token_ids,
+                            parent.arrival_time)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.first_scheduled_time = parent.first_scheduled_time
+            self.requests[child_id] = child
+            copy = self.kv.fork(parent, child)
+            if copy is False:  # no block for the copy: recompute later (the prompt is prefix-cached)
+                child.num_computed_tokens = 0
+                child.status = RequestStatus.PREEMPTED
+                self.waiting.appendleft(child)
+            else:
+                if copy is not None:
+                    self.blocks_to_copy.append(copy)
+                child.status = RequestStatus.RUNNING
+                self.running.append(child)
+            forked.append(child)
+        return forked
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         min_ok = request.num_output_tokens >= request.sampling_params.min_tokens

@@ -1,4 +1,4 @@
-"""`perfxlm` command line: generate (more subcommands join as they are built)."""
+"""`perfxlm` command line: generate, bench (more subcommands join as they are built)."""
 
 from __future__ import annotations
 
@@ -82,7 +82,128 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the (first) prompt in the model's chat template")
     gen.add_argument("--echo", action="store_true", help="print the prompt before the completion")
     gen.set_defaults(func=_generate)
+
+    add_bench_parser(sub)
     return parser
+
+
+# ---- bench: argument wiring only; the benchmarks live in perfxlm.bench ----------------------------
+def _bench_common_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
+    p.add_argument("--output-json", default=None, metavar="PATH", help="save the configuration and the results")
+    if engine:
+        p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+        p.add_argument("--skip-tokenizer-init", action="store_true",
+                       help="do not load the tokenizer (token-id prompts, no detokenization)")
+        p.add_argument("--disable-detokenize", action="store_true", help="do not detokenize the outputs")
+        p.add_argument("--machine-peaks", action="store_true",
+                       help="also measure the machine's copy bandwidth and matmul rate (about a second)")
+
+
+def _dataset_args(p: argparse.ArgumentParser, input_len: int) -> None:
+    p.add_argument("--dataset", nargs="+", default=["random"], metavar=("NAME", "PATH"),
+                   help="'random' or 'sharegpt PATH' (a ShareGPT JSON file)")
+    p.add_argument("--dataset-path", default=None, help="the ShareGPT file, as vLLM's --dataset-path")
+    p.add_argument("--num-prompts", type=int, default=None, help="number of requests")
+    p.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=input_len,
+                   help="random prompts: prompt tokens per request")
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="random prompts: draw lengths from [len*(1-r), len*(1+r)]")
+
+
+def _run_latency(args: argparse.Namespace) -> int:
+    from perfxlm.bench.latency import cmd_latency
+
+    return cmd_latency(args, engine_kwargs(args))
+
+
+def _run_sweep(args: argparse.Namespace) -> int:
+    from perfxlm.bench.latency import cmd_sweep
+
+    return cmd_sweep(args, engine_kwargs(args))
+
+
+def _run_throughput(args: argparse.Namespace) -> int:
+    from perfxlm.bench.throughput import cmd_throughput
+
+    return cmd_throughput(args, engine_kwargs(args))
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from perfxlm.bench.serve import cmd_serve
+
+    return cmd_serve(args)
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks: latency, sweep, throughput, serve")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+
+    lat = bsub.add_parser("latency", help="one batch: prefill time, decode step time, tokens/s, memory")
+    add_engine_args(lat)
+    lat.add_argument("--batch-size", type=int, default=8, help="requests in the batch")
+    lat.add_argument("--input-len", type=int, default=32, help="random prompt tokens per request")
+    lat.add_argument("--output-len", type=int, default=128, help="generated tokens per request (ignore_eos)")
+    lat.add_argument("--num-iters", type=int, default=3, help="timed iterations")
+    lat.add_argument("--num-iters-warmup", type=int, default=1, help="untimed iterations first")
+    lat.add_argument("--quiet", action="store_true", help="no line per iteration")
+    _bench_common_args(lat)
+    lat.set_defaults(func=_run_latency, enable_prefix_caching=False)
+
+    sweep = bsub.add_parser("sweep", help="the latency benchmark over batch sizes: Markdown, CSV, JSON, PNG")
+    add_engine_args(sweep)
+    sweep.add_argument("--batch-sizes", default="1,2,4,8,16,32,64", help="comma-separated batch sizes")
+    sweep.add_argument("--input-len", type=int, default=128, help="random prompt tokens per request")
+    sweep.add_argument("--output-len", type=int, default=128, help="generated tokens per request (ignore_eos)")
+    sweep.add_argument("--num-iters", type=int, default=3, help="timed iterations per batch size")
+    sweep.add_argument("--num-iters-warmup", type=int, default=1, help="untimed iterations per batch size")
+    sweep.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
+                       help="one fresh process per batch size, so that memory is that batch's peak")
+    sweep.add_argument("--output-csv", default=None, metavar="PATH", help="the table as CSV (default: beside the JSON)")
+    sweep.add_argument("--output-png", default=None, metavar="PATH", help="the plot (default: beside the JSON)")
+    _bench_common_args(sweep)
+    sweep.set_defaults(func=_run_sweep, enable_prefix_caching=False)
+
+    thr = bsub.add_parser("throughput", help="offline throughput: every request submitted at once")
+    add_engine_args(thr)
+    _dataset_args(thr, input_len=128)
+    thr.add_argument("--output-len", type=int, default=None,
+                     help="generated tokens per request (random: default 128; ShareGPT: default the reply's length)")
+    thr.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    _bench_common_args(thr)
+    thr.set_defaults(func=_run_throughput, num_prompts=1000)
+
+    srv = bsub.add_parser("serve", help="benchmark an OpenAI-compatible server (streaming /v1/completions)")
+    srv.add_argument("--base-url", default=None, help="server URL, e.g. http://127.0.0.1:8000 (default: --host/--port)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--endpoint", default="/v1/completions", help="API path")
+    srv.add_argument("--model", default=None, help="model name sent to the server (default: the first of /v1/models)")
+    srv.add_argument("--tokenizer", default=None,
+                     help="tokenizer folder or .gguf to count tokens (default: --model if a path, else the default model's)")
+    _dataset_args(srv, input_len=128)
+    srv.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=128,
+                     help="random prompts: max_tokens per request")
+    srv.add_argument("--sharegpt-output-len", type=int, default=None,
+                     help="ShareGPT: max_tokens for every request instead of the reply's length")
+    srv.add_argument("--request-rate", type=float, default=float("inf"),
+                     help="requests per second (inf: all at once); gaps are Poisson / gamma distributed")
+    srv.add_argument("--burstiness", type=float, default=1.0,
+                     help="gamma shape of the gaps: 1 = Poisson, < 1 burstier, > 1 more regular")
+    srv.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    srv.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                     help="SLOs for goodput, e.g. ttft:500 tpot:50 (names: ttft, tpot, e2el)")
+    srv.add_argument("--metric-percentiles", default="90,99", help="comma-separated percentiles to report")
+    srv.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el", help="metrics to summarise")
+    srv.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM / llama-server extension)")
+    srv.add_argument("--extra-body", default=None, metavar="JSON", help="extra fields for every request body")
+    srv.add_argument("--seed", type=int, default=0, help="seed for sampling prompts and arrival times")
+    srv.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    srv.add_argument("--skip-initial-test", action="store_true", help="do not send the single test request first")
+    srv.add_argument("--save-detailed", action="store_true", help="also save the generated texts in the JSON")
+    srv.add_argument("--output-png", default=None, metavar="PATH",
+                     help="latency CDF plot (default: beside the JSON)")
+    _bench_common_args(srv, engine=False)
+    srv.set_defaults(func=_run_serve, num_prompts=200)
 
 
 def main(argv: list[str] | None = None) -> int:

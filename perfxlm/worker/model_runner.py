@@ -1,8 +1,11 @@
 """The model runner: SchedulerOutput in, sampled token ids out.
 
-It never sees a Request. Per step it builds, in one pass over the scheduled requests, the
-flattened unpadded batch (decodes first, then multi-token prefill chunks), runs the model,
-computes logits only for rows that sample, and samples.
+It never sees a Request. Per step it:
+1. copies KV blocks the scheduler asked for (forked prompts);
+2. builds, in one pass over the scheduled requests, the flattened unpadded batch (decodes first,
+   then multi-token prefill chunks) and the attention metadata;
+3. runs the model, computes logits only for rows that sample (plus prompt rows of requests that
+   asked for prompt logprobs), and samples, one row per forked child where a prompt forks.
 """
 
 from __future__ import annotations
@@ -13,9 +16,9 @@ import torch
 from perfxlm.engine.messages import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from perfxlm.model.forward_context import AttentionMetadata, PrefillSeq, set_forward_context
 from perfxlm.model.layers.attention import Attention
-from perfxlm.model.layers.sampler import Sampler, SamplingMetadata
+from perfxlm.model.layers.sampler import Sampler, compute_logprobs
 from perfxlm.ops.attention import decode_mask
-from perfxlm.sampling_params import SamplingType
+from perfxlm.worker.sampling_inputs import SampleRow, build_sampling_metadata
 
 
 class ModelRunner:
@@ -43,23 +46,73 @@ class ModelRunner:
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for rid in so.finished_request_ids:
             self.generators.pop(rid, None)
+        self._copy_blocks(so.blocks_to_copy)
         # Decodes (one new token) first so they form one contiguous slice for batched attention.
         decodes = [s for s in so.scheduled if len(s.token_ids) == 1]
         prefills = [s for s in so.scheduled if len(s.token_ids) > 1]
         order = decodes + prefills
-        input_ids, positions, meta, sample_rows = self._prepare(order, len(decodes))
+        input_ids, positions, meta, token_starts = self._prepare(order, len(decodes))
         with set_forward_context(meta):
             hidden = self.model(input_ids, positions)
-        sampled = [s for s in order if s.do_sample]
-        if not sampled:
-            return ModelRunnerOutput(sampled_token_ids={})
-        logits = self.model.compute_logits(hidden[sample_rows])  # [num_sampled, vocab] fp32
-        token_ids = self.sampler(logits, self._sampling_metadata(sampled)).tolist()
-        return ModelRunnerOutput(sampled_token_ids={s.request_id: t for s, t in zip(sampled, token_ids)})
+        out = ModelRunnerOutput(sampled_token_ids={})
+        self._prompt_logprobs(order, token_starts, hidden, out)
+        rows: list[SampleRow] = []
+        hidden_rows: list[int] = []
+        for s, start in zip(order, token_starts):
+            if not s.do_sample:
+                continue
+            last = start + len(s.token_ids) - 1
+            rows.append(SampleRow(s.request_id, s.sampling_params, s.prompt_token_ids, s.output_token_ids))
+            hidden_rows.append(last)
+            for child_id, child_params in s.fork_children:
+                rows.append(SampleRow(child_id, child_params, s.prompt_token_ids, []))
+                hidden_rows.append(last)
+        if not rows:
+            return out
+        logits = self.model.compute_logits(hidden[torch.tensor(hidden_rows)])  # [rows, vocab] fp32
+        result = self.sampler(logits, build_sampling_metadata(rows, self.generators, logits.shape[1]))
+        token_ids = result.token_ids.tolist()
+        out.sampled_token_ids = {r.request_id: t for r, t in zip(rows, token_ids)}
+        if result.logprobs is not None:
+            ids, lps, ranks = result.logprob_token_ids.tolist(), result.logprobs.tolist(), result.sampled_ranks.tolist()
+            for i, r in enumerate(rows):
+                if r.params.needs_sampled_logprob:
+                    k = 1 + (r.params.logprobs or 0)
+                    out.logprobs[r.request_id] = (ids[i][:k], lps[i][:k], ranks[i])
+        return out
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs])
+        dst = torch.tensor([p[1] for p in pairs])
+        for key_cache, value_cache in self.kv_caches:
+            key_cache.index_copy_(0, dst, key_cache.index_select(0, src))
+            value_cache.index_copy_(0, dst, value_cache.index_select(0, src))
+
+    def _prompt_logprobs(
+        self, order: list[ScheduledRequest], token_starts: list[int], hidden: torch.Tensor, out: ModelRunnerOutput
+    ) -> None:
+        """Logprob of each prompt token given the ones before it, for requests that ask for them."""
+        for s, start in zip(order, token_starts):
+            k = s.sampling_params.prompt_logprobs
+            if k is None:
+                continue
+            n_prompt = len(s.prompt_token_ids)
+            # Row i predicts position num_computed + i + 1; only prompt positions count.
+            count = min(len(s.token_ids), n_prompt - 1 - s.num_computed_tokens)
+            if count <= 0:
+                continue
+            logprobs = self.model.compute_logits(hidden[start : start + count]).log_softmax(dim=-1)
+            first = s.num_computed_tokens + 1
+            targets = torch.tensor(s.prompt_token_ids[first : first + count], dtype=torch.int64)
+            ids, lps, ranks = compute_logprobs(logprobs, targets, k)
+            entries = list(zip(ids.tolist(), lps.tolist(), ranks.tolist()))
+            out.prompt_logprobs[s.request_id] = (first, entries)
 
     def _prepare(
         self, order: list[ScheduledRequest], num_decodes: int
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
         lens = np.fromiter((len(s.token_ids) for s in order), dtype=np.int64, count=len(order))
         starts = np.fromiter((s.num_computed_tokens for s in order), dtype=np.int64, count=len(order))
@@ -95,27 +148,5 @@ class ModelRunner:
             decode_mask=mask,
             prefills=prefills,
         )
-        sample_rows = torch.tensor([int(ends[i]) - 1 for i, s in enumerate(order) if s.do_sample], dtype=torch.int64)
-        return torch.tensor(ids, dtype=torch.int64), torch.from_numpy(positions), meta, sample_rows
-
-    def _sampling_metadata(self, sampled: list[ScheduledRequest]) -> SamplingMetadata:
-        params = [s.sampling_params for s in sampled]
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-        all_greedy = all(p.sampling_type == SamplingType.GREEDY for p in params)
-        top_p = top_k = min_p = None
-        if not all_greedy:
-            if any(p.top_p < 1.0 for p in params):
-                top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-            if any(p.top_k > 0 for p in params):
-                top_k = torch.tensor([p.top_k if p.top_k > 0 else 1 << 30 for p in params], dtype=torch.int64)
-            if any(p.min_p > 0 for p in params):
-                min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
-        generators: dict[int, torch.Generator] = {}
-        for row, s in enumerate(sampled):
-            seed = s.sampling_params.seed
-            if seed is not None and s.sampling_params.sampling_type == SamplingType.RANDOM_SEED:
-                gen = self.generators.get(s.request_id)
-                if gen is None:
-                    gen = self.generators[s.request_id] = torch.Generator().manual_seed(seed)
-                generators[row] = gen
-        return SamplingMetadata(temperature, all_greedy, top_p, top_k, min_p, generators)
+        token_starts = (ends - lens).tolist()
+        return torch.tensor(ids, dtype=torch.int64), torch.from_numpy(positions), meta, token_starts

@@ -17,7 +17,7 @@ def meta(n, temperature=1.0, top_p=None, top_k=None, min_p=None, generators=None
 
 def test_greedy_is_argmax():
     logits = torch.randn(5, 50)
-    assert torch.equal(Sampler()(logits, meta(5, temperature=0.0)), logits.argmax(-1))
+    assert torch.equal(Sampler()(logits, meta(5, temperature=0.0)).token_ids, logits.argmax(-1))
 
 
 def _top_k_top_p_reference(row, k, p):
@@ -65,7 +65,7 @@ def test_sampling_follows_distribution():
     torch.manual_seed(0)
     probs = torch.tensor([0.6, 0.3, 0.1])
     logits = probs.log().expand(20000, 3).contiguous()
-    samples = Sampler()(logits, meta(20000))
+    samples = Sampler()(logits, meta(20000)).token_ids
     freq = torch.bincount(samples, minlength=3).float() / 20000
     torch.testing.assert_close(freq, probs, atol=0.02, rtol=0)
 
@@ -73,14 +73,14 @@ def test_sampling_follows_distribution():
 def test_seeded_rows_are_reproducible_and_batch_independent():
     torch.manual_seed(0)
     logits = torch.randn(3, 100)
-    a = Sampler()(logits, meta(3, generators={1: torch.Generator().manual_seed(42)}))
-    b = Sampler()(logits[1:2], meta(1, generators={0: torch.Generator().manual_seed(42)}))
+    a = Sampler()(logits, meta(3, generators={1: torch.Generator().manual_seed(42)})).token_ids
+    b = Sampler()(logits[1:2], meta(1, generators={0: torch.Generator().manual_seed(42)})).token_ids
     assert a[1] == b[0]
 
 
 def test_top_k_one_is_greedy():
     logits = torch.randn(6, 40)
-    assert torch.equal(Sampler()(logits, meta(6, top_k=1)), logits.argmax(-1))
+    assert torch.equal(Sampler()(logits, meta(6, top_k=1)).token_ids, logits.argmax(-1))
 
 
 def test_top_p_falls_back_to_full_sort_when_candidates_are_not_enough():

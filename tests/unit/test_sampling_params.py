@@ -37,6 +37,19 @@ def test_invalid_values_name_the_field(kwargs, field):
         SamplingParams(**kwargs)
 
 
-def test_unsupported_fields_raise_instead_of_being_ignored():
-    with pytest.raises(ValueError, match="logprobs"):
-        SamplingParams(logprobs=2)
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"logit_bias": {5: 200.0}}, "logit_bias"),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"bad_words": [""]}, "bad_words"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"n": 3, "best_of": 2}, "best_of"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ],
+)
+def test_more_invalid_values(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)

@@ -1,7 +1,10 @@
 """Token sampling from float32 logits of the rows that sample.
 
-1. Greedy rows take the argmax of the raw logits.
-2. Random rows: logits / temperature -> min_p -> top_k -> top_p (vLLM's order), then one
+0. Logprobs, when asked, come from the raw logits (the model's distribution before any of the
+   transforms below, as vLLM returns by default).
+1. Logits processors and penalties (logits_processors.py).
+2. Greedy rows take the argmax.
+3. Random rows: logits / temperature -> min_p -> top_k -> top_p (vLLM's order), then one
    uniform draw per row through the cumulative distribution (one random number per row: the
    exponential race needs one per vocabulary entry, 150 ms for 64 rows on this CPU).
 """
@@ -12,6 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
+from perfxlm.model.layers.logits_processors import (
+    Penalties,
+    SparseLogitEdits,
+    apply_allowed,
+    apply_penalties,
+    apply_sparse_edits,
+)
+
 
 @dataclass(slots=True)
 class SamplingMetadata:
@@ -21,6 +32,31 @@ class SamplingMetadata:
     top_k: torch.Tensor | None  # [num_rows] int64, vocab size where off
     min_p: torch.Tensor | None
     generators: dict[int, torch.Generator]  # row -> generator, for rows with a seed
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) for allowed_token_ids
+    edits: SparseLogitEdits | None = None  # bans and logit_bias
+    penalties: Penalties | None = None
+    max_num_logprobs: int | None = None  # None: no row wants logprobs; 0: only the sampled token's
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [num_rows] int64
+    # With logprobs: column 0 is the sampled token, then the top max_num_logprobs tokens.
+    logprob_token_ids: torch.Tensor | None = None  # [num_rows, 1 + k] int64
+    logprobs: torch.Tensor | None = None  # [num_rows, 1 + k] float32
+    sampled_ranks: torch.Tensor | None = None  # [num_rows] int64, 1 = most likely
+
+
+def compute_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logprobs [rows, vocab] and the chosen token per row -> (ids [rows, 1+k], logprobs, ranks)."""
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    if k > 0:
+        top_vals, top_ids = logprobs.topk(k, dim=-1)
+        return torch.cat([token_ids.unsqueeze(1), top_ids], 1), torch.cat([chosen, top_vals], 1), ranks
+    return token_ids.unsqueeze(1), chosen, ranks
 
 
 # Top-p looks at this many best tokens first; only rows whose mass there stays below p need a full sort.
@@ -61,7 +97,21 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:  # [num_rows] int64
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
+        if meta.allowed is not None:
+            logits = apply_allowed(logits, *meta.allowed)
+        if meta.edits is not None:
+            logits = apply_sparse_edits(logits, meta.edits)
+        if meta.penalties is not None:
+            logits = apply_penalties(logits, meta.penalties)
+        token_ids = self.sample(logits, meta)
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids)
+        ids, lps, ranks = compute_logprobs(raw_logprobs, token_ids, meta.max_num_logprobs or 0)
+        return SamplerOutput(token_ids, ids, lps, ranks)
+
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:  # [num_rows] int64
         if meta.all_greedy:
             return logits.argmax(dim=-1)
         is_greedy = meta.temperature == 0
