@@ -17,6 +17,7 @@ ShareGPT (vLLM's `sample_sharegpt_requests` / `ShareGPTDataset`):
 from __future__ import annotations
 
 import json
+import os
 import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -197,6 +198,11 @@ def parse_dataset_arg(values: Sequence[str] | None, path: str | None = None) -> 
     return name, path
 
 
+def check_dataset_path(name: str, path: str | None) -> None:
+    if name == "sharegpt" and not (path and os.path.isfile(os.path.expanduser(path))):
+        raise ValueError(f"the ShareGPT file {path!r} does not exist.")
+
+
 def load_requests(
     name: str,
     path: str | None,
@@ -215,6 +221,8 @@ def load_requests(
     if num_requests < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {num_requests}.")
     if name == "sharegpt":
+        check_dataset_path(name, path)
+        path = os.path.expanduser(path)
         if tokenizer is None:
             raise ValueError("ShareGPT sampling counts tokens: it needs a tokenizer (pass --tokenizer PATH).")
         requests = sample_sharegpt(path, num_requests, tokenizer, seed, sharegpt_output_len, token_ids)

@@ -27,7 +27,7 @@ import numpy as np
 
 from perfxlm.bench import env as benv
 from perfxlm.bench.common import sibling_path, write_json
-from perfxlm.bench.datasets import SampleRequest, load_requests, parse_dataset_arg
+from perfxlm.bench.datasets import SampleRequest, check_dataset_path, load_requests, parse_dataset_arg
 from perfxlm.bench.metrics import (
     METRICS,
     RequestRecord,
@@ -295,6 +295,7 @@ def cmd_serve(args: Any) -> int:
         raise ValueError(f"--percentile-metrics takes {', '.join(METRICS)}; got {', '.join(bad)}.")
     extra_body = json.loads(args.extra_body) if args.extra_body else None
     name, path = parse_dataset_arg(args.dataset, args.dataset_path)
+    check_dataset_path(name, path)
     model = args.model or fetch_model_name(base_url)
     tokenizer = resolve_tokenizer(args.tokenizer, args.model)
     requests = load_requests(

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 from perfxlm.bench import env as benv
 from perfxlm.bench.common import make_llm, write_json
-from perfxlm.bench.datasets import SampleRequest, load_requests, parse_dataset_arg
+from perfxlm.bench.datasets import SampleRequest, check_dataset_path, load_requests, parse_dataset_arg
 from perfxlm.bench.metrics import offline_throughput
 
 
@@ -58,6 +58,7 @@ def fit_to_model(requests: list[SampleRequest], max_model_len: int, log=print) -
 def cmd_throughput(args: Any, engine_kwargs: dict[str, Any]) -> int:
     benv.set_threads(args.threads)
     name, path = parse_dataset_arg(args.dataset, args.dataset_path)
+    check_dataset_path(name, path)
     llm = make_llm(engine_kwargs, skip_tokenizer_init=args.skip_tokenizer_init)
     config = llm.llm_engine.config
     tokenizer = llm.get_tokenizer()
