@@ -1,9 +1,15 @@
 """perfxlm: a vLLM-compatible LLM inference engine, fast on CPU."""
 
+from perfxlm.config import EngineConfig
+from perfxlm.engine.async_engine import AsyncLLM
+from perfxlm.engine.handle import Engine, RequestHandle
 from perfxlm.llm import LLM
-from perfxlm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from perfxlm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from perfxlm.sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "RequestOutputKind", "__version__"]
+__all__ = [
+    "LLM", "AsyncLLM", "Engine", "EngineConfig", "RequestHandle", "SamplingParams", "RequestOutput",
+    "CompletionOutput", "Logprob", "RequestMetrics", "RequestOutputKind", "__version__",
+]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def make_llm(engine_kwargs: dict[str, Any], skip_tokenizer_init: bool = False,

@@ -19,8 +19,9 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -105,9 +106,33 @@ def sample_random(
         if tokenizer is None:
             requests.append(SampleRequest(None, n_in, n_out, ids))
         else:
-            text = tokenizer.decode(ids)
-            requests.append(SampleRequest(text, len(encode(tokenizer, text)), n_out))
+            text, n_text = _text_of_length(tokenizer, ids, n_in, vocab_size, exclude, seed * 1_000_003 + i)
+            requests.append(SampleRequest(text, n_text, n_out))
     return requests
+
+
+def _encode_plain(tokenizer: Any, text: str) -> list[int]:
+    try:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    except TypeError:
+        return encode(tokenizer, text)
+
+
+def _text_of_length(tokenizer: Any, ids: list[int], target: int, vocab_size: int, exclude: Sequence[int],
+                    seed: int, max_rounds: int = 10) -> tuple[str, int]:
+    """Text that re-encodes to `target` tokens, starting from `ids` (a few decode/encode rounds)."""
+    text, n = tokenizer.decode(ids), len(ids)
+    for round_ in range(max_rounds):
+        text = tokenizer.decode(ids)
+        again = _encode_plain(tokenizer, text)
+        n = len(again)
+        if n == target:
+            break
+        if n > target:
+            ids = again[:target]
+        else:
+            ids = again + random_token_ids(1, target - n, vocab_size, seed=seed + 7 * (round_ + 1), exclude=exclude)[0]
+    return text, n
 
 
 # ---- ShareGPT -------------------------------------------------------------------------------

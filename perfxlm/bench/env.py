@@ -80,17 +80,50 @@ def current_rss_gib() -> float | None:
         return None
 
 
+def _find_model(engine: Any) -> Any:
+    """The torch module behind an engine, wherever the engine keeps it (None when out of process)."""
+    for path in ("model", "core.model", "core.runner.model", "runner.model", "model_executor.model"):
+        obj = engine
+        for name in path.split("."):
+            obj = getattr(obj, name, None)
+            if obj is None:
+                break
+        if obj is not None and hasattr(obj, "parameters"):
+            return obj
+    return None
+
+
+def estimate_llama_params(hf_config: Any) -> int:
+    """Parameter count of a Llama-style decoder from its config (when the module cannot be reached)."""
+    h = int(getattr(hf_config, "hidden_size", 0) or 0)
+    if not h:
+        return 0
+    vocab = int(getattr(hf_config, "vocab_size", 0) or 0)
+    layers = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
+    inter = int(getattr(hf_config, "intermediate_size", 4 * h) or 4 * h)
+    heads = int(getattr(hf_config, "num_attention_heads", 1) or 1)
+    kv_heads = int(getattr(hf_config, "num_key_value_heads", heads) or heads)
+    head_dim = int(getattr(hf_config, "head_dim", None) or h // heads)
+    attn = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2
+    per_layer = attn + 3 * h * inter + 2 * h
+    embed = vocab * h * (1 if getattr(hf_config, "tie_word_embeddings", False) else 2)
+    return embed + layers * per_layer + h
+
+
 def model_summary(llm: Any) -> dict[str, Any]:
     """Model path, dtype, parameter count and weight bytes of a loaded LLM."""
     engine = llm.llm_engine
     config = engine.config
     params = weight_bytes = 0
-    model = getattr(engine, "model", None)
-    if model is not None and hasattr(model, "parameters"):
+    model = _find_model(engine)
+    if model is not None:
         # parameters() yields a tied weight once; buffers (rotary tables) are not weights.
         for p in model.parameters():
             params += p.numel()
             weight_bytes += p.numel() * p.element_size()
+    if params == 0:
+        params = estimate_llama_params(config.hf_config)
+        weight_bytes = params * (2 if config.torch_dtype is not None and "bfloat16" in str(config.torch_dtype) else 4)
     hf = config.hf_config
     return {
         "model": config.model,

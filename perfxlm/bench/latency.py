@@ -23,7 +23,8 @@ import math
 import os
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from perfxlm.bench import env as benv
 from perfxlm.bench.common import make_llm, sibling_path, size_engine_for_batch, write_json

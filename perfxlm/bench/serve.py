@@ -21,7 +21,8 @@ import math
 import os
 import time
 import traceback
-from typing import Any, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -280,7 +281,7 @@ def fetch_model_name(base_url: str, timeout_s: float = 10.0) -> str:
 
     try:
         return asyncio.run(get())
-    except (OSError, asyncio.TimeoutError) as exc:
+    except (OSError, asyncio.TimeoutError, aiohttp.ClientError) as exc:
         raise ValueError(f"could not reach {base_url} to ask its model name ({exc}): pass --model NAME.") from exc
 
 

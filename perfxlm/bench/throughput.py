@@ -8,7 +8,8 @@ output tokens/s = generated tokens / elapsed, with the token counts taken from t
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from perfxlm.bench import env as benv
 from perfxlm.bench.common import make_llm, write_json

@@ -218,6 +218,8 @@ class OutputProcessor:
             if found is None:
                 continue
             state, index = found
+            if state.seqs[index].finish_reason is not None:
+                continue  # ended here (stop string) while the core was already computing its next token
             m = state.metrics
             if m.first_scheduled_time is None and out.first_scheduled_time is not None:
                 m.first_scheduled_time = out.first_scheduled_time

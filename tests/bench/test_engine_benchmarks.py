@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 
 import pytest
 
@@ -121,7 +120,7 @@ def test_cli_throughput_random(tiny_llama, tmp_path, capsys):
     assert data["config"]["dataset"] == "random" and data["config"]["num_prompts"] == 6
 
 
-def test_cli_throughput_sharegpt(sharegpt_samples, smol_tokenizer_dir, tmp_path, capsys):
+def test_cli_throughput_sharegpt(sharegpt_samples, smol_tokenizer, smol_tokenizer_dir, tmp_path, capsys):
     """ShareGPT prompts through the engine: a tiny model with the default tokenizer's vocabulary."""
     model = make_llama_checkpoint(str(tmp_path / "tiny_smolvocab"), vocab_size=49152, hidden_size=32,
                                   intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -134,9 +133,8 @@ def test_cli_throughput_sharegpt(sharegpt_samples, smol_tokenizer_dir, tmp_path,
     assert data["num_requests"] == 4 and data["total_output_tokens"] == 12
     assert data["config"]["dataset"] == "sharegpt" and data["config"]["dataset_path"] == sharegpt_samples
     from perfxlm.bench.datasets import sample_sharegpt
-    from perfxlm.tokenizer import get_tokenizer
 
-    expected = sample_sharegpt(sharegpt_samples, 4, get_tokenizer(smol_tokenizer_dir), seed=0, fixed_output_len=3)
+    expected = sample_sharegpt(sharegpt_samples, 4, smol_tokenizer, seed=0, fixed_output_len=3)
     assert data["total_input_tokens"] == sum(r.prompt_len for r in expected)
 
 
@@ -144,3 +142,14 @@ def test_cli_errors(tiny_llama, capsys):
     assert main(["bench", "latency", tiny_llama, "--batch-size", "0"]) == 2
     assert "error:" in capsys.readouterr().err
     assert main(["bench", "throughput", tiny_llama, "--dataset", "sharegpt", "missing.json"]) == 2
+
+
+def test_model_summary_counts_parameters(tiny_llm):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from perfxlm.bench.env import estimate_llama_params, model_summary
+
+    hf = tiny_llm.llm_engine.config.hf_config
+    reference = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**hf.to_dict())).parameters())
+    assert model_summary(tiny_llm)["num_params"] == reference
+    assert estimate_llama_params(hf) == reference

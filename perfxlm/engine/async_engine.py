@@ -1,0 +1,72 @@
+"""AsyncLLM: vLLM's asynchronous interface. `async for out in engine.generate(prompt, params, id)`.
+
+Cancelling the consuming task (or breaking out of the loop) aborts the request; its KV blocks are
+freed before the next engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any, AsyncGenerator
+
+from perfxlm.config import EngineConfig
+from perfxlm.engine.input_processor import PromptType
+from perfxlm.engine.threaded_engine import ThreadedEngine
+from perfxlm.outputs import RequestOutput
+from perfxlm.sampling_params import SamplingParams
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
+        if config is None:
+            config = EngineConfig(**kwargs)
+        elif kwargs:
+            raise TypeError("pass either an EngineConfig or keyword arguments, not both")
+        self.engine = ThreadedEngine(config)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, **kwargs: Any) -> "AsyncLLM":
+        return cls(EngineConfig(**kwargs))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    async def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    async def generate(
+        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str | None = None
+    ) -> AsyncGenerator[RequestOutput, None]:
+        request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
+        loop = asyncio.get_running_loop()
+        results: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+        def sink(item: RequestOutput | BaseException) -> None:
+            loop.call_soon_threadsafe(results.put_nowait, item)
+
+        self.engine.add_request(request_id, prompt, sampling_params, sink)
+        finished = False
+        try:
+            while not finished:
+                item = await results.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:  # cancelled, or the consumer stopped iterating
+                self.engine.abort(request_id)
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            self.engine.abort(rid)
+
+    async def check_health(self) -> None:
+        if not self.engine._core_thread.is_alive():
+            raise RuntimeError("the engine core thread has stopped")
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,77 @@
+"""The engine core: model, KV cache, scheduler and runner. Token ids in, token ids out; no text.
+
+Both front ends drive it: LLMEngine (one thread, step by step) and ThreadedEngine (a background
+thread stepping it while the caller's threads tokenize and detokenize).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from perfxlm.config import EngineConfig
+from perfxlm.engine.kv_cache_manager import KVCacheManager
+from perfxlm.engine.messages import EngineCoreOutput
+from perfxlm.engine.request import Request, RequestStatus
+from perfxlm.engine.scheduler import Scheduler
+from perfxlm.model.loader import get_model
+from perfxlm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("perfxlm")
+
+DEFAULT_KV_CACHE_GIB = 4.0
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
+        self.model = get_model(config.model, config.hf_config, config.torch_dtype, config.load_format, config.seed)
+        self.num_kv_blocks = self._num_kv_blocks()
+        self.runner = ModelRunner(self.model, self.num_kv_blocks, config.block_size, config.torch_dtype)
+        self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len
+        )
+        logger.info(
+            "perfxlm engine core: model=%s dtype=%s kv_blocks=%d x %d tokens, max_model_len=%d",
+            config.model, config.torch_dtype, self.num_kv_blocks, config.block_size, config.max_model_len,
+        )
+
+    def _num_kv_blocks(self) -> int:
+        c = self.config
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        per_block = ModelRunner.kv_bytes_per_block(self.model, c.block_size, c.torch_dtype)
+        if c.kv_cache_gib is not None:
+            if c.kv_cache_gib <= 0:
+                raise ValueError(f"kv_cache_gib must be > 0, got {c.kv_cache_gib}.")
+            num = int(c.kv_cache_gib * (1 << 30) // per_block)
+        else:
+            # Never more than every seat filled to max_model_len could use.
+            ceiling = c.max_num_seqs * -(-c.max_model_len // c.block_size)
+            num = min(int(DEFAULT_KV_CACHE_GIB * (1 << 30) // per_block), ceiling)
+        if num < 1:
+            raise ValueError(f"kv_cache_gib={c.kv_cache_gib} is too small for one block ({per_block} bytes).")
+        return num
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus, stop_reason: str | None = None) -> None:
+        self.scheduler.finish_requests(request_ids, status, stop_reason)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        so = self.scheduler.schedule()
+        if so.is_empty:
+            return []
+        mro = self.runner.execute(so)
+        return self.scheduler.update_from_output(so, mro)
+
+    def check_invariants(self) -> dict[str, int]:
+        return self.kv_cache_manager.check_invariants()
