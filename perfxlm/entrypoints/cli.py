@@ -83,8 +83,73 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--echo", action="store_true", help="print the prompt before the completion")
     gen.set_defaults(func=_generate)
 
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server (with a chat page at /)")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument("--served-model-name", default=None, help="model name clients use (default: from the path)")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every route but /health and / "
+                            "(or set PERFXLM_API_KEY)")
+    serve.add_argument("--allowed-origins", nargs="*", default=None,
+                       help="CORS origins allowed to call the API (none by default)")
+    serve.add_argument("--max-queued-requests", type=int, default=256,
+                       help="requests allowed to wait for a seat; past it the server answers 503")
+    serve.add_argument("--max-request-body-bytes", type=int, default=4 << 20,
+                       help="largest request body accepted (413 beyond)")
+    serve.set_defaults(func=_serve)
+
+    chat = sub.add_parser("chat", help="interactive chat in the terminal, streaming the replies")
+    add_engine_args(chat)
+    chat.add_argument("--max-tokens", type=int, default=512, help="most tokens per reply")
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.set_defaults(func=_chat)
+
     add_bench_parser(sub)
     return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from perfxlm.entrypoints.openai.api_server import run_server
+
+    return run_server(args, engine_kwargs(args))
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from perfxlm import Engine, SamplingParams
+    from perfxlm.entrypoints.openai.serving_chat import render_chat
+
+    engine = Engine(**engine_kwargs(args))
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    print("perfxlm chat: type a message; an empty line or Ctrl-D quits, Ctrl-C stops a reply.")
+    try:
+        while True:
+            try:
+                text = input("> ").strip()
+            except EOFError:
+                break
+            if not text:
+                break
+            history.append({"role": "user", "content": text})
+            prompt = render_chat(engine.engine.tokenizer, history)
+            handle = engine.start_request(prompt, params)
+            reply = ""
+            try:
+                while True:
+                    update = handle.queue.get()
+                    print(update.new_text, end="", flush=True)
+                    reply += update.new_text
+                    if update.finished:
+                        break
+            except KeyboardInterrupt:
+                handle.stop()
+            print()
+            history.append({"role": "assistant", "content": reply})
+    finally:
+        engine.shutdown()
+    return 0
 
 
 # ---- bench: argument wiring only; the benchmarks live in perfxlm.bench ----------------------------

@@ -1,0 +1,216 @@
+"""The OpenAI-compatible HTTP server (FastAPI). Only this package knows HTTP and JSON."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import perfxlm
+from perfxlm.engine.async_engine import AsyncLLM
+from perfxlm.entrypoints.openai.errors import APIError, error_response
+from perfxlm.entrypoints.openai.metrics import ServerMetrics
+from perfxlm.entrypoints.openai.middleware import APIKeyCheck, BodySizeLimit
+from perfxlm.entrypoints.openai.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+)
+from perfxlm.entrypoints.openai.serving_base import ServerContext, check_model
+from perfxlm.entrypoints.openai.serving_chat import _message_dicts, create_chat_completion, render_chat
+from perfxlm.entrypoints.openai.serving_completions import create_completion
+
+logger = logging.getLogger("perfxlm.server")
+_WEB_PAGE = os.path.join(os.path.dirname(__file__), "web", "index.html")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "Invalid request.", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        return "The request body is not valid JSON.", None
+    if first.get("type") == "extra_forbidden":
+        names = sorted({".".join(str(p) for p in e["loc"] if p != "body") for e in errors
+                        if e.get("type") == "extra_forbidden"})
+        return f"Unsupported field(s): {', '.join(names)}.", names[0]
+    return f"{param or 'body'}: {first.get('msg', 'invalid value')}.", param
+
+
+def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None = None,
+              allowed_origins: list[str] | None = None, max_queued_requests: int = 256,
+              max_request_body_bytes: int = 4 << 20) -> FastAPI:
+    app = FastAPI(title="perfxlm OpenAI-compatible server", version=perfxlm.__version__)
+    metrics = ServerMetrics(engine.engine)
+    ctx = ServerContext(engine, served_model_name, int(engine.engine.config.max_model_len), metrics)
+    app.state.ctx = ctx
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return error_response(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return error_response(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception):
+        logger.exception("internal error")
+        return error_response(500, "Internal server error.")
+
+    def admit() -> None:
+        # Overload: refuse before any tokenizing or compute.
+        if metrics.num_waiting() >= max_queued_requests:
+            raise APIError(503, f"Server overloaded: {max_queued_requests} requests already waiting. Retry later.",
+                           code="overloaded")
+
+    async def served(handler, req, raw: Request):
+        admit()
+        metrics.inflight += 1
+        try:
+            response = await handler(ctx, req, raw)
+        except BaseException:
+            metrics.inflight -= 1
+            raise
+        if hasattr(response, "body_iterator"):  # streaming: count down when the stream ends
+            inner = response.body_iterator
+
+            async def counted():
+                try:
+                    async for chunk in inner:
+                        yield chunk
+                finally:
+                    metrics.inflight -= 1
+                    await inner.aclose()
+
+            response.body_iterator = counted()
+        else:
+            metrics.inflight -= 1
+        return response
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request):
+        return await served(create_completion, req, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request):
+        return await served(create_chat_completion, req, raw)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "perfxlm", "root": engine.engine.config.model,
+                                            "max_model_len": ctx.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        alive = engine.engine._core_thread.is_alive()
+        return Response(status_code=200 if alive else 503)
+
+    @app.get("/version")
+    async def version():
+        return {"version": perfxlm.__version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        check_model(ctx, req.model)
+        tok = engine.tokenizer
+        if tok is None:
+            raise APIError(400, "This server has no tokenizer.")
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "Give exactly one of prompt or messages.", "prompt")
+        if req.messages is not None:
+            fake = ChatCompletionRequest(messages=req.messages)
+            ids = render_chat(tok, _message_dicts(fake), req.add_generation_prompt)["prompt_token_ids"]
+        else:
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        check_model(ctx, req.model)
+        tok = engine.tokenizer
+        if tok is None:
+            raise APIError(400, "This server has no tokenizer.")
+        vocab = int(engine.engine.config.hf_config.vocab_size)
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"tokens holds {bad[0]}, outside the vocabulary [0, {vocab}).", "tokens")
+        return {"prompt": tok.decode(req.tokens)}
+
+    @app.get("/", response_class=HTMLResponse)
+    async def chat_page():
+        with open(_WEB_PAGE, encoding="utf-8") as f:
+            return HTMLResponse(f.read().replace("{{MODEL}}", served_model_name))
+
+    # Outermost first: size limit, then CORS (so browsers see CORS headers on errors), then the key.
+    if api_key:
+        app.add_middleware(APIKeyCheck, api_key=api_key)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials=False)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
+    return app
+
+
+def served_name(model: str | None, served_model_name: str | None) -> str:
+    if served_model_name:
+        return served_model_name
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    base = os.path.basename(os.path.normpath(model))
+    return base[:-5] if base.endswith(".gguf") else base
+
+
+def run_server(args: Any, engine_kwargs: dict) -> int:
+    import asyncio
+
+    import uvicorn
+
+    from perfxlm.config import EngineConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = AsyncLLM(EngineConfig(**engine_kwargs))
+    name = served_name(engine_kwargs.get("model"), args.served_model_name)
+    app = build_app(engine, name, api_key=args.api_key or os.environ.get("PERFXLM_API_KEY"),
+                    allowed_origins=args.allowed_origins, max_queued_requests=args.max_queued_requests,
+                    max_request_body_bytes=args.max_request_body_bytes)
+    cfg = engine.engine.config
+    logger.info("model %s (served as %r), dtype %s, %d KV blocks of %d tokens, max_model_len %d",
+                cfg.model, name, cfg.torch_dtype, engine.engine.num_kv_blocks, cfg.block_size, cfg.max_model_len)
+    logger.info("serving on http://%s:%d (chat page at /)", args.host, args.port)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # End in-flight streams first (finish_reason "abort"), so the graceful shutdown has
+            # nothing to wait for.
+            with engine.engine._lock:
+                ids = list(engine.engine._sinks)
+            for rid in ids:
+                engine.engine.abort(rid)
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                   timeout_graceful_shutdown=5))
+    try:
+        asyncio.run(server.serve())
+    finally:
+        engine.shutdown()
+    return 0

@@ -1,0 +1,133 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from perfxlm.entrypoints.openai.errors import APIError, error_body
+from perfxlm.entrypoints.openai.protocol import CompletionRequest
+from perfxlm.entrypoints.openai.serving_base import (
+    ServerContext, check_model, collect_until_disconnect, generate_one, merge, new_id, now, sse, to_sampling_params,
+    usage,
+)
+from perfxlm.outputs import CompletionOutput, RequestOutput
+
+
+def _prompts(req: CompletionRequest) -> list[Any]:
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise APIError(400, "prompt must not be empty.", "prompt")
+    if isinstance(p[0], int):
+        return [{"prompt_token_ids": p}]
+    if isinstance(p[0], list):
+        return [{"prompt_token_ids": ids} for ids in p]
+    return list(p)
+
+
+def _logprobs_block(c: CompletionOutput, tokenizer: Any, text_offset0: int) -> dict | None:
+    if c.logprobs is None:
+        return None
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    offset = text_offset0
+    for tid, entry in zip(c.token_ids, c.logprobs):
+        chosen = entry[tid]
+        text = chosen.decoded_token if chosen.decoded_token is not None else str(tid)
+        tokens.append(text)
+        token_logprobs.append(chosen.logprob)
+        top.append({(lp.decoded_token if lp.decoded_token is not None else str(t)): lp.logprob
+                    for t, lp in entry.items()})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request):
+    check_model(ctx, req.model)
+    if req.suffix is not None:
+        raise APIError(400, "suffix is not supported.", "suffix")
+    if req.echo and req.logprobs is not None:
+        raise APIError(400, "echo together with logprobs is not supported.", "echo")
+    if req.stream and req.best_of is not None and req.best_of > req.n:
+        raise APIError(400, "best_of > n is not supported with stream.", "best_of")
+    prompts = _prompts(req)
+    params = to_sampling_params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs,
+                                req.prompt_logprobs)
+    request_id = new_id("cmpl")
+    streams = [generate_one(ctx, p, params, f"{request_id}-{i}") for i, p in enumerate(prompts)]
+    tokenizer = ctx.engine.tokenizer
+    n = params.n
+
+    if req.stream:
+        merged = merge(streams)
+        try:  # surface bad input as a 400 before the stream starts
+            first = await merged.__anext__()
+        except StopAsyncIteration:
+            first = None
+        return StreamingResponse(_stream(ctx, req, request_id, merged, first, n, tokenizer),
+                                 media_type="text/event-stream")
+
+    results = await collect_until_disconnect(raw, merge(streams))
+    choices, prompt_tokens, completion_tokens = [], 0, 0
+    for i, out in sorted(results, key=lambda r: r[0]):
+        prompt_tokens += len(out.prompt_token_ids or ())
+        for c in out.outputs:
+            completion_tokens += len(c.token_ids)
+            text = ((out.prompt or "") + c.text) if req.echo else c.text
+            choices.append({"index": i * n + c.index, "text": text,
+                            "logprobs": _logprobs_block(c, tokenizer, 0), "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason, "prompt_logprobs": _prompt_lps(out)})
+    return JSONResponse({"id": request_id, "object": "text_completion", "created": now(),
+                         "model": ctx.served_model_name, "choices": choices,
+                         "usage": usage(prompt_tokens, completion_tokens)})
+
+
+def _prompt_lps(out: RequestOutput) -> list | None:
+    if out.prompt_logprobs is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                                    for t, lp in e.items()} for e in out.prompt_logprobs]
+
+
+async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str,
+                  merged: AsyncIterator[tuple[int, RequestOutput]], first: tuple[int, RequestOutput] | None,
+                  n: int, tokenizer: Any) -> AsyncIterator[str]:
+    created = now()
+    prompt_tokens: dict[int, int] = {}
+    completion_tokens = 0
+    echoed: set[tuple[int, int]] = set()
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    try:
+        async def items():
+            if first is not None:
+                yield first
+            async for item in merged:
+                yield item
+
+        async for i, out in items():
+            prompt_tokens[i] = len(out.prompt_token_ids or ())
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                text = c.text
+                if req.echo and (i, c.index) not in echoed:
+                    echoed.add((i, c.index))
+                    text = (out.prompt or "") + text
+                chunk = {"id": request_id, "object": "text_completion", "created": created,
+                         "model": ctx.served_model_name,
+                         "choices": [{"index": i * n + c.index, "text": text,
+                                      "logprobs": _logprobs_block(c, tokenizer, 0),
+                                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+                if include_usage:
+                    chunk["usage"] = None
+                yield sse(chunk)
+        if include_usage:
+            yield sse({"id": request_id, "object": "text_completion", "created": created,
+                       "model": ctx.served_model_name, "choices": [],
+                       "usage": usage(sum(prompt_tokens.values()), completion_tokens)})
+    except APIError as exc:
+        yield sse(error_body(exc.status, exc.message, exc.param, exc.code))
+    yield sse("[DONE]")
