@@ -146,6 +146,7 @@ class ThreadedEngine:
         while True:
             busy = self.core.has_unfinished_requests()
             if not busy:
+                self._refresh_stats()
                 self._idle.set()
             try:
                 cmd = self._commands.get(block=not busy)
@@ -165,12 +166,15 @@ class ThreadedEngine:
                 logger.exception("engine step failed")
                 self._fail_all(exc)
                 continue
-            sched = self.core.scheduler
-            self.stats.update(num_running=sched.num_running, num_waiting=sched.num_waiting,
-                              kv_usage=self.core.kv_cache_manager.usage,
-                              num_preemptions=sched.num_preemptions_total, steps=self.stats["steps"] + 1)
+            self.stats["steps"] += 1
+            self._refresh_stats()
             if outputs:
                 self._outputs.put(outputs)
+
+    def _refresh_stats(self) -> None:
+        sched = self.core.scheduler
+        self.stats.update(num_running=sched.num_running, num_waiting=sched.num_waiting,
+                          kv_usage=self.core.kv_cache_manager.usage, num_preemptions=sched.num_preemptions_total)
 
     def _fail_all(self, exc: Exception) -> None:
         sched = self.core.scheduler

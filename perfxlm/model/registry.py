@@ -7,6 +7,14 @@ from typing import Any
 
 _MODELS = {
     "LlamaForCausalLM": ("perfxlm.model.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("perfxlm.model.models.mistral", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("perfxlm.model.models.qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("perfxlm.model.models.qwen3", "Qwen3ForCausalLM"),
+    "Phi3ForCausalLM": ("perfxlm.model.models.phi3", "Phi3ForCausalLM"),
+    "Gemma2ForCausalLM": ("perfxlm.model.models.gemma2", "Gemma2ForCausalLM"),
+    "OPTForCausalLM": ("perfxlm.model.models.opt", "OPTForCausalLM"),
+    "Qwen2MoeForCausalLM": ("perfxlm.model.models.qwen2_moe", "Qwen2MoeForCausalLM"),
+    "MixtralForCausalLM": ("perfxlm.model.models.mixtral", "MixtralForCausalLM"),
 }
 
 

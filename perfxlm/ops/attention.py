@@ -2,6 +2,10 @@
 
 Plain-torch versions built from SDPA; `ops/reference.py` holds the naive per-token reference
 the tests compare against.
+
+Options some models need: `sliding_window` W (a query at position p sees keys in (p - W, p], as
+transformers' sliding-window masks) and `soft_cap` c (scores become c * tanh(scores / c) before the
+mask, Gemma 2). Plain attention (neither set) takes the SDPA paths unchanged.
 """
 
 from __future__ import annotations
@@ -34,6 +38,22 @@ def decode_mask(seq_lens: torch.Tensor, max_len: int) -> torch.Tensor:  # [B, 1,
     return (torch.arange(max_len)[None, :] < seq_lens[:, None]).view(seq_lens.shape[0], 1, 1, max_len)
 
 
+def _softcap_attention(
+    q: torch.Tensor,  # [B, num_kv_heads, group, T, D]
+    k: torch.Tensor,  # [B, num_kv_heads, S, D]
+    v: torch.Tensor,
+    mask: torch.Tensor,  # bool, broadcastable to [B, num_kv_heads, group, T, S]
+    scale: float,
+    soft_cap: float,
+) -> torch.Tensor:  # [B, num_kv_heads, group, T, D]
+    # SDPA has no hook between the scores and the softmax, so this one is spelled out (as transformers' eager).
+    scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / soft_cap) * soft_cap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v.unsqueeze(2))
+
+
 def paged_decode_attention(
     query: torch.Tensor,  # [B, num_heads, head_dim], one query token per sequence
     key_cache: torch.Tensor,
@@ -42,6 +62,8 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [B] int64, tokens to attend to (including the query's own)
     scale: float,
     mask: torch.Tensor | None = None,  # decode_mask(...) of the same step, to build it once for all layers
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:  # [B, num_heads, head_dim]
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
@@ -52,6 +74,13 @@ def paged_decode_attention(
     q = query.view(batch, num_kv_heads, group, head_dim)
     if mask is None:
         mask = decode_mask(seq_lens, block_tables.shape[1] * key_cache.shape[1])
+    if sliding_window is not None:
+        # the query sits at position seq_len - 1: keys before seq_len - window fall out
+        first = (seq_lens - sliding_window).view(batch, 1, 1, 1)
+        mask = mask & (torch.arange(mask.shape[-1]) >= first)
+    if soft_cap is not None:
+        out = _softcap_attention(q.unsqueeze(3), key, value, mask.unsqueeze(1), scale, soft_cap)
+        return out.reshape(batch, num_heads, head_dim)
     out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
     return out.reshape(batch, num_heads, head_dim)
 
@@ -65,9 +94,15 @@ def prefill_attention(
     block_table: torch.Tensor,  # [num_blocks] int64
     num_context_tokens: int,
     scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     num_new = query.shape[0]
     q = query.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
+    if sliding_window is not None or soft_cap is not None:
+        return _prefill_attention_with_options(
+            q, key, value, key_cache, value_cache, block_table, num_context_tokens, scale, sliding_window, soft_cap
+        )
     if num_context_tokens == 0:
         k = key.transpose(0, 1).unsqueeze(0)
         v = value.transpose(0, 1).unsqueeze(0)
@@ -81,3 +116,37 @@ def prefill_attention(
         mask = torch.arange(total)[None, :] <= rows
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
+
+
+def _prefill_attention_with_options(
+    q: torch.Tensor,  # [1, H, T, D]
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    num_context_tokens: int,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> torch.Tensor:  # [T, num_heads, head_dim]
+    _, num_heads, num_new, head_dim = q.shape
+    total = num_context_tokens + num_new
+    if num_context_tokens == 0:
+        k = key.transpose(0, 1).unsqueeze(0)
+        v = value.transpose(0, 1).unsqueeze(0)
+    else:
+        k = _gather(key_cache, block_table[None])[:, :, :total]
+        v = _gather(value_cache, block_table[None])[:, :, :total]
+    rows = torch.arange(num_new)[:, None] + num_context_tokens
+    cols = torch.arange(total)[None, :]
+    mask = cols <= rows
+    if sliding_window is not None:
+        mask &= cols > rows - sliding_window
+    if soft_cap is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1)
+    num_kv_heads = k.shape[1]
+    qg = q.view(1, num_kv_heads, num_heads // num_kv_heads, num_new, head_dim)
+    out = _softcap_attention(qg, k, v, mask, scale, soft_cap)
+    return out.view(num_heads, num_new, head_dim).transpose(0, 1)

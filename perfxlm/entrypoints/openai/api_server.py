@@ -35,14 +35,14 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return "Invalid request.", None
     first = errors[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    param = loc[0] if loc else None  # the top-level field; the message gives the full path
     if first.get("type") == "json_invalid":
         return "The request body is not valid JSON.", None
     if first.get("type") == "extra_forbidden":
         names = sorted({".".join(str(p) for p in e["loc"] if p != "body") for e in errors
                         if e.get("type") == "extra_forbidden"})
-        return f"Unsupported field(s): {', '.join(names)}.", names[0]
-    return f"{param or 'body'}: {first.get('msg', 'invalid value')}.", param
+        return f"Unsupported field(s): {', '.join(names)}.", names[0].split(".")[0]
+    return f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}.", param
 
 
 def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None = None,
@@ -173,14 +173,44 @@ def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None =
 def served_name(model: str | None, served_model_name: str | None) -> str:
     if served_model_name:
         return served_model_name
-    if model is None:
+    from perfxlm.config import DEFAULT_MODEL_FILE
+
+    if model is None or os.path.basename(model) == DEFAULT_MODEL_FILE:
         return "SmolLM2-135M-Instruct"
     base = os.path.basename(os.path.normpath(model))
     return base[:-5] if base.endswith(".gguf") else base
 
 
+def _warm_up_and_deprioritise_engine_threads(engine: AsyncLLM) -> None:
+    """The HTTP event loop must answer (/health within 100 ms) even while the engine keeps every core
+    busy: one short request makes torch start its worker threads, then every thread but this one
+    (the event loop's) gets a lower scheduling priority. Linux only; elsewhere a no-op."""
+    import threading
+
+    from perfxlm.sampling_params import SamplingParams
+
+    done = threading.Event()
+    engine.engine.add_request("warmup", {"prompt_token_ids": [1, 2, 3, 4]}, SamplingParams(max_tokens=2),
+                              lambda out: done.set() if isinstance(out, BaseException) or out.finished else None)
+    done.wait(120)
+    me = threading.get_native_id()
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return
+    for tid in tids:
+        if tid != me:
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, 10)
+            except OSError:
+                pass
+
+
 def run_server(args: Any, engine_kwargs: dict) -> int:
     import asyncio
+    import contextlib
+    import signal
+    import threading
 
     import uvicorn
 
@@ -192,6 +222,7 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
     app = build_app(engine, name, api_key=args.api_key or os.environ.get("PERFXLM_API_KEY"),
                     allowed_origins=args.allowed_origins, max_queued_requests=args.max_queued_requests,
                     max_request_body_bytes=args.max_request_body_bytes)
+    _warm_up_and_deprioritise_engine_threads(engine)
     cfg = engine.engine.config
     logger.info("model %s (served as %r), dtype %s, %d KV blocks of %d tokens, max_model_len %d",
                 cfg.model, name, cfg.torch_dtype, engine.engine.num_kv_blocks, cfg.block_size, cfg.max_model_len)
@@ -206,6 +237,20 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
             for rid in ids:
                 engine.engine.abort(rid)
             super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn re-raises the signal after shutting down (exit status -15); a clean shutdown on
+            # SIGTERM/SIGINT should exit 0, so handle them without re-raising.
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
 
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                    timeout_graceful_shutdown=5))

@@ -28,7 +28,7 @@ class _EngineCollector:
         waiting = GaugeMetricFamily("perfxlm:num_requests_waiting", "Requests admitted but not running yet")
         waiting.add_metric([], self.server.num_waiting())
         usage = GaugeMetricFamily("perfxlm:kv_cache_usage_perc", "Fraction of KV blocks in use (0 when idle)")
-        usage.add_metric([], stats["kv_usage"] if engine.core.has_unfinished_requests() or stats["kv_usage"] else 0.0)
+        usage.add_metric([], stats["kv_usage"])
         used = GaugeMetricFamily("perfxlm:kv_cache_used_blocks", "KV blocks held by requests")
         used.add_metric([], kv.num_blocks - kv.num_free_blocks)
         inflight = GaugeMetricFamily("perfxlm:num_requests_inflight", "HTTP requests being served")

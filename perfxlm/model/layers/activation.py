@@ -4,6 +4,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# transformers' `hidden_act` names whose definitions torch has exactly
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def get_activation(name: str):
+    try:
+        return _ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"activation {name!r} is not supported (supported: {', '.join(sorted(_ACTIVATIONS))}).") from None
+
+
+class Activation(nn.Module):
+    """An elementwise activation by its transformers name (OPT's ReLU)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.fn = get_activation(name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
+
 
 class SiluAndMul(nn.Module):
     """[..., 2 * d] (gate | up) -> [..., d]: silu(gate) * up."""
@@ -11,3 +38,29 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluAndMul(nn.Module):
+    """[..., 2 * d] (gate | up) -> [..., d]: gelu(gate) * up; approximate="tanh" for Gemma."""
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate=self.approximate) * up
+
+
+def act_and_mul(name: str) -> nn.Module:
+    """The gated-MLP activation for a transformers `hidden_act` name."""
+    if name in ("silu", "swish"):
+        return SiluAndMul()
+    if name in ("gelu", "gelu_pytorch_tanh"):
+        return GeluAndMul("tanh" if name == "gelu_pytorch_tanh" else "none")
+    raise ValueError(f"gated activation {name!r} is not supported (supported: gelu, gelu_pytorch_tanh, silu, swish).")
+
+
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap): bounds logits smoothly to (-cap, cap) (Gemma 2)."""
+    return torch.tanh(x / cap) * cap

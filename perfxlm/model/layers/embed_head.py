@@ -4,26 +4,51 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from perfxlm.model.layers.activation import soft_cap
+
 
 class VocabEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, scale: float | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        # Gemma multiplies by sqrt(hidden), rounded to the model dtype first as transformers does
+        self.scale = scale
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        x = F.embedding(input_ids, self.weight)
+        if self.scale is not None:
+            x = x * torch.tensor(self.scale, dtype=torch.float32).to(x.dtype)
+        return x
+
+
+class LearnedPositionalEmbedding(nn.Module):
+    """Absolute positions looked up in a table; OPT's table starts `offset` rows in (its rows 0-1 are unused)."""
+
+    def __init__(self, max_positions: int, hidden_size: int, offset: int = 0) -> None:
+        super().__init__()
+        self.offset = offset
+        self.weight = nn.Parameter(torch.empty(max_positions + offset, hidden_size), requires_grad=False)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return F.embedding(positions + self.offset, self.weight)
 
 
 class LMHead(nn.Module):
     """Projects hidden states to vocabulary logits; shares the embedding's weight when tied."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None) -> None:
+    def __init__(
+        self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None, logit_soft_cap: float | None = None
+    ) -> None:
         super().__init__()
         if tied_to is not None:
             self.weight = tied_to.weight
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.logit_soft_cap = logit_soft_cap
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # Logits in float32 whatever the model dtype: sampling and logprobs want the precision.
-        return F.linear(hidden, self.weight).float()
+        logits = F.linear(hidden, self.weight).float()
+        if self.logit_soft_cap is not None:
+            logits = soft_cap(logits, self.logit_soft_cap)
+        return logits

@@ -32,7 +32,13 @@ class MergedLinear(Linear):
             self.offsets[name] = offset
             offset += size
 
-    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
+    def expected_shards(self, param_name: str) -> list[str]:
+        """Shards the checkpoint must provide for `weight` / `bias` (or one tensor already fused)."""
+        return list(self.output_sizes)
+
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: str, expert: int | None = None) -> None:
+        if expert is not None:
+            raise ValueError(f"shard {shard!r}: a per-expert tensor cannot load into a dense projection")
         start, size = self.offsets[shard], self.output_sizes[shard]
         target = param.data.narrow(0, start, size)
         if target.shape != loaded.shape:

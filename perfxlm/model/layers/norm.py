@@ -1,8 +1,10 @@
-"""RMSNorm with an optional fused residual add (the residual stream is carried between layers)."""
+"""Normalisations. RMSNorm (and Gemma's variant) take an optional residual to add first, since the
+residual stream is carried between layers."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -25,3 +27,27 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the checkpoint stores w - 1 (zero-initialised), so the scale is 1 + w, and the
+    whole product is taken in float32 before the cast back."""
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with optional affine parameters (OPT's `layer_norm_elementwise_affine`)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True):
+        super().__init__()
+        self.normalized_shape = (hidden_size,)
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size)) if elementwise_affine else None
+        self.bias = nn.Parameter(torch.zeros(hidden_size)) if elementwise_affine and bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)

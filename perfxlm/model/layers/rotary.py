@@ -1,4 +1,5 @@
-"""Rotary position embedding (rotate-half / NeoX layout, as Hugging Face Llama uses)."""
+"""Rotary position embedding (rotate-half / NeoX layout, as Hugging Face Llama uses), optionally on only
+the first `rotary_dim` channels of each head (Phi-3/4's partial_rotary_factor)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,14 @@ def rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any]]:
     return float(theta), merged
 
 
+def _rope_type(scaling: dict[str, Any]) -> str:
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    return "longrope" if rope_type == "su" else rope_type  # Phi-3's older name for the same scheme
+
+
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    rope_type = _rope_type(scaling)
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":
@@ -40,21 +46,58 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Ten
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, blended, scaled)
-    raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: default, linear, llama3).")
+    raise ValueError(
+        f"rope scaling type {rope_type!r} is not supported (supported: default, linear, llama3, longrope/su)."
+    )
+
+
+def _longrope_tables(
+    dim: int, max_position: int, theta: float, scaling: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """LongRoPE (Phi-3): the short factors below the original context length, the long ones past it,
+    both scaled by the attention factor. Per position, as vLLM does; transformers instead switches the
+    whole sequence to the long factors once it grows past the original length (the same below it)."""
+    original = int(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor") or max_position / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    base = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    t = torch.arange(max_position, dtype=torch.int64).float()
+    short = torch.outer(t[:original], 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * base))
+    long = torch.outer(t[original:], 1.0 / (torch.tensor(scaling["long_factor"], dtype=torch.float32) * base))
+    freqs = torch.cat((short, long))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * attention_factor, emb.sin() * attention_factor
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any]) -> None:
+    def __init__(
+        self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any], rotary_dim: int | None = None
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim
-        inv_freq = _inv_freq(head_dim, theta, scaling)
+        self.rotary_dim = rotary_dim or head_dim
         # Plain attributes, not buffers: computed on the CPU even when the model is built on meta.
-        t = torch.arange(max_position, dtype=torch.int64, device="cpu").float()
-        freqs = torch.outer(t, inv_freq.to("cpu"))
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
-        self.cos_cache = emb.cos()
-        self.sin_cache = emb.sin()
+        with torch.device("cpu"):
+            if _rope_type(scaling) == "longrope":
+                self.cos_cache, self.sin_cache = _longrope_tables(self.rotary_dim, max_position, theta, scaling)
+            else:
+                inv_freq = _inv_freq(self.rotary_dim, theta, scaling)
+                t = torch.arange(max_position, dtype=torch.int64).float()
+                freqs = torch.outer(t, inv_freq)
+                emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, rotary_dim]
+                self.cos_cache = emb.cos()
+                self.sin_cache = emb.sin()
         self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @classmethod
+    def from_config(cls, config: Any, head_dim: int) -> "RotaryEmbedding":
+        theta, scaling = rope_parameters(config)
+        partial = scaling.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
+        if _rope_type(scaling) == "longrope" and "original_max_position_embeddings" not in scaling:
+            scaling["original_max_position_embeddings"] = config.original_max_position_embeddings
+        return cls(head_dim, config.max_position_embeddings, theta, scaling, int(head_dim * partial))
 
     def _tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if dtype not in self._cast:
@@ -69,6 +112,9 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [num_tokens, num_heads, head_dim]; q and k heads may come concatenated along dim 1."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:  # partial rotary: the remaining channels pass through
+        return torch.cat((apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

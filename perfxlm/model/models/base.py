@@ -1,19 +1,41 @@
 """What every causal LM shares: loading checkpoint tensors by name table, and the forward contract.
 
-A model file declares `stacked_params` (checkpoint names that go into a fused parameter) and
-`skip_prefixes`; the loader hands it (hf_name, tensor) pairs and nothing model-specific.
+A model file declares, as data, how checkpoint names map onto its parameters; the loader hands it
+(hf_name, tensor) pairs and nothing model-specific:
+- `renames`: regex rewrites applied to every checkpoint name first (e.g. Mixtral's block_sparse_moe -> mlp);
+- `stacked_params`: checkpoint fragments that load as one shard of a fused parameter. A fragment with
+  `{expert}` matches per-expert tensors of a parameter stacked as [num_experts, ...];
+- `skip_substrings`: checkpoint tensors to ignore.
+A checkpoint tensor whose name is already the fused parameter's (Phi-3's qkv_proj, transformers 5's
+stacked experts) loads whole.
 """
 
 from __future__ import annotations
 
+import re
 from typing import ClassVar, Iterable
 
 import torch
 from torch import nn
 
 
+def _compile_stacked(table: list[tuple[str, str, str]]) -> list[tuple[re.Pattern[str], str, str]]:
+    compiled = []
+    for fused, original, shard in table:
+        pattern = re.escape(original).replace(re.escape("{expert}"), r"(?P<expert>\d+)")
+        compiled.append((re.compile(pattern), fused, shard))
+    return compiled
+
+
+def _shard_key(param: str, shard: str, expert: int | None) -> str:
+    return f"{param}:{shard}" if expert is None else f"{param}:{expert}.{shard}"
+
+
 class CausalLM(nn.Module):
-    # (fused param fragment, checkpoint fragment, shard name) e.g. (".qkv_proj", ".q_proj", "q")
+    # (regex, replacement) applied to checkpoint names in order
+    renames: ClassVar[list[tuple[str, str]]] = []
+    # (fused param fragment, checkpoint fragment, shard name) e.g. (".qkv_proj", ".q_proj", "q"); the
+    # first matching entry wins, so per-expert entries go before the dense ones they contain
     stacked_params: ClassVar[list[tuple[str, str, str]]] = []
     # checkpoint tensors to ignore (e.g. precomputed rotary tables)
     skip_substrings: ClassVar[list[str]] = ["rotary_emb.inv_freq"]
@@ -32,19 +54,26 @@ class CausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
         modules = dict(self.named_modules())
+        renames = [(re.compile(p), r) for p, r in self.renames]
+        stacked = _compile_stacked(self.stacked_params)
         loaded: set[str] = set()
         for name, tensor in weights:
             if any(s in name for s in self.skip_substrings):
                 continue
-            for fused, original, shard in self.stacked_params:
-                if original in name:
-                    target = name.replace(original, fused)
-                    if target not in params:
-                        raise ValueError(f"checkpoint tensor {name!r} has no place in the model ({target!r})")
-                    module = modules[target.rsplit(".", 1)[0]]
-                    module.load_shard(params[target], tensor, shard)  # type: ignore[operator]
-                    loaded.add(f"{target}:{shard}")
-                    break
+            for pattern, replacement in renames:
+                name = pattern.sub(replacement, name)
+            for pattern, fused, shard in stacked:
+                m = pattern.search(name)
+                if m is None:
+                    continue
+                target = name[: m.start()] + fused + name[m.end() :]
+                if target not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in the model ({target!r})")
+                expert = int(m.group("expert")) if "expert" in pattern.groupindex else None
+                module = modules[target.rsplit(".", 1)[0]]
+                module.load_shard(params[target], tensor, shard, expert)  # type: ignore[operator]
+                loaded.add(_shard_key(target, shard, expert))
+                break
             else:
                 if name not in params:
                     if name in self.tied_param_names():
@@ -55,6 +84,10 @@ class CausalLM(nn.Module):
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
                 param.data.copy_(tensor)
                 loaded.add(name)
+                parent, local = name.rsplit(".", 1)
+                shards = getattr(modules[parent], "expected_shards", None)
+                if shards is not None:  # already fused in the checkpoint: every shard at once
+                    loaded.update(f"{name}:{s}" for s in shards(local))
         missing = self._expected_loads() - loaded
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
@@ -64,12 +97,10 @@ class CausalLM(nn.Module):
         modules = dict(self.named_modules())
         tied = self.tied_param_names()
         for name, _ in self.named_parameters():  # duplicates (tied) removed
-            module = modules[name.rsplit(".", 1)[0]]
-            shards = getattr(module, "output_sizes", None)
-            if shards is not None and name.endswith(".weight"):
-                expected.update(f"{name}:{s}" for s in shards)
-            elif shards is not None and name.endswith(".bias"):
-                expected.update(f"{name}:{s}" for s in shards)
+            parent, local = name.rsplit(".", 1)
+            shards = getattr(modules[parent], "expected_shards", None)
+            if shards is not None:
+                expected.update(f"{name}:{s}" for s in shards(local))
             elif name not in tied:
                 expected.add(name)
         return expected

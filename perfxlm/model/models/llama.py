@@ -1,4 +1,8 @@
-"""Llama (and every model that is Llama with other numbers: SmolLM, TinyLlama, Llama 2/3.x)."""
+"""Llama (and every model that is Llama with other numbers: SmolLM, TinyLlama, Llama 2/3.x).
+
+The Llama-shaped decoders (Mistral, Qwen2/3, Phi-3, the MoE ones) reuse these pieces, choosing their
+attention options and MLP through `make_layer`.
+"""
 
 from __future__ import annotations
 
@@ -7,46 +11,76 @@ from typing import Any
 import torch
 from torch import nn
 
-from perfxlm.model.layers.activation import SiluAndMul
+from perfxlm.model.layers.activation import act_and_mul
 from perfxlm.model.layers.attention import Attention
 from perfxlm.model.layers.embed_head import LMHead, VocabEmbedding
 from perfxlm.model.layers.linear import Linear, MergedLinear
 from perfxlm.model.layers.norm import RMSNorm
-from perfxlm.model.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from perfxlm.model.layers.rotary import RotaryEmbedding, apply_rotary
 from perfxlm.model.models.base import CausalLM
 
 
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(
+        self,
+        config: Any,
+        *,
+        qkv_bias: bool | None = None,  # default: config.attention_bias, for q/k/v and o alike
+        o_bias: bool | None = None,
+        qk_norm: bool = False,  # Qwen3: RMSNorm over each q and k head before rotary
+        sliding_window: int | None = None,
+        scale: float | None = None,  # default head_dim^-1/2
+        logit_soft_cap: float | None = None,
+    ) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        self.head_dim = head_dim_of(config)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = MergedLinear(hidden, {"q": q_size, "k": kv_size, "v": kv_size}, bias=bias)
-        self.o_proj = Linear(q_size, hidden, bias=bias)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        qkv_bias = bias if qkv_bias is None else qkv_bias
+        o_bias = bias if o_bias is None else o_bias
+        self.qkv_proj = MergedLinear(hidden, {"q": q_size, "k": kv_size, "v": kv_size}, bias=qkv_bias)
+        self.o_proj = Linear(q_size, hidden, bias=o_bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = qk_norm
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, self.head_dim, scale or self.head_dim**-0.5,
+            sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
+        )
         self.qk_size = q_size + kv_size
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
-        # q and k heads are adjacent in the fused output: rotate them in one pass.
-        qk = apply_rotary(qkv[:, : self.qk_size].view(n, -1, self.head_dim), *rope)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        qk = qkv[:, : self.qk_size].view(n, -1, self.head_dim)
         v = qkv[:, self.qk_size :].view(n, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q = apply_rotary(self.q_norm(qk[:, : self.num_heads]), *rope)
+            k = apply_rotary(self.k_norm(qk[:, self.num_heads :]), *rope)
+        else:
+            # q and k heads are adjacent in the fused output: rotate them in one pass.
+            qk = apply_rotary(qk, *rope)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         return self.o_proj(self.attn(q, k, v))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(
+        self, config: Any, intermediate_size: int | None = None, bias: bool | None = None, activation: str | None = None
+    ) -> None:
         super().__init__()
-        inter = config.intermediate_size
-        bias = bool(getattr(config, "mlp_bias", False))
+        inter = intermediate_size or config.intermediate_size
+        bias = bool(getattr(config, "mlp_bias", False)) if bias is None else bias
         self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": inter, "up": inter}, bias=bias)
-        self.act = SiluAndMul()
+        self.act = act_and_mul(activation or getattr(config, "hidden_act", "silu"))
         self.down_proj = Linear(inter, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -54,12 +88,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any) -> None:
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); the residual add is fused into the norms."""
+
+    def __init__(self, config: Any, self_attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp
 
     def forward(
         self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, residual: torch.Tensor | None
@@ -75,13 +111,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, layers: list[nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        theta, scaling = rope_parameters(config)
-        self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.rotary_emb = RotaryEmbedding.from_config(config, head_dim_of(config))
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -94,19 +128,26 @@ class LlamaModel(nn.Module):
         return x
 
 
+LLAMA_STACKED_PARAMS = [
+    (".qkv_proj", ".q_proj", "q"),
+    (".qkv_proj", ".k_proj", "k"),
+    (".qkv_proj", ".v_proj", "v"),
+    (".gate_up_proj", ".gate_proj", "gate"),
+    (".gate_up_proj", ".up_proj", "up"),
+]
+
+
 class LlamaForCausalLM(CausalLM):
-    stacked_params = [
-        (".qkv_proj", ".q_proj", "q"),
-        (".qkv_proj", ".k_proj", "k"),
-        (".qkv_proj", ".v_proj", "v"),
-        (".gate_up_proj", ".gate_proj", "gate"),
-        (".gate_up_proj", ".up_proj", "up"),
-    ]
+    stacked_params = LLAMA_STACKED_PARAMS
+
+    def make_layer(self, config: Any, layer_idx: int) -> nn.Module:
+        """One decoder layer; the Llama-shaped families override this."""
+        return LlamaDecoderLayer(config, LlamaAttention(config), LlamaMLP(config))
 
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, [self.make_layer(config, i) for i in range(config.num_hidden_layers)])
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         tied = self.model.embed_tokens if self.tie_word_embeddings else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)

@@ -1,0 +1,94 @@
+"""Mixture-of-experts MLP: softmax top-k routing, then each expert runs once on the tokens routed to it.
+
+The (token, expert) pairs are sorted by expert so every expert's tokens form one contiguous group: one
+pair of matrix multiplications per expert that got any token, never a loop over tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from perfxlm.model.layers.activation import act_and_mul
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, E] logits -> (weights [T, k] float32, expert ids [T, k] int64)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def grouped_experts(
+    x: torch.Tensor,  # [T, hidden]
+    weights: torch.Tensor,  # [T, k]
+    expert_ids: torch.Tensor,  # [T, k] int64
+    gate_up: torch.Tensor,  # [E, 2 * inter, hidden]
+    down: torch.Tensor,  # [E, hidden, inter]
+    act: nn.Module,
+) -> torch.Tensor:  # [T, hidden]
+    num_tokens, top_k = expert_ids.shape
+    flat = expert_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token_of = order // top_k  # the token each sorted pair belongs to
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    xs = x.index_select(0, token_of)
+    ws = weights.reshape(-1).index_select(0, order).to(x.dtype).unsqueeze(1)
+    out_sorted = torch.empty_like(xs)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        end = start + n
+        h = act(F.linear(xs[start:end], gate_up[expert]))
+        out_sorted[start:end] = F.linear(h, down[expert]) * ws[start:end]
+        start = end
+    # Pairs are added in expert order, as transformers accumulates them: the same float32 sums.
+    return torch.zeros_like(x).index_add_(0, token_of, out_sorted)
+
+
+class FusedMoE(nn.Module):
+    """`num_experts` gated MLPs stored stacked: gate_up_proj [E, 2 * inter, hidden] and down_proj
+    [E, hidden, inter], transformers 5's layout, so its fused checkpoints load as they are; per-expert
+    checkpoint tensors load through `load_shard`."""
+
+    def __init__(
+        self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
+        activation: str = "silu",
+    ) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok ({top_k}) must be in [1, num_experts ({num_experts})].")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.intermediate_size = intermediate_size
+        self.renormalize = renormalize
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False
+        )
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        self.act = act_and_mul(activation)
+
+    def expected_shards(self, param_name: str) -> list[str]:
+        parts = ("gate", "up") if param_name == "gate_up_proj" else ("down",)
+        return [f"{e}.{p}" for e in range(self.num_experts) for p in parts]
+
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: str, expert: int | None = None) -> None:
+        if expert is None or not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert index {expert} out of range for {self.num_experts} experts")
+        target = param.data[expert]
+        if shard in ("gate", "up"):
+            inter = self.intermediate_size
+            target = target.narrow(0, 0 if shard == "gate" else inter, inter)
+        if target.shape != loaded.shape:
+            raise ValueError(
+                f"expert {expert} shard {shard!r}: checkpoint shape {tuple(loaded.shape)} != {tuple(target.shape)}"
+            )
+        target.copy_(loaded)
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(router_logits, self.top_k, self.renormalize)
+        return grouped_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.act)
