@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from perfxlm.ops.attention import paged_decode_attention, prefill_attention, write_kv_cache
+from perfxlm.ops.attention import decode_mask, paged_decode_attention, prefill_attention, write_kv_cache
 from perfxlm.ops.reference import attention_reference, gather_sequence_kv
 
 
@@ -59,3 +59,85 @@ def test_prefill_with_cached_context_matches_reference(num_context, dtype):
     ref = attention_reference(q, k, v, scale)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+# (sliding_window, soft_cap): windows shorter and longer than the sequences, and a window of 1
+OPTIONS = [(5, None), (None, 1.5), (7, 0.8), (1, None), (100, 3.0)]
+
+
+@pytest.mark.parametrize("sliding_window,soft_cap", OPTIONS)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(6, 2, 32, 16), (9, 3, 17, 5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_options_match_reference(sliding_window, soft_cap, num_heads, num_kv_heads, head_dim, block_size, dtype):
+    k_cache, v_cache = _setup(40, block_size, num_kv_heads, head_dim, dtype, seed=2)
+    k_cache.mul_(3)  # larger scores, so the soft cap bends them
+    seq_lens = [1, 4, 13, block_size * 3 + 2]
+    perm = torch.randperm(40).tolist()
+    tables, off = [], 0
+    for n in seq_lens:
+        nb = -(-n // block_size)
+        tables.append(perm[off : off + nb])
+        off += nb
+    max_blocks = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
+    q = torch.randn(len(seq_lens), num_heads, head_dim, dtype=dtype)
+    scale = head_dim**-0.5
+    lens = torch.tensor(seq_lens)
+    mask = decode_mask(lens, max_blocks * block_size)
+    out = paged_decode_attention(
+        q, k_cache, v_cache, bt, lens, scale, mask, sliding_window=sliding_window, soft_cap=soft_cap
+    )
+    plain = paged_decode_attention(q, k_cache, v_cache, bt, lens, scale, mask)
+    for i, n in enumerate(seq_lens):
+        k = gather_sequence_kv(k_cache, tables[i], n)
+        v = gather_sequence_kv(v_cache, tables[i], n)
+        ref = attention_reference(q[i : i + 1], k, v, scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[i : i + 1], ref, atol=tol, rtol=tol)
+    # the options do change the result (long sequences with a short window, or any capped one)
+    assert not torch.allclose(out[-1], plain[-1], atol=1e-3)
+
+
+@pytest.mark.parametrize("sliding_window,soft_cap", OPTIONS)
+@pytest.mark.parametrize("num_context", [0, 5, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_options_match_reference(sliding_window, soft_cap, num_context, dtype):
+    num_heads, num_kv_heads, head_dim, block_size = 6, 2, 24, 4
+    k_cache, v_cache = _setup(32, block_size, num_kv_heads, head_dim, dtype, seed=3)
+    num_new = 13
+    total = num_context + num_new
+    table = torch.randperm(32)[: -(-total // block_size)]
+    q = torch.randn(num_new, num_heads, head_dim, dtype=dtype) * 2
+    k_new = torch.randn(num_new, num_kv_heads, head_dim, dtype=dtype) * 2
+    v_new = torch.randn(num_new, num_kv_heads, head_dim, dtype=dtype)
+    positions = torch.arange(num_context, total)
+    slots = table[positions // block_size] * block_size + positions % block_size
+    write_kv_cache(k_new, v_new, k_cache, v_cache, slots)
+    scale = head_dim**-0.5
+    out = prefill_attention(
+        q, k_new, v_new, k_cache, v_cache, table, num_context, scale, sliding_window=sliding_window, soft_cap=soft_cap
+    )
+    k = gather_sequence_kv(k_cache, table.tolist(), total)
+    v = gather_sequence_kv(v_cache, table.tolist(), total)
+    ref = attention_reference(q, k, v, scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+def test_reference_window_semantics():
+    """A query at position p sees exactly keys p - W + 1 .. p: one-hot values make that visible."""
+    total, window = 9, 3
+    key = torch.zeros(total, 1, total)  # equal scores: uniform weights over what is visible
+    value = torch.eye(total)[:, None, :]  # value of key j is the j-th unit vector
+    query = torch.zeros(total, 1, total)
+    out = attention_reference(query, key, value, 1.0, sliding_window=window)[:, 0]
+    for p in range(total):
+        seen = out[p].nonzero().flatten().tolist()
+        assert seen == list(range(max(0, p - window + 1), p + 1))
+    # the convention transformers' sliding-window masks use
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    allowed = sliding_window_causal_mask_function(window)
+    for p in range(total):
+        row = [bool(allowed(torch.tensor(0), torch.tensor(0), torch.tensor(p), torch.tensor(j))) for j in range(total)]
+        assert [j for j in range(total) if row[j]] == list(range(max(0, p - window + 1), p + 1))

@@ -24,7 +24,7 @@ import gguf
 import numpy as np
 import torch
 
-from perfxlm.ops.gguf_dequant import dequantize
+from perfxlm.ops.gguf_dequant import check_supported, dequantize
 
 if TYPE_CHECKING:
     import transformers
@@ -84,8 +84,17 @@ class _ArchSpec:
     extra_config: dict[str, Any] = field(default_factory=dict)
 
 
+_QK_NORM_TENSORS: dict[str, str] = {
+    **_DECODER_TENSORS,
+    "blk.{n}.attn_q_norm": "model.layers.{n}.self_attn.q_norm",
+    "blk.{n}.attn_k_norm": "model.layers.{n}.self_attn.k_norm",
+}
+
 _ARCHS: dict[str, _ArchSpec] = {
     "llama": _ArchSpec("LlamaConfig", "LlamaForCausalLM", _DECODER_KEYS, _DECODER_TENSORS, permute_qk=True),
+    # llama.cpp uses the NeoX rope layout for these, so its converter leaves q/k as they are
+    "qwen2": _ArchSpec("Qwen2Config", "Qwen2ForCausalLM", _DECODER_KEYS, _DECODER_TENSORS, permute_qk=False),
+    "qwen3": _ArchSpec("Qwen3Config", "Qwen3ForCausalLM", _DECODER_KEYS, _QK_NORM_TENSORS, permute_qk=False),
 }
 
 
@@ -403,9 +412,14 @@ def iter_gguf_weights(path: str, config: Any = None) -> Iterator[tuple[str, torc
     Tensors are dequantized one at a time, as the iterator is consumed. A tied model yields no
     lm_head.weight. `config` (for the head counts) defaults to `load_gguf_config(path)`.
     """
-    # opened here rather than in the generator so a bad file or architecture fails at the call
+    # opened here rather than in the generator so a bad file, architecture or tensor type fails at the call
     f = open_gguf(path)
     spec = _spec(f.architecture)
+    for info in f.tensors.values():
+        try:
+            check_supported(info.ggml_type)
+        except ValueError as e:
+            raise ValueError(f"{path!r}: tensor {info.name!r}: {e}") from None
     config = config if config is not None else load_gguf_config(path)
     n_head = config.num_attention_heads
     n_kv_head = getattr(config, "num_key_value_heads", None) or n_head
