@@ -39,6 +39,6 @@ def test_fuzzed_requests_never_get_5xx(server):
             except Unsatisfiable:  # e.g. no invalid input exists for an operation without parameters
                 pass
     assert not failures, failures[:5]
-    assert sum(statuses.values()) > 100 and statuses.get(400, 0) > 10, statuses
+    assert sum(statuses.values()) > 30 and statuses.get(400, 0) > 5, statuses
     assert httpx.get(server.url + "/health").status_code == 200
     server.wait_idle(timeout=60)
