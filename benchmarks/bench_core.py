@@ -30,6 +30,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-concurrent", action="store_true")
+    ap.add_argument("--concurrent", type=int, default=64)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     llm = LLM(args.model, dtype=args.dtype, load_format=args.load_format, enable_prefix_caching=False,
@@ -51,15 +52,15 @@ def main() -> None:
 
         if not args.skip_concurrent:
             t = time.perf_counter()
-            outs = llm.generate(random_prompts(64, 128, vocab, 300 + r),
+            outs = llm.generate(random_prompts(args.concurrent, 128, vocab, 300 + r),
                                 SamplingParams(max_tokens=128, ignore_eos=True), use_tqdm=False)
             el = time.perf_counter() - t
             concurrent.append(sum(len(o.outputs[0].token_ids) for o in outs) / el)
         print(f"run {r}: prefill {prefill[-1]:.0f} tok/s, decode b1 {decode[-1]:.1f} tok/s"
-              + (f", 64 concurrent {concurrent[-1]:.0f} gen tok/s" if concurrent else ""))
+              + (f", {args.concurrent} concurrent {concurrent[-1]:.0f} gen tok/s" if concurrent else ""))
     print(f"median: prefill-512 {statistics.median(prefill):.0f} tok/s | decode batch 1 "
           f"{statistics.median(decode):.1f} tok/s"
-          + (f" | 64 concurrent {statistics.median(concurrent):.0f} gen tok/s" if concurrent else ""))
+          + (f" | {args.concurrent} concurrent {statistics.median(concurrent):.0f} gen tok/s" if concurrent else ""))
 
 
 if __name__ == "__main__":

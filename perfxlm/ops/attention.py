@@ -46,7 +46,7 @@ def _softcap_attention(
     scale: float,
     soft_cap: float,
 ) -> torch.Tensor:  # [B, num_kv_heads, group, T, D]
-    # SDPA has no hook between the scores and the softmax, so this one is spelled out (as transformers' eager).
+    # SDPA has no hook between the scores and the softmax: spelled out, as transformers' eager path.
     scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
     scores = torch.tanh(scores / soft_cap) * soft_cap
     scores = scores.masked_fill(~mask, float("-inf"))
@@ -101,8 +101,9 @@ def prefill_attention(
     q = query.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
     if sliding_window is not None or soft_cap is not None:
         return _prefill_attention_with_options(
-            q, key, value, key_cache, value_cache, block_table, num_context_tokens, scale, sliding_window, soft_cap
-        )
+            q, key, value, key_cache, value_cache, block_table, num_context_tokens, scale, sliding_window,
+            soft_cap,
+        )  # fmt: skip
     if num_context_tokens == 0:
         k = key.transpose(0, 1).unsqueeze(0)
         v = value.transpose(0, 1).unsqueeze(0)

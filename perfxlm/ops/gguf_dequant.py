@@ -56,7 +56,8 @@ def _as_type(ggml_type: Q | int) -> Q:
 def check_supported(qtype: Q) -> None:
     if qtype not in SUPPORTED_TYPES:
         raise ValueError(
-            f"GGML tensor type {qtype.name} is not supported (supported: {', '.join(supported_type_names())})."
+            f"GGML tensor type {qtype.name} is not supported "
+            f"(supported: {', '.join(supported_type_names())})."
         )
 
 
@@ -238,6 +239,7 @@ def _dequantize_reference(
         values = gguf.quants.dequantize(blocks, qtype)
     except NotImplementedError:
         raise ValueError(
-            f"Dequantizing GGML type {qtype.name} is not supported (supported: {', '.join(supported_type_names())})."
+            f"Dequantizing GGML type {qtype.name} is not supported "
+            f"(supported: {', '.join(supported_type_names())})."
         ) from None
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)

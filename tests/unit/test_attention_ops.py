@@ -13,7 +13,9 @@ def _setup(num_blocks, block_size, num_kv_heads, head_dim, dtype, seed=0):
     return torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(6, 2, 32, 16), (4, 4, 17, 5), (9, 3, 64, 7)])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,block_size", [(6, 2, 32, 16), (4, 4, 17, 5), (9, 3, 64, 7)]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_matches_reference(num_heads, num_kv_heads, head_dim, block_size, dtype):
     k_cache, v_cache = _setup(40, block_size, num_kv_heads, head_dim, dtype)
@@ -68,7 +70,9 @@ OPTIONS = [(5, None), (None, 1.5), (7, 0.8), (1, None), (100, 3.0)]
 @pytest.mark.parametrize("sliding_window,soft_cap", OPTIONS)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(6, 2, 32, 16), (9, 3, 17, 5)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_options_match_reference(sliding_window, soft_cap, num_heads, num_kv_heads, head_dim, block_size, dtype):
+def test_decode_options_match_reference(
+    sliding_window, soft_cap, num_heads, num_kv_heads, head_dim, block_size, dtype
+):
     k_cache, v_cache = _setup(40, block_size, num_kv_heads, head_dim, dtype, seed=2)
     k_cache.mul_(3)  # larger scores, so the soft cap bends them
     seq_lens = [1, 4, 13, block_size * 3 + 2]
@@ -115,7 +119,16 @@ def test_prefill_options_match_reference(sliding_window, soft_cap, num_context, 
     write_kv_cache(k_new, v_new, k_cache, v_cache, slots)
     scale = head_dim**-0.5
     out = prefill_attention(
-        q, k_new, v_new, k_cache, v_cache, table, num_context, scale, sliding_window=sliding_window, soft_cap=soft_cap
+        q,
+        k_new,
+        v_new,
+        k_cache,
+        v_cache,
+        table,
+        num_context,
+        scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
     )
     k = gather_sequence_kv(k_cache, table.tolist(), total)
     v = gather_sequence_kv(v_cache, table.tolist(), total)
@@ -139,5 +152,8 @@ def test_reference_window_semantics():
 
     allowed = sliding_window_causal_mask_function(window)
     for p in range(total):
-        row = [bool(allowed(torch.tensor(0), torch.tensor(0), torch.tensor(p), torch.tensor(j))) for j in range(total)]
+        row = [
+            bool(allowed(torch.tensor(0), torch.tensor(0), torch.tensor(p), torch.tensor(j)))
+            for j in range(total)
+        ]
         assert [j for j in range(total) if row[j]] == list(range(max(0, p - window + 1), p + 1))

@@ -59,7 +59,9 @@ def test_random_blocks_match_reference(qtype, shape):
     _assert_same(dequantize(raw, qtype, shape), _reference(raw, qtype, shape))
 
 
-def random_k_blocks(rng: np.random.Generator, qtype: Q, shape: tuple[int, ...], d: float = 1e-3) -> np.ndarray:
+def random_k_blocks(
+    rng: np.random.Generator, qtype: Q, shape: tuple[int, ...], d: float = 1e-3
+) -> np.ndarray:
     """Random k-quant super-blocks whose fp16 super-scales are finite and about `d` (random bytes would
     make many of them inf / nan): valid weights of a sane size, for building checkpoints."""
     raw = _random_blocks(rng, qtype, shape)

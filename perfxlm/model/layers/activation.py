@@ -18,7 +18,9 @@ def get_activation(name: str):
     try:
         return _ACTIVATIONS[name]
     except KeyError:
-        raise ValueError(f"activation {name!r} is not supported (supported: {', '.join(sorted(_ACTIVATIONS))}).") from None
+        raise ValueError(
+            f"activation {name!r} is not supported (supported: {', '.join(sorted(_ACTIVATIONS))})."
+        ) from None
 
 
 class Activation(nn.Module):
@@ -58,7 +60,9 @@ def act_and_mul(name: str) -> nn.Module:
         return SiluAndMul()
     if name in ("gelu", "gelu_pytorch_tanh"):
         return GeluAndMul("tanh" if name == "gelu_pytorch_tanh" else "none")
-    raise ValueError(f"gated activation {name!r} is not supported (supported: gelu, gelu_pytorch_tanh, silu, swish).")
+    raise ValueError(
+        f"gated activation {name!r} is not supported (supported: gelu, gelu_pytorch_tanh, silu, swish)."
+    )
 
 
 def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:

@@ -77,11 +77,11 @@ class Attention(nn.Module):
             out[:nd] = paged_decode_attention(
                 q[:nd], key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
                 meta.decode_mask, **options,
-            )
+            )  # fmt: skip
         for seq in meta.prefills:
             s, e = seq.start, seq.end
             out[s:e] = prefill_attention(
-                q[s:e], k[s:e], v[s:e], key_cache, value_cache, seq.block_table, seq.num_context_tokens, self.scale,
-                **options,
-            )
+                q[s:e], k[s:e], v[s:e], key_cache, value_cache, seq.block_table, seq.num_context_tokens,
+                self.scale, **options,
+            )  # fmt: skip
         return out.view(out.shape[0], -1)

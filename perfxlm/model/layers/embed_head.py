@@ -22,7 +22,7 @@ class VocabEmbedding(nn.Module):
 
 
 class LearnedPositionalEmbedding(nn.Module):
-    """Absolute positions looked up in a table; OPT's table starts `offset` rows in (its rows 0-1 are unused)."""
+    """Absolute positions looked up in a table; OPT's starts `offset` rows in (rows 0-1 unused)."""
 
     def __init__(self, max_positions: int, hidden_size: int, offset: int = 0) -> None:
         super().__init__()
@@ -37,7 +37,11 @@ class LMHead(nn.Module):
     """Projects hidden states to vocabulary logits; shares the embedding's weight when tied."""
 
     def __init__(
-        self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None, logit_soft_cap: float | None = None
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        tied_to: VocabEmbedding | None = None,
+        logit_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
         if tied_to is not None:

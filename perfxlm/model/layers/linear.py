@@ -36,11 +36,15 @@ class MergedLinear(Linear):
         """Shards the checkpoint must provide for `weight` / `bias` (or one tensor already fused)."""
         return list(self.output_sizes)
 
-    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: str, expert: int | None = None) -> None:
+    def load_shard(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard: str, expert: int | None = None
+    ) -> None:
         if expert is not None:
             raise ValueError(f"shard {shard!r}: a per-expert tensor cannot load into a dense projection")
         start, size = self.offsets[shard], self.output_sizes[shard]
         target = param.data.narrow(0, start, size)
         if target.shape != loaded.shape:
-            raise ValueError(f"shard {shard!r}: checkpoint shape {tuple(loaded.shape)} != {tuple(target.shape)}")
+            raise ValueError(
+                f"shard {shard!r}: checkpoint shape {tuple(loaded.shape)} != {tuple(target.shape)}"
+            )
         target.copy_(loaded)

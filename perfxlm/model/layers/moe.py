@@ -56,7 +56,12 @@ class FusedMoE(nn.Module):
     checkpoint tensors load through `load_shard`."""
 
     def __init__(
-        self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool,
         activation: str = "silu",
     ) -> None:
         super().__init__()
@@ -69,14 +74,18 @@ class FusedMoE(nn.Module):
         self.gate_up_proj = nn.Parameter(
             torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False
         )
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        self.down_proj = nn.Parameter(
+            torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False
+        )
         self.act = act_and_mul(activation)
 
     def expected_shards(self, param_name: str) -> list[str]:
         parts = ("gate", "up") if param_name == "gate_up_proj" else ("down",)
         return [f"{e}.{p}" for e in range(self.num_experts) for p in parts]
 
-    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: str, expert: int | None = None) -> None:
+    def load_shard(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard: str, expert: int | None = None
+    ) -> None:
         if expert is None or not 0 <= expert < self.num_experts:
             raise ValueError(f"expert index {expert} out of range for {self.num_experts} experts")
         target = param.data[expert]
@@ -85,7 +94,8 @@ class FusedMoE(nn.Module):
             target = target.narrow(0, 0 if shard == "gate" else inter, inter)
         if target.shape != loaded.shape:
             raise ValueError(
-                f"expert {expert} shard {shard!r}: checkpoint shape {tuple(loaded.shape)} != {tuple(target.shape)}"
+                f"expert {expert} shard {shard!r}: checkpoint shape {tuple(loaded.shape)} "
+                f"!= {tuple(target.shape)}"
             )
         target.copy_(loaded)
 

@@ -42,7 +42,9 @@ class GemmaRMSNorm(RMSNorm):
 class LayerNorm(nn.Module):
     """LayerNorm with optional affine parameters (OPT's `layer_norm_elementwise_affine`)."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True):
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True
+    ):
         super().__init__()
         self.normalized_shape = (hidden_size,)
         self.eps = eps

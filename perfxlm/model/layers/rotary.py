@@ -64,7 +64,9 @@ def _longrope_tables(
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     base = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
     t = torch.arange(max_position, dtype=torch.int64).float()
-    short = torch.outer(t[:original], 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * base))
+    short = torch.outer(
+        t[:original], 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * base)
+    )
     long = torch.outer(t[original:], 1.0 / (torch.tensor(scaling["long_factor"], dtype=torch.float32) * base))
     freqs = torch.cat((short, long))
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -73,7 +75,12 @@ def _longrope_tables(
 
 class RotaryEmbedding(nn.Module):
     def __init__(
-        self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any], rotary_dim: int | None = None
+        self,
+        head_dim: int,
+        max_position: int,
+        theta: float,
+        scaling: dict[str, Any],
+        rotary_dim: int | None = None,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
@@ -81,7 +88,9 @@ class RotaryEmbedding(nn.Module):
         # Plain attributes, not buffers: computed on the CPU even when the model is built on meta.
         with torch.device("cpu"):
             if _rope_type(scaling) == "longrope":
-                self.cos_cache, self.sin_cache = _longrope_tables(self.rotary_dim, max_position, theta, scaling)
+                self.cos_cache, self.sin_cache = _longrope_tables(
+                    self.rotary_dim, max_position, theta, scaling
+                )
             else:
                 inv_freq = _inv_freq(self.rotary_dim, theta, scaling)
                 t = torch.arange(max_position, dtype=torch.int64).float()
@@ -94,7 +103,9 @@ class RotaryEmbedding(nn.Module):
     @classmethod
     def from_config(cls, config: Any, head_dim: int) -> "RotaryEmbedding":
         theta, scaling = rope_parameters(config)
-        partial = scaling.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
+        partial = (
+            scaling.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
+        )
         if _rope_type(scaling) == "longrope" and "original_max_position_embeddings" not in scaling:
             scaling["original_max_position_embeddings"] = config.original_max_position_embeddings
         return cls(head_dim, config.max_position_embeddings, theta, scaling, int(head_dim * partial))

@@ -5,12 +5,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from perfxlm.model.layers.norm import GemmaRMSNorm
+
 
 @torch.no_grad()
 def fill_dummy_weights(model: nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
+    # Gemma's norms scale by 1 + w: an identity norm stores 0
+    gemma_norms = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, GemmaRMSNorm)}
     for name, param in model.named_parameters():
-        if name.endswith("norm.weight") or param.ndim == 1 and "norm" in name:
+        if name in gemma_norms:
+            param.zero_()
+        elif name.endswith("norm.weight") or param.ndim == 1 and "norm" in name:
             param.fill_(1.0)
         elif name.endswith(".bias"):
             param.zero_()

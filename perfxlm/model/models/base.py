@@ -81,7 +81,9 @@ class CausalLM(nn.Module):
                     raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
                 param = params[name]
                 if param.shape != tensor.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
+                    raise ValueError(
+                        f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}"
+                    )
                 param.data.copy_(tensor)
                 loaded.add(name)
                 parent, local = name.rsplit(".", 1)

@@ -23,7 +23,9 @@ class Gemma2DecoderLayer(nn.Module):
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
         self.self_attn = LlamaAttention(
-            config, scale=config.query_pre_attn_scalar**-0.5, sliding_window=layer_sliding_window(config, layer_idx),
+            config,
+            scale=config.query_pre_attn_scalar**-0.5,
+            sliding_window=layer_sliding_window(config, layer_idx),
             logit_soft_cap=getattr(config, "attn_logit_softcapping", None),
         )
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
@@ -39,7 +41,9 @@ class Gemma2DecoderLayer(nn.Module):
 class Gemma2Model(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, scale=config.hidden_size**0.5)
+        self.embed_tokens = VocabEmbedding(
+            config.vocab_size, config.hidden_size, scale=config.hidden_size**0.5
+        )
         self.rotary_emb = RotaryEmbedding.from_config(config, head_dim_of(config))
         self.layers = nn.ModuleList(Gemma2DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -64,7 +68,9 @@ class Gemma2ForCausalLM(CausalLM):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         tied = self.model.embed_tokens if self.tie_word_embeddings else None
         self.lm_head = LMHead(
-            config.vocab_size, config.hidden_size, tied_to=tied,
+            config.vocab_size,
+            config.hidden_size,
+            tied_to=tied,
             logit_soft_cap=getattr(config, "final_logit_softcapping", None),
         )
 

@@ -52,8 +52,12 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = qk_norm
         self.attn = Attention(
-            self.num_heads, self.num_kv_heads, self.head_dim, scale or self.head_dim**-0.5,
-            sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            scale or self.head_dim**-0.5,
+            sliding_window=sliding_window,
+            logit_soft_cap=logit_soft_cap,
         )
         self.qk_size = q_size + kv_size
 
@@ -74,7 +78,11 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(
-        self, config: Any, intermediate_size: int | None = None, bias: bool | None = None, activation: str | None = None
+        self,
+        config: Any,
+        intermediate_size: int | None = None,
+        bias: bool | None = None,
+        activation: str | None = None,
     ) -> None:
         super().__init__()
         inter = intermediate_size or config.intermediate_size

@@ -10,7 +10,12 @@ from torch import nn
 from perfxlm.model.layers.attention import layer_sliding_window
 from perfxlm.model.layers.linear import Linear
 from perfxlm.model.layers.moe import FusedMoE
-from perfxlm.model.models.llama import LLAMA_STACKED_PARAMS, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from perfxlm.model.models.llama import (
+    LLAMA_STACKED_PARAMS,
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+)
 
 
 class MixtralSparseMoeBlock(nn.Module):
@@ -18,8 +23,12 @@ class MixtralSparseMoeBlock(nn.Module):
         super().__init__()
         self.gate = Linear(config.hidden_size, config.num_local_experts)
         self.experts = FusedMoE(
-            config.num_local_experts, config.num_experts_per_tok, config.hidden_size, config.intermediate_size,
-            renormalize=True, activation=config.hidden_act,
+            config.num_local_experts,
+            config.num_experts_per_tok,
+            config.hidden_size,
+            config.intermediate_size,
+            renormalize=True,
+            activation=config.hidden_act,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -37,4 +46,6 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     def make_layer(self, config: Any, layer_idx: int) -> nn.Module:
         window = layer_sliding_window(config, layer_idx, every_layer=True)
-        return LlamaDecoderLayer(config, LlamaAttention(config, sliding_window=window), MixtralSparseMoeBlock(config))
+        return LlamaDecoderLayer(
+            config, LlamaAttention(config, sliding_window=window), MixtralSparseMoeBlock(config)
+        )

@@ -18,7 +18,9 @@ from perfxlm.model.models.base import CausalLM
 
 
 def _layer_norm(config: Any) -> LayerNorm:
-    return LayerNorm(config.hidden_size, elementwise_affine=getattr(config, "layer_norm_elementwise_affine", True))
+    return LayerNorm(
+        config.hidden_size, elementwise_affine=getattr(config, "layer_norm_elementwise_affine", True)
+    )
 
 
 class OPTAttention(nn.Module):
@@ -70,7 +72,9 @@ class OPTDecoder(nn.Module):
         super().__init__()
         embed_dim = getattr(config, "word_embed_proj_dim", None) or config.hidden_size
         self.embed_tokens = VocabEmbedding(config.vocab_size, embed_dim)
-        self.embed_positions = LearnedPositionalEmbedding(config.max_position_embeddings, config.hidden_size, offset=2)
+        self.embed_positions = LearnedPositionalEmbedding(
+            config.max_position_embeddings, config.hidden_size, offset=2
+        )
         projected = embed_dim != config.hidden_size
         self.project_in = Linear(embed_dim, config.hidden_size) if projected else None
         self.project_out = Linear(config.hidden_size, embed_dim) if projected else None

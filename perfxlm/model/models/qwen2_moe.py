@@ -1,5 +1,6 @@
-"""Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2 attention; sparse layers route each token to its top-k
-experts (softmax, renormalised only with `norm_topk_prob`) and add a shared expert scaled by a sigmoid gate."""
+"""Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2 attention; sparse layers route each token to its
+top-k experts (softmax, renormalised only with `norm_topk_prob`) and add a shared expert scaled by a
+sigmoid gate."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ from torch import nn
 from perfxlm.model.layers.attention import layer_sliding_window
 from perfxlm.model.layers.linear import Linear
 from perfxlm.model.layers.moe import FusedMoE
-from perfxlm.model.models.llama import LLAMA_STACKED_PARAMS, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from perfxlm.model.models.llama import (
+    LLAMA_STACKED_PARAMS,
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+)
 
 # per-expert checkpoint tensors -> one slice of the stacked expert parameters
 MOE_STACKED_PARAMS = [
@@ -26,8 +33,12 @@ class Qwen2MoeSparseMoeBlock(nn.Module):
         super().__init__()
         self.gate = Linear(config.hidden_size, config.num_experts)
         self.experts = FusedMoE(
-            config.num_experts, config.num_experts_per_tok, config.hidden_size, config.moe_intermediate_size,
-            renormalize=bool(config.norm_topk_prob), activation=config.hidden_act,
+            config.num_experts,
+            config.num_experts_per_tok,
+            config.hidden_size,
+            config.moe_intermediate_size,
+            renormalize=bool(config.norm_topk_prob),
+            activation=config.hidden_act,
         )
         shared = getattr(config, "shared_expert_intermediate_size", 0)
         self.shared_expert = LlamaMLP(config, intermediate_size=shared, bias=False) if shared else None
@@ -45,7 +56,9 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
 
     def make_layer(self, config: Any, layer_idx: int) -> nn.Module:
         attn = LlamaAttention(
-            config, qkv_bias=bool(getattr(config, "qkv_bias", True)), o_bias=False,
+            config,
+            qkv_bias=bool(getattr(config, "qkv_bias", True)),
+            o_bias=False,
             sliding_window=layer_sliding_window(config, layer_idx),
         )
         sparse = (
