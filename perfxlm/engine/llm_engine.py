@@ -6,28 +6,18 @@ import time
 from typing import Any
 
 from perfxlm.config import EngineConfig
-from perfxlm.engine.engine_core import EngineCore
-from perfxlm.engine.input_processor import InputProcessor, PromptType
-from perfxlm.engine.output_processor import OutputProcessor
+from perfxlm.engine.engine_core import EngineFrontEndParts
+from perfxlm.engine.input_processor import PromptType
 from perfxlm.engine.request import RequestStatus
 from perfxlm.outputs import RequestOutput
 from perfxlm.sampling_params import SamplingParams
 
 
-class LLMEngine:
+class LLMEngine(EngineFrontEndParts):
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config.resolve()
-        self.tokenizer = None
-        if not config.skip_tokenizer_init:
-            from perfxlm.tokenizer import get_tokenizer
-
-            self.tokenizer = get_tokenizer(config.model, config.tokenizer)
-        self.core = EngineCore(config)
-        self.num_kv_blocks = self.core.num_kv_blocks
+        super().__init__(config)
         self.scheduler = self.core.scheduler
         self.kv_cache_manager = self.core.kv_cache_manager
-        self.input_processor = InputProcessor(config, self.tokenizer, self.num_kv_blocks)
-        self.output_processor = OutputProcessor(self.tokenizer)
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(

@@ -21,10 +21,9 @@ import time
 from typing import Any, Callable
 
 from perfxlm.config import EngineConfig
-from perfxlm.engine.engine_core import EngineCore
-from perfxlm.engine.input_processor import InputProcessor, PromptType
+from perfxlm.engine.engine_core import EngineFrontEndParts
+from perfxlm.engine.input_processor import PromptType
 from perfxlm.engine.messages import EngineCoreOutput
-from perfxlm.engine.output_processor import OutputProcessor
 from perfxlm.engine.request import Request, RequestStatus
 from perfxlm.outputs import RequestOutput
 from perfxlm.sampling_params import SamplingParams
@@ -39,18 +38,9 @@ class EngineDeadError(RuntimeError):
     pass
 
 
-class ThreadedEngine:
+class ThreadedEngine(EngineFrontEndParts):
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config.resolve()
-        self.tokenizer = None
-        if not config.skip_tokenizer_init:
-            from perfxlm.tokenizer import get_tokenizer
-
-            self.tokenizer = get_tokenizer(config.model, config.tokenizer)
-        self.core = EngineCore(config)
-        self.num_kv_blocks = self.core.num_kv_blocks
-        self.input_processor = InputProcessor(config, self.tokenizer, self.num_kv_blocks)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        super().__init__(config)
         self._sinks: dict[str, Sink] = {}
         self._lock = threading.Lock()  # guards output_processor and _sinks
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
