@@ -28,9 +28,7 @@ class LLMEngine(EngineFrontEndParts):
             raise ValueError(f"request_id {request_id!r} is already in use.")
         pr = self.input_processor.process(request_id, prompt, params, arrival_time)
         self.scheduler.add_request(pr.request)
-        self.output_processor.add_request(
-            request_id, pr.child_ids, pr.child_params, pr.prompt, pr.request.prompt_token_ids, pr.params, arrival_time
-        )
+        self.output_processor.add_request(request_id, pr, arrival_time)
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         outs = []

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from perfxlm.engine.detokenizer import IncrementalDetokenizer
+from perfxlm.engine.input_processor import ProcessedRequest
 from perfxlm.engine.messages import EngineCoreOutput, LogprobEntry
 from perfxlm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from perfxlm.sampling_params import RequestOutputKind, SamplingParams
@@ -192,20 +193,11 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}
         self.child_to_parent: dict[str, tuple[RequestState, int]] = {}
 
-    def add_request(
-        self,
-        request_id: str,
-        child_ids: list[str],
-        child_params: list[SamplingParams],
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        arrival_time: float,
-    ) -> None:
-        state = RequestState(request_id, child_ids, child_params, prompt, prompt_token_ids, params, self.tokenizer,
-                             arrival_time)
+    def add_request(self, request_id: str, pr: ProcessedRequest, arrival_time: float) -> None:
+        state = RequestState(request_id, pr.child_ids, pr.child_params, pr.prompt, pr.request.prompt_token_ids,
+                             pr.params, self.tokenizer, arrival_time)
         self.states[request_id] = state
-        for i, cid in enumerate(child_ids):
+        for i, cid in enumerate(pr.child_ids):
             self.child_to_parent[cid] = (state, i)
 
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[tuple[str, str]]]:

@@ -66,8 +66,7 @@ class ThreadedEngine(EngineFrontEndParts):
             if request_id in self._sinks:
                 raise ValueError(f"request_id {request_id!r} is already in use.")
             self._sinks[request_id] = sink
-            self.output_processor.add_request(request_id, pr.child_ids, pr.child_params, pr.prompt,
-                                              pr.request.prompt_token_ids, pr.params, arrival_time)
+            self.output_processor.add_request(request_id, pr, arrival_time)
         self._idle.clear()
         self._commands.put(("add", pr.request))
 
