@@ -54,6 +54,12 @@ def cpu_has_fast_bf16() -> bool:
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
+def _native_kernels_usable() -> bool:
+    from perfxlm.ops import native
+
+    return native.kernels() is not None
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float32, torch.bfloat16):
@@ -85,7 +91,9 @@ class EngineConfig:
     enforce_eager: bool = True
     # Resolved by resolve(); not user input.
     hf_config: Any = field(default=None, repr=False)
-    torch_dtype: torch.dtype = field(default=torch.float32, repr=False)
+    torch_dtype: torch.dtype = field(default=torch.float32, repr=False)  # activations (compute)
+    weight_dtype: torch.dtype = field(default=torch.float32, repr=False)  # linear/embedding weights
+    kv_cache_dtype: torch.dtype = field(default=torch.float32, repr=False)
     eos_token_ids: set[int] = field(default_factory=set, repr=False)
 
     def resolve(self) -> "EngineConfig":
@@ -108,7 +116,12 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}.")
-        self.torch_dtype = resolve_dtype(self.dtype)
+        self.torch_dtype = self.weight_dtype = self.kv_cache_dtype = resolve_dtype(self.dtype)
+        if self.torch_dtype == torch.bfloat16 and not cpu_has_fast_bf16() and _native_kernels_usable():
+            # No bf16 arithmetic on this CPU (torch would emulate it, slower than float32): keep weights
+            # and KV cache in bf16 (half the bytes each decode step reads) and compute in float32, as
+            # llama.cpp does with bf16 models.
+            self.torch_dtype = torch.float32
         self.hf_config = load_hf_config(self.model)
         limit = _max_position_embeddings(self.hf_config)
         if self.max_model_len is None:

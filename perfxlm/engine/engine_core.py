@@ -28,23 +28,25 @@ class EngineCore:
         self.config = config
         if config.seed is not None:
             torch.manual_seed(config.seed)
-        self.model = get_model(config.model, config.hf_config, config.torch_dtype, config.load_format, config.seed)
+        self.model = get_model(
+            config.model, config.hf_config, config.torch_dtype, config.load_format, config.seed, config.weight_dtype
+        )
         self.num_kv_blocks = self._num_kv_blocks()
-        self.runner = ModelRunner(self.model, self.num_kv_blocks, config.block_size, config.torch_dtype)
+        self.runner = ModelRunner(self.model, self.num_kv_blocks, config.block_size, config.kv_cache_dtype)
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len
         )
         logger.info(
-            "perfxlm engine core: model=%s dtype=%s kv_blocks=%d x %d tokens, max_model_len=%d",
-            config.model, config.torch_dtype, self.num_kv_blocks, config.block_size, config.max_model_len,
+            "perfxlm engine core: model=%s compute=%s weights=%s kv=%s kv_blocks=%d x %d tokens, max_model_len=%d",
+            config.model, config.torch_dtype, config.weight_dtype, config.kv_cache_dtype, self.num_kv_blocks, config.block_size, config.max_model_len,
         )
 
     def _num_kv_blocks(self) -> int:
         c = self.config
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
-        per_block = ModelRunner.kv_bytes_per_block(self.model, c.block_size, c.torch_dtype)
+        per_block = ModelRunner.kv_bytes_per_block(self.model, c.block_size, c.kv_cache_dtype)
         if c.kv_cache_gib is not None:
             if c.kv_cache_gib <= 0:
                 raise ValueError(f"kv_cache_gib must be > 0, got {c.kv_cache_gib}.")

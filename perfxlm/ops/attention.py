@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from perfxlm.ops import native
+
 
 def write_kv_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -22,15 +24,17 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,  # [num_tokens] int64
 ) -> None:
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    if key.dtype != key_cache.dtype:  # a bf16 cache under float32 compute
+        key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    # [B, max_blocks] -> [B, num_kv_heads, max_blocks * block_size, head_dim]
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # [B, max_blocks] -> [B, num_kv_heads, max_blocks * block_size, head_dim], in the query's dtype
     batch = block_tables.shape[0]
     # index_select on a 2-D view: several times faster than advanced indexing on the 4-D cache.
-    gathered = cache.view(cache.shape[0], -1).index_select(0, block_tables.reshape(-1))
+    gathered = cache.view(cache.shape[0], -1).index_select(0, block_tables.reshape(-1)).to(dtype)
     return gathered.view(batch, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
 
 
@@ -65,11 +69,36 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
 ) -> torch.Tensor:  # [B, num_heads, head_dim]
+    ops = native.kernels()
+    if ops is not None:
+        # Reads K/V in place through the block table: no gathered copy, no mask.
+        out = ops.paged_decode_attention(
+            query.float(), key_cache, value_cache, block_tables, seq_lens, scale, sliding_window or 0,
+            soft_cap or 0.0,
+        )  # fmt: skip
+        return out.to(query.dtype)
+    return paged_decode_attention_torch(
+        query, key_cache, value_cache, block_tables, seq_lens, scale, mask, sliding_window, soft_cap
+    )
+
+
+def paged_decode_attention_torch(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    """The same from torch ops: gather the blocks into contiguous K/V, then SDPA with a length mask."""
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
-    key = _gather(key_cache, block_tables)
-    value = _gather(value_cache, block_tables)
+    key = _gather(key_cache, block_tables, query.dtype)
+    value = _gather(value_cache, block_tables, query.dtype)
     # The heads of one KV group become the "query length" axis: GQA without repeating K/V.
     q = query.view(batch, num_kv_heads, group, head_dim)
     if mask is None:
@@ -110,8 +139,8 @@ def prefill_attention(
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         total = num_context_tokens + num_new
-        k = _gather(key_cache, block_table[None])[:, :, :total]
-        v = _gather(value_cache, block_table[None])[:, :, :total]
+        k = _gather(key_cache, block_table[None], q.dtype)[:, :, :total]
+        v = _gather(value_cache, block_table[None], q.dtype)[:, :, :total]
         # New token i sits at absolute position num_context_tokens + i and sees keys up to it.
         rows = torch.arange(num_new)[:, None] + num_context_tokens
         mask = torch.arange(total)[None, :] <= rows
@@ -137,8 +166,8 @@ def _prefill_attention_with_options(
         k = key.transpose(0, 1).unsqueeze(0)
         v = value.transpose(0, 1).unsqueeze(0)
     else:
-        k = _gather(key_cache, block_table[None])[:, :, :total]
-        v = _gather(value_cache, block_table[None])[:, :, :total]
+        k = _gather(key_cache, block_table[None], q.dtype)[:, :, :total]
+        v = _gather(value_cache, block_table[None], q.dtype)[:, :, :total]
     rows = torch.arange(num_new)[:, None] + num_context_tokens
     cols = torch.arange(total)[None, :]
     mask = cols <= rows

@@ -17,6 +17,7 @@ from perfxlm.engine.messages import ModelRunnerOutput, ScheduledRequest, Schedul
 from perfxlm.model.forward_context import AttentionMetadata, PrefillSeq, set_forward_context
 from perfxlm.model.layers.attention import Attention
 from perfxlm.model.layers.sampler import Sampler, compute_logprobs
+from perfxlm.ops import native
 from perfxlm.ops.attention import decode_mask
 from perfxlm.worker.sampling_inputs import SampleRow, build_sampling_metadata
 
@@ -135,7 +136,8 @@ class ModelRunner:
             dec_max = max(len(s.block_ids) for s in order[:num_decodes])
             decode_tables = tables_t[:num_decodes, :dec_max]
             decode_lens = torch.from_numpy(starts[:num_decodes] + 1)
-            mask = decode_mask(decode_lens, dec_max * bs)
+            if native.kernels() is None:  # the torch fallback masks padded blocks; the kernel needs no mask
+                mask = decode_mask(decode_lens, dec_max * bs)
         prefills = [
             PrefillSeq(int(ends[i] - lens[i]), int(ends[i]), int(starts[i]), tables_t[i, : len(order[i].block_ids)])
             for i in range(num_decodes, len(order))

@@ -3,8 +3,25 @@
 import pytest
 import torch
 
-from perfxlm.ops.attention import decode_mask, paged_decode_attention, prefill_attention, write_kv_cache
+from perfxlm.ops import native
+from perfxlm.ops.attention import (
+    decode_mask,
+    paged_decode_attention,
+    paged_decode_attention_torch,
+    prefill_attention,
+    write_kv_cache,
+)
 from perfxlm.ops.reference import attention_reference, gather_sequence_kv
+
+
+@pytest.fixture(params=["native", "torch"])
+def decode_impl(request):
+    """The decode op as dispatched (the native kernel where it builds) and its plain-torch path."""
+    if request.param == "torch":
+        return paged_decode_attention_torch
+    if native.kernels() is None:
+        pytest.skip("native kernels unavailable on this machine")
+    return paged_decode_attention
 
 
 def _setup(num_blocks, block_size, num_kv_heads, head_dim, dtype, seed=0):
@@ -14,11 +31,15 @@ def _setup(num_blocks, block_size, num_kv_heads, head_dim, dtype, seed=0):
 
 
 @pytest.mark.parametrize(
-    "num_heads,num_kv_heads,head_dim,block_size", [(6, 2, 32, 16), (4, 4, 17, 5), (9, 3, 64, 7)]
+    "num_heads,num_kv_heads,head_dim,block_size",
+    [(6, 2, 32, 16), (4, 4, 17, 5), (9, 3, 64, 7), (8, 2, 128, 16), (2, 1, 256, 3)],
 )
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_matches_reference(num_heads, num_kv_heads, head_dim, block_size, dtype):
-    k_cache, v_cache = _setup(40, block_size, num_kv_heads, head_dim, dtype)
+@pytest.mark.parametrize(
+    "dtype,cache_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
+)
+def test_decode_matches_reference(num_heads, num_kv_heads, head_dim, block_size, dtype, cache_dtype, decode_impl):
+    k_cache, v_cache = _setup(40, block_size, num_kv_heads, head_dim, cache_dtype)
     seq_lens = [1, 13, block_size * 3, 29]
     perm = torch.randperm(40).tolist()
     tables, off = [], 0
@@ -30,7 +51,8 @@ def test_decode_matches_reference(num_heads, num_kv_heads, head_dim, block_size,
     bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
     q = torch.randn(len(seq_lens), num_heads, head_dim, dtype=dtype)
     scale = head_dim**-0.5
-    out = paged_decode_attention(q, k_cache, v_cache, bt, torch.tensor(seq_lens), scale)
+    out = decode_impl(q, k_cache, v_cache, bt, torch.tensor(seq_lens), scale)
+    assert out.dtype == dtype
     for i, n in enumerate(seq_lens):
         k = gather_sequence_kv(k_cache, tables[i], n)
         v = gather_sequence_kv(v_cache, tables[i], n)
@@ -68,10 +90,10 @@ OPTIONS = [(5, None), (None, 1.5), (7, 0.8), (1, None), (100, 3.0)]
 
 
 @pytest.mark.parametrize("sliding_window,soft_cap", OPTIONS)
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(6, 2, 32, 16), (9, 3, 17, 5)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(6, 2, 64, 16), (9, 3, 17, 5)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_options_match_reference(
-    sliding_window, soft_cap, num_heads, num_kv_heads, head_dim, block_size, dtype
+    sliding_window, soft_cap, num_heads, num_kv_heads, head_dim, block_size, dtype, decode_impl
 ):
     k_cache, v_cache = _setup(40, block_size, num_kv_heads, head_dim, dtype, seed=2)
     k_cache.mul_(3)  # larger scores, so the soft cap bends them
@@ -88,10 +110,8 @@ def test_decode_options_match_reference(
     scale = head_dim**-0.5
     lens = torch.tensor(seq_lens)
     mask = decode_mask(lens, max_blocks * block_size)
-    out = paged_decode_attention(
-        q, k_cache, v_cache, bt, lens, scale, mask, sliding_window=sliding_window, soft_cap=soft_cap
-    )
-    plain = paged_decode_attention(q, k_cache, v_cache, bt, lens, scale, mask)
+    out = decode_impl(q, k_cache, v_cache, bt, lens, scale, mask, sliding_window=sliding_window, soft_cap=soft_cap)
+    plain = decode_impl(q, k_cache, v_cache, bt, lens, scale, mask)
     for i, n in enumerate(seq_lens):
         k = gather_sequence_kv(k_cache, tables[i], n)
         v = gather_sequence_kv(v_cache, tables[i], n)

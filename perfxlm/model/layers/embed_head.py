@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from perfxlm.model.layers.activation import soft_cap
+from perfxlm.ops.linear import linear
 
 
 class VocabEmbedding(nn.Module):
@@ -13,9 +14,13 @@ class VocabEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
         # Gemma multiplies by sqrt(hidden), rounded to the model dtype first as transformers does
         self.scale = scale
+        # Set when the table is stored narrower than the activations (bf16 weights, float32 compute).
+        self.compute_dtype: torch.dtype | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = F.embedding(input_ids, self.weight)
+        if self.compute_dtype is not None:
+            x = x.to(self.compute_dtype)
         if self.scale is not None:
             x = x * torch.tensor(self.scale, dtype=torch.float32).to(x.dtype)
         return x
@@ -52,7 +57,7 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # Logits in float32 whatever the model dtype: sampling and logprobs want the precision.
-        logits = F.linear(hidden, self.weight).float()
+        logits = linear(hidden, self.weight).float()
         if self.logit_soft_cap is not None:
             logits = soft_cap(logits, self.logit_soft_cap)
         return logits

@@ -34,7 +34,14 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def get_model(model_path: str, hf_config: Any, dtype: torch.dtype, load_format: str, seed: int | None = 0):
+def get_model(
+    model_path: str,
+    hf_config: Any,
+    dtype: torch.dtype,
+    load_format: str,
+    seed: int | None = 0,
+    weight_dtype: torch.dtype | None = None,
+):
     model_cls = resolve_model_class(hf_config)
     with _default_dtype(dtype), torch.no_grad():
         # Layers allocate with torch.empty: building the model costs no initialisation pass.
@@ -46,7 +53,23 @@ def get_model(model_path: str, hf_config: Any, dtype: torch.dtype, load_format: 
         else:
             weights = _iter_weights(model_path, hf_config, load_format)
             model.load_weights(tqdm(weights, desc="Loading weights", unit="tensor", leave=False))
+    if weight_dtype is not None and weight_dtype != dtype:
+        cast_weights(model, weight_dtype)
     return model.eval()
+
+
+def cast_weights(model: torch.nn.Module, weight_dtype: torch.dtype) -> None:
+    """Store the projection and embedding weights in `weight_dtype` while activations keep the model
+    dtype (bf16 weights, float32 compute). Norms, biases and MoE expert stacks keep the model dtype."""
+    from perfxlm.model.layers.embed_head import LMHead, VocabEmbedding
+    from perfxlm.model.layers.linear import Linear
+
+    for module in model.modules():
+        if isinstance(module, VocabEmbedding):
+            module.compute_dtype = module.weight.dtype
+        if isinstance(module, (Linear, VocabEmbedding, LMHead)) and module.weight.dtype != weight_dtype:
+            # In place on the Parameter: a tied LM head shares it and sees the cast once.
+            module.weight.data = module.weight.data.to(weight_dtype)
 
 
 def _iter_weights(model_path: str, hf_config: Any, load_format: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,0 +1,101 @@
+"""The native CPU kernels (perfxlm/csrc/cpu_kernels.cpp), compiled once per machine at first use.
+
+Built with torch's extension tools into a per-user cache keyed by the source, the torch version and the
+CPU's instruction-set flags, then loaded as `torch.ops.perfxlm.*`. Where there is no compiler (or
+PERFXLM_NATIVE=0), `kernels()` returns None and every caller takes its plain-torch path: same results,
+slower.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_kernels.cpp"
+_lock = threading.Lock()
+_state: dict[str, Any] = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build_dir() -> Path:
+    key = hashlib.sha256(
+        _SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode()
+    ).hexdigest()[:16]
+    root = Path(os.environ.get("PERFXLM_CACHE_DIR", Path.home() / ".cache" / "perfxlm"))
+    path = root / "kernels" / key
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def enabled() -> bool:
+    return os.environ.get("PERFXLM_NATIVE", "1") not in ("0", "false", "no")
+
+
+def kernels() -> Any | None:
+    """`torch.ops.perfxlm` with the kernels loaded, or None where they cannot be built."""
+    if not enabled():
+        return None
+    if "ops" in _state:
+        return _state["ops"]
+    with _lock:
+        if "ops" in _state:
+            return _state["ops"]
+        _state["ops"] = _load()
+        return _state["ops"]
+
+
+def _load() -> Any | None:
+    try:
+        from torch.utils.cpp_extension import load
+
+        build_dir = _build_dir()
+        fresh = not any(build_dir.glob("*.so"))
+        if fresh:
+            # Printed, not logged: a first start spends ~1 minute here and should say why.
+            print("perfxlm: compiling CPU kernels (once per machine)...", flush=True)
+        t0 = time.perf_counter()
+        load(
+            name="perfxlm_cpu_kernels",
+            sources=[str(_SOURCE)],
+            # -fopenmp: at::parallel_for is inline OpenMP; the runtime resolves to the libgomp.so.1
+            # torch has already loaded, so kernels share torch's thread pool.
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+        if fresh:
+            print(f"perfxlm: CPU kernels ready ({time.perf_counter() - t0:.0f} s)", flush=True)
+        return torch.ops.perfxlm
+    except Exception as exc:  # no compiler, no ninja, read-only home...: fall back, say so once
+        logger.warning("perfxlm: native CPU kernels unavailable (%s); using plain PyTorch ops.", exc)
+        return None
+
+
+def has_native_bf16() -> bool:
+    """Whether this CPU does bfloat16 arithmetic in hardware (AVX512-BF16 or AMX); without it torch
+    emulates bf16 matmuls, slower than float32."""
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:
+        return False
