@@ -128,7 +128,10 @@ def model_summary(llm: Any) -> dict[str, Any]:
     return {
         "model": config.model,
         "architecture": (getattr(hf, "architectures", None) or [type(hf).__name__])[0],
-        "dtype": str(config.torch_dtype).replace("torch.", ""),
+        # The weights' dtype names the run (a "bfloat16" run may compute in float32, see compute_dtype).
+        "dtype": str(getattr(config, "weight_dtype", config.torch_dtype)).replace("torch.", ""),
+        "compute_dtype": str(config.torch_dtype).replace("torch.", ""),
+        "kv_cache_dtype": str(getattr(config, "kv_cache_dtype", config.torch_dtype)).replace("torch.", ""),
         "num_params": params,
         "model_size": format_params(params),
         "weights_gib": weight_bytes / (1 << 30),
@@ -230,8 +233,25 @@ def measure_matmul_gflops(dtype: str = "float32", n: int = 1024, repeats: int = 
     return 2 * n**3 / best / 1e9
 
 
+def measure_read_bandwidth_gbs(size_mib: int = 512, repeats: int = 3) -> float:
+    """Read bandwidth (GB/s): a sum over a buffer far larger than the caches, best of `repeats`.
+    What a decode step is bound by: it reads every weight once and writes little."""
+    import torch
+
+    src = torch.ones(size_mib << 18, dtype=torch.float32)
+    src.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        src.sum()
+        best = min(best, time.perf_counter() - t)
+    return src.numel() * src.element_size() / best / 1e9
+
+
 def machine_peaks(dtype: str = "float32") -> dict[str, float]:
+    """`dtype`: the compute dtype, whose GEMM rate bounds prefill."""
     return {
         "copy_bandwidth_gbs": measure_memory_bandwidth_gbs(),
+        "read_bandwidth_gbs": measure_read_bandwidth_gbs(),
         f"matmul_gflops_{dtype}": measure_matmul_gflops(dtype),
     }

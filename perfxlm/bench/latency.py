@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from perfxlm.bench import env as benv
+from perfxlm.bench import roofline
 from perfxlm.bench.common import make_llm, sibling_path, size_engine_for_batch, write_json
 from perfxlm.bench.datasets import random_token_ids
 from perfxlm.bench.metrics import summarize
@@ -191,13 +192,18 @@ def cmd_latency(args: Any, engine_kwargs: dict[str, Any]) -> int:
                            output_len=args.output_len, num_iters=args.num_iters,
                            num_iters_warmup=args.num_iters_warmup, seed=args.seed,
                            detokenize=not args.disable_detokenize and llm.get_tokenizer() is not None)
-    if args.machine_peaks:
-        env.update(benv.machine_peaks(env["dtype"]))
+    compute_dtype = env.get("compute_dtype", env["dtype"])
+    peaks = benv.machine_peaks(compute_dtype) if args.machine_peaks else {}
+    env.update(peaks)
     print(benv.format_env(env))
     result = run_latency(llm, args.batch_size, args.input_len, args.output_len, args.num_iters,
                          args.num_iters_warmup, args.seed, args.disable_detokenize,
                          log=None if args.quiet else print)
     print(format_latency(result))
+    costs = roofline.model_costs(llm)
+    if costs is not None:
+        result["achieved"] = roofline.achieved(costs, result, peaks, compute_dtype)
+        print(roofline.format_achieved(result["achieved"], peaks, compute_dtype))
     if args.output_json:
         write_json(args.output_json, {"config": env, **result})
         print(f"saved {args.output_json}")
@@ -330,7 +336,7 @@ def cmd_sweep(args: Any, engine_kwargs: dict[str, Any]) -> int:
     env.update({k: v for k, v in summary.items() if k not in ("num_kv_blocks", "max_num_seqs",
                                                                 "max_num_batched_tokens")})
     if args.machine_peaks:
-        env.update(benv.machine_peaks(env.get("dtype", "float32")))
+        env.update(benv.machine_peaks(env.get("compute_dtype", env.get("dtype", "float32"))))
     print(benv.format_env(env))
     print(markdown_table(rows))
     csv_path = args.output_csv or sibling_path(args.output_json, ".csv")

@@ -79,7 +79,7 @@ def cmd_throughput(args: Any, engine_kwargs: dict[str, Any]) -> int:
                            random_range_ratio=args.random_range_ratio if name == "random" else None,
                            seed=args.seed, detokenize=not args.disable_detokenize and tokenizer is not None)
     if args.machine_peaks:
-        env.update(benv.machine_peaks(env["dtype"]))
+        env.update(benv.machine_peaks(env.get("compute_dtype", env["dtype"])))
     print(benv.format_env(env))
     result = run_throughput(llm, requests, use_tqdm=not args.disable_tqdm, disable_detokenize=args.disable_detokenize)
     print(format_throughput(result))

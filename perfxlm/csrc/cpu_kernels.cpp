@@ -8,6 +8,9 @@
 //    of a KV group together, reading K/V in place through the block table (no gather into a
 //    contiguous copy), float32 or bfloat16 cache, sliding window and logit soft-capping.
 //
+// 3. fused_add_rms_norm, rms_norm, rotary_embedding: a decode step's per-layer elementwise work in one
+//    call each (dispatch overhead, not arithmetic, is what they cost at small batch).
+//
 // The plain-torch references are perfxlm/ops/reference.py; tests compare the two on random inputs.
 // Built at first use by torch.utils.cpp_extension (see perfxlm/ops/native.py) with -march=native:
 // the AVX-512 paths compile where the CPU has it, the portable loops elsewhere.
@@ -61,34 +64,46 @@ template <int MT, int NT>
 inline void dot_tile(const float* x, const uint16_t* w, int64_t K, int64_t N, float* y, const float* bias) {
 #ifdef PERFXLM_AVX512
   __m512 acc[MT][NT];
+  #pragma GCC unroll 16
   for (int i = 0; i < MT; ++i)
+    #pragma GCC unroll 16
     for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
     __m512 wv[NT];
+    #pragma GCC unroll 16
     for (int j = 0; j < NT; ++j) {
       // The slab after this one streams in while this one computes (decode is bound by this read).
       _mm_prefetch(reinterpret_cast<const char*>(w + (j + NT) * K + k), _MM_HINT_T0);
       wv[j] = load16(w + j * K + k, 0xFFFF);
     }
+    #pragma GCC unroll 16
     for (int i = 0; i < MT; ++i) {
       const __m512 xv = _mm512_loadu_ps(x + i * K + k);
+      #pragma GCC unroll 16
       for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
     }
   }
   if (k < K) {
     const __mmask16 mask = tail_mask(K - k);
     __m512 wv[NT];
+    #pragma GCC unroll 16
     for (int j = 0; j < NT; ++j) wv[j] = load16(w + j * K + k, mask);
+    #pragma GCC unroll 16
     for (int i = 0; i < MT; ++i) {
       const __m512 xv = load16(x + i * K + k, mask);
+      #pragma GCC unroll 16
       for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
     }
   }
+  #pragma GCC unroll 16
   for (int i = 0; i < MT; ++i)
+    #pragma GCC unroll 16
     for (int j = 0; j < NT; ++j) y[i * N + j] = _mm512_reduce_add_ps(acc[i][j]) + (bias ? bias[j] : 0.f);
 #else
+  #pragma GCC unroll 16
   for (int i = 0; i < MT; ++i)
+    #pragma GCC unroll 16
     for (int j = 0; j < NT; ++j) {
       float acc = 0.f;
       const float* xr = x + i * K;
@@ -147,6 +162,146 @@ at::Tensor linear_bf16w(const at::Tensor& x, const at::Tensor& w, const c10::opt
     }
   });
   return y;
+}
+
+// ---------------------------------------------------------------------------------------------
+// linear_bf16_packed: the same product with W pre-packed once at load into panels of 16 output
+// columns, [ceil(N/16), K, 16] bf16. One k step reads 16 consecutive weights of each panel and
+// broadcasts one x value per row: no horizontal sums, every weight widened once per row tile.
+// ---------------------------------------------------------------------------------------------
+
+#ifdef PERFXLM_AVX512
+template <int MT, int NP, typename T>
+inline void packed_tile(const float* x, int64_t K, const T* panels, int64_t panel_stride, float* y,
+                        int64_t N, int64_t n0, const float* bias) {
+  __m512 acc[MT][NP];
+  #pragma GCC unroll 16
+  for (int i = 0; i < MT; ++i)
+    #pragma GCC unroll 16
+    for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 wv[NP];
+    #pragma GCC unroll 16
+    for (int j = 0; j < NP; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(panels + j * panel_stride + (k + 16) * 16), _MM_HINT_T0);
+      wv[j] = load16(panels + j * panel_stride + k * 16, 0xFFFF);
+    }
+    #pragma GCC unroll 16
+    for (int i = 0; i < MT; ++i) {
+      const __m512 xb = _mm512_set1_ps(x[i * K + k]);
+      #pragma GCC unroll 16
+      for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_fmadd_ps(xb, wv[j], acc[i][j]);
+    }
+  }
+  #pragma GCC unroll 16
+  for (int j = 0; j < NP; ++j) {
+    const int64_t n = n0 + 16 * j;
+    const __mmask16 mask = tail_mask(N - n);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+    #pragma GCC unroll 16
+    for (int i = 0; i < MT; ++i) _mm512_mask_storeu_ps(y + i * N + n, mask, _mm512_add_ps(acc[i][j], bv));
+  }
+}
+
+template <int NP, typename T>
+inline void packed_rows(const float* x, int64_t M, int64_t K, const T* panels, int64_t panel_stride, float* y,
+                        int64_t N, int64_t n0, const float* bias) {
+  constexpr int MT = 8;
+  int64_t m = 0;
+  for (; m + MT <= M; m += MT) packed_tile<MT, NP, T>(x + m * K, K, panels, panel_stride, y + m * N, N, n0, bias);
+  switch (M - m) {
+    case 7: packed_tile<7, NP, T>(x + m * K, K, panels, panel_stride, y + m * N, N, n0, bias); break;
+    case 6: packed_tile<6, NP, T>(x + m * K, K, panels, panel_stride, y + m * N, N, n0, bias); break;
+    case 5: packed_tile<5, NP, T>(x + m * K, K, panels, panel_stride, y + m * N, N, n0, bias); break;
+    case 4: packed_tile<4, NP, T>(x + m * K, K, panels, panel_stride, y + m * N, N, n0, bias); break;
+    case 3: packed_tile<3, NP, T>(x + m * K, K, panels, panel_stride, y + m * N, N, n0, bias); break;
+    case 2: packed_tile<2, NP, T>(x + m * K, K, panels, panel_stride, y + m * N, N, n0, bias); break;
+    case 1: packed_tile<1, NP, T>(x + m * K, K, panels, panel_stride, y + m * N, N, n0, bias); break;
+    default: break;
+  }
+}
+#endif
+
+at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                              const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_bf16_packed: x must be 2-D float32");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 16 && packed.scalar_type() == at::kBFloat16 &&
+                  packed.is_contiguous(), "linear_bf16_packed: packed must be contiguous bf16 [N/16, K, 16]");
+  TORCH_CHECK(packed.size(1) == x.size(1), "linear_bf16_packed: x has ", x.size(1), " features, weight expects ",
+              packed.size(1));
+  TORCH_CHECK(packed.size(0) * 16 >= N && packed.size(0) * 16 < N + 16, "linear_bf16_packed: N does not match panels");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor bc;
+  if (bias.has_value() && bias->defined()) bc = bias->to(at::kFloat).contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), panels = packed.size(0);
+  at::Tensor y = at::empty({M, N}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  const uint16_t* pp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t panel_stride = K * 16;
+#ifdef PERFXLM_AVX512
+  const int64_t groups = (panels + 1) / 2;  // two panels (32 columns) per task
+  // Past one row tile, each panel pair is widened once into a float32 buffer (L2-resident) instead of
+  // once per row tile.
+  const bool widen = M > 8;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> wide(widen ? static_cast<size_t>(2 * panel_stride) : 0);
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t p = 2 * g;
+      const int64_t np = p + 1 < panels ? 2 : 1;
+      const uint16_t* src = pp + p * panel_stride;
+      if (widen) {
+        for (int64_t i = 0; i < np * panel_stride; i += 16)
+          _mm512_storeu_ps(wide.data() + i, load16(src + i, 0xFFFF));
+        if (np == 2)
+          packed_rows<2, float>(xp, M, K, wide.data(), panel_stride, yp, N, p * 16, bp);
+        else
+          packed_rows<1, float>(xp, M, K, wide.data(), panel_stride, yp, N, p * 16, bp);
+      } else if (np == 2) {
+        packed_rows<2, uint16_t>(xp, M, K, src, panel_stride, yp, N, p * 16, bp);
+      } else {
+        packed_rows<1, uint16_t>(xp, M, K, src, panel_stride, yp, N, p * 16, bp);
+      }
+    }
+  });
+#else
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t c = 0; c < 16 && p * 16 + c < N; ++c) {
+          float acc = 0.f;
+          for (int64_t k = 0; k < K; ++k) acc += xp[m * K + k] * bf16_to_float(pp[p * panel_stride + k * 16 + c]);
+          yp[m * N + p * 16 + c] = acc + (bp ? bp[p * 16 + c] : 0.f);
+        }
+  });
+#endif
+  return y;
+}
+
+// widen_panels: panels [p0, p1) of a packed bf16 weight as float32 W^T, out [K, 16 * (p1 - p0)], for a
+// float32 GEMM (many rows: MKL's GEMM beats the kernel above there). 64-byte rows in, 64-byte rows out.
+void widen_panels(const at::Tensor& packed, int64_t p0, int64_t p1, at::Tensor& out) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 16 && packed.scalar_type() == at::kBFloat16 &&
+                  packed.is_contiguous(), "widen_panels: packed must be contiguous bf16 [N/16, K, 16]");
+  TORCH_CHECK(0 <= p0 && p0 < p1 && p1 <= packed.size(0), "widen_panels: bad panel range");
+  const int64_t K = packed.size(1), n = 16 * (p1 - p0);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() >= K * n,
+              "widen_panels: out must be a contiguous float32 buffer of at least K * 16 * panels");
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()) + p0 * K * 16;
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, K, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k)
+      for (int64_t p = 0; p < p1 - p0; ++p) {
+        const uint16_t* s = src + (p * K + k) * 16;
+        float* d = dst + k * n + p * 16;
+#ifdef PERFXLM_AVX512
+        _mm512_storeu_ps(d, load16(s, 0xFFFF));
+#else
+        for (int c = 0; c < 16; ++c) d[c] = bf16_to_float(s[c]);
+#endif
+      }
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -337,10 +492,99 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------
+// fused_add_rms_norm / rms_norm, rotary_embedding: the per-layer elementwise work of a decode step,
+// one call each instead of eight to ten small torch ops. float32 activations only.
+// ---------------------------------------------------------------------------------------------
+
+inline void rms_norm_row(const float* in, const float* w, float eps, int64_t n, float* out) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += in[i] * in[i];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (in[i] * inv);
+}
+
+// residual += x; x = rms_norm(residual) * weight (both in place).
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && residual.scalar_type() == at::kFloat &&
+                  weight.scalar_type() == at::kFloat, "fused_add_rms_norm: float32 tensors only");
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && x.sizes() == residual.sizes(),
+              "fused_add_rms_norm: x and residual must be contiguous and the same shape");
+  const int64_t n = x.size(-1);
+  TORCH_CHECK(weight.numel() == n, "fused_add_rms_norm: weight has ", weight.numel(), " elements, rows have ", n);
+  const int64_t rows = x.numel() / n;
+  float* xp = x.data_ptr<float>();
+  float* rp = residual.data_ptr<float>();
+  const float* wp = weight.contiguous().data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* xr = xp + r * n;
+      float* rr = rp + r * n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) rr[i] += xr[i];
+      rms_norm_row(rr, wp, static_cast<float>(eps), n, xr);
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "rms_norm: float32 only");
+  const at::Tensor xc = x.contiguous();
+  const int64_t n = xc.size(-1);
+  TORCH_CHECK(weight.numel() == n, "rms_norm: weight has ", weight.numel(), " elements, rows have ", n);
+  at::Tensor out = at::empty_like(xc);
+  const int64_t rows = xc.numel() / n;
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = weight.contiguous().data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * n, wp, static_cast<float>(eps), n, op + r * n);
+  });
+  return out;
+}
+
+// Rotate-half rotary on x [T, heads, head_dim] (any token/head strides, unit stride within a head),
+// in place: cos/sin [T, head_dim] hold the angle of channel i and i + head_dim/2 twice.
+void rotary_embedding(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "rotary_embedding: float32 only");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary_embedding: x must be [tokens, heads, head_dim], unit stride in a head");
+  const int64_t T = x.size(0), heads = x.size(1), D = x.size(2), half = D / 2;
+  const at::Tensor c = cos.reshape({T, -1}).contiguous();
+  const at::Tensor s = sin.reshape({T, -1}).contiguous();
+  TORCH_CHECK(c.size(1) == D && s.size(1) == D, "rotary_embedding: tables must cover the whole head_dim");
+  float* xp = x.data_ptr<float>();
+  const int64_t ts = x.stride(0), hs = x.stride(1);
+  const float* cp = c.data_ptr<float>();
+  const float* sp = s.data_ptr<float>();
+  at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* ct = cp + t * D;
+      const float* st = sp + t * D;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* v = xp + t * ts + h * hs;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = v[i], b = v[i + half];
+          v[i] = a * ct[i] - b * st[i];
+          v[i + half] = b * ct[i + half] + a * st[i + half];
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(perfxlm, m) {
   m.def("linear_bf16w(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("linear_bf16_packed(Tensor x, Tensor packed, int N, Tensor? bias) -> Tensor");
+  m.def("widen_panels(Tensor packed, int p0, int p1, Tensor(a!) out) -> ()");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rotary_embedding(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def(
       "paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor seq_lens, float scale, int sliding_window, float soft_cap) -> Tensor");
@@ -348,5 +592,10 @@ TORCH_LIBRARY(perfxlm, m) {
 
 TORCH_LIBRARY_IMPL(perfxlm, CPU, m) {
   m.impl("linear_bf16w", &linear_bf16w);
+  m.impl("linear_bf16_packed", &linear_bf16_packed);
+  m.impl("widen_panels", &widen_panels);
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rotary_embedding", &rotary_embedding);
 }

@@ -1,10 +1,14 @@
 """y = x W^T + b, dispatched on how W is stored.
 
-Same dtype as x: torch's own linear (MKL/oneDNN). bf16 W with float32 x (bf16 weights, float32
-compute, on CPUs without bf16 arithmetic): few rows (decode) go to the native kernel, which reads the
-bf16 weights and widens them in registers, so a decode step reads half the bytes; many rows (prefill)
-widen W a slab at a time into a reused float32 buffer that stays in cache and run float32 GEMMs on it.
-The reference for both is `F.linear(x, W.float(), b)`.
+- W in x's dtype ([N, K]): torch's own linear (MKL / oneDNN).
+- W packed bf16 under float32 x (bf16 weights, float32 compute, on CPUs without bf16 arithmetic):
+  `pack_bf16` lays W out once at load as panels of 16 output columns, [ceil(N/16), K, 16]. Few rows
+  (decode) go to the native kernel, which streams the panels and widens them in registers, so a decode
+  step reads half the bytes of float32. Many rows (prefill) widen a slab of panels into a reused float32
+  buffer that stays in cache and run MKL's float32 GEMM on it, which beats the kernel there.
+- W plain bf16 [N, K] under float32 x (no native kernels): widened per call, correct and slow.
+
+The reference for all of them is `F.linear(x, W.float(), b)`.
 """
 
 from __future__ import annotations
@@ -16,43 +20,78 @@ import torch.nn.functional as F
 
 from perfxlm.ops import native
 
-# Up to this many rows the native kernel beats widening + float32 GEMM (measured on AVX-512).
-NATIVE_MAX_ROWS = 16
-# Rows of W widened per slab: 1024 x 576 float32 = 2.3 MB, about the size of L2.
-SLAB_ROWS = 1024
+PANEL = 16
+# Up to this many rows the native kernel beats widening + MKL float32 GEMM (measured: AVX-512, 2 cores).
+NATIVE_MAX_ROWS = 256
+# Output columns widened per slab when rows are few: 1024 x 576 float32 = 2.3 MB, about L2.
+SLAB_COLUMNS = 1024
+# With many rows the widening is cheap next to the GEMM: widen up to 8M float32 (32 MB) at once.
+BIG_SLAB_ELEMENTS = 8 << 20
 
 _scratch = threading.local()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N/16), K, 16] bf16 panels (the last one zero-padded)."""
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    padded = torch.zeros(panels * PANEL, k, dtype=torch.bfloat16)
+    padded[:n] = weight
+    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+
+
+def unpack_bf16(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """Inverse of pack_bf16: [N, K] bf16."""
+    panels, k, _ = packed.shape
+    return packed.transpose(1, 2).reshape(panels * PANEL, k)[:out_features]
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out_features: int | None = None
+) -> torch.Tensor:
+    if weight.dim() == 3:  # packed bf16 panels
+        assert out_features is not None, "a packed weight needs its out_features"
+        rows = x.reshape(-1, x.shape[-1])
+        ops = native.kernels()
+        if ops is not None and rows.shape[0] <= NATIVE_MAX_ROWS:
+            y = ops.linear_bf16_packed(rows, weight, out_features, bias)
+        else:
+            y = _slab_linear(rows, weight, out_features, bias)
+        return y.view(*x.shape[:-1], out_features)
     if weight.dtype == x.dtype:
         return F.linear(x, weight, bias)
-    if weight.dtype != torch.bfloat16 or x.dtype != torch.float32:
-        return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
-    rows = x.reshape(-1, x.shape[-1])
-    ops = native.kernels()
-    if ops is not None and rows.shape[0] <= NATIVE_MAX_ROWS:
-        y = ops.linear_bf16w(rows, weight, bias)
-    else:
-        y = _slab_linear(rows, weight, bias)
-    return y.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
 
 
-def _slab_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    n_out, k = weight.shape
-    slab = min(SLAB_ROWS, n_out)
+def _slab_linear(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    panels, k, _ = packed.shape
+    rows = x.shape[0]
+    columns = SLAB_COLUMNS if rows < 128 else max(SLAB_COLUMNS, BIG_SLAB_ELEMENTS // k)
+    per_slab = max(1, min(columns // PANEL, panels))
     buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.numel() < slab * k:
-        buf = _scratch.buf = torch.empty(slab * k, dtype=torch.float32)
-    # Output transposed: each slab's result is a contiguous block of rows, written in place.
-    yt = torch.empty(n_out, x.shape[0], dtype=torch.float32)
-    xt = x.t()
-    for start in range(0, n_out, slab):
-        n = min(slab, n_out - start)
-        w = buf[: n * k].view(n, k)
-        w.copy_(weight[start : start + n])
-        torch.mm(w, xt, out=yt[start : start + n])
-    y = yt.t()
+    if buf is None or buf.numel() < per_slab * PANEL * k:
+        buf = _scratch.buf = torch.empty(per_slab * PANEL * k, dtype=torch.float32)
+    ops = native.kernels()
+
+    def widened(p0: int, p1: int) -> torch.Tensor:  # W^T for panels [p0, p1): [K, 16 (p1 - p0)] float32
+        wt = buf[: k * (p1 - p0) * PANEL]
+        if ops is not None:
+            ops.widen_panels(packed, p0, p1, wt)
+        else:
+            wt.view(k, p1 - p0, PANEL).copy_(packed[p0:p1].permute(1, 0, 2))
+        return wt.view(k, (p1 - p0) * PANEL)
+
+    if per_slab >= panels:  # one slab: one GEMM straight into the result
+        y = torch.mm(x, widened(0, panels))
+    else:
+        y = torch.empty(rows, panels * PANEL, dtype=torch.float32)
+        for p0 in range(0, panels, per_slab):
+            p1 = min(panels, p0 + per_slab)
+            y[:, p0 * PANEL : p1 * PANEL] = torch.mm(x, widened(p0, p1))
+    if y.shape[1] != out_features:
+        y = y[:, :out_features].contiguous()
     if bias is not None:
-        y = y + bias.float()
-    return y.contiguous() if x.shape[0] > 1 else y
+        y += bias.float()
+    return y

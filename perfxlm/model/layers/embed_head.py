@@ -49,6 +49,7 @@ class LMHead(nn.Module):
         logit_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
+        self.vocab_size = vocab_size
         if tied_to is not None:
             self.weight = tied_to.weight
         else:
@@ -57,7 +58,7 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # Logits in float32 whatever the model dtype: sampling and logprobs want the precision.
-        logits = linear(hidden, self.weight).float()
+        logits = linear(hidden, self.weight, None, self.vocab_size).float()
         if self.logit_soft_cap is not None:
             logits = soft_cap(logits, self.logit_soft_cap)
         return logits

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from perfxlm.ops import native
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -23,10 +25,24 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        ops = self._native()
+        if ops is not None and x.dtype == torch.float32:
+            if residual is None:
+                return ops.rms_norm(x, self.weight, self.variance_epsilon)
+            if x.is_contiguous() and residual.is_contiguous():
+                # In place: residual += x, then x = norm(residual). Both are this step's own tensors.
+                ops.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+                return x, residual
         if residual is None:
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+    def _native(self):
+        # Only this class's formula (Gemma's subclass scales differently) and float32 weights.
+        if type(self) is not RMSNorm or self.weight.dtype != torch.float32:
+            return None
+        return native.kernels()
 
 
 class GemmaRMSNorm(RMSNorm):

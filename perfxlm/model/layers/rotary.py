@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from perfxlm.ops import native
+
 
 def rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any]]:
     """(rope_theta, scaling dict) from either transformers 4.x (`rope_theta`, `rope_scaling`)
@@ -122,8 +124,15 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, num_heads, head_dim]; q and k heads may come concatenated along dim 1."""
+    """x: [num_tokens, num_heads, head_dim]; q and k heads may come concatenated along dim 1.
+
+    May rotate x in place (the native kernel does, on float32 activations) and returns the result."""
     rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1] and x.dtype == torch.float32 and x.stride(-1) == 1:
+        ops = native.kernels()
+        if ops is not None:
+            ops.rotary_embedding(x, cos, sin)
+            return x
     if rotary_dim < x.shape[-1]:  # partial rotary: the remaining channels pass through
         return torch.cat((apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
     half = x.shape[-1] // 2

@@ -60,15 +60,23 @@ def get_model(
 
 def cast_weights(model: torch.nn.Module, weight_dtype: torch.dtype) -> None:
     """Store the projection and embedding weights in `weight_dtype` while activations keep the model
-    dtype (bf16 weights, float32 compute). Norms, biases and MoE expert stacks keep the model dtype."""
+    dtype (bf16 weights, float32 compute). Projections and the LM head are packed into the native
+    kernel's panels; the embedding table stays [vocab, hidden] for row lookups (a tied LM head gets its
+    own packed copy). Norms, biases and MoE expert stacks keep the model dtype."""
     from perfxlm.model.layers.embed_head import LMHead, VocabEmbedding
     from perfxlm.model.layers.linear import Linear
+    from perfxlm.ops import native
+    from perfxlm.ops.linear import pack_bf16
 
-    for module in model.modules():
+    pack = weight_dtype == torch.bfloat16 and native.kernels() is not None
+    for module in list(model.modules()):
         if isinstance(module, VocabEmbedding):
             module.compute_dtype = module.weight.dtype
-        if isinstance(module, (Linear, VocabEmbedding, LMHead)) and module.weight.dtype != weight_dtype:
-            # In place on the Parameter: a tied LM head shares it and sees the cast once.
+        if isinstance(module, (Linear, LMHead)):
+            w = module.weight.data.to(weight_dtype)
+            module.weight = torch.nn.Parameter(pack_bf16(w) if pack else w, requires_grad=False)
+    for module in model.modules():
+        if isinstance(module, VocabEmbedding):
             module.weight.data = module.weight.data.to(weight_dtype)
 
 
