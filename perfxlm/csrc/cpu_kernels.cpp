@@ -10,6 +10,7 @@
 //
 // 3. fused_add_rms_norm, rms_norm, rotary_embedding: a decode step's per-layer elementwise work in one
 //    call each (dispatch overhead, not arithmetic, is what they cost at small batch).
+// 4. llama_decode_layer: a whole Llama-family layer for an all-decode step, composed from the above.
 //
 // The plain-torch references are perfxlm/ops/reference.py; tests compare the two on random inputs.
 // Built at first use by torch.utils.cpp_extension (see perfxlm/ops/native.py) with -march=native:
@@ -576,6 +577,84 @@ void rotary_embedding(at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   });
 }
 
+// ---------------------------------------------------------------------------------------------
+// llama_decode_layer: one Llama-family decoder layer for a batch of single-token decodes, as one call.
+// At small batch a decode step is dominated by per-op dispatch (about 25 torch ops per layer); this is
+// the module path (model/models/llama.py) composed in C++ from the kernels above, same math and order:
+//   [residual +=] x; x = rmsnorm(residual); qkv = x Wqkv; rotary(q, k); cache <- k, v;
+//   a = attention(q); x = a Wo; residual += x; x = rmsnorm(residual); x = (silu(g) * u) Wdown
+// ---------------------------------------------------------------------------------------------
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch's conversion
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// Rows of `src` ([T, width] with row stride `src_stride`) into cache slots (rows of `width` elements).
+void write_slots(const float* src, int64_t src_stride, int64_t T, int64_t width, const int64_t* slots,
+                 at::Tensor& cache) {
+  if (cache.scalar_type() == at::kFloat) {
+    float* dst = cache.data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t) std::memcpy(dst + slots[t] * width, src + t * src_stride, width * sizeof(float));
+  } else {
+    uint16_t* dst = reinterpret_cast<uint16_t*>(cache.data_ptr<at::BFloat16>());
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t i = 0; i < width; ++i) dst[slots[t] * width + i] = float_to_bf16(src[t * src_stride + i]);
+  }
+}
+
+at::Tensor project(const at::Tensor& x, const at::Tensor& w, int64_t n_out, const c10::optional<at::Tensor>& bias) {
+  if (w.dim() == 3) return linear_bf16_packed(x, w, n_out, bias);
+  return at::linear(x, w, bias.has_value() ? *bias : at::Tensor());
+}
+
+std::vector<at::Tensor> llama_decode_layer(
+    at::Tensor x, at::Tensor residual, bool first, const at::Tensor& in_norm, const at::Tensor& post_norm, double eps,
+    const at::Tensor& w_qkv, const c10::optional<at::Tensor>& b_qkv, const at::Tensor& w_o,
+    const c10::optional<at::Tensor>& b_o, const at::Tensor& w_gate_up, const at::Tensor& w_down, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, const at::Tensor& cos, const at::Tensor& sin,
+    at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+    const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x must be contiguous float32 [T, hidden]");
+  const int64_t T = x.size(0), hidden = x.size(1);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  if (first) {
+    residual = x;
+    x = rms_norm(x, in_norm, eps);
+  } else {
+    fused_add_rms_norm(x, residual, in_norm, eps);
+  }
+  at::Tensor qkv = project(x, w_qkv, q_size + 2 * kv_size, b_qkv);  // [T, q | k | v]
+  at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({T, num_heads + num_kv_heads, head_dim});
+  rotary_embedding(qk, cos, sin);
+  const int64_t row = qkv.stride(0);
+  const float* qkv_p = qkv.data_ptr<float>();
+  const at::Tensor slots_c = slot_mapping.contiguous();
+  const int64_t* slots = slots_c.data_ptr<int64_t>();
+  write_slots(qkv_p + q_size, row, T, kv_size, slots, key_cache);
+  write_slots(qkv_p + q_size + kv_size, row, T, kv_size, slots, value_cache);
+  at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
+  at::Tensor attn = paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale, 0, 0.0);
+  x = project(attn.view({T, q_size}), w_o, hidden, b_o);
+  fused_add_rms_norm(x, residual, post_norm, eps);
+  at::Tensor gate_up = project(x, w_gate_up, 2 * intermediate, c10::nullopt);
+  at::Tensor act = at::empty({T, intermediate}, x.options());
+  const float* gu = gate_up.data_ptr<float>();
+  float* ap = act.data_ptr<float>();
+  at::parallel_for(0, T * intermediate, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t t = idx / intermediate, i = idx % intermediate;
+      const float g = gu[t * 2 * intermediate + i];
+      ap[idx] = g / (1.f + std::exp(-g)) * gu[t * 2 * intermediate + intermediate + i];
+    }
+  });
+  x = project(act, w_down, hidden, c10::nullopt);
+  return {x, residual};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(perfxlm, m) {
@@ -585,6 +664,11 @@ TORCH_LIBRARY(perfxlm, m) {
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary_embedding(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+  m.def(
+      "llama_decode_layer(Tensor x, Tensor residual, bool first, Tensor in_norm, Tensor post_norm, float eps, "
+      "Tensor w_qkv, Tensor? b_qkv, Tensor w_o, Tensor? b_o, Tensor w_gate_up, Tensor w_down, int num_heads, "
+      "int num_kv_heads, int head_dim, int intermediate, Tensor cos, Tensor sin, Tensor(a!) key_cache, "
+      "Tensor(b!) value_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor[]");
   m.def(
       "paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor seq_lens, float scale, int sliding_window, float soft_cap) -> Tensor");
@@ -598,4 +682,5 @@ TORCH_LIBRARY_IMPL(perfxlm, CPU, m) {
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("llama_decode_layer", &llama_decode_layer);
 }

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from perfxlm.model.forward_context import get_forward_context
+from perfxlm.model.fused_decode import FusedDecode
 from perfxlm.model.layers.activation import act_and_mul
 from perfxlm.model.layers.attention import Attention
 from perfxlm.model.layers.embed_head import LMHead, VocabEmbedding
@@ -125,13 +127,18 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding.from_config(config, head_dim_of(config))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.fused_decode = FusedDecode(self.layers, self.rotary_emb.rotary_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary_emb.cos_sin(positions, x.dtype)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(rope, x, residual)
+        meta = get_forward_context()
+        if self.fused_decode.applies(x, meta):  # all decodes: one native call per layer
+            x, residual = self.fused_decode.run(x.contiguous(), rope, meta)
+        else:
+            residual = None
+            for layer in self.layers:
+                x, residual = layer(rope, x, residual)
         x, _ = self.norm(x, residual)
         return x
 
