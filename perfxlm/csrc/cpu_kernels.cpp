@@ -641,16 +641,8 @@ std::vector<at::Tensor> llama_decode_layer(
   x = project(attn.view({T, q_size}), w_o, hidden, b_o);
   fused_add_rms_norm(x, residual, post_norm, eps);
   at::Tensor gate_up = project(x, w_gate_up, 2 * intermediate, c10::nullopt);
-  at::Tensor act = at::empty({T, intermediate}, x.options());
-  const float* gu = gate_up.data_ptr<float>();
-  float* ap = act.data_ptr<float>();
-  at::parallel_for(0, T * intermediate, 4096, [&](int64_t begin, int64_t end) {
-    for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t t = idx / intermediate, i = idx % intermediate;
-      const float g = gu[t * 2 * intermediate + i];
-      ap[idx] = g / (1.f + std::exp(-g)) * gu[t * 2 * intermediate + intermediate + i];
-    }
-  });
+  // torch's own SiLU (its vectorised exp), so this path rounds exactly as the module path does.
+  at::Tensor act = at::silu(gate_up.narrow(1, 0, intermediate)).mul_(gate_up.narrow(1, intermediate, intermediate));
   x = project(act, w_down, hidden, c10::nullopt);
   return {x, residual};
 }
