@@ -60,3 +60,12 @@ def assert_pool_whole(llm) -> None:
     counts = engine.check_invariants()
     assert counts["used"] == 0, counts
     assert counts["free"] + counts["cached"] == engine.num_kv_blocks
+
+
+@pytest.fixture(scope="session", autouse=True)
+def native_kernels_built():
+    """Compile the CPU kernels once, up front: a server process started by a test then finds them
+    cached instead of spending its start-up timeout on the compiler."""
+    from perfxlm.ops import native
+
+    native.kernels()

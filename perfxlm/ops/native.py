@@ -36,9 +36,14 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _march() -> str:
+    # PERFXLM_NATIVE_MARCH=x86-64-v2 builds the portable (no AVX-512) paths, to test them on this CPU.
+    return os.environ.get("PERFXLM_NATIVE_MARCH", "native")
+
+
 def _build_dir() -> Path:
     key = hashlib.sha256(
-        _SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode()
+        _SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode() + _march().encode()
     ).hexdigest()[:16]
     root = Path(os.environ.get("PERFXLM_CACHE_DIR", Path.home() / ".cache" / "perfxlm"))
     path = root / "kernels" / key
@@ -81,7 +86,7 @@ def _load() -> Any | None:
             # -fopenmp: at::parallel_for is inline OpenMP; the runtime resolves to the libgomp.so.1
             # torch has already loaded, so kernels share torch's thread pool.
             # -ffp-contract=off: elementwise kernels round exactly as torch's ops (explicit FMAs stay).
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+            extra_cflags=["-O3", f"-march={_march()}", "-fopenmp", "-ffp-contract=off"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             is_python_module=False,
