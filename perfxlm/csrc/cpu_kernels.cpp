@@ -247,7 +247,9 @@ at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed, int
   // once per row tile.
   const bool widen = M > 8;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> wide(widen ? static_cast<size_t>(2 * panel_stride) : 0);
+    // Per-thread and reused across calls: a fresh buffer per call would be mmap'ed and faulted in each time.
+    thread_local std::vector<float> wide;
+    if (widen && wide.size() < static_cast<size_t>(2 * panel_stride)) wide.resize(static_cast<size_t>(2 * panel_stride));
     for (int64_t g = begin; g < end; ++g) {
       const int64_t p = 2 * g;
       const int64_t np = p + 1 < panels ? 2 : 1;
@@ -400,8 +402,46 @@ void decode_attention_impl(const float* query, const T* key_cache, const T* valu
   const int64_t block_stride = block_size * token_stride;
   const float scale_f = static_cast<float>(scale);
   const float cap = static_cast<float>(soft_cap);
+#ifdef PERFXLM_AVX512
+  if (D == 64 || D == 128 || D == 256) {
+    // One task per query head (not per KV head): at batch 1 that is 9 tasks instead of 3 for two
+    // threads. Consecutive heads share their KV head and land on the same thread, so K/V stay in L2.
+    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+      thread_local std::vector<float> scores;
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t b = item / H, head = item % H, h = head / G;
+        const int64_t len = seq_lens[b];
+        const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+        const int64_t n = len - first;
+        const int64_t* table = tables + b * max_blocks;
+        const float* q = query + (b * H + head) * D;
+        float* o = out + (b * H + head) * D;
+        if (n <= 0) {
+          std::fill(o, o + D, 0.f);
+          continue;
+        }
+        if (scores.size() < static_cast<size_t>(n)) scores.resize(static_cast<size_t>(n));
+        float* s = scores.data();
+        const T* kc = key_cache + h * D;
+        const T* vc = value_cache + h * D;
+        switch (D) {
+          case 64: head_scores<T, 4>(q, kc, table, first, len, block_size, block_stride, token_stride, scale_f, s); break;
+          case 128: head_scores<T, 8>(q, kc, table, first, len, block_size, block_stride, token_stride, scale_f, s); break;
+          default: head_scores<T, 16>(q, kc, table, first, len, block_size, block_stride, token_stride, scale_f, s); break;
+        }
+        softmax_inplace(s, n, cap);
+        switch (D) {
+          case 64: head_values<T, 4>(s, vc, table, first, len, block_size, block_stride, token_stride, o); break;
+          case 128: head_values<T, 8>(s, vc, table, first, len, block_size, block_stride, token_stride, o); break;
+          default: head_values<T, 16>(s, vc, table, first, len, block_size, block_stride, token_stride, o); break;
+        }
+      }
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    thread_local std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / KVH, h = item % KVH;
       const int64_t len = seq_lens[b];
@@ -414,27 +454,6 @@ void decode_attention_impl(const float* query, const T* key_cache, const T* valu
       if (n <= 0) continue;
       scores.resize(static_cast<size_t>(G * n));
       float* sc = scores.data();
-#ifdef PERFXLM_AVX512
-      if (D == 64 || D == 128 || D == 256) {
-        const T* kc = key_cache + h * D;
-        const T* vc = value_cache + h * D;
-        for (int64_t g = 0; g < G; ++g) {
-          float* s = sc + g * n;
-          switch (D) {
-            case 64: head_scores<T, 4>(q + g * D, kc, table, first, len, block_size, block_stride, token_stride, scale_f, s); break;
-            case 128: head_scores<T, 8>(q + g * D, kc, table, first, len, block_size, block_stride, token_stride, scale_f, s); break;
-            default: head_scores<T, 16>(q + g * D, kc, table, first, len, block_size, block_stride, token_stride, scale_f, s); break;
-          }
-          softmax_inplace(s, n, cap);
-          switch (D) {
-            case 64: head_values<T, 4>(s, vc, table, first, len, block_size, block_stride, token_stride, o + g * D); break;
-            case 128: head_values<T, 8>(s, vc, table, first, len, block_size, block_stride, token_stride, o + g * D); break;
-            default: head_values<T, 16>(s, vc, table, first, len, block_size, block_stride, token_stride, o + g * D); break;
-          }
-        }
-        continue;
-      }
-#endif
       // Any head_dim: pass 1 scores[g][token], walking the block table (no per-token division).
       for (int64_t t = first; t < len;) {
         const int64_t blk = t / block_size, slot0 = t % block_size;
