@@ -117,10 +117,14 @@ def model_summary(llm: Any) -> dict[str, Any]:
     params = weight_bytes = 0
     model = _find_model(engine)
     if model is not None:
-        # parameters() yields a tied weight once; buffers (rotary tables) are not weights.
+        # parameters() yields a tied weight once; buffers (rotary tables) are not weights. A tied LM head
+        # packed for the bf16 kernels is a second copy of the embedding: bytes in memory, not parameters.
+        tied = bool(getattr(config.hf_config, "tie_word_embeddings", False))
+        head = getattr(model, "lm_head", None)
         for p in model.parameters():
-            params += p.numel()
             weight_bytes += p.numel() * p.element_size()
+            if not (tied and head is not None and p is getattr(head, "weight", None) and p.dim() == 3):
+                params += p.numel()
     if params == 0:
         params = estimate_llama_params(config.hf_config)
         weight_bytes = params * (2 if config.torch_dtype is not None and "bfloat16" in str(config.torch_dtype) else 4)
