@@ -92,8 +92,8 @@ class EngineConfig:
     # Resolved by resolve(); not user input.
     hf_config: Any = field(default=None, repr=False)
     torch_dtype: torch.dtype = field(default=torch.float32, repr=False)  # activations (compute)
-    weight_dtype: torch.dtype = field(default=torch.float32, repr=False)  # linear/embedding weights
-    kv_cache_dtype: torch.dtype = field(default=torch.float32, repr=False)
+    weight_dtype: torch.dtype = field(default=torch.float32, init=False, repr=False)  # linear/embedding weights
+    kv_cache_dtype: torch.dtype = field(default=torch.float32, init=False, repr=False)
     eos_token_ids: set[int] = field(default_factory=set, repr=False)
 
     def resolve(self) -> "EngineConfig":

@@ -233,7 +233,10 @@ at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed, int
   TORCH_CHECK(packed.size(0) * 16 >= N && packed.size(0) * 16 < N + 16, "linear_bf16_packed: N does not match panels");
   const at::Tensor xc = x.contiguous();
   at::Tensor bc;
-  if (bias.has_value() && bias->defined()) bc = bias->to(at::kFloat).contiguous();
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "linear_bf16_packed: bias size ", bias->numel(), " != ", N);
+    bc = bias->to(at::kFloat).contiguous();
+  }
   const int64_t M = xc.size(0), K = xc.size(1), panels = packed.size(0);
   at::Tensor y = at::empty({M, N}, xc.options());
   const float* xp = xc.data_ptr<float>();
@@ -496,7 +499,18 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   const at::Tensor tables = block_tables.contiguous();
   const at::Tensor lens = seq_lens.contiguous();
   at::Tensor out = at::empty_like(q);
-  const int64_t block_size = key_cache.size(1), max_blocks = tables.size(1);
+  const int64_t block_size = key_cache.size(1), max_blocks = tables.size(1), num_blocks = key_cache.size(0);
+  {  // O(blocks) checks, so bad metadata fails like the torch path's indexing instead of reading out of bounds
+    const int64_t* lp = lens.data_ptr<int64_t>();
+    const int64_t* tp = tables.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(lp[b] >= 0 && lp[b] <= max_blocks * block_size, "seq_lens[", b, "] = ", lp[b],
+                  " does not fit its block table (", max_blocks, " blocks of ", block_size, ")");
+      for (int64_t j = 0; j < (lp[b] + block_size - 1) / block_size; ++j)
+        TORCH_CHECK(tp[b * max_blocks + j] >= 0 && tp[b * max_blocks + j] < num_blocks, "block id ",
+                    tp[b * max_blocks + j], " out of range for ", num_blocks, " cache blocks");
+    }
+  }
   if (key_cache.scalar_type() == at::kFloat) {
     decode_attention_impl<float>(q.data_ptr<float>(), key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
                                  tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H,
@@ -537,7 +551,8 @@ void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
   const int64_t rows = x.numel() / n;
   float* xp = x.data_ptr<float>();
   float* rp = residual.data_ptr<float>();
-  const float* wp = weight.contiguous().data_ptr<float>();
+  const at::Tensor wc = weight.contiguous();  // kept alive: a temporary's pointer would dangle
+  const float* wp = wc.data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* xr = xp + r * n;
@@ -557,7 +572,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   at::Tensor out = at::empty_like(xc);
   const int64_t rows = xc.numel() / n;
   const float* xp = xc.data_ptr<float>();
-  const float* wp = weight.contiguous().data_ptr<float>();
+  const at::Tensor wc = weight.contiguous();  // kept alive: a temporary's pointer would dangle
+  const float* wp = wc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * n, wp, static_cast<float>(eps), n, op + r * n);
@@ -615,6 +631,9 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch's c
 // Rows of `src` ([T, width] with row stride `src_stride`) into cache slots (rows of `width` elements).
 void write_slots(const float* src, int64_t src_stride, int64_t T, int64_t width, const int64_t* slots,
                  at::Tensor& cache) {
+  const int64_t num_slots = cache.numel() / width;
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " out of range for ", num_slots, " slots");
   if (cache.scalar_type() == at::kFloat) {
     float* dst = cache.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) std::memcpy(dst + slots[t] * width, src + t * src_stride, width * sizeof(float));
@@ -676,7 +695,7 @@ TORCH_LIBRARY(perfxlm, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary_embedding(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def(
-      "llama_decode_layer(Tensor x, Tensor residual, bool first, Tensor in_norm, Tensor post_norm, float eps, "
+      "llama_decode_layer(Tensor(a!) x, Tensor(b!) residual, bool first, Tensor in_norm, Tensor post_norm, float eps, "
       "Tensor w_qkv, Tensor? b_qkv, Tensor w_o, Tensor? b_o, Tensor w_gate_up, Tensor w_down, int num_heads, "
       "int num_kv_heads, int head_dim, int intermediate, Tensor cos, Tensor sin, Tensor(a!) key_cache, "
       "Tensor(b!) value_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor[]");

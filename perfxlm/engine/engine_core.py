@@ -40,6 +40,8 @@ class EngineCore:
         )
         # The model and tokenizer are long-lived: take them out of the collector's view, so the GC passes
         # that per-step allocations trigger stay short (they showed up at a few % of a decode step).
+        # Unfreeze first: what an earlier engine in this process left behind is collected now.
+        gc.unfreeze()
         gc.collect()
         gc.freeze()
         logger.info(

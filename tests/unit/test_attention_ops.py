@@ -177,3 +177,16 @@ def test_reference_window_semantics():
             for j in range(total)
         ]
         assert [j for j in range(total) if row[j]] == list(range(max(0, p - window + 1), p + 1))
+
+
+def test_native_decode_rejects_bad_metadata():
+    """Lengths past the block table and block ids past the cache fail with a message, as the torch path's
+    indexing does, instead of reading out of bounds."""
+    if native.kernels() is None:
+        pytest.skip("native kernels unavailable on this machine")
+    k_cache, v_cache = _setup(4, 8, 2, 64, torch.float32)
+    q = torch.randn(1, 4, 64)
+    with pytest.raises(RuntimeError, match="does not fit its block table"):
+        paged_decode_attention(q, k_cache, v_cache, torch.tensor([[0, 1]]), torch.tensor([17]), 0.125)
+    with pytest.raises(RuntimeError, match="out of range"):
+        paged_decode_attention(q, k_cache, v_cache, torch.tensor([[0, 9]]), torch.tensor([12]), 0.125)

@@ -32,11 +32,11 @@ def test_pack_round_trip(n_out, k):
     assert torch.equal(unpack_bf16(packed, n_out), w)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16, 17, 32, 33, 70, 130])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16, 17, 32, 33, 70, 130, 300])
 @pytest.mark.parametrize("n_out,k", [(13, 37), (64, 576), (1030, 48), (7, 16)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_bf16_matches_widened_reference(rows, n_out, k, bias):
-    """Rows up to NATIVE_MAX_ROWS take the native kernel, more take widened slabs + float32 GEMM."""
+    """Rows up to NATIVE_MAX_ROWS (256) take the native kernel, more take widened slabs + float32 GEMM."""
     x, w, b, ref = _case(rows, n_out, k, bias, rows * 1000 + n_out + k)
     out = linear(x, pack_bf16(w), b, n_out)
     assert out.shape == ref.shape and out.dtype == torch.float32 and out.is_contiguous()
@@ -76,3 +76,5 @@ def test_bad_shapes_raise_clear_errors(ops):
         ops.linear_bf16_packed(torch.randn(2, 8), pack_bf16(torch.randn(4, 9).bfloat16()), 4, None)
     with pytest.raises(RuntimeError, match="panels"):
         ops.linear_bf16_packed(torch.randn(2, 9), pack_bf16(torch.randn(4, 9).bfloat16()), 40, None)
+    with pytest.raises(RuntimeError, match="bias size"):
+        ops.linear_bf16_packed(torch.randn(2, 9), pack_bf16(torch.randn(4, 9).bfloat16()), 4, torch.randn(3))

@@ -43,8 +43,9 @@ def grouped_experts(
         if n == 0:
             continue
         end = start + n
-        h = act(F.linear(xs[start:end], gate_up[expert]))
-        out_sorted[start:end] = F.linear(h, down[expert]) * ws[start:end]
+        # .to: no-op unless the stacks are stored narrower than the activations (bf16 weights, fp32 compute)
+        h = act(F.linear(xs[start:end], gate_up[expert].to(xs.dtype)))
+        out_sorted[start:end] = F.linear(h, down[expert].to(xs.dtype)) * ws[start:end]
         start = end
     # Pairs are added in expert order, as transformers accumulates them: the same float32 sums.
     return torch.zeros_like(x).index_add_(0, token_of, out_sorted)

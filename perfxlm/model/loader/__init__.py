@@ -62,9 +62,11 @@ def cast_weights(model: torch.nn.Module, weight_dtype: torch.dtype) -> None:
     """Store the projection and embedding weights in `weight_dtype` while activations keep the model
     dtype (bf16 weights, float32 compute). Projections and the LM head are packed into the native
     kernel's panels; the embedding table stays [vocab, hidden] for row lookups (a tied LM head gets its
-    own packed copy). Norms, biases and MoE expert stacks keep the model dtype."""
+    own packed copy); MoE expert stacks are stored in `weight_dtype` too and widened per expert as
+    they run. Norms and biases keep the model dtype."""
     from perfxlm.model.layers.embed_head import LMHead, VocabEmbedding
     from perfxlm.model.layers.linear import Linear
+    from perfxlm.model.layers.moe import FusedMoE
     from perfxlm.ops import native
     from perfxlm.ops.linear import pack_bf16
 
@@ -75,6 +77,9 @@ def cast_weights(model: torch.nn.Module, weight_dtype: torch.dtype) -> None:
         if isinstance(module, (Linear, LMHead)):
             w = module.weight.data.to(weight_dtype)
             module.weight = torch.nn.Parameter(pack_bf16(w) if pack else w, requires_grad=False)
+        if isinstance(module, FusedMoE):
+            module.gate_up_proj.data = module.gate_up_proj.data.to(weight_dtype)
+            module.down_proj.data = module.down_proj.data.to(weight_dtype)
     for module in model.modules():
         if isinstance(module, VocabEmbedding):
             module.weight.data = module.weight.data.to(weight_dtype)
