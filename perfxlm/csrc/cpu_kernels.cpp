@@ -1,13 +1,13 @@
-// CPU kernels for the two places where the profile shows PyTorch's own ops fall short:
+// CPU kernels for the places where the profile showed PyTorch's own ops fall short:
 //
-// 1. linear_bf16w: y = x W^T (+ b) with x float32 and W stored as bfloat16, accumulated in float32.
-//    Decode is bound by reading the weights; on CPUs without native bf16 math torch's bf16 matmul is
-//    emulated (slower than float32), so this reads half the bytes of a float32 GEMV and widens each
-//    weight in registers. Meant for small M (decode); large M goes through a float32 GEMM in Python.
-// 2. paged_decode_attention: one query token per sequence over the paged KV cache, all query heads
-//    of a KV group together, reading K/V in place through the block table (no gather into a
-//    contiguous copy), float32 or bfloat16 cache, sliding window and logit soft-capping.
-//
+// 1. linear_bf16_packed: y = x W^T (+ b) with x float32 and W stored as bfloat16 panels packed at
+//    load, accumulated in float32. Decode is bound by reading the weights; on CPUs without native bf16
+//    math torch's bf16 matmul is emulated (slower than float32), so this reads half the bytes of a
+//    float32 GEMV and widens each weight in registers. widen_panels feeds MKL's float32 GEMM for
+//    many rows (prefill).
+// 2. paged_decode_attention: one query token per sequence over the paged KV cache, reading K/V in
+//    place through the block table (no gather into a contiguous copy), float32 or bfloat16 cache,
+//    sliding window and logit soft-capping.
 // 3. fused_add_rms_norm, rms_norm, rotary_embedding: a decode step's per-layer elementwise work in one
 //    call each (dispatch overhead, not arithmetic, is what they cost at small batch).
 // 4. llama_decode_layer: a whole Llama-family layer for an all-decode step, composed from the above.
@@ -57,123 +57,14 @@ inline __mmask16 tail_mask(int64_t remaining) {
 #endif
 
 // ---------------------------------------------------------------------------------------------
-// linear_bf16w
-// ---------------------------------------------------------------------------------------------
-
-// An MT x NT tile of outputs: MT rows of x against NT rows of W, each a K-long dot product.
-template <int MT, int NT>
-inline void dot_tile(const float* x, const uint16_t* w, int64_t K, int64_t N, float* y, const float* bias) {
-#ifdef PERFXLM_AVX512
-  __m512 acc[MT][NT];
-  #pragma GCC unroll 16
-  for (int i = 0; i < MT; ++i)
-    #pragma GCC unroll 16
-    for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    __m512 wv[NT];
-    #pragma GCC unroll 16
-    for (int j = 0; j < NT; ++j) {
-      // The slab after this one streams in while this one computes (decode is bound by this read).
-      _mm_prefetch(reinterpret_cast<const char*>(w + (j + NT) * K + k), _MM_HINT_T0);
-      wv[j] = load16(w + j * K + k, 0xFFFF);
-    }
-    #pragma GCC unroll 16
-    for (int i = 0; i < MT; ++i) {
-      const __m512 xv = _mm512_loadu_ps(x + i * K + k);
-      #pragma GCC unroll 16
-      for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
-    }
-  }
-  if (k < K) {
-    const __mmask16 mask = tail_mask(K - k);
-    __m512 wv[NT];
-    #pragma GCC unroll 16
-    for (int j = 0; j < NT; ++j) wv[j] = load16(w + j * K + k, mask);
-    #pragma GCC unroll 16
-    for (int i = 0; i < MT; ++i) {
-      const __m512 xv = load16(x + i * K + k, mask);
-      #pragma GCC unroll 16
-      for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
-    }
-  }
-  #pragma GCC unroll 16
-  for (int i = 0; i < MT; ++i)
-    #pragma GCC unroll 16
-    for (int j = 0; j < NT; ++j) y[i * N + j] = _mm512_reduce_add_ps(acc[i][j]) + (bias ? bias[j] : 0.f);
-#else
-  #pragma GCC unroll 16
-  for (int i = 0; i < MT; ++i)
-    #pragma GCC unroll 16
-    for (int j = 0; j < NT; ++j) {
-      float acc = 0.f;
-      const float* xr = x + i * K;
-      const uint16_t* wr = w + j * K;
-#pragma omp simd reduction(+ : acc)
-      for (int64_t k = 0; k < K; ++k) acc += xr[k] * bf16_to_float(wr[k]);
-      y[i * N + j] = acc + (bias ? bias[j] : 0.f);
-    }
-#endif
-}
-
-template <int NT>
-inline void rows_against_block(const float* x, int64_t M, const uint16_t* w, int64_t K, int64_t N, float* y,
-                               const float* bias) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) dot_tile<4, NT>(x + m * K, w, K, N, y + m * N, bias);
-  switch (M - m) {
-    case 3: dot_tile<3, NT>(x + m * K, w, K, N, y + m * N, bias); break;
-    case 2: dot_tile<2, NT>(x + m * K, w, K, N, y + m * N, bias); break;
-    case 1: dot_tile<1, NT>(x + m * K, w, K, N, y + m * N, bias); break;
-    default: break;
-  }
-}
-
-at::Tensor linear_bf16w(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_bf16w: x must be a 2-D float32 tensor");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "linear_bf16w: w must be a 2-D bfloat16 tensor");
-  TORCH_CHECK(x.size(1) == w.size(1), "linear_bf16w: x has ", x.size(1), " features, w expects ", w.size(1));
-  const at::Tensor xc = x.contiguous();
-  const at::Tensor wc = w.contiguous();
-  at::Tensor bc;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == w.size(0), "linear_bf16w: bias size ", bias->numel(), " != ", w.size(0));
-    bc = bias->to(at::kFloat).contiguous();
-  }
-  const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
-  at::Tensor y = at::empty({M, N}, xc.options());
-  const float* xp = xc.data_ptr<float>();
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
-  const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  constexpr int64_t NT = 4;
-  const int64_t blocks = (N + NT - 1) / NT;
-  // Each task reads a slab of W once and applies it to every row of x (x stays in cache).
-  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n = b * NT;
-      const int64_t nt = std::min<int64_t>(NT, N - n);
-      const float* bn = bp ? bp + n : nullptr;
-      switch (nt) {
-        case 4: rows_against_block<4>(xp, M, wp + n * K, K, N, yp + n, bn); break;
-        case 3: rows_against_block<3>(xp, M, wp + n * K, K, N, yp + n, bn); break;
-        case 2: rows_against_block<2>(xp, M, wp + n * K, K, N, yp + n, bn); break;
-        default: rows_against_block<1>(xp, M, wp + n * K, K, N, yp + n, bn); break;
-      }
-    }
-  });
-  return y;
-}
-
-// ---------------------------------------------------------------------------------------------
 // linear_bf16_packed: the same product with W pre-packed once at load into panels of 16 output
 // columns, [ceil(N/16), K, 16] bf16. One k step reads 16 consecutive weights of each panel and
 // broadcasts one x value per row: no horizontal sums, every weight widened once per row tile.
 // ---------------------------------------------------------------------------------------------
 
 #ifdef PERFXLM_AVX512
-template <int MT, int NP, typename T>
-inline void packed_tile(const float* x, int64_t K, const T* panels, int64_t panel_stride, float* y,
+template <int MT, int NP>
+inline void packed_tile(const float* x, int64_t K, const uint16_t* panels, int64_t panel_stride, float* y,
                         int64_t N, int64_t n0, const float* bias) {
   __m512 acc[MT][NP];
   #pragma GCC unroll 16
@@ -204,20 +95,20 @@ inline void packed_tile(const float* x, int64_t K, const T* panels, int64_t pane
   }
 }
 
-template <int NP, typename T>
-inline void packed_rows(const float* x, int64_t M, int64_t K, const T* panels, int64_t panel_stride, float* y,
+template <int NP>
+inline void packed_rows(const float* x, int64_t M, int64_t K, const uint16_t* panels, int64_t panel_stride, float* y,
                         int64_t N, int64_t n0, const float* bias) {
   constexpr int MT = 8;
   int64_t m = 0;
-  for (; m + MT <= M; m += MT) packed_tile<MT, NP, T>(x + m * K, K, panels, panel_stride, y + m * N, N, n0, bias);
+  for (; m + MT <= M; m += MT) packed_tile<MT, NP>(x + m * K, K, panels, panel_stride, y + m * N, N, n0, bias);
   switch (M - m) {
-    case 7: packed_tile<7, NP, T>(x + m * K, K, panels, panel_stride, y + m * N, N, n0, bias); break;
-    case 6: packed_tile<6, NP, T>(x + m * K, K, panels, panel_stride, y + m * N, N, n0, bias); break;
-    case 5: packed_tile<5, NP, T>(x + m * K, K, panels, panel_stride, y + m * N, N, n0, bias); break;
-    case 4: packed_tile<4, NP, T>(x + m * K, K, panels, panel_stride, y + m * N, N, n0, bias); break;
-    case 3: packed_tile<3, NP, T>(x + m * K, K, panels, panel_stride, y + m * N, N, n0, bias); break;
-    case 2: packed_tile<2, NP, T>(x + m * K, K, panels, panel_stride, y + m * N, N, n0, bias); break;
-    case 1: packed_tile<1, NP, T>(x + m * K, K, panels, panel_stride, y + m * N, N, n0, bias); break;
+    case 7: packed_tile<7, NP>(x + m * K, K, panels, panel_stride, y + m * N, N, n0, bias); break;
+    case 6: packed_tile<6, NP>(x + m * K, K, panels, panel_stride, y + m * N, N, n0, bias); break;
+    case 5: packed_tile<5, NP>(x + m * K, K, panels, panel_stride, y + m * N, N, n0, bias); break;
+    case 4: packed_tile<4, NP>(x + m * K, K, panels, panel_stride, y + m * N, N, n0, bias); break;
+    case 3: packed_tile<3, NP>(x + m * K, K, panels, panel_stride, y + m * N, N, n0, bias); break;
+    case 2: packed_tile<2, NP>(x + m * K, K, panels, panel_stride, y + m * N, N, n0, bias); break;
+    case 1: packed_tile<1, NP>(x + m * K, K, panels, panel_stride, y + m * N, N, n0, bias); break;
     default: break;
   }
 }
@@ -246,29 +137,14 @@ at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed, int
   const int64_t panel_stride = K * 16;
 #ifdef PERFXLM_AVX512
   const int64_t groups = (panels + 1) / 2;  // two panels (32 columns) per task
-  // Past one row tile, each panel pair is widened once into a float32 buffer (L2-resident) instead of
-  // once per row tile.
-  const bool widen = M > 8;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    // Per-thread and reused across calls: a fresh buffer per call would be mmap'ed and faulted in each time.
-    thread_local std::vector<float> wide;
-    if (widen && wide.size() < static_cast<size_t>(2 * panel_stride)) wide.resize(static_cast<size_t>(2 * panel_stride));
     for (int64_t g = begin; g < end; ++g) {
       const int64_t p = 2 * g;
-      const int64_t np = p + 1 < panels ? 2 : 1;
       const uint16_t* src = pp + p * panel_stride;
-      if (widen) {
-        for (int64_t i = 0; i < np * panel_stride; i += 16)
-          _mm512_storeu_ps(wide.data() + i, load16(src + i, 0xFFFF));
-        if (np == 2)
-          packed_rows<2, float>(xp, M, K, wide.data(), panel_stride, yp, N, p * 16, bp);
-        else
-          packed_rows<1, float>(xp, M, K, wide.data(), panel_stride, yp, N, p * 16, bp);
-      } else if (np == 2) {
-        packed_rows<2, uint16_t>(xp, M, K, src, panel_stride, yp, N, p * 16, bp);
-      } else {
-        packed_rows<1, uint16_t>(xp, M, K, src, panel_stride, yp, N, p * 16, bp);
-      }
+      if (p + 1 < panels)
+        packed_rows<2>(xp, M, K, src, panel_stride, yp, N, p * 16, bp);
+      else
+        packed_rows<1>(xp, M, K, src, panel_stride, yp, N, p * 16, bp);
     }
   });
 #else
@@ -688,7 +564,6 @@ std::vector<at::Tensor> llama_decode_layer(
 }  // namespace
 
 TORCH_LIBRARY(perfxlm, m) {
-  m.def("linear_bf16w(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("linear_bf16_packed(Tensor x, Tensor packed, int N, Tensor? bias) -> Tensor");
   m.def("widen_panels(Tensor packed, int p0, int p1, Tensor(a!) out) -> ()");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
@@ -705,7 +580,6 @@ TORCH_LIBRARY(perfxlm, m) {
 }
 
 TORCH_LIBRARY_IMPL(perfxlm, CPU, m) {
-  m.impl("linear_bf16w", &linear_bf16w);
   m.impl("linear_bf16_packed", &linear_bf16_packed);
   m.impl("widen_panels", &widen_panels);
   m.impl("paged_decode_attention", &paged_decode_attention);

@@ -98,12 +98,3 @@ def _load() -> Any | None:
     except Exception as exc:  # no compiler, no ninja, read-only home...: fall back, say so once
         logger.warning("perfxlm: native CPU kernels unavailable (%s); using plain PyTorch ops.", exc)
         return None
-
-
-def has_native_bf16() -> bool:
-    """Whether this CPU does bfloat16 arithmetic in hardware (AVX512-BF16 or AMX); without it torch
-    emulates bf16 matmuls, slower than float32."""
-    try:
-        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-    except AttributeError:
-        return False

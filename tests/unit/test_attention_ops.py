@@ -14,6 +14,18 @@ from perfxlm.ops.attention import (
 from perfxlm.ops.reference import attention_reference, gather_sequence_kv
 
 
+def _random_tables(seq_lens, block_size, num_blocks):
+    """Disjoint random blocks per sequence: the lists, and the zero-padded [B, max_blocks] table."""
+    perm = torch.randperm(num_blocks).tolist()
+    tables, off = [], 0
+    for n in seq_lens:
+        nb = -(-n // block_size)
+        tables.append(perm[off : off + nb])
+        off += nb
+    max_blocks = max(len(t) for t in tables)
+    return tables, torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
+
+
 @pytest.fixture(params=["native", "torch"])
 def decode_impl(request):
     """The decode op as dispatched (the native kernel where it builds) and its plain-torch path."""
@@ -41,14 +53,8 @@ def _setup(num_blocks, block_size, num_kv_heads, head_dim, dtype, seed=0):
 def test_decode_matches_reference(num_heads, num_kv_heads, head_dim, block_size, dtype, cache_dtype, decode_impl):
     k_cache, v_cache = _setup(40, block_size, num_kv_heads, head_dim, cache_dtype)
     seq_lens = [1, 13, block_size * 3, 29]
-    perm = torch.randperm(40).tolist()
-    tables, off = [], 0
-    for n in seq_lens:
-        nb = -(-n // block_size)
-        tables.append(perm[off : off + nb])
-        off += nb
-    max_blocks = max(len(t) for t in tables)
-    bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
+    tables, bt = _random_tables(seq_lens, block_size, 40)
+    max_blocks = bt.shape[1]
     q = torch.randn(len(seq_lens), num_heads, head_dim, dtype=dtype)
     scale = head_dim**-0.5
     out = decode_impl(q, k_cache, v_cache, bt, torch.tensor(seq_lens), scale)
@@ -98,14 +104,8 @@ def test_decode_options_match_reference(
     k_cache, v_cache = _setup(40, block_size, num_kv_heads, head_dim, dtype, seed=2)
     k_cache.mul_(3)  # larger scores, so the soft cap bends them
     seq_lens = [1, 4, 13, block_size * 3 + 2]
-    perm = torch.randperm(40).tolist()
-    tables, off = [], 0
-    for n in seq_lens:
-        nb = -(-n // block_size)
-        tables.append(perm[off : off + nb])
-        off += nb
-    max_blocks = max(len(t) for t in tables)
-    bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
+    tables, bt = _random_tables(seq_lens, block_size, 40)
+    max_blocks = bt.shape[1]
     q = torch.randn(len(seq_lens), num_heads, head_dim, dtype=dtype)
     scale = head_dim**-0.5
     lens = torch.tensor(seq_lens)
