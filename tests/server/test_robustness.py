@@ -35,6 +35,7 @@ def post(server, path, body, **kw):
         ({"prompt": "x", "logprobs": 50}, "logprobs"),
         ({"prompt": "x", "suffix": "y"}, "suffix"),
         ({"prompt": [10**7]}, None),
+        ('{"prompt": "a\\ud800b"}', None),  # a lone surrogate: valid JSON, not encodable text
     ],
 )
 def test_bad_completion_requests_get_400_and_small_body(server, body, param):
@@ -53,6 +54,13 @@ def test_chat_validation(server):
     r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                               "tools": [{"type": "function", "function": {"name": "f"}}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+
+
+def test_tokenize_validation(server):
+    """Found by the fuzz test: these two reached the handler and came back 500."""
+    assert post(server, "/tokenize", {"messages": []}).status_code == 400
+    assert post(server, "/tokenize", '{"prompt": "x\\udfff"}').status_code == 400
+    assert post(server, "/tokenize", {"prompt": "héllo"}).json()["count"] >= 2
 
 
 def test_unknown_model_is_404(server):

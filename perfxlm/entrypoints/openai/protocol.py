@@ -5,11 +5,32 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+def _check_utf8(value: Any) -> None:
+    """JSON may carry lone surrogates ("\\ud800") that no tokenizer can encode: refuse them as bad input."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"text is not valid Unicode (a lone surrogate at position {exc.start})") from None
+    elif isinstance(value, dict):
+        for v in value.values():
+            _check_utf8(v)
+    elif isinstance(value, list):
+        for v in value:
+            _check_utf8(v)
 
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        _check_utf8(data)
+        return data
 
 
 class StreamOptions(StrictModel):
@@ -82,7 +103,7 @@ class ChatCompletionRequest(SamplingFields):
 class TokenizeRequest(StrictModel):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
