@@ -89,6 +89,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = True
+    # vLLM's engine argument: the most logprobs / prompt_logprobs a request may ask for (-1: the vocabulary).
+    max_logprobs: int = 20
     # Resolved by resolve(); not user input.
     hf_config: Any = field(default=None, repr=False)
     torch_dtype: torch.dtype = field(default=torch.float32, repr=False)  # activations (compute)
@@ -114,6 +116,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (no limit) or >= 0, got {self.max_logprobs!r}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}.")
         self.torch_dtype = self.weight_dtype = self.kv_cache_dtype = resolve_dtype(self.dtype)

@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field, fields
 from enum import IntEnum
 
 _SAMPLING_EPS = 1e-5
+# vLLM's API bounds a seed to a signed 64-bit integer (torch's generator seed); -1 means random.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class RequestOutputKind(IntEnum):
@@ -63,6 +74,14 @@ class SamplingParams:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.all_stop_token_ids = set(self.stop_token_ids)
+        if self.seed == -1 and _is_int(self.seed):
+            self.seed = None  # vLLM and llama.cpp: -1 asks for a random seed
+        for name in ("n", "top_k", "min_tokens"):
+            if not _is_int(getattr(self, name)):
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}.")
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
+            if not _is_number(getattr(self, name)):
+                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}.")
         if 0 < self.temperature < _SAMPLING_EPS:
             # Tiny temperatures overflow the softmax; treat them as greedy like vLLM.
             self.temperature = 0.0
@@ -77,27 +96,27 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name} {why}, got {getattr(self, name)!r}.")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        if self.n < 1:
             raise bad("n", "must be an integer >= 1")
-        if self.best_of is not None and self.best_of < self.n:
-            raise bad("best_of", f"must be >= n ({self.n})")
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
+            raise bad("best_of", f"must be an integer >= n ({self.n})")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", "must be in [-2, 2]")
-        if not self.repetition_penalty > 0.0:
-            raise bad("repetition_penalty", "must be > 0")
-        if not self.temperature >= 0.0:
-            raise bad("temperature", "must be >= 0")
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise bad("repetition_penalty", "must be a finite number > 0")
+        if not 0.0 <= self.temperature < math.inf:
+            raise bad("temperature", "must be a finite number >= 0")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if self.top_k < -1:
             raise bad("top_k", "must be -1 or 0 (disable) or at least 1")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "must be an integer or None")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise bad("seed", f"must be None, -1 (random) or an integer in [{SEED_MIN}, {SEED_MAX}]")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "must be an integer >= 1")
         if self.min_tokens < 0:
             raise bad("min_tokens", "must be >= 0")
@@ -105,12 +124,13 @@ class SamplingParams:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must hold non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must hold non-negative integers")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise bad("logprobs", "must be >= 0")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            raise bad("prompt_logprobs", "must be >= 0")
+        # The upper bound is the engine's max_logprobs, checked where the request enters the engine.
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise bad("logprobs", "must be an integer >= 0")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            raise bad("prompt_logprobs", "must be an integer >= 0")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise bad("logit_bias", "must be a dict {token_id: bias}")
@@ -118,17 +138,17 @@ class SamplingParams:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError):
                 raise bad("logit_bias", "must map integer token ids to numbers") from None
-            if any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
+            if any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):  # NaN fails too
                 raise bad("logit_bias", "values must be in [-100, 100]")
             if any(k < 0 for k in self.logit_bias):
                 raise bad("logit_bias", "keys must be non-negative token ids")
         if self.allowed_token_ids is not None:
-            if not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids):
+            if not self.allowed_token_ids or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
                 raise bad("allowed_token_ids", "must be a non-empty list of non-negative token ids")
         if self.bad_words is not None and any(not isinstance(w, str) or not w for w in self.bad_words):
             raise bad("bad_words", "must hold non-empty strings")
         if self.truncate_prompt_tokens is not None and (
-            not isinstance(self.truncate_prompt_tokens, int) or self.truncate_prompt_tokens < 1
+            not _is_int(self.truncate_prompt_tokens) or self.truncate_prompt_tokens < 1
         ):
             raise bad("truncate_prompt_tokens", "must be an integer >= 1")
         if not isinstance(self.output_kind, RequestOutputKind):

@@ -8,9 +8,30 @@ from typing import Any, Mapping
 
 from perfxlm.config import EngineConfig
 from perfxlm.engine.request import Request
-from perfxlm.sampling_params import SamplingParams
+from perfxlm.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 
 PromptType = str | Mapping[str, Any]
+
+# Sibling sequences of an n > 1 / best_of request are named "<request id><SEP><index>" inside the
+# engine. No caller id may hold SEP, so a sibling id never equals a caller's id or another's sibling.
+SIBLING_SEP = "\x1e"
+
+
+def sibling_id(request_id: str, index: int) -> str:
+    return f"{request_id}{SIBLING_SEP}{index}"
+
+
+def check_request_id(request_id: Any) -> None:
+    if not isinstance(request_id, str):
+        raise ValueError(f"request_id must be a string, got {type(request_id).__name__}.")
+    if SIBLING_SEP in request_id:
+        raise ValueError("request_id must not contain the character U+001E (reserved for sibling sequences).")
+
+
+def _sibling_seed(seed: int, index: int) -> int:
+    """seed + index, wrapped into the signed 64-bit range a generator takes."""
+    span = SEED_MAX - SEED_MIN + 1
+    return (seed + index - SEED_MIN) % span + SEED_MIN
 
 
 class InputProcessor:
@@ -20,6 +41,8 @@ class InputProcessor:
         self.vocab_size = int(config.hf_config.vocab_size)
         self.max_model_len = int(config.max_model_len)
         self.max_pool_tokens = num_kv_blocks * config.block_size
+        self.max_num_seqs = int(config.max_num_seqs)
+        self.max_logprobs = self.vocab_size if config.max_logprobs == -1 else int(config.max_logprobs)
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -45,6 +68,8 @@ class InputProcessor:
     ) -> ProcessedRequest:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
+        check_request_id(request_id)
+        self._check_engine_limits(params)
         text, token_ids = self.tokenize_prompt(prompt)
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens :]
@@ -80,6 +105,8 @@ class InputProcessor:
         if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         params = params.clone()
+        if params.top_k >= self.vocab_size:
+            params.top_k = -1  # keeping the whole vocabulary is no filter; the sampler never sees a huge k
         params.all_stop_token_ids = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else eos)
         if params.bad_words:
             params._bad_words_token_ids = self._tokenize_bad_words(params.bad_words)
@@ -87,16 +114,33 @@ class InputProcessor:
         if num_seqs == 1:
             child_ids, child_params = [request_id], [params]
         else:
-            child_ids = [f"{i}_{request_id}" for i in range(num_seqs)]
+            child_ids = [sibling_id(request_id, i) for i in range(num_seqs)]
             child_params = []
             for i in range(num_seqs):
                 p = params.clone()
                 if p.seed is not None:
-                    p.seed = p.seed + i  # siblings must differ, and stay reproducible
+                    p.seed = _sibling_seed(p.seed, i)  # siblings must differ, and stay reproducible
                 child_params.append(p)
         request = Request(child_ids[0], token_ids, child_params[0], max_tokens, eos, arrival_time)
         request.fork_children = list(zip(child_ids[1:], child_params[1:]))
         return ProcessedRequest(request, text, child_ids, child_params, params)
+
+    def _check_engine_limits(self, params: SamplingParams) -> None:
+        """Bounds that depend on the engine, checked before any per-sibling work (copies, forks)."""
+        for name in ("n", "best_of"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_num_seqs:
+                raise ValueError(
+                    f"{name} must be at most max_num_seqs ({self.max_num_seqs}), the sequences one step can run; "
+                    f"got {value}."
+                )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(
+                    f"{name} must be at most max_logprobs ({self.max_logprobs}), got {value}: "
+                    "ask for fewer or raise the engine's max_logprobs."
+                )
 
     def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
         if self.tokenizer is None:

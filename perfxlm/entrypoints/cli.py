@@ -27,6 +27,8 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV cache of shared prompt prefixes")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
+    parser.add_argument("--max-logprobs", type=int, default=20,
+                        help="most logprobs / prompt_logprobs a request may ask for (-1: no limit)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -43,6 +45,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         num_kv_blocks=args.num_kv_blocks,
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
+        max_logprobs=args.max_logprobs,
     )
 
 
