@@ -23,6 +23,15 @@ logger = logging.getLogger("perfxlm")
 
 DEFAULT_KV_CACHE_GIB = 4.0
 
+# Freezing the garbage collector changes the whole process: only a program that owns its process (the
+# CLI, the server) opts in; an engine built as a library leaves the host's collector alone.
+_freeze_gc_at_start = False
+
+
+def freeze_gc_at_engine_start(enabled: bool = True) -> None:
+    global _freeze_gc_at_start
+    _freeze_gc_at_start = enabled
+
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
@@ -38,12 +47,13 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len
         )
-        # The model and tokenizer are long-lived: take them out of the collector's view, so the GC passes
-        # that per-step allocations trigger stay short (they showed up at a few % of a decode step).
-        # Unfreeze first: what an earlier engine in this process left behind is collected now.
-        gc.unfreeze()
-        gc.collect()
-        gc.freeze()
+        if _freeze_gc_at_start:
+            # The model and tokenizer are long-lived: take them out of the collector's view, so the GC
+            # passes that per-step allocations trigger stay short (a few % of a decode step). Unfreeze
+            # first: what an earlier engine in this process left behind is collected now.
+            gc.unfreeze()
+            gc.collect()
+            gc.freeze()
         logger.info(
             "perfxlm engine core: model=%s compute=%s weights=%s kv=%s kv_blocks=%d x %d tokens, max_model_len=%d",
             config.model, config.torch_dtype, config.weight_dtype, config.kv_cache_dtype, self.num_kv_blocks, config.block_size, config.max_model_len,

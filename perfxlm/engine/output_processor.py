@@ -63,7 +63,10 @@ class SequenceState:
             new_ids = new_ids[:-1]  # the EOS / stop token is not part of the text
         old_len = len(self.text)
         self.text += self.detokenizer.add_tokens(new_ids)
-        if self.params.stop and self.finish_reason is None:
+        # vLLM: stop strings count only from min_tokens on, and a stop string completed by the token
+        # that reached max_tokens still ends (and is cut from) the text: "stop" wins over "length".
+        if (self.params.stop and self.finish_reason in (None, "length")
+                and len(self.token_ids) >= self.params.min_tokens):
             return self._check_stop_strings(old_len)
         return None
 
@@ -172,7 +175,8 @@ class RequestState:
             for i, c in enumerate(completions):
                 c.index = i
         elif kind == RequestOutputKind.DELTA:
-            completions = [s.completion(kind) for s in self.seqs if s.updated or finished]
+            # Only what changed: a sibling that finished earlier already sent its final delta.
+            completions = [s.completion(kind) for s in self.seqs if s.updated]
         else:
             completions = [s.completion(kind) for s in self.seqs]
         return RequestOutput(

@@ -212,8 +212,11 @@ class Scheduler:
             child.num_cached_tokens = parent.num_cached_tokens
             child.first_scheduled_time = parent.first_scheduled_time
             self.requests[child_id] = child
-            copy = self.kv.fork(parent, child)
-            if copy is False:  # no block for the copy: recompute later (the prompt is prefix-cached)
+            # A sibling takes a seat like any request: with every seat taken it waits (and recomputes its
+            # prompt, mostly from the prefix cache) instead of exceeding max_num_seqs.
+            seated = len(self.running) < self.max_num_seqs
+            copy = self.kv.fork(parent, child) if seated else False
+            if copy is False:  # no seat, or no block for the copy: recompute later
                 child.num_computed_tokens = 0
                 child.status = RequestStatus.PREEMPTED
                 self.waiting.appendleft(child)

@@ -277,6 +277,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from perfxlm.engine.engine_core import freeze_gc_at_engine_start
+
+    freeze_gc_at_engine_start()  # this process is ours: engines built below may freeze the GC
     try:
         return args.func(args)
     except ValueError as exc:

@@ -7,6 +7,7 @@ A model file never sees the cache layout or the batch composition: attention lay
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -36,20 +37,22 @@ class AttentionMetadata:
     prefills: list[PrefillSeq]
 
 
-_current: AttentionMetadata | None = None
+# One context per thread, set around one forward pass: each engine runs its forward passes in its own
+# thread (an offline engine in the caller's), so two engines in one process never see each other's batch.
+_local = threading.local()
 
 
 @contextlib.contextmanager
 def set_forward_context(metadata: AttentionMetadata) -> Iterator[None]:
-    global _current
-    assert _current is None, "forward contexts do not nest"
-    _current = metadata
+    assert getattr(_local, "current", None) is None, "forward contexts do not nest"
+    _local.current = metadata
     try:
         yield
     finally:
-        _current = None
+        _local.current = None
 
 
 def get_forward_context() -> AttentionMetadata:
-    assert _current is not None, "attention called outside set_forward_context()"
-    return _current
+    current = getattr(_local, "current", None)
+    assert current is not None, "attention called outside set_forward_context()"
+    return current
