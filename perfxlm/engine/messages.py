@@ -57,6 +57,9 @@ class ModelRunnerOutput:
     logprobs: dict[str, LogprobEntry] = field(default_factory=dict)
     # request_id -> (position of the first entry, entries) for prompt tokens covered this step
     prompt_logprobs: dict[str, tuple[int, list[LogprobEntry]]] = field(default_factory=dict)
+    # request_id -> why: requests whose own state failed this step (their seed, filters, logprobs); the
+    # scheduler ends them as aborted while the rest of the batch goes on.
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -69,3 +72,4 @@ class EngineCoreOutput:
     first_scheduled_time: float | None = None
     new_logprobs: list[LogprobEntry] | None = None
     new_prompt_logprobs: tuple[int, list[LogprobEntry]] | None = None
+    error: str | None = None  # set when the request failed on its own (finish_reason "abort")

@@ -9,6 +9,7 @@ logprob, when all have finished).
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -17,6 +18,8 @@ from perfxlm.engine.input_processor import ProcessedRequest
 from perfxlm.engine.messages import EngineCoreOutput, LogprobEntry
 from perfxlm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from perfxlm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("perfxlm")
 
 
 class SequenceState:
@@ -216,6 +219,8 @@ class OutputProcessor:
             state, index = found
             if state.seqs[index].finish_reason is not None:
                 continue  # ended here (stop string) while the core was already computing its next token
+            if out.error is not None:
+                logger.warning("request %r failed on its own and was aborted: %s", state.request_id, out.error)
             m = state.metrics
             if m.first_scheduled_time is None and out.first_scheduled_time is not None:
                 m.first_scheduled_time = out.first_scheduled_time

@@ -171,6 +171,8 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished or preempted meanwhile
             request.num_computed_tokens += len(sr.token_ids)
+            if mro.failed and self._failed_in_step(request, sr, mro.failed, outputs):
+                continue
             prompt_lps = mro.prompt_logprobs.get(sr.request_id)
             if not sr.do_sample:
                 if prompt_lps is not None:
@@ -182,10 +184,28 @@ class Scheduler:
                 req.append_output_token(token)
                 status = self._check_stop(req, token)
                 if status is not None:
-                    self.running.remove(req) if req.status == RequestStatus.RUNNING else self.waiting.remove(req)
+                    self._remove(req)
                     self._finish(req, status)
                 outputs.append(self._output(req, [token], status, mro, prompt_lps if req is request else None))
         return outputs
+
+    def _failed_in_step(self, request: Request, sr: ScheduledRequest, failed: dict[str, str],
+                        outputs: list[EngineCoreOutput]) -> bool:
+        """End a request whose own state failed in the runner (it, or one of its unborn siblings): it and
+        its unborn siblings finish as aborted, with the reason; the rest of the batch is untouched."""
+        ids = [request.request_id, *(cid for cid, _ in sr.fork_children)] if sr.do_sample else [request.request_id]
+        error = next((failed[i] for i in ids if i in failed), None)
+        if error is None:
+            return False
+        request.fork_children = []
+        self._remove(request)
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        for rid in ids:
+            outputs.append(EngineCoreOutput(rid, [], finish_reason="abort", error=error))
+        return True
+
+    def _remove(self, request: Request) -> None:
+        self.running.remove(request) if request.status == RequestStatus.RUNNING else self.waiting.remove(request)
 
     def _output(self, request: Request, tokens: list[int], status: RequestStatus | None, mro: ModelRunnerOutput,
                 prompt_lps) -> EngineCoreOutput:

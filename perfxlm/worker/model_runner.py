@@ -19,6 +19,7 @@ from perfxlm.model.layers.attention import Attention
 from perfxlm.model.layers.sampler import Sampler, compute_logprobs
 from perfxlm.ops import native
 from perfxlm.ops.attention import decode_mask
+from perfxlm.worker.kv_memory import lazy_zeros
 from perfxlm.worker.sampling_inputs import SampleRow, build_sampling_metadata
 
 
@@ -32,7 +33,7 @@ class ModelRunner:
         for module in model.modules():
             if isinstance(module, Attention):
                 shape = (num_blocks, block_size, module.num_kv_heads, module.head_dim)
-                cache = (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+                cache = (lazy_zeros(shape, dtype), lazy_zeros(shape, dtype))
                 module.kv_cache = cache
                 self.kv_caches.append(cache)
 
@@ -71,16 +72,32 @@ class ModelRunner:
         if not rows:
             return out
         logits = self.model.compute_logits(hidden[torch.tensor(hidden_rows)])  # [rows, vocab] fp32
-        result = self.sampler(logits, build_sampling_metadata(rows, self.generators, logits.shape[1]))
+        try:
+            result = self.sampler(logits, build_sampling_metadata(rows, self.generators, logits.shape[1]))
+        except Exception:
+            # One request's sampling state (its seed, filters, logit edits) must not fail the batch:
+            # sample row by row, and fail only the rows that fail on their own.
+            for i, r in enumerate(rows):
+                try:
+                    one = self.sampler(logits[i : i + 1], build_sampling_metadata([r], self.generators, logits.shape[1]))
+                except Exception as exc:
+                    out.failed[r.request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
+                    continue
+                self._record_samples([r], one, out)
+            return out
+        self._record_samples(rows, result, out)
+        return out
+
+    @staticmethod
+    def _record_samples(rows: list[SampleRow], result, out: ModelRunnerOutput) -> None:
         token_ids = result.token_ids.tolist()
-        out.sampled_token_ids = {r.request_id: t for r, t in zip(rows, token_ids)}
+        out.sampled_token_ids.update({r.request_id: t for r, t in zip(rows, token_ids)})
         if result.logprobs is not None:
             ids, lps, ranks = result.logprob_token_ids.tolist(), result.logprobs.tolist(), result.sampled_ranks.tolist()
             for i, r in enumerate(rows):
                 if r.params.needs_sampled_logprob:
                     k = 1 + (r.params.logprobs or 0)
                     out.logprobs[r.request_id] = (ids[i][:k], lps[i][:k], ranks[i])
-        return out
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
@@ -107,7 +124,11 @@ class ModelRunner:
             logprobs = self.model.compute_logits(hidden[start : start + count]).log_softmax(dim=-1)
             first = s.num_computed_tokens + 1
             targets = torch.tensor(s.prompt_token_ids[first : first + count], dtype=torch.int64)
-            ids, lps, ranks = compute_logprobs(logprobs, targets, k)
+            try:
+                ids, lps, ranks = compute_logprobs(logprobs, targets, k)
+            except Exception as exc:  # this request's own ask (its k) failed: fail it alone
+                out.failed[s.request_id] = f"prompt logprobs failed: {type(exc).__name__}: {exc}"
+                continue
             entries = list(zip(ids.tolist(), lps.tolist(), ranks.tolist()))
             out.prompt_logprobs[s.request_id] = (first, entries)
 
