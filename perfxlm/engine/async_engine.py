@@ -16,6 +16,8 @@ from perfxlm.engine.threaded_engine import ThreadedEngine
 from perfxlm.outputs import RequestOutput
 from perfxlm.sampling_params import SamplingParams
 
+_HEALTH_POLL_S = 0.5
+
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
@@ -51,7 +53,10 @@ class AsyncLLM:
         finished = False
         try:
             while not finished:
-                item = await results.get()
+                if results.empty():
+                    item = await self._next(results)
+                else:
+                    item = results.get_nowait()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -60,13 +65,32 @@ class AsyncLLM:
             if not finished:  # cancelled, or the consumer stopped iterating
                 self.engine.abort(request_id)
 
+    async def _next(self, results: asyncio.Queue) -> RequestOutput | BaseException:
+        """The next item, looking at the engine's health every half second while none comes: a dead
+        engine is learnt within a second even if its error never reached this request's sink."""
+        # One getter for the whole wait (not wait_for, which cancels a get that may have just taken an item).
+        getter = asyncio.ensure_future(results.get())
+        try:
+            while True:
+                done, _ = await asyncio.wait({getter}, timeout=_HEALTH_POLL_S)
+                if done:
+                    return getter.result()
+                self.engine.check_health()
+        finally:
+            if not getter.done():
+                getter.cancel()
+
     async def abort(self, request_id: str | list[str]) -> None:
         for rid in [request_id] if isinstance(request_id, str) else request_id:
             self.engine.abort(rid)
 
     async def check_health(self) -> None:
-        if not self.engine._core_thread.is_alive():
-            raise RuntimeError("the engine core thread has stopped")
+        """Raise EngineDeadError unless every engine thread is alive and the engine has not failed."""
+        self.engine.check_health()
+
+    @property
+    def errored(self) -> bool:
+        return self.engine.is_dead
 
     def shutdown(self) -> None:
         self.engine.shutdown()

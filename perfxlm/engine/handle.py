@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,13 +24,17 @@ from perfxlm.outputs import RequestOutput
 from perfxlm.sampling_params import RequestOutputKind, SamplingParams
 
 
+_HEALTH_POLL_S = 0.5
+
+
 @dataclass(slots=True)
 class GeneratedUpdate:
     new_token_ids: list[int]  # of the first completion (index 0)
     new_text: str
     finished: bool
     finish_reason: str | None
-    output: RequestOutput  # everything so far (cumulative)
+    output: RequestOutput | None  # everything so far (cumulative); None if the engine failed before any
+    error: BaseException | None = None  # the last update of a request the engine failed (finished, "abort")
 
 
 class RequestHandle:
@@ -40,14 +45,18 @@ class RequestHandle:
         self._done = threading.Event()
         self._final: RequestOutput | None = None
         self._error: BaseException | None = None
+        self._last: RequestOutput | None = None
         self._sent_tokens = 0
         self._sent_chars = 0
 
     def _sink(self, item: RequestOutput | BaseException) -> None:
         if isinstance(item, BaseException):
+            # Through the queue too: a caller blocked in queue.get() must wake up and learn it.
             self._error = item
+            self.queue.put(GeneratedUpdate([], "", True, "abort", self._last, error=item))
             self._done.set()
             return
+        self._last = item
         first = item.outputs[0] if item.outputs else None
         tokens = first.token_ids[self._sent_tokens :] if first else []
         text = first.text[self._sent_chars :] if first else ""
@@ -63,8 +72,14 @@ class RequestHandle:
         return self._done.is_set()
 
     def sync(self, timeout: float | None = None) -> RequestOutput:
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"request {self.request_id!r} did not finish within {timeout} s")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        # Wait in short slices, looking at the engine's health between them: a dead engine is learnt
+        # within a second even if its error never reached this handle.
+        while not self._done.wait(_HEALTH_POLL_S if deadline is None else
+                                  max(0.0, min(_HEALTH_POLL_S, deadline - time.monotonic()))):
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"request {self.request_id!r} did not finish within {timeout} s")
+            self.engine.check_health()
         if self._error is not None:
             raise self._error
         assert self._final is not None

@@ -142,6 +142,9 @@ def _chat(args: argparse.Namespace) -> int:
             try:
                 while True:
                     update = handle.queue.get()
+                    if update.error is not None:
+                        print(f"\nerror: {update.error}", file=sys.stderr)
+                        return 1
                     print(update.new_text, end="", flush=True)
                     reply += update.new_text
                     if update.finished:
