@@ -15,13 +15,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import perfxlm
 from perfxlm.engine.async_engine import AsyncLLM
+from perfxlm.engine.threaded_engine import EngineDeadError
 from perfxlm.entrypoints.openai.errors import APIError, error_response
 from perfxlm.entrypoints.openai.metrics import ServerMetrics
 from perfxlm.entrypoints.openai.middleware import APIKeyCheck, BodySizeLimit
 from perfxlm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
 )
-from perfxlm.entrypoints.openai.serving_base import ServerContext, check_model
+from perfxlm.entrypoints.openai.serving_base import ServerContext, check_model, engine_dead_error
 from perfxlm.entrypoints.openai.serving_chat import _message_dicts, create_chat_completion, render_chat
 from perfxlm.entrypoints.openai.serving_completions import create_completion
 
@@ -66,12 +67,19 @@ def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None =
     async def _http_error(_: Request, exc: StarletteHTTPException):
         return error_response(exc.status_code, str(exc.detail))
 
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, exc: EngineDeadError):
+        err = engine_dead_error(exc)
+        return error_response(err.status, err.message, err.param, err.code)
+
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception):
         logger.exception("internal error")
         return error_response(500, "Internal server error.")
 
     def admit() -> None:
+        if engine.errored:  # a dead engine answers 503 until a supervisor restarts the process
+            raise engine_dead_error(engine.engine._dead)
         # Overload: refuse before any tokenizing or compute.
         if metrics.num_waiting() >= max_queued_requests:
             raise APIError(503, f"Server overloaded: {max_queued_requests} requests already waiting. Retry later.",
@@ -117,8 +125,11 @@ def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None =
 
     @app.get("/health")
     async def health():
-        alive = engine.engine._core_thread.is_alive()
-        return Response(status_code=200 if alive else 503)
+        try:
+            await engine.check_health()  # every engine thread alive, the engine not failed
+        except EngineDeadError:
+            return Response(status_code=503)
+        return Response(status_code=200)
 
     @app.get("/version")
     async def version():

@@ -91,5 +91,9 @@ class ServerMetrics:
             if m.first_token_time is not None and total > 1:
                 self.tpot.observe((m.last_token_time - m.first_token_time) / (total - 1))
 
+    def forget(self, request_id: str) -> None:
+        """The request's stream is over, finished or not (a client that went away never sees its end)."""
+        self._last_output.pop(request_id, None)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

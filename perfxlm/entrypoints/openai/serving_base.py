@@ -13,12 +13,11 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 
 from perfxlm.engine.async_engine import AsyncLLM
+from perfxlm.engine.threaded_engine import EngineDeadError
 from perfxlm.entrypoints.openai.errors import APIError
 from perfxlm.entrypoints.openai.protocol import SamplingFields
 from perfxlm.outputs import RequestOutput
 from perfxlm.sampling_params import RequestOutputKind, SamplingParams
-
-MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -41,9 +40,8 @@ def check_model(ctx: ServerContext, model: str | None) -> None:
 def to_sampling_params(
     req: SamplingFields, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
 ) -> SamplingParams:
-    for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
-        if value is not None and not 0 <= value <= MAX_LOGPROBS:
-            raise APIError(400, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}.", name)
+    # Upper bounds that depend on the engine (n, best_of, logprobs) are checked where the request enters
+    # it; its ValueError becomes a 400 in generate_one.
     logit_bias = None
     if req.logit_bias:
         try:
@@ -101,8 +99,15 @@ async def generate_one(ctx: ServerContext, prompt: Any, params: SamplingParams, 
         async for out in stream:
             ctx.metrics.on_output(out)
             yield out
+    except EngineDeadError as exc:  # new requests get a 503; open streams end with this error
+        raise engine_dead_error(exc) from None
     finally:
+        ctx.metrics.forget(request_id)  # an aborted stream never sees its final output
         await stream.aclose()  # closing the engine stream aborts the request if it is still running
+
+
+def engine_dead_error(exc: BaseException) -> APIError:
+    return APIError(503, f"The engine has failed and serves no more requests: {exc}", code="engine_dead")
 
 
 async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
