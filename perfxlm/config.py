@@ -97,6 +97,9 @@ class EngineConfig:
     weight_dtype: torch.dtype = field(default=torch.float32, init=False, repr=False)  # linear/embedding weights
     kv_cache_dtype: torch.dtype = field(default=torch.float32, init=False, repr=False)
     eos_token_ids: set[int] = field(default_factory=set, repr=False)
+    # whether max_model_len came from the user (an error if the KV pool cannot hold it) or the model
+    # (lowered to what the pool holds)
+    max_model_len_explicit: bool = field(default=False, init=False, repr=False)
 
     def resolve(self) -> "EngineConfig":
         from perfxlm.model.loader import load_hf_config  # late: loaders import transformers
@@ -128,6 +131,7 @@ class EngineConfig:
             self.torch_dtype = torch.float32
         self.hf_config = load_hf_config(self.model)
         limit = _max_position_embeddings(self.hf_config)
+        self.max_model_len_explicit = self.max_model_len is not None
         if self.max_model_len is None:
             self.max_model_len = limit
         elif self.max_model_len < 1 or self.max_model_len > limit:

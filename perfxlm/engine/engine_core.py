@@ -13,6 +13,7 @@ import torch
 
 from perfxlm.config import EngineConfig
 from perfxlm.engine.kv_cache_manager import KVCacheManager
+from perfxlm.engine.kv_pool import fit_max_model_len, plan_num_blocks
 from perfxlm.engine.messages import EngineCoreOutput
 from perfxlm.engine.request import Request, RequestStatus
 from perfxlm.engine.scheduler import Scheduler
@@ -20,8 +21,6 @@ from perfxlm.model.loader import get_model
 from perfxlm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("perfxlm")
-
-DEFAULT_KV_CACHE_GIB = 4.0
 
 # Freezing the garbage collector changes the whole process: only a program that owns its process (the
 # CLI, the server) opts in; an engine built as a library leaves the host's collector alone.
@@ -61,19 +60,14 @@ class EngineCore:
 
     def _num_kv_blocks(self) -> int:
         c = self.config
-        if c.num_kv_blocks is not None:
-            return c.num_kv_blocks
         per_block = ModelRunner.kv_bytes_per_block(self.model, c.block_size, c.kv_cache_dtype)
-        if c.kv_cache_gib is not None:
-            if c.kv_cache_gib <= 0:
-                raise ValueError(f"kv_cache_gib must be > 0, got {c.kv_cache_gib}.")
-            num = int(c.kv_cache_gib * (1 << 30) // per_block)
-        else:
-            # Never more than every seat filled to max_model_len could use.
-            ceiling = c.max_num_seqs * -(-c.max_model_len // c.block_size)
-            num = min(int(DEFAULT_KV_CACHE_GIB * (1 << 30) // per_block), ceiling)
-        if num < 1:
-            raise ValueError(f"kv_cache_gib={c.kv_cache_gib} is too small for one block ({per_block} bytes).")
+        num = plan_num_blocks(
+            per_block, c.block_size, c.max_num_seqs, c.max_model_len, c.num_kv_blocks, c.kv_cache_gib
+        )
+        # One sequence must fit the pool: the scheduler and the input checks see the fitted length.
+        c.max_model_len = fit_max_model_len(
+            c.max_model_len, c.max_model_len_explicit, num, c.block_size, per_block
+        )
         return num
 
     def add_request(self, request: Request) -> None:
