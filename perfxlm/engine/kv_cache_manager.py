@@ -9,17 +9,25 @@ Every block is in exactly one state:
 Cached and free blocks wait together in one LRU queue (an ordered dict); allocation takes
 from its front and drops the hash of a cached block it takes (eviction).
 
-1. get_computed_blocks(req): the longest run of the prompt's full blocks whose hash chain
-   (hash of parent hash + the block's token ids) is cached; at least one token is always left
-   to compute, so the step that follows can sample.
-2. allocate_slots(req, n, hits): all or nothing. Touches the hit blocks, takes new ones, and
-   registers the hash of every block that this step fills completely.
-3. free(req): ref counts down; blocks with none left go to the queue's tail, the request's
+1. get_computed_blocks(req): the longest run of the prompt's full blocks whose hash chain is
+   cached; at least one token is always left to compute, so the step that follows can sample.
+2. allocate_slots(req, n, hits): all or nothing. Touches the hit blocks and takes new ones.
+3. cache_blocks(req, num_computed): after the forward pass wrote their K/V, registers the hash
+   of every block now full, so no block is ever reusable before its content exists (a step that
+   fails registers nothing).
+4. free(req): ref counts down; blocks with none left go to the queue's tail, the request's
    last block first, so the end of a sequence is evicted before its shareable beginning.
+
+Block hashes are SHA-256 over the parent's digest and the block's token ids, the chain starting
+from a random per-process root (and the request's cache_salt, which separates tenants): a prompt
+cannot be crafted to collide with another user's block, and a hit needs the whole prefix equal.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -30,7 +38,22 @@ from perfxlm.engine.request import Request
 class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None
+    block_hash: bytes | None = None
+
+
+# Random per process: block digests cannot be precomputed from outside, nor carried across restarts.
+_ROOT = os.urandom(32)
+
+
+def block_digest(parent: bytes | None, tokens: list[int], cache_salt: str | None = None) -> bytes:
+    """SHA-256 of the parent digest (or the root and salt, for a first block) and the token ids."""
+    h = hashlib.sha256(parent if parent is not None else _ROOT)
+    if parent is None and cache_salt is not None:
+        salt = cache_salt.encode("utf-8", "surrogatepass")
+        h.update(b"salt" + struct.pack("<Q", len(salt)) + salt)
+    # every full block has block_size tokens, so fixed-width ids need no separator
+    h.update(struct.pack(f"<{len(tokens)}q", *tokens))
+    return h.digest()
 
 
 class KVCacheManager:
@@ -40,9 +63,9 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
-        self.cached: dict[int, KVCacheBlock] = {}  # block hash -> block
+        self.cached: dict[bytes, KVCacheBlock] = {}  # block digest -> block
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.req_to_hashes: dict[str, list[int]] = {}  # hash chain over the request's full blocks
+        self.req_to_hashes: dict[str, list[bytes]] = {}  # digest chain over the request's full blocks
         self.req_num_hashed_blocks: dict[str, int] = {}  # leading blocks already registered
         # Prefix-cache statistics, in tokens.
         self.prefix_queries = 0
@@ -65,13 +88,14 @@ class KVCacheManager:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
     # ---- prefix caching ------------------------------------------------------------------
-    def _hashes(self, request: Request, num_full_blocks: int) -> list[int]:
+    def _hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
         hashes = self.req_to_hashes.setdefault(request.request_id, [])
         tokens, bs = request.all_token_ids, self.block_size
+        salt = getattr(request, "cache_salt", None)
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash((parent, tuple(tokens[i * bs : (i + 1) * bs]))))
+            hashes.append(block_digest(parent, tokens[i * bs : (i + 1) * bs], salt))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
@@ -117,13 +141,16 @@ class KVCacheManager:
                 block.block_hash = None
             block.ref_cnt = 1
             req_blocks.append(block)
-        if self.enable_prefix_caching:
-            self._register_full_blocks(request, req_blocks, min(num_total, request.num_tokens))
         return True
 
-    def _register_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_known: int) -> None:
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the request's full blocks up to `num_computed_tokens`, whose K/V the forward pass
+        has written, as reusable by prefix matches."""
         rid = request.request_id
-        num_full = num_known // self.block_size
+        req_blocks = self.req_to_blocks.get(rid)
+        if not self.enable_prefix_caching or not req_blocks:
+            return
+        num_full = min(num_computed_tokens, request.num_tokens, len(req_blocks) * self.block_size) // self.block_size
         start = self.req_num_hashed_blocks.get(rid, 0)
         if num_full <= start:
             return

@@ -173,6 +173,8 @@ class Scheduler:
             request.num_computed_tokens += len(sr.token_ids)
             if mro.failed and self._failed_in_step(request, sr, mro.failed, outputs):
                 continue
+            # Only now is this step's K/V written: its full blocks may serve prefix matches.
+            self.kv.cache_blocks(request, request.num_computed_tokens)
             prompt_lps = mro.prompt_logprobs.get(sr.request_id)
             if not sr.do_sample:
                 if prompt_lps is not None:
