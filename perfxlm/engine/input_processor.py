@@ -71,6 +71,9 @@ class InputProcessor:
         check_request_id(request_id)
         self._check_engine_limits(params)
         text, token_ids = self.tokenize_prompt(prompt)
+        cache_salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt must be a non-empty string.")
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens :]
         n = len(token_ids)
@@ -123,6 +126,7 @@ class InputProcessor:
                 child_params.append(p)
         request = Request(child_ids[0], token_ids, child_params[0], max_tokens, eos, arrival_time)
         request.fork_children = list(zip(child_ids[1:], child_params[1:]))
+        request.cache_salt = cache_salt
         return ProcessedRequest(request, text, child_ids, child_params, params)
 
     def _check_engine_limits(self, params: SamplingParams) -> None:

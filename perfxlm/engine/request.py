@@ -57,6 +57,8 @@ class Request:
         self.first_scheduled_time: float | None = None
         # n > 1 / best_of: (request_id, params) of the siblings to fork off at the first sample.
         self.fork_children: list[tuple[str, SamplingParams]] = []
+        # vLLM's cache_salt: prefix-cache blocks are shared only between requests with the same salt
+        self.cache_salt: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -231,6 +231,7 @@ class Scheduler:
             child = Request(child_id, parent.prompt_token_ids, params, parent.max_tokens, parent.eos_token_ids,
                             parent.arrival_time)
             child.num_computed_tokens = parent.num_computed_tokens
+            child.cache_salt = parent.cache_salt  # a sibling that recomputes must hash as its tenant
             child.num_cached_tokens = parent.num_cached_tokens
             child.first_scheduled_time = parent.first_scheduled_time
             self.requests[child_id] = child

@@ -100,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests allowed to wait for a seat; past it the server answers 503")
     serve.add_argument("--max-request-body-bytes", type=int, default=4 << 20,
                        help="largest request body accepted (413 beyond)")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="render chat templates sent with requests (in a bounded sandbox); refused by default")
     serve.set_defaults(func=_serve)
 
     chat = sub.add_parser("chat", help="interactive chat in the terminal, streaming the replies")
@@ -121,9 +123,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _chat(args: argparse.Namespace) -> int:
     from perfxlm import Engine, SamplingParams
-    from perfxlm.entrypoints.openai.serving_chat import render_chat
+    from perfxlm.entrypoints.openai.chat_render import ChatRenderer
 
     engine = Engine(**engine_kwargs(args))
+    renderer = ChatRenderer(engine.engine.tokenizer, max_workers=1)
     history = [{"role": "system", "content": args.system}] if args.system else []
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     print("perfxlm chat: type a message; an empty line or Ctrl-D quits, Ctrl-C stops a reply.")
@@ -136,7 +139,7 @@ def _chat(args: argparse.Namespace) -> int:
             if not text:
                 break
             history.append({"role": "user", "content": text})
-            prompt = render_chat(engine.engine.tokenizer, history)
+            prompt = renderer.render_sync(history)
             handle = engine.start_request(prompt, params)
             reply = ""
             try:

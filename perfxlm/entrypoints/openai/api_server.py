@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import perfxlm
 from perfxlm.engine.async_engine import AsyncLLM
 from perfxlm.engine.threaded_engine import EngineDeadError
+from perfxlm.entrypoints.openai.chat_render import ChatRenderer
 from perfxlm.entrypoints.openai.errors import APIError, error_response
 from perfxlm.entrypoints.openai.metrics import ServerMetrics
 from perfxlm.entrypoints.openai.middleware import APIKeyCheck, BodySizeLimit
@@ -23,7 +24,7 @@ from perfxlm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
 )
 from perfxlm.entrypoints.openai.serving_base import ServerContext, check_model, engine_dead_error
-from perfxlm.entrypoints.openai.serving_chat import _message_dicts, create_chat_completion, render_chat
+from perfxlm.entrypoints.openai.serving_chat import _message_dicts, create_chat_completion
 from perfxlm.entrypoints.openai.serving_completions import create_completion
 
 logger = logging.getLogger("perfxlm.server")
@@ -48,10 +49,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None = None,
               allowed_origins: list[str] | None = None, max_queued_requests: int = 256,
-              max_request_body_bytes: int = 4 << 20) -> FastAPI:
+              max_request_body_bytes: int = 4 << 20, trust_request_chat_template: bool = False) -> FastAPI:
     app = FastAPI(title="perfxlm OpenAI-compatible server", version=perfxlm.__version__)
     metrics = ServerMetrics(engine.engine)
-    ctx = ServerContext(engine, served_model_name, int(engine.engine.config.max_model_len), metrics)
+    renderer = ChatRenderer(engine.tokenizer, trust_request_chat_template,
+                            max_rendered_chars=max(max_request_body_bytes, 1 << 20))
+    ctx = ServerContext(engine, served_model_name, int(engine.engine.config.max_model_len), metrics, renderer)
     app.state.ctx = ctx
 
     @app.exception_handler(APIError)
@@ -149,9 +152,9 @@ def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None =
             raise APIError(400, "Give exactly one of prompt or messages.", "prompt")
         if req.messages is not None:
             fake = ChatCompletionRequest(messages=req.messages)
-            ids = render_chat(tok, _message_dicts(fake), req.add_generation_prompt)["prompt_token_ids"]
+            ids = (await renderer.render(_message_dicts(fake), req.add_generation_prompt))["prompt_token_ids"]
         else:
-            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await renderer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
 
     @app.post("/detokenize")
@@ -232,7 +235,8 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
     name = served_name(engine_kwargs.get("model"), args.served_model_name)
     app = build_app(engine, name, api_key=args.api_key or os.environ.get("PERFXLM_API_KEY"),
                     allowed_origins=args.allowed_origins, max_queued_requests=args.max_queued_requests,
-                    max_request_body_bytes=args.max_request_body_bytes)
+                    max_request_body_bytes=args.max_request_body_bytes,
+                    trust_request_chat_template=getattr(args, "trust_request_chat_template", False))
     _warm_up_and_deprioritise_engine_threads(engine)
     cfg = engine.engine.config
     logger.info("model %s (served as %r), dtype %s, %d KV blocks of %d tokens, max_model_len %d",

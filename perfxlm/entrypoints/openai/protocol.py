@@ -68,6 +68,7 @@ class SamplingFields(StrictModel):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     best_of: int | None = None
+    cache_salt: str | None = None  # prefix-cache blocks are shared only among requests with the same salt
 
 
 class CompletionRequest(SamplingFields):

@@ -26,6 +26,7 @@ class ServerContext:
     served_model_name: str
     max_model_len: int
     metrics: Any  # ServerMetrics
+    renderer: Any = None  # ChatRenderer: templates and tokenization off the event loop
 
 
 def new_id(prefix: str) -> str:

@@ -16,20 +16,6 @@ from perfxlm.entrypoints.openai.serving_base import (
 from perfxlm.outputs import CompletionOutput, RequestOutput
 
 
-def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
-                chat_template: str | None = None, continue_final_message: bool = False,
-                template_kwargs: dict | None = None) -> dict:
-    if tokenizer is None:
-        raise APIError(400, "This server has no tokenizer, so it cannot apply a chat template.", "messages")
-    try:
-        text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
-            continue_final_message=continue_final_message, chat_template=chat_template, **(template_kwargs or {}))
-    except Exception as exc:  # template errors are the caller's input
-        raise APIError(400, f"Could not apply the chat template: {exc}", "messages") from None
-    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
-
-
 def _message_dicts(req: ChatCompletionRequest) -> list[dict]:
     out = []
     for m in req.messages:
@@ -74,8 +60,10 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     _check_unsupported(req)
     if req.stream and req.best_of is not None and req.best_of > req.n:
         raise APIError(400, "best_of > n is not supported with stream.", "best_of")
-    prompt = render_chat(ctx.engine.tokenizer, _message_dicts(req), req.add_generation_prompt, req.chat_template,
-                         req.continue_final_message, req.chat_template_kwargs)
+    prompt = await ctx.renderer.render(_message_dicts(req), req.add_generation_prompt, req.chat_template,
+                                       req.continue_final_message, req.chat_template_kwargs)
+    if req.cache_salt is not None:
+        prompt["cache_salt"] = req.cache_salt
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
         max_tokens = max(1, ctx.max_model_len - len(prompt["prompt_token_ids"]))

@@ -17,6 +17,23 @@ from perfxlm.outputs import CompletionOutput, RequestOutput
 
 
 def _prompts(req: CompletionRequest) -> list[Any]:
+    prompts = _raw_prompts(req)
+    if req.cache_salt is None:
+        return prompts
+    return [{"prompt": p, "cache_salt": req.cache_salt} if isinstance(p, str) else {**p, "cache_salt": req.cache_salt}
+            for p in prompts]
+
+
+async def _tokenized(ctx: ServerContext, prompt: Any) -> dict:
+    """Text prompts tokenized in the renderer's threads: a long prompt must not hold up the event loop."""
+    if isinstance(prompt, str):
+        prompt = {"prompt": prompt}
+    if "prompt_token_ids" not in prompt:
+        prompt = {**prompt, "prompt_token_ids": await ctx.renderer.encode(prompt["prompt"])}
+    return prompt
+
+
+def _raw_prompts(req: CompletionRequest) -> list[Any]:
     p = req.prompt
     if isinstance(p, str):
         return [p]
@@ -54,7 +71,8 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
         raise APIError(400, "echo together with logprobs is not supported.", "echo")
     if req.stream and req.best_of is not None and req.best_of > req.n:
         raise APIError(400, "best_of > n is not supported with stream.", "best_of")
-    prompts = _prompts(req)
+    # tokenized here, in the renderer's threads: a long prompt must not hold up the event loop
+    prompts = [await _tokenized(ctx, p) for p in _prompts(req)]
     params = to_sampling_params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs,
                                 req.prompt_logprobs)
     request_id = new_id("cmpl")
