@@ -28,6 +28,21 @@ def _rope_type(scaling: dict[str, Any]) -> str:
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    inv_freq = _scaled_inv_freq(head_dim, theta, scaling)
+    factors = scaling.get("freq_factors")
+    if factors is None:
+        return inv_freq
+    # Per-frequency divisors, as llama.cpp stores Llama-3.x scaling (GGUF `rope_freqs`): they replace the
+    # llama3 formula, so they combine only with plain or linear rope.
+    if _rope_type(scaling) not in ("default", "linear"):
+        raise ValueError(f"rope freq_factors cannot be combined with rope scaling {_rope_type(scaling)!r}.")
+    factors_t = torch.tensor(factors, dtype=torch.float32)
+    if factors_t.shape != inv_freq.shape:
+        raise ValueError(f"rope freq_factors has {factors_t.numel()} values, expected {inv_freq.numel()}.")
+    return inv_freq / factors_t
+
+
+def _scaled_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     rope_type = _rope_type(scaling)
     if rope_type == "default":
@@ -110,6 +125,9 @@ class RotaryEmbedding(nn.Module):
         )
         if _rope_type(scaling) == "longrope" and "original_max_position_embeddings" not in scaling:
             scaling["original_max_position_embeddings"] = config.original_max_position_embeddings
+        factors = getattr(config, "rope_freq_factors", None)  # from a GGUF file's rope_freqs tensor
+        if factors is not None:
+            scaling["freq_factors"] = factors
         return cls(head_dim, config.max_position_embeddings, theta, scaling, int(head_dim * partial))
 
     def _tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

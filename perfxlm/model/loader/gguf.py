@@ -24,6 +24,9 @@ import gguf
 import numpy as np
 import torch
 
+from perfxlm.model.loader.gguf_metadata import (
+    check_attention_scale, check_metadata, head_dims, rope_freq_factors, uniform,
+)
 from perfxlm.ops.gguf_dequant import check_supported, dequantize
 
 if TYPE_CHECKING:
@@ -68,9 +71,8 @@ _DECODER_TENSORS: dict[str, str] = {
     "blk.{n}.ffn_norm": "model.layers.{n}.post_attention_layernorm",
 }
 
-# tensors llama.cpp writes for its own use that have no HF parameter (rope_freqs: precomputed llama3
-# rope factors, which HF derives from the config instead)
-_IGNORED_TENSORS = re.compile(r"^(rope_freqs|blk\.\d+\.rope_freqs|rope_factors_(long|short))\.weight$")
+# llama.cpp's precomputed Llama-3 rope factors: read into the config (rope_freq_factors), not a parameter
+_ROPE_FREQS_TENSORS = re.compile(r"^(rope_freqs|blk\.\d+\.rope_freqs)\.weight$")
 
 
 @dataclass(frozen=True)
@@ -292,9 +294,6 @@ def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
         kind, factor = "linear", meta[f"{arch}.rope.scale_linear"]
     if kind in (None, "none") or factor is None:
         return None
-    if kind not in ("linear", "yarn"):
-        logger.warning("Ignoring unsupported GGUF rope scaling type %r.", kind)
-        return None
     scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
     if kind == "yarn":
         for gguf_key, hf_key in (
@@ -317,15 +316,20 @@ def load_gguf_config(path: str) -> "transformers.PretrainedConfig":
     spec = _spec(arch)
     meta = f.metadata
 
+    # llama.cpp writes Mistral as `llama`; a sliding window in the file makes it Mistral again
+    window = meta.get(f"{arch}.attention.sliding_window") if arch == "llama" else None
+    check_metadata(meta, arch, frozenset({"attention.sliding_window"}) if arch == "llama" else frozenset())
+    config_class, hf_architecture = spec.config_class, spec.hf_architecture
     kwargs: dict[str, Any] = dict(spec.extra_config)
+    if window:
+        config_class, hf_architecture = "MistralConfig", "MistralForCausalLM"
+        kwargs["sliding_window"] = int(window)
     for gguf_key, hf_key in spec.config_keys.items():
         if f"{arch}.{gguf_key}" in meta:
-            kwargs[hf_key] = meta[f"{arch}.{gguf_key}"]
+            kwargs[hf_key] = uniform(meta, f"{arch}.{gguf_key}")  # per-layer lists must agree
     for required in ("num_hidden_layers", "hidden_size", "num_attention_heads"):
         if required not in kwargs:
             raise ValueError(f"{path!r} lacks the {arch}.* metadata for {required}.")
-    if isinstance(kwargs.get("num_key_value_heads"), list):  # per-layer list in some files
-        kwargs["num_key_value_heads"] = max(kwargs["num_key_value_heads"])
 
     if "vocab_size" not in kwargs:
         if "tokenizer.ggml.tokens" in meta:
@@ -333,9 +337,10 @@ def load_gguf_config(path: str) -> "transformers.PretrainedConfig":
         elif "token_embd.weight" in f.tensors:
             kwargs["vocab_size"] = f.tensors["token_embd.weight"].shape[0]
 
-    head_dim = meta.get(f"{arch}.rope.dimension_count", meta.get(f"{arch}.attention.key_length"))
-    if head_dim is not None:
-        kwargs["head_dim"] = int(head_dim)
+    head_dim = head_dims(meta, arch, int(kwargs["hidden_size"]), int(kwargs["num_attention_heads"]))
+    kwargs["head_dim"] = head_dim
+    check_attention_scale(meta, arch, head_dim)
+    freq_factors = rope_freq_factors(f.tensors, f.tensor, head_dim)
 
     rope_theta = float(kwargs.pop("rope_theta", 10000.0))
     rope_scaling = _rope_scaling(meta, arch)
@@ -361,9 +366,12 @@ def load_gguf_config(path: str) -> "transformers.PretrainedConfig":
     kwargs["bos_token_id"] = bos
     kwargs["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None)
     kwargs["pad_token_id"] = meta.get("tokenizer.ggml.padding_token_id")
-    kwargs["architectures"] = [spec.hf_architecture]
+    kwargs["architectures"] = [hf_architecture]
 
-    config = getattr(transformers, spec.config_class)(**kwargs)
+    config = getattr(transformers, config_class)(**kwargs)
+    if freq_factors is not None:
+        # Llama-3.x rope scaling as llama.cpp stores it: inv_freq / factor per frequency (rotary.py)
+        config.rope_freq_factors = freq_factors
     # 5.x keeps the base frequency only in rope_parameters; code written for 4.x reads config.rope_theta
     if getattr(config, "rope_theta", None) is None:
         config.rope_theta = rope_theta
@@ -420,6 +428,14 @@ def iter_gguf_weights(path: str, config: Any = None) -> Iterator[tuple[str, torc
             check_supported(info.ggml_type)
         except ValueError as e:
             raise ValueError(f"{path!r}: tensor {info.name!r}: {e}") from None
+    table = _name_table(spec)
+    for name in f.tensors:
+        if _hf_name(name, table) is None and not _ROPE_FREQS_TENSORS.match(name):
+            # a tensor the model has no place for would silently be computed without: refuse instead
+            raise ValueError(
+                f"{path!r}: GGUF tensor {name!r} has no counterpart in the {spec.hf_architecture} model; "
+                "the file is not supported by this loader."
+            )
     config = config if config is not None else load_gguf_config(path)
     n_head = config.num_attention_heads
     n_kv_head = getattr(config, "num_key_value_heads", None) or n_head
@@ -448,9 +464,7 @@ def _iter_weights(
     for name in f.tensors:
         hf_name = _hf_name(name, table)
         if hf_name is None:
-            if not _IGNORED_TENSORS.match(name):
-                logger.warning("Skipping GGUF tensor %r: no Hugging Face counterpart known.", name)
-            continue
+            continue  # rope_freqs: read into the config by load_gguf_config (others refused up front)
         # the thread count is restored before each yield, so the consumer runs with its own setting
         with _one_torch_thread():
             tensor = f.tensor(name)
