@@ -60,6 +60,12 @@ def _native_kernels_usable() -> bool:
     return native.kernels() is not None
 
 
+def _bf16_compute() -> str:
+    from perfxlm.ops import cpu_plan
+
+    return cpu_plan.plan().bf16_compute
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float32, torch.bfloat16):
@@ -124,10 +130,11 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}.")
         self.torch_dtype = self.weight_dtype = self.kv_cache_dtype = resolve_dtype(self.dtype)
-        if self.torch_dtype == torch.bfloat16 and not cpu_has_fast_bf16() and _native_kernels_usable():
-            # No bf16 arithmetic on this CPU (torch would emulate it, slower than float32): keep weights
-            # and KV cache in bf16 (half the bytes each decode step reads) and compute in float32, as
-            # llama.cpp does with bf16 models.
+        if self.torch_dtype == torch.bfloat16 and _bf16_compute() == "float32" and _native_kernels_usable():
+            # Weights and KV cache in bf16 (half the bytes each decode step reads), activations in
+            # float32, as llama.cpp does with bf16 models: the native kernels widen the weights in
+            # registers for decode, and many-row products still use the CPU's bf16 GEMM where it has
+            # one (ops/cpu_plan.py says which path each CPU kind takes).
             self.torch_dtype = torch.float32
         self.hf_config = load_hf_config(self.model)
         limit = _max_position_embeddings(self.hf_config)

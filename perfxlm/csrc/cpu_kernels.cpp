@@ -10,7 +10,8 @@
 //    sliding window and logit soft-capping.
 // 3. fused_add_rms_norm, rms_norm, rotary_embedding: a decode step's per-layer elementwise work in one
 //    call each (dispatch overhead, not arithmetic, is what they cost at small batch).
-// 4. llama_decode_layer: a whole Llama-family layer for an all-decode step, composed from the above.
+// 4. decode_layer: a whole decoder layer (Llama family, Gemma 2) for an all-decode step, composed from
+//    the above.
 //
 // The plain-torch references are perfxlm/ops/reference.py; tests compare the two on random inputs.
 // Built at first use by torch.utils.cpp_extension (see perfxlm/ops/native.py) with -march=native:
@@ -156,6 +157,101 @@ at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed, int
           for (int64_t k = 0; k < K; ++k) acc += xp[m * K + k] * bf16_to_float(pp[p * panel_stride + k * 16 + c]);
           yp[m * N + p * 16 + c] = acc + (bp ? bp[p * 16 + c] : 0.f);
         }
+  });
+#endif
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------------
+// linear_bf16_rows: the same product with W kept as plain bf16 rows [N, K] (the layout torch's own
+// bf16 GEMM reads, so CPUs with AMX / AVX512-BF16 run many-row products through oneDNN on the very
+// same tensor). Few rows only: each task streams NT weight rows and dots them with every x row,
+// accumulating 16 lanes per pair and reducing once at the end (K / 16 FMAs per reduction). The NT
+// rows of a tile stay in L1 while chunks of up to MT x rows pass over them.
+// ---------------------------------------------------------------------------------------------
+
+#ifdef PERFXLM_AVX512
+template <int MT, int NT>
+inline void rows_tile(const float* x, int64_t K, const uint16_t* w, float* y, int64_t N, int64_t n0,
+                      const float* bias) {
+  __m512 acc[MT][NT];
+  #pragma GCC unroll 16
+  for (int i = 0; i < MT; ++i)
+    #pragma GCC unroll 16
+    for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 mask = tail_mask(K - k);
+    __m512 wv[NT];
+    #pragma GCC unroll 16
+    for (int j = 0; j < NT; ++j) wv[j] = load16(w + j * K + k, mask);
+    #pragma GCC unroll 16
+    for (int i = 0; i < MT; ++i) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * K + k);
+      #pragma GCC unroll 16
+      for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  #pragma GCC unroll 16
+  for (int i = 0; i < MT; ++i)
+    #pragma GCC unroll 16
+    for (int j = 0; j < NT; ++j) y[i * N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]) + (bias ? bias[n0 + j] : 0.f);
+}
+
+template <int NT>
+inline void rows_block(const float* x, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t N, int64_t n0,
+                       const float* bias) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) rows_tile<4, NT>(x + m * K, K, w, y + m * N, N, n0, bias);
+  switch (M - m) {
+    case 3: rows_tile<3, NT>(x + m * K, K, w, y + m * N, N, n0, bias); break;
+    case 2: rows_tile<2, NT>(x + m * K, K, w, y + m * N, N, n0, bias); break;
+    case 1: rows_tile<1, NT>(x + m * K, K, w, y + m * N, N, n0, bias); break;
+    default: break;
+  }
+}
+#endif
+
+at::Tensor linear_bf16_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_bf16_rows: x must be 2-D float32");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(),
+              "linear_bf16_rows: weight must be contiguous bf16 [N, K]");
+  TORCH_CHECK(weight.size(1) == x.size(1), "linear_bf16_rows: x has ", x.size(1), " features, weight expects ",
+              weight.size(1));
+  const int64_t N = weight.size(0);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor bc;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "linear_bf16_rows: bias size ", bias->numel(), " != ", N);
+    bc = bias->to(at::kFloat).contiguous();
+  }
+  const int64_t M = xc.size(0), K = xc.size(1);
+  at::Tensor y = at::empty({M, N}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+#ifdef PERFXLM_AVX512
+  // One weight row per accumulator: 8 rows at batch 1 (8 read streams), 4 with several x rows.
+  const int64_t NT = M == 1 ? 8 : 4;
+  const int64_t tiles = N / NT;
+  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * NT;
+      if (NT == 8)
+        rows_block<8>(xp, M, K, wp + n0 * K, yp, N, n0, bp);
+      else
+        rows_block<4>(xp, M, K, wp + n0 * K, yp, N, n0, bp);
+    }
+  });
+  for (int64_t n0 = tiles * NT; n0 < N; ++n0) rows_block<1>(xp, M, K, wp + n0 * K, yp, N, n0, bp);
+#else
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t m = 0; m < M; ++m) {
+        float acc = 0.f;
+        for (int64_t k = 0; k < K; ++k) acc += xp[m * K + k] * bf16_to_float(wp[n * K + k]);
+        yp[m * N + n] = acc + (bp ? bp[n] : 0.f);
+      }
   });
 #endif
   return y;
@@ -458,23 +554,25 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 }
 
 // Rotate-half rotary on x [T, heads, head_dim] (any token/head strides, unit stride within a head),
-// in place: cos/sin [T, head_dim] hold the angle of channel i and i + head_dim/2 twice.
+// in place: cos/sin [T, rotary_dim] hold the angle of channel i and i + rotary_dim/2 twice. With
+// rotary_dim < head_dim (partial rotary, Phi-3) the channels past rotary_dim pass through.
 void rotary_embedding(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
               "rotary_embedding: float32 only");
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary_embedding: x must be [tokens, heads, head_dim], unit stride in a head");
-  const int64_t T = x.size(0), heads = x.size(1), D = x.size(2), half = D / 2;
+  const int64_t T = x.size(0), heads = x.size(1), D = x.size(2);
   const at::Tensor c = cos.reshape({T, -1}).contiguous();
   const at::Tensor s = sin.reshape({T, -1}).contiguous();
-  TORCH_CHECK(c.size(1) == D && s.size(1) == D, "rotary_embedding: tables must cover the whole head_dim");
+  const int64_t R = c.size(1), half = R / 2;
+  TORCH_CHECK(s.size(1) == R && R <= D && R % 2 == 0, "rotary_embedding: tables must cover an even rotary_dim <= head_dim");
   float* xp = x.data_ptr<float>();
   const int64_t ts = x.stride(0), hs = x.stride(1);
   const float* cp = c.data_ptr<float>();
   const float* sp = s.data_ptr<float>();
   at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* ct = cp + t * D;
-      const float* st = sp + t * D;
+      const float* ct = cp + t * R;
+      const float* st = sp + t * R;
       for (int64_t h = 0; h < heads; ++h) {
         float* v = xp + t * ts + h * hs;
 #pragma omp simd
@@ -489,11 +587,15 @@ void rotary_embedding(at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 }
 
 // ---------------------------------------------------------------------------------------------
-// llama_decode_layer: one Llama-family decoder layer for a batch of single-token decodes, as one call.
-// At small batch a decode step is dominated by per-op dispatch (about 25 torch ops per layer); this is
-// the module path (model/models/llama.py) composed in C++ from the kernels above, same math and order:
-//   [residual +=] x; x = rmsnorm(residual); qkv = x Wqkv; rotary(q, k); cache <- k, v;
-//   a = attention(q); x = a Wo; residual += x; x = rmsnorm(residual); x = (silu(g) * u) Wdown
+// decode_layer: one decoder layer for a batch of single-token decodes, as one call. At small batch a
+// decode step is dominated by per-op dispatch (about 25 torch ops per layer); this is the module path
+// (model/models/llama.py, gemma2.py) composed in C++ from the kernels above, same math and order.
+// Llama family (Llama, Mistral, Qwen2/3, Phi-3), pre-norm with a residual stream:
+//   [residual +=] x; x = rmsnorm(residual); qkv = x Wqkv (+b); [q, k = rmsnorm per head]; rotary(q, k);
+//   cache <- k, v; a = attention(q); x = a Wo (+b); residual += x; x = rmsnorm(residual);
+//   x = act(g) * u Wdown
+// Gemma 2 ("sandwich": pre_ff_norm given; norm weights already 1 + w), no residual stream:
+//   x += rmsnorm(attn block(rmsnorm(x)), post); x += rmsnorm(mlp(rmsnorm(x, pre_ff)), post_ff)
 // ---------------------------------------------------------------------------------------------
 
 inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch's conversion
@@ -520,60 +622,123 @@ void write_slots(const float* src, int64_t src_stride, int64_t T, int64_t width,
   }
 }
 
-at::Tensor project(const at::Tensor& x, const at::Tensor& w, int64_t n_out, const c10::optional<at::Tensor>& bias) {
+// y = x W^T + b as perfxlm/ops/linear.py dispatches it, so the fused layer and the module path agree:
+// packed panels -> the panel kernel; bf16 rows under float32 x -> the row kernel up to max_rows rows,
+// else torch's bf16 GEMM (bf16_gemm) or a float32 GEMM on the widened weight; same dtypes -> torch.
+at::Tensor project(const at::Tensor& x, const at::Tensor& w, int64_t n_out, const c10::optional<at::Tensor>& bias,
+                   int64_t max_rows, bool bf16_gemm) {
   if (w.dim() == 3) return linear_bf16_packed(x, w, n_out, bias);
-  return at::linear(x, w, bias.has_value() ? *bias : at::Tensor());
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (w.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kFloat) {
+    if (x.size(0) <= max_rows && w.is_contiguous()) return linear_bf16_rows(x, w, bias);
+    at::Tensor y = bf16_gemm ? at::linear(x.to(at::kBFloat16), w).to(at::kFloat) : at::linear(x, w.to(at::kFloat));
+    if (has_bias) y.add_(bias->to(at::kFloat));
+    return y;
+  }
+  return at::linear(x, w, has_bias ? *bias : at::Tensor());
 }
 
-std::vector<at::Tensor> llama_decode_layer(
-    at::Tensor x, at::Tensor residual, bool first, const at::Tensor& in_norm, const at::Tensor& post_norm, double eps,
+// RMSNorm over each head of rows [T, heads * D] (row stride `stride`) in place (Qwen3's q/k norms).
+void head_rms_norm_(float* base, int64_t stride, int64_t T, int64_t heads, int64_t D, const at::Tensor& weight,
+                    double eps) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.numel() == D, "head norm weight must be float32 [head_dim]");
+  const at::Tensor wc = weight.contiguous();
+  const float* wp = wc.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < heads; ++h) {
+      float* row = base + t * stride + h * D;
+      rms_norm_row(row, wp, static_cast<float>(eps), D, row);
+    }
+}
+
+at::Tensor mlp_activation(const at::Tensor& gate_up, int64_t inter, int64_t activation) {
+  // torch's own activations (their vectorised exp/tanh), so this path rounds as the module path does.
+  const at::Tensor gate = gate_up.narrow(1, 0, inter), up = gate_up.narrow(1, inter, inter);
+  at::Tensor act;
+  switch (activation) {
+    case 0: act = at::silu(gate); break;
+    case 1: act = at::gelu(gate, "tanh"); break;
+    case 2: act = at::gelu(gate); break;
+    default: TORCH_CHECK(false, "decode_layer: unknown activation code ", activation);
+  }
+  return act.mul_(up);
+}
+
+std::vector<at::Tensor> decode_layer(
+    at::Tensor x, at::Tensor residual, bool first, const at::Tensor& in_norm, const at::Tensor& post_norm,
+    const c10::optional<at::Tensor>& pre_ff_norm, const c10::optional<at::Tensor>& post_ff_norm, double eps,
+    const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double head_eps,
     const at::Tensor& w_qkv, const c10::optional<at::Tensor>& b_qkv, const at::Tensor& w_o,
-    const c10::optional<at::Tensor>& b_o, const at::Tensor& w_gate_up, const at::Tensor& w_down, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, const at::Tensor& cos, const at::Tensor& sin,
+    const c10::optional<at::Tensor>& b_o, const at::Tensor& w_gate_up, const c10::optional<at::Tensor>& b_gate_up,
+    const at::Tensor& w_down, const c10::optional<at::Tensor>& b_down, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t intermediate, int64_t activation, const at::Tensor& cos, const at::Tensor& sin,
     at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-    const at::Tensor& seq_lens, double scale) {
+    const at::Tensor& seq_lens, double scale, int64_t sliding_window, double soft_cap, int64_t max_rows,
+    bool bf16_gemm) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x must be contiguous float32 [T, hidden]");
   const int64_t T = x.size(0), hidden = x.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  if (first) {
+  const bool sandwich = pre_ff_norm.has_value() && pre_ff_norm->defined();
+  at::Tensor h;
+  if (sandwich) {
+    h = rms_norm(x, in_norm, eps);
+  } else if (first) {
     residual = x;
-    x = rms_norm(x, in_norm, eps);
+    h = rms_norm(x, in_norm, eps);
   } else {
     fused_add_rms_norm(x, residual, in_norm, eps);
+    h = x;
   }
-  at::Tensor qkv = project(x, w_qkv, q_size + 2 * kv_size, b_qkv);  // [T, q | k | v]
+  at::Tensor qkv = project(h, w_qkv, q_size + 2 * kv_size, b_qkv, max_rows, bf16_gemm);  // [T, q | k | v]
+  const int64_t row = qkv.stride(0);
+  float* qkv_p = qkv.data_ptr<float>();
+  if (q_norm.has_value() && q_norm->defined()) {
+    TORCH_CHECK(k_norm.has_value() && k_norm->defined(), "decode_layer: q_norm without k_norm");
+    head_rms_norm_(qkv_p, row, T, num_heads, head_dim, *q_norm, head_eps);
+    head_rms_norm_(qkv_p + q_size, row, T, num_kv_heads, head_dim, *k_norm, head_eps);
+  }
   at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({T, num_heads + num_kv_heads, head_dim});
   rotary_embedding(qk, cos, sin);
-  const int64_t row = qkv.stride(0);
-  const float* qkv_p = qkv.data_ptr<float>();
   const at::Tensor slots_c = slot_mapping.contiguous();
   const int64_t* slots = slots_c.data_ptr<int64_t>();
   write_slots(qkv_p + q_size, row, T, kv_size, slots, key_cache);
   write_slots(qkv_p + q_size + kv_size, row, T, kv_size, slots, value_cache);
   at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
-  at::Tensor attn = paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale, 0, 0.0);
-  x = project(attn.view({T, q_size}), w_o, hidden, b_o);
-  fused_add_rms_norm(x, residual, post_norm, eps);
-  at::Tensor gate_up = project(x, w_gate_up, 2 * intermediate, c10::nullopt);
-  // torch's own SiLU (its vectorised exp), so this path rounds exactly as the module path does.
-  at::Tensor act = at::silu(gate_up.narrow(1, 0, intermediate)).mul_(gate_up.narrow(1, intermediate, intermediate));
-  x = project(act, w_down, hidden, c10::nullopt);
-  return {x, residual};
+  at::Tensor attn = paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap);
+  at::Tensor o = project(attn.view({T, q_size}), w_o, hidden, b_o, max_rows, bf16_gemm);
+  if (sandwich) {
+    x = x + rms_norm(o, post_norm, eps);
+    h = rms_norm(x, *pre_ff_norm, eps);
+  } else {
+    fused_add_rms_norm(o, residual, post_norm, eps);
+    h = o;
+  }
+  at::Tensor gate_up = project(h, w_gate_up, 2 * intermediate, b_gate_up, max_rows, bf16_gemm);
+  at::Tensor out = project(mlp_activation(gate_up, intermediate, activation), w_down, hidden, b_down, max_rows, bf16_gemm);
+  if (sandwich) {
+    x = x + rms_norm(out, *post_ff_norm, eps);
+    return {x, x};
+  }
+  return {out, residual};
 }
 
 }  // namespace
 
 TORCH_LIBRARY(perfxlm, m) {
   m.def("linear_bf16_packed(Tensor x, Tensor packed, int N, Tensor? bias) -> Tensor");
+  m.def("linear_bf16_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("widen_panels(Tensor packed, int p0, int p1, Tensor(a!) out) -> ()");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary_embedding(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def(
-      "llama_decode_layer(Tensor(a!) x, Tensor(b!) residual, bool first, Tensor in_norm, Tensor post_norm, float eps, "
-      "Tensor w_qkv, Tensor? b_qkv, Tensor w_o, Tensor? b_o, Tensor w_gate_up, Tensor w_down, int num_heads, "
-      "int num_kv_heads, int head_dim, int intermediate, Tensor cos, Tensor sin, Tensor(a!) key_cache, "
-      "Tensor(b!) value_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor[]");
+      "decode_layer(Tensor(a!) x, Tensor(b!) residual, bool first, Tensor in_norm, Tensor post_norm, "
+      "Tensor? pre_ff_norm, Tensor? post_ff_norm, float eps, Tensor? q_norm, Tensor? k_norm, float head_eps, "
+      "Tensor w_qkv, Tensor? b_qkv, Tensor w_o, Tensor? b_o, Tensor w_gate_up, Tensor? b_gate_up, Tensor w_down, "
+      "Tensor? b_down, int num_heads, int num_kv_heads, int head_dim, int intermediate, int activation, "
+      "Tensor cos, Tensor sin, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, "
+      "Tensor block_tables, Tensor seq_lens, float scale, int sliding_window, float soft_cap, int max_rows, "
+      "bool bf16_gemm) -> Tensor[]");
   m.def(
       "paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor seq_lens, float scale, int sliding_window, float soft_cap) -> Tensor");
@@ -581,10 +746,11 @@ TORCH_LIBRARY(perfxlm, m) {
 
 TORCH_LIBRARY_IMPL(perfxlm, CPU, m) {
   m.impl("linear_bf16_packed", &linear_bf16_packed);
+  m.impl("linear_bf16_rows", &linear_bf16_rows);
   m.impl("widen_panels", &widen_panels);
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary_embedding", &rotary_embedding);
-  m.impl("llama_decode_layer", &llama_decode_layer);
+  m.impl("decode_layer", &decode_layer);
 }

@@ -1,11 +1,12 @@
-"""All-decode steps of Llama-family models as one native call per layer.
+"""All-decode steps as one native call per decoder layer.
 
 At small batch a decode step costs more in per-op dispatch (about 25 torch ops and a dozen module calls
-per layer) than in arithmetic. `FusedDecode` checks once that every layer is plain Llama (RMSNorm,
-fused QKV with optional bias, full rotary, attention without window or soft cap, SiLU-gated MLP without
-bias, float32 activations) and then runs a step whose tokens are all decodes through
-`torch.ops.perfxlm.llama_decode_layer`. Anything else (prefill chunks in the batch, other layer shapes,
-no native kernels) takes the module path, which stays the reference the tests compare against.
+per layer) than in arithmetic. `FusedDecode` describes each layer once (`_layer_args`): the Llama family
+(Llama, Mistral, Qwen2 with biases, Qwen3 with q/k norms, Phi-3 with partial rotary, sliding windows) and
+Gemma 2 (sandwich norms with 1 + w, GELU-tanh, soft-capped attention, local/global windows), and runs a
+step whose tokens are all decodes through `torch.ops.perfxlm.decode_layer`, float32 activations over
+float32 or bf16 weights. Anything else (prefill chunks in the batch, MoE and OPT layers, no native
+kernels, bf16 activations) takes the module path, which stays the reference the tests compare against.
 """
 
 from __future__ import annotations
@@ -16,42 +17,83 @@ import torch
 from torch import nn
 
 from perfxlm.model.forward_context import AttentionMetadata
-from perfxlm.model.layers.activation import SiluAndMul
-from perfxlm.model.layers.norm import RMSNorm
-from perfxlm.ops import native
+from perfxlm.model.layers.activation import GeluAndMul, SiluAndMul
+from perfxlm.model.layers.norm import GemmaRMSNorm, RMSNorm
+from perfxlm.ops import cpu_plan, native
 
 
-def _layer_args(layer: nn.Module) -> tuple[Any, ...] | None:
-    from perfxlm.model.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+def _activation_code(act: nn.Module) -> int | None:
+    if type(act) is SiluAndMul:
+        return 0
+    if type(act) is GeluAndMul:
+        return {"tanh": 1, "none": 2}.get(act.approximate)
+    return None
 
-    if type(layer) is not LlamaDecoderLayer:
+
+def _norm_weight(norm: nn.Module, gemma: bool) -> torch.Tensor | None:
+    """The float32 scale the kernel multiplies by: w (RMSNorm) or 1 + w (Gemma, computed once here)."""
+    if type(norm) is not (GemmaRMSNorm if gemma else RMSNorm) or norm.weight.dtype != torch.float32:
         return None
+    return (1.0 + norm.weight) if gemma else norm.weight
+
+
+def _attention_args(attn: nn.Module) -> tuple[Any, ...] | None:
+    from perfxlm.model.models.llama import LlamaAttention
+
+    if type(attn) is not LlamaAttention:
+        return None
+    q_norm = k_norm = None
+    head_eps = 0.0
+    if attn.qk_norm:
+        q_norm, k_norm = _norm_weight(attn.q_norm, False), _norm_weight(attn.k_norm, False)
+        if q_norm is None or k_norm is None or attn.q_norm.variance_epsilon != attn.k_norm.variance_epsilon:
+            return None
+        head_eps = attn.q_norm.variance_epsilon
+    return (q_norm, k_norm, head_eps, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight, attn.o_proj.bias)
+
+
+def _mlp_args(mlp: nn.Module) -> tuple[Any, ...] | None:
+    from perfxlm.model.models.llama import LlamaMLP
+
+    if type(mlp) is not LlamaMLP or _activation_code(mlp.act) is None:
+        return None
+    return (mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias)
+
+
+def _layer_args(layer: nn.Module) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
+    """The layer's arguments to `decode_layer` before and after the per-step ones, or None where the
+    layer does not fit the kernel."""
+    from perfxlm.model.models.gemma2 import Gemma2DecoderLayer
+    from perfxlm.model.models.llama import LlamaDecoderLayer
+
+    gemma = type(layer) is Gemma2DecoderLayer
+    if not gemma and type(layer) is not LlamaDecoderLayer:
+        return None
+    attn_args, mlp_args = _attention_args(layer.self_attn), _mlp_args(layer.mlp)
+    if attn_args is None or mlp_args is None:
+        return None
+    names = ["input_layernorm", "post_attention_layernorm"]
+    names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"] if gemma else []
+    norms = [_norm_weight(getattr(layer, n), gemma) for n in names]
+    eps = {getattr(layer, n).variance_epsilon for n in names}
+    if any(w is None for w in norms) or len(eps) != 1:
+        return None
+    if not gemma:
+        norms += [None, None]
     attn, mlp = layer.self_attn, layer.mlp
-    if type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP or attn.qk_norm:
-        return None
     core = attn.attn
-    if core.sliding_window is not None or core.logit_soft_cap is not None:
-        return None
-    if type(mlp.act) is not SiluAndMul or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
-        return None
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if any(type(n) is not RMSNorm or n.weight.dtype != torch.float32 for n in norms):
-        return None
-    if norms[0].variance_epsilon != norms[1].variance_epsilon:
-        return None
-    return (
-        layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.variance_epsilon,
-        attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight, attn.o_proj.bias,
-        mlp.gate_up_proj.weight, mlp.down_proj.weight,
-        core.num_heads, core.num_kv_heads, core.head_dim, mlp.down_proj.in_features,
+    before_rope = (
+        *norms, eps.pop(), *attn_args, *mlp_args,
+        core.num_heads, core.num_kv_heads, core.head_dim, mlp.down_proj.in_features, _activation_code(mlp.act),
     )  # fmt: skip
+    return before_rope, (core.scale, core.sliding_window or 0, core.logit_soft_cap or 0.0)
 
 
 class FusedDecode:
-    def __init__(self, layers: nn.ModuleList, rotary_dim: int) -> None:
+    def __init__(self, layers: nn.ModuleList) -> None:
         self.layers = layers
-        self.args: list[tuple[Any, ...]] | None = None
-        self.eligible = rotary_dim == getattr(layers[0].self_attn, "head_dim", -1) if len(layers) else False
+        self.args: list[tuple[tuple[Any, ...], tuple[Any, ...]]] | None = None
+        self.eligible = len(layers) > 0
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         if not self.eligible or x.dtype != torch.float32 or meta.prefills or meta.num_decode_tokens != x.shape[0]:
@@ -69,13 +111,16 @@ class FusedDecode:
     def run(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (hidden, residual); for Gemma 2 (no residual stream) both are the layer output."""
         ops = native.kernels()
+        plan = cpu_plan.plan()
+        max_rows, bf16_gemm = plan.native_max_rows, plan.gemm == "bf16"
         cos, sin = rope
         residual = x
-        for i, (layer, args) in enumerate(zip(self.layers, self.args or [])):
+        for i, (layer, (before, after)) in enumerate(zip(self.layers, self.args or [])):
             key_cache, value_cache = layer.self_attn.attn.kv_cache
-            x, residual = ops.llama_decode_layer(
-                x, residual, i == 0, *args, cos, sin, key_cache, value_cache, meta.slot_mapping,
-                meta.decode_block_tables, meta.decode_seq_lens, layer.self_attn.attn.scale,
+            x, residual = ops.decode_layer(
+                x, residual, i == 0, *before, cos, sin, key_cache, value_cache, meta.slot_mapping,
+                meta.decode_block_tables, meta.decode_seq_lens, *after, max_rows, bf16_gemm,
             )  # fmt: skip
         return x, residual

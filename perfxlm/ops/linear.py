@@ -1,12 +1,14 @@
-"""y = x W^T + b, dispatched on how W is stored.
+"""y = x W^T + b, dispatched on how W is stored (see `cpu_plan` for which form a CPU gets).
 
 - W in x's dtype ([N, K]): torch's own linear (MKL / oneDNN).
-- W packed bf16 under float32 x (bf16 weights, float32 compute, on CPUs without bf16 arithmetic):
-  `pack_bf16` lays W out once at load as panels of 16 output columns, [ceil(N/16), K, 16]. Few rows
-  (decode) go to the native kernel, which streams the panels and widens them in registers, so a decode
-  step reads half the bytes of float32. Many rows (prefill) widen a slab of panels into a reused float32
-  buffer that stays in cache and run MKL's float32 GEMM on it, which beats the kernel there.
-- W plain bf16 [N, K] under float32 x (no native kernels): widened per call, correct and slow.
+- W bf16 rows [N, K] under float32 x (CPUs with AVX512-BF16 / AMX, and MoE expert stacks everywhere): up
+  to `native_max_rows` rows (decode) go to the native row kernel, which widens the weights in registers;
+  more rows round x to bf16 and run torch's bf16 GEMM on the same tensor (`gemm="bf16"`: AMX /
+  AVX512-BF16 through oneDNN), or widen W in slabs for MKL's float32 GEMM (`gemm="float32"`).
+- W packed bf16 panels [ceil(N/16), K, 16] under float32 x (`pack_bf16`, AVX-512 without bf16
+  arithmetic): few rows go to the native panel kernel; many rows widen a slab of panels into a reused
+  float32 buffer that stays in cache and run MKL's float32 GEMM on it, which beats the kernel there.
+- Without native kernels: W widened per call, correct and slow.
 
 The reference for all of them is `F.linear(x, W.float(), b)`.
 """
@@ -18,11 +20,9 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from perfxlm.ops import native
+from perfxlm.ops import cpu_plan, native
 
 PANEL = 16
-# Up to this many rows the native kernel beats widening + MKL float32 GEMM (measured: AVX-512, 2 cores).
-NATIVE_MAX_ROWS = 256
 # Output columns widened per slab when rows are few: 1024 x 576 float32 = 2.3 MB, about L2.
 SLAB_COLUMNS = 1024
 # With many rows the widening is cheap next to the GEMM: widen up to 8M float32 (32 MB) at once.
@@ -53,14 +53,52 @@ def linear(
         assert out_features is not None, "a packed weight needs its out_features"
         rows = x.reshape(-1, x.shape[-1])
         ops = native.kernels()
-        if ops is not None and rows.shape[0] <= NATIVE_MAX_ROWS:
+        if ops is not None and rows.shape[0] <= cpu_plan.plan().native_max_rows:
             y = ops.linear_bf16_packed(rows, weight, out_features, bias)
         else:
             y = _slab_linear(rows, weight, out_features, bias)
         return y.view(*x.shape[:-1], out_features)
     if weight.dtype == x.dtype:
         return F.linear(x, weight, bias)
+    if weight.dtype == torch.bfloat16 and x.dtype == torch.float32:
+        rows = x.reshape(-1, x.shape[-1])
+        return bf16_rows_linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+def bf16_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """[M, K] float32 x [N, K] bf16 -> [M, N] float32, by the plan in force."""
+    plan = cpu_plan.plan()
+    ops = native.kernels()
+    if ops is not None and x.shape[0] <= plan.native_max_rows and weight.is_contiguous():
+        return ops.linear_bf16_rows(x, weight, bias)
+    if plan.gemm == "bf16":
+        y = F.linear(x.to(torch.bfloat16), weight).float()
+    else:
+        y = _widened_rows_mm(x, weight)
+    if bias is not None:
+        y += bias.float()
+    return y
+
+
+def _widened_rows_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T in float32 with W widened a slab of rows at a time into a reused buffer."""
+    n, k = weight.shape
+    per_slab = max(1, min(n, max(SLAB_COLUMNS, BIG_SLAB_ELEMENTS // k) if x.shape[0] >= 128 else SLAB_COLUMNS))
+    buf = getattr(_scratch, "rows_buf", None)
+    if buf is None or buf.numel() < per_slab * k:
+        buf = _scratch.rows_buf = torch.empty(per_slab * k, dtype=torch.float32)
+    if per_slab >= n:  # one slab: one GEMM straight into the result
+        wide = buf[: n * k].view(n, k)
+        wide.copy_(weight)
+        return torch.mm(x, wide.t())
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    for n0 in range(0, n, per_slab):
+        n1 = min(n, n0 + per_slab)
+        wide = buf[: (n1 - n0) * k].view(n1 - n0, k)
+        wide.copy_(weight[n0:n1])
+        y[:, n0:n1] = torch.mm(x, wide.t())
+    return y
 
 
 def _slab_linear(

@@ -1,12 +1,21 @@
-"""The linear dispatch (bf16 weights under float32 compute) against F.linear on the widened weights."""
+"""The linear dispatch (bf16 weights under float32 compute) against F.linear on the widened weights, on
+every path of every CPU plan (rows / panels layout, native kernel, bf16 GEMM, float32 GEMM), whatever CPU
+runs the tests: a path this CPU lacks natively is emulated by torch, so its results are still checked."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from perfxlm.ops import linear as linear_ops
-from perfxlm.ops import native
+from perfxlm.ops import cpu_plan, native
 from perfxlm.ops.linear import linear, pack_bf16, unpack_bf16
+
+
+@pytest.fixture(autouse=True)
+def _plan_restored():
+    cpu_plan.reset()
+    yield
+    cpu_plan.reset()
 
 
 @pytest.fixture
@@ -36,7 +45,8 @@ def test_pack_round_trip(n_out, k):
 @pytest.mark.parametrize("n_out,k", [(13, 37), (64, 576), (1030, 48), (7, 16)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_bf16_matches_widened_reference(rows, n_out, k, bias):
-    """Rows up to NATIVE_MAX_ROWS (256) take the native kernel, more take widened slabs + float32 GEMM."""
+    """Rows up to native_max_rows (256) take the native kernel, more take widened slabs + float32 GEMM."""
+    cpu_plan.use(layout="panels", gemm="float32", native_max_rows=256)
     x, w, b, ref = _case(rows, n_out, k, bias, rows * 1000 + n_out + k)
     out = linear(x, pack_bf16(w), b, n_out)
     assert out.shape == ref.shape and out.dtype == torch.float32 and out.is_contiguous()
@@ -45,7 +55,7 @@ def test_packed_bf16_matches_widened_reference(rows, n_out, k, bias):
 
 @pytest.mark.parametrize("rows", [1, 5, 40, 200])
 def test_slabs_with_a_ragged_last_one(monkeypatch, rows):
-    monkeypatch.setattr(linear_ops, "NATIVE_MAX_ROWS", 0)
+    cpu_plan.use(native_max_rows=0)
     monkeypatch.setattr(linear_ops, "SLAB_COLUMNS", 32)
     monkeypatch.setattr(linear_ops, "BIG_SLAB_ELEMENTS", 32 * 50)
     x, w, b, ref = _case(rows, 83, 50, True, rows)  # 6 panels in slabs of 2, the last one padded
@@ -64,8 +74,9 @@ def test_leading_dims_and_plain_weights():
     out = linear(x, pack_bf16(w.bfloat16()), None, 24)
     assert out.shape == (2, 3, 24)
     torch.testing.assert_close(out, F.linear(x, w.bfloat16().float()), atol=1e-4, rtol=1e-4)
-    # plain bf16 weights (no packing) widen per call
-    torch.testing.assert_close(linear(x, w.bfloat16()), F.linear(x, w.bfloat16().float()))
+    # plain bf16 rows: the row kernel where compiled, else widened per call
+    cpu_plan.use(layout="rows", native_max_rows=8)
+    torch.testing.assert_close(linear(x, w.bfloat16()), F.linear(x, w.bfloat16().float()), atol=1e-4, rtol=1e-4)
 
 
 def test_bad_shapes_raise_clear_errors(ops):
@@ -75,3 +86,60 @@ def test_bad_shapes_raise_clear_errors(ops):
         ops.linear_bf16_packed(torch.randn(2, 9), pack_bf16(torch.randn(4, 9).bfloat16()), 40, None)
     with pytest.raises(RuntimeError, match="bias size"):
         ops.linear_bf16_packed(torch.randn(2, 9), pack_bf16(torch.randn(4, 9).bfloat16()), 4, torch.randn(3))
+
+
+# rows layout: (gemm, native_max_rows) -> every row count below takes the native kernel, torch's bf16
+# GEMM or the widened float32 GEMM
+ROWS_PATHS = {"native": ("bf16", 1 << 30), "bf16-gemm": ("bf16", 0), "fp32-gemm": ("float32", 0), "auto-split": ("bf16", 4)}
+
+
+@pytest.mark.parametrize("path", list(ROWS_PATHS))
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 16, 33, 130])
+@pytest.mark.parametrize("n_out,k", [(13, 37), (64, 576), (1030, 48), (7, 16), (9, 1)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_rows_every_path(path, rows, n_out, k, bias):
+    gemm, max_rows = ROWS_PATHS[path]
+    cpu_plan.use(layout="rows", gemm=gemm, native_max_rows=max_rows)
+    x, w, b, ref = _case(rows, n_out, k, bias, rows * 7 + n_out + k)
+    out = linear(x, w, b)
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    if gemm == "bf16" and rows > max_rows:
+        # activations rounded to bf16 (and the product to bf16): bf16 tolerance
+        torch.testing.assert_close(out, ref, atol=2e-2 * k**0.5, rtol=2e-2)
+    else:
+        torch.testing.assert_close(out, ref, atol=1e-4 * k**0.5, rtol=1e-4)
+
+
+def test_rows_kernel_called_directly_and_bad_input(ops):
+    x, w, b, ref = _case(6, 333, 200, True, 1)
+    torch.testing.assert_close(ops.linear_bf16_rows(x, w, b), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ops.linear_bf16_rows(x[:, :100], w[:, :100].contiguous(), None),
+                               F.linear(x[:, :100], w[:, :100].float()), atol=1e-4, rtol=1e-4)
+    with pytest.raises(RuntimeError, match="features"):
+        ops.linear_bf16_rows(torch.randn(2, 8), torch.randn(4, 9).bfloat16(), None)
+    with pytest.raises(RuntimeError, match="bias size"):
+        ops.linear_bf16_rows(torch.randn(2, 9), torch.randn(4, 9).bfloat16(), torch.randn(3))
+    with pytest.raises(RuntimeError, match="contiguous bf16"):
+        ops.linear_bf16_rows(torch.randn(2, 9), torch.randn(9, 4).bfloat16().t(), None)
+
+
+def test_plan_from_environment(monkeypatch):
+    monkeypatch.setenv("PERFXLM_BF16_LAYOUT", "panels")
+    monkeypatch.setenv("PERFXLM_BF16_GEMM", "bf16")
+    monkeypatch.setenv("PERFXLM_NATIVE_MAX_ROWS", "7")
+    monkeypatch.setenv("PERFXLM_BF16_COMPUTE", "bfloat16")
+    plan = cpu_plan.detect()
+    assert (plan.layout, plan.gemm, plan.native_max_rows, plan.bf16_compute) == ("panels", "bf16", 7, "bfloat16")
+    assert "layout=panels" in plan.describe()
+    monkeypatch.setenv("PERFXLM_BF16_LAYOUT", "diagonal")
+    with pytest.raises(ValueError, match="PERFXLM_BF16_LAYOUT.*rows, panels"):
+        cpu_plan.detect()
+    monkeypatch.setenv("PERFXLM_BF16_LAYOUT", "auto")
+    monkeypatch.setenv("PERFXLM_NATIVE_MAX_ROWS", "-1")
+    with pytest.raises(ValueError, match="PERFXLM_NATIVE_MAX_ROWS"):
+        cpu_plan.detect()
+    monkeypatch.delenv("PERFXLM_NATIVE_MAX_ROWS")
+    for name in ("PERFXLM_BF16_LAYOUT", "PERFXLM_BF16_GEMM", "PERFXLM_BF16_COMPUTE"):
+        monkeypatch.delenv(name)
+    auto = cpu_plan.detect()  # whatever this CPU gets, it is one of the known paths
+    assert auto.layout in cpu_plan.LAYOUTS and auto.gemm in cpu_plan.GEMMS and auto.native_max_rows >= 0

@@ -7,10 +7,10 @@ pair of matrix multiplications per expert that got any token, never a loop over 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from perfxlm.model.layers.activation import act_and_mul
+from perfxlm.ops.linear import linear
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,9 +43,10 @@ def grouped_experts(
         if n == 0:
             continue
         end = start + n
-        # .to: no-op unless the stacks are stored narrower than the activations (bf16 weights, fp32 compute)
-        h = act(F.linear(xs[start:end], gate_up[expert].to(xs.dtype)))
-        out_sorted[start:end] = F.linear(h, down[expert].to(xs.dtype)) * ws[start:end]
+        # ops.linear: torch's own where the stacks share the activations' dtype; bf16 stacks under float32
+        # activations go to the native row kernel (or the CPU's bf16 GEMM), never widened whole.
+        h = act(linear(xs[start:end], gate_up[expert]))
+        out_sorted[start:end] = linear(h, down[expert]) * ws[start:end]
         start = end
     # Pairs are added in expert order, as transformers accumulates them: the same float32 sums.
     return torch.zeros_like(x).index_add_(0, token_of, out_sorted)

@@ -146,9 +146,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
     May rotate x in place (the native kernel does, on float32 activations) and returns the result."""
     rotary_dim = cos.shape[-1]
-    if rotary_dim == x.shape[-1] and x.dtype == torch.float32 and x.stride(-1) == 1:
+    if x.dtype == torch.float32 and x.stride(-1) == 1 and cos.dtype == torch.float32:
         ops = native.kernels()
-        if ops is not None:
+        if ops is not None:  # in place; with partial rotary the channels past rotary_dim pass through
             ops.rotary_embedding(x, cos, sin)
             return x
     if rotary_dim < x.shape[-1]:  # partial rotary: the remaining channels pass through

@@ -60,29 +60,32 @@ def get_model(
 
 def cast_weights(model: torch.nn.Module, weight_dtype: torch.dtype) -> None:
     """Store the projection and embedding weights in `weight_dtype` while activations keep the model
-    dtype (bf16 weights, float32 compute). Projections and the LM head are packed into the native
-    kernel's panels; the embedding table stays [vocab, hidden] for row lookups (a tied LM head gets its
-    own packed copy); MoE expert stacks are stored in `weight_dtype` too and widened per expert as
-    they run. Norms and biases keep the model dtype."""
+    dtype (bf16 weights, float32 compute). With native kernels, projections take the layout the CPU plan
+    names (ops/cpu_plan.py): plain bf16 rows, which a tied LM head shares with the embedding table, or
+    packed panels (a tied LM head then gets its own packed copy, as the embedding needs rows). MoE expert
+    stacks stay plain bf16 rows, read by the same kernels expert by expert. Norms and biases keep the
+    model dtype."""
     from perfxlm.model.layers.embed_head import LMHead, VocabEmbedding
     from perfxlm.model.layers.linear import Linear
     from perfxlm.model.layers.moe import FusedMoE
-    from perfxlm.ops import native
+    from perfxlm.ops import cpu_plan, native
     from perfxlm.ops.linear import pack_bf16
 
-    pack = weight_dtype == torch.bfloat16 and native.kernels() is not None
+    pack = weight_dtype == torch.bfloat16 and native.kernels() is not None and cpu_plan.plan().layout == "panels"
+    embeddings = {id(m.weight): m for m in model.modules() if isinstance(m, VocabEmbedding)}
+    tied_heads = [m for m in model.modules() if isinstance(m, LMHead) and id(m.weight) in embeddings]
     for module in list(model.modules()):
-        if isinstance(module, VocabEmbedding):
-            module.compute_dtype = module.weight.dtype
         if isinstance(module, (Linear, LMHead)):
+            if not pack and module in tied_heads:
+                continue  # shares the embedding's table, cast below
             w = module.weight.data.to(weight_dtype)
             module.weight = torch.nn.Parameter(pack_bf16(w) if pack else w, requires_grad=False)
         if isinstance(module, FusedMoE):
             module.gate_up_proj.data = module.gate_up_proj.data.to(weight_dtype)
             module.down_proj.data = module.down_proj.data.to(weight_dtype)
-    for module in model.modules():
-        if isinstance(module, VocabEmbedding):
-            module.weight.data = module.weight.data.to(weight_dtype)
+    for module in embeddings.values():
+        module.compute_dtype = module.weight.dtype
+        module.weight.data = module.weight.data.to(weight_dtype)
 
 
 def _iter_weights(model_path: str, hf_config: Any, load_format: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from perfxlm.model.forward_context import get_forward_context
+from perfxlm.model.fused_decode import FusedDecode
 from perfxlm.model.layers.attention import layer_sliding_window
 from perfxlm.model.layers.embed_head import LMHead, VocabEmbedding
 from perfxlm.model.layers.norm import GemmaRMSNorm
@@ -47,12 +49,17 @@ class Gemma2Model(nn.Module):
         self.rotary_emb = RotaryEmbedding.from_config(config, head_dim_of(config))
         self.layers = nn.ModuleList(Gemma2DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.fused_decode = FusedDecode(self.layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary_emb.cos_sin(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(rope, x)
+        meta = get_forward_context()
+        if self.fused_decode.applies(x, meta):  # all decodes: one native call per layer
+            x, _ = self.fused_decode.run(x.contiguous(), rope, meta)
+        else:
+            for layer in self.layers:
+                x = layer(rope, x)
         return self.norm(x)
 
 

@@ -127,7 +127,7 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding.from_config(config, head_dim_of(config))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.fused_decode = FusedDecode(self.layers, self.rotary_emb.rotary_dim)
+        self.fused_decode = FusedDecode(self.layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)

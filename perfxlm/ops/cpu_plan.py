@@ -1,0 +1,102 @@
+"""Which fast path a bf16 model takes on this CPU: chosen from the CPU's capabilities, each one selectable.
+
+bf16 weights are multiplied with float32 activations on every CPU kind: decode reads each weight once per
+step, so the bytes read decide its speed, and widening bf16 to float32 in registers costs nothing next
+to the read. What differs between CPU kinds is the layout the weights are kept in and what runs the
+products with many rows (prefill, large decode batches):
+
+- `rows` layout (CPUs with AVX512-BF16 or AMX: Sapphire/Emerald/Granite Rapids, Zen 4/5): the plain
+  [N, K] bf16 tensor. Few rows go to the native row kernel; more rows round the activations to bf16 and
+  run torch's bf16 GEMM on the same tensor (oneDNN: AMX tiles or AVX512-BF16 dot products, 5-10x the
+  float32 GEMM rate there). A tied LM head shares the embedding table.
+- `panels` layout (AVX-512 without bf16 arithmetic, AVX2): [N/16, K, 16] panels for the native panel
+  kernel up to 256 rows (it beats MKL's float32 GEMM there); past that, panels are widened into a
+  reused float32 buffer for MKL.
+
+Every choice can be forced from the environment, so the tests run each path on whatever CPU they meet
+(a path the CPU lacks is emulated by torch: correct, slow):
+- PERFXLM_BF16_LAYOUT = rows | panels
+- PERFXLM_BF16_GEMM = bf16 | float32      many-row products on the rows layout
+- PERFXLM_NATIVE_MAX_ROWS = N             rows up to which the native kernels run
+- PERFXLM_BF16_COMPUTE = float32 | bfloat16   activations of a bfloat16 model (bfloat16: torch's bf16
+                                              ops throughout, no native linear kernels)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from perfxlm.config import cpu_has_fast_bf16
+
+LAYOUTS = ("rows", "panels")
+GEMMS = ("bf16", "float32")
+COMPUTES = ("float32", "bfloat16")
+# Measured with 2 threads on the default model's shapes: AMX's bf16 GEMM overtakes the row kernel past
+# 4 rows; the panel kernel beats MKL's float32 GEMM up to 256 rows on AVX-512 without bf16.
+_AUTO_MAX_ROWS = {("rows", "bf16"): 4, ("rows", "float32"): 64, ("panels", "bf16"): 256, ("panels", "float32"): 256}
+
+
+@dataclass(frozen=True)
+class CpuPlan:
+    layout: str  # how bf16 linear weights are stored
+    gemm: str  # what multiplies many rows against rows-layout bf16 weights
+    native_max_rows: int  # up to this many rows the native kernel runs
+    bf16_compute: str  # activation dtype of a bfloat16 model
+
+    def describe(self) -> str:
+        return (f"bf16 layout={self.layout} gemm={self.gemm} native_max_rows={self.native_max_rows} "
+                f"activations={self.bf16_compute}")
+
+
+def _choice(name: str, allowed: tuple[str, ...], default: str) -> str:
+    value = os.environ.get(name, "auto").strip().lower() or "auto"
+    if value == "auto":
+        return default
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r}: expected auto or one of {', '.join(allowed)}.")
+    return value
+
+
+def detect() -> CpuPlan:
+    """The plan for this CPU, with any environment overrides applied."""
+    fast_bf16 = cpu_has_fast_bf16()
+    layout = _choice("PERFXLM_BF16_LAYOUT", LAYOUTS, "rows" if fast_bf16 else "panels")
+    gemm = _choice("PERFXLM_BF16_GEMM", GEMMS, "bf16" if fast_bf16 else "float32")
+    raw = os.environ.get("PERFXLM_NATIVE_MAX_ROWS", "auto").strip().lower()
+    if raw in ("", "auto"):
+        max_rows = _AUTO_MAX_ROWS[(layout, gemm)]
+    else:
+        try:
+            max_rows = int(raw)
+        except ValueError:
+            raise ValueError(f"PERFXLM_NATIVE_MAX_ROWS={raw!r}: expected auto or an integer >= 0.") from None
+        if max_rows < 0:
+            raise ValueError(f"PERFXLM_NATIVE_MAX_ROWS={raw!r}: expected auto or an integer >= 0.")
+    compute = _choice("PERFXLM_BF16_COMPUTE", COMPUTES, "float32")
+    return CpuPlan(layout, gemm, max_rows, compute)
+
+
+_plan: CpuPlan | None = None
+
+
+def plan() -> CpuPlan:
+    """The plan in force (detected once per process; `use` replaces it)."""
+    global _plan
+    if _plan is None:
+        _plan = detect()
+    return _plan
+
+
+def use(new: CpuPlan | None = None, **changes: object) -> CpuPlan:
+    """Put a plan in force: `new`, or the current one with `changes`; returns the previous plan."""
+    global _plan
+    previous = plan()
+    _plan = replace(new or previous, **changes)  # type: ignore[arg-type]
+    return previous
+
+
+def reset() -> None:
+    """Forget the plan in force: the next `plan()` reads the CPU and the environment again."""
+    global _plan
+    _plan = None

@@ -1,0 +1,96 @@
+"""The fused decode layer on every family it covers, under every CPU plan, against the module path.
+
+Each case runs greedy decoding twice on the same engine: once with the fused all-decode step, once with
+it switched off (the module path, itself checked against transformers elsewhere). Weights float32 and
+bf16 in both layouts (rows: what CPUs with bf16 arithmetic get; panels: what the others get), whatever
+this machine's CPU is, so every path is tested on every machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from perfxlm import LLM, SamplingParams
+from perfxlm.model.fused_decode import FusedDecode
+from perfxlm.ops import cpu_plan, native
+from tests.model.test_architectures_vs_hf import _prompts, build_checkpoint
+
+FUSED = ["qwen2-bias-tied-sliding", "qwen3-qknorm-headdim-bias", "mistral-sliding-mqa",
+         "gemma2-softcap-local-global", "phi3-longrope-partial-sliding"]  # fmt: skip
+MODULE_ONLY = ["opt-pre-ln", "qwen2moe-shared-dense-layer"]
+PLANS = {
+    "float32": ("float32", {}),
+    "bf16-rows-native": ("bfloat16", dict(layout="rows", gemm="bf16", native_max_rows=4, bf16_compute="float32")),
+    "bf16-rows-gemm": ("bfloat16", dict(layout="rows", gemm="float32", native_max_rows=0, bf16_compute="float32")),
+    "bf16-panels": ("bfloat16", dict(layout="panels", gemm="float32", native_max_rows=256, bf16_compute="float32")),
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_and_plan_restored():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cpu_plan.reset()
+    yield
+    cpu_plan.reset()
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    paths = {}
+    for case in FUSED + MODULE_ONLY:
+        build_checkpoint(str(root / case), case)
+        paths[case] = str(root / case)
+    return paths
+
+
+def _generate(llm, monkeypatch, fused: bool):
+    calls = {"fused": 0}
+    original = FusedDecode.run
+
+    def counting(self, *args):
+        calls["fused"] += 1
+        return original(self, *args)
+
+    monkeypatch.setattr(FusedDecode, "run", counting)
+    if not fused:
+        monkeypatch.setattr(FusedDecode, "applies", lambda self, x, meta: False)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)
+    monkeypatch.undo()
+    return outs, calls["fused"]
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.parametrize("case", FUSED)
+def test_fused_layer_matches_module_path(checkpoints, monkeypatch, case, plan):
+    if native.kernels() is None:
+        pytest.skip("native kernels unavailable on this machine")
+    dtype, changes = PLANS[plan]
+    if changes:
+        cpu_plan.use(**changes)
+    llm = LLM(checkpoints[case], skip_tokenizer_init=True, dtype=dtype, num_kv_blocks=64, enable_prefix_caching=False)
+    fused, n_fused = _generate(llm, monkeypatch, fused=True)
+    plain, n_plain = _generate(llm, monkeypatch, fused=False)
+    assert n_fused >= 8 and n_plain == 0
+    for a, b in zip(fused, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys()
+            for tok in la:
+                assert la[tok].logprob == pytest.approx(lb[tok].logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("case", MODULE_ONLY)
+def test_other_layers_take_the_module_path(checkpoints, case):
+    if native.kernels() is None:
+        pytest.skip("native kernels unavailable on this machine")
+    llm = LLM(checkpoints[case], skip_tokenizer_init=True, dtype="bfloat16", num_kv_blocks=64)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    fused = getattr(llm.llm_engine.core.model.model, "fused_decode", None)
+    assert fused is None or fused.eligible is False
