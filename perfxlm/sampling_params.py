@@ -70,8 +70,12 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}.")
+        if not isinstance(self.stop_token_ids, (list, tuple, set, type(None))):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}.")
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.all_stop_token_ids = set(self.stop_token_ids)
         if self.seed == -1 and _is_int(self.seed):

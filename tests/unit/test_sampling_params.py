@@ -53,3 +53,35 @@ def test_invalid_values_name_the_field(kwargs, field):
 def test_more_invalid_values(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"seed": True}, "seed"),
+        ({"seed": "7"}, "seed"),
+        ({"n": True}, "n"),
+        ({"top_k": 3.0}, "top_k"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+        ({"logprobs": 1.5}, "logprobs"),
+        ({"prompt_logprobs": True}, "prompt_logprobs"),
+        ({"best_of": 2.5}, "best_of"),
+        ({"stop": 5}, "stop"),
+        ({"stop_token_ids": 5}, "stop_token_ids"),
+    ],
+)
+def test_types_and_ranges_are_values_errors_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_seed_minus_one_means_random_and_int64_bounds_are_accepted():
+    assert SamplingParams(seed=-1).seed is None
+    assert SamplingParams(seed=-1, temperature=1.0).sampling_type == SamplingType.RANDOM
+    assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
