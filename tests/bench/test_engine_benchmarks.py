@@ -63,7 +63,8 @@ def test_run_latency(tiny_llm):
 def test_cli_latency(tiny_llama, tmp_path, capsys):
     out = tmp_path / "latency.json"
     assert main(["bench", "latency", tiny_llama, "--batch-size", "2", "--input-len", "8", "--output-len", "4",
-                 "--num-iters", "2", "--num-iters-warmup", "0", "--threads", "1", "--output-json", str(out)]) == 0
+                 "--num-iters", "2", "--num-iters-warmup", "0", "--threads", "1", "--dtype", "float32",
+                 "--output-json", str(out)]) == 0
     text = capsys.readouterr().out
     for label in ("engine_version", "cpu_model", "torch_threads", "dtype", "prefill (ms)", "decode step (ms)",
                   "generated tokens/s", "peak resident memory (GiB)", "Avg latency"):
@@ -79,7 +80,8 @@ def test_cli_latency(tiny_llama, tmp_path, capsys):
 def test_cli_sweep_in_process(tiny_llama, tmp_path, capsys):
     out = tmp_path / "sweep.json"
     assert main(["bench", "sweep", tiny_llama, "--batch-sizes", "1,3", "--input-len", "8", "--output-len", "4",
-                 "--num-iters", "1", "--num-iters-warmup", "0", "--no-isolate", "--output-json", str(out)]) == 0
+                 "--num-iters", "1", "--num-iters-warmup", "0", "--no-isolate", "--dtype", "float32",
+                 "--output-json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "| model | size | dtype | batch | input len | output len | prefill (ms) | decode (ms) | " \
            "throughput (tok/s) | memory (GiB) |" in text
