@@ -121,9 +121,25 @@ def to_logprob_dict(entry: LogprobEntry, tokenizer: Any) -> dict[int, Logprob]:
             continue
         # Column 0 is the chosen token (its own rank); columns 1.. are the top-k in order.
         token_rank = rank if pos == 0 else pos
-        text = tokenizer.decode([tid]) if tokenizer is not None else None
+        text = decode_token(tokenizer, tid) if tokenizer is not None else None
         result[tid] = Logprob(logprob=lp, rank=token_rank, decoded_token=text)
     return result
+
+
+def decode_token(tokenizer: Any, token_id: int) -> str:
+    """One token's text, decoded once per tokenizer and id: logprob rows repeat the same candidates
+    step after step, and a decode call costs microseconds each."""
+    cache = getattr(tokenizer, "_perfxlm_token_text", None)
+    if cache is None:
+        cache = {}
+        try:
+            tokenizer._perfxlm_token_text = cache
+        except AttributeError:  # a tokenizer that takes no attributes: decode every time
+            return tokenizer.decode([token_id])
+    text = cache.get(token_id)
+    if text is None:
+        text = cache[token_id] = tokenizer.decode([token_id])
+    return text
 
 
 class RequestState:

@@ -95,3 +95,33 @@ def test_top_p_falls_back_to_full_sort_when_candidates_are_not_enough():
         expected = int((probs.cumsum(0) - probs < p).sum())
         assert int(torch.isfinite(out[row]).sum()) == expected
     assert int(torch.isfinite(out[0]).sum()) > 1024
+
+
+def test_rows_with_filters_off_neither_widen_top_k_nor_force_a_full_sort(monkeypatch):
+    """A greedy / top_k=-1 / top_p=1.0 row sharing a step with filtering rows: the same masks as each row
+    alone, and no sort of the whole vocabulary (which costs ~100x a top-k slice on CPU)."""
+    from perfxlm.model.layers.sampler import apply_top_k_top_p
+
+    torch.manual_seed(0)
+    vocab = 5000
+    logits = torch.randn(3, vocab)
+    logits[2, :20] += 12.0  # peaked: the top-p row's mass fits in the candidate slice
+    k = torch.tensor([5, vocab, vocab])
+    p = torch.tensor([1.0, 1.0, 0.9])
+    sorts = {"n": 0}
+    original = torch.Tensor.sort
+
+    def counting(self, *args, **kwargs):
+        sorts["n"] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "sort", counting)
+    together = apply_top_k_top_p(logits, k, p)
+    assert sorts["n"] == 0
+    monkeypatch.undo()
+    for row in range(3):
+        alone = apply_top_k_top_p(logits[row : row + 1], k[row : row + 1], p[row : row + 1])
+        assert torch.equal(together[row : row + 1].isinf(), alone.isinf()), row
+    assert int((~together[0].isinf()).sum()) == 5
+    assert not together[1].isinf().any()
+    assert 0 < int((~together[2].isinf()).sum()) <= 20

@@ -65,27 +65,36 @@ _TOP_P_CANDIDATES = 1024
 
 def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
     """Mask (to -inf) what top-k and then top-p drop. Sorting the whole vocabulary is slow on CPU,
-    so both work on a top-k slice and fall back to a full sort only where the slice is not enough."""
+    so both work on a top-k slice and fall back to a full sort only where the slice is not enough.
+    Rows with the filter off (k >= vocab, p >= 1) neither widen the slice nor force the sort."""
     if k is None and p is None:
         return logits
     vocab = logits.shape[-1]
     if k is not None:
         k = k.clamp(1, vocab)
-        top = logits.topk(int(k.max()), dim=-1).values  # [rows, max_k], descending
-        kth = top.gather(1, (k - 1).unsqueeze(1))
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        active = k < vocab
+        if bool(active.any()):
+            width = int(k[active].max())
+            top = logits.topk(width, dim=-1).values  # [rows, width], descending
+            kth = top.gather(1, (k.clamp(max=width) - 1).unsqueeze(1))
+            kth = torch.where(active.unsqueeze(1), kth, torch.full_like(kth, float("-inf")))
+            logits = logits.masked_fill(logits < kth, float("-inf"))
     if p is not None:
+        p_active = p < 1.0
+        if not bool(p_active.any()):
+            return logits
         n = min(vocab, _TOP_P_CANDIDATES)
         probs = logits.softmax(dim=-1)
         cand = probs.topk(n, dim=-1).values  # descending
         mass_before = cand.cumsum(dim=-1) - cand
-        complete = (mass_before[:, -1] + cand[:, -1] >= p) | (n == vocab)
+        complete = (mass_before[:, -1] + cand[:, -1] >= p) | (n == vocab) | ~p_active
         if not bool(complete.all()):
             cand = probs.sort(dim=-1, descending=True).values
             mass_before = cand.cumsum(dim=-1) - cand
         # Keep a token while the mass ranked above it is still below p (the best token always stays).
-        num_keep = (mass_before < p.unsqueeze(1)).sum(dim=-1).clamp(min=1)
+        num_keep = (mass_before < p.unsqueeze(1)).sum(dim=-1).clamp(min=1, max=cand.shape[1])
         threshold = cand.gather(1, (num_keep - 1).unsqueeze(1))
+        threshold = torch.where(p_active.unsqueeze(1), threshold, torch.zeros_like(threshold))
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
 
