@@ -77,7 +77,7 @@ _ROPE_FREQS_TENSORS = re.compile(r"^(rope_freqs|blk\.\d+\.rope_freqs)\.weight$")
 
 @dataclass(frozen=True)
 class _ArchSpec:
-    config_class: str  # attribute of `transformers`
+    model_type: str  # transformers' name of the family
     hf_architecture: str
     config_keys: dict[str, str]
     tensors: dict[str, str]
@@ -93,11 +93,21 @@ _QK_NORM_TENSORS: dict[str, str] = {
 }
 
 _ARCHS: dict[str, _ArchSpec] = {
-    "llama": _ArchSpec("LlamaConfig", "LlamaForCausalLM", _DECODER_KEYS, _DECODER_TENSORS, permute_qk=True),
+    "llama": _ArchSpec("llama", "LlamaForCausalLM", _DECODER_KEYS, _DECODER_TENSORS, permute_qk=True),
     # llama.cpp uses the NeoX rope layout for these, so its converter leaves q/k as they are
-    "qwen2": _ArchSpec("Qwen2Config", "Qwen2ForCausalLM", _DECODER_KEYS, _DECODER_TENSORS, permute_qk=False),
-    "qwen3": _ArchSpec("Qwen3Config", "Qwen3ForCausalLM", _DECODER_KEYS, _QK_NORM_TENSORS, permute_qk=False),
+    "qwen2": _ArchSpec("qwen2", "Qwen2ForCausalLM", _DECODER_KEYS, _DECODER_TENSORS, permute_qk=False,
+                       extra_config={"use_sliding_window": False, "sliding_window": None}),
+    "qwen3": _ArchSpec("qwen3", "Qwen3ForCausalLM", _DECODER_KEYS, _QK_NORM_TENSORS, permute_qk=False,
+                       extra_config={"use_sliding_window": False, "sliding_window": None}),
 }
+
+# What the transformers config classes of these families default to, for the fields a GGUF file does
+# not carry. The config is a plain `PretrainedConfig`: the family classes import about a second of
+# transformers modules (validators, kernels hub, dynamo) that loading a GGUF file never needs.
+_CONFIG_DEFAULTS: dict[str, Any] = {
+    "hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "initializer_range": 0.02,
+    "attention_dropout": 0.0, "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1, "use_cache": True,
+}  # fmt: skip
 
 
 def _spec(arch: str) -> _ArchSpec:
@@ -308,7 +318,7 @@ def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
 
 
 def load_gguf_config(path: str) -> "transformers.PretrainedConfig":
-    """A transformers config (`LlamaConfig` for llama files) built from the GGUF file's metadata."""
+    """A transformers `PretrainedConfig` with the family's fields, built from the GGUF file's metadata."""
     import transformers
 
     f = open_gguf(path)
@@ -319,10 +329,10 @@ def load_gguf_config(path: str) -> "transformers.PretrainedConfig":
     # llama.cpp writes Mistral as `llama`; a sliding window in the file makes it Mistral again
     window = meta.get(f"{arch}.attention.sliding_window") if arch == "llama" else None
     check_metadata(meta, arch, frozenset({"attention.sliding_window"}) if arch == "llama" else frozenset())
-    config_class, hf_architecture = spec.config_class, spec.hf_architecture
-    kwargs: dict[str, Any] = dict(spec.extra_config)
+    model_type, hf_architecture = spec.model_type, spec.hf_architecture
+    kwargs: dict[str, Any] = {**_CONFIG_DEFAULTS, **spec.extra_config}
     if window:
-        config_class, hf_architecture = "MistralConfig", "MistralForCausalLM"
+        model_type, hf_architecture = "mistral", "MistralForCausalLM"
         kwargs["sliding_window"] = int(window)
     for gguf_key, hf_key in spec.config_keys.items():
         if f"{arch}.{gguf_key}" in meta:
@@ -344,11 +354,14 @@ def load_gguf_config(path: str) -> "transformers.PretrainedConfig":
 
     rope_theta = float(kwargs.pop("rope_theta", 10000.0))
     rope_scaling = _rope_scaling(meta, arch)
-    # both the 4.x (rope_theta / rope_scaling) and the 5.x (rope_parameters) spelling are accepted by
-    # the config classes as constructor arguments, and normalized to whichever that version uses
+    # both spellings: 4.x code reads rope_theta / rope_scaling, 5.x code rope_parameters
     kwargs["rope_theta"] = rope_theta
+    kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta, **(rope_scaling or {})}
     if rope_scaling is not None:
         kwargs["rope_scaling"] = rope_scaling
+    if spec.extra_config.get("use_sliding_window") is False:  # as Qwen2Config: every layer full attention
+        kwargs["layer_types"] = ["full_attention"] * int(kwargs["num_hidden_layers"])
+        kwargs["max_window_layers"] = int(kwargs["num_hidden_layers"])
 
     tensors = f.tensors
     kwargs["tie_word_embeddings"] = "output.weight" not in tensors
@@ -368,7 +381,8 @@ def load_gguf_config(path: str) -> "transformers.PretrainedConfig":
     kwargs["pad_token_id"] = meta.get("tokenizer.ggml.padding_token_id")
     kwargs["architectures"] = [hf_architecture]
 
-    config = getattr(transformers, config_class)(**kwargs)
+    config = transformers.PretrainedConfig(**kwargs)
+    config.model_type = model_type
     if freq_factors is not None:
         # Llama-3.x rope scaling as llama.cpp stores it: inv_freq / factor per frequency (rotary.py)
         config.rope_freq_factors = freq_factors
