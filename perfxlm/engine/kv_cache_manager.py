@@ -31,6 +31,8 @@ import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
+
 from perfxlm.engine.request import Request
 
 
@@ -65,6 +67,9 @@ class KVCacheManager:
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[bytes, KVCacheBlock] = {}  # block digest -> block
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # The same tables as block ids, kept up to date as blocks are appended, so a step hands the
+        # runner a view instead of rebuilding every request's table from its block objects.
+        self.req_block_ids: dict[str, np.ndarray] = {}
         self.req_to_hashes: dict[str, list[bytes]] = {}  # digest chain over the request's full blocks
         self.req_num_hashed_blocks: dict[str, int] = {}  # leading blocks already registered
         # Prefix-cache statistics, in tokens.
@@ -85,7 +90,28 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+        return self.block_table(request_id).tolist()
+
+    def block_table(self, request_id: str) -> np.ndarray:
+        """The request's block table, [num_blocks] int64: a read-only view that stays valid (blocks
+        are only ever appended to a table until the request frees it)."""
+        ids = self.req_block_ids.get(request_id)
+        if ids is None:
+            return np.empty(0, dtype=np.int64)
+        view = ids[: len(self.req_to_blocks[request_id])]
+        view.flags.writeable = False
+        return view
+
+    def _sync_ids(self, request_id: str, start: int) -> None:
+        """Mirror req_to_blocks[request_id][start:] into the id table (grown by doubling)."""
+        blocks = self.req_to_blocks[request_id]
+        ids = self.req_block_ids.get(request_id)
+        if ids is None or ids.shape[0] < len(blocks):
+            grown = np.empty(max(16, 2 * len(blocks)), dtype=np.int64)
+            if ids is not None:
+                grown[:start] = ids[:start]
+            ids = self.req_block_ids[request_id] = grown
+        ids[start : len(blocks)] = [b.block_id for b in blocks[start:]]
 
     # ---- prefix caching ------------------------------------------------------------------
     def _hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
@@ -132,6 +158,7 @@ class KVCacheManager:
             if block.ref_cnt == 0:
                 del self.free_queue[block.block_id]
             block.ref_cnt += 1
+        first_new = len(req_blocks)
         req_blocks.extend(hits)
         for _ in range(max(num_new_blocks, 0)):
             _, block = self.free_queue.popitem(last=False)
@@ -141,6 +168,8 @@ class KVCacheManager:
                 block.block_hash = None
             block.ref_cnt = 1
             req_blocks.append(block)
+        if len(req_blocks) > first_new:
+            self._sync_ids(request.request_id, first_new)
         return True
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
@@ -183,6 +212,8 @@ class KVCacheManager:
         for block in child_blocks:
             block.ref_cnt += 1
         self.req_to_blocks[child.request_id] = child_blocks + ([new] if partial else [])
+        self.req_block_ids.pop(child.request_id, None)
+        self._sync_ids(child.request_id, 0)
         hashes = self.req_to_hashes.get(parent.request_id, [])
         self.req_to_hashes[child.request_id] = hashes[:num_full]
         self.req_num_hashed_blocks[child.request_id] = min(self.req_num_hashed_blocks.get(parent.request_id, 0), num_full)
@@ -191,6 +222,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         rid = request.request_id
         blocks = self.req_to_blocks.pop(rid, [])
+        self.req_block_ids.pop(rid, None)  # a later table is a new array: views handed out stay valid
         self.req_to_hashes.pop(rid, None)
         self.req_num_hashed_blocks.pop(rid, None)
         for block in reversed(blocks):
@@ -207,9 +239,11 @@ class KVCacheManager:
     def check_invariants(self) -> dict[str, int]:
         """Raise AssertionError if the pool is inconsistent; return the state counts."""
         refs = [0] * self.num_blocks
-        for blocks in self.req_to_blocks.values():
+        for rid, blocks in self.req_to_blocks.items():
             for b in blocks:
                 refs[b.block_id] += 1
+            assert self.block_ids(rid) == [b.block_id for b in blocks], f"{rid}: id table out of date"
+        assert set(self.req_block_ids) <= set(self.req_to_blocks), "id table of a request that holds no blocks"
         counts = {"used": 0, "cached": 0, "free": 0}
         for b in self.blocks:
             assert b.ref_cnt >= 0, f"block {b.block_id} has ref_cnt {b.ref_cnt}"

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from perfxlm.sampling_params import SamplingParams
@@ -20,7 +21,7 @@ class ScheduledRequest:
     request_id: str
     token_ids: list[int]  # the tokens to compute this step (a prompt chunk, or the last sampled token)
     num_computed_tokens: int  # tokens already in the KV cache; the first new token's position
-    block_ids: list[int]  # the request's whole block table after allocation
+    block_ids: Sequence[int]  # the request's whole block table after allocation (an int64 array view)
     do_sample: bool  # True when this step reaches the end of the known tokens
     sampling_params: SamplingParams
     prompt_token_ids: list[int]  # read-only views of the request's tokens (penalties, bad words,

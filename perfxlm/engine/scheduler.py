@@ -148,7 +148,7 @@ class Scheduler:
             request_id=request.request_id,
             token_ids=request.all_token_ids[start : start + num_new],
             num_computed_tokens=start,
-            block_ids=self.kv.block_ids(request.request_id),
+            block_ids=self.kv.block_table(request.request_id),
             do_sample=do_sample,
             sampling_params=request.sampling_params,
             prompt_token_ids=request.prompt_token_ids,
