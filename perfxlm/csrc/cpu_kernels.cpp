@@ -183,7 +183,12 @@ inline void rows_tile(const float* x, int64_t K, const uint16_t* w, float* y, in
     const __mmask16 mask = tail_mask(K - k);
     __m512 wv[NT];
     #pragma GCC unroll 16
-    for (int j = 0; j < NT; ++j) wv[j] = load16(w + j * K + k, mask);
+    for (int j = 0; j < NT; ++j) {
+      // The NT rows are NT interleaved read streams, which the hardware prefetchers follow worse than
+      // one: fetch the next tile's rows (the next NT * K weights, contiguous) a whole tile ahead.
+      if ((k & 31) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + (NT + j) * K + k), _MM_HINT_T0);
+      wv[j] = load16(w + j * K + k, mask);
+    }
     #pragma GCC unroll 16
     for (int i = 0; i < MT; ++i) {
       const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * K + k);
