@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from perfxlm.ops import native
+from perfxlm.ops import cpu_plan, native
 
 
 def write_kv_cache(
@@ -114,6 +114,15 @@ def paged_decode_attention_torch(
     return out.reshape(batch, num_heads, head_dim)
 
 
+def _prefill_compute_dtype(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:
+    """float32 activations over a bf16 KV cache (a bfloat16 model): prefill attention runs in bf16 where
+    the CPU plan uses the hardware's bf16 GEMM (AMX / AVX512-BF16 make SDPA's matmuls several times
+    faster; the keys it reads from the cache are bf16 already), in float32 elsewhere."""
+    if query_dtype == torch.float32 and cache_dtype == torch.bfloat16 and cpu_plan.plan().gemm == "bf16":
+        return torch.bfloat16
+    return query_dtype
+
+
 def prefill_attention(
     query: torch.Tensor,  # [T, num_heads, head_dim], the new tokens of one sequence
     key: torch.Tensor,  # [T, num_kv_heads, head_dim], their keys (also already in the cache)
@@ -127,6 +136,13 @@ def prefill_attention(
     soft_cap: float | None = None,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     num_new = query.shape[0]
+    compute = _prefill_compute_dtype(query.dtype, key_cache.dtype)
+    if compute != query.dtype:  # bf16 attention on bf16 hardware, float32 result
+        out = prefill_attention(
+            query.to(compute), key.to(compute), value.to(compute), key_cache, value_cache, block_table,
+            num_context_tokens, scale, sliding_window, soft_cap,
+        )  # fmt: skip
+        return out.to(query.dtype)
     q = query.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
     if sliding_window is not None or soft_cap is not None:
         return _prefill_attention_with_options(

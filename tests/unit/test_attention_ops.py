@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from perfxlm.ops import native
+from perfxlm.ops import cpu_plan, native
 from perfxlm.ops.attention import (
     decode_mask,
     paged_decode_attention,
@@ -155,6 +155,35 @@ def test_prefill_options_match_reference(sliding_window, soft_cap, num_context, 
     ref = attention_reference(q, k, v, scale, sliding_window=sliding_window, soft_cap=soft_cap)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("gemm", ["bf16", "float32"])
+@pytest.mark.parametrize("sliding_window,soft_cap", OPTIONS)
+@pytest.mark.parametrize("num_context", [0, 5])
+def test_prefill_float32_queries_over_bf16_cache_on_every_plan(gemm, sliding_window, soft_cap, num_context):
+    """A bfloat16 model computes in float32 over a bf16 cache: prefill attention runs in bf16 under the
+    bf16-GEMM plan (AMX / AVX512-BF16), in float32 otherwise; both give float32 within bf16 tolerance."""
+    num_heads, num_kv_heads, head_dim, block_size = 6, 2, 24, 4
+    k_cache, v_cache = _setup(32, block_size, num_kv_heads, head_dim, torch.bfloat16, seed=5)
+    num_new = 11
+    total = num_context + num_new
+    table = torch.randperm(32)[: -(-total // block_size)]
+    q = torch.randn(num_new, num_heads, head_dim) * 2
+    k_new = torch.randn(num_new, num_kv_heads, head_dim) * 2
+    v_new = torch.randn(num_new, num_kv_heads, head_dim)
+    positions = torch.arange(num_context, total)
+    write_kv_cache(k_new, v_new, k_cache, v_cache, table[positions // block_size] * block_size + positions % block_size)
+    previous = cpu_plan.use(gemm=gemm)
+    try:
+        out = prefill_attention(q, k_new, v_new, k_cache, v_cache, table, num_context, head_dim**-0.5,
+                                sliding_window=sliding_window, soft_cap=soft_cap)
+    finally:
+        cpu_plan.use(previous)
+    assert out.dtype == torch.float32 and out.shape == q.shape
+    k = gather_sequence_kv(k_cache, table.tolist(), total).float()
+    v = gather_sequence_kv(v_cache, table.tolist(), total).float()
+    ref = attention_reference(q, k, v, head_dim**-0.5, sliding_window=sliding_window, soft_cap=soft_cap)
+    torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)
 
 
 def test_reference_window_semantics():
