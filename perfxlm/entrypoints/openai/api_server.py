@@ -167,7 +167,7 @@ def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None =
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"tokens holds {bad[0]}, outside the vocabulary [0, {vocab}).", "tokens")
-        return {"prompt": tok.decode(req.tokens)}
+        return {"prompt": await renderer.decode(req.tokens)}
 
     @app.get("/", response_class=HTMLResponse)
     async def chat_page():

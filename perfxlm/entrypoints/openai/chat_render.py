@@ -61,6 +61,11 @@ class ChatRenderer:
             raise APIError(400, "This server has no tokenizer.")
         return await self._off_loop(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
+    async def decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            raise APIError(400, "This server has no tokenizer.")
+        return await self._off_loop(self.tokenizer.decode, token_ids)
+
     def _check(self, chat_template: str | None, template_kwargs: dict | None) -> None:
         if self.tokenizer is None:
             raise APIError(400, "This server has no tokenizer, so it cannot apply a chat template.", "messages")
