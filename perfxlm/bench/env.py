@@ -11,6 +11,8 @@ import sys
 import time
 from typing import Any
 
+from perfxlm.ops import cpu_plan
+
 # The CPU features that decide which kernels run (bf16 and int8 paths, vector width).
 _ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
               "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "sve2", "bf16", "i8mm")
@@ -136,6 +138,7 @@ def model_summary(llm: Any) -> dict[str, Any]:
         "dtype": str(getattr(config, "weight_dtype", config.torch_dtype)).replace("torch.", ""),
         "compute_dtype": str(config.torch_dtype).replace("torch.", ""),
         "kv_cache_dtype": str(getattr(config, "kv_cache_dtype", config.torch_dtype)).replace("torch.", ""),
+        "cpu_plan": cpu_plan.plan().describe(),
         "num_params": params,
         "model_size": format_params(params),
         "weights_gib": weight_bytes / (1 << 30),

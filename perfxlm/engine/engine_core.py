@@ -18,6 +18,7 @@ from perfxlm.engine.messages import EngineCoreOutput
 from perfxlm.engine.request import Request, RequestStatus
 from perfxlm.engine.scheduler import Scheduler
 from perfxlm.model.loader import get_model
+from perfxlm.ops import cpu_plan
 from perfxlm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("perfxlm")
@@ -54,8 +55,10 @@ class EngineCore:
             gc.collect()
             gc.freeze()
         logger.info(
-            "perfxlm engine core: model=%s compute=%s weights=%s kv=%s kv_blocks=%d x %d tokens, max_model_len=%d",
+            "perfxlm engine core: model=%s compute=%s weights=%s kv=%s kv_blocks=%d x %d tokens, max_model_len=%d, "
+            "CPU plan: %s",
             config.model, config.torch_dtype, config.weight_dtype, config.kv_cache_dtype, self.num_kv_blocks, config.block_size, config.max_model_len,
+            cpu_plan.plan().describe(),
         )
 
     def _num_kv_blocks(self) -> int:
