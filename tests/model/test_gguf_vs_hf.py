@@ -37,6 +37,11 @@ CASES = {
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
         max_position_embeddings=2048, tie_word_embeddings=True,
     )),
+    "llama-linear-rope": ("LlamaConfig", "LlamaForCausalLM", "llama", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=8192, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+    )),
     "qwen2-bias-tied": ("Qwen2Config", "Qwen2ForCausalLM", "qwen2", dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=32768, tie_word_embeddings=True, rope_parameters={"rope_theta": 1000000.0},
@@ -115,6 +120,9 @@ def write_converted(path: str, model, arch: str, extra_meta: dict | None = None,
     ]}  # fmt: skip
     if head_dim != cfg.hidden_size // heads:
         meta[f"{arch}.attention.key_length"] = meta[f"{arch}.attention.value_length"] = head_dim
+    if rope.get("rope_type") == "linear":  # the converter's add_rope_scaling_type / _factor
+        meta[f"{arch}.rope.scaling.type"] = "linear"
+        meta[f"{arch}.rope.scaling.factor"] = float(rope["factor"])
     meta["general.file_type"] = 0  # all F32
     meta.update(extra_meta or {})  # a test's keys replace the converter's
     writer = gguf.GGUFWriter(path, arch)
@@ -210,6 +218,8 @@ def test_llama_with_a_sliding_window_loads_as_mistral(tmp_path):
     ({"llama.final_logit_softcapping": 30.0}, r"llama.final_logit_softcapping is not supported"),
     ({"llama.attention.scale": 0.5}, r"attention.scale=0.5 differs"),
     ({"llama.rope.scaling.type": "longrope", "llama.rope.scaling.factor": 4.0}, r"rope scaling type 'longrope'"),
+    ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}, r"rope scaling type 'yarn'"),
+    ({"llama.rope.scaling.attn_factor": 1.2}, r"attn_factor=1.2 is not supported"),
     ({"llama.expert_count": 8, "llama.expert_used_count": 2}, r"mixture-of-experts"),
     ({"llama.embedding_scale": 12.0}, r"llama.embedding_scale is not supported"),
     ({"llama.attention.head_count_kv": [2, 4]}, r"differs between layers"),

@@ -304,17 +304,8 @@ def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
         kind, factor = "linear", meta[f"{arch}.rope.scale_linear"]
     if kind in (None, "none") or factor is None:
         return None
-    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
-    if kind == "yarn":
-        for gguf_key, hf_key in (
-            ("original_context_length", "original_max_position_embeddings"),
-            ("attn_factor", "attention_factor"),
-            ("yarn_beta_fast", "beta_fast"),
-            ("yarn_beta_slow", "beta_slow"),
-        ):
-            if prefix + gguf_key in meta:
-                scaling[hf_key] = meta[prefix + gguf_key]
-    return scaling
+    # yarn and other types are refused by check_metadata before this is reached
+    return {"rope_type": kind, "factor": float(factor)}
 
 
 def load_gguf_config(path: str) -> "transformers.PretrainedConfig":

@@ -19,14 +19,15 @@ TRANSLATED_KEYS = frozenset({
     "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
     "attention.key_length", "attention.value_length", "rope.dimension_count", "rope.freq_base",
     "rope.scale_linear", "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length",
-    "rope.scaling.attn_factor", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
+    "rope.scaling.attn_factor",
     # checked to hold their neutral value (see check_metadata)
     "attention.scale", "expert_count", "expert_used_count",
     # descriptive only: whether the model was fine-tuned with its rope scaling
     "rope.scaling.finetuned",
 })
 
-ROPE_SCALING_TYPES = ("none", "linear", "yarn")
+# what the rotary layer computes; yarn (Qwen2.5/3 long-context GGUFs) is not implemented there
+ROPE_SCALING_TYPES = ("none", "linear")
 
 
 def uniform(meta: dict[str, Any], key: str) -> Any:
@@ -57,6 +58,10 @@ def check_metadata(meta: dict[str, Any], arch: str, extra_keys: frozenset[str] =
             f"GGUF rope scaling type {kind!r} is not supported (supported: {', '.join(ROPE_SCALING_TYPES)}, "
             "and Llama-3 scaling stored as the rope_freqs tensor)."
         )
+    attn_factor = meta.get(prefix + "rope.scaling.attn_factor")
+    if attn_factor is not None and not math.isclose(float(attn_factor), 1.0):
+        # llama.cpp scales the rotated q/k by it for every rope type; the rotary layer here does not
+        raise ValueError(f"GGUF metadata {prefix}rope.scaling.attn_factor={attn_factor} is not supported.")
     for key in ("expert_count", "expert_used_count"):
         if meta.get(prefix + key, 0):
             raise ValueError(
