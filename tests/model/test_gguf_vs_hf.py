@@ -51,6 +51,12 @@ CASES = {
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=32, max_position_embeddings=4096, sliding_window=None, tie_word_embeddings=False,
     )),
+    # attention scale from head_dim as llama.cpp derives it (the file cannot carry query_pre_attn_scalar)
+    "gemma2-softcap-local-global": ("Gemma2Config", "Gemma2ForCausalLM", "gemma2", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, query_pre_attn_scalar=32, sliding_window=12, attn_logit_softcapping=5.0,
+        final_logit_softcapping=3.0, max_position_embeddings=8192, initializer_range=0.02,
+    )),
 }
 # fmt: on
 
@@ -64,20 +70,25 @@ _LAYER_NAMES = {
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
 }  # fmt: skip
+_GEMMA2_NORMS = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+}  # fmt: skip
 
 
 def build_hf(case: str, seed: int = 0):
     config_cls, model_cls, _, overrides = CASES[case]
     torch.manual_seed(seed)
-    config = getattr(transformers, config_cls)(
-        vocab_size=1000, initializer_range=0.15, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        rms_norm_eps=1e-5, **overrides,
-    )  # fmt: skip
+    defaults = dict(vocab_size=1000, initializer_range=0.15, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                    rms_norm_eps=1e-5)  # fmt: skip
+    config = getattr(transformers, config_cls)(**{**defaults, **overrides})
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():
-        for _, param in model.named_parameters():
+        for name, param in model.named_parameters():
             if param.ndim == 1:  # norms and biases start at constants: perturb them so they count
                 param.add_(torch.randn_like(param) * 0.1)
+            if case.startswith("gemma2") and name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.mul_(8)  # attention scores large enough that the soft cap bends them
     return model
 
 
@@ -118,8 +129,13 @@ def write_converted(path: str, model, arch: str, extra_meta: dict | None = None,
         ("rope.freq_base", float(rope.get("rope_theta", 10000.0))),
         ("attention.layer_norm_rms_epsilon", float(cfg.rms_norm_eps)),
     ]}  # fmt: skip
-    if head_dim != cfg.hidden_size // heads:
+    if head_dim != cfg.hidden_size // heads or arch == "gemma2":
         meta[f"{arch}.attention.key_length"] = meta[f"{arch}.attention.value_length"] = head_dim
+    if arch == "gemma2":  # the converter's Gemma2Model: no rope keys, soft-caps and the window instead
+        del meta[f"{arch}.rope.dimension_count"], meta[f"{arch}.rope.freq_base"]
+        meta[f"{arch}.attn_logit_softcapping"] = float(cfg.attn_logit_softcapping)
+        meta[f"{arch}.final_logit_softcapping"] = float(cfg.final_logit_softcapping)
+        meta[f"{arch}.attention.sliding_window"] = cfg.sliding_window
     if rope.get("rope_type") == "linear":  # the converter's add_rope_scaling_type / _factor
         meta[f"{arch}.rope.scaling.type"] = "linear"
         meta[f"{arch}.rope.scaling.factor"] = float(rope["factor"])
@@ -148,11 +164,14 @@ def write_converted(path: str, model, arch: str, extra_meta: dict | None = None,
         else:
             _, _, layer, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
-            gguf_name = f"blk.{layer}.{_LAYER_NAMES[module]}.{kind}"
+            names = {**_LAYER_NAMES, **_GEMMA2_NORMS} if arch == "gemma2" else _LAYER_NAMES
+            gguf_name = f"blk.{layer}.{names[module]}.{kind}"
             if arch == "llama" and module == "self_attn.q_proj":
                 t = converter_permute(t, heads)
             elif arch == "llama" and module == "self_attn.k_proj":
                 t = converter_permute(t, kv_heads)
+        if arch == "gemma2" and name.endswith("norm.weight"):
+            t = t + 1  # the converter stores Gemma norms as (1 + w)
         writer.add_tensor(gguf_name, t.numpy())
     for name, data in (extra_tensors or {}).items():
         writer.add_tensor(name, data)
@@ -249,17 +268,16 @@ def test_unknown_tensor_fails_loudly(tmp_path):
         LLM(path, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=16)
 
 
-def test_gemma2_gguf_is_refused_with_a_clear_error(tmp_path):
-    path = str(tmp_path / "gemma2.gguf")
-    writer = gguf.GGUFWriter(path, "gemma2")
+def test_unsupported_gguf_architecture_is_refused_with_a_clear_error(tmp_path):
+    path = str(tmp_path / "gemma3.gguf")
+    writer = gguf.GGUFWriter(path, "gemma3")
     for key, value in [("block_count", 2), ("embedding_length", 64), ("attention.head_count", 4)]:
-        writer.add_uint32(f"gemma2.{key}", value)
-    writer.add_float32("gemma2.attn_logit_softcapping", 50.0)
+        writer.add_uint32(f"gemma3.{key}", value)
     writer.add_tensor("token_embd.weight", np.zeros((1000, 64), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"GGUF architecture 'gemma2' is not supported \(supported: llama, qwen2"):
+    with pytest.raises(ValueError, match=r"GGUF architecture 'gemma3' is not supported \(supported: gemma2, llama"):
         LLM(path, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=16)
 

@@ -24,6 +24,7 @@ import gguf
 import numpy as np
 import torch
 
+from perfxlm.model.loader import gguf_gemma2
 from perfxlm.model.loader.gguf_metadata import (
     check_attention_scale, check_metadata, head_dims, rope_freq_factors, uniform,
 )
@@ -84,6 +85,9 @@ class _ArchSpec:
     # llama.cpp interleaves q/k rows for its rope layout on these architectures; undone on load
     permute_qk: bool
     extra_config: dict[str, Any] = field(default_factory=dict)
+    extra_keys: frozenset[str] = frozenset()  # `{arch}.*` metadata read beyond the decoder keys
+    # the converter stored norm weights as (1 + w) (Gemma): subtract the one on load
+    norms_plus_one: bool = False
 
 
 _QK_NORM_TENSORS: dict[str, str] = {
@@ -99,6 +103,9 @@ _ARCHS: dict[str, _ArchSpec] = {
                        extra_config={"use_sliding_window": False, "sliding_window": None}),
     "qwen3": _ArchSpec("qwen3", "Qwen3ForCausalLM", _DECODER_KEYS, _QK_NORM_TENSORS, permute_qk=False,
                        extra_config={"use_sliding_window": False, "sliding_window": None}),
+    "gemma2": _ArchSpec("gemma2", "Gemma2ForCausalLM", _DECODER_KEYS, gguf_gemma2.TENSORS, permute_qk=False,
+                        extra_config=gguf_gemma2.CONFIG_DEFAULTS, extra_keys=gguf_gemma2.EXTRA_KEYS,
+                        norms_plus_one=True),
 }
 
 # What the transformers config classes of these families default to, for the fields a GGUF file does
@@ -319,7 +326,7 @@ def load_gguf_config(path: str) -> "transformers.PretrainedConfig":
 
     # llama.cpp writes Mistral as `llama`; a sliding window in the file makes it Mistral again
     window = meta.get(f"{arch}.attention.sliding_window") if arch == "llama" else None
-    check_metadata(meta, arch, frozenset({"attention.sliding_window"}) if arch == "llama" else frozenset())
+    check_metadata(meta, arch, spec.extra_keys | ({"attention.sliding_window"} if arch == "llama" else set()))
     model_type, hf_architecture = spec.model_type, spec.hf_architecture
     kwargs: dict[str, Any] = {**_CONFIG_DEFAULTS, **spec.extra_config}
     if window:
@@ -340,7 +347,10 @@ def load_gguf_config(path: str) -> "transformers.PretrainedConfig":
 
     head_dim = head_dims(meta, arch, int(kwargs["hidden_size"]), int(kwargs["num_attention_heads"]))
     kwargs["head_dim"] = head_dim
-    check_attention_scale(meta, arch, head_dim)
+    if arch == "gemma2":
+        gguf_gemma2.apply(meta, kwargs, head_dim)  # its attention scale is query_pre_attn_scalar
+    else:
+        check_attention_scale(meta, arch, head_dim)
     freq_factors = rope_freq_factors(f.tensors, f.tensor, head_dim)
 
     rope_theta = float(kwargs.pop("rope_theta", 10000.0))
@@ -473,6 +483,8 @@ def _iter_weights(
         # the thread count is restored before each yield, so the consumer runs with its own setting
         with _one_torch_thread():
             tensor = f.tensor(name)
+            if spec.norms_plus_one and hf_name.endswith("norm.weight"):
+                tensor = tensor - 1.0
             if spec.permute_qk:
                 if ".self_attn.q_proj." in hf_name:
                     tensor = unpermute_qk(tensor, n_head)
