@@ -179,7 +179,8 @@ class KVCacheManager:
         req_blocks = self.req_to_blocks.get(rid)
         if not self.enable_prefix_caching or not req_blocks:
             return
-        num_full = min(num_computed_tokens, request.num_tokens, len(req_blocks) * self.block_size) // self.block_size
+        num_known = min(num_computed_tokens, request.num_tokens, len(req_blocks) * self.block_size)
+        num_full = num_known // self.block_size
         start = self.req_num_hashed_blocks.get(rid, 0)
         if num_full <= start:
             return

@@ -79,7 +79,9 @@ def plan_num_blocks(
             raise ValueError(f"kv_cache_gib must be > 0, got {kv_cache_gib}.")
         num = int(kv_cache_gib * GIB // bytes_per_block)
         if num < 1:
-            raise ValueError(f"kv_cache_gib={kv_cache_gib} is too small for one block ({bytes_per_block} bytes).")
+            raise ValueError(
+                f"kv_cache_gib={kv_cache_gib} is too small for one block ({bytes_per_block} bytes)."
+            )
         return num
     budget = DEFAULT_KV_CACHE_GIB * GIB
     avail = available_memory_bytes()
@@ -96,7 +98,9 @@ def plan_num_blocks(
     return num
 
 
-def fit_max_model_len(max_model_len: int, explicit: bool, num_blocks: int, block_size: int, bytes_per_block: int) -> int:
+def fit_max_model_len(
+    max_model_len: int, explicit: bool, num_blocks: int, block_size: int, bytes_per_block: int
+) -> int:
     """max_model_len lowered to what one sequence can hold in the pool (or an error if the user set it)."""
     pool_tokens = num_blocks * block_size
     if max_model_len <= pool_tokens:

@@ -25,8 +25,8 @@ DEFAULT_TEMPLATE_TIMEOUT_S = 2.0
 # apply_chat_template's own parameters: chat_template_kwargs may only add template variables
 _RESERVED_TEMPLATE_KWARGS = frozenset({
     "chat_template", "conversation", "messages", "tools", "documents", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
 })
 
 
@@ -49,8 +49,10 @@ class ChatRenderer:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
-    async def render(self, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None,
-                     continue_final_message: bool = False, template_kwargs: dict | None = None) -> dict:
+    async def render(
+        self, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None,
+        continue_final_message: bool = False, template_kwargs: dict | None = None,
+    ) -> dict:
         """{"prompt": text, "prompt_token_ids": ids} for a conversation; APIError(400) for bad input."""
         self._check(chat_template, template_kwargs)
         return await self._off_loop(self.render_sync, messages, add_generation_prompt, chat_template,
@@ -68,33 +70,38 @@ class ChatRenderer:
 
     def _check(self, chat_template: str | None, template_kwargs: dict | None) -> None:
         if self.tokenizer is None:
-            raise APIError(400, "This server has no tokenizer, so it cannot apply a chat template.", "messages")
+            raise APIError(400, "This server has no tokenizer, so it cannot apply a chat template.",
+                           "messages")
         if chat_template is not None and not self.trust_request_chat_template:
-            raise APIError(400, "A chat template was sent with the request, but this server does not run request "
-                                "templates (start it with --trust-request-chat-template to allow them).",
+            raise APIError(400, "A chat template was sent with the request, but this server does not run "
+                                "request templates (start it with --trust-request-chat-template to allow them).",
                            "chat_template")
         reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(template_kwargs or ()))
         if reserved:
-            raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}.", "chat_template_kwargs")
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}.",
+                           "chat_template_kwargs")
 
-    def render_sync(self, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None,
-                    continue_final_message: bool = False, template_kwargs: dict | None = None) -> dict:
+    def render_sync(
+        self, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None,
+        continue_final_message: bool = False, template_kwargs: dict | None = None,
+    ) -> dict:
         self._check(chat_template, template_kwargs)
         tok = self.tokenizer
+        generation_prompt = add_generation_prompt and not continue_final_message
         try:
             if chat_template is None:
                 text = tok.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
+                    messages, tokenize=False, add_generation_prompt=generation_prompt,
                     continue_final_message=continue_final_message, **(template_kwargs or {}))
             else:
                 text = render_bounded(
-                    chat_template, messages, add_generation_prompt=add_generation_prompt and not continue_final_message,
+                    chat_template, messages, add_generation_prompt=generation_prompt,
                     continue_final_message=continue_final_message, special_tokens=_special_tokens(tok),
                     template_kwargs=template_kwargs, max_chars=self.max_rendered_chars,
                     timeout_s=self.template_timeout_s)
         except APIError:
             raise
-        except Exception as exc:  # noqa: BLE001 - template errors are the caller's input (raise_exception(), a missing field)
+        except Exception as exc:  # noqa: BLE001 - template errors are the caller's input (raise_exception())
             raise APIError(400, f"Could not apply the chat template: {exc}", "messages") from None
         if not isinstance(text, str):
             raise APIError(400, "The chat template did not render to text.", "messages")

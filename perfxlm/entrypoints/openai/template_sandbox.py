@@ -58,7 +58,9 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset(["*", "**", "+"])
 
     def __init__(self, max_chars: int) -> None:
-        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationTag])
+        super().__init__(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationTag]
+        )
         self.max_chars = max_chars
         self.deadline = float("inf")
         self.filters["tojson"] = _tojson
@@ -79,7 +81,9 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
 
     def _check_result(self, value: Any, what: str) -> Any:
         if _size(value) > self.max_chars:
-            raise TemplateLimitError(f"{what}: a value of {_size(value)} items exceeds the limit of {self.max_chars}")
+            raise TemplateLimitError(
+                f"{what}: a value of {_size(value)} items exceeds the limit of {self.max_chars}"
+            )
         return value
 
     def check_time(self) -> None:
@@ -91,7 +95,9 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         if operator == "*":
             for seq, count in ((left, right), (right, left)):
                 if _size(seq) and isinstance(count, int) and _size(seq) * max(count, 0) > self.max_chars:
-                    raise TemplateLimitError(f"repeating a value {count} times exceeds the limit of {self.max_chars}")
+                    raise TemplateLimitError(
+                        f"repeating a value {count} times exceeds the limit of {self.max_chars}"
+                    )
         if operator == "**" and isinstance(right, int) and abs(right) > 64 and not isinstance(left, float):
             raise TemplateLimitError(f"the exponent {right} is too large")
         if operator == "+" and _size(left) + _size(right) > self.max_chars:
@@ -162,7 +168,9 @@ def render_bounded(
         final = messages[-1]["content"]
         messages[-1]["content"] = final + _CONTINUE_TAG
     variables = {**special_tokens, **(template_kwargs or {})}
-    variables.update(messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt)
+    variables.update(
+        messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt
+    )
     previous = sys.gettrace()
     sys.settrace(_tracer(env))
     try:
@@ -183,7 +191,9 @@ def render_bounded(
         # as transformers: cut the text after the final message, so the model continues it
         cut = text.rfind(_CONTINUE_TAG.strip())
         if cut < 0:
-            raise TemplateError("continue_final_message is set but the final message does not appear in the render")
+            raise TemplateError(
+                "continue_final_message is set but the final message does not appear in the render"
+            )
         text = text[:cut]
     return text
 

@@ -113,7 +113,8 @@ _ARCHS: dict[str, _ArchSpec] = {
 # transformers modules (validators, kernels hub, dynamo) that loading a GGUF file never needs.
 _CONFIG_DEFAULTS: dict[str, Any] = {
     "hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "initializer_range": 0.02,
-    "attention_dropout": 0.0, "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1, "use_cache": True,
+    "attention_dropout": 0.0, "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1,
+    "use_cache": True,
 }  # fmt: skip
 
 

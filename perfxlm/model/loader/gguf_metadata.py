@@ -36,7 +36,8 @@ def uniform(meta: dict[str, Any], key: str) -> Any:
     if isinstance(value, list):
         if not value or any(v != value[0] for v in value):
             raise ValueError(
-                f"GGUF metadata {key} differs between layers ({value[:8]}...); per-layer sizes are not supported."
+                f"GGUF metadata {key} differs between layers ({value[:8]}...); per-layer sizes are not "
+                "supported."
             )
         return value[0]
     return value
@@ -74,7 +75,8 @@ def check_attention_scale(meta: dict[str, Any], arch: str, head_dim: int) -> Non
     scale = meta.get(f"{arch}.attention.scale")
     if scale is not None and not math.isclose(float(scale), head_dim**-0.5, rel_tol=1e-5):
         raise ValueError(
-            f"GGUF metadata {arch}.attention.scale={scale} differs from 1/sqrt(head_dim) = {head_dim**-0.5:.6g}; "
+            f"GGUF metadata {arch}.attention.scale={scale} differs from 1/sqrt(head_dim) = "
+            f"{head_dim**-0.5:.6g}; "
             "a custom attention scale is not supported for this architecture."
         )
 
@@ -97,7 +99,10 @@ def head_dims(meta: dict[str, Any], arch: str, hidden: int, heads: int) -> int:
 
 def rope_freq_factors(tensors: dict[str, Any], read, rotary_dim: int) -> list[float] | None:
     """Per-frequency rope divisors from `rope_freqs.weight` (or per-layer copies of it), if any."""
-    names = [n for n in tensors if n == "rope_freqs.weight" or (n.startswith("blk.") and n.endswith(".rope_freqs.weight"))]
+    names = [
+        n for n in tensors
+        if n == "rope_freqs.weight" or (n.startswith("blk.") and n.endswith(".rope_freqs.weight"))
+    ]
     if not names:
         return None
     values = [read(n).reshape(-1) for n in names]
@@ -105,7 +110,9 @@ def rope_freq_factors(tensors: dict[str, Any], read, rotary_dim: int) -> list[fl
     if any(v.shape != first.shape or not bool((v == first).all()) for v in values[1:]):
         raise ValueError("GGUF rope_freqs differ between layers; per-layer rope factors are not supported.")
     if first.numel() != rotary_dim // 2:
-        raise ValueError(f"GGUF rope_freqs has {first.numel()} factors, expected {rotary_dim // 2} (head_dim / 2).")
+        raise ValueError(
+            f"GGUF rope_freqs has {first.numel()} factors, expected {rotary_dim // 2} (head_dim / 2)."
+        )
     if not bool((first > 0).all()):
         raise ValueError("GGUF rope_freqs holds non-positive factors.")
     return [float(x) for x in first.tolist()]
