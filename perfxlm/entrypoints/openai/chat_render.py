@@ -44,10 +44,13 @@ class ChatRenderer:
         self.max_rendered_chars = max_rendered_chars
         self.template_timeout_s = template_timeout_s
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="perfxlm-render")
+        # request templates get a thread of their own: slow ones (up to the time limit each) then only
+        # queue behind each other, never in front of the model's template or tokenization
+        self._request_template_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perfxlm-template")
 
-    async def _off_loop(self, fn, *args, **kwargs):
+    async def _off_loop(self, fn, *args, pool: ThreadPoolExecutor | None = None, **kwargs):
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+        return await loop.run_in_executor(pool or self._pool, functools.partial(fn, *args, **kwargs))
 
     async def render(
         self, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None,
@@ -55,8 +58,9 @@ class ChatRenderer:
     ) -> dict:
         """{"prompt": text, "prompt_token_ids": ids} for a conversation; APIError(400) for bad input."""
         self._check(chat_template, template_kwargs)
+        pool = self._request_template_pool if chat_template is not None else self._pool
         return await self._off_loop(self.render_sync, messages, add_generation_prompt, chat_template,
-                                    continue_final_message, template_kwargs)
+                                    continue_final_message, template_kwargs, pool=pool)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
@@ -112,6 +116,7 @@ class ChatRenderer:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._request_template_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _special_tokens(tok: Any) -> dict[str, Any]:
