@@ -137,6 +137,9 @@ def model_summary(llm: Any) -> dict[str, Any]:
         # The weights' dtype names the run (a "bfloat16" run may compute in float32, see compute_dtype).
         "dtype": str(getattr(config, "weight_dtype", config.torch_dtype)).replace("torch.", ""),
         "compute_dtype": str(config.torch_dtype).replace("torch.", ""),
+        # What runs the prefill GEMMs (their peak bounds prefill): the CPU's bf16 GEMM under a bf16-GEMM
+        # plan even though activations are float32.
+        "gemm_dtype": _gemm_dtype(config),
         "kv_cache_dtype": str(getattr(config, "kv_cache_dtype", config.torch_dtype)).replace("torch.", ""),
         "cpu_plan": cpu_plan.plan().describe(),
         "num_params": params,
@@ -253,6 +256,13 @@ def measure_read_bandwidth_gbs(size_mib: int = 512, repeats: int = 3) -> float:
         src.sum()
         best = min(best, time.perf_counter() - t)
     return src.numel() * src.element_size() / best / 1e9
+
+
+def _gemm_dtype(config: Any) -> str:
+    weights = str(getattr(config, "weight_dtype", config.torch_dtype)).replace("torch.", "")
+    if weights == "bfloat16" and cpu_plan.plan().gemm == "bf16" and cpu_plan.plan().bf16_compute == "float32":
+        return "bfloat16"
+    return str(config.torch_dtype).replace("torch.", "")
 
 
 def machine_peaks(dtype: str = "float32") -> dict[str, float]:

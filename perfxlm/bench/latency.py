@@ -192,7 +192,7 @@ def cmd_latency(args: Any, engine_kwargs: dict[str, Any]) -> int:
                            output_len=args.output_len, num_iters=args.num_iters,
                            num_iters_warmup=args.num_iters_warmup, seed=args.seed,
                            detokenize=not args.disable_detokenize and llm.get_tokenizer() is not None)
-    compute_dtype = env.get("compute_dtype", env["dtype"])
+    compute_dtype = env.get("gemm_dtype", env.get("compute_dtype", env["dtype"]))
     peaks = benv.machine_peaks(compute_dtype) if args.machine_peaks else {}
     env.update(peaks)
     print(benv.format_env(env))
@@ -336,7 +336,7 @@ def cmd_sweep(args: Any, engine_kwargs: dict[str, Any]) -> int:
     env.update({k: v for k, v in summary.items() if k not in ("num_kv_blocks", "max_num_seqs",
                                                                 "max_num_batched_tokens")})
     if args.machine_peaks:
-        env.update(benv.machine_peaks(env.get("compute_dtype", env.get("dtype", "float32"))))
+        env.update(benv.machine_peaks(env.get("gemm_dtype", env.get("compute_dtype", env.get("dtype", "float32")))))
     print(benv.format_env(env))
     print(markdown_table(rows))
     csv_path = args.output_csv or sibling_path(args.output_json, ".csv")
