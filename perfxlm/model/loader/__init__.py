@@ -46,6 +46,8 @@ def get_model(
     with _default_dtype(dtype), torch.no_grad():
         # Layers allocate with torch.empty: building the model costs no initialisation pass.
         model = model_cls(hf_config)
+        if weight_dtype is not None and weight_dtype != dtype:
+            _allocate_weights(model, weight_dtype)
         if load_format == "dummy":
             from perfxlm.model.loader.dummy import fill_dummy_weights
 
@@ -54,11 +56,31 @@ def get_model(
             weights = _iter_weights(model_path, hf_config, load_format)
             model.load_weights(tqdm(weights, desc="Loading weights", unit="tensor", leave=False))
     if weight_dtype is not None and weight_dtype != dtype:
-        cast_weights(model, weight_dtype)
+        cast_weights(model, weight_dtype, dtype)
     return model.eval()
 
 
-def cast_weights(model: torch.nn.Module, weight_dtype: torch.dtype) -> None:
+def _allocate_weights(model: torch.nn.Module, weight_dtype: torch.dtype) -> None:
+    """Give the weights `cast_weights` stores narrower their final dtype before anything is loaded, so
+    checkpoint tensors are rounded as they are copied in (the same rounding as a cast afterwards) and
+    the model never exists in the wider dtype: peak memory at start is the narrow model's."""
+    from perfxlm.model.layers.embed_head import LMHead, VocabEmbedding
+    from perfxlm.model.layers.linear import Linear
+    from perfxlm.model.layers.moe import FusedMoE
+
+    for module in model.modules():
+        if isinstance(module, (Linear, LMHead, VocabEmbedding)):
+            params = [module.weight]
+        elif isinstance(module, FusedMoE):
+            params = [module.gate_up_proj, module.down_proj]
+        else:
+            continue
+        for p in params:  # .data: a tied head keeps sharing the embedding's Parameter
+            if p.dtype != weight_dtype:
+                p.data = torch.empty(p.shape, dtype=weight_dtype)
+
+
+def cast_weights(model: torch.nn.Module, weight_dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
     """Store the projection and embedding weights in `weight_dtype` while activations keep the model
     dtype (bf16 weights, float32 compute). With native kernels, projections take the layout the CPU plan
     names (ops/cpu_plan.py): plain bf16 rows, which a tied LM head shares with the embedding table, or
@@ -84,7 +106,7 @@ def cast_weights(model: torch.nn.Module, weight_dtype: torch.dtype) -> None:
             module.gate_up_proj.data = module.gate_up_proj.data.to(weight_dtype)
             module.down_proj.data = module.down_proj.data.to(weight_dtype)
     for module in embeddings.values():
-        module.compute_dtype = module.weight.dtype
+        module.compute_dtype = compute_dtype
         module.weight.data = module.weight.data.to(weight_dtype)
 
 
