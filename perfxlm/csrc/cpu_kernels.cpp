@@ -28,9 +28,11 @@
 #include <limits>
 #include <vector>
 
+#include "simd16.h"  // the GEMV kernels' 16-lane vectors: AVX-512, or AVX2 + FMA
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
-#define PERFXLM_AVX512 1
+#define PERFXLM_AVX512 1  // the attention kernels' zmm paths
 #endif
 
 namespace {
@@ -63,43 +65,46 @@ inline __mmask16 tail_mask(int64_t remaining) {
 // broadcasts one x value per row: no horizontal sums, every weight widened once per row tile.
 // ---------------------------------------------------------------------------------------------
 
-#ifdef PERFXLM_AVX512
+#ifdef PERFXLM_SIMD16
+using simd16::V;
+// Row tile heights: AVX-512 has 32 vector registers, AVX2 16 (and a V is two of them there).
+constexpr int kPackedRows = simd16::kAvx512 ? 8 : 4;
+
 template <int MT, int NP>
 inline void packed_tile(const float* x, int64_t K, const uint16_t* panels, int64_t panel_stride, float* y,
                         int64_t N, int64_t n0, const float* bias) {
-  __m512 acc[MT][NP];
+  V acc[MT][NP];
   #pragma GCC unroll 16
   for (int i = 0; i < MT; ++i)
     #pragma GCC unroll 16
-    for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NP; ++j) acc[i][j] = simd16::zero();
   for (int64_t k = 0; k < K; ++k) {
-    __m512 wv[NP];
+    V wv[NP];
     #pragma GCC unroll 16
     for (int j = 0; j < NP; ++j) {
       _mm_prefetch(reinterpret_cast<const char*>(panels + j * panel_stride + (k + 16) * 16), _MM_HINT_T0);
-      wv[j] = load16(panels + j * panel_stride + k * 16, 0xFFFF);
+      wv[j] = simd16::load(panels + j * panel_stride + k * 16);
     }
     #pragma GCC unroll 16
     for (int i = 0; i < MT; ++i) {
-      const __m512 xb = _mm512_set1_ps(x[i * K + k]);
+      const V xb = simd16::set1(x[i * K + k]);
       #pragma GCC unroll 16
-      for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_fmadd_ps(xb, wv[j], acc[i][j]);
+      for (int j = 0; j < NP; ++j) acc[i][j] = simd16::fmadd(xb, wv[j], acc[i][j]);
     }
   }
   #pragma GCC unroll 16
   for (int j = 0; j < NP; ++j) {
     const int64_t n = n0 + 16 * j;
-    const __mmask16 mask = tail_mask(N - n);
-    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+    const V bv = bias ? simd16::load(bias + n, N - n) : simd16::zero();
     #pragma GCC unroll 16
-    for (int i = 0; i < MT; ++i) _mm512_mask_storeu_ps(y + i * N + n, mask, _mm512_add_ps(acc[i][j], bv));
+    for (int i = 0; i < MT; ++i) simd16::store(y + i * N + n, simd16::add(acc[i][j], bv), N - n);
   }
 }
 
 template <int NP>
 inline void packed_rows(const float* x, int64_t M, int64_t K, const uint16_t* panels, int64_t panel_stride, float* y,
                         int64_t N, int64_t n0, const float* bias) {
-  constexpr int MT = 8;
+  constexpr int MT = kPackedRows;
   int64_t m = 0;
   for (; m + MT <= M; m += MT) packed_tile<MT, NP>(x + m * K, K, panels, panel_stride, y + m * N, N, n0, bias);
   switch (M - m) {
@@ -136,7 +141,7 @@ at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed, int
   const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t panel_stride = K * 16;
-#ifdef PERFXLM_AVX512
+#ifdef PERFXLM_SIMD16
   const int64_t groups = (panels + 1) / 2;  // two panels (32 columns) per task
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
@@ -170,43 +175,47 @@ at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed, int
 // rows of a tile stay in L1 while chunks of up to MT x rows pass over them.
 // ---------------------------------------------------------------------------------------------
 
-#ifdef PERFXLM_AVX512
+#ifdef PERFXLM_SIMD16
+// Weight rows per tile at batch 1 (read streams) and x rows per chunk, by register count.
+constexpr int kRowsTileOne = simd16::kAvx512 ? 8 : 4;
+constexpr int kRowsChunk = simd16::kAvx512 ? 4 : 2;
+
 template <int MT, int NT>
 inline void rows_tile(const float* x, int64_t K, const uint16_t* w, float* y, int64_t N, int64_t n0,
                       const float* bias) {
-  __m512 acc[MT][NT];
+  V acc[MT][NT];
   #pragma GCC unroll 16
   for (int i = 0; i < MT; ++i)
     #pragma GCC unroll 16
-    for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NT; ++j) acc[i][j] = simd16::zero();
   for (int64_t k = 0; k < K; k += 16) {
-    const __mmask16 mask = tail_mask(K - k);
-    __m512 wv[NT];
+    V wv[NT];
     #pragma GCC unroll 16
     for (int j = 0; j < NT; ++j) {
       // The NT rows are NT interleaved read streams, which the hardware prefetchers follow worse than
       // one: fetch the next tile's rows (the next NT * K weights, contiguous) a whole tile ahead.
       if ((k & 31) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + (NT + j) * K + k), _MM_HINT_T0);
-      wv[j] = load16(w + j * K + k, mask);
+      wv[j] = simd16::load(w + j * K + k, K - k);
     }
     #pragma GCC unroll 16
     for (int i = 0; i < MT; ++i) {
-      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * K + k);
+      const V xv = simd16::load(x + i * K + k, K - k);
       #pragma GCC unroll 16
-      for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+      for (int j = 0; j < NT; ++j) acc[i][j] = simd16::fmadd(xv, wv[j], acc[i][j]);
     }
   }
   #pragma GCC unroll 16
   for (int i = 0; i < MT; ++i)
     #pragma GCC unroll 16
-    for (int j = 0; j < NT; ++j) y[i * N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]) + (bias ? bias[n0 + j] : 0.f);
+    for (int j = 0; j < NT; ++j) y[i * N + n0 + j] = simd16::reduce_add(acc[i][j]) + (bias ? bias[n0 + j] : 0.f);
 }
 
 template <int NT>
 inline void rows_block(const float* x, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t N, int64_t n0,
                        const float* bias) {
+  constexpr int MT = kRowsChunk;
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) rows_tile<4, NT>(x + m * K, K, w, y + m * N, N, n0, bias);
+  for (; m + MT <= M; m += MT) rows_tile<MT, NT>(x + m * K, K, w, y + m * N, N, n0, bias);
   switch (M - m) {
     case 3: rows_tile<3, NT>(x + m * K, K, w, y + m * N, N, n0, bias); break;
     case 2: rows_tile<2, NT>(x + m * K, K, w, y + m * N, N, n0, bias); break;
@@ -235,9 +244,9 @@ at::Tensor linear_bf16_rows(const at::Tensor& x, const at::Tensor& weight, const
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-#ifdef PERFXLM_AVX512
-  // One weight row per accumulator: 8 rows at batch 1 (8 read streams), 4 with several x rows.
-  const int64_t NT = M == 1 ? 8 : 4;
+#ifdef PERFXLM_SIMD16
+  // One weight row per accumulator: more rows (read streams) at batch 1, 4 with several x rows.
+  const int64_t NT = M == 1 ? kRowsTileOne : 4;
   const int64_t tiles = N / NT;
   at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -278,8 +287,8 @@ void widen_panels(const at::Tensor& packed, int64_t p0, int64_t p1, at::Tensor& 
       for (int64_t p = 0; p < p1 - p0; ++p) {
         const uint16_t* s = src + (p * K + k) * 16;
         float* d = dst + k * n + p * 16;
-#ifdef PERFXLM_AVX512
-        _mm512_storeu_ps(d, load16(s, 0xFFFF));
+#ifdef PERFXLM_SIMD16
+        simd16::store(d, simd16::load(s));
 #else
         for (int c = 0; c < 16; ++c) d[c] = bf16_to_float(s[c]);
 #endif

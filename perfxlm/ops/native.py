@@ -42,8 +42,9 @@ def _march() -> str:
 
 
 def _build_dir() -> Path:
+    sources = b"".join(f.read_bytes() for f in sorted(_SOURCE.parent.glob("*.[ch]*")))  # the .cpp and its headers
     key = hashlib.sha256(
-        _SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode() + _march().encode()
+        sources + torch.__version__.encode() + _cpu_flags().encode() + _march().encode()
     ).hexdigest()[:16]
     root = Path(os.environ.get("PERFXLM_CACHE_DIR", Path.home() / ".cache" / "perfxlm"))
     path = root / "kernels" / key

@@ -1,0 +1,88 @@
+// 16 float32 lanes, loaded from float32 or bfloat16 memory: one zmm register with AVX-512, two ymm
+// registers with AVX2 + FMA. The GEMV/GEMM kernels are written once against this, so a CPU without
+// AVX-512 (plain AVX2: older Xeons, Zen 2/3, client cores) runs the same register tiling at half the
+// width instead of scalar loops. `n` arguments are the lanes still valid at a tail (>= 16: all).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define PERFXLM_SIMD16 1
+
+namespace simd16 {
+constexpr bool kAvx512 = true;
+struct V {
+  __m512 v;
+};
+inline __mmask16 mask(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+inline V zero() { return {_mm512_setzero_ps()}; }
+inline V set1(float a) { return {_mm512_set1_ps(a)}; }
+inline V load(const float* p, int64_t n = 16) { return {_mm512_maskz_loadu_ps(mask(n), p)}; }
+inline V load(const uint16_t* p, int64_t n = 16) {
+  const __m256i half = _mm256_maskz_loadu_epi16(mask(n), p);
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16))};
+}
+inline V fmadd(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline V add(V a, V b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline void store(float* p, V a, int64_t n = 16) { _mm512_mask_storeu_ps(p, mask(n), a.v); }
+inline float reduce_add(V a) { return _mm512_reduce_add_ps(a.v); }
+}  // namespace simd16
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PERFXLM_SIMD16 1
+
+namespace simd16 {
+constexpr bool kAvx512 = false;
+struct V {
+  __m256 lo, hi;
+};
+inline V zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V set1(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
+inline __m256 widen8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+// Tails go through a zeroed 16-lane buffer: rare (only when K or N is not a multiple of 16).
+template <typename T>
+inline V load_tail(const T* p, int64_t n);
+inline V load(const float* p, int64_t n = 16) {
+  if (n >= 16) return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
+  return load_tail(p, n);
+}
+inline V load(const uint16_t* p, int64_t n = 16) {
+  if (n >= 16) return {widen8(p), widen8(p + 8)};
+  return load_tail(p, n);
+}
+template <typename T>
+inline V load_tail(const T* p, int64_t n) {
+  T buf[16] = {};
+  std::memcpy(buf, p, static_cast<size_t>(n > 0 ? n : 0) * sizeof(T));
+  return load(buf, 16);
+}
+inline V fmadd(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline V add(V a, V b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline void store(float* p, V a, int64_t n = 16) {
+  if (n >= 16) {
+    _mm256_storeu_ps(p, a.lo);
+    _mm256_storeu_ps(p + 8, a.hi);
+    return;
+  }
+  float buf[16];
+  _mm256_storeu_ps(buf, a.lo);
+  _mm256_storeu_ps(buf + 8, a.hi);
+  std::memcpy(p, buf, static_cast<size_t>(n > 0 ? n : 0) * sizeof(float));
+}
+inline float reduce_add(V a) {
+  const __m256 s = _mm256_add_ps(a.lo, a.hi);
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+}  // namespace simd16
+#endif
