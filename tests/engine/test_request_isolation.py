@@ -158,7 +158,11 @@ def test_two_engines_in_two_threads_do_not_share_a_forward_context(tiny_llama):
 
 
 def test_engine_construction_leaves_process_state_alone(tiny_llama):
+    from perfxlm.engine import engine_core
+
     old_dtype, old_threads = torch.get_default_dtype(), torch.get_num_threads()
+    old_freeze = engine_core._freeze_gc_at_start
+    engine_core.freeze_gc_at_engine_start(False)  # a CLI test earlier in this process may have opted in
     torch.set_default_dtype(torch.float64)
     try:
         gc.unfreeze()
@@ -168,6 +172,7 @@ def test_engine_construction_leaves_process_state_alone(tiny_llama):
         assert gc.get_freeze_count() == 0  # only the CLI and the server may freeze the collector
     finally:
         torch.set_default_dtype(old_dtype)
+        engine_core.freeze_gc_at_engine_start(old_freeze)
 
 
 def test_gguf_load_restores_thread_count(default_model):
