@@ -94,6 +94,10 @@ class EngineConfig:
     kv_cache_gib: float | None = None
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
+    # vLLM's names: "auto" (the model's dtype), "int8" (group scales), "fp8" (= "fp8_e4m3"), "fp8_e5m2";
+    # see ops/kv_quant.py. kv_cache_group_size: int8 values per scale (None: one scale per token and head).
+    kv_cache_dtype: str = "auto"
+    kv_cache_group_size: int | None = None
     enforce_eager: bool = True
     # vLLM's engine argument: the most logprobs / prompt_logprobs a request may ask for (-1: the vocabulary).
     max_logprobs: int = 20
@@ -101,14 +105,23 @@ class EngineConfig:
     hf_config: Any = field(default=None, repr=False)
     torch_dtype: torch.dtype = field(default=torch.float32, repr=False)  # activations (compute)
     weight_dtype: torch.dtype = field(default=torch.float32, init=False, repr=False)  # linear/embedding weights
-    kv_cache_dtype: torch.dtype = field(default=torch.float32, init=False, repr=False)
+    kv_cache_spec: Any = field(default=None, init=False, repr=False)  # ops.kv_quant.KVCacheSpec
     eos_token_ids: set[int] = field(default_factory=set, repr=False)
     # whether max_model_len came from the user (an error if the KV pool cannot hold it) or the model
     # (lowered to what the pool holds)
     max_model_len_explicit: bool = field(default=False, init=False, repr=False)
 
+    def __post_init__(self) -> None:
+        from perfxlm.ops.kv_quant import KVCacheSpec
+
+        KVCacheSpec.resolve(self.kv_cache_dtype, torch.float32, self.kv_cache_group_size)  # ValueError: choices
+
     def resolve(self) -> "EngineConfig":
         from perfxlm.model.loader import load_hf_config  # late: loaders import transformers
+        from perfxlm.ops.kv_quant import KVCacheSpec
+
+        # checked first: a bad name fails at construction, before any model is read
+        KVCacheSpec.resolve(self.kv_cache_dtype, torch.float32, self.kv_cache_group_size)
 
         if self.model is None:
             self.model = default_model_path()
@@ -129,7 +142,8 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be -1 (no limit) or >= 0, got {self.max_logprobs!r}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}.")
-        self.torch_dtype = self.weight_dtype = self.kv_cache_dtype = resolve_dtype(self.dtype)
+        self.torch_dtype = self.weight_dtype = resolve_dtype(self.dtype)
+        self.kv_cache_spec = KVCacheSpec.resolve(self.kv_cache_dtype, self.torch_dtype, self.kv_cache_group_size)
         if self.torch_dtype == torch.bfloat16 and _bf16_compute() == "float32" and _native_kernels_usable():
             # Weights and KV cache in bf16 (half the bytes each decode step reads), activations in
             # float32, as llama.cpp does with bf16 models: the native kernels widen the weights in

@@ -140,7 +140,8 @@ def model_summary(llm: Any) -> dict[str, Any]:
         # What runs the prefill GEMMs (their peak bounds prefill): the CPU's bf16 GEMM under a bf16-GEMM
         # plan even though activations are float32.
         "gemm_dtype": _gemm_dtype(config),
-        "kv_cache_dtype": str(getattr(config, "kv_cache_dtype", config.torch_dtype)).replace("torch.", ""),
+        "kv_cache_dtype": getattr(getattr(config, "kv_cache_spec", None), "name", None)
+        or str(config.torch_dtype).replace("torch.", ""),
         "cpu_plan": cpu_plan.plan().describe(),
         "num_params": params,
         "model_size": format_params(params),

@@ -34,12 +34,14 @@ def model_costs(llm: Any) -> dict[str, float] | None:
         if p.dim() >= 2 and not is_table and p is not head_weight:
             matmul_params += p.numel()
     attn = [m for m in model.modules() if isinstance(m, Attention)]
-    kv_elem = engine.config.kv_cache_dtype.itemsize if hasattr(engine.config, "kv_cache_dtype") else 4
+    spec = getattr(engine.config, "kv_cache_spec", None)
     return {
         "weight_bytes_per_step": float(weight_bytes),
         "matmul_params_per_token": float(matmul_params),
         "lm_head_params": float(head_weight.numel()) if head_weight is not None else 0.0,
-        "kv_bytes_per_token": float(sum(2 * m.num_kv_heads * m.head_dim * kv_elem for m in attn)),
+        "kv_bytes_per_token": float(
+            sum(spec.bytes_per_token(m.num_kv_heads, m.head_dim) if spec else 8 * m.num_kv_heads * m.head_dim for m in attn)
+        ),
         # QK^T and PV: 2 FLOPs per multiply-add, 2 products, per (query, key) pair and head channel
         "attn_flops_per_pair": float(sum(4 * m.num_heads * m.head_dim for m in attn)),
     }

@@ -42,7 +42,7 @@ class EngineCore:
             config.model, config.hf_config, config.torch_dtype, config.load_format, config.seed, config.weight_dtype
         )
         self.num_kv_blocks = self._num_kv_blocks()
-        self.runner = ModelRunner(self.model, self.num_kv_blocks, config.block_size, config.kv_cache_dtype)
+        self.runner = ModelRunner(self.model, self.num_kv_blocks, config.block_size, config.kv_cache_spec)
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len
@@ -57,13 +57,25 @@ class EngineCore:
         logger.info(
             "perfxlm engine core: model=%s compute=%s weights=%s kv=%s kv_blocks=%d x %d tokens, max_model_len=%d, "
             "CPU plan: %s",
-            config.model, config.torch_dtype, config.weight_dtype, config.kv_cache_dtype, self.num_kv_blocks, config.block_size, config.max_model_len,
-            cpu_plan.plan().describe(),
-        )
+            config.model, config.torch_dtype, config.weight_dtype, config.kv_cache_spec.name, self.num_kv_blocks,
+            config.block_size, config.max_model_len, cpu_plan.plan().describe(),
+        )  # fmt: skip
+        logger.info(
+            "KV cache: %s, %d blocks x %d = %d tokens, %d bytes per token (all layers), %.3f GiB",
+            config.kv_cache_spec.describe(self._head_dim()), self.num_kv_blocks, config.block_size,
+            self.num_kv_blocks * config.block_size, self.kv_bytes_per_block // config.block_size,
+            self.num_kv_blocks * self.kv_bytes_per_block / 2**30,
+        )  # fmt: skip
+
+    def _head_dim(self) -> int | None:
+        from perfxlm.model.layers.attention import Attention
+
+        dims = {m.head_dim for m in self.model.modules() if isinstance(m, Attention)}
+        return dims.pop() if len(dims) == 1 else None
 
     def _num_kv_blocks(self) -> int:
         c = self.config
-        per_block = ModelRunner.kv_bytes_per_block(self.model, c.block_size, c.kv_cache_dtype)
+        per_block = self.kv_bytes_per_block = ModelRunner.kv_bytes_per_block(self.model, c.block_size, c.kv_cache_spec)
         num = plan_num_blocks(
             per_block, c.block_size, c.max_num_seqs, c.max_model_len, c.num_kv_blocks, c.kv_cache_gib
         )

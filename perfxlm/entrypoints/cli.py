@@ -24,6 +24,10 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     parser.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size in GiB")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV cache blocks")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                        help="KV cache storage: auto = the model's dtype; int8 with group scales; fp8 = fp8_e4m3")
+    parser.add_argument("--kv-cache-group-size", type=int, default=None,
+                        help="int8 KV cache: values per scale (default: the head size)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV cache of shared prompt prefixes")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
@@ -43,6 +47,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         block_size=args.block_size,
         kv_cache_gib=args.kv_cache_gib,
         num_kv_blocks=args.num_kv_blocks,
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+        kv_cache_group_size=getattr(args, "kv_cache_group_size", None),
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         max_logprobs=args.max_logprobs,

@@ -118,9 +118,10 @@ class FusedDecode:
         cos, sin = rope
         residual = x
         for i, (layer, (before, after)) in enumerate(zip(self.layers, self.args or [])):
-            key_cache, value_cache = layer.self_attn.attn.kv_cache
+            cache = layer.self_attn.attn.kv_cache
             x, residual = ops.decode_layer(
-                x, residual, i == 0, *before, cos, sin, key_cache, value_cache, meta.slot_mapping,
-                meta.decode_block_tables, meta.decode_seq_lens, *after, max_rows, bf16_gemm,
+                x, residual, i == 0, *before, cos, sin, cache.key, cache.value, meta.slot_mapping,
+                meta.decode_block_tables, meta.decode_seq_lens, *after, max_rows, bf16_gemm, cache.key_scale,
+                cache.value_scale,
             )  # fmt: skip
         return x, residual

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from perfxlm.ops import cpu_plan, native
+from perfxlm.ops.kv_quant import as_bits, cache_is_quantized, dequantize, quantize
 
 
 def write_kv_cache(
@@ -22,19 +23,37 @@ def write_kv_cache(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64
+    key_scale: torch.Tensor | None = None,  # int8 cache: [num_blocks, block_size, num_kv_heads, groups]
+    value_scale: torch.Tensor | None = None,
 ) -> None:
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    if key.dtype != key_cache.dtype:  # a bf16 cache under float32 compute
-        key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    if cache_is_quantized(key_cache):
+        ops = native.kernels()
+        if ops is not None:  # quantized in one pass over the new tokens
+            ops.write_kv_slots(key.float(), value.float(), key_cache, value_cache, slot_mapping, key_scale, value_scale)
+            return
+    for new, cache, scale in ((key, key_cache, key_scale), (value, value_cache, value_scale)):
+        if new.dtype != cache.dtype:  # a bf16 cache under float32 compute, or a quantized cache
+            new, new_scale = quantize(new, cache.dtype, scale.shape[-1] if scale is not None else 1)
+            if scale is not None:
+                scale.view(-1, num_kv_heads, scale.shape[-1]).index_copy_(0, slot_mapping, new_scale)
+        as_bits(cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, as_bits(new))
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _gather(
+    cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None
+) -> torch.Tensor:
     # [B, max_blocks] -> [B, num_kv_heads, max_blocks * block_size, head_dim], in the query's dtype
+    # (a quantized cache is dequantized here: only the blocks of these sequences)
     batch = block_tables.shape[0]
     # index_select on a 2-D view: several times faster than advanced indexing on the 4-D cache.
-    gathered = cache.view(cache.shape[0], -1).index_select(0, block_tables.reshape(-1)).to(dtype)
+    index = block_tables.reshape(-1)
+    gathered = cache.view(cache.shape[0], -1).index_select(0, index)
+    if scale is not None:
+        scales = scale.view(scale.shape[0], -1).index_select(0, index).view(-1, scale.shape[-1])
+        gathered = dequantize(gathered.view(-1, cache.shape[3]), scales, dtype)
+    else:
+        gathered = gathered.to(dtype)
     return gathered.view(batch, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
 
 
@@ -68,18 +87,22 @@ def paged_decode_attention(
     mask: torch.Tensor | None = None,  # decode_mask(...) of the same step, to build it once for all layers
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    key_scale: torch.Tensor | None = None,  # int8 cache: the scales beside the blocks
+    value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [B, num_heads, head_dim]
     ops = native.kernels()
     if ops is not None:
-        # Reads K/V in place through the block table: no gathered copy, no mask.
+        # Reads K/V in place through the block table (a quantized cache dequantized in registers): no
+        # gathered copy, no mask.
         out = ops.paged_decode_attention(
             query.float(), key_cache, value_cache, block_tables, seq_lens, scale, sliding_window or 0,
-            soft_cap or 0.0,
+            soft_cap or 0.0, key_scale, value_scale,
         )  # fmt: skip
         return out.to(query.dtype)
     return paged_decode_attention_torch(
-        query, key_cache, value_cache, block_tables, seq_lens, scale, mask, sliding_window, soft_cap
-    )
+        query, key_cache, value_cache, block_tables, seq_lens, scale, mask, sliding_window, soft_cap, key_scale,
+        value_scale,
+    )  # fmt: skip
 
 
 def paged_decode_attention_torch(
@@ -92,13 +115,16 @@ def paged_decode_attention_torch(
     mask: torch.Tensor | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The same from torch ops: gather the blocks into contiguous K/V, then SDPA with a length mask."""
+    """The same from torch ops: gather the blocks into contiguous K/V (dequantized), then SDPA with a
+    length mask."""
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
-    key = _gather(key_cache, block_tables, query.dtype)
-    value = _gather(value_cache, block_tables, query.dtype)
+    key = _gather(key_cache, block_tables, query.dtype, key_scale)
+    value = _gather(value_cache, block_tables, query.dtype, value_scale)
     # The heads of one KV group become the "query length" axis: GQA without repeating K/V.
     q = query.view(batch, num_kv_heads, group, head_dim)
     if mask is None:
@@ -134,20 +160,22 @@ def prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    key_scale: torch.Tensor | None = None,  # int8 cache: the scales beside the blocks
+    value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     num_new = query.shape[0]
     compute = _prefill_compute_dtype(query.dtype, key_cache.dtype)
     if compute != query.dtype:  # bf16 attention on bf16 hardware, float32 result
         out = prefill_attention(
             query.to(compute), key.to(compute), value.to(compute), key_cache, value_cache, block_table,
-            num_context_tokens, scale, sliding_window, soft_cap,
+            num_context_tokens, scale, sliding_window, soft_cap, key_scale, value_scale,
         )  # fmt: skip
         return out.to(query.dtype)
     q = query.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
     if sliding_window is not None or soft_cap is not None:
         return _prefill_attention_with_options(
             q, key, value, key_cache, value_cache, block_table, num_context_tokens, scale, sliding_window,
-            soft_cap,
+            soft_cap, key_scale, value_scale,
         )  # fmt: skip
     if num_context_tokens == 0:
         k = key.transpose(0, 1).unsqueeze(0)
@@ -155,8 +183,8 @@ def prefill_attention(
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         total = num_context_tokens + num_new
-        k = _gather(key_cache, block_table[None], q.dtype)[:, :, :total]
-        v = _gather(value_cache, block_table[None], q.dtype)[:, :, :total]
+        k = _gather(key_cache, block_table[None], q.dtype, key_scale)[:, :, :total]
+        v = _gather(value_cache, block_table[None], q.dtype, value_scale)[:, :, :total]
         # New token i sits at absolute position num_context_tokens + i and sees keys up to it.
         rows = torch.arange(num_new)[:, None] + num_context_tokens
         mask = torch.arange(total)[None, :] <= rows
@@ -175,6 +203,8 @@ def _prefill_attention_with_options(
     scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     _, num_heads, num_new, head_dim = q.shape
     total = num_context_tokens + num_new
@@ -182,8 +212,8 @@ def _prefill_attention_with_options(
         k = key.transpose(0, 1).unsqueeze(0)
         v = value.transpose(0, 1).unsqueeze(0)
     else:
-        k = _gather(key_cache, block_table[None], q.dtype)[:, :, :total]
-        v = _gather(value_cache, block_table[None], q.dtype)[:, :, :total]
+        k = _gather(key_cache, block_table[None], q.dtype, key_scale)[:, :, :total]
+        v = _gather(value_cache, block_table[None], q.dtype, value_scale)[:, :, :total]
     rows = torch.arange(num_new)[:, None] + num_context_tokens
     cols = torch.arange(total)[None, :]
     mask = cols <= rows

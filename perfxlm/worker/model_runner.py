@@ -19,29 +19,34 @@ from perfxlm.model.layers.attention import Attention
 from perfxlm.model.layers.sampler import Sampler, compute_logprobs
 from perfxlm.ops import native
 from perfxlm.ops.attention import decode_mask
-from perfxlm.worker.kv_memory import lazy_zeros
+from perfxlm.ops.kv_quant import KVCache, KVCacheSpec, as_bits
 from perfxlm.worker.sampling_inputs import SampleRow, build_sampling_metadata
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype | KVCacheSpec
+    ) -> None:
+        """`dtype`: the KV cache's format (a KVCacheSpec, or a plain float32 / bfloat16 dtype)."""
         self.model = model
         self.block_size = block_size
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_spec = KVCacheSpec.of(dtype)
+        self.kv_caches: list[KVCache] = []
         for module in model.modules():
             if isinstance(module, Attention):
-                shape = (num_blocks, block_size, module.num_kv_heads, module.head_dim)
-                cache = (lazy_zeros(shape, dtype), lazy_zeros(shape, dtype))
+                cache = self.kv_spec.allocate(num_blocks, block_size, module.num_kv_heads, module.head_dim)
                 module.kv_cache = cache
                 self.kv_caches.append(cache)
 
     @staticmethod
-    def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
+    def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype | KVCacheSpec) -> int:
+        spec = KVCacheSpec.of(dtype)
         return sum(
-            2 * block_size * m.num_kv_heads * m.head_dim * elem for m in model.modules() if isinstance(m, Attention)
+            block_size * spec.bytes_per_token(m.num_kv_heads, m.head_dim)
+            for m in model.modules()
+            if isinstance(m, Attention)
         )
 
     @torch.inference_mode()
@@ -104,9 +109,9 @@ class ModelRunner:
             return
         src = torch.tensor([p[0] for p in pairs])
         dst = torch.tensor([p[1] for p in pairs])
-        for key_cache, value_cache in self.kv_caches:
-            key_cache.index_copy_(0, dst, key_cache.index_select(0, src))
-            value_cache.index_copy_(0, dst, value_cache.index_select(0, src))
+        for cache in self.kv_caches:
+            for t in map(as_bits, cache.tensors()):  # K, V and, for an int8 cache, their scales
+                t.index_copy_(0, dst, t.index_select(0, src))
 
     def _prompt_logprobs(
         self, order: list[ScheduledRequest], token_starts: list[int], hidden: torch.Tensor, out: ModelRunnerOutput

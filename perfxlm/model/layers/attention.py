@@ -12,6 +12,7 @@ from torch import nn
 
 from perfxlm.model.forward_context import get_forward_context
 from perfxlm.ops.attention import paged_decode_attention, prefill_attention, write_kv_cache
+from perfxlm.ops.kv_quant import KVCache
 
 
 def layer_sliding_window(config: Any, layer_idx: int, every_layer: bool = False) -> int | None:
@@ -53,8 +54,9 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logit_soft_cap = logit_soft_cap
-        # (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        # K and V blocks, each [num_blocks, block_size, num_kv_heads, head_dim], and their scales for an
+        # int8 cache (ops/kv_quant.py)
+        self.kv_cache: KVCache | None = None
 
     def forward(
         self,
@@ -64,10 +66,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         assert self.kv_cache is not None, "KV cache not bound"
         meta = get_forward_context()
-        key_cache, value_cache = self.kv_cache
-        write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        cache = self.kv_cache
+        key_cache, value_cache = cache.key, cache.value
+        write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping, cache.key_scale, cache.value_scale)
         out = torch.empty(q.shape, dtype=q.dtype)
         options = {}
+        if cache.key_scale is not None:
+            options["key_scale"], options["value_scale"] = cache.key_scale, cache.value_scale
         if self.sliding_window is not None:
             options["sliding_window"] = self.sliding_window
         if self.logit_soft_cap is not None:

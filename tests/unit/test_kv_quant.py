@@ -1,0 +1,163 @@
+"""Quantized KV cache (int8 with group scales, fp8 e4m3 / e5m2): the plain-torch quantize / dequantize
+reference against the torch paths and the native kernels (write and read), on random inputs with odd
+head sizes and block sizes."""
+
+import pytest
+import torch
+
+from perfxlm.ops import native
+from perfxlm.ops.attention import (
+    paged_decode_attention,
+    paged_decode_attention_torch,
+    prefill_attention,
+    write_kv_cache,
+)
+from perfxlm.ops.kv_quant import KV_CACHE_DTYPES, KVCacheSpec, dequantize, quantize
+from perfxlm.ops.reference import attention_reference
+
+FORMATS = [("int8", None), ("int8", 8), ("int8", 16), ("fp8_e4m3", None), ("fp8_e5m2", None)]
+SHAPES = [(6, 2, 32, 16), (4, 4, 24, 5), (9, 3, 64, 7), (8, 2, 128, 16), (2, 1, 256, 3), (3, 1, 48, 1)]
+
+
+def _fitting(head_dims):
+    """(format, group, head_dim) where the group divides the head size."""
+    return [(n, g, d) for d in head_dims for n, g in FORMATS if g is None or d % g == 0]
+
+
+def _native_or_skip():
+    if native.kernels() is None:
+        pytest.skip("native kernels unavailable on this machine")
+    return native.kernels()
+
+
+def _cache(spec, num_blocks, block_size, kvh, d, seed=0):
+    """A cache filled with random K/V written through the torch path, and the float values written."""
+    torch.manual_seed(seed)
+    cache = spec.allocate(num_blocks, block_size, kvh, d)
+    n = num_blocks * block_size
+    k, v = torch.randn(n, kvh, d) * 3, torch.randn(n, kvh, d)
+    k[0, 0] = 0.0  # an all-zero group: scale 0, dequantized to 0
+    slots = torch.randperm(n)
+    write_kv_cache(k, v, cache.key, cache.value, slots, cache.key_scale, cache.value_scale)
+    return cache
+
+
+def _deq(cache, which):
+    q = cache.key if which == "k" else cache.value
+    s = cache.key_scale if which == "k" else cache.value_scale
+    return dequantize(q, s, torch.float32)
+
+
+@pytest.mark.parametrize("name,group", FORMATS)
+def test_quantize_error_bounds(name, group):
+    spec = KVCacheSpec.resolve(name, torch.float32, group)
+    x = torch.randn(50, 3, 64) * 4
+    x[0, 0] = 0
+    q, s = quantize(x, spec.dtype, 64 // spec.group(64) if spec.has_scales else 1)
+    assert q.dtype == spec.dtype
+    back = dequantize(q, s, torch.float32)
+    assert torch.equal(back[0, 0], torch.zeros(64))
+    if spec.has_scales:
+        # symmetric absmax: error at most half a step of the group's scale
+        step = s.repeat_interleave(spec.group(64), dim=-1)
+        assert (back - x).abs().le(step / 2 + 1e-6).all()
+        assert s.shape == (50, 3, 64 // spec.group(64))
+    else:
+        rel = 2.0**-4 if name == "fp8_e4m3" else 2.0**-3  # half a unit of 3 / 2 mantissa bits
+        assert ((back - x).abs() <= rel * x.abs() + 2.0**-9).all()
+    # saturation instead of NaN / inf
+    big, _ = quantize(torch.tensor([1e9, -1e9]), spec.dtype, 1)
+    assert torch.isfinite(big.float()).all()
+
+
+@pytest.mark.parametrize("name,group,head_dim", _fitting([24, 64, 17 * 8]))
+def test_native_write_equals_torch_write(name, group, head_dim):
+    ops = _native_or_skip()
+    spec = KVCacheSpec.resolve(name, torch.float32, group)
+    torch.manual_seed(0)
+    a, b = spec.allocate(9, 5, 3, head_dim), spec.allocate(9, 5, 3, head_dim)
+    k, v = torch.randn(20, 3, head_dim) * 5, torch.randn(20, 3, head_dim)
+    k[3] = 1e6  # saturates fp8
+    slots = torch.randperm(45)[:20]
+    ops.write_kv_slots(k, v, a.key, a.value, slots, a.key_scale, a.value_scale)
+    # the torch path: quantize() per token, index_copy into the slots
+    for t, cache, scale in ((k, b.key, b.key_scale), (v, b.value, b.value_scale)):
+        q, s = quantize(t, spec.dtype, scale.shape[-1] if scale is not None else 1)
+        cache.view(torch.uint8).view(-1, 3, head_dim)[slots] = q.view(torch.uint8)
+        if scale is not None:
+            scale.view(-1, 3, scale.shape[-1])[slots] = s
+    for x, y in zip(a.tensors(), b.tensors()):
+        assert torch.equal(x.view(torch.uint8) if x.dtype != torch.float32 else x,
+                           y.view(torch.uint8) if y.dtype != torch.float32 else y)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name,group,num_heads,num_kv_heads,head_dim,block_size",
+    [(n, g, h, kvh, d, bs) for h, kvh, d, bs in SHAPES for n, g, d2 in _fitting([d])],
+)
+@pytest.mark.parametrize("impl", ["native", "torch"])
+def test_decode_reads_quantized_cache(name, group, num_heads, num_kv_heads, head_dim, block_size, impl):
+    fn = paged_decode_attention_torch
+    if impl == "native":
+        _native_or_skip()
+        fn = paged_decode_attention
+    spec = KVCacheSpec.resolve(name, torch.float32, group)
+    cache = _cache(spec, 60, block_size, num_kv_heads, head_dim)
+    k_deq, v_deq = _deq(cache, "k"), _deq(cache, "v")
+    seq_lens = [1, 13, block_size * 3, 29]
+    perm = torch.randperm(60).tolist()
+    tables, off = [], 0
+    for n in seq_lens:
+        nb = -(-n // block_size)
+        tables.append(perm[off : off + nb])
+        off += nb
+    mb = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (mb - len(t)) for t in tables])
+    q = torch.randn(len(seq_lens), num_heads, head_dim)
+    scale = head_dim**-0.5
+    for options in ({}, {"sliding_window": 5}, {"soft_cap": 3.0}):
+        out = fn(q, cache.key, cache.value, bt, torch.tensor(seq_lens), scale, None, key_scale=cache.key_scale,
+                 value_scale=cache.value_scale, **options)  # fmt: skip
+        for i, n in enumerate(seq_lens):
+            k = k_deq[tables[i]].flatten(0, 1)[:n]
+            v = v_deq[tables[i]].flatten(0, 1)[:n]
+            ref = attention_reference(q[i : i + 1], k, v, scale, **options)
+            torch.testing.assert_close(out[i : i + 1], ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("name,group", [(n, g) for n, g, _ in _fitting([24])])
+@pytest.mark.parametrize("num_context", [0, 5, 16])
+def test_prefill_reads_quantized_context(name, group, num_context):
+    num_heads, num_kv_heads, head_dim, block_size = 6, 2, 24, 4
+    spec = KVCacheSpec.resolve(name, torch.float32, group)
+    cache = _cache(spec, 32, block_size, num_kv_heads, head_dim, seed=1)
+    num_new = 11
+    total = num_context + num_new
+    table = torch.randperm(32)[: -(-total // block_size)]
+    q = torch.randn(num_new, num_heads, head_dim)
+    k_new, v_new = torch.randn(num_new, num_kv_heads, head_dim), torch.randn(num_new, num_kv_heads, head_dim)
+    positions = torch.arange(num_context, total)
+    slots = table[positions // block_size] * block_size + positions % block_size
+    write_kv_cache(k_new, v_new, cache.key, cache.value, slots, cache.key_scale, cache.value_scale)
+    out = prefill_attention(q, k_new, v_new, cache.key, cache.value, table, num_context, 0.3,
+                            key_scale=cache.key_scale, value_scale=cache.value_scale)  # fmt: skip
+    k_all = _deq(cache, "k")[table].flatten(0, 1)[:total]
+    v_all = _deq(cache, "v")[table].flatten(0, 1)[:total]
+    if num_context == 0:  # a fresh prompt attends to its own unquantized K/V, as vLLM's prefill
+        k_all, v_all = k_new, v_new
+    for i in range(num_new):
+        p = num_context + i
+        ref = attention_reference(q[i : i + 1], k_all[: p + 1], v_all[: p + 1], 0.3)
+        torch.testing.assert_close(out[i : i + 1], ref, atol=2e-5, rtol=2e-5)
+
+
+def test_bytes_per_token_and_names():
+    bf16 = KVCacheSpec.resolve("auto", torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16 and bf16.bytes_per_token(3, 64) == 2 * 3 * 64 * 2
+    assert KVCacheSpec.resolve("int8", torch.bfloat16).bytes_per_token(3, 64) == 2 * 3 * (64 + 4)
+    assert KVCacheSpec.resolve("int8", torch.bfloat16, 8).bytes_per_token(3, 64) == 2 * 3 * (64 + 8 * 4)
+    assert KVCacheSpec.resolve("fp8", torch.bfloat16).dtype == torch.float8_e4m3fn
+    assert KVCacheSpec.resolve("fp8_e5m2", torch.float32).bytes_per_token(3, 64) == 2 * 3 * 64
+    with pytest.raises(ValueError, match="auto, int8, fp8, fp8_e4m3, fp8_e5m2"):
+        KVCacheSpec.resolve("int4", torch.float32)
+    assert KV_CACHE_DTYPES == ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
