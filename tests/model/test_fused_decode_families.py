@@ -94,3 +94,34 @@ def test_other_layers_take_the_module_path(checkpoints, case):
     assert len(out[0].outputs[0].token_ids) == 4
     fused = getattr(llm.llm_engine.core.model.model, "fused_decode", None)
     assert fused is None or fused.eligible is False
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("case", FUSED)
+def test_fused_layer_matches_module_path_with_quantized_cache(checkpoints, monkeypatch, case, kv_cache_dtype):
+    """The fused layer quantizes K/V with the same write and reads them with the same kernel as the
+    module path: same tokens, logprobs to 1e-4."""
+    if native.kernels() is None:
+        pytest.skip("native kernels unavailable on this machine")
+    llm = LLM(checkpoints[case], skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64,
+              enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+    fused, n_fused = _generate(llm, monkeypatch, fused=True)
+    plain, n_plain = _generate(llm, monkeypatch, fused=False)
+    assert n_fused >= 8 and n_plain == 0
+    for a, b in zip(fused, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for tok in la:
+                assert la[tok].logprob == pytest.approx(lb[tok].logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("case", MODULE_ONLY)
+def test_other_layers_run_with_int8_cache(checkpoints, case):
+    llm = LLM(checkpoints[case], skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64, kv_cache_dtype="int8")
+    ref = LLM(checkpoints[case], skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in _prompts()]
+    outs, refs = (x.generate(prompts, params, use_tqdm=False) for x in (llm, ref))
+    assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
+    same = sum(a == b for o, r in zip(outs, refs) for a, b in zip(o.outputs[0].token_ids, r.outputs[0].token_ids))
+    assert same >= 0.5 * sum(len(r.outputs[0].token_ids) for r in refs)
