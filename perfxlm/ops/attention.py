@@ -140,11 +140,13 @@ def paged_decode_attention_torch(
     return out.reshape(batch, num_heads, head_dim)
 
 
-def _prefill_compute_dtype(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:
-    """float32 activations over a bf16 KV cache (a bfloat16 model): prefill attention runs in bf16 where
-    the CPU plan uses the hardware's bf16 GEMM (AMX / AVX512-BF16 make SDPA's matmuls several times
-    faster; the keys it reads from the cache are bf16 already), in float32 elsewhere."""
-    if query_dtype == torch.float32 and cache_dtype == torch.bfloat16 and cpu_plan.plan().gemm == "bf16":
+def _prefill_compute_dtype(query_dtype: torch.dtype, cache_dtype: torch.dtype, bf16_model: bool) -> torch.dtype:
+    """float32 activations of a bfloat16 model (over its bf16 or quantized KV cache): prefill attention
+    runs in bf16 where the CPU plan uses the hardware's bf16 GEMM (AMX / AVX512-BF16 make SDPA's matmuls
+    several times faster; a bf16 cache's keys are bf16 already, a quantized one's are dequantized
+    straight to bf16), in float32 elsewhere and for float32 models."""
+    bf16_model = bf16_model or cache_dtype == torch.bfloat16
+    if query_dtype == torch.float32 and bf16_model and cpu_plan.plan().gemm == "bf16":
         return torch.bfloat16
     return query_dtype
 
@@ -162,9 +164,10 @@ def prefill_attention(
     soft_cap: float | None = None,
     key_scale: torch.Tensor | None = None,  # int8 cache: the scales beside the blocks
     value_scale: torch.Tensor | None = None,
+    bf16_model: bool = False,  # a quantized cache of a bfloat16 model (see _prefill_compute_dtype)
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     num_new = query.shape[0]
-    compute = _prefill_compute_dtype(query.dtype, key_cache.dtype)
+    compute = _prefill_compute_dtype(query.dtype, key_cache.dtype, bf16_model)
     if compute != query.dtype:  # bf16 attention on bf16 hardware, float32 result
         out = prefill_attention(
             query.to(compute), key.to(compute), value.to(compute), key_cache, value_cache, block_table,

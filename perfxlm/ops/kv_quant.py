@@ -38,6 +38,9 @@ class KVCacheSpec:
     name: str  # resolved: "float32", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2"
     dtype: torch.dtype  # element type of the K/V blocks
     group_size: int | None = None  # int8: values per scale (None: the whole head)
+    # A quantized cache of a bfloat16 model: its prefill attention may run in bf16 where the CPU plan
+    # uses the hardware's bf16 GEMM, as a bf16 cache's does (a float32 model's stays float32).
+    bf16_model: bool = False
 
     @staticmethod
     def resolve(kv_cache_dtype: str, model_dtype: torch.dtype, group_size: int | None = None) -> "KVCacheSpec":
@@ -48,7 +51,8 @@ class KVCacheSpec:
         if kv_cache_dtype == "auto":
             return KVCacheSpec(str(model_dtype).replace("torch.", ""), model_dtype)
         name = "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype
-        return KVCacheSpec(name, _STORAGE[name], group_size if name == "int8" else None)
+        return KVCacheSpec(name, _STORAGE[name], group_size if name == "int8" else None,
+                           bf16_model=model_dtype == torch.bfloat16)
 
     @staticmethod
     def of(spec_or_dtype: "KVCacheSpec | torch.dtype") -> "KVCacheSpec":
@@ -83,7 +87,7 @@ class KVCacheSpec:
         if self.has_scales:
             sshape = (num_blocks, block_size, num_kv_heads, head_dim // self.group(head_dim))
             key_scale, value_scale = lazy_zeros(sshape, torch.float32), lazy_zeros(sshape, torch.float32)
-        return KVCache(key, value, key_scale, value_scale)
+        return KVCache(key, value, key_scale, value_scale, bf16_model=self.bf16_model or self.dtype == torch.bfloat16)
 
     def describe(self, head_dim: int | None = None) -> str:
         if self.has_scales:
@@ -103,6 +107,7 @@ class KVCache:
     value: torch.Tensor
     key_scale: torch.Tensor | None = None
     value_scale: torch.Tensor | None = None
+    bf16_model: bool = False  # the model's weights are bf16 (see KVCacheSpec.bf16_model)
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.key, self.value, self.key_scale, self.value_scale) if t is not None]

@@ -87,6 +87,6 @@ class Attention(nn.Module):
             s, e = seq.start, seq.end
             out[s:e] = prefill_attention(
                 q[s:e], k[s:e], v[s:e], key_cache, value_cache, seq.block_table, seq.num_context_tokens,
-                self.scale, **options,
+                self.scale, bf16_model=cache.bf16_model, **options,
             )  # fmt: skip
         return out.view(out.shape[0], -1)
