@@ -1,4 +1,4 @@
-"""`perfxlm` command line: generate, bench (more subcommands join as they are built)."""
+"""`perfxlm` command line: generate, serve, chat, bench, eval (more subcommands join as they are built)."""
 
 from __future__ import annotations
 
@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=_chat)
 
     add_bench_parser(sub)
+    from perfxlm.eval.command import add_eval_parser
+
+    add_eval_parser(sub, add_engine_args, engine_kwargs)
     return parser
 
 
