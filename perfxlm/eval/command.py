@@ -57,6 +57,10 @@ def header(llm, args: argparse.Namespace) -> dict:
     }
 
 
+def _tqdm_disabled() -> bool:
+    return os.environ.get("TQDM_DISABLE", "").strip().lower() not in ("", "0", "false")
+
+
 def _threads() -> int:
     import torch
 
@@ -86,7 +90,7 @@ def cmd_perplexity(args: argparse.Namespace, kwargs: dict) -> int:
         print(f"[{i}]{estimate:.4f},", end="", flush=True)
 
     result = perplexity(llm, text, args.ctx_size, n_chunks=args.chunks, batch_size=args.batch_size,
-                        score_chunk=args.score_chunk, progress=not args.no_progress,
+                        score_chunk=args.score_chunk, progress=not args.no_progress and not _tqdm_disabled(),
                         on_chunk=on_chunk)
     print()
     print(f"scored {result.n_tokens} tokens in {result.n_chunks} windows of {result.ctx_size} "

@@ -81,13 +81,24 @@ def bf16_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return y
 
 
+def _scratch_buffer(name: str, numel: int) -> torch.Tensor:
+    """This thread's reused float32 buffer `name`, at least `numel` long.
+
+    Allocated outside inference mode: an inference tensor cannot be written in place once the
+    caller leaves inference mode, and the same thread serves both (tests, eager callers)."""
+    buf = getattr(_scratch, name, None)
+    if buf is None or buf.numel() < numel:
+        with torch.inference_mode(False):
+            buf = torch.empty(numel, dtype=torch.float32)
+        setattr(_scratch, name, buf)
+    return buf
+
+
 def _widened_rows_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x W^T in float32 with W widened a slab of rows at a time into a reused buffer."""
     n, k = weight.shape
     per_slab = max(1, min(n, max(SLAB_COLUMNS, BIG_SLAB_ELEMENTS // k) if x.shape[0] >= 128 else SLAB_COLUMNS))
-    buf = getattr(_scratch, "rows_buf", None)
-    if buf is None or buf.numel() < per_slab * k:
-        buf = _scratch.rows_buf = torch.empty(per_slab * k, dtype=torch.float32)
+    buf = _scratch_buffer("rows_buf", per_slab * k)
     if per_slab >= n:  # one slab: one GEMM straight into the result
         wide = buf[: n * k].view(n, k)
         wide.copy_(weight)
@@ -108,9 +119,7 @@ def _slab_linear(
     rows = x.shape[0]
     columns = SLAB_COLUMNS if rows < 128 else max(SLAB_COLUMNS, BIG_SLAB_ELEMENTS // k)
     per_slab = max(1, min(columns // PANEL, panels))
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.numel() < per_slab * PANEL * k:
-        buf = _scratch.buf = torch.empty(per_slab * PANEL * k, dtype=torch.float32)
+    buf = _scratch_buffer("buf", per_slab * PANEL * k)
     ops = native.kernels()
 
     def widened(p0: int, p1: int) -> torch.Tensor:  # W^T for panels [p0, p1): [K, 16 (p1 - p0)] float32
