@@ -31,6 +31,7 @@
 #include <limits>
 #include <vector>
 
+#include "quant_linear.h"  // quantized weights in the fused layer's projections
 #include "simd16.h"  // the GEMV kernels' 16-lane vectors: AVX-512, or AVX2 + FMA
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -800,8 +801,17 @@ void write_kv_slots(const at::Tensor& key, const at::Tensor& value, at::Tensor k
 // y = x W^T + b as perfxlm/ops/linear.py dispatches it, so the fused layer and the module path agree:
 // packed panels -> the panel kernel; bf16 rows under float32 x -> the row kernel up to max_rows rows,
 // else torch's bf16 GEMM (bf16_gemm) or a float32 GEMM on the widened weight; same dtypes -> torch.
-at::Tensor project(const at::Tensor& x, const at::Tensor& w, int64_t n_out, const c10::optional<at::Tensor>& bias,
+// A quantized weight arrives as [codes, scales, mins, levels (empty: none), act_int8 (0-dim)], see
+// perfxlm/model/fused_decode.py; a plain one as [w].
+at::Tensor project(const at::Tensor& x, at::TensorList parts, int64_t n_out, const c10::optional<at::Tensor>& bias,
                    int64_t max_rows, bool bf16_gemm) {
+  if (parts.size() == 5) {
+    const c10::optional<at::Tensor> levels = parts[3].numel() ? c10::optional<at::Tensor>(parts[3]) : c10::nullopt;
+    return perfxlm_quant::linear_q(x, parts[0], parts[1], parts[2], levels, bias, parts[4].item<bool>(), max_rows,
+                                   bf16_gemm);
+  }
+  TORCH_CHECK(parts.size() == 1, "decode_layer: a weight is [w] or [codes, scales, mins, levels, act_int8]");
+  const at::Tensor& w = parts[0];
   if (w.dim() == 3) return linear_bf16_packed(x, w, n_out, bias);
   const bool has_bias = bias.has_value() && bias->defined();
   if (w.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kFloat) {
@@ -843,9 +853,9 @@ std::vector<at::Tensor> decode_layer(
     at::Tensor x, at::Tensor residual, bool first, const at::Tensor& in_norm, const at::Tensor& post_norm,
     const c10::optional<at::Tensor>& pre_ff_norm, const c10::optional<at::Tensor>& post_ff_norm, double eps,
     const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double head_eps,
-    const at::Tensor& w_qkv, const c10::optional<at::Tensor>& b_qkv, const at::Tensor& w_o,
-    const c10::optional<at::Tensor>& b_o, const at::Tensor& w_gate_up, const c10::optional<at::Tensor>& b_gate_up,
-    const at::Tensor& w_down, const c10::optional<at::Tensor>& b_down, int64_t num_heads, int64_t num_kv_heads,
+    at::TensorList w_qkv, const c10::optional<at::Tensor>& b_qkv, at::TensorList w_o,
+    const c10::optional<at::Tensor>& b_o, at::TensorList w_gate_up, const c10::optional<at::Tensor>& b_gate_up,
+    at::TensorList w_down, const c10::optional<at::Tensor>& b_down, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, int64_t intermediate, int64_t activation, const at::Tensor& cos, const at::Tensor& sin,
     at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
     const at::Tensor& seq_lens, double scale, int64_t sliding_window, double soft_cap, int64_t max_rows,
@@ -910,7 +920,7 @@ TORCH_LIBRARY(perfxlm, m) {
   m.def(
       "decode_layer(Tensor(a!) x, Tensor(b!) residual, bool first, Tensor in_norm, Tensor post_norm, "
       "Tensor? pre_ff_norm, Tensor? post_ff_norm, float eps, Tensor? q_norm, Tensor? k_norm, float head_eps, "
-      "Tensor w_qkv, Tensor? b_qkv, Tensor w_o, Tensor? b_o, Tensor w_gate_up, Tensor? b_gate_up, Tensor w_down, "
+      "Tensor[] w_qkv, Tensor? b_qkv, Tensor[] w_o, Tensor? b_o, Tensor[] w_gate_up, Tensor? b_gate_up, Tensor[] w_down, "
       "Tensor? b_down, int num_heads, int num_kv_heads, int head_dim, int intermediate, int activation, "
       "Tensor cos, Tensor sin, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, "
       "Tensor block_tables, Tensor seq_lens, float scale, int sliding_window, float soft_cap, int max_rows, "

@@ -30,6 +30,26 @@ inline V fmadd(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline V add(V a, V b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline void store(float* p, V a, int64_t n = 16) { _mm512_mask_storeu_ps(p, mask(n), a.v); }
 inline float reduce_add(V a) { return _mm512_reduce_add_ps(a.v); }
+
+// 16 int32 lanes holding small unsigned weight codes (quantized weights, csrc/quant_linear.cpp).
+struct I {
+  __m512i v;
+};
+inline I load_u8(const uint8_t* p, int64_t n = 16) { return {_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask(n), p))}; }
+// 16 bytes of 4-bit codes: low nibbles are elements 0..15, high nibbles 16..31 (GGUF's Q4 block order).
+inline void load_nibbles(const uint8_t* p, I& lo, I& hi) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i m = _mm_set1_epi8(0x0F);
+  lo = {_mm512_cvtepu8_epi32(_mm_and_si128(b, m))};
+  hi = {_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), m))};
+}
+inline V to_float(I a) { return {_mm512_cvtepi32_ps(a.v)}; }
+// table[code] per lane, codes 0..15 (NF4's levels).
+struct Table16 {
+  __m512 t;
+  explicit Table16(const float* p) : t(_mm512_loadu_ps(p)) {}
+};
+inline V lookup(const Table16& table, I a) { return {_mm512_permutexvar_ps(a.v, table.t)}; }
 }  // namespace simd16
 
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -84,5 +104,37 @@ inline float reduce_add(V a) {
   r = _mm_add_ss(r, _mm_movehdup_ps(r));
   return _mm_cvtss_f32(r);
 }
+
+struct I {
+  __m256i lo, hi;
+};
+inline I load_u8(const uint8_t* p, int64_t n = 16) {
+  __m128i b;
+  if (n >= 16) {
+    b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  } else {
+    uint8_t buf[16] = {};
+    std::memcpy(buf, p, static_cast<size_t>(n > 0 ? n : 0));
+    b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(buf));
+  }
+  return {_mm256_cvtepu8_epi32(b), _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))};
+}
+inline void load_nibbles(const uint8_t* p, I& lo, I& hi) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i m = _mm_set1_epi8(0x0F);
+  const __m128i l = _mm_and_si128(b, m), h = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+  lo = {_mm256_cvtepu8_epi32(l), _mm256_cvtepu8_epi32(_mm_srli_si128(l, 8))};
+  hi = {_mm256_cvtepu8_epi32(h), _mm256_cvtepu8_epi32(_mm_srli_si128(h, 8))};
+}
+inline V to_float(I a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+struct Table16 {
+  __m256 t0, t1;
+  explicit Table16(const float* p) : t0(_mm256_loadu_ps(p)), t1(_mm256_loadu_ps(p + 8)) {}
+};
+inline __m256 lookup8(const Table16& table, __m256i idx) {
+  const __m256 a = _mm256_permutevar8x32_ps(table.t0, idx), b = _mm256_permutevar8x32_ps(table.t1, idx);
+  return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(7))));
+}
+inline V lookup(const Table16& table, I a) { return {lookup8(table, a.lo), lookup8(table, a.hi)}; }
 }  // namespace simd16
 #endif

@@ -5,7 +5,7 @@ per layer) than in arithmetic. `FusedDecode` describes each layer once (`_layer_
 (Llama, Mistral, Qwen2 with biases, Qwen3 with q/k norms, Phi-3 with partial rotary, sliding windows) and
 Gemma 2 (sandwich norms with 1 + w, GELU-tanh, soft-capped attention, local/global windows), and runs a
 step whose tokens are all decodes through `torch.ops.perfxlm.decode_layer`, float32 activations over
-float32 or bf16 weights. Anything else (prefill chunks in the batch, MoE and OPT layers, no native
+float32, bf16 or quantized weights. Anything else (prefill chunks in the batch, MoE and OPT layers, no native
 kernels, bf16 activations) takes the module path, which stays the reference the tests compare against.
 """
 
@@ -37,6 +37,15 @@ def _norm_weight(norm: nn.Module, gemma: bool) -> torch.Tensor | None:
     return (1.0 + norm.weight) if gemma else norm.weight
 
 
+def _weight_parts(weight: Any) -> list[torch.Tensor]:
+    """A projection's weight as `decode_layer` takes it: [w], or a quantized weight's tensors
+    [codes, scales, mins, levels (empty: none), act_int8] (perfxlm.quant.QuantizedWeight)."""
+    if isinstance(weight, torch.Tensor):
+        return [weight]
+    levels = weight.levels if weight.levels is not None else torch.empty(0)
+    return [weight.codes, weight.scales, weight.mins, levels, torch.tensor(weight.act == "int8")]
+
+
 def _attention_args(attn: nn.Module) -> tuple[Any, ...] | None:
     from perfxlm.model.models.llama import LlamaAttention
 
@@ -49,7 +58,8 @@ def _attention_args(attn: nn.Module) -> tuple[Any, ...] | None:
         if q_norm is None or k_norm is None or attn.q_norm.variance_epsilon != attn.k_norm.variance_epsilon:
             return None
         head_eps = attn.q_norm.variance_epsilon
-    return (q_norm, k_norm, head_eps, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight, attn.o_proj.bias)
+    qkv, o = attn.qkv_proj, attn.o_proj
+    return (q_norm, k_norm, head_eps, _weight_parts(qkv.weight), qkv.bias, _weight_parts(o.weight), o.bias)
 
 
 def _mlp_args(mlp: nn.Module) -> tuple[Any, ...] | None:
@@ -57,7 +67,8 @@ def _mlp_args(mlp: nn.Module) -> tuple[Any, ...] | None:
 
     if type(mlp) is not LlamaMLP or _activation_code(mlp.act) is None:
         return None
-    return (mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias)
+    gate_up, down = mlp.gate_up_proj, mlp.down_proj
+    return (_weight_parts(gate_up.weight), gate_up.bias, _weight_parts(down.weight), down.bias)
 
 
 def _layer_args(layer: nn.Module) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:

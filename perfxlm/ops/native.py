@@ -21,7 +21,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_kernels.cpp"
+_CSRC = Path(__file__).resolve().parent.parent / "csrc"
+# One extension: the layer kernels and the quantized-weight products (the fused layer calls both).
+_SOURCES = [_CSRC / "cpu_kernels.cpp", _CSRC / "quant_linear.cpp"]
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
@@ -42,7 +44,7 @@ def _march() -> str:
 
 
 def _build_dir() -> Path:
-    sources = b"".join(f.read_bytes() for f in sorted(_SOURCE.parent.glob("*.[ch]*")))  # the .cpp and its headers
+    sources = b"".join(f.read_bytes() for f in sorted(_CSRC.glob("*.[ch]*")))  # the sources and their headers
     key = hashlib.sha256(
         sources + torch.__version__.encode() + _cpu_flags().encode() + _march().encode()
     ).hexdigest()[:16]
@@ -83,7 +85,7 @@ def _load() -> Any | None:
         t0 = time.perf_counter()
         load(
             name="perfxlm_cpu_kernels",
-            sources=[str(_SOURCE)],
+            sources=[str(p) for p in _SOURCES],
             # -fopenmp: at::parallel_for is inline OpenMP; the runtime resolves to the libgomp.so.1
             # torch has already loaded, so kernels share torch's thread pool.
             # -ffp-contract=off: elementwise kernels round exactly as torch's ops (explicit FMAs stay).

@@ -1,0 +1,399 @@
+// Quantized-weight products: y = x W^T (+ b) with W in perfxlm.quant.QuantizedWeight's one affine form
+// (uint8 codes, 8-bit or 4-bit, a scale and a min per group of inputs: w = scale * u + min, or
+// scale * levels[u] + min for NF4). Every GGUF block type the engine runs, and its own int8 / int4 /
+// NF4 / W8A8 quantizations, are repacked into this form at load, so one set of kernels serves them all.
+//
+// Decode (few rows) is bound by reading the weights: the GEMV kernels stream 4.5-9 bits per weight
+// instead of 16, widen each code in registers (one FMA applies scale and min), and dot it with float32
+// activations, so weight-only formats keep the activations' precision. W8A8 rows are quantized per row
+// to int8 first; with AVX512-VNNI the dot products are int8 x uint8 -> int32 (vpdpbusd), elsewhere the
+// same integers run through the float kernel. Many rows (prefill) dequantize a slab of W at a time into
+// a buffer that stays in cache and hand it to torch's GEMM (oneDNN's bf16 GEMM under a bf16-GEMM plan:
+// AMX / AVX512-BF16), which beats any GEMV there.
+//
+// The plain-torch reference is perfxlm.quant (dequantize, then F.linear); tests compare the two on
+// random inputs with odd sizes, per format, on each ISA build.
+
+#include "quant_linear.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "simd16.h"
+
+#if defined(PERFXLM_SIMD16) && defined(__AVX512F__) && defined(__AVX512VNNI__)
+#define PERFXLM_VNNI 1
+#endif
+
+namespace perfxlm_quant {
+namespace {
+
+// One quantized weight, as raw pointers.
+struct QW {
+  const uint8_t* codes;
+  int64_t N, K, row_bytes, group, groups;
+  bool bits4;
+  const void* scales;
+  const void* mins;
+  bool half;
+  const float* levels;  // 16 floats or null
+};
+
+inline float half_to_float(uint16_t h) {
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
+}
+
+template <bool HALF>
+inline float param_at(const void* p, int64_t i) {
+  if constexpr (HALF)
+    return half_to_float(static_cast<const uint16_t*>(p)[i]);
+  else
+    return static_cast<const float*>(p)[i];
+}
+
+inline float param(const QW& w, const void* p, int64_t i) {
+  return w.half ? param_at<true>(p, i) : param_at<false>(p, i);
+}
+
+// The code of weight (n, k): the scalar definition every vector path must agree with.
+inline int code_at(const QW& w, int64_t n, int64_t k) {
+  const uint8_t* row = w.codes + n * w.row_bytes;
+  if (!w.bits4) return row[k];
+  const int64_t block = k / 32, j = k % 32;
+  const uint8_t b = row[block * 16 + (j & 15)];
+  return j < 16 ? (b & 0x0F) : (b >> 4);
+}
+
+inline float weight_at(const QW& w, int64_t n, int64_t k) {
+  const int u = code_at(w, n, k);
+  const int64_t g = n * w.groups + k / w.group;
+  const float v = w.levels ? w.levels[u] : static_cast<float>(u);
+  return std::fma(v, param(w, w.scales, g), param(w, w.mins, g));
+}
+
+QW describe(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+            const c10::optional<at::Tensor>& levels, int64_t K) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
+              "linear_q: codes must be contiguous uint8 [N, K] or [N, K / 2]");
+  const int64_t N = codes.size(0);
+  const bool bits4 = codes.size(1) * 2 == K && codes.size(1) != K;
+  TORCH_CHECK(bits4 || codes.size(1) == K, "linear_q: codes hold ", codes.size(1), " bytes per row for ", K,
+              " inputs (want K or K / 2)");
+  TORCH_CHECK(!bits4 || K % 32 == 0, "linear_q: 4-bit codes need K % 32 == 0, got K = ", K);
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.is_contiguous() && mins.sizes() == scales.sizes() &&
+                  mins.is_contiguous() && mins.scalar_type() == scales.scalar_type(),
+              "linear_q: scales and mins must be contiguous, same dtype, [N, K / group]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf,
+              "linear_q: scales must be float32 or float16");
+  const int64_t groups = scales.size(1);
+  TORCH_CHECK(groups >= 1 && K % groups == 0, "linear_q: ", groups, " groups do not divide K = ", K);
+  const int64_t group = K / groups;
+  TORCH_CHECK(groups == 1 || group % (bits4 ? 32 : 16) == 0, "linear_q: group ", group, " must be a multiple of ",
+              bits4 ? 32 : 16, " (or the whole row)");
+  const float* lv = nullptr;
+  if (levels.has_value() && levels->defined()) {
+    TORCH_CHECK(levels->scalar_type() == at::kFloat && levels->numel() == 16 && levels->is_contiguous(),
+                "linear_q: levels must be contiguous float32 [16]");
+    TORCH_CHECK(bits4, "linear_q: a level table needs 4-bit codes");
+    lv = levels->data_ptr<float>();
+  }
+  return QW{codes.data_ptr<uint8_t>(), N, K, codes.size(1), group, groups, bits4,
+            scales.data_ptr(), mins.data_ptr(), scales.scalar_type() == at::kHalf, lv};
+}
+
+#ifdef PERFXLM_SIMD16
+using simd16::I;
+using simd16::V;
+
+constexpr int kTileOne = simd16::kAvx512 ? 8 : 4;  // weight rows per tile at batch 1
+constexpr int kChunk = simd16::kAvx512 ? 4 : 2;    // x rows per pass over a tile
+alignas(64) constexpr float kNoLevels[16] = {};
+
+// NT weight rows against MT x rows, 16 (8-bit) or 32 (4-bit) inputs per step: each code widened once,
+// scaled and offset with one FMA, then one FMA per x row.
+template <bool BITS4, bool LUT, bool HALF, int MT, int NT>
+inline void q_tile(const float* x, const QW& w, int64_t n0, float* y, const float* bias) {
+  const int64_t K = w.K, N = w.N;
+  const simd16::Table16 table(LUT ? w.levels : kNoLevels);
+  V acc[MT][NT];
+  #pragma GCC unroll 16
+  for (int i = 0; i < MT; ++i)
+    #pragma GCC unroll 16
+    for (int j = 0; j < NT; ++j) acc[i][j] = simd16::zero();
+  constexpr int64_t step = BITS4 ? 32 : 16;
+  for (int64_t k = 0; k < K; k += step) {
+    const int64_t g = k / w.group;
+    V x0[MT], x1[MT];
+    #pragma GCC unroll 16
+    for (int i = 0; i < MT; ++i) {
+      x0[i] = simd16::load(x + i * K + k, K - k);
+      if constexpr (BITS4) x1[i] = simd16::load(x + i * K + k + 16);
+    }
+    #pragma GCC unroll 16
+    for (int j = 0; j < NT; ++j) {
+      const int64_t n = n0 + j;
+      const uint8_t* row = w.codes + n * w.row_bytes;
+      // NT interleaved streams: fetch the next tile's rows a tile ahead (as the bf16 row kernel does).
+      if ((k & 127) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + NT * w.row_bytes + (BITS4 ? k / 2 : k)), _MM_HINT_T0);
+      const V s = simd16::set1(param_at<HALF>(w.scales, n * w.groups + g));
+      const V m = simd16::set1(param_at<HALF>(w.mins, n * w.groups + g));
+      if constexpr (BITS4) {
+        I lo, hi;
+        simd16::load_nibbles(row + k / 2, lo, hi);
+        const V w0 = simd16::fmadd(LUT ? simd16::lookup(table, lo) : simd16::to_float(lo), s, m);
+        const V w1 = simd16::fmadd(LUT ? simd16::lookup(table, hi) : simd16::to_float(hi), s, m);
+        #pragma GCC unroll 16
+        for (int i = 0; i < MT; ++i) acc[i][j] = simd16::fmadd(x1[i], w1, simd16::fmadd(x0[i], w0, acc[i][j]));
+      } else {
+        // Past K the code lanes are 0 (w = min) but x's lanes are 0 too.
+        const V w0 = simd16::fmadd(simd16::to_float(simd16::load_u8(row + k, K - k)), s, m);
+        #pragma GCC unroll 16
+        for (int i = 0; i < MT; ++i) acc[i][j] = simd16::fmadd(x0[i], w0, acc[i][j]);
+      }
+    }
+  }
+  #pragma GCC unroll 16
+  for (int i = 0; i < MT; ++i)
+    #pragma GCC unroll 16
+    for (int j = 0; j < NT; ++j) y[i * N + n0 + j] = simd16::reduce_add(acc[i][j]) + (bias ? bias[n0 + j] : 0.f);
+}
+
+template <bool BITS4, bool LUT, bool HALF, int NT>
+inline void q_block(const float* x, int64_t M, const QW& w, int64_t n0, float* y, const float* bias) {
+  constexpr int MT = kChunk;
+  const int64_t K = w.K, N = w.N;
+  int64_t m = 0;
+  for (; m + MT <= M; m += MT) q_tile<BITS4, LUT, HALF, MT, NT>(x + m * K, w, n0, y + m * N, bias);
+  switch (M - m) {
+    case 3: q_tile<BITS4, LUT, HALF, 3, NT>(x + m * K, w, n0, y + m * N, bias); break;
+    case 2: q_tile<BITS4, LUT, HALF, 2, NT>(x + m * K, w, n0, y + m * N, bias); break;
+    case 1: q_tile<BITS4, LUT, HALF, 1, NT>(x + m * K, w, n0, y + m * N, bias); break;
+    default: break;
+  }
+}
+
+template <bool BITS4, bool LUT, bool HALF>
+void q_gemv_typed(const float* x, int64_t M, const QW& w, float* y, const float* bias) {
+  const int64_t NT = M == 1 ? kTileOne : 4;
+  const int64_t tiles = w.N / NT;
+  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (NT == 8)
+        q_block<BITS4, LUT, HALF, 8>(x, M, w, t * NT, y, bias);
+      else
+        q_block<BITS4, LUT, HALF, 4>(x, M, w, t * NT, y, bias);
+    }
+  });
+  for (int64_t n = tiles * NT; n < w.N; ++n) q_block<BITS4, LUT, HALF, 1>(x, M, w, n, y, bias);
+}
+
+void q_gemv(const float* x, int64_t M, const QW& w, float* y, const float* bias) {
+  if (w.bits4 && w.levels) {
+    w.half ? q_gemv_typed<true, true, true>(x, M, w, y, bias) : q_gemv_typed<true, true, false>(x, M, w, y, bias);
+  } else if (w.bits4) {
+    w.half ? q_gemv_typed<true, false, true>(x, M, w, y, bias) : q_gemv_typed<true, false, false>(x, M, w, y, bias);
+  } else {
+    w.half ? q_gemv_typed<false, false, true>(x, M, w, y, bias) : q_gemv_typed<false, false, false>(x, M, w, y, bias);
+  }
+}
+
+// Rows [n0, n1) of W as float32, out [n1 - n0, K].
+void dequant_rows(const QW& w, int64_t n0, int64_t n1, float* out) {
+  at::parallel_for(n0, n1, 8, [&](int64_t begin, int64_t end) {
+    const simd16::Table16 table(w.levels ? w.levels : kNoLevels);
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* row = w.codes + n * w.row_bytes;
+      float* o = out + (n - n0) * w.K;
+      const int64_t step = w.bits4 ? 32 : 16;
+      for (int64_t k = 0; k < w.K; k += step) {
+        const int64_t g = n * w.groups + k / w.group;
+        const V s = simd16::set1(param(w, w.scales, g)), m = simd16::set1(param(w, w.mins, g));
+        if (w.bits4) {
+          I lo, hi;
+          simd16::load_nibbles(row + k / 2, lo, hi);
+          simd16::store(o + k, simd16::fmadd(w.levels ? simd16::lookup(table, lo) : simd16::to_float(lo), s, m));
+          simd16::store(o + k + 16, simd16::fmadd(w.levels ? simd16::lookup(table, hi) : simd16::to_float(hi), s, m));
+        } else {
+          simd16::store(o + k, simd16::fmadd(simd16::to_float(simd16::load_u8(row + k, w.K - k)), s, m), w.K - k);
+        }
+      }
+    }
+  });
+}
+#else
+void q_gemv(const float* x, int64_t M, const QW& w, float* y, const float* bias) {
+  at::parallel_for(0, w.N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t m = 0; m < M; ++m) {
+        float acc = 0.f;
+        for (int64_t k = 0; k < w.K; ++k) acc += x[m * w.K + k] * weight_at(w, n, k);
+        y[m * w.N + n] = acc + (bias ? bias[n] : 0.f);
+      }
+  });
+}
+
+void dequant_rows(const QW& w, int64_t n0, int64_t n1, float* out) {
+  at::parallel_for(n0, n1, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t k = 0; k < w.K; ++k) out[(n - n0) * w.K + k] = weight_at(w, n, k);
+  });
+}
+#endif
+
+#ifdef PERFXLM_VNNI
+// W8A8 at few rows: uint8 codes x int8 activations -> int32 with vpdpbusd, 64 inputs per instruction;
+// one group per row (per-channel scales): y = sx * (scale * sum(u q) + min * sum(q)).
+template <int MT, int NT>
+inline void vnni_tile(const int8_t* xq, const float* sx, const int32_t* xsum, const QW& w, int64_t n0, float* y,
+                      const float* bias) {
+  const int64_t K = w.K, N = w.N;
+  __m512i acc[MT][NT];
+  #pragma GCC unroll 16
+  for (int i = 0; i < MT; ++i)
+    #pragma GCC unroll 16
+    for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < K; k += 64) {
+    const __mmask64 mask = K - k >= 64 ? ~0ULL : ((1ULL << (K - k)) - 1);
+    __m512i xv[MT];
+    #pragma GCC unroll 16
+    for (int i = 0; i < MT; ++i) xv[i] = _mm512_maskz_loadu_epi8(mask, xq + i * K + k);
+    #pragma GCC unroll 16
+    for (int j = 0; j < NT; ++j) {
+      const uint8_t* row = w.codes + (n0 + j) * w.row_bytes;
+      _mm_prefetch(reinterpret_cast<const char*>(row + NT * w.row_bytes + k), _MM_HINT_T0);
+      const __m512i wv = _mm512_maskz_loadu_epi8(mask, row + k);
+      #pragma GCC unroll 16
+      for (int i = 0; i < MT; ++i) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], wv, xv[i]);
+    }
+  }
+  #pragma GCC unroll 16
+  for (int j = 0; j < NT; ++j) {
+    const int64_t n = n0 + j;
+    const float s = param(w, w.scales, n), m = param(w, w.mins, n);
+    #pragma GCC unroll 16
+    for (int i = 0; i < MT; ++i) {
+      const float dot = static_cast<float>(_mm512_reduce_add_epi32(acc[i][j]));
+      y[i * N + n] = sx[i] * (s * dot + m * static_cast<float>(xsum[i])) + (bias ? bias[n] : 0.f);
+    }
+  }
+}
+
+template <int NT>
+inline void vnni_block(const int8_t* xq, const float* sx, const int32_t* xsum, int64_t M, const QW& w, int64_t n0,
+                       float* y, const float* bias) {
+  const int64_t K = w.K, N = w.N;
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) vnni_tile<4, NT>(xq + m * K, sx + m, xsum + m, w, n0, y + m * N, bias);
+  switch (M - m) {
+    case 3: vnni_tile<3, NT>(xq + m * K, sx + m, xsum + m, w, n0, y + m * N, bias); break;
+    case 2: vnni_tile<2, NT>(xq + m * K, sx + m, xsum + m, w, n0, y + m * N, bias); break;
+    case 1: vnni_tile<1, NT>(xq + m * K, sx + m, xsum + m, w, n0, y + m * N, bias); break;
+    default: break;
+  }
+}
+
+void vnni_gemv(const int8_t* xq, const float* sx, const int32_t* xsum, int64_t M, const QW& w, float* y,
+               const float* bias) {
+  const int64_t tiles = w.N / 8;
+  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) vnni_block<8>(xq, sx, xsum, M, w, t * 8, y, bias);
+  });
+  for (int64_t n = tiles * 8; n < w.N; ++n) vnni_block<1>(xq, sx, xsum, M, w, n, y, bias);
+}
+#endif
+
+// Weight-only product on float32 rows (also W8A8's fallback, on rows holding integers).
+at::Tensor float_product(const at::Tensor& x, const QW& w, const float* bias, int64_t max_rows, bool bf16_gemm) {
+  const int64_t M = x.size(0), K = w.K, N = w.N;
+  if (M <= max_rows) {
+    at::Tensor y = at::empty({M, N}, x.options());
+    q_gemv(x.data_ptr<float>(), M, w, y.data_ptr<float>(), bias);
+    return y;
+  }
+  // Slabs of W rows: about L2 (1024 x K) for a short batch, up to 8M floats when the GEMM dominates.
+  const int64_t per_slab = std::min<int64_t>(N, std::max<int64_t>(1024, M >= 128 ? (int64_t{8} << 20) / K : 1024));
+  at::Tensor buf = at::empty({per_slab, K}, x.options());
+  const at::Tensor xg = bf16_gemm ? x.to(at::kBFloat16) : x;
+  at::Tensor y = per_slab >= N ? at::Tensor() : at::empty({M, N}, x.options());
+  for (int64_t n0 = 0; n0 < N; n0 += per_slab) {
+    const int64_t n1 = std::min(N, n0 + per_slab);
+    at::Tensor slab = buf.narrow(0, 0, n1 - n0);
+    dequant_rows(w, n0, n1, slab.data_ptr<float>());
+    at::Tensor part = bf16_gemm ? at::mm(xg, slab.to(at::kBFloat16).t()).to(at::kFloat) : at::mm(xg, slab.t());
+    if (!y.defined())
+      y = part;
+    else
+      y.narrow(1, n0, n1 - n0).copy_(part);
+  }
+  if (bias) y.add_(at::from_blob(const_cast<float*>(bias), {N}, x.options()));
+  return y;
+}
+
+}  // namespace
+
+at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                    const c10::optional<at::Tensor>& levels, const c10::optional<at::Tensor>& bias, bool act_int8,
+                    int64_t max_rows, bool bf16_gemm) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_q: x must be 2-D float32");
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1);
+  const QW w = describe(codes, scales, mins, levels, K);
+  at::Tensor bc;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == w.N, "linear_q: bias size ", bias->numel(), " != ", w.N);
+    bc = bias->to(at::kFloat).contiguous();
+  }
+  const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
+  if (!act_int8) return float_product(xc, w, bp, max_rows, bf16_gemm);
+
+  // W8A8: each row to symmetric int8, scale = max |x| / 127 (an all-zero row stays zero).
+  at::Tensor sx = xc.abs().amax(1).div_(127.f);
+  at::Tensor xq = at::where(sx.unsqueeze(1) > 0, xc.div(sx.unsqueeze(1)), at::zeros_like(xc)).round_().clamp_(-127, 127);
+#ifdef PERFXLM_VNNI
+  if (M <= max_rows && !w.bits4 && w.groups == 1) {
+    const at::Tensor q8 = xq.to(at::kChar).contiguous();
+    const at::Tensor xsum = q8.sum(1, false, at::kInt).contiguous();
+    at::Tensor y = at::empty({M, w.N}, xc.options());
+    vnni_gemv(q8.data_ptr<int8_t>(), sx.data_ptr<float>(), xsum.data_ptr<int32_t>(), M, w, y.data_ptr<float>(), bp);
+    return y;
+  }
+#endif
+  at::Tensor y = float_product(xq, w, nullptr, max_rows, bf16_gemm).mul_(sx.unsqueeze(1));
+  if (bp) y.add_(bc);
+  return y;
+}
+
+namespace {
+
+at::Tensor dequantize_q(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                        const c10::optional<at::Tensor>& levels, int64_t in_features) {
+  const QW w = describe(codes, scales, mins, levels, in_features);
+  at::Tensor out = at::empty({w.N, w.K}, scales.options().dtype(at::kFloat));
+  if (w.N > 0) dequant_rows(w, 0, w.N, out.data_ptr<float>());
+  return out;
+}
+
+}  // namespace
+}  // namespace perfxlm_quant
+
+TORCH_LIBRARY_FRAGMENT(perfxlm, m) {
+  m.def(
+      "linear_q(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? levels, Tensor? bias, bool act_int8, "
+      "int max_rows, bool bf16_gemm) -> Tensor");
+  m.def("dequantize_q(Tensor codes, Tensor scales, Tensor mins, Tensor? levels, int in_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(perfxlm, CPU, m) {
+  m.impl("linear_q", &perfxlm_quant::linear_q);
+  m.impl("dequantize_q", &perfxlm_quant::dequantize_q);
+}

@@ -1,0 +1,17 @@
+// Quantized-weight products (csrc/quant_linear.cpp), shared with the fused decode layer.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace perfxlm_quant {
+
+// y = x W^T (+ b), x float32 [M, K], W stored as perfxlm.quant.QuantizedWeight's tensors:
+// codes uint8 [N, K] (8-bit) or [N, K / 2] (4-bit, GGUF Q4 nibble order per 32-block), scales and mins
+// float32 or float16 [N, K / group], w = scale * u + min (or scale * levels[u] + min with a 16-entry
+// table). act_int8: activations quantized per row to symmetric int8 first (W8A8). Up to max_rows rows go
+// to the GEMV kernels; more rows dequantize slabs of W for torch's GEMM (bf16 under bf16_gemm).
+at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                    const c10::optional<at::Tensor>& levels, const c10::optional<at::Tensor>& bias, bool act_int8,
+                    int64_t max_rows, bool bf16_gemm);
+
+}  // namespace perfxlm_quant

@@ -1,0 +1,102 @@
+"""The native quantized-weight products (csrc/quant_linear.cpp) against a plain-torch reference written
+here from the format's definition: codes (8-bit, or 4-bit in GGUF's Q4 nibble order), a scale and a min
+per group, an optional 16-level table; weight-only and W8A8; the GEMV path, the slab-GEMM path in float32
+and bf16; odd sizes. Built for AVX2 and scalar too by test_portable_kernels."""
+
+import pytest
+import torch
+
+from perfxlm.ops import native
+
+pytestmark = pytest.mark.skipif(native.kernels() is None, reason="no compiler for the native kernels")
+
+NF4 = torch.tensor([-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0,
+                    0.0796, 0.1609, 0.2461, 0.3379, 0.4407, 0.5626, 0.7230, 1.0])  # fmt: skip
+
+
+def _unpack4(codes: torch.Tensor) -> torch.Tensor:
+    n, half = codes.shape
+    blocks = codes.view(n, half // 16, 16).int()
+    return torch.cat([blocks & 15, blocks >> 4], dim=2).view(n, half * 2)
+
+
+def _dequant(codes, scales, mins, levels, k):
+    u = _unpack4(codes) if codes.shape[1] * 2 == k and codes.shape[1] != k else codes.int()
+    v = levels[u.long()] if levels is not None else u.float()
+    group = k // scales.shape[1]
+    s = scales.float().repeat_interleave(group, 1)
+    m = mins.float().repeat_interleave(group, 1)
+    return v * s + m
+
+
+def _weight(n, k, bits, group, half, lut, seed):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (n, k // 2 if bits == 4 else k), generator=g, dtype=torch.uint8)
+    dtype = torch.float16 if half else torch.float32
+    levels_max = 15 if bits == 4 else 255
+    scales = (torch.rand(n, k // group, generator=g) * 0.02 + 0.001).to(dtype)
+    mins = (-(torch.rand(n, k // group, generator=g)) * 0.02 * levels_max / 2).to(dtype)
+    levels = NF4.clone() if lut else None
+    return codes, scales, mins, levels
+
+
+CASES = [  # bits, n, k, group, half, lut
+    (4, 13, 32, 32, False, False),
+    (4, 33, 576, 32, True, False),
+    (4, 1030, 64, 64, False, False),
+    (4, 9, 128, 128, True, True),
+    (4, 17, 96, 32, False, True),
+    (8, 13, 37, 37, False, False),
+    (8, 33, 576, 32, True, False),
+    (8, 1030, 48, 16, False, False),
+    (8, 7, 160, 160, True, False),
+    (8, 5, 1, 1, False, False),
+]
+
+
+@pytest.mark.parametrize("rows,max_rows,bf16", [(1, 4, False), (2, 4, False), (3, 4, False), (4, 4, False),
+                                                (5, 16, False), (9, 0, False), (33, 0, True), (130, 0, False)])
+@pytest.mark.parametrize("bits,n,k,group,half,lut", CASES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_weight_only_matches_reference(bits, n, k, group, half, lut, rows, max_rows, bf16, bias):
+    ops = native.kernels()
+    codes, scales, mins, levels = _weight(n, k, bits, group, half, lut, n * 31 + k + rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + k))
+    b = torch.randn(n) if bias else None
+    w = _dequant(codes, scales, mins, levels, k)
+    ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double()).float()
+    out = ops.linear_q(x, codes, scales, mins, levels, b, False, max_rows, bf16)
+    tol = 2e-2 if bf16 else 1e-4
+    scale = ref.abs().max().item() + 1.0
+    torch.testing.assert_close(out, ref, atol=tol * scale, rtol=tol)
+    torch.testing.assert_close(ops.dequantize_q(codes, scales, mins, levels, k), w, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("rows,max_rows", [(1, 4), (3, 4), (4, 4), (6, 16), (9, 0), (64, 0)])
+@pytest.mark.parametrize("n,k,group", [(13, 37, 37), (1030, 64, 64), (33, 576, 576), (9, 130, 130), (8, 576, 32)])
+def test_w8a8_matches_reference(n, k, group, rows, max_rows):
+    """Rows quantized to int8 per row (scale max|x| / 127, rounded half to even), then the exact integer
+    product: VNNI's int32 dot where the CPU has it, the float kernel on integer values elsewhere."""
+    ops = native.kernels()
+    codes, scales, mins, _ = _weight(n, k, 8, group, False, False, n + k + rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    x[0, : min(3, k)] = 0.0
+    if rows > 2:
+        x[2] = 0.0  # an all-zero row stays zero
+    sx = x.abs().amax(1, keepdim=True) / 127
+    xq = torch.where(sx > 0, x / sx, torch.zeros_like(x)).round().clamp(-127, 127)
+    w = _dequant(codes, scales, mins, None, k)
+    ref = ((xq.double() @ w.double().t()) * sx.double()).float()
+    out = ops.linear_q(x, codes, scales, mins, None, None, True, max_rows, False)
+    torch.testing.assert_close(out, ref, atol=1e-4 * (ref.abs().max().item() + 1), rtol=1e-4)
+
+
+def test_bad_shapes_are_errors():
+    ops = native.kernels()
+    codes, scales, mins, _ = _weight(4, 64, 4, 32, False, False, 0)
+    with pytest.raises(RuntimeError, match="bytes per row"):
+        ops.linear_q(torch.randn(1, 48), codes, scales, mins, None, None, False, 4, False)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        ops.linear_q(torch.randn(1, 64), codes, scales, mins.half(), None, None, False, 4, False)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.linear_q(torch.randn(1, 64), codes, scales.repeat(1, 2), mins.repeat(1, 2), None, None, False, 4, False)
