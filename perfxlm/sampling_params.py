@@ -26,6 +26,69 @@ class RequestOutputKind(IntEnum):
     FINAL_ONLY = 2  # one output, when the request finishes
 
 
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's structured outputs: exactly one of json (a JSON schema, as a dict or a string), regex,
+    choice, grammar (EBNF / GBNF) or json_object (any JSON object) constrains what the request
+    generates. The token mask comes from the grammar engine (`perfxlm/structured_output`)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool = False  # one grammar engine, nothing to fall back to: accepted
+    disable_any_whitespace: bool = False  # JSON without whitespace between tokens
+    disable_additional_properties: bool = False  # objects without additionalProperties are closed
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+                 if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, json_object "
+                f"or structural_tag; got {', '.join(kinds) if kinds else 'none'}."
+            )
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (dict or string), got {self.json!r}.")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError(f"structured_outputs.regex must be a string, got {self.regex!r}.")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise ValueError(f"structured_outputs.grammar must be a string, got {self.grammar!r}.")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or any(not isinstance(c, str) for c in self.choice)):
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}.")
+            self.choice = list(self.choice)
+        if self.whitespace_pattern is not None:
+            raise ValueError("structured_outputs.whitespace_pattern is not supported by this engine's grammar "
+                             "backend; use disable_any_whitespace=True for compact JSON.")
+        if self.structural_tag is not None:
+            raise ValueError("structured_outputs.structural_tag is not supported; use json, regex or grammar.")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k))
+
+
+# vLLM's earlier name for the same parameters.
+GuidedDecodingParams = StructuredOutputsParams
+
+
+class _Opaque:
+    """Holds an engine object (a compiled grammar) that params clones share instead of copying."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def __deepcopy__(self, memo: dict) -> "_Opaque":
+        return self
+
+
 class SamplingType(IntEnum):
     GREEDY = 0
     RANDOM = 1
@@ -60,10 +123,15 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's earlier name for structured_outputs
+    extra_args: dict | None = None
     # Filled in by the engine (EOS of the model plus stop_token_ids), as vLLM does.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     # bad_words tokenized by the engine (each word with and without a leading space).
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
+    # The compiled grammar of structured_outputs, set by the engine (shared by clones and siblings).
+    _grammar: _Opaque | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -78,6 +146,16 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}.")
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.all_stop_token_ids = set(self.stop_token_ids)
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("Give structured_outputs or guided_decoding (its earlier name), not both.")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(
+                f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}."
+            )
         if self.seed == -1 and _is_int(self.seed):
             self.seed = None  # vLLM and llama.cpp: -1 asks for a random seed
         for name in ("n", "top_k", "min_tokens"):

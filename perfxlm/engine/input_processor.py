@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 from perfxlm.config import EngineConfig
 from perfxlm.engine.request import Request
-from perfxlm.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from perfxlm.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, _Opaque
 
 PromptType = str | Mapping[str, Any]
 
@@ -43,6 +43,7 @@ class InputProcessor:
         self.max_pool_tokens = num_kv_blocks * config.block_size
         self.max_num_seqs = int(config.max_num_seqs)
         self.max_logprobs = self.vocab_size if config.max_logprobs == -1 else int(config.max_logprobs)
+        self._grammar_backend = None  # built at the first structured-output request
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -113,6 +114,8 @@ class InputProcessor:
         params.all_stop_token_ids = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else eos)
         if params.bad_words:
             params._bad_words_token_ids = self._tokenize_bad_words(params.bad_words)
+        if params.structured_outputs is not None:
+            params._grammar = _Opaque(self._compile_grammar(params, eos))
 
         if num_seqs == 1:
             child_ids, child_params = [request_id], [params]
@@ -145,6 +148,15 @@ class InputProcessor:
                     f"{name} must be at most max_logprobs ({self.max_logprobs}), got {value}: "
                     "ask for fewer or raise the engine's max_logprobs."
                 )
+
+    def _compile_grammar(self, params: SamplingParams, eos: set[int]):
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs need a tokenizer; this engine runs with skip_tokenizer_init=True.")
+        if self._grammar_backend is None:
+            from perfxlm.structured_output import GrammarBackend
+
+            self._grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size, sorted(eos))
+        return self._grammar_backend.compile(params.structured_outputs)
 
     def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
         if self.tokenizer is None:

@@ -6,9 +6,13 @@ It never sees a Request. Per step it:
    then multi-token prefill chunks) and the attention metadata;
 3. runs the model, computes logits only for rows that sample (plus prompt rows of requests that
    asked for prompt logprobs), and samples, one row per forked child where a prompt forks.
+Structured-output rows get their grammar bitmask from a worker thread that fills it while the
+forward pass runs (the matchers see only output tokens already known before the step).
 """
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -32,6 +36,8 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
+        self.grammars = None  # GrammarMatchers, made at the first structured-output row
+        self._mask_thread: ThreadPoolExecutor | None = None
         self.kv_spec = KVCacheSpec.of(dtype)
         self.kv_caches: list[KVCache] = []
         for module in model.modules():
@@ -53,16 +59,14 @@ class ModelRunner:
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for rid in so.finished_request_ids:
             self.generators.pop(rid, None)
+        if self.grammars is not None:
+            self.grammars.drop(so.finished_request_ids)
         self._copy_blocks(so.blocks_to_copy)
         # Decodes (one new token) first so they form one contiguous slice for batched attention.
         decodes = [s for s in so.scheduled if len(s.token_ids) == 1]
         prefills = [s for s in so.scheduled if len(s.token_ids) > 1]
         order = decodes + prefills
         input_ids, positions, meta, token_starts = self._prepare(order, len(decodes))
-        with set_forward_context(meta):
-            hidden = self.model(input_ids, positions)
-        out = ModelRunnerOutput(sampled_token_ids={})
-        self._prompt_logprobs(order, token_starts, hidden, out)
         rows: list[SampleRow] = []
         hidden_rows: list[int] = []
         for s, start in zip(order, token_starts):
@@ -74,17 +78,41 @@ class ModelRunner:
             for child_id, child_params in s.fork_children:
                 rows.append(SampleRow(child_id, child_params, s.prompt_token_ids, []))
                 hidden_rows.append(last)
+        masks = self._start_grammar_masks(rows)
+        with set_forward_context(meta):
+            hidden = self.model(input_ids, positions)
+        out = ModelRunnerOutput(sampled_token_ids={})
+        self._prompt_logprobs(order, token_starts, hidden, out)
         if not rows:
             return out
+        grammar = None
+        if masks is not None:
+            masked, bitmask, failed = masks.result()
+            out.failed.update(failed)
+            if bitmask is not None:
+                grammar = (masked, bitmask)
+            if failed:
+                keep = [i for i, r in enumerate(rows) if r.request_id not in failed]
+                remap = {old: new for new, old in enumerate(keep)}
+                rows, hidden_rows = [rows[i] for i in keep], [hidden_rows[i] for i in keep]
+                if grammar is not None:
+                    grammar = ([remap[i] for i in masked if i in remap], bitmask[keep].contiguous())
+                if not rows:
+                    return out
         logits = self.model.compute_logits(hidden[torch.tensor(hidden_rows)])  # [rows, vocab] fp32
         try:
-            result = self.sampler(logits, build_sampling_metadata(rows, self.generators, logits.shape[1]))
+            meta_s = build_sampling_metadata(rows, self.generators, logits.shape[1])
+            meta_s.grammar = grammar
+            result = self.sampler(logits, meta_s)
         except Exception:
             # One request's sampling state (its seed, filters, logit edits) must not fail the batch:
             # sample row by row, and fail only the rows that fail on their own.
             for i, r in enumerate(rows):
                 try:
-                    one = self.sampler(logits[i : i + 1], build_sampling_metadata([r], self.generators, logits.shape[1]))
+                    one_meta = build_sampling_metadata([r], self.generators, logits.shape[1])
+                    if grammar is not None and i in grammar[0]:
+                        one_meta.grammar = ([0], grammar[1][i : i + 1].contiguous())
+                    one = self.sampler(logits[i : i + 1].clone(), one_meta)
                 except Exception as exc:
                     out.failed[r.request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
                     continue
@@ -92,6 +120,20 @@ class ModelRunner:
             return out
         self._record_samples(rows, result, out)
         return out
+
+    def _start_grammar_masks(self, rows: list[SampleRow]):
+        """A future of the structured-output rows' bitmask, filled on a worker thread while the forward
+        pass runs; None when no row is guided (unguided batches never touch the grammar engine)."""
+        guided = [(i, r.request_id, r.params._grammar.value, list(r.output_token_ids))
+                  for i, r in enumerate(rows) if r.params._grammar is not None]
+        if not guided:
+            return None
+        if self.grammars is None:
+            from perfxlm.structured_output import GrammarMatchers
+
+            self.grammars = GrammarMatchers()
+            self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perfxlm-grammar")
+        return self._mask_thread.submit(self.grammars.fill, guided, len(rows))
 
     @staticmethod
     def _record_samples(rows: list[SampleRow], result, out: ModelRunnerOutput) -> None:

@@ -1,5 +1,7 @@
 """Logit transforms applied before sampling, in vLLM's order and with vLLM's definitions:
 
+0. structured outputs: each guided row's grammar bitmask (tokens the grammar forbids -inf), applied
+   in place to those rows only, so unguided rows in the same batch pay nothing;
 1. sparse edits: allowed_token_ids (everything else -inf), bad_words and min_tokens bans (-inf),
    logit_bias (added);
 2. penalties: repetition (over prompt and output tokens: positive logits divided, negative
@@ -62,3 +64,14 @@ def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
     logits = torch.where(seen, penalised, logits)
     logits = logits - p.frequency.unsqueeze(1) * output_counts
     return logits - p.presence.unsqueeze(1) * (output_counts > 0).float()
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
+    """In place: bitmask [logits rows, ceil(vocab / 32)] int32 (bit t of a row set = token t allowed),
+    applied to the listed rows only (xgrammar's CPU kernel, ~20 us per 49k-token row)."""
+    import xgrammar as xgr
+
+    if not logits.is_contiguous():
+        logits = logits.contiguous()
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=rows)
+    return logits

@@ -2,7 +2,7 @@
 
 0. Logprobs, when asked, come from the raw logits (the model's distribution before any of the
    transforms below, as vLLM returns by default).
-1. Logits processors and penalties (logits_processors.py).
+1. Logits processors and penalties (logits_processors.py), the structured-output bitmask first.
 2. Greedy rows take the argmax.
 3. Random rows: logits / temperature -> min_p -> top_k -> top_p (vLLM's order), then one
    uniform draw per row through the cumulative distribution (one random number per row: the
@@ -19,6 +19,7 @@ from perfxlm.model.layers.logits_processors import (
     Penalties,
     SparseLogitEdits,
     apply_allowed,
+    apply_grammar_bitmask,
     apply_penalties,
     apply_sparse_edits,
 )
@@ -36,6 +37,7 @@ class SamplingMetadata:
     edits: SparseLogitEdits | None = None  # bans and logit_bias
     penalties: Penalties | None = None
     max_num_logprobs: int | None = None  # None: no row wants logprobs; 0: only the sampled token's
+    grammar: tuple[list[int], torch.Tensor] | None = None  # (guided rows, bitmask [num_rows, words])
 
 
 @dataclass(slots=True)
@@ -108,6 +110,8 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
+        if meta.grammar is not None:
+            logits = apply_grammar_bitmask(logits, *meta.grammar)
         if meta.allowed is not None:
             logits = apply_allowed(logits, *meta.allowed)
         if meta.edits is not None:
