@@ -312,6 +312,190 @@ void vnni_gemv(const int8_t* xq, const float* sx, const int32_t* xsum, int64_t M
 }
 #endif
 
+#ifdef PERFXLM_VNNI
+// ---------------------------------------------------------------------------------------------
+// Integer codes (no level table) against activations quantized to int8 per block of 32 (llama.cpp's
+// Q8 activations, quantized once per row per call): the dot products run as uint8 x int8 -> int32
+// (vpdpbusd, 64 per instruction), 2-3x fewer instructions per weight than widening codes to float32,
+// which is what bounds the float kernel above. Per 64 inputs (a "chunk", two activation blocks):
+//   acc += float(dot) * (weight scale lanes * activation scale lanes)
+// and the mins once per row: y += sum over groups of min * (activation scale * sum of its int8 values).
+// 4-bit codes unpack as [lo nibbles of A, of B, hi nibbles of A, of B] (A, B: the chunk's two 32-blocks),
+// so the activations are stored in that order too; 8-bit codes and activations keep their order.
+// ---------------------------------------------------------------------------------------------
+
+struct BlockActs {
+  at::Tensor q;       // int8 [M, K], in the codes' chunk order
+  at::Tensor lanes;   // float32 [M, K / 64, 16]: each int32 lane's activation scale
+  at::Tensor gsum;    // float32 [M, K / group]: per weight group, sum of scale * int8 values
+};
+
+BlockActs quantize_blocks(const at::Tensor& x, const QW& w) {
+  const int64_t M = x.size(0), K = w.K, chunks = K / 64;
+  BlockActs a{at::empty({M, K}, x.options().dtype(at::kChar)), at::empty({M, chunks, 16}, x.options()),
+              at::zeros({M, w.groups}, x.options())};
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = a.q.data_ptr<int8_t>();
+  float* lp = a.lanes.data_ptr<float>();
+  float* gp = a.gsum.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const float* src = xp + m * K + b * 32;
+      float amax = 0.f;
+      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(src[j]));
+      const float scale = amax / 127.f;
+      int32_t total[2] = {0, 0};  // per 16 inputs: a block spans two groups when group == 16
+      const int64_t c = b / 2, half = b % 2;
+      for (int j = 0; j < 32; ++j) {
+        const float v = scale > 0.f ? std::nearbyint(src[j] / scale) : 0.f;
+        const int8_t q = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+        total[j / 16] += q;
+        // 4-bit order: element j of block A goes to byte j (j < 16) or 32 + j - 16; of block B, 16 + ...
+        const int64_t pos = w.bits4 ? (j < 16 ? 16 * half + j : 32 + 16 * half + (j - 16)) : 32 * half + j;
+        qp[m * K + c * 64 + pos] = q;
+      }
+      float* lanes = lp + (m * chunks + c) * 16;
+      for (int l = 0; l < 16; ++l) {
+        const bool in_b = w.bits4 ? ((l / 4) % 2 == 1) : (l >= 8);
+        if (in_b == (half == 1)) lanes[l] = scale;
+      }
+      for (int h = 0; h < 2; ++h) gp[m * w.groups + (b * 32 + h * 16) / w.group] += scale * static_cast<float>(total[h]);
+    }
+  }
+  return a;
+}
+
+// The chunk's 16 weight-scale lanes: SPC scales per chunk (1: group % 64 == 0; 2: group 32; 4: group 16).
+template <bool BITS4, bool HALF, int SPC>
+inline __m512 scale_lanes(const void* scales, int64_t row_offset, int64_t c, int64_t group) {
+  if constexpr (SPC == 1) {
+    return _mm512_set1_ps(param_at<HALF>(scales, row_offset + (c * 64) / group));
+  } else {
+    const int64_t first = row_offset + c * SPC;
+    __m128 v;
+    if constexpr (HALF) {
+      const uint16_t* p = static_cast<const uint16_t*>(scales) + first;
+      v = _mm_cvtph_ps(SPC == 2 ? _mm_cvtsi32_si128(*reinterpret_cast<const int32_t*>(p))
+                                : _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    } else {
+      const float* p = static_cast<const float*>(scales) + first;
+      v = SPC == 2 ? _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))) : _mm_loadu_ps(p);
+    }
+    // lane l covers inputs 4l..4l+3 of the chunk's code order
+    const __m512i idx = SPC == 4 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
+                        : BITS4  ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
+                                 : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(v));
+  }
+}
+
+template <bool BITS4>
+inline __m512i chunk_codes(const uint8_t* row, int64_t c) {
+  if constexpr (BITS4) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 32));
+    const __m256i m = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(b, m), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  } else {
+    return _mm512_loadu_si512(row + c * 64);
+  }
+}
+
+template <bool BITS4, bool HALF, int SPC, int MT, int NT>
+inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, float* y, const float* bias) {
+  const int64_t K = w.K, N = w.N, chunks = K / 64;
+  const int8_t* xq = a.q.data_ptr<int8_t>() + m0 * K;
+  const float* lanes = a.lanes.data_ptr<float>() + m0 * chunks * 16;
+  __m512 acc[MT][NT];
+  #pragma GCC unroll 16
+  for (int i = 0; i < MT; ++i)
+    #pragma GCC unroll 16
+    for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m512i xv[MT];
+    __m512 xs[MT];
+    #pragma GCC unroll 16
+    for (int i = 0; i < MT; ++i) {
+      xv[i] = _mm512_loadu_si512(xq + i * K + c * 64);
+      xs[i] = _mm512_loadu_ps(lanes + (i * chunks + c) * 16);
+    }
+    #pragma GCC unroll 16
+    for (int j = 0; j < NT; ++j) {
+      const int64_t n = n0 + j;
+      const uint8_t* row = w.codes + n * w.row_bytes;
+      if ((c & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + NT * w.row_bytes + c * (BITS4 ? 32 : 64)), _MM_HINT_T0);
+      const __m512i wv = chunk_codes<BITS4>(row, c);
+      const __m512 ws = scale_lanes<BITS4, HALF, SPC>(w.scales, n * w.groups, c, w.group);
+      #pragma GCC unroll 16
+      for (int i = 0; i < MT; ++i) {
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv[i]);
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, xs[i]), acc[i][j]);
+      }
+    }
+  }
+  const float* gsum = a.gsum.data_ptr<float>() + m0 * w.groups;
+  #pragma GCC unroll 16
+  for (int j = 0; j < NT; ++j) {
+    const int64_t n = n0 + j;
+    #pragma GCC unroll 16
+    for (int i = 0; i < MT; ++i) {
+      float mins = 0.f;
+      for (int64_t g = 0; g < w.groups; ++g) mins += param_at<HALF>(w.mins, n * w.groups + g) * gsum[i * w.groups + g];
+      y[(m0 + i) * N + n] = _mm512_reduce_add_ps(acc[i][j]) + mins + (bias ? bias[n] : 0.f);
+    }
+  }
+}
+
+template <bool BITS4, bool HALF, int SPC, int NT>
+inline void block_rows(const BlockActs& a, int64_t M, const QW& w, int64_t n0, float* y, const float* bias) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) block_tile<BITS4, HALF, SPC, 4, NT>(a, m, w, n0, y, bias);
+  switch (M - m) {
+    case 3: block_tile<BITS4, HALF, SPC, 3, NT>(a, m, w, n0, y, bias); break;
+    case 2: block_tile<BITS4, HALF, SPC, 2, NT>(a, m, w, n0, y, bias); break;
+    case 1: block_tile<BITS4, HALF, SPC, 1, NT>(a, m, w, n0, y, bias); break;
+    default: break;
+  }
+}
+
+template <bool BITS4, bool HALF, int SPC>
+void block_gemv_typed(const BlockActs& a, int64_t M, const QW& w, float* y, const float* bias) {
+  const int64_t tiles = w.N / 4;
+  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) block_rows<BITS4, HALF, SPC, 4>(a, M, w, t * 4, y, bias);
+  });
+  for (int64_t n = tiles * 4; n < w.N; ++n) block_rows<BITS4, HALF, SPC, 1>(a, M, w, n, y, bias);
+}
+
+// Scales per 64-input chunk, or 0 where the block path does not apply (then the float kernel runs).
+int block_spc(const QW& w) {
+  if (w.levels || w.K % 64 != 0) return 0;
+  if (w.group % 64 == 0) return 1;
+  if (w.group == 32) return 2;
+  if (w.group == 16 && !w.bits4) return 4;
+  return 0;
+}
+
+template <bool BITS4, bool HALF>
+void block_gemv_spc(const BlockActs& a, int64_t M, const QW& w, float* y, const float* bias, int spc) {
+  if (spc == 1) block_gemv_typed<BITS4, HALF, 1>(a, M, w, y, bias);
+  else if (spc == 2) block_gemv_typed<BITS4, HALF, 2>(a, M, w, y, bias);
+  else if constexpr (!BITS4) block_gemv_typed<BITS4, HALF, 4>(a, M, w, y, bias);
+}
+
+at::Tensor block_product(const at::Tensor& x, const QW& w, const float* bias, int spc) {
+  const int64_t M = x.size(0);
+  const BlockActs a = quantize_blocks(x, w);
+  at::Tensor y = at::empty({M, w.N}, x.options());
+  float* yp = y.data_ptr<float>();
+  if (w.bits4)
+    w.half ? block_gemv_spc<true, true>(a, M, w, yp, bias, spc) : block_gemv_spc<true, false>(a, M, w, yp, bias, spc);
+  else
+    w.half ? block_gemv_spc<false, true>(a, M, w, yp, bias, spc) : block_gemv_spc<false, false>(a, M, w, yp, bias, spc);
+  return y;
+}
+#endif
+
 // Weight-only product on float32 rows (also W8A8's fallback, on rows holding integers).
 at::Tensor float_product(const at::Tensor& x, const QW& w, const float* bias, int64_t max_rows, bool bf16_gemm) {
   const int64_t M = x.size(0), K = w.K, N = w.N;
@@ -343,7 +527,7 @@ at::Tensor float_product(const at::Tensor& x, const QW& w, const float* bias, in
 
 at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                     const c10::optional<at::Tensor>& levels, const c10::optional<at::Tensor>& bias, bool act_int8,
-                    int64_t max_rows, bool bf16_gemm) {
+                    int64_t max_rows, bool bf16_gemm, bool int8_blocks) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_q: x must be 2-D float32");
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
@@ -354,7 +538,15 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tens
     bc = bias->to(at::kFloat).contiguous();
   }
   const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
-  if (!act_int8) return float_product(xc, w, bp, max_rows, bf16_gemm);
+  if (!act_int8) {
+#ifdef PERFXLM_VNNI
+    if (int8_blocks && M <= max_rows) {
+      const int spc = block_spc(w);
+      if (spc) return block_product(xc, w, bp, spc);
+    }
+#endif
+    return float_product(xc, w, bp, max_rows, bf16_gemm);
+  }
 
   // W8A8: each row to symmetric int8, scale = max |x| / 127 (an all-zero row stays zero).
   at::Tensor sx = xc.abs().amax(1).div_(127.f);
@@ -384,12 +576,23 @@ at::Tensor dequantize_q(const at::Tensor& codes, const at::Tensor& scales, const
 }
 
 }  // namespace
+
+// Whether this build has the int8 block-dot GEMV (AVX512-VNNI); without it int8_blocks is ignored.
+bool int8_block_dots() {
+#ifdef PERFXLM_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace perfxlm_quant
 
 TORCH_LIBRARY_FRAGMENT(perfxlm, m) {
   m.def(
       "linear_q(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? levels, Tensor? bias, bool act_int8, "
-      "int max_rows, bool bf16_gemm) -> Tensor");
+      "int max_rows, bool bf16_gemm, bool int8_blocks=False) -> Tensor");
+  m.def("int8_block_dots() -> bool", &perfxlm_quant::int8_block_dots);  // no tensors: a catch-all kernel
   m.def("dequantize_q(Tensor codes, Tensor scales, Tensor mins, Tensor? levels, int in_features) -> Tensor");
 }
 

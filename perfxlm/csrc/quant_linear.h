@@ -10,8 +10,10 @@ namespace perfxlm_quant {
 // float32 or float16 [N, K / group], w = scale * u + min (or scale * levels[u] + min with a 16-entry
 // table). act_int8: activations quantized per row to symmetric int8 first (W8A8). Up to max_rows rows go
 // to the GEMV kernels; more rows dequantize slabs of W for torch's GEMM (bf16 under bf16_gemm).
+// int8_blocks: weight-only formats' GEMV quantizes x to int8 per block of 32 and runs int8 dot products
+// (AVX512-VNNI builds; llama.cpp's scheme), instead of widening the codes to float32.
 at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                     const c10::optional<at::Tensor>& levels, const c10::optional<at::Tensor>& bias, bool act_int8,
-                    int64_t max_rows, bool bf16_gemm);
+                    int64_t max_rows, bool bf16_gemm, bool int8_blocks = false);
 
 }  // namespace perfxlm_quant

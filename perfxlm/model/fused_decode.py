@@ -125,7 +125,7 @@ class FusedDecode:
         """-> (hidden, residual); for Gemma 2 (no residual stream) both are the layer output."""
         ops = native.kernels()
         plan = cpu_plan.plan()
-        max_rows, bf16_gemm = plan.native_max_rows, plan.gemm == "bf16"
+        max_rows, bf16_gemm, int8_blocks = plan.native_max_rows, plan.gemm == "bf16", plan.quant_activations == "int8"
         cos, sin = rope
         residual = x
         for i, (layer, (before, after)) in enumerate(zip(self.layers, self.args or [])):
@@ -133,6 +133,6 @@ class FusedDecode:
             x, residual = ops.decode_layer(
                 x, residual, i == 0, *before, cos, sin, cache.key, cache.value, meta.slot_mapping,
                 meta.decode_block_tables, meta.decode_seq_lens, *after, max_rows, bf16_gemm, cache.key_scale,
-                cache.value_scale,
+                cache.value_scale, int8_blocks,
             )  # fmt: skip
         return x, residual

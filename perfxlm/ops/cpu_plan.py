@@ -20,6 +20,11 @@ Every choice can be forced from the environment, so the tests run each path on w
 - PERFXLM_NATIVE_MAX_ROWS = N             rows up to which the native kernels run
 - PERFXLM_BF16_COMPUTE = float32 | bfloat16   activations of a bfloat16 model (bfloat16: torch's bf16
                                               ops throughout, no native linear kernels)
+
+Quantized weights (perfxlm.quant) at few rows: with AVX512-VNNI the activations are quantized to int8
+per block of 32 and the products run as int8 dot products (llama.cpp's scheme, 2-3x fewer instructions
+than widening codes to float32); elsewhere the codes are widened and the activations stay float32.
+- PERFXLM_QUANT_ACTIVATIONS = int8 | float32   (int8 needs a VNNI build; float32 is exact weight-only)
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from perfxlm.config import cpu_has_fast_bf16
 LAYOUTS = ("rows", "panels")
 GEMMS = ("bf16", "float32")
 COMPUTES = ("float32", "bfloat16")
+QUANT_ACTIVATIONS = ("int8", "float32")
 # Measured with 2 threads on the default model's shapes: AMX's bf16 GEMM overtakes the row kernel past
 # 4 rows; the panel kernel beats MKL's float32 GEMM up to 256 rows on AVX-512 without bf16.
 _AUTO_MAX_ROWS = {("rows", "bf16"): 4, ("rows", "float32"): 64, ("panels", "bf16"): 256, ("panels", "float32"): 256}
@@ -43,10 +49,11 @@ class CpuPlan:
     gemm: str  # what multiplies many rows against rows-layout bf16 weights
     native_max_rows: int  # up to this many rows the native kernel runs
     bf16_compute: str  # activation dtype of a bfloat16 model
+    quant_activations: str = "float32"  # what quantized-weight GEMVs multiply: int8 blocks or float32
 
     def describe(self) -> str:
         return (f"bf16 layout={self.layout} gemm={self.gemm} native_max_rows={self.native_max_rows} "
-                f"activations={self.bf16_compute}")
+                f"activations={self.bf16_compute} quantized-weight activations={self.quant_activations}")
 
 
 def _choice(name: str, allowed: tuple[str, ...], default: str) -> str:
@@ -74,7 +81,16 @@ def detect() -> CpuPlan:
         if max_rows < 0:
             raise ValueError(f"PERFXLM_NATIVE_MAX_ROWS={raw!r}: expected auto or an integer >= 0.")
     compute = _choice("PERFXLM_BF16_COMPUTE", COMPUTES, "float32")
-    return CpuPlan(layout, gemm, max_rows, compute)
+    quant_act = _choice("PERFXLM_QUANT_ACTIVATIONS", QUANT_ACTIVATIONS, "int8" if _has_int8_dots() else "float32")
+    return CpuPlan(layout, gemm, max_rows, compute, quant_act)
+
+
+def _has_int8_dots() -> bool:
+    """Whether the native build has the int8 block-dot GEMV (AVX512-VNNI)."""
+    from perfxlm.ops import native
+
+    ops = native.kernels()
+    return ops is not None and hasattr(ops, "int8_block_dots") and bool(ops.int8_block_dots())
 
 
 _plan: CpuPlan | None = None

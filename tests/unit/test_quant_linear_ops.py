@@ -100,3 +100,37 @@ def test_bad_shapes_are_errors():
         ops.linear_q(torch.randn(1, 64), codes, scales, mins.half(), None, None, False, 4, False)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         ops.linear_q(torch.randn(1, 64), codes, scales.repeat(1, 2), mins.repeat(1, 2), None, None, False, 4, False)
+
+
+def _block_applies(bits, k, group, lut):
+    return (not lut and k % 64 == 0 and (group % 64 == 0 or group == 32 or (group == 16 and bits == 8)))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("bits,n,k,group,half,lut", CASES + [(8, 11, 128, 16, True, False), (4, 6, 192, 64, False, False),
+                                                           (8, 21, 1536, 1536, False, False)])
+def test_int8_block_activations_match_reference(bits, n, k, group, half, lut, rows):
+    """With int8_blocks the GEMV quantizes x to int8 per block of 32 (scale max|x| / 127, half to even) and
+    multiplies exactly: the float product of the fake-quantized x with W. Where the block path does not
+    apply (a level table, K not a multiple of 64, an odd group) or the build lacks VNNI, x stays float32."""
+    ops = native.kernels()
+    codes, scales, mins, levels = _weight(n, k, bits, group, half, lut, n + 7 * k + rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k + rows))
+    x[0, :32] = 0.0  # an all-zero block
+    b = torch.randn(n)
+    w = _dequant(codes, scales, mins, levels, k)
+    if ops.int8_block_dots() and _block_applies(bits, k, group, lut):
+        blocks = x.view(rows, k // 32, 32)
+        sx = blocks.abs().amax(2, keepdim=True) / 127
+        xq = torch.where(sx > 0, blocks / sx, torch.zeros_like(blocks)).round().clamp(-127, 127)
+        x_used = (xq * sx).view(rows, k)
+    else:
+        x_used = x
+    ref = torch.nn.functional.linear(x_used.double(), w.double(), b.double()).float()
+    out = ops.linear_q(x, codes, scales, mins, levels, b, False, 8, False, True)
+    torch.testing.assert_close(out, ref, atol=1e-4 * (ref.abs().max().item() + 1), rtol=1e-4)
+    # many rows never take the block path: the GEMM on dequantized slabs
+    many = ops.linear_q(x.repeat(3, 1), codes, scales, mins, levels, b, False, 4, False, True)[:rows] if rows > 1 else None
+    if many is not None:
+        exact = torch.nn.functional.linear(x.double(), w.double(), b.double()).float()
+        torch.testing.assert_close(many, exact, atol=1e-4 * (exact.abs().max().item() + 1), rtol=1e-4)
