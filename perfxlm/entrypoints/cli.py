@@ -33,9 +33,52 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument("--max-logprobs", type=int, default=20,
                         help="most logprobs / prompt_logprobs a request may ask for (-1: no limit)")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                        help="KV cache size in bytes (vLLM's name; VLLM_CPU_KVCACHE_SPACE=GiB works too)")
+    parser.add_argument("--generation-config", default="auto",
+                        help="sampling defaults: auto = the model's generation_config.json, vllm = none, "
+                             "or a folder holding a generation_config.json")
+    # vLLM's GPU-only flags: accepted so launch lines run unchanged, with a notice of their effect here
+    for flag, kind in (("--gpu-memory-utilization", float), ("--swap-space", float), ("--cpu-offload-gb", float)):
+        parser.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--enforce-eager", action="store_true", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--trust-remote-code", action="store_true", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--disable-log-stats", action="store_true", default=None, help=argparse.SUPPRESS)
+
+
+_GPU_FLAG_NOTICES = {
+    "gpu_memory_utilization": "--gpu-memory-utilization has no effect on CPU: size the KV cache with "
+                              "--kv-cache-gib, --kv-cache-memory-bytes or VLLM_CPU_KVCACHE_SPACE",
+    "swap_space": "--swap-space has no effect: preempted requests are recomputed, never swapped",
+    "cpu_offload_gb": "--cpu-offload-gb has no effect: the weights already live in CPU memory",
+    "enforce_eager": "--enforce-eager has no effect: perfxlm always runs eagerly on CPU",
+    "trust_remote_code": "--trust-remote-code has no effect: perfxlm runs its own model code, never a model's",
+    "disable_log_stats": "--disable-log-stats: perfxlm logs no periodic stats",
+}
+
+
+def _kv_cache_gib(args: argparse.Namespace) -> float | None:
+    """--kv-cache-gib, else --kv-cache-memory-bytes, else VLLM_CPU_KVCACHE_SPACE (GiB, vLLM's CPU setting)."""
+    import os
+
+    if args.kv_cache_gib is not None:
+        return args.kv_cache_gib
+    if getattr(args, "kv_cache_memory_bytes", None) is not None:
+        return args.kv_cache_memory_bytes / 2**30
+    space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    if space:
+        try:
+            gib = float(space)
+        except ValueError:
+            raise SystemExit(f"VLLM_CPU_KVCACHE_SPACE must be a number of GiB, got {space!r}.") from None
+        return gib if gib > 0 else None  # vLLM: 0 means the default size
+    return None
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
+    for name, notice in _GPU_FLAG_NOTICES.items():
+        if getattr(args, name, None) is not None:
+            print(f"perfxlm: {notice}.", file=sys.stderr)
     return dict(
         model=args.model_opt or getattr(args, "model", None),
         tokenizer=args.tokenizer,
@@ -45,7 +88,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
-        kv_cache_gib=args.kv_cache_gib,
+        kv_cache_gib=_kv_cache_gib(args),
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         kv_cache_group_size=getattr(args, "kv_cache_group_size", None),
@@ -101,13 +144,28 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require 'Authorization: Bearer KEY' on every route but /health and / "
                             "(or set PERFXLM_API_KEY)")
     serve.add_argument("--allowed-origins", nargs="*", default=None,
-                       help="CORS origins allowed to call the API (none by default)")
+                       help="CORS origins allowed to call the API (none by default); separate arguments or "
+                            "one JSON list as vLLM takes it ('[\"*\"]')")
     serve.add_argument("--max-queued-requests", type=int, default=256,
                        help="requests allowed to wait for a seat; past it the server answers 503")
     serve.add_argument("--max-request-body-bytes", type=int, default=4 << 20,
                        help="largest request body accepted (413 beyond)")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="render chat templates sent with requests (in a bounded sandbox); refused by default")
+    serve.add_argument("--chat-template", default=None,
+                       help="chat template (a file, or the template text) to use instead of the model's")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let the model choose to call tools (tool_choice "auto"); needs --tool-call-parser')
+    serve.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+                       help="format of the model's tool calls: hermes (Qwen2.5/Qwen3/Hermes), llama3_json, mistral")
+    serve.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                       help="split <think>...</think> out of the reply into reasoning_content")
+    serve.add_argument("--uvicorn-log-level", default=None,
+                       choices=["critical", "error", "warning", "info", "debug", "trace"],
+                       help="HTTP server log level (default warning)")
+    serve.add_argument("--disable-log-requests", action="store_true",
+                       help="accepted for vLLM's launch lines: perfxlm does not log requests")
+    serve.add_argument("--enable-log-requests", action="store_true", help=argparse.SUPPRESS)
     serve.set_defaults(func=_serve)
 
     chat = sub.add_parser("chat", help="interactive chat in the terminal, streaming the replies")

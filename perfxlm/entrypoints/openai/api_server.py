@@ -49,12 +49,26 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None = None,
               allowed_origins: list[str] | None = None, max_queued_requests: int = 256,
-              max_request_body_bytes: int = 4 << 20, trust_request_chat_template: bool = False) -> FastAPI:
+              max_request_body_bytes: int = 4 << 20, trust_request_chat_template: bool = False,
+              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None, default_sampling: dict | None = None) -> FastAPI:
     app = FastAPI(title="perfxlm OpenAI-compatible server", version=perfxlm.__version__)
     metrics = ServerMetrics(engine.engine)
     renderer = ChatRenderer(engine.tokenizer, trust_request_chat_template,
                             max_rendered_chars=max(max_request_body_bytes, 1 << 20))
     ctx = ServerContext(engine, served_model_name, int(engine.engine.config.max_model_len), metrics, renderer)
+    if enable_auto_tool_choice and not tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or mistral).")
+    if tool_call_parser:
+        from perfxlm.entrypoints.openai.tool_parsers import get_tool_parser
+
+        ctx.tool_parser = get_tool_parser(tool_call_parser)
+    ctx.enable_auto_tool_choice = enable_auto_tool_choice
+    if reasoning_parser:
+        from perfxlm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+
+        ctx.reasoning_parser = get_reasoning_parser(reasoning_parser)
+    ctx.default_sampling = {k: v for k, v in (default_sampling or {}).items() if k != "max_tokens"}
     app.state.ctx = ctx
 
     @app.exception_handler(APIError)
@@ -184,6 +198,40 @@ def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None =
     return app
 
 
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's contents, or the template itself when it is not a path (as vLLM)."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template.")
+    return value
+
+
+def parse_allowed_origins(values: list[str] | None) -> list[str] | None:
+    """--allowed-origins as perfxlm spells it (origins as separate arguments) or as vLLM does (one JSON
+    list, e.g. '["*"]')."""
+    if not values:
+        return values
+    import json
+
+    out: list[str] = []
+    for v in values:
+        if v.strip().startswith("["):
+            try:
+                parsed = json.loads(v)
+            except json.JSONDecodeError:
+                raise ValueError(f"--allowed-origins {v!r} is not a valid JSON list.") from None
+            if not all(isinstance(o, str) for o in parsed):
+                raise ValueError(f"--allowed-origins {v!r} must list strings.")
+            out.extend(parsed)
+        else:
+            out.append(v)
+    return out
+
+
 def served_name(model: str | None, served_model_name: str | None) -> str:
     if served_model_name:
         return served_model_name
@@ -231,12 +279,24 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
     from perfxlm.config import EngineConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    template = load_chat_template(getattr(args, "chat_template", None))  # a bad path fails before the model loads
     engine = AsyncLLM(EngineConfig(**engine_kwargs))
+    if template is not None and engine.tokenizer is not None:
+        engine.tokenizer.chat_template = template
     name = served_name(engine_kwargs.get("model"), args.served_model_name)
-    app = build_app(engine, name, api_key=args.api_key or os.environ.get("PERFXLM_API_KEY"),
-                    allowed_origins=args.allowed_origins, max_queued_requests=args.max_queued_requests,
+    from perfxlm.generation_defaults import load_generation_defaults
+
+    api_key = args.api_key or os.environ.get("PERFXLM_API_KEY") or os.environ.get("VLLM_API_KEY")
+    app = build_app(engine, name, api_key=api_key,
+                    allowed_origins=parse_allowed_origins(args.allowed_origins),
+                    max_queued_requests=args.max_queued_requests,
                     max_request_body_bytes=args.max_request_body_bytes,
-                    trust_request_chat_template=getattr(args, "trust_request_chat_template", False))
+                    trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
+                    enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+                    tool_call_parser=getattr(args, "tool_call_parser", None),
+                    reasoning_parser=getattr(args, "reasoning_parser", None),
+                    default_sampling=load_generation_defaults(engine.engine.config.model,
+                                                              getattr(args, "generation_config", "auto")))
     _warm_up_and_deprioritise_engine_threads(engine)
     cfg = engine.engine.config
     logger.info("model %s (served as %r), dtype %s, %d KV blocks of %d tokens, max_model_len %d",
@@ -267,7 +327,8 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
 
-    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                   log_level=getattr(args, "uvicorn_log_level", None) or "warning",
                                    timeout_graceful_shutdown=5))
     try:
         asyncio.run(server.serve())

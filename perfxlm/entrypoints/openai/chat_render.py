@@ -54,13 +54,13 @@ class ChatRenderer:
 
     async def render(
         self, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None,
-        continue_final_message: bool = False, template_kwargs: dict | None = None,
+        continue_final_message: bool = False, template_kwargs: dict | None = None, tools: list[dict] | None = None,
     ) -> dict:
         """{"prompt": text, "prompt_token_ids": ids} for a conversation; APIError(400) for bad input."""
         self._check(chat_template, template_kwargs)
         pool = self._request_template_pool if chat_template is not None else self._pool
         return await self._off_loop(self.render_sync, messages, add_generation_prompt, chat_template,
-                                    continue_final_message, template_kwargs, pool=pool)
+                                    continue_final_message, template_kwargs, tools, pool=pool)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
@@ -87,7 +87,7 @@ class ChatRenderer:
 
     def render_sync(
         self, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None,
-        continue_final_message: bool = False, template_kwargs: dict | None = None,
+        continue_final_message: bool = False, template_kwargs: dict | None = None, tools: list[dict] | None = None,
     ) -> dict:
         self._check(chat_template, template_kwargs)
         tok = self.tokenizer
@@ -95,13 +95,14 @@ class ChatRenderer:
         try:
             if chat_template is None:
                 text = tok.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=generation_prompt,
+                    messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt,
                     continue_final_message=continue_final_message, **(template_kwargs or {}))
             else:
                 text = render_bounded(
                     chat_template, messages, add_generation_prompt=generation_prompt,
                     continue_final_message=continue_final_message, special_tokens=_special_tokens(tok),
-                    template_kwargs=template_kwargs, max_chars=self.max_rendered_chars,
+                    template_kwargs={**(template_kwargs or {}), **({"tools": tools} if tools else {})},
+                    max_chars=self.max_rendered_chars,
                     timeout_s=self.template_timeout_s)
         except APIError:
             raise

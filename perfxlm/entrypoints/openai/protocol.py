@@ -69,6 +69,18 @@ class SamplingFields(StrictModel):
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     best_of: int | None = None
     cache_salt: str | None = None  # prefix-cache blocks are shared only among requests with the same salt
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs (and its earlier guided_*
+    # fields), llama-server's json_schema and grammar
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    json_schema: dict[str, Any] | None = None
+    grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -90,7 +102,6 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None

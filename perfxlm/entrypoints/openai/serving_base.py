@@ -7,7 +7,7 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -17,7 +17,7 @@ from perfxlm.engine.threaded_engine import EngineDeadError
 from perfxlm.entrypoints.openai.errors import APIError
 from perfxlm.entrypoints.openai.protocol import SamplingFields
 from perfxlm.outputs import RequestOutput
-from perfxlm.sampling_params import RequestOutputKind, SamplingParams
+from perfxlm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 @dataclass
@@ -27,6 +27,12 @@ class ServerContext:
     max_model_len: int
     metrics: Any  # ServerMetrics
     renderer: Any = None  # ChatRenderer: templates and tokenization off the event loop
+    enable_auto_tool_choice: bool = False
+    tool_parser: Any = None  # tool_parsers.ToolParser (--tool-call-parser)
+    reasoning_parser: Any = None  # reasoning_parsers.ReasoningParser (--reasoning-parser)
+    # sampling defaults of the model's generation_config.json (--generation-config auto), used where a
+    # request leaves a field unset
+    default_sampling: dict = field(default_factory=dict)
 
 
 def new_id(prefix: str) -> str:
@@ -38,8 +44,61 @@ def check_model(ctx: ServerContext, model: str | None) -> None:
         raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
 
+_STRUCTURED_KEYS = {"json", "regex", "choice", "grammar", "json_object", "disable_fallback", "disable_any_whitespace",
+                    "disable_additional_properties", "whitespace_pattern", "structural_tag"}
+
+
+def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's constraint from whichever spelling it used; 400 when it uses two or a bad one."""
+    found: list[tuple[str, dict]] = []
+    rf = req.response_format
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_object":
+            schema = rf.get("schema")  # llama-server's {"type": "json_object", "schema": {...}}
+            found.append(("response_format", {"json": schema} if schema else {"json_object": True}))
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict):
+                raise APIError(400, "response_format.json_schema must be an object with a schema.", "response_format")
+            schema = spec.get("schema", spec.get("json_schema"))
+            if schema is None:
+                raise APIError(400, "response_format.json_schema.schema is missing.", "response_format")
+            found.append(("response_format", {"json": schema}))
+        elif kind == "structural_tag":
+            raise APIError(400, "response_format type structural_tag is not supported; use json_schema.",
+                           "response_format")
+        elif kind not in (None, "text"):
+            raise APIError(400, f"response_format.type must be text, json_object or json_schema, got {kind!r}.",
+                           "response_format")
+    if req.structured_outputs is not None:
+        unknown = sorted(set(req.structured_outputs) - _STRUCTURED_KEYS)
+        if unknown:
+            raise APIError(400, f"Unsupported field(s) in structured_outputs: {', '.join(unknown)}.",
+                           "structured_outputs")
+        found.append(("structured_outputs", dict(req.structured_outputs)))
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                      ("guided_grammar", "grammar"), ("json_schema", "json"), ("grammar", "grammar")):
+        value = getattr(req, name)
+        if value is not None:
+            found.append((name, {key: value}))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise APIError(400, f"Give one structured-output constraint; got {', '.join(n for n, _ in found)}.",
+                       found[1][0])
+    name, fields = found[0]
+    if name.startswith("guided_") and req.guided_whitespace_pattern is not None:
+        fields["whitespace_pattern"] = req.guided_whitespace_pattern
+    try:
+        return StructuredOutputsParams(**fields)
+    except ValueError as exc:
+        raise APIError(400, str(exc), name) from None
+
+
 def to_sampling_params(
-    req: SamplingFields, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    req: SamplingFields, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
+    structured_outputs: StructuredOutputsParams | None = None, defaults: dict | None = None,
 ) -> SamplingParams:
     # Upper bounds that depend on the engine (n, best_of, logprobs) are checked where the request enters
     # it; its ValueError becomes a 400 in generate_one.
@@ -49,20 +108,26 @@ def to_sampling_params(
             logit_bias = {int(k): float(v) for k, v in req.logit_bias.items()}
         except ValueError:
             raise APIError(400, "logit_bias keys must be token ids (integers as strings).", "logit_bias") from None
+    defaults = defaults or {}
+
+    def pick(name: str, fallback: float) -> float:
+        value = getattr(req, name)
+        return value if value is not None else defaults.get(name, fallback)
+
     try:
         return SamplingParams(
             n=req.n,
             best_of=req.best_of,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=-1 if req.top_k is None else req.top_k,
-            min_p=0.0 if req.min_p is None else req.min_p,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", -1),
+            min_p=pick("min_p", 0.0),
             seed=req.seed,
             stop=req.stop,
             stop_token_ids=req.stop_token_ids,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            repetition_penalty=pick("repetition_penalty", 1.0),
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
             ignore_eos=req.ignore_eos,
@@ -76,6 +141,7 @@ def to_sampling_params(
             bad_words=req.bad_words,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
             output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=structured_outputs if structured_outputs is not None else structured_outputs_of(req),
         )
     except ValueError as exc:
         raise APIError(400, str(exc), _param_of(str(exc))) from None
@@ -83,6 +149,8 @@ def to_sampling_params(
 
 def _param_of(message: str) -> str | None:
     word = message.split(" ", 1)[0].strip(".:")
+    if word.startswith("structured_outputs."):
+        return "structured_outputs"
     return word if word.isidentifier() and word.islower() else None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -10,10 +11,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from perfxlm.entrypoints.openai.errors import APIError, error_body
 from perfxlm.entrypoints.openai.protocol import ChatCompletionRequest
 from perfxlm.entrypoints.openai.serving_base import (
-    ServerContext, check_model, collect_until_disconnect, generate_one, merge, new_id, now, sse, to_sampling_params,
-    usage,
+    ServerContext, check_model, collect_until_disconnect, generate_one, merge, new_id, now, sse,
+    structured_outputs_of, to_sampling_params, usage,
 )
+from perfxlm.entrypoints.openai.tool_parsers import ToolCall, parse_required, required_schema
 from perfxlm.outputs import CompletionOutput, RequestOutput
+from perfxlm.sampling_params import StructuredOutputsParams
 
 
 def _message_dicts(req: ChatCompletionRequest) -> list[dict]:
@@ -45,14 +48,122 @@ def _logprobs_content(c: CompletionOutput, k: int) -> dict | None:
 
 
 def _check_unsupported(req: ChatCompletionRequest) -> None:
-    if req.tools:
-        raise APIError(400, "tools are not supported by this server.", "tools")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise APIError(400, "tool_choice is not supported by this server.", "tool_choice")
-    if req.response_format and req.response_format.get("type") not in (None, "text"):
-        raise APIError(400, "response_format other than text is not supported.", "response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true.", "top_logprobs")
+
+
+def _tool_mode(ctx: ServerContext, req: ChatCompletionRequest) -> tuple[str, dict | None]:
+    """("none" | "auto" | "required" | "named", the named tool) after checking tools and tool_choice."""
+    tools = req.tools or []
+    for i, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) else None
+        if t.get("type", "function") != "function" or not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}.",
+                           "tools")
+        params = f.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object.", "tools")
+    choice = req.tool_choice
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type", "function") == "function" else None
+        if not isinstance(name, str):
+            raise APIError(400, 'tool_choice must be "none", "auto", "required" or '
+                                '{"type": "function", "function": {"name": ...}}.', "tool_choice")
+        tool = next((t for t in tools if t["function"]["name"] == name), None)
+        if tool is None:
+            raise APIError(400, f"tool_choice names the function {name!r}, which is not in tools.", "tool_choice")
+        return "named", tool
+    if choice not in ("none", "auto", "required"):
+        raise APIError(400, f'tool_choice must be "none", "auto", "required" or a named function, got {choice!r}.',
+                       "tool_choice")
+    if choice != "none" and not tools:
+        raise APIError(400, f'tool_choice "{choice}" needs tools.', "tool_choice")
+    if choice == "auto" and (not ctx.enable_auto_tool_choice or ctx.tool_parser is None):
+        raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set.',
+                       "tool_choice")
+    return choice, None
+
+
+def _tool_constraint(mode: str, tool: dict | None, req: ChatCompletionRequest) -> StructuredOutputsParams | None:
+    if mode == "named":
+        schema = tool["function"].get("parameters") or {"type": "object", "properties": {}}
+        return StructuredOutputsParams(json=schema)
+    if mode == "required":
+        return StructuredOutputsParams(json=required_schema(req.tools, req.parallel_tool_calls is not False))
+    return None
+
+
+class _ChoiceParser:
+    """Turns one choice's text into reasoning, content and tool calls, whole or piece by piece."""
+
+    def __init__(self, ctx: ServerContext, mode: str, tool: dict | None, parallel: bool) -> None:
+        self.reasoning = ctx.reasoning_parser
+        self.tools = ctx.tool_parser if mode == "auto" else None
+        self.mode, self.tool, self.parallel = mode, tool, parallel
+        self.text = ""
+        self.sent_reasoning = 0
+        self.sent_content = 0
+
+    def split(self, text: str, final: bool) -> tuple[str | None, str]:
+        if self.reasoning is None:
+            return None, text
+        return self.reasoning.split(text, final)
+
+    def finish(self, text: str, finish_reason: str | None) -> tuple[str | None, str | None, list[ToolCall]]:
+        reasoning, content = self.split(text, True)
+        calls: list[ToolCall] = []
+        if self.mode == "named":
+            if finish_reason == "stop":
+                calls = [ToolCall(self.tool["function"]["name"], content)]
+                content = ""
+        elif self.mode == "required":
+            if finish_reason == "stop":
+                try:
+                    calls = parse_required(content)
+                    content = ""
+                except (ValueError, KeyError, TypeError):
+                    calls = []
+        elif self.tools is not None:
+            content, calls = self.tools.parse(content)
+        if not self.parallel and len(calls) > 1:
+            calls = calls[:1]
+        return reasoning, (content or None), calls
+
+    def stream(self, delta: str, finished: bool) -> tuple[str, str]:
+        """New (reasoning, content) text to send for this piece of output, before the end."""
+        self.text += delta
+        reasoning, content = self.split(self.text, finished)
+        if self.mode in ("named", "required"):
+            content = ""  # the constrained output is the calls, sent at the end
+        elif self.tools is not None and not finished:
+            content = content[: self.tools.stream_split(content)]
+        new_r = (reasoning or "")[self.sent_reasoning:]
+        new_c = content[self.sent_content:]
+        self.sent_reasoning += len(new_r)
+        self.sent_content += len(new_c)
+        return new_r, new_c
+
+
+def _finish_reason(reason: str | None, mode: str, calls: list[ToolCall]) -> str | None:
+    # vLLM and OpenAI: a model-chosen call ends with "tool_calls"; a forced named function with "stop"
+    if calls and reason == "stop" and mode in ("auto", "required"):
+        return "tool_calls"
+    return reason
+
+
+def _assistant_args_to_dicts(messages: list[dict]) -> list[dict]:
+    """Templates (Qwen, Hermes, Llama) expect a past call's arguments as a mapping, clients send JSON text."""
+    for m in messages:
+        for call in m.get("tool_calls") or []:
+            f = call.get("function") if isinstance(call, dict) else None
+            if isinstance(f, dict) and isinstance(f.get("arguments"), str):
+                try:
+                    f["arguments"] = json.loads(f["arguments"])
+                except json.JSONDecodeError:
+                    pass
+    return messages
 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request):
@@ -60,29 +171,45 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     _check_unsupported(req)
     if req.stream and req.best_of is not None and req.best_of > req.n:
         raise APIError(400, "best_of > n is not supported with stream.", "best_of")
-    prompt = await ctx.renderer.render(_message_dicts(req), req.add_generation_prompt, req.chat_template,
-                                       req.continue_final_message, req.chat_template_kwargs)
+    mode, tool = _tool_mode(ctx, req)
+    constraint = _tool_constraint(mode, tool, req)
+    if constraint is not None and structured_outputs_of(req) is not None:
+        raise APIError(400, f'tool_choice "{mode}" constrains the output already; drop the structured-output '
+                            "field.", "tool_choice")
+    tools = req.tools if mode != "none" and req.tools else None
+    prompt = await ctx.renderer.render(_assistant_args_to_dicts(_message_dicts(req)), req.add_generation_prompt,
+                                       req.chat_template, req.continue_final_message, req.chat_template_kwargs,
+                                       tools=tools)
     if req.cache_salt is not None:
         prompt["cache_salt"] = req.cache_salt
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
         max_tokens = max(1, ctx.max_model_len - len(prompt["prompt_token_ids"]))
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = to_sampling_params(req, max_tokens, logprobs)
+    params = to_sampling_params(req, max_tokens, logprobs, structured_outputs=constraint, defaults=ctx.default_sampling)
     request_id = new_id("chatcmpl")
     stream = merge([generate_one(ctx, prompt, params, request_id)])
+    parallel = req.parallel_tool_calls is not False
     if req.stream:
         try:
             first = await stream.__anext__()
         except StopAsyncIteration:
             first = None
-        return StreamingResponse(_stream(ctx, req, request_id, stream, first), media_type="text/event-stream")
+        return StreamingResponse(_stream(ctx, req, request_id, stream, first, mode, tool, parallel),
+                                 media_type="text/event-stream")
 
     results = await collect_until_disconnect(raw, stream)
     out = results[-1][1]
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": _logprobs_content(c, req.top_logprobs or 0), "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason} for c in out.outputs]
+    choices = []
+    for c in out.outputs:
+        reasoning, content, calls = _ChoiceParser(ctx, mode, tool, parallel).finish(c.text, c.finish_reason)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if ctx.reasoning_parser is not None:
+            message["reasoning_content"] = reasoning
+        message["tool_calls"] = [call.to_dict() for call in calls]
+        choices.append({"index": c.index, "message": message,
+                        "logprobs": _logprobs_content(c, req.top_logprobs or 0),
+                        "finish_reason": _finish_reason(c.finish_reason, mode, calls), "stop_reason": c.stop_reason})
     completion_tokens = sum(len(c.token_ids) for c in out.outputs)
     return JSONResponse({"id": request_id, "object": "chat.completion", "created": now(),
                          "model": ctx.served_model_name, "choices": choices,
@@ -90,13 +217,23 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
 
 
 async def _stream(ctx: ServerContext, req: ChatCompletionRequest, request_id: str,
-                  stream: AsyncIterator[tuple[int, RequestOutput]], first: tuple[int, RequestOutput] | None
-                  ) -> AsyncIterator[str]:
+                  stream: AsyncIterator[tuple[int, RequestOutput]], first: tuple[int, RequestOutput] | None,
+                  mode: str, tool: dict | None, parallel: bool) -> AsyncIterator[str]:
     created = now()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": ctx.served_model_name}
-    started: set[int] = set()
+    parsers: dict[int, _ChoiceParser] = {}
     prompt_tokens = completion_tokens = 0
+
+    def chunk(index: int, delta: dict, logprobs=None, finish_reason=None, stop_reason=None) -> str:
+        body = {**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                     "finish_reason": finish_reason, **({"stop_reason": stop_reason}
+                                                                        if finish_reason else {})}]}
+        if include_usage:
+            body["usage"] = usage(prompt_tokens, completion_tokens) if continuous else None
+        return sse(body)
+
     try:
         async def items():
             if first is not None:
@@ -108,16 +245,37 @@ async def _stream(ctx: ServerContext, req: ChatCompletionRequest, request_id: st
             prompt_tokens = len(out.prompt_token_ids or ())
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
-                if c.index not in started:
-                    started.add(c.index)
-                    yield sse({**base, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                                    "logprobs": None, "finish_reason": None}]})
-                chunk = {**base, "choices": [{"index": c.index, "delta": {"content": c.text} if c.text else {},
-                                              "logprobs": _logprobs_content(c, req.top_logprobs or 0),
-                                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
-                if include_usage:
-                    chunk["usage"] = None
-                yield sse(chunk)
+                parser = parsers.get(c.index)
+                if parser is None:
+                    parser = parsers[c.index] = _ChoiceParser(ctx, mode, tool, parallel)
+                    yield chunk(c.index, {"role": "assistant", "content": ""})
+                finished = c.finish_reason is not None
+                new_r, new_c = parser.stream(c.text, finished)
+                delta: dict[str, Any] = {}
+                if new_r:
+                    delta["reasoning_content"] = new_r
+                if new_c:
+                    delta["content"] = new_c
+                lps = _logprobs_content(c, req.top_logprobs or 0)
+                if not finished:
+                    if delta or lps is not None:
+                        yield chunk(c.index, delta, lps)
+                    continue
+                _, content, calls = parser.finish(parser.text, c.finish_reason)
+                if calls:
+                    delta.pop("content", None)
+                    held = (content or "")[parser.sent_content:] if mode == "auto" else ""
+                    if held:
+                        delta["content"] = held
+                elif mode in ("named", "required"):
+                    rest = (content or "")[parser.sent_content:]
+                    if rest:
+                        delta["content"] = rest
+                if delta or lps is not None:
+                    yield chunk(c.index, delta, lps)
+                if calls:
+                    yield chunk(c.index, {"tool_calls": [{"index": i, **call.to_dict()} for i, call in enumerate(calls)]})
+                yield chunk(c.index, {}, None, _finish_reason(c.finish_reason, mode, calls), c.stop_reason)
         if include_usage:
             yield sse({**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
     except APIError as exc:

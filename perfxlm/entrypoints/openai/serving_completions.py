@@ -74,7 +74,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     # tokenized here, in the renderer's threads: a long prompt must not hold up the event loop
     prompts = [await _tokenized(ctx, p) for p in _prompts(req)]
     params = to_sampling_params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs,
-                                req.prompt_logprobs)
+                                req.prompt_logprobs, defaults=ctx.default_sampling)
     request_id = new_id("cmpl")
     streams = [generate_one(ctx, p, params, f"{request_id}-{i}") for i, p in enumerate(prompts)]
     tokenizer = ctx.engine.tokenizer
@@ -139,8 +139,9 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str,
                          "choices": [{"index": i * n + c.index, "text": text,
                                       "logprobs": _logprobs_block(c, tokenizer, 0),
                                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
-                if include_usage:
-                    chunk["usage"] = None
+                if include_usage:  # continuous_usage_stats: the running totals on every chunk (vLLM)
+                    chunk["usage"] = (usage(sum(prompt_tokens.values()), completion_tokens)
+                                      if req.stream_options.continuous_usage_stats else None)
                 yield sse(chunk)
         if include_usage:
             yield sse({"id": request_id, "object": "text_completion", "created": created,
