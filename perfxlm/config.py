@@ -98,6 +98,8 @@ class EngineConfig:
     # see ops/kv_quant.py. kv_cache_group_size: int8 values per scale (None: one scale per token and head).
     kv_cache_dtype: str = "auto"
     kv_cache_group_size: int | None = None
+    # Worker processes holding 1/N of the model each, one per NUMA node (perfxlm/distributed/).
+    tensor_parallel_size: int = 1
     enforce_eager: bool = True
     # vLLM's engine argument: the most logprobs / prompt_logprobs a request may ask for (-1: the vocabulary).
     max_logprobs: int = 20
@@ -135,7 +137,7 @@ class EngineConfig:
             self.load_format = "gguf" if self.model.endswith(".gguf") else "safetensors"
         if self.load_format not in ("safetensors", "gguf", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors, gguf or dummy, got {self.load_format!r}.")
-        for name in ("max_num_seqs", "block_size"):
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:

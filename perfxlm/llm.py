@@ -35,8 +35,6 @@ class LLM:
         enforce_eager: bool = True,
         **kwargs: Any,
     ) -> None:
-        if tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet by perfxlm.")
         if quantization is not None:
             raise ValueError(f"quantization={quantization!r} is not supported yet by perfxlm.")
         engine_kwargs = {}
@@ -52,6 +50,7 @@ class LLM:
             dtype=dtype,
             seed=seed,
             enforce_eager=enforce_eager,
+            tensor_parallel_size=tensor_parallel_size,
             **engine_kwargs,
         )
         self.llm_engine = LLMEngine(config)

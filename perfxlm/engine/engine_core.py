@@ -17,9 +17,8 @@ from perfxlm.engine.kv_pool import fit_max_model_len, plan_num_blocks
 from perfxlm.engine.messages import EngineCoreOutput
 from perfxlm.engine.request import Request, RequestStatus
 from perfxlm.engine.scheduler import Scheduler
-from perfxlm.model.loader import get_model
+from perfxlm.executor import make_executor
 from perfxlm.ops import cpu_plan
-from perfxlm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("perfxlm")
 
@@ -38,11 +37,17 @@ class EngineCore:
         self.config = config
         if config.seed is not None:
             torch.manual_seed(config.seed)
-        self.model = get_model(
-            config.model, config.hf_config, config.torch_dtype, config.load_format, config.seed, config.weight_dtype
-        )
-        self.num_kv_blocks = self._num_kv_blocks()
-        self.runner = ModelRunner(self.model, self.num_kv_blocks, config.block_size, config.kv_cache_spec)
+        # In-process for one rank (model and runner here), worker processes for tensor parallelism.
+        self.executor = make_executor(config)
+        self.model = getattr(self.executor, "model", None)
+        try:
+            self.num_kv_blocks = self._num_kv_blocks()
+            self.executor.initialize_cache(self.num_kv_blocks)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        # In-process, steps call the runner itself: the executor costs nothing there.
+        self.runner = getattr(self.executor, "runner", None)
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len
@@ -56,9 +61,9 @@ class EngineCore:
             gc.freeze()
         logger.info(
             "perfxlm engine core: model=%s compute=%s weights=%s kv=%s kv_blocks=%d x %d tokens, max_model_len=%d, "
-            "CPU plan: %s",
+            "CPU plan: %s, model: %s",
             config.model, config.torch_dtype, config.weight_dtype, config.kv_cache_spec.name, self.num_kv_blocks,
-            config.block_size, config.max_model_len, cpu_plan.plan().describe(),
+            config.block_size, config.max_model_len, cpu_plan.plan().describe(), self.executor.describe(),
         )  # fmt: skip
         logger.info(
             "KV cache: %s, %d blocks x %d = %d tokens, %d bytes per token (all layers), %.3f GiB",
@@ -68,14 +73,11 @@ class EngineCore:
         )  # fmt: skip
 
     def _head_dim(self) -> int | None:
-        from perfxlm.model.layers.attention import Attention
-
-        dims = {m.head_dim for m in self.model.modules() if isinstance(m, Attention)}
-        return dims.pop() if len(dims) == 1 else None
+        return self.executor.head_dim()
 
     def _num_kv_blocks(self) -> int:
         c = self.config
-        per_block = self.kv_bytes_per_block = ModelRunner.kv_bytes_per_block(self.model, c.block_size, c.kv_cache_spec)
+        per_block = self.kv_bytes_per_block = self.executor.kv_bytes_per_block(c.block_size, c.kv_cache_spec)
         num = plan_num_blocks(
             per_block, c.block_size, c.max_num_seqs, c.max_model_len, c.num_kv_blocks, c.kv_cache_gib
         )
@@ -98,8 +100,15 @@ class EngineCore:
         so = self.scheduler.schedule()
         if so.is_empty:
             return []
-        mro = self.runner.execute(so)
+        mro = (self.runner or self.executor).execute(so)
         return self.scheduler.update_from_output(so, mro)
+
+    def check_health(self) -> None:
+        """Raise if the model's worker processes (tensor parallelism) died or failed."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     def check_invariants(self) -> dict[str, int]:
         return self.kv_cache_manager.check_invariants()

@@ -51,6 +51,10 @@ class LLMEngine(EngineFrontEndParts):
             self.scheduler.finish_requests([rid], RequestStatus.FINISHED_STOPPED, stop_reason=stop)
         return outputs
 
+    def shutdown(self) -> None:
+        """Stop the model's worker processes (tensor parallelism); also done when the engine is collected."""
+        self.core.shutdown()
+
     # ---- introspection -------------------------------------------------------------------
     def check_invariants(self) -> dict[str, int]:
         return self.kv_cache_manager.check_invariants()

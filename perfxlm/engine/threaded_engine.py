@@ -110,6 +110,11 @@ class ThreadedEngine(EngineFrontEndParts):
         for thread in (self._core_thread, self._output_thread):
             if not thread.is_alive():
                 raise EngineDeadError(f"the engine thread {thread.name} has stopped")
+        try:
+            self.core.check_health()  # worker processes, under tensor parallelism
+        except Exception as exc:
+            self._die(exc)
+            raise self._dead or EngineDeadError(str(exc)) from exc
 
     @property
     def is_dead(self) -> bool:
@@ -143,6 +148,7 @@ class ThreadedEngine(EngineFrontEndParts):
             ids = list(self._sinks)
         for rid in ids:
             self.abort(rid)
+        self.core.shutdown()
 
     # ---- failure handling ----------------------------------------------------------------
     def _run_thread(self, loop: Callable[[], None]) -> None:

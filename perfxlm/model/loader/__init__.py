@@ -41,11 +41,20 @@ def get_model(
     load_format: str,
     seed: int | None = 0,
     weight_dtype: torch.dtype | None = None,
+    tp: Any = None,
 ):
+    """`tp`: a distributed.sharding.TPShard: build and load only that rank's shard."""
     model_cls = resolve_model_class(hf_config)
+    build_config = hf_config
+    if tp is not None:
+        from perfxlm.distributed.sharding import check_supported
+
+        prequantized = getattr(hf_config, "quantization_config", None) is not None
+        check_supported(model_cls, tp.world_size, hf_config, prequantized)
+        build_config = tp.shard_config(hf_config)
     with _default_dtype(dtype), torch.no_grad():
         # Layers allocate with torch.empty: building the model costs no initialisation pass.
-        model = model_cls(hf_config)
+        model = model_cls(build_config)
         if weight_dtype is not None and weight_dtype != dtype:
             _allocate_weights(model, weight_dtype)
         if load_format == "dummy":
@@ -53,7 +62,9 @@ def get_model(
 
             fill_dummy_weights(model, seed or 0)
         else:
-            weights = _iter_weights(model_path, hf_config, load_format)
+            weights = _iter_weights(model_path, hf_config, load_format) if tp is None else _iter_shard(
+                tp, model_path, hf_config, load_format, model_cls
+            )
             model.load_weights(tqdm(weights, desc="Loading weights", unit="tensor", leave=False))
     if weight_dtype is not None and weight_dtype != dtype:
         cast_weights(model, weight_dtype, dtype)
@@ -108,6 +119,13 @@ def cast_weights(model: torch.nn.Module, weight_dtype: torch.dtype, compute_dtyp
     for module in embeddings.values():
         module.compute_dtype = compute_dtype
         module.weight.data = module.weight.data.to(weight_dtype)
+
+
+def _iter_shard(tp: Any, model_path: str, hf_config: Any, load_format: str, model_cls: type):
+    from perfxlm.distributed.sharding import iter_shard_weights
+
+    full = lambda: _iter_weights(model_path, hf_config, load_format)  # noqa: E731
+    return iter_shard_weights(tp, model_path, hf_config, load_format, model_cls.renames, full)
 
 
 def _iter_weights(model_path: str, hf_config: Any, load_format: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,0 +1,43 @@
+"""The model in the engine's own process (tensor_parallel_size 1)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from perfxlm.model.layers.attention import Attention
+from perfxlm.model.loader import get_model
+from perfxlm.worker.model_runner import ModelRunner
+
+
+class InProcessExecutor:
+    world_size = 1
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.model = get_model(
+            config.model, config.hf_config, config.torch_dtype, config.load_format, config.seed, config.weight_dtype
+        )
+        self.runner: ModelRunner | None = None
+
+    def kv_bytes_per_block(self, block_size: int, spec: Any) -> int:
+        return ModelRunner.kv_bytes_per_block(self.model, block_size, spec)
+
+    def head_dim(self) -> int | None:
+        dims = {m.head_dim for m in self.model.modules() if isinstance(m, Attention)}
+        return dims.pop() if len(dims) == 1 else None
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        c = self.config
+        self.runner = ModelRunner(self.model, num_blocks, c.block_size, c.kv_cache_spec)
+
+    def execute(self, so: Any) -> Any:
+        return self.runner.execute(so)  # type: ignore[union-attr]
+
+    def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+    def describe(self) -> str:
+        return "in-process"
