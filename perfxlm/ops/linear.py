@@ -9,6 +9,9 @@
   arithmetic): few rows go to the native panel kernel; many rows widen a slab of panels into a reused
   float32 buffer that stays in cache and run MKL's float32 GEMM on it, which beats the kernel there.
 - Without native kernels: W widened per call, correct and slow.
+- W a `perfxlm.quant.QuantizedWeight` (GGUF blocks kept quantized, `quantization=`): the native
+  `linear_q` kernel (codes widened in registers, W8A8 through int8 dot products), else
+  `perfxlm.quant.reference` (dequantize, then F.linear; W8A8's integer product).
 
 The reference for all of them is `F.linear(x, W.float(), b)`.
 """
@@ -21,6 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from perfxlm.ops import cpu_plan, native
+from perfxlm.quant.reference import reference_linear
+from perfxlm.quant.weight import QuantizedWeight
 
 PANEL = 16
 # Output columns widened per slab when rows are few: 1024 x 576 float32 = 2.3 MB, about L2.
@@ -49,6 +54,8 @@ def unpack_bf16(packed: torch.Tensor, out_features: int) -> torch.Tensor:
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out_features: int | None = None
 ) -> torch.Tensor:
+    if type(weight) is QuantizedWeight:
+        return quantized_linear(x, weight, bias)
     if weight.dim() == 3:  # packed bf16 panels
         assert out_features is not None, "a packed weight needs its out_features"
         rows = x.reshape(-1, x.shape[-1])
@@ -64,6 +71,24 @@ def linear(
         rows = x.reshape(-1, x.shape[-1])
         return bf16_rows_linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] (float32, or bf16 activations computed in float32) -> [..., N] in x's dtype: the native
+    `linear_q` kernel where built, else the plain-torch reference (perfxlm.quant.reference)."""
+    ops = native.kernels()
+    if ops is None or not hasattr(ops, "linear_q"):
+        return reference_linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.dtype != torch.float32 or not rows.is_contiguous():
+        rows = rows.float().contiguous()
+    b = bias if bias is None or bias.dtype == torch.float32 else bias.float()
+    plan = cpu_plan.plan()
+    y = ops.linear_q(
+        rows, weight.codes, weight.scales, weight.mins, weight.levels, b, weight.act == "int8",
+        plan.native_max_rows, plan.gemm == "bf16",
+    )  # fmt: skip
+    return y.to(x.dtype).view(*x.shape[:-1], weight.out_features)
 
 
 def bf16_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -6,6 +6,7 @@ from torch import nn
 
 from perfxlm.model.layers.activation import soft_cap
 from perfxlm.ops.linear import linear
+from perfxlm.quant.weight import QuantizedWeight
 
 
 class VocabEmbedding(nn.Module):
@@ -18,7 +19,10 @@ class VocabEmbedding(nn.Module):
         self.compute_dtype: torch.dtype | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = F.embedding(input_ids, self.weight)
+        if type(self.weight) is QuantizedWeight:  # a GGUF table kept quantized: only these rows widen
+            x = self.weight.embedding(input_ids)
+        else:
+            x = F.embedding(input_ids, self.weight)
         if self.compute_dtype is not None:
             x = x.to(self.compute_dtype)
         if self.scale is not None:

@@ -9,6 +9,12 @@ from perfxlm.ops.linear import linear
 
 
 class Linear(nn.Module):
+    """`weight` is a Parameter [N, K], or a `perfxlm.quant.QuantizedWeight` once a quantized checkpoint
+    or `quantization=` replaced it (ops.linear dispatches on which)."""
+
+    # whether `quantization=` quantizes this projection (MoE routers and gates stay float, as in vLLM)
+    quantize_weight = True
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.in_features = in_features

@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import math
+import mmap
 import os
 import re
 import shutil
@@ -29,9 +30,12 @@ from perfxlm.model.loader.gguf_metadata import (
     check_attention_scale, check_metadata, head_dims, rope_freq_factors, uniform,
 )
 from perfxlm.ops.gguf_dequant import check_supported, dequantize
+from perfxlm.quant.gguf_repack import REPACKED_TYPES, repack
 
 if TYPE_CHECKING:
     import transformers
+
+    from perfxlm.quant.weight import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -278,6 +282,13 @@ class GGUFFile:
         cols = info.shape[-1] if info.shape else 1
         return data.reshape(*info.shape[:-1], cols // block_elems * block_bytes)
 
+    def release_pages(self) -> None:
+        """Drop this process's resident pages of the mapping (read again from the file if touched)."""
+        mm = getattr(self._map, "_mmap", None)
+        if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
+            with contextlib.suppress(OSError, ValueError):
+                mm.madvise(mmap.MADV_DONTNEED)
+
     def tensor(self, name: str) -> torch.Tensor:
         """The tensor dequantized to float32, in its torch shape."""
         info = self.tensors[name]
@@ -430,11 +441,16 @@ def unpermute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.transpose(1, 2).reshape(weight.shape)
 
 
-def iter_gguf_weights(path: str, config: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(
+    path: str, config: Any = None, keep_quantized: bool = False
+) -> Iterator[tuple[str, "torch.Tensor | QuantizedWeight"]]:
     """(Hugging Face parameter name, float32 tensor) for every model tensor in the GGUF file.
 
     Tensors are dequantized one at a time, as the iterator is consumed. A tied model yields no
     lm_head.weight. `config` (for the head counts) defaults to `load_gguf_config(path)`.
+    `keep_quantized`: matrices of the types in `gguf_repack.REPACKED_TYPES` come as a `QuantizedWeight`
+    holding the same values (repacked, never widened); other quantized types are dequantized, and one
+    log line says which.
     """
     # opened here rather than in the generator so a bad file, architecture or tensor type fails at the call
     f = open_gguf(path)
@@ -455,7 +471,17 @@ def iter_gguf_weights(path: str, config: Any = None) -> Iterator[tuple[str, torc
     config = config if config is not None else load_gguf_config(path)
     n_head = config.num_attention_heads
     n_kv_head = getattr(config, "num_key_value_heads", None) or n_head
-    return _iter_weights(f, spec, n_head, n_kv_head)
+    if keep_quantized:
+        widened = sorted({
+            i.ggml_type.name for i in f.tensors.values()
+            if i.ggml_type not in REPACKED_TYPES and i.ggml_type not in (Q.F32, Q.F16, Q.BF16)
+        })  # fmt: skip
+        if widened:
+            logger.info(
+                "GGUF %s: tensors of type %s are dequantized to float at load (kept quantized: %s).",
+                os.path.basename(path), ", ".join(widened), ", ".join(sorted(t.name for t in REPACKED_TYPES)),
+            )  # fmt: skip
+    return _iter_weights(f, spec, n_head, n_kv_head, keep_quantized)
 
 
 @contextlib.contextmanager
@@ -474,24 +500,37 @@ def _one_torch_thread() -> Iterator[None]:
 
 
 def _iter_weights(
-    f: GGUFFile, spec: _ArchSpec, n_head: int, n_kv_head: int
-) -> Iterator[tuple[str, torch.Tensor]]:
+    f: GGUFFile, spec: _ArchSpec, n_head: int, n_kv_head: int, keep_quantized: bool = False
+) -> Iterator[tuple[str, Any]]:
     table = _name_table(spec)
     for name in f.tensors:
         hf_name = _hf_name(name, table)
         if hf_name is None:
             continue  # rope_freqs: read into the config by load_gguf_config (others refused up front)
+        info = f.tensors[name]
         # the thread count is restored before each yield, so the consumer runs with its own setting
         with _one_torch_thread():
-            tensor = f.tensor(name)
+            if keep_quantized and info.ggml_type in REPACKED_TYPES and len(info.shape) == 2:
+                tensor: Any = repack(f.raw(name), info.ggml_type, info.shape)
+            else:
+                tensor = f.tensor(name)
             if spec.norms_plus_one and hf_name.endswith("norm.weight"):
                 tensor = tensor - 1.0
             if spec.permute_qk:
                 if ".self_attn.q_proj." in hf_name:
-                    tensor = unpermute_qk(tensor, n_head)
+                    tensor = _unpermute(tensor, n_head)
                 elif ".self_attn.k_proj." in hf_name:
-                    tensor = unpermute_qk(tensor, n_kv_head)
+                    tensor = _unpermute(tensor, n_kv_head)
         yield hf_name, tensor
+    # the tensors are copied out: hand the file's pages back, so resident memory is the model's own
+    f.release_pages()
+
+
+def _unpermute(tensor: Any, n_head: int) -> Any:
+    if isinstance(tensor, torch.Tensor):
+        return unpermute_qk(tensor, n_head)
+    rows = torch.arange(tensor.out_features).view(-1, 1)
+    return tensor.index_rows(unpermute_qk(rows, n_head).view(-1))  # codes, scales and mins rows alike
 
 
 # ---------------------------------------------------------------------------------------------------------

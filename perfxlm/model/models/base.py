@@ -13,7 +13,7 @@ stacked experts) loads whole.
 from __future__ import annotations
 
 import re
-from typing import ClassVar, Iterable
+from typing import Any, ClassVar, Iterable
 
 import torch
 from torch import nn
@@ -25,6 +25,11 @@ def _compile_stacked(table: list[tuple[str, str, str]]) -> list[tuple[re.Pattern
         pattern = re.escape(original).replace(re.escape("{expert}"), r"(?P<expert>\d+)")
         compiled.append((re.compile(pattern), fused, shard))
     return compiled
+
+
+def _as_float(tensor: Any) -> torch.Tensor:
+    """A quantized checkpoint tensor (perfxlm.quant.QuantizedWeight) no sink kept, as float32 values."""
+    return tensor if isinstance(tensor, torch.Tensor) else tensor.dequantize()
 
 
 def _shard_key(param: str, shard: str, expert: int | None) -> str:
@@ -51,11 +56,14 @@ class CausalLM(nn.Module):
     def tied_param_names(self) -> set[str]:
         return set()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], sink: Any = None) -> None:
+        """`sink` (perfxlm.quant.loading.QuantizedLoader): offered each tensor before it is copied into its
+        parameter; it keeps quantized weights (a GGUF file's blocks, or float weights it quantizes)."""
         params = dict(self.named_parameters(remove_duplicate=False))
         modules = dict(self.named_modules())
         renames = [(re.compile(p), r) for p, r in self.renames]
         stacked = _compile_stacked(self.stacked_params)
+        expected = self._expected_loads()  # before a sink replaces parameters with quantized weights
         loaded: set[str] = set()
         for name, tensor in weights:
             if any(s in name for s in self.skip_substrings):
@@ -70,8 +78,11 @@ class CausalLM(nn.Module):
                 if target not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in the model ({target!r})")
                 expert = int(m.group("expert")) if "expert" in pattern.groupindex else None
-                module = modules[target.rsplit(".", 1)[0]]
-                module.load_shard(params[target], tensor, shard, expert)  # type: ignore[operator]
+                parent, local = target.rsplit(".", 1)
+                module = modules[parent]
+                if sink is None or not sink.load(module, local, tensor, shard, expert):
+                    tensor = _as_float(tensor)
+                    module.load_shard(params[target], tensor, shard, expert)  # type: ignore[operator]
                 loaded.add(_shard_key(target, shard, expert))
                 break
             else:
@@ -84,13 +95,16 @@ class CausalLM(nn.Module):
                     raise ValueError(
                         f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}"
                     )
-                param.data.copy_(tensor)
-                loaded.add(name)
                 parent, local = name.rsplit(".", 1)
+                if sink is None or not sink.load(modules[parent], local, tensor, None, None):
+                    param.data.copy_(_as_float(tensor))
+                loaded.add(name)
                 shards = getattr(modules[parent], "expected_shards", None)
                 if shards is not None:  # already fused in the checkpoint: every shard at once
                     loaded.update(f"{name}:{s}" for s in shards(local))
-        missing = self._expected_loads() - loaded
+        if sink is not None:
+            sink.finish()
+        missing = expected - loaded
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
 

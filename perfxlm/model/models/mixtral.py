@@ -22,6 +22,7 @@ class MixtralSparseMoeBlock(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.gate = Linear(config.hidden_size, config.num_local_experts)
+        self.gate.quantize_weight = False  # routers stay float under quantization=
         self.experts = FusedMoE(
             config.num_local_experts,
             config.num_experts_per_tok,

@@ -32,6 +32,7 @@ class Qwen2MoeSparseMoeBlock(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.gate = Linear(config.hidden_size, config.num_experts)
+        self.gate.quantize_weight = False  # routers stay float under quantization=
         self.experts = FusedMoE(
             config.num_experts,
             config.num_experts_per_tok,
@@ -43,6 +44,8 @@ class Qwen2MoeSparseMoeBlock(nn.Module):
         shared = getattr(config, "shared_expert_intermediate_size", 0)
         self.shared_expert = LlamaMLP(config, intermediate_size=shared, bias=False) if shared else None
         self.shared_expert_gate = Linear(config.hidden_size, 1) if shared else None
+        if self.shared_expert_gate is not None:
+            self.shared_expert_gate.quantize_weight = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, self.gate(x))

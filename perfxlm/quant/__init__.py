@@ -1,0 +1,13 @@
+"""Quantized weights: one storage form (`QuantizedWeight`) for GGUF blocks kept quantized and for float
+checkpoints quantized at load (`quantization=`), multiplied by `ops.linear` through the native kernel or
+the plain-torch reference."""
+
+from perfxlm.quant.config import METHODS, QuantizationConfig
+from perfxlm.quant.quantizers import NF4_LEVELS
+from perfxlm.quant.reference import quantize_activations, reference_linear
+from perfxlm.quant.weight import QuantizedWeight, pack_nibbles, unpack_nibbles
+
+__all__ = [
+    "METHODS", "NF4_LEVELS", "QuantizationConfig", "QuantizedWeight", "pack_nibbles", "quantize_activations",
+    "reference_linear", "unpack_nibbles",
+]  # fmt: skip

@@ -1,0 +1,173 @@
+"""`quantization=`: what the user asked for, resolved once into a `QuantizationConfig`.
+
+Names (vLLM's `quantization` argument):
+- "int8": int8 weight-only; per output channel by default, or per group; symmetric by default, or
+  asymmetric (uint8 with a zero point per group, DashInfer's InstantQuant form).
+- "int4": 4-bit weight-only, group 32 by default (32/64/128 ...), symmetric (Q4_0's rule) or asymmetric.
+- "nf4": 4-bit NormalFloat (bitsandbytes' 16 levels), absmax per group of 64 by default.
+- "w8a8": int8 weights per output channel, symmetric; activations quantized per token at run time.
+- "gguf": accepted on a .gguf file (vLLM's spelling): its quantized tensors stay quantized, the default.
+- "none": no quantized weights; a GGUF file's quantized tensors are dequantized at load to `dtype`.
+Options: `quantization_group_size` (weights per scale; -1 = one scale per output channel) and
+`quantization_symmetric` (bool). Both may also come inside the value as a dict or its JSON text:
+`{"method": "int4", "group_size": 64, "symmetric": false}`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from perfxlm.quant import quantizers
+from perfxlm.quant.weight import BLOCK4, QuantizedWeight
+
+METHODS = ("int8", "int4", "nf4", "w8a8")
+GGUF, NONE = "gguf", "none"
+ALL_NAMES = (*METHODS, GGUF, NONE)
+PER_CHANNEL = -1
+_DEFAULT_GROUP = {"int8": PER_CHANNEL, "int4": 32, "nf4": 64, "w8a8": PER_CHANNEL}
+_DICT_KEYS = ("method", "group_size", "symmetric")
+
+
+def _names() -> str:
+    return ", ".join(ALL_NAMES)
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    method: str  # one of ALL_NAMES
+    group_size: int = PER_CHANNEL  # -1: one scale per output channel
+    symmetric: bool = True
+    group_explicit: bool = False  # whether group_size came from the user
+
+    @property
+    def quantizes(self) -> bool:
+        """Whether float weights are quantized at load (int8 / int4 / nf4 / w8a8)."""
+        return self.method in METHODS
+
+    @property
+    def bits(self) -> int:
+        return 4 if self.method in ("int4", "nf4") else 8
+
+    def describe(self) -> str:
+        if not self.quantizes:
+            return self.method
+        group = "per channel" if self.group_size == PER_CHANNEL else f"group {self.group_size}"
+        kind = "" if self.method == "nf4" else (", symmetric" if self.symmetric else ", asymmetric")
+        return f"{self.method} ({group}{kind})"
+
+    def as_dict(self) -> dict[str, Any]:
+        """The dict form `resolve` reads back (plain values: it travels inside the model's config)."""
+        if not self.quantizes:
+            return {"method": self.method}
+        return {"method": self.method, "group_size": self.group_size, "symmetric": self.symmetric}
+
+    def group_for(self, in_features: int) -> int:
+        return in_features if self.group_size == PER_CHANNEL else self.group_size
+
+    def check_in_features(self, in_features: int, where: str) -> None:
+        """ValueError unless a weight with `in_features` columns can take this format."""
+        group = self.group_for(in_features)
+        origin = "" if self.group_explicit else f" (the default for {self.method})"
+        if in_features % group:
+            raise ValueError(
+                f"quantization_group_size={self.group_size}{origin} does not divide the input size "
+                f"{in_features} of {where}; supported: a group size dividing every input size, or -1 "
+                "(one scale per output channel)."
+            )
+        if self.bits == 4 and (in_features % BLOCK4 or group % BLOCK4):
+            raise ValueError(
+                f"quantization={self.method!r} needs input sizes and group sizes that are multiples of "
+                f"{BLOCK4}; {where} has input size {in_features} with group {group}. Supported there: "
+                "int8 or w8a8."
+            )
+
+    def quantizer(self) -> Callable[[torch.Tensor], QuantizedWeight]:
+        """float [..., N, K] -> QuantizedWeight in this format."""
+        if not self.quantizes:
+            raise ValueError(f"quantization={self.method!r} does not quantize weights")
+
+        def quantize(w: torch.Tensor) -> QuantizedWeight:
+            group = self.group_for(w.shape[-1])
+            if self.method == "int8":
+                if self.symmetric:
+                    return quantizers.quantize_symmetric_int8(w, group)
+                return quantizers.quantize_asymmetric_int8(w, group)
+            if self.method == "w8a8":
+                return quantizers.quantize_symmetric_int8(w, group, act="int8")
+            if self.method == "int4":
+                if self.symmetric:
+                    return quantizers.quantize_symmetric_int4(w, group)
+                return quantizers.quantize_asymmetric_int4(w, group)
+            return quantizers.quantize_nf4(w, group)
+
+        return quantize
+
+    @staticmethod
+    def resolve(
+        quantization: Any, group_size: int | None = None, symmetric: bool | None = None
+    ) -> "QuantizationConfig | None":
+        """None when nothing was asked; ValueError naming the value and the choices otherwise."""
+        if quantization is None:
+            if group_size is not None or symmetric is not None:
+                raise ValueError(
+                    "quantization_group_size / quantization_symmetric need quantization= "
+                    f"(one of {', '.join(METHODS)})."
+                )
+            return None
+        options: dict[str, Any] = {}
+        if isinstance(quantization, str) and quantization.strip().startswith("{"):
+            try:
+                quantization = json.loads(quantization)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"quantization={quantization!r} is not valid JSON: {e}") from None
+        if isinstance(quantization, dict):
+            unknown = sorted(set(quantization) - set(_DICT_KEYS))
+            if unknown or "method" not in quantization:
+                raise ValueError(
+                    f"quantization={quantization!r}: expected the keys {', '.join(_DICT_KEYS)} "
+                    f"(method required){'; unknown: ' + ', '.join(unknown) if unknown else ''}."
+                )
+            options = {k: v for k, v in quantization.items() if k != "method"}
+            quantization = quantization["method"]
+        if not isinstance(quantization, str) or quantization.strip().lower() not in ALL_NAMES:
+            raise ValueError(f"quantization={quantization!r} is not supported; supported: {_names()}.")
+        method = quantization.strip().lower()
+        for key, value in (("group_size", group_size), ("symmetric", symmetric)):
+            if value is not None:
+                if key in options and options[key] != value:
+                    raise ValueError(f"quantization {key} given twice with different values")
+                options[key] = value
+        if method in (GGUF, NONE):
+            if options:
+                raise ValueError(f"quantization={method!r} takes no group size or symmetry options.")
+            return QuantizationConfig(method)
+        group = options.get("group_size")
+        if group is not None:
+            if isinstance(group, bool) or not isinstance(group, int) or (group < 1 and group != PER_CHANNEL):
+                raise ValueError(
+                    f"quantization_group_size={group!r}: expected a positive integer or -1 (per channel)."
+                )
+            if method in ("int4", "nf4") and group != PER_CHANNEL and group % BLOCK4:
+                raise ValueError(
+                    f"quantization_group_size={group} for {method}: supported: multiples of {BLOCK4} "
+                    "(32, 64, 128, ...) or -1 (per channel)."
+                )
+        sym = options.get("symmetric")
+        if sym is not None and not isinstance(sym, bool):
+            raise ValueError(f"quantization_symmetric={sym!r}: expected true or false.")
+        if method == "nf4" and sym is False:
+            raise ValueError("quantization_symmetric=False: nf4 is absmax-scaled; supported: symmetric only.")
+        if method == "w8a8" and sym is False:
+            raise ValueError(
+                "quantization_symmetric=False: w8a8 weights are symmetric; supported: symmetric only."
+            )
+        return QuantizationConfig(
+            method,
+            group_size=_DEFAULT_GROUP[method] if group is None else group,
+            symmetric=True if sym is None else sym,
+            group_explicit=group is not None,
+        )

@@ -1,0 +1,106 @@
+"""GGUF quantized blocks -> `QuantizedWeight`, by moving bits (no float detour).
+
+Each type maps onto the affine form w = scale * u + min without changing a value (`dequantize()` equals
+`gguf.quants.dequantize` bit for bit):
+- Q4_0: u = q (0..15), Q4_0's nibble layout kept byte for byte; scale d, min -8 d (float16).
+- Q4_1: u = q, scale d, min m (float16).
+- Q8_0: 8-bit u = q + 128, scale d, min -128 d (float16).
+- Q5_0 / Q5_1: 8-bit u = q (0..31); scale d, min -16 d / m (float16).
+- Q4_K: 4-bit u, group 32; scale d * sc, min -dmin * m (float32: products of two float16-sized values).
+- Q5_K: as Q4_K with 8-bit u (0..31).
+- Q6_K: 8-bit u = q (0..63), group 16; scale d * sc, min -32 d * sc (float32).
+float16 scales and mins fall back to float32 when a min overflows float16 (|d| too large for -8 d).
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import torch
+
+from perfxlm.ops import gguf_dequant as gd
+from perfxlm.quant.weight import QuantizedWeight, pack_nibbles
+
+Q = gguf.GGMLQuantizationType
+
+REPACKED_TYPES: frozenset[Q] = frozenset(
+    (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+)
+
+
+def _blocks(raw: np.ndarray | torch.Tensor, block_bytes: int) -> torch.Tensor:
+    data, _ = gd._raw_bytes(raw)
+    return data.reshape(-1, block_bytes)
+
+
+def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """One float16 per block, (n_blocks,)."""
+    return blocks[:, start : start + 2].contiguous().view(torch.float16).reshape(-1)
+
+
+def _scaled_min(d: torch.Tensor, factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, factor * d): float16 if the product fits (exact: a power of two), else both float32."""
+    m16 = d * factor
+    if torch.isfinite(m16).all() or not torch.isfinite(d).all():
+        return d, m16
+    return d.float(), d.float() * factor
+
+
+def repack(raw: np.ndarray | torch.Tensor, qtype: Q, shape: tuple[int, ...]) -> QuantizedWeight:
+    """A 2-D GGUF tensor (torch shape [N, K]) of a type in REPACKED_TYPES as a weight-only QuantizedWeight."""
+    qtype = Q(int(qtype))
+    if qtype not in REPACKED_TYPES:
+        raise ValueError(
+            f"GGML type {qtype.name} cannot be kept quantized "
+            f"(supported: {', '.join(sorted(t.name for t in REPACKED_TYPES))})."
+        )
+    if len(shape) != 2:
+        raise ValueError(f"only matrices are kept quantized; got shape {tuple(shape)}")
+    n, k = (int(s) for s in shape)
+    block_elems, block_bytes = gd._BLOCK[qtype]
+    if k % block_elems:
+        raise ValueError(f"row length {k} of a {qtype.name} tensor is not a multiple of {block_elems}")
+    b = _blocks(raw, block_bytes)
+    if b.shape[0] != n * k // block_elems:
+        raise ValueError(f"{qtype.name} tensor of shape {tuple(shape)}: wrong number of bytes")
+
+    if qtype == Q.Q4_0:
+        codes, group, bits = b[:, 2:18], 32, 4
+        scales, mins = _scaled_min(_f16(b, 0), -8.0)
+    elif qtype == Q.Q4_1:
+        codes, group, bits = b[:, 4:20], 32, 4
+        scales, mins = _f16(b, 0), _f16(b, 2)
+    elif qtype == Q.Q8_0:
+        codes, group, bits = b[:, 2:34] ^ 0x80, 32, 8  # int8 q + 128
+        scales, mins = _scaled_min(_f16(b, 0), -128.0)
+    elif qtype == Q.Q5_0:
+        codes, group, bits = gd._q5(b, 2), 32, 8
+        scales, mins = _scaled_min(_f16(b, 0), -16.0)
+    elif qtype == Q.Q5_1:
+        codes, group, bits = gd._q5(b, 4), 32, 8
+        scales, mins = _f16(b, 0), _f16(b, 2)
+    elif qtype in (Q.Q4_K, Q.Q5_K):
+        u = gd._split_nibbles(b[:, 16:144] if qtype == Q.Q4_K else b[:, 48:], 32).reshape(-1, 8, 32)
+        if qtype == Q.Q5_K:
+            qh = b[:, 16:48].unsqueeze(1).bitwise_right_shift(gd._BIT_SHIFTS.view(1, 8, 1)).bitwise_and_(1)
+            u = u.bitwise_or_(qh.bitwise_left_shift_(4))
+        sc, mn = gd._k_scales(b[:, 4:16])  # (n, 8, 1) float32, as the dequantizer computes them
+        scales = sc.mul_(gd._half(b, 0).unsqueeze(-1)).reshape(-1)
+        mins = mn.mul_(gd._half(b, 2).unsqueeze(-1)).neg_().reshape(-1)
+        group = 32
+        if qtype == Q.Q4_K:
+            codes, bits = pack_nibbles(u.reshape(-1, 256)), 4
+        else:
+            codes, bits = u.reshape(-1, 256), 8
+    else:  # Q6_K
+        nb = b.shape[0]
+        low = gd._split_nibbles(b[:, :128], 64).reshape(nb, 8, 32)
+        high = b[:, 128:192].reshape(nb, 2, 1, 32).bitwise_right_shift(gd._Q6_HIGH_SHIFTS).bitwise_and_(3)
+        codes = low.bitwise_or_(high.reshape(nb, 8, 32).bitwise_left_shift_(4)).reshape(nb, 256)
+        scales = b[:, 192:208].contiguous().view(torch.int8).float().mul_(gd._half(b, 208)).reshape(-1)
+        mins = scales * -32.0
+        group, bits = 16, 8
+    return QuantizedWeight(
+        codes.contiguous().reshape(n, k * bits // 8), scales.contiguous().reshape(n, k // group),
+        mins.contiguous().reshape(n, k // group), None, bits, group, "float", n, k,
+    )  # fmt: skip

@@ -1,0 +1,240 @@
+"""Putting quantized weights into a model as its checkpoint streams in.
+
+`QuantizedLoader` is handed every checkpoint tensor bound for a projection weight before it would be
+copied into its Parameter (`CausalLM.load_weights(weights, sink=...)`). Two sources:
+- a `QuantizedWeight` from a GGUF file (kept quantized): Linear / MergedLinear weights, the embedding
+  table and the LM head;
+- a float tensor, quantized here with the configured quantizer (`quantization=` on a float checkpoint):
+  every Linear except MoE routers and gates (`Linear.quantize_weight`), and MoE expert stacks. Embeddings
+  and the LM head stay in float (the head's logits and every token's embedding are too sensitive, and
+  a vLLM checkpoint quantized this way keeps them too).
+Each piece is quantized as it arrives, so a model never exists whole in float: shards of a fused weight
+(q, k, v; gate, up; an expert's gate and up) wait as quantized pieces until their weight is complete,
+then are concatenated (`QuantizedWeight.cat_rows`) and replace the module's Parameter, whose untouched
+float storage is freed. A tied LM head gets the embedding's `QuantizedWeight`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+from torch import nn
+
+from perfxlm.quant.config import GGUF, METHODS, QuantizationConfig
+from perfxlm.quant.weight import QuantizedWeight
+
+logger = logging.getLogger("perfxlm")
+
+_EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+
+
+def install(module: nn.Module, name: str, weight: QuantizedWeight) -> Any:
+    """Make `module.<name>` the QuantizedWeight (a plain attribute); returns the Parameter it replaces."""
+    old = module._parameters.pop(name, None)
+    setattr(module, name, weight)
+    return old
+
+
+def _kind(module: nn.Module, local: str) -> str | None:
+    from perfxlm.model.layers.embed_head import LMHead, VocabEmbedding
+    from perfxlm.model.layers.linear import Linear
+    from perfxlm.model.layers.moe import FusedMoE
+
+    if isinstance(module, Linear) and local == "weight":
+        return "linear"
+    if isinstance(module, (LMHead, VocabEmbedding)) and local == "weight":
+        return "table"
+    if isinstance(module, FusedMoE) and local in _EXPERT_PARAMS:
+        return "experts"
+    return None
+
+
+def quantizable(model: nn.Module) -> list[tuple[str, nn.Module, str, int]]:
+    """(qualified name, module, parameter, in_features) of every weight `quantization=` quantizes."""
+    from perfxlm.model.layers.linear import Linear
+    from perfxlm.model.layers.moe import FusedMoE
+
+    out = []
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and module.quantize_weight:
+            out.append((name, module, "weight", module.in_features))
+        elif isinstance(module, FusedMoE):
+            out.append((name, module, "gate_up_proj", module.gate_up_proj.shape[-1]))
+            out.append((name, module, "down_proj", module.down_proj.shape[-1]))
+    return out
+
+
+class QuantizedLoader:
+    def __init__(self, model: nn.Module, config: QuantizationConfig | None = None) -> None:
+        self.config = config if config is not None and config.quantizes else None
+        self.quantize = self.config.quantizer() if self.config is not None else None
+        self.targets = {(id(m), p) for _, m, p, _ in quantizable(model)} if self.config is not None else set()
+        self.pending: dict[tuple[int, str, int | None], dict[str, Any]] = {}
+        self.experts: dict[tuple[int, str], dict[int, QuantizedWeight]] = {}
+        self.floats: set[tuple[int, str]] = set()  # fused weights some of whose shards arrived in float
+        self.replaced: dict[int, QuantizedWeight] = {}
+        self.kept: Counter[str] = Counter()
+        self.model = model
+
+    def check(self) -> None:
+        """ValueError, before any weight is read, where a weight's shape cannot take the format."""
+        if self.config is None:
+            return
+        for name, _, param, in_features in quantizable(self.model):
+            self.config.check_in_features(in_features, f"{name}.{param}")
+
+    # ---- loading -------------------------------------------------------------------------------------
+    def load(self, module: nn.Module, local: str, tensor: Any, shard: str | None, expert: int | None) -> bool:
+        """Take `tensor` (bound for `module.<local>`, shard `shard` of expert `expert`); False leaves it
+        to the caller's plain copy (a QuantizedWeight is then dequantized by the caller)."""
+        kind = _kind(module, local)
+        if kind is None:
+            return False
+        quantized = isinstance(tensor, QuantizedWeight)
+        key2 = (id(module), local)
+        if not quantized:
+            if self.quantize is None or key2 not in self.targets:
+                if shard is not None:
+                    self._spill_to_float(module, local, expert)  # a float shard: the fused weight is float
+                    self.floats.add(key2)
+                return False
+            self._check_shape(module, local, tensor.shape, shard, expert)
+            tensor = self.quantize(tensor)
+        else:
+            self._check_shape(module, local, tensor.shape, shard, expert)
+            if shard is not None and key2 in self.floats:
+                return False  # another shard of this weight is float: store it in float as well
+        if shard is None and expert is None:
+            self._install(module, local, tensor)
+            return True
+        key = (id(module), local, expert)
+        parts = self.pending.setdefault(key, {"module": module})
+        parts[shard] = tensor
+        order = self._shard_order(module, local, expert)
+        if all(s in parts for s in order):
+            del self.pending[key]
+            whole = QuantizedWeight.cat_rows([parts[s] for s in order])
+            if expert is None:
+                self._install(module, local, whole)
+            else:
+                self._expert_done(module, local, expert, whole)
+        return True
+
+    def _shard_order(self, module: nn.Module, local: str, expert: int | None) -> list[str]:
+        if expert is not None:
+            return ["gate", "up"] if local == "gate_up_proj" else ["down"]
+        return list(module.output_sizes)
+
+    def _expected_shape(self, module: nn.Module, local: str, shard: str | None, expert: int | None) -> tuple:
+        full = tuple(getattr(module, local).shape)
+        if _kind(module, local) == "experts":
+            if expert is None:
+                return full
+            rows = full[1] // 2 if local == "gate_up_proj" else full[1]
+            return (rows, full[2])
+        if shard is None:
+            return full
+        return (module.output_sizes[shard], full[1])
+
+    def _check_shape(self, module, local, shape, shard, expert) -> None:
+        want = self._expected_shape(module, local, shard, expert)
+        if tuple(shape) != want:
+            what = f"shard {shard!r}" if shard is not None else local
+            raise ValueError(f"{what}: checkpoint shape {tuple(shape)} != {want}")
+
+    def _spill_to_float(self, module: nn.Module, local: str, expert: int | None) -> None:
+        """Quantized shards already waiting for this weight are written into its float Parameter."""
+        key = (id(module), local, expert)
+        parts = self.pending.pop(key, None)
+        if not parts:
+            return
+        param = module._parameters[local]
+        for shard, piece in parts.items():
+            if shard != "module":
+                module.load_shard(param, piece.dequantize(), shard, expert)
+        logger.info("A fused weight mixes quantized and float shards: stored in float.")
+
+    def _expert_done(self, module: nn.Module, local: str, expert: int, weight: QuantizedWeight) -> None:
+        done = self.experts.setdefault((id(module), local), {})
+        done[expert] = weight
+        if len(done) == module.num_experts:
+            del self.experts[(id(module), local)]
+            self._install(module, local, QuantizedWeight.stack([done[e] for e in range(module.num_experts)]))
+
+    def _install(self, module: nn.Module, local: str, weight: QuantizedWeight) -> None:
+        old = install(module, local, weight)
+        if old is not None:
+            self.replaced[id(old)] = weight
+        self.kept[weight.describe()] += 1
+
+    def finish(self) -> None:
+        """A module still holding a Parameter that was replaced (a tied LM head) gets its QuantizedWeight."""
+        if not self.replaced:
+            return
+        for module in self.model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None and id(p) in self.replaced:
+                    install(module, name, self.replaced[id(p)])
+
+    def quantize_loaded(self) -> None:
+        """Quantize the weights already in the model (random dummy weights), one module at a time."""
+        if self.quantize is None:
+            return
+        for _, module, param, _ in quantizable(self.model):
+            self._install(module, param, self.quantize(getattr(module, param).data))
+        self.finish()
+
+    def summary(self) -> str:
+        kinds = ", ".join(f"{n} x {k}" for k, n in sorted(self.kept.items()))
+        return f"quantized weights: {kinds}; {quantized_bytes(self.model) / 2**20:.1f} MiB"
+
+
+def quantized_bytes(model: nn.Module) -> int:
+    """Bytes held by the model's QuantizedWeights (each counted once)."""
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, QuantizedWeight):
+                seen[id(value)] = value.nbytes
+    return sum(seen.values())
+
+
+def has_quantized_weights(model: nn.Module) -> bool:
+    return any(isinstance(v, QuantizedWeight) for m in model.modules() for v in vars(m).values())
+
+
+
+def quantized_loader(
+    model: nn.Module, quantization: Any, load_format: str, model_path: str
+) -> QuantizedLoader | None:
+    """The sink `load_weights` offers tensors to, or None where no weight ends up quantized. ValueError,
+    before any weight is read, when the format and the checkpoint do not go together."""
+    config = quantization
+    if not isinstance(config, QuantizationConfig):
+        config = QuantizationConfig.resolve(quantization)
+    check_compatible(config, load_format, model_path)
+    if load_format == "gguf":
+        return QuantizedLoader(model) if config is None or config.method == GGUF else None
+    if config is None or not config.quantizes:
+        return None
+    loader = QuantizedLoader(model, config)
+    loader.check()
+    return loader
+
+
+def check_compatible(config: QuantizationConfig | None, load_format: str, model_path: str) -> None:
+    if config is None:
+        return
+    if config.quantizes and load_format == "gguf":
+        raise ValueError(
+            f"quantization={config.method!r}: {model_path!r} is a GGUF file, already quantized; its "
+            "quantized tensors are kept as they are. Supported with a GGUF file: quantization=None or "
+            "'gguf' (keep), 'none' (dequantize to dtype)."
+        )
+    if config.method == GGUF and load_format != "gguf":
+        raise ValueError(
+            f"quantization='gguf' needs a .gguf file; {model_path!r} is loaded as {load_format}. Supported "
+            f"for it: {', '.join(METHODS)}, or none."
+        )

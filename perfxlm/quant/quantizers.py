@@ -1,0 +1,112 @@
+"""Calibration-free quantizers: float weights [..., N, K] -> `QuantizedWeight`.
+
+Every quantizer works group by group (`group` consecutive weights of a row share a scale and a min;
+group == K is one scale per output channel) and rounds half to even (`torch.round`):
+- int8, symmetric: s = absmax / 127, q = round(w / s) in -127..127, stored u = q + 128, min = -128 s.
+- int8, asymmetric (DashInfer's uint8 with a zero point): the range [min(w, 0), max(w, 0)] over 255
+  steps, s = range / 255, zero point z = round(-lo / s), u = clamp(round(w / s) + z, 0, 255),
+  min = -z s (0 is exact).
+- int4, symmetric (llama.cpp's Q4_0 rule, all 16 levels used): m = the weight of largest magnitude,
+  d = m / -8, u = clamp(round(w / d) + 8, 0, 15), min = -8 d.
+- int4, asymmetric: as int8 asymmetric over 15 steps.
+- nf4 (bitsandbytes' NormalFloat4): s = absmax, u = the nearest of 16 levels to w / s, min = 0.
+- w8a8: int8 symmetric weights (per channel by default), activations quantized per token at run time.
+int8 keeps float32 scales; int4 and nf4 round theirs to float16 first (half the overhead, as GGUF does)
+and compute the codes against the rounded scales, falling back to float32 where a value would not fit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from perfxlm.quant.weight import QuantizedWeight, pack_nibbles
+
+# bitsandbytes' NF4 code book (bitsandbytes/functional.py, get_4bit_type("nf4"))
+NF4_LEVELS = torch.tensor(
+    [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+     -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+     0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+     0.7229568362236023, 1.0],
+    dtype=torch.float32,
+)  # fmt: skip
+_NF4_MIDPOINTS = (NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2
+
+
+def _groups(w: torch.Tensor, group: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """[..., N, K] -> float32 [..., N, K // group, group] and the leading shape [..., N]."""
+    k = w.shape[-1]
+    if group < 1 or k % group:
+        raise ValueError(f"group size {group} does not divide in_features {k}")
+    return w.float().reshape(*w.shape[:-1], k // group, group), tuple(w.shape[:-1])
+
+
+def _safe(s: torch.Tensor) -> torch.Tensor:
+    return torch.where(s == 0, torch.ones_like(s), s)
+
+
+def _to_half_if_exact(scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    s16, m16 = scales.half(), mins.half()
+    if torch.isfinite(s16).all() and torch.isfinite(m16).all():
+        return s16, m16
+    return scales, mins
+
+
+def _build(codes, scales, mins, bits, group, shape, act="float", levels=None) -> QuantizedWeight:
+    *lead, n, k = shape
+    codes = codes.reshape(*lead, n, k).to(torch.uint8)
+    if bits == 4:
+        codes = pack_nibbles(codes)
+    return QuantizedWeight(
+        codes.contiguous(), scales.reshape(*lead, n, k // group).contiguous(),
+        mins.reshape(*lead, n, k // group).contiguous(), levels, bits, group, act, n, k,
+    )  # fmt: skip
+
+
+def quantize_symmetric_int8(w: torch.Tensor, group: int, act: str = "float") -> QuantizedWeight:
+    g, _ = _groups(w, group)
+    s = g.abs().amax(dim=-1) / 127.0
+    q = torch.round(g / _safe(s).unsqueeze(-1)).clamp_(-127, 127)
+    return _build(q.add_(128), s, s * -128.0, 8, group, w.shape, act)
+
+
+def _asymmetric(w: torch.Tensor, group: int, top: int, half: bool) -> tuple:
+    g, _ = _groups(w, group)
+    lo = g.amin(dim=-1).clamp(max=0.0)
+    hi = g.amax(dim=-1).clamp(min=0.0)
+    s = (hi - lo) / top
+    z = torch.round(-lo / _safe(s)).clamp_(0, top)
+    mins = -z * s
+    if half:
+        s, mins = _to_half_if_exact(s, mins)
+    # codes against the stored values: u = round((w - min) / s)
+    u = torch.round((g - mins.float().unsqueeze(-1)) / _safe(s.float()).unsqueeze(-1)).clamp_(0, top)
+    return u, s, mins
+
+
+def quantize_asymmetric_int8(w: torch.Tensor, group: int) -> QuantizedWeight:
+    u, s, mins = _asymmetric(w, group, 255, half=False)
+    return _build(u, s, mins, 8, group, w.shape)
+
+
+def quantize_symmetric_int4(w: torch.Tensor, group: int) -> QuantizedWeight:
+    g, _ = _groups(w, group)
+    idx = g.abs().argmax(dim=-1, keepdim=True)
+    d = torch.gather(g, -1, idx).squeeze(-1) / -8.0
+    d16 = d.half()
+    if torch.isfinite(d16 * -8.0).all():  # float16 where -8 d fits; a power of two times d stays exact
+        d = d16
+    u = torch.round(g / _safe(d.float()).unsqueeze(-1)).add_(8).clamp_(0, 15)
+    return _build(u, d, d * -8.0, 4, group, w.shape)
+
+
+def quantize_asymmetric_int4(w: torch.Tensor, group: int) -> QuantizedWeight:
+    u, s, mins = _asymmetric(w, group, 15, half=True)
+    return _build(u, s, mins, 4, group, w.shape)
+
+
+def quantize_nf4(w: torch.Tensor, group: int) -> QuantizedWeight:
+    g, _ = _groups(w, group)
+    s, mins = _to_half_if_exact(g.abs().amax(dim=-1), torch.zeros(g.shape[:-1]))
+    normed = g / _safe(s.float()).unsqueeze(-1)
+    u = torch.bucketize(normed, _NF4_MIDPOINTS)  # the nearest level (ties to the lower one)
+    return _build(u, s, mins, 4, group, w.shape, levels=NF4_LEVELS.clone())

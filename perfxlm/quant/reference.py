@@ -1,0 +1,85 @@
+"""Plain-torch products with a `QuantizedWeight`: the fallback without native kernels and the reference
+the kernels are tested against.
+
+Weight-only (act="float"): y = x W^T + b with W = `w.dequantize()` (float32), dequantized a slab of
+output rows at a time so a large matrix (an LM head) never exists whole in float32.
+
+W8A8 (act="int8"), exactly:
+1. per row m of x: a[m] = max|x[m, :]|, sx[m] = a[m] / 127 (float32), qx[m, k] = clamp(round(x / sx),
+   -127, 127) with torch.round (half to even); a row of zeros has qx = 0 (sx = 0).
+2. per group g of weights (group == K: one): the int8 weight qw = u - 128, c[n, g] = mins[n, g] +
+   128 scales[n, g] (0 for symmetric weights, whose mins are -128 scales), integer sums
+   acc[m, n, g] = sum_k qx[m, k] qw[n, k] and xs[m, g] = sum_k qx[m, k] over the group (exact, int32).
+3. y[m, n] = sx[m] * (t[m, n, 0] + t[m, n, 1] + ...) in float32, groups added in order, with
+   t = scales[n, g] * acc + c[n, g] * xs; then + bias.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from perfxlm.quant.weight import QuantizedWeight
+
+# output rows dequantized per slab: at most this many float32 weights (16 MB) at once
+SLAB_ELEMENTS = 4 << 20
+
+
+def weight_only_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x float32 [M, K] -> [M, N] float32."""
+    n, k = w.out_features, w.in_features
+    per_slab = max(1, SLAB_ELEMENTS // k)
+    if per_slab >= n:
+        return F.linear(x, w.dequantize(), bias)
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    for n0 in range(0, n, per_slab):
+        n1 = min(n, n0 + per_slab)
+        y[:, n0:n1] = F.linear(x, w.narrow_rows(n0, n1 - n0).dequantize())
+    if bias is not None:
+        y += bias
+    return y
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 [M, K] -> (int8 [M, K], float32 scales [M]): symmetric per row, absmax / 127."""
+    scale = x.abs().amax(dim=-1) / 127.0
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = torch.round(x / safe.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def _int_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """int8 [M, K] x int8 [N, K] -> exact int32 [M, N]."""
+    try:
+        return torch._int_mm(a.contiguous(), b.t().contiguous().t())
+    except (RuntimeError, AttributeError):  # shapes or builds _int_mm refuses: float64 is exact here
+        return (a.double() @ b.double().t()).to(torch.int32)
+
+
+def w8a8_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x float32 [M, K] -> [M, N] float32, by the W8A8 rule in the module docstring."""
+    qx, sx = quantize_activations(x)
+    qw = w.codes.view(torch.int8) ^ torch.tensor(-128, dtype=torch.int8)  # u - 128, as int8
+    scales, mins = w.scales.float(), w.mins.float()
+    offsets = mins + 128.0 * scales
+    g = w.group
+    total = None
+    for i in range(w.in_features // g):
+        cols = slice(i * g, (i + 1) * g)
+        acc = _int_matmul(qx[:, cols], qw[:, cols]).float()
+        xs = qx[:, cols].sum(dim=-1, dtype=torch.int32).float()
+        t = acc.mul_(scales[:, i]).add_(xs.unsqueeze(1) * offsets[:, i])
+        total = t if total is None else total.add_(t)
+    assert total is not None
+    y = total.mul_(sx.unsqueeze(1))
+    if bias is not None:
+        y += bias
+    return y
+
+
+def reference_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (any float dtype) -> [..., N] in x's dtype; computed in float32."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    b = None if bias is None else bias.float()
+    y = (w8a8_linear if w.act == "int8" else weight_only_linear)(rows, w, b)
+    return y.to(x.dtype).view(*x.shape[:-1], w.out_features)

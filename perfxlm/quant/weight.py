@@ -1,0 +1,254 @@
+"""`QuantizedWeight`: one affine form every quantized weight format maps onto without loss.
+
+A weight matrix [N, K] (or a stack of expert matrices [E, N, K]) is stored as
+- `codes`, uint8: bits=8: [N, K], one code u (0..255) per weight; bits=4: [N, K // 2], GGUF Q4_0's
+  nibble layout: within each 32-element block b of a row, byte j (j < 16) of the block's 16 bytes holds
+  element 32b + j in its low nibble and element 32b + 16 + j in its high nibble;
+- `scales`, `mins`: both float32 or both float16, [N, K // group], contiguous;
+- `levels`: None, or float32 [16] (NF4's NormalFloat levels).
+
+The value of a weight is `scales[n, k // group] * u + mins[n, k // group]`, or with levels
+`scales[...] * levels[u] + mins[...]`, computed in float32 as a multiply then an add (two roundings).
+`act` says how the activations meet it: "float" (weight-only: activations stay float32) or "int8"
+(W8A8: activations quantized per token at run time, see `perfxlm.quant.reference`).
+
+Stacks carry a leading expert dimension on codes, scales and mins; `w[e]` is one expert's weight.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+ACTS = ("float", "int8")
+BLOCK4 = 32  # elements per nibble block of 4-bit codes (GGUF Q4_0's)
+
+
+def unpack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [..., K // 2] -> one uint8 per element [..., K] (values 0..15)."""
+    lead = codes.shape[:-1]
+    blocks = codes.reshape(*lead, -1, BLOCK4 // 2)
+    out = torch.empty(*blocks.shape[:-1], BLOCK4, dtype=torch.uint8)
+    torch.bitwise_and(blocks, 0x0F, out=out[..., : BLOCK4 // 2])
+    torch.bitwise_right_shift(blocks, 4, out=out[..., BLOCK4 // 2 :])
+    return out.reshape(*lead, -1)
+
+
+def pack_nibbles(values: torch.Tensor) -> torch.Tensor:
+    """[..., K] uint8 values 0..15 (K a multiple of 32) -> 4-bit codes [..., K // 2] in Q4_0's layout."""
+    lead = values.shape[:-1]
+    v = values.reshape(*lead, -1, 2, BLOCK4 // 2)
+    return (v[..., 0, :] | (v[..., 1, :] << 4)).reshape(*lead, -1).contiguous()
+
+
+@dataclass(eq=False)
+class QuantizedWeight:
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+    levels: torch.Tensor | None
+    bits: int
+    group: int
+    act: str
+    out_features: int
+    in_features: int
+
+    def __post_init__(self) -> None:
+        n, k, g = self.out_features, self.in_features, self.group
+        if self.bits not in (4, 8):
+            raise ValueError(f"QuantizedWeight: bits={self.bits}; supported: 4, 8.")
+        if self.act not in ACTS:
+            raise ValueError(f"QuantizedWeight: act={self.act!r}; supported: {', '.join(ACTS)}.")
+        if g < 1 or k % g:
+            raise ValueError(f"QuantizedWeight: group {g} does not divide in_features {k}.")
+        if self.bits == 4 and (k % BLOCK4 or g % BLOCK4):
+            raise ValueError(
+                f"QuantizedWeight: 4-bit codes need in_features ({k}) and group ({g}) multiples of {BLOCK4}."
+            )
+        lead = tuple(self.codes.shape[:-2])
+        if len(lead) > 1:
+            raise ValueError(f"QuantizedWeight: codes {tuple(self.codes.shape)}: expected 2 or 3 dims")
+        if self.codes.dtype != torch.uint8 or tuple(self.codes.shape) != (*lead, n, k * self.bits // 8):
+            raise ValueError(
+                f"QuantizedWeight: codes {self.codes.dtype} {tuple(self.codes.shape)}, expected uint8 "
+                f"{(*lead, n, k * self.bits // 8)}."
+            )
+        want = (*lead, n, k // g)
+        for name in ("scales", "mins"):
+            t = getattr(self, name)
+            ok = tuple(t.shape) == want and t.dtype in (torch.float32, torch.float16) and t.is_contiguous()
+            if not ok:
+                raise ValueError(
+                    f"QuantizedWeight: {name} {t.dtype} {tuple(t.shape)}, expected contiguous float32 or "
+                    f"float16 {want}."
+                )
+        if self.scales.dtype != self.mins.dtype:
+            raise ValueError("QuantizedWeight: scales and mins must share one dtype.")
+        lv = self.levels
+        if lv is not None and (lv.dtype != torch.float32 or tuple(lv.shape) != (16,)):
+            raise ValueError("QuantizedWeight: levels must be float32 [16].")
+        if self.act == "int8" and (self.bits != 8 or self.levels is not None):
+            raise ValueError("QuantizedWeight: int8 activations need 8-bit affine codes (no levels).")
+        if not self.codes.is_contiguous():
+            self.codes = self.codes.contiguous()
+
+    # ---- shape ---------------------------------------------------------------------------------------
+    @property
+    def num_experts(self) -> int | None:
+        return self.codes.shape[0] if self.codes.dim() == 3 else None
+
+    @property
+    def shape(self) -> torch.Size:
+        lead = () if self.num_experts is None else (self.num_experts,)
+        return torch.Size((*lead, self.out_features, self.in_features))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype `dequantize` returns."""
+        return torch.float32
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.levels is None else self.levels.numel() * 4
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins)) + extra
+
+    def describe(self) -> str:
+        fmt = "nf4" if self.levels is not None else f"u{self.bits}"
+        group = "channel" if self.group == self.in_features else f"g{self.group}"
+        act = "" if self.act == "float" else " a8"
+        return f"{fmt} {group} {str(self.scales.dtype).removeprefix('torch.')}{act}"
+
+    def __repr__(self) -> str:
+        return f"QuantizedWeight({tuple(self.shape)}, {self.describe()}, {self.nbytes} bytes)"
+
+    def _like(
+        self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, **changes: Any
+    ) -> "QuantizedWeight":
+        fields = dict(levels=self.levels, bits=self.bits, group=self.group, act=self.act,
+                      out_features=codes.shape[-2], in_features=self.in_features)  # fmt: skip
+        fields.update(changes)
+        return QuantizedWeight(codes, scales.contiguous(), mins.contiguous(), **fields)
+
+    # ---- values --------------------------------------------------------------------------------------
+    def unpacked_codes(self) -> torch.Tensor:
+        """One uint8 code per weight, [..., N, K]."""
+        return unpack_nibbles(self.codes) if self.bits == 4 else self.codes
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [..., N, K]: scales * u (or levels[u]) + mins, the reference every kernel is held to."""
+        u = self.unpacked_codes()
+        lead = u.shape[:-1]
+        values = self.levels[u.long()] if self.levels is not None else u.float()
+        values = values.view(*lead, -1, self.group)
+        values.mul_(self.scales.float().unsqueeze(-1)).add_(self.mins.float().unsqueeze(-1))
+        return values.view(*lead, self.in_features)
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` dequantized, float32 [*ids.shape, K]: a table lookup that never widens the table."""
+        flat = ids.reshape(-1)
+        return self.index_rows(flat).dequantize().view(*ids.shape, self.in_features)
+
+    # ---- rows ----------------------------------------------------------------------------------------
+    def __getitem__(self, expert: int) -> "QuantizedWeight":
+        if self.num_experts is None:
+            raise TypeError("only a stack of expert weights can be indexed")
+        return self._like(self.codes[expert], self.scales[expert], self.mins[expert])
+
+    def narrow_rows(self, start: int, length: int) -> "QuantizedWeight":
+        """Output rows [start, start + length) (views where the storage allows)."""
+        dim = self.codes.dim() - 2
+        return self._like(
+            self.codes.narrow(dim, start, length), self.scales.narrow(dim, start, length),
+            self.mins.narrow(dim, start, length),
+        )  # fmt: skip
+
+    def index_rows(self, index: torch.Tensor) -> "QuantizedWeight":
+        """Output rows in the order `index` gives (a permutation, or a gather for lookups)."""
+        dim = self.codes.dim() - 2
+        return self._like(
+            self.codes.index_select(dim, index), self.scales.index_select(dim, index),
+            self.mins.index_select(dim, index),
+        )  # fmt: skip
+
+    # ---- promotion -----------------------------------------------------------------------------------
+    def widened(self) -> "QuantizedWeight":
+        """The same values with 8-bit codes."""
+        if self.bits == 8:
+            return self
+        return self._like(unpack_nibbles(self.codes).contiguous(), self.scales, self.mins, bits=8)
+
+    def regrouped(self, group: int) -> "QuantizedWeight":
+        """The same values with a smaller group that divides this one (scales and mins repeated)."""
+        if group == self.group:
+            return self
+        if self.group % group:
+            raise ValueError(f"group {group} does not divide {self.group}")
+        r = self.group // group
+        w = self if self.bits == 8 or group % BLOCK4 == 0 else self.widened()
+        dim = w.scales.dim() - 1
+        return w._like(
+            w.codes, w.scales.repeat_interleave(r, dim=dim), w.mins.repeat_interleave(r, dim=dim), group=group
+        )
+
+    def with_scale_dtype(self, dtype: torch.dtype) -> "QuantizedWeight":
+        if self.scales.dtype == dtype:
+            return self
+        if dtype != torch.float32:
+            raise ValueError("scales are only ever widened (float16 -> float32)")
+        return self._like(self.codes, self.scales.float(), self.mins.float())
+
+    @staticmethod
+    def common_form(parts: Sequence["QuantizedWeight"]) -> list["QuantizedWeight"]:
+        """`parts` promoted losslessly to one form: 8-bit codes if any part has 8 or the common group
+        cannot hold 4-bit blocks, the greatest common group, float32 scales if any part has them."""
+        if not parts:
+            raise ValueError("no parts")
+        k = parts[0].in_features
+        if any(p.in_features != k for p in parts):
+            raise ValueError(f"parts differ in in_features: {[p.in_features for p in parts]}")
+        acts = {p.act for p in parts}
+        if len(acts) > 1:
+            raise ValueError(f"parts differ in activation handling: {sorted(acts)}")
+        levels = [p.levels for p in parts]
+        if any(lv is not None for lv in levels) and not all(
+            lv is not None and torch.equal(lv, levels[0]) for lv in levels
+        ):
+            raise ValueError("parts mix level tables and affine codes; no common form")
+        group = math.gcd(*(p.group for p in parts))
+        bits = 8 if any(p.bits == 8 for p in parts) or group % BLOCK4 else 4
+        dtype = torch.float32 if any(p.scales.dtype == torch.float32 for p in parts) else torch.float16
+        out = []
+        for p in parts:
+            p = p.widened() if bits == 8 else p
+            out.append(p.regrouped(group).with_scale_dtype(dtype))
+        return out
+
+    @staticmethod
+    def cat_rows(parts: Sequence["QuantizedWeight"]) -> "QuantizedWeight":
+        """Rows of `parts` one after the other (fused QKV, gate|up), promoted to a common form first."""
+        parts = QuantizedWeight.common_form(parts)
+        if len(parts) == 1:
+            return parts[0]
+        dim = parts[0].codes.dim() - 2
+        first = parts[0]
+        return first._like(
+            torch.cat([p.codes for p in parts], dim), torch.cat([p.scales for p in parts], dim),
+            torch.cat([p.mins for p in parts], dim),
+        )  # fmt: skip
+
+    @staticmethod
+    def stack(experts: Sequence["QuantizedWeight"]) -> "QuantizedWeight":
+        """Expert weights [N, K] each -> one stack [E, N, K], promoted to a common form first."""
+        experts = QuantizedWeight.common_form(experts)
+        if any(e.num_experts is not None for e in experts):
+            raise ValueError("only single matrices can be stacked")
+        if len({e.out_features for e in experts}) != 1:
+            raise ValueError("experts differ in out_features")
+        first = experts[0]
+        return first._like(
+            torch.stack([e.codes for e in experts]), torch.stack([e.scales for e in experts]),
+            torch.stack([e.mins for e in experts]),
+        )  # fmt: skip
