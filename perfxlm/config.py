@@ -98,6 +98,14 @@ class EngineConfig:
     # see ops/kv_quant.py. kv_cache_group_size: int8 values per scale (None: one scale per token and head).
     kv_cache_dtype: str = "auto"
     kv_cache_group_size: int | None = None
+    # Quantized weights (perfxlm/quant/config.py): None keeps a GGUF file's quantized tensors quantized and
+    # a float checkpoint float; "int8" | "int4" | "nf4" | "w8a8" quantize a float checkpoint at load;
+    # "gguf" (a .gguf file: keep, vLLM's spelling); "none" dequantizes a GGUF file's tensors to dtype. Also
+    # a dict / JSON {"method", "group_size", "symmetric"}. quantization_group_size: weights per scale
+    # (-1: per output channel); quantization_symmetric: symmetric (default) or with a zero point.
+    quantization: Any = None
+    quantization_group_size: int | None = None
+    quantization_symmetric: bool | None = None
     # Worker processes holding 1/N of the model each, one per NUMA node (perfxlm/distributed/).
     tensor_parallel_size: int = 1
     enforce_eager: bool = True
@@ -108,6 +116,7 @@ class EngineConfig:
     torch_dtype: torch.dtype = field(default=torch.float32, repr=False)  # activations (compute)
     weight_dtype: torch.dtype = field(default=torch.float32, init=False, repr=False)  # linear/embedding weights
     kv_cache_spec: Any = field(default=None, init=False, repr=False)  # ops.kv_quant.KVCacheSpec
+    quant_config: Any = field(default=None, init=False, repr=False)  # quant.QuantizationConfig or None
     eos_token_ids: set[int] = field(default_factory=set, repr=False)
     # whether max_model_len came from the user (an error if the KV pool cannot hold it) or the model
     # (lowered to what the pool holds)
@@ -117,6 +126,12 @@ class EngineConfig:
         from perfxlm.ops.kv_quant import KVCacheSpec
 
         KVCacheSpec.resolve(self.kv_cache_dtype, torch.float32, self.kv_cache_group_size)  # ValueError: choices
+        self._resolve_quantization()
+
+    def _resolve_quantization(self) -> Any:
+        from perfxlm.quant.config import QuantizationConfig
+
+        return QuantizationConfig.resolve(self.quantization, self.quantization_group_size, self.quantization_symmetric)
 
     def resolve(self) -> "EngineConfig":
         from perfxlm.model.loader import load_hf_config  # late: loaders import transformers
@@ -137,6 +152,10 @@ class EngineConfig:
             self.load_format = "gguf" if self.model.endswith(".gguf") else "safetensors"
         if self.load_format not in ("safetensors", "gguf", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors, gguf or dummy, got {self.load_format!r}.")
+        from perfxlm.quant.loading import check_compatible
+
+        self.quant_config = self._resolve_quantization()
+        check_compatible(self.quant_config, self.load_format, self.model)  # before any weight is read
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
@@ -153,6 +172,9 @@ class EngineConfig:
             # one (ops/cpu_plan.py says which path each CPU kind takes).
             self.torch_dtype = torch.float32
         self.hf_config = load_hf_config(self.model)
+        if self.quant_config is not None:
+            # travels with the model's config to every loader (worker processes included); read by get_model
+            self.hf_config.perfxlm_quantization = self.quant_config.as_dict()
         limit = _max_position_embeddings(self.hf_config)
         self.max_model_len_explicit = self.max_model_len is not None
         if self.max_model_len is None:

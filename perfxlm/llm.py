@@ -8,17 +8,16 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
+from perfxlm.compat import split_vllm_kwargs
 from perfxlm.config import EngineConfig
 from perfxlm.engine.input_processor import PromptType
 from perfxlm.engine.llm_engine import LLMEngine
+from perfxlm.generation_defaults import load_generation_defaults
 from perfxlm.outputs import RequestOutput
 from perfxlm.sampling_params import RequestOutputKind, SamplingParams
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig) if f.init} - {"hf_config", "torch_dtype", "eos_token_ids"}
-# GPU-only knobs of vLLM's LLM(): accepted so that vLLM code runs, with no effect on CPU.
-_GPU_ONLY = {"gpu_memory_utilization", "swap_space", "cpu_offload_gb", "max_seq_len_to_capture",
-             "disable_custom_all_reduce", "tokenizer_mode", "trust_remote_code", "revision", "tokenizer_revision",
-             "disable_log_stats"}
+# vLLM arguments with no engine field here (GPU sizing, hub revisions, ...) are handled by compat.py.
 
 
 class LLM:
@@ -30,18 +29,17 @@ class LLM:
         skip_tokenizer_init: bool = False,
         tensor_parallel_size: int = 1,
         dtype: str = "auto",
-        quantization: str | None = None,
+        quantization: str | dict[str, Any] | None = None,
         seed: int | None = 0,
         enforce_eager: bool = True,
         **kwargs: Any,
     ) -> None:
-        if quantization is not None:
-            raise ValueError(f"quantization={quantization!r} is not supported yet by perfxlm.")
-        engine_kwargs = {}
+        generation_config = kwargs.pop("generation_config", "auto")
+        kwargs, engine_kwargs = split_vllm_kwargs(kwargs)
         for key, value in kwargs.items():
             if key in _ENGINE_FIELDS:
                 engine_kwargs[key] = value
-            elif key not in _GPU_ONLY:
+            else:
                 raise TypeError(f"LLM() got an unexpected keyword argument {key!r}.")
         config = EngineConfig(
             model=model,
@@ -50,25 +48,38 @@ class LLM:
             dtype=dtype,
             seed=seed,
             enforce_eager=enforce_eager,
+            quantization=quantization,
             tensor_parallel_size=tensor_parallel_size,
             **engine_kwargs,
         )
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()
+        self.default_sampling = load_generation_defaults(self.llm_engine.config.model, generation_config)
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
-        return SamplingParams()
+        """vLLM's defaults, with the model's generation_config.json sampling values over them
+        (generation_config="vllm" at construction leaves vLLM's alone)."""
+        return SamplingParams(**self.default_sampling)
 
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        **unused: Any,
+        lora_request: Any = None,
+        priority: list[int] | None = None,
+        **unsupported: Any,
     ) -> list[RequestOutput]:
+        _refuse_unsupported("generate", unsupported)
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA adapters are not supported by perfxlm; merge the adapter into the "
+                             "weights (peft's merge_and_unload) and load the merged model.")
+        if priority is not None and any(p != 0 for p in priority):
+            raise ValueError("priority: perfxlm schedules first come, first served (vLLM's default policy), where "
+                             "a priority other than 0 is refused; drop it.")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -91,20 +102,30 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
-        **unused: Any,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: Any = None,
+        **unsupported: Any,
     ) -> list[RequestOutput]:
+        """vLLM's chat(): tools and chat_template_kwargs (e.g. {"enable_thinking": False}) reach the
+        template; continue_final_message continues the last assistant message instead of opening a new one."""
+        _refuse_unsupported("chat", unsupported, ignored=("chat_template_content_format", "mm_processor_kwargs"))
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat() needs a tokenizer; this LLM was created with skip_tokenizer_init=True.")
+        if continue_final_message and add_generation_prompt:
+            add_generation_prompt = False  # vLLM: continuing the final message opens no new one
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(
-                conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False
+                conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False,
+                continue_final_message=continue_final_message, tools=tools, **(chat_template_kwargs or {}),
             )
             # The template already holds the special tokens: tokenize without adding more.
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -137,3 +158,10 @@ class LLM:
         finally:
             bar.close()
         return [results[rid] for rid in ids]
+
+
+def _refuse_unsupported(method: str, kwargs: dict[str, Any], ignored: tuple[str, ...] = ()) -> None:
+    """vLLM arguments perfxlm has no equivalent for fail by name instead of being dropped silently."""
+    unknown = sorted(k for k, v in kwargs.items() if not (k in ignored and v in (None, "auto", "string")))
+    if unknown:
+        raise TypeError(f"LLM.{method}() got argument(s) perfxlm does not support: {', '.join(unknown)}.")

@@ -10,6 +10,7 @@ import torch
 from tqdm import tqdm
 
 from perfxlm.model.registry import resolve_model_class
+from perfxlm.quant.loading import quantized_loader
 
 
 def load_hf_config(path: str) -> Any:
@@ -42,30 +43,39 @@ def get_model(
     seed: int | None = 0,
     weight_dtype: torch.dtype | None = None,
     tp: Any = None,
+    quantization: Any = None,
 ):
     """`tp`: a distributed.sharding.TPShard: build and load only that rank's shard."""
     model_cls = resolve_model_class(hf_config)
     build_config = hf_config
     if tp is not None:
-        from perfxlm.distributed.sharding import check_supported
+        from perfxlm.distributed.sharding import check_supported, tp_quantization
 
         prequantized = getattr(hf_config, "quantization_config", None) is not None
         check_supported(model_cls, tp.world_size, hf_config, prequantized)
         build_config = tp.shard_config(hf_config)
+        quantization = tp_quantization(quantization, hf_config)
     with _default_dtype(dtype), torch.no_grad():
         # Layers allocate with torch.empty: building the model costs no initialisation pass.
         model = model_cls(build_config)
+        # quantized weights (a GGUF file's blocks, or `quantization=`): checked before any weight is read
+        if quantization is None:  # EngineConfig.resolve leaves the user's choice on the model config
+            quantization = getattr(hf_config, "perfxlm_quantization", None)
+        sink = quantized_loader(model, quantization, load_format, model_path)
         if weight_dtype is not None and weight_dtype != dtype:
             _allocate_weights(model, weight_dtype)
         if load_format == "dummy":
             from perfxlm.model.loader.dummy import fill_dummy_weights
 
             fill_dummy_weights(model, seed or 0)
+            if sink is not None:
+                sink.quantize_loaded()
         else:
-            weights = _iter_weights(model_path, hf_config, load_format) if tp is None else _iter_shard(
+            keep = sink is not None  # GGUF blocks stay quantized
+            weights = _iter_weights(model_path, hf_config, load_format, keep) if tp is None else _iter_shard(
                 tp, model_path, hf_config, load_format, model_cls
             )
-            model.load_weights(tqdm(weights, desc="Loading weights", unit="tensor", leave=False))
+            model.load_weights(tqdm(weights, desc="Loading weights", unit="tensor", leave=False), sink=sink)
     if weight_dtype is not None and weight_dtype != dtype:
         cast_weights(model, weight_dtype, dtype)
     return model.eval()
@@ -97,28 +107,31 @@ def cast_weights(model: torch.nn.Module, weight_dtype: torch.dtype, compute_dtyp
     names (ops/cpu_plan.py): plain bf16 rows, which a tied LM head shares with the embedding table, or
     packed panels (a tied LM head then gets its own packed copy, as the embedding needs rows). MoE expert
     stacks stay plain bf16 rows, read by the same kernels expert by expert. Norms and biases keep the
-    model dtype."""
+    model dtype. Quantized weights (perfxlm.quant.QuantizedWeight) stay as they are."""
     from perfxlm.model.layers.embed_head import LMHead, VocabEmbedding
     from perfxlm.model.layers.linear import Linear
     from perfxlm.model.layers.moe import FusedMoE
     from perfxlm.ops import cpu_plan, native
     from perfxlm.ops.linear import pack_bf16
+    from perfxlm.quant.weight import QuantizedWeight
 
     pack = weight_dtype == torch.bfloat16 and native.kernels() is not None and cpu_plan.plan().layout == "panels"
     embeddings = {id(m.weight): m for m in model.modules() if isinstance(m, VocabEmbedding)}
     tied_heads = [m for m in model.modules() if isinstance(m, LMHead) and id(m.weight) in embeddings]
     for module in list(model.modules()):
-        if isinstance(module, (Linear, LMHead)):
+        if isinstance(module, (Linear, LMHead)) and not isinstance(module.weight, QuantizedWeight):
             if not pack and module in tied_heads:
                 continue  # shares the embedding's table, cast below
             w = module.weight.data.to(weight_dtype)
             module.weight = torch.nn.Parameter(pack_bf16(w) if pack else w, requires_grad=False)
         if isinstance(module, FusedMoE):
-            module.gate_up_proj.data = module.gate_up_proj.data.to(weight_dtype)
-            module.down_proj.data = module.down_proj.data.to(weight_dtype)
+            for param in (module.gate_up_proj, module.down_proj):
+                if not isinstance(param, QuantizedWeight):
+                    param.data = param.data.to(weight_dtype)
     for module in embeddings.values():
         module.compute_dtype = compute_dtype
-        module.weight.data = module.weight.data.to(weight_dtype)
+        if not isinstance(module.weight, QuantizedWeight):
+            module.weight.data = module.weight.data.to(weight_dtype)
 
 
 def _iter_shard(tp: Any, model_path: str, hf_config: Any, load_format: str, model_cls: type):
@@ -128,11 +141,13 @@ def _iter_shard(tp: Any, model_path: str, hf_config: Any, load_format: str, mode
     return iter_shard_weights(tp, model_path, hf_config, load_format, model_cls.renames, full)
 
 
-def _iter_weights(model_path: str, hf_config: Any, load_format: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_weights(
+    model_path: str, hf_config: Any, load_format: str, keep_quantized: bool = False
+) -> Iterator[tuple[str, Any]]:
     if load_format == "gguf":
         from perfxlm.model.loader.gguf import iter_gguf_weights
 
-        return iter_gguf_weights(model_path, hf_config)
+        return iter_gguf_weights(model_path, hf_config, keep_quantized=keep_quantized)
     from perfxlm.model.loader.hf import iter_safetensors_weights
 
     return iter_safetensors_weights(model_path)
