@@ -28,6 +28,16 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
                         help="KV cache storage: auto = the model's dtype; int8 with group scales; fp8 = fp8_e4m3")
     parser.add_argument("--kv-cache-group-size", type=int, default=None,
                         help="int8 KV cache: values per scale (default: the head size)")
+    parser.add_argument("--quantization", "-q", default=None,
+                        help="weights stored quantized: int8 | int4 | nf4 | w8a8 quantize a float checkpoint at "
+                             "load; gguf keeps a GGUF file's quantized tensors (the default for .gguf), none "
+                             "dequantizes them; or JSON {\"method\", \"group_size\", \"symmetric\"}")
+    parser.add_argument("--quantization-group-size", type=int, default=None,
+                        help="weights per scale (-1: one per output channel; default: per channel for int8 "
+                             "and w8a8, 32 for int4, 64 for nf4)")
+    parser.add_argument("--quantization-symmetric", action=argparse.BooleanOptionalAction, default=None,
+                        help="symmetric codes (the default) or, with --no-quantization-symmetric, a zero point "
+                             "per group (int8, int4)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV cache of shared prompt prefixes")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
@@ -92,6 +102,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         kv_cache_group_size=getattr(args, "kv_cache_group_size", None),
+        quantization=getattr(args, "quantization", None),
+        quantization_group_size=getattr(args, "quantization_group_size", None),
+        quantization_symmetric=getattr(args, "quantization_symmetric", None),
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         max_logprobs=args.max_logprobs,
