@@ -365,85 +365,96 @@ BlockActs quantize_blocks(const at::Tensor& x, const QW& w) {
   return a;
 }
 
-// The chunk's 16 weight-scale lanes: SPC scales per chunk (1: group % 64 == 0; 2: group 32; 4: group 16).
-template <bool BITS4, bool HALF, int SPC>
-inline __m512 scale_lanes(const void* scales, int64_t row_offset, int64_t c, int64_t group) {
-  if constexpr (SPC == 1) {
-    return _mm512_set1_ps(param_at<HALF>(scales, row_offset + (c * 64) / group));
-  } else {
-    const int64_t first = row_offset + c * SPC;
-    __m128 v;
-    if constexpr (HALF) {
-      const uint16_t* p = static_cast<const uint16_t*>(scales) + first;
-      v = _mm_cvtph_ps(SPC == 2 ? _mm_cvtsi32_si128(*reinterpret_cast<const int32_t*>(p))
-                                : _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    } else {
-      const float* p = static_cast<const float*>(scales) + first;
-      v = SPC == 2 ? _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))) : _mm_loadu_ps(p);
-    }
-    // lane l covers inputs 4l..4l+3 of the chunk's code order
-    const __m512i idx = SPC == 4 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
-                        : BITS4  ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
-                                 : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(v));
-  }
-}
-
 template <bool BITS4>
 inline __m512i chunk_codes(const uint8_t* row, int64_t c) {
   if constexpr (BITS4) {
+    // 32 bytes -> [bytes | bytes >> 4] & 0x0F: lo nibbles of A, of B, then hi nibbles of A, of B
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 32));
-    const __m256i m = _mm256_set1_epi8(0x0F);
-    const __m256i lo = _mm256_and_si256(b, m), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
-    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(b), _mm256_srli_epi16(b, 4), 1);
+    return _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
   } else {
     return _mm512_loadu_si512(row + c * 64);
   }
 }
 
+// Up to 16 consecutive scales or mins of a row as float32 (the lanes past n are 0).
+template <bool HALF>
+inline __m512 load_params16(const void* p, int64_t i, int64_t n) {
+  const __mmask16 mask = n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+  if constexpr (HALF)
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + i));
+  else
+    return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p) + i);
+}
+
 template <bool BITS4, bool HALF, int SPC, int MT, int NT>
 inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, float* y, const float* bias) {
-  const int64_t K = w.K, N = w.N, chunks = K / 64;
+  const int64_t K = w.K, N = w.N, chunks = K / 64, groups = w.groups;
   const int8_t* xq = a.q.data_ptr<int8_t>() + m0 * K;
   const float* lanes = a.lanes.data_ptr<float>() + m0 * chunks * 16;
+  // which of the 16 loaded scales each int32 lane of a chunk takes (lane l covers code bytes 4l..4l+3)
+  const __m512i base_idx = SPC == 4 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
+                           : BITS4  ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
+                                    : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  constexpr int64_t per_load = SPC > 1 ? 16 / SPC : 1;  // chunks whose scales one 16-lane load holds
   __m512 acc[MT][NT];
   #pragma GCC unroll 16
   for (int i = 0; i < MT; ++i)
     #pragma GCC unroll 16
     for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < chunks; ++c) {
-    __m512i xv[MT];
-    __m512 xs[MT];
-    #pragma GCC unroll 16
-    for (int i = 0; i < MT; ++i) {
-      xv[i] = _mm512_loadu_si512(xq + i * K + c * 64);
-      xs[i] = _mm512_loadu_ps(lanes + (i * chunks + c) * 16);
+  for (int64_t c0 = 0; c0 < chunks; c0 += per_load) {
+    const int64_t c1 = std::min(chunks, c0 + per_load);
+    __m512 S[NT];
+    if constexpr (SPC > 1) {
+      #pragma GCC unroll 16
+      for (int j = 0; j < NT; ++j) S[j] = load_params16<HALF>(w.scales, (n0 + j) * groups + c0 * SPC, (c1 - c0) * SPC);
     }
-    #pragma GCC unroll 16
-    for (int j = 0; j < NT; ++j) {
-      const int64_t n = n0 + j;
-      const uint8_t* row = w.codes + n * w.row_bytes;
-      if ((c & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + NT * w.row_bytes + c * (BITS4 ? 32 : 64)), _MM_HINT_T0);
-      const __m512i wv = chunk_codes<BITS4>(row, c);
-      const __m512 ws = scale_lanes<BITS4, HALF, SPC>(w.scales, n * w.groups, c, w.group);
+    for (int64_t c = c0; c < c1; ++c) {
+      __m512i xv[MT];
+      __m512 xs[MT];
       #pragma GCC unroll 16
       for (int i = 0; i < MT; ++i) {
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv[i]);
-        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, xs[i]), acc[i][j]);
+        xv[i] = _mm512_loadu_si512(xq + i * K + c * 64);
+        xs[i] = _mm512_loadu_ps(lanes + (i * chunks + c) * 16);
+      }
+      const __m512i idx = _mm512_add_epi32(base_idx, _mm512_set1_epi32(static_cast<int>(SPC * (c - c0))));
+      #pragma GCC unroll 16
+      for (int j = 0; j < NT; ++j) {
+        const int64_t n = n0 + j;
+        const uint8_t* row = w.codes + n * w.row_bytes;
+        if ((c & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + NT * w.row_bytes + c * (BITS4 ? 32 : 64)), _MM_HINT_T0);
+        const __m512i wv = chunk_codes<BITS4>(row, c);
+        __m512 ws;
+        if constexpr (SPC > 1)
+          ws = _mm512_permutexvar_ps(idx, S[j]);
+        else
+          ws = _mm512_set1_ps(param_at<HALF>(w.scales, n * groups + (c * 64) / w.group));
+        #pragma GCC unroll 16
+        for (int i = 0; i < MT; ++i) {
+          const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv[i]);
+          acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, xs[i]), acc[i][j]);
+        }
       }
     }
   }
-  const float* gsum = a.gsum.data_ptr<float>() + m0 * w.groups;
-  #pragma GCC unroll 16
-  for (int j = 0; j < NT; ++j) {
-    const int64_t n = n0 + j;
+  // the mins: sum over groups of min * (activation scale * sum of the group's int8 values)
+  const float* gsum = a.gsum.data_ptr<float>() + m0 * groups;
+  for (int64_t g = 0; g < groups; g += 16) {
+    const int64_t left = groups - g;
+    const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
     #pragma GCC unroll 16
-    for (int i = 0; i < MT; ++i) {
-      float mins = 0.f;
-      for (int64_t g = 0; g < w.groups; ++g) mins += param_at<HALF>(w.mins, n * w.groups + g) * gsum[i * w.groups + g];
-      y[(m0 + i) * N + n] = _mm512_reduce_add_ps(acc[i][j]) + mins + (bias ? bias[n] : 0.f);
+    for (int j = 0; j < NT; ++j) {
+      const __m512 mv = load_params16<HALF>(w.mins, (n0 + j) * groups + g, left);
+      #pragma GCC unroll 16
+      for (int i = 0; i < MT; ++i)
+        acc[i][j] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mask, gsum + i * groups + g), acc[i][j]);
     }
   }
+  #pragma GCC unroll 16
+  for (int j = 0; j < NT; ++j)
+    #pragma GCC unroll 16
+    for (int i = 0; i < MT; ++i)
+      y[(m0 + i) * N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]) + (bias ? bias[n0 + j] : 0.f);
 }
 
 template <bool BITS4, bool HALF, int SPC, int NT>
