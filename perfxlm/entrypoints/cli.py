@@ -43,6 +43,9 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument("--max-logprobs", type=int, default=20,
                         help="most logprobs / prompt_logprobs a request may ask for (-1: no limit)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="worker processes holding 1/N of the model each, one per NUMA node "
+                             "(cores: PERFXLM_CPU_OMP_THREADS_BIND, e.g. '0-31|32-63')")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                         help="KV cache size in bytes (vLLM's name; VLLM_CPU_KVCACHE_SPACE=GiB works too)")
     parser.add_argument("--generation-config", default="auto",
@@ -108,6 +111,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         max_logprobs=args.max_logprobs,
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
     )
 
 

@@ -1,0 +1,173 @@
+"""Tensor parallelism on this machine: ranks with one core each, greedy float32 output equal to one
+process token for token, and a worker that dies or hangs ends the engine within seconds, leaving no
+process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import transformers
+
+from perfxlm import LLM, SamplingParams
+
+pytestmark = pytest.mark.timeout(300)
+
+COMMON = dict(vocab_size=1000, max_position_embeddings=512, initializer_range=0.15, bos_token_id=1, eos_token_id=2,
+              pad_token_id=0)  # fmt: skip
+# name -> (config class, model class, overrides): head counts chosen to split unevenly where they can
+CASES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
+        hidden_size=96, intermediate_size=190, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3,
+        tie_word_embeddings=False, vocab_size=1001)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+        tie_word_embeddings=True)),
+    "qwen2moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=80,
+        norm_topk_prob=False, mlp_only_layers=[1])),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, query_pre_attn_scalar=24, sliding_window=12, attn_logit_softcapping=5.0,
+        final_logit_softcapping=3.0, initializer_range=0.02)),
+}  # fmt: skip
+
+PROMPTS = [[5, 17, 300, 42, 9, 77, 13, 600, 2, 45, 81], [8, 8, 100, 200, 3], list(range(3, 40, 2))]
+
+
+def build(path: str, case: str, seed: int = 0) -> str:
+    config_cls, model_cls, overrides = CASES[case]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_cls)(**{**COMMON, **overrides})
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim == 1:  # norms and biases start at constants: perturb them so they count
+                param.add_(torch.randn_like(param) * 0.1)
+            if case == "gemma2" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.mul_(8)  # scores large enough that the soft cap bends them
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    return {case: build(str(root / case), case) for case in CASES}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _run(path: str, tp: int, **kw) -> tuple[list[list[int]], list]:
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, tensor_parallel_size=tp, **kw)
+    try:
+        params = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, detokenize=False, logprobs=2),
+                  SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, detokenize=False, prompt_logprobs=1),
+                  SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, detokenize=False)]
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        _run.preemptions = llm.llm_engine.scheduler.num_preemptions_total
+        return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def _children_gone(timeout: float = 10.0) -> bool:
+    import multiprocessing
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if not [p for p in multiprocessing.active_children() if p.name.startswith("perfxlm-tp")]:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_tp2_equals_one_process(checkpoints, case):
+    # small blocks and token budget: prefill chunks, decodes and prefills in one batch, and (llama) preemption
+    kw = dict(block_size=4, max_num_batched_tokens=16, num_kv_blocks=14 if case == "llama" else 64)
+    ref_ids, ref_lps = _run(checkpoints[case], 1, **kw)
+    ids, lps = _run(checkpoints[case], 2, **kw)
+    assert ids == ref_ids
+    if case == "llama":
+        assert _run.preemptions > 0  # a preempted request's block table was sent again whole
+    for a, b in zip(ref_lps[0], lps[0]):  # sampled logprobs agree to float32 rounding
+        assert a.keys() == b.keys()
+        for t in a:
+            assert abs(a[t].logprob - b[t].logprob) < 1e-4
+    assert _children_gone()
+
+
+def test_greedy_tp3_uneven_vocab_and_heads(checkpoints):
+    """Three ranks (sharing two cores): 3 KV heads one each, 190 intermediate columns and 1001 vocabulary
+    rows split unevenly (the last vocabulary shard padded)."""
+    assert _run(checkpoints["llama"], 3)[0] == _run(checkpoints["llama"], 1)[0]
+
+
+def test_gloo_fallback(checkpoints, monkeypatch):
+    monkeypatch.setenv("PERFXLM_ALLREDUCE", "gloo")
+    assert _run(checkpoints["qwen2"], 2)[0] == _run(checkpoints["qwen2"], 1)[0]
+
+
+def _worker_pids(llm) -> list[int]:
+    return [p.pid for p in llm.llm_engine.core.executor.procs]
+
+
+@pytest.mark.parametrize("how", ["dies", "hangs"])
+def test_worker_failure_ends_the_engine(checkpoints, monkeypatch, how):
+    from perfxlm.engine.threaded_engine import EngineDeadError, ThreadedEngine
+    from perfxlm.config import EngineConfig
+
+    monkeypatch.setenv("PERFXLM_COLLECTIVE_TIMEOUT", "2")
+    engine = ThreadedEngine(EngineConfig(model=checkpoints["qwen2"], dtype="float32", skip_tokenizer_init=True,
+                                         tensor_parallel_size=2, num_kv_blocks=64))
+    pids = [p.pid for p in engine.core.executor.procs]
+    try:
+        got: list = []
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False)
+        engine.add_request("a", {"prompt_token_ids": PROMPTS[0]}, params, got.append)
+        assert engine.wait_idle(60) and got[-1].finished  # it serves
+        os.kill(pids[1], signal.SIGKILL if how == "dies" else signal.SIGSTOP)
+        t0 = time.time()
+        if how == "dies":  # noticed while idle, by the health check itself
+            deadline = t0 + 5
+            while time.time() < deadline:
+                try:
+                    engine.check_health()
+                except EngineDeadError:
+                    break
+                time.sleep(0.05)
+        else:  # a hung rank: the next step's all-reduce gives up on it
+            got.clear()
+            engine.add_request("b", {"prompt_token_ids": PROMPTS[1]},
+                               SamplingParams(max_tokens=50, ignore_eos=True, detokenize=False), got.append)
+            while not got or not isinstance(got[-1], BaseException):
+                assert time.time() - t0 < 15, got
+                time.sleep(0.05)
+            assert isinstance(got[-1], EngineDeadError)  # the open request ends with the error
+        with pytest.raises(EngineDeadError):
+            engine.check_health()
+        assert time.time() - t0 < 10
+        with pytest.raises(EngineDeadError):
+            engine.add_request("c", {"prompt_token_ids": [5, 6]}, params, got.append)
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        engine.shutdown()
+    assert _children_gone()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
