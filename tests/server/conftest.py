@@ -27,7 +27,9 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         model = model or default_model_or_skip()
         cmd = [sys.executable, "-m", "perfxlm.entrypoints.cli", "serve", model, "--port", str(self.port),
-               "--dtype", "float32", "--kv-cache-gib", "0.25", "--max-model-len", "2048", *extra]
+               "--dtype", "float32", "--kv-cache-gib", "0.25", "--max-model-len", "2048", *extra,
+               # e.g. "--tensor-parallel-size 2": the whole server suite against worker processes
+               *os.environ.get("PERFXLM_TEST_SERVER_ARGS", "").split()]
         env = {**os.environ, "TQDM_DISABLE": "1"}
         self.log_path = f"/tmp/perfxlm-test-server-{self.port}.log"
         self.log = open(self.log_path, "w")
