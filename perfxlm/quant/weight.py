@@ -55,6 +55,9 @@ class QuantizedWeight:
     act: str
     out_features: int
     in_features: int
+    # Not part of the stored format: whether products with many rows may run torch's bf16 GEMM on
+    # dequantized slabs (set for bfloat16 models by the loader; float32 models keep float32 GEMMs).
+    bf16_gemm: bool = False
 
     def __post_init__(self) -> None:
         n, k, g = self.out_features, self.in_features, self.group
@@ -128,7 +131,8 @@ class QuantizedWeight:
         self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, **changes: Any
     ) -> "QuantizedWeight":
         fields = dict(levels=self.levels, bits=self.bits, group=self.group, act=self.act,
-                      out_features=codes.shape[-2], in_features=self.in_features)  # fmt: skip
+                      out_features=codes.shape[-2], in_features=self.in_features,
+                      bf16_gemm=self.bf16_gemm)  # fmt: skip
         fields.update(changes)
         return QuantizedWeight(codes, scales.contiguous(), mins.contiguous(), **fields)
 
@@ -219,6 +223,8 @@ class QuantizedWeight:
             raise ValueError("parts mix level tables and affine codes; no common form")
         group = math.gcd(*(p.group for p in parts))
         bits = 8 if any(p.bits == 8 for p in parts) or group % BLOCK4 else 4
+        if bits == 8 and levels[0] is not None:
+            raise ValueError("level-table (NF4) parts cannot be widened to 8-bit codes; no common form")
         dtype = torch.float32 if any(p.scales.dtype == torch.float32 for p in parts) else torch.float16
         out = []
         for p in parts:

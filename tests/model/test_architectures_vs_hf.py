@@ -302,8 +302,18 @@ def write_gguf_decoder(path: str, arch: str, seed: int = 0) -> dict[str, torch.T
     return hf
 
 
+@pytest.fixture
+def exact_quantized_products():
+    """Quantized weights multiplied in float32 (no int8 activation blocks): equal to the float model."""
+    from perfxlm.ops import cpu_plan
+
+    previous = cpu_plan.use(quant_activations="float32")
+    yield
+    cpu_plan.use(previous)
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_gguf_k_quants_match_transformers(tmp_path, arch):
+def test_gguf_k_quants_match_transformers(tmp_path, arch, exact_quantized_products):
     path = str(tmp_path / f"{arch}.gguf")
     weights = write_gguf_decoder(path, arch)
     llm = LLM(path, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64)

@@ -107,7 +107,8 @@ def cast_weights(model: torch.nn.Module, weight_dtype: torch.dtype, compute_dtyp
     names (ops/cpu_plan.py): plain bf16 rows, which a tied LM head shares with the embedding table, or
     packed panels (a tied LM head then gets its own packed copy, as the embedding needs rows). MoE expert
     stacks stay plain bf16 rows, read by the same kernels expert by expert. Norms and biases keep the
-    model dtype. Quantized weights (perfxlm.quant.QuantizedWeight) stay as they are."""
+    model dtype. Quantized weights (perfxlm.quant.QuantizedWeight) keep their codes; products of many rows
+    with them may run the CPU's bf16 GEMM, as bf16 weights do."""
     from perfxlm.model.layers.embed_head import LMHead, VocabEmbedding
     from perfxlm.model.layers.linear import Linear
     from perfxlm.model.layers.moe import FusedMoE
@@ -132,6 +133,10 @@ def cast_weights(model: torch.nn.Module, weight_dtype: torch.dtype, compute_dtyp
         module.compute_dtype = compute_dtype
         if not isinstance(module.weight, QuantizedWeight):
             module.weight.data = module.weight.data.to(weight_dtype)
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, QuantizedWeight):
+                value.bf16_gemm = weight_dtype == torch.bfloat16
 
 
 def _iter_shard(tp: Any, model_path: str, hf_config: Any, load_format: str, model_cls: type):
