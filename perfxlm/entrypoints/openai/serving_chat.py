@@ -82,7 +82,7 @@ def _tool_mode(ctx: ServerContext, req: ChatCompletionRequest) -> tuple[str, dic
         raise APIError(400, f'tool_choice "{choice}" needs tools.', "tool_choice")
     if choice == "auto" and (not ctx.enable_auto_tool_choice or ctx.tool_parser is None):
         raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set.',
-                       "tool_choice")
+                       "tool_choice" if req.tool_choice is not None else "tools")
     return choice, None
 
 
