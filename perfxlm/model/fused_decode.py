@@ -105,6 +105,7 @@ class FusedDecode:
         self.layers = layers
         self.args: list[tuple[tuple[Any, ...], tuple[Any, ...]]] | None = None
         self.eligible = len(layers) > 0
+        self.quant_bf16_gemm = True
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         if not self.eligible or x.dtype != torch.float32 or meta.prefills or meta.num_decode_tokens != x.shape[0]:
@@ -117,6 +118,10 @@ class FusedDecode:
                 self.eligible = False
                 return False
             self.args = args  # type: ignore[assignment]
+            # Many-row products on quantized weights use the bf16 GEMM only where the module path does
+            # (a bfloat16 model: QuantizedWeight.bf16_gemm), so the two paths round alike.
+            self.quant_bf16_gemm = all(getattr(m.weight, "bf16_gemm", True) for m in self.layers.modules()
+                                       if hasattr(m, "weight") and not isinstance(m.weight, torch.Tensor))
         return True
 
     def run(
@@ -125,7 +130,8 @@ class FusedDecode:
         """-> (hidden, residual); for Gemma 2 (no residual stream) both are the layer output."""
         ops = native.kernels()
         plan = cpu_plan.plan()
-        max_rows, bf16_gemm, int8_blocks = plan.native_max_rows, plan.gemm == "bf16", plan.quant_activations == "int8"
+        max_rows, int8_blocks = plan.native_max_rows, plan.quant_activations == "int8"
+        bf16_gemm = plan.gemm == "bf16" and self.quant_bf16_gemm
         cos, sin = rope
         residual = x
         for i, (layer, (before, after)) in enumerate(zip(self.layers, self.args or [])):

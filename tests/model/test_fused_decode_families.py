@@ -125,3 +125,36 @@ def test_other_layers_run_with_int8_cache(checkpoints, case):
     assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
     same = sum(a == b for o, r in zip(outs, refs) for a, b in zip(o.outputs[0].token_ids, r.outputs[0].token_ids))
     assert same >= 0.5 * sum(len(r.outputs[0].token_ids) for r in refs)
+
+
+QUANT_PLANS = {
+    "int8-blocks": dict(quant_activations="int8"),
+    "float-acts": dict(quant_activations="float32"),
+    "gemm-only": dict(quant_activations="float32", native_max_rows=0),
+}
+
+
+@pytest.mark.parametrize("plan", list(QUANT_PLANS))
+@pytest.mark.parametrize("quantization", ["int8", "int4", "nf4", "w8a8"])
+@pytest.mark.parametrize("case", ["qwen2-bias-tied-sliding", "gemma2-softcap-local-global"])
+def test_fused_layer_matches_module_path_with_quantized_weights(checkpoints, monkeypatch, case, quantization, plan):
+    """Quantized projections in the fused layer go through the same kernel, with the same activation
+    mode, as the module path: same tokens, logprobs to 1e-4, under each activation plan (int8 blocks is
+    requested everywhere; a build without VNNI runs float32 activations on both paths)."""
+    if native.kernels() is None:
+        pytest.skip("native kernels unavailable on this machine")
+    cpu_plan.use(**QUANT_PLANS[plan])
+    llm = LLM(checkpoints[case], skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64,
+              enable_prefix_caching=False, quantization=quantization,
+              quantization_group_size=32 if quantization in ("int4", "nf4") else None)  # fmt: skip
+    fused, n_fused = _generate(llm, monkeypatch, fused=True)
+    plain, n_plain = _generate(llm, monkeypatch, fused=False)
+    assert n_fused >= 8 and n_plain == 0
+    # Quantizing activations is a step function: a last-bit difference upstream (the fused layer's norm
+    # and the module's round alike only to float summation order) can move one int8 value by one step.
+    tol = 1e-4 if plan != "int8-blocks" and quantization != "w8a8" else 1e-2
+    for a, b in zip(fused, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for tok in la:
+                assert la[tok].logprob == pytest.approx(lb[tok].logprob, abs=tol)
