@@ -28,6 +28,7 @@ METHODS = ("int8", "int4", "nf4", "w8a8")
 GGUF, NONE = "gguf", "none"
 ALL_NAMES = (*METHODS, GGUF, NONE)
 PER_CHANNEL = -1
+GROUP8 = 16  # 8-bit codes: groups are whole multiples of 16 weights (or one per row)
 _DEFAULT_GROUP = {"int8": PER_CHANNEL, "int4": 32, "nf4": 64, "w8a8": PER_CHANNEL}
 _DICT_KEYS = ("method", "group_size", "symmetric")
 
@@ -151,10 +152,11 @@ class QuantizationConfig:
                 raise ValueError(
                     f"quantization_group_size={group!r}: expected a positive integer or -1 (per channel)."
                 )
-            if method in ("int4", "nf4") and group != PER_CHANNEL and group % BLOCK4:
+            step = BLOCK4 if method in ("int4", "nf4") else GROUP8
+            if group != PER_CHANNEL and group % step:
                 raise ValueError(
-                    f"quantization_group_size={group} for {method}: supported: multiples of {BLOCK4} "
-                    "(32, 64, 128, ...) or -1 (per channel)."
+                    f"quantization_group_size={group} for {method}: supported: multiples of {step} "
+                    f"({step}, {2 * step}, {4 * step}, ...) or -1 (per channel)."
                 )
         sym = options.get("symmetric")
         if sym is not None and not isinstance(sym, bool):

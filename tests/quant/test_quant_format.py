@@ -1,0 +1,327 @@
+"""QuantizedWeight: GGUF blocks repacked bit-exactly, the quantizers' error bounds, row operations and
+promotion without changing a value, the plain-torch products (weight-only and W8A8) against their
+definitions, the native kernel against them, and `quantization=` parsing."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from perfxlm.ops import cpu_plan, native
+from perfxlm.ops.linear import linear
+from perfxlm.quant import NF4_LEVELS, QuantizationConfig, QuantizedWeight, quantize_activations, reference_linear
+from perfxlm.quant import quantizers
+from perfxlm.quant.gguf_repack import REPACKED_TYPES, repack
+from perfxlm.quant.weight import pack_nibbles, unpack_nibbles
+
+Q = gguf.GGMLQuantizationType
+
+# ---------------------------------------------------------------------------------------------------------
+# GGUF repacking
+# ---------------------------------------------------------------------------------------------------------
+
+# where each type keeps its float16 scalars (d; d and m / dmin)
+_F16_AT = {Q.Q4_0: (0,), Q.Q8_0: (0,), Q.Q5_0: (0,), Q.Q4_1: (0, 2), Q.Q5_1: (0, 2), Q.Q4_K: (0, 2),
+           Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # fmt: skip
+
+
+def random_blocks(rng: np.random.Generator, qtype: Q, rows: int, cols: int, scale: float = 0.05) -> np.ndarray:
+    """Random block bytes whose float16 scalars are finite (as in real files; random bytes would make
+    inf / nan scales, which no affine form reproduces bit for bit)."""
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block_elems * block_bytes), dtype=np.uint8)
+    blocks = raw.reshape(-1, block_bytes)
+    for at in _F16_AT[qtype]:
+        values = (rng.standard_normal(blocks.shape[0]) * scale).astype(np.float16)
+        blocks[:, at : at + 2] = values.view(np.uint8).reshape(-1, 2)
+    return raw
+
+
+@pytest.mark.parametrize("qtype", sorted(REPACKED_TYPES, key=lambda t: t.name))
+@pytest.mark.parametrize("rows", [1, 7, 33])
+def test_repacked_gguf_blocks_dequantize_bit_exactly(qtype, rows):
+    cols = 512 if qtype.name.endswith("_K") else 96
+    raw = random_blocks(np.random.default_rng(rows), qtype, rows, cols)
+    want = torch.from_numpy(np.array(gguf.quants.dequantize(raw, qtype), dtype=np.float32)).reshape(rows, cols)
+    w = repack(raw, qtype, (rows, cols))
+    assert w.act == "float" and w.levels is None and w.codes.dtype == torch.uint8
+    expected = {Q.Q4_0: (4, 32, torch.float16), Q.Q4_1: (4, 32, torch.float16), Q.Q8_0: (8, 32, torch.float16),
+                Q.Q5_0: (8, 32, torch.float16), Q.Q5_1: (8, 32, torch.float16), Q.Q4_K: (4, 32, torch.float32),
+                Q.Q5_K: (8, 32, torch.float32), Q.Q6_K: (8, 16, torch.float32)}[qtype]  # fmt: skip
+    assert (w.bits, w.group, w.scales.dtype) == expected
+    torch.testing.assert_close(w.dequantize(), want, rtol=0, atol=0)
+    if qtype == Q.Q4_0:  # the nibble layout is Q4_0's, byte for byte
+        assert torch.equal(w.codes.view(-1, 16), torch.from_numpy(raw.reshape(-1, 18)[:, 2:]))
+
+
+def test_q8_0_min_overflowing_float16_falls_back_to_float32():
+    raw = random_blocks(np.random.default_rng(0), Q.Q8_0, 3, 64)
+    raw.reshape(-1, 34)[0, 0:2] = np.array([1000.0], dtype=np.float16).view(np.uint8)  # -128 d overflows
+    w = repack(raw, Q.Q8_0, (3, 64))
+    assert w.scales.dtype == torch.float32
+    want = torch.from_numpy(np.array(gguf.quants.dequantize(raw, Q.Q8_0), dtype=np.float32)).reshape(3, 64)
+    torch.testing.assert_close(w.dequantize(), want, rtol=0, atol=0)
+
+
+def test_repack_refuses_what_it_cannot_keep():
+    with pytest.raises(ValueError, match=r"Q2_K cannot be kept quantized \(supported: .*Q4_0"):
+        repack(np.zeros((2, 84), np.uint8), Q.Q2_K, (2, 256))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Quantizers
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _weights(n=37, k=256, seed=0):
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+@pytest.mark.parametrize("group", [32, 128, 256])
+def test_int8_symmetric_error_is_half_a_step(group):
+    w = _weights()
+    q = quantizers.quantize_symmetric_int8(w, group)
+    step = w.view(37, -1, group).abs().amax(-1) / 127
+    err = (q.dequantize() - w).abs().view(37, -1, group).amax(-1)
+    assert (err <= step * 0.5 + 1e-7).all()
+    assert q.bits == 8 and q.scales.dtype == torch.float32
+    torch.testing.assert_close(q.mins, q.scales * -128, rtol=0, atol=0)  # symmetric: zero is code 128
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_int8_asymmetric_zero_point_keeps_zero_exact(group):
+    w = _weights() + 0.02  # off-centre groups, where a zero point pays
+    w[0, :5] = 0.0
+    q = quantizers.quantize_asymmetric_int8(w, group)
+    d = q.dequantize()
+    assert (d[0, :5] == 0).all()
+    lo, hi = w.view(37, -1, group).amin(-1).clamp(max=0), w.view(37, -1, group).amax(-1).clamp(min=0)
+    step = (hi - lo) / 255
+    err = (d - w).abs().view(37, -1, group).amax(-1)
+    assert (err <= step * 0.5 + 1e-6).all()
+    assert (err.mean() < quantizers.quantize_symmetric_int8(w, group).dequantize().sub(w).abs().amax() * 0.8)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_error_bounds_and_layout(symmetric, group):
+    w = _weights()
+    q = (quantizers.quantize_symmetric_int4 if symmetric else quantizers.quantize_asymmetric_int4)(w, group)
+    assert q.bits == 4 and q.codes.shape == (37, 128) and q.scales.dtype == torch.float16
+    d = q.dequantize()
+    g = w.view(37, -1, group)
+    span = g.abs().amax(-1) * 2 if symmetric else g.amax(-1).clamp(min=0) - g.amin(-1).clamp(max=0)
+    step = span / (16 if symmetric else 15)
+    err = (d - w).abs().view(37, -1, group).amax(-1)
+    # half a step; Q4_0's rule gives the side opposite the largest magnitude 7 steps, not 8 (a whole step
+    # at its end); float16 scales round by 2^-11
+    assert (err <= step * (1.0 if symmetric else 0.5) * 1.01 + 1e-5).all()
+    assert (d - w).abs().mean() <= step.mean() * 0.3  # about a quarter step on average
+    # the codes are the nibbles of the values the quantizer chose
+    assert torch.equal(pack_nibbles(unpack_nibbles(q.codes)), q.codes)
+
+
+def test_int4_symmetric_is_q4_0s_rule():
+    w = _weights(n=5, k=64)
+    q = quantizers.quantize_symmetric_int4(w, 32)
+    torch.testing.assert_close(q.mins.float(), q.scales.float() * -8, rtol=0, atol=0)
+    # the largest magnitude of each block is represented exactly (up to its float16 scale): code 0
+    u = unpack_nibbles(q.codes).view(5, 2, 32)
+    idx = w.view(5, 2, 32).abs().argmax(-1, keepdim=True)
+    assert (torch.gather(u, -1, idx) == 0).all()
+
+
+def test_nf4_picks_the_nearest_level():
+    w = _weights(k=128)
+    q = quantizers.quantize_nf4(w, 64)
+    assert q.levels is not None and torch.equal(q.levels, NF4_LEVELS)
+    assert (q.mins == 0).all()
+    normed = w.view(37, 2, 64) / q.scales.float().unsqueeze(-1)
+    u = unpack_nibbles(q.codes).view(37, 2, 64).long()
+    nearest = (normed.unsqueeze(-1) - NF4_LEVELS).abs().argmin(-1)
+    chosen = (normed - NF4_LEVELS[u]).abs()
+    best = (normed - NF4_LEVELS[nearest]).abs()
+    torch.testing.assert_close(chosen, best, rtol=0, atol=1e-6)
+
+
+def test_all_zero_groups_stay_zero():
+    w = torch.zeros(3, 64)
+    for fn in (quantizers.quantize_symmetric_int8, quantizers.quantize_asymmetric_int8,
+               quantizers.quantize_symmetric_int4, quantizers.quantize_asymmetric_int4, quantizers.quantize_nf4):
+        assert (fn(w, 32).dequantize() == 0).all(), fn.__name__
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rows, stacks and promotion
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_cat_rows_promotes_losslessly():
+    rng = np.random.default_rng(3)
+    parts = [
+        repack(random_blocks(rng, Q.Q4_K, 5, 512), Q.Q4_K, (5, 512)),  # 4-bit, g32, float32
+        repack(random_blocks(rng, Q.Q6_K, 3, 512), Q.Q6_K, (3, 512)),  # 8-bit, g16, float32
+        repack(random_blocks(rng, Q.Q4_0, 2, 512), Q.Q4_0, (2, 512)),  # 4-bit, g32, float16
+        quantizers.quantize_symmetric_int8(torch.randn(4, 512), 512),  # 8-bit, per channel
+    ]
+    whole = QuantizedWeight.cat_rows(parts)
+    assert (whole.bits, whole.group, whole.scales.dtype, whole.out_features) == (8, 16, torch.float32, 14)
+    want = torch.cat([p.dequantize() for p in parts])
+    torch.testing.assert_close(whole.dequantize(), want, rtol=0, atol=0)
+    # same form: no promotion, 4-bit float16 stays so
+    same = QuantizedWeight.cat_rows(parts[2:3] * 2)
+    assert (same.bits, same.group, same.scales.dtype) == (4, 32, torch.float16)
+
+
+def test_rows_stacks_and_lookups_keep_values():
+    w = quantizers.quantize_asymmetric_int4(torch.randn(12, 64), 32)
+    full = w.dequantize()
+    torch.testing.assert_close(w.narrow_rows(3, 5).dequantize(), full[3:8], rtol=0, atol=0)
+    perm = torch.randperm(12, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(w.index_rows(perm).dequantize(), full[perm], rtol=0, atol=0)
+    ids = torch.tensor([[1, 11], [0, 1]])
+    torch.testing.assert_close(w.embedding(ids), full[ids], rtol=0, atol=0)
+    experts = [quantizers.quantize_nf4(torch.randn(6, 64), 32) for _ in range(3)]
+    stack = QuantizedWeight.stack(experts)
+    assert stack.shape == (3, 6, 64) and stack.num_experts == 3
+    for e in range(3):
+        torch.testing.assert_close(stack[e].dequantize(), experts[e].dequantize(), rtol=0, atol=0)
+    torch.testing.assert_close(stack.dequantize()[1], experts[1].dequantize(), rtol=0, atol=0)
+
+
+def test_invalid_forms_are_refused():
+    w = quantizers.quantize_symmetric_int8(torch.randn(4, 64), 32)
+    with pytest.raises(ValueError, match="group 48 does not divide in_features 64"):
+        QuantizedWeight(w.codes, w.scales, w.mins, None, 8, 48, "float", 4, 64)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        QuantizedWeight(w.codes[:, :24].contiguous(), w.scales[:, :3].contiguous(), w.mins[:, :3].contiguous(),
+                        None, 4, 16, "float", 4, 48)
+    with pytest.raises(ValueError, match="act='int4'"):
+        QuantizedWeight(w.codes, w.scales, w.mins, None, 8, 32, "int4", 4, 64)
+    nf4 = quantizers.quantize_nf4(torch.randn(2, 64), 64)
+    with pytest.raises(ValueError, match="level tables and affine codes"):
+        QuantizedWeight.cat_rows([nf4, w])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Products
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", ["int8", "int4", "nf4", "q4_k"])
+def test_weight_only_reference_is_linear_on_dequantized(make, monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    if make == "q4_k":
+        w = repack(random_blocks(np.random.default_rng(1), Q.Q4_K, 9, 256), Q.Q4_K, (9, 256))
+    else:
+        fn = {"int8": quantizers.quantize_asymmetric_int8, "int4": quantizers.quantize_symmetric_int4,
+              "nf4": quantizers.quantize_nf4}[make]  # fmt: skip
+        w = fn(torch.randn(9, 256, generator=g), 64)
+    x, b = torch.randn(5, 256, generator=g), torch.randn(9, generator=g)
+    want = F.linear(x, w.dequantize(), b)
+    torch.testing.assert_close(reference_linear(x, w, b), want, rtol=0, atol=0)
+    # many output rows: dequantized a slab at a time, same values
+    monkeypatch.setattr("perfxlm.quant.reference.SLAB_ELEMENTS", 256 * 4)
+    torch.testing.assert_close(reference_linear(x, w, b), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    # bf16 activations: computed in float32, returned in bf16
+    y = reference_linear(x.bfloat16(), w, b.bfloat16())
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), F.linear(x.bfloat16().float(), w.dequantize(), b.bfloat16().float()),
+                               rtol=1e-2, atol=1e-2)  # fmt: skip
+
+
+def test_activation_quantization_rounds_half_to_even_per_row():
+    x = torch.tensor([[1.27, -0.5 * 1.27 / 127 * 3, 0.0], [0.0, 0.0, 0.0]])
+    q, s = quantize_activations(x)
+    assert q.dtype == torch.int8 and s.tolist() == pytest.approx([0.01, 0.0])
+    assert q[0, 0] == 127 and q[0, 1] == -2  # -1.5 -> -2
+    assert (q[1] == 0).all()
+
+
+@pytest.mark.parametrize("group", [48, 96])
+def test_w8a8_reference_is_its_definition(group):
+    g = torch.Generator().manual_seed(2)
+    w = quantizers.quantize_symmetric_int8(torch.randn(7, 96, generator=g), group, act="int8")
+    w_asym = quantizers.quantize_asymmetric_int8(torch.randn(7, 96, generator=g), group)
+    w_asym = QuantizedWeight(w_asym.codes, w_asym.scales, w_asym.mins, None, 8, group, "int8", 7, 96)
+    x = torch.randn(4, 96, generator=g)
+    x[2] = 0
+    for weight in (w, w_asym):
+        sx = x.abs().amax(1, keepdim=True) / 127
+        qx = torch.where(sx > 0, x / sx, torch.zeros_like(x)).round().clamp(-127, 127)
+        want = (qx.double() @ weight.dequantize().double().t()) * sx.double()
+        got = reference_linear(x, weight)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+        assert (got[2] == 0).all()
+
+
+@pytest.mark.skipif(native.kernels() is None or not hasattr(native.kernels(), "linear_q"), reason="no kernels")
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("fmt", ["q4_1", "q6_k", "int4-asym", "nf4", "w8a8"])
+def test_linear_dispatch_native_matches_reference(fmt, rows):
+    g = torch.Generator().manual_seed(rows)
+    rng = np.random.default_rng(rows)
+    w = {
+        "q4_1": lambda: repack(random_blocks(rng, Q.Q4_1, 33, 96), Q.Q4_1, (33, 96)),
+        "q6_k": lambda: repack(random_blocks(rng, Q.Q6_K, 33, 256), Q.Q6_K, (33, 256)),
+        "int4-asym": lambda: quantizers.quantize_asymmetric_int4(torch.randn(33, 96, generator=g), 32),
+        "nf4": lambda: quantizers.quantize_nf4(torch.randn(33, 128, generator=g), 64),
+        "w8a8": lambda: quantizers.quantize_symmetric_int8(torch.randn(33, 96, generator=g), 96, act="int8"),
+    }[fmt]()
+    x, b = torch.randn(rows, w.in_features, generator=g), torch.randn(33, generator=g)
+    previous = cpu_plan.use(quant_activations="float32")
+    try:
+        got = linear(x, w, b, w.out_features)
+    finally:
+        cpu_plan.use(previous)
+    want = reference_linear(x, w, b)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * (want.abs().max().item() + 1))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# quantization= parsing
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_quantization_names_options_and_defaults():
+    assert QuantizationConfig.resolve(None) is None
+    c = QuantizationConfig.resolve("int4")
+    assert (c.method, c.group_size, c.symmetric, c.bits) == ("int4", 32, True, 4)
+    assert QuantizationConfig.resolve("nf4").group_size == 64
+    assert QuantizationConfig.resolve("int8").group_size == -1
+    c = QuantizationConfig.resolve("int8", group_size=64, symmetric=False)
+    assert (c.group_size, c.symmetric) == (64, False)
+    c = QuantizationConfig.resolve('{"method": "int4", "group_size": 128, "symmetric": false}')
+    assert (c.method, c.group_size, c.symmetric) == ("int4", 128, False)
+    assert QuantizationConfig.resolve(c.as_dict()) == QuantizationConfig("int4", 128, False, True)
+    assert QuantizationConfig.resolve("GGUF").method == "gguf"
+
+
+@pytest.mark.parametrize("args,match", [
+    (("int3",), r"quantization='int3' is not supported; supported: int8, int4, nf4, w8a8, gguf, none"),
+    ((7,), r"quantization=7 is not supported; supported: int8"),
+    (("int4", 48), r"quantization_group_size=48 for int4: supported: multiples of 32"),
+    (("int8", 24), r"quantization_group_size=24 for int8: supported: multiples of 16"),
+    (("int8", 0), r"quantization_group_size=0: expected a positive integer or -1"),
+    (("nf4", None, False), r"nf4 is absmax-scaled; supported: symmetric only"),
+    (("w8a8", None, False), r"w8a8 weights are symmetric"),
+    (("gguf", 32), r"quantization='gguf' takes no group size"),
+    ((None, 32), r"need quantization="),
+    (({"method": "int4", "bits": 4},), r"expected the keys method, group_size, symmetric.*unknown: bits"),
+    (('{"method": "int4"',), r"is not valid JSON"),
+])  # fmt: skip
+def test_bad_quantization_values_name_the_value_and_the_choices(args, match):
+    with pytest.raises(ValueError, match=match):
+        QuantizationConfig.resolve(*args)
+
+
+def test_shape_checks_name_the_weight():
+    with pytest.raises(ValueError, match=r"quantization_group_size=64 \(the default for nf4\) does not divide "
+                                         r"the input size 96 of layers.0.mlp"):  # fmt: skip
+        QuantizationConfig.resolve("nf4").check_in_features(96, "layers.0.mlp")
+    with pytest.raises(ValueError, match=r"'int4' needs input sizes .* multiples of 32; x has input size 48"):
+        QuantizationConfig.resolve("int4", group_size=-1).check_in_features(48, "x")
+    QuantizationConfig.resolve("int8", group_size=-1).check_in_features(37, "x")  # per channel: any size
