@@ -18,6 +18,8 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <sys/prctl.h>
+#include <time.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -35,7 +37,15 @@ inline uint8_t* slot(uint8_t* base, int64_t world, int64_t slot_bytes, int64_t s
     return data + ((seq & 1) * world + rank) * slot_bytes;
 }
 
-void wait_all(uint8_t* base, int64_t world, int64_t seq, double timeout_s) {
+// Spin briefly (the ranks of a decode step arrive within microseconds of each other), then sleep in
+// short naps: a rank that waits for a slow peer must not hold a CPU the peer may need (virtual machines
+// whose vCPUs share host cores, more ranks than cores).
+void wait_all(uint8_t* base, int64_t world, int64_t seq, double timeout_s, double spin_s) {
+    static thread_local bool slack_set = false;
+    if (!slack_set) {
+        prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // naps of microseconds, not the default 50 us
+        slack_set = true;
+    }
     auto start = std::chrono::steady_clock::now();
     for (int64_t r = 0; r < world; ++r) {
         auto* f = flag(base, r);
@@ -44,14 +54,17 @@ void wait_all(uint8_t* base, int64_t world, int64_t seq, double timeout_s) {
 #if defined(__x86_64__)
             _mm_pause();
 #endif
-            if (++spins % 4096 == 0) {
+            if (++spins % 64 == 0) {
                 double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
                 if (waited > timeout_s) {
                     throw std::runtime_error(
                         "shared-memory collective: rank " + std::to_string(r) + " did not arrive within " +
                         std::to_string(timeout_s) + " s (it died or hangs)");
                 }
-                if (waited > 1e-3) std::this_thread::yield();  // long waits: leave the core to others
+                if (waited > spin_s) {
+                    struct timespec nap = {0, 2000};
+                    nanosleep(&nap, nullptr);
+                }
             }
         }
     }
@@ -104,7 +117,7 @@ void check_args(const torch::Tensor& x, const torch::Tensor& shm, int64_t rank, 
 
 // In place: x becomes the sum of every rank's x. Returns the next sequence number.
 int64_t shm_all_reduce(torch::Tensor x, torch::Tensor shm, int64_t rank, int64_t world, int64_t seq,
-                       int64_t slot_bytes, double timeout_s) {
+                       int64_t slot_bytes, double timeout_s, double spin_s) {
     check_args(x, shm, rank, world, slot_bytes);
     const auto dtype = x.scalar_type();
     TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16, "shm all-reduce: float32 or bfloat16 only");
@@ -121,7 +134,7 @@ int64_t shm_all_reduce(torch::Tensor x, torch::Tensor shm, int64_t rank, int64_t
         flag(base, rank)->store(seq, std::memory_order_release);
         {
             pybind11::gil_scoped_release no_gil;
-            wait_all(base, world, seq, timeout_s);
+            wait_all(base, world, seq, timeout_s, spin_s);
         }
         for (int64_t r = 0; r < world; ++r) srcs[r] = slot(base, world, slot_bytes, seq, r);
         if (dtype == torch::kFloat) {
@@ -135,7 +148,7 @@ int64_t shm_all_reduce(torch::Tensor x, torch::Tensor shm, int64_t rank, int64_t
 
 // out[r] = rank r's x, for out of shape [world, *x.shape]. Returns the next sequence number.
 int64_t shm_all_gather(torch::Tensor x, torch::Tensor out, torch::Tensor shm, int64_t rank, int64_t world,
-                       int64_t seq, int64_t slot_bytes, double timeout_s) {
+                       int64_t seq, int64_t slot_bytes, double timeout_s, double spin_s) {
     check_args(x, shm, rank, world, slot_bytes);
     TORCH_CHECK(out.is_contiguous() && out.numel() == world * x.numel() && out.scalar_type() == x.scalar_type(),
                 "shm all-gather: out must be a contiguous [world, *x.shape] tensor of x's dtype");
@@ -150,7 +163,7 @@ int64_t shm_all_gather(torch::Tensor x, torch::Tensor out, torch::Tensor shm, in
         flag(base, rank)->store(seq, std::memory_order_release);
         {
             pybind11::gil_scoped_release no_gil;
-            wait_all(base, world, seq, timeout_s);
+            wait_all(base, world, seq, timeout_s, spin_s);
         }
         for (int64_t r = 0; r < world; ++r) std::memcpy(dst + r * bytes + start, slot(base, world, slot_bytes, seq, r), n);
     }
@@ -158,12 +171,12 @@ int64_t shm_all_gather(torch::Tensor x, torch::Tensor out, torch::Tensor shm, in
 }
 
 // Every rank arrives before any leaves. Returns the next sequence number.
-int64_t shm_barrier(torch::Tensor shm, int64_t rank, int64_t world, int64_t seq, double timeout_s) {
+int64_t shm_barrier(torch::Tensor shm, int64_t rank, int64_t world, int64_t seq, double timeout_s, double spin_s) {
     uint8_t* base = shm.data_ptr<uint8_t>();
     ++seq;
     flag(base, rank)->store(seq, std::memory_order_release);
     pybind11::gil_scoped_release no_gil;
-    wait_all(base, world, seq, timeout_s);
+    wait_all(base, world, seq, timeout_s, spin_s);
     return seq;
 }
 

@@ -127,6 +127,8 @@ class ShmCommunicator(Communicator):
         self.rank, self.world_size = rank, world_size
         self.slot_bytes = slot_bytes
         self.timeout = collective_timeout() if timeout_s is None else timeout_s
+        # spin this long before napping (PERFXLM_SHM_SPIN_US): long enough for the skew of a decode step
+        self.spin = float(os.environ.get("PERFXLM_SHM_SPIN_US", "50")) * 1e-6
         size = world_size * _LINE + 2 * world_size * slot_bytes
         if rank == 0:
             fd = os.open(segment, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -144,18 +146,18 @@ class ShmCommunicator(Communicator):
         if x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous():
             raise ValueError(f"shm all-reduce takes contiguous float32 / bfloat16 tensors, got {x.dtype}")
         self.seq = self.native.all_reduce(x, self.shm, self.rank, self.world_size, self.seq, self.slot_bytes,
-                                          self.timeout)
+                                          self.timeout, self.spin)
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         out = torch.empty((self.world_size, *x.shape), dtype=x.dtype)
         self.seq = self.native.all_gather(x, out, self.shm, self.rank, self.world_size, self.seq, self.slot_bytes,
-                                          self.timeout)
+                                          self.timeout, self.spin)
         return torch.cat(out.unbind(0), dim=-1)
 
     def barrier(self) -> None:
-        self.seq = self.native.barrier(self.shm, self.rank, self.world_size, self.seq, self.timeout)
+        self.seq = self.native.barrier(self.shm, self.rank, self.world_size, self.seq, self.timeout, self.spin)
 
     def close(self) -> None:
         self.shm = None  # type: ignore[assignment]
