@@ -207,13 +207,17 @@ void q_gemv(const float* x, int64_t M, const QW& w, float* y, const float* bias)
   }
 }
 
-// Rows [n0, n1) of W as float32, out [n1 - n0, K].
-void dequant_rows(const QW& w, int64_t n0, int64_t n1, float* out) {
+inline void store_out(float* p, V a, int64_t n = 16) { simd16::store(p, a, n); }
+inline void store_out(uint16_t* p, V a, int64_t n = 16) { simd16::store_bf16(p, a, n); }
+
+// Rows [n0, n1) of W as float32 or bf16 (uint16_t), out [n1 - n0, K].
+template <typename T>
+void dequant_rows(const QW& w, int64_t n0, int64_t n1, T* out) {
   at::parallel_for(n0, n1, 8, [&](int64_t begin, int64_t end) {
     const simd16::Table16 table(w.levels ? w.levels : kNoLevels);
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* row = w.codes + n * w.row_bytes;
-      float* o = out + (n - n0) * w.K;
+      T* o = out + (n - n0) * w.K;
       const int64_t step = w.bits4 ? 32 : 16;
       for (int64_t k = 0; k < w.K; k += step) {
         const int64_t g = n * w.groups + k / w.group;
@@ -221,10 +225,10 @@ void dequant_rows(const QW& w, int64_t n0, int64_t n1, float* out) {
         if (w.bits4) {
           I lo, hi;
           simd16::load_nibbles(row + k / 2, lo, hi);
-          simd16::store(o + k, simd16::fmadd(w.levels ? simd16::lookup(table, lo) : simd16::to_float(lo), s, m));
-          simd16::store(o + k + 16, simd16::fmadd(w.levels ? simd16::lookup(table, hi) : simd16::to_float(hi), s, m));
+          store_out(o + k, simd16::fmadd(w.levels ? simd16::lookup(table, lo) : simd16::to_float(lo), s, m));
+          store_out(o + k + 16, simd16::fmadd(w.levels ? simd16::lookup(table, hi) : simd16::to_float(hi), s, m));
         } else {
-          simd16::store(o + k, simd16::fmadd(simd16::to_float(simd16::load_u8(row + k, w.K - k)), s, m), w.K - k);
+          store_out(o + k, simd16::fmadd(simd16::to_float(simd16::load_u8(row + k, w.K - k)), s, m), w.K - k);
         }
       }
     }
@@ -242,10 +246,18 @@ void q_gemv(const float* x, int64_t M, const QW& w, float* y, const float* bias)
   });
 }
 
-void dequant_rows(const QW& w, int64_t n0, int64_t n1, float* out) {
+inline void store_out(float* p, float v) { *p = v; }
+inline void store_out(uint16_t* p, float v) {  // round to nearest even, as torch
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  *p = static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+template <typename T>
+void dequant_rows(const QW& w, int64_t n0, int64_t n1, T* out) {
   at::parallel_for(n0, n1, 8, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
-      for (int64_t k = 0; k < w.K; ++k) out[(n - n0) * w.K + k] = weight_at(w, n, k);
+      for (int64_t k = 0; k < w.K; ++k) store_out(out + (n - n0) * w.K + k, weight_at(w, n, k));
   });
 }
 #endif
@@ -515,16 +527,21 @@ at::Tensor float_product(const at::Tensor& x, const QW& w, const float* bias, in
     q_gemv(x.data_ptr<float>(), M, w, y.data_ptr<float>(), bias);
     return y;
   }
-  // Slabs of W rows: about L2 (1024 x K) for a short batch, up to 8M floats when the GEMM dominates.
-  const int64_t per_slab = std::min<int64_t>(N, std::max<int64_t>(1024, M >= 128 ? (int64_t{8} << 20) / K : 1024));
-  at::Tensor buf = at::empty({per_slab, K}, x.options());
+  // Slabs of W rows handed to torch's GEMM: the whole weight up to 4M values, else 4M-value slabs.
+  // bf16: dequantized straight to bf16 (half the bytes written and read again by the GEMM).
+  const int64_t per_slab = std::min<int64_t>(N, std::max<int64_t>(64, (int64_t{4} << 20) / K));
+  at::Tensor buf = at::empty({per_slab, K}, x.options().dtype(bf16_gemm ? at::kBFloat16 : at::kFloat));
   const at::Tensor xg = bf16_gemm ? x.to(at::kBFloat16) : x;
   at::Tensor y = per_slab >= N ? at::Tensor() : at::empty({M, N}, x.options());
   for (int64_t n0 = 0; n0 < N; n0 += per_slab) {
     const int64_t n1 = std::min(N, n0 + per_slab);
     at::Tensor slab = buf.narrow(0, 0, n1 - n0);
-    dequant_rows(w, n0, n1, slab.data_ptr<float>());
-    at::Tensor part = bf16_gemm ? at::mm(xg, slab.to(at::kBFloat16).t()).to(at::kFloat) : at::mm(xg, slab.t());
+    if (bf16_gemm)
+      dequant_rows(w, n0, n1, reinterpret_cast<uint16_t*>(slab.data_ptr<at::BFloat16>()));
+    else
+      dequant_rows(w, n0, n1, slab.data_ptr<float>());
+    at::Tensor part = at::mm(xg, slab.t());
+    if (bf16_gemm) part = part.to(at::kFloat);
     if (!y.defined())
       y = part;
     else

@@ -30,6 +30,13 @@ inline V fmadd(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline V add(V a, V b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline void store(float* p, V a, int64_t n = 16) { _mm512_mask_storeu_ps(p, mask(n), a.v); }
 inline float reduce_add(V a) { return _mm512_reduce_add_ps(a.v); }
+// 16 lanes rounded to bfloat16 (to nearest even, as torch's conversion; the values are finite).
+inline void store_bf16(uint16_t* p, V a, int64_t n = 16) {
+  const __m512i u = _mm512_castps_si512(a.v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  _mm256_mask_storeu_epi16(p, mask(n), _mm512_cvtepi32_epi16(r));
+}
 
 // 16 int32 lanes holding small unsigned weight codes (quantized weights, csrc/quant_linear.cpp).
 struct I {
@@ -96,6 +103,22 @@ inline void store(float* p, V a, int64_t n = 16) {
   _mm256_storeu_ps(buf, a.lo);
   _mm256_storeu_ps(buf + 8, a.hi);
   std::memcpy(p, buf, static_cast<size_t>(n > 0 ? n : 0) * sizeof(float));
+}
+inline __m256i round_bf16(__m256 a) {
+  const __m256i u = _mm256_castps_si256(a);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+}
+inline void store_bf16(uint16_t* p, V a, int64_t n = 16) {
+  // packus interleaves 128-bit lanes: [lo 0-3, hi 0-3, lo 4-7, hi 4-7] -> permute back to order
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(round_bf16(a.lo), round_bf16(a.hi)), 0xD8);
+  if (n >= 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed);
+    return;
+  }
+  uint16_t buf[16];
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf), packed);
+  std::memcpy(p, buf, static_cast<size_t>(n > 0 ? n : 0) * sizeof(uint16_t));
 }
 inline float reduce_add(V a) {
   const __m256 s = _mm256_add_ps(a.lo, a.hi);

@@ -25,6 +25,8 @@ Quantized weights (perfxlm.quant) at few rows: with AVX512-VNNI the activations 
 per block of 32 and the products run as int8 dot products (llama.cpp's scheme, 2-3x fewer instructions
 than widening codes to float32); elsewhere the codes are widened and the activations stay float32.
 - PERFXLM_QUANT_ACTIVATIONS = int8 | float32   (int8 needs a VNNI build; float32 is exact weight-only)
+- PERFXLM_QUANT_MAX_ROWS = N      rows up to which quantized weights take the GEMV kernels; more rows
+                                  dequantize slabs for torch's GEMM (measured crossover: 8-16 rows)
 """
 
 from __future__ import annotations
@@ -50,10 +52,12 @@ class CpuPlan:
     native_max_rows: int  # up to this many rows the native kernel runs
     bf16_compute: str  # activation dtype of a bfloat16 model
     quant_activations: str = "float32"  # what quantized-weight GEMVs multiply: int8 blocks or float32
+    quant_max_rows: int = 8  # up to this many rows quantized weights take the GEMV kernels
 
     def describe(self) -> str:
         return (f"bf16 layout={self.layout} gemm={self.gemm} native_max_rows={self.native_max_rows} "
-                f"activations={self.bf16_compute} quantized-weight activations={self.quant_activations}")
+                f"activations={self.bf16_compute} quantized: activations={self.quant_activations} "
+                f"gemv_max_rows={self.quant_max_rows}")
 
 
 def _choice(name: str, allowed: tuple[str, ...], default: str) -> str:
@@ -70,19 +74,26 @@ def detect() -> CpuPlan:
     fast_bf16 = cpu_has_fast_bf16()
     layout = _choice("PERFXLM_BF16_LAYOUT", LAYOUTS, "rows" if fast_bf16 else "panels")
     gemm = _choice("PERFXLM_BF16_GEMM", GEMMS, "bf16" if fast_bf16 else "float32")
-    raw = os.environ.get("PERFXLM_NATIVE_MAX_ROWS", "auto").strip().lower()
-    if raw in ("", "auto"):
-        max_rows = _AUTO_MAX_ROWS[(layout, gemm)]
-    else:
-        try:
-            max_rows = int(raw)
-        except ValueError:
-            raise ValueError(f"PERFXLM_NATIVE_MAX_ROWS={raw!r}: expected auto or an integer >= 0.") from None
-        if max_rows < 0:
-            raise ValueError(f"PERFXLM_NATIVE_MAX_ROWS={raw!r}: expected auto or an integer >= 0.")
+    max_rows = _rows("PERFXLM_NATIVE_MAX_ROWS", _AUTO_MAX_ROWS[(layout, gemm)])
     compute = _choice("PERFXLM_BF16_COMPUTE", COMPUTES, "float32")
     quant_act = _choice("PERFXLM_QUANT_ACTIVATIONS", QUANT_ACTIVATIONS, "int8" if _has_int8_dots() else "float32")
-    return CpuPlan(layout, gemm, max_rows, compute, quant_act)
+    # Measured on the default model's shapes (AMX CPU, 1 thread): the int8-block GEMV beats dequantizing
+    # slabs for the bf16 GEMM up to 8-16 rows.
+    quant_rows = _rows("PERFXLM_QUANT_MAX_ROWS", 8)
+    return CpuPlan(layout, gemm, max_rows, compute, quant_act, quant_rows)
+
+
+def _rows(name: str, default: int) -> int:
+    raw = os.environ.get(name, "auto").strip().lower()
+    if raw in ("", "auto"):
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected auto or an integer >= 0.") from None
+    if value < 0:
+        raise ValueError(f"{name}={raw!r}: expected auto or an integer >= 0.")
+    return value
 
 
 def _has_int8_dots() -> bool:

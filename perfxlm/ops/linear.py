@@ -88,7 +88,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     plan = cpu_plan.plan()
     y = ops.linear_q(
         rows, weight.codes, weight.scales, weight.mins, weight.levels, b, weight.act == "int8",
-        plan.native_max_rows, plan.gemm == "bf16" and weight.bf16_gemm, plan.quant_activations == "int8",
+        plan.quant_max_rows, plan.gemm == "bf16" and weight.bf16_gemm, plan.quant_activations == "int8",
     )  # fmt: skip
     return y.to(x.dtype).view(*x.shape[:-1], weight.out_features)
 

@@ -130,7 +130,7 @@ def test_other_layers_run_with_int8_cache(checkpoints, case):
 QUANT_PLANS = {
     "int8-blocks": dict(quant_activations="int8"),
     "float-acts": dict(quant_activations="float32"),
-    "gemm-only": dict(quant_activations="float32", native_max_rows=0),
+    "gemm-only": dict(quant_activations="float32", quant_max_rows=0),
 }
 
 
