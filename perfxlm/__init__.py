@@ -3,13 +3,15 @@
 from perfxlm.config import EngineConfig
 from perfxlm.engine.async_engine import AsyncLLM
 from perfxlm.engine.handle import Engine, RequestHandle
+from perfxlm.inputs import AsyncEngineArgs, EngineArgs, TextPrompt, TokensPrompt
 from perfxlm.llm import LLM
 from perfxlm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from perfxlm.sampling_params import RequestOutputKind, SamplingParams
+from perfxlm.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LLM", "AsyncLLM", "Engine", "EngineConfig", "RequestHandle", "SamplingParams", "RequestOutput",
     "CompletionOutput", "Logprob", "RequestMetrics", "RequestOutputKind", "__version__",
+    "EngineArgs", "AsyncEngineArgs", "TextPrompt", "TokensPrompt", "StructuredOutputsParams", "GuidedDecodingParams",
 ]

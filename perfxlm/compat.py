@@ -34,14 +34,12 @@ def split_vllm_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
     if mode not in _TOKENIZER_MODES:
         raise ValueError(f"tokenizer_mode={mode!r} is not supported: perfxlm loads the Hugging Face fast tokenizer "
                          "(tokenizer.json, or the one in a GGUF file); use 'auto' or 'hf'.")
-    for name in ("revision", "tokenizer_revision", "code_revision"):
+    # revision and download_dir are engine fields (the hub cache, perfxlm/hub.py)
+    for name in ("tokenizer_revision", "code_revision"):
         value = rest.pop(name, None)
         if value not in (None, "main"):
-            raise ValueError(f"{name}={value!r}: perfxlm loads local folders and GGUF files; check out that revision "
-                             "(e.g. huggingface-cli download MODEL --revision REV) and pass its folder.")
-    for name in ("download_dir", "load_format_kwargs"):
-        if rest.pop(name, None) is not None:
-            raise ValueError(f"{name} is not supported: pass a local model folder or a .gguf file.")
+            raise ValueError(f"{name}={value!r} is not supported: the tokenizer and code come from the model's "
+                             "revision (revision=...).")
     nbytes = rest.pop("kv_cache_memory_bytes", None)
     if nbytes is not None:
         if not isinstance(nbytes, int) or nbytes <= 0:

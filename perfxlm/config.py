@@ -111,6 +111,9 @@ class EngineConfig:
     enforce_eager: bool = True
     # vLLM's engine argument: the most logprobs / prompt_logprobs a request may ask for (-1: the vocabulary).
     max_logprobs: int = 20
+    # A Hugging Face model id resolves through the hub cache (perfxlm/hub.py): which commit, and where.
+    revision: str | None = None
+    download_dir: str | None = None
     # Resolved by resolve(); not user input.
     hf_config: Any = field(default=None, repr=False)
     torch_dtype: torch.dtype = field(default=torch.float32, repr=False)  # activations (compute)
@@ -142,12 +145,9 @@ class EngineConfig:
 
         if self.model is None:
             self.model = default_model_path()
-        self.model = os.path.expanduser(self.model)
-        if not os.path.exists(self.model):
-            raise ValueError(
-                f"Model path {self.model!r} does not exist: pass a Hugging Face model folder or a .gguf file "
-                "(no model hub is reached)."
-            )
+        from perfxlm.hub import resolve_model  # a model id resolves through the Hugging Face cache
+
+        self.model = resolve_model(self.model, self.revision, self.download_dir)
         if self.load_format == "auto":
             self.load_format = "gguf" if self.model.endswith(".gguf") else "safetensors"
         if self.load_format not in ("safetensors", "gguf", "dummy"):

@@ -56,6 +56,11 @@ class LLM:
         self._counter = itertools.count()
         self.default_sampling = load_generation_defaults(self.llm_engine.config.model, generation_config)
 
+    @classmethod
+    def from_engine_args(cls, engine_args: Any) -> "LLM":
+        """vLLM's shape: LLM.from_engine_args(EngineArgs(model=..., ...))."""
+        return cls(**engine_args.as_kwargs())
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 

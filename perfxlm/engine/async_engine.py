@@ -29,8 +29,17 @@ class AsyncLLM:
         self._ids = itertools.count()
 
     @classmethod
-    def from_engine_args(cls, **kwargs: Any) -> "AsyncLLM":
-        return cls(EngineConfig(**kwargs))
+    def from_engine_args(cls, engine_args: Any = None, **kwargs: Any) -> "AsyncLLM":
+        """vLLM's shape: AsyncLLM.from_engine_args(AsyncEngineArgs(model=...)); keyword arguments work too.
+        vLLM's arguments with no engine field here are translated, noticed or refused (compat.py)."""
+        from perfxlm.compat import split_vllm_kwargs
+
+        if engine_args is not None:
+            kwargs = {**engine_args.as_kwargs(), **kwargs}
+        for name in ("usage_context", "start_engine_loop", "disable_log_requests", "enable_log_requests"):
+            kwargs.pop(name, None)  # vLLM's from_engine_args parameters with nothing to do here
+        rest, settings = split_vllm_kwargs(kwargs)
+        return cls(EngineConfig(**rest, **settings))
 
     @property
     def tokenizer(self) -> Any:

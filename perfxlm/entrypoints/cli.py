@@ -7,7 +7,8 @@ import sys
 
 
 def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = True) -> None:
-    model_help = "Hugging Face model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)"
+    model_help = ("Hugging Face model folder, .gguf file or model id (org/name, through the Hugging Face cache; "
+                  "default: the embedded SmolLM2-135M-Instruct)")
     if positional_model:
         parser.add_argument("model", nargs="?", default=None, help=model_help)
         parser.add_argument("--model", dest="model_opt", default=None, help="same as the positional MODEL")
@@ -46,6 +47,11 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="worker processes holding 1/N of the model each, one per NUMA node "
                              "(cores: PERFXLM_CPU_OMP_THREADS_BIND, e.g. '0-31|32-63')")
+    parser.add_argument("--revision", default=None,
+                        help="commit, branch or tag of a Hugging Face model id (MODEL as org/name)")
+    parser.add_argument("--download-dir", default=None,
+                        help="Hugging Face cache to read model ids from and download into "
+                             "(default: HF_HUB_CACHE, else HF_HOME/hub)")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                         help="KV cache size in bytes (vLLM's name; VLLM_CPU_KVCACHE_SPACE=GiB works too)")
     parser.add_argument("--generation-config", default="auto",
@@ -111,6 +117,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         max_logprobs=args.max_logprobs,
+        revision=getattr(args, "revision", None),
+        download_dir=getattr(args, "download_dir", None),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
     )
 

@@ -159,8 +159,15 @@ def test_other_spellings_and_errors(client):
         _chat(client, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}})
     with pytest.raises(openai.BadRequestError, match="one structured-output"):
         _chat(client, response_format={"type": "json_object"}, extra_body={"guided_regex": "a+"})
-    # the server goes on serving
-    assert _chat(client, max_tokens=2).choices[0].finish_reason in ("stop", "length")
+    # completions take the same fields
+    text = client.completions.create(model=NAME, prompt="The year:", max_tokens=6,
+                                     extra_body={"guided_regex": "[0-9]{4}"}).choices[0].text
+    assert len(text) == 4 and text.isdigit()
+    # unknown fields: accepted and ignored as vLLM does, unless they would change the result
+    r = _chat(client, max_tokens=2, store=False, metadata={"k": "v"}, extra_body={"cache_prompt": True})
+    assert r.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError, match="logits_processors"):
+        _chat(client, extra_body={"logits_processors": ["x"]})
 
 
 def test_tool_choice_none_required_named(client):

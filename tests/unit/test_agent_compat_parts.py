@@ -107,8 +107,9 @@ def test_vllm_arguments(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
     assert split_vllm_kwargs({})[1] == {"kv_cache_gib": 2.0}
     assert split_vllm_kwargs({"kv_cache_gib": 1.0})[1] == {}
-    for bad, words in [({"tokenizer_mode": "mistral"}, "fast tokenizer"), ({"revision": "abc"}, "revision"),
-                       ({"download_dir": "/x"}, "local model folder")]:
+    assert split_vllm_kwargs({"revision": "abc", "download_dir": "/x"})[0] == {"revision": "abc",
+                                                                               "download_dir": "/x"}  # engine fields
+    for bad, words in [({"tokenizer_mode": "mistral"}, "fast tokenizer"), ({"tokenizer_revision": "v2"}, "revision")]:
         with pytest.raises(ValueError, match=words):
             split_vllm_kwargs(bad)
     assert parse_allowed_origins(['["*"]']) == ["*"]
@@ -129,3 +130,40 @@ def test_llm_call_arguments(smollm_fp32):
                            chat_template_kwargs={"unused_flag": True}, use_tqdm=False)[0]
     assert out.prompt.endswith("Hello! My name")  # no new assistant turn opened
     assert SamplingParams(seed=-1).seed is None
+
+
+def test_model_ids_through_the_hf_cache(tmp_path, tiny_llama, monkeypatch):
+    import shutil
+
+    from perfxlm import LLM, AsyncEngineArgs, AsyncLLM, EngineArgs, TextPrompt, TokensPrompt  # noqa: F401
+    from perfxlm.entrypoints.openai.api_server import served_name
+    from perfxlm.hub import resolve_model
+
+    SHA = "0123456789abcdef0123456789abcdef01234567"
+    cache = tmp_path / "hub"
+    repo = cache / "models--acme--tiny"
+    shutil.copytree(tiny_llama, repo / "snapshots" / SHA)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(SHA)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    snap = str(repo / "snapshots" / SHA)
+    assert resolve_model("acme/tiny") == snap
+    assert resolve_model("acme/tiny", revision=SHA) == snap
+    with pytest.raises(ValueError, match=f"not in the Hugging Face cache at {cache}.*HF_HUB_OFFLINE"):
+        resolve_model("acme/missing")
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve_model("/no/such/folder")
+    monkeypatch.delenv("HF_HUB_CACHE")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # HF_HOME/hub
+    assert resolve_model("acme/tiny") == snap
+    assert resolve_model("acme/tiny", download_dir=str(cache)) == snap
+    llm = LLM.from_engine_args(EngineArgs(model="acme/tiny", skip_tokenizer_init=True, num_kv_blocks=16,
+                                          dtype="float32", gpu_memory_utilization=0.5))
+    assert llm.llm_engine.config.model == snap
+    prompt: TokensPrompt = {"prompt_token_ids": [1, 5, 9]}
+    from perfxlm import SamplingParams
+
+    assert len(llm.generate(prompt, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+               .outputs[0].token_ids) == 3
+    assert served_name("acme/tiny", None) == "acme/tiny"

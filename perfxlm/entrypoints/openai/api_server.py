@@ -23,7 +23,9 @@ from perfxlm.entrypoints.openai.middleware import APIKeyCheck, BodySizeLimit
 from perfxlm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
 )
-from perfxlm.entrypoints.openai.serving_base import ServerContext, check_model, engine_dead_error
+from perfxlm.entrypoints.openai.serving_base import (
+    ServerContext, check_extra_fields, check_model, engine_dead_error,
+)
 from perfxlm.entrypoints.openai.serving_chat import _message_dicts, create_chat_completion
 from perfxlm.entrypoints.openai.serving_completions import create_completion
 
@@ -158,6 +160,7 @@ def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None =
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
+        check_extra_fields(req)
         check_model(ctx, req.model)
         tok = engine.tokenizer
         if tok is None:
@@ -173,6 +176,7 @@ def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None =
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
+        check_extra_fields(req)
         check_model(ctx, req.model)
         tok = engine.tokenizer
         if tok is None:
@@ -239,6 +243,10 @@ def served_name(model: str | None, served_model_name: str | None) -> str:
 
     if model is None or os.path.basename(model) == DEFAULT_MODEL_FILE:
         return "SmolLM2-135M-Instruct"
+    from perfxlm.hub import looks_like_repo_id
+
+    if not os.path.exists(os.path.expanduser(model)) and looks_like_repo_id(model):
+        return model  # a model id is served under its id, as vLLM does
     base = os.path.basename(os.path.normpath(model))
     return base[:-5] if base.endswith(".gguf") else base
 

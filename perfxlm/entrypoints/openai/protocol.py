@@ -1,5 +1,9 @@
-"""Request schemas of the OpenAI API (plus vLLM's extra sampling fields). Unknown fields are refused
-(400 naming them): a field the server would ignore must not pass silently."""
+"""Request schemas of the OpenAI API (plus vLLM's extra sampling fields).
+
+Unknown top-level fields of a request follow vLLM: accepted, logged once per field name, ignored, so
+clients that send `store`, `metadata`, `reasoning_effort` or llama.cpp's `cache_prompt` keep working.
+Fields that would change the result and are not supported (REFUSED_FIELDS) are a 400 naming them and
+what to use instead; nested objects stay strict."""
 
 from __future__ import annotations
 
@@ -38,7 +42,33 @@ class StreamOptions(StrictModel):
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(StrictModel):
+# fields that change what is generated, which perfxlm does not support: refused instead of ignored
+REFUSED_FIELDS = {
+    "logits_processors": "custom logits processors are not supported; use logit_bias, allowed_token_ids, "
+                         "bad_words or structured outputs",
+    "functions": "the legacy functions field is not supported; use tools",
+    "function_call": "the legacy function_call field is not supported; use tool_choice",
+    "prompt_embeds": "prompt embeddings are not supported; send text or token ids",
+    "mm_processor_kwargs": "multimodal input is not supported",
+    "documents": "documents are not passed to chat templates; put them in the messages",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
+    "n_predict": "use max_tokens",
+    "typical_p": "typical sampling is not supported; use top_p, top_k or min_p",
+    "tfs_z": "tail-free sampling is not supported; use top_p, top_k or min_p",
+    "mirostat": "mirostat sampling is not supported; use top_p, top_k or min_p",
+    "dynatemp_range": "dynamic temperature is not supported; use temperature",
+    "xtc_probability": "XTC sampling is not supported",
+    "dry_multiplier": "DRY sampling is not supported; use repetition_penalty or frequency_penalty",
+}
+
+
+class RequestModel(StrictModel):
+    """A top-level request body: unknown fields are kept aside (model_extra) for the server to log."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class SamplingFields(RequestModel):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -112,7 +142,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class TokenizeRequest(StrictModel):
+class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
@@ -120,6 +150,6 @@ class TokenizeRequest(StrictModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(StrictModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]

@@ -10,14 +10,19 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+import logging
+
 from fastapi import Request
 
 from perfxlm.engine.async_engine import AsyncLLM
 from perfxlm.engine.threaded_engine import EngineDeadError
 from perfxlm.entrypoints.openai.errors import APIError
-from perfxlm.entrypoints.openai.protocol import SamplingFields
+from perfxlm.entrypoints.openai.protocol import REFUSED_FIELDS, SamplingFields
 from perfxlm.outputs import RequestOutput
 from perfxlm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+
+logger = logging.getLogger("perfxlm.server")
 
 
 @dataclass
@@ -37,6 +42,22 @@ class ServerContext:
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+_logged_extra_fields: set[str] = set()
+
+
+def check_extra_fields(req: Any) -> None:
+    """vLLM's rule for fields the server does not know: accepted, logged once per name, ignored; those
+    that would change the result (REFUSED_FIELDS) are a 400 saying what to use instead."""
+    extra = getattr(req, "model_extra", None) or {}
+    for name in sorted(extra):
+        if name in REFUSED_FIELDS:
+            raise APIError(400, f"Unsupported field {name}: {REFUSED_FIELDS[name]}.", name)
+    new = sorted(set(extra) - _logged_extra_fields)
+    if new:
+        _logged_extra_fields.update(new)
+        logger.warning("The following fields were present in the request but ignored: %s", ", ".join(new))
 
 
 def check_model(ctx: ServerContext, model: str | None) -> None:

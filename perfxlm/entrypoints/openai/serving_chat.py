@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from perfxlm.entrypoints.openai.errors import APIError, error_body
 from perfxlm.entrypoints.openai.protocol import ChatCompletionRequest
 from perfxlm.entrypoints.openai.serving_base import (
-    ServerContext, check_model, collect_until_disconnect, generate_one, merge, new_id, now, sse,
+    ServerContext, check_extra_fields, check_model, collect_until_disconnect, generate_one, merge, new_id, now, sse,
     structured_outputs_of, to_sampling_params, usage,
 )
 from perfxlm.entrypoints.openai.tool_parsers import ToolCall, parse_required, required_schema
@@ -167,6 +167,7 @@ def _assistant_args_to_dicts(messages: list[dict]) -> list[dict]:
 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request):
+    check_extra_fields(req)
     check_model(ctx, req.model)
     _check_unsupported(req)
     if req.stream and req.best_of is not None and req.best_of > req.n:

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from perfxlm.entrypoints.openai.errors import APIError, error_body
 from perfxlm.entrypoints.openai.protocol import CompletionRequest
 from perfxlm.entrypoints.openai.serving_base import (
-    ServerContext, check_model, collect_until_disconnect, generate_one, merge, new_id, now, sse, to_sampling_params,
+    ServerContext, check_extra_fields, check_model, collect_until_disconnect, generate_one, merge, new_id, now, sse, to_sampling_params,
     usage,
 )
 from perfxlm.outputs import CompletionOutput, RequestOutput
@@ -64,6 +64,7 @@ def _logprobs_block(c: CompletionOutput, tokenizer: Any, text_offset0: int) -> d
 
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request):
+    check_extra_fields(req)
     check_model(ctx, req.model)
     if req.suffix is not None:
         raise APIError(400, "suffix is not supported.", "suffix")
