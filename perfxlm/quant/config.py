@@ -62,9 +62,12 @@ class QuantizationConfig:
 
     def as_dict(self) -> dict[str, Any]:
         """The dict form `resolve` reads back (plain values: it travels inside the model's config)."""
-        if not self.quantizes:
-            return {"method": self.method}
-        return {"method": self.method, "group_size": self.group_size, "symmetric": self.symmetric}
+        out: dict[str, Any] = {"method": self.method}
+        if self.quantizes:
+            out["symmetric"] = self.symmetric
+            if self.group_explicit:  # else left to the method's default, as the user did
+                out["group_size"] = self.group_size
+        return out
 
     def group_for(self, in_features: int) -> int:
         return in_features if self.group_size == PER_CHANNEL else self.group_size

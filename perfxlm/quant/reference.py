@@ -51,7 +51,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _int_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """int8 [M, K] x int8 [N, K] -> exact int32 [M, N]."""
     try:
-        return torch._int_mm(a.contiguous(), b.t().contiguous().t())
+        return torch._int_mm(a.contiguous(), b.t().contiguous())
     except (RuntimeError, AttributeError):  # shapes or builds _int_mm refuses: float64 is exact here
         return (a.double() @ b.double().t()).to(torch.int32)
 

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from perfxlm.ops import cpu_plan, native
 from perfxlm.ops.linear import linear
-from perfxlm.quant import NF4_LEVELS, QuantizationConfig, QuantizedWeight, quantize_activations, reference_linear
-from perfxlm.quant import quantizers
+from perfxlm.quant import NF4_LEVELS, QuantizationConfig, QuantizedWeight, quantizers
+from perfxlm.quant.reference import quantize_activations, reference_linear
 from perfxlm.quant.gguf_repack import REPACKED_TYPES, repack
 from perfxlm.quant.weight import pack_nibbles, unpack_nibbles
 
@@ -28,7 +28,7 @@ _F16_AT = {Q.Q4_0: (0,), Q.Q8_0: (0,), Q.Q5_0: (0,), Q.Q4_1: (0, 2), Q.Q5_1: (0,
            Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # fmt: skip
 
 
-def random_blocks(rng: np.random.Generator, qtype: Q, rows: int, cols: int, scale: float = 0.05) -> np.ndarray:
+def random_blocks(rng: np.random.Generator, qtype: Q, rows: int, cols: int, scale=0.05) -> np.ndarray:
     """Random block bytes whose float16 scalars are finite (as in real files; random bytes would make
     inf / nan scales, which no affine form reproduces bit for bit)."""
     block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
@@ -45,12 +45,12 @@ def random_blocks(rng: np.random.Generator, qtype: Q, rows: int, cols: int, scal
 def test_repacked_gguf_blocks_dequantize_bit_exactly(qtype, rows):
     cols = 512 if qtype.name.endswith("_K") else 96
     raw = random_blocks(np.random.default_rng(rows), qtype, rows, cols)
-    want = torch.from_numpy(np.array(gguf.quants.dequantize(raw, qtype), dtype=np.float32)).reshape(rows, cols)
+    want = torch.from_numpy(np.array(gguf.quants.dequantize(raw, qtype), dtype=np.float32)).view(rows, cols)
     w = repack(raw, qtype, (rows, cols))
     assert w.act == "float" and w.levels is None and w.codes.dtype == torch.uint8
-    expected = {Q.Q4_0: (4, 32, torch.float16), Q.Q4_1: (4, 32, torch.float16), Q.Q8_0: (8, 32, torch.float16),
-                Q.Q5_0: (8, 32, torch.float16), Q.Q5_1: (8, 32, torch.float16), Q.Q4_K: (4, 32, torch.float32),
-                Q.Q5_K: (8, 32, torch.float32), Q.Q6_K: (8, 16, torch.float32)}[qtype]  # fmt: skip
+    f16, f32 = torch.float16, torch.float32
+    expected = {Q.Q4_0: (4, 32, f16), Q.Q4_1: (4, 32, f16), Q.Q8_0: (8, 32, f16), Q.Q5_0: (8, 32, f16),
+                Q.Q5_1: (8, 32, f16), Q.Q4_K: (4, 32, f32), Q.Q5_K: (8, 32, f32), Q.Q6_K: (8, 16, f32)}[qtype]
     assert (w.bits, w.group, w.scales.dtype) == expected
     torch.testing.assert_close(w.dequantize(), want, rtol=0, atol=0)
     if qtype == Q.Q4_0:  # the nibble layout is Q4_0's, byte for byte
@@ -149,8 +149,9 @@ def test_nf4_picks_the_nearest_level():
 
 def test_all_zero_groups_stay_zero():
     w = torch.zeros(3, 64)
-    for fn in (quantizers.quantize_symmetric_int8, quantizers.quantize_asymmetric_int8,
-               quantizers.quantize_symmetric_int4, quantizers.quantize_asymmetric_int4, quantizers.quantize_nf4):
+    q = quantizers
+    for fn in (q.quantize_symmetric_int8, q.quantize_asymmetric_int8, q.quantize_symmetric_int4,
+               q.quantize_asymmetric_int4, q.quantize_nf4):
         assert (fn(w, 32).dequantize() == 0).all(), fn.__name__
 
 
@@ -197,8 +198,8 @@ def test_invalid_forms_are_refused():
     with pytest.raises(ValueError, match="group 48 does not divide in_features 64"):
         QuantizedWeight(w.codes, w.scales, w.mins, None, 8, 48, "float", 4, 64)
     with pytest.raises(ValueError, match="multiples of 32"):
-        QuantizedWeight(w.codes[:, :24].contiguous(), w.scales[:, :3].contiguous(), w.mins[:, :3].contiguous(),
-                        None, 4, 16, "float", 4, 48)
+        s, m = w.scales[:, :3].contiguous(), w.mins[:, :3].contiguous()
+        QuantizedWeight(w.codes[:, :24].contiguous(), s, m, None, 4, 16, "float", 4, 48)
     with pytest.raises(ValueError, match="act='int4'"):
         QuantizedWeight(w.codes, w.scales, w.mins, None, 8, 32, "int4", 4, 64)
     nf4 = quantizers.quantize_nf4(torch.randn(2, 64), 64)
@@ -225,12 +226,13 @@ def test_weight_only_reference_is_linear_on_dequantized(make, monkeypatch):
     torch.testing.assert_close(reference_linear(x, w, b), want, rtol=0, atol=0)
     # many output rows: dequantized a slab at a time, same values
     monkeypatch.setattr("perfxlm.quant.reference.SLAB_ELEMENTS", 256 * 4)
-    torch.testing.assert_close(reference_linear(x, w, b), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    scale = want.abs().max().item()
+    torch.testing.assert_close(reference_linear(x, w, b), want, rtol=1e-5, atol=1e-5 * scale)
     # bf16 activations: computed in float32, returned in bf16
     y = reference_linear(x.bfloat16(), w, b.bfloat16())
     assert y.dtype == torch.bfloat16
-    torch.testing.assert_close(y.float(), F.linear(x.bfloat16().float(), w.dequantize(), b.bfloat16().float()),
-                               rtol=1e-2, atol=1e-2)  # fmt: skip
+    want = F.linear(x.bfloat16().float(), w.dequantize(), b.bfloat16().float())
+    torch.testing.assert_close(y.float(), want, rtol=1e-2, atol=1e-2)
 
 
 def test_activation_quantization_rounds_half_to_even_per_row():
@@ -241,13 +243,14 @@ def test_activation_quantization_rounds_half_to_even_per_row():
     assert (q[1] == 0).all()
 
 
+@pytest.mark.parametrize("n", [7, 96])
 @pytest.mark.parametrize("group", [48, 96])
-def test_w8a8_reference_is_its_definition(group):
+def test_w8a8_reference_is_its_definition(group, n):
     g = torch.Generator().manual_seed(2)
-    w = quantizers.quantize_symmetric_int8(torch.randn(7, 96, generator=g), group, act="int8")
-    w_asym = quantizers.quantize_asymmetric_int8(torch.randn(7, 96, generator=g), group)
-    w_asym = QuantizedWeight(w_asym.codes, w_asym.scales, w_asym.mins, None, 8, group, "int8", 7, 96)
-    x = torch.randn(4, 96, generator=g)
+    w = quantizers.quantize_symmetric_int8(torch.randn(n, 96, generator=g), group, act="int8")
+    w_asym = quantizers.quantize_asymmetric_int8(torch.randn(n, 96, generator=g), group)
+    w_asym = QuantizedWeight(w_asym.codes, w_asym.scales, w_asym.mins, None, 8, group, "int8", n, 96)
+    x = torch.randn(4 if n == 7 else 20, 96, generator=g)
     x[2] = 0
     for weight in (w, w_asym):
         sx = x.abs().amax(1, keepdim=True) / 127
@@ -258,7 +261,7 @@ def test_w8a8_reference_is_its_definition(group):
         assert (got[2] == 0).all()
 
 
-@pytest.mark.skipif(native.kernels() is None or not hasattr(native.kernels(), "linear_q"), reason="no kernels")
+@pytest.mark.skipif(not hasattr(native.kernels() or object(), "linear_q"), reason="no native kernels")
 @pytest.mark.parametrize("rows", [1, 3, 17])
 @pytest.mark.parametrize("fmt", ["q4_1", "q6_k", "int4-asym", "nf4", "w8a8"])
 def test_linear_dispatch_native_matches_reference(fmt, rows):
@@ -297,6 +300,8 @@ def test_quantization_names_options_and_defaults():
     c = QuantizationConfig.resolve('{"method": "int4", "group_size": 128, "symmetric": false}')
     assert (c.method, c.group_size, c.symmetric) == ("int4", 128, False)
     assert QuantizationConfig.resolve(c.as_dict()) == QuantizationConfig("int4", 128, False, True)
+    nf4 = QuantizationConfig.resolve("nf4")
+    assert QuantizationConfig.resolve(nf4.as_dict()) == nf4  # a default group stays the default
     assert QuantizationConfig.resolve("GGUF").method == "gguf"
 
 
@@ -319,8 +324,8 @@ def test_bad_quantization_values_name_the_value_and_the_choices(args, match):
 
 
 def test_shape_checks_name_the_weight():
-    with pytest.raises(ValueError, match=r"quantization_group_size=64 \(the default for nf4\) does not divide "
-                                         r"the input size 96 of layers.0.mlp"):  # fmt: skip
+    match = r"quantization_group_size=64 \(the default for nf4\) does not divide the input size 96 of lay"
+    with pytest.raises(ValueError, match=match):
         QuantizationConfig.resolve("nf4").check_in_features(96, "layers.0.mlp")
     with pytest.raises(ValueError, match=r"'int4' needs input sizes .* multiples of 32; x has input size 48"):
         QuantizationConfig.resolve("int4", group_size=-1).check_in_features(48, "x")
