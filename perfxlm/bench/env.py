@@ -127,6 +127,11 @@ def model_summary(llm: Any) -> dict[str, Any]:
             weight_bytes += p.numel() * p.element_size()
             if not (tied and head is not None and p is getattr(head, "weight", None) and p.dim() == 3):
                 params += p.numel()
+        from perfxlm.quant.loading import unique_quantized_weights
+
+        for w in unique_quantized_weights(model):  # stored quantized: codes, scales and mins
+            weight_bytes += w.nbytes
+            params += w.shape.numel()
     if params == 0:
         params = estimate_llama_params(config.hf_config)
         weight_bytes = params * (2 if config.torch_dtype is not None and "bfloat16" in str(config.torch_dtype) else 4)

@@ -26,19 +26,22 @@ def model_costs(llm: Any) -> dict[str, float] | None:
     head_weight = heads[0].weight if heads else None
     weight_bytes = 0
     matmul_params = 0
-    for p in model.parameters():
+    from perfxlm.quant.loading import unique_quantized_weights
+
+    # quantized weights count their stored bytes (codes, scales and mins): what a decode step reads
+    for p in [*model.parameters(), *unique_quantized_weights(model)]:
         is_table = any(p is e.weight for e in embeds)
         if is_table and p is not head_weight:
             continue  # an untied embedding: a decode step reads a few rows of it
-        weight_bytes += p.numel() * p.element_size()
-        if p.dim() >= 2 and not is_table and p is not head_weight:
-            matmul_params += p.numel()
+        weight_bytes += p.nbytes
+        if len(p.shape) >= 2 and not is_table and p is not head_weight:
+            matmul_params += p.shape.numel()
     attn = [m for m in model.modules() if isinstance(m, Attention)]
     spec = getattr(engine.config, "kv_cache_spec", None)
     return {
         "weight_bytes_per_step": float(weight_bytes),
         "matmul_params_per_token": float(matmul_params),
-        "lm_head_params": float(head_weight.numel()) if head_weight is not None else 0.0,
+        "lm_head_params": float(head_weight.shape.numel()) if head_weight is not None else 0.0,
         "kv_bytes_per_token": float(
             sum(spec.bytes_per_token(m.num_kv_heads, m.head_dim) if spec else 8 * m.num_kv_heads * m.head_dim for m in attn)
         ),

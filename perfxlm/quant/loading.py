@@ -201,6 +201,16 @@ def quantized_bytes(model: nn.Module) -> int:
     return sum(seen.values())
 
 
+def unique_quantized_weights(model: nn.Module) -> list[QuantizedWeight]:
+    """The model's QuantizedWeights, each once (a tied head shares the table's)."""
+    seen: dict[int, QuantizedWeight] = {}
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, QuantizedWeight):
+                seen.setdefault(id(value), value)
+    return list(seen.values())
+
+
 def has_quantized_weights(model: nn.Module) -> bool:
     return any(isinstance(v, QuantizedWeight) for m in model.modules() for v in vars(m).values())
 
