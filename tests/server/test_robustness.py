@@ -31,7 +31,7 @@ def post(server, path, body, **kw):
         ({"prompt": "x", "top_p": 1.5}, "top_p"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "x", "n": 0}, "n"),
-        ({"prompt": "x", "no_such_field": 1}, "no_such_field"),
+        ({"prompt": "x", "logits_processors": ["x"]}, "logits_processors"),  # unknown fields pass; this would change results
         ({"prompt": "x", "logprobs": 50}, "logprobs"),
         ({"prompt": "x", "suffix": "y"}, "suffix"),
         ({"prompt": [10**7]}, None),
