@@ -132,6 +132,9 @@ class SamplingParams:
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
     # The compiled grammar of structured_outputs, set by the engine (shared by clones and siblings).
     _grammar: _Opaque | None = field(default=None, repr=False)
+    # A reasoning model's end-of-thinking token: the grammar constrains only what follows it (the server
+    # sets it under --reasoning-parser, as vLLM lets such models think before the structured answer).
+    _grammar_start_token: int | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:

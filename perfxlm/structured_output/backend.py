@@ -108,21 +108,31 @@ class GrammarMatchers:
         for rid in request_ids:
             self._matchers.pop(rid, None)
 
-    def fill(self, rows: list[tuple[int, str, Any, list[int]]], num_rows: int
+    def fill(self, rows: list[tuple[int, str, Any, list[int], int | None]], num_rows: int
              ) -> tuple[list[int], torch.Tensor | None, dict[str, str]]:
-        """rows: (batch row, request id, compiled grammar, output token ids). Returns the rows to mask,
-        the bitmask [num_rows, ceil(vocab / 32)] int32 (other rows all ones) and failures by request id."""
+        """rows: (batch row, request id, compiled grammar, output token ids, start token). A row with a
+        start token (a reasoning model's end-of-thinking token) is free until that token is in its output,
+        and constrained from the next token on. Returns the rows to mask, the bitmask
+        [num_rows, ceil(vocab / 32)] int32 (other rows all ones) and failures by request id."""
         import xgrammar as xgr
 
         # every grammar was compiled for the model's vocabulary (the logits' width)
         bitmask = xgr.allocate_token_bitmask(num_rows, rows[0][2].tokenizer_info.vocab_size)
         masked: list[int] = []
         failed: dict[str, str] = {}
-        for row, rid, grammar, output in rows:
+        for row, rid, grammar, output, start in rows:
             entry = self._matchers.get(rid)
             if entry is None:
-                entry = self._matchers[rid] = [xgr.GrammarMatcher(grammar), 0]
+                # [matcher, output tokens consumed (or scanned for the start token), started]
+                entry = self._matchers[rid] = [xgr.GrammarMatcher(grammar), 0, start is None]
             matcher = entry[0]
+            if not entry[2]:
+                try:
+                    entry[1] = output.index(start, entry[1]) + 1
+                    entry[2] = True
+                except ValueError:
+                    entry[1] = len(output)
+                    continue  # still thinking: unconstrained
             try:
                 while entry[1] < len(output):
                     token = output[entry[1]]

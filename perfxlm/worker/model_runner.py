@@ -124,8 +124,8 @@ class ModelRunner:
     def _start_grammar_masks(self, rows: list[SampleRow]):
         """A future of the structured-output rows' bitmask, filled on a worker thread while the forward
         pass runs; None when no row is guided (unguided batches never touch the grammar engine)."""
-        guided = [(i, r.request_id, r.params._grammar.value, list(r.output_token_ids))
-                  for i, r in enumerate(rows) if r.params._grammar is not None]
+        guided = [(i, r.request_id, r.params._grammar.value, list(r.output_token_ids),
+                   r.params._grammar_start_token) for i, r in enumerate(rows) if r.params._grammar is not None]
         if not guided:
             return None
         if self.grammars is None:

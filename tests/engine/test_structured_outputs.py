@@ -108,3 +108,33 @@ def test_bitmask_applies_to_listed_rows_only():
     apply_grammar_bitmask(logits, [1], bitmask)
     assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
     assert torch.isfinite(logits[1]).tolist() == [i in (0, 2) for i in range(70)]
+
+
+def test_grammar_waits_for_the_end_of_thinking(llm):
+    """Under a reasoning parser the grammar constrains only what follows the end-of-thinking token."""
+    from perfxlm.structured_output import GrammarMatchers
+
+    tok = llm.get_tokenizer()
+    grammar = llm.llm_engine.input_processor._compile_grammar(
+        SamplingParams(structured_outputs=S(choice=["yes"])), {2})
+    end = tok.encode(" done", add_special_tokens=False)[0]
+    matchers = GrammarMatchers()
+    masked, bitmask, failed = matchers.fill([(0, "r", grammar, [5, 7], end)], 1)
+    assert masked == [] and bitmask is None and not failed  # still thinking: free
+    masked, bitmask, failed = matchers.fill([(0, "r", grammar, [5, 7, end], end)], 1)
+    allowed = [t for t in range(bitmask.shape[1] * 32) if bitmask[0, t // 32] >> (t % 32) & 1]
+    assert masked == [0] and tok.decode(allowed[:1]) and all("yes".startswith(tok.decode([t])) for t in allowed)
+    yes = tok.encode("yes", add_special_tokens=False)
+    masked, _, failed = matchers.fill([(0, "r", grammar, [5, 7, end, *yes], end)], 1)
+    assert masked == [0] and not failed  # only EOS left
+
+
+def test_prompt_decides_whether_thinking_is_over():
+    from perfxlm.entrypoints.openai.serving_base import ServerContext
+    from perfxlm.entrypoints.openai.serving_chat import _thinking_end
+
+    ctx = ServerContext(None, "m", 100, None, reasoning_token_ids=(10, 11))
+    assert _thinking_end(ctx, [1, 2, 3]) == 11  # the model will think first
+    assert _thinking_end(ctx, [1, 10, 4]) == 11  # the template opened <think>
+    assert _thinking_end(ctx, [1, 10, 11, 4]) is None  # enable_thinking=False: an empty, closed block
+    assert _thinking_end(ServerContext(None, "m", 100, None), [1]) is None  # no single-token tags

@@ -70,6 +70,7 @@ def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None =
         from perfxlm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 
         ctx.reasoning_parser = get_reasoning_parser(reasoning_parser)
+        ctx.reasoning_token_ids = _single_tokens(engine.tokenizer, ("<think>", "</think>"))
     ctx.default_sampling = {k: v for k, v in (default_sampling or {}).items() if k != "max_tokens"}
     app.state.ctx = ctx
 
@@ -200,6 +201,14 @@ def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None =
                            allow_headers=["*"], allow_credentials=False)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
     return app
+
+
+def _single_tokens(tokenizer: Any, texts: tuple[str, ...]) -> tuple[int, ...] | None:
+    """The token ids of texts that are each one token of the vocabulary, else None."""
+    if tokenizer is None:
+        return None
+    ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    return tuple(i[0] for i in ids) if all(len(i) == 1 for i in ids) else None
 
 
 def load_chat_template(value: str | None) -> str | None:

@@ -35,6 +35,7 @@ class ServerContext:
     enable_auto_tool_choice: bool = False
     tool_parser: Any = None  # tool_parsers.ToolParser (--tool-call-parser)
     reasoning_parser: Any = None  # reasoning_parsers.ReasoningParser (--reasoning-parser)
+    reasoning_token_ids: tuple[int, int] | None = None  # (<think>, </think>) when each is one token
     # sampling defaults of the model's generation_config.json (--generation-config auto), used where a
     # request leaves a field unset
     default_sampling: dict = field(default_factory=dict)

@@ -166,6 +166,19 @@ def _assistant_args_to_dicts(messages: list[dict]) -> list[dict]:
     return messages
 
 
+def _thinking_end(ctx: ServerContext, prompt_ids: list[int]) -> int | None:
+    """Under --reasoning-parser the structured output constrains the answer, not the thinking (as vLLM):
+    the end-of-thinking token, unless the prompt already closed the thinking (enable_thinking=False) or the
+    vocabulary has no single such token (the constraint then holds from the first token)."""
+    ids = ctx.reasoning_token_ids
+    if ids is None:
+        return None
+    start, end = ids
+    last_end = max((i for i, t in enumerate(prompt_ids) if t == end), default=-1)
+    last_start = max((i for i, t in enumerate(prompt_ids) if t == start), default=-1)
+    return None if last_end > last_start else end
+
+
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request):
     check_extra_fields(req)
     check_model(ctx, req.model)
@@ -188,6 +201,8 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         max_tokens = max(1, ctx.max_model_len - len(prompt["prompt_token_ids"]))
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = to_sampling_params(req, max_tokens, logprobs, structured_outputs=constraint, defaults=ctx.default_sampling)
+    if params.structured_outputs is not None and ctx.reasoning_parser is not None:
+        params._grammar_start_token = _thinking_end(ctx, prompt["prompt_token_ids"])
     request_id = new_id("chatcmpl")
     stream = merge([generate_one(ctx, prompt, params, request_id)])
     parallel = req.parallel_tool_calls is not False
