@@ -1,6 +1,7 @@
 // All-reduce and all-gather between the ranks of one machine through a shared memory segment.
 //
-// Layout of the segment: one 64-byte line per rank holding the sequence number that rank has reached,
+// Layout of the segment: one 64-byte line per rank holding the sequence number that rank has reached
+// (and, at byte 8, how many ranks sleep on it),
 // then two buffers of `world` slots of `slot_bytes` each. Operation `seq` (1, 2, ...) uses buffer
 // seq & 1: every rank copies its data into its own slot, publishes `seq` (release), waits until every
 // rank has published `seq` (acquire), then reads all slots. A rank can only start operation seq + 2,
@@ -18,8 +19,11 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
-#include <sys/prctl.h>
+#include <climits>
+#include <linux/futex.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -37,15 +41,22 @@ inline uint8_t* slot(uint8_t* base, int64_t world, int64_t slot_bytes, int64_t s
     return data + ((seq & 1) * world + rank) * slot_bytes;
 }
 
-// Spin briefly (the ranks of a decode step arrive within microseconds of each other), then sleep in
-// short naps: a rank that waits for a slow peer must not hold a CPU the peer may need (virtual machines
-// whose vCPUs share host cores, more ranks than cores).
-void wait_all(uint8_t* base, int64_t world, int64_t seq, double timeout_s, double spin_s) {
-    static thread_local bool slack_set = false;
-    if (!slack_set) {
-        prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // naps of microseconds, not the default 50 us
-        slack_set = true;
+inline std::atomic<int32_t>* sleepers(uint8_t* base, int64_t rank) {
+    return reinterpret_cast<std::atomic<int32_t>*>(base + rank * kLine + 8);
+}
+
+// Publish this rank's arrival at `seq` and wake whoever sleeps on it.
+void arrive(uint8_t* base, int64_t rank, int64_t seq) {
+    flag(base, rank)->store(seq, std::memory_order_seq_cst);
+    if (sleepers(base, rank)->load(std::memory_order_seq_cst) > 0) {
+        syscall(SYS_futex, reinterpret_cast<int32_t*>(flag(base, rank)), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
     }
+}
+
+// Spin briefly (the ranks of a decode step arrive within microseconds of each other), then sleep on a
+// futex until the peer arrives: a waiting rank must not hold a CPU the peer may need (virtual machines
+// whose vCPUs share host cores, more ranks than cores, other programs on the same cores).
+void wait_all(uint8_t* base, int64_t world, int64_t seq, double timeout_s, double spin_s) {
     auto start = std::chrono::steady_clock::now();
     for (int64_t r = 0; r < world; ++r) {
         auto* f = flag(base, r);
@@ -54,17 +65,24 @@ void wait_all(uint8_t* base, int64_t world, int64_t seq, double timeout_s, doubl
 #if defined(__x86_64__)
             _mm_pause();
 #endif
-            if (++spins % 64 == 0) {
-                double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-                if (waited > timeout_s) {
-                    throw std::runtime_error(
-                        "shared-memory collective: rank " + std::to_string(r) + " did not arrive within " +
-                        std::to_string(timeout_s) + " s (it died or hangs)");
+            if (++spins % 64 != 0) continue;
+            double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+            if (waited > timeout_s) {
+                throw std::runtime_error(
+                    "shared-memory collective: rank " + std::to_string(r) + " did not arrive within " +
+                    std::to_string(timeout_s) + " s (it died or hangs)");
+            }
+            if (waited > spin_s) {
+                // Dekker order: count ourselves as a sleeper, then re-read; the peer stores, then reads the
+                // count. FUTEX_WAIT returns at once if the low word changed meanwhile.
+                sleepers(base, r)->fetch_add(1, std::memory_order_seq_cst);
+                int64_t seen = f->load(std::memory_order_seq_cst);
+                if (seen < seq) {
+                    struct timespec nap = {0, 100 * 1000 * 1000};  // wake up to check the timeout
+                    syscall(SYS_futex, reinterpret_cast<int32_t*>(f), FUTEX_WAIT, static_cast<int32_t>(seen), &nap,
+                            nullptr, 0);
                 }
-                if (waited > spin_s) {
-                    struct timespec nap = {0, 2000};
-                    nanosleep(&nap, nullptr);
-                }
+                sleepers(base, r)->fetch_sub(1, std::memory_order_seq_cst);
             }
         }
     }
@@ -131,7 +149,7 @@ int64_t shm_all_reduce(torch::Tensor x, torch::Tensor shm, int64_t rank, int64_t
         const int64_t n = std::min(per_chunk, total - start);
         ++seq;
         std::memcpy(slot(base, world, slot_bytes, seq, rank), data + start * elem, n * elem);
-        flag(base, rank)->store(seq, std::memory_order_release);
+        arrive(base, rank, seq);
         {
             pybind11::gil_scoped_release no_gil;
             wait_all(base, world, seq, timeout_s, spin_s);
@@ -160,7 +178,7 @@ int64_t shm_all_gather(torch::Tensor x, torch::Tensor out, torch::Tensor shm, in
         const int64_t n = std::min(slot_bytes, bytes - start);
         ++seq;
         std::memcpy(slot(base, world, slot_bytes, seq, rank), src + start, n);
-        flag(base, rank)->store(seq, std::memory_order_release);
+        arrive(base, rank, seq);
         {
             pybind11::gil_scoped_release no_gil;
             wait_all(base, world, seq, timeout_s, spin_s);
@@ -174,7 +192,7 @@ int64_t shm_all_gather(torch::Tensor x, torch::Tensor out, torch::Tensor shm, in
 int64_t shm_barrier(torch::Tensor shm, int64_t rank, int64_t world, int64_t seq, double timeout_s, double spin_s) {
     uint8_t* base = shm.data_ptr<uint8_t>();
     ++seq;
-    flag(base, rank)->store(seq, std::memory_order_release);
+    arrive(base, rank, seq);
     pybind11::gil_scoped_release no_gil;
     wait_all(base, world, seq, timeout_s, spin_s);
     return seq;

@@ -127,8 +127,9 @@ class ShmCommunicator(Communicator):
         self.rank, self.world_size = rank, world_size
         self.slot_bytes = slot_bytes
         self.timeout = collective_timeout() if timeout_s is None else timeout_s
-        # spin this long before napping (PERFXLM_SHM_SPIN_US): long enough for the skew of a decode step
-        self.spin = float(os.environ.get("PERFXLM_SHM_SPIN_US", "50")) * 1e-6
+        # spin this long before sleeping on a futex (PERFXLM_SHM_SPIN_US, default 0: on shared or busy cores a
+        # spinning rank costs its peer more than a wake-up; dedicated cores may gain a few us per call)
+        self.spin = float(os.environ.get("PERFXLM_SHM_SPIN_US", "0")) * 1e-6
         size = world_size * _LINE + 2 * world_size * slot_bytes
         if rank == 0:
             fd = os.open(segment, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
