@@ -159,6 +159,10 @@ def test_other_spellings_and_errors(client):
         _chat(client, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}})
     with pytest.raises(openai.BadRequestError, match="one structured-output"):
         _chat(client, response_format={"type": "json_object"}, extra_body={"guided_regex": "a+"})
+    # vLLM's continuous_usage_stats: running usage on every chunk
+    chunks = list(_chat(client, max_tokens=3, stream=True,
+                        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert all(c.usage is not None for c in chunks) and chunks[-1].usage.completion_tokens >= 1
     # completions take the same fields
     text = client.completions.create(model=NAME, prompt="The year:", max_tokens=6,
                                      extra_body={"guided_regex": "[0-9]{4}"}).choices[0].text

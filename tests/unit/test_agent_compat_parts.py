@@ -167,3 +167,9 @@ def test_model_ids_through_the_hf_cache(tmp_path, tiny_llama, monkeypatch):
     assert len(llm.generate(prompt, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
                .outputs[0].token_ids) == 3
     assert served_name("acme/tiny", None) == "acme/tiny"
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model="acme/tiny", skip_tokenizer_init=True, num_kv_blocks=16,
+                                                       dtype="float32", swap_space=4))
+    try:
+        assert engine.engine.config.model == snap
+    finally:
+        engine.shutdown()
