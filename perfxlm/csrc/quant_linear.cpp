@@ -490,6 +490,29 @@ void block_gemv_typed(const BlockActs& a, int64_t M, const QW& w, float* y, cons
   for (int64_t n = tiles * 4; n < w.N; ++n) block_rows<BITS4, HALF, SPC, 1>(a, M, w, n, y, bias);
 }
 
+// x with each block of 32 replaced by its int8 quantization times its scale: what the block GEMV
+// multiplies, rounded exactly as quantize_blocks rounds.
+at::Tensor fake_quantize_blocks(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor out = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t b = 0; b < K / 32; ++b) {
+        const float* src = xp + m * K + b * 32;
+        float amax = 0.f;
+        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(src[j]));
+        const float scale = amax / 127.f;
+        for (int j = 0; j < 32; ++j) {
+          const float v = scale > 0.f ? std::nearbyint(src[j] / scale) : 0.f;
+          op[m * K + b * 32 + j] = std::min(127.f, std::max(-127.f, v)) * scale;
+        }
+      }
+  });
+  return out;
+}
+
 // Scales per 64-input chunk, or 0 where the block path does not apply (then the float kernel runs).
 int block_spc(const QW& w) {
   if (w.levels || w.K % 64 != 0) return 0;
@@ -568,10 +591,11 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
   if (!act_int8) {
 #ifdef PERFXLM_VNNI
-    if (int8_blocks && M <= max_rows) {
-      const int spc = block_spc(w);
-      if (spc) return block_product(xc, w, bp, spc);
-    }
+    const int spc = int8_blocks ? block_spc(w) : 0;
+    if (spc && M <= max_rows) return block_product(xc, w, bp, spc);
+    // Many rows: the same int8 activation blocks (dequantized) go to the GEMM, so a token's result does
+    // not depend on how many rows its step had (prefix-cache hits, chunking, batch size).
+    if (spc) return float_product(fake_quantize_blocks(xc), w, bp, max_rows, bf16_gemm);
 #endif
     return float_product(xc, w, bp, max_rows, bf16_gemm);
   }
