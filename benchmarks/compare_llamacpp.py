@@ -214,6 +214,25 @@ class LlamaCppEngine:
 
 # ---- perfxlm -----------------------------------------------------------------------------------------
 
+def _weight_formats(llm) -> str:
+    """What the linear weights are stored as: dtypes, and quantized forms as bits/group/activations."""
+    from collections import Counter
+
+    from perfxlm.quant import QuantizedWeight
+
+    model = llm.llm_engine.core.model if hasattr(llm.llm_engine.core, "model") else None
+    if model is None:
+        return str(llm.llm_engine.config.weight_dtype)
+    kinds: Counter = Counter()
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if isinstance(w, QuantizedWeight):
+            kinds[f"{w.bits}-bit g{w.group}{' NF4' if w.levels is not None else ''} act={w.act}"] += 1
+        elif isinstance(w, torch.Tensor) and w.dim() >= 2:
+            kinds[str(w.dtype).replace("torch.", "")] += 1
+    return ", ".join(f"{k} x{n}" for k, n in kinds.most_common())
+
+
 class PerfxlmEngine:
     name = "perfxlm"
 
@@ -221,7 +240,7 @@ class PerfxlmEngine:
         kwargs = {"enable_prefix_caching": False, **extra}  # prefix caching would skip repeated prompts
         self.llm = LLM(path, dtype=dtype, **kwargs)
         cfg = self.llm.llm_engine.config
-        self.desc = f"dtype={dtype} -> activations {cfg.torch_dtype}, weights {cfg.weight_dtype}" + (
+        self.desc = f"dtype={dtype} -> activations {cfg.torch_dtype}, weights {_weight_formats(self.llm)}" + (
             f"; {extra}" if extra else "")
         self.n_vocab = cfg.hf_config.vocab_size
 
