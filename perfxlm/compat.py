@@ -20,7 +20,7 @@ _NOTICES = {
     "disable_custom_all_reduce": "disable_custom_all_reduce has no effect on CPU",
     "trust_remote_code": "trust_remote_code has no effect: perfxlm runs its own model code, never a model's",
 }
-_SILENT = {"disable_log_stats", "enforce_eager", "compilation_config", "distributed_executor_backend"}
+_SILENT = {"disable_log_stats", "enforce_eager", "compilation_config"}
 _TOKENIZER_MODES = {"auto", "hf"}
 _noticed: set[str] = set()
 

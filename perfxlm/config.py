@@ -108,6 +108,11 @@ class EngineConfig:
     quantization_symmetric: bool | None = None
     # Worker processes holding 1/N of the model each, one per NUMA node (perfxlm/distributed/).
     tensor_parallel_size: int = 1
+    # Whole engine replicas in their own processes, requests routed to the least busy (engine/data_parallel.py).
+    data_parallel_size: int = 1
+    # vLLM's names: None / "mp" (worker processes spawned here), "external_launcher" (every rank a process
+    # started by torchrun, executor/external.py)
+    distributed_executor_backend: str | None = None
     enforce_eager: bool = True
     # vLLM's engine argument: the most logprobs / prompt_logprobs a request may ask for (-1: the vocabulary).
     max_logprobs: int = 20
@@ -156,9 +161,10 @@ class EngineConfig:
 
         self.quant_config = self._resolve_quantization()
         check_compatible(self.quant_config, self.load_format, self.model)  # before any weight is read
-        for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        _check_parallel(self)
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (no limit) or >= 0, got {self.max_logprobs!r}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -187,6 +193,21 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
         self.eos_token_ids = _eos_token_ids(self.model, self.hf_config)
         return self
+
+
+def _check_parallel(c: "EngineConfig") -> None:
+    backend = c.distributed_executor_backend
+    if backend not in (None, "mp", "uni", "external_launcher"):
+        raise ValueError(f"distributed_executor_backend={backend!r} is not supported: use 'mp' (worker processes, "
+                         "the default) or 'external_launcher' (one process per rank started by torchrun).")
+    if backend == "uni" and c.tensor_parallel_size > 1:
+        raise ValueError("distributed_executor_backend='uni' runs one process: tensor_parallel_size must be 1.")
+    if c.data_parallel_size > 1 and c.tensor_parallel_size > 1:
+        raise ValueError("data_parallel_size > 1 with tensor_parallel_size > 1 is not supported yet: choose "
+                         "replicas (data parallel) or shards (tensor parallel).")
+    if c.data_parallel_size > 1 and backend == "external_launcher":
+        raise ValueError("distributed_executor_backend='external_launcher' runs tensor-parallel ranks; "
+                         "data_parallel_size must be 1 (launch one torchrun job per replica).")
 
 
 def _max_position_embeddings(hf_config: Any) -> int:

@@ -81,6 +81,8 @@ class EngineCore:
         num = plan_num_blocks(
             per_block, c.block_size, c.max_num_seqs, c.max_model_len, c.num_kv_blocks, c.kv_cache_gib
         )
+        if hasattr(self.executor, "agree_num_blocks"):  # ranks on several machines: the smallest pool
+            num = self.executor.agree_num_blocks(num)
         # One sequence must fit the pool: the scheduler and the input checks see the fitted length.
         c.max_model_len = fit_max_model_len(
             c.max_model_len, c.max_model_len_explicit, num, c.block_size, per_block
@@ -127,7 +129,12 @@ class EngineFrontEndParts:
             from perfxlm.tokenizer import get_tokenizer
 
             self.tokenizer = get_tokenizer(config.model, config.tokenizer)
-        self.core = EngineCore(config)
+        if config.data_parallel_size > 1:  # replicas in their own processes, one router here
+            from perfxlm.engine.data_parallel import DataParallelCore
+
+            self.core = DataParallelCore(config)
+        else:
+            self.core = EngineCore(config)
         self.num_kv_blocks = self.core.num_kv_blocks
         self.input_processor = InputProcessor(config, self.tokenizer, self.num_kv_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -47,6 +47,9 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="worker processes holding 1/N of the model each, one per NUMA node "
                              "(cores: PERFXLM_CPU_OMP_THREADS_BIND, e.g. '0-31|32-63')")
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                        help="whole engine replicas, one process each on its own NUMA node or cores, each "
+                             "request sent to the replica with the fewest in flight")
     parser.add_argument("--revision", default=None,
                         help="commit, branch or tag of a Hugging Face model id (MODEL as org/name)")
     parser.add_argument("--download-dir", default=None,
@@ -120,6 +123,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         revision=getattr(args, "revision", None),
         download_dir=getattr(args, "download_dir", None),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        data_parallel_size=getattr(args, "data_parallel_size", 1),
     )
 
 

@@ -1,0 +1,382 @@
+"""Data parallelism: M engine replicas, each a whole EngineCore (model, KV cache, scheduler) in its own
+spawned process pinned to its own cores (one NUMA node each where the machine has enough: the same plan
+as tensor-parallel ranks, `distributed/topology.py`), behind one front end.
+
+`DataParallelCore` stands where `EngineCore` stands in the front ends (LLMEngine, ThreadedEngine): the
+front end still tokenizes, validates and detokenizes in its own process, once for all replicas. Each
+new request goes to the replica with the fewest requests in flight (ties: the lowest index); aborts and
+stop strings go to the replica that holds the request. Replicas step on their own, as fast as their
+cores allow, and send each step's EngineCoreOutputs back with their scheduler and KV-cache counts;
+`step()` returns whatever arrived (waiting a few ms at most, so new commands are applied promptly).
+
+Pipe protocol (pickled tuples). Front end -> replica: ("add", Request, generation), ("finish", ids,
+status, stop_reason), ("invariants",), ("stop",). Replica -> front end: ("ready", info) once its model is
+loaded, then ("out", outputs, done, stats) after each step or command that ended requests (`done`: the
+(request id, generation) pairs no longer held, so their seats free), ("invariants", dict), and on a
+failure ("error", text) before it exits.
+
+Faults: a replica that dies or fails is noticed at once (its pipe and process sentinel are watched while
+stepping, and `check_health` looks at every process), and one that sends nothing for
+PERFXLM_STEP_TIMEOUT seconds while it holds requests (default: no limit) counts as hung. Either marks
+the whole engine dead (`WorkerDiedError`; the threaded engine turns it into EngineDeadError, `/health`
+503, open streams end with the error) and every replica is stopped: a server with a lost replica is
+restarted as a whole by its supervisor. `shutdown` (also run when the core is collected, and at exit)
+stops the replicas, then terminates and kills what remains, like the tensor-parallel workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import weakref
+from multiprocessing.connection import wait
+from typing import Any
+
+from perfxlm.distributed.topology import plan_rank_cpus
+from perfxlm.executor.multiproc import WorkerDiedError, _stop_workers, _without_main_module
+
+logger = logging.getLogger("perfxlm")
+
+SEP = "\x1e"  # sibling ids of n > 1 requests are "{id}\x1e{i}" (InputProcessor)
+_POLL_S = 0.005  # longest wait in step() before the front end applies newly queued commands
+
+
+def _base(request_id: str) -> str:
+    return request_id.split(SEP, 1)[0]
+
+
+def _stats(core: Any) -> dict[str, int]:
+    s, kv = core.scheduler, core.kv_cache_manager
+    return {"num_running": s.num_running, "num_waiting": s.num_waiting,
+            "num_preemptions_total": s.num_preemptions_total, "num_blocks": kv.num_blocks,
+            "num_free_blocks": kv.num_free_blocks, "prefix_queries": kv.prefix_queries,
+            "prefix_hits": kv.prefix_hits}  # fmt: skip
+
+
+def replica_main(index: int, config: Any, conn: Any, cpus: list[int] | None, parent_pid: int) -> None:
+    """One replica: a whole EngineCore, stepping while it holds requests, applying commands between steps."""
+    from perfxlm.executor.worker import _watch_parent
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end handles Ctrl-C and stops us
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="perfxlm-parent-watch").start()
+    core = None
+
+    def send(msg: tuple) -> None:
+        conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+    try:
+        from perfxlm.distributed.topology import bind_current_process
+        from perfxlm.engine.engine_core import EngineCore
+
+        threads = bind_current_process(cpus)
+        core = EngineCore(config)
+        send(("ready", {"num_kv_blocks": core.num_kv_blocks, "max_model_len": config.max_model_len,
+                        "kv_bytes_per_block": core.kv_bytes_per_block, "pid": os.getpid(), "cpus": cpus,
+                        "threads": threads, "stats": _stats(core)}))  # fmt: skip
+        generation: dict[str, int] = {}  # base request id -> generation of the front end's add
+        ended: set[str] = set()  # base ids whose sequences may all have ended since the last report
+
+        def apply(msg: tuple) -> bool:
+            kind = msg[0]
+            if kind == "add":
+                request = msg[1]
+                generation[_base(request.request_id)] = msg[2]
+                core.add_request(request)
+            elif kind == "finish":
+                core.finish_requests(msg[1], msg[2], msg[3])
+                ended.update(_base(r) for r in msg[1])
+            elif kind == "invariants":
+                send(("invariants", core.check_invariants()))
+            elif kind == "stop":
+                return False
+            return True
+
+        while True:
+            if not core.has_unfinished_requests() and not ended:
+                if not apply(pickle.loads(conn.recv_bytes())):  # idle: sleep until a command comes
+                    break
+            running = True
+            while running and conn.poll():
+                running = apply(pickle.loads(conn.recv_bytes()))
+            if not running:
+                break
+            outputs = core.step() if core.has_unfinished_requests() else []
+            ended.update(_base(o.request_id) for o in outputs if o.finish_reason is not None)
+            done = []
+            if ended:
+                live = {_base(r) for r in core.scheduler.requests}
+                done = [(b, generation.pop(b)) for b in ended if b not in live and b in generation]
+                ended.clear()
+            if outputs or done:
+                send(("out", outputs, done, _stats(core)))
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        pass  # the front end went away or stopped us
+    except BaseException as exc:
+        text = f"data-parallel replica {index}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        try:
+            send(("error", text))
+        except Exception:
+            print(text, file=sys.stderr, flush=True)
+        os._exit(1)
+    finally:
+        if core is not None:
+            try:
+                core.shutdown()
+            except Exception:
+                pass
+    os._exit(0)
+
+
+class _SchedulerView:
+    """What the front ends read of a scheduler, summed over the replicas; requests go to the router."""
+
+    def __init__(self, dp: "DataParallelCore") -> None:
+        self._dp = dp
+
+    def add_request(self, request: Any) -> None:
+        self._dp.add_request(request)
+
+    def finish_requests(self, request_ids: list[str], status: Any, stop_reason: str | None = None) -> None:
+        self._dp.finish_requests(request_ids, status, stop_reason)
+
+    def has_unfinished_requests(self) -> bool:
+        return self._dp.has_unfinished_requests()
+
+    @property
+    def num_running(self) -> int:
+        return self._dp.total("num_running")
+
+    @property
+    def num_waiting(self) -> int:
+        return self._dp.total("num_waiting")
+
+    @property
+    def num_preemptions_total(self) -> int:
+        return self._dp.total("num_preemptions_total")
+
+
+class _KVView:
+    """The KV-cache counts of all replicas together (their pools are separate)."""
+
+    def __init__(self, dp: "DataParallelCore") -> None:
+        self._dp = dp
+
+    @property
+    def num_blocks(self) -> int:
+        return self._dp.total("num_blocks")
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._dp.total("num_free_blocks")
+
+    @property
+    def usage(self) -> float:
+        total = self.num_blocks
+        return 1.0 - self.num_free_blocks / total if total else 0.0
+
+    @property
+    def prefix_queries(self) -> int:
+        return self._dp.total("prefix_queries")
+
+    @property
+    def prefix_hits(self) -> int:
+        return self._dp.total("prefix_hits")
+
+    def check_invariants(self) -> dict[str, int]:
+        return self._dp.check_invariants()
+
+
+class DataParallelCore:
+    """M EngineCore replicas in spawned processes, used by the front ends as one EngineCore."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.size = m = config.data_parallel_size
+        self._dead: str | None = None
+        self.step_timeout = float(os.environ.get("PERFXLM_STEP_TIMEOUT", "0")) or None
+        self.inflight = [0] * m  # requests routed to each replica and not yet ended there
+        self._owner: dict[str, tuple[int, int]] = {}  # base request id -> (replica, generation)
+        self._generation = 0
+        self._stats: list[dict[str, int]] = [{} for _ in range(m)]
+        self._last_heard = [time.monotonic()] * m
+        self._outputs: list[Any] = []  # arrived while waiting for something else (invariants)
+        self._replies: dict[int, Any] = {}
+        self.model = self.runner = None  # the model lives in the replicas
+        self.scheduler = _SchedulerView(self)
+        self.kv_cache_manager = _KVView(self)
+        self.rank_cpus = plan_rank_cpus(m)
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        tmpdir = tempfile.mkdtemp(prefix="perfxlm-dp-")  # nothing in it; _stop_workers removes it
+        self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns, tmpdir)
+        ctx = mp.get_context("spawn")
+        for i in range(m):
+            parent, child = ctx.Pipe(duplex=True)
+            p = ctx.Process(target=replica_main, name=f"perfxlm-dp{i}", daemon=True,
+                            args=(i, config, child, self.rank_cpus[i], os.getpid()))
+            with _without_main_module():
+                p.start()
+            child.close()
+            self.procs.append(p)
+            self.conns.append(parent)
+        try:
+            self.infos = [self._recv_kind(i, "ready") for i in range(m)]
+        except BaseException:
+            self.shutdown()
+            raise
+        for i, info in enumerate(self.infos):
+            self._stats[i] = info["stats"]
+        # The front end validates prompts against one replica's limits: they are all built alike.
+        self.num_kv_blocks = min(i["num_kv_blocks"] for i in self.infos)
+        self.kv_bytes_per_block = self.infos[0]["kv_bytes_per_block"]
+        config.max_model_len = min(i["max_model_len"] for i in self.infos)
+        logger.info("data parallel: %d replicas, cores %s", m,
+                    " | ".join(str(i["cpus"] or "all") for i in self.infos))
+
+    # ---- EngineCore's interface ---------------------------------------------------------
+    def add_request(self, request: Any) -> None:
+        self._check()
+        base = _base(request.request_id)
+        if base in self._owner:
+            raise ValueError(f"request_id {base!r} is already in use.")
+        r = min(range(self.size), key=lambda i: (self.inflight[i], i))
+        self._generation += 1
+        try:
+            payload = pickle.dumps(("add", request, self._generation), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # e.g. a compiled grammar: an engine object that cannot cross processes
+            raise ValueError(f"request {base!r} cannot be sent to a data-parallel replica ({exc}); structured "
+                             "outputs need data_parallel_size 1 for now.") from None
+        if not self.inflight[r]:
+            self._last_heard[r] = time.monotonic()  # an idle replica owes nothing until now
+        self._send(r, payload)
+        self._owner[base] = (r, self._generation)
+        self.inflight[r] += 1
+
+    def finish_requests(self, request_ids: list[str], status: Any, stop_reason: str | None = None) -> None:
+        by_replica: dict[int, list[str]] = {}
+        for rid in request_ids:
+            owner = self._owner.get(_base(rid))
+            if owner is not None:
+                by_replica.setdefault(owner[0], []).append(rid)
+        for r, ids in by_replica.items():
+            self._send(r, pickle.dumps(("finish", ids, status, stop_reason), protocol=pickle.HIGHEST_PROTOCOL))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._owner) or bool(self._outputs)
+
+    def step(self) -> list[Any]:
+        """The outputs that replicas sent since the last call (waits up to a few ms for some)."""
+        if not self._outputs:
+            self._pump(_POLL_S)
+        out, self._outputs = self._outputs, []
+        return out
+
+    def check_health(self) -> None:
+        self._check()
+        for i, p in enumerate(self.procs):
+            if not p.is_alive():
+                self._fail(f"data-parallel replica {i} (pid {p.pid}) died with exit code {p.exitcode}")
+
+    def check_invariants(self) -> dict[str, int]:
+        """Every replica's KV pool checked (by the replica, between its steps); the counts summed."""
+        for i in range(self.size):
+            self._send(i, pickle.dumps(("invariants",)))
+        total: dict[str, int] = {}
+        for i in range(self.size):
+            for k, v in self._recv_kind(i, "invariants").items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    def describe(self) -> str:
+        return f"{self.size} data-parallel replica processes"
+
+    # ---- per replica --------------------------------------------------------------------
+    def total(self, key: str) -> int:
+        return sum(s.get(key, 0) for s in self._stats)
+
+    def replica_stats(self) -> list[dict[str, int]]:
+        """Per replica: its scheduler and KV counts (as of its last message) and requests in flight."""
+        return [{**s, "inflight": n, "pid": p.pid} for s, n, p in zip(self._stats, self.inflight, self.procs)]
+
+    # ---- messages -----------------------------------------------------------------------
+    def _check(self) -> None:
+        if self._dead is not None:
+            raise WorkerDiedError(self._dead)
+
+    def _send(self, r: int, payload: bytes) -> None:
+        self._check()
+        try:
+            self.conns[r].send_bytes(payload)
+        except OSError as exc:
+            self._fail(f"sending to data-parallel replica {r} failed: {exc}")
+
+    def _recv_kind(self, r: int, kind: str) -> Any:
+        """Wait for replica r's next `kind` message, handling what else arrives meanwhile."""
+        while (r, kind) not in self._replies:
+            self._pump(1.0)
+        return self._replies.pop((r, kind))
+
+    def _pump(self, timeout: float) -> None:
+        self._check()
+        sentinels = {p.sentinel: i for i, p in enumerate(self.procs)}
+        ready = wait(list(self.conns) + list(sentinels), timeout=timeout)
+        now = time.monotonic()
+        for i, conn in enumerate(self.conns):  # pipes first: a replica that failed said why before it exited
+            if conn not in ready:
+                continue
+            self._last_heard[i] = now
+            while conn.poll():
+                try:
+                    msg = pickle.loads(conn.recv_bytes())
+                except (EOFError, OSError):
+                    break  # closed: its sentinel tells the rest
+                self._handle(i, msg)
+        for obj in ready:
+            if obj in sentinels:
+                i = sentinels[obj]
+                self.procs[i].join(0.1)
+                self._fail(f"data-parallel replica {i} (pid {self.procs[i].pid}) died with exit code "
+                           f"{self.procs[i].exitcode}")
+        if self.step_timeout is not None:
+            for i in range(self.size):
+                if self.inflight[i] and now - self._last_heard[i] > self.step_timeout:
+                    self._fail(f"data-parallel replica {i} sent nothing for {self.step_timeout} s")
+
+    def _handle(self, i: int, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "error":
+            self._fail(msg[1])
+        if kind == "out":
+            _, outputs, done, stats = msg
+            self._stats[i] = stats
+            for o in outputs:  # an aborted request's last outputs may still come: not the new owner's
+                owner = self._owner.get(_base(o.request_id))
+                if owner is not None and owner[0] == i:
+                    self._outputs.append(o)
+            for base, gen in done:
+                if self._owner.get(base) == (i, gen):
+                    del self._owner[base]
+                    self.inflight[i] -= 1
+        else:
+            self._replies[(i, kind)] = msg[1]
+
+    def _fail(self, why: str) -> None:
+        if self._dead is None:
+            self._dead = why
+            logger.error("data parallel: %s", why)
+            for p in self.procs:  # the engine is dead as a whole: no graceful stop for the others
+                if p.is_alive():
+                    p.kill()
+            self.shutdown()
+        raise WorkerDiedError(self._dead)
