@@ -3,6 +3,7 @@ once, here, with errors that say what to fix."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -44,6 +45,7 @@ class InputProcessor:
         self.max_num_seqs = int(config.max_num_seqs)
         self.max_logprobs = self.vocab_size if config.max_logprobs == -1 else int(config.max_logprobs)
         self._grammar_backend = None  # built at the first structured-output request
+        self._grammar_lock = threading.Lock()
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -114,8 +116,8 @@ class InputProcessor:
         params.all_stop_token_ids = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else eos)
         if params.bad_words:
             params._bad_words_token_ids = self._tokenize_bad_words(params.bad_words)
-        if params.structured_outputs is not None:
-            params._grammar = _Opaque(self._compile_grammar(params, eos))
+        if params.structured_outputs is not None and params._grammar is None:
+            params._grammar = self.compile_structured_outputs(params)
 
         if num_seqs == 1:
             child_ids, child_params = [request_id], [params]
@@ -149,14 +151,23 @@ class InputProcessor:
                     "ask for fewer or raise the engine's max_logprobs."
                 )
 
-    def _compile_grammar(self, params: SamplingParams, eos: set[int]):
+    def compile_structured_outputs(self, params: SamplingParams) -> _Opaque:
+        """The compiled grammar of params.structured_outputs (ValueError naming what cannot compile). process()
+        calls it; the server calls it first on a worker thread, so a long compile never holds its event loop."""
         if self.tokenizer is None:
             raise ValueError("structured_outputs need a tokenizer; this engine runs with skip_tokenizer_init=True.")
-        if self._grammar_backend is None:
-            from perfxlm.structured_output import GrammarBackend
+        with self._grammar_lock:
+            if self._grammar_backend is None:
+                from perfxlm.structured_output import GrammarBackend
 
-            self._grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size, sorted(eos))
-        return self._grammar_backend.compile(params.structured_outputs)
+                eos = set(self.config.eos_token_ids)
+                if getattr(self.tokenizer, "eos_token_id", None) is not None:
+                    eos.add(self.tokenizer.eos_token_id)
+                self._grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size, sorted(eos))
+        return _Opaque(self._grammar_backend.compile(params.structured_outputs))
+
+    def _compile_grammar(self, params: SamplingParams, eos: set[int] | None = None):
+        return self.compile_structured_outputs(params).value
 
     def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
         if self.tokenizer is None:

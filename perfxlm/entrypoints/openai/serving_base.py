@@ -176,6 +176,18 @@ def _param_of(message: str) -> str | None:
     return word if word.isidentifier() and word.islower() else None
 
 
+async def compile_structured_outputs(ctx: ServerContext, params: SamplingParams) -> None:
+    """Compile the request's grammar on the renderer's threads (a large schema takes milliseconds to
+    seconds): the engine then finds it compiled and the event loop never waits on it."""
+    if params.structured_outputs is None or ctx.renderer is None:
+        return
+    processor = ctx.engine.engine.input_processor
+    try:
+        params._grammar = await ctx.renderer._off_loop(processor.compile_structured_outputs, params)
+    except ValueError as exc:
+        raise APIError(400, str(exc), _param_of(str(exc))) from None
+
+
 async def generate_one(ctx: ServerContext, prompt: Any, params: SamplingParams, request_id: str
                        ) -> AsyncIterator[RequestOutput]:
     """AsyncLLM.generate with the engine's ValueErrors turned into 400s and server metrics kept."""

@@ -11,8 +11,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from perfxlm.entrypoints.openai.errors import APIError, error_body
 from perfxlm.entrypoints.openai.protocol import ChatCompletionRequest
 from perfxlm.entrypoints.openai.serving_base import (
-    ServerContext, check_extra_fields, check_model, collect_until_disconnect, generate_one, merge, new_id, now, sse,
-    structured_outputs_of, to_sampling_params, usage,
+    ServerContext, check_extra_fields, check_model, collect_until_disconnect, compile_structured_outputs,
+    generate_one, merge, new_id, now, sse, structured_outputs_of, to_sampling_params, usage,
 )
 from perfxlm.entrypoints.openai.tool_parsers import ToolCall, parse_required, required_schema
 from perfxlm.outputs import CompletionOutput, RequestOutput
@@ -203,6 +203,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     params = to_sampling_params(req, max_tokens, logprobs, structured_outputs=constraint, defaults=ctx.default_sampling)
     if params.structured_outputs is not None and ctx.reasoning_parser is not None:
         params._grammar_start_token = _thinking_end(ctx, prompt["prompt_token_ids"])
+    await compile_structured_outputs(ctx, params)
     request_id = new_id("chatcmpl")
     stream = merge([generate_one(ctx, prompt, params, request_id)])
     parallel = req.parallel_tool_calls is not False

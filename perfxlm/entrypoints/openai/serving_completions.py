@@ -10,8 +10,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from perfxlm.entrypoints.openai.errors import APIError, error_body
 from perfxlm.entrypoints.openai.protocol import CompletionRequest
 from perfxlm.entrypoints.openai.serving_base import (
-    ServerContext, check_extra_fields, check_model, collect_until_disconnect, generate_one, merge, new_id, now, sse, to_sampling_params,
-    usage,
+    ServerContext, check_extra_fields, check_model, collect_until_disconnect, compile_structured_outputs,
+    generate_one, merge, new_id, now, sse, to_sampling_params, usage,
 )
 from perfxlm.outputs import CompletionOutput, RequestOutput
 
@@ -76,6 +76,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     prompts = [await _tokenized(ctx, p) for p in _prompts(req)]
     params = to_sampling_params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs,
                                 req.prompt_logprobs, defaults=ctx.default_sampling)
+    await compile_structured_outputs(ctx, params)
     request_id = new_id("cmpl")
     streams = [generate_one(ctx, p, params, f"{request_id}-{i}") for i, p in enumerate(prompts)]
     tokenizer = ctx.engine.tokenizer
