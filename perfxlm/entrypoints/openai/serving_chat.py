@@ -116,7 +116,11 @@ class _ChoiceParser:
         calls: list[ToolCall] = []
         if self.mode == "named":
             if finish_reason == "stop":
-                calls = [ToolCall(self.tool["function"]["name"], content)]
+                try:  # the grammar made it valid JSON: send it compact, as OpenAI does
+                    arguments = json.dumps(json.loads(content), ensure_ascii=False)
+                except ValueError:
+                    arguments = content
+                calls = [ToolCall(self.tool["function"]["name"], arguments)]
                 content = ""
         elif self.mode == "required":
             if finish_reason == "stop":
