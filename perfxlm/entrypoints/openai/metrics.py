@@ -40,6 +40,19 @@ class _EngineCollector:
         hits = CounterMetricFamily("perfxlm:prefix_cache_hits", "Prompt tokens found in the prefix cache")
         hits.add_metric([], kv.prefix_hits)
         yield from (running, waiting, usage, used, inflight, preempt, queries, hits)
+        replicas = getattr(engine.core, "replica_stats", None)  # data parallel: the sums above, and each replica
+        if replicas is not None:
+            names = (("num_requests_inflight", "inflight", "Requests routed to the replica and not ended"),
+                     ("num_requests_running", "num_running", "Sequences running in the replica"),
+                     ("num_requests_waiting", "num_waiting", "Sequences waiting in the replica"),
+                     ("kv_cache_used_blocks", None, "KV blocks held by the replica's requests"))
+            stats = replicas()
+            for name, key, text in names:
+                g = GaugeMetricFamily(f"perfxlm:dp_{name}", text, labels=["replica"])
+                for i, s in enumerate(stats):
+                    value = s.get(key, 0) if key else s.get("num_blocks", 0) - s.get("num_free_blocks", 0)
+                    g.add_metric([str(i)], value)
+                yield g
 
 
 class ServerMetrics:

@@ -1,0 +1,111 @@
+"""Data-parallel replicas on this machine (one core each): greedy output equal to one engine whichever
+replica serves a request, requests spread over both, aborts reach the replica holding the request, and a
+lost replica ends the engine within seconds with no process left."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from perfxlm import LLM, SamplingParams
+from tests.distributed.test_tensor_parallel import PROMPTS, build
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return build(str(tmp_path_factory.mktemp("dp") / "llama"), "llama")
+
+
+def _replicas_gone(pids: list[int], timeout: float = 10.0) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                        alive.append(pid)
+            except OSError:
+                pass
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _generate(path: str, dp: int) -> tuple[list, list]:
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, data_parallel_size=dp, block_size=4, num_kv_blocks=64)
+    try:
+        params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, detokenize=False, logprobs=2),
+                  SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=6, ignore_eos=True, detokenize=False),
+                  SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, detokenize=False)] * 2
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS * 2], params, use_tqdm=False)
+        assert llm.llm_engine.check_invariants()["used"] == 0
+        stats = llm.llm_engine.core.replica_stats() if dp > 1 else []
+        return [[c.token_ids for c in o.outputs] for o in outs], stats
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_offline_replicas_equal_one_engine(llama):
+    ref, _ = _generate(llama, 1)
+    got, stats = _generate(llama, 2)
+    assert got == ref  # greedy and seeded rows alike, whichever replica ran them
+    assert all(s["prefix_queries"] > 0 and s["inflight"] == 0 for s in stats)  # both served, both drained
+    assert _replicas_gone([s["pid"] for s in stats])
+
+
+def test_refuses_replicas_of_shards(llama):
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        LLM(llama, skip_tokenizer_init=True, data_parallel_size=2, tensor_parallel_size=2)
+
+
+def _until(cond, timeout: float = 20.0) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_threaded_engine_routes_aborts_and_dies_cleanly(llama):
+    from perfxlm.config import EngineConfig
+    from perfxlm.engine.threaded_engine import EngineDeadError, ThreadedEngine
+
+    engine = ThreadedEngine(EngineConfig(model=llama, dtype="float32", skip_tokenizer_init=True,
+                                         data_parallel_size=2, num_kv_blocks=64))
+    dp = engine.core
+    pids = [p.pid for p in dp.procs]
+    try:
+        long = SamplingParams(max_tokens=400, ignore_eos=True, detokenize=False)
+        got: dict[str, list] = {"a": [], "b": [], "c": []}
+        engine.add_request("a", {"prompt_token_ids": PROMPTS[0]}, long, got["a"].append)
+        engine.add_request("b", {"prompt_token_ids": PROMPTS[1]}, long, got["b"].append)
+        _until(lambda: dp.inflight == [1, 1])  # one per replica (commands reach the core between steps)
+        assert dp._owner["a"][0] == 0 and dp._owner["b"][0] == 1
+        engine.abort("a")  # reaches replica 0, which frees its seat
+        _until(lambda: dp.inflight == [0, 1])
+        engine.add_request("c", {"prompt_token_ids": PROMPTS[2]}, long, got["c"].append)
+        _until(lambda: "c" in dp._owner)
+        assert dp._owner["c"][0] == 0  # the least busy replica
+        assert got["a"][-1].finished and got["a"][-1].outputs[0].finish_reason == "abort"
+        os.kill(pids[1], signal.SIGKILL)
+        t0 = time.time()
+        while not got["b"] or not isinstance(got["b"][-1], BaseException):
+            assert time.time() - t0 < 10, got["b"][-1:]
+            time.sleep(0.05)
+        assert isinstance(got["b"][-1], EngineDeadError)  # the open requests end with the error
+        while not got["c"] or not isinstance(got["c"][-1], BaseException):
+            assert time.time() - t0 < 10
+            time.sleep(0.05)
+        with pytest.raises(EngineDeadError):
+            engine.check_health()
+        with pytest.raises(EngineDeadError):
+            engine.add_request("d", {"prompt_token_ids": [5, 6]}, long, lambda _: None)
+    finally:
+        engine.shutdown()
+    assert _replicas_gone(pids)
