@@ -228,3 +228,29 @@ def test_auto_needs_the_flags():
     req = ChatCompletionRequest(messages=ASK, tools=TOOLS)
     with pytest.raises(APIError, match="--enable-auto-tool-choice"):
         _tool_mode(ctx, req)
+
+
+def test_sdk_parse_with_a_pydantic_model(client):
+    """The openai SDK's parse(): a strict schema with $defs, enums and nullable fields, parsed back."""
+    from enum import Enum
+
+    from pydantic import BaseModel
+
+    class Color(str, Enum):
+        red = "red"
+        blue = "blue"
+
+    class Address(BaseModel):
+        city: str
+        zip: str | None
+
+    class Person(BaseModel):
+        name: str
+        age: int
+        color: Color
+        address: Address
+
+    r = client.chat.completions.parse(model=NAME, messages=[{"role": "user", "content": "A person as JSON."}],
+                                      response_format=Person, max_tokens=80, temperature=0)
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(r.choices[0].message.parsed, Person)
