@@ -150,6 +150,8 @@ def test_model_ids_through_the_hf_cache(tmp_path, tiny_llama, monkeypatch):
     snap = str(repo / "snapshots" / SHA)
     assert resolve_model("acme/tiny") == snap
     assert resolve_model("acme/tiny", revision=SHA) == snap
+    (repo / "snapshots" / SHA / "tiny.Q8_0.gguf").write_bytes(b"GGUF")
+    assert resolve_model("acme/tiny/tiny.Q8_0.gguf") == f"{snap}/tiny.Q8_0.gguf"  # one file of a GGUF repository
     with pytest.raises(ValueError, match=f"not in the Hugging Face cache at {cache}.*HF_HUB_OFFLINE"):
         resolve_model("acme/missing")
     with pytest.raises(ValueError, match="does not exist"):
