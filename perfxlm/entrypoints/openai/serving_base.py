@@ -81,6 +81,8 @@ def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None
             found.append(("response_format", {"json": schema} if schema else {"json_object": True}))
         elif kind == "json_schema":
             spec = rf.get("json_schema")
+            if spec is None and isinstance(rf.get("schema"), dict):
+                spec = {"schema": rf["schema"]}  # llama-server also takes the schema beside the type
             if not isinstance(spec, dict):
                 raise APIError(400, "response_format.json_schema must be an object with a schema.", "response_format")
             schema = spec.get("schema", spec.get("json_schema"))
