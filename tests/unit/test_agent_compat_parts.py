@@ -57,6 +57,8 @@ def test_reasoning_parsers():
     assert q.split("<think>pla", final=False) == ("pla", "")
     assert q.split("<thi", final=False) == (None, "")  # maybe the tag: held back
     assert q.split("<think>plan</th", final=False) == ("plan", "")
+    assert q.split("plan, still", opened=True) == ("plan, still", "")  # the template opened <think>
+    assert q.split("plan</think>answer", opened=True) == ("plan", "answer")
     d = get_reasoning_parser("deepseek_r1")
     assert d.split("plan</think>answer") == ("plan", "answer")
     assert d.split("cut short") == ("cut short", "")

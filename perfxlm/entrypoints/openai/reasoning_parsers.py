@@ -15,16 +15,17 @@ START, END = "<think>", "</think>"
 class ReasoningParser:
     open_in_prompt = False
 
-    def split(self, text: str, final: bool = True) -> tuple[str | None, str]:
+    def split(self, text: str, final: bool = True, opened: bool | None = None) -> tuple[str | None, str]:
         """(reasoning, content) of the output so far. While streaming (final=False), a tail that may be
-        the start of a tag is held back from both."""
+        the start of a tag is held back from both. opened: the prompt ends inside an open <think> (the
+        template opened it), which overrides the parser's default."""
         stripped = text.lstrip()
         if not final and stripped and START.startswith(stripped) and stripped != START:
             return None, ""  # maybe the opening tag
         if stripped.startswith(START):
             body, inside = stripped[len(START):], True
         else:
-            body, inside = text, self.open_in_prompt
+            body, inside = text, self.open_in_prompt if opened is None else opened
         if END in body:
             reasoning, _, content = body.partition(END)
             return reasoning, content.lstrip("\n")

@@ -98,8 +98,10 @@ def _tool_constraint(mode: str, tool: dict | None, req: ChatCompletionRequest) -
 class _ChoiceParser:
     """Turns one choice's text into reasoning, content and tool calls, whole or piece by piece."""
 
-    def __init__(self, ctx: ServerContext, mode: str, tool: dict | None, parallel: bool) -> None:
+    def __init__(self, ctx: ServerContext, mode: str, tool: dict | None, parallel: bool,
+                 opened: bool | None = None) -> None:
         self.reasoning = ctx.reasoning_parser
+        self.opened = opened  # the prompt ends inside <think>
         self.tools = ctx.tool_parser if mode == "auto" else None
         self.mode, self.tool, self.parallel = mode, tool, parallel
         self.text = ""
@@ -109,7 +111,7 @@ class _ChoiceParser:
     def split(self, text: str, final: bool) -> tuple[str | None, str]:
         if self.reasoning is None:
             return None, text
-        return self.reasoning.split(text, final)
+        return self.reasoning.split(text, final, self.opened)
 
     def finish(self, text: str, finish_reason: str | None) -> tuple[str | None, str | None, list[ToolCall]]:
         reasoning, content = self.split(text, True)
@@ -211,19 +213,21 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     request_id = new_id("chatcmpl")
     stream = merge([generate_one(ctx, prompt, params, request_id)])
     parallel = req.parallel_tool_calls is not False
+    # a template that opens <think> itself (Qwen3 thinking-only, DeepSeek-R1): the output starts in reasoning
+    opened = True if (prompt.get("prompt") or "").rstrip().endswith("<think>") else None
     if req.stream:
         try:
             first = await stream.__anext__()
         except StopAsyncIteration:
             first = None
-        return StreamingResponse(_stream(ctx, req, request_id, stream, first, mode, tool, parallel),
+        return StreamingResponse(_stream(ctx, req, request_id, stream, first, mode, tool, parallel, opened),
                                  media_type="text/event-stream")
 
     results = await collect_until_disconnect(raw, stream)
     out = results[-1][1]
     choices = []
     for c in out.outputs:
-        reasoning, content, calls = _ChoiceParser(ctx, mode, tool, parallel).finish(c.text, c.finish_reason)
+        reasoning, content, calls = _ChoiceParser(ctx, mode, tool, parallel, opened).finish(c.text, c.finish_reason)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if ctx.reasoning_parser is not None:
             message["reasoning_content"] = reasoning
@@ -239,7 +243,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
 
 async def _stream(ctx: ServerContext, req: ChatCompletionRequest, request_id: str,
                   stream: AsyncIterator[tuple[int, RequestOutput]], first: tuple[int, RequestOutput] | None,
-                  mode: str, tool: dict | None, parallel: bool) -> AsyncIterator[str]:
+                  mode: str, tool: dict | None, parallel: bool, opened: bool | None = None) -> AsyncIterator[str]:
     created = now()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
@@ -268,7 +272,7 @@ async def _stream(ctx: ServerContext, req: ChatCompletionRequest, request_id: st
                 completion_tokens += len(c.token_ids)
                 parser = parsers.get(c.index)
                 if parser is None:
-                    parser = parsers[c.index] = _ChoiceParser(ctx, mode, tool, parallel)
+                    parser = parsers[c.index] = _ChoiceParser(ctx, mode, tool, parallel, opened)
                     yield chunk(c.index, {"role": "assistant", "content": ""})
                 finished = c.finish_reason is not None
                 new_r, new_c = parser.stream(c.text, finished)
