@@ -7,6 +7,9 @@ ModelRunnerOutput`.
   per core group), each holding 1/N of the model. Each step's SchedulerOutput is sent to every worker
   as a value (new requests once, then new tokens and blocks: `executor/delta.py`), every worker runs the
   same step, and rank 0 sends the ModelRunnerOutput back.
+- `ExternalLauncherExecutor` (distributed_executor_backend="external_launcher"): this process is one
+  rank of a job that torchrun started (several machines); every rank runs the whole engine and goes on
+  with rank 0's sampled tokens (`executor/external.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,10 @@ from typing import Any
 
 
 def make_executor(config: Any) -> Any:
+    if getattr(config, "distributed_executor_backend", None) == "external_launcher":
+        from perfxlm.executor.external import ExternalLauncherExecutor
+
+        return ExternalLauncherExecutor(config)
     if getattr(config, "tensor_parallel_size", 1) > 1:
         from perfxlm.executor.multiproc import MultiprocExecutor
 
