@@ -37,7 +37,7 @@ def resolve_model(model: str, revision: str | None = None, download_dir: str | N
     """A local folder or file for `model`; ValueError saying where it looked when there is none."""
     path = os.path.expanduser(model)
     if os.path.exists(path):
-        if revision not in (None, "main"):
+        if revision not in (None, "main") and f"{os.sep}snapshots{os.sep}" not in os.path.abspath(path):
             raise ValueError(f"revision={revision!r} selects a Hugging Face Hub commit, but {model!r} is a local "
                              "path: check out that revision there, or pass the model id.")
         return path
