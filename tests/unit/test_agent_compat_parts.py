@@ -177,3 +177,22 @@ def test_model_ids_through_the_hf_cache(tmp_path, tiny_llama, monkeypatch):
         assert engine.engine.config.model == snap
     finally:
         engine.shutdown()
+
+
+def test_stream_pieces_add_up_wherever_the_output_is_cut():
+    from perfxlm.entrypoints.openai.serving_base import ServerContext
+    from perfxlm.entrypoints.openai.serving_chat import _ChoiceParser
+
+    ctx = ServerContext(None, "m", 1, None, tool_parser=get_tool_parser("hermes"),
+                        reasoning_parser=get_reasoning_parser("qwen3"))
+    full = '<think>\nhm\n</think>\n\nSure, <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    for cuts in [(), (5,), (30,), (len(full) - 1,), tuple(range(1, len(full)))]:
+        parser = _ChoiceParser(ctx, "auto", None, True)
+        reasoning = content = ""
+        last = 0
+        for cut in cuts:
+            r, c = parser.stream(full[last:cut])
+            reasoning, content, last = reasoning + r, content + c, cut
+        r, c, calls = parser.stream_end(full[last:], "stop")
+        assert (reasoning + r, content + c) == ("\nhm\n", "Sure, "), cuts
+        assert _calls(calls) == [("f", {"a": 1})]

@@ -137,14 +137,27 @@ class _ChoiceParser:
             calls = calls[:1]
         return reasoning, (content or None), calls
 
-    def stream(self, delta: str, finished: bool) -> tuple[str, str]:
+    def stream(self, delta: str) -> tuple[str, str]:
         """New (reasoning, content) text to send for this piece of output, before the end."""
         self.text += delta
-        reasoning, content = self.split(self.text, finished)
+        reasoning, content = self.split(self.text, False)
         if self.mode in ("named", "required"):
             content = ""  # the constrained output is the calls, sent at the end
-        elif self.tools is not None and not finished:
+        elif self.tools is not None:
             content = content[: self.tools.stream_split(content)]
+        return self._unsent(reasoning, content)
+
+    def stream_end(self, delta: str, finish_reason: str | None) -> tuple[str, str, list[ToolCall]]:
+        """The last piece: what is left to send of reasoning and content, and the calls."""
+        self.text += delta
+        _, _, calls = self.finish(self.text, finish_reason)
+        reasoning, content = self.split(self.text, True)
+        if calls:  # the content before the calls, as it streamed (auto); nothing for named / required
+            content = self.tools.content_before_calls(content) if self.tools is not None else ""
+        new_r, new_c = self._unsent(reasoning, content)
+        return new_r, new_c, calls
+
+    def _unsent(self, reasoning: str | None, content: str) -> tuple[str, str]:
         new_r = (reasoning or "")[self.sent_reasoning:]
         new_c = content[self.sent_content:]
         self.sent_reasoning += len(new_r)
@@ -275,7 +288,11 @@ async def _stream(ctx: ServerContext, req: ChatCompletionRequest, request_id: st
                     parser = parsers[c.index] = _ChoiceParser(ctx, mode, tool, parallel, opened)
                     yield chunk(c.index, {"role": "assistant", "content": ""})
                 finished = c.finish_reason is not None
-                new_r, new_c = parser.stream(c.text, finished)
+                calls: list[ToolCall] = []
+                if finished:
+                    new_r, new_c, calls = parser.stream_end(c.text, c.finish_reason)
+                else:
+                    new_r, new_c = parser.stream(c.text)
                 delta: dict[str, Any] = {}
                 if new_r:
                     delta["reasoning_content"] = new_r
@@ -286,16 +303,6 @@ async def _stream(ctx: ServerContext, req: ChatCompletionRequest, request_id: st
                     if delta or lps is not None:
                         yield chunk(c.index, delta, lps)
                     continue
-                _, content, calls = parser.finish(parser.text, c.finish_reason)
-                if calls:
-                    delta.pop("content", None)
-                    held = (content or "")[parser.sent_content:] if mode == "auto" else ""
-                    if held:
-                        delta["content"] = held
-                elif mode in ("named", "required"):
-                    rest = (content or "")[parser.sent_content:]
-                    if rest:
-                        delta["content"] = rest
                 if delta or lps is not None:
                     yield chunk(c.index, delta, lps)
                 if calls:

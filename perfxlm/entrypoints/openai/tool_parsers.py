@@ -72,6 +72,13 @@ class ToolParser:
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         raise NotImplementedError
 
+    def content_before_calls(self, text: str) -> str:
+        """The text before the first call, as it was (what streaming shows as content when calls follow)."""
+        if self.starts_output_only:
+            return ""
+        found = [i for i in (text.find(m) for m in self.markers) if i >= 0]
+        return text[: min(found)] if found else text
+
     def stream_split(self, text: str) -> int:
         """How many leading characters of the text so far are certainly content (safe to stream)."""
         if self.starts_output_only:
