@@ -252,8 +252,8 @@ class DataParallelCore:
         try:
             payload = pickle.dumps(("add", request, self._generation), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:  # e.g. a compiled grammar: an engine object that cannot cross processes
-            raise ValueError(f"request {base!r} cannot be sent to a data-parallel replica ({exc}); structured "
-                             "outputs need data_parallel_size 1 for now.") from None
+            raise ValueError(f"request {base!r} cannot be sent to a data-parallel replica: {exc} (it would run "
+                             "with data_parallel_size 1).") from None
         if not self.inflight[r]:
             self._last_heard[r] = time.monotonic()  # an idle replica owes nothing until now
         self._send(r, payload)
