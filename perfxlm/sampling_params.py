@@ -78,15 +78,26 @@ GuidedDecodingParams = StructuredOutputsParams
 
 
 class _Opaque:
-    """Holds an engine object (a compiled grammar) that params clones share instead of copying."""
+    """Holds an engine object (a compiled grammar) that params clones share instead of copying; it
+    pickles (to tensor-parallel workers) through `reducer`, which returns (function, args) to rebuild it."""
 
-    __slots__ = ("value",)
+    __slots__ = ("value", "reducer")
 
-    def __init__(self, value: object) -> None:
+    def __init__(self, value: object, reducer=None) -> None:
         self.value = value
+        self.reducer = reducer
 
     def __deepcopy__(self, memo: dict) -> "_Opaque":
         return self
+
+    def __reduce__(self):
+        if self.reducer is None:
+            raise TypeError(f"{type(self.value).__name__} cannot be pickled")
+        return _restore_opaque, self.reducer(self.value)
+
+
+def _restore_opaque(fn, args) -> _Opaque:
+    return _Opaque(fn(*args))
 
 
 class SamplingType(IntEnum):

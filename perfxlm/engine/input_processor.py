@@ -164,7 +164,8 @@ class InputProcessor:
                 if getattr(self.tokenizer, "eos_token_id", None) is not None:
                     eos.add(self.tokenizer.eos_token_id)
                 self._grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size, sorted(eos))
-        return _Opaque(self._grammar_backend.compile(params.structured_outputs))
+        backend = self._grammar_backend
+        return _Opaque(backend.compile(params.structured_outputs), backend.reduce)
 
     def _compile_grammar(self, params: SamplingParams, eos: set[int] | None = None):
         return self.compile_structured_outputs(params).value

@@ -47,6 +47,8 @@ class GrammarBackend:
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self._compiler = None
+        self._info = None
+        self._info_json: tuple[str, str] | None = None
         self._lock = threading.Lock()
 
     def _get_compiler(self):
@@ -58,7 +60,18 @@ class GrammarBackend:
                     self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None
                 )
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+                self._info = info
             return self._compiler
+
+    def reduce(self, grammar: Any) -> tuple:
+        """How a grammar this backend compiled pickles (see restore_compiled_grammar)."""
+        import hashlib
+
+        with self._lock:
+            if self._info_json is None:
+                text = self._info.serialize_json()
+                self._info_json = (hashlib.sha256(text.encode()).hexdigest(), text)
+        return restore_compiled_grammar, (grammar.serialize_json(), *self._info_json)
 
     def compile(self, so: StructuredOutputsParams):
         """The compiled grammar, or ValueError naming what the engine could not compile."""
@@ -92,6 +105,23 @@ class GrammarBackend:
             raise
         except Exception as exc:  # noqa: BLE001 - the grammar engine's own errors are the caller's input
             raise ValueError(f"structured_outputs.{kind} could not be compiled: {_clean_error(exc)}") from None
+
+
+# Worker processes (tensor parallelism) receive requests pickled; xgrammar's objects are not picklable,
+# so a compiled grammar travels as its JSON plus its tokenizer's (serialized once per backend here,
+# deserialized once per tokenizer there).
+_tokenizer_infos: dict[str, Any] = {}
+_serial_lock = threading.Lock()
+
+
+def restore_compiled_grammar(grammar_json: str, digest: str, tokenizer_json: str) -> Any:
+    import xgrammar as xgr
+
+    with _serial_lock:
+        info = _tokenizer_infos.get(digest)
+        if info is None:
+            info = _tokenizer_infos[digest] = xgr.TokenizerInfo.deserialize_json(tokenizer_json)
+    return xgr.CompiledGrammar.deserialize_json(grammar_json, info)
 
 
 class GrammarMatchers:

@@ -138,3 +138,16 @@ def test_prompt_decides_whether_thinking_is_over():
     assert _thinking_end(ctx, [1, 10, 4]) == 11  # the template opened <think>
     assert _thinking_end(ctx, [1, 10, 11, 4]) is None  # enable_thinking=False: an empty, closed block
     assert _thinking_end(ServerContext(None, "m", 100, None), [1]) is None  # no single-token tags
+
+
+def test_compiled_grammar_pickles_for_worker_processes(llm):
+    """Tensor-parallel workers receive requests pickled: the compiled grammar travels as JSON."""
+    import pickle
+
+    import xgrammar as xgr
+
+    params = SamplingParams(structured_outputs=S(regex="[0-9]+"))
+    params._grammar = llm.llm_engine.input_processor.compile_structured_outputs(params)
+    copy = pickle.loads(pickle.dumps(params.clone()))
+    matcher = xgr.GrammarMatcher(copy._grammar.value)
+    assert matcher.accept_string("123") and not matcher.accept_string("a")
