@@ -185,6 +185,9 @@ def test_tool_choice_none_required_named(client):
     r = _chat(client, tools=TOOLS, tool_choice=named, max_tokens=40)
     call = r.choices[0].message.tool_calls[0]
     assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
+    acc, finish = _collect(_chat(client, tools=TOOLS, tool_choice=named, max_tokens=40, stream=True))
+    assert finish == "stop" and acc["tool_calls"][0]["name"] == "get_weather" and not acc["content"]
+    assert json.loads(acc["tool_calls"][0]["arguments"]) == json.loads(call.function.arguments)  # streamed in pieces
     acc, finish = _collect(_chat(client, tools=TOOLS, tool_choice="required", max_tokens=60, stream=True))
     assert finish == "tool_calls" and acc["tool_calls"][0]["name"] == "get_weather"
     assert isinstance(json.loads(acc["tool_calls"][0]["arguments"])["city"], str)

@@ -105,6 +105,7 @@ class _ChoiceParser:
         self.tools = ctx.tool_parser if mode == "auto" else None
         self.mode, self.tool, self.parallel = mode, tool, parallel
         self.text = ""
+        self.call_id: str | None = None  # named tool choice: the call whose arguments are streaming
         self.sent_reasoning = 0
         self.sent_content = 0
 
@@ -141,7 +142,7 @@ class _ChoiceParser:
         """New (reasoning, content) text to send for this piece of output, before the end."""
         self.text += delta
         reasoning, content = self.split(self.text, False)
-        if self.mode in ("named", "required"):
+        if self.mode == "required":
             content = ""  # the constrained output is the calls, sent at the end
         elif self.tools is not None:
             content = content[: self.tools.stream_split(content)]
@@ -152,7 +153,7 @@ class _ChoiceParser:
         self.text += delta
         _, _, calls = self.finish(self.text, finish_reason)
         reasoning, content = self.split(self.text, True)
-        if calls:  # the content before the calls, as it streamed (auto); nothing for named / required
+        if calls and self.mode != "named":  # the content before the calls, as it streamed (auto)
             content = self.tools.content_before_calls(content) if self.tools is not None else ""
         new_r, new_c = self._unsent(reasoning, content)
         return new_r, new_c, calls
@@ -163,6 +164,15 @@ class _ChoiceParser:
         self.sent_reasoning += len(new_r)
         self.sent_content += len(new_c)
         return new_r, new_c
+
+
+def _named_call_piece(parser: "_ChoiceParser", tool: dict, arguments: str) -> dict:
+    """One streamed piece of a named call: the first carries its id and name, the rest only arguments."""
+    if parser.call_id is None:
+        parser.call_id = ToolCall(tool["function"]["name"], "").id
+        return {"index": 0, "id": parser.call_id, "type": "function",
+                "function": {"name": tool["function"]["name"], "arguments": arguments}}
+    return {"index": 0, "function": {"arguments": arguments}}
 
 
 def _finish_reason(reason: str | None, mode: str, calls: list[ToolCall]) -> str | None:
@@ -296,7 +306,9 @@ async def _stream(ctx: ServerContext, req: ChatCompletionRequest, request_id: st
                 delta: dict[str, Any] = {}
                 if new_r:
                     delta["reasoning_content"] = new_r
-                if new_c:
+                if new_c and mode == "named" and (not finished or calls or parser.call_id is not None):
+                    delta["tool_calls"] = [_named_call_piece(parser, tool, new_c)]  # the arguments, as they come
+                elif new_c:
                     delta["content"] = new_c
                 lps = _logprobs_content(c, req.top_logprobs or 0)
                 if not finished:
@@ -305,7 +317,7 @@ async def _stream(ctx: ServerContext, req: ChatCompletionRequest, request_id: st
                     continue
                 if delta or lps is not None:
                     yield chunk(c.index, delta, lps)
-                if calls:
+                if calls and mode != "named":
                     yield chunk(c.index, {"tool_calls": [{"index": i, **call.to_dict()} for i, call in enumerate(calls)]})
                 yield chunk(c.index, {}, None, _finish_reason(c.finish_reason, mode, calls), c.stop_reason)
         if include_usage:
