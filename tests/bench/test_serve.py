@@ -35,11 +35,13 @@ def test_streamed_timings_and_payload(fake_server):
         assert rec.success and rec.generated_text == " t0 t1 t2 t3"
         assert len(rec.itl) == 3  # one per chunk after the first; the usage chunk is not a token chunk
         assert 0.05 <= rec.ttft < 0.5
-        assert all(0.015 <= x < 0.3 for x in rec.itl)
+        # the server sleeps 20 ms between chunks; a busy machine may deliver two together, so only
+        # their sum is bounded below
+        assert all(0 <= x < 2.0 for x in rec.itl) and sum(rec.itl) >= 0.035
         assert rec.latency == pytest.approx(rec.ttft + sum(rec.itl))
     assert result["mean_tpot_ms"] == pytest.approx(
         sum((r.latency - r.ttft) / 3 for r in records) / 3 * 1000)
-    assert result["mean_itl_ms"] >= 15 and result["mean_ttft_ms"] >= 50
+    assert result["mean_itl_ms"] >= 10 and result["mean_ttft_ms"] >= 50
     assert result["duration"] >= max(r.latency for r in records)
     assert result["request_throughput"] == pytest.approx(3 / result["duration"])
     assert result["output_lens"] == [4, 4, 4] and len(result["itls"]) == 3 and "generated_texts" not in result
