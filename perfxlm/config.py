@@ -141,6 +141,13 @@ class EngineConfig:
 
         return QuantizationConfig.resolve(self.quantization, self.quantization_group_size, self.quantization_symmetric)
 
+    def _weights_stay_quantized(self) -> bool:
+        """A GGUF file kept quantized, or a float checkpoint quantized at load."""
+        method = None if self.quant_config is None else self.quant_config.method
+        if self.load_format == "gguf":
+            return method in (None, "gguf")
+        return self.quant_config is not None and self.quant_config.quantizes
+
     def resolve(self) -> "EngineConfig":
         from perfxlm.model.loader import load_hf_config  # late: loaders import transformers
         from perfxlm.ops.kv_quant import KVCacheSpec
@@ -170,6 +177,11 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}.")
         self.torch_dtype = self.weight_dtype = resolve_dtype(self.dtype)
+        if self.dtype == "auto" and self._weights_stay_quantized() and _native_kernels_usable():
+            # Quantized weights never use bf16 arithmetic: bf16 only stores what stays float (KV cache,
+            # embeddings, norms), which the native kernels widen on every CPU, and lets the products
+            # quantize activations to int8 blocks (as llama.cpp does). dtype="float32" keeps them exact.
+            self.torch_dtype = self.weight_dtype = torch.bfloat16
         self.kv_cache_spec = KVCacheSpec.resolve(self.kv_cache_dtype, self.torch_dtype, self.kv_cache_group_size)
         if self.torch_dtype == torch.bfloat16 and _bf16_compute() == "float32" and _native_kernels_usable():
             # Weights and KV cache in bf16 (half the bytes each decode step reads), activations in

@@ -105,7 +105,7 @@ class FusedDecode:
         self.layers = layers
         self.args: list[tuple[tuple[Any, ...], tuple[Any, ...]]] | None = None
         self.eligible = len(layers) > 0
-        self.quant_bf16_gemm = True
+        self.quant_bf16_gemm = self.quant_int8_activations = True
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         if not self.eligible or x.dtype != torch.float32 or meta.prefills or meta.num_decode_tokens != x.shape[0]:
@@ -118,10 +118,12 @@ class FusedDecode:
                 self.eligible = False
                 return False
             self.args = args  # type: ignore[assignment]
-            # Many-row products on quantized weights use the bf16 GEMM only where the module path does
-            # (a bfloat16 model: QuantizedWeight.bf16_gemm), so the two paths round alike.
-            self.quant_bf16_gemm = all(getattr(m.weight, "bf16_gemm", True) for m in self.layers.modules()
-                                       if hasattr(m, "weight") and not isinstance(m.weight, torch.Tensor))
+            # Quantized weights use the bf16 GEMM and int8 activation blocks only where the module path
+            # does (a bfloat16 model: QuantizedWeight.bf16_gemm / int8_activations), so both round alike.
+            quantized = [m.weight for m in self.layers.modules()
+                         if hasattr(m, "weight") and not isinstance(m.weight, torch.Tensor)]
+            self.quant_bf16_gemm = all(w.bf16_gemm for w in quantized)
+            self.quant_int8_activations = all(w.int8_activations for w in quantized)
         return True
 
     def run(
@@ -130,7 +132,7 @@ class FusedDecode:
         """-> (hidden, residual); for Gemma 2 (no residual stream) both are the layer output."""
         ops = native.kernels()
         plan = cpu_plan.plan()
-        max_rows, int8_blocks = plan.native_max_rows, plan.quant_activations == "int8"
+        max_rows, int8_blocks = plan.native_max_rows, plan.quant_activations == "int8" and self.quant_int8_activations
         bf16_gemm = plan.gemm == "bf16" and self.quant_bf16_gemm
         cos, sin = rope
         residual = x

@@ -76,8 +76,9 @@ def linear(
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] (float32, or bf16 activations computed in float32) -> [..., N] in x's dtype: the native
     `linear_q` kernel where built, else the plain-torch reference (perfxlm.quant.reference). Many rows run
-    the CPU's bf16 GEMM only for a bfloat16 model (`weight.bf16_gemm`); few rows follow the CPU plan's
-    `quant_activations` (int8 blocks, as the fused decode layer does, or float32)."""
+    the CPU's bf16 GEMM, and all rows quantize activations to int8 blocks where the CPU plan's
+    `quant_activations` says so, only for a bfloat16 model (`weight.bf16_gemm`, `weight.int8_activations`);
+    a float32 model's products are exact to float summation order. The fused decode layer does the same."""
     ops = native.kernels()
     if ops is None or not hasattr(ops, "linear_q"):
         return reference_linear(x, weight, bias)
@@ -88,7 +89,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     plan = cpu_plan.plan()
     y = ops.linear_q(
         rows, weight.codes, weight.scales, weight.mins, weight.levels, b, weight.act == "int8",
-        plan.quant_max_rows, plan.gemm == "bf16" and weight.bf16_gemm, plan.quant_activations == "int8",
+        plan.quant_max_rows, plan.gemm == "bf16" and weight.bf16_gemm, plan.quant_activations == "int8" and weight.int8_activations,
     )  # fmt: skip
     return y.to(x.dtype).view(*x.shape[:-1], weight.out_features)
 

@@ -58,6 +58,9 @@ class QuantizedWeight:
     # Not part of the stored format: whether products with many rows may run torch's bf16 GEMM on
     # dequantized slabs (set for bfloat16 models by the loader; float32 models keep float32 GEMMs).
     bf16_gemm: bool = False
+    # Also set for bfloat16 models only: whether few-row products may quantize activations to int8
+    # blocks (the CPU plan's quant_activations); a float32 model keeps float32 activations (exact).
+    int8_activations: bool = False
 
     def __post_init__(self) -> None:
         n, k, g = self.out_features, self.in_features, self.group
@@ -132,7 +135,7 @@ class QuantizedWeight:
     ) -> "QuantizedWeight":
         fields = dict(levels=self.levels, bits=self.bits, group=self.group, act=self.act,
                       out_features=codes.shape[-2], in_features=self.in_features,
-                      bf16_gemm=self.bf16_gemm)  # fmt: skip
+                      bf16_gemm=self.bf16_gemm, int8_activations=self.int8_activations)  # fmt: skip
         fields.update(changes)
         return QuantizedWeight(codes, scales.contiguous(), mins.contiguous(), **fields)
 

@@ -144,7 +144,8 @@ def test_fused_layer_matches_module_path_with_quantized_weights(checkpoints, mon
     if native.kernels() is None:
         pytest.skip("native kernels unavailable on this machine")
     cpu_plan.use(**QUANT_PLANS[plan])
-    llm = LLM(checkpoints[case], skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64,
+    # a bfloat16 model: the one whose quantized products may quantize activations
+    llm = LLM(checkpoints[case], skip_tokenizer_init=True, dtype="bfloat16", num_kv_blocks=64,
               enable_prefix_caching=False, quantization=quantization,
               quantization_group_size=32 if quantization in ("int4", "nf4") else None)  # fmt: skip
     fused, n_fused = _generate(llm, monkeypatch, fused=True)

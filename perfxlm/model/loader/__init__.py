@@ -136,7 +136,7 @@ def cast_weights(model: torch.nn.Module, weight_dtype: torch.dtype, compute_dtyp
     for module in model.modules():
         for value in vars(module).values():
             if isinstance(value, QuantizedWeight):
-                value.bf16_gemm = weight_dtype == torch.bfloat16
+                value.bf16_gemm = value.int8_activations = weight_dtype == torch.bfloat16
 
 
 def _iter_shard(tp: Any, model_path: str, hf_config: Any, load_format: str, model_cls: type):
