@@ -8,7 +8,8 @@ group == K is one scale per output channel) and rounds half to even (`torch.roun
   min = -z s (0 is exact).
 - int4, symmetric (llama.cpp's Q4_0 rule, all 16 levels used): m = the weight of largest magnitude,
   d = m / -8, u = clamp(round(w / d) + 8, 0, 15), min = -8 d.
-- int4, asymmetric: as int8 asymmetric over 15 steps.
+- int4, asymmetric (llama.cpp's Q4_1 rule): s = (max - min) / 15 over the group's own range, the min
+  stored as a float (no integer zero point: with 16 levels, keeping 0 exact costs accuracy).
 - nf4 (bitsandbytes' NormalFloat4): s = absmax, u = the nearest of 16 levels to w / s, min = 0.
 - w8a8: int8 symmetric weights (per channel by default), activations quantized per token at run time.
 int8 keeps float32 scales; int4 and nf4 round theirs to float16 first (half the overhead, as GGUF does)
@@ -69,13 +70,18 @@ def quantize_symmetric_int8(w: torch.Tensor, group: int, act: str = "float") -> 
     return _build(q.add_(128), s, s * -128.0, 8, group, w.shape, act)
 
 
-def _asymmetric(w: torch.Tensor, group: int, top: int, half: bool) -> tuple:
+def _asymmetric(w: torch.Tensor, group: int, top: int, half: bool, zero_point: bool = True) -> tuple:
     g, _ = _groups(w, group)
-    lo = g.amin(dim=-1).clamp(max=0.0)
-    hi = g.amax(dim=-1).clamp(min=0.0)
-    s = (hi - lo) / top
-    z = torch.round(-lo / _safe(s)).clamp_(0, top)
-    mins = -z * s
+    if zero_point:  # the range holds 0, which an integer zero point keeps exact
+        lo = g.amin(dim=-1).clamp(max=0.0)
+        hi = g.amax(dim=-1).clamp(min=0.0)
+        s = (hi - lo) / top
+        z = torch.round(-lo / _safe(s)).clamp_(0, top)
+        mins = -z * s
+    else:  # llama.cpp's Q4_1 rule: the group's own [min, max], the min kept as a float
+        lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+        s = (hi - lo) / top
+        mins = lo
     if half:
         s, mins = _to_half_if_exact(s, mins)
     # codes against the stored values: u = round((w - min) / s)
@@ -100,7 +106,8 @@ def quantize_symmetric_int4(w: torch.Tensor, group: int) -> QuantizedWeight:
 
 
 def quantize_asymmetric_int4(w: torch.Tensor, group: int) -> QuantizedWeight:
-    u, s, mins = _asymmetric(w, group, 15, half=True)
+    # 15 steps are coarse: a float min (Q4_1) spends none of them on keeping 0 exact
+    u, s, mins = _asymmetric(w, group, 15, half=True, zero_point=False)
     return _build(u, s, mins, 4, group, w.shape)
 
 
