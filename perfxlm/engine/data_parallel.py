@@ -9,7 +9,7 @@ stop strings go to the replica that holds the request. Replicas step on their ow
 cores allow, and send each step's EngineCoreOutputs back with their scheduler and KV-cache counts;
 `step()` returns whatever arrived (waiting a few ms at most, so new commands are applied promptly).
 
-Pipe protocol (pickled tuples). Front end -> replica: ("add", Request, generation), ("finish", ids,
+Pipe protocol (pickled tuples). Front end -> replica: ("add", pickled Request, generation, id), ("finish", ids,
 status, stop_reason), ("invariants",), ("stop",). Replica -> front end: ("ready", info) once its model is
 loaded, then ("out", outputs, done, stats) after each step or command that ended requests (`done`: the
 (request id, generation) pairs no longer held, so their seats free), ("invariants", dict), and on a
@@ -81,15 +81,22 @@ def replica_main(index: int, config: Any, conn: Any, cpus: list[int] | None, par
         send(("ready", {"num_kv_blocks": core.num_kv_blocks, "max_model_len": config.max_model_len,
                         "kv_bytes_per_block": core.kv_bytes_per_block, "pid": os.getpid(), "cpus": cpus,
                         "threads": threads, "stats": _stats(core)}))  # fmt: skip
+        from perfxlm.engine.messages import EngineCoreOutput
+
         generation: dict[str, int] = {}  # base request id -> generation of the front end's add
+        failed: list[Any] = []  # outputs of requests that could not be added
         ended: set[str] = set()  # base ids whose sequences may all have ended since the last report
 
         def apply(msg: tuple) -> bool:
             kind = msg[0]
-            if kind == "add":
-                request = msg[1]
-                generation[_base(request.request_id)] = msg[2]
-                core.add_request(request)
+            if kind == "add":  # the request pickled on its own: one that cannot be rebuilt here fails alone
+                _, blob, gen, rid = msg
+                generation[_base(rid)] = gen
+                try:
+                    core.add_request(pickle.loads(blob))
+                except Exception as exc:
+                    failed.append(EngineCoreOutput(rid, [], "abort", error=f"{type(exc).__name__}: {exc}"))
+                    ended.add(_base(rid))
             elif kind == "finish":
                 core.finish_requests(msg[1], msg[2], msg[3])
                 ended.update(_base(r) for r in msg[1])
@@ -109,6 +116,8 @@ def replica_main(index: int, config: Any, conn: Any, cpus: list[int] | None, par
             if not running:
                 break
             outputs = core.step() if core.has_unfinished_requests() else []
+            if failed:
+                outputs, failed[:] = failed + outputs, []
             ended.update(_base(o.request_id) for o in outputs if o.finish_reason is not None)
             done = []
             if ended:
@@ -250,7 +259,9 @@ class DataParallelCore:
         r = min(range(self.size), key=lambda i: (self.inflight[i], i))
         self._generation += 1
         try:
-            payload = pickle.dumps(("add", request, self._generation), protocol=pickle.HIGHEST_PROTOCOL)
+            blob = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
+            payload = pickle.dumps(("add", blob, self._generation, request.request_id),
+                                   protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:  # e.g. a compiled grammar: an engine object that cannot cross processes
             raise ValueError(f"request {base!r} cannot be sent to a data-parallel replica: {exc} (it would run "
                              "with data_parallel_size 1).") from None

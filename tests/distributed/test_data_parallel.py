@@ -65,6 +65,21 @@ def test_refuses_replicas_of_shards(llama):
         LLM(llama, skip_tokenizer_init=True, data_parallel_size=2, tensor_parallel_size=2)
 
 
+def _explode():
+    import multiprocessing
+
+    if multiprocessing.current_process().name.startswith("perfxlm-dp"):
+        raise RuntimeError("cannot be rebuilt here")
+    return _Unloadable()
+
+
+class _Unloadable:
+    """Copies in the front end, fails to unpickle in a replica."""
+
+    def __reduce__(self):
+        return _explode, ()
+
+
 def _until(cond, timeout: float = 20.0) -> None:
     deadline = time.time() + timeout
     while not cond():
@@ -93,6 +108,14 @@ def test_threaded_engine_routes_aborts_and_dies_cleanly(llama):
         _until(lambda: "c" in dp._owner)
         assert dp._owner["c"][0] == 0  # the least busy replica
         assert got["a"][-1].finished and got["a"][-1].outputs[0].finish_reason == "abort"
+        # a request that a replica cannot rebuild fails alone; the engine goes on
+        bad = SamplingParams(max_tokens=2, detokenize=False, extra_args={"x": _Unloadable()})
+        got["x"] = []
+        engine.add_request("x", {"prompt_token_ids": PROMPTS[0]}, bad, got["x"].append)
+        _until(lambda: got["x"] and got["x"][-1].finished)
+        assert got["x"][-1].outputs[0].finish_reason == "abort"
+        engine.check_health()
+        _until(lambda: "x" not in dp._owner)
         os.kill(pids[1], signal.SIGKILL)
         t0 = time.time()
         while not got["b"] or not isinstance(got["b"][-1], BaseException):
