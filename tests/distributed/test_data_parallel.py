@@ -1,6 +1,7 @@
 """Data-parallel replicas on this machine (one core each): greedy output equal to one engine whichever
-replica serves a request, requests spread over both, aborts reach the replica holding the request, and a
-lost replica ends the engine within seconds with no process left."""
+replica serves a request, requests spread over both, aborts reach the replica holding the request, a
+request a replica cannot rebuild fails alone, and a lost or hung replica ends the engine within seconds with no
+process left."""
 
 from __future__ import annotations
 
@@ -11,14 +12,10 @@ import time
 import pytest
 
 from perfxlm import LLM, SamplingParams
-from tests.distributed.test_tensor_parallel import PROMPTS, build
+from tests.distributed.test_tensor_parallel import PROMPTS
 
 pytestmark = pytest.mark.timeout(180)
 
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    return build(str(tmp_path_factory.mktemp("dp") / "llama"), "llama")
 
 
 def _replicas_gone(pids: list[int], timeout: float = 10.0) -> bool:
@@ -130,5 +127,32 @@ def test_threaded_engine_routes_aborts_and_dies_cleanly(llama):
         with pytest.raises(EngineDeadError):
             engine.add_request("d", {"prompt_token_ids": [5, 6]}, long, lambda _: None)
     finally:
+        engine.shutdown()
+    assert _replicas_gone(pids)
+
+
+def test_hung_replica_ends_the_engine(llama, monkeypatch):
+    from perfxlm.config import EngineConfig
+    from perfxlm.engine.threaded_engine import EngineDeadError, ThreadedEngine
+
+    monkeypatch.setenv("PERFXLM_STEP_TIMEOUT", "2")
+    engine = ThreadedEngine(EngineConfig(model=llama, dtype="float32", skip_tokenizer_init=True,
+                                         data_parallel_size=2, num_kv_blocks=64))
+    pids = [p.pid for p in engine.core.procs]
+    try:
+        got: list = []
+        engine.add_request("a", {"prompt_token_ids": PROMPTS[0]},
+                           SamplingParams(max_tokens=400, ignore_eos=True, detokenize=False), got.append)
+        _until(lambda: got)  # replica 0 is stepping
+        os.kill(pids[0], signal.SIGSTOP)
+        t0 = time.time()
+        _until(lambda: isinstance(got[-1], BaseException), timeout=10)
+        assert isinstance(got[-1], EngineDeadError) and time.time() - t0 < 10
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
         engine.shutdown()
     assert _replicas_gone(pids)

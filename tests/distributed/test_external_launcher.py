@@ -15,7 +15,7 @@ import time
 import pytest
 
 from perfxlm import LLM, SamplingParams
-from tests.distributed.test_tensor_parallel import PROMPTS, build
+from tests.distributed.test_tensor_parallel import PROMPTS
 from tests.server.conftest import free_port
 
 pytestmark = pytest.mark.timeout(180)
@@ -34,10 +34,6 @@ llm.llm_engine.shutdown()
 json.dump([o.outputs[0].token_ids for o in outs], open(out, "w"))
 """
 
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    return build(str(tmp_path_factory.mktemp("el") / "llama"), "llama")
 
 
 def _launch(path: str, tmp_path, env_extra: dict[str, str]) -> list[list[list[int]]]:
