@@ -77,6 +77,10 @@ def replica_main(index: int, config: Any, conn: Any, cpus: list[int] | None, par
         from perfxlm.engine.engine_core import EngineCore
 
         threads = bind_current_process(cpus)
+        from perfxlm.engine import kv_pool
+
+        # A default pool (no size given) takes its share of the memory the replicas have between them.
+        kv_pool.DEFAULT_AVAILABLE_FRACTION /= config.data_parallel_size
         core = EngineCore(config)
         send(("ready", {"num_kv_blocks": core.num_kv_blocks, "max_model_len": config.max_model_len,
                         "kv_bytes_per_block": core.kv_bytes_per_block, "pid": os.getpid(), "cpus": cpus,
