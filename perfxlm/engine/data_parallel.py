@@ -74,19 +74,17 @@ def replica_main(index: int, config: Any, conn: Any, cpus: list[int] | None, par
 
     try:
         from perfxlm.distributed.topology import bind_current_process
+        from perfxlm.engine import kv_pool
         from perfxlm.engine.engine_core import EngineCore
+        from perfxlm.engine.messages import EngineCoreOutput
 
         threads = bind_current_process(cpus)
-        from perfxlm.engine import kv_pool
-
         # A default pool (no size given) takes its share of the memory the replicas have between them.
         kv_pool.DEFAULT_AVAILABLE_FRACTION /= config.data_parallel_size
         core = EngineCore(config)
         send(("ready", {"num_kv_blocks": core.num_kv_blocks, "max_model_len": config.max_model_len,
                         "kv_bytes_per_block": core.kv_bytes_per_block, "pid": os.getpid(), "cpus": cpus,
                         "threads": threads, "stats": _stats(core)}))  # fmt: skip
-        from perfxlm.engine.messages import EngineCoreOutput
-
         generation: dict[str, int] = {}  # base request id -> generation of the front end's add
         failed: list[Any] = []  # outputs of requests that could not be added
         ended: set[str] = set()  # base ids whose sequences may all have ended since the last report
