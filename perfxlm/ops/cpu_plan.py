@@ -26,7 +26,7 @@ per block of 32 and the products run as int8 dot products (llama.cpp's scheme, 2
 than widening codes to float32); elsewhere the codes are widened and the activations stay float32.
 - PERFXLM_QUANT_ACTIVATIONS = int8 | float32   (int8 needs a VNNI build; float32 is exact weight-only)
 - PERFXLM_QUANT_MAX_ROWS = N      rows up to which quantized weights take the GEMV kernels; more rows
-                                  dequantize slabs for torch's GEMM (measured crossover: 8-16 rows)
+                                  dequantize slabs for torch's GEMM (measured crossover: 12-16 rows)
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class CpuPlan:
     native_max_rows: int  # up to this many rows the native kernel runs
     bf16_compute: str  # activation dtype of a bfloat16 model
     quant_activations: str = "float32"  # what quantized-weight GEMVs multiply: int8 blocks or float32
-    quant_max_rows: int = 8  # up to this many rows quantized weights take the GEMV kernels
+    quant_max_rows: int = 16  # up to this many rows quantized weights take the GEMV kernels
 
     def describe(self) -> str:
         return (f"bf16 layout={self.layout} gemm={self.gemm} native_max_rows={self.native_max_rows} "
@@ -77,9 +77,9 @@ def detect() -> CpuPlan:
     max_rows = _rows("PERFXLM_NATIVE_MAX_ROWS", _AUTO_MAX_ROWS[(layout, gemm)])
     compute = _choice("PERFXLM_BF16_COMPUTE", COMPUTES, "float32")
     quant_act = _choice("PERFXLM_QUANT_ACTIVATIONS", QUANT_ACTIVATIONS, "int8" if _has_int8_dots() else "float32")
-    # Measured on the default model's shapes (AMX CPU, 1 thread): the int8-block GEMV beats dequantizing
-    # slabs for the bf16 GEMM up to 8-16 rows.
-    quant_rows = _rows("PERFXLM_QUANT_MAX_ROWS", 8)
+    # Measured on the default model's shapes (AMX CPU, 2 threads, Q4 and Q8 codes): the int8-block GEMV
+    # beats dequantizing slabs for the bf16 GEMM up to 12-16 rows (equal at 16).
+    quant_rows = _rows("PERFXLM_QUANT_MAX_ROWS", 16)
     return CpuPlan(layout, gemm, max_rows, compute, quant_act, quant_rows)
 
 
