@@ -52,7 +52,7 @@ class CpuPlan:
     native_max_rows: int  # up to this many rows the native kernel runs
     bf16_compute: str  # activation dtype of a bfloat16 model
     quant_activations: str = "float32"  # what quantized-weight GEMVs multiply: int8 blocks or float32
-    quant_max_rows: int = 16  # up to this many rows quantized weights take the GEMV kernels
+    quant_max_rows: int = 8  # up to this many rows quantized weights take the GEMV kernels
 
     def describe(self) -> str:
         return (f"bf16 layout={self.layout} gemm={self.gemm} native_max_rows={self.native_max_rows} "
@@ -79,7 +79,7 @@ def detect() -> CpuPlan:
     quant_act = _choice("PERFXLM_QUANT_ACTIVATIONS", QUANT_ACTIVATIONS, "int8" if _has_int8_dots() else "float32")
     # Measured on the default model's shapes (AMX CPU, 2 threads, Q4 and Q8 codes): the int8-block GEMV
     # beats dequantizing slabs for the bf16 GEMM up to 12-16 rows (equal at 16).
-    quant_rows = _rows("PERFXLM_QUANT_MAX_ROWS", 16)
+    quant_rows = _rows("PERFXLM_QUANT_MAX_ROWS", 8)
     return CpuPlan(layout, gemm, max_rows, compute, quant_act, quant_rows)
 
 

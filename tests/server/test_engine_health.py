@@ -3,6 +3,7 @@ field, a dead engine answers 503 and ends open streams with an error, aborted st
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -76,6 +77,9 @@ def test_a_dead_engine_answers_503_and_ends_open_streams_with_an_error(served):
     def step():
         steps.append(1)
         if len(steps) > 3:
+            # let the first tokens reach the open stream first (a failure before the response starts is
+            # a plain 503 instead, tested below), however busy the machine is
+            time.sleep(0.5)
             raise RuntimeError("injected engine failure")
         return real_step()
 
@@ -91,7 +95,7 @@ def test_a_dead_engine_answers_503_and_ends_open_streams_with_an_error(served):
 
     stream, health, after = _run(app, go)
     events = [line[6:] for line in stream.text.splitlines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
+    assert events and events[-1] == "[DONE]", (stream.status_code, stream.text[-1000:])
     error = json.loads(events[-2])["error"]
     assert error["code"] == "engine_dead"
     assert health.status_code == 503
