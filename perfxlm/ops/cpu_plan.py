@@ -26,7 +26,7 @@ per block of 32 and the products run as int8 dot products (llama.cpp's scheme, 2
 than widening codes to float32); elsewhere the codes are widened and the activations stay float32.
 - PERFXLM_QUANT_ACTIVATIONS = int8 | float32   (int8 needs a VNNI build; float32 is exact weight-only)
 - PERFXLM_QUANT_MAX_ROWS = N      rows up to which quantized weights take the GEMV kernels; more rows
-                                  dequantize slabs for torch's GEMM (measured crossover: 12-16 rows)
+                                  dequantize slabs for torch's GEMM (default 8; measured crossover 12-16)
 """
 
 from __future__ import annotations
@@ -78,7 +78,9 @@ def detect() -> CpuPlan:
     compute = _choice("PERFXLM_BF16_COMPUTE", COMPUTES, "float32")
     quant_act = _choice("PERFXLM_QUANT_ACTIVATIONS", QUANT_ACTIVATIONS, "int8" if _has_int8_dots() else "float32")
     # Measured on the default model's shapes (AMX CPU, 2 threads, Q4 and Q8 codes): the int8-block GEMV
-    # beats dequantizing slabs for the bf16 GEMM up to 12-16 rows (equal at 16).
+    # beats dequantizing slabs for the bf16 GEMM up to 12-16 rows (equal at 16). 8 keeps short prefill
+    # tails (a prefix-cache hit's last tokens) on the GEMM that computed the prompt the first time, so a
+    # bf16 model's greedy text does not move with the cache (measured cost at 9-16 rows: under 10 %).
     quant_rows = _rows("PERFXLM_QUANT_MAX_ROWS", 8)
     return CpuPlan(layout, gemm, max_rows, compute, quant_act, quant_rows)
 
