@@ -7,7 +7,7 @@ from typing import Any
 
 def get_tokenizer(model: str, tokenizer: str | None = None) -> Any:
     if tokenizer is None and model.endswith(".gguf"):
-        from perfxlm.model.loader.gguf import load_gguf_tokenizer
+        from perfxlm.model.loader.gguf_tokenizer import load_gguf_tokenizer
 
         return load_gguf_tokenizer(model)
     from transformers import AutoTokenizer

@@ -249,7 +249,7 @@ def test_weights_match_transformers(config, weights):
 def test_tokenizer_matches_transformers_and_cache(tmp_path):
     from transformers import AutoTokenizer
 
-    from perfxlm.model.loader.gguf import load_gguf_tokenizer
+    from perfxlm.model.loader.gguf_tokenizer import load_gguf_tokenizer
 
     folder, name = os.path.split(GGUF_PATH)
     reference = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -291,7 +291,7 @@ def _write_gguf(path, arch: str, tensors: dict[str, tuple[np.ndarray, Q]], **met
 
 
 def test_header_parser_matches_gguf_reader(tmp_path):
-    from perfxlm.model.loader.gguf import GGUFFile
+    from perfxlm.model.loader.gguf_reader import GGUFFile
 
     rng = np.random.default_rng(5)
     tensors = {
