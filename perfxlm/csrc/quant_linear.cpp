@@ -336,6 +336,19 @@ void vnni_gemv(const int8_t* xq, const float* sx, const int32_t* xsum, int64_t M
 // so the activations are stored in that order too; 8-bit codes and activations keep their order.
 // ---------------------------------------------------------------------------------------------
 
+// One block of 32 activations to symmetric int8 (scale max|x| / 127, half to even; an all-zero block
+// stays zero): the rounding both the block GEMV and the many-row path use.
+inline float quantize_block(const float* src, int8_t* q) {
+  float amax = 0.f;
+  for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(src[j]));
+  const float scale = amax / 127.f;
+  for (int j = 0; j < 32; ++j) {
+    const float v = scale > 0.f ? std::nearbyint(src[j] / scale) : 0.f;
+    q[j] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+  }
+  return scale;
+}
+
 struct BlockActs {
   at::Tensor q;       // int8 [M, K], in the codes' chunk order
   at::Tensor lanes;   // float32 [M, K / 64, 16]: each int32 lane's activation scale
@@ -352,15 +365,12 @@ BlockActs quantize_blocks(const at::Tensor& x, const QW& w) {
   float* gp = a.gsum.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < K / 32; ++b) {
-      const float* src = xp + m * K + b * 32;
-      float amax = 0.f;
-      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(src[j]));
-      const float scale = amax / 127.f;
+      int8_t block[32];
+      const float scale = quantize_block(xp + m * K + b * 32, block);
       int32_t total[2] = {0, 0};  // per 16 inputs: a block spans two groups when group == 16
       const int64_t c = b / 2, half = b % 2;
       for (int j = 0; j < 32; ++j) {
-        const float v = scale > 0.f ? std::nearbyint(src[j] / scale) : 0.f;
-        const int8_t q = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+        const int8_t q = block[j];
         total[j / 16] += q;
         // 4-bit order: element j of block A goes to byte j (j < 16) or 32 + j - 16; of block B, 16 + ...
         const int64_t pos = w.bits4 ? (j < 16 ? 16 * half + j : 32 + 16 * half + (j - 16)) : 32 * half + j;
@@ -500,14 +510,9 @@ at::Tensor fake_quantize_blocks(const at::Tensor& x) {
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
       for (int64_t b = 0; b < K / 32; ++b) {
-        const float* src = xp + m * K + b * 32;
-        float amax = 0.f;
-        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(src[j]));
-        const float scale = amax / 127.f;
-        for (int j = 0; j < 32; ++j) {
-          const float v = scale > 0.f ? std::nearbyint(src[j] / scale) : 0.f;
-          op[m * K + b * 32 + j] = std::min(127.f, std::max(-127.f, v)) * scale;
-        }
+        int8_t block[32];
+        const float scale = quantize_block(xp + m * K + b * 32, block);
+        for (int j = 0; j < 32; ++j) op[m * K + b * 32 + j] = static_cast<float>(block[j]) * scale;
       }
   });
   return out;
