@@ -1,4 +1,4 @@
-"""The native CPU kernels (perfxlm/csrc/cpu_kernels.cpp), compiled once per machine at first use.
+"""The native CPU kernels (perfxlm/csrc/*.cpp), compiled once per machine at first use.
 
 Built with torch's extension tools into a per-user cache keyed by the source, the torch version and the
 CPU's instruction-set flags, then loaded as `torch.ops.perfxlm.*`. Where there is no compiler (or
@@ -22,8 +22,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
-# One extension: the layer kernels and the quantized-weight products (the fused layer calls both).
-_SOURCES = [_CSRC / "cpu_kernels.cpp", _CSRC / "quant_linear.cpp"]
+# One extension: the layer kernels, the KV cache kernels and the quantized-weight products (the fused
+# layer calls all three).
+_SOURCES = [_CSRC / "cpu_kernels.cpp", _CSRC / "attention_kernels.cpp", _CSRC / "quant_linear.cpp"]
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
