@@ -20,6 +20,7 @@ from perfxlm.model.forward_context import AttentionMetadata
 from perfxlm.model.layers.activation import GeluAndMul, SiluAndMul
 from perfxlm.model.layers.norm import GemmaRMSNorm, RMSNorm
 from perfxlm.ops import cpu_plan, native
+from perfxlm.ops.linear import native_int8_blocks
 
 
 def _activation_code(act: nn.Module) -> int | None:
@@ -106,6 +107,7 @@ class FusedDecode:
         self.args: list[tuple[tuple[Any, ...], tuple[Any, ...]]] | None = None
         self.eligible = len(layers) > 0
         self.quant_bf16_gemm = self.quant_int8_activations = True
+        self.quant_block_acts = False
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         if not self.eligible or x.dtype != torch.float32 or meta.prefills or meta.num_decode_tokens != x.shape[0]:
@@ -124,6 +126,13 @@ class FusedDecode:
                          if hasattr(m, "weight") and not isinstance(m.weight, torch.Tensor)]
             self.quant_bf16_gemm = all(w.bf16_gemm for w in quantized)
             self.quant_int8_activations = all(w.int8_activations for w in quantized)
+            # W8A8 with activation blocks asks the kernel for them on every weight; where it would not
+            # quantize them (no VNNI, a layout its block GEMV lacks) the module path rounds them instead.
+            blocks = [w.act == "int8_block" for w in quantized]
+            self.quant_block_acts = any(blocks)
+            if self.quant_block_acts and not (all(blocks) and all(native_int8_blocks(w) for w in quantized)):
+                self.eligible = False
+                return False
         return True
 
     def run(
@@ -132,7 +141,8 @@ class FusedDecode:
         """-> (hidden, residual); for Gemma 2 (no residual stream) both are the layer output."""
         ops = native.kernels()
         plan = cpu_plan.plan()
-        max_rows, int8_blocks = plan.native_max_rows, plan.quant_activations == "int8" and self.quant_int8_activations
+        max_rows = plan.native_max_rows
+        int8_blocks = self.quant_block_acts or (plan.quant_activations == "int8" and self.quant_int8_activations)
         bf16_gemm = plan.gemm == "bf16" and self.quant_bf16_gemm
         cos, sin = rope
         residual = x

@@ -76,7 +76,7 @@ def detect() -> CpuPlan:
     gemm = _choice("PERFXLM_BF16_GEMM", GEMMS, "bf16" if fast_bf16 else "float32")
     max_rows = _rows("PERFXLM_NATIVE_MAX_ROWS", _AUTO_MAX_ROWS[(layout, gemm)])
     compute = _choice("PERFXLM_BF16_COMPUTE", COMPUTES, "float32")
-    quant_act = _choice("PERFXLM_QUANT_ACTIVATIONS", QUANT_ACTIVATIONS, "int8" if _has_int8_dots() else "float32")
+    quant_act = _choice("PERFXLM_QUANT_ACTIVATIONS", QUANT_ACTIVATIONS, "int8" if has_int8_dots() else "float32")
     # Measured on the default model's shapes (AMX CPU, 2 threads, Q4 and Q8 codes): the int8-block GEMV
     # beats dequantizing slabs for the bf16 GEMM up to 12-16 rows (equal at 16). 8 keeps short prefill
     # tails (a prefix-cache hit's last tokens) on the GEMM that computed the prompt the first time, so a
@@ -98,7 +98,7 @@ def _rows(name: str, default: int) -> int:
     return value
 
 
-def _has_int8_dots() -> bool:
+def has_int8_dots() -> bool:
     """Whether the native build has the int8 block-dot GEMV (AVX512-VNNI)."""
     from perfxlm.ops import native
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from perfxlm.ops import cpu_plan, native
-from perfxlm.quant.reference import reference_linear
+from perfxlm.quant.reference import fake_quantize_blocks, reference_linear
 from perfxlm.quant.weight import QuantizedWeight
 
 PANEL = 16
@@ -87,11 +87,34 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
         rows = rows.float().contiguous()
     b = bias if bias is None or bias.dtype == torch.float32 else bias.float()
     plan = cpu_plan.plan()
+    int8_blocks = plan.quant_activations == "int8" and weight.int8_activations
+    if weight.act == "int8_block":  # W8A8 with activation blocks: quantized on every path
+        int8_blocks = native_int8_blocks(weight)
+        if not int8_blocks:  # the kernel would not quantize them: round them here, the same way
+            rows = fake_quantize_blocks(rows)
     y = ops.linear_q(
         rows, weight.codes, weight.scales, weight.mins, weight.levels, b, weight.act == "int8",
-        plan.quant_max_rows, plan.gemm == "bf16" and weight.bf16_gemm, plan.quant_activations == "int8" and weight.int8_activations,
+        plan.quant_max_rows, plan.gemm == "bf16" and weight.bf16_gemm, int8_blocks,
     )  # fmt: skip
     return y.to(x.dtype).view(*x.shape[:-1], weight.out_features)
+
+
+def native_int8_blocks(weight: QuantizedWeight) -> bool:
+    """Whether the native kernel quantizes activations to int8 blocks for this weight when asked (a VNNI
+    build, and a layout its block GEMV takes: no level table, K a multiple of 64, groups of 16 / 32 /
+    multiples of 64); elsewhere it multiplies the activations as given."""
+    g = weight.group
+    layout_ok = weight.levels is None and weight.in_features % 64 == 0 and (
+        g % 64 == 0 or g == 32 or (g == 16 and weight.bits == 8)
+    )
+    return layout_ok and _int8_dots()
+
+
+def _int8_dots() -> bool:
+    dots = getattr(_int8_dots, "value", None)
+    if dots is None:
+        dots = _int8_dots.value = cpu_plan.has_int8_dots()  # type: ignore[attr-defined]
+    return dots
 
 
 def bf16_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

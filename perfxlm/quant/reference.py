@@ -12,6 +12,11 @@ W8A8 (act="int8"), exactly:
    acc[m, n, g] = sum_k qx[m, k] qw[n, k] and xs[m, g] = sum_k qx[m, k] over the group (exact, int32).
 3. y[m, n] = sx[m] * (t[m, n, 0] + t[m, n, 1] + ...) in float32, groups added in order, with
    t = scales[n, g] * acc + c[n, g] * xs; then + bias.
+
+W8A8 with activation blocks (act="int8_block"): each block of 32 values of a row is quantized as a row
+is above (its own absmax / 127 scale, half to even, clamp to +-127); the product is the weight-only
+product on those quantized values times their scales (`fake_quantize_blocks`), which the native
+int8 dot-product kernel computes up to float summation order.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from perfxlm.quant.weight import QuantizedWeight
+from perfxlm.quant.weight import ACT_BLOCK, QuantizedWeight
 
 # output rows dequantized per slab: at most this many float32 weights (16 MB) at once
 SLAB_ELEMENTS = 4 << 20
@@ -46,6 +51,16 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     safe = torch.where(scale == 0, torch.ones_like(scale), scale)
     q = torch.round(x / safe.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
     return q, scale
+
+
+def fake_quantize_blocks(x: torch.Tensor) -> torch.Tensor:
+    """float32 [M, K] (K a multiple of 32) -> each block of 32 replaced by its symmetric int8 values
+    times the block's scale (absmax / 127; an all-zero block stays zero)."""
+    blocks = x.reshape(x.shape[0], -1, ACT_BLOCK)
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = torch.round(blocks / safe).clamp_(-127, 127)
+    return q.mul_(scale).view(x.shape)
 
 
 def _int_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -81,5 +96,7 @@ def reference_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | N
     """x [..., K] (any float dtype) -> [..., N] in x's dtype; computed in float32."""
     rows = x.reshape(-1, x.shape[-1]).float()
     b = None if bias is None else bias.float()
+    if w.act == "int8_block":
+        rows = fake_quantize_blocks(rows)
     y = (w8a8_linear if w.act == "int8" else weight_only_linear)(rows, w, b)
     return y.to(x.dtype).view(*x.shape[:-1], w.out_features)

@@ -9,8 +9,10 @@ A weight matrix [N, K] (or a stack of expert matrices [E, N, K]) is stored as
 
 The value of a weight is `scales[n, k // group] * u + mins[n, k // group]`, or with levels
 `scales[...] * levels[u] + mins[...]`, computed in float32 as a multiply then an add (two roundings).
-`act` says how the activations meet it: "float" (weight-only: activations stay float32) or "int8"
-(W8A8: activations quantized per token at run time, see `perfxlm.quant.reference`).
+`act` says how the activations meet it: "float" (weight-only: activations stay float32), "int8" (W8A8:
+activations quantized per token at run time, one scale per row) or "int8_block" (W8A8 with one scale
+per token per block of 32 activations, llama.cpp's Q8 activations: far fewer small activations lost
+beside an outlier channel); see `perfxlm.quant.reference` for both rules.
 
 Stacks carry a leading expert dimension on codes, scales and mins; `w[e]` is one expert's weight.
 """
@@ -23,7 +25,8 @@ from typing import Any, Sequence
 
 import torch
 
-ACTS = ("float", "int8")
+ACTS = ("float", "int8", "int8_block")
+ACT_BLOCK = 32  # activations per scale under act="int8_block"
 BLOCK4 = 32  # elements per nibble block of 4-bit codes (GGUF Q4_0's)
 
 
@@ -96,8 +99,10 @@ class QuantizedWeight:
         lv = self.levels
         if lv is not None and (lv.dtype != torch.float32 or tuple(lv.shape) != (16,)):
             raise ValueError("QuantizedWeight: levels must be float32 [16].")
-        if self.act == "int8" and (self.bits != 8 or self.levels is not None):
+        if self.act != "float" and (self.bits != 8 or self.levels is not None):
             raise ValueError("QuantizedWeight: int8 activations need 8-bit affine codes (no levels).")
+        if self.act == "int8_block" and k % ACT_BLOCK:
+            raise ValueError(f"QuantizedWeight: int8 activation blocks need in_features ({k}) a multiple of {ACT_BLOCK}.")
         if not self.codes.is_contiguous():
             self.codes = self.codes.contiguous()
 
@@ -124,7 +129,7 @@ class QuantizedWeight:
     def describe(self) -> str:
         fmt = "nf4" if self.levels is not None else f"u{self.bits}"
         group = "channel" if self.group == self.in_features else f"g{self.group}"
-        act = "" if self.act == "float" else " a8"
+        act = {"float": "", "int8": " a8", "int8_block": " a8/32"}[self.act]
         return f"{fmt} {group} {str(self.scales.dtype).removeprefix('torch.')}{act}"
 
     def __repr__(self) -> str:

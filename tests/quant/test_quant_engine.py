@@ -34,6 +34,7 @@ FORMATS = {
     "int4-asym": {"method": "int4", "symmetric": False},
     "nf4-g32": {"method": "nf4", "group_size": 32},
     "w8a8": "w8a8",
+    "w8a8-per-token": {"method": "w8a8", "activation_group_size": -1},
 }
 
 
@@ -111,9 +112,10 @@ def test_format_end_to_end(fmt, checkpoint, request, monkeypatch):
     assert all(isinstance(m.weight, torch.nn.Parameter) for m in routers)  # routers stay float
     tables = [m for m in model.modules() if isinstance(m, VocabEmbedding)]
     assert all(isinstance(m.weight, torch.nn.Parameter) for m in tables)
-    assert all(w.act == ("int8" if fmt == "w8a8" else "float") for w in weights.values())
+    acts = {"w8a8": "int8_block", "w8a8-per-token": "int8"}
+    assert all(w.act == acts.get(fmt, "float") for w in weights.values())
     got = generate(llm)
-    if fmt == "w8a8":
+    if fmt in acts:
         # activations quantized at run time: the native kernels against the torch reference. An
         # activation a rounding step away from a half quantizes to the next int8 in one of them, so
         # the logprobs agree to about 1 / 127 of an activation's share, not to float rounding.

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from perfxlm.ops import cpu_plan, native
 from perfxlm.ops.linear import linear
 from perfxlm.quant import NF4_LEVELS, QuantizationConfig, QuantizedWeight, quantizers
-from perfxlm.quant.reference import quantize_activations, reference_linear
+from perfxlm.quant.reference import fake_quantize_blocks, quantize_activations, reference_linear
 from perfxlm.quant.gguf_repack import REPACKED_TYPES, repack
 from perfxlm.quant.weight import pack_nibbles, unpack_nibbles
 
@@ -261,6 +261,55 @@ def test_w8a8_reference_is_its_definition(group, n):
         assert (got[2] == 0).all()
 
 
+def test_activation_blocks_are_quantized_per_32_values():
+    x = torch.zeros(2, 64)
+    x[0, :32] = torch.linspace(-1.27, 1.27, 32)
+    x[0, 32] = 254.0  # an outlier only costs its own block its small values
+    x[0, 33] = 0.9
+    x[1, 5] = 1.5
+    x[1, 6] = 0.0059  # under half a step (1.5 / 127): to 0
+    got = fake_quantize_blocks(x)
+    torch.testing.assert_close(got[0, :32], x[0, :32], atol=0.005, rtol=0)  # scale 0.01
+    assert got[0, 33] == 0.0 and got[0, 32] == 254.0  # 0.9 / 2 rounds to 0 beside 254
+    assert got[1, 6] == 0.0 and got[1, 5] == 1.5 and (got[1, 32:] == 0).all()  # an all-zero block stays zero
+
+
+@pytest.mark.parametrize("k,group", [(96, 96), (576, 576), (128, 32), (160, 32)])
+@pytest.mark.parametrize("rows", [1, 5, 20])
+@pytest.mark.parametrize("native_kernels", [True, False])
+def test_w8a8_activation_blocks_on_every_path(k, group, rows, native_kernels, monkeypatch):
+    """W8A8 with activation blocks (the default w8a8): the VNNI block GEMV where the build and layout
+    allow it, else the activations rounded the same way before the float kernel, else plain torch; all
+    equal the definition (fake-quantized blocks times the dequantized weight) up to summation order."""
+    if not native_kernels:
+        monkeypatch.setattr(native, "kernels", lambda: None)
+    elif not hasattr(native.kernels() or object(), "linear_q"):
+        pytest.skip("no native kernels")
+    g = torch.Generator().manual_seed(k + rows)
+    w = quantizers.quantize_symmetric_int8(torch.randn(23, k, generator=g), group, act="int8_block")
+    x, b = torch.randn(rows, k, generator=g) * 3, torch.randn(23, generator=g)
+    x[0, :32] = 0.0
+    got = linear(x, w, b, w.out_features)
+    want = F.linear(fake_quantize_blocks(x).double(), w.dequantize().double(), b.double()).float()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * (want.abs().max().item() + 1))
+    assert not torch.allclose(got, F.linear(x, w.dequantize(), b), rtol=1e-5, atol=1e-5)  # x was quantized
+
+
+def test_w8a8_activation_group_option():
+    c = QuantizationConfig.resolve("w8a8")
+    assert c.activation_group_size == 32 and c.quantizer()(torch.randn(4, 64)).act == "int8_block"
+    per_token = QuantizationConfig.resolve('{"method": "w8a8", "activation_group_size": -1}')
+    assert per_token.quantizer()(torch.randn(4, 64)).act == "int8"
+    assert QuantizationConfig.resolve(per_token.as_dict()) == per_token and "per token" in per_token.describe()
+    with pytest.raises(ValueError, match=r"activation_group_size=64 for w8a8: supported: w8a8 only, with 32"):
+        QuantizationConfig.resolve({"method": "w8a8", "activation_group_size": 64})
+    with pytest.raises(ValueError, match=r"activation_group_size=-1 for int8: supported: w8a8 only"):
+        QuantizationConfig.resolve({"method": "int8", "activation_group_size": -1})
+    with pytest.raises(ValueError, match=r"blocks of 32, which do not divide the input size 48 of x.*-1"):
+        c.check_in_features(48, "x")
+    per_token.check_in_features(48, "x")  # one scale per token: any width
+
+
 @pytest.mark.skipif(not hasattr(native.kernels() or object(), "linear_q"), reason="no native kernels")
 @pytest.mark.parametrize("rows", [1, 3, 17])
 @pytest.mark.parametrize("fmt", ["q4_1", "q6_k", "int4-asym", "nf4", "w8a8"])
@@ -315,7 +364,7 @@ def test_quantization_names_options_and_defaults():
     (("w8a8", None, False), r"w8a8 weights are symmetric"),
     (("gguf", 32), r"quantization='gguf' takes no group size"),
     ((None, 32), r"need quantization="),
-    (({"method": "int4", "bits": 4},), r"expected the keys method, group_size, symmetric.*unknown: bits"),
+    (({"method": "int4", "bits": 4},), r"expected the keys method, group_size, symmetric, activation_group_size.*unknown: bits"),
     (('{"method": "int4"',), r"is not valid JSON"),
 ])  # fmt: skip
 def test_bad_quantization_values_name_the_value_and_the_choices(args, match):
