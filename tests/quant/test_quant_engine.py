@@ -296,6 +296,38 @@ def test_default_model_resident_memory_is_near_its_file_size(default_model):
     assert grown["VmRSS"] < 1.25 * size, (grown, size)
 
 
+_ENGINE_RSS_SCRIPT = """
+import gc, json, sys
+import torch, transformers, tokenizers, gguf
+import perfxlm.engine, perfxlm.llm
+from perfxlm import LLM
+
+def rss():
+    with open("/proc/self/status") as f:
+        return [int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS")][0]
+
+gc.collect()
+before = rss()
+llm = LLM(sys.argv[1], num_kv_blocks=16)
+gc.collect()
+caches = [m.kv_cache for m in llm.llm_engine.core.model.modules() if getattr(m, "kv_cache", None) is not None]
+kv = sum(t.nbytes for c in caches for t in (c.key, c.value, c.key_scale, c.value_scale) if t is not None)
+print(json.dumps({"grown": rss() - before, "kv": kv}))
+"""
+
+
+def test_whole_engine_resident_memory_after_load_is_within_1_6x_the_file(default_model):
+    """The issue's measure: the process's resident growth after `LLM(file)` (imports done before), less
+    the KV cache, at most 1.6x the file: weights held as they are in the file, plus the tokenizer, the
+    kernels and what loading leaves behind (the allocator's freed pages are handed back)."""
+    size = os.path.getsize(default_model)
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    out = subprocess.run([sys.executable, "-c", _ENGINE_RSS_SCRIPT, default_model], capture_output=True,
+                         text=True, env=env, timeout=600, check=True)  # fmt: skip
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["grown"] - got["kv"] <= 1.6 * size, (got, size)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Errors before any weight is read
 # ---------------------------------------------------------------------------------------------------------

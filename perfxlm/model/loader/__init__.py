@@ -78,7 +78,24 @@ def get_model(
             model.load_weights(tqdm(weights, desc="Loading weights", unit="tensor", leave=False), sink=sink)
     if weight_dtype is not None and weight_dtype != dtype:
         cast_weights(model, weight_dtype, dtype)
+    release_freed_memory()
     return model.eval()
+
+
+def release_freed_memory() -> None:
+    """Hand the allocator's freed pages back to the system (glibc's malloc_trim).
+
+    Loading frees a lot (read buffers, float copies of quantized tensors, the parts of fused
+    projections) in pieces glibc keeps in its heap; without this the default model's process holds
+    about 27 MB more than it uses once loaded. A no-op where the C library has no malloc_trim."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _allocate_weights(model: torch.nn.Module, weight_dtype: torch.dtype) -> None:
