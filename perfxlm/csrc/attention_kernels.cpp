@@ -6,11 +6,9 @@
 // The plain-torch references are perfxlm/ops/attention.py's torch paths and perfxlm/ops/reference.py.
 
 #include "attention_kernels.h"
+#include "kv_elements.h"
 
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Float8_e4m3fn.h>
-#include <c10/util/Float8_e5m2.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -18,181 +16,264 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
-#define PERFXLM_AVX512 1  // the attention kernels' zmm paths
-#endif
 
 namespace perfxlm_attn {
 namespace {
 
-inline float load_scalar(const float* p) { return *p; }
-inline float load_scalar(const uint16_t* p) { return static_cast<float>(c10::BFloat16(*p, c10::BFloat16::from_bits())); }
-inline float load_scalar(const int8_t* p) { return static_cast<float>(*p); }
-inline float load_scalar(const c10::Float8_e4m3fn* p) { return static_cast<float>(*p); }
-inline float load_scalar(const c10::Float8_e5m2* p) { return static_cast<float>(*p); }
-
-#ifdef PERFXLM_AVX512
-// 16 lanes from float32 or bfloat16 memory; `mask` selects the lanes of a tail.
-inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
-inline __m512 load16(const uint16_t* p, __mmask16 mask) {
-  __m256i half = _mm256_maskz_loadu_epi16(mask, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-inline __m512 load16(const int8_t* p, __mmask16 mask) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, p)));
-}
-// fp8 widened through fp16 (vcvtph2ps): e5m2 is the high byte of an fp16; e4m3's exponent and mantissa
-// bits placed in an fp16 give the value times 2^-8 (subnormals included), so one exact multiply restores it.
-inline __m512 load16(const c10::Float8_e5m2* p, __mmask16 mask) {
-  const __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(mask, p)), 8);
-  return _mm512_cvtph_ps(h);
-}
-inline __m512 load16(const c10::Float8_e4m3fn* p, __mmask16 mask) {
-  const __m256i x = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(mask, p));
-  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8);
-  const __m256i mag = _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7F)), 7);
-  return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(sign, mag)), _mm512_set1_ps(256.f));
-}
-inline __mmask16 tail_mask(int64_t remaining) {
-  return remaining >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << remaining) - 1);
-}
-#endif
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch's conversion
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
 // ---------------------------------------------------------------------------------------------
-// paged_decode_attention
-// ---------------------------------------------------------------------------------------------
-
-template <typename T>
-inline float dot(const float* q, const T* k, int64_t D) {
-#ifdef PERFXLM_AVX512
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 16) {
-    const __mmask16 mask = tail_mask(D - d);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, q + d), load16(k + d, mask), acc);
-  }
-  return _mm512_reduce_add_ps(acc);
-#else
-  float acc = 0.f;
-  for (int64_t d = 0; d < D; ++d) acc += q[d] * load_scalar(k + d);
-  return acc;
-#endif
-}
-
-template <typename T>
-inline void axpy(float a, const T* v, float* out, int64_t D) {
-#ifdef PERFXLM_AVX512
-  const __m512 av = _mm512_set1_ps(a);
-  for (int64_t d = 0; d < D; d += 16) {
-    const __mmask16 mask = tail_mask(D - d);
-    const __m512 o = _mm512_maskz_loadu_ps(mask, out + d);
-    _mm512_mask_storeu_ps(out + d, mask, _mm512_fmadd_ps(av, load16(v + d, mask), o));
-  }
-#else
-  for (int64_t d = 0; d < D; ++d) out[d] += a * load_scalar(v + d);
-#endif
-}
-
-#ifdef PERFXLM_AVX512
-// One query head against tokens [first, len) of one sequence, head_dim = 16 * DV: the query and the
-// output accumulator live in registers; K/V rows of the sequence stay in L2 across the G heads.
+// paged_decode_attention: one query token per sequence, flash-decoding over the paged cache.
 //
-// An int8 cache has `groups` float32 scales per token and KV head (`scales` points at this head's in
-// slot 0; s_block_stride / s_token_stride step them like the values): with one group the scale
-// multiplies the score (K) or the softmax weight (V) once per token; with several, each 16-lane chunk
-// takes its group's scale. fp8 and float caches pass no scales.
-template <typename T, int DV>
-void head_scores(const float* q, const T* cache, const float* scales, const int64_t* table, int64_t first, int64_t len,
-                 int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t s_block_stride,
-                 int64_t s_token_stride, int64_t groups, float scale, float* s) {
-  __m512 qv[DV];
-  for (int c = 0; c < DV; ++c) qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * c), _mm512_set1_ps(scale));
-  const int64_t cpg = groups > 0 ? DV / groups : DV;  // 16-lane chunks per scale group
-  for (int64_t t = first; t < len;) {
-    const int64_t blk = t / block_size;
-    const int64_t stop = std::min(len, (blk + 1) * block_size);
-    const T* k = cache + table[blk] * block_stride + (t % block_size) * token_stride;
-    if (scales == nullptr) {
-      for (; t < stop; ++t, k += token_stride) {
-        __m512 acc = _mm512_mul_ps(qv[0], load16(k, 0xFFFF));
-        for (int c = 1; c < DV; ++c) acc = _mm512_fmadd_ps(qv[c], load16(k + 16 * c, 0xFFFF), acc);
-        s[t - first] = _mm512_reduce_add_ps(acc);
-      }
-      continue;
-    }
-    const float* ks = scales + table[blk] * s_block_stride + (t % block_size) * s_token_stride;
-    for (; t < stop; ++t, k += token_stride, ks += s_token_stride) {
-      if (groups == 1) {
-        __m512 acc = _mm512_mul_ps(qv[0], load16(k, 0xFFFF));
-        for (int c = 1; c < DV; ++c) acc = _mm512_fmadd_ps(qv[c], load16(k + 16 * c, 0xFFFF), acc);
-        s[t - first] = _mm512_reduce_add_ps(acc) * ks[0];
-      } else {
-        __m512 acc = _mm512_setzero_ps();
-        for (int c = 0; c < DV; ++c)
-          acc = _mm512_fmadd_ps(_mm512_mul_ps(qv[c], _mm512_set1_ps(ks[c / cpg])), load16(k + 16 * c, 0xFFFF), acc);
-        s[t - first] = _mm512_reduce_add_ps(acc);
-      }
-    }
-  }
-}
+// A task is one (sequence, KV head, token range), and it serves the G query heads of that KV head
+// together: each K and V row is loaded and widened once per task, not once per query head. Widening
+// is what a quantized cache pays for (fp8 to float32 takes more instructions than the FMAs that use
+// it), so with GQA that is G times fewer conversions. Long contexts are cut into ranges so batch 1
+// with few KV heads still feeds every thread and a range's rows stay in L2 between its K and V
+// passes; each range keeps its softmax max, sum and unnormalised output, merged per head at the end.
+// ---------------------------------------------------------------------------------------------
 
-template <typename T, int DV>
-void head_values(const float* p, const T* cache, const float* scales, const int64_t* table, int64_t first, int64_t len,
-                 int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t s_block_stride,
-                 int64_t s_token_stride, int64_t groups, float* o) {
-  __m512 acc[DV];
-  for (int c = 0; c < DV; ++c) acc[c] = _mm512_setzero_ps();
-  const int64_t cpg = groups > 0 ? DV / groups : DV;
-  for (int64_t t = first; t < len;) {
-    const int64_t blk = t / block_size;
-    const int64_t stop = std::min(len, (blk + 1) * block_size);
-    const T* v = cache + table[blk] * block_stride + (t % block_size) * token_stride;
-    if (scales == nullptr) {
-      for (; t < stop; ++t, v += token_stride) {
-        const __m512 pv = _mm512_set1_ps(p[t - first]);
-        for (int c = 0; c < DV; ++c) acc[c] = _mm512_fmadd_ps(pv, load16(v + 16 * c, 0xFFFF), acc[c]);
-      }
-      continue;
-    }
-    const float* vs = scales + table[blk] * s_block_stride + (t % block_size) * s_token_stride;
-    for (; t < stop; ++t, v += token_stride, vs += s_token_stride) {
-      const float pt = p[t - first];
-      if (groups == 1) {
-        const __m512 pv = _mm512_set1_ps(pt * vs[0]);
-        for (int c = 0; c < DV; ++c) acc[c] = _mm512_fmadd_ps(pv, load16(v + 16 * c, 0xFFFF), acc[c]);
-      } else {
-        for (int c = 0; c < DV; ++c)
-          acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(pt * vs[c / cpg]), load16(v + 16 * c, 0xFFFF), acc[c]);
-      }
-    }
-  }
-  for (int c = 0; c < DV; ++c) _mm512_storeu_ps(o + 16 * c, acc[c]);
-}
-#endif
+// Where one KV head's rows and scales sit: `cache` / `scales` arguments point at the head's first row.
+struct Geometry {
+  int64_t block_size, block_stride, token_stride;  // in elements
+  int64_t s_block_stride, s_token_stride, groups;  // an int8 cache's scales (groups 0: none)
+};
 
-inline void softmax_inplace(float* s, int64_t n, float cap) {
+// How an int8 cache's scales enter: none (float, bf16, fp8), one per token (folded into the score and
+// the softmax weight) or one per group of 16-lane chunks (folded into the widened chunk).
+enum class Scales { None, Token, Group };
+
+constexpr int64_t kMaxRange = 512;  // tokens per task at most: the range's K and V rows stay in L2
+constexpr int64_t kMinRange = 128;  // ...and at least, so the merge stays negligible
+
+// e^(s - max) in place after the soft cap (cap > 0); returns max and the sum of the exponentials.
+inline void softmax_partial(float* s, int64_t n, float cap, float& max_out, float& sum_out) {
   if (cap > 0)
     for (int64_t i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] / cap);
-  float mx = -std::numeric_limits<float>::infinity();
+  float mx = -std::numeric_limits<float>::infinity(), sum = 0.f;
+#ifdef PERFXLM_AVX512
+  __m512 mv = _mm512_set1_ps(mx);
+  for (int64_t i = 0; i < n; i += 16) mv = _mm512_mask_max_ps(mv, tail_mask(n - i), mv, _mm512_maskz_loadu_ps(tail_mask(n - i), s + i));
+  mx = _mm512_reduce_max_ps(mv);
+  const __m512 m16 = _mm512_set1_ps(mx);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = tail_mask(n - i);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + i), m16));
+    _mm512_mask_storeu_ps(s + i, mask, e);
+    acc = _mm512_mask_add_ps(acc, mask, acc, e);
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#else
   for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
-  float sum = 0.f;
   for (int64_t i = 0; i < n; ++i) {
     s[i] = std::exp(s[i] - mx);
     sum += s[i];
   }
-  const float inv = 1.f / sum;
-  for (int64_t i = 0; i < n; ++i) s[i] *= inv;
+#endif
+  max_out = mx;
+  sum_out = sum;
 }
+
+// Walks tokens [t0, t1) of a sequence through its block table, one call per block:
+// fn(t, stop, row of t, its scales or nullptr, the next block's id or -1 at the end of the range) covers
+// tokens [t, stop), whose rows are token_stride apart (no per-token division).
+template <typename T, typename Fn>
+inline void walk(const T* cache, const float* scales, const int64_t* table, int64_t t0, int64_t t1,
+                 const Geometry& geo, Fn&& fn) {
+  for (int64_t t = t0; t < t1;) {
+    const int64_t blk = t / geo.block_size, slot = t % geo.block_size;
+    const int64_t stop = std::min(t1, (blk + 1) * geo.block_size);
+    const T* row = cache + table[blk] * geo.block_stride + slot * geo.token_stride;
+    const float* rs = scales ? scales + table[blk] * geo.s_block_stride + slot * geo.s_token_stride : nullptr;
+    fn(t, stop, row, rs, stop < t1 ? table[blk + 1] : -1);
+    t = stop;
+  }
+}
+
+#ifdef PERFXLM_AVX512
+// [sum(a), sum(b), sum(c), sum(d)]: four horizontal sums for the shuffles of about one and a half.
+inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
+  const __m512 x = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));  // [a b c d] per 128-bit lane
+  const __m256 y = _mm256_add_ps(_mm512_castps512_ps256(x),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
+}
+
+// The next block's rows of this head, requested while the current block is computed: a head's rows are
+// token_stride apart and its blocks scattered, a pattern the hardware prefetchers do not follow.
+template <typename T>
+inline void prefetch_block(const T* cache, int64_t next_block, const Geometry& geo, int64_t row_elems) {
+  if (next_block < 0) return;
+  const char* base = reinterpret_cast<const char*>(cache + next_block * geo.block_stride);
+  const int64_t bytes = row_elems * static_cast<int64_t>(sizeof(T));
+  for (int64_t r = 0; r < geo.block_size; ++r)
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(base + r * geo.token_stride * sizeof(T) + o, _MM_HINT_T0);
+}
+
+// s[h * ns + (t - t0)] = q_h . k_t for the GH query heads at q (pre-scaled, [GH, 16 * DV]), tokens
+// [t0, t1): each K chunk widened once for all GH heads, four tokens' sums reduced together.
+template <typename T, int DV, int GH, Scales S>
+void scores_fast(const float* q, const T* cache, const float* scales, const int64_t* table, int64_t t0, int64_t t1,
+                 const Geometry& geo, float* s, int64_t ns) {
+  constexpr int D = 16 * DV;
+  const int64_t ts = geo.token_stride, sts = geo.s_token_stride;
+  const int64_t cpg = S == Scales::Group ? DV / geo.groups : DV;  // chunks per scale group
+  walk(cache, scales, table, t0, t1, geo, [&](int64_t t, int64_t stop, const T* k, const float* ks, int64_t next) {
+    prefetch_block(cache, next, geo, D);
+    for (; t + 4 <= stop; t += 4, k += 4 * ts) {
+      __m512 acc[GH][4];
+      for (int j = 0; j < 4; ++j) {
+        for (int c = 0; c < DV; ++c) {
+          __m512 kc = load16(k + j * ts + 16 * c, 0xFFFF);
+          if constexpr (S == Scales::Group) kc = _mm512_mul_ps(kc, _mm512_set1_ps(ks[j * sts + c / cpg]));
+          for (int h = 0; h < GH; ++h)
+            acc[h][j] = c == 0 ? _mm512_mul_ps(_mm512_loadu_ps(q + h * D), kc)
+                               : _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + 16 * c), kc, acc[h][j]);
+        }
+      }
+      for (int h = 0; h < GH; ++h) {
+        __m128 r = reduce4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
+        if constexpr (S == Scales::Token) r = _mm_mul_ps(r, _mm_setr_ps(ks[0], ks[sts], ks[2 * sts], ks[3 * sts]));
+        _mm_storeu_ps(s + h * ns + (t - t0), r);
+      }
+      if constexpr (S != Scales::None) ks += 4 * sts;
+    }
+    for (; t < stop; ++t, k += ts) {
+      __m512 acc[GH];
+      for (int c = 0; c < DV; ++c) {
+        __m512 kc = load16(k + 16 * c, 0xFFFF);
+        if constexpr (S == Scales::Group) kc = _mm512_mul_ps(kc, _mm512_set1_ps(ks[c / cpg]));
+        for (int h = 0; h < GH; ++h)
+          acc[h] = c == 0 ? _mm512_mul_ps(_mm512_loadu_ps(q + h * D), kc)
+                          : _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + 16 * c), kc, acc[h]);
+      }
+      for (int h = 0; h < GH; ++h)
+        s[h * ns + (t - t0)] = _mm512_reduce_add_ps(acc[h]) * (S == Scales::Token ? ks[0] : 1.f);
+      if constexpr (S != Scales::None) ks += sts;
+    }
+  });
+}
+
+// o[h] = sum_t p[h * np + (t - t0)] v_t for the GH heads, tokens [t0, t1): each V chunk widened once for
+// all GH heads. Up to 4 chunks of 16 at a time (GH x 4 accumulators in registers); a wider head takes
+// several passes over the range, whose rows are in L2 by then.
+template <typename T, int DV, int GH, Scales S>
+void values_fast(const float* p, int64_t np, const T* cache, const float* scales, const int64_t* table, int64_t t0,
+                 int64_t t1, const Geometry& geo, float* o) {
+  constexpr int D = 16 * DV, SC = DV < 4 ? DV : 4;
+  const int64_t ts = geo.token_stride, sts = geo.s_token_stride;
+  const int64_t cpg = S == Scales::Group ? DV / geo.groups : DV;
+  for (int c0 = 0; c0 < DV; c0 += SC) {
+    __m512 acc[GH][SC];
+    for (int h = 0; h < GH; ++h)
+      for (int c = 0; c < SC; ++c) acc[h][c] = _mm512_setzero_ps();
+    walk(cache, scales, table, t0, t1, geo, [&](int64_t t, int64_t stop, const T* v, const float* vs, int64_t next) {
+      if (c0 == 0) prefetch_block(cache, next, geo, D);
+      for (; t < stop; ++t, v += ts) {
+        __m512 pv[GH];
+        const float tok = S == Scales::Token ? vs[0] : 1.f;
+        for (int h = 0; h < GH; ++h) pv[h] = _mm512_set1_ps(p[h * np + (t - t0)] * tok);
+        for (int c = 0; c < SC; ++c) {
+          __m512 vc = load16(v + 16 * (c0 + c), 0xFFFF);
+          if constexpr (S == Scales::Group) vc = _mm512_mul_ps(vc, _mm512_set1_ps(vs[(c0 + c) / cpg]));
+          for (int h = 0; h < GH; ++h) acc[h][c] = _mm512_fmadd_ps(pv[h], vc, acc[h][c]);
+        }
+        if constexpr (S != Scales::None) vs += sts;
+      }
+    });
+    for (int h = 0; h < GH; ++h)
+      for (int c = 0; c < SC; ++c) _mm512_storeu_ps(o + h * D + 16 * (c0 + c), acc[h][c]);
+  }
+}
+
+// One task's scores and values on the fast path: the G heads in register tiles of up to 4.
+template <typename T, int DV, Scales S>
+void range_fast(const float* q, int64_t G, const T* kc, const T* vc, const float* ksc, const float* vsc,
+                const int64_t* table, int64_t t0, int64_t t1, const Geometry& geo, float cap, float* s, float* o,
+                float* mx, float* sum) {
+  constexpr int D = 16 * DV;
+  const int64_t n = t1 - t0;
+  for (int64_t h = 0; h < G; h += 4) {
+    switch (std::min<int64_t>(4, G - h)) {
+      case 1: scores_fast<T, DV, 1, S>(q + h * D, kc, ksc, table, t0, t1, geo, s + h * n, n); break;
+      case 2: scores_fast<T, DV, 2, S>(q + h * D, kc, ksc, table, t0, t1, geo, s + h * n, n); break;
+      case 3: scores_fast<T, DV, 3, S>(q + h * D, kc, ksc, table, t0, t1, geo, s + h * n, n); break;
+      default: scores_fast<T, DV, 4, S>(q + h * D, kc, ksc, table, t0, t1, geo, s + h * n, n); break;
+    }
+  }
+  for (int64_t h = 0; h < G; ++h) softmax_partial(s + h * n, n, cap, mx[h], sum[h]);
+  for (int64_t h = 0; h < G; h += 4) {
+    switch (std::min<int64_t>(4, G - h)) {
+      case 1: values_fast<T, DV, 1, S>(s + h * n, n, vc, vsc, table, t0, t1, geo, o + h * D); break;
+      case 2: values_fast<T, DV, 2, S>(s + h * n, n, vc, vsc, table, t0, t1, geo, o + h * D); break;
+      case 3: values_fast<T, DV, 3, S>(s + h * n, n, vc, vsc, table, t0, t1, geo, o + h * D); break;
+      default: values_fast<T, DV, 4, S>(s + h * n, n, vc, vsc, table, t0, t1, geo, o + h * D); break;
+    }
+  }
+}
+#endif
+
+// A row of any head size widened to float32 (an int8 row times its group scales) into `out`: widened
+// once, then used by every query head of the group.
+template <typename T>
+inline void widen_row(const T* row, const float* rs, int64_t D, int64_t GS, float* out) {
+#ifdef PERFXLM_AVX512
+  for (int64_t d = 0; d < D; d += 16) _mm512_mask_storeu_ps(out + d, tail_mask(D - d), load16(row + d, tail_mask(D - d)));
+#else
+  for (int64_t d = 0; d < D; ++d) out[d] = load_scalar(row + d);
+#endif
+  if (rs != nullptr)
+    for (int64_t d = 0; d < D; ++d) out[d] *= rs[d / GS];
+}
+
+inline float dot_f(const float* a, const float* b, int64_t D) {
+#ifdef PERFXLM_AVX512
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16)
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail_mask(D - d), a + d), _mm512_maskz_loadu_ps(tail_mask(D - d), b + d), acc);
+  return _mm512_reduce_add_ps(acc);
+#else
+  float acc = 0.f;
+  for (int64_t d = 0; d < D; ++d) acc += a[d] * b[d];
+  return acc;
+#endif
+}
+
+// Any head size or scale group on any ISA: rows widened into a float buffer, then G dots / axpys.
+template <typename T>
+void range_generic(const float* q, int64_t G, int64_t D, const T* kc, const T* vc, const float* ksc,
+                   const float* vsc, const int64_t* table, int64_t t0, int64_t t1, const Geometry& geo, float cap,
+                   float* s, float* o, float* mx, float* sum, float* row) {
+  const int64_t n = t1 - t0, GS = geo.groups > 0 ? D / geo.groups : D;
+  walk(kc, ksc, table, t0, t1, geo, [&](int64_t t, int64_t stop, const T* k, const float* ks, int64_t) {
+    for (; t < stop; ++t, k += geo.token_stride, ks = ks ? ks + geo.s_token_stride : nullptr) {
+      widen_row(k, ks, D, GS, row);
+      for (int64_t h = 0; h < G; ++h) s[h * n + (t - t0)] = dot_f(q + h * D, row, D);
+    }
+  });
+  for (int64_t h = 0; h < G; ++h) softmax_partial(s + h * n, n, cap, mx[h], sum[h]);
+  std::fill(o, o + G * D, 0.f);
+  walk(vc, vsc, table, t0, t1, geo, [&](int64_t t, int64_t stop, const T* v, const float* vs, int64_t) {
+    for (; t < stop; ++t, v += geo.token_stride, vs = vs ? vs + geo.s_token_stride : nullptr) {
+      widen_row(v, vs, D, GS, row);
+      for (int64_t h = 0; h < G; ++h) {
+        const float w = s[h * n + (t - t0)];
+        float* oh = o + h * D;
+        for (int64_t d = 0; d < D; ++d) oh[d] += w * row[d];
+      }
+    }
+  });
+}
+
+struct Task {
+  int64_t b, h, t0, t1;
+  int64_t part;  // its slot among the partial results, or -1: the range is the whole sequence
+};
 
 // `k_scales` / `v_scales`: an int8 cache's [num_blocks, block_size, KVH, groups] float32 scales, else
 // nullptr (groups 0).
@@ -202,106 +283,115 @@ void decode_attention_impl(const float* query, const T* key_cache, const T* valu
                            int64_t block_size, int64_t max_blocks, double scale, int64_t window, double soft_cap,
                            const float* k_scales = nullptr, const float* v_scales = nullptr, int64_t groups = 0) {
   const int64_t G = H / KVH;
-  const int64_t token_stride = KVH * D;  // between slots of one block
-  const int64_t block_stride = block_size * token_stride;
-  const int64_t s_token_stride = KVH * groups, s_block_stride = block_size * s_token_stride;
-  const int64_t GS = groups > 0 ? D / groups : D;  // values per scale
-  const float scale_f = static_cast<float>(scale);
-  const float cap = static_cast<float>(soft_cap);
-#ifdef PERFXLM_AVX512
-  if ((D == 64 || D == 128 || D == 256) && GS % 16 == 0) {
-    // One task per query head (not per KV head): at batch 1 that is 9 tasks instead of 3 for two
-    // threads. Consecutive heads share their KV head and land on the same thread, so K/V stay in L2.
-    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-      thread_local std::vector<float> scores;
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t b = item / H, head = item % H, h = head / G;
-        const int64_t len = seq_lens[b];
-        const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-        const int64_t n = len - first;
-        const int64_t* table = tables + b * max_blocks;
-        const float* q = query + (b * H + head) * D;
-        float* o = out + (b * H + head) * D;
-        if (n <= 0) {
-          std::fill(o, o + D, 0.f);
-          continue;
-        }
-        if (scores.size() < static_cast<size_t>(n)) scores.resize(static_cast<size_t>(n));
-        float* s = scores.data();
-        const T* kc = key_cache + h * D;
-        const T* vc = value_cache + h * D;
-        const float* ksc = k_scales ? k_scales + h * groups : nullptr;
-        const float* vsc = v_scales ? v_scales + h * groups : nullptr;
-#define PERFXLM_HEAD(DV)                                                                                   \
-  head_scores<T, DV>(q, kc, ksc, table, first, len, block_size, block_stride, token_stride, s_block_stride, \
-                     s_token_stride, groups, scale_f, s);                                                  \
-  softmax_inplace(s, n, cap);                                                                             \
-  head_values<T, DV>(s, vc, vsc, table, first, len, block_size, block_stride, token_stride, s_block_stride, \
-                     s_token_stride, groups, o);
-        switch (D) {
-          case 64: PERFXLM_HEAD(4) break;
-          case 128: PERFXLM_HEAD(8) break;
-          default: PERFXLM_HEAD(16) break;
-        }
-#undef PERFXLM_HEAD
-      }
-    });
-    return;
+  const Geometry geo{block_size, block_size * KVH * D, KVH * D, block_size * KVH * groups, KVH * groups, groups};
+  const float scale_f = static_cast<float>(scale), cap = static_cast<float>(soft_cap);
+  auto first_of = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, seq_lens[b] - window) : 0; };
+
+  // Range length: short enough that every thread gets several tasks, within [kMinRange, kMaxRange].
+  int64_t work = 0;
+  for (int64_t b = 0; b < B; ++b) work += (seq_lens[b] - first_of(b)) * KVH;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t range = std::clamp<int64_t>(work / (4 * threads) + 1, kMinRange, kMaxRange);
+  std::vector<Task> tasks;
+  std::vector<int64_t> merge;  // (b * KVH + h) of the heads cut into several ranges, then their first part
+  int64_t parts = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t first = first_of(b), n = seq_lens[b] - first;
+    if (n <= 0) {  // nothing to attend to: zeros, as before
+      std::fill(out + b * H * D, out + (b + 1) * H * D, 0.f);
+      continue;
+    }
+    const int64_t splits = (n + range - 1) / range;
+    for (int64_t h = 0; h < KVH; ++h) {
+      if (splits > 1) merge.insert(merge.end(), {b * KVH + h, parts, splits});
+      for (int64_t i = 0; i < splits; ++i)
+        tasks.push_back({b, h, first + i * n / splits, first + (i + 1) * n / splits, splits > 1 ? parts++ : -1});
+    }
   }
+  // A partial result per head: unnormalised output [D], then the softmax max and sum.
+  const int64_t part_stride = G * (D + 2);
+  std::vector<float> partial(static_cast<size_t>(parts * part_stride));
+#ifdef PERFXLM_AVX512
+  const int64_t GS = groups > 0 ? D / groups : D;
+  const bool fast = (D == 64 || D == 128 || D == 256) && GS % 16 == 0;
 #endif
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / KVH, h = item % KVH;
-      const int64_t len = seq_lens[b];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t n = len - first;
-      const int64_t* table = tables + b * max_blocks;
-      const float* q = query + (b * H + h * G) * D;  // the G query heads of this KV head
-      float* o = out + (b * H + h * G) * D;
-      std::fill(o, o + G * D, 0.f);
-      if (n <= 0) continue;
-      scores.resize(static_cast<size_t>(G * n));
-      float* sc = scores.data();
-      // Any head_dim: pass 1 scores[g][token], walking the block table (no per-token division).
-      for (int64_t t = first; t < len;) {
-        const int64_t blk = t / block_size, slot0 = t % block_size;
-        const int64_t stop = std::min(len, (blk + 1) * block_size);
-        const T* k = key_cache + table[blk] * block_stride + slot0 * token_stride + h * D;
-        if (k_scales == nullptr) {
-          for (; t < stop; ++t, k += token_stride) {
-            for (int64_t g = 0; g < G; ++g) sc[g * n + (t - first)] = dot(q + g * D, k, D) * scale_f;
-          }
-          continue;
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> buf;
+    const size_t need = static_cast<size_t>(G * (kMaxRange + 2 * D + 2) + D);
+    if (buf.size() < need) buf.resize(need);
+    float* s = buf.data();  // scores, then weights [G, range]
+    float* qs = s + G * kMaxRange;  // pre-scaled queries [G, D]
+    float* o = qs + G * D;  // unnormalised outputs [G, D]
+    float* mx = o + G * D;
+    float* sum = mx + G;
+    float* row = sum + G;
+    for (int64_t i = begin; i < end; ++i) {
+      const Task& task = tasks[static_cast<size_t>(i)];
+      const float* q = query + (task.b * H + task.h * G) * D;
+      for (int64_t j = 0; j < G * D; ++j) qs[j] = q[j] * scale_f;
+      const int64_t* table = tables + task.b * max_blocks;
+      const T* kc = key_cache + task.h * D;
+      const T* vc = value_cache + task.h * D;
+      const float* ksc = k_scales ? k_scales + task.h * groups : nullptr;
+      const float* vsc = v_scales ? v_scales + task.h * groups : nullptr;
+      bool done = false;
+#ifdef PERFXLM_AVX512
+      if (fast) {
+        auto run = [&](auto dv, auto scales) {
+          range_fast<T, decltype(dv)::value, decltype(scales)::value>(qs, G, kc, vc, ksc, vsc, table, task.t0, task.t1,
+                                                                      geo, cap, s, o, mx, sum);
+        };
+        auto run_scaled = [&](auto dv) {
+          if (groups == 0)
+            run(dv, std::integral_constant<Scales, Scales::None>{});
+          else if (groups == 1)
+            run(dv, std::integral_constant<Scales, Scales::Token>{});
+          else
+            run(dv, std::integral_constant<Scales, Scales::Group>{});
+        };
+        switch (D) {
+          case 64: run_scaled(std::integral_constant<int, 4>{}); break;
+          case 128: run_scaled(std::integral_constant<int, 8>{}); break;
+          default: run_scaled(std::integral_constant<int, 16>{}); break;
         }
-        const float* ks = k_scales + table[blk] * s_block_stride + slot0 * s_token_stride + h * groups;
-        for (; t < stop; ++t, k += token_stride, ks += s_token_stride) {
-          for (int64_t g = 0; g < G; ++g) {
-            float acc = 0.f;
-            for (int64_t j = 0; j < groups; ++j) acc += dot(q + g * D + j * GS, k + j * GS, GS) * ks[j];
-            sc[g * n + (t - first)] = acc * scale_f;
-          }
+        done = true;
+      }
+#endif
+      if (!done) range_generic(qs, G, D, kc, vc, ksc, vsc, table, task.t0, task.t1, geo, cap, s, o, mx, sum, row);
+      if (task.part < 0) {  // the whole sequence: normalise straight into the output
+        float* dst = out + (task.b * H + task.h * G) * D;
+        for (int64_t h = 0; h < G; ++h)
+          for (int64_t d = 0; d < D; ++d) dst[h * D + d] = o[h * D + d] / sum[h];
+      } else {
+        float* dst = partial.data() + task.part * part_stride;
+        for (int64_t h = 0; h < G; ++h) {
+          std::copy(o + h * D, o + (h + 1) * D, dst + h * (D + 2));
+          dst[h * (D + 2) + D] = mx[h];
+          dst[h * (D + 2) + D + 1] = sum[h];
         }
       }
-      for (int64_t g = 0; g < G; ++g) softmax_inplace(sc + g * n, n, cap);
-      // Pass 2: out[g] = sum_t p[g][t] v_t.
-      for (int64_t t = first; t < len;) {
-        const int64_t blk = t / block_size, slot0 = t % block_size;
-        const int64_t stop = std::min(len, (blk + 1) * block_size);
-        const T* v = value_cache + table[blk] * block_stride + slot0 * token_stride + h * D;
-        if (v_scales == nullptr) {
-          for (; t < stop; ++t, v += token_stride) {
-            for (int64_t g = 0; g < G; ++g) axpy(sc[g * n + (t - first)], v, o + g * D, D);
-          }
-          continue;
-        }
-        const float* vs = v_scales + table[blk] * s_block_stride + slot0 * s_token_stride + h * groups;
-        for (; t < stop; ++t, v += token_stride, vs += s_token_stride) {
-          for (int64_t g = 0; g < G; ++g)
-            for (int64_t j = 0; j < groups; ++j)
-              axpy(sc[g * n + (t - first)] * vs[j], v + j * GS, o + g * D + j * GS, GS);
-        }
+    }
+  });
+  // Merge the ranges of each head: out = sum_i e^(m_i - M) o_i / sum_i e^(m_i - M) l_i.
+  const int64_t heads_split = static_cast<int64_t>(merge.size() / 3);
+  at::parallel_for(0, heads_split * G, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t* m = merge.data() + 3 * (i / G);
+      const int64_t g = i % G, b = m[0] / KVH, h = m[0] % KVH, splits = m[2];
+      const float* p0 = partial.data() + m[1] * part_stride + g * (D + 2);
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < splits; ++j) top = std::max(top, p0[j * part_stride + D]);
+      float total = 0.f;
+      float* dst = out + (b * H + h * G + g) * D;
+      std::fill(dst, dst + D, 0.f);
+      for (int64_t j = 0; j < splits; ++j) {
+        const float* pj = p0 + j * part_stride;
+        const float w = std::exp(pj[D] - top);
+        total += w * pj[D + 1];
+        for (int64_t d = 0; d < D; ++d) dst[d] += w * pj[d];
       }
+      const float inv = 1.f / total;
+      for (int64_t d = 0; d < D; ++d) dst[d] *= inv;
     }
   });
 }

@@ -1,0 +1,83 @@
+// KV cache elements widened to float32: float32, bfloat16 (as uint16_t bits), int8, fp8 e4m3 / e5m2.
+// Shared by the attention kernels (csrc/attention_kernels.cpp) and the prefill tile reader.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define PERFXLM_AVX512 1  // the attention kernels' zmm paths
+#endif
+
+namespace perfxlm_attn {
+
+inline float load_scalar(const float* p) { return *p; }
+inline float load_scalar(const uint16_t* p) { return static_cast<float>(c10::BFloat16(*p, c10::BFloat16::from_bits())); }
+inline float load_scalar(const int8_t* p) { return static_cast<float>(*p); }
+inline float load_scalar(const c10::Float8_e4m3fn* p) { return static_cast<float>(*p); }
+inline float load_scalar(const c10::Float8_e5m2* p) { return static_cast<float>(*p); }
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch's conversion
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+#ifdef PERFXLM_AVX512
+// 16 lanes from float32 or bfloat16 memory; `mask` selects the lanes of a tail.
+inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+inline __m512 load16(const uint16_t* p, __mmask16 mask) {
+  __m256i half = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+inline __m512 load16(const int8_t* p, __mmask16 mask) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, p)));
+}
+// fp8 widened through fp16 (vcvtph2ps): e5m2 is the high byte of an fp16; e4m3's exponent and mantissa
+// bits placed in an fp16 give the value times 2^-8 (subnormals included), so one exact multiply restores it.
+inline __m512 load16(const c10::Float8_e5m2* p, __mmask16 mask) {
+  const __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(mask, p)), 8);
+  return _mm512_cvtph_ps(h);
+}
+inline __m512 load16(const c10::Float8_e4m3fn* p, __mmask16 mask) {
+  const __m256i x = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(mask, p));
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8);
+  const __m256i mag = _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7F)), 7);
+  return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(sign, mag)), _mm512_set1_ps(256.f));
+}
+inline __mmask16 tail_mask(int64_t remaining) {
+  return remaining >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << remaining) - 1);
+}
+// 16 lanes rounded to bfloat16 (to nearest even, as torch's conversion; the values are finite).
+inline void store16_bf16(uint16_t* p, __m512 a, __mmask16 mask) {
+  const __m512i u = _mm512_castps_si512(a);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(r));
+}
+// e^x (Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-7 polynomial, 2^n by scalef,
+// which underflows to 0 for very negative x): within 2 ulp of std::exp, 16 lanes at a time.
+inline __m512 exp16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+}  // namespace perfxlm_attn
