@@ -8,6 +8,7 @@ slower.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -55,6 +56,25 @@ def _build_dir() -> Path:
     return path
 
 
+@contextlib.contextmanager
+def _build_guard(build_dir: Path):
+    """One build per folder at a time, robust to a builder that was killed.
+
+    torch's builder marks a build in progress with a `lock` file and waits for it to vanish, forever if
+    the process that made it died (Ctrl-C during the first start). An flock is released by the kernel
+    when its holder exits, so whoever holds it knows a `lock` file left behind is stale and removes it.
+    """
+    import fcntl
+
+    with open(build_dir / "build.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
+
+
 def enabled() -> bool:
     return os.environ.get("PERFXLM_NATIVE", "1") not in ("0", "false", "no")
 
@@ -84,18 +104,19 @@ def _load() -> Any | None:
             # Printed, not logged: a first start spends ~1 minute here and should say why.
             print("perfxlm: compiling CPU kernels (once per machine)...", flush=True)
         t0 = time.perf_counter()
-        load(
-            name="perfxlm_cpu_kernels",
-            sources=[str(p) for p in _SOURCES],
-            # -fopenmp: at::parallel_for is inline OpenMP; the runtime resolves to the libgomp.so.1
-            # torch has already loaded, so kernels share torch's thread pool.
-            # -ffp-contract=off: elementwise kernels round exactly as torch's ops (explicit FMAs stay).
-            extra_cflags=["-O3", f"-march={_march()}", "-fopenmp", "-ffp-contract=off"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=False,
-        )
+        with _build_guard(build_dir):
+            load(
+                name="perfxlm_cpu_kernels",
+                sources=[str(p) for p in _SOURCES],
+                # -fopenmp: at::parallel_for is inline OpenMP; the runtime resolves to the libgomp.so.1
+                # torch has already loaded, so kernels share torch's thread pool.
+                # -ffp-contract=off: elementwise kernels round exactly as torch's ops (explicit FMAs stay).
+                extra_cflags=["-O3", f"-march={_march()}", "-fopenmp", "-ffp-contract=off"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
         if fresh:
             print(f"perfxlm: CPU kernels ready ({time.perf_counter() - t0:.0f} s)", flush=True)
         return torch.ops.perfxlm
