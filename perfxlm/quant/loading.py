@@ -215,7 +215,6 @@ def has_quantized_weights(model: nn.Module) -> bool:
     return any(isinstance(v, QuantizedWeight) for m in model.modules() for v in vars(m).values())
 
 
-
 def quantized_loader(
     model: nn.Module, quantization: Any, load_format: str, model_path: str
 ) -> QuantizedLoader | None:
@@ -225,7 +224,7 @@ def quantized_loader(
     if not isinstance(config, QuantizationConfig):
         config = QuantizationConfig.resolve(quantization)
     check_compatible(config, load_format, model_path)
-    if load_format == "gguf":
+    if load_format == "gguf" and (config is None or not config.quantizes):
         return QuantizedLoader(model) if config is None or config.method == GGUF else None
     if config is None or not config.quantizes:
         return None
@@ -234,14 +233,23 @@ def quantized_loader(
     return loader
 
 
+def _gguf_quantized_types(path: str) -> list[str]:
+    """The quantized tensor types of a GGUF file (its header only; empty for an F32 / F16 / BF16 file)."""
+    from perfxlm.model.loader.gguf_reader import open_gguf
+
+    floats = {"F32", "F16", "BF16"}
+    return sorted({t.ggml_type.name for t in open_gguf(path).tensors.values()} - floats)
+
+
 def check_compatible(config: QuantizationConfig | None, load_format: str, model_path: str) -> None:
     if config is None:
         return
-    if config.quantizes and load_format == "gguf":
+    if config.quantizes and load_format == "gguf" and _gguf_quantized_types(model_path):
         raise ValueError(
-            f"quantization={config.method!r}: {model_path!r} is a GGUF file, already quantized; its "
-            "quantized tensors are kept as they are. Supported with a GGUF file: quantization=None or "
-            "'gguf' (keep), 'none' (dequantize to dtype)."
+            f"quantization={config.method!r}: {model_path!r} is a GGUF file with quantized tensors "
+            f"({', '.join(_gguf_quantized_types(model_path))}); they are kept as they are, not quantized "
+            "twice. Supported with this file: quantization=None or 'gguf' (keep), 'none' (dequantize to "
+            "dtype); a float GGUF (F32 / F16 / BF16 tensors) can be quantized at load like any checkpoint."
         )
     if config.method == GGUF and load_format != "gguf":
         raise ValueError(

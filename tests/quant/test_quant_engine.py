@@ -248,6 +248,21 @@ def test_gguf_kept_quantized_equals_the_dequantized_path(llama128, tmp_path):
     assert_same_greedy(generate(kept), generate(widened))
 
 
+def test_a_float_gguf_quantizes_at_load_as_its_hf_checkpoint_does(llama128, tmp_path):
+    """`quantization=` on an F32 / F16 / BF16 GGUF file quantizes it at load like any float checkpoint
+    (a file with quantized tensors refuses: they would be quantized twice)."""
+    path = str(tmp_path / "float.gguf")
+    write_quantized_llama_gguf(path, llama128, {})
+    for method in ("int8", "int4"):
+        kwargs = dict(skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64, quantization=method)
+        from_gguf, from_hf = LLM(path, **kwargs), LLM(llama128, **kwargs)
+        a, b = quantized_weights(model_of(from_gguf)), quantized_weights(model_of(from_hf))
+        assert a.keys() == b.keys() and a
+        for name in a:
+            torch.testing.assert_close(a[name].dequantize(), b[name].dequantize(), rtol=0, atol=0)
+        assert_same_greedy(generate(from_gguf), generate(from_hf))
+
+
 def test_default_model_keeps_its_quantized_tensors(default_model):
     kept = LLM(default_model, dtype="float32", kv_cache_gib=0.05)
     model = model_of(kept)
@@ -350,7 +365,7 @@ def test_errors_come_before_weights_are_read(llama128, mixtral, default_model, n
         LLM(mixtral, skip_tokenizer_init=True, quantization="int4", quantization_group_size=128)
     with pytest.raises(ValueError, match=r"\(the default for nf4\) does not divide the input size 96"):
         LLM(mixtral, skip_tokenizer_init=True, quantization="nf4")
-    with pytest.raises(ValueError, match=r"is a GGUF file, already quantized.*'none' \(dequantize"):
+    with pytest.raises(ValueError, match=r"quantized tensors \(Q4_1, Q8_0\).*'none' \(dequant"):
         LLM(default_model, quantization="int8")
     with pytest.raises(ValueError, match=r"quantization='gguf' needs a .gguf file"):
         LLM(llama128, skip_tokenizer_init=True, quantization="gguf")
