@@ -88,7 +88,8 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", help="GGUF file to write")
-    p.add_argument("--donor", default=None, help="GGUF whose tokenizer is copied (default: the embedded model)")
+    p.add_argument("--donor", default=None, 
+                   help="GGUF whose tokenizer is copied (default: the embedded model)")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--intermediate", type=int, default=8192)
@@ -98,8 +99,9 @@ def main() -> None:
     p.add_argument("--rope-theta", type=float, default=500000.0)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
-    write_dummy(a.out, a.donor or default_model_path(), a.hidden, a.layers, a.intermediate, a.heads, a.kv_heads,
-                a.context, a.rope_theta, a.seed)
+    donor = a.donor or default_model_path()
+    write_dummy(a.out, donor, a.hidden, a.layers, a.intermediate, a.heads, a.kv_heads, a.context, a.rope_theta,
+                a.seed)
     print(f"wrote {a.out}")
 
 
