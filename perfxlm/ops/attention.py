@@ -1,7 +1,8 @@
 """Paged attention over a KV cache laid out as [num_blocks, block_size, num_kv_heads, head_dim].
 
 Plain-torch versions built from SDPA; `ops/reference.py` holds the naive per-token reference
-the tests compare against.
+the tests compare against. Prefill over cached context reads the cache tile by tile
+(`ops/prefill_tiles.py`); `prefill_attention_reference` keeps the gather-everything path beside it.
 
 Options some models need: `sliding_window` W (a query at position p sees keys in (p - W, p], as
 transformers' sliding-window masks) and `soft_cap` c (scores become c * tanh(scores / c) before the
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 
 from perfxlm.ops import cpu_plan, native
 from perfxlm.ops.kv_quant import as_bits, cache_is_quantized, dequantize, quantize
+from perfxlm.ops.prefill_tiles import tiled_prefill_attention
 
 
 def write_kv_cache(
@@ -166,20 +168,73 @@ def prefill_attention(
     value_scale: torch.Tensor | None = None,
     bf16_model: bool = False,  # a quantized cache of a bfloat16 model (see _prefill_compute_dtype)
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
-    num_new = query.shape[0]
+    """Causal attention of a sequence's new tokens. With cached context before them, the cache is read
+    tile by tile (`ops/prefill_tiles.py`): no copy of the whole context."""
+    return _prefill(
+        query, key, value, key_cache, value_cache, block_table, num_context_tokens, scale, sliding_window,
+        soft_cap, key_scale, value_scale, bf16_model, tiled=True,
+    )  # fmt: skip
+
+
+def prefill_attention_reference(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    num_context_tokens: int,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
+    bf16_model: bool = False,
+) -> torch.Tensor:
+    """The same over one gathered (dequantized) copy of the whole sequence and one masked SDPA: the
+    plain-torch reference the tiled path is tested against."""
+    return _prefill(
+        query, key, value, key_cache, value_cache, block_table, num_context_tokens, scale, sliding_window,
+        soft_cap, key_scale, value_scale, bf16_model, tiled=False,
+    )  # fmt: skip
+
+
+def _prefill(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    num_context_tokens: int,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    key_scale: torch.Tensor | None,
+    value_scale: torch.Tensor | None,
+    bf16_model: bool,
+    tiled: bool,
+) -> torch.Tensor:
     compute = _prefill_compute_dtype(query.dtype, key_cache.dtype, bf16_model)
     if compute != query.dtype:  # bf16 attention on bf16 hardware, float32 result
-        out = prefill_attention(
+        out = _prefill(
             query.to(compute), key.to(compute), value.to(compute), key_cache, value_cache, block_table,
-            num_context_tokens, scale, sliding_window, soft_cap, key_scale, value_scale,
+            num_context_tokens, scale, sliding_window, soft_cap, key_scale, value_scale, bf16_model, tiled,
         )  # fmt: skip
         return out.to(query.dtype)
     q = query.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
+    if num_context_tokens > 0 and tiled:
+        out = tiled_prefill_attention(
+            q, key_cache, value_cache, block_table, num_context_tokens, scale, sliding_window, soft_cap,
+            key_scale, value_scale,
+        )  # fmt: skip
+        return out[0].transpose(0, 1)
     if sliding_window is not None or soft_cap is not None:
         return _prefill_attention_with_options(
             q, key, value, key_cache, value_cache, block_table, num_context_tokens, scale, sliding_window,
             soft_cap, key_scale, value_scale,
         )  # fmt: skip
+    num_new = query.shape[0]
     if num_context_tokens == 0:
         k = key.transpose(0, 1).unsqueeze(0)
         v = value.transpose(0, 1).unsqueeze(0)
