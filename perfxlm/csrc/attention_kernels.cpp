@@ -129,7 +129,7 @@ void scores_fast(const float* q, const T* cache, const float* scales, const int6
       __m512 acc[GH][4];
       for (int j = 0; j < 4; ++j) {
         for (int c = 0; c < DV; ++c) {
-          __m512 kc = load16(k + j * ts + 16 * c, 0xFFFF);
+          __m512 kc = load16_fast(k + j * ts + 16 * c);
           if constexpr (S == Scales::Group) kc = _mm512_mul_ps(kc, _mm512_set1_ps(ks[j * sts + c / cpg]));
           for (int h = 0; h < GH; ++h)
             acc[h][j] = c == 0 ? _mm512_mul_ps(_mm512_loadu_ps(q + h * D), kc)
@@ -146,7 +146,7 @@ void scores_fast(const float* q, const T* cache, const float* scales, const int6
     for (; t < stop; ++t, k += ts) {
       __m512 acc[GH];
       for (int c = 0; c < DV; ++c) {
-        __m512 kc = load16(k + 16 * c, 0xFFFF);
+        __m512 kc = load16_fast(k + 16 * c);
         if constexpr (S == Scales::Group) kc = _mm512_mul_ps(kc, _mm512_set1_ps(ks[c / cpg]));
         for (int h = 0; h < GH; ++h)
           acc[h] = c == 0 ? _mm512_mul_ps(_mm512_loadu_ps(q + h * D), kc)
@@ -179,7 +179,7 @@ void values_fast(const float* p, int64_t np, const T* cache, const float* scales
         const float tok = S == Scales::Token ? vs[0] : 1.f;
         for (int h = 0; h < GH; ++h) pv[h] = _mm512_set1_ps(p[h * np + (t - t0)] * tok);
         for (int c = 0; c < SC; ++c) {
-          __m512 vc = load16(v + 16 * (c0 + c), 0xFFFF);
+          __m512 vc = load16_fast(v + 16 * (c0 + c));
           if constexpr (S == Scales::Group) vc = _mm512_mul_ps(vc, _mm512_set1_ps(vs[(c0 + c) / cpg]));
           for (int h = 0; h < GH; ++h) acc[h][c] = _mm512_fmadd_ps(pv[h], vc, acc[h][c]);
         }
@@ -328,7 +328,6 @@ void decode_attention_impl(const float* query, const T* key_cache, const T* valu
     for (int64_t i = begin; i < end; ++i) {
       const Task& task = tasks[static_cast<size_t>(i)];
       const float* q = query + (task.b * H + task.h * G) * D;
-      for (int64_t j = 0; j < G * D; ++j) qs[j] = q[j] * scale_f;
       const int64_t* table = tables + task.b * max_blocks;
       const T* kc = key_cache + task.h * D;
       const T* vc = value_cache + task.h * D;
@@ -337,6 +336,10 @@ void decode_attention_impl(const float* query, const T* key_cache, const T* valu
       bool done = false;
 #ifdef PERFXLM_AVX512
       if (fast) {
+        // load16_fast reads values times kFastLoadScale<T> (a power of two): the query and the output
+        // are scaled by its inverse, exactly.
+        constexpr float f = kFastLoadScale<T>;
+        for (int64_t j = 0; j < G * D; ++j) qs[j] = q[j] * scale_f / f;
         auto run = [&](auto dv, auto scales) {
           range_fast<T, decltype(dv)::value, decltype(scales)::value>(qs, G, kc, vc, ksc, vsc, table, task.t0, task.t1,
                                                                       geo, cap, s, o, mx, sum);
@@ -354,10 +357,15 @@ void decode_attention_impl(const float* query, const T* key_cache, const T* valu
           case 128: run_scaled(std::integral_constant<int, 8>{}); break;
           default: run_scaled(std::integral_constant<int, 16>{}); break;
         }
+        if constexpr (f != 1.f)
+          for (int64_t j = 0; j < G * D; ++j) o[j] /= f;
         done = true;
       }
 #endif
-      if (!done) range_generic(qs, G, D, kc, vc, ksc, vsc, table, task.t0, task.t1, geo, cap, s, o, mx, sum, row);
+      if (!done) {
+        for (int64_t j = 0; j < G * D; ++j) qs[j] = q[j] * scale_f;
+        range_generic(qs, G, D, kc, vc, ksc, vsc, table, task.t0, task.t1, geo, cap, s, o, mx, sum, row);
+      }
       if (task.part < 0) {  // the whole sequence: normalise straight into the output
         float* dst = out + (task.b * H + task.h * G) * D;
         for (int64_t h = 0; h < G; ++h)

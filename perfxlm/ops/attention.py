@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from perfxlm.ops import cpu_plan, native
-from perfxlm.ops.kv_quant import as_bits, cache_is_quantized, dequantize, quantize
+from perfxlm.ops.kv_quant import as_bits, cache_is_quantized, dequantize, quantize, widen
 from perfxlm.ops.prefill_tiles import tiled_prefill_attention
 
 
@@ -55,7 +55,7 @@ def _gather(
         scales = scale.view(scale.shape[0], -1).index_select(0, index).view(-1, scale.shape[-1])
         gathered = dequantize(gathered.view(-1, cache.shape[3]), scales, dtype)
     else:
-        gathered = gathered.to(dtype)
+        gathered = widen(gathered, dtype)
     return gathered.view(batch, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
 
 

@@ -140,9 +140,23 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, num_groups: int = 1) -> tuple[
     return x.to(dtype), None
 
 
+def widen(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache values (float, bf16, fp8) as `dtype`. torch converts fp8 one element at a time (2.5 ms per
+    million values here); fp8 is widened through fp16 bit patterns instead, as the decode kernel does, in
+    vectorized integer ops (0.5-0.8 ms), exactly for every finite value."""
+    if values.dtype == torch.float8_e5m2:  # the high byte of an fp16
+        return (values.view(torch.uint8).to(torch.int16) << 8).view(torch.float16).to(dtype)
+    if values.dtype == torch.float8_e4m3fn:
+        # sign-extended and shifted by 7: sign in bit 15 (its copy in bit 14 cleared by the mask 0xBFFF),
+        # exponent and mantissa in bits 13..7: an fp16 of the value times 2^-8
+        bits = torch.bitwise_and(values.view(torch.int8).to(torch.int16) << 7, -16385)
+        return bits.view(torch.float16).to(dtype).mul_(256)
+    return values.to(dtype)
+
+
 def dequantize(q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of `quantize`: [..., head_dim] values (+ [..., num_groups] scales) -> `dtype`."""
     if scale is None:
-        return q.to(dtype)
+        return widen(q, dtype)
     g = q.unflatten(-1, (scale.shape[-1], q.shape[-1] // scale.shape[-1])).float() * scale.unsqueeze(-1)
     return g.flatten(-2).to(dtype)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from perfxlm.ops.kv_quant import dequantize
+from perfxlm.ops.kv_quant import dequantize, widen
 
 # Context tokens per tile (rounded down to whole blocks, at least one). Measured with 512 new tokens
 # after 3584 (docs/DESIGN.md): on 1B shapes (32 heads, 8 KV heads, head_dim 64) 2048 is ~5 % faster
@@ -56,7 +56,7 @@ def gather_tile(
         scales = scale.view(scale.shape[0], -1).index_select(0, index).view(-1, scale.shape[-1])
         rows = dequantize(rows.view(-1, head_dim), scales, dtype)
     else:
-        rows = rows.to(dtype)
+        rows = widen(rows, dtype)
     offset = first * block_size
     tile = rows.view(-1, num_kv_heads, head_dim)[start - offset : end - offset].transpose(0, 1)
     # heads outermost: the flash kernel runs ~6 % faster on contiguous K/V than on this strided view,

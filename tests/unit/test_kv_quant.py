@@ -172,3 +172,16 @@ def test_bytes_per_token_and_names():
     with pytest.raises(ValueError, match="auto, int8, fp8, fp8_e4m3, fp8_e5m2"):
         KVCacheSpec.resolve("int4", torch.float32)
     assert KV_CACHE_DTYPES == ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_widen_gives_torch_conversion_for_every_finite_fp8_code(fp8, dtype):
+    from perfxlm.ops.kv_quant import widen
+
+    codes = torch.arange(256, dtype=torch.uint8).view(fp8).reshape(4, 64)
+    expected = codes.to(dtype)
+    got = widen(codes, dtype)
+    finite = expected.isfinite()
+    assert got.dtype == dtype and got.shape == codes.shape
+    assert torch.equal(got[finite], expected[finite])
