@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from perfxlm.ops import cpu_plan, native
 from perfxlm.ops.kv_quant import as_bits, cache_is_quantized, dequantize, quantize, widen
-from perfxlm.ops.prefill_tiles import tiled_prefill_attention
+from perfxlm.ops.prefill_tiles import fits_one_tile, tiled_prefill_attention
 
 
 def write_kv_cache(
@@ -223,7 +223,7 @@ def _prefill(
         )  # fmt: skip
         return out.to(query.dtype)
     q = query.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
-    if num_context_tokens > 0 and tiled:
+    if num_context_tokens > 0 and tiled and not fits_one_tile(num_context_tokens + query.shape[0], soft_cap):
         out = tiled_prefill_attention(
             q, key_cache, value_cache, block_table, num_context_tokens, scale, sliding_window, soft_cap,
             key_scale, value_scale,

@@ -38,6 +38,14 @@ SOFTCAP_TILE_TOKENS = 512
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
+def fits_one_tile(total_tokens: int, soft_cap: float | None) -> bool:
+    """Whether a sequence of this many tokens (context + new) is one tile. Then the caller's single
+    masked SDPA over the gathered sequence is used: a copy no larger than a tile, and rounded once, as a
+    prompt computed in one piece is (merging tiles rounds each tile's bf16 output, then the sum: enough
+    for a greedy token of a short chunked prompt to differ from the unchunked one)."""
+    return total_tokens <= (TILE_TOKENS if soft_cap is None else SOFTCAP_TILE_TOKENS)
+
+
 def gather_tile(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_table: torch.Tensor,  # [num_blocks_of_sequence] int64
