@@ -11,11 +11,13 @@ mask, Gemma 2). Plain attention (neither set) takes the SDPA paths unchanged.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from perfxlm.ops import cpu_plan, native
-from perfxlm.ops.kv_quant import as_bits, cache_is_quantized, dequantize, quantize, widen
+from perfxlm.ops.kv_quant import as_bits, cache_is_quantized, gather_blocks, quantize
 from perfxlm.ops.prefill_tiles import fits_one_tile, tiled_prefill_attention
 
 
@@ -40,23 +42,6 @@ def write_kv_cache(
             if scale is not None:
                 scale.view(-1, num_kv_heads, scale.shape[-1]).index_copy_(0, slot_mapping, new_scale)
         as_bits(cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, as_bits(new))
-
-
-def _gather(
-    cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None
-) -> torch.Tensor:
-    # [B, max_blocks] -> [B, num_kv_heads, max_blocks * block_size, head_dim], in the query's dtype
-    # (a quantized cache is dequantized here: only the blocks of these sequences)
-    batch = block_tables.shape[0]
-    # index_select on a 2-D view: several times faster than advanced indexing on the 4-D cache.
-    index = block_tables.reshape(-1)
-    gathered = cache.view(cache.shape[0], -1).index_select(0, index)
-    if scale is not None:
-        scales = scale.view(scale.shape[0], -1).index_select(0, index).view(-1, scale.shape[-1])
-        gathered = dequantize(gathered.view(-1, cache.shape[3]), scales, dtype)
-    else:
-        gathered = widen(gathered, dtype)
-    return gathered.view(batch, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
 
 
 def decode_mask(seq_lens: torch.Tensor, max_len: int) -> torch.Tensor:  # [B, 1, 1, max_len] bool
@@ -125,8 +110,8 @@ def paged_decode_attention_torch(
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
-    key = _gather(key_cache, block_tables, query.dtype, key_scale)
-    value = _gather(value_cache, block_tables, query.dtype, value_scale)
+    key = gather_blocks(key_cache, block_tables, query.dtype, key_scale)
+    value = gather_blocks(value_cache, block_tables, query.dtype, value_scale)
     # The heads of one KV group become the "query length" axis: GQA without repeating K/V.
     q = query.view(batch, num_kv_heads, group, head_dim)
     if mask is None:
@@ -167,59 +152,16 @@ def prefill_attention(
     key_scale: torch.Tensor | None = None,  # int8 cache: the scales beside the blocks
     value_scale: torch.Tensor | None = None,
     bf16_model: bool = False,  # a quantized cache of a bfloat16 model (see _prefill_compute_dtype)
+    tiled: bool = True,  # False: prefill_attention_reference
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     """Causal attention of a sequence's new tokens. With cached context before them, the cache is read
     tile by tile (`ops/prefill_tiles.py`): no copy of the whole context."""
-    return _prefill(
-        query, key, value, key_cache, value_cache, block_table, num_context_tokens, scale, sliding_window,
-        soft_cap, key_scale, value_scale, bf16_model, tiled=True,
-    )  # fmt: skip
-
-
-def prefill_attention_reference(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    num_context_tokens: int,
-    scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    key_scale: torch.Tensor | None = None,
-    value_scale: torch.Tensor | None = None,
-    bf16_model: bool = False,
-) -> torch.Tensor:
-    """The same over one gathered (dequantized) copy of the whole sequence and one masked SDPA: the
-    plain-torch reference the tiled path is tested against."""
-    return _prefill(
-        query, key, value, key_cache, value_cache, block_table, num_context_tokens, scale, sliding_window,
-        soft_cap, key_scale, value_scale, bf16_model, tiled=False,
-    )  # fmt: skip
-
-
-def _prefill(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    num_context_tokens: int,
-    scale: float,
-    sliding_window: int | None,
-    soft_cap: float | None,
-    key_scale: torch.Tensor | None,
-    value_scale: torch.Tensor | None,
-    bf16_model: bool,
-    tiled: bool,
-) -> torch.Tensor:
     compute = _prefill_compute_dtype(query.dtype, key_cache.dtype, bf16_model)
     if compute != query.dtype:  # bf16 attention on bf16 hardware, float32 result
-        out = _prefill(
+        out = prefill_attention(
             query.to(compute), key.to(compute), value.to(compute), key_cache, value_cache, block_table,
-            num_context_tokens, scale, sliding_window, soft_cap, key_scale, value_scale, bf16_model, tiled,
+            num_context_tokens, scale, sliding_window, soft_cap, key_scale, value_scale, bf16_model,
+            tiled=tiled,
         )  # fmt: skip
         return out.to(query.dtype)
     q = query.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
@@ -241,13 +183,18 @@ def _prefill(
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         total = num_context_tokens + num_new
-        k = _gather(key_cache, block_table[None], q.dtype, key_scale)[:, :, :total]
-        v = _gather(value_cache, block_table[None], q.dtype, value_scale)[:, :, :total]
+        k = gather_blocks(key_cache, block_table[None], q.dtype, key_scale)[:, :, :total]
+        v = gather_blocks(value_cache, block_table[None], q.dtype, value_scale)[:, :, :total]
         # New token i sits at absolute position num_context_tokens + i and sees keys up to it.
         rows = torch.arange(num_new)[:, None] + num_context_tokens
         mask = torch.arange(total)[None, :] <= rows
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
+
+
+# The same over one gathered (dequantized) copy of the whole sequence and one masked SDPA: the plain-torch
+# reference the tiled path is tested against.
+prefill_attention_reference = functools.partial(prefill_attention, tiled=False)
 
 
 def _prefill_attention_with_options(
@@ -270,8 +217,8 @@ def _prefill_attention_with_options(
         k = key.transpose(0, 1).unsqueeze(0)
         v = value.transpose(0, 1).unsqueeze(0)
     else:
-        k = _gather(key_cache, block_table[None], q.dtype, key_scale)[:, :, :total]
-        v = _gather(value_cache, block_table[None], q.dtype, value_scale)[:, :, :total]
+        k = gather_blocks(key_cache, block_table[None], q.dtype, key_scale)[:, :, :total]
+        v = gather_blocks(value_cache, block_table[None], q.dtype, value_scale)[:, :, :total]
     rows = torch.arange(num_new)[:, None] + num_context_tokens
     cols = torch.arange(total)[None, :]
     mask = cols <= rows

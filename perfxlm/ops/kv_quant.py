@@ -160,3 +160,20 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) 
         return widen(q, dtype)
     g = q.unflatten(-1, (scale.shape[-1], q.shape[-1] // scale.shape[-1])).float() * scale.unsqueeze(-1)
     return g.flatten(-2).to(dtype)
+
+
+def gather_blocks(
+    cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[B, max_blocks] block ids -> [B, num_kv_heads, max_blocks * block_size, head_dim] in `dtype` (a
+    view, heads second): only these blocks are copied, and dequantized where the cache is quantized."""
+    batch = block_tables.shape[0]
+    # index_select on a 2-D view: several times faster than advanced indexing on the 4-D cache.
+    index = block_tables.reshape(-1)
+    gathered = cache.view(cache.shape[0], -1).index_select(0, index)
+    if scale is not None:
+        scales = scale.view(scale.shape[0], -1).index_select(0, index).view(-1, scale.shape[-1])
+        gathered = dequantize(gathered.view(-1, cache.shape[3]), scales, dtype)
+    else:
+        gathered = widen(gathered, dtype)
+    return gathered.view(batch, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)

@@ -18,6 +18,7 @@ The reference for all of them is `F.linear(x, W.float(), b)`.
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -110,11 +111,9 @@ def native_int8_blocks(weight: QuantizedWeight) -> bool:
     return layout_ok and _int8_dots()
 
 
-def _int8_dots() -> bool:
-    dots = getattr(_int8_dots, "value", None)
-    if dots is None:
-        dots = _int8_dots.value = cpu_plan.has_int8_dots()  # type: ignore[attr-defined]
-    return dots
+@functools.cache
+def _int8_dots() -> bool:  # a property of the native build, fixed for the process
+    return cpu_plan.has_int8_dots()
 
 
 def bf16_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -244,10 +244,11 @@ def _gguf_quantized_types(path: str) -> list[str]:
 def check_compatible(config: QuantizationConfig | None, load_format: str, model_path: str) -> None:
     if config is None:
         return
-    if config.quantizes and load_format == "gguf" and _gguf_quantized_types(model_path):
+    quantized_types = _gguf_quantized_types(model_path) if config.quantizes and load_format == "gguf" else []
+    if quantized_types:
         raise ValueError(
             f"quantization={config.method!r}: {model_path!r} is a GGUF file with quantized tensors "
-            f"({', '.join(_gguf_quantized_types(model_path))}); they are kept as they are, not quantized "
+            f"({', '.join(quantized_types)}); they are kept as they are, not quantized "
             "twice. Supported with this file: quantization=None or 'gguf' (keep), 'none' (dequantize to "
             "dtype); a float GGUF (F32 / F16 / BF16 tensors) can be quantized at load like any checkpoint."
         )

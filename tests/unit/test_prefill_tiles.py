@@ -103,7 +103,7 @@ def test_no_whole_context_copy(sliding_window, small_tiles, monkeypatch):
         spans.append((start, end))
         return gather_tile(cache, table, start, end, *rest)
 
-    monkeypatch.setattr(attention, "_gather", whole_sequence)
+    monkeypatch.setattr(attention, "gather_blocks", whole_sequence)  # the gathered path's
     monkeypatch.setattr(prefill_tiles, "gather_tile", recording)
     prefill_attention(*args, sliding_window=sliding_window, **scales)
     assert max(end - start for start, end in spans) <= TILE
