@@ -1,7 +1,8 @@
 // The KV cache kernels: writing new tokens into their slots (quantizing for an int8 / fp8 cache) and
 // decode attention reading the paged cache in place through the block table (no gather into a
-// contiguous copy), float32 or bfloat16 cache, or a quantized one (int8 with float32 group scales
-// beside the blocks, fp8 e4m3 / e5m2) dequantized in registers; sliding window and logit soft-capping.
+// contiguous copy), float32 or bfloat16 cache, or a quantized one (int8 with float32 group scales beside
+// the blocks, fp8 e4m3 / e5m2 with power-of-two scales in one byte, see kv_elements.h's ScaleOf)
+// dequantized in registers; sliding window and logit soft-capping.
 //
 // The plain-torch references are perfxlm/ops/attention.py's torch paths and perfxlm/ops/reference.py.
 
@@ -36,10 +37,10 @@ namespace {
 // Where one KV head's rows and scales sit: `cache` / `scales` arguments point at the head's first row.
 struct Geometry {
   int64_t block_size, block_stride, token_stride;  // in elements
-  int64_t s_block_stride, s_token_stride, groups;  // an int8 cache's scales (groups 0: none)
+  int64_t s_block_stride, s_token_stride, groups;  // a quantized cache's scales (groups 0: none)
 };
 
-// How an int8 cache's scales enter: none (float, bf16, fp8), one per token (folded into the score and
+// How a quantized cache's scales enter: none (float, bf16), one per token (folded into the score and
 // the softmax weight) or one per group of 16-lane chunks (folded into the widened chunk).
 enum class Scales { None, Token, Group };
 
@@ -79,13 +80,13 @@ inline void softmax_partial(float* s, int64_t n, float cap, float& max_out, floa
 // fn(t, stop, row of t, its scales or nullptr, the next block's id or -1 at the end of the range) covers
 // tokens [t, stop), whose rows are token_stride apart (no per-token division).
 template <typename T, typename Fn>
-inline void walk(const T* cache, const float* scales, const int64_t* table, int64_t t0, int64_t t1,
+inline void walk(const T* cache, const ScaleT<T>* scales, const int64_t* table, int64_t t0, int64_t t1,
                  const Geometry& geo, Fn&& fn) {
   for (int64_t t = t0; t < t1;) {
     const int64_t blk = t / geo.block_size, slot = t % geo.block_size;
     const int64_t stop = std::min(t1, (blk + 1) * geo.block_size);
     const T* row = cache + table[blk] * geo.block_stride + slot * geo.token_stride;
-    const float* rs = scales ? scales + table[blk] * geo.s_block_stride + slot * geo.s_token_stride : nullptr;
+    const ScaleT<T>* rs = scales ? scales + table[blk] * geo.s_block_stride + slot * geo.s_token_stride : nullptr;
     fn(t, stop, row, rs, stop < t1 ? table[blk + 1] : -1);
     t = stop;
   }
@@ -118,19 +119,19 @@ inline void prefetch_block(const T* cache, int64_t next_block, const Geometry& g
 // s[h * ns + (t - t0)] = q_h . k_t for the GH query heads at q (pre-scaled, [GH, 16 * DV]), tokens
 // [t0, t1): each K chunk widened once for all GH heads, four tokens' sums reduced together.
 template <typename T, int DV, int GH, Scales S>
-void scores_fast(const float* q, const T* cache, const float* scales, const int64_t* table, int64_t t0, int64_t t1,
-                 const Geometry& geo, float* s, int64_t ns) {
+void scores_fast(const float* q, const T* cache, const ScaleT<T>* scales, const int64_t* table, int64_t t0,
+                 int64_t t1, const Geometry& geo, float* s, int64_t ns) {
   constexpr int D = 16 * DV;
   const int64_t ts = geo.token_stride, sts = geo.s_token_stride;
   const int64_t cpg = S == Scales::Group ? DV / geo.groups : DV;  // chunks per scale group
-  walk(cache, scales, table, t0, t1, geo, [&](int64_t t, int64_t stop, const T* k, const float* ks, int64_t next) {
+  walk(cache, scales, table, t0, t1, geo, [&](int64_t t, int64_t stop, const T* k, auto ks, int64_t next) {
     prefetch_block(cache, next, geo, D);
     for (; t + 4 <= stop; t += 4, k += 4 * ts) {
       __m512 acc[GH][4];
       for (int j = 0; j < 4; ++j) {
         for (int c = 0; c < DV; ++c) {
           __m512 kc = load16_fast(k + j * ts + 16 * c);
-          if constexpr (S == Scales::Group) kc = _mm512_mul_ps(kc, _mm512_set1_ps(ks[j * sts + c / cpg]));
+          if constexpr (S == Scales::Group) kc = _mm512_mul_ps(kc, _mm512_set1_ps(scale_value(ks[j * sts + c / cpg])));
           for (int h = 0; h < GH; ++h)
             acc[h][j] = c == 0 ? _mm512_mul_ps(_mm512_loadu_ps(q + h * D), kc)
                                : _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + 16 * c), kc, acc[h][j]);
@@ -138,7 +139,9 @@ void scores_fast(const float* q, const T* cache, const float* scales, const int6
       }
       for (int h = 0; h < GH; ++h) {
         __m128 r = reduce4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
-        if constexpr (S == Scales::Token) r = _mm_mul_ps(r, _mm_setr_ps(ks[0], ks[sts], ks[2 * sts], ks[3 * sts]));
+        if constexpr (S == Scales::Token)
+          r = _mm_mul_ps(r, _mm_setr_ps(scale_value(ks[0]), scale_value(ks[sts]), scale_value(ks[2 * sts]),
+                                        scale_value(ks[3 * sts])));
         _mm_storeu_ps(s + h * ns + (t - t0), r);
       }
       if constexpr (S != Scales::None) ks += 4 * sts;
@@ -147,13 +150,13 @@ void scores_fast(const float* q, const T* cache, const float* scales, const int6
       __m512 acc[GH];
       for (int c = 0; c < DV; ++c) {
         __m512 kc = load16_fast(k + 16 * c);
-        if constexpr (S == Scales::Group) kc = _mm512_mul_ps(kc, _mm512_set1_ps(ks[c / cpg]));
+        if constexpr (S == Scales::Group) kc = _mm512_mul_ps(kc, _mm512_set1_ps(scale_value(ks[c / cpg])));
         for (int h = 0; h < GH; ++h)
           acc[h] = c == 0 ? _mm512_mul_ps(_mm512_loadu_ps(q + h * D), kc)
                           : _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + 16 * c), kc, acc[h]);
       }
       for (int h = 0; h < GH; ++h)
-        s[h * ns + (t - t0)] = _mm512_reduce_add_ps(acc[h]) * (S == Scales::Token ? ks[0] : 1.f);
+        s[h * ns + (t - t0)] = _mm512_reduce_add_ps(acc[h]) * (S == Scales::Token ? scale_value(ks[0]) : 1.f);
       if constexpr (S != Scales::None) ks += sts;
     }
   });
@@ -163,8 +166,8 @@ void scores_fast(const float* q, const T* cache, const float* scales, const int6
 // all GH heads. Up to 4 chunks of 16 at a time (GH x 4 accumulators in registers); a wider head takes
 // several passes over the range, whose rows are in L2 by then.
 template <typename T, int DV, int GH, Scales S>
-void values_fast(const float* p, int64_t np, const T* cache, const float* scales, const int64_t* table, int64_t t0,
-                 int64_t t1, const Geometry& geo, float* o) {
+void values_fast(const float* p, int64_t np, const T* cache, const ScaleT<T>* scales, const int64_t* table,
+                 int64_t t0, int64_t t1, const Geometry& geo, float* o) {
   constexpr int D = 16 * DV, SC = DV < 4 ? DV : 4;
   const int64_t ts = geo.token_stride, sts = geo.s_token_stride;
   const int64_t cpg = S == Scales::Group ? DV / geo.groups : DV;
@@ -172,15 +175,15 @@ void values_fast(const float* p, int64_t np, const T* cache, const float* scales
     __m512 acc[GH][SC];
     for (int h = 0; h < GH; ++h)
       for (int c = 0; c < SC; ++c) acc[h][c] = _mm512_setzero_ps();
-    walk(cache, scales, table, t0, t1, geo, [&](int64_t t, int64_t stop, const T* v, const float* vs, int64_t next) {
+    walk(cache, scales, table, t0, t1, geo, [&](int64_t t, int64_t stop, const T* v, auto vs, int64_t next) {
       if (c0 == 0) prefetch_block(cache, next, geo, D);
       for (; t < stop; ++t, v += ts) {
         __m512 pv[GH];
-        const float tok = S == Scales::Token ? vs[0] : 1.f;
+        const float tok = S == Scales::Token ? scale_value(vs[0]) : 1.f;
         for (int h = 0; h < GH; ++h) pv[h] = _mm512_set1_ps(p[h * np + (t - t0)] * tok);
         for (int c = 0; c < SC; ++c) {
           __m512 vc = load16_fast(v + 16 * (c0 + c));
-          if constexpr (S == Scales::Group) vc = _mm512_mul_ps(vc, _mm512_set1_ps(vs[(c0 + c) / cpg]));
+          if constexpr (S == Scales::Group) vc = _mm512_mul_ps(vc, _mm512_set1_ps(scale_value(vs[(c0 + c) / cpg])));
           for (int h = 0; h < GH; ++h) acc[h][c] = _mm512_fmadd_ps(pv[h], vc, acc[h][c]);
         }
         if constexpr (S != Scales::None) vs += sts;
@@ -193,7 +196,7 @@ void values_fast(const float* p, int64_t np, const T* cache, const float* scales
 
 // One task's scores and values on the fast path: the G heads in register tiles of up to 4.
 template <typename T, int DV, Scales S>
-void range_fast(const float* q, int64_t G, const T* kc, const T* vc, const float* ksc, const float* vsc,
+void range_fast(const float* q, int64_t G, const T* kc, const T* vc, const ScaleT<T>* ksc, const ScaleT<T>* vsc,
                 const int64_t* table, int64_t t0, int64_t t1, const Geometry& geo, float cap, float* s, float* o,
                 float* mx, float* sum) {
   constexpr int D = 16 * DV;
@@ -218,17 +221,17 @@ void range_fast(const float* q, int64_t G, const T* kc, const T* vc, const float
 }
 #endif
 
-// A row of any head size widened to float32 (an int8 row times its group scales) into `out`: widened
-// once, then used by every query head of the group.
+// A row of any head size widened to float32 (a quantized row times its group scales) into `out`:
+// widened once, then used by every query head of the group.
 template <typename T>
-inline void widen_row(const T* row, const float* rs, int64_t D, int64_t GS, float* out) {
+inline void widen_row(const T* row, const ScaleT<T>* rs, int64_t D, int64_t GS, float* out) {
 #ifdef PERFXLM_AVX512
   for (int64_t d = 0; d < D; d += 16) _mm512_mask_storeu_ps(out + d, tail_mask(D - d), load16(row + d, tail_mask(D - d)));
 #else
   for (int64_t d = 0; d < D; ++d) out[d] = load_scalar(row + d);
 #endif
   if (rs != nullptr)
-    for (int64_t d = 0; d < D; ++d) out[d] *= rs[d / GS];
+    for (int64_t d = 0; d < D; ++d) out[d] *= scale_value(rs[d / GS]);
 }
 
 inline float dot_f(const float* a, const float* b, int64_t D) {
@@ -246,11 +249,11 @@ inline float dot_f(const float* a, const float* b, int64_t D) {
 
 // Any head size or scale group on any ISA: rows widened into a float buffer, then G dots / axpys.
 template <typename T>
-void range_generic(const float* q, int64_t G, int64_t D, const T* kc, const T* vc, const float* ksc,
-                   const float* vsc, const int64_t* table, int64_t t0, int64_t t1, const Geometry& geo, float cap,
+void range_generic(const float* q, int64_t G, int64_t D, const T* kc, const T* vc, const ScaleT<T>* ksc,
+                   const ScaleT<T>* vsc, const int64_t* table, int64_t t0, int64_t t1, const Geometry& geo, float cap,
                    float* s, float* o, float* mx, float* sum, float* row) {
   const int64_t n = t1 - t0, GS = geo.groups > 0 ? D / geo.groups : D;
-  walk(kc, ksc, table, t0, t1, geo, [&](int64_t t, int64_t stop, const T* k, const float* ks, int64_t) {
+  walk(kc, ksc, table, t0, t1, geo, [&](int64_t t, int64_t stop, const T* k, auto ks, int64_t) {
     for (; t < stop; ++t, k += geo.token_stride, ks = ks ? ks + geo.s_token_stride : nullptr) {
       widen_row(k, ks, D, GS, row);
       for (int64_t h = 0; h < G; ++h) s[h * n + (t - t0)] = dot_f(q + h * D, row, D);
@@ -258,7 +261,7 @@ void range_generic(const float* q, int64_t G, int64_t D, const T* kc, const T* v
   });
   for (int64_t h = 0; h < G; ++h) softmax_partial(s + h * n, n, cap, mx[h], sum[h]);
   std::fill(o, o + G * D, 0.f);
-  walk(vc, vsc, table, t0, t1, geo, [&](int64_t t, int64_t stop, const T* v, const float* vs, int64_t) {
+  walk(vc, vsc, table, t0, t1, geo, [&](int64_t t, int64_t stop, const T* v, auto vs, int64_t) {
     for (; t < stop; ++t, v += geo.token_stride, vs = vs ? vs + geo.s_token_stride : nullptr) {
       widen_row(v, vs, D, GS, row);
       for (int64_t h = 0; h < G; ++h) {
@@ -275,13 +278,14 @@ struct Task {
   int64_t part;  // its slot among the partial results, or -1: the range is the whole sequence
 };
 
-// `k_scales` / `v_scales`: an int8 cache's [num_blocks, block_size, KVH, groups] float32 scales, else
+// `k_scales` / `v_scales`: a quantized cache's [num_blocks, block_size, KVH, groups] scales, else
 // nullptr (groups 0).
 template <typename T>
 void decode_attention_impl(const float* query, const T* key_cache, const T* value_cache, const int64_t* tables,
                            const int64_t* seq_lens, float* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
                            int64_t block_size, int64_t max_blocks, double scale, int64_t window, double soft_cap,
-                           const float* k_scales = nullptr, const float* v_scales = nullptr, int64_t groups = 0) {
+                           const ScaleT<T>* k_scales = nullptr, const ScaleT<T>* v_scales = nullptr,
+                           int64_t groups = 0) {
   const int64_t G = H / KVH;
   const Geometry geo{block_size, block_size * KVH * D, KVH * D, block_size * KVH * groups, KVH * groups, groups};
   const float scale_f = static_cast<float>(scale), cap = static_cast<float>(soft_cap);
@@ -331,8 +335,8 @@ void decode_attention_impl(const float* query, const T* key_cache, const T* valu
       const int64_t* table = tables + task.b * max_blocks;
       const T* kc = key_cache + task.h * D;
       const T* vc = value_cache + task.h * D;
-      const float* ksc = k_scales ? k_scales + task.h * groups : nullptr;
-      const float* vsc = v_scales ? v_scales + task.h * groups : nullptr;
+      const ScaleT<T>* ksc = k_scales ? k_scales + task.h * groups : nullptr;
+      const ScaleT<T>* vsc = v_scales ? v_scales + task.h * groups : nullptr;
       bool done = false;
 #ifdef PERFXLM_AVX512
       if (fast) {
@@ -404,20 +408,34 @@ void decode_attention_impl(const float* query, const T* key_cache, const T* valu
   });
 }
 
-// An int8 cache's scales: float32 [num_blocks, block_size, num_kv_heads, groups], groups dividing head_dim.
+// A quantized cache's scales: [num_blocks, block_size, num_kv_heads, groups], groups dividing head_dim;
+// float32 for int8, uint8 exponents for fp8 (ScaleOf).
 int64_t check_scales(const at::Tensor& cache, const c10::optional<at::Tensor>& scales, const char* name) {
   const bool has = scales.has_value() && scales->defined();
-  if (cache.scalar_type() != at::kChar) {
-    TORCH_CHECK(!has, name, " given for a cache that is not int8");
+  const auto dtype = cache.scalar_type();
+  const bool fp8 = dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2;
+  if (dtype != at::kChar && !fp8) {
+    TORCH_CHECK(!has, name, " given for a cache that is not quantized");
     return 0;
   }
-  TORCH_CHECK(has, "an int8 cache needs its ", name);
+  TORCH_CHECK(has, "a quantized (", dtype, ") cache needs its ", name);
   const at::Tensor& s = *scales;
-  TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 4 && s.size(0) == cache.size(0) &&
+  const auto want = fp8 ? at::kByte : at::kFloat;
+  TORCH_CHECK(s.scalar_type() == want && s.is_contiguous() && s.dim() == 4 && s.size(0) == cache.size(0) &&
                   s.size(1) == cache.size(1) && s.size(2) == cache.size(2) && s.size(3) >= 1 &&
                   cache.size(3) % s.size(3) == 0,
-              name, " must be contiguous float32 [num_blocks, block_size, num_kv_heads, groups], groups dividing head_dim");
+              name, " must be contiguous ", want, " [num_blocks, block_size, num_kv_heads, groups], groups dividing head_dim");
   return s.size(3);
+}
+
+// The biased exponent byte of an fp8 group's power-of-two scale, as kv_quant.fp8_scale_exponents: the
+// smallest e with amax / 2^e <= the format's maximum 0.875 * 2^(top + 1) (top 8: e4m3, 15: e5m2).
+inline uint8_t fp8_scale_byte(float amax, int top) {
+  if (!(amax > 0.f) || !std::isfinite(amax)) return 127;
+  int k;
+  const float m = std::frexp(amax, &k);  // amax = m 2^k, m in [0.5, 1)
+  const int e = m <= 0.875f ? k - top - 1 : k - top;
+  return static_cast<uint8_t>(std::clamp(e, -126, 126) + 127);
 }
 
 template <typename T>
@@ -459,10 +477,10 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   }
   const int64_t groups = check_scales(key_cache, key_scale, "key_scale");
   TORCH_CHECK(check_scales(value_cache, value_scale, "value_scale") == groups, "key and value scales differ in shape");
-  const float* ks = groups ? key_scale->data_ptr<float>() : nullptr;
-  const float* vs = groups ? value_scale->data_ptr<float>() : nullptr;
   auto run = [&](auto tag) {
     using T = decltype(tag);
+    const auto* ks = groups ? reinterpret_cast<const ScaleT<T>*>(key_scale->const_data_ptr()) : nullptr;
+    const auto* vs = groups ? reinterpret_cast<const ScaleT<T>*>(value_scale->const_data_ptr()) : nullptr;
     decode_attention_impl<T>(q.data_ptr<float>(), cache_ptr<T>(key_cache), cache_ptr<T>(value_cache),
                              tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KVH, D,
                              block_size, max_blocks, scale, sliding_window, soft_cap, ks, vs, groups);
@@ -479,9 +497,9 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
 }
 
 // Rows of `src` ([T, width] with row stride `src_stride`) into cache slots (rows of `width` elements),
-// quantized as perfxlm/ops/kv_quant.py's quantize(): int8 per group of width / (heads * groups) values
-// (scale = absmax / 127, round half to even; `scales` gets [slot, heads * groups]), fp8 saturated to its
-// range and rounded to nearest even.
+// quantized as perfxlm/ops/kv_quant.py's quantize(), per group of width / (heads * groups) values
+// (`scales` gets [slot, heads * groups]): int8 with scale = absmax / 127, round half to even; fp8 times
+// 2^-e (fp8_scale_byte), saturated to its range and rounded to nearest even.
 void write_slots(const float* src, int64_t src_stride, int64_t T, int64_t width, const int64_t* slots,
                  at::Tensor& cache, const c10::optional<at::Tensor>& scales) {
   const int64_t num_slots = cache.numel() / width;
@@ -509,11 +527,24 @@ void write_slots(const float* src, int64_t src_stride, int64_t T, int64_t width,
   } else if (cache.scalar_type() == at::kFloat8_e4m3fn || cache.scalar_type() == at::kFloat8_e5m2) {
     const bool e4m3 = cache.scalar_type() == at::kFloat8_e4m3fn;
     const float mx = e4m3 ? 448.f : 57344.f;
+    const int top = e4m3 ? 8 : 15;
+    const int64_t groups = check_scales(cache, scales, "scales");
+    const int64_t per_slot = width / cache.size(3) * groups, gs = cache.size(3) / groups;
     uint8_t* dst = reinterpret_cast<uint8_t*>(cache.data_ptr());
+    uint8_t* sdst = scales->data_ptr<uint8_t>();
     for (int64_t t = 0; t < T; ++t)
-      for (int64_t i = 0; i < width; ++i) {
-        const float x = std::min(mx, std::max(-mx, src[t * src_stride + i]));
-        dst[slots[t] * width + i] = e4m3 ? c10::Float8_e4m3fn(x).x : c10::Float8_e5m2(x).x;
+      for (int64_t g = 0; g < per_slot; ++g) {
+        const float* x = src + t * src_stride + g * gs;
+        float amax = 0.f;
+        for (int64_t i = 0; i < gs; ++i) amax = std::max(amax, std::fabs(x[i]));
+        const uint8_t byte = fp8_scale_byte(amax, top);
+        sdst[slots[t] * per_slot + g] = byte;
+        const float inv = scale_value(static_cast<uint8_t>(254 - byte));  // 2^-e
+        uint8_t* out = dst + slots[t] * width + g * gs;
+        for (int64_t i = 0; i < gs; ++i) {
+          const float y = std::min(mx, std::max(-mx, x[i] * inv));
+          out[i] = e4m3 ? c10::Float8_e4m3fn(y).x : c10::Float8_e5m2(y).x;
+        }
       }
   } else {
     uint16_t* dst = reinterpret_cast<uint16_t*>(cache.data_ptr<at::BFloat16>());

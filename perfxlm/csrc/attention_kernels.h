@@ -8,7 +8,7 @@
 namespace perfxlm_attn {
 
 // One query token per sequence (query float32 [B, H, D]) over the paged cache, read in place through
-// the block table; `key_scale` / `value_scale` are an int8 cache's group scales, else none.
+// the block table; `key_scale` / `value_scale` are a quantized cache's group scales, else none.
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                                   int64_t sliding_window, double soft_cap,

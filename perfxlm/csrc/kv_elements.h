@@ -22,6 +22,30 @@ inline float load_scalar(const int8_t* p) { return static_cast<float>(*p); }
 inline float load_scalar(const c10::Float8_e4m3fn* p) { return static_cast<float>(*p); }
 inline float load_scalar(const c10::Float8_e5m2* p) { return static_cast<float>(*p); }
 
+// A quantized cache's group scales: float32 for int8; for fp8 one byte, the biased exponent of a power
+// of two (2^(byte - 127), bytes 1..253), read as a float by placing it in the exponent field.
+template <typename T>
+struct ScaleOf {
+  using type = float;
+};
+template <>
+struct ScaleOf<c10::Float8_e4m3fn> {
+  using type = uint8_t;
+};
+template <>
+struct ScaleOf<c10::Float8_e5m2> {
+  using type = uint8_t;
+};
+template <typename T>
+using ScaleT = typename ScaleOf<T>::type;
+inline float scale_value(float s) { return s; }
+inline float scale_value(uint8_t biased_exponent) {
+  const uint32_t u = static_cast<uint32_t>(biased_exponent) << 23;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
 inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch's conversion
   uint32_t u;
   std::memcpy(&u, &f, sizeof(u));

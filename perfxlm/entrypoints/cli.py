@@ -26,9 +26,10 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
     parser.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size in GiB")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV cache blocks")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"],
-                        help="KV cache storage: auto = the model's dtype; int8 with group scales; fp8 = fp8_e4m3")
+                        help="KV cache storage: auto = the model's dtype; int8 / fp8 with group scales; "
+                             "fp8 = fp8_e4m3")
     parser.add_argument("--kv-cache-group-size", type=int, default=None,
-                        help="int8 KV cache: values per scale (default: the head size)")
+                        help="int8 / fp8 KV cache: values per scale (default: the head size)")
     parser.add_argument("--quantization", "-q", default=None,
                         help="weights stored quantized: int8 | int4 | nf4 | w8a8 quantize a float checkpoint at "
                              "load; gguf keeps a GGUF file's quantized tensors (the default for .gguf), none "

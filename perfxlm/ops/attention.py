@@ -27,7 +27,7 @@ def write_kv_cache(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64
-    key_scale: torch.Tensor | None = None,  # int8 cache: [num_blocks, block_size, num_kv_heads, groups]
+    key_scale: torch.Tensor | None = None,  # quantized cache: [num_blocks, block_size, num_kv_heads, groups]
     value_scale: torch.Tensor | None = None,
 ) -> None:
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
@@ -74,7 +74,7 @@ def paged_decode_attention(
     mask: torch.Tensor | None = None,  # decode_mask(...) of the same step, to build it once for all layers
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    key_scale: torch.Tensor | None = None,  # int8 cache: the scales beside the blocks
+    key_scale: torch.Tensor | None = None,  # quantized cache: the scales beside the blocks
     value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [B, num_heads, head_dim]
     ops = native.kernels()
@@ -149,7 +149,7 @@ def prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    key_scale: torch.Tensor | None = None,  # int8 cache: the scales beside the blocks
+    key_scale: torch.Tensor | None = None,  # quantized cache: the scales beside the blocks
     value_scale: torch.Tensor | None = None,
     bf16_model: bool = False,  # a quantized cache of a bfloat16 model (see _prefill_compute_dtype)
     tiled: bool = True,  # False: prefill_attention_reference

@@ -52,7 +52,7 @@ def gather_tile(
     start: int,
     end: int,
     dtype: torch.dtype,
-    scale: torch.Tensor | None = None,  # int8 cache: [num_blocks, block_size, num_kv_heads, groups]
+    scale: torch.Tensor | None = None,  # quantized cache: [num_blocks, block_size, num_kv_heads, groups]
 ) -> torch.Tensor:  # [1, num_kv_heads, end - start, head_dim], in `dtype`
     """Tokens start .. end - 1 of a sequence: only the blocks holding them are copied and dequantized."""
     block_size = cache.shape[1]

@@ -1,4 +1,5 @@
-"""Quantized KV cache (int8 with group scales, fp8 e4m3 / e5m2): the plain-torch quantize / dequantize
+"""Quantized KV cache (int8 with group scales, fp8 e4m3 / e5m2 with power-of-two group scales): the
+plain-torch quantize / dequantize
 reference against the torch paths and the native kernels (write and read), on random inputs with odd
 head sizes and block sizes."""
 
@@ -12,10 +13,18 @@ from perfxlm.ops.attention import (
     prefill_attention,
     write_kv_cache,
 )
-from perfxlm.ops.kv_quant import KV_CACHE_DTYPES, KVCacheSpec, dequantize, quantize
+from perfxlm.ops.kv_quant import (
+    FP8_MAX,
+    KV_CACHE_DTYPES,
+    KVCacheSpec,
+    dequantize,
+    fp8_scale_exponents,
+    quantize,
+)
 from perfxlm.ops.reference import attention_reference
 
-FORMATS = [("int8", None), ("int8", 8), ("int8", 16), ("fp8_e4m3", None), ("fp8_e5m2", None)]
+FORMATS = [("int8", None), ("int8", 8), ("int8", 16), ("fp8_e4m3", None), ("fp8_e4m3", 16),
+           ("fp8_e5m2", None), ("fp8_e5m2", 8)]
 SHAPES = [(6, 2, 32, 16), (4, 4, 24, 5), (9, 3, 64, 7), (8, 2, 128, 16), (2, 1, 256, 3), (3, 1, 48, 1)]
 
 
@@ -51,20 +60,30 @@ def _deq(cache, which):
 @pytest.mark.parametrize("name,group", FORMATS)
 def test_quantize_error_bounds(name, group):
     spec = KVCacheSpec.resolve(name, torch.float32, group)
-    x = torch.randn(50, 3, 64) * 4
+    # heads of very different magnitudes: per-group scales keep each one's relative precision
+    x = torch.randn(50, 3, 64) * torch.tensor([4.0, 0.02, 3e-4]).view(1, 3, 1)
     x[0, 0] = 0
-    q, s = quantize(x, spec.dtype, 64 // spec.group(64) if spec.has_scales else 1)
-    assert q.dtype == spec.dtype
+    q, s = quantize(x, spec.dtype, 64 // spec.group(64))
+    assert q.dtype == spec.dtype and s.shape == (50, 3, 64 // spec.group(64)) and s.dtype == spec.scale_dtype
     back = dequantize(q, s, torch.float32)
     assert torch.equal(back[0, 0], torch.zeros(64))
-    if spec.has_scales:
+    if name == "int8":
         # symmetric absmax: error at most half a step of the group's scale
         step = s.repeat_interleave(spec.group(64), dim=-1)
-        assert (back - x).abs().le(step / 2 + 1e-6).all()
-        assert s.shape == (50, 3, 64 // spec.group(64))
+        assert (back - x).abs().le(step / 2 + 1e-6 * step).all()
     else:
-        rel = 2.0**-4 if name == "fp8_e4m3" else 2.0**-3  # half a unit of 3 / 2 mantissa bits
-        assert ((back - x).abs() <= rel * x.abs() + 2.0**-9).all()
+        # a power of two 2^e per group: the group's absmax lands in the format's top binade, each value
+        # rounds to 3 / 2 mantissa bits (half a unit: 2^-4 / 2^-3 relative), subnormals to half the
+        # smallest step (2^-10 / 2^-17) times 2^e
+        e = s.to(torch.int32) - 127
+        amax = x.unflatten(-1, (s.shape[-1], -1)).abs().amax(-1)
+        top = FP8_MAX[spec.dtype]
+        live = amax > 0
+        scaled = amax[live] / torch.exp2(e[live].double())
+        assert (scaled <= top).all() and (scaled > top / 2).all()
+        rel, tiny = (2.0**-4, 2.0**-10) if name == "fp8_e4m3" else (2.0**-3, 2.0**-17)
+        bound = rel * x.abs() + tiny * torch.exp2(e.double()).repeat_interleave(spec.group(64), dim=-1)
+        assert ((back - x).abs() <= bound).all()
     # saturation instead of NaN / inf
     big, _ = quantize(torch.tensor([1e9, -1e9]), spec.dtype, 1)
     assert torch.isfinite(big.float()).all()
@@ -168,7 +187,9 @@ def test_bytes_per_token_and_names():
     assert KVCacheSpec.resolve("int8", torch.bfloat16).bytes_per_token(3, 64) == 2 * 3 * (64 + 4)
     assert KVCacheSpec.resolve("int8", torch.bfloat16, 8).bytes_per_token(3, 64) == 2 * 3 * (64 + 8 * 4)
     assert KVCacheSpec.resolve("fp8", torch.bfloat16).dtype == torch.float8_e4m3fn
-    assert KVCacheSpec.resolve("fp8_e5m2", torch.float32).bytes_per_token(3, 64) == 2 * 3 * 64
+    # fp8: one exponent byte per group
+    assert KVCacheSpec.resolve("fp8_e5m2", torch.float32).bytes_per_token(3, 64) == 2 * 3 * (64 + 1)
+    assert KVCacheSpec.resolve("fp8", torch.float32, 16).bytes_per_token(3, 64) == 2 * 3 * (64 + 4)
     with pytest.raises(ValueError, match="auto, int8, fp8, fp8_e4m3, fp8_e5m2"):
         KVCacheSpec.resolve("int4", torch.float32)
     assert KV_CACHE_DTYPES == ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -185,3 +206,30 @@ def test_widen_gives_torch_conversion_for_every_finite_fp8_code(fp8, dtype):
     finite = expected.isfinite()
     assert got.dtype == dtype and got.shape == codes.shape
     assert torch.equal(got[finite], expected[finite])
+
+
+@pytest.mark.parametrize("fp8,top", [(torch.float8_e4m3fn, 448.0), (torch.float8_e5m2, 57344.0)])
+def test_fp8_scale_exponent_at_the_edges(fp8, top):
+    """The smallest power of two that brings the absmax within the format's maximum, exactly at the
+    boundaries; 0 for an all-zero group; clamped where 2^e would leave the normal floats."""
+    edges = [top, top * (1 + 2**-20), top / 2, top / 2 * (1 + 2**-20), top * 2**-40, 0.0, 3e38, 1e-44]
+    amax = torch.tensor(edges)
+    e = fp8_scale_exponents(amax, fp8).tolist()
+    assert e[:6] == [0, 1, -1, 0, -40, 0]
+    assert e[6] == round(torch.log2(torch.tensor(3e38 / top)).ceil().item()) and e[7] == -126
+    q, s = quantize(torch.tensor([[top * 8, -top, 1.0]]), fp8)
+    assert s.item() == 127 + 3
+    assert torch.equal(dequantize(q, s, torch.float32), torch.tensor([[top * 8, -top, 1.0]]))
+
+
+def test_fp8_scales_written_by_the_kernel_match_every_exponent():
+    """The native write picks the same exponent as the torch reference over 2^-120 .. 2^120."""
+    ops = _native_or_skip()
+    spec = KVCacheSpec.resolve("fp8", torch.float32)
+    cache = spec.allocate(2, 128, 2, 16)
+    mags = torch.exp2(torch.linspace(-120, 120, 256)).view(256, 1, 1)
+    k = torch.randn(256, 2, 16) * mags
+    ops.write_kv_slots(k, k, cache.key, cache.value, torch.arange(256), cache.key_scale, cache.value_scale)
+    q, s = quantize(k, spec.dtype)
+    assert torch.equal(cache.key_scale.view(256, 2, 1), s)
+    assert torch.equal(cache.key.view(torch.uint8).view(256, 2, 16), q.view(torch.uint8))

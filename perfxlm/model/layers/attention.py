@@ -55,7 +55,7 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.logit_soft_cap = logit_soft_cap
         # K and V blocks, each [num_blocks, block_size, num_kv_heads, head_dim], and their scales for an
-        # int8 cache (ops/kv_quant.py)
+        # int8 / fp8 cache (ops/kv_quant.py)
         self.kv_cache: KVCache | None = None
 
     def forward(
