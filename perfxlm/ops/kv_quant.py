@@ -13,9 +13,9 @@ plain-torch quantize / dequantize the native kernels are tested against.
   power-of-two scale per group (default: per token and KV head, like int8) stored in one byte, its
   biased exponent (2^(byte - 127), the layout of OCP MX's E8M0 scales), chosen so the group's absmax
   lands in the top binade of the format's range: 65 bytes per 64-value head, 1.97x the tokens of bf16.
-  vLLM's default is one per-tensor scale of 1.0; here small-valued heads would then sit in e4m3's
-  subnormal range (43 % of SmolLM2's layer-0 V values, median |v| 0.019 against 2^-6), where few
-  mantissa bits remain: +1.5 % perplexity against +0.4 % with the exponent byte (docs/DESIGN.md). A
+  vLLM's default, one per-tensor scale of 1.0, holds only while K/V sit inside the format's range:
+  larger values saturate, and a head of small values loses its mantissa bits (e4m3's step is a fixed
+  2^-9 below 2^-6; values below 2^-10 flush to 0). With a scale per head any magnitude keeps them. A
   power of two scales exactly: quantizing divides by it before the one rounding, and the kernels fold
   it into the score (K) and the softmax weight (V) as for int8.
 
