@@ -95,7 +95,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
     # vLLM's names: "auto" (the model's dtype), "int8" (group scales), "fp8" (= "fp8_e4m3"), "fp8_e5m2";
-    # see ops/kv_quant.py. kv_cache_group_size: int8 / fp8 values per scale (None: one scale per token and head).
+    # see ops/kv_quant.py. kv_cache_group_size: int8 / fp8 values per scale (None: one scale per token
+    # and head).
     kv_cache_dtype: str = "auto"
     kv_cache_group_size: int | None = None
     # Quantized weights (perfxlm/quant/config.py): None keeps a GGUF file's quantized tensors quantized and

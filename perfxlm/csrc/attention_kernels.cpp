@@ -428,6 +428,10 @@ int64_t check_scales(const at::Tensor& cache, const c10::optional<at::Tensor>& s
   return s.size(3);
 }
 
+// The formats' largest finite values, 0.875 * 2^(top + 1) (kv_quant.FP8_MAX / FP8_TOP).
+constexpr float kE4m3Max = 448.f, kE5m2Max = 57344.f;
+constexpr int kE4m3Top = 8, kE5m2Top = 15;
+
 // The biased exponent byte of an fp8 group's power-of-two scale, as kv_quant.fp8_scale_exponents: the
 // smallest e with amax / 2^e <= the format's maximum 0.875 * 2^(top + 1) (top 8: e4m3, 15: e5m2).
 inline uint8_t fp8_scale_byte(float amax, int top) {
@@ -496,6 +500,25 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   return out;
 }
 
+namespace {
+// Calls fn(values, group size, absmax, index of the group's scale, index of its first cache element) for
+// every group of every row written to a quantized cache. The absmax is NaN where the group holds a NaN
+// (as torch's amax), so both paths pick the same scale.
+template <typename Fn>
+void for_each_group(const float* src, int64_t src_stride, int64_t T, int64_t width, const int64_t* slots,
+                    const at::Tensor& cache, const c10::optional<at::Tensor>& scales, Fn&& fn) {
+  const int64_t groups = check_scales(cache, scales, "scales");
+  const int64_t per_slot = width / cache.size(3) * groups, gs = cache.size(3) / groups;  // scales per slot
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t g = 0; g < per_slot; ++g) {
+      const float* x = src + t * src_stride + g * gs;
+      float amax = 0.f;
+      for (int64_t i = 0; i < gs; ++i) amax = std::isnan(x[i]) ? x[i] : std::max(amax, std::fabs(x[i]));
+      fn(x, gs, amax, slots[t] * per_slot + g, slots[t] * width + g * gs);
+    }
+}
+}  // namespace
+
 // Rows of `src` ([T, width] with row stride `src_stride`) into cache slots (rows of `width` elements),
 // quantized as perfxlm/ops/kv_quant.py's quantize(), per group of width / (heads * groups) values
 // (`scales` gets [slot, heads * groups]): int8 with scale = absmax / 127, round half to even; fp8 times
@@ -509,43 +532,29 @@ void write_slots(const float* src, int64_t src_stride, int64_t T, int64_t width,
     float* dst = cache.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) std::memcpy(dst + slots[t] * width, src + t * src_stride, width * sizeof(float));
   } else if (cache.scalar_type() == at::kChar) {
-    const int64_t groups = check_scales(cache, scales, "scales");
-    const int64_t per_slot = width / cache.size(3) * groups, gs = cache.size(3) / groups;  // scales per slot
     int8_t* dst = cache.data_ptr<int8_t>();
-    float* sdst = scales->data_ptr<float>();
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t g = 0; g < per_slot; ++g) {
-        const float* x = src + t * src_stride + g * gs;
-        float amax = 0.f;
-        for (int64_t i = 0; i < gs; ++i) amax = std::max(amax, std::fabs(x[i]));
-        const float sc = amax / 127.f, div = sc == 0.f ? 1.f : sc;
-        sdst[slots[t] * per_slot + g] = sc;
-        int8_t* out = dst + slots[t] * width + g * gs;
-        for (int64_t i = 0; i < gs; ++i)
-          out[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x[i] / div))));
-      }
+    for_each_group(src, src_stride, T, width, slots, cache, scales, [&](const float* x, int64_t gs, float amax,
+                                                                      int64_t at, int64_t out_at) {
+      const float sc = amax / 127.f, div = sc == 0.f ? 1.f : sc;
+      scales->data_ptr<float>()[at] = sc;
+      for (int64_t i = 0; i < gs; ++i)
+        dst[out_at + i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x[i] / div))));
+    });
   } else if (cache.scalar_type() == at::kFloat8_e4m3fn || cache.scalar_type() == at::kFloat8_e5m2) {
     const bool e4m3 = cache.scalar_type() == at::kFloat8_e4m3fn;
-    const float mx = e4m3 ? 448.f : 57344.f;
-    const int top = e4m3 ? 8 : 15;
-    const int64_t groups = check_scales(cache, scales, "scales");
-    const int64_t per_slot = width / cache.size(3) * groups, gs = cache.size(3) / groups;
+    const float mx = e4m3 ? kE4m3Max : kE5m2Max;
     uint8_t* dst = reinterpret_cast<uint8_t*>(cache.data_ptr());
-    uint8_t* sdst = scales->data_ptr<uint8_t>();
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t g = 0; g < per_slot; ++g) {
-        const float* x = src + t * src_stride + g * gs;
-        float amax = 0.f;
-        for (int64_t i = 0; i < gs; ++i) amax = std::max(amax, std::fabs(x[i]));
-        const uint8_t byte = fp8_scale_byte(amax, top);
-        sdst[slots[t] * per_slot + g] = byte;
-        const float inv = scale_value(static_cast<uint8_t>(254 - byte));  // 2^-e
-        uint8_t* out = dst + slots[t] * width + g * gs;
-        for (int64_t i = 0; i < gs; ++i) {
-          const float y = std::min(mx, std::max(-mx, x[i] * inv));
-          out[i] = e4m3 ? c10::Float8_e4m3fn(y).x : c10::Float8_e5m2(y).x;
-        }
+    for_each_group(src, src_stride, T, width, slots, cache, scales, [&](const float* x, int64_t gs, float amax,
+                                                                      int64_t at, int64_t out_at) {
+      const uint8_t byte = fp8_scale_byte(amax, e4m3 ? kE4m3Top : kE5m2Top);
+      scales->data_ptr<uint8_t>()[at] = byte;
+      const float inv = scale_value(static_cast<uint8_t>(254 - byte));  // 2^-e
+      for (int64_t i = 0; i < gs; ++i) {
+        float y = x[i] * inv;  // saturated; a NaN stays NaN, as torch's clamp
+        y = y > mx ? mx : (y < -mx ? -mx : y);
+        dst[out_at + i] = e4m3 ? c10::Float8_e4m3fn(y).x : c10::Float8_e5m2(y).x;
       }
+    });
   } else {
     uint16_t* dst = reinterpret_cast<uint16_t*>(cache.data_ptr<at::BFloat16>());
     for (int64_t t = 0; t < T; ++t)

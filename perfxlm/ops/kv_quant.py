@@ -12,7 +12,7 @@ plain-torch quantize / dequantize the native kernels are tested against.
 - `fp8` (= `fp8_e4m3`), `fp8_e5m2`: `torch.float8_e4m3fn` / `torch.float8_e5m2` values with a
   power-of-two scale per group (default: per token and KV head, like int8) stored in one byte, its
   biased exponent (2^(byte - 127), the layout of OCP MX's E8M0 scales), chosen so the group's absmax
-  lands in the top binade of the format's range: 65 bytes per 64-value head, 1.97x the tokens of bf16.
+  lands in (max / 2, max] of the format's range: 65 bytes per 64-value head, 1.97x the tokens of bf16.
   vLLM's default, one per-tensor scale of 1.0, holds only while K/V sit inside the format's range:
   larger values saturate, and a head of small values loses its mantissa bits (e4m3's step is a fixed
   2^-9 below 2^-6; values below 2^-10 flush to 0). With a scale per head any magnitude keeps them. A
@@ -25,7 +25,6 @@ paths gather a sequence's blocks and `dequantize` them.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +34,8 @@ from perfxlm.worker.kv_memory import lazy_zeros
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 _STORAGE = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+# FP8_MAX = 0.875 * 2^(top + 1): the exponent rule's constant (csrc/attention_kernels.cpp: kE4m3Top ...)
+FP8_TOP = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}
 INT8_MAX = 127.0
 _QUANTIZED = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -69,10 +70,10 @@ class KVCacheSpec:
 
     @property
     def quantized(self) -> bool:
-        return self.dtype in (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+        return self.dtype in _QUANTIZED
 
     @property
-    def has_scales(self) -> bool:
+    def has_scales(self) -> bool:  # every quantized format keeps scales beside its blocks
         return self.quantized
 
     @property
@@ -102,7 +103,8 @@ class KVCacheSpec:
         key_scale = value_scale = None
         if self.has_scales:
             sshape = (num_blocks, block_size, num_kv_heads, head_dim // self.group(head_dim))
-            key_scale, value_scale = lazy_zeros(sshape, self.scale_dtype), lazy_zeros(sshape, self.scale_dtype)
+            key_scale = lazy_zeros(sshape, self.scale_dtype)
+            value_scale = lazy_zeros(sshape, self.scale_dtype)
         return KVCache(key, value, key_scale, value_scale, bf16_model=self.bf16_model or self.dtype == torch.bfloat16)
 
     def describe(self, head_dim: int | None = None) -> str:
@@ -130,7 +132,7 @@ class KVCache:
 
 
 def cache_is_quantized(cache: torch.Tensor) -> bool:
-    return cache.dtype == torch.int8 or cache.dtype in FP8_MAX
+    return cache.dtype in _QUANTIZED
 
 
 def as_bits(t: torch.Tensor) -> torch.Tensor:
@@ -139,16 +141,17 @@ def as_bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def pow2(exponents: torch.Tensor) -> torch.Tensor:
-    """Integer exponents in [-126, 127] -> 2^e as float32, built from the bits (exact)."""
+    """Integer exponents in [-126, 127] -> 2^e as float32, built from the bits (exact). -127 gives 0: a
+    scale byte of 0 (a slot never written, from the zeroed pool) reads as 0, as in the kernels."""
     return ((exponents.to(torch.int32) + 127) << 23).view(torch.float32)
 
 
 def fp8_scale_exponents(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The power-of-two scale 2^e of an fp8 group with absolute maximum `amax`: the smallest e with
     amax / 2^e <= the format's maximum (448 = 0.875 * 2^9 for e4m3, 57344 = 0.875 * 2^16 for e5m2), so
-    the group's largest value lands in the top binade. e is 0 for an all-zero (or non-finite) group and
-    clamped to [-126, 126], where 2^e and 2^-e are normal floats. Returns int32 e."""
-    top = round(math.log2(FP8_MAX[dtype] / 0.875)) - 1  # 8 (e4m3) or 15 (e5m2)
+    the group's largest value lands in (max / 2, max]. e is 0 for an all-zero group or one holding a NaN
+    or an infinity, and clamped to [-126, 126], where 2^e and 2^-e are normal floats. Returns int32 e."""
+    top = FP8_TOP[dtype]
     mantissa, k = torch.frexp(amax)  # amax = mantissa * 2^k, mantissa in [0.5, 1)
     e = torch.where(mantissa <= 0.875, k - top - 1, k - top)
     e = torch.where((amax > 0) & torch.isfinite(amax), e, torch.zeros_like(e))
@@ -197,7 +200,9 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) 
     """Inverse of `quantize`: [..., head_dim] values (+ [..., num_groups] scales) -> `dtype`."""
     if scale is None:
         return widen(q, dtype)
-    if scale.dtype == torch.uint8:  # fp8: widened exactly, then times a power of two (exact)
+    if scale.dtype == torch.uint8:
+        # fp8: widened exactly, then times a power of two: exact in float32; in bf16 too but for groups
+        # scaled below ~2^-118, whose smallest values fall under bf16's subnormals
         g = widen(q, dtype).unflatten(-1, (scale.shape[-1], -1))
         return (g * pow2(scale.to(torch.int32) - 127).to(dtype).unsqueeze(-1)).flatten(-2)
     g = q.unflatten(-1, (scale.shape[-1], q.shape[-1] // scale.shape[-1])).float() * scale.unsqueeze(-1)

@@ -152,7 +152,7 @@ class ModelRunner:
         src = torch.tensor([p[0] for p in pairs])
         dst = torch.tensor([p[1] for p in pairs])
         for cache in self.kv_caches:
-            for t in map(as_bits, cache.tensors()):  # K, V and, for an int8 cache, their scales
+            for t in map(as_bits, cache.tensors()):  # K, V and, for a quantized cache, their scales
                 t.index_copy_(0, dst, t.index_select(0, src))
 
     def _prompt_logprobs(

@@ -1,7 +1,6 @@
 """Quantized KV cache (int8 with group scales, fp8 e4m3 / e5m2 with power-of-two group scales): the
-plain-torch quantize / dequantize
-reference against the torch paths and the native kernels (write and read), on random inputs with odd
-head sizes and block sizes."""
+plain-torch quantize / dequantize reference against the torch paths and the native kernels (write and
+read), on random inputs with odd head sizes and block sizes."""
 
 import pytest
 import torch
@@ -45,7 +44,7 @@ def _cache(spec, num_blocks, block_size, kvh, d, seed=0):
     cache = spec.allocate(num_blocks, block_size, kvh, d)
     n = num_blocks * block_size
     k, v = torch.randn(n, kvh, d) * 3, torch.randn(n, kvh, d)
-    k[0, 0] = 0.0  # an all-zero group: scale 0, dequantized to 0
+    k[0, 0] = 0.0  # an all-zero group: dequantized to 0 (int8 scale 0, fp8 scale 2^0)
     slots = torch.randperm(n)
     write_kv_cache(k, v, cache.key, cache.value, slots, cache.key_scale, cache.value_scale)
     return cache
@@ -84,7 +83,7 @@ def test_quantize_error_bounds(name, group):
         rel, tiny = (2.0**-4, 2.0**-10) if name == "fp8_e4m3" else (2.0**-3, 2.0**-17)
         bound = rel * x.abs() + tiny * torch.exp2(e.double()).repeat_interleave(spec.group(64), dim=-1)
         assert ((back - x).abs() <= bound).all()
-    # saturation instead of NaN / inf
+    # large values scaled (fp8) or saturated, never NaN / inf
     big, _ = quantize(torch.tensor([1e9, -1e9]), spec.dtype, 1)
     assert torch.isfinite(big.float()).all()
 
@@ -96,7 +95,7 @@ def test_native_write_equals_torch_write(name, group, head_dim):
     torch.manual_seed(0)
     a, b = spec.allocate(9, 5, 3, head_dim), spec.allocate(9, 5, 3, head_dim)
     k, v = torch.randn(20, 3, head_dim) * 5, torch.randn(20, 3, head_dim)
-    k[3] = 1e6  # saturates fp8
+    k[3] = 1e6  # far past fp8's range: the scale takes it
     slots = torch.randperm(45)[:20]
     ops.write_kv_slots(k, v, a.key, a.value, slots, a.key_scale, a.value_scale)
     # the torch path: quantize() per token, index_copy into the slots
@@ -222,17 +221,26 @@ def test_fp8_scale_exponent_at_the_edges(fp8, top):
     assert torch.equal(dequantize(q, s, torch.float32), torch.tensor([[top * 8, -top, 1.0]]))
 
 
-def test_fp8_scales_written_by_the_kernel_match_every_exponent():
-    """The native write picks the same exponent as the torch reference over 2^-120 .. 2^120."""
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_scales_written_by_the_kernel_match_every_exponent(name):
+    """The native write picks the same exponent and bits as the torch reference over 2^-120 .. 2^120 and
+    at the rule's edges: the format's maximum and half of it (and just past each), 0, the largest float,
+    a float32 subnormal, an infinity, a NaN."""
     ops = _native_or_skip()
-    spec = KVCacheSpec.resolve("fp8", torch.float32)
-    cache = spec.allocate(2, 128, 2, 16)
+    spec = KVCacheSpec.resolve(name, torch.float32)
+    top = FP8_MAX[spec.dtype]
     mags = torch.exp2(torch.linspace(-120, 120, 256)).view(256, 1, 1)
     k = torch.randn(256, 2, 16) * mags
+    inf, nan = float("inf"), float("nan")
+    edges = [top, top * (1 + 2**-20), top / 2, top / 2 * (1 + 2**-20), 0.0, 3e38, 1e-44, inf, nan]
+    for i, edge in enumerate(edges):  # a head whose absmax is the edge (or holding the inf / NaN)
+        k[i, 0] = torch.linspace(-1, 1, 16) * (1 if edge in (inf,) or edge != edge else edge)
+        k[i, 0, 3] = edge
+    cache = spec.allocate(3, 128, 2, 16)
     ops.write_kv_slots(k, k, cache.key, cache.value, torch.arange(256), cache.key_scale, cache.value_scale)
     q, s = quantize(k, spec.dtype)
-    assert torch.equal(cache.key_scale.view(256, 2, 1), s)
-    assert torch.equal(cache.key.view(torch.uint8).view(256, 2, 16), q.view(torch.uint8))
+    assert torch.equal(cache.key_scale.view(-1, 2, 1)[:256], s)
+    assert torch.equal(cache.key.view(torch.uint8).view(-1, 2, 16)[:256], q.view(torch.uint8))
 
 
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
