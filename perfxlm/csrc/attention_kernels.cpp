@@ -46,6 +46,11 @@ enum class Scales { None, Token, Group };
 
 constexpr int64_t kMaxRange = 512;  // tokens per task at most: the range's K and V rows stay in L2
 constexpr int64_t kMinRange = 128;  // ...and at least, so the merge stays negligible
+#ifdef PERFXLM_AVX512
+constexpr int64_t kFastLanes = 16;  // a scale group of the fast path is whole vectors
+#else
+constexpr int64_t kFastLanes = 8;
+#endif
 
 // e^(s - max) in place after the soft cap (cap > 0); returns max and the sum of the exponentials.
 inline void softmax_partial(float* s, int64_t n, float cap, float& max_out, float& sum_out) {
@@ -65,6 +70,28 @@ inline void softmax_partial(float* s, int64_t n, float cap, float& max_out, floa
     acc = _mm512_mask_add_ps(acc, mask, acc, e);
   }
   sum = _mm512_reduce_add_ps(acc);
+#elif defined(PERFXLM_AVX2)
+  int64_t i = 0;
+  __m256 mv = _mm256_set1_ps(mx);
+  for (; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + i));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  for (; i < n; ++i) mx = std::max(mx, s[i]);
+  const __m256 m8 = _mm256_set1_ps(mx);
+  __m256 acc = _mm256_setzero_ps();
+  for (i = 0; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), m8));
+    _mm256_storeu_ps(s + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  __m128 a4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  a4 = _mm_add_ps(a4, _mm_movehl_ps(a4, a4));
+  sum = _mm_cvtss_f32(_mm_add_ss(a4, _mm_movehdup_ps(a4)));
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - mx);
+    sum += s[i];
+  }
 #else
   for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
   for (int64_t i = 0; i < n; ++i) {
@@ -92,6 +119,20 @@ inline void walk(const T* cache, const ScaleT<T>* scales, const int64_t* table, 
   }
 }
 
+#if defined(PERFXLM_AVX512) || defined(PERFXLM_AVX2)
+// The next block's rows of this head, requested while the current block is computed: a head's rows are
+// token_stride apart and its blocks scattered, a pattern the hardware prefetchers do not follow.
+template <typename T>
+inline void prefetch_block(const T* cache, int64_t next_block, const Geometry& geo, int64_t row_elems) {
+  if (next_block < 0) return;
+  const char* base = reinterpret_cast<const char*>(cache + next_block * geo.block_stride);
+  const int64_t bytes = row_elems * static_cast<int64_t>(sizeof(T));
+  for (int64_t r = 0; r < geo.block_size; ++r)
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(base + r * geo.token_stride * sizeof(T) + o, _MM_HINT_T0);
+}
+
+#endif
+
 #ifdef PERFXLM_AVX512
 // [sum(a), sum(b), sum(c), sum(d)]: four horizontal sums for the shuffles of about one and a half.
 inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
@@ -103,17 +144,6 @@ inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
   const __m256 y = _mm256_add_ps(_mm512_castps512_ps256(x),
                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
   return _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
-}
-
-// The next block's rows of this head, requested while the current block is computed: a head's rows are
-// token_stride apart and its blocks scattered, a pattern the hardware prefetchers do not follow.
-template <typename T>
-inline void prefetch_block(const T* cache, int64_t next_block, const Geometry& geo, int64_t row_elems) {
-  if (next_block < 0) return;
-  const char* base = reinterpret_cast<const char*>(cache + next_block * geo.block_stride);
-  const int64_t bytes = row_elems * static_cast<int64_t>(sizeof(T));
-  for (int64_t r = 0; r < geo.block_size; ++r)
-    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(base + r * geo.token_stride * sizeof(T) + o, _MM_HINT_T0);
 }
 
 // s[h * ns + (t - t0)] = q_h . k_t for the GH query heads at q (pre-scaled, [GH, 16 * DV]), tokens
@@ -219,7 +249,119 @@ void range_fast(const float* q, int64_t G, const T* kc, const T* vc, const Scale
     }
   }
 }
+#elif defined(PERFXLM_AVX2)
+// The same tasks on AVX2 (16 ymm registers): 8-lane chunks, up to 3 query heads per register tile
+// (3 x 4 score accumulators, or 3 x 4 output chunks, plus the widened chunk fit in 16 registers).
+constexpr int kHeadTile = 3;
+
+// [sum(a), sum(b), sum(c), sum(d)]
+inline __m128 reduce4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+}
+
+inline float reduce_add8(__m256 a) {
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+}
+
+template <typename T, int D, int GH, Scales S>
+void scores_fast(const float* q, const T* cache, const ScaleT<T>* scales, const int64_t* table, int64_t t0,
+                 int64_t t1, const Geometry& geo, float* s, int64_t ns) {
+  constexpr int C = D / 8;
+  const int64_t ts = geo.token_stride, sts = geo.s_token_stride;
+  const int64_t cpg = S == Scales::Group ? C / geo.groups : C;  // chunks per scale group
+  walk(cache, scales, table, t0, t1, geo, [&](int64_t t, int64_t stop, const T* k, auto ks, int64_t next) {
+    prefetch_block(cache, next, geo, D);
+    for (; t + 4 <= stop; t += 4, k += 4 * ts) {
+      __m256 acc[GH][4];
+      for (int c = 0; c < C; ++c) {
+        for (int j = 0; j < 4; ++j) {
+          __m256 kc = load8_fast(k + j * ts + 8 * c);
+          if constexpr (S == Scales::Group) kc = _mm256_mul_ps(kc, _mm256_set1_ps(scale_value(ks[j * sts + c / cpg])));
+          for (int h = 0; h < GH; ++h)
+            acc[h][j] = c == 0 ? _mm256_mul_ps(_mm256_loadu_ps(q + h * D), kc)
+                               : _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + 8 * c), kc, acc[h][j]);
+        }
+      }
+      for (int h = 0; h < GH; ++h) {
+        __m128 r = reduce4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
+        if constexpr (S == Scales::Token)
+          r = _mm_mul_ps(r, _mm_setr_ps(scale_value(ks[0]), scale_value(ks[sts]), scale_value(ks[2 * sts]),
+                                        scale_value(ks[3 * sts])));
+        _mm_storeu_ps(s + h * ns + (t - t0), r);
+      }
+      if constexpr (S != Scales::None) ks += 4 * sts;
+    }
+    for (; t < stop; ++t, k += ts) {
+      __m256 acc[GH];
+      for (int c = 0; c < C; ++c) {
+        __m256 kc = load8_fast(k + 8 * c);
+        if constexpr (S == Scales::Group) kc = _mm256_mul_ps(kc, _mm256_set1_ps(scale_value(ks[c / cpg])));
+        for (int h = 0; h < GH; ++h)
+          acc[h] = c == 0 ? _mm256_mul_ps(_mm256_loadu_ps(q + h * D), kc)
+                          : _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + 8 * c), kc, acc[h]);
+      }
+      for (int h = 0; h < GH; ++h)
+        s[h * ns + (t - t0)] = reduce_add8(acc[h]) * (S == Scales::Token ? scale_value(ks[0]) : 1.f);
+      if constexpr (S != Scales::None) ks += sts;
+    }
+  });
+}
+
+template <typename T, int D, int GH, Scales S>
+void values_fast(const float* p, int64_t np, const T* cache, const ScaleT<T>* scales, const int64_t* table,
+                 int64_t t0, int64_t t1, const Geometry& geo, float* o) {
+  constexpr int C = D / 8, SC = 4;  // D is a multiple of 32 here
+  const int64_t ts = geo.token_stride, sts = geo.s_token_stride;
+  const int64_t cpg = S == Scales::Group ? C / geo.groups : C;
+  for (int c0 = 0; c0 < C; c0 += SC) {
+    __m256 acc[GH][SC];
+    for (int h = 0; h < GH; ++h)
+      for (int c = 0; c < SC; ++c) acc[h][c] = _mm256_setzero_ps();
+    walk(cache, scales, table, t0, t1, geo, [&](int64_t t, int64_t stop, const T* v, auto vs, int64_t next) {
+      if (c0 == 0) prefetch_block(cache, next, geo, D);
+      for (; t < stop; ++t, v += ts) {
+        __m256 pv[GH];
+        const float tok = S == Scales::Token ? scale_value(vs[0]) : 1.f;
+        for (int h = 0; h < GH; ++h) pv[h] = _mm256_set1_ps(p[h * np + (t - t0)] * tok);
+        for (int c = 0; c < SC; ++c) {
+          __m256 vc = load8_fast(v + 8 * (c0 + c));
+          if constexpr (S == Scales::Group) vc = _mm256_mul_ps(vc, _mm256_set1_ps(scale_value(vs[(c0 + c) / cpg])));
+          for (int h = 0; h < GH; ++h) acc[h][c] = _mm256_fmadd_ps(pv[h], vc, acc[h][c]);
+        }
+        if constexpr (S != Scales::None) vs += sts;
+      }
+    });
+    for (int h = 0; h < GH; ++h)
+      for (int c = 0; c < SC; ++c) _mm256_storeu_ps(o + h * D + 8 * (c0 + c), acc[h][c]);
+  }
+}
+
+template <typename T, int D, Scales S>
+void range_fast(const float* q, int64_t G, const T* kc, const T* vc, const ScaleT<T>* ksc, const ScaleT<T>* vsc,
+                const int64_t* table, int64_t t0, int64_t t1, const Geometry& geo, float cap, float* s, float* o,
+                float* mx, float* sum) {
+  const int64_t n = t1 - t0;
+  for (int64_t h = 0; h < G; h += kHeadTile) {
+    switch (std::min<int64_t>(kHeadTile, G - h)) {
+      case 1: scores_fast<T, D, 1, S>(q + h * D, kc, ksc, table, t0, t1, geo, s + h * n, n); break;
+      case 2: scores_fast<T, D, 2, S>(q + h * D, kc, ksc, table, t0, t1, geo, s + h * n, n); break;
+      default: scores_fast<T, D, 3, S>(q + h * D, kc, ksc, table, t0, t1, geo, s + h * n, n); break;
+    }
+  }
+  for (int64_t h = 0; h < G; ++h) softmax_partial(s + h * n, n, cap, mx[h], sum[h]);
+  for (int64_t h = 0; h < G; h += kHeadTile) {
+    switch (std::min<int64_t>(kHeadTile, G - h)) {
+      case 1: values_fast<T, D, 1, S>(s + h * n, n, vc, vsc, table, t0, t1, geo, o + h * D); break;
+      case 2: values_fast<T, D, 2, S>(s + h * n, n, vc, vsc, table, t0, t1, geo, o + h * D); break;
+      default: values_fast<T, D, 3, S>(s + h * n, n, vc, vsc, table, t0, t1, geo, o + h * D); break;
+    }
+  }
+}
 #endif
+
 
 // A row of any head size widened to float32 (a quantized row times its group scales) into `out`:
 // widened once, then used by every query head of the group.
@@ -315,9 +457,9 @@ void decode_attention_impl(const float* query, const T* key_cache, const T* valu
   // A partial result per head: unnormalised output [D], then the softmax max and sum.
   const int64_t part_stride = G * (D + 2);
   std::vector<float> partial(static_cast<size_t>(parts * part_stride));
-#ifdef PERFXLM_AVX512
+#if defined(PERFXLM_AVX512) || defined(PERFXLM_AVX2)
   const int64_t GS = groups > 0 ? D / groups : D;
-  const bool fast = (D == 64 || D == 128 || D == 256) && GS % 16 == 0;
+  const bool fast = (D == 64 || D == 128 || D == 256) && GS % kFastLanes == 0;
 #endif
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> buf;
@@ -338,9 +480,9 @@ void decode_attention_impl(const float* query, const T* key_cache, const T* valu
       const ScaleT<T>* ksc = k_scales ? k_scales + task.h * groups : nullptr;
       const ScaleT<T>* vsc = v_scales ? v_scales + task.h * groups : nullptr;
       bool done = false;
-#ifdef PERFXLM_AVX512
+#if defined(PERFXLM_AVX512) || defined(PERFXLM_AVX2)
       if (fast) {
-        // load16_fast reads values times kFastLoadScale<T> (a power of two): the query and the output
+        // load16_fast / load8_fast read values times kFastLoadScale<T> (a power of two): the query and the output
         // are scaled by its inverse, exactly.
         constexpr float f = kFastLoadScale<T>;
         for (int64_t j = 0; j < G * D; ++j) qs[j] = q[j] * scale_f / f;
@@ -356,10 +498,10 @@ void decode_attention_impl(const float* query, const T* key_cache, const T* valu
           else
             run(dv, std::integral_constant<Scales, Scales::Group>{});
         };
-        switch (D) {
-          case 64: run_scaled(std::integral_constant<int, 4>{}); break;
-          case 128: run_scaled(std::integral_constant<int, 8>{}); break;
-          default: run_scaled(std::integral_constant<int, 16>{}); break;
+        switch (D) {  // AVX-512: 16-lane chunks per row; AVX2: the head size
+          case 64: run_scaled(std::integral_constant<int, kFastLanes == 16 ? 4 : 64>{}); break;
+          case 128: run_scaled(std::integral_constant<int, kFastLanes == 16 ? 8 : 128>{}); break;
+          default: run_scaled(std::integral_constant<int, kFastLanes == 16 ? 16 : 256>{}); break;
         }
         if constexpr (f != 1.f)
           for (int64_t j = 0; j < G * D; ++j) o[j] /= f;

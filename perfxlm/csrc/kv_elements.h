@@ -12,6 +12,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define PERFXLM_AVX512 1  // the attention kernels' zmm paths
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PERFXLM_AVX2 1  // the attention kernels' ymm paths (x86-64-v3: Zen 2/3, Haswell and later)
 #endif
 
 namespace perfxlm_attn {
@@ -54,7 +57,21 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch's c
   return static_cast<uint16_t>(u >> 16);
 }
 
+// Full-width loads for the hot loops (load16_fast / load8_fast) return the values times
+// kFastLoadScale<T>: e4m3 skips an exact x256 that the caller folds into the query and the output.
+template <typename T>
+constexpr float kFastLoadScale = 1.f;
+template <>
+constexpr float kFastLoadScale<c10::Float8_e4m3fn> = 1.f / 256.f;
+
 #ifdef PERFXLM_AVX512
+// e4m3 bytes as fp16 bit patterns: sign-extended to 16 bits, shifted left by 7, the sign lands in bit 15
+// (and a copy in bit 14, cleared), exponent and mantissa in bits 13..7: an fp16 of the value times 2^-8,
+// subnormals included.
+inline __m256i e4m3_as_fp16(__m128i bytes) {
+  const __m256i x = _mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7);
+  return _mm256_and_si256(x, _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+}
 // 16 lanes from float32 or bfloat16 memory; `mask` selects the lanes of a tail.
 inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
 inline __m512 load16(const uint16_t* p, __mmask16 mask) {
@@ -70,21 +87,9 @@ inline __m512 load16(const c10::Float8_e5m2* p, __mmask16 mask) {
   const __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(mask, p)), 8);
   return _mm512_cvtph_ps(h);
 }
-inline __m256i e4m3_as_fp16(__m128i bytes) {
-  // Sign-extended to 16 bits, shifted left by 7: the sign lands in bit 15 (and a copy in bit 14, cleared),
-  // exponent and mantissa in bits 13..7: an fp16 of the value times 2^-8, subnormals included.
-  const __m256i x = _mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7);
-  return _mm256_and_si256(x, _mm256_set1_epi16(static_cast<short>(0xBFFF)));
-}
 inline __m512 load16(const c10::Float8_e4m3fn* p, __mmask16 mask) {
   return _mm512_mul_ps(_mm512_cvtph_ps(e4m3_as_fp16(_mm_maskz_loadu_epi8(mask, p))), _mm512_set1_ps(256.f));
 }
-// Full-width loads for the hot loops: load16's values times kFastLoadScale<T>. e4m3 skips the exact x256
-// (the caller folds it into the query and the output), leaving three integer ops and a conversion.
-template <typename T>
-constexpr float kFastLoadScale = 1.f;
-template <>
-constexpr float kFastLoadScale<c10::Float8_e4m3fn> = 1.f / 256.f;
 template <typename T>
 inline __m512 load16_fast(const T* p) { return load16(p, static_cast<__mmask16>(0xFFFF)); }
 inline __m512 load16_fast(const c10::Float8_e4m3fn* p) {
@@ -115,6 +120,43 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#ifdef PERFXLM_AVX2
+// 8 lanes of a full row chunk, times kFastLoadScale<T> (the ymm counterpart of load16_fast).
+inline __m256 load8_fast(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8_fast(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8_fast(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 load8_fast(const c10::Float8_e5m2* p) {
+  return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 8));
+}
+inline __m256 load8_fast(const c10::Float8_e4m3fn* p) {  // e4m3_as_fp16 on 8 bytes
+  const __m128i x = _mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 7);
+  return _mm256_cvtph_ps(_mm_and_si128(x, _mm_set1_epi16(static_cast<short>(0xBFFF))));
+}
+// e^x, 8 lanes: exp16's polynomial; 2^n built in the exponent field, with x clamped below at the
+// smallest normal's logarithm (e^x under 1.2e-38 comes out as 1.2e-38, not 0: nothing a softmax sees).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.33654f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 #endif
 

@@ -29,6 +29,10 @@
 
 #if defined(PERFXLM_SIMD16) && defined(__AVX512F__) && defined(__AVX512VNNI__)
 #define PERFXLM_VNNI 1
+#define PERFXLM_INT8_DOTS 1
+#elif defined(PERFXLM_SIMD16) && defined(__AVX2__) && defined(__FMA__)
+#define PERFXLM_DOTS_AVX2 1
+#define PERFXLM_INT8_DOTS 1
 #endif
 
 namespace perfxlm_quant {
@@ -324,7 +328,7 @@ void vnni_gemv(const int8_t* xq, const float* sx, const int32_t* xsum, int64_t M
 }
 #endif
 
-#ifdef PERFXLM_VNNI
+#ifdef PERFXLM_INT8_DOTS
 // ---------------------------------------------------------------------------------------------
 // Integer codes (no level table) against activations quantized to int8 per block of 32 (llama.cpp's
 // Q8 activations, quantized once per row per call): the dot products run as uint8 x int8 -> int32
@@ -387,6 +391,7 @@ BlockActs quantize_blocks(const at::Tensor& x, const QW& w) {
   return a;
 }
 
+#ifdef PERFXLM_VNNI
 template <bool BITS4>
 inline __m512i chunk_codes(const uint8_t* row, int64_t c) {
   if constexpr (BITS4) {
@@ -479,10 +484,176 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
       y[(m0 + i) * N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]) + (bias ? bias[n0 + j] : 0.f);
 }
 
+#else  // PERFXLM_DOTS_AVX2
+// ---------------------------------------------------------------------------------------------
+// The same products on AVX2 (16 ymm registers, 32 bytes per instruction): each 64-input chunk is two
+// 32-byte halves, and the 16 int32 lanes of the AVX-512 kernel are the two halves' 8, so the
+// activations keep the layout quantize_blocks writes. uint8 x int8 -> int32 sums of 4 products run as
+// vpmaddubsw + vpmaddwd (llama.cpp's AVX2 scheme), or vpdpbusd on ymm where the CPU has AVX-VNNI.
+// vpmaddubsw saturates its int16 pair sums: 4-bit codes (<= 15) cannot reach it, 8-bit codes (<= 255)
+// can, so without AVX-VNNI they enter as code - 128 (signed), multiplied as |c| x sign(c) x, and the
+// 128 * scale taken off is given back with the mins.
+// ---------------------------------------------------------------------------------------------
+#if defined(__AVXVNNI__)
+constexpr bool kShift8 = false;
+inline __m256i dot_pairs(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
+  return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u0, s0), u1, s1);
+}
+inline __m256i dot_u8(__m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s); }
+#else
+constexpr bool kShift8 = true;
+// Two halves whose codes are 4-bit: the int16 pair sums of both fit (2 * 2 * 15 * 127), so they are
+// added before widening.
+inline __m256i dot_pairs(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
+  const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1));
+  return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+inline __m256i dot_u8(__m256i u, __m256i s) {
+  const __m256i c = _mm256_xor_si256(u, _mm256_set1_epi8(static_cast<char>(0x80)));  // code - 128
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(c, c), _mm256_sign_epi8(s, c)),
+                           _mm256_set1_epi16(1));
+}
+#endif
+
+// Up to 8 consecutive scales or mins of a row as float32 (the lanes past n are 0).
+template <bool HALF>
+inline __m256 load_params8(const void* p, int64_t i, int64_t n) {
+  if constexpr (HALF) {
+    uint16_t buf[8] = {};
+    const uint16_t* src = static_cast<const uint16_t*>(p) + i;
+    if (n >= 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+    std::memcpy(buf, src, static_cast<size_t>(n) * sizeof(uint16_t));
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(buf)));
+  } else {
+    float buf[8] = {};
+    const float* src = static_cast<const float*>(p) + i;
+    if (n >= 8) return _mm256_loadu_ps(src);
+    std::memcpy(buf, src, static_cast<size_t>(n) * sizeof(float));
+    return _mm256_loadu_ps(buf);
+  }
+}
+
+// Two or four consecutive scales as the low lanes of a register.
+template <bool HALF, int COUNT>
+inline __m128 load_params_lo(const void* p, int64_t i) {
+  if constexpr (HALF) {
+    const uint16_t* src = static_cast<const uint16_t*>(p) + i;
+    if constexpr (COUNT == 2) {
+      int32_t v;
+      std::memcpy(&v, src, sizeof(v));
+      return _mm_cvtph_ps(_mm_cvtsi32_si128(v));
+    } else {
+      return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
+    }
+  } else {
+    const float* src = static_cast<const float*>(p) + i;
+    if constexpr (COUNT == 2)
+      return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(src)));
+    else
+      return _mm_loadu_ps(src);
+  }
+}
+
+inline float hsum8(__m256 s) {
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+
+template <bool BITS4, bool HALF, int SPC, int MT, int NT>
+inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, float* y, const float* bias) {
+  const int64_t K = w.K, N = w.N, chunks = K / 64, groups = w.groups;
+  const int8_t* xq = a.q.data_ptr<int8_t>() + m0 * K;
+  const float* lanes = a.lanes.data_ptr<float>() + m0 * chunks * 16;
+  // lane l of a half covers code bytes 4l..4l+3: 4-bit halves hold [block A x4 lanes, block B x4 lanes]
+  // of the chunk (group 16 too: not taken for 4-bit), 8-bit halves one block each (group 16: 2 groups)
+  const __m256i lo_idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  const __m256i hi_idx = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+  __m256 acc[MT][NT];
+  #pragma GCC unroll 16
+  for (int i = 0; i < MT; ++i)
+    #pragma GCC unroll 16
+    for (int j = 0; j < NT; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    #pragma GCC unroll 16
+    for (int j = 0; j < NT; ++j) {
+      const int64_t n = n0 + j, g0 = n * groups + (c * 64) / w.group;
+      const uint8_t* row = w.codes + n * w.row_bytes;
+      if (BITS4 ? (c & 1) == 0 : true)
+        _mm_prefetch(reinterpret_cast<const char*>(row + NT * w.row_bytes + c * (BITS4 ? 32 : 64)), _MM_HINT_T0);
+      if constexpr (BITS4) {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 32));
+        const __m256i m = _mm256_set1_epi8(0x0F);
+        const __m256i lo = _mm256_and_si256(b, m), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+        // both halves carry [A x4, B x4] weight and activation scales, so their int32 sums add up
+        __m256 ws;
+        if constexpr (SPC == 1)
+          ws = _mm256_set1_ps(param_at<HALF>(w.scales, g0));
+        else
+          ws = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(load_params_lo<HALF, 2>(w.scales, g0)), lo_idx);
+        #pragma GCC unroll 16
+        for (int i = 0; i < MT; ++i) {
+          const int8_t* xc = xq + i * K + c * 64;
+          const __m256i d = dot_pairs(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)), hi,
+                                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32)));
+          const __m256 xs = _mm256_loadu_ps(lanes + (i * chunks + c) * 16);
+          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(ws, xs), acc[i][j]);
+        }
+      } else {
+        const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 64));
+        const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 64 + 32));
+        __m256 ws_lo, ws_hi;
+        if constexpr (SPC == 4) {
+          const __m256 s4 = _mm256_castps128_ps256(load_params_lo<HALF, 4>(w.scales, g0));
+          ws_lo = _mm256_permutevar8x32_ps(s4, lo_idx);
+          ws_hi = _mm256_permutevar8x32_ps(s4, hi_idx);
+        } else {
+          ws_lo = _mm256_set1_ps(param_at<HALF>(w.scales, g0));
+          ws_hi = SPC == 2 ? _mm256_set1_ps(param_at<HALF>(w.scales, g0 + 1)) : ws_lo;
+        }
+        #pragma GCC unroll 16
+        for (int i = 0; i < MT; ++i) {
+          const int8_t* xc = xq + i * K + c * 64;
+          const float* xs = lanes + (i * chunks + c) * 16;  // lanes 0-7: block A's scale, 8-15: B's
+          const __m256i d0 = dot_u8(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)));
+          const __m256i d1 = dot_u8(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32)));
+          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(ws_lo, _mm256_set1_ps(xs[0])), acc[i][j]);
+          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(ws_hi, _mm256_set1_ps(xs[8])), acc[i][j]);
+        }
+      }
+    }
+  }
+  // the mins (plus the 128 * scale that shifted 8-bit codes lost): per group, times the activation
+  // scale times the sum of the group's int8 values
+  const float* gsum = a.gsum.data_ptr<float>() + m0 * groups;
+  for (int64_t g = 0; g < groups; g += 8) {
+    const int64_t left = groups - g;
+    #pragma GCC unroll 16
+    for (int j = 0; j < NT; ++j) {
+      const int64_t base = (n0 + j) * groups + g;
+      __m256 mv = load_params8<HALF>(w.mins, base, left);
+      if constexpr (!BITS4 && kShift8) mv = _mm256_fmadd_ps(load_params8<HALF>(w.scales, base, left), _mm256_set1_ps(128.f), mv);
+      #pragma GCC unroll 16
+      for (int i = 0; i < MT; ++i) acc[i][j] = _mm256_fmadd_ps(mv, load_params8<false>(gsum, i * groups + g, left), acc[i][j]);
+    }
+  }
+  #pragma GCC unroll 16
+  for (int j = 0; j < NT; ++j)
+    #pragma GCC unroll 16
+    for (int i = 0; i < MT; ++i) y[(m0 + i) * N + n0 + j] = hsum8(acc[i][j]) + (bias ? bias[n0 + j] : 0.f);
+}
+#endif  // PERFXLM_VNNI / PERFXLM_DOTS_AVX2
+
+// Register tiles: x rows per pass and weight rows per tile (at batch 1, and with more rows).
+constexpr int kBlockMT = simd16::kAvx512 ? 4 : 2;
+constexpr int kBlockNT = simd16::kAvx512 ? 4 : 2;
+constexpr int kBlockNTOne = 4;
+
 template <bool BITS4, bool HALF, int SPC, int NT>
 inline void block_rows(const BlockActs& a, int64_t M, const QW& w, int64_t n0, float* y, const float* bias) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) block_tile<BITS4, HALF, SPC, 4, NT>(a, m, w, n0, y, bias);
+  for (; m + kBlockMT <= M; m += kBlockMT) block_tile<BITS4, HALF, SPC, kBlockMT, NT>(a, m, w, n0, y, bias);
   switch (M - m) {
     case 3: block_tile<BITS4, HALF, SPC, 3, NT>(a, m, w, n0, y, bias); break;
     case 2: block_tile<BITS4, HALF, SPC, 2, NT>(a, m, w, n0, y, bias); break;
@@ -493,11 +664,17 @@ inline void block_rows(const BlockActs& a, int64_t M, const QW& w, int64_t n0, f
 
 template <bool BITS4, bool HALF, int SPC>
 void block_gemv_typed(const BlockActs& a, int64_t M, const QW& w, float* y, const float* bias) {
-  const int64_t tiles = w.N / 4;
+  const int64_t NT = M == 1 ? kBlockNTOne : kBlockNT;
+  const int64_t tiles = w.N / NT;
   at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) block_rows<BITS4, HALF, SPC, 4>(a, M, w, t * 4, y, bias);
+    for (int64_t t = begin; t < end; ++t) {
+      if (NT == kBlockNTOne)
+        block_rows<BITS4, HALF, SPC, kBlockNTOne>(a, M, w, t * NT, y, bias);
+      else
+        block_rows<BITS4, HALF, SPC, kBlockNT>(a, M, w, t * NT, y, bias);
+    }
   });
-  for (int64_t n = tiles * 4; n < w.N; ++n) block_rows<BITS4, HALF, SPC, 1>(a, M, w, n, y, bias);
+  for (int64_t n = tiles * NT; n < w.N; ++n) block_rows<BITS4, HALF, SPC, 1>(a, M, w, n, y, bias);
 }
 
 // x with each block of 32 replaced by its int8 quantization times its scale: what the block GEMV
@@ -595,7 +772,7 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   }
   const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
   if (!act_int8) {
-#ifdef PERFXLM_VNNI
+#ifdef PERFXLM_INT8_DOTS
     const int spc = int8_blocks ? block_spc(w) : 0;
     if (spc && M <= max_rows) return block_product(xc, w, bp, spc);
     // Many rows: the same int8 activation blocks (dequantized) go to the GEMM, so a token's result does
@@ -634,9 +811,10 @@ at::Tensor dequantize_q(const at::Tensor& codes, const at::Tensor& scales, const
 
 }  // namespace
 
-// Whether this build has the int8 block-dot GEMV (AVX512-VNNI); without it int8_blocks is ignored.
+// Whether this build has the int8 block-dot GEMV (AVX512-VNNI, AVX2, AVX-VNNI); without it int8_blocks
+// is ignored.
 bool int8_block_dots() {
-#ifdef PERFXLM_VNNI
+#ifdef PERFXLM_INT8_DOTS
   return true;
 #else
   return false;
