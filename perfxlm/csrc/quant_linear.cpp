@@ -353,20 +353,25 @@ inline float quantize_block(const float* src, int8_t* q) {
   return scale;
 }
 
+// The activations of one call, quantized: the tensors own the memory, the kernels read the raw pointers
+// (taken once here: data_ptr's checks cost as much as a small tile's arithmetic).
 struct BlockActs {
-  at::Tensor q;       // int8 [M, K], in the codes' chunk order
-  at::Tensor lanes;   // float32 [M, K / 64, 16]: each int32 lane's activation scale
-  at::Tensor gsum;    // float32 [M, K / group]: per weight group, sum of scale * int8 values
+  at::Tensor q_t, lanes_t, gsum_t;
+  const int8_t* q;       // int8 [M, K], in the codes' chunk order
+  const float* lanes;    // float32 [M, K / 64, 16]: each int32 lane's activation scale
+  const float* gsum;     // float32 [M, gstride]: per weight group, sum of scale * int8 values (0-padded)
+  int64_t gstride;       // the weight's groups rounded up to 8, so 8-lane loads need no tail
 };
 
 BlockActs quantize_blocks(const at::Tensor& x, const QW& w) {
-  const int64_t M = x.size(0), K = w.K, chunks = K / 64;
-  BlockActs a{at::empty({M, K}, x.options().dtype(at::kChar)), at::empty({M, chunks, 16}, x.options()),
-              at::zeros({M, w.groups}, x.options())};
+  const int64_t M = x.size(0), K = w.K, chunks = K / 64, gstride = (w.groups + 7) / 8 * 8;
+  at::Tensor q_t = at::empty({M, K}, x.options().dtype(at::kChar)), lanes_t = at::empty({M, chunks, 16}, x.options());
+  at::Tensor gsum_t = at::zeros({M, gstride}, x.options());
   const float* xp = x.data_ptr<float>();
-  int8_t* qp = a.q.data_ptr<int8_t>();
-  float* lp = a.lanes.data_ptr<float>();
-  float* gp = a.gsum.data_ptr<float>();
+  int8_t* qp = q_t.data_ptr<int8_t>();
+  float* lp = lanes_t.data_ptr<float>();
+  float* gp = gsum_t.data_ptr<float>();
+  const BlockActs a{q_t, lanes_t, gsum_t, qp, lp, gp, gstride};
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < K / 32; ++b) {
       int8_t block[32];
@@ -385,7 +390,7 @@ BlockActs quantize_blocks(const at::Tensor& x, const QW& w) {
         const bool in_b = w.bits4 ? ((l / 4) % 2 == 1) : (l >= 8);
         if (in_b == (half == 1)) lanes[l] = scale;
       }
-      for (int h = 0; h < 2; ++h) gp[m * w.groups + (b * 32 + h * 16) / w.group] += scale * static_cast<float>(total[h]);
+      for (int h = 0; h < 2; ++h) gp[m * gstride + (b * 32 + h * 16) / w.group] += scale * static_cast<float>(total[h]);
     }
   }
   return a;
@@ -417,8 +422,8 @@ inline __m512 load_params16(const void* p, int64_t i, int64_t n) {
 template <bool BITS4, bool HALF, int SPC, int MT, int NT>
 inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, float* y, const float* bias) {
   const int64_t K = w.K, N = w.N, chunks = K / 64, groups = w.groups;
-  const int8_t* xq = a.q.data_ptr<int8_t>() + m0 * K;
-  const float* lanes = a.lanes.data_ptr<float>() + m0 * chunks * 16;
+  const int8_t* xq = a.q + m0 * K;
+  const float* lanes = a.lanes + m0 * chunks * 16;
   // which of the 16 loaded scales each int32 lane of a chunk takes (lane l covers code bytes 4l..4l+3)
   const __m512i base_idx = SPC == 4 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
                            : BITS4  ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
@@ -465,7 +470,7 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
     }
   }
   // the mins: sum over groups of min * (activation scale * sum of the group's int8 values)
-  const float* gsum = a.gsum.data_ptr<float>() + m0 * groups;
+  const float* gsum = a.gsum + m0 * a.gstride;
   for (int64_t g = 0; g < groups; g += 16) {
     const int64_t left = groups - g;
     const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
@@ -474,7 +479,7 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
       const __m512 mv = load_params16<HALF>(w.mins, (n0 + j) * groups + g, left);
       #pragma GCC unroll 16
       for (int i = 0; i < MT; ++i)
-        acc[i][j] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mask, gsum + i * groups + g), acc[i][j]);
+        acc[i][j] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mask, gsum + i * a.gstride + g), acc[i][j]);
     }
   }
   #pragma GCC unroll 16
@@ -515,22 +520,13 @@ inline __m256i dot_u8(__m256i u, __m256i s) {
 }
 #endif
 
-// Up to 8 consecutive scales or mins of a row as float32 (the lanes past n are 0).
+// 8 consecutive scales or mins of a row as float32.
 template <bool HALF>
-inline __m256 load_params8(const void* p, int64_t i, int64_t n) {
-  if constexpr (HALF) {
-    uint16_t buf[8] = {};
-    const uint16_t* src = static_cast<const uint16_t*>(p) + i;
-    if (n >= 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-    std::memcpy(buf, src, static_cast<size_t>(n) * sizeof(uint16_t));
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(buf)));
-  } else {
-    float buf[8] = {};
-    const float* src = static_cast<const float*>(p) + i;
-    if (n >= 8) return _mm256_loadu_ps(src);
-    std::memcpy(buf, src, static_cast<size_t>(n) * sizeof(float));
-    return _mm256_loadu_ps(buf);
-  }
+inline __m256 load_params8(const void* p, int64_t i) {
+  if constexpr (HALF)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)));
+  else
+    return _mm256_loadu_ps(static_cast<const float*>(p) + i);
 }
 
 // Two or four consecutive scales as the low lanes of a register.
@@ -561,44 +557,79 @@ inline float hsum8(__m256 s) {
   return _mm_cvtss_f32(r);
 }
 
+// Sum over the row's groups of min (plus 128 * scale for shifted 8-bit codes) times the activations'
+// group sums: 8 groups per step, the last few one by one (gsum is zero-padded, the weight's rows not).
+template <bool BITS4, bool HALF>
+inline __m256 add_mins(__m256 acc, const QW& w, int64_t row_base, const float* gsum) {
+  constexpr bool shifted = !BITS4 && kShift8;
+  int64_t g = 0;
+  for (; g + 8 <= w.groups; g += 8) {
+    __m256 mv = load_params8<HALF>(w.mins, row_base + g);
+    if constexpr (shifted) mv = _mm256_fmadd_ps(load_params8<HALF>(w.scales, row_base + g), _mm256_set1_ps(128.f), mv);
+    acc = _mm256_fmadd_ps(mv, _mm256_loadu_ps(gsum + g), acc);
+  }
+  float tail = 0.f;
+  for (; g < w.groups; ++g) {
+    float m = param_at<HALF>(w.mins, row_base + g);
+    if constexpr (shifted) m += 128.f * param_at<HALF>(w.scales, row_base + g);
+    tail += m * gsum[g];
+  }
+  return _mm256_add_ps(acc, _mm256_setr_ps(tail, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f));
+}
+
+// Rows this far ahead are requested whole (codes, scales, mins) when a row starts: a row of a small
+// model is a few cache lines, too short for the hardware prefetchers to ramp up on.
+constexpr int64_t kPrefetchRows = 16;
+inline void prefetch_row(const QW& w, int64_t n) {
+  if (n >= w.N) return;
+  const char* codes = reinterpret_cast<const char*>(w.codes + n * w.row_bytes);
+  for (int64_t o = 0; o < w.row_bytes; o += 64) _mm_prefetch(codes + o, _MM_HINT_T0);
+  const int64_t pbytes = w.groups * (w.half ? 2 : 4);
+  const char* sc = static_cast<const char*>(w.scales) + n * pbytes;
+  const char* mn = static_cast<const char*>(w.mins) + n * pbytes;
+  for (int64_t o = 0; o < pbytes; o += 64) {
+    _mm_prefetch(sc + o, _MM_HINT_T0);
+    _mm_prefetch(mn + o, _MM_HINT_T0);
+  }
+}
+
+// NT weight rows, one after the other (a row of a small model is a few cache lines, and consecutive
+// rows are one stream), each against MT activation rows: MT accumulators, everything else transient.
 template <bool BITS4, bool HALF, int SPC, int MT, int NT>
 inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, float* y, const float* bias) {
   const int64_t K = w.K, N = w.N, chunks = K / 64, groups = w.groups;
-  const int8_t* xq = a.q.data_ptr<int8_t>() + m0 * K;
-  const float* lanes = a.lanes.data_ptr<float>() + m0 * chunks * 16;
+  const int8_t* xq = a.q + m0 * K;
+  const float* lanes = a.lanes + m0 * chunks * 16;
   // lane l of a half covers code bytes 4l..4l+3: 4-bit halves hold [block A x4 lanes, block B x4 lanes]
-  // of the chunk (group 16 too: not taken for 4-bit), 8-bit halves one block each (group 16: 2 groups)
+  // of the chunk, 8-bit halves one block each (group 16: two groups of 4 lanes)
   const __m256i lo_idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   const __m256i hi_idx = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
-  __m256 acc[MT][NT];
-  #pragma GCC unroll 16
-  for (int i = 0; i < MT; ++i)
-    #pragma GCC unroll 16
-    for (int j = 0; j < NT; ++j) acc[i][j] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < chunks; ++c) {
-    #pragma GCC unroll 16
-    for (int j = 0; j < NT; ++j) {
-      const int64_t n = n0 + j, g0 = n * groups + (c * 64) / w.group;
-      const uint8_t* row = w.codes + n * w.row_bytes;
-      if (BITS4 ? (c & 1) == 0 : true)
-        _mm_prefetch(reinterpret_cast<const char*>(row + NT * w.row_bytes + c * (BITS4 ? 32 : 64)), _MM_HINT_T0);
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int j = 0; j < NT; ++j) {
+    const int64_t n = n0 + j, row_base = n * groups;
+    const uint8_t* row = w.codes + n * w.row_bytes;
+    prefetch_row(w, n + kPrefetchRows);
+    __m256 acc[MT];
+    #pragma GCC unroll 4
+    for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t g0 = row_base + (c * 64) / w.group;
       if constexpr (BITS4) {
         const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 32));
-        const __m256i m = _mm256_set1_epi8(0x0F);
-        const __m256i lo = _mm256_and_si256(b, m), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+        const __m256i lo = _mm256_and_si256(b, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
         // both halves carry [A x4, B x4] weight and activation scales, so their int32 sums add up
         __m256 ws;
         if constexpr (SPC == 1)
           ws = _mm256_set1_ps(param_at<HALF>(w.scales, g0));
         else
           ws = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(load_params_lo<HALF, 2>(w.scales, g0)), lo_idx);
-        #pragma GCC unroll 16
+        #pragma GCC unroll 4
         for (int i = 0; i < MT; ++i) {
           const int8_t* xc = xq + i * K + c * 64;
           const __m256i d = dot_pairs(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)), hi,
                                       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32)));
           const __m256 xs = _mm256_loadu_ps(lanes + (i * chunks + c) * 16);
-          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(ws, xs), acc[i][j]);
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(ws, xs), acc[i]);
         }
       } else {
         const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 64));
@@ -612,48 +643,31 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
           ws_lo = _mm256_set1_ps(param_at<HALF>(w.scales, g0));
           ws_hi = SPC == 2 ? _mm256_set1_ps(param_at<HALF>(w.scales, g0 + 1)) : ws_lo;
         }
-        #pragma GCC unroll 16
+        #pragma GCC unroll 4
         for (int i = 0; i < MT; ++i) {
           const int8_t* xc = xq + i * K + c * 64;
           const float* xs = lanes + (i * chunks + c) * 16;  // lanes 0-7: block A's scale, 8-15: B's
           const __m256i d0 = dot_u8(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)));
           const __m256i d1 = dot_u8(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32)));
-          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(ws_lo, _mm256_set1_ps(xs[0])), acc[i][j]);
-          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(ws_hi, _mm256_set1_ps(xs[8])), acc[i][j]);
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(ws_lo, _mm256_broadcast_ss(xs)), acc[i]);
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(ws_hi, _mm256_broadcast_ss(xs + 8)), acc[i]);
         }
       }
     }
-  }
-  // the mins (plus the 128 * scale that shifted 8-bit codes lost): per group, times the activation
-  // scale times the sum of the group's int8 values
-  const float* gsum = a.gsum.data_ptr<float>() + m0 * groups;
-  for (int64_t g = 0; g < groups; g += 8) {
-    const int64_t left = groups - g;
-    #pragma GCC unroll 16
-    for (int j = 0; j < NT; ++j) {
-      const int64_t base = (n0 + j) * groups + g;
-      __m256 mv = load_params8<HALF>(w.mins, base, left);
-      if constexpr (!BITS4 && kShift8) mv = _mm256_fmadd_ps(load_params8<HALF>(w.scales, base, left), _mm256_set1_ps(128.f), mv);
-      #pragma GCC unroll 16
-      for (int i = 0; i < MT; ++i) acc[i][j] = _mm256_fmadd_ps(mv, load_params8<false>(gsum, i * groups + g, left), acc[i][j]);
+    #pragma GCC unroll 4
+    for (int i = 0; i < MT; ++i) {
+      const __m256 total = add_mins<BITS4, HALF>(acc[i], w, row_base, a.gsum + (m0 + i) * a.gstride);
+      y[(m0 + i) * N + n] = hsum8(total) + (bias ? bias[n] : 0.f);
     }
   }
-  #pragma GCC unroll 16
-  for (int j = 0; j < NT; ++j)
-    #pragma GCC unroll 16
-    for (int i = 0; i < MT; ++i) y[(m0 + i) * N + n0 + j] = hsum8(acc[i][j]) + (bias ? bias[n0 + j] : 0.f);
 }
 #endif  // PERFXLM_VNNI / PERFXLM_DOTS_AVX2
 
-// Register tiles: x rows per pass and weight rows per tile (at batch 1, and with more rows).
-constexpr int kBlockMT = simd16::kAvx512 ? 4 : 2;
-constexpr int kBlockNT = simd16::kAvx512 ? 4 : 2;
-constexpr int kBlockNTOne = 4;
 
 template <bool BITS4, bool HALF, int SPC, int NT>
 inline void block_rows(const BlockActs& a, int64_t M, const QW& w, int64_t n0, float* y, const float* bias) {
   int64_t m = 0;
-  for (; m + kBlockMT <= M; m += kBlockMT) block_tile<BITS4, HALF, SPC, kBlockMT, NT>(a, m, w, n0, y, bias);
+  for (; m + 4 <= M; m += 4) block_tile<BITS4, HALF, SPC, 4, NT>(a, m, w, n0, y, bias);
   switch (M - m) {
     case 3: block_tile<BITS4, HALF, SPC, 3, NT>(a, m, w, n0, y, bias); break;
     case 2: block_tile<BITS4, HALF, SPC, 2, NT>(a, m, w, n0, y, bias); break;
@@ -664,17 +678,11 @@ inline void block_rows(const BlockActs& a, int64_t M, const QW& w, int64_t n0, f
 
 template <bool BITS4, bool HALF, int SPC>
 void block_gemv_typed(const BlockActs& a, int64_t M, const QW& w, float* y, const float* bias) {
-  const int64_t NT = M == 1 ? kBlockNTOne : kBlockNT;
-  const int64_t tiles = w.N / NT;
+  const int64_t tiles = w.N / 4;
   at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      if (NT == kBlockNTOne)
-        block_rows<BITS4, HALF, SPC, kBlockNTOne>(a, M, w, t * NT, y, bias);
-      else
-        block_rows<BITS4, HALF, SPC, kBlockNT>(a, M, w, t * NT, y, bias);
-    }
+    for (int64_t t = begin; t < end; ++t) block_rows<BITS4, HALF, SPC, 4>(a, M, w, t * 4, y, bias);
   });
-  for (int64_t n = tiles * NT; n < w.N; ++n) block_rows<BITS4, HALF, SPC, 1>(a, M, w, n, y, bias);
+  for (int64_t n = tiles * 4; n < w.N; ++n) block_rows<BITS4, HALF, SPC, 1>(a, M, w, n, y, bias);
 }
 
 // x with each block of 32 replaced by its int8 quantization times its scale: what the block GEMV
