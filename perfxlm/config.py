@@ -6,7 +6,6 @@ import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
 import torch
@@ -38,16 +37,11 @@ def default_model_path() -> str:
     return path
 
 
-@lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    """The CPU's flags as the engine may use them (a forced PERFXLM_ISA tier hides those above it)."""
+    from perfxlm.ops import isa
+
+    return isa.visible_flags()
 
 
 def cpu_has_fast_bf16() -> bool:

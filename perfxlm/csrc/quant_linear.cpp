@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 #include "simd16.h"
 
@@ -829,6 +830,25 @@ bool int8_block_dots() {
 #endif
 }
 
+// The instruction-set tier this build was compiled for (perfxlm/ops/isa.py's names).
+std::string compiled_isa() {
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BF16__)
+  return "amx";
+#elif defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+  return "avx512_bf16";
+#elif defined(__AVX512VNNI__)
+  return "avx512_vnni";
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  return "avx512";
+#elif defined(__AVXVNNI__) && defined(__AVX2__)
+  return "avx_vnni";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
 }  // namespace perfxlm_quant
 
 TORCH_LIBRARY_FRAGMENT(perfxlm, m) {
@@ -836,6 +856,7 @@ TORCH_LIBRARY_FRAGMENT(perfxlm, m) {
       "linear_q(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? levels, Tensor? bias, bool act_int8, "
       "int max_rows, bool bf16_gemm, bool int8_blocks=False) -> Tensor");
   m.def("int8_block_dots() -> bool", &perfxlm_quant::int8_block_dots);  // no tensors: a catch-all kernel
+  m.def("compiled_isa() -> str", &perfxlm_quant::compiled_isa);
   m.def("dequantize_q(Tensor codes, Tensor scales, Tensor mins, Tensor? levels, int in_features) -> Tensor");
 }
 

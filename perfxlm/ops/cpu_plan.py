@@ -21,12 +21,20 @@ Every choice can be forced from the environment, so the tests run each path on w
 - PERFXLM_BF16_COMPUTE = float32 | bfloat16   activations of a bfloat16 model (bfloat16: torch's bf16
                                               ops throughout, no native linear kernels)
 
-Quantized weights (perfxlm.quant) at few rows: with AVX512-VNNI the activations are quantized to int8
-per block of 32 and the products run as int8 dot products (llama.cpp's scheme, 2-3x fewer instructions
-than widening codes to float32); elsewhere the codes are widened and the activations stay float32.
-- PERFXLM_QUANT_ACTIVATIONS = int8 | float32   (int8 needs a VNNI build; float32 is exact weight-only)
+Quantized weights (perfxlm.quant) at few rows: on every SIMD tier (AVX2, AVX-VNNI, AVX512-VNNI) the
+activations are quantized to int8 per block of 32 and the products run as int8 dot products (llama.cpp's
+scheme, 2-3x fewer instructions than widening codes to float32); the scalar build (and AVX-512 without
+VNNI) widens the codes and keeps the activations float32.
+- PERFXLM_QUANT_ACTIVATIONS = int8 | float32   (int8 needs a build with int8 dots; float32 is exact
+                                               weight-only)
 - PERFXLM_QUANT_MAX_ROWS = N      rows up to which quantized weights take the GEMV kernels; more rows
-                                  dequantize slabs for torch's GEMM (default 8; measured crossover 12-16)
+                                  dequantize slabs for torch's GEMM. Default 8 where the GEMM is bf16 or
+                                  AVX-512 (measured crossover 12-16 on AMX); 32 on AVX2, where the GEMM
+                                  is float32 and the int8 GEMV is 2.5x faster at 16 rows, even at 32
+                                  (8-bit codes) and 1.3x faster at 64 (4-bit codes)
+
+The instruction-set tier (perfxlm.ops.isa: PERFXLM_ISA=auto | scalar | avx2 | avx_vnni | avx512 |
+avx512_vnni | avx512_bf16 | amx) decides the native build and the flags every choice above sees.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import os
 from dataclasses import dataclass, replace
 
 from perfxlm.config import cpu_has_fast_bf16
+from perfxlm.ops import isa
 
 LAYOUTS = ("rows", "panels")
 GEMMS = ("bf16", "float32")
@@ -53,9 +62,10 @@ class CpuPlan:
     bf16_compute: str  # activation dtype of a bfloat16 model
     quant_activations: str = "float32"  # what quantized-weight GEMVs multiply: int8 blocks or float32
     quant_max_rows: int = 8  # up to this many rows quantized weights take the GEMV kernels
+    isa: str = "scalar"  # the instruction-set tier the native kernels are built for
 
     def describe(self) -> str:
-        return (f"bf16 layout={self.layout} gemm={self.gemm} native_max_rows={self.native_max_rows} "
+        return (f"isa={self.isa} bf16 layout={self.layout} gemm={self.gemm} native_max_rows={self.native_max_rows} "
                 f"activations={self.bf16_compute} quantized: activations={self.quant_activations} "
                 f"gemv_max_rows={self.quant_max_rows}")
 
@@ -81,8 +91,9 @@ def detect() -> CpuPlan:
     # beats dequantizing slabs for the bf16 GEMM up to 12-16 rows (equal at 16). 8 keeps short prefill
     # tails (a prefix-cache hit's last tokens) on the GEMM that computed the prompt the first time, so a
     # bf16 model's greedy text does not move with the cache (measured cost at 9-16 rows: under 10 %).
-    quant_rows = _rows("PERFXLM_QUANT_MAX_ROWS", 8)
-    return CpuPlan(layout, gemm, max_rows, compute, quant_act, quant_rows)
+    tier = isa.selected()
+    quant_rows = _rows("PERFXLM_QUANT_MAX_ROWS", 32 if tier in ("avx2", "avx_vnni") else 8)
+    return CpuPlan(layout, gemm, max_rows, compute, quant_act, quant_rows, tier)
 
 
 def _rows(name: str, default: int) -> int:
@@ -99,7 +110,7 @@ def _rows(name: str, default: int) -> int:
 
 
 def has_int8_dots() -> bool:
-    """Whether the native build has the int8 block-dot GEMV (AVX512-VNNI)."""
+    """Whether the native build has the int8 block-dot GEMV (AVX2, AVX-VNNI, AVX512-VNNI)."""
     from perfxlm.ops import native
 
     ops = native.kernels()

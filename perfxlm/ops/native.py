@@ -1,7 +1,8 @@
 """The native CPU kernels (perfxlm/csrc/*.cpp), compiled once per machine at first use.
 
-Built with torch's extension tools into a per-user cache keyed by the source, the torch version and the
-CPU's instruction-set flags, then loaded as `torch.ops.perfxlm.*`. Where there is no compiler (or
+Built with torch's extension tools into a per-user cache keyed by the source, the torch version, the
+CPU's flags and the instruction-set tier built for (perfxlm.ops.isa: -march=native, or a forced tier's
+flags), then loaded as `torch.ops.perfxlm.*`. Where there is no compiler (or
 PERFXLM_NATIVE=0), `kernels()` returns None and every caller takes its plain-torch path: same results,
 slower.
 """
@@ -40,15 +41,16 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _march() -> str:
-    # PERFXLM_NATIVE_MARCH=x86-64-v2 builds the portable (no AVX-512) paths, to test them on this CPU.
-    return os.environ.get("PERFXLM_NATIVE_MARCH", "native")
+def _march() -> list[str]:
+    from perfxlm.ops import isa
+
+    return isa.compile_flags()
 
 
 def _build_dir() -> Path:
     sources = b"".join(f.read_bytes() for f in sorted(_CSRC.glob("*.[ch]*")))  # the sources and their headers
     key = hashlib.sha256(
-        sources + torch.__version__.encode() + _cpu_flags().encode() + _march().encode()
+        sources + torch.__version__.encode() + _cpu_flags().encode() + " ".join(_march()).encode()
     ).hexdigest()[:16]
     root = Path(os.environ.get("PERFXLM_CACHE_DIR", Path.home() / ".cache" / "perfxlm"))
     path = root / "kernels" / key
@@ -87,6 +89,9 @@ def kernels() -> Any | None:
         pass
     if not enabled():
         return None
+    from perfxlm.ops import isa
+
+    isa.requested()  # a bad PERFXLM_ISA is the user's error to fix, not a reason to fall back quietly
     with _lock:
         if "ops" in _state:
             return _state["ops"]
@@ -111,7 +116,7 @@ def _load() -> Any | None:
                 # -fopenmp: at::parallel_for is inline OpenMP; the runtime resolves to the libgomp.so.1
                 # torch has already loaded, so kernels share torch's thread pool.
                 # -ffp-contract=off: elementwise kernels round exactly as torch's ops (explicit FMAs stay).
-                extra_cflags=["-O3", f"-march={_march()}", "-fopenmp", "-ffp-contract=off"],
+                extra_cflags=["-O3", *_march(), "-fopenmp", "-ffp-contract=off"],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),
                 is_python_module=False,
