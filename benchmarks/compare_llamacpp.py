@@ -12,6 +12,9 @@ Rows (llama.cpp's own tools measure the same things):
                                                    (llama-batched-bench -npp 512 -ntg 128 -npl 1)
   pN       N sequences of 128 prompt tokens / 128 new, N x 128 / total time incl. prefill
                                                    (llama-batched-bench -npp 128 -ntg 128 -npl N)
+--isa avx2 | avx512 runs both engines built for that tier only (benchmarks/isa_tiers.py: perfxlm's
+kernels and plan, torch's kernels, a llama.cpp built for the tier in its own folder), a proxy on this
+machine for a CPU of that tier; --isa native (the default) builds both for this CPU. The header names it.
 Decoding is greedy and ignores EOS on both sides. llama.cpp runs through llama-cpp-python's low-level
 API: one context with a sequence id per request, so the parallel rows are real batched decoding.
 Not a test: timings belong to benchmarks, not to the test suite.
@@ -29,20 +32,27 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import isa_tiers  # noqa: E402  (before torch: a forced tier is set up in a fresh process)
+
+TIER = isa_tiers.reexec_for_tier(sys.argv)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 try:
-    import llama_cpp
+    import llama_cpp  # noqa: E402
 except ImportError as exc:  # an optional extra: say how to get it
     raise SystemExit('llama-cpp-python is missing: pip install -e ".[llamacpp]" '
                      '(CMAKE_ARGS="-DGGML_NATIVE=ON" builds it for this CPU)') from exc
-from perfxlm import LLM, SamplingParams
-from perfxlm.config import default_model_path
+from perfxlm import LLM, SamplingParams  # noqa: E402
+from perfxlm.config import default_model_path  # noqa: E402
+from perfxlm.ops import cpu_plan  # noqa: E402
 
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "avx512_fp16")
+CPU_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "avx512_fp16")
 FTYPES = {"bf16": "LLAMA_FTYPE_MOSTLY_BF16", "f16": "LLAMA_FTYPE_MOSTLY_F16",
-          "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
+          "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
+          "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
 CACHE_DIR = Path.home() / ".cache" / "perfxlm" / "compare"
 
 
@@ -313,6 +323,8 @@ def parse_args():
     ap.add_argument("--perfxlm-dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--perfxlm-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="extra LLM(...) keyword, repeatable; VALUE is a Python literal or a string")
+    ap.add_argument("--isa", default="native", choices=["native", *isa_tiers.TIERS],
+                    help="build both engines for this instruction-set tier only (see benchmarks/isa_tiers.py)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rows", default="prefill,decode,p16,p64", help="pN: N parallel sequences")
@@ -360,7 +372,8 @@ def main() -> None:
 
     cpu, flags = cpu_info()
     config = {
-        "cpu": cpu, "cpu_flags": flags, "torch": torch.__version__, "llama_cpp_python": llama_cpp.__version__,
+        "cpu": cpu, "cpu_flags": flags, "tier": isa_tiers.describe(TIER), "cpu_plan": cpu_plan.plan().describe(),
+        "torch": torch.__version__, "llama_cpp_python": llama_cpp.__version__,
         "threads": args.threads, "rounds": args.rounds, "rows": {r: list(s) for r, s in specs.items()},
         "perfxlm": {"gguf": gguf, "dtype": args.perfxlm_dtype, "desc": perfx.desc},
         "llamacpp": {"gguf": llama_path, "ftype": args.llamacpp_ftype, "desc": llama.desc,
@@ -368,6 +381,7 @@ def main() -> None:
                      "system_info": llama_cpp.llama_print_system_info().decode().strip()},
     }
     print(f"\nCPU: {cpu}\nflags: {' '.join(flags) or '(none of ' + ', '.join(CPU_FLAGS) + ')'}")
+    print(f"tier: {config['tier']}\nperfxlm CPU plan: {config['cpu_plan']}")
     print(f"torch {torch.__version__}, llama-cpp-python {llama_cpp.__version__}, threads {args.threads}")
     print(f"perfxlm:   {gguf}\n           {perfx.desc}")
     print(f"llama.cpp: {llama_path}\n           {llama.desc}\n           {config['llamacpp']['system_info']}")
@@ -437,7 +451,7 @@ def plot(summary: dict, specs: dict, config: dict, out: Path) -> None:
     ax.bar_label(bars, labels=[f"{r:.2f}x" for r in ratios])
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_ylabel("perfxlm / llama.cpp (median tok/s)")
-    ax.set_title(f"{config['cpu']}, {config['threads']} threads\n"
+    ax.set_title(f"{config['cpu']}, {config['threads']} threads, tier {TIER}\n"
                  f"perfxlm {config['perfxlm']['dtype']} vs llama.cpp {config['llamacpp']['desc']}",
                  fontsize=9)
     fig.tight_layout()

@@ -64,7 +64,7 @@ inline void packed_tile(const float* x, int64_t K, const uint16_t* panels, int64
     #pragma GCC unroll 16
     for (int j = 0; j < NP; ++j) {
       _mm_prefetch(reinterpret_cast<const char*>(panels + j * panel_stride + (k + 16) * 16), _MM_HINT_T0);
-      wv[j] = simd16::load(panels + j * panel_stride + k * 16);
+      wv[j] = simd16::load_panel(panels + j * panel_stride + k * 16);
     }
     #pragma GCC unroll 16
     for (int i = 0; i < MT; ++i) {
@@ -78,7 +78,7 @@ inline void packed_tile(const float* x, int64_t K, const uint16_t* panels, int64
     const int64_t n = n0 + 16 * j;
     const V bv = bias ? simd16::load(bias + n, N - n) : simd16::zero();
     #pragma GCC unroll 16
-    for (int i = 0; i < MT; ++i) simd16::store(y + i * N + n, simd16::add(acc[i][j], bv), N - n);
+    for (int i = 0; i < MT; ++i) simd16::store(y + i * N + n, simd16::add(simd16::panel_order(acc[i][j]), bv), N - n);
   }
 }
 

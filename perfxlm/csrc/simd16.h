@@ -26,6 +26,10 @@ inline V load(const uint16_t* p, int64_t n = 16) {
   const __m256i half = _mm256_maskz_loadu_epi16(mask(n), p);
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16))};
 }
+// A panel row of 16 bf16 weights (csrc/cpu_kernels.cpp's packed layout) in the lane order `panel_order`
+// undoes: here the natural order.
+inline V load_panel(const uint16_t* p) { return load(p); }
+inline V panel_order(V a) { return a; }
 inline V fmadd(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline V add(V a, V b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline void store(float* p, V a, int64_t n = 16) { _mm512_mask_storeu_ps(p, mask(n), a.v); }
@@ -90,6 +94,18 @@ inline V load_tail(const T* p, int64_t n) {
   T buf[16] = {};
   std::memcpy(buf, p, static_cast<size_t>(n > 0 ? n : 0) * sizeof(T));
   return load(buf, 16);
+}
+// A panel row of 16 bf16 weights in one 32-byte load, widened as [even columns, odd columns]: a shift and
+// an and instead of two loads, two zero-extensions and two shifts. Lanes are independent columns, so
+// the kernel accumulates in that order and `panel_order` restores column order once per tile.
+inline V load_panel(const uint16_t* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(raw, 16)),
+          _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+}
+inline V panel_order(V a) {
+  const __m256 lo = _mm256_unpacklo_ps(a.lo, a.hi), hi = _mm256_unpackhi_ps(a.lo, a.hi);  // [0-3 | 8-11], [4-7 | 12-15]
+  return {_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31)};
 }
 inline V fmadd(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
 inline V add(V a, V b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }

@@ -179,7 +179,7 @@ def test_cli_end_to_end_on_the_default_model(tmp_path):
                 "--max-num-batched-tokens", "256", "--output-json", str(out_json))
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.splitlines()
-    for key in ("model:", "dtype: float32", "compute_dtype: float32", "cpu_plan: bf16 layout="):
+    for key in ("model:", "dtype: float32", "compute_dtype: float32", "cpu_plan: isa="):
         assert any(line.startswith(key) for line in lines), (key, r.stdout)
     data = json.loads(out_json.read_text())
     res = data["result"]

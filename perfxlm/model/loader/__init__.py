@@ -9,6 +9,7 @@ from typing import Any, Iterator
 import torch
 from tqdm import tqdm
 
+from perfxlm.model.loader.weight_arena import move_to_arena
 from perfxlm.model.registry import resolve_model_class
 from perfxlm.quant.loading import quantized_loader
 
@@ -78,6 +79,7 @@ def get_model(
             model.load_weights(tqdm(weights, desc="Loading weights", unit="tensor", leave=False), sink=sink)
     if weight_dtype is not None and weight_dtype != dtype:
         cast_weights(model, weight_dtype, dtype)
+    move_to_arena(model)  # final layouts only: after packing and casting
     release_freed_memory()
     return model.eval()
 
