@@ -610,9 +610,11 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
     const int64_t n = n0 + j, row_base = n * groups;
     const uint8_t* row = w.codes + n * w.row_bytes;
     prefetch_row(w, n + kPrefetchRows);
-    __m256 acc[MT];
+    // two accumulators per activation row (even / odd chunks, or a chunk's two halves): one FMA chain
+    // per row would wait on the FMA latency every chunk
+    __m256 acc[MT][2];
     #pragma GCC unroll 4
-    for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
+    for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t g0 = row_base + (c * 64) / w.group;
       if constexpr (BITS4) {
@@ -630,34 +632,41 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
           const __m256i d = dot_pairs(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)), hi,
                                       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32)));
           const __m256 xs = _mm256_loadu_ps(lanes + (i * chunks + c) * 16);
-          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(ws, xs), acc[i]);
+          acc[i][c & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(ws, xs), acc[i][c & 1]);
         }
       } else {
         const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 64));
         const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 64 + 32));
-        __m256 ws_lo, ws_hi;
         if constexpr (SPC == 4) {
           const __m256 s4 = _mm256_castps128_ps256(load_params_lo<HALF, 4>(w.scales, g0));
-          ws_lo = _mm256_permutevar8x32_ps(s4, lo_idx);
-          ws_hi = _mm256_permutevar8x32_ps(s4, hi_idx);
-        } else {
-          ws_lo = _mm256_set1_ps(param_at<HALF>(w.scales, g0));
-          ws_hi = SPC == 2 ? _mm256_set1_ps(param_at<HALF>(w.scales, g0 + 1)) : ws_lo;
-        }
-        #pragma GCC unroll 4
-        for (int i = 0; i < MT; ++i) {
-          const int8_t* xc = xq + i * K + c * 64;
-          const float* xs = lanes + (i * chunks + c) * 16;  // lanes 0-7: block A's scale, 8-15: B's
-          const __m256i d0 = dot_u8(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)));
-          const __m256i d1 = dot_u8(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32)));
-          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(ws_lo, _mm256_broadcast_ss(xs)), acc[i]);
-          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(ws_hi, _mm256_broadcast_ss(xs + 8)), acc[i]);
+          const __m256 ws_lo = _mm256_permutevar8x32_ps(s4, lo_idx), ws_hi = _mm256_permutevar8x32_ps(s4, hi_idx);
+          #pragma GCC unroll 4
+          for (int i = 0; i < MT; ++i) {
+            const int8_t* xc = xq + i * K + c * 64;
+            const float* xs = lanes + (i * chunks + c) * 16;  // lanes 0-7: block A's scale, 8-15: B's
+            const __m256i d0 = dot_u8(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)));
+            const __m256i d1 = dot_u8(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32)));
+            acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(ws_lo, _mm256_broadcast_ss(xs)), acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(ws_hi, _mm256_broadcast_ss(xs + 8)), acc[i][1]);
+          }
+        } else {  // one scale per half: weight scale x activation scale multiplied as scalars
+          const float s_lo = param_at<HALF>(w.scales, g0), s_hi = SPC == 2 ? param_at<HALF>(w.scales, g0 + 1) : s_lo;
+          #pragma GCC unroll 4
+          for (int i = 0; i < MT; ++i) {
+            const int8_t* xc = xq + i * K + c * 64;
+            const float* xs = lanes + (i * chunks + c) * 16;
+            const __m256i d0 = dot_u8(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)));
+            const __m256i d1 = dot_u8(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32)));
+            acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(s_lo * xs[0]), acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_set1_ps(s_hi * xs[8]), acc[i][1]);
+          }
         }
       }
     }
     #pragma GCC unroll 4
     for (int i = 0; i < MT; ++i) {
-      const __m256 total = add_mins<BITS4, HALF>(acc[i], w, row_base, a.gsum + (m0 + i) * a.gstride);
+      const __m256 sum = _mm256_add_ps(acc[i][0], acc[i][1]);
+      const __m256 total = add_mins<BITS4, HALF>(sum, w, row_base, a.gsum + (m0 + i) * a.gstride);
       y[(m0 + i) * N + n] = hsum8(total) + (bias ? bias[n] : 0.f);
     }
   }
