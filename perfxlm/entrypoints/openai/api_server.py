@@ -173,7 +173,8 @@ def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None =
             ids = (await renderer.render(_message_dicts(fake), req.add_generation_prompt))["prompt_token_ids"]
         else:
             ids = await renderer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
+        body = await renderer.dumps({"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len})
+        return Response(body, media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):

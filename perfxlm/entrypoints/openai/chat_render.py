@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -61,6 +62,11 @@ class ChatRenderer:
         pool = self._request_template_pool if chat_template is not None else self._pool
         return await self._off_loop(self.render_sync, messages, add_generation_prompt, chat_template,
                                     continue_final_message, template_kwargs, tools, pool=pool)
+
+    async def dumps(self, obj: Any) -> str:
+        """JSON text of a response, serialized in the render threads: a long prompt's id list takes
+        FastAPI's encoder about a second on a small machine, time the event loop would not answer in."""
+        return await self._off_loop(json.dumps, obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:

@@ -67,15 +67,17 @@ def move_to_arena(model: torch.nn.Module) -> int:
         return 0
     arena = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` alive as long as any view
     moved: dict[tuple, torch.Tensor] = {}
+    params: dict[tuple, torch.nn.Parameter] = {}  # one Parameter per tie, so parameters() still dedups
     for owner, name, t, key in slots:
         if key not in moved:
             offset = seen[key]
             view = arena[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
             view.copy_(t)
             moved[key] = view
-        new = moved[key]
         if isinstance(owner, torch.nn.Module):
-            owner._parameters[name] = torch.nn.Parameter(new, requires_grad=False)
+            if key not in params:
+                params[key] = torch.nn.Parameter(moved[key], requires_grad=False)
+            owner._parameters[name] = params[key]
         else:
-            setattr(owner, name, new)
+            setattr(owner, name, moved[key])
     return total
