@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -16,14 +16,14 @@ def _pyplot():
     return plt
 
 
-def _ensure_dir(path: str) -> None:
+def ensure_dir(path: str) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
 
 
 def plot_sweep(rows: Sequence[Mapping[str, Any]], path: str, title: str | None = None) -> str:
     """Throughput, decode step time and prefill time against batch size, one panel each."""
-    plt = _pyplot()
+    plt = pyplot()
     batches = [r["batch_size"] for r in rows]
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(14, 4.2))
     ax1.plot(batches, [r["throughput_tok_s"] for r in rows], "o-", color="tab:blue", label="generated tokens/s")
@@ -48,7 +48,7 @@ def plot_sweep(rows: Sequence[Mapping[str, Any]], path: str, title: str | None =
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    _ensure_dir(path)
+    ensure_dir(path)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -58,7 +58,7 @@ def plot_latency_cdfs(series: Mapping[str, Sequence[float]], path: str, title: s
     """Empirical CDFs of TTFT, TPOT, ITL and E2EL (ms), one panel each."""
     import numpy as np
 
-    plt = _pyplot()
+    plt = pyplot()
     names = [("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL")]
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     for ax, (key, label) in zip(axes.flat, names):
@@ -79,7 +79,7 @@ def plot_latency_cdfs(series: Mapping[str, Sequence[float]], path: str, title: s
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    _ensure_dir(path)
+    ensure_dir(path)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

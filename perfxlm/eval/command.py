@@ -1,4 +1,5 @@
-"""`perfxlm eval perplexity`: argument definitions and the command (the CLI module only wires them in)."""
+"""`perfxlm eval perplexity` (and `eval kld`, from kld_command): argument definitions and the commands (the
+CLI module only wires them in)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Callable
 
 
 def add_eval_parser(sub: argparse._SubParsersAction, add_engine_args: Callable, engine_kwargs: Callable) -> None:
-    ev = sub.add_parser("eval", help="evaluations: perplexity (as llama.cpp's llama-perplexity)")
+    ev = sub.add_parser("eval", help="evaluations: perplexity and KL divergence (as llama.cpp's llama-perplexity)")
     esub = ev.add_subparsers(dest="eval_command", required=True)
     ppl = esub.add_parser(
         "perplexity", help="perplexity of a text file, computed as llama.cpp's llama-perplexity does",
@@ -32,6 +33,12 @@ def add_eval_parser(sub: argparse._SubParsersAction, add_engine_args: Callable, 
     ppl.add_argument("--output-json", default=None, metavar="PATH", help="save the configuration and the result")
     ppl.add_argument("--no-progress", action="store_true", help="no progress bar")
     ppl.set_defaults(func=lambda args: cmd_perplexity(args, engine_kwargs(args)), enable_prefix_caching=False)
+    from perfxlm.eval.kld_command import add_kld_parser
+
+    add_kld_parser(esub, add_engine_args, engine_kwargs)
+    from perfxlm.eval.quant_table_command import add_quant_table_parser
+
+    add_quant_table_parser(esub, add_engine_args, engine_kwargs)
 
 
 def read_text(path: str) -> str:
@@ -57,7 +64,7 @@ def header(llm, args: argparse.Namespace) -> dict:
     }
 
 
-def _tqdm_disabled() -> bool:
+def tqdm_disabled() -> bool:
     return os.environ.get("TQDM_DISABLE", "").strip().lower() not in ("", "0", "false")
 
 
@@ -90,7 +97,7 @@ def cmd_perplexity(args: argparse.Namespace, kwargs: dict) -> int:
         print(f"[{i}]{estimate:.4f},", end="", flush=True)
 
     result = perplexity(llm, text, args.ctx_size, n_chunks=args.chunks, batch_size=args.batch_size,
-                        score_chunk=args.score_chunk, progress=not args.no_progress and not _tqdm_disabled(),
+                        score_chunk=args.score_chunk, progress=not args.no_progress and not tqdm_disabled(),
                         on_chunk=on_chunk)
     print()
     print(f"scored {result.n_tokens} tokens in {result.n_chunks} windows of {result.ctx_size} "

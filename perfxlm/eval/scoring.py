@@ -44,10 +44,12 @@ def score_windows(
     windows: Windows,
     max_in_flight: int | None = None,
     on_window: Callable[[int, list[float]], None] | None = None,
+    on_submit: Callable[[str, int], None] | None = None,
 ) -> list[list[float]]:
     """Negative log-likelihoods of each window's scored tokens (windows.targets(i)), in window order.
 
-    on_window(i, nlls) is called as each window finishes (in completion order)."""
+    on_window(i, nlls) is called as each window finishes (in completion order); on_submit(request_id, i)
+    as window i is handed to the engine (callers that watch the model runner map requests to windows)."""
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False,
                             output_kind=RequestOutputKind.FINAL_ONLY)
@@ -64,6 +66,8 @@ def score_windows(
             while pending and len(in_flight) < limit:
                 i = pending.popleft()
                 rid = f"perplexity-{tag}-{i}"
+                if on_submit is not None:
+                    on_submit(rid, i)
                 engine.add_request(rid, {"prompt_token_ids": windows.window(i)}, params)
                 in_flight[rid] = i
             for out in engine.step():

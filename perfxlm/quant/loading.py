@@ -233,7 +233,7 @@ def quantized_loader(
     return loader
 
 
-def _gguf_quantized_types(path: str) -> list[str]:
+def gguf_quantized_types(path: str) -> list[str]:
     """The quantized tensor types of a GGUF file (its header only; empty for an F32 / F16 / BF16 file)."""
     from perfxlm.model.loader.gguf_reader import open_gguf
 
@@ -244,7 +244,7 @@ def _gguf_quantized_types(path: str) -> list[str]:
 def check_compatible(config: QuantizationConfig | None, load_format: str, model_path: str) -> None:
     if config is None:
         return
-    quantized_types = _gguf_quantized_types(model_path) if config.quantizes and load_format == "gguf" else []
+    quantized_types = gguf_quantized_types(model_path) if config.quantizes and load_format == "gguf" else []
     if quantized_types:
         raise ValueError(
             f"quantization={config.method!r}: {model_path!r} is a GGUF file with quantized tensors "

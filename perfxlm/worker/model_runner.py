@@ -13,6 +13,7 @@ forward pass runs (the matchers see only output tokens already known before the 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import numpy as np
 import torch
@@ -40,6 +41,10 @@ class ModelRunner:
         self._mask_thread: ThreadPoolExecutor | None = None
         self.kv_spec = KVCacheSpec.of(dtype)
         self.kv_caches: list[KVCache] = []
+        # Sees every prompt-logprob computation whole: (request_id, position of the first row's token,
+        # log-probabilities [rows, vocab] float32). Evaluations that need whole distributions (KL
+        # divergence) set it; requests' own outputs keep only the top-k they asked for.
+        self.prompt_logprobs_observer: Callable[[str, int, torch.Tensor], None] | None = None
         for module in model.modules():
             if isinstance(module, Attention):
                 cache = self.kv_spec.allocate(num_blocks, block_size, module.num_kv_heads, module.head_dim)
@@ -170,6 +175,8 @@ class ModelRunner:
                 continue
             logprobs = self.model.compute_logits(hidden[start : start + count]).log_softmax(dim=-1)
             first = s.num_computed_tokens + 1
+            if self.prompt_logprobs_observer is not None:
+                self.prompt_logprobs_observer(s.request_id, first, logprobs)
             targets = torch.tensor(s.prompt_token_ids[first : first + count], dtype=torch.int64)
             try:
                 ids, lps, ranks = compute_logprobs(logprobs, targets, k)
