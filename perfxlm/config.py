@@ -101,6 +101,10 @@ class EngineConfig:
     quantization: Any = None
     quantization_group_size: int | None = None
     quantization_symmetric: bool | None = None
+    # What products with quantized weights do to the activations: "auto" (GGUF tensors and int4 of a
+    # bfloat16 model: int8 blocks of 32 where the build has int8 dots, as llama.cpp; int8 / nf4 float32;
+    # w8a8 int8), "int8" (int8 blocks for every format), "float32" (weight-only products).
+    quant_activations: str = "auto"
     # Worker processes holding 1/N of the model each, one per NUMA node (perfxlm/distributed/).
     tensor_parallel_size: int = 1
     # Whole engine replicas in their own processes, requests routed to the least busy (engine/data_parallel.py).
@@ -120,6 +124,7 @@ class EngineConfig:
     weight_dtype: torch.dtype = field(default=torch.float32, init=False, repr=False)  # linear/embedding weights
     kv_cache_spec: Any = field(default=None, init=False, repr=False)  # ops.kv_quant.KVCacheSpec
     quant_config: Any = field(default=None, init=False, repr=False)  # quant.QuantizationConfig or None
+    quant_activation_mode: Any = field(default=None, init=False, repr=False)  # quant.weight.ActivationMode
     eos_token_ids: set[int] = field(default_factory=set, repr=False)
     # whether max_model_len came from the user (an error if the KV pool cannot hold it) or the model
     # (lowered to what the pool holds)
@@ -127,9 +132,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         from perfxlm.ops.kv_quant import KVCacheSpec
+        from perfxlm.quant.config import check_quant_activations
 
         KVCacheSpec.resolve(self.kv_cache_dtype, torch.float32, self.kv_cache_group_size)  # ValueError: choices
         self._resolve_quantization()
+        check_quant_activations(self.quant_activations)
 
     def _resolve_quantization(self) -> Any:
         from perfxlm.quant.config import QuantizationConfig
@@ -142,6 +149,14 @@ class EngineConfig:
         if self.load_format == "gguf":
             return method in (None, "gguf")
         return self.quant_config is not None and self.quant_config.quantizes
+
+    def _quantized_source(self) -> str | None:
+        """Where quantized weights come from: "gguf" (a GGUF file kept quantized: its float tensors stay
+        float), the method quantizing a float checkpoint at load, or None (no weight stays quantized)."""
+        method = None if self.quant_config is None else self.quant_config.method
+        if self.load_format == "gguf" and method in (None, "gguf"):
+            return "gguf" if self.tensor_parallel_size == 1 else None  # ranks dequantize GGUF blocks
+        return method if self.quant_config is not None and self.quant_config.quantizes else None
 
     def resolve(self) -> "EngineConfig":
         from perfxlm.model.loader import load_hf_config  # late: loaders import transformers
@@ -159,6 +174,7 @@ class EngineConfig:
             self.load_format = "gguf" if self.model.endswith(".gguf") else "safetensors"
         if self.load_format not in ("safetensors", "gguf", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors, gguf or dummy, got {self.load_format!r}.")
+        from perfxlm.quant.config import resolve_activations
         from perfxlm.quant.loading import check_compatible
 
         self.quant_config = self._resolve_quantization()
@@ -174,9 +190,12 @@ class EngineConfig:
         self.torch_dtype = self.weight_dtype = resolve_dtype(self.dtype)
         if self.dtype == "auto" and self._weights_stay_quantized() and _native_kernels_usable():
             # Quantized weights never use bf16 arithmetic: bf16 only stores what stays float (KV cache,
-            # embeddings, norms), which the native kernels widen on every CPU, and lets the products
-            # quantize activations to int8 blocks (as llama.cpp does). dtype="float32" keeps them exact.
+            # embeddings, norms), which the native kernels widen on every CPU, and lets GGUF and int4
+            # products quantize activations to int8 blocks (as llama.cpp does; quant_activations).
+            # dtype="float32" keeps them exact.
             self.torch_dtype = self.weight_dtype = torch.bfloat16
+        source = self._quantized_source()
+        self.quant_activation_mode = resolve_activations(self.quant_activations, source, self.weight_dtype)
         self.kv_cache_spec = KVCacheSpec.resolve(self.kv_cache_dtype, self.torch_dtype, self.kv_cache_group_size)
         if self.torch_dtype == torch.bfloat16 and _bf16_compute() == "float32" and _native_kernels_usable():
             # Weights and KV cache in bf16 (half the bytes each decode step reads), activations in
@@ -188,6 +207,7 @@ class EngineConfig:
         if self.quant_config is not None:
             # travels with the model's config to every loader (worker processes included); read by get_model
             self.hf_config.perfxlm_quantization = self.quant_config.as_dict()
+        self.hf_config.perfxlm_quant_activations = self.quant_activation_mode.value  # decided here, once
         limit = _max_position_embeddings(self.hf_config)
         self.max_model_len_explicit = self.max_model_len is not None
         if self.max_model_len is None:

@@ -61,9 +61,10 @@ class EngineCore:
             gc.freeze()
         logger.info(
             "perfxlm engine core: model=%s compute=%s weights=%s kv=%s kv_blocks=%d x %d tokens, max_model_len=%d, "
-            "CPU plan: %s, model: %s",
+            "quantized-weight activations=%s, CPU plan: %s, model: %s",
             config.model, config.torch_dtype, config.weight_dtype, config.kv_cache_spec.name, self.num_kv_blocks,
-            config.block_size, config.max_model_len, cpu_plan.plan().describe(), self.executor.describe(),
+            config.block_size, config.max_model_len, config.quant_activation_mode, cpu_plan.plan().describe(),
+            self.executor.describe(),
         )  # fmt: skip
         logger.info(
             "KV cache: %s, %d blocks x %d = %d tokens, %d bytes per token (all layers), %.3f GiB",

@@ -40,6 +40,11 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
     parser.add_argument("--quantization-symmetric", action=argparse.BooleanOptionalAction, default=None,
                         help="symmetric codes (the default) or, with --no-quantization-symmetric, a zero point "
                              "per group (int8, int4)")
+    parser.add_argument("--quant-activations", default="auto", choices=["auto", "int8", "float32"],
+                        help="what products with quantized weights do to the activations: auto = int8 blocks "
+                             "of 32 for GGUF tensors and int4 of a bfloat16 model (llama.cpp's scheme), float32 "
+                             "for int8 and nf4, int8 for w8a8; int8 = int8 blocks for every format; float32 = "
+                             "weight-only (not with w8a8)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV cache of shared prompt prefixes")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
@@ -118,6 +123,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         quantization=getattr(args, "quantization", None),
         quantization_group_size=getattr(args, "quantization_group_size", None),
         quantization_symmetric=getattr(args, "quantization_symmetric", None),
+        quant_activations=getattr(args, "quant_activations", "auto"),
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         max_logprobs=args.max_logprobs,

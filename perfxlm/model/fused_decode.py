@@ -21,6 +21,7 @@ from perfxlm.model.layers.activation import GeluAndMul, SiluAndMul
 from perfxlm.model.layers.norm import GemmaRMSNorm, RMSNorm
 from perfxlm.ops import cpu_plan, native
 from perfxlm.ops.linear import native_int8_blocks
+from perfxlm.quant.weight import ActivationMode
 
 
 def _activation_code(act: nn.Module) -> int | None:
@@ -101,13 +102,27 @@ def _layer_args(layer: nn.Module) -> tuple[tuple[Any, ...], tuple[Any, ...]] | N
     return before_rope, (core.scale, core.sliding_window or 0, core.logit_soft_cap or 0.0)
 
 
+def _int8_blocks(quantized: list[Any]) -> bool | None:
+    """The one int8_blocks flag the kernel takes for every quantized weight of the layers, or None where
+    no flag gives what the module path does: weights differing in activation mode, or int8 blocks asked
+    on every path (ActivationMode.INT8) where the kernel would not round some (no int8 dots, a layout its
+    block GEMV lacks: the module path rounds those in torch)."""
+    modes = {w.activations for w in quantized}
+    if len(modes) > 1:
+        return None
+    mode = modes.pop() if modes else ActivationMode.FLOAT
+    if mode is ActivationMode.INT8 and not all(native_int8_blocks(w) for w in quantized):
+        return None
+    return mode is not ActivationMode.FLOAT
+
+
 class FusedDecode:
     def __init__(self, layers: nn.ModuleList) -> None:
         self.layers = layers
         self.args: list[tuple[tuple[Any, ...], tuple[Any, ...]]] | None = None
         self.eligible = len(layers) > 0
-        self.quant_bf16_gemm = self.quant_int8_activations = True
-        self.quant_block_acts = False
+        self.quant_bf16_gemm = True
+        self.int8_blocks = False  # whether the kernel rounds activations to int8 blocks (all weights alike)
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         if not self.eligible or x.dtype != torch.float32 or meta.prefills or meta.num_decode_tokens != x.shape[0]:
@@ -121,18 +136,15 @@ class FusedDecode:
                 return False
             self.args = args  # type: ignore[assignment]
             # Quantized weights use the bf16 GEMM and int8 activation blocks only where the module path
-            # does (a bfloat16 model: QuantizedWeight.bf16_gemm / int8_activations), so both round alike.
+            # does (QuantizedWeight.bf16_gemm / activations, decided at load), so both round alike.
             quantized = [m.weight for m in self.layers.modules()
                          if hasattr(m, "weight") and not isinstance(m.weight, torch.Tensor)]
             self.quant_bf16_gemm = all(w.bf16_gemm for w in quantized)
-            self.quant_int8_activations = all(w.int8_activations for w in quantized)
-            # W8A8 with activation blocks asks the kernel for them on every weight; where it would not
-            # quantize them (no VNNI, a layout its block GEMV lacks) the module path rounds them instead.
-            blocks = [w.act == "int8_block" for w in quantized]
-            self.quant_block_acts = any(blocks)
-            if self.quant_block_acts and not (all(blocks) and all(native_int8_blocks(w) for w in quantized)):
+            blocks = _int8_blocks(quantized)
+            if blocks is None:
                 self.eligible = False
                 return False
+            self.int8_blocks = blocks
         return True
 
     def run(
@@ -142,7 +154,6 @@ class FusedDecode:
         ops = native.kernels()
         plan = cpu_plan.plan()
         max_rows = plan.native_max_rows
-        int8_blocks = self.quant_block_acts or (plan.quant_activations == "int8" and self.quant_int8_activations)
         bf16_gemm = plan.gemm == "bf16" and self.quant_bf16_gemm
         cos, sin = rope
         residual = x
@@ -151,6 +162,6 @@ class FusedDecode:
             x, residual = ops.decode_layer(
                 x, residual, i == 0, *before, cos, sin, cache.key, cache.value, meta.slot_mapping,
                 meta.decode_block_tables, meta.decode_seq_lens, *after, max_rows, bf16_gemm, cache.key_scale,
-                cache.value_scale, int8_blocks, plan.quant_max_rows,
+                cache.value_scale, self.int8_blocks, plan.quant_max_rows,
             )  # fmt: skip
         return x, residual

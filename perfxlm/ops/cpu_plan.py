@@ -21,12 +21,15 @@ Every choice can be forced from the environment, so the tests run each path on w
 - PERFXLM_BF16_COMPUTE = float32 | bfloat16   activations of a bfloat16 model (bfloat16: torch's bf16
                                               ops throughout, no native linear kernels)
 
-Quantized weights (perfxlm.quant) at few rows: on every SIMD tier (AVX2, AVX-VNNI, AVX512-VNNI) the
-activations are quantized to int8 per block of 32 and the products run as int8 dot products (llama.cpp's
-scheme, 2-3x fewer instructions than widening codes to float32); the scalar build (and AVX-512 without
-VNNI) widens the codes and keeps the activations float32.
-- PERFXLM_QUANT_ACTIVATIONS = int8 | float32   (int8 needs a build with int8 dots; float32 is exact
-                                               weight-only)
+Quantized weights (perfxlm.quant) at few rows: every SIMD tier (AVX2, AVX-VNNI, AVX512-VNNI) has an int8
+dot-product GEMV, which runs where the weight's activations are rounded to int8 blocks of 32 (llama.cpp's
+scheme, 2-3x fewer instructions than widening codes to float32); otherwise, and on the scalar build (and
+AVX-512 without VNNI), the codes are widened and the activations stay float32. Which weights round their
+activations is not the CPU's choice but the format's: the engine's `quant_activations` (auto | int8 |
+float32, perfxlm.quant.config: auto rounds GGUF and int4 weights of a bfloat16 model where the build has
+int8 dots, keeps int8 and nf4 weight-only, w8a8 always rounds), decided once at load.
+- PERFXLM_QUANT_ACTIVATIONS = auto | int8 | float32   stands in for quant_activations left at auto
+                                                      (read with the engine's configuration, not here)
 - PERFXLM_QUANT_MAX_ROWS = N      rows up to which quantized weights take the GEMV kernels; more rows
                                   dequantize slabs for torch's GEMM. Default 8 where the GEMM is bf16 or
                                   AVX-512 (measured crossover 12-16 on AMX); 32 on AVX2, where the GEMM
@@ -48,7 +51,6 @@ from perfxlm.ops import isa
 LAYOUTS = ("rows", "panels")
 GEMMS = ("bf16", "float32")
 COMPUTES = ("float32", "bfloat16")
-QUANT_ACTIVATIONS = ("int8", "float32")
 # Measured with 2 threads on the default model's shapes: AMX's bf16 GEMM overtakes the row kernel past
 # 4 rows; the panel kernel beats MKL's float32 GEMM up to 256 rows on AVX-512 without bf16.
 _AUTO_MAX_ROWS = {("rows", "bf16"): 4, ("rows", "float32"): 64, ("panels", "bf16"): 256, ("panels", "float32"): 256}
@@ -60,14 +62,12 @@ class CpuPlan:
     gemm: str  # what multiplies many rows against rows-layout bf16 weights
     native_max_rows: int  # up to this many rows the native kernel runs
     bf16_compute: str  # activation dtype of a bfloat16 model
-    quant_activations: str = "float32"  # what quantized-weight GEMVs multiply: int8 blocks or float32
     quant_max_rows: int = 8  # up to this many rows quantized weights take the GEMV kernels
     isa: str = "scalar"  # the instruction-set tier the native kernels are built for
 
     def describe(self) -> str:
         return (f"isa={self.isa} bf16 layout={self.layout} gemm={self.gemm} native_max_rows={self.native_max_rows} "
-                f"activations={self.bf16_compute} quantized: activations={self.quant_activations} "
-                f"gemv_max_rows={self.quant_max_rows}")
+                f"activations={self.bf16_compute} quantized: gemv_max_rows={self.quant_max_rows}")
 
 
 def _choice(name: str, allowed: tuple[str, ...], default: str) -> str:
@@ -86,14 +86,13 @@ def detect() -> CpuPlan:
     gemm = _choice("PERFXLM_BF16_GEMM", GEMMS, "bf16" if fast_bf16 else "float32")
     max_rows = _rows("PERFXLM_NATIVE_MAX_ROWS", _AUTO_MAX_ROWS[(layout, gemm)])
     compute = _choice("PERFXLM_BF16_COMPUTE", COMPUTES, "float32")
-    quant_act = _choice("PERFXLM_QUANT_ACTIVATIONS", QUANT_ACTIVATIONS, "int8" if has_int8_dots() else "float32")
     # Measured on the default model's shapes (AMX CPU, 2 threads, Q4 and Q8 codes): the int8-block GEMV
     # beats dequantizing slabs for the bf16 GEMM up to 12-16 rows (equal at 16). 8 keeps short prefill
     # tails (a prefix-cache hit's last tokens) on the GEMM that computed the prompt the first time, so a
     # bf16 model's greedy text does not move with the cache (measured cost at 9-16 rows: under 10 %).
     tier = isa.selected()
     quant_rows = _rows("PERFXLM_QUANT_MAX_ROWS", 32 if tier in ("avx2", "avx_vnni") else 8)
-    return CpuPlan(layout, gemm, max_rows, compute, quant_act, quant_rows, tier)
+    return CpuPlan(layout, gemm, max_rows, compute, quant_rows, tier)
 
 
 def _rows(name: str, default: int) -> int:

@@ -10,8 +10,9 @@
   float32 buffer that stays in cache and run MKL's float32 GEMM on it, which beats the kernel there.
 - Without native kernels: W widened per call, correct and slow.
 - W a `perfxlm.quant.QuantizedWeight` (GGUF blocks kept quantized, `quantization=`): the native
-  `linear_q` kernel (codes widened in registers, W8A8 through int8 dot products), else
-  `perfxlm.quant.reference` (dequantize, then F.linear; W8A8's integer product).
+  `linear_q` kernel (codes widened in registers, or int8 dot products on activations rounded to int8
+  blocks where `W.activations` says so, and W8A8), else `perfxlm.quant.reference` (dequantize, then
+  F.linear; W8A8's integer product).
 
 The reference for all of them is `F.linear(x, W.float(), b)`.
 """
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 
 from perfxlm.ops import cpu_plan, native
 from perfxlm.quant.reference import fake_quantize_blocks, reference_linear
-from perfxlm.quant.weight import QuantizedWeight
+from perfxlm.quant.weight import ActivationMode, QuantizedWeight
 
 PANEL = 16
 # Output columns widened per slab when rows are few: 1024 x 576 float32 = 2.3 MB, about L2.
@@ -77,9 +78,9 @@ def linear(
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] (float32, or bf16 activations computed in float32) -> [..., N] in x's dtype: the native
     `linear_q` kernel where built, else the plain-torch reference (perfxlm.quant.reference). Many rows run
-    the CPU's bf16 GEMM, and all rows quantize activations to int8 blocks where the CPU plan's
-    `quant_activations` says so, only for a bfloat16 model (`weight.bf16_gemm`, `weight.int8_activations`);
-    a float32 model's products are exact to float summation order. The fused decode layer does the same."""
+    the CPU's bf16 GEMM for a bfloat16 model (`weight.bf16_gemm`); the activations are rounded to int8
+    blocks as the weight's `activations` (decided at load from `quant_activations`) says, else the
+    products are exact to float summation order. The fused decode layer does the same."""
     ops = native.kernels()
     if ops is None or not hasattr(ops, "linear_q"):
         return reference_linear(x, weight, bias)
@@ -88,11 +89,11 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
         rows = rows.float().contiguous()
     b = bias if bias is None or bias.dtype == torch.float32 else bias.float()
     plan = cpu_plan.plan()
-    int8_blocks = plan.quant_activations == "int8" and weight.int8_activations
-    if weight.act == "int8_block":  # W8A8 with activation blocks: quantized on every path
-        int8_blocks = native_int8_blocks(weight)
-        if not int8_blocks:  # the kernel would not quantize them: round them here, the same way
-            rows = fake_quantize_blocks(rows)
+    mode = weight.activations
+    int8_blocks = mode is not ActivationMode.FLOAT  # INT8_NATIVE: the kernel rounds where it can
+    if mode is ActivationMode.INT8 and not native_int8_blocks(weight):
+        # the kernel would multiply them as given: round them here, the same way
+        rows, int8_blocks = fake_quantize_blocks(rows), False
     y = ops.linear_q(
         rows, weight.codes, weight.scales, weight.mins, weight.levels, b, weight.act == "int8",
         plan.quant_max_rows, plan.gemm == "bf16" and weight.bf16_gemm, int8_blocks,

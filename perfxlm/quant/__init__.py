@@ -2,12 +2,12 @@
 checkpoints quantized at load (`quantization=`), multiplied by `ops.linear` through the native kernel or
 the plain-torch reference."""
 
-from perfxlm.quant.config import METHODS, QuantizationConfig
+from perfxlm.quant.config import METHODS, QuantizationConfig, resolve_activations
 from perfxlm.quant.quantizers import NF4_LEVELS
 from perfxlm.quant.reference import quantize_activations, reference_linear
-from perfxlm.quant.weight import QuantizedWeight, pack_nibbles, unpack_nibbles
+from perfxlm.quant.weight import ActivationMode, QuantizedWeight, pack_nibbles, unpack_nibbles
 
 __all__ = [
-    "METHODS", "NF4_LEVELS", "QuantizationConfig", "QuantizedWeight", "pack_nibbles", "quantize_activations",
-    "reference_linear", "unpack_nibbles",
+    "METHODS", "NF4_LEVELS", "ActivationMode", "QuantizationConfig", "QuantizedWeight", "pack_nibbles", "quantize_activations",
+    "reference_linear", "resolve_activations", "unpack_nibbles",
 ]  # fmt: skip

@@ -1,8 +1,9 @@
-"""`quantization=`: what the user asked for, resolved once into a `QuantizationConfig`.
+"""`quantization=`: what the user asked for, resolved once into a `QuantizationConfig`; and
+`quant_activations=`: what the products do to the activations, resolved once into an `ActivationMode`.
 
 Names (vLLM's `quantization` argument):
-- "int8": int8 weight-only; per output channel by default, or per group; symmetric by default, or
-  asymmetric (uint8 with a zero point per group, DashInfer's InstantQuant form).
+- "int8": int8 weight-only (float32 activations); per output channel by default, or per group;
+  symmetric by default, or asymmetric (uint8 with a zero point per group, DashInfer's InstantQuant form).
 - "int4": 4-bit weight-only, group 32 by default (32/64/128 ...), symmetric (Q4_0's rule) or asymmetric.
 - "nf4": 4-bit NormalFloat (bitsandbytes' 16 levels), absmax per group of 64 by default.
 - "w8a8": int8 weights per output channel, symmetric; activations quantized to int8 per token at run
@@ -15,18 +16,33 @@ Options: `quantization_group_size` (weights per scale; -1 = one scale per output
 `quantization_symmetric` (bool). Both may also come inside the value as a dict or its JSON text:
 `{"method": "int4", "group_size": 64, "symmetric": false}`; w8a8 also takes `activation_group_size`
 (32, the default, or -1 for one scale per token) there.
+
+Activations (the engine's `quant_activations`, CLI `--quant-activations`; `resolve_activations`):
+- "auto" (default): on a bfloat16 model, a GGUF file's tensors and "int4" round the activations to int8
+  blocks of 32 where the native build has int8 dot products (llama.cpp's scheme for all its formats:
+  2-3x fewer instructions at decode than widening codes to float32, and its rounding is small next to
+  4-bit weights'); "int8" and "nf4" keep them float32 (weight-only, as named); "w8a8" always int8. A
+  float32 model keeps float32 activations.
+- "int8": int8 blocks of 32 for every quantized format, GGUF types included (llama.cpp's scheme
+  throughout); where the native kernel cannot (a build without int8 dots, NF4's level tables, an input
+  size its block GEMV lacks) the activations are rounded in torch the same way, so results match.
+- "float32": float32 activations for every weight-only format (exact to float summation order);
+  contradicts "w8a8" (ValueError).
+The environment variable PERFXLM_QUANT_ACTIVATIONS (auto | int8 | float32) stands in for an option left
+at "auto" (a knob for tests and benchmarks; an explicit option wins).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from perfxlm.quant import quantizers
-from perfxlm.quant.weight import ACT_BLOCK, BLOCK4, QuantizedWeight
+from perfxlm.quant.weight import ACT_BLOCK, BLOCK4, ActivationMode, QuantizedWeight
 
 METHODS = ("int8", "int4", "nf4", "w8a8")
 GGUF, NONE = "gguf", "none"
@@ -38,8 +54,60 @@ _DICT_KEYS = ("method", "group_size", "symmetric", "activation_group_size")
 ACTIVATION_GROUPS = (ACT_BLOCK, PER_CHANNEL)  # w8a8: activations per scale, or one scale per token
 
 
+# The engine's `quant_activations` (see the module docstring) and its environment default.
+QUANT_ACTIVATIONS = ("auto", "int8", "float32")
+ACTIVATIONS_ENV = "PERFXLM_QUANT_ACTIVATIONS"
+# `auto` for a bfloat16 model, by where its quantized weights came from (a float32 model: float32).
+_AUTO_ACTIVATIONS = {
+    GGUF: ActivationMode.INT8_NATIVE,  # llama.cpp's own scheme for its formats: GGUF decode keeps its speed
+    "int4": ActivationMode.INT8_NATIVE,  # 4-bit rounding dwarfs the activations'; int8 dots keep its speed
+    "int8": ActivationMode.FLOAT,  # weight-only as named: int8 blocks would double its loss
+    "nf4": ActivationMode.FLOAT,  # level tables have no int8 dot path: float32 in any case
+    "w8a8": ActivationMode.INT8,  # the format quantizes activations by definition
+}
+
+
 def _names() -> str:
     return ", ".join(ALL_NAMES)
+
+
+def check_quant_activations(value: Any, name: str = "quant_activations") -> str:
+    """The choice `value` names (auto, int8 or float32); ValueError naming the choices otherwise."""
+    choice = value.strip().lower() if isinstance(value, str) else None
+    if choice not in QUANT_ACTIVATIONS:
+        raise ValueError(f"{name}={value!r} is not supported; supported: {', '.join(QUANT_ACTIVATIONS)}.")
+    return choice
+
+
+def resolve_activations(option: Any, source: str | None, weight_dtype: torch.dtype) -> ActivationMode:
+    """The `ActivationMode` of a model's quantized weights, decided once at configuration.
+
+    `option`: the engine's quant_activations (auto: the environment's PERFXLM_QUANT_ACTIVATIONS, else the
+    format's default); `source`: where the quantized weights come from (one of METHODS, "gguf" for a GGUF
+    file's tensors kept quantized, None when no weight stays quantized); `weight_dtype`: the model's
+    weight dtype (under auto a float32 model keeps float32 activations, bfloat16 takes the table above).
+    ValueError where the option contradicts the format or has nothing to apply to."""
+    option = check_quant_activations(option)
+    explicit = option != "auto"
+    if not explicit:  # the environment stands in for an option left at auto (tests, benchmarks)
+        option = check_quant_activations(os.environ.get(ACTIVATIONS_ENV, "auto") or "auto", ACTIVATIONS_ENV)
+    if source is None:
+        if explicit and option == "int8":
+            raise ValueError(
+                "quant_activations='int8' applies to quantized weights and this model has none; add "
+                f"quantization= ({', '.join(METHODS)}), or load a GGUF file's quantized tensors as they are."
+            )
+        return ActivationMode.FLOAT
+    if source == "w8a8":
+        if explicit and option == "float32":
+            raise ValueError(
+                "quant_activations='float32' with quantization='w8a8': w8a8 quantizes activations to int8 by "
+                "definition. For int8 weights with float32 activations use quantization='int8'."
+            )
+        return ActivationMode.INT8
+    if option != "auto":
+        return ActivationMode(option)
+    return _AUTO_ACTIVATIONS[source] if weight_dtype == torch.bfloat16 else ActivationMode.FLOAT
 
 
 @dataclass(frozen=True)

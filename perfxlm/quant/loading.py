@@ -11,7 +11,8 @@ copied into its Parameter (`CausalLM.load_weights(weights, sink=...)`). Two sour
 Each piece is quantized as it arrives, so a model never exists whole in float: shards of a fused weight
 (q, k, v; gate, up; an expert's gate and up) wait as quantized pieces until their weight is complete,
 then are concatenated (`QuantizedWeight.cat_rows`) and replace the module's Parameter, whose untouched
-float storage is freed. A tied LM head gets the embedding's `QuantizedWeight`.
+float storage is freed. A tied LM head gets the embedding's `QuantizedWeight`. Each weight takes the
+model's `ActivationMode` as it is installed (`take_activations`, the engine's `quant_activations`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 from torch import nn
 
 from perfxlm.quant.config import GGUF, METHODS, QuantizationConfig
-from perfxlm.quant.weight import QuantizedWeight
+from perfxlm.quant.weight import ActivationMode, QuantizedWeight
 
 logger = logging.getLogger("perfxlm")
 
@@ -77,6 +78,12 @@ class QuantizedLoader:
         self.replaced: dict[int, QuantizedWeight] = {}
         self.kept: Counter[str] = Counter()
         self.model = model
+        self.activations = ActivationMode.FLOAT
+
+    @property
+    def source(self) -> str:
+        """Where the quantized weights come from: the method quantizing at load, or "gguf" (kept)."""
+        return GGUF if self.config is None else self.config.method
 
     def check(self) -> None:
         """ValueError, before any weight is read, where a weight's shape cannot take the format."""
@@ -84,6 +91,14 @@ class QuantizedLoader:
             return
         for name, _, param, in_features in quantizable(self.model):
             self.config.check_in_features(in_features, f"{name}.{param}")
+
+    def take_activations(self, mode: ActivationMode) -> None:
+        """The activation mode every weight installed from now on gets; ValueError, before any weight is
+        read, where int8 blocks do not fit a weight quantized at load (GGUF rows are whole blocks of 32)."""
+        if mode is ActivationMode.INT8 and self.config is not None and self.config.method != "w8a8":
+            for name, _, param, in_features in quantizable(self.model):
+                QuantizedWeight.check_activation_blocks(in_features, f"{name}.{param}")
+        self.activations = mode
 
     # ---- loading -------------------------------------------------------------------------------------
     def load(self, module: nn.Module, local: str, tensor: Any, shard: str | None, expert: int | None) -> bool:
@@ -164,6 +179,7 @@ class QuantizedLoader:
             self._install(module, local, QuantizedWeight.stack([done[e] for e in range(module.num_experts)]))
 
     def _install(self, module: nn.Module, local: str, weight: QuantizedWeight) -> None:
+        weight.use_activations(self.activations, f"{type(module).__name__}.{local}")
         old = install(module, local, weight)
         if old is not None:
             self.replaced[id(old)] = weight

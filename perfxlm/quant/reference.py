@@ -16,7 +16,9 @@ W8A8 (act="int8"), exactly:
 W8A8 with activation blocks (act="int8_block"): each block of 32 values of a row is quantized as a row
 is above (its own absmax / 127 scale, half to even, clamp to +-127); the product is the weight-only
 product on those quantized values times their scales (`fake_quantize_blocks`), which the native
-int8 dot-product kernel computes up to float summation order.
+int8 dot-product kernel computes up to float summation order. A weight-only weight whose `activations`
+is ActivationMode.INT8 (`quant_activations="int8"`) takes the same rounded activations; INT8_NATIVE
+(int8 blocks only where the native kernel has them) is float32 here: there is no native kernel.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from perfxlm.quant.weight import ACT_BLOCK, QuantizedWeight
+from perfxlm.quant.weight import ACT_BLOCK, ActivationMode, QuantizedWeight
 
 # output rows dequantized per slab: at most this many float32 weights (16 MB) at once
 SLAB_ELEMENTS = 4 << 20
@@ -96,7 +98,7 @@ def reference_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | N
     """x [..., K] (any float dtype) -> [..., N] in x's dtype; computed in float32."""
     rows = x.reshape(-1, x.shape[-1]).float()
     b = None if bias is None else bias.float()
-    if w.act == "int8_block":
+    if w.activations is ActivationMode.INT8:  # W8A8 blocks, or quant_activations="int8" on any format
         rows = fake_quantize_blocks(rows)
     y = (w8a8_linear if w.act == "int8" else weight_only_linear)(rows, w, b)
     return y.to(x.dtype).view(*x.shape[:-1], w.out_features)

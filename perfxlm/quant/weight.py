@@ -12,13 +12,16 @@ The value of a weight is `scales[n, k // group] * u + mins[n, k // group]`, or w
 `act` says how the activations meet it: "float" (weight-only: activations stay float32), "int8" (W8A8:
 activations quantized per token at run time, one scale per row) or "int8_block" (W8A8 with one scale
 per token per block of 32 activations, llama.cpp's Q8 activations: far fewer small activations lost
-beside an outlier channel); see `perfxlm.quant.reference` for both rules.
+beside an outlier channel); see `perfxlm.quant.reference` for both rules. A weight-only weight may
+still have its activations rounded to int8 blocks at run time, as llama.cpp does for all its formats:
+`activations` (an `ActivationMode`, put on it at load from the engine's `quant_activations`) says so.
 
 Stacks carry a leading expert dimension on codes, scales and mins; `w[e]` is one expert's weight.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -28,6 +31,31 @@ import torch
 ACTS = ("float", "int8", "int8_block")
 ACT_BLOCK = 32  # activations per scale under act="int8_block"
 BLOCK4 = 32  # elements per nibble block of 4-bit codes (GGUF Q4_0's)
+
+
+class ActivationMode(enum.Enum):
+    """What a product with a quantized weight does to its float32 activations (the engine's
+    `quant_activations`, resolved once per model by `perfxlm.quant.config.resolve_activations`)."""
+
+    FLOAT = "float32"  # kept float32: weight-only, exact to float summation order
+    # int8 blocks of 32 where the native block GEMV takes the weight (an int8-dot build, a layout it has:
+    # llama.cpp's scheme, faster than widening codes), float32 elsewhere: never slower than FLOAT
+    INT8_NATIVE = "int8_native"
+    # int8 blocks of 32 on every path: the kernel's, else rounded in torch the same way (W8A8's blocks)
+    INT8 = "int8"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def _format_activations(act: str, mode: ActivationMode) -> ActivationMode:
+    """The mode a weight of format `act` runs under when `mode` is asked: W8A8 with blocks always rounds
+    them; W8A8 per token quantizes whole rows itself, so no blocks on top."""
+    if act == "int8_block":
+        return ActivationMode.INT8
+    if act == "int8":
+        return ActivationMode.FLOAT
+    return mode
 
 
 def unpack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -61,9 +89,9 @@ class QuantizedWeight:
     # Not part of the stored format: whether products with many rows may run torch's bf16 GEMM on
     # dequantized slabs (set for bfloat16 models by the loader; float32 models keep float32 GEMMs).
     bf16_gemm: bool = False
-    # Also set for bfloat16 models only: whether few-row products may quantize activations to int8
-    # blocks (the CPU plan's quant_activations); a float32 model keeps float32 activations (exact).
-    int8_activations: bool = False
+    # Not part of the stored format either: whether products round the activations to int8 blocks, put
+    # here at load (`use_activations`); a W8A8 weight's own `act` decides for it.
+    activations: ActivationMode = ActivationMode.FLOAT
 
     def __post_init__(self) -> None:
         n, k, g = self.out_features, self.in_features, self.group
@@ -105,6 +133,25 @@ class QuantizedWeight:
             raise ValueError(f"QuantizedWeight: int8 activation blocks need in_features ({k}) a multiple of {ACT_BLOCK}.")
         if not self.codes.is_contiguous():
             self.codes = self.codes.contiguous()
+        self.activations = _format_activations(self.act, self.activations)
+
+    def use_activations(self, mode: ActivationMode, where: str = "a weight") -> None:
+        """Take the model's activation mode (a W8A8 weight keeps the rounding its format names).
+        ValueError where int8 blocks of 32 do not fit the input size (`where` names the weight)."""
+        mode = _format_activations(self.act, mode)
+        if mode is ActivationMode.INT8:
+            self.check_activation_blocks(self.in_features, where)
+        self.activations = mode
+
+    @staticmethod
+    def check_activation_blocks(in_features: int, where: str) -> None:
+        """ValueError unless int8 activation blocks of 32 divide `in_features` (of weight `where`)."""
+        if in_features % ACT_BLOCK:
+            raise ValueError(
+                f"quant_activations='int8' rounds activations in blocks of {ACT_BLOCK}, which do not divide "
+                f"the input size {in_features} of {where}; supported for this model: "
+                "quant_activations='auto' or 'float32'."
+            )
 
     # ---- shape ---------------------------------------------------------------------------------------
     @property
@@ -130,6 +177,8 @@ class QuantizedWeight:
         fmt = "nf4" if self.levels is not None else f"u{self.bits}"
         group = "channel" if self.group == self.in_features else f"g{self.group}"
         act = {"float": "", "int8": " a8", "int8_block": " a8/32"}[self.act]
+        if self.act == "float" and self.activations is not ActivationMode.FLOAT:
+            act = " a8/32" if self.activations is ActivationMode.INT8 else " a8/32 where native"
         return f"{fmt} {group} {str(self.scales.dtype).removeprefix('torch.')}{act}"
 
     def __repr__(self) -> str:
@@ -140,7 +189,7 @@ class QuantizedWeight:
     ) -> "QuantizedWeight":
         fields = dict(levels=self.levels, bits=self.bits, group=self.group, act=self.act,
                       out_features=codes.shape[-2], in_features=self.in_features,
-                      bf16_gemm=self.bf16_gemm, int8_activations=self.int8_activations)  # fmt: skip
+                      bf16_gemm=self.bf16_gemm, activations=self.activations)  # fmt: skip
         fields.update(changes)
         return QuantizedWeight(codes, scales.contiguous(), mins.contiguous(), **fields)
 

@@ -303,13 +303,9 @@ def write_gguf_decoder(path: str, arch: str, seed: int = 0) -> dict[str, torch.T
 
 
 @pytest.fixture
-def exact_quantized_products():
+def exact_quantized_products(monkeypatch):
     """Quantized weights multiplied in float32 (no int8 activation blocks): equal to the float model."""
-    from perfxlm.ops import cpu_plan
-
-    previous = cpu_plan.use(quant_activations="float32")
-    yield
-    cpu_plan.use(previous)
+    monkeypatch.setenv("PERFXLM_QUANT_ACTIVATIONS", "float32")
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])

@@ -27,11 +27,17 @@ def _run(llm, monkeypatch, fused: bool):
     return outs, calls["fused"]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_decode_matches_module_path(default_model, monkeypatch, dtype):
+@pytest.mark.parametrize(
+    "dtype, activations",
+    [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "float32"), ("float32", "int8")],
+)
+def test_fused_decode_matches_module_path(default_model, monkeypatch, dtype, activations):
+    """Under each activation option for the file's Q4_1 / Q8_0 tensors: auto (bfloat16: int8 blocks
+    where the build has int8 dots; float32: float), float32 activations, int8 blocks asked explicitly."""
     if native.kernels() is None:
         pytest.skip("native kernels unavailable on this machine")
-    llm = LLM(default_model, dtype=dtype, kv_cache_gib=0.5, enable_prefix_caching=False)
+    llm = LLM(default_model, dtype=dtype, kv_cache_gib=0.5, enable_prefix_caching=False,
+              quant_activations=activations)  # fmt: skip
     fused, n_fused = _run(llm, monkeypatch, fused=True)
     plain, n_plain = _run(llm, monkeypatch, fused=False)
     assert n_fused >= 20 and n_plain == 0  # the fused path really ran, and then really did not

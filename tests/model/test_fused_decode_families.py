@@ -15,7 +15,7 @@ from perfxlm import LLM, SamplingParams
 from perfxlm.model.fused_decode import FusedDecode
 from perfxlm.ops import cpu_plan, native
 from perfxlm.ops.linear import native_int8_blocks
-from perfxlm.quant import QuantizedWeight
+from perfxlm.quant import ActivationMode, QuantizedWeight
 from tests.model.test_architectures_vs_hf import _prompts, build_checkpoint
 
 FUSED = ["qwen2-bias-tied-sliding", "qwen3-qknorm-headdim-bias", "mistral-sliding-mqa",
@@ -129,10 +129,11 @@ def test_other_layers_run_with_int8_cache(checkpoints, case):
     assert same >= 0.5 * sum(len(r.outputs[0].token_ids) for r in refs)
 
 
-QUANT_PLANS = {
-    "int8-blocks": dict(quant_activations="int8"),
-    "float-acts": dict(quant_activations="float32"),
-    "gemm-only": dict(quant_activations="float32", quant_max_rows=0),
+QUANT_PLANS = {  # (CPU plan changes, the engine's quant_activations)
+    "int8-blocks": ({}, "int8"),
+    "auto": ({}, "auto"),
+    "float-acts": ({}, "float32"),
+    "gemm-only": (dict(quant_max_rows=0), "float32"),
 }
 
 
@@ -141,29 +142,35 @@ QUANT_PLANS = {
 @pytest.mark.parametrize("case", ["qwen2-bias-tied-sliding", "gemma2-softcap-local-global"])
 def test_fused_layer_matches_module_path_with_quantized_weights(checkpoints, monkeypatch, case, quantization, plan):
     """Quantized projections in the fused layer go through the same kernel, with the same activation
-    mode, as the module path: same tokens, logprobs to 1e-4, under each activation plan (int8 blocks is
-    requested everywhere; a build without VNNI runs float32 activations on both paths)."""
+    mode, as the module path: same tokens, logprobs to 1e-4 (1e-2 where activations are rounded to
+    int8), under each activation option (a build without int8 dots runs float32 activations on both
+    paths, or declines where the module path rounds them in torch)."""
     if native.kernels() is None:
         pytest.skip("native kernels unavailable on this machine")
-    cpu_plan.use(**QUANT_PLANS[plan])
+    changes, activations = QUANT_PLANS[plan]
+    cpu_plan.use(**changes)
+    if quantization.startswith("w8a8") and activations == "float32":
+        activations = "auto"  # w8a8 has no float32 activations (a ValueError, tested elsewhere)
     method = {"method": "w8a8", "activation_group_size": -1} if quantization == "w8a8-per-token" else quantization
-    # a bfloat16 model: the one whose quantized products may quantize activations
+    # a bfloat16 model: the one whose quantized products quantize activations under auto
     llm = LLM(checkpoints[case], skip_tokenizer_init=True, dtype="bfloat16", num_kv_blocks=64,
-              enable_prefix_caching=False, quantization=method,
+              enable_prefix_caching=False, quantization=method, quant_activations=activations,
               quantization_group_size=32 if quantization in ("int4", "nf4") else None)  # fmt: skip
     fused, n_fused = _generate(llm, monkeypatch, fused=True)
     plain, n_plain = _generate(llm, monkeypatch, fused=False)
     weights = [v for m in llm.llm_engine.core.model.modules() for v in vars(m).values()
                if isinstance(v, QuantizedWeight)]
-    if quantization == "w8a8" and not all(native_int8_blocks(w) for w in weights):
-        # W8A8 activation blocks the fused kernel would not quantize (no VNNI, or qwen2's 96-wide
-        # inputs): it declines and the module path rounds them
+    always_rounded = any(w.activations is ActivationMode.INT8 for w in weights)
+    if always_rounded and not all(native_int8_blocks(w) for w in weights):
+        # int8 activation blocks the fused kernel would not quantize (no int8 dots, NF4's levels, or
+        # qwen2's 96-wide inputs): it declines and the module path rounds them
         assert n_fused == 0 and n_plain == 0
     else:
         assert n_fused >= 8 and n_plain == 0
     # Quantizing activations is a step function: a last-bit difference upstream (the fused layer's norm
     # and the module's round alike only to float summation order) can move one int8 value by one step.
-    tol = 1e-4 if plan != "int8-blocks" and quantization != "w8a8" else 1e-2
+    rounded = any(w.activations is not ActivationMode.FLOAT for w in weights)
+    tol = 1e-2 if rounded else 1e-4
     for a, b in zip(fused, plain):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):

@@ -20,7 +20,7 @@ from perfxlm import LLM, SamplingParams
 from perfxlm.model.layers.embed_head import VocabEmbedding
 from perfxlm.model.layers.linear import Linear
 from perfxlm.model.layers.moe import FusedMoE
-from perfxlm.ops import cpu_plan, native
+from perfxlm.ops import native
 from perfxlm.quant import QuantizedWeight
 from tests.conftest import assert_pool_whole, make_llama_checkpoint
 from tests.model.test_architectures_vs_hf import CASES, build_checkpoint
@@ -39,14 +39,14 @@ FORMATS = {
 
 
 @pytest.fixture(autouse=True)
-def _exact_products():
-    """Float32 products for quantized weights (no int8 activation blocks) and one thread (tiny models)."""
-    previous = cpu_plan.use(quant_activations="float32")
+def _exact_products(monkeypatch):
+    """Float32 products for weight-only formats (quant_activations left at auto reads the environment:
+    no int8 activation blocks) and one thread (tiny models)."""
+    monkeypatch.setenv("PERFXLM_QUANT_ACTIVATIONS", "float32")
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-    cpu_plan.use(previous)
 
 
 @pytest.fixture(scope="module")

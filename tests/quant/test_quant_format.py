@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from perfxlm.ops import cpu_plan, native
+from perfxlm.ops import native
 from perfxlm.ops.linear import linear
 from perfxlm.quant import NF4_LEVELS, QuantizationConfig, QuantizedWeight, quantizers
 from perfxlm.quant.reference import fake_quantize_blocks, quantize_activations, reference_linear
@@ -324,11 +324,7 @@ def test_linear_dispatch_native_matches_reference(fmt, rows):
         "w8a8": lambda: quantizers.quantize_symmetric_int8(torch.randn(33, 96, generator=g), 96, act="int8"),
     }[fmt]()
     x, b = torch.randn(rows, w.in_features, generator=g), torch.randn(33, generator=g)
-    previous = cpu_plan.use(quant_activations="float32")
-    try:
-        got = linear(x, w, b, w.out_features)
-    finally:
-        cpu_plan.use(previous)
+    got = linear(x, w, b, w.out_features)  # fresh weights: float32 activations (ActivationMode.FLOAT)
     want = reference_linear(x, w, b)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * (want.abs().max().item() + 1))
 

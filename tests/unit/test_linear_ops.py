@@ -128,15 +128,10 @@ def test_plan_from_environment(monkeypatch):
     monkeypatch.setenv("PERFXLM_BF16_GEMM", "bf16")
     monkeypatch.setenv("PERFXLM_NATIVE_MAX_ROWS", "7")
     monkeypatch.setenv("PERFXLM_BF16_COMPUTE", "bfloat16")
-    monkeypatch.setenv("PERFXLM_QUANT_ACTIVATIONS", "float32")
     monkeypatch.setenv("PERFXLM_QUANT_MAX_ROWS", "3")
     plan = cpu_plan.detect()
     assert (plan.layout, plan.gemm, plan.native_max_rows, plan.bf16_compute) == ("panels", "bf16", 7, "bfloat16")
-    assert (plan.quant_activations, plan.quant_max_rows) == ("float32", 3)
-    monkeypatch.setenv("PERFXLM_QUANT_ACTIVATIONS", "int4")
-    with pytest.raises(ValueError, match="PERFXLM_QUANT_ACTIVATIONS.*int8, float32"):
-        cpu_plan.detect()
-    monkeypatch.setenv("PERFXLM_QUANT_ACTIVATIONS", "auto")
+    assert plan.quant_max_rows == 3
     monkeypatch.setenv("PERFXLM_QUANT_MAX_ROWS", "many")
     with pytest.raises(ValueError, match="PERFXLM_QUANT_MAX_ROWS"):
         cpu_plan.detect()
@@ -154,4 +149,3 @@ def test_plan_from_environment(monkeypatch):
         monkeypatch.delenv(name)
     auto = cpu_plan.detect()  # whatever this CPU gets, it is one of the known paths
     assert auto.layout in cpu_plan.LAYOUTS and auto.gemm in cpu_plan.GEMMS and auto.native_max_rows >= 0
-    assert auto.quant_activations in cpu_plan.QUANT_ACTIVATIONS

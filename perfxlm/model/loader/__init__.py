@@ -11,7 +11,9 @@ from tqdm import tqdm
 
 from perfxlm.model.loader.weight_arena import move_to_arena
 from perfxlm.model.registry import resolve_model_class
+from perfxlm.quant.config import resolve_activations
 from perfxlm.quant.loading import quantized_loader
+from perfxlm.quant.weight import ActivationMode
 
 
 def load_hf_config(path: str) -> Any:
@@ -63,6 +65,8 @@ def get_model(
         if quantization is None:  # EngineConfig.resolve leaves the user's choice on the model config
             quantization = getattr(hf_config, "perfxlm_quantization", None)
         sink = quantized_loader(model, quantization, load_format, model_path)
+        if sink is not None:
+            sink.take_activations(activation_mode(hf_config, sink.source, weight_dtype or dtype))
         if weight_dtype is not None and weight_dtype != dtype:
             _allocate_weights(model, weight_dtype)
         if load_format == "dummy":
@@ -82,6 +86,15 @@ def get_model(
     move_to_arena(model)  # final layouts only: after packing and casting
     release_freed_memory()
     return model.eval()
+
+
+def activation_mode(hf_config: Any, source: str, weight_dtype: torch.dtype) -> ActivationMode:
+    """The activation mode EngineConfig.resolve decided (it travels on the model's config to every
+    loader), else the default for these weights (a caller loading without an EngineConfig)."""
+    decided = getattr(hf_config, "perfxlm_quant_activations", None)
+    if decided is not None:
+        return ActivationMode(decided)
+    return resolve_activations("auto", source, weight_dtype)
 
 
 def release_freed_memory() -> None:
@@ -127,7 +140,8 @@ def cast_weights(model: torch.nn.Module, weight_dtype: torch.dtype, compute_dtyp
     packed panels (a tied LM head then gets its own packed copy, as the embedding needs rows). MoE expert
     stacks stay plain bf16 rows, read by the same kernels expert by expert. Norms and biases keep the
     model dtype. Quantized weights (perfxlm.quant.QuantizedWeight) keep their codes; products of many rows
-    with them may run the CPU's bf16 GEMM, as bf16 weights do."""
+    with them may run the CPU's bf16 GEMM, as bf16 weights do (what they do to activations was decided
+    at load: `QuantizedWeight.activations`)."""
     from perfxlm.model.layers.embed_head import LMHead, VocabEmbedding
     from perfxlm.model.layers.linear import Linear
     from perfxlm.model.layers.moe import FusedMoE
@@ -155,7 +169,7 @@ def cast_weights(model: torch.nn.Module, weight_dtype: torch.dtype, compute_dtyp
     for module in model.modules():
         for value in vars(module).values():
             if isinstance(value, QuantizedWeight):
-                value.bf16_gemm = value.int8_activations = weight_dtype == torch.bfloat16
+                value.bf16_gemm = weight_dtype == torch.bfloat16
 
 
 def _iter_shard(tp: Any, model_path: str, hf_config: Any, load_format: str, model_cls: type):
