@@ -49,8 +49,11 @@ def _march() -> list[str]:
 
 def _build_dir() -> Path:
     sources = b"".join(f.read_bytes() for f in sorted(_CSRC.glob("*.[ch]*")))  # the sources and their headers
+    # The folder is part of the key: torch's builder writes the sources' absolute paths into build.ninja,
+    # so two checkouts sharing one build folder would each rebuild everything whenever the other loaded.
     key = hashlib.sha256(
-        sources + torch.__version__.encode() + _cpu_flags().encode() + " ".join(_march()).encode()
+        sources + str(_CSRC.resolve()).encode() + torch.__version__.encode() + _cpu_flags().encode()
+        + " ".join(_march()).encode()
     ).hexdigest()[:16]
     root = Path(os.environ.get("PERFXLM_CACHE_DIR", Path.home() / ".cache" / "perfxlm"))
     path = root / "kernels" / key
