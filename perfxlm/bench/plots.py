@@ -21,6 +21,17 @@ def ensure_dir(path: str) -> None:
     os.makedirs(folder, exist_ok=True)
 
 
+def save_figure(fig, path: str, title: str | None = None) -> str:
+    """Title, lay out, write `path` (its folder made if missing) and free the figure."""
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    ensure_dir(path)
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+    return path
+
+
 def plot_sweep(rows: Sequence[Mapping[str, Any]], path: str, title: str | None = None) -> str:
     """Throughput, decode step time and prefill time against batch size, one panel each."""
     plt = pyplot()
@@ -45,13 +56,7 @@ def plot_sweep(rows: Sequence[Mapping[str, Any]], path: str, title: str | None =
         ax.set_xticklabels([str(b) for b in batches])
         ax.set_ylim(0, ax.get_ylim()[1] * 1.08)
         ax.grid(True, alpha=0.3)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    ensure_dir(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, title)
 
 
 def plot_latency_cdfs(series: Mapping[str, Sequence[float]], path: str, title: str | None = None) -> str:
@@ -76,10 +81,4 @@ def plot_latency_cdfs(series: Mapping[str, Sequence[float]], path: str, title: s
         ax.set_ylim(0, 1.02)
         ax.grid(True, alpha=0.3)
         ax.set_title(label)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    ensure_dir(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, title)

@@ -27,7 +27,7 @@ import torch
 from perfxlm.eval import kld_base
 from perfxlm.eval.kld_stats import KldAccumulator, KldSummary, TokenStats, token_stats
 from perfxlm.eval.perplexity import prepare_windows
-from perfxlm.eval.scoring import score_windows, step_budget
+from perfxlm.eval.scoring import progress_bar, score_windows, step_budget
 from perfxlm.eval.windows import Windows, tokenize_text
 
 
@@ -120,18 +120,13 @@ def save_base_logprobs(
     vocab = vocab_size(llm)
     base = kld_base.create(path, windows, vocab, _describe(llm))
     rows = _Rows(windows, base.write, vocab)
-    bar = _bar(windows.n_windows, "base windows", progress)
+    bar = progress_bar(windows.n_windows, "base windows", progress)
 
     def finished(i: int, nlls: list[float]) -> None:
         rows.check(i)
         bar.update(1)
 
-    try:
-        with observe_prompt_logprobs(llm, rows), step_budget(llm, score_chunk):
-            score_windows(llm, windows, batch_size, finished, on_submit=rows.submit)
-    finally:
-        bar.close()
-    rows.check()
+    _score_observed(llm, windows, rows, batch_size, score_chunk, finished, bar)
     base.finish()
     return kld_base.open_base(path)
 
@@ -216,7 +211,7 @@ def kl_divergence(
     acc = KldAccumulator()
     done: set[int] = set()
     lines: list[str] = []
-    bar = _bar(windows.n_windows, "kld windows", progress)
+    bar = progress_bar(windows.n_windows, "kld windows", progress)
 
     def finished(i: int, nlls: list[float]) -> None:
         rows.check(i)
@@ -231,12 +226,7 @@ def kl_divergence(
                 on_window(w + 1, lines[-1])
 
     t0 = time.perf_counter()
-    try:
-        with observe_prompt_logprobs(llm, rows), step_budget(llm, score_chunk):
-            score_windows(llm, windows, batch_size, finished, on_submit=rows.submit)
-    finally:
-        bar.close()
-    rows.check()
+    _score_observed(llm, windows, rows, batch_size, score_chunk, finished, bar)
     return KldResult(
         summary=acc.summary(), n_windows=windows.n_windows, ctx_size=windows.n_ctx,
         base=base.header.get("produced_by", {}), model=_describe(llm), window_lines=lines,
@@ -244,7 +234,11 @@ def kl_divergence(
     )  # fmt: skip
 
 
-def _bar(total: int, desc: str, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="win", dynamic_ncols=True, disable=not enabled, leave=False)
+def _score_observed(llm, windows: Windows, rows: _Rows, batch_size, score_chunk, finished, bar) -> None:
+    """Score every window with `rows` watching the model runner; raise what the observer kept."""
+    try:
+        with observe_prompt_logprobs(llm, rows), step_budget(llm, score_chunk):
+            score_windows(llm, windows, batch_size, finished, on_submit=rows.submit)
+    finally:
+        bar.close()
+    rows.check()

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from perfxlm.bench.plots import ensure_dir, pyplot
+from perfxlm.bench.plots import pyplot, save_figure
 
 
 def plot_kld(series: Mapping[str, np.ndarray], path: str, title: str | None = None) -> str:
@@ -36,10 +36,4 @@ def plot_kld(series: Mapping[str, np.ndarray], path: str, title: str | None = No
     ax2.grid(True, axis="x", alpha=0.3)
     for i, m in enumerate(means):
         ax2.text(m, i, f" {m:.5f}", va="center", fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    ensure_dir(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, title)

@@ -7,7 +7,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
-from perfxlm.eval.scoring import score_windows, step_budget
+from perfxlm.eval.scoring import progress_bar, score_windows, step_budget
 from perfxlm.eval.stats import NllAccumulator, format_chunk_estimates, format_final
 from perfxlm.eval.windows import Windows, make_windows, tokenize_text, tokenizer_adds_bos
 
@@ -103,10 +103,7 @@ def perplexity(
     estimates: list[float] = []
     done: dict[int, list[float]] = {}
 
-    from tqdm import tqdm
-
-    bar = tqdm(total=windows.n_windows, desc="perplexity windows", unit="win", dynamic_ncols=True,
-               disable=not progress, leave=False)
+    bar = progress_bar(windows.n_windows, "perplexity windows", progress)
 
     def finished(i: int, nlls: list[float]) -> None:
         done[i] = nlls

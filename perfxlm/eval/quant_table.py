@@ -134,7 +134,7 @@ def to_dicts(rows: Sequence[QuantRow]) -> list[dict[str, Any]]:
 
 def plot_quant_table(rows: Sequence[QuantRow], path: str, title: str | None = None) -> str:
     """Left: mean KLD against bits per weight (lower left is better). Right: decode speed per format."""
-    from perfxlm.bench.plots import ensure_dir, pyplot
+    from perfxlm.bench.plots import pyplot, save_figure
 
     plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.4))
@@ -153,13 +153,7 @@ def plot_quant_table(rows: Sequence[QuantRow], path: str, title: str | None = No
     ax2.invert_yaxis()
     ax2.set_xlabel("batch-1 decode tokens/s")
     ax2.grid(True, axis="x", alpha=0.3)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    ensure_dir(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, title)
 
 
 def check_formats(formats: Sequence[str]) -> None:

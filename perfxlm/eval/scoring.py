@@ -22,6 +22,13 @@ from perfxlm.eval.windows import Windows
 from perfxlm.sampling_params import RequestOutputKind, SamplingParams
 
 
+def progress_bar(total: int, desc: str, enabled: bool):
+    """A tqdm bar over windows (a disabled one when not `enabled`)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="win", dynamic_ncols=True, disable=not enabled, leave=False)
+
+
 @contextlib.contextmanager
 def step_budget(llm, tokens: int | None) -> Iterator[None]:
     """Temporarily cap the tokens one engine step computes (chunked prefill); None leaves it alone."""
