@@ -35,8 +35,8 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
                              "load; gguf keeps a GGUF file's quantized tensors (the default for .gguf), none "
                              "dequantizes them; or JSON {\"method\", \"group_size\", \"symmetric\"}")
     parser.add_argument("--quantization-group-size", type=int, default=None,
-                        help="weights per scale (-1: one per output channel; default: per channel for int8 "
-                             "and w8a8, 32 for int4, 64 for nf4)")
+                        help="weights per scale (-1: one per output channel; default: 64 for int8 (per channel "
+                             "where 64 does not divide an input size) and nf4, per channel for w8a8, 32 for int4)")
     parser.add_argument("--quantization-symmetric", action=argparse.BooleanOptionalAction, default=None,
                         help="symmetric codes (the default) or, with --no-quantization-symmetric, a zero point "
                              "per group (int8, int4)")

@@ -339,7 +339,15 @@ def test_quantization_names_options_and_defaults():
     c = QuantizationConfig.resolve("int4")
     assert (c.method, c.group_size, c.symmetric, c.bits) == ("int4", 32, True, 4)
     assert QuantizationConfig.resolve("nf4").group_size == 64
-    assert QuantizationConfig.resolve("int8").group_size == -1
+    int8 = QuantizationConfig.resolve("int8")
+    assert int8.group_size == 64 and not int8.group_explicit and int8.quantizer()(torch.randn(4, 128)).group == 64
+    # the default group where it does not divide an input size: one scale per output channel, no error
+    int8.check_in_features(96, "x")
+    assert int8.group_for(96) == 96 and int8.quantizer()(torch.randn(4, 96)).group == 96
+    assert "per channel where it does not divide" in int8.describe()
+    with pytest.raises(ValueError, match=r"quantization_group_size=64 does not divide the input size 96 of x"):
+        QuantizationConfig.resolve("int8", group_size=64).check_in_features(96, "x")  # asked for: an error
+    assert QuantizationConfig.resolve("int8", group_size=-1).group_for(128) == 128
     c = QuantizationConfig.resolve("int8", group_size=64, symmetric=False)
     assert (c.group_size, c.symmetric) == (64, False)
     c = QuantizationConfig.resolve('{"method": "int4", "group_size": 128, "symmetric": false}')
