@@ -249,15 +249,20 @@ def test_weights_match_transformers(config, weights):
 def test_tokenizer_matches_transformers_and_cache(tmp_path):
     from transformers import AutoTokenizer
 
+    from perfxlm.model.loader.gguf_pretokenizer import apply_rule, rule_for
+    from perfxlm.model.loader.gguf_reader import open_gguf
     from perfxlm.model.loader.gguf_tokenizer import load_gguf_tokenizer
 
     folder, name = os.path.split(GGUF_PATH)
     reference = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    # transformers' conversion with llama.cpp's pre-tokenizer for the file (tested on its own elsewhere)
+    apply_rule(reference, rule_for(open_gguf(GGUF_PATH).metadata))
     cold = load_gguf_tokenizer(GGUF_PATH, cache_dir=str(tmp_path))
     assert len(os.listdir(tmp_path)) == 1
     cached = load_gguf_tokenizer(GGUF_PATH, cache_dir=str(tmp_path))
 
-    texts = ["Hello world", " leading space\tand\nnewlines  ", "héllo 😀 12345 <|im_start|>user", ""]
+    texts = ["Hello world", " leading space\tand\nnewlines  ", "héllo 😀 12345 <|im_start|>user", "\n\n  0.",
+             ""]
     messages = [{"role": "user", "content": "What is 2+2?"}]
     for tok in (cold, cached):
         assert tok.encode("Hello world") == reference.encode("Hello world")

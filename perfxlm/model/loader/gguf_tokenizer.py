@@ -1,5 +1,6 @@
-"""A GGUF file's tokenizer in Hugging Face terms: converted by transformers once, then cached on disk
-(keyed by the file, its size and mtime, and the transformers version)."""
+"""A GGUF file's tokenizer in Hugging Face terms: converted by transformers once, with llama.cpp's
+pre-tokenizer for a BPE vocabulary (`gguf_pretokenizer`), then cached on disk (keyed by the file, its size
+and mtime, and the transformers version)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import shutil
 import tempfile
 from typing import Any
 
-from perfxlm.model.loader.gguf_reader import file_key
+from perfxlm.model.loader.gguf_pretokenizer import apply_rule, rule_for
+from perfxlm.model.loader.gguf_reader import file_key, open_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +23,7 @@ logger = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------------------------
 
 # bump when the cached layout or the conversion changes, so stale caches are not reused
-_TOKENIZER_CACHE_VERSION = 1
+_TOKENIZER_CACHE_VERSION = 2  # 2: llama.cpp's pre-tokenizers for BPE vocabularies
 _TOKENIZER_FLAGS_FILE = "perfxlm_gguf_tokenizer.json"
 
 
@@ -40,6 +42,16 @@ def _tokenizer_cache_dir(path: str, cache_dir: str | None) -> str:
 
 
 def _convert_tokenizer(path: str):
+    tok = _transformers_tokenizer(path)
+    # transformers splits most BPE vocabularies with one regex or GPT-2's, whatever the file names;
+    # llama.cpp (which made the file) splits by `tokenizer.ggml.pre`, and its tokens are the reference
+    rule = rule_for(open_gguf(path).metadata, path)
+    if rule is not None:
+        apply_rule(tok, rule)
+    return tok
+
+
+def _transformers_tokenizer(path: str):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     folder, name = os.path.split(os.path.abspath(path))
