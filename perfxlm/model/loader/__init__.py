@@ -63,6 +63,8 @@ def get_model(
         if quantization is None:  # EngineConfig.resolve leaves the user's choice on the model config
             quantization = getattr(hf_config, "perfxlm_quantization", None)
         sink = quantized_loader(model, quantization, load_format, model_path)
+        if sink is not None and load_format != "dummy":
+            sink.calibrate(model_path, hf_config, load_format)  # activation statistics, where asked for
         if weight_dtype is not None and weight_dtype != dtype:
             _allocate_weights(model, weight_dtype)
         if load_format == "dummy":
