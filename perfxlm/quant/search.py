@@ -97,11 +97,36 @@ def _search_chunk(g: torch.Tensor, w: torch.Tensor, top: int, dtype: torch.dtype
     return u, s, m
 
 
+def _native():
+    from perfxlm.ops import native  # late: the ops package imports this one's QuantizedWeight
+
+    ops = native.kernels()
+    return ops if ops is not None and hasattr(ops, "search_affine") else None
+
+
 def search_affine(
-    g: torch.Tensor, top: int, importance: torch.Tensor | None = None, half: bool = True
+    g: torch.Tensor, top: int, importance: torch.Tensor | None = None, half: bool = True,
+    use_native: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Groups float32 [R, G] -> codes float32 [R, G] (0..top), scales and mins [R] (float16 where `half`
-    and every value fits, else float32). `importance`: None or float32 [R, G] (see `element_weights`)."""
+    """Groups float32 [R, G] -> codes [R, G] (0..top), scales and mins [R] (float16 where `half` and
+    every value fits, else float32). `importance`: None or float32 [R, G] (see `element_weights`).
+    The native kernel where built (`use_native`), else the same search in plain torch."""
+    ops = _native() if use_native else None
+    if ops is not None:
+        g = g.float().contiguous()
+        rows = max(1, CHUNK // g.shape[-1])
+        parts = []
+        for start in range(0, g.shape[0], rows):  # the weights are made per chunk: memory stays small
+            chunk = g[start : start + rows]
+            imp = None if importance is None else importance[start : start + rows]
+            w = element_weights(chunk, imp).contiguous()
+            parts.append(ops.search_affine(chunk, w, top, STEPS, RMIN, RDELTA, half))
+        u, s, m = (torch.cat([p[i] for p in parts]) for i in range(3))
+        if not half:
+            return u, s, m
+        if bool(torch.isfinite(s).all() and torch.isfinite(m).all()):
+            return u, s.half(), m.half()
+        return search_affine(g, top, importance, half=False)  # a value beyond float16's range
     rows = max(1, CHUNK // g.shape[-1])
     dtype = torch.float16 if half else torch.float32
     us, ss, ms = [], [], []
@@ -117,5 +142,5 @@ def search_affine(
         s16, m16 = s.half(), m.half()
         if bool(torch.isfinite(s16).all() and torch.isfinite(m16).all()):
             return u, s16, m16
-        return search_affine(g, top, importance, half=False)  # a value beyond float16's range
+        return search_affine(g, top, importance, half=False, use_native=False)
     return u, s, m
