@@ -87,4 +87,6 @@ def nf4_codes(g: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
     """Groups float32 [..., G] and their absmax [...] -> NF4 codes (int64) as bitsandbytes picks them."""
     scaled = torch.clamp(g * (1 / absmax).unsqueeze(-1), -1, 1)
     codes = nearest_level(scaled, NF4_LEVELS)
-    return torch.where(torch.isnan(scaled), torch.zeros_like(codes), codes)  # an all-zero block
+    # An all-zero block: 0 * (1 / 0) is nan, which bitsandbytes' search maps to code 0 (level -1.0); with
+    # the double-quantized absmax (not 0) such a block dequantizes to -scale there, and here alike.
+    return torch.where(torch.isnan(scaled), torch.zeros_like(codes), codes)
