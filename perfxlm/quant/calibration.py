@@ -36,6 +36,7 @@ DEFAULT = "default"  # the text shipped with the package
 DEFAULT_TOKENS = 512
 WINDOW = 512  # tokens per forward pass
 MIN_TOKENS = 16
+CALIBRATION_WEIGHTS = {"method": "int8"}  # how the calibration model is loaded (see the module docstring)
 
 
 def calibration_text(source: str) -> str:
@@ -140,15 +141,17 @@ def run_tokens(model: nn.Module, ids: list[int], window: int = WINDOW) -> None:
 
 
 def collect(
-    model_path: str, hf_config: Any, load_format: str, source: str, tokens: int = DEFAULT_TOKENS
+    model_path: str, hf_config: Any, load_format: str, source: str, tokens: int = DEFAULT_TOKENS,
+    weights: Any = CALIBRATION_WEIGHTS,
 ) -> dict[str, torch.Tensor]:
     """Mean square activation per input channel of every weight `quantization=` will quantize, from
-    `tokens` tokens of the calibration text `source` run through the checkpoint loaded as int8."""
+    `tokens` tokens of the calibration text `source` run through the checkpoint loaded with `weights`
+    (a `quantization=` value: int8 per channel by default; "none" loads it float)."""
     from perfxlm.model.loader import get_model, release_freed_memory
 
     ids = calibration_ids(calibration_text(source), model_path, tokens)
     max_positions = getattr(hf_config, "max_position_embeddings", None) or WINDOW
-    model = get_model(model_path, hf_config, torch.float32, load_format, quantization={"method": "int8"})
+    model = get_model(model_path, hf_config, torch.float32, load_format, quantization=weights)
     stats = ChannelStats(hook_targets(model))
     try:
         run_tokens(model, ids, min(WINDOW, max_positions))
