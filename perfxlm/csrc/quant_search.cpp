@@ -84,12 +84,28 @@ inline void candidate_sums(const float* normed, const float* w, const float* wx,
   *swux = c;
 }
 
-void search_group(const float* x, const float* w, int64_t G, int top, int64_t steps, double rmin, double rdelta,
+// The error weights of perfxlm.quant.search.element_weights: sqrt(mean x^2) + |x| without statistics,
+// imp * sqrt(2 mean x^2 + x^2) with them.
+inline void element_weights(const float* x, const float* imp, int64_t G, float* w) {
+  float sum2 = 0;
+  for (int64_t j = 0; j < G; ++j) sum2 += x[j] * x[j];
+  const float sigma2 = sum2 / static_cast<float>(G);
+  if (imp == nullptr) {
+    const float av = std::sqrt(sigma2);
+    for (int64_t j = 0; j < G; ++j) w[j] = av + std::fabs(x[j]);
+  } else {
+    for (int64_t j = 0; j < G; ++j) w[j] = imp[j] * std::sqrt(2.0f * sigma2 + x[j] * x[j]);
+  }
+}
+
+void search_group(const float* x, const float* imp, int64_t G, int top, int64_t steps, double rmin, double rdelta,
                   bool half, uint8_t* u_out, float* s_out, float* m_out, float* buf) {
-  float* normed = buf;  // 4 scratch rows of G floats
+  float* normed = buf;  // 5 scratch rows of G floats
   float* wx = buf + G;
   float* best_q = buf + 2 * G;
   float* q = buf + 3 * G;
+  float* w = buf + 4 * G;
+  element_weights(x, imp, G, w);
   float lo = x[0], hi = x[0];
   for (int64_t j = 0; j < G; ++j) {
     lo = std::min(lo, x[j]);
@@ -150,29 +166,36 @@ void search_group(const float* x, const float* w, int64_t G, int top, int64_t st
   *m_out = m;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> search_affine(const at::Tensor& groups, const at::Tensor& weights,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> search_affine(const at::Tensor& groups,
+                                                             const c10::optional<at::Tensor>& importance,
                                                              int64_t top, int64_t steps, double rmin,
                                                              double rdelta, bool half) {
   TORCH_CHECK(groups.dim() == 2 && groups.scalar_type() == at::kFloat && groups.is_contiguous(),
               "search_affine: groups must be contiguous float32 [R, G]");
-  TORCH_CHECK(weights.sizes() == groups.sizes() && weights.scalar_type() == at::kFloat && weights.is_contiguous(),
-              "search_affine: weights must be contiguous float32 shaped like groups");
-  TORCH_CHECK(top >= 1 && top <= 255, "search_affine: top must be in 1..255");
   const int64_t R = groups.size(0), G = groups.size(1);
+  const float* imp = nullptr;
+  int64_t P = 1;  // group r takes importance row r % P (a row's groups, repeated for every output row)
+  if (importance.has_value() && importance->defined()) {
+    TORCH_CHECK(importance->dim() == 2 && importance->size(1) == G && importance->scalar_type() == at::kFloat &&
+                    importance->is_contiguous() && importance->size(0) > 0 && R % importance->size(0) == 0,
+                "search_affine: importance must be contiguous float32 [P, G] with P dividing R");
+    imp = importance->data_ptr<float>();
+    P = importance->size(0);
+  }
+  TORCH_CHECK(top >= 1 && top <= 255, "search_affine: top must be in 1..255");
   auto u = at::empty({R, G}, groups.options().dtype(at::kByte));
   auto s = at::empty({R}, groups.options());
   auto m = at::empty({R}, groups.options());
   const float* x = groups.data_ptr<float>();
-  const float* w = weights.data_ptr<float>();
   uint8_t* up = u.data_ptr<uint8_t>();
   float* sp = s.data_ptr<float>();
   float* mp = m.data_ptr<float>();
   const int top_i = static_cast<int>(top);
   at::parallel_for(0, R, std::max<int64_t>(1, 16384 / std::max<int64_t>(G, 1)), [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(4 * G);
+    std::vector<float> buf(5 * G);
     for (int64_t r = begin; r < end; ++r) {
-      search_group(x + r * G, w + r * G, G, top_i, steps, rmin, rdelta, half, up + r * G, sp + r, mp + r,
-                   buf.data());
+      const float* ir = imp == nullptr ? nullptr : imp + (r % P) * G;
+      search_group(x + r * G, ir, G, top_i, steps, rmin, rdelta, half, up + r * G, sp + r, mp + r, buf.data());
     }
   });
   return std::make_tuple(u, s, m);
@@ -182,7 +205,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> search_affine(const at::Tensor& g
 }  // namespace perfxlm_search
 
 TORCH_LIBRARY_FRAGMENT(perfxlm, m) {
-  m.def("search_affine(Tensor groups, Tensor weights, int top, int steps, float rmin, float rdelta, bool half) "
+  m.def("search_affine(Tensor groups, Tensor? importance, int top, int steps, float rmin, float rdelta, bool half) "
         "-> (Tensor, Tensor, Tensor)");
 }
 

@@ -119,7 +119,7 @@ def quantize_int4_search(w: torch.Tensor, group: int, importance: torch.Tensor |
         k = w.shape[-1]
         if tuple(importance.shape) != (k,):
             raise ValueError(f"importance has shape {tuple(importance.shape)}, expected ({k},)")
-        imp = importance.float().reshape(k // group, group).expand(g.shape).reshape(-1, group)
+        imp = importance.float().reshape(k // group, group)  # one row's groups, tiled over the rows
     u, s, mins = search_affine(flat, 15, imp)
     return _build(u, s, mins, 4, group, w.shape)
 

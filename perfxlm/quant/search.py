@@ -109,19 +109,17 @@ def search_affine(
     use_native: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Groups float32 [R, G] -> codes [R, G] (0..top), scales and mins [R] (float16 where `half` and
-    every value fits, else float32). `importance`: None or float32 [R, G] (see `element_weights`).
+    every value fits, else float32). `importance`: None, or float32 [P, G] with P dividing R, group r
+    taking row r % P (a weight row's groups, the same for every output row; see `element_weights`).
     The native kernel where built (`use_native`), else the same search in plain torch."""
+    g = g.float().contiguous()
+    if importance is not None:
+        importance = importance.float().contiguous()
+        if importance.dim() != 2 or importance.shape[1] != g.shape[1] or g.shape[0] % importance.shape[0]:
+            raise ValueError(f"importance {tuple(importance.shape)} does not tile groups {tuple(g.shape)}")
     ops = _native() if use_native else None
     if ops is not None:
-        g = g.float().contiguous()
-        rows = max(1, CHUNK // g.shape[-1])
-        parts = []
-        for start in range(0, g.shape[0], rows):  # the weights are made per chunk: memory stays small
-            chunk = g[start : start + rows]
-            imp = None if importance is None else importance[start : start + rows]
-            w = element_weights(chunk, imp).contiguous()
-            parts.append(ops.search_affine(chunk, w, top, STEPS, RMIN, RDELTA, half))
-        u, s, m = (torch.cat([p[i] for p in parts]) for i in range(3))
+        u, s, m = ops.search_affine(g, importance, top, STEPS, RMIN, RDELTA, half)
         if not half:
             return u, s, m
         if bool(torch.isfinite(s).all() and torch.isfinite(m).all()):
@@ -132,7 +130,9 @@ def search_affine(
     us, ss, ms = [], [], []
     for start in range(0, g.shape[0], rows):
         chunk = g[start : start + rows]
-        imp = None if importance is None else importance[start : start + rows]
+        imp = None
+        if importance is not None:
+            imp = importance[torch.arange(start, start + chunk.shape[0]) % importance.shape[0]]
         u, s, m = _search_chunk(chunk, element_weights(chunk, imp), top, dtype)
         us.append(u)
         ss.append(s)

@@ -69,12 +69,14 @@ def test_native_and_torch_searches_agree():
         pytest.skip("native kernels not built")
     w = weights(64, 256, seed=3)
     g = w.reshape(-1, 32)
-    u1, s1, m1 = search.search_affine(g, 15, use_native=True)
-    u2, s2, m2 = search.search_affine(g, 15, use_native=False)
-    assert (s1 == s2).float().mean() > 0.99 and (m1 == m2).float().mean() > 0.99
-    e1 = (search.element_weights(g, None) * (s1.float()[:, None] * u1.float() + m1.float()[:, None] - g).square()).sum()
-    e2 = (search.element_weights(g, None) * (s2.float()[:, None] * u2.float() + m2.float()[:, None] - g).square()).sum()
-    torch.testing.assert_close(e1, e2, rtol=1e-4, atol=0)
+    for imp in (None, importance(256, seed=1).reshape(8, 32)):  # 8 groups per row, tiled over 64 rows
+        u1, s1, m1 = search.search_affine(g, 15, imp, use_native=True)
+        u2, s2, m2 = search.search_affine(g, 15, imp, use_native=False)
+        assert (s1 == s2).float().mean() > 0.99 and (m1 == m2).float().mean() > 0.99
+        wt = search.element_weights(g, None if imp is None else imp.repeat(64, 1))
+        e1 = (wt * (s1.float()[:, None] * u1.float() + m1.float()[:, None] - g).square()).sum()
+        e2 = (wt * (s2.float()[:, None] * u2.float() + m2.float()[:, None] - g).square()).sum()
+        torch.testing.assert_close(e1, e2, rtol=1e-4, atol=0)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
