@@ -141,15 +141,13 @@ def run_tokens(model: nn.Module, ids: list[int], window: int = WINDOW) -> None:
 
 
 def collect(
-    model_path: str, hf_config: Any, load_format: str, source: str, tokens: int = DEFAULT_TOKENS,
-    weights: Any = CALIBRATION_WEIGHTS,
+    model_path: str, hf_config: Any, load_format: str, ids: list[int], weights: Any = CALIBRATION_WEIGHTS
 ) -> dict[str, torch.Tensor]:
-    """Mean square activation per input channel of every weight `quantization=` will quantize, from
-    `tokens` tokens of the calibration text `source` run through the checkpoint loaded with `weights`
-    (a `quantization=` value: int8 per channel by default; "none" loads it float)."""
+    """Mean square activation per input channel of every weight `quantization=` will quantize, from the
+    calibration tokens `ids` run through the checkpoint loaded with `weights` (a `quantization=` value:
+    int8 per channel by default; "none" loads it float)."""
     from perfxlm.model.loader import get_model, release_freed_memory
 
-    ids = calibration_ids(calibration_text(source), model_path, tokens)
     max_positions = getattr(hf_config, "max_position_embeddings", None) or WINDOW
     model = get_model(model_path, hf_config, torch.float32, load_format, quantization=weights)
     stats = ChannelStats(hook_targets(model))

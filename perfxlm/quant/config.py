@@ -20,8 +20,10 @@ Options: `quantization_group_size` (weights per scale; -1 = one scale per output
 (32, the default, or -1 for one scale per token) there. Only in the dict:
 - `calibration` (int4, asymmetric): a UTF-8 text file whose first `calibration_tokens` tokens (512 by
   default) run through the model before it is quantized, so that each weight's error is weighted by
-  its input channel's mean square activation (`perfxlm.quant.calibration`); "default" names a short
-  English text shipped with the package; false / null: calibration-free weights.
+  its input channel's mean square activation (`perfxlm.quant.calibration`); "default" (what int4 does
+  unless told otherwise) names a short English text shipped with the package; false: calibration-free.
+  The default quietly falls back to calibration-free (a warning) where the model has no tokenizer;
+  a named text fails instead.
 - `mixed_precision` (int4, nf4): 8-bit codes for the FFN down projections of half the layers, as
   llama.cpp's Q4_K_M widens them (`perfxlm.quant.mixed`).
 - `double_quant` (nf4): QLoRA's double-quantized absmax (default true).
@@ -53,7 +55,9 @@ DEFAULT_CALIBRATION = "default"  # the built-in text (perfxlm/quant/calibration.
 DEFAULT_CALIBRATION_TOKENS = 512
 MIN_CALIBRATION_TOKENS = 16
 _DEFAULT_SYMMETRIC = {"int8": True, "int4": False, "nf4": True, "w8a8": True}
-_DEFAULT_CALIBRATION = {"int4": None}  # calibration text by method where the user names none
+# calibration text by method where the user names none: measured on a 135M Llama, int4 group 32 goes
+# from +10 % perplexity calibration-free to +2.6 % for about one more load of the model (README)
+_DEFAULT_CALIBRATION = {"int4": DEFAULT_CALIBRATION}
 _DEFAULT_MIXED = {"int4": False, "nf4": False}
 ACTIVATION_GROUPS = (ACT_BLOCK, PER_CHANNEL)  # w8a8: activations per scale, or one scale per token
 
@@ -71,6 +75,7 @@ class QuantizationConfig:
     activation_group_size: int = ACT_BLOCK  # w8a8 only: 32 per scale, or -1 (one scale per token)
     calibration: str | None = None  # int4 asymmetric: "default" or a text file; None: calibration-free
     calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS
+    calibration_explicit: bool = False  # whether `calibration` came from the user (else the default)
     mixed_precision: bool = False  # int4 / nf4: 8-bit down projections in half the layers
     double_quant: bool = True  # nf4: QLoRA's double-quantized absmax
 
@@ -112,7 +117,8 @@ class QuantizationConfig:
             if self.method == "w8a8":
                 out["activation_group_size"] = self.activation_group_size
             if self.method == "int4":
-                out["calibration"] = self.calibration
+                if self.calibration_explicit or self.calibration is None:  # else left to the default
+                    out["calibration"] = self.calibration or False
                 if self.calibration is not None:
                     out["calibration_tokens"] = self.calibration_tokens
             if self.method in ("int4", "nf4"):
@@ -266,6 +272,7 @@ def _extras(method: str, options: dict[str, Any], symmetric: bool) -> dict[str, 
     against the method; the method's defaults where not given."""
     out: dict[str, Any] = {}
     if method in _DEFAULT_CALIBRATION:
+        explicit = options.get("calibration") is not None
         source = options.get("calibration", None if symmetric else _DEFAULT_CALIBRATION[method])
         if source is False:
             source = None
@@ -284,6 +291,7 @@ def _extras(method: str, options: dict[str, Any], symmetric: bool) -> dict[str, 
                     )
                 source = os.path.abspath(source)  # the same file for worker processes
         out["calibration"] = source
+        out["calibration_explicit"] = explicit and source is not None
         tokens = options.get("calibration_tokens", DEFAULT_CALIBRATION_TOKENS)
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < MIN_CALIBRATION_TOKENS:
             raise ValueError(

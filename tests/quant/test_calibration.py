@@ -64,7 +64,7 @@ def test_statistics_match_transformers_activations(tiny, text_file, weights):
 
     ids = calibration_ids(calibration_text(text_file), tiny, 200)
     assert len(ids) == 200 and max(ids) < 256
-    stats = collect(tiny, load_hf_config(tiny), "safetensors", text_file, 200, weights={"method": weights})
+    stats = collect(tiny, load_hf_config(tiny), "safetensors", ids, weights={"method": weights})
     hf = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
     seen: dict[str, torch.Tensor] = {}
     hooks = []
@@ -111,8 +111,19 @@ def test_bad_calibration_values_are_clear_errors(tiny, tmp_path):
         calibration_ids(TEXT, no_tokenizer, 512)
 
 
-def test_builtin_text_is_shipped():
+def test_builtin_text_is_shipped_and_the_default(tiny, tmp_path, caplog):
     assert len(calibration_text("default")) > 4000
+    c = QuantizationConfig.resolve("int4")
+    assert c.calibration == "default" and not c.calibration_explicit
+    assert QuantizationConfig.resolve({"method": "int4", "calibration": False}).calibration is None
+    # no tokenizer: the default goes calibration-free with a warning, a named text is an error
+    bare = make_llama_checkpoint(str(tmp_path / "bare"), seed=1)
+    with caplog.at_level("WARNING", logger="perfxlm"):
+        LLM(bare, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=16, quantization="int4")
+    assert "calibration-free, as the built-in calibration text cannot be used here" in caplog.text
+    with pytest.raises(ValueError, match=r"tokenizes its text with the tokenizer stored with the model"):
+        LLM(bare, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=16,
+            quantization={"method": "int4", "calibration": "default"})
 
 
 def logits_of(path: str, quantization) -> torch.Tensor:
@@ -131,7 +142,8 @@ def logits_of(path: str, quantization) -> torch.Tensor:
 def test_int4_is_closer_to_the_float_model_than_q4_0s_rule(tiny, text_file):
     ref = logits_of(tiny, None)
     err = {}
-    for name, q in {"q4_0 rule": {"method": "int4", "symmetric": True}, "int4": "int4",
+    for name, q in {"q4_0 rule": {"method": "int4", "symmetric": True},
+                    "int4": {"method": "int4", "calibration": False},
                     "int4 calibrated": {"method": "int4", "calibration": text_file}}.items():  # fmt: skip
         err[name] = (logits_of(tiny, q) - ref).square().mean().item()
     assert err["int4"] < 0.8 * err["q4_0 rule"], err
