@@ -25,8 +25,10 @@ Options: `quantization_group_size` (weights per scale; -1 = one scale per output
   The default quietly falls back to calibration-free (a warning) where the model has no tokenizer;
   a named text fails instead.
 - `mixed_precision` (int4, nf4): 8-bit codes for the FFN down projections of half the layers, as
-  llama.cpp's Q4_K_M widens them (`perfxlm.quant.mixed`).
-- `double_quant` (nf4): QLoRA's double-quantized absmax (default true).
+  llama.cpp's Q4_K_M widens them (`perfxlm.quant.mixed`); on by default for int4 (not its symmetric
+  Q4_0 form).
+- `double_quant` (nf4): QLoRA's double-quantized absmax (default true); false keeps a float16 absmax
+  per group, or with `calibration` a float16 scale per group searched like int4's (not QLoRA's values).
 """
 
 from __future__ import annotations
@@ -57,8 +59,10 @@ MIN_CALIBRATION_TOKENS = 16
 _DEFAULT_SYMMETRIC = {"int8": True, "int4": False, "nf4": True, "w8a8": True}
 # calibration text by method where the user names none: measured on a 135M Llama, int4 group 32 goes
 # from +10 % perplexity calibration-free to +2.6 % for about one more load of the model (README)
-_DEFAULT_CALIBRATION = {"int4": DEFAULT_CALIBRATION}
-_DEFAULT_MIXED = {"int4": False, "nf4": False}
+_DEFAULT_CALIBRATION = {"int4": DEFAULT_CALIBRATION, "nf4": None}
+# int4 widens like Q4_K_M by default (measured: it takes int4's KL divergence below Q4_K_M's for 0.4 more
+# bits per weight); nf4 stays QLoRA's form unless asked
+_DEFAULT_MIXED = {"int4": True, "nf4": False}
 ACTIVATION_GROUPS = (ACT_BLOCK, PER_CHANNEL)  # w8a8: activations per scale, or one scale per token
 
 
@@ -76,7 +80,7 @@ class QuantizationConfig:
     calibration: str | None = None  # int4 asymmetric: "default" or a text file; None: calibration-free
     calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS
     calibration_explicit: bool = False  # whether `calibration` came from the user (else the default)
-    mixed_precision: bool = False  # int4 / nf4: 8-bit down projections in half the layers
+    mixed_precision: bool = False  # int4 / nf4: 8-bit down projections in half the layers (resolve: int4 on)
     double_quant: bool = True  # nf4: QLoRA's double-quantized absmax
 
     @property
@@ -99,7 +103,8 @@ class QuantizationConfig:
             text = "the built-in text" if self.calibration == DEFAULT_CALIBRATION else repr(self.calibration)
             kind += f", calibrated on {self.calibration_tokens} tokens of {text}"
         if self.method == "nf4":
-            kind += ", double-quantized absmax" if self.double_quant else ", float16 absmax"
+            plain = ", float16 scales searched" if self.calibration is not None else ", float16 absmax"
+            kind += ", double-quantized absmax" if self.double_quant else plain
         if self.mixed_precision:
             kind += ", 8-bit down projections in half the layers"
         if self.method == "w8a8":
@@ -116,7 +121,7 @@ class QuantizationConfig:
                 out["group_size"] = self.group_size
             if self.method == "w8a8":
                 out["activation_group_size"] = self.activation_group_size
-            if self.method == "int4":
+            if self.method in ("int4", "nf4"):
                 if self.calibration_explicit or self.calibration is None:  # else left to the default
                     out["calibration"] = self.calibration or False
                 if self.calibration is not None:
@@ -181,6 +186,8 @@ class QuantizationConfig:
             if self.symmetric:
                 return quantizers.quantize_symmetric_int4(w, group)
             return quantizers.quantize_int4_search(w, group, importance)
+        if self.calibration is not None and not self.double_quant:
+            return quantizers.quantize_nf4_search(w, group, importance)
         return quantizers.quantize_nf4(w, group, self.double_quant)
 
     @staticmethod
@@ -252,7 +259,13 @@ class QuantizationConfig:
             )
         symmetric = _DEFAULT_SYMMETRIC[method] if sym is None else sym
         extras = _extras(method, options, symmetric)
-        if extras.get("calibration") is not None and symmetric:
+        if method == "nf4" and extras.get("calibration") is not None and extras.get("double_quant", True):
+            raise ValueError(
+                "quantization calibration with nf4: its double-quantized form is QLoRA's fixed rule, with "
+                "nothing to weigh; supported: calibration with double_quant false (float16 scales searched "
+                "per group)."
+            )
+        if method == "int4" and extras.get("calibration") is not None and symmetric:
             raise ValueError(
                 "quantization calibration with symmetric int4: the symmetric form is Q4_0's fixed rule, "
                 "with nothing to weigh; supported: calibration with asymmetric int4 (the default)."
@@ -273,7 +286,8 @@ def _extras(method: str, options: dict[str, Any], symmetric: bool) -> dict[str, 
     out: dict[str, Any] = {}
     if method in _DEFAULT_CALIBRATION:
         explicit = options.get("calibration") is not None
-        source = options.get("calibration", None if symmetric else _DEFAULT_CALIBRATION[method])
+        default = None if symmetric and method == "int4" else _DEFAULT_CALIBRATION[method]
+        source = options.get("calibration", default)
         if source is False:
             source = None
         if source is not None:
@@ -303,11 +317,11 @@ def _extras(method: str, options: dict[str, Any], symmetric: bool) -> dict[str, 
         for key in ("calibration", "calibration_tokens"):
             if options.get(key) not in (None, False):
                 raise ValueError(
-                    f"quantization {key} with {method}: supported with int4 only (its searched scales weigh "
-                    "errors by the activations; nf4 follows QLoRA's fixed rule)."
+                    f"quantization {key} with {method}: supported with int4 and nf4 (their searched scales "
+                    "weigh errors by the activations)."
                 )
     if method in _DEFAULT_MIXED:
-        mixed = options.get("mixed_precision", _DEFAULT_MIXED[method])
+        mixed = options.get("mixed_precision", _DEFAULT_MIXED[method] and not (method == "int4" and symmetric))
         if not isinstance(mixed, bool):
             raise ValueError(f"quantization mixed_precision={mixed!r}: expected true or false.")
         out["mixed_precision"] = mixed

@@ -14,7 +14,8 @@ group == K is one scale per output channel) and rounds half to even (`torch.roun
   weighted squared error least, llama.cpp's Q4_K search (`perfxlm.quant.search`); the weights come from
   activation statistics when given (`importance`: the mean square of each input channel).
 - nf4 (bitsandbytes' NormalFloat4): s = absmax, u = the nearest of 16 levels to w / s, min = 0; QLoRA's
-  double quantization of the absmax values is in `perfxlm.quant.nf4`.
+  double quantization of the absmax values is in `perfxlm.quant.nf4`; with activation statistics, the
+  scale of each group is searched instead (`perfxlm.quant.search.search_levels`).
 - w8a8: int8 symmetric weights (per channel by default), activations quantized per token at run time.
 int8 keeps float32 scales; int4 and nf4 round theirs to float16 first (half the overhead, as GGUF does)
 and compute the codes against the rounded scales, falling back to float32 where a value would not fit.
@@ -25,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from perfxlm.quant.nf4 import NF4_LEVELS, double_quantize_absmax, nf4_codes
-from perfxlm.quant.search import search_affine
+from perfxlm.quant.search import search_affine, search_levels
 from perfxlm.quant.weight import QuantizedWeight, pack_nibbles
 
 _NF4_MIDPOINTS = (NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2
@@ -122,6 +123,20 @@ def quantize_int4_search(w: torch.Tensor, group: int, importance: torch.Tensor |
         imp = importance.float().reshape(k // group, group)  # one row's groups, tiled over the rows
     u, s, mins = search_affine(flat, 15, imp)
     return _build(u, s, mins, 4, group, w.shape)
+
+
+def quantize_nf4_search(w: torch.Tensor, group: int, importance: torch.Tensor | None = None) -> QuantizedWeight:
+    """NF4 codes with a float16 scale per group searched for the least weighted squared error
+    (`perfxlm.quant.search.search_levels`); `importance` as for `quantize_int4_search`."""
+    g, _ = _groups(w, group)
+    imp = None
+    if importance is not None:
+        k = w.shape[-1]
+        if tuple(importance.shape) != (k,):
+            raise ValueError(f"importance has shape {tuple(importance.shape)}, expected ({k},)")
+        imp = importance.float().reshape(k // group, group)
+    u, s = search_levels(g.reshape(-1, group), NF4_LEVELS, imp)
+    return _build(u, s, torch.zeros_like(s), 4, group, w.shape, levels=NF4_LEVELS.clone())
 
 
 def quantize_nf4(w: torch.Tensor, group: int, double_quant: bool = False) -> QuantizedWeight:

@@ -144,3 +144,63 @@ def search_affine(
             return u, s16, m16
         return search_affine(g, top, importance, half=False, use_native=False)
     return u, s, m
+
+
+LEVEL_FACTORS = [1.0 - 0.0125 * i for i in range(21)]  # scales from absmax down to 0.75 absmax, both signs
+
+
+def _nearest(normed: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    return torch.bucketize(normed.clamp(-1, 1), (levels[1:] + levels[:-1]) / 2)
+
+
+def _levels_chunk(g: torch.Tensor, w: torch.Tensor, levels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    absmax = g.abs().amax(-1)
+    safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+    wx = w * g
+    swx2 = (wx * g).sum(-1).double()
+    best_s, best_err = safe.double(), torch.full_like(swx2, float("inf"))
+    for sign in (1.0, -1.0):  # a negative scale puts the table's 8 positive levels on the negative side
+        for f in LEVEL_FACTORS:
+            lv = levels[_nearest(g / (sign * f * safe).unsqueeze(-1), levels)]
+            swl2, swxl = (w * lv * lv).sum(-1).double(), (wx * lv).sum(-1).double()
+            ok = swl2 > 0
+            s = torch.where(ok, swxl / torch.where(ok, swl2, torch.ones_like(swl2)), best_s)  # least squares
+            err = torch.where(ok, swx2 - swxl * swxl / torch.where(ok, swl2, torch.ones_like(swl2)), best_err)
+            better = err < best_err
+            best_s, best_err = torch.where(better, s, best_s), torch.where(better, err, best_err)
+
+    def stored(s: torch.Tensor):
+        s = s.half().float()
+        safe_s = torch.where(s != 0, s, torch.ones_like(s))
+        u = _nearest(g / safe_s.unsqueeze(-1), levels)
+        return s, u, (w * (s.unsqueeze(-1) * levels[u] - g).square()).sum(-1)
+
+    s, u, err = stored(torch.where(absmax > 0, absmax, torch.zeros_like(absmax)))  # the plain rule first
+    cs, cu, cerr = stored(best_s.float())
+    better = (cerr < err) & torch.isfinite(cs) & (cs != 0)
+    return torch.where(better.unsqueeze(-1), cu, u), torch.where(better, cs, s)
+
+
+def search_levels(
+    g: torch.Tensor, levels: torch.Tensor, importance: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Groups float32 [R, G] -> codes [R, G] into the sorted 16-entry table `levels` and one float16 scale
+    per group (value = scale * levels[u]), searched for the least weighted squared error: the absmax
+    scale (the plain rule, which wins ties), scales down to 0.75 absmax of either sign, each refit by
+    least squares on its codes. `importance` as in `search_affine`. ValueError where a scale would not
+    fit float16."""
+    g = g.float().contiguous()
+    rows = max(1, CHUNK // g.shape[-1])
+    us, ss = [], []
+    for start in range(0, g.shape[0], rows):
+        chunk = g[start : start + rows]
+        imp = None
+        if importance is not None:
+            imp = importance[torch.arange(start, start + chunk.shape[0]) % importance.shape[0]]
+        u, s = _levels_chunk(chunk, element_weights(chunk, imp), levels)
+        us.append(u)
+        ss.append(s)
+    s = torch.cat(ss)
+    if not bool(torch.isfinite(s).all()) or bool((s.abs() > 65504).any()):
+        raise ValueError("nf4 with searched scales: a weight group beyond float16's range; use double_quant true")
+    return torch.cat(us), s.half()

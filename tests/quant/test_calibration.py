@@ -94,8 +94,8 @@ def test_bad_calibration_values_are_clear_errors(tiny, tmp_path):
         LLM(tiny, skip_tokenizer_init=True, quantization={"method": "int4", "calibration": "/no/such/text.txt"})
     with pytest.raises(ValueError, match=r"calibration with symmetric int4"):
         QuantizationConfig.resolve({"method": "int4", "symmetric": True, "calibration": "default"})
-    with pytest.raises(ValueError, match=r"calibration with nf4: supported with int4 only"):
-        QuantizationConfig.resolve({"method": "nf4", "calibration": "default"})
+    with pytest.raises(ValueError, match=r"calibration with w8a8: supported with int4 and nf4"):
+        QuantizationConfig.resolve({"method": "w8a8", "calibration": "default"})
     with pytest.raises(ValueError, match=r"calibration_tokens=4: expected an integer >= 16"):
         QuantizationConfig.resolve({"method": "int4", "calibration": "default", "calibration_tokens": 4})
     binary = tmp_path / "bin.txt"

@@ -258,3 +258,26 @@ def test_widened_names_the_down_projections_of_the_chosen_layers():
     c = QuantizationConfig.resolve({"method": "int4", "mixed_precision": True})
     q = c.quantize_weight(torch.randn(8, 96), wide=True)
     assert (q.bits, q.group, q.scales.dtype) == (8, 96, torch.float32)
+
+
+@pytest.mark.parametrize("with_importance", [False, True])
+@pytest.mark.parametrize("n,k,group", SHAPES)
+def test_nf4_search_never_worse_than_the_absmax_rule(n, k, group, with_importance):
+    w = weights(n, k, seed=n * k)
+    imp = importance(k, seed=k) if with_importance else None
+    q = quantizers.quantize_nf4_search(w, group, imp)
+    assert q.scales.dtype == torch.float16 and torch.equal(q.levels, NF4_LEVELS)
+    assert torch.equal(q.mins, torch.zeros_like(q.mins)) and torch.isfinite(q.scales).all()
+    ours = weighted_error(q, w, group, imp)
+    base = weighted_error(quantizers.quantize_nf4(w, group), w, group, imp)  # absmax in float16
+    assert (ours <= base * (1 + 1e-6) + 1e-12).all()
+    assert ours[1:].sum() < 0.95 * base[1:].sum()
+
+
+def test_nf4_calibration_needs_the_plain_form():
+    with pytest.raises(ValueError, match=r"calibration with nf4: its double-quantized form is QLoRA's fixed rule"):
+        QuantizationConfig.resolve({"method": "nf4", "calibration": "default"})
+    c = QuantizationConfig.resolve({"method": "nf4", "double_quant": False, "calibration": "default"})
+    assert "float16 scales searched" in c.describe() and QuantizationConfig.resolve(c.as_dict()) == c
+    zero = c.quantize_weight(torch.zeros(2, 64))
+    assert torch.equal(zero.dequantize(), torch.zeros(2, 64))
