@@ -135,7 +135,8 @@ def run_tokens(model: nn.Module, ids: list[int], window: int = WINDOW) -> None:
     chunks = list(_windows(ids, window))
     for chunk in tqdm(chunks, desc="Calibrating", unit="window", leave=False):
         n = len(chunk)
-        meta = AttentionMetadata(torch.arange(n), 0, None, None, None, [PrefillSeq(0, n, 0, torch.arange(blocks))])
+        prefill = PrefillSeq(0, n, 0, torch.arange(blocks))
+        meta = AttentionMetadata(torch.arange(n), 0, None, None, None, [prefill])
         with torch.inference_mode(), set_forward_context(meta):
             model(torch.tensor(chunk), torch.arange(n))
 

@@ -309,7 +309,8 @@ def _extras(method: str, options: dict[str, Any], symmetric: bool) -> dict[str, 
         tokens = options.get("calibration_tokens", DEFAULT_CALIBRATION_TOKENS)
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < MIN_CALIBRATION_TOKENS:
             raise ValueError(
-                f"quantization calibration_tokens={tokens!r}: expected an integer >= {MIN_CALIBRATION_TOKENS} "
+                f"quantization calibration_tokens={tokens!r}: expected an integer >= "
+                f"{MIN_CALIBRATION_TOKENS} "
                 f"(default {DEFAULT_CALIBRATION_TOKENS})."
             )
         out["calibration_tokens"] = tokens
@@ -321,7 +322,8 @@ def _extras(method: str, options: dict[str, Any], symmetric: bool) -> dict[str, 
                     "weigh errors by the activations)."
                 )
     if method in _DEFAULT_MIXED:
-        mixed = options.get("mixed_precision", _DEFAULT_MIXED[method] and not (method == "int4" and symmetric))
+        q4_0 = method == "int4" and symmetric  # the symmetric form stays Q4_0's uniform rule
+        mixed = options.get("mixed_precision", _DEFAULT_MIXED[method] and not q4_0)
         if not isinstance(mixed, bool):
             raise ValueError(f"quantization mixed_precision={mixed!r}: expected true or false.")
         out["mixed_precision"] = mixed
@@ -330,6 +332,8 @@ def _extras(method: str, options: dict[str, Any], symmetric: bool) -> dict[str, 
     double = options.get("double_quant")
     if double is not None:
         if method != "nf4" or not isinstance(double, bool):
-            raise ValueError(f"quantization double_quant={double!r} with {method}: supported: true or false, nf4 only.")
+            raise ValueError(
+                f"quantization double_quant={double!r} with {method}: supported: true or false, nf4 only."
+            )
         out["double_quant"] = double
     return out

@@ -11,10 +11,11 @@ copied into its Parameter (`CausalLM.load_weights(weights, sink=...)`). Two sour
 Each weight is quantized with its own options: `mixed_precision` widens some to 8-bit codes
 (`perfxlm.quant.mixed`), and `calibration` first collects activation statistics with the model loaded
 once as int8 (`perfxlm.quant.calibration`, `QuantizedLoader.calibrate`), which weigh each weight's
-squared error in int4's search. Each piece is quantized as it arrives, so a model never exists whole in float: shards of a fused weight
-(q, k, v; gate, up; an expert's gate and up) wait as quantized pieces until their weight is complete,
-then are concatenated (`QuantizedWeight.cat_rows`) and replace the module's Parameter, whose untouched
-float storage is freed. A tied LM head gets the embedding's `QuantizedWeight`.
+squared error in int4's search. Each piece is quantized as it arrives, so a model never exists whole in
+float: shards of a fused weight (q, k, v; gate, up; an expert's gate and up) wait as quantized pieces
+until their weight is complete, then are concatenated (`QuantizedWeight.cat_rows`) and replace the
+module's Parameter, whose untouched float storage is freed.
+A tied LM head gets the embedding's `QuantizedWeight`.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ class QuantizedLoader:
         self.config = config if config is not None and config.quantizes else None
         self.quantize = self.config.quantizer() if self.config is not None else None
         # (id(module), parameter) -> qualified weight name, for every weight this loader quantizes
-        self.names = {(id(m), p): f"{n}.{p}" for n, m, p, _ in quantizable(model)} if self.config is not None else {}
+        targets = quantizable(model) if self.config is not None else []
+        self.names = {(id(m), p): f"{n}.{p}" for n, m, p, _ in targets}
         self.targets = set(self.names)
         mixed_on = self.config is not None and self.config.mixed_precision
         self.wide = mixed.widened(list(self.names.values())) if mixed_on else set()

@@ -110,7 +110,9 @@ def quantize_asymmetric_int4(w: torch.Tensor, group: int) -> QuantizedWeight:
     return _build(u, s, mins, 4, group, w.shape)
 
 
-def quantize_int4_search(w: torch.Tensor, group: int, importance: torch.Tensor | None = None) -> QuantizedWeight:
+def quantize_int4_search(
+    w: torch.Tensor, group: int, importance: torch.Tensor | None = None
+) -> QuantizedWeight:
     """Asymmetric 4-bit codes with searched group scales and mins (float16). `importance`: None, or the
     mean square activation of each input channel, float [K]."""
     g, lead = _groups(w, group)
@@ -125,7 +127,9 @@ def quantize_int4_search(w: torch.Tensor, group: int, importance: torch.Tensor |
     return _build(u, s, mins, 4, group, w.shape)
 
 
-def quantize_nf4_search(w: torch.Tensor, group: int, importance: torch.Tensor | None = None) -> QuantizedWeight:
+def quantize_nf4_search(
+    w: torch.Tensor, group: int, importance: torch.Tensor | None = None
+) -> QuantizedWeight:
     """NF4 codes with a float16 scale per group searched for the least weighted squared error
     (`perfxlm.quant.search.search_levels`); `importance` as for `quantize_int4_search`."""
     g, _ = _groups(w, group)

@@ -76,7 +76,8 @@ def _search_chunk(g: torch.Tensor, w: torch.Tensor, top: int, dtype: torch.dtype
         u = torch.round(normed * (top + RMIN + RDELTA * i)).clamp_(0, top)
         s, m, err = _fit(sw, swx, swx2, *_sums(w, wx, u))
         better = err < best_err
-        best_s, best_m, best_err = (torch.where(better, a, b) for a, b in ((s, best_s), (m, best_m), (err, best_err)))
+        best_s, best_m = torch.where(better, s, best_s), torch.where(better, m, best_m)
+        best_err = torch.where(better, err, best_err)
 
     def stored(s: torch.Tensor, m: torch.Tensor):
         s, m = s.to(dtype).float(), m.to(dtype).float()
@@ -153,7 +154,9 @@ def _nearest(normed: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(normed.clamp(-1, 1), (levels[1:] + levels[:-1]) / 2)
 
 
-def _levels_chunk(g: torch.Tensor, w: torch.Tensor, levels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _levels_chunk(
+    g: torch.Tensor, w: torch.Tensor, levels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     absmax = g.abs().amax(-1)
     safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
     wx = w * g
@@ -202,5 +205,8 @@ def search_levels(
         ss.append(s)
     s = torch.cat(ss)
     if not bool(torch.isfinite(s).all()) or bool((s.abs() > 65504).any()):
-        raise ValueError("nf4 with searched scales: a weight group beyond float16's range; use double_quant true")
+        raise ValueError(
+            "nf4 with searched scales: a weight group beyond float16's range; supported there: "
+            "double_quant true (float32 scales)."
+        )
     return torch.cat(us), s.half()

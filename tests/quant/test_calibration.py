@@ -91,7 +91,8 @@ def test_statistics_match_transformers_activations(tiny, text_file, weights):
 
 def test_bad_calibration_values_are_clear_errors(tiny, tmp_path):
     with pytest.raises(ValueError, match=r"calibration='/no/such/text.txt': no such file. Supported: the path"):
-        LLM(tiny, skip_tokenizer_init=True, quantization={"method": "int4", "calibration": "/no/such/text.txt"})
+        LLM(tiny, skip_tokenizer_init=True,
+            quantization={"method": "int4", "calibration": "/no/such/text.txt"})
     with pytest.raises(ValueError, match=r"calibration with symmetric int4"):
         QuantizationConfig.resolve({"method": "int4", "symmetric": True, "calibration": "default"})
     with pytest.raises(ValueError, match=r"calibration with w8a8: supported with int4 and nf4"):

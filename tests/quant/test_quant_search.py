@@ -51,7 +51,8 @@ def test_search_never_worse_than_the_plain_rule(n, k, group, with_importance, na
     w = weights(n, k, seed=n + k)
     imp = importance(k, seed=k) if with_importance else None
     q = quantizers.quantize_int4_search(w, group, imp)
-    assert (q.bits, q.group, q.levels, q.scales.dtype, q.mins.dtype) == (4, group, None, torch.float16, torch.float16)
+    assert (q.bits, q.group, q.levels) == (4, group, None)
+    assert q.scales.dtype == q.mins.dtype == torch.float16
     u = q.unpacked_codes()
     assert int(u.max()) <= 15  # uint8: never below 0
     assert torch.isfinite(q.scales).all() and torch.isfinite(q.mins).all() and (q.scales >= 0).all()
@@ -188,7 +189,8 @@ def test_dynamic_map_is_bitsandbytes():
     assert (code[1:] > code[:-1]).all()
 
 
-@pytest.mark.parametrize("n,k", [(5, 128), (40, 192), (3, 64), (300, 128)])  # absmax blocks of 256: partial, several
+# absmax blocks of 256: one partial, several, several with a partial one
+@pytest.mark.parametrize("n,k", [(5, 128), (40, 192), (3, 64), (300, 128)])
 def test_nf4_double_quant_values_equal_qlora(n, k):
     g = torch.Generator().manual_seed(n * k)
     w = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)  # QLoRA quantizes bf16 checkpoints
