@@ -18,7 +18,7 @@ Options: `quantization_group_size` (weights per scale; -1 = one scale per output
 `quantization_symmetric` (bool). Both may also come inside the value as a dict or its JSON text:
 `{"method": "int4", "group_size": 64, "symmetric": false}`; w8a8 also takes `activation_group_size`
 (32, the default, or -1 for one scale per token) there. Only in the dict:
-- `calibration` (int4, asymmetric): a UTF-8 text file whose first `calibration_tokens` tokens (512 by
+- `calibration` (int4 asymmetric; nf4 with `double_quant: false`): a UTF-8 text file whose first `calibration_tokens` tokens (512 by
   default) run through the model before it is quantized, so that each weight's error is weighted by
   its input channel's mean square activation (`perfxlm.quant.calibration`); "default" (what int4 does
   unless told otherwise) names a short English text shipped with the package; false: calibration-free.
@@ -77,7 +77,8 @@ class QuantizationConfig:
     symmetric: bool = True
     group_explicit: bool = False  # whether group_size came from the user
     activation_group_size: int = ACT_BLOCK  # w8a8 only: 32 per scale, or -1 (one scale per token)
-    calibration: str | None = None  # int4 asymmetric: "default" or a text file; None: calibration-free
+    calibration: str | None = None  # "default" or a text file (int4 asymmetric, nf4 without double
+    # quantization); None: calibration-free
     calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS
     calibration_explicit: bool = False  # whether `calibration` came from the user (else the default)
     mixed_precision: bool = False  # int4 / nf4: 8-bit down projections in half the layers (resolve: int4 on)
