@@ -8,10 +8,14 @@ copied into its Parameter (`CausalLM.load_weights(weights, sink=...)`). Two sour
   every Linear except MoE routers and gates (`Linear.quantize_weight`), and MoE expert stacks. Embeddings
   and the LM head stay in float (the head's logits and every token's embedding are too sensitive, and
   a vLLM checkpoint quantized this way keeps them too).
-Each piece is quantized as it arrives, so a model never exists whole in float: shards of a fused weight
-(q, k, v; gate, up; an expert's gate and up) wait as quantized pieces until their weight is complete,
-then are concatenated (`QuantizedWeight.cat_rows`) and replace the module's Parameter, whose untouched
-float storage is freed. A tied LM head gets the embedding's `QuantizedWeight`. Each weight takes the
+Each weight is quantized with its own options: `mixed_precision` widens some to 8-bit codes
+(`perfxlm.quant.mixed`), and `calibration` first collects activation statistics with the model loaded
+once as int8 (`perfxlm.quant.calibration`, `QuantizedLoader.calibrate`), which weigh each weight's
+squared error in int4's search. Each piece is quantized as it arrives, so a model never exists whole in
+float: shards of a fused weight (q, k, v; gate, up; an expert's gate and up) wait as quantized pieces
+until their weight is complete, then are concatenated (`QuantizedWeight.cat_rows`) and replace the
+module's Parameter, whose untouched float storage is freed.
+A tied LM head gets the embedding's `QuantizedWeight`. Each weight takes the
 model's `ActivationMode` as it is installed (`take_activations`, the engine's `quant_activations`).
 """
 
@@ -23,6 +27,7 @@ from typing import Any
 
 from torch import nn
 
+from perfxlm.quant import mixed
 from perfxlm.quant.config import GGUF, METHODS, QuantizationConfig
 from perfxlm.quant.weight import ActivationMode, QuantizedWeight
 
@@ -71,7 +76,13 @@ class QuantizedLoader:
     def __init__(self, model: nn.Module, config: QuantizationConfig | None = None) -> None:
         self.config = config if config is not None and config.quantizes else None
         self.quantize = self.config.quantizer() if self.config is not None else None
-        self.targets = {(id(m), p) for _, m, p, _ in quantizable(model)} if self.config is not None else set()
+        # (id(module), parameter) -> qualified weight name, for every weight this loader quantizes
+        targets = quantizable(model) if self.config is not None else []
+        self.names = {(id(m), p): f"{n}.{p}" for n, m, p, _ in targets}
+        self.targets = set(self.names)
+        mixed_on = self.config is not None and self.config.mixed_precision
+        self.wide = mixed.widened(list(self.names.values())) if mixed_on else set()
+        self.importance: dict[str, Any] = {}  # weight name -> mean square input activation [K]
         self.pending: dict[tuple[int, str, int | None], dict[str, Any]] = {}
         self.experts: dict[tuple[int, str], dict[int, QuantizedWeight]] = {}
         self.floats: set[tuple[int, str]] = set()  # fused weights some of whose shards arrived in float
@@ -99,6 +110,29 @@ class QuantizedLoader:
             for name, _, param, in_features in quantizable(self.model):
                 QuantizedWeight.check_activation_blocks(in_features, f"{name}.{param}")
         self.activations = mode
+    def calibrate(self, model_path: str, hf_config: Any, load_format: str) -> None:
+        """Collect the activation statistics the format asks for (`calibration`), before any weight of
+        this model is read; a no-op otherwise."""
+        config = self.config
+        if config is None or config.calibration is None:
+            return
+        from perfxlm.quant.calibration import calibration_ids, calibration_text, collect
+
+        try:
+            ids = calibration_ids(calibration_text(config.calibration), model_path, config.calibration_tokens)
+        except ValueError as e:
+            if config.calibration_explicit:
+                raise
+            logger.warning("quantization=%r: calibration-free, as the built-in calibration text cannot be "
+                           "used here (%s).", config.method, e)
+            return
+        self.importance = collect(model_path, hf_config, load_format, ids)
+
+    def _quantize(self, module: nn.Module, local: str, tensor: Any) -> QuantizedWeight:
+        name = self.names[(id(module), local)]
+        return self.config.quantize_weight(  # type: ignore[union-attr]
+            tensor, importance=self.importance.get(name), wide=name in self.wide
+        )
 
     # ---- loading -------------------------------------------------------------------------------------
     def load(self, module: nn.Module, local: str, tensor: Any, shard: str | None, expert: int | None) -> bool:
@@ -116,7 +150,7 @@ class QuantizedLoader:
                     self.floats.add(key2)
                 return False
             self._check_shape(module, local, tensor.shape, shard, expert)
-            tensor = self.quantize(tensor)
+            tensor = self._quantize(module, local, tensor)
         else:
             self._check_shape(module, local, tensor.shape, shard, expert)
             if shard is not None and key2 in self.floats:
@@ -199,12 +233,15 @@ class QuantizedLoader:
         if self.quantize is None:
             return
         for _, module, param, _ in quantizable(self.model):
-            self._install(module, param, self.quantize(getattr(module, param).data))
+            self._install(module, param, self._quantize(module, param, getattr(module, param).data))
         self.finish()
 
     def summary(self) -> str:
         kinds = ", ".join(f"{n} x {k}" for k, n in sorted(self.kept.items()))
-        return f"quantized weights: {kinds}; {quantized_bytes(self.model) / 2**20:.1f} MiB"
+        weights = unique_quantized_weights(self.model)
+        size = sum(w.nbytes for w in weights)
+        bpw = 8 * size / max(1, sum(w.shape.numel() for w in weights))
+        return f"quantized weights: {kinds}; {size / 2**20:.1f} MiB, {bpw:.2f} bits per weight"
 
 
 def quantized_bytes(model: nn.Module) -> int:

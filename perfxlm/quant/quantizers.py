@@ -1,4 +1,4 @@
-"""Calibration-free quantizers: float weights [..., N, K] -> `QuantizedWeight`.
+"""Quantizers: float weights [..., N, K] -> `QuantizedWeight`.
 
 Every quantizer works group by group (`group` consecutive weights of a row share a scale and a min;
 group == K is one scale per output channel) and rounds half to even (`torch.round`):
@@ -8,9 +8,14 @@ group == K is one scale per output channel) and rounds half to even (`torch.roun
   min = -z s (0 is exact).
 - int4, symmetric (llama.cpp's Q4_0 rule, all 16 levels used): m = the weight of largest magnitude,
   d = m / -8, u = clamp(round(w / d) + 8, 0, 15), min = -8 d.
-- int4, asymmetric (llama.cpp's Q4_1 rule): s = (max - min) / 15 over the group's own range, the min
-  stored as a float (no integer zero point: with 16 levels, keeping 0 exact costs accuracy).
-- nf4 (bitsandbytes' NormalFloat4): s = absmax, u = the nearest of 16 levels to w / s, min = 0.
+- int4, asymmetric, plain (llama.cpp's Q4_1 rule): s = (max - min) / 15 over the group's own range,
+  the min stored as a float (no integer zero point: with 16 levels, keeping 0 exact costs accuracy).
+- int4, asymmetric, searched (the default for int4): the scale and min of each group that make the
+  weighted squared error least, llama.cpp's Q4_K search (`perfxlm.quant.search`); the weights come from
+  activation statistics when given (`importance`: the mean square of each input channel).
+- nf4 (bitsandbytes' NormalFloat4): s = absmax, u = the nearest of 16 levels to w / s, min = 0; QLoRA's
+  double quantization of the absmax values is in `perfxlm.quant.nf4`; with activation statistics, the
+  scale of each group is searched instead (`perfxlm.quant.search.search_levels`).
 - w8a8: int8 symmetric weights (per channel by default), activations quantized per token at run time.
 int8 keeps float32 scales; int4 and nf4 round theirs to float16 first (half the overhead, as GGUF does)
 and compute the codes against the rounded scales, falling back to float32 where a value would not fit.
@@ -20,16 +25,10 @@ from __future__ import annotations
 
 import torch
 
+from perfxlm.quant.nf4 import NF4_LEVELS, double_quantize_absmax, nf4_codes
+from perfxlm.quant.search import search_affine, search_levels
 from perfxlm.quant.weight import QuantizedWeight, pack_nibbles
 
-# bitsandbytes' NF4 code book (bitsandbytes/functional.py, get_4bit_type("nf4"))
-NF4_LEVELS = torch.tensor(
-    [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-     -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-     0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-     0.7229568362236023, 1.0],
-    dtype=torch.float32,
-)  # fmt: skip
 _NF4_MIDPOINTS = (NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2
 
 
@@ -111,7 +110,51 @@ def quantize_asymmetric_int4(w: torch.Tensor, group: int) -> QuantizedWeight:
     return _build(u, s, mins, 4, group, w.shape)
 
 
-def quantize_nf4(w: torch.Tensor, group: int) -> QuantizedWeight:
+def quantize_int4_search(
+    w: torch.Tensor, group: int, importance: torch.Tensor | None = None
+) -> QuantizedWeight:
+    """Asymmetric 4-bit codes with searched group scales and mins (float16). `importance`: None, or the
+    mean square activation of each input channel, float [K]."""
+    g, lead = _groups(w, group)
+    flat = g.reshape(-1, group)
+    imp = None
+    if importance is not None:
+        k = w.shape[-1]
+        if tuple(importance.shape) != (k,):
+            raise ValueError(f"importance has shape {tuple(importance.shape)}, expected ({k},)")
+        imp = importance.float().reshape(k // group, group)  # one row's groups, tiled over the rows
+    u, s, mins = search_affine(flat, 15, imp)
+    return _build(u, s, mins, 4, group, w.shape)
+
+
+def quantize_nf4_search(
+    w: torch.Tensor, group: int, importance: torch.Tensor | None = None
+) -> QuantizedWeight:
+    """NF4 codes with a float16 scale per group searched for the least weighted squared error
+    (`perfxlm.quant.search.search_levels`); `importance` as for `quantize_int4_search`."""
+    g, _ = _groups(w, group)
+    imp = None
+    if importance is not None:
+        k = w.shape[-1]
+        if tuple(importance.shape) != (k,):
+            raise ValueError(f"importance has shape {tuple(importance.shape)}, expected ({k},)")
+        imp = importance.float().reshape(k // group, group)
+    u, s = search_levels(g.reshape(-1, group), NF4_LEVELS, imp)
+    return _build(u, s, torch.zeros_like(s), 4, group, w.shape, levels=NF4_LEVELS.clone())
+
+
+def quantize_nf4(w: torch.Tensor, group: int, double_quant: bool = False) -> QuantizedWeight:
+    """NF4 codes; `double_quant`: QLoRA's double-quantized absmax (`perfxlm.quant.nf4`), stored as float32
+    scales so values equal bitsandbytes'; else the absmax rounded to float16 and codes against it."""
+    if double_quant:
+        if w.dim() == 3:  # an expert stack: each expert is its own tensor, as bitsandbytes quantizes it
+            parts = [quantize_nf4(e, group, True) for e in w]
+            return QuantizedWeight.stack(parts)
+        g, _ = _groups(w, group)
+        absmax = g.abs().amax(dim=-1)
+        u = nf4_codes(g, absmax)
+        s = double_quantize_absmax(absmax)
+        return _build(u, s, torch.zeros_like(s), 4, group, w.shape, levels=NF4_LEVELS.clone())
     g, _ = _groups(w, group)
     s, mins = _to_half_if_exact(g.abs().amax(dim=-1), torch.zeros(g.shape[:-1]))
     normed = g / _safe(s.float()).unsqueeze(-1)

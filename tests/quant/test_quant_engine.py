@@ -31,8 +31,10 @@ FORMATS = {
     "int8": "int8",
     "int8-g32-asym": {"method": "int8", "group_size": 32, "symmetric": False},
     "int4": "int4",
-    "int4-asym": {"method": "int4", "symmetric": False},
+    "int4-sym": {"method": "int4", "symmetric": True},
+    "int4-uniform": {"method": "int4", "mixed_precision": False, "calibration": False},
     "nf4-g32": {"method": "nf4", "group_size": 32},
+    "nf4-g32-plain": {"method": "nf4", "group_size": 32, "double_quant": False},
     "w8a8": "w8a8",
     "w8a8-per-token": {"method": "w8a8", "activation_group_size": -1},
 }

@@ -337,7 +337,7 @@ def test_linear_dispatch_native_matches_reference(fmt, rows):
 def test_quantization_names_options_and_defaults():
     assert QuantizationConfig.resolve(None) is None
     c = QuantizationConfig.resolve("int4")
-    assert (c.method, c.group_size, c.symmetric, c.bits) == ("int4", 32, True, 4)
+    assert (c.method, c.group_size, c.symmetric, c.bits) == ("int4", 32, False, 4)
     assert QuantizationConfig.resolve("nf4").group_size == 64
     int8 = QuantizationConfig.resolve("int8")
     assert int8.group_size == 64 and not int8.group_explicit and int8.quantizer()(torch.randn(4, 128)).group == 64
@@ -353,6 +353,7 @@ def test_quantization_names_options_and_defaults():
     c = QuantizationConfig.resolve('{"method": "int4", "group_size": 128, "symmetric": false}')
     assert (c.method, c.group_size, c.symmetric) == ("int4", 128, False)
     assert QuantizationConfig.resolve(c.as_dict()) == QuantizationConfig("int4", 128, False, True)
+    assert QuantizationConfig.resolve("int4", symmetric=True).symmetric
     nf4 = QuantizationConfig.resolve("nf4")
     assert QuantizationConfig.resolve(nf4.as_dict()) == nf4  # a default group stays the default
     assert QuantizationConfig.resolve("GGUF").method == "gguf"
@@ -368,7 +369,7 @@ def test_quantization_names_options_and_defaults():
     (("w8a8", None, False), r"w8a8 weights are symmetric"),
     (("gguf", 32), r"quantization='gguf' takes no group size"),
     ((None, 32), r"need quantization="),
-    (({"method": "int4", "bits": 4},), r"expected the keys method, group_size, symmetric, activation_group_size.*unknown: bits"),
+    (({"method": "int4", "bits": 4},), r"expected the keys method, group_size, symmetric, activation_group_size, calibration.*unknown: bits"),
     (('{"method": "int4"',), r"is not valid JSON"),
 ])  # fmt: skip
 def test_bad_quantization_values_name_the_value_and_the_choices(args, match):

@@ -67,6 +67,8 @@ def get_model(
         sink = quantized_loader(model, quantization, load_format, model_path)
         if sink is not None:
             sink.take_activations(activation_mode(hf_config, sink.source, weight_dtype or dtype))
+        if sink is not None and load_format != "dummy":
+            sink.calibrate(model_path, hf_config, load_format)  # activation statistics, where asked for
         if weight_dtype is not None and weight_dtype != dtype:
             _allocate_weights(model, weight_dtype)
         if load_format == "dummy":

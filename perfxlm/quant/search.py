@@ -1,0 +1,212 @@
+"""Affine codes whose scale and min are searched per group for the least weighted squared error.
+
+The plain rule (llama.cpp's Q4_1: s = (max - min) / top, m = min) spends levels on a group's extremes
+even when they are one outlier. Here, as in llama.cpp's make_qkx2_quants / make_qkx3_quants (Q4_K),
+each group x_1..x_G with non-negative weights w_1..w_G tries several ranges: the codes of the plain
+range stretched by (top + rmin + i rdelta) / top, i = 0..steps. For each candidate's codes u, the scale
+and min are the weighted least-squares fit of x ~ s u + m (closed form), and its error
+E = sum w (s u + m - x)^2 follows from the same five sums, so no candidate is dequantized.
+The best fit is rounded to float16, the codes are recomputed against the stored values (the nearest
+code is optimal for a fixed scale and min), the fit is refined once more on those codes, and each
+group keeps whichever of {plain rule, searched fit, refined fit} has the least E on the stored
+values: the result is never worse than the plain rule on the weighted objective.
+
+The weights say which errors matter (`element_weights`): without calibration, llama.cpp's
+calibration-free choice (sqrt(mean x^2) + |x|: large weights count more); with activation statistics,
+the mean square of each input channel's activation (the error a weight adds to its output is its error
+times that channel's activation, so this is the output's expected squared error per channel, the
+diagonal of llama.cpp's importance matrix and AWQ's idea) times sqrt(sigma^2 + x^2) as llama.cpp's
+imatrix path does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+RMIN, RDELTA, STEPS = -1.0, 0.1, 20  # llama.cpp's Q4_K search: ranges stretched by 14/15 .. 16/15
+CHUNK = 1 << 18  # weights per chunk: the candidate loop's temporaries stay in cache
+
+
+def element_weights(g: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
+    """How much each weight's squared error counts, float32 [..., G] like the groups `g`.
+
+    `importance`: None, or the mean square activation of each weight's input channel, broadcastable
+    to `g` (already laid out per group)."""
+    sigma2 = g.square().mean(dim=-1, keepdim=True)
+    if importance is None:
+        return sigma2.sqrt() + g.abs()
+    return importance * (2.0 * sigma2 + g.square()).sqrt()
+
+
+def _sums(w: torch.Tensor, wx: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    wu = w * u
+    return wu.sum(-1).double(), (wu * u).sum(-1).double(), (wx * u).sum(-1).double()
+
+
+def _fit(sw, swx, swx2, swu, swu2, swux) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weighted least squares x ~ s u + m from the sums (float64): s, m and E (inf where undetermined)."""
+    det = sw * swu2 - swu * swu
+    ok = det > 0
+    det = torch.where(ok, det, torch.ones_like(det))
+    s = (sw * swux - swx * swu) / det
+    m = (swu2 * swx - swu * swux) / det
+    err = s * s * swu2 + 2 * s * m * swu - 2 * s * swux + m * m * sw - 2 * m * swx + swx2
+    err = torch.where(ok & (s > 0), err, torch.full_like(err, float("inf")))
+    return s, m, err
+
+
+def _codes(g: torch.Tensor, s: torch.Tensor, m: torch.Tensor, top: int) -> torch.Tensor:
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    return torch.round((g - m.unsqueeze(-1)) / safe.unsqueeze(-1)).clamp_(0, top)
+
+
+def _stored_error(g, w, s, m, u) -> torch.Tensor:
+    return (w * (s.unsqueeze(-1) * u + m.unsqueeze(-1) - g).square()).sum(-1)
+
+
+def _search_chunk(g: torch.Tensor, w: torch.Tensor, top: int, dtype: torch.dtype):
+    lo, hi = g.amin(-1), g.amax(-1)
+    span = hi - lo
+    normed = (g - lo.unsqueeze(-1)) / torch.where(span > 0, span, torch.ones_like(span)).unsqueeze(-1)
+    wx = w * g
+    sw, swx, swx2 = w.sum(-1).double(), wx.sum(-1).double(), (wx * g).sum(-1).double()
+    best_s, best_m = (span / top).double(), lo.double()
+    best_err = torch.full_like(sw, float("inf"))
+    for i in range(STEPS + 1):
+        u = torch.round(normed * (top + RMIN + RDELTA * i)).clamp_(0, top)
+        s, m, err = _fit(sw, swx, swx2, *_sums(w, wx, u))
+        better = err < best_err
+        best_s, best_m = torch.where(better, s, best_s), torch.where(better, m, best_m)
+        best_err = torch.where(better, err, best_err)
+
+    def stored(s: torch.Tensor, m: torch.Tensor):
+        s, m = s.to(dtype).float(), m.to(dtype).float()
+        u = _codes(g, s, m, top)
+        return s, m, u, _stored_error(g, w, s, m, u)
+
+    # the plain rule first: ties keep it
+    candidates = [stored(span / top, lo), stored(best_s.float(), best_m.float())]
+    _, _, u, _ = candidates[1]
+    s, m, _ = _fit(sw, swx, swx2, *_sums(w, wx, u))  # one alternating step on the stored codes
+    refit = stored(s.float(), m.float())
+    candidates.append(refit)
+    s, m, u, err = candidates[0]
+    for cs, cm, cu, cerr in candidates[1:]:
+        better = (cerr < err) & torch.isfinite(cs) & torch.isfinite(cm) & (cs > 0)
+        s, m, err = torch.where(better, cs, s), torch.where(better, cm, m), torch.where(better, cerr, err)
+        u = torch.where(better.unsqueeze(-1), cu, u)
+    return u, s, m
+
+
+def _native():
+    from perfxlm.ops import native  # late: the ops package imports this one's QuantizedWeight
+
+    ops = native.kernels()
+    return ops if ops is not None and hasattr(ops, "search_affine") else None
+
+
+def search_affine(
+    g: torch.Tensor, top: int, importance: torch.Tensor | None = None, half: bool = True,
+    use_native: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Groups float32 [R, G] -> codes [R, G] (0..top), scales and mins [R] (float16 where `half` and
+    every value fits, else float32). `importance`: None, or float32 [P, G] with P dividing R, group r
+    taking row r % P (a weight row's groups, the same for every output row; see `element_weights`).
+    The native kernel where built (`use_native`), else the same search in plain torch."""
+    g = g.float().contiguous()
+    if importance is not None:
+        importance = importance.float().contiguous()
+        if importance.dim() != 2 or importance.shape[1] != g.shape[1] or g.shape[0] % importance.shape[0]:
+            raise ValueError(f"importance {tuple(importance.shape)} does not tile groups {tuple(g.shape)}")
+    ops = _native() if use_native else None
+    if ops is not None:
+        u, s, m = ops.search_affine(g, importance, top, STEPS, RMIN, RDELTA, half)
+        if not half:
+            return u, s, m
+        if bool(torch.isfinite(s).all() and torch.isfinite(m).all()):
+            return u, s.half(), m.half()
+        return search_affine(g, top, importance, half=False)  # a value beyond float16's range
+    rows = max(1, CHUNK // g.shape[-1])
+    dtype = torch.float16 if half else torch.float32
+    us, ss, ms = [], [], []
+    for start in range(0, g.shape[0], rows):
+        chunk = g[start : start + rows]
+        imp = None
+        if importance is not None:
+            imp = importance[torch.arange(start, start + chunk.shape[0]) % importance.shape[0]]
+        u, s, m = _search_chunk(chunk, element_weights(chunk, imp), top, dtype)
+        us.append(u)
+        ss.append(s)
+        ms.append(m)
+    u, s, m = torch.cat(us), torch.cat(ss), torch.cat(ms)
+    if half:
+        s16, m16 = s.half(), m.half()
+        if bool(torch.isfinite(s16).all() and torch.isfinite(m16).all()):
+            return u, s16, m16
+        return search_affine(g, top, importance, half=False, use_native=False)
+    return u, s, m
+
+
+LEVEL_FACTORS = [1.0 - 0.0125 * i for i in range(21)]  # scales from absmax down to 0.75 absmax, both signs
+
+
+def _nearest(normed: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    return torch.bucketize(normed.clamp(-1, 1), (levels[1:] + levels[:-1]) / 2)
+
+
+def _levels_chunk(
+    g: torch.Tensor, w: torch.Tensor, levels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    absmax = g.abs().amax(-1)
+    safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+    wx = w * g
+    swx2 = (wx * g).sum(-1).double()
+    best_s, best_err = safe.double(), torch.full_like(swx2, float("inf"))
+    for sign in (1.0, -1.0):  # a negative scale puts the table's 8 positive levels on the negative side
+        for f in LEVEL_FACTORS:
+            lv = levels[_nearest(g / (sign * f * safe).unsqueeze(-1), levels)]
+            swl2, swxl = (w * lv * lv).sum(-1).double(), (wx * lv).sum(-1).double()
+            ok = swl2 > 0
+            s = torch.where(ok, swxl / torch.where(ok, swl2, torch.ones_like(swl2)), best_s)  # least squares
+            err = torch.where(ok, swx2 - swxl * swxl / torch.where(ok, swl2, torch.ones_like(swl2)), best_err)
+            better = err < best_err
+            best_s, best_err = torch.where(better, s, best_s), torch.where(better, err, best_err)
+
+    def stored(s: torch.Tensor):
+        s = s.half().float()
+        safe_s = torch.where(s != 0, s, torch.ones_like(s))
+        u = _nearest(g / safe_s.unsqueeze(-1), levels)
+        return s, u, (w * (s.unsqueeze(-1) * levels[u] - g).square()).sum(-1)
+
+    s, u, err = stored(torch.where(absmax > 0, absmax, torch.zeros_like(absmax)))  # the plain rule first
+    cs, cu, cerr = stored(best_s.float())
+    better = (cerr < err) & torch.isfinite(cs) & (cs != 0)
+    return torch.where(better.unsqueeze(-1), cu, u), torch.where(better, cs, s)
+
+
+def search_levels(
+    g: torch.Tensor, levels: torch.Tensor, importance: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Groups float32 [R, G] -> codes [R, G] into the sorted 16-entry table `levels` and one float16 scale
+    per group (value = scale * levels[u]), searched for the least weighted squared error: the absmax
+    scale (the plain rule, which wins ties), scales down to 0.75 absmax of either sign, each refit by
+    least squares on its codes. `importance` as in `search_affine`. ValueError where a scale would not
+    fit float16."""
+    g = g.float().contiguous()
+    rows = max(1, CHUNK // g.shape[-1])
+    us, ss = [], []
+    for start in range(0, g.shape[0], rows):
+        chunk = g[start : start + rows]
+        imp = None
+        if importance is not None:
+            imp = importance[torch.arange(start, start + chunk.shape[0]) % importance.shape[0]]
+        u, s = _levels_chunk(chunk, element_weights(chunk, imp), levels)
+        us.append(u)
+        ss.append(s)
+    s = torch.cat(ss)
+    if not bool(torch.isfinite(s).all()) or bool((s.abs() > 65504).any()):
+        raise ValueError(
+            "nf4 with searched scales: a weight group beyond float16's range; supported there: "
+            "double_quant true (float32 scales)."
+        )
+    return torch.cat(us), s.half()

@@ -1,0 +1,285 @@
+"""int4's searched group scales and mins (perfxlm.quant.search), QLoRA's double-quantized NF4
+(perfxlm.quant.nf4) against a plain-torch transcription of bitsandbytes' rule, and mixed precision's
+choice of layers (perfxlm.quant.mixed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from perfxlm.quant import QuantizationConfig, quantizers, search
+from perfxlm.quant.mixed import use_more_bits, widened
+from perfxlm.quant.nf4 import NF4_LEVELS, double_quantize_absmax, dynamic_map
+
+# odd group counts per row (3, 5, 7), odd row counts, outliers
+SHAPES = [(7, 96, 32), (5, 160, 32), (3, 448, 64), (33, 64, 64)]
+
+
+def weights(n: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[0, 3] = 0.9  # an outlier, which the plain rule spends its range on
+    w[n // 2, : k // 2] += 0.03  # a shifted half row: the groups' ranges are not centered on 0
+    return w
+
+
+def importance(k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed + 100)
+    imp = torch.rand(k, generator=g).pow(4) * 10  # a few channels dominate, as activations do
+    imp[1] = 0.0  # a channel that never fires
+    return imp
+
+
+def weighted_error(q, w: torch.Tensor, group: int, imp: torch.Tensor | None) -> torch.Tensor:
+    """Per group: the objective the search minimizes, sum of element_weights * (dequantized - w)^2."""
+    g = w.reshape(-1, group)
+    layout = None if imp is None else imp.reshape(-1, group).repeat(w.shape[0], 1)
+    wt = search.element_weights(g, layout)
+    return (wt * (q.dequantize().reshape(-1, group) - g).square()).sum(-1)
+
+
+def plain(w: torch.Tensor, group: int):
+    return quantizers.quantize_asymmetric_int4(w, group)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+@pytest.mark.parametrize("with_importance", [False, True])
+@pytest.mark.parametrize("n,k,group", SHAPES)
+def test_search_never_worse_than_the_plain_rule(n, k, group, with_importance, native, monkeypatch):
+    if not native:
+        monkeypatch.setattr(search, "_native", lambda: None)
+    w = weights(n, k, seed=n + k)
+    imp = importance(k, seed=k) if with_importance else None
+    q = quantizers.quantize_int4_search(w, group, imp)
+    assert (q.bits, q.group, q.levels) == (4, group, None)
+    assert q.scales.dtype == q.mins.dtype == torch.float16
+    u = q.unpacked_codes()
+    assert int(u.max()) <= 15  # uint8: never below 0
+    assert torch.isfinite(q.scales).all() and torch.isfinite(q.mins).all() and (q.scales >= 0).all()
+    ours, base = weighted_error(q, w, group, imp), weighted_error(plain(w, group), w, group, imp)
+    assert (ours <= base * (1 + 1e-6) + 1e-12).all()  # per group, up to float summation order
+    assert ours[1:].sum() < 0.9 * base[1:].sum()  # and clearly better overall (past the outlier's group)
+
+
+def test_native_and_torch_searches_agree():
+    """The native kernel follows the plain-torch definition: the same stored scales and mins up to a float16
+    step where a float sum's order tips a near tie, and the same objective."""
+    from perfxlm.ops import native
+
+    if native.kernels() is None or not hasattr(native.kernels(), "search_affine"):
+        pytest.skip("native kernels not built")
+    w = weights(64, 256, seed=3)
+    g = w.reshape(-1, 32)
+    for imp in (None, importance(256, seed=1).reshape(8, 32)):  # 8 groups per row, tiled over 64 rows
+        u1, s1, m1 = search.search_affine(g, 15, imp, use_native=True)
+        u2, s2, m2 = search.search_affine(g, 15, imp, use_native=False)
+        assert (s1 == s2).float().mean() > 0.99 and (m1 == m2).float().mean() > 0.99
+        wt = search.element_weights(g, None if imp is None else imp.repeat(64, 1))
+        e1 = (wt * (s1.float()[:, None] * u1.float() + m1.float()[:, None] - g).square()).sum()
+        e2 = (wt * (s2.float()[:, None] * u2.float() + m2.float()[:, None] - g).square()).sum()
+        torch.testing.assert_close(e1, e2, rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_zero_and_constant_groups_are_exact(native, monkeypatch):
+    """A group of zeros dequantizes to zeros and a constant group to its constant (the min carries it:
+    scale 0), with no nan from a zero range or from all-zero importance."""
+    if not native:
+        monkeypatch.setattr(search, "_native", lambda: None)
+    w = torch.randn(4, 96) * 0.1
+    w[0, :32] = 0.0
+    w[1, 32:64] = 0.25
+    w[2, :] = 0.0
+    imp = torch.ones(96)
+    imp[64:] = 0.0  # the last group's errors count for nothing
+    for q in (quantizers.quantize_int4_search(w, 32), quantizers.quantize_int4_search(w, 32, imp)):
+        d = q.dequantize()
+        assert torch.isfinite(d).all()
+        assert torch.equal(d[0, :32], torch.zeros(32)) and torch.equal(d[2], torch.zeros(96))
+        torch.testing.assert_close(d[1, 32:64], torch.full((32,), 0.25).half().float(), rtol=0, atol=0)
+        assert (d[3, 64:] - w[3, 64:]).abs().max() < 0.1  # unweighted groups still get a sane fit
+
+
+def test_scales_beyond_float16_fall_back_to_float32():
+    w = torch.randn(3, 64) * 1e6
+    q = quantizers.quantize_int4_search(w, 32)
+    assert q.scales.dtype == torch.float32 and torch.isfinite(q.scales).all()
+    ours, base = weighted_error(q, w, 32, None), weighted_error(plain(w, 32), w, 32, None)
+    assert (ours <= base * (1 + 1e-6)).all()
+
+
+def test_importance_must_match_the_input_size():
+    with pytest.raises(ValueError, match=r"importance has shape \(32,\), expected \(64,\)"):
+        quantizers.quantize_int4_search(torch.randn(2, 64), 32, torch.ones(32))
+
+
+def test_importance_moves_the_error_to_unimportant_channels():
+    w = weights(16, 128, seed=7)
+    imp = torch.ones(128)
+    imp[::2] = 100.0
+    q_plain, q_aware = quantizers.quantize_int4_search(w, 32), quantizers.quantize_int4_search(w, 32, imp)
+    err = lambda q: (q.dequantize() - w).square()  # noqa: E731
+    assert err(q_aware)[:, ::2].sum() < err(q_plain)[:, ::2].sum()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# NF4 with QLoRA's double quantization, against bitsandbytes' rule written out in plain torch
+# ---------------------------------------------------------------------------------------------------------
+
+
+def bnb_dynamic_map() -> torch.Tensor:
+    """bitsandbytes.functional.create_dynamic_map(signed=True, max_exponent_bits=7, total_bits=8), as written
+    there."""
+    data = []
+    max_exponent_bits, total_bits = 7, 8
+    non_sign_bits = total_bits - 1
+    additional_items = 2 ** (non_sign_bits - max_exponent_bits) - 1
+    for i in range(max_exponent_bits):
+        fraction_items = int(2 ** (i + non_sign_bits - max_exponent_bits) + 1)
+        boundaries = torch.linspace(0.1, 1, fraction_items, dtype=torch.float32)
+        means = (boundaries[:-1] + boundaries[1:]) / 2.0
+        data += ((10 ** (-(max_exponent_bits - 1) + i)) * means).tolist()
+        data += (-(10 ** (-(max_exponent_bits - 1) + i)) * means).tolist()
+    assert additional_items == 0
+    data.append(0)
+    data.append(1.0)
+    assert len(data) == 2**total_bits
+    data.sort()
+    return torch.tensor(data, dtype=torch.float32)
+
+
+def bnb_quantize_blockwise(a: torch.Tensor, code: torch.Tensor, blocksize: int):
+    """bitsandbytes' default backend quantize_blockwise: absmax per block, argmin |A / absmax - code|."""
+    n = a.numel()
+    rem = n % blocksize
+    blocks = n // blocksize + (rem > 0)
+    absmax = torch.zeros(blocks, dtype=torch.float32)
+    flat = a.reshape(n)
+    full = flat[: n - rem].reshape(n // blocksize, blocksize)
+    absmax[: n // blocksize] = full.abs().max(dim=-1)[0]
+    scaled = torch.clamp(full * (1 / absmax[: n // blocksize].view(-1, 1)), -1, 1).reshape(-1)
+    if rem:
+        absmax[-1] = flat[n - rem :].abs().max()
+        scaled = torch.cat([scaled, torch.clamp(flat[n - rem :] * (1 / absmax[-1]), -1, 1)])
+    out = torch.argmin((scaled.unsqueeze(-1) - code).abs(), dim=-1).to(torch.uint8)
+    return out, absmax
+
+
+def bnb_nf4_dequantized(w: torch.Tensor, blocksize: int = 64) -> torch.Tensor:
+    """quantize_4bit(w, blocksize, quant_type="nf4", compress_statistics=True), then dequantize_4bit, in
+    float32: what a QLoRA model computes with."""
+    flat = w.reshape(-1).float()
+    blocks = flat.reshape(-1, blocksize)
+    absmax = blocks.abs().max(dim=-1)[0]
+    scaled = torch.clamp(blocks * (1 / absmax.view(-1, 1)), -1, 1).reshape(-1)
+    codes = torch.argmin((scaled.view(-1, 1) - NF4_LEVELS).abs(), dim=-1)
+    offset = absmax.mean()
+    qabsmax, absmax2 = bnb_quantize_blockwise(absmax - offset, bnb_dynamic_map(), 256)
+    dq = bnb_dynamic_map()[qabsmax.reshape(-1).int()]
+    pad = (-dq.numel()) % 256
+    dq = torch.nn.functional.pad(dq, (0, pad)).view(-1, 256) * absmax2.view(-1, 1)
+    scales = dq.reshape(-1)[: absmax.numel()] + offset
+    return (NF4_LEVELS[codes].view(-1, blocksize) * scales.view(-1, 1)).reshape(w.shape)
+
+
+def test_dynamic_map_is_bitsandbytes():
+    code = dynamic_map()
+    assert torch.equal(code, bnb_dynamic_map())
+    assert code.shape == (256,) and code[-1] == 1.0 and (code == 0).sum() == 1
+    assert (code[1:] > code[:-1]).all()
+
+
+# absmax blocks of 256: one partial, several, several with a partial one
+@pytest.mark.parametrize("n,k", [(5, 128), (40, 192), (3, 64), (300, 128)])
+def test_nf4_double_quant_values_equal_qlora(n, k):
+    g = torch.Generator().manual_seed(n * k)
+    w = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)  # QLoRA quantizes bf16 checkpoints
+    w[0, 5] = 0.5
+    q = quantizers.quantize_nf4(w, 64, double_quant=True)
+    assert (q.bits, q.group, q.scales.dtype) == (4, 64, torch.float32) and torch.equal(q.levels, NF4_LEVELS)
+    assert torch.equal(q.mins, torch.zeros_like(q.mins))
+    assert torch.equal(q.dequantize(), bnb_nf4_dequantized(w))  # bit for bit
+
+
+def test_nf4_double_quant_all_zero_blocks_and_stacks():
+    w = torch.randn(4, 128) * 0.1
+    w[1] = 0.0
+    q = quantizers.quantize_nf4(w, 64, double_quant=True)
+    d = q.dequantize()
+    # bitsandbytes' quirk, kept: 0 * (1 / 0) is nan, which its nearest-level search maps to code 0 (-1.0),
+    # and the double-quantized absmax of 0 is not 0, so an all-zero block comes back as -scale
+    assert torch.isfinite(d).all() and (q.unpacked_codes()[1] == 0).all()
+    assert torch.equal(d, bnb_nf4_dequantized(w))
+    experts = torch.randn(3, 8, 128)  # each expert its own tensor, as bitsandbytes quantizes them
+    q = quantizers.quantize_nf4(experts, 64, double_quant=True)
+    for e in range(3):
+        assert torch.equal(q[e].dequantize(), bnb_nf4_dequantized(experts[e]))
+
+
+def test_double_quantized_absmax_is_close_to_the_absmax():
+    absmax = torch.rand(1000) * 0.1 + 0.01
+    dq = double_quantize_absmax(absmax)
+    # 8-bit dynamic codes of (absmax - mean): within 1 % of the largest, 1 % of each on average
+    assert (dq - absmax).abs().max() < 0.01 * absmax.max() and ((dq - absmax).abs() / absmax).mean() < 0.01
+
+
+def test_nf4_config_defaults_and_plain_absmax():
+    c = QuantizationConfig.resolve("nf4")
+    assert c.double_quant and c.group_size == 64
+    w = torch.randn(6, 128)
+    bits = lambda q: (q.nbytes - 16 * 4) * 8 / w.numel()  # noqa: E731  (the level table is per weight matrix)
+    dq = c.quantize_weight(w)
+    assert dq.scales.dtype == torch.float32 and bits(dq) == 5.0  # stored; QLoRA's own form is 4.127
+    plain_nf4 = QuantizationConfig.resolve({"method": "nf4", "double_quant": False}).quantize_weight(w)
+    assert plain_nf4.scales.dtype == torch.float16 and bits(plain_nf4) == 4.5
+
+
+# ---------------------------------------------------------------------------------------------------------
+# mixed precision: which layers
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_use_more_bits_is_llama_cpp_rule():
+    # SmolLM2-135M (30 layers): llama.cpp's Q4_K_M file has 14 Q6_K down projections
+    assert [i for i in range(30) if use_more_bits(i, 30)] == [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29]
+    assert sum(use_more_bits(i, 32) for i in range(32)) == 16  # a 7B Llama: half
+
+
+def test_widened_names_the_down_projections_of_the_chosen_layers():
+    """Dense and expert down projections of llama.cpp's layers; never the fused QKV (its V part would
+    widen q and k too) nor gate|up."""
+    names = []
+    for i in range(8):
+        names += [f"model.layers.{i}.self_attn.qkv_proj.weight", f"model.layers.{i}.self_attn.o_proj.weight",
+                  f"model.layers.{i}.mlp.gate_up_proj.weight", f"model.layers.{i}.mlp.down_proj.weight"]
+    names.append("model.layers.3.block_sparse_moe.experts.down_proj")
+    wide = widened(names)
+    want = {f"model.layers.{i}.mlp.down_proj.weight" for i in (0, 3, 6, 7)}  # 8 layers: 0, 7, then every 3rd
+    assert wide == want | {"model.layers.3.block_sparse_moe.experts.down_proj"}
+    assert widened(["lm_head.weight"]) == set()
+    c = QuantizationConfig.resolve({"method": "int4", "mixed_precision": True})
+    q = c.quantize_weight(torch.randn(8, 96), wide=True)
+    assert (q.bits, q.group, q.scales.dtype) == (8, 96, torch.float32)
+
+
+@pytest.mark.parametrize("with_importance", [False, True])
+@pytest.mark.parametrize("n,k,group", SHAPES)
+def test_nf4_search_never_worse_than_the_absmax_rule(n, k, group, with_importance):
+    w = weights(n, k, seed=n * k)
+    imp = importance(k, seed=k) if with_importance else None
+    q = quantizers.quantize_nf4_search(w, group, imp)
+    assert q.scales.dtype == torch.float16 and torch.equal(q.levels, NF4_LEVELS)
+    assert torch.equal(q.mins, torch.zeros_like(q.mins)) and torch.isfinite(q.scales).all()
+    ours = weighted_error(q, w, group, imp)
+    base = weighted_error(quantizers.quantize_nf4(w, group), w, group, imp)  # absmax in float16
+    assert (ours <= base * (1 + 1e-6) + 1e-12).all()
+    assert ours[1:].sum() < 0.95 * base[1:].sum()
+
+
+def test_nf4_calibration_needs_the_plain_form():
+    with pytest.raises(ValueError, match=r"calibration with nf4: its double-quantized form is QLoRA's fixed rule"):
+        QuantizationConfig.resolve({"method": "nf4", "calibration": "default"})
+    c = QuantizationConfig.resolve({"method": "nf4", "double_quant": False, "calibration": "default"})
+    assert "float16 scales searched" in c.describe() and QuantizationConfig.resolve(c.as_dict()) == c
+    zero = c.quantize_weight(torch.zeros(2, 64))
+    assert torch.equal(zero.dequantize(), torch.zeros(2, 64))
