@@ -22,9 +22,10 @@ Options: `quantization_group_size` (weights per scale; -1 = one scale per output
 `{"method": "int4", "group_size": 64, "symmetric": false}`; w8a8 also takes `activation_group_size`
 (32, the default, or -1 for one scale per token) there. Only in the dict:
 - `calibration` (int4 asymmetric; nf4 with `double_quant: false`): a UTF-8 text file whose first
-  `calibration_tokens` tokens (512 by default) run through the model before it is quantized, so that each weight's error is weighted by
-  its input channel's mean square activation (`perfxlm.quant.calibration`); "default" (what int4 does
-  unless told otherwise) names a short English text shipped with the package; false: calibration-free.
+  `calibration_tokens` tokens (512 by default) run through the model before it is quantized, so that
+  each weight's error is weighted by its input channel's mean square activation
+  (`perfxlm.quant.calibration`); "default" (what int4 does unless told otherwise) names a short English
+  text shipped with the package; false: calibration-free.
   The default quietly falls back to calibration-free (a warning) where the model has no tokenizer;
   a named text fails instead.
 - `mixed_precision` (int4, nf4): 8-bit codes for the FFN down projections of half the layers, as

@@ -388,5 +388,8 @@ def test_dummy_weights_quantize_and_the_cli_flags_reach_the_engine(llama128):
     )  # fmt: skip
     llm = LLM(kwargs.pop("model"), skip_tokenizer_init=True, **{**kwargs, "num_kv_blocks": 16})
     weights = quantized_weights(model_of(llm))
-    assert weights and all(w.group == 64 and w.bits == 4 for w in weights.values())
+    # int4's mixed precision (on by default) widens some FFN down projections to 8-bit per-channel codes
+    narrow = {n: w for n, w in weights.items() if w.bits == 4}
+    assert narrow and all(w.group == 64 for w in narrow.values())
+    assert all("down_proj" in n for n, w in weights.items() if w.bits != 4)
     assert len(generate(llm, PROMPTS[:1])[0][0]) == GREEDY.max_tokens
