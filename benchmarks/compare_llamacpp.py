@@ -51,8 +51,8 @@ from perfxlm.ops import cpu_plan  # noqa: E402
 
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "avx512_fp16")
 FTYPES = {"bf16": "LLAMA_FTYPE_MOSTLY_BF16", "f16": "LLAMA_FTYPE_MOSTLY_F16",
-          "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
-          "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+          "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K",
+          "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
 CACHE_DIR = Path.home() / ".cache" / "perfxlm" / "compare"
 
 
@@ -78,14 +78,15 @@ def _llama_log(level, text, _user):
         print(text.decode(errors="replace"), end="", flush=True)
 
 
-def requantize(src: str, ftype: str, threads: int) -> str:
-    """Convert the GGUF once (e.g. Q4_1 -> BF16, lossless) into the cache folder, as llama-quantize does."""
+def requantize(src: str, ftype: str, threads: int, out: Path | None = None) -> str:
+    """Convert the GGUF once (e.g. Q4_1 -> BF16, lossless) into `out` (default: the cache folder), as
+    llama-quantize does."""
     if ftype == "same":
         return src
     llama_cpp.llama_log_set(_llama_log, None)  # the conversion logs one line per tensor
-    out = CACHE_DIR / f"{Path(src).stem}.{ftype}.gguf"
+    out = out or CACHE_DIR / f"{Path(src).stem}.{ftype}.gguf"
     if not out.exists():
-        CACHE_DIR.mkdir(parents=True, exist_ok=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype = getattr(llama_cpp, FTYPES[ftype])
         params.allow_requantize = True  # the input is already quantized
