@@ -364,6 +364,41 @@ struct BlockActs {
   int64_t gstride;       // the weight's groups rounded up to 8, so 8-lane loads need no tail
 };
 
+#ifdef PERFXLM_DOTS_AVX2
+// quantize_block on ymm: the same division and round-half-to-even per value, so the same bytes.
+inline float quantize_block_simd(const float* src, int8_t* q) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4], amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(src + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float scale = _mm_cvtss_f32(m) / 127.f;
+  if (!(scale > 0.f)) {
+    std::memset(q, 0, 32);
+    return scale;
+  }
+  const __m256 d = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  __m256i r[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 t = _mm256_round_ps(_mm256_div_ps(v[i], d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, t)));
+  }
+  // packs work per 128-bit lane: [0..3 8..11 | 4..7 12..15] per pair, then [a b c d] bytes interleaved
+  // by lane; one dword permute puts the 32 values back in order
+  const __m256i p16a = _mm256_packs_epi32(r[0], r[1]), p16b = _mm256_packs_epi32(r[2], r[3]);
+  const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+  const __m256i ordered = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), ordered);
+  return scale;
+}
+#else
+inline float quantize_block_simd(const float* src, int8_t* q) { return quantize_block(src, q); }
+#endif
+
 BlockActs quantize_blocks(const at::Tensor& x, const QW& w) {
   const int64_t M = x.size(0), K = w.K, chunks = K / 64, gstride = (w.groups + 7) / 8 * 8;
   at::Tensor q_t = at::empty({M, K}, x.options().dtype(at::kChar)), lanes_t = at::empty({M, chunks, 16}, x.options());
@@ -373,27 +408,31 @@ BlockActs quantize_blocks(const at::Tensor& x, const QW& w) {
   float* lp = lanes_t.data_ptr<float>();
   float* gp = gsum_t.data_ptr<float>();
   const BlockActs a{q_t, lanes_t, gsum_t, qp, lp, gp, gstride};
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < K / 32; ++b) {
-      int8_t block[32];
-      const float scale = quantize_block(xp + m * K + b * 32, block);
-      int32_t total[2] = {0, 0};  // per 16 inputs: a block spans two groups when group == 16
-      const int64_t c = b / 2, half = b % 2;
-      for (int j = 0; j < 32; ++j) {
-        const int8_t q = block[j];
-        total[j / 16] += q;
-        // 4-bit order: element j of block A goes to byte j (j < 16) or 32 + j - 16; of block B, 16 + ...
-        const int64_t pos = w.bits4 ? (j < 16 ? 16 * half + j : 32 + 16 * half + (j - 16)) : 32 * half + j;
-        qp[m * K + c * 64 + pos] = q;
+  // rows in parallel past a few (a prefill's thousands of blocks); a decode step's row stays on this thread
+  at::parallel_for(0, M, 8, [&](int64_t m_begin, int64_t m_end) {
+    for (int64_t m = m_begin; m < m_end; ++m) {
+      for (int64_t b = 0; b < K / 32; ++b) {
+        int8_t block[32];
+        const float scale = quantize_block_simd(xp + m * K + b * 32, block);
+        int32_t total[2] = {0, 0};  // per 16 inputs: a block spans two groups when group == 16
+        for (int j = 0; j < 32; ++j) total[j / 16] += block[j];
+        const int64_t c = b / 2, half = b % 2;
+        int8_t* dst = qp + m * K + c * 64;
+        if (w.bits4) {  // element j of block A goes to byte j (j < 16) or 32 + j - 16; of block B, 16 + ...
+          std::memcpy(dst + 16 * half, block, 16);
+          std::memcpy(dst + 32 + 16 * half, block + 16, 16);
+        } else {
+          std::memcpy(dst + 32 * half, block, 32);
+        }
+        float* lanes = lp + (m * chunks + c) * 16;
+        for (int l = 0; l < 16; ++l) {
+          const bool in_b = w.bits4 ? ((l / 4) % 2 == 1) : (l >= 8);
+          if (in_b == (half == 1)) lanes[l] = scale;
+        }
+        for (int h = 0; h < 2; ++h) gp[m * gstride + (b * 32 + h * 16) / w.group] += scale * static_cast<float>(total[h]);
       }
-      float* lanes = lp + (m * chunks + c) * 16;
-      for (int l = 0; l < 16; ++l) {
-        const bool in_b = w.bits4 ? ((l / 4) % 2 == 1) : (l >= 8);
-        if (in_b == (half == 1)) lanes[l] = scale;
-      }
-      for (int h = 0; h < 2; ++h) gp[m * gstride + (b * 32 + h * 16) / w.group] += scale * static_cast<float>(total[h]);
     }
-  }
+  });
   return a;
 }
 
@@ -551,11 +590,18 @@ inline __m128 load_params_lo(const void* p, int64_t i) {
   }
 }
 
+// The 8 lanes' sum as ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)): the order hsum4x8 adds in, so a
+// row's result does not depend on which kernel (one row, or four at once) computed it.
 inline float hsum8(__m256 s) {
-  __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-  r = _mm_add_ss(r, _mm_movehdup_ps(r));
-  return _mm_cvtss_f32(r);
+  const __m256 h = _mm256_hadd_ps(s, s);
+  const __m256 h2 = _mm256_hadd_ps(h, h);
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h2), _mm256_extractf128_ps(h2, 1)));
+}
+
+// Four rows' sums at once, each in hsum8's order: [sum a, sum b, sum c, sum d].
+inline __m128 hsum4x8(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
 // Sum over the row's groups of min (plus 128 * scale for shifted 8-bit codes) times the activations'
@@ -610,11 +656,11 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
     const int64_t n = n0 + j, row_base = n * groups;
     const uint8_t* row = w.codes + n * w.row_bytes;
     prefetch_row(w, n + kPrefetchRows);
-    // two accumulators per activation row (even / odd chunks, or a chunk's two halves): one FMA chain
-    // per row would wait on the FMA latency every chunk
-    __m256 acc[MT][2];
+    // one accumulator per activation row, updated in the order block_tile_m1x4 updates it (the same
+    // sums whether a row is decoded alone or with others)
+    __m256 acc[MT];
     #pragma GCC unroll 4
-    for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t g0 = row_base + (c * 64) / w.group;
       if constexpr (BITS4) {
@@ -632,7 +678,7 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
           const __m256i d = dot_pairs(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)), hi,
                                       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32)));
           const __m256 xs = _mm256_loadu_ps(lanes + (i * chunks + c) * 16);
-          acc[i][c & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(ws, xs), acc[i][c & 1]);
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(ws, xs), acc[i]);
         }
       } else {
         const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 64));
@@ -646,8 +692,8 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
             const float* xs = lanes + (i * chunks + c) * 16;  // lanes 0-7: block A's scale, 8-15: B's
             const __m256i d0 = dot_u8(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)));
             const __m256i d1 = dot_u8(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32)));
-            acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(ws_lo, _mm256_broadcast_ss(xs)), acc[i][0]);
-            acc[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(ws_hi, _mm256_broadcast_ss(xs + 8)), acc[i][1]);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(ws_lo, _mm256_broadcast_ss(xs)), acc[i]);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(ws_hi, _mm256_broadcast_ss(xs + 8)), acc[i]);
           }
         } else {  // one scale per half: weight scale x activation scale multiplied as scalars
           const float s_lo = param_at<HALF>(w.scales, g0), s_hi = SPC == 2 ? param_at<HALF>(w.scales, g0 + 1) : s_lo;
@@ -657,25 +703,99 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
             const float* xs = lanes + (i * chunks + c) * 16;
             const __m256i d0 = dot_u8(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)));
             const __m256i d1 = dot_u8(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32)));
-            acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(s_lo * xs[0]), acc[i][0]);
-            acc[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_set1_ps(s_hi * xs[8]), acc[i][1]);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(s_lo * xs[0]), acc[i]);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_set1_ps(s_hi * xs[8]), acc[i]);
           }
         }
       }
     }
     #pragma GCC unroll 4
     for (int i = 0; i < MT; ++i) {
-      const __m256 sum = _mm256_add_ps(acc[i][0], acc[i][1]);
-      const __m256 total = add_mins<BITS4, HALF>(sum, w, row_base, a.gsum + (m0 + i) * a.gstride);
+      const __m256 total = add_mins<BITS4, HALF>(acc[i], w, row_base, a.gsum + (m0 + i) * a.gstride);
       y[(m0 + i) * N + n] = hsum8(total) + (bias ? bias[n] : 0.f);
     }
   }
 }
+// Batch-1 decode, four weight rows at once against the one activation row: the activation loads are
+// shared by the four rows, the four accumulators are four independent FMA chains, and the four sums are
+// reduced together into one 4-float store. At decode a row of a small model is 9-24 chunks, so the
+// per-row work of block_tile (its loads of the activations, reduction, store) was a quarter of the
+// time. Each row's operations are block_tile's, in its order: the results are the same bits.
+template <bool BITS4, bool HALF, int SPC>
+inline void block_tile_m1x4(const BlockActs& a, int64_t m, const QW& w, int64_t n0, float* y, const float* bias) {
+  const int64_t K = w.K, chunks = K / 64, groups = w.groups;
+  const int8_t* xq = a.q + m * K;
+  const float* lanes = a.lanes + m * chunks * 16;
+  const __m256i lo_idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  const __m256i hi_idx = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const uint8_t* row[4];
+  int64_t base[4];
+  #pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) {
+    row[j] = w.codes + (n0 + j) * w.row_bytes;
+    base[j] = (n0 + j) * groups;
+    prefetch_row(w, n0 + j + kPrefetchRows);
+  }
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t goff = (c * 64) / w.group;
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * 64));
+    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * 64 + 32));
+    const float* xs = lanes + c * 16;
+    if constexpr (BITS4) {
+      const __m256 xv = _mm256_loadu_ps(xs);
+      #pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[j] + c * 32));
+        const __m256i lo = _mm256_and_si256(b, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
+        __m256 ws;
+        if constexpr (SPC == 1)
+          ws = _mm256_set1_ps(param_at<HALF>(w.scales, base[j] + goff));
+        else
+          ws = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(load_params_lo<HALF, 2>(w.scales, base[j] + goff)), lo_idx);
+        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_pairs(lo, x0, hi, x1)), _mm256_mul_ps(ws, xv), acc[j]);
+      }
+    } else if constexpr (SPC == 4) {
+      const __m256 xa = _mm256_broadcast_ss(xs), xb = _mm256_broadcast_ss(xs + 8);
+      #pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m256i d0 = dot_u8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[j] + c * 64)), x0);
+        const __m256i d1 = dot_u8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[j] + c * 64 + 32)), x1);
+        const __m256 s4 = _mm256_castps128_ps256(load_params_lo<HALF, 4>(w.scales, base[j] + goff));
+        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(_mm256_permutevar8x32_ps(s4, lo_idx), xa), acc[j]);
+        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(_mm256_permutevar8x32_ps(s4, hi_idx), xb), acc[j]);
+      }
+    } else {
+      #pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const float s_lo = param_at<HALF>(w.scales, base[j] + goff);
+        const float s_hi = SPC == 2 ? param_at<HALF>(w.scales, base[j] + goff + 1) : s_lo;
+        const __m256i d0 = dot_u8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[j] + c * 64)), x0);
+        const __m256i d1 = dot_u8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[j] + c * 64 + 32)), x1);
+        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(s_lo * xs[0]), acc[j]);
+        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_set1_ps(s_hi * xs[8]), acc[j]);
+      }
+    }
+  }
+  const float* gsum = a.gsum + m * a.gstride;
+  #pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) acc[j] = add_mins<BITS4, HALF>(acc[j], w, base[j], gsum);
+  __m128 r = hsum4x8(acc[0], acc[1], acc[2], acc[3]);
+  if (bias) r = _mm_add_ps(r, _mm_loadu_ps(bias + n0));
+  _mm_storeu_ps(y + m * w.N + n0, r);
+}
+#define PERFXLM_BLOCK_M1X4 1
 #endif  // PERFXLM_VNNI / PERFXLM_DOTS_AVX2
 
 
 template <bool BITS4, bool HALF, int SPC, int NT>
 inline void block_rows(const BlockActs& a, int64_t M, const QW& w, int64_t n0, float* y, const float* bias) {
+#ifdef PERFXLM_BLOCK_M1X4
+  if constexpr (NT == 4) {
+    if (M == 1) return block_tile_m1x4<BITS4, HALF, SPC>(a, 0, w, n0, y, bias);
+  }
+#endif
   int64_t m = 0;
   for (; m + 4 <= M; m += 4) block_tile<BITS4, HALF, SPC, 4, NT>(a, m, w, n0, y, bias);
   switch (M - m) {
@@ -706,7 +826,7 @@ at::Tensor fake_quantize_blocks(const at::Tensor& x) {
     for (int64_t m = begin; m < end; ++m)
       for (int64_t b = 0; b < K / 32; ++b) {
         int8_t block[32];
-        const float scale = quantize_block(xp + m * K + b * 32, block);
+        const float scale = quantize_block_simd(xp + m * K + b * 32, block);
         for (int j = 0; j < 32; ++j) op[m * K + b * 32 + j] = static_cast<float>(block[j]) * scale;
       }
   });
@@ -778,7 +898,7 @@ at::Tensor float_product(const at::Tensor& x, const QW& w, const float* bias, in
 
 at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                     const c10::optional<at::Tensor>& levels, const c10::optional<at::Tensor>& bias, bool act_int8,
-                    int64_t max_rows, bool bf16_gemm, bool int8_blocks) {
+                    int64_t max_rows, bool bf16_gemm, bool int8_blocks, int64_t max_rows4) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_q: x must be 2-D float32");
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
@@ -792,7 +912,7 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   if (!act_int8) {
 #ifdef PERFXLM_INT8_DOTS
     const int spc = int8_blocks ? block_spc(w) : 0;
-    if (spc && M <= max_rows) return block_product(xc, w, bp, spc);
+    if (spc && M <= (w.bits4 && max_rows4 >= 0 ? max_rows4 : max_rows)) return block_product(xc, w, bp, spc);
     // Many rows: the same int8 activation blocks (dequantized) go to the GEMM, so a token's result does
     // not depend on how many rows its step had (prefix-cache hits, chunking, batch size).
     if (spc) return float_product(fake_quantize_blocks(xc), w, bp, max_rows, bf16_gemm);
@@ -863,7 +983,7 @@ std::string compiled_isa() {
 TORCH_LIBRARY_FRAGMENT(perfxlm, m) {
   m.def(
       "linear_q(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? levels, Tensor? bias, bool act_int8, "
-      "int max_rows, bool bf16_gemm, bool int8_blocks=False) -> Tensor");
+      "int max_rows, bool bf16_gemm, bool int8_blocks=False, int max_rows4=-1) -> Tensor");
   m.def("int8_block_dots() -> bool", &perfxlm_quant::int8_block_dots);  // no tensors: a catch-all kernel
   m.def("compiled_isa() -> str", &perfxlm_quant::compiled_isa);
   m.def("dequantize_q(Tensor codes, Tensor scales, Tensor mins, Tensor? levels, int in_features) -> Tensor");

@@ -133,3 +133,25 @@ def test_int8_block_activations_match_reference(bits, n, k, group, half, lut, ro
     # does not depend on the rows beside it)
     many = ops.linear_q(x.repeat(3, 1), codes, scales, mins, levels, b, False, 4, False, True)[:rows]
     torch.testing.assert_close(many, ref, atol=1e-4 * (ref.abs().max().item() + 1), rtol=1e-4)
+
+
+@pytest.mark.parametrize("bits,n,k,group,half,lut", [(4, 13, 192, 32, True, False), (4, 9, 128, 64, False, False),
+                                                     (8, 10, 128, 32, True, False), (8, 7, 128, 16, False, False)])
+def test_int8_block_rows_alone_equal_rows_together_and_the_4bit_row_limit(bits, n, k, group, half, lut):
+    """Batch-1 decode runs four weight rows at once against one activation row (AVX2), more rows run
+    tiles of activation rows: a token's result is the same bits either way. `max_rows4` lets 4-bit codes
+    keep the block products past `max_rows` (AVX2's prefill), with the same bits again."""
+    ops = native.kernels()
+    codes, scales, mins, levels = _weight(n, k, bits, group, half, lut, 5 * n + k)
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(n * k))
+    b = torch.randn(n)
+    together = ops.linear_q(x, codes, scales, mins, levels, b, False, 8, False, True)
+    alone = torch.cat([ops.linear_q(x[i : i + 1], codes, scales, mins, levels, b, False, 8, False, True) for i in range(6)])
+    assert torch.equal(alone, together)
+    beyond = ops.linear_q(x, codes, scales, mins, levels, b, False, 2, False, True, 64)
+    general = ops.linear_q(x, codes, scales, mins, levels, b, False, 2, False, True)
+    if bits == 4 and ops.int8_block_dots():
+        assert torch.equal(beyond, together)  # the block kernel, not the GEMM on dequantized slabs
+    else:
+        assert torch.equal(beyond, general)  # 8-bit codes keep the general limit
+    torch.testing.assert_close(beyond, together, atol=1e-4 * (together.abs().max().item() + 1), rtol=1e-4)
