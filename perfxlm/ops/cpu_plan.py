@@ -36,10 +36,10 @@ int8 dots, keeps int8 and nf4 weight-only, w8a8 always rounds), decided once at 
                                   is float32 and the int8 GEMV is 2.5x faster at 16 rows, even at 32
                                   (8-bit codes) and 1.3x faster at 64 (4-bit codes)
 - PERFXLM_QUANT4_MAX_ROWS = N     the same limit for 4-bit codes (int4, Q4_0, Q4_1, Q4_K) with int8
-                                  activation blocks; default: no limit on AVX2 / AVX-VNNI, where their
-                                  int8 block products run a 512-row prefill 1.7x faster than
-                                  dequantizing for the float32 GEMM (the GEMM has no int8 path there);
-                                  elsewhere the general limit above
+                                  activation blocks; default 128 on AVX2 / AVX-VNNI, where their int8
+                                  block products beat dequantizing for the float32 GEMM by 1.6x at 64
+                                  rows and 1.25x at 128, equal at 256, 0.85-1.1x at 512 (Zen 3, 2
+                                  threads, the default model's FFN shapes); elsewhere the limit above
 
 The instruction-set tier (perfxlm.ops.isa: PERFXLM_ISA=auto | scalar | avx2 | avx_vnni | avx512 |
 avx512_vnni | avx512_bf16 | amx) decides the native build and the flags every choice above sees.
@@ -58,7 +58,6 @@ GEMMS = ("bf16", "float32")
 COMPUTES = ("float32", "bfloat16")
 # Measured with 2 threads on the default model's shapes: AMX's bf16 GEMM overtakes the row kernel past
 # 4 rows; the panel kernel beats MKL's float32 GEMM up to 256 rows on AVX-512 without bf16.
-ALL_ROWS = 1 << 40  # a row limit no batch reaches
 _AUTO_MAX_ROWS = {("rows", "bf16"): 4, ("rows", "float32"): 64, ("panels", "bf16"): 256, ("panels", "float32"): 256}
 
 
@@ -75,8 +74,7 @@ class CpuPlan:
     def describe(self) -> str:
         return (f"isa={self.isa} bf16 layout={self.layout} gemm={self.gemm} native_max_rows={self.native_max_rows} "
                 f"activations={self.bf16_compute} quantized: gemv_max_rows={self.quant_max_rows}"
-                + ("" if self.quant4_max_rows < 0 else
-                   f" (4-bit: {'all' if self.quant4_max_rows >= ALL_ROWS else self.quant4_max_rows})"))
+                + ("" if self.quant4_max_rows < 0 else f" (4-bit: {self.quant4_max_rows})"))
 
 
 def _choice(name: str, allowed: tuple[str, ...], default: str) -> str:
@@ -101,7 +99,7 @@ def detect() -> CpuPlan:
     # bf16 model's greedy text does not move with the cache (measured cost at 9-16 rows: under 10 %).
     tier = isa.selected()
     quant_rows = _rows("PERFXLM_QUANT_MAX_ROWS", 32 if tier in ("avx2", "avx_vnni") else 8)
-    quant4_rows = _rows("PERFXLM_QUANT4_MAX_ROWS", ALL_ROWS if tier in ("avx2", "avx_vnni") else -1)
+    quant4_rows = _rows("PERFXLM_QUANT4_MAX_ROWS", 128 if tier in ("avx2", "avx_vnni") else -1)
     return CpuPlan(layout, gemm, max_rows, compute, quant_rows, tier, quant4_rows)
 
 
