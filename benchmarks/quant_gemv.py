@@ -1,0 +1,76 @@
+"""The quantized-weight products alone, on the default model's shapes: time per call and the weight bytes
+streamed per second, for the int8 block kernel and (past one row) the dequantize-and-GEMM path beside it.
+
+    python benchmarks/quant_gemv.py --rows 1,64,512 --threads 2
+
+Two builds compare by running this from each checkout in turn (alternating, several times: a shared
+machine's single runs move by 20 % or more); the native kernels are built per checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from perfxlm.ops import cpu_plan, native
+from perfxlm.quant import quantizers
+
+SHAPES = {  # name: (N, K, bits), the default model's (SmolLM2-135M) projections and its head
+    "qkv q4": (960, 576, 4),
+    "gate_up q4": (3072, 576, 4),
+    "down q4": (576, 1536, 4),
+    "gate_up q8": (3072, 576, 8),
+    "head q8": (49152, 576, 8),
+}
+
+
+def median_seconds(fn, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="1,64,512", help="activation rows per call (comma list)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    ops = native.kernels()
+    if ops is None:
+        raise SystemExit("no native kernels in this environment (a compiler is needed): nothing to time")
+    print(f"CPU plan: {cpu_plan.plan().describe()}; int8 block dots: {bool(ops.int8_block_dots())}")
+    for rows in (int(r) for r in args.rows.split(",")):
+        for name in args.shapes.split(","):
+            n, k, bits = SHAPES[name]
+            w = torch.randn(n, k, generator=torch.Generator().manual_seed(0))
+            qw = quantizers.quantize_symmetric_int4(w, 32) if bits == 4 else quantizers.quantize_symmetric_int8(w, 32)
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
+
+            def call(limit: int) -> torch.Tensor:
+                try:
+                    return ops.linear_q(x, qw.codes, qw.scales, qw.mins, qw.levels, None, False, limit, False, True,
+                                        limit)  # fmt: skip
+                except RuntimeError:  # an older build without the 4-bit row limit
+                    return ops.linear_q(x, qw.codes, qw.scales, qw.mins, qw.levels, None, False, limit, False, True)
+
+            reps = max(5, min(200, int(2e8 / (rows * n * k))))
+            block = median_seconds(lambda: call(1 << 30), reps)
+            line = f"{name:11s} rows {rows:4d}: block {block * 1e6:9.1f} us {qw.nbytes / block / 1e9:6.2f} GB/s"
+            if rows > 1:
+                gemm = median_seconds(lambda: call(0), reps)
+                line += f" | dequantize + GEMM {gemm * 1e6:9.1f} us (block {gemm / block:.2f}x)"
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
