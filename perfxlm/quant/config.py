@@ -33,6 +33,10 @@ Options: `quantization_group_size` (weights per scale; -1 = one scale per output
   Q4_0 form).
 - `double_quant` (nf4): QLoRA's double-quantized absmax (default true); false keeps a float16 absmax
   per group, or with `calibration` a float16 scale per group searched like int4's (not QLoRA's values).
+- `lm_head` (every method; vLLM's GPTQ name): the embedding table and the LM head stored as 8-bit codes,
+  one symmetric scale per 64 values (Q8_0's rule; 9 bits per weight), as every llama.cpp format stores
+  them (default true). false keeps them in the model's float dtype: on the default model a float32
+  head is 113 MB, more than all its int4 projections, and every decode step reads it whole.
 
 Activations (the engine's `quant_activations`, CLI `--quant-activations`; `resolve_activations`):
 - "auto" (default): on a bfloat16 model, a GGUF file's tensors and "int4" round the activations to int8
@@ -78,8 +82,9 @@ _DEFAULT_GROUP = {"int8": 64, "int4": 32, "nf4": 64, "w8a8": PER_CHANNEL}
 _DEFAULT_FALLS_BACK_PER_CHANNEL = ("int8",)
 _DICT_KEYS = (
     "method", "group_size", "symmetric", "activation_group_size", "calibration", "calibration_tokens",
-    "mixed_precision", "double_quant",
+    "mixed_precision", "double_quant", "lm_head",
 )  # fmt: skip
+TABLE_GROUP = 64  # the 8-bit embedding table / LM head: weights per scale (32 where 64 does not divide)
 DEFAULT_CALIBRATION = "default"  # the built-in text (perfxlm/quant/calibration.txt)
 DEFAULT_CALIBRATION_TOKENS = 512
 MIN_CALIBRATION_TOKENS = 16
@@ -162,6 +167,7 @@ class QuantizationConfig:
     calibration_explicit: bool = False  # whether `calibration` came from the user (else the default)
     mixed_precision: bool = False  # int4 / nf4: 8-bit down projections in half the layers (resolve: int4 on)
     double_quant: bool = True  # nf4: QLoRA's double-quantized absmax
+    lm_head: bool = True  # the embedding table and the LM head as 8-bit codes (else float)
 
     @property
     def quantizes(self) -> bool:
@@ -189,6 +195,7 @@ class QuantizationConfig:
             kind += ", double-quantized absmax" if self.double_quant else plain
         if self.mixed_precision:
             kind += ", 8-bit down projections in half the layers"
+        kind += ", 8-bit embedding and LM head" if self.lm_head else ", float embedding and LM head"
         if self.method == "w8a8":
             per = "token" if self.activation_group_size == PER_CHANNEL else f"{self.activation_group_size} values"
             kind += f", activations: one scale per {per}"
@@ -212,6 +219,8 @@ class QuantizationConfig:
                 out["mixed_precision"] = self.mixed_precision
             if self.method == "nf4":
                 out["double_quant"] = self.double_quant
+            if not self.lm_head:
+                out["lm_head"] = False
         return out
 
     def group_for(self, in_features: int) -> int:
@@ -254,6 +263,15 @@ class QuantizationConfig:
         if not self.quantizes:
             raise ValueError(f"quantization={self.method!r} does not quantize weights")
         return lambda w: self.quantize_weight(w)
+
+    def quantize_table(self, w: torch.Tensor) -> QuantizedWeight:
+        """An embedding table or LM head [V, K] -> 8-bit codes, one symmetric scale per TABLE_GROUP values
+        (per 32, or per row, where that does not divide K). Weight-only under every method: the head's
+        activations are rounded only as the engine's `quant_activations` says for weight-only formats
+        (W8A8's per-token rounding moved greedy picks on the head where the layers' did not)."""
+        k = w.shape[-1]
+        group = next((g for g in (TABLE_GROUP, 32) if k % g == 0), k)
+        return quantizers.quantize_symmetric_int8(w, group)
 
     def quantize_weight(
         self, w: torch.Tensor, importance: torch.Tensor | None = None, wide: bool = False
@@ -427,4 +445,8 @@ def _extras(method: str, options: dict[str, Any], symmetric: bool) -> dict[str, 
                 f"quantization double_quant={double!r} with {method}: supported: true or false, nf4 only."
             )
         out["double_quant"] = double
+    lm_head = options.get("lm_head", True)
+    if not isinstance(lm_head, bool):
+        raise ValueError(f"quantization lm_head={lm_head!r}: expected true (8-bit embedding and LM head) or false.")
+    out["lm_head"] = lm_head
     return out

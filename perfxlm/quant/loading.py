@@ -5,9 +5,9 @@ copied into its Parameter (`CausalLM.load_weights(weights, sink=...)`). Two sour
 - a `QuantizedWeight` from a GGUF file (kept quantized): Linear / MergedLinear weights, the embedding
   table and the LM head;
 - a float tensor, quantized here with the configured quantizer (`quantization=` on a float checkpoint):
-  every Linear except MoE routers and gates (`Linear.quantize_weight`), and MoE expert stacks. Embeddings
-  and the LM head stay in float (the head's logits and every token's embedding are too sensitive, and
-  a vLLM checkpoint quantized this way keeps them too).
+  every Linear except MoE routers and gates (`Linear.quantize_weight`), and MoE expert stacks; and the
+  embedding table and LM head as 8-bit codes, one scale per 64 values (`QuantizationConfig.quantize_table`,
+  as llama.cpp stores them; `lm_head: false` keeps them float, as vLLM's quantized checkpoints do).
 Each weight is quantized with its own options: `mixed_precision` widens some to 8-bit codes
 (`perfxlm.quant.mixed`), and `calibration` first collects activation statistics with the model loaded
 once as int8 (`perfxlm.quant.calibration`, `QuantizedLoader.calibrate`), which weigh each weight's
@@ -72,12 +72,30 @@ def quantizable(model: nn.Module) -> list[tuple[str, nn.Module, str, int]]:
     return out
 
 
+def quantizable_tables(model: nn.Module) -> list[tuple[str, nn.Module, str, int]]:
+    """(qualified name, module, "weight", hidden size) of the embedding table and the LM head, each
+    Parameter once: a tied head shares the table's, and gets its QuantizedWeight at `finish`."""
+    from perfxlm.model.layers.embed_head import LMHead, VocabEmbedding
+
+    out, seen = [], set()
+    for name, module in model.named_modules():
+        if isinstance(module, (VocabEmbedding, LMHead)):
+            param = module._parameters.get("weight")
+            if param is not None and id(param) not in seen:
+                seen.add(id(param))
+                out.append((name, module, "weight", param.shape[-1]))
+    return out
+
+
 class QuantizedLoader:
     def __init__(self, model: nn.Module, config: QuantizationConfig | None = None) -> None:
         self.config = config if config is not None and config.quantizes else None
         self.quantize = self.config.quantizer() if self.config is not None else None
         # (id(module), parameter) -> qualified weight name, for every weight this loader quantizes
         targets = quantizable(model) if self.config is not None else []
+        tables = quantizable_tables(model) if self.config is not None and self.config.lm_head else []
+        self.tables = {(id(m), p) for _, m, p, _ in tables}
+        targets += tables
         self.names = {(id(m), p): f"{n}.{p}" for n, m, p, _ in targets}
         self.targets = set(self.names)
         mixed_on = self.config is not None and self.config.mixed_precision
@@ -110,6 +128,7 @@ class QuantizedLoader:
             for name, _, param, in_features in quantizable(self.model):
                 QuantizedWeight.check_activation_blocks(in_features, f"{name}.{param}")
         self.activations = mode
+
     def calibrate(self, model_path: str, hf_config: Any, load_format: str) -> None:
         """Collect the activation statistics the format asks for (`calibration`), before any weight of
         this model is read; a no-op otherwise."""
@@ -129,6 +148,8 @@ class QuantizedLoader:
         self.importance = collect(model_path, hf_config, load_format, ids)
 
     def _quantize(self, module: nn.Module, local: str, tensor: Any) -> QuantizedWeight:
+        if (id(module), local) in self.tables:
+            return self.config.quantize_table(tensor)  # type: ignore[union-attr]
         name = self.names[(id(module), local)]
         return self.config.quantize_weight(  # type: ignore[union-attr]
             tensor, importance=self.importance.get(name), wide=name in self.wide
@@ -232,7 +253,7 @@ class QuantizedLoader:
         """Quantize the weights already in the model (random dummy weights), one module at a time."""
         if self.quantize is None:
             return
-        for _, module, param, _ in quantizable(self.model):
+        for _, module, param, _ in quantizable(self.model) + (quantizable_tables(self.model) if self.tables else []):
             self._install(module, param, self._quantize(module, param, getattr(module, param).data))
         self.finish()
 

@@ -24,7 +24,9 @@ def test_footprint_counts_each_weight_once(tiny_llama, quantization, bits):
     hidden, inter, kv = 96, 192, 2 * 16
     per_layer = hidden * (hidden + 2 * kv) + hidden * hidden + 3 * hidden * inter
     assert count == 3 * per_layer + 1000 * hidden
-    linears = size - 1000 * hidden * 4  # the embedding stays float32 under every format
+    # the embedding: float32, or 8-bit codes with a float32 scale and min per 64 under every format
+    table = 1000 * hidden * (4 if quantization is None else 1 + 8 / 64)
+    linears = size - table
     assert 3 * per_layer * bits / 8 <= linears <= 3 * per_layer * bits / 8 * 1.5  # codes, then scales
 
 

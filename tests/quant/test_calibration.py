@@ -161,5 +161,8 @@ def test_engine_generates_with_calibration_and_mixed_precision(tiny, text_file):
     weights = {f"{n}.{a}": v for n, m in model.named_modules() for a, v in vars(m).items()
                if isinstance(v, QuantizedWeight)}  # fmt: skip
     # 3 layers: llama.cpp's rule widens layer 2's down projection (the last eighth); q, k, v stay 4-bit
-    assert {n for n, w in weights.items() if w.bits == 8} == {"model.layers.2.mlp.down_proj.weight"}
+    # (the embedding table and LM head are 8-bit as well, by `lm_head`'s default)
+    assert {n for n, w in weights.items() if w.bits == 8} == {
+        "model.layers.2.mlp.down_proj.weight", "model.embed_tokens.weight", "lm_head.weight",
+    }  # fmt: skip
     assert all(w.bits == 4 for n, w in weights.items() if "qkv_proj" in n)

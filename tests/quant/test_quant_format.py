@@ -384,3 +384,15 @@ def test_shape_checks_name_the_weight():
     with pytest.raises(ValueError, match=r"'int4' needs input sizes .* multiples of 32; x has input size 48"):
         QuantizationConfig.resolve("int4", group_size=-1).check_in_features(48, "x")
     QuantizationConfig.resolve("int8", group_size=-1).check_in_features(37, "x")  # per channel: any size
+
+
+def test_lm_head_option_quantizes_the_tables_by_default():
+    c = QuantizationConfig.resolve("int4")
+    assert c.lm_head and "8-bit embedding and LM head" in c.describe()
+    off = QuantizationConfig.resolve({"method": "int8", "lm_head": False})
+    assert not off.lm_head and QuantizationConfig.resolve(off.as_dict()) == off
+    with pytest.raises(ValueError, match=r"lm_head='yes': expected true"):
+        QuantizationConfig.resolve({"method": "int4", "lm_head": "yes"})
+    table = c.quantize_table(torch.randn(10, 96))  # 64 does not divide 96: one scale per 32
+    assert (table.bits, table.group, table.act) == (8, 32, "float")
+    assert QuantizationConfig.resolve("w8a8").quantize_table(torch.randn(4, 128)).act == "float"
