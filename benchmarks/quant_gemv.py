@@ -49,6 +49,7 @@ def main() -> None:
     if ops is None:
         raise SystemExit("no native kernels in this environment (a compiler is needed): nothing to time")
     print(f"CPU plan: {cpu_plan.plan().describe()}; int8 block dots: {bool(ops.int8_block_dots())}")
+    has_rows4 = any(a.name == "max_rows4" for a in torch.ops.perfxlm.linear_q.default._schema.arguments)
     for rows in (int(r) for r in args.rows.split(",")):
         for name in args.shapes.split(","):
             n, k, bits = SHAPES[name]
@@ -57,11 +58,9 @@ def main() -> None:
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
 
             def call(limit: int) -> torch.Tensor:
-                try:
-                    return ops.linear_q(x, qw.codes, qw.scales, qw.mins, qw.levels, None, False, limit, False, True,
-                                        limit)  # fmt: skip
-                except RuntimeError:  # an older build without the 4-bit row limit
-                    return ops.linear_q(x, qw.codes, qw.scales, qw.mins, qw.levels, None, False, limit, False, True)
+                extra = (limit,) if has_rows4 else ()  # an older build has no 4-bit row limit
+                return ops.linear_q(x, qw.codes, qw.scales, qw.mins, qw.levels, None, False, limit, False, True,
+                                    *extra)  # fmt: skip
 
             reps = max(5, min(200, int(2e8 / (rows * n * k))))
             block = median_seconds(lambda: call(1 << 30), reps)

@@ -656,11 +656,12 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
     const int64_t n = n0 + j, row_base = n * groups;
     const uint8_t* row = w.codes + n * w.row_bytes;
     prefetch_row(w, n + kPrefetchRows);
-    // one accumulator per activation row, updated in the order block_tile_m1x4 updates it (the same
-    // sums whether a row is decoded alone or with others)
-    __m256 acc[MT];
+    // 4-bit: one accumulator per activation row, updated in the order block_tile_m1x4 updates it (the
+    // same sums whether a row is decoded alone or with others); 8-bit: one per half of the chunk, two
+    // FMA chains (a single chain waited on the FMA latency: the head's GEMV ran 1.1-1.2x slower)
+    __m256 acc[MT][2];
     #pragma GCC unroll 4
-    for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
+    for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t g0 = row_base + (c * 64) / w.group;
       if constexpr (BITS4) {
@@ -678,7 +679,7 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
           const __m256i d = dot_pairs(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)), hi,
                                       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32)));
           const __m256 xs = _mm256_loadu_ps(lanes + (i * chunks + c) * 16);
-          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(ws, xs), acc[i]);
+          acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(ws, xs), acc[i][0]);
         }
       } else {
         const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 64));
@@ -692,8 +693,8 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
             const float* xs = lanes + (i * chunks + c) * 16;  // lanes 0-7: block A's scale, 8-15: B's
             const __m256i d0 = dot_u8(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)));
             const __m256i d1 = dot_u8(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32)));
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(ws_lo, _mm256_broadcast_ss(xs)), acc[i]);
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(ws_hi, _mm256_broadcast_ss(xs + 8)), acc[i]);
+            acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(ws_lo, _mm256_broadcast_ss(xs)), acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(ws_hi, _mm256_broadcast_ss(xs + 8)), acc[i][1]);
           }
         } else {  // one scale per half: weight scale x activation scale multiplied as scalars
           const float s_lo = param_at<HALF>(w.scales, g0), s_hi = SPC == 2 ? param_at<HALF>(w.scales, g0 + 1) : s_lo;
@@ -703,15 +704,16 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
             const float* xs = lanes + (i * chunks + c) * 16;
             const __m256i d0 = dot_u8(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)));
             const __m256i d1 = dot_u8(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32)));
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(s_lo * xs[0]), acc[i]);
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_set1_ps(s_hi * xs[8]), acc[i]);
+            acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(s_lo * xs[0]), acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_set1_ps(s_hi * xs[8]), acc[i][1]);
           }
         }
       }
     }
     #pragma GCC unroll 4
     for (int i = 0; i < MT; ++i) {
-      const __m256 total = add_mins<BITS4, HALF>(acc[i], w, row_base, a.gsum + (m0 + i) * a.gstride);
+      const __m256 sum = BITS4 ? acc[i][0] : _mm256_add_ps(acc[i][0], acc[i][1]);
+      const __m256 total = add_mins<BITS4, HALF>(sum, w, row_base, a.gsum + (m0 + i) * a.gstride);
       y[(m0 + i) * N + n] = hsum8(total) + (bias ? bias[n] : 0.f);
     }
   }
@@ -725,11 +727,11 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
 // four rows leave, and the head GEMV ran 2x slower this way.
 template <bool BITS4, bool HALF, int SPC>
 inline void block_tile_m1x4(const BlockActs& a, int64_t m, const QW& w, int64_t n0, float* y, const float* bias) {
+  static_assert(BITS4, "four rows at once: 4-bit codes only");
   const int64_t K = w.K, chunks = K / 64, groups = w.groups;
   const int8_t* xq = a.q + m * K;
   const float* lanes = a.lanes + m * chunks * 16;
   const __m256i lo_idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-  const __m256i hi_idx = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   const uint8_t* row[4];
   int64_t base[4];
@@ -745,39 +747,17 @@ inline void block_tile_m1x4(const BlockActs& a, int64_t m, const QW& w, int64_t 
     const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * 64));
     const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * 64 + 32));
     const float* xs = lanes + c * 16;
-    if constexpr (BITS4) {
-      const __m256 xv = _mm256_loadu_ps(xs);
-      #pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) {
-        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[j] + c * 32));
-        const __m256i lo = _mm256_and_si256(b, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
-        __m256 ws;
-        if constexpr (SPC == 1)
-          ws = _mm256_set1_ps(param_at<HALF>(w.scales, base[j] + goff));
-        else
-          ws = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(load_params_lo<HALF, 2>(w.scales, base[j] + goff)), lo_idx);
-        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_pairs(lo, x0, hi, x1)), _mm256_mul_ps(ws, xv), acc[j]);
-      }
-    } else if constexpr (SPC == 4) {
-      const __m256 xa = _mm256_broadcast_ss(xs), xb = _mm256_broadcast_ss(xs + 8);
-      #pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) {
-        const __m256i d0 = dot_u8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[j] + c * 64)), x0);
-        const __m256i d1 = dot_u8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[j] + c * 64 + 32)), x1);
-        const __m256 s4 = _mm256_castps128_ps256(load_params_lo<HALF, 4>(w.scales, base[j] + goff));
-        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(_mm256_permutevar8x32_ps(s4, lo_idx), xa), acc[j]);
-        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(_mm256_permutevar8x32_ps(s4, hi_idx), xb), acc[j]);
-      }
-    } else {
-      #pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) {
-        const float s_lo = param_at<HALF>(w.scales, base[j] + goff);
-        const float s_hi = SPC == 2 ? param_at<HALF>(w.scales, base[j] + goff + 1) : s_lo;
-        const __m256i d0 = dot_u8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[j] + c * 64)), x0);
-        const __m256i d1 = dot_u8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[j] + c * 64 + 32)), x1);
-        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(s_lo * xs[0]), acc[j]);
-        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_set1_ps(s_hi * xs[8]), acc[j]);
-      }
+    const __m256 xv = _mm256_loadu_ps(xs);
+    #pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[j] + c * 32));
+      const __m256i lo = _mm256_and_si256(b, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
+      __m256 ws;
+      if constexpr (SPC == 1)
+        ws = _mm256_set1_ps(param_at<HALF>(w.scales, base[j] + goff));
+      else
+        ws = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(load_params_lo<HALF, 2>(w.scales, base[j] + goff)), lo_idx);
+      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_pairs(lo, x0, hi, x1)), _mm256_mul_ps(ws, xv), acc[j]);
     }
   }
   const float* gsum = a.gsum + m * a.gstride;
