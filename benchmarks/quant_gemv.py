@@ -21,7 +21,9 @@ SHAPES = {  # name: (N, K, bits), the default model's (SmolLM2-135M) projections
     "qkv q4": (960, 576, 4),
     "gate_up q4": (3072, 576, 4),
     "down q4": (576, 1536, 4),
+    "qkv q8": (960, 576, 8),
     "gate_up q8": (3072, 576, 8),
+    "down q8": (576, 1536, 8),
     "head q8": (49152, 576, 8),
 }
 
