@@ -51,7 +51,7 @@ def main() -> None:
     if ops is None:
         raise SystemExit("no native kernels in this environment (a compiler is needed): nothing to time")
     print(f"CPU plan: {cpu_plan.plan().describe()}; int8 block dots: {bool(ops.int8_block_dots())}")
-    has_rows4 = any(a.name == "max_rows4" for a in torch.ops.perfxlm.linear_q.default._schema.arguments)
+    has_rows4 = any(a.name == "block_max_rows" for a in torch.ops.perfxlm.linear_q.default._schema.arguments)
     for rows in (int(r) for r in args.rows.split(",")):
         for name in args.shapes.split(","):
             n, k, bits = SHAPES[name]

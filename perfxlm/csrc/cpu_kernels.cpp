@@ -384,12 +384,12 @@ void rotary_embedding(at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 // A quantized weight arrives as [codes, scales, mins, levels (empty: none), act_int8 (0-dim)], see
 // perfxlm/model/fused_decode.py; a plain one as [w].
 at::Tensor project(const at::Tensor& x, at::TensorList parts, int64_t n_out, const c10::optional<at::Tensor>& bias,
-                   int64_t max_rows, bool bf16_gemm, bool int8_blocks, int64_t quant_max_rows, int64_t quant4_max_rows) {
+                   int64_t max_rows, bool bf16_gemm, bool int8_blocks, int64_t quant_max_rows, int64_t quant_block_max_rows) {
   if (parts.size() == 5) {
     const c10::optional<at::Tensor> levels = parts[3].numel() ? c10::optional<at::Tensor>(parts[3]) : c10::nullopt;
     return perfxlm_quant::linear_q(x, parts[0], parts[1], parts[2], levels, bias, parts[4].item<bool>(),
                                    quant_max_rows >= 0 ? quant_max_rows : max_rows, bf16_gemm, int8_blocks,
-                                   quant4_max_rows);
+                                   quant_block_max_rows);
   }
   TORCH_CHECK(parts.size() == 1, "decode_layer: a weight is [w] or [codes, scales, mins, levels, act_int8]");
   const at::Tensor& w = parts[0];
@@ -441,7 +441,7 @@ std::vector<at::Tensor> decode_layer(
     at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
     const at::Tensor& seq_lens, double scale, int64_t sliding_window, double soft_cap, int64_t max_rows,
     bool bf16_gemm, const c10::optional<at::Tensor>& key_scale, const c10::optional<at::Tensor>& value_scale,
-    bool int8_blocks, int64_t quant_max_rows, int64_t quant4_max_rows) {
+    bool int8_blocks, int64_t quant_max_rows, int64_t quant_block_max_rows) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x must be contiguous float32 [T, hidden]");
   const int64_t T = x.size(0), hidden = x.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
@@ -456,7 +456,7 @@ std::vector<at::Tensor> decode_layer(
     fused_add_rms_norm(x, residual, in_norm, eps);
     h = x;
   }
-  at::Tensor qkv = project(h, w_qkv, q_size + 2 * kv_size, b_qkv, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant4_max_rows);  // [T, q | k | v]
+  at::Tensor qkv = project(h, w_qkv, q_size + 2 * kv_size, b_qkv, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);  // [T, q | k | v]
   const int64_t row = qkv.stride(0);
   float* qkv_p = qkv.data_ptr<float>();
   if (q_norm.has_value() && q_norm->defined()) {
@@ -473,7 +473,7 @@ std::vector<at::Tensor> decode_layer(
   at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
   at::Tensor attn = perfxlm_attn::paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale,
                                                          sliding_window, soft_cap, key_scale, value_scale);
-  at::Tensor o = project(attn.view({T, q_size}), w_o, hidden, b_o, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant4_max_rows);
+  at::Tensor o = project(attn.view({T, q_size}), w_o, hidden, b_o, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);
   if (sandwich) {
     x = x + rms_norm(o, post_norm, eps);
     h = rms_norm(x, *pre_ff_norm, eps);
@@ -481,8 +481,8 @@ std::vector<at::Tensor> decode_layer(
     fused_add_rms_norm(o, residual, post_norm, eps);
     h = o;
   }
-  at::Tensor gate_up = project(h, w_gate_up, 2 * intermediate, b_gate_up, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant4_max_rows);
-  at::Tensor out = project(mlp_activation(gate_up, intermediate, activation), w_down, hidden, b_down, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant4_max_rows);
+  at::Tensor gate_up = project(h, w_gate_up, 2 * intermediate, b_gate_up, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);
+  at::Tensor out = project(mlp_activation(gate_up, intermediate, activation), w_down, hidden, b_down, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);
   if (sandwich) {
     x = x + rms_norm(out, *post_ff_norm, eps);
     return {x, x};
@@ -506,7 +506,7 @@ TORCH_LIBRARY(perfxlm, m) {
       "Tensor? b_down, int num_heads, int num_kv_heads, int head_dim, int intermediate, int activation, "
       "Tensor cos, Tensor sin, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, "
       "Tensor block_tables, Tensor seq_lens, float scale, int sliding_window, float soft_cap, int max_rows, "
-      "bool bf16_gemm, Tensor(e!)? key_scale=None, Tensor(f!)? value_scale=None, bool int8_blocks=False, int quant_max_rows=-1, int quant4_max_rows=-1) -> Tensor[]");
+      "bool bf16_gemm, Tensor(e!)? key_scale=None, Tensor(f!)? value_scale=None, bool int8_blocks=False, int quant_max_rows=-1, int quant_block_max_rows=-1) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(perfxlm, CPU, m) {

@@ -39,6 +39,8 @@
 namespace perfxlm_quant {
 namespace {
 
+constexpr int64_t kSlabValues = int64_t{4} << 20;  // values of W dequantized at once for torch's GEMM
+
 // One quantized weight, as raw pointers.
 struct QW {
   const uint8_t* codes;
@@ -854,7 +856,7 @@ at::Tensor float_product(const at::Tensor& x, const QW& w, const float* bias, in
   }
   // Slabs of W rows handed to torch's GEMM: the whole weight up to 4M values, else 4M-value slabs.
   // bf16: dequantized straight to bf16 (half the bytes written and read again by the GEMM).
-  const int64_t per_slab = std::min<int64_t>(N, std::max<int64_t>(64, (int64_t{4} << 20) / K));
+  const int64_t per_slab = std::min<int64_t>(N, std::max<int64_t>(64, kSlabValues / K));
   at::Tensor buf = at::empty({per_slab, K}, x.options().dtype(bf16_gemm ? at::kBFloat16 : at::kFloat));
   const at::Tensor xg = bf16_gemm ? x.to(at::kBFloat16) : x;
   at::Tensor y = per_slab >= N ? at::Tensor() : at::empty({M, N}, x.options());
@@ -880,7 +882,7 @@ at::Tensor float_product(const at::Tensor& x, const QW& w, const float* bias, in
 
 at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                     const c10::optional<at::Tensor>& levels, const c10::optional<at::Tensor>& bias, bool act_int8,
-                    int64_t max_rows, bool bf16_gemm, bool int8_blocks, int64_t max_rows4) {
+                    int64_t max_rows, bool bf16_gemm, bool int8_blocks, int64_t block_max_rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_q: x must be 2-D float32");
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
@@ -894,7 +896,10 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   if (!act_int8) {
 #ifdef PERFXLM_INT8_DOTS
     const int spc = int8_blocks ? block_spc(w) : 0;
-    if (spc && M <= (w.bits4 && max_rows4 >= 0 ? max_rows4 : max_rows)) return block_product(xc, w, bp, spc);
+    // 4-bit codes, and weights too large for one dequantized slab (an LM head: the GEMM path's slabs
+    // leave the cache), keep the block products up to block_max_rows where the plan sets it
+    const bool block_wins = w.bits4 || w.N * w.K > kSlabValues;
+    if (spc && M <= (block_wins && block_max_rows >= 0 ? block_max_rows : max_rows)) return block_product(xc, w, bp, spc);
     // Many rows: the same int8 activation blocks (dequantized) go to the GEMM, so a token's result does
     // not depend on how many rows its step had (prefix-cache hits, chunking, batch size).
     if (spc) return float_product(fake_quantize_blocks(xc), w, bp, max_rows, bf16_gemm);
@@ -965,7 +970,7 @@ std::string compiled_isa() {
 TORCH_LIBRARY_FRAGMENT(perfxlm, m) {
   m.def(
       "linear_q(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? levels, Tensor? bias, bool act_int8, "
-      "int max_rows, bool bf16_gemm, bool int8_blocks=False, int max_rows4=-1) -> Tensor");
+      "int max_rows, bool bf16_gemm, bool int8_blocks=False, int block_max_rows=-1) -> Tensor");
   m.def("int8_block_dots() -> bool", &perfxlm_quant::int8_block_dots);  // no tensors: a catch-all kernel
   m.def("compiled_isa() -> str", &perfxlm_quant::compiled_isa);
   m.def("dequantize_q(Tensor codes, Tensor scales, Tensor mins, Tensor? levels, int in_features) -> Tensor");

@@ -12,10 +12,11 @@ namespace perfxlm_quant {
 // to the GEMV kernels; more rows dequantize slabs of W for torch's GEMM (bf16 under bf16_gemm).
 // int8_blocks: weight-only formats' GEMV quantizes x to int8 per block of 32 and runs int8 dot products
 // (AVX512-VNNI, AVX2 and AVX-VNNI builds; llama.cpp's scheme), instead of widening the codes to float32.
-// max_rows4 (>= 0): the GEMV limit for 4-bit codes under int8_blocks instead of max_rows (on AVX2 their
+// block_max_rows (>= 0): the GEMV limit, instead of max_rows, for 4-bit codes and for weights of more
+// than 4M values (an LM head) under int8_blocks (on AVX2 their
 // int8 block products beat dequantizing for a float32 GEMM up to a few hundred rows).
 at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                     const c10::optional<at::Tensor>& levels, const c10::optional<at::Tensor>& bias, bool act_int8,
-                    int64_t max_rows, bool bf16_gemm, bool int8_blocks = false, int64_t max_rows4 = -1);
+                    int64_t max_rows, bool bf16_gemm, bool int8_blocks = false, int64_t block_max_rows = -1);
 
 }  // namespace perfxlm_quant

@@ -162,6 +162,6 @@ class FusedDecode:
             x, residual = ops.decode_layer(
                 x, residual, i == 0, *before, cos, sin, cache.key, cache.value, meta.slot_mapping,
                 meta.decode_block_tables, meta.decode_seq_lens, *after, max_rows, bf16_gemm, cache.key_scale,
-                cache.value_scale, self.int8_blocks, plan.quant_max_rows, plan.quant4_max_rows,
+                cache.value_scale, self.int8_blocks, plan.quant_max_rows, plan.quant_block_max_rows,
             )  # fmt: skip
         return x, residual

@@ -35,11 +35,14 @@ int8 dots, keeps int8 and nf4 weight-only, w8a8 always rounds), decided once at 
                                   AVX-512 (measured crossover 12-16 on AMX); 32 on AVX2, where the GEMM
                                   is float32 and the int8 GEMV is 2.5x faster at 16 rows, even at 32
                                   (8-bit codes) and 1.3x faster at 64 (4-bit codes)
-- PERFXLM_QUANT4_MAX_ROWS = N     the same limit for 4-bit codes (int4, Q4_0, Q4_1, Q4_K) with int8
-                                  activation blocks; default 128 on AVX2 / AVX-VNNI, where their int8
-                                  block products beat dequantizing for the float32 GEMM by 1.6x at 64
-                                  rows and 1.25x at 128, equal at 256, 0.85-1.1x at 512 (Zen 3, 2
-                                  threads, the default model's FFN shapes); elsewhere the limit above
+- PERFXLM_QUANT_BLOCK_MAX_ROWS = N  the same limit for 4-bit codes (int4, Q4_0, Q4_1, Q4_K) and for
+                                  weights of more than 4M values (an LM head) with int8 activation
+                                  blocks; default 128 on AVX2 / AVX-VNNI, where their int8 block
+                                  products beat dequantizing for the float32 GEMM: 4-bit FFN shapes
+                                  1.2-1.4x at 64 rows, equal at 256, 0.85-1.1x at 512; the default
+                                  model's Q8_0 head 1.7x at 48-64 rows, 1.25x at 128 (its dequantized
+                                  slabs leave the cache); 8-bit projections lose past 32 (Zen 3, 2
+                                  threads); elsewhere the limit above
 
 The instruction-set tier (perfxlm.ops.isa: PERFXLM_ISA=auto | scalar | avx2 | avx_vnni | avx512 |
 avx512_vnni | avx512_bf16 | amx) decides the native build and the flags every choice above sees.
@@ -69,12 +72,12 @@ class CpuPlan:
     bf16_compute: str  # activation dtype of a bfloat16 model
     quant_max_rows: int = 8  # up to this many rows quantized weights take the GEMV kernels
     isa: str = "scalar"  # the instruction-set tier the native kernels are built for
-    quant4_max_rows: int = -1  # the same for 4-bit codes under int8 activation blocks; -1: quant_max_rows
+    quant_block_max_rows: int = -1  # the same for 4-bit codes and >4M-value weights; -1: quant_max_rows
 
     def describe(self) -> str:
         return (f"isa={self.isa} bf16 layout={self.layout} gemm={self.gemm} native_max_rows={self.native_max_rows} "
                 f"activations={self.bf16_compute} quantized: gemv_max_rows={self.quant_max_rows}"
-                + ("" if self.quant4_max_rows < 0 else f" (4-bit: {self.quant4_max_rows})"))
+                + ("" if self.quant_block_max_rows < 0 else f" (4-bit and heads: {self.quant_block_max_rows})"))
 
 
 def _choice(name: str, allowed: tuple[str, ...], default: str) -> str:
@@ -99,8 +102,8 @@ def detect() -> CpuPlan:
     # bf16 model's greedy text does not move with the cache (measured cost at 9-16 rows: under 10 %).
     tier = isa.selected()
     quant_rows = _rows("PERFXLM_QUANT_MAX_ROWS", 32 if tier in ("avx2", "avx_vnni") else 8)
-    quant4_rows = _rows("PERFXLM_QUANT4_MAX_ROWS", 128 if tier in ("avx2", "avx_vnni") else -1)
-    return CpuPlan(layout, gemm, max_rows, compute, quant_rows, tier, quant4_rows)
+    block_rows_limit = _rows("PERFXLM_QUANT_BLOCK_MAX_ROWS", 128 if tier in ("avx2", "avx_vnni") else -1)
+    return CpuPlan(layout, gemm, max_rows, compute, quant_rows, tier, block_rows_limit)
 
 
 def _rows(name: str, default: int) -> int:

@@ -96,7 +96,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
         rows, int8_blocks = fake_quantize_blocks(rows), False
     y = ops.linear_q(
         rows, weight.codes, weight.scales, weight.mins, weight.levels, b, weight.act == "int8",
-        plan.quant_max_rows, plan.gemm == "bf16" and weight.bf16_gemm, int8_blocks, plan.quant4_max_rows,
+        plan.quant_max_rows, plan.gemm == "bf16" and weight.bf16_gemm, int8_blocks, plan.quant_block_max_rows,
     )  # fmt: skip
     return y.to(x.dtype).view(*x.shape[:-1], weight.out_features)
 

@@ -139,7 +139,7 @@ def test_int8_block_activations_match_reference(bits, n, k, group, half, lut, ro
                                                      (8, 10, 128, 32, True, False), (8, 7, 128, 16, False, False)])
 def test_int8_block_rows_alone_equal_rows_together_and_the_4bit_row_limit(bits, n, k, group, half, lut):
     """Batch-1 decode runs four weight rows at once against one activation row (AVX2), more rows run
-    tiles of activation rows: a token's result is the same bits either way. `max_rows4` lets 4-bit codes
+    tiles of activation rows: a token's result is the same bits either way. `block_max_rows` lets 4-bit codes
     keep the block products past `max_rows` (AVX2's prefill), with the same bits again."""
     ops = native.kernels()
     codes, scales, mins, levels = _weight(n, k, bits, group, half, lut, 5 * n + k)
@@ -155,3 +155,18 @@ def test_int8_block_rows_alone_equal_rows_together_and_the_4bit_row_limit(bits, 
     else:
         assert torch.equal(beyond, general)  # 8-bit codes keep the general limit
     torch.testing.assert_close(beyond, together, atol=1e-4 * (together.abs().max().item() + 1), rtol=1e-4)
+
+
+def test_weights_larger_than_a_slab_keep_the_block_kernel_to_the_block_limit():
+    """8-bit codes past max_rows go to the dequantize-and-GEMM path, except a weight of more than 4M values
+    (an LM head), whose slabs leave the cache: it keeps the block kernel up to `block_max_rows`."""
+    ops = native.kernels()
+    if not ops.int8_block_dots():
+        pytest.skip("this build has no int8 block products")
+    n, k = 8200, 576  # 4.7M values
+    codes, scales, mins, levels = _weight(n, k, 8, 32, True, False, 3)
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(2))
+    block = ops.linear_q(x, codes, scales, mins, levels, None, False, 8, False, True)
+    assert torch.equal(ops.linear_q(x, codes, scales, mins, levels, None, False, 2, False, True, 64), block)
+    gemm = ops.linear_q(x, codes, scales, mins, levels, None, False, 2, False, True)  # no block limit: GEMM
+    torch.testing.assert_close(gemm, block, atol=1e-4 * (block.abs().max().item() + 1), rtol=1e-4)
