@@ -387,7 +387,7 @@ at::Tensor project(const at::Tensor& x, at::TensorList parts, int64_t n_out, con
                    int64_t max_rows, bool bf16_gemm, bool int8_blocks, int64_t quant_max_rows, int64_t quant_block_max_rows) {
   if (parts.size() == 5) {
     const c10::optional<at::Tensor> levels = parts[3].numel() ? c10::optional<at::Tensor>(parts[3]) : c10::nullopt;
-    return perfxlm_quant::linear_q(x, parts[0], parts[1], parts[2], levels, bias, parts[4].item<bool>(),
+    return perfxlm_quant::linear_q(x, parts[0], parts[1], parts[2], levels, bias, *parts[4].const_data_ptr<bool>(),
                                    quant_max_rows >= 0 ? quant_max_rows : max_rows, bf16_gemm, int8_blocks,
                                    quant_block_max_rows);
   }

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "simd16.h"
 
@@ -356,10 +357,10 @@ inline float quantize_block(const float* src, int8_t* q) {
   return scale;
 }
 
-// The activations of one call, quantized: the tensors own the memory, the kernels read the raw pointers
-// (taken once here: data_ptr's checks cost as much as a small tile's arithmetic).
+// The activations of one call, quantized, in the calling thread's scratch buffers (reused call after
+// call: a decode step makes 120 of these, and three tensor allocations each cost as much as the
+// quantization); the kernels read the raw pointers, valid until this thread's next call.
 struct BlockActs {
-  at::Tensor q_t, lanes_t, gsum_t;
   const int8_t* q;       // int8 [M, K], in the codes' chunk order
   const float* lanes;    // float32 [M, K / 64, 16]: each int32 lane's activation scale
   const float* gsum;     // float32 [M, gstride]: per weight group, sum of scale * int8 values (0-padded)
@@ -403,13 +404,16 @@ inline float quantize_block_simd(const float* src, int8_t* q) { return quantize_
 
 BlockActs quantize_blocks(const at::Tensor& x, const QW& w) {
   const int64_t M = x.size(0), K = w.K, chunks = K / 64, gstride = (w.groups + 7) / 8 * 8;
-  at::Tensor q_t = at::empty({M, K}, x.options().dtype(at::kChar)), lanes_t = at::empty({M, chunks, 16}, x.options());
-  at::Tensor gsum_t = at::zeros({M, gstride}, x.options());
+  thread_local std::vector<int8_t> q_buf;
+  thread_local std::vector<float> lanes_buf, gsum_buf;
+  q_buf.resize(static_cast<size_t>(M * K));
+  lanes_buf.resize(static_cast<size_t>(M * chunks * 16));
+  gsum_buf.assign(static_cast<size_t>(M * gstride), 0.f);
   const float* xp = x.data_ptr<float>();
-  int8_t* qp = q_t.data_ptr<int8_t>();
-  float* lp = lanes_t.data_ptr<float>();
-  float* gp = gsum_t.data_ptr<float>();
-  const BlockActs a{q_t, lanes_t, gsum_t, qp, lp, gp, gstride};
+  int8_t* qp = q_buf.data();
+  float* lp = lanes_buf.data();
+  float* gp = gsum_buf.data();
+  const BlockActs a{qp, lp, gp, gstride};
   // rows in parallel past a few (a prefill's thousands of blocks); a decode step's row stays on this thread
   at::parallel_for(0, M, 8, [&](int64_t m_begin, int64_t m_end) {
     for (int64_t m = m_begin; m < m_end; ++m) {
