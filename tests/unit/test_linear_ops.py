@@ -132,6 +132,12 @@ def test_plan_from_environment(monkeypatch):
     plan = cpu_plan.detect()
     assert (plan.layout, plan.gemm, plan.native_max_rows, plan.bf16_compute) == ("panels", "bf16", 7, "bfloat16")
     assert plan.quant_max_rows == 3
+    monkeypatch.setenv("PERFXLM_QUANT_BLOCK_MAX_ROWS", "5")  # 4-bit codes and heads: their own limit
+    assert cpu_plan.detect().quant_block_max_rows == 5 and "(4-bit and heads: 5)" in cpu_plan.detect().describe()
+    monkeypatch.setenv("PERFXLM_QUANT_BLOCK_MAX_ROWS", "-2")
+    with pytest.raises(ValueError, match="PERFXLM_QUANT_BLOCK_MAX_ROWS"):
+        cpu_plan.detect()
+    monkeypatch.delenv("PERFXLM_QUANT_BLOCK_MAX_ROWS")
     monkeypatch.setenv("PERFXLM_QUANT_MAX_ROWS", "many")
     with pytest.raises(ValueError, match="PERFXLM_QUANT_MAX_ROWS"):
         cpu_plan.detect()
