@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from perfxlm.model.forward_context import AttentionMetadata
+from perfxlm.model.layers import attention_backend
 from perfxlm.model.layers.activation import GeluAndMul, SiluAndMul
 from perfxlm.model.layers.norm import GemmaRMSNorm, RMSNorm
 from perfxlm.ops import cpu_plan, native
@@ -130,6 +131,9 @@ class FusedDecode:
         if native.kernels() is None:
             return False
         if self.args is None:  # first all-decode step: collect (weights are final by now)
+            if not attention_backend.for_device(x.device).fuses_decode:
+                self.eligible = False  # the fused layer would bypass the backend's own kernels
+                return False
             args = [_layer_args(layer) for layer in self.layers]
             if any(a is None for a in args):
                 self.eligible = False

@@ -30,12 +30,25 @@ def write_kv_cache(
     key_scale: torch.Tensor | None = None,  # quantized cache: [num_blocks, block_size, num_kv_heads, groups]
     value_scale: torch.Tensor | None = None,
 ) -> None:
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
     if cache_is_quantized(key_cache):
         ops = native.kernels()
         if ops is not None:  # quantized in one pass over the new tokens
             ops.write_kv_slots(key.float(), value.float(), key_cache, value_cache, slot_mapping, key_scale, value_scale)
             return
+    write_kv_cache_torch(key, value, key_cache, value_cache, slot_mapping, key_scale, value_scale)
+
+
+def write_kv_cache_torch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
+) -> None:
+    """write_kv_cache in torch ops only: any device."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
     for new, cache, scale in ((key, key_cache, key_scale), (value, value_cache, value_scale)):
         if new.dtype != cache.dtype:  # a bf16 cache under float32 compute, or a quantized cache
             new, new_scale = quantize(new, cache.dtype, scale.shape[-1] if scale is not None else 1)

@@ -1,6 +1,7 @@
 """The attention layer: writes this step's K/V into the paged cache, then attends.
 
-It reads the batch layout from the forward context; the runner binds `kv_cache` once.
+It reads the batch layout from the forward context; the runner binds `kv_cache` once; the kernels are its
+attention backend's (`attention_backend.py`), chosen by the device of the first forward pass.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import torch
 from torch import nn
 
 from perfxlm.model.forward_context import get_forward_context
-from perfxlm.ops.attention import paged_decode_attention, prefill_attention, write_kv_cache
+from perfxlm.model.layers import attention_backend
+from perfxlm.model.layers.attention_backend import AttentionBackend, AttentionOptions
 from perfxlm.ops.kv_quant import KVCache
 
 
@@ -54,6 +56,8 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logit_soft_cap = logit_soft_cap
+        self.options = AttentionOptions(scale, sliding_window, logit_soft_cap)
+        self.backend: AttentionBackend | None = None  # bound at the first forward pass, by its device
         # K and V blocks, each [num_blocks, block_size, num_kv_heads, head_dim], and their scales for an
         # int8 / fp8 cache (ops/kv_quant.py)
         self.kv_cache: KVCache | None = None
@@ -65,28 +69,10 @@ class Attention(nn.Module):
         v: torch.Tensor,
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         assert self.kv_cache is not None, "KV cache not bound"
-        meta = get_forward_context()
-        cache = self.kv_cache
-        key_cache, value_cache = cache.key, cache.value
-        write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping, cache.key_scale, cache.value_scale)
-        out = torch.empty(q.shape, dtype=q.dtype)
-        options = {}
-        if cache.key_scale is not None:
-            options["key_scale"], options["value_scale"] = cache.key_scale, cache.value_scale
-        if self.sliding_window is not None:
-            options["sliding_window"] = self.sliding_window
-        if self.logit_soft_cap is not None:
-            options["soft_cap"] = self.logit_soft_cap
-        nd = meta.num_decode_tokens
-        if nd:
-            out[:nd] = paged_decode_attention(
-                q[:nd], key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
-                meta.decode_mask, **options,
-            )  # fmt: skip
-        for seq in meta.prefills:
-            s, e = seq.start, seq.end
-            out[s:e] = prefill_attention(
-                q[s:e], k[s:e], v[s:e], key_cache, value_cache, seq.block_table, seq.num_context_tokens,
-                self.scale, bf16_model=cache.bf16_model, **options,
-            )  # fmt: skip
+        backend = self.backend or self._bind_backend(q.device)
+        out = backend.forward(q, k, v, self.kv_cache, get_forward_context(), self.options)
         return out.view(out.shape[0], -1)
+
+    def _bind_backend(self, device: torch.device) -> AttentionBackend:
+        self.backend = attention_backend.for_device(device)
+        return self.backend

@@ -1,0 +1,169 @@
+"""Attention backends: how an attention layer writes this step's K/V and attends over the paged cache.
+
+The layer owns its options and its cache; the backend owns the kernels. `cpu` is the engine's own path
+(the native decode kernel, tiled prefill over cached context, SDPA; `ops/attention.py`); `triton` runs the
+Triton kernels of `ops/gpu/` for every row of the step in one launch, the path of a CUDA device, which
+Triton's interpreter also runs on CPU tensors so the suite checks it end to end without a GPU.
+
+Chosen by the device of the step's tensors, or forced with `PERFXLM_ATTENTION_BACKEND=cpu|triton`
+(read once, at the first forward pass).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from perfxlm.model.forward_context import AttentionMetadata
+from perfxlm.ops.attention import paged_decode_attention, prefill_attention, write_kv_cache, write_kv_cache_torch
+from perfxlm.ops.kv_quant import KVCache
+
+BACKENDS = ("auto", "cpu", "triton")
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionOptions:
+    """What one attention layer asks of every backend."""
+
+    scale: float
+    sliding_window: int | None = None  # a query at position p sees keys in (p - window, p]
+    soft_cap: float | None = None  # scores -> cap * tanh(scores / cap) before the softmax
+
+
+class AttentionBackend(ABC):
+    name: str
+    # whether the CPU's fused decode layer (one native call per layer, its own attention) may replace the
+    # module path on all-decode steps: only where this backend's kernels are the ones it would replace
+    fuses_decode: bool = False
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        cache: KVCache,
+        meta: AttentionMetadata,
+        options: AttentionOptions,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Write k/v at meta.slot_mapping, then attend: decode rows first, then each prefill sequence."""
+
+
+class CpuAttentionBackend(AttentionBackend):
+    name = "cpu"
+    fuses_decode = True
+
+    def forward(self, q, k, v, cache, meta, options):
+        key_cache, value_cache = cache.key, cache.value
+        write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping, cache.key_scale, cache.value_scale)
+        out = torch.empty(q.shape, dtype=q.dtype)
+        kwargs = {}
+        if cache.key_scale is not None:
+            kwargs["key_scale"], kwargs["value_scale"] = cache.key_scale, cache.value_scale
+        if options.sliding_window is not None:
+            kwargs["sliding_window"] = options.sliding_window
+        if options.soft_cap is not None:
+            kwargs["soft_cap"] = options.soft_cap
+        nd = meta.num_decode_tokens
+        if nd:
+            out[:nd] = paged_decode_attention(
+                q[:nd], key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens, options.scale,
+                meta.decode_mask, **kwargs,
+            )  # fmt: skip
+        for seq in meta.prefills:
+            s, e = seq.start, seq.end
+            out[s:e] = prefill_attention(
+                q[s:e], k[s:e], v[s:e], key_cache, value_cache, seq.block_table, seq.num_context_tokens,
+                options.scale, bf16_model=cache.bf16_model, **kwargs,
+            )  # fmt: skip
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class _TritonStep:
+    """The step's batch as the Triton kernel reads it: one row per sequence, built once per step."""
+
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    query_lens: list[int]
+    seq_lens: list[int]
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self) -> None:
+        from perfxlm.ops.gpu.paged_attention import paged_attention  # imports triton: only when chosen
+
+        self._attend = paged_attention
+        self._steps: dict[int, tuple[AttentionMetadata, _TritonStep]] = {}
+
+    def _step(self, meta: AttentionMetadata, device: torch.device) -> _TritonStep:
+        # Every layer of a forward pass sees the same metadata object: the table is built by the first.
+        cached = self._steps.get(id(meta))
+        if cached is not None and cached[0] is meta:
+            return cached[1]
+        nd = meta.num_decode_tokens
+        tables: list[torch.Tensor] = []
+        query_lens: list[int] = [1] * nd
+        seq_lens: list[int] = []
+        if nd:
+            tables.extend(meta.decode_block_tables)
+            seq_lens.extend(meta.decode_seq_lens.tolist())
+        for seq in meta.prefills:
+            tables.append(seq.block_table)
+            query_lens.append(seq.end - seq.start)
+            seq_lens.append(seq.num_context_tokens + seq.end - seq.start)
+        width = max(t.shape[0] for t in tables)
+        padded = torch.zeros(len(tables), width, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            padded[i, : t.shape[0]] = t
+        step = _TritonStep(padded.to(device), query_lens, seq_lens)
+        self._steps = {id(meta): (meta, step)}  # only the current step is kept
+        return step
+
+    def forward(self, q, k, v, cache, meta, options):
+        write_kv_cache_torch(k, v, cache.key, cache.value, meta.slot_mapping.to(k.device), cache.key_scale,
+                             cache.value_scale)  # fmt: skip
+        if cache.key.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.int8):
+            raise ValueError(f"the triton attention backend reads float and int8 KV caches, not {cache.key.dtype}.")
+        step = self._step(meta, q.device)
+        return self._attend(
+            q, cache.key, cache.value, step.block_tables, step.query_lens, step.seq_lens, options.scale,
+            options.sliding_window, options.soft_cap, cache.key_scale, cache.value_scale,
+        )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=None)
+def requested() -> str:
+    name = os.environ.get("PERFXLM_ATTENTION_BACKEND", "auto").strip().lower() or "auto"
+    if name not in BACKENDS:
+        raise ValueError(f"PERFXLM_ATTENTION_BACKEND must be one of {', '.join(BACKENDS)}; got {name!r}.")
+    return name
+
+
+@functools.lru_cache(maxsize=None)
+def _backend(name: str) -> AttentionBackend:
+    return TritonAttentionBackend() if name == "triton" else CpuAttentionBackend()
+
+
+def for_device(device: torch.device) -> AttentionBackend:
+    """The backend for tensors on `device`: triton on CUDA, cpu on CPU, unless the environment forces one
+    (read once per process; `requested.cache_clear()` re-reads it)."""
+    name = requested()
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "cpu"
+    elif name == "cpu" and device.type != "cpu":
+        raise ValueError(f"PERFXLM_ATTENTION_BACKEND=cpu cannot attend over tensors on {device}.")
+    elif name == "triton" and device.type == "cpu":
+        from perfxlm.ops.gpu import triton_available
+
+        if not triton_available():
+            raise ValueError(
+                "PERFXLM_ATTENTION_BACKEND=triton on CPU tensors needs triton installed and TRITON_INTERPRET=1 "
+                "(Triton's interpreter)."
+            )
+    return _backend(name)
