@@ -40,6 +40,7 @@ def split_vllm_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
         if value not in (None, "main"):
             raise ValueError(f"{name}={value!r} is not supported: the tokenizer and code come from the model's "
                              "revision (revision=...).")
+    check_device(rest.pop("device", "auto"))
     nbytes = rest.pop("kv_cache_memory_bytes", None)
     if nbytes is not None:
         if not isinstance(nbytes, int) or nbytes <= 0:
@@ -71,3 +72,18 @@ def kv_cache_space_env() -> float | None:
     except ValueError:
         raise ValueError(f"VLLM_CPU_KVCACHE_SPACE must be a number of GiB, got {space!r}.") from None
     return gib if gib > 0 else None
+
+
+DEVICES = ("auto", "cpu")
+
+
+def check_device(device: Any) -> str:
+    """vLLM's `device`: "auto" and "cpu" run here. The GPU kernels exist (ops/gpu, tested in Triton's
+    interpreter) but the CUDA executor does not yet, so "cuda" is refused rather than quietly run on CPU."""
+    name = str(device).strip().lower() if device is not None else "auto"
+    if name in DEVICES:
+        return "cpu"
+    if name.startswith("cuda"):
+        raise ValueError(f"device={device!r}: this version of perfxlm runs the engine on CPU only; use "
+                         "device='cpu' or 'auto'.")
+    raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}.")

@@ -17,6 +17,7 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder, if not the model's")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="weights and activations dtype; auto = bfloat16 where the CPU has native bf16")
+    parser.add_argument("--device", default="auto", help="auto | cpu (vLLM's flag; the engine runs on CPU)")
     parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
                         help="dummy = random weights of the right shapes (benchmarks)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output)")
@@ -104,6 +105,12 @@ def _kv_cache_gib(args: argparse.Namespace) -> float | None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
+    from perfxlm.compat import check_device
+
+    try:
+        check_device(getattr(args, "device", "auto"))
+    except ValueError as exc:
+        raise SystemExit(f"perfxlm: {exc}") from None
     for name, notice in _GPU_FLAG_NOTICES.items():
         if getattr(args, name, None) is not None:
             print(f"perfxlm: {notice}.", file=sys.stderr)

@@ -111,7 +111,9 @@ def test_vllm_arguments(monkeypatch):
     assert split_vllm_kwargs({"kv_cache_gib": 1.0})[1] == {}
     assert split_vllm_kwargs({"revision": "abc", "download_dir": "/x"})[0] == {"revision": "abc",
                                                                                "download_dir": "/x"}  # engine fields
-    for bad, words in [({"tokenizer_mode": "mistral"}, "fast tokenizer"), ({"tokenizer_revision": "v2"}, "revision")]:
+    assert split_vllm_kwargs({"device": "cpu", "max_model_len": 8})[0] == {"max_model_len": 8}
+    for bad, words in [({"tokenizer_mode": "mistral"}, "fast tokenizer"), ({"tokenizer_revision": "v2"}, "revision"),
+                       ({"device": "cuda"}, "CPU only; use device='cpu'"), ({"device": "tpu"}, "one of auto, cpu")]:
         with pytest.raises(ValueError, match=words):
             split_vllm_kwargs(bad)
     assert parse_allowed_origins(['["*"]']) == ["*"]
