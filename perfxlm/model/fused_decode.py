@@ -5,13 +5,16 @@ per layer) than in arithmetic. `FusedDecode` describes each layer once (`_layer_
 (Llama, Mistral, Qwen2 with biases, Qwen3 with q/k norms, Phi-3 with partial rotary, sliding windows) and
 Gemma 2 (sandwich norms with 1 + w, GELU-tanh, soft-capped attention, local/global windows), and runs a
 step whose tokens are all decodes through `torch.ops.perfxlm.decode_layer`, float32 activations over
-float32, bf16 or quantized weights. Anything else (prefill chunks in the batch, MoE and OPT layers, no native
-kernels, bf16 activations) takes the module path, which stays the reference the tests compare against.
+float32, bf16 or quantized weights. A decoder layer kind joins by implementing `fused_decode_layer()`
+(FusableDecoderLayer), built from `fused_attention`, `fused_mlp` and `fused_layer`; no family is named
+here. Anything else (prefill chunks in the batch, MoE and OPT layers, no native kernels, bf16
+activations) takes the module path, which stays the reference the tests compare against.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -25,7 +28,7 @@ from perfxlm.ops.linear import native_int8_blocks
 from perfxlm.quant.weight import ActivationMode
 
 
-def _activation_code(act: nn.Module) -> int | None:
+def activation_code(act: nn.Module) -> int | None:
     if type(act) is SiluAndMul:
         return 0
     if type(act) is GeluAndMul:
@@ -33,14 +36,16 @@ def _activation_code(act: nn.Module) -> int | None:
     return None
 
 
-def _norm_weight(norm: nn.Module, gemma: bool) -> torch.Tensor | None:
+def norm_scale(norm: nn.Module) -> torch.Tensor | None:
     """The float32 scale the kernel multiplies by: w (RMSNorm) or 1 + w (Gemma, computed once here)."""
-    if type(norm) is not (GemmaRMSNorm if gemma else RMSNorm) or norm.weight.dtype != torch.float32:
+    if norm.weight.dtype != torch.float32:
         return None
-    return (1.0 + norm.weight) if gemma else norm.weight
+    if type(norm) is GemmaRMSNorm:
+        return 1.0 + norm.weight
+    return norm.weight if type(norm) is RMSNorm else None
 
 
-def _weight_parts(weight: Any) -> list[torch.Tensor]:
+def weight_parts(weight: Any) -> list[torch.Tensor]:
     """A projection's weight as `decode_layer` takes it: [w], or a quantized weight's tensors
     [codes, scales, mins, levels (empty: none), act_int8] (perfxlm.quant.QuantizedWeight)."""
     if isinstance(weight, torch.Tensor):
@@ -49,58 +54,111 @@ def _weight_parts(weight: Any) -> list[torch.Tensor]:
     return [weight.codes, weight.scales, weight.mins, levels, torch.tensor(weight.act == "int8")]
 
 
-def _attention_args(attn: nn.Module) -> tuple[Any, ...] | None:
-    from perfxlm.model.models.llama import LlamaAttention
+@dataclass(frozen=True)
+class FusedAttention:
+    """An attention block as `decode_layer` runs it: fused q|k|v projection, optional per-head q/k
+    RMSNorm, rotary over q and k, paged attention, output projection."""
 
-    if type(attn) is not LlamaAttention:
-        return None
-    q_norm = k_norm = None
+    qkv: list[torch.Tensor]  # weight_parts of the q|k|v projection
+    qkv_bias: torch.Tensor | None
+    o: list[torch.Tensor]
+    o_bias: torch.Tensor | None
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+    q_norm: torch.Tensor | None = None  # per-head RMSNorm scales (Qwen3), with one epsilon for both
+    k_norm: torch.Tensor | None = None
+    head_eps: float = 0.0
+
+
+@dataclass(frozen=True)
+class FusedMLP:
+    """A gated MLP: down(act(gate) * up) with a fused gate|up projection."""
+
+    gate_up: list[torch.Tensor]
+    gate_up_bias: torch.Tensor | None
+    down: list[torch.Tensor]
+    down_bias: torch.Tensor | None
+    intermediate: int
+    activation: int  # activation_code()
+
+
+@dataclass(frozen=True)
+class FusedLayer:
+    """One decoder layer's part of `decode_layer`'s arguments: what a family provides by implementing
+    `fused_decode_layer()` (see FusableDecoderLayer); everything per step comes from the forward pass."""
+
+    # input and post-attention norms; for sandwich-norm layers (Gemma 2: the block's output is normed
+    # before the residual add) also the pre- and post-feedforward norms, else None
+    norms: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+    eps: float
+    attention: FusedAttention
+    mlp: FusedMLP
+
+    def before_rope(self) -> tuple[Any, ...]:
+        a, m = self.attention, self.mlp
+        return (
+            *self.norms, self.eps, a.q_norm, a.k_norm, a.head_eps, a.qkv, a.qkv_bias, a.o, a.o_bias,
+            m.gate_up, m.gate_up_bias, m.down, m.down_bias, a.num_heads, a.num_kv_heads, a.head_dim,
+            m.intermediate, m.activation,
+        )  # fmt: skip
+
+    def after_rope(self) -> tuple[Any, ...]:
+        a = self.attention
+        return (a.scale, a.sliding_window or 0, a.soft_cap or 0.0)
+
+
+@runtime_checkable
+class FusableDecoderLayer(Protocol):
+    """A decoder layer kind that can run as one `decode_layer` call: None where this instance's options
+    do not fit the kernel (it then takes the module path)."""
+
+    def fused_decode_layer(self) -> FusedLayer | None: ...
+
+
+def fused_attention(qkv_proj: nn.Module, o_proj: nn.Module, core: nn.Module,
+                    q_norm: nn.Module | None = None, k_norm: nn.Module | None = None) -> FusedAttention | None:  # fmt: skip
+    """`core`: the block's `Attention` layer (heads, scale, window, soft cap)."""
+    qn = kn = None
     head_eps = 0.0
-    if attn.qk_norm:
-        q_norm, k_norm = _norm_weight(attn.q_norm, False), _norm_weight(attn.k_norm, False)
-        if q_norm is None or k_norm is None or attn.q_norm.variance_epsilon != attn.k_norm.variance_epsilon:
+    if q_norm is not None:
+        qn, kn = norm_scale(q_norm), norm_scale(k_norm)
+        if qn is None or kn is None or q_norm.variance_epsilon != k_norm.variance_epsilon:
             return None
-        head_eps = attn.q_norm.variance_epsilon
-    qkv, o = attn.qkv_proj, attn.o_proj
-    return (q_norm, k_norm, head_eps, _weight_parts(qkv.weight), qkv.bias, _weight_parts(o.weight), o.bias)
+        head_eps = q_norm.variance_epsilon
+    return FusedAttention(
+        weight_parts(qkv_proj.weight), qkv_proj.bias, weight_parts(o_proj.weight), o_proj.bias, core.num_heads,
+        core.num_kv_heads, core.head_dim, core.scale, core.sliding_window, core.logit_soft_cap, qn, kn, head_eps,
+    )  # fmt: skip
 
 
-def _mlp_args(mlp: nn.Module) -> tuple[Any, ...] | None:
-    from perfxlm.model.models.llama import LlamaMLP
-
-    if type(mlp) is not LlamaMLP or _activation_code(mlp.act) is None:
+def fused_mlp(gate_up_proj: nn.Module, down_proj: nn.Module, act: nn.Module) -> FusedMLP | None:
+    code = activation_code(act)
+    if code is None:
         return None
-    gate_up, down = mlp.gate_up_proj, mlp.down_proj
-    return (_weight_parts(gate_up.weight), gate_up.bias, _weight_parts(down.weight), down.bias)
+    return FusedMLP(weight_parts(gate_up_proj.weight), gate_up_proj.bias, weight_parts(down_proj.weight),
+                    down_proj.bias, down_proj.in_features, code)  # fmt: skip
+
+
+def fused_layer(norms: list[nn.Module], attention: FusedAttention | None, mlp: FusedMLP | None) -> FusedLayer | None:
+    """`norms`: input and post-attention (two), or those and the pre-/post-feedforward ones (four); all of
+    one epsilon."""
+    scales = [norm_scale(n) for n in norms]
+    eps = {n.variance_epsilon for n in norms}
+    if attention is None or mlp is None or any(w is None for w in scales) or len(eps) != 1:
+        return None
+    padded = (scales + [None, None])[:4]
+    return FusedLayer(tuple(padded), eps.pop(), attention, mlp)  # type: ignore[arg-type]
 
 
 def _layer_args(layer: nn.Module) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
     """The layer's arguments to `decode_layer` before and after the per-step ones, or None where the
     layer does not fit the kernel."""
-    from perfxlm.model.models.gemma2 import Gemma2DecoderLayer
-    from perfxlm.model.models.llama import LlamaDecoderLayer
-
-    gemma = type(layer) is Gemma2DecoderLayer
-    if not gemma and type(layer) is not LlamaDecoderLayer:
-        return None
-    attn_args, mlp_args = _attention_args(layer.self_attn), _mlp_args(layer.mlp)
-    if attn_args is None or mlp_args is None:
-        return None
-    names = ["input_layernorm", "post_attention_layernorm"]
-    names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"] if gemma else []
-    norms = [_norm_weight(getattr(layer, n), gemma) for n in names]
-    eps = {getattr(layer, n).variance_epsilon for n in names}
-    if any(w is None for w in norms) or len(eps) != 1:
-        return None
-    if not gemma:
-        norms += [None, None]
-    attn, mlp = layer.self_attn, layer.mlp
-    core = attn.attn
-    before_rope = (
-        *norms, eps.pop(), *attn_args, *mlp_args,
-        core.num_heads, core.num_kv_heads, core.head_dim, mlp.down_proj.in_features, _activation_code(mlp.act),
-    )  # fmt: skip
-    return before_rope, (core.scale, core.sliding_window or 0, core.logit_soft_cap or 0.0)
+    fused = layer.fused_decode_layer() if isinstance(layer, FusableDecoderLayer) else None
+    return None if fused is None else (fused.before_rope(), fused.after_rope())
 
 
 def _int8_blocks(quantized: list[Any]) -> bool | None:

@@ -10,13 +10,15 @@ import torch
 from torch import nn
 
 from perfxlm.model.forward_context import get_forward_context
-from perfxlm.model.fused_decode import FusedDecode
+from perfxlm.model.fused_decode import FusedDecode, FusedLayer
 from perfxlm.model.layers.attention import layer_sliding_window
 from perfxlm.model.layers.embed_head import LMHead, VocabEmbedding
 from perfxlm.model.layers.norm import GemmaRMSNorm
 from perfxlm.model.layers.rotary import RotaryEmbedding
 from perfxlm.model.models.base import CausalLM
-from perfxlm.model.models.llama import LLAMA_STACKED_PARAMS, LlamaAttention, LlamaMLP, head_dim_of
+from perfxlm.model.models.llama import (
+    LLAMA_STACKED_PARAMS, LlamaAttention, LlamaMLP, fused_llama_layer, head_dim_of,
+)
 
 
 class Gemma2DecoderLayer(nn.Module):
@@ -38,6 +40,11 @@ class Gemma2DecoderLayer(nn.Module):
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         x = x + self.post_attention_layernorm(self.self_attn(rope, self.input_layernorm(x)))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+    def fused_decode_layer(self) -> FusedLayer | None:
+        norms = [self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm,
+                 self.post_feedforward_layernorm]  # fmt: skip
+        return fused_llama_layer(self, norms)
 
 
 class Gemma2Model(nn.Module):

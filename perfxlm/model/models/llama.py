@@ -12,7 +12,9 @@ import torch
 from torch import nn
 
 from perfxlm.model.forward_context import get_forward_context
-from perfxlm.model.fused_decode import FusedDecode
+from perfxlm.model.fused_decode import (
+    FusedAttention, FusedDecode, FusedLayer, FusedMLP, fused_attention, fused_layer, fused_mlp,
+)
 from perfxlm.model.layers.activation import act_and_mul
 from perfxlm.model.layers.attention import Attention
 from perfxlm.model.layers.embed_head import LMHead, VocabEmbedding
@@ -77,6 +79,10 @@ class LlamaAttention(nn.Module):
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         return self.o_proj(self.attn(q, k, v))
 
+    def fused_decode_attention(self) -> FusedAttention | None:
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
+        return fused_attention(self.qkv_proj, self.o_proj, self.attn, *norms)
+
 
 class LlamaMLP(nn.Module):
     def __init__(
@@ -95,6 +101,9 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
+
+    def fused_decode_mlp(self) -> FusedMLP | None:
+        return fused_mlp(self.gate_up_proj, self.down_proj, self.act)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -118,6 +127,18 @@ class LlamaDecoderLayer(nn.Module):
         x = self.self_attn(rope, x)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+    def fused_decode_layer(self) -> FusedLayer | None:
+        return fused_llama_layer(self, [self.input_layernorm, self.post_attention_layernorm])
+
+
+def fused_llama_layer(layer: nn.Module, norms: list[nn.Module]) -> FusedLayer | None:
+    """A layer of LlamaAttention and LlamaMLP blocks as one fused decode call; other blocks (a mixture of
+    experts) keep the module path."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if not isinstance(attn, LlamaAttention) or not isinstance(mlp, LlamaMLP):
+        return None
+    return fused_layer(norms, attn.fused_decode_attention(), mlp.fused_decode_mlp())
 
 
 class LlamaModel(nn.Module):
