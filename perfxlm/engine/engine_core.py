@@ -115,27 +115,3 @@ class EngineCore:
 
     def check_invariants(self) -> dict[str, int]:
         return self.kv_cache_manager.check_invariants()
-
-
-class EngineFrontEndParts:
-    """What every front end builds the same way: tokenizer, core, input and output processors."""
-
-    def __init__(self, config: EngineConfig) -> None:
-        from perfxlm.engine.input_processor import InputProcessor
-        from perfxlm.engine.output_processor import OutputProcessor
-
-        self.config = config.resolve()
-        self.tokenizer = None
-        if not config.skip_tokenizer_init:
-            from perfxlm.tokenizer import get_tokenizer
-
-            self.tokenizer = get_tokenizer(config.model, config.tokenizer)
-        if config.data_parallel_size > 1:  # replicas in their own processes, one router here
-            from perfxlm.engine.data_parallel import DataParallelCore
-
-            self.core = DataParallelCore(config)
-        else:
-            self.core = EngineCore(config)
-        self.num_kv_blocks = self.core.num_kv_blocks
-        self.input_processor = InputProcessor(config, self.tokenizer, self.num_kv_blocks)
-        self.output_processor = OutputProcessor(self.tokenizer)

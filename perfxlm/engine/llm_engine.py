@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from perfxlm.config import EngineConfig
-from perfxlm.engine.engine_core import EngineFrontEndParts
+from perfxlm.engine.front_end import EngineFrontEndParts
 from perfxlm.engine.input_processor import PromptType
 from perfxlm.engine.request import RequestStatus
 from perfxlm.outputs import RequestOutput

@@ -26,7 +26,7 @@ import time
 from typing import Any, Callable
 
 from perfxlm.config import EngineConfig
-from perfxlm.engine.engine_core import EngineFrontEndParts
+from perfxlm.engine.front_end import EngineFrontEndParts
 from perfxlm.engine.input_processor import PromptType
 from perfxlm.engine.messages import EngineCoreOutput
 from perfxlm.engine.request import Request, RequestStatus

@@ -8,6 +8,8 @@ import json
 import os
 from typing import Callable
 
+from perfxlm.eval.inputs import read_text, tqdm_disabled
+
 
 def add_eval_parser(sub: argparse._SubParsersAction, add_engine_args: Callable, engine_kwargs: Callable) -> None:
     ev = sub.add_parser("eval", help="evaluations: perplexity and KL divergence (as llama.cpp's llama-perplexity)")
@@ -41,16 +43,6 @@ def add_eval_parser(sub: argparse._SubParsersAction, add_engine_args: Callable, 
     add_quant_table_parser(esub, add_engine_args, engine_kwargs)
 
 
-def read_text(path: str) -> str:
-    if not os.path.isfile(path):
-        raise ValueError(f"--file {path!r} does not exist or is not a file.")
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        text = fh.read()
-    if not text.strip():
-        raise ValueError(f"--file {path!r} is empty: perplexity needs a text to score.")
-    return text
-
-
 def header(llm, args: argparse.Namespace) -> dict:
     from perfxlm.ops import cpu_plan
 
@@ -62,10 +54,6 @@ def header(llm, args: argparse.Namespace) -> dict:
         "chunks": args.chunks, "batch_size": args.batch_size, "score_chunk": args.score_chunk,
         "max_num_batched_tokens": c.max_num_batched_tokens, "threads": _threads(),
     }
-
-
-def tqdm_disabled() -> bool:
-    return os.environ.get("TQDM_DISABLE", "").strip().lower() not in ("", "0", "false")
 
 
 def _threads() -> int:

@@ -93,7 +93,7 @@ def _label(c: dict[str, Any], many_models: bool) -> str:
 
 
 def cmd_kld(args: argparse.Namespace, kwargs: dict) -> int:
-    from perfxlm.eval.command import read_text, tqdm_disabled
+    from perfxlm.eval.inputs import read_text, tqdm_disabled
 
     text = read_text(args.file) if args.file else None  # before any model loads: a bad file fails fast
     if args.base is not None and text is None:

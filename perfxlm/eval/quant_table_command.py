@@ -34,7 +34,7 @@ def add_quant_table_parser(esub: argparse._SubParsersAction, add_engine_args: Ca
 
 
 def cmd_quant_table(args: argparse.Namespace, kwargs: dict) -> int:
-    from perfxlm.eval.command import read_text, tqdm_disabled
+    from perfxlm.eval.inputs import read_text, tqdm_disabled
     from perfxlm.eval.kld_command import split_list
     from perfxlm.eval.quant_table import (check_formats, default_formats, markdown, plot_quant_table,
                                           run_quant_table, temporary_base_path, to_dicts)  # fmt: skip

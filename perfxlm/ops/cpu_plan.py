@@ -53,7 +53,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
-from perfxlm.config import cpu_has_fast_bf16
 from perfxlm.ops import isa
 
 LAYOUTS = ("rows", "panels")
@@ -91,7 +90,7 @@ def _choice(name: str, allowed: tuple[str, ...], default: str) -> str:
 
 def detect() -> CpuPlan:
     """The plan for this CPU, with any environment overrides applied."""
-    fast_bf16 = cpu_has_fast_bf16()
+    fast_bf16 = isa.has_fast_bf16()
     layout = _choice("PERFXLM_BF16_LAYOUT", LAYOUTS, "rows" if fast_bf16 else "panels")
     gemm = _choice("PERFXLM_BF16_GEMM", GEMMS, "bf16" if fast_bf16 else "float32")
     max_rows = _rows("PERFXLM_NATIVE_MAX_ROWS", _AUTO_MAX_ROWS[(layout, gemm)])

@@ -120,6 +120,11 @@ def compile_flags() -> list[str]:
     return ["-march=native"] if value == "auto" else list(_BY_NAME[value].cflags)
 
 
+def has_fast_bf16() -> bool:
+    """Whether the CPU (as the plan may use it) computes bf16 natively: AVX512-BF16 or AMX."""
+    return bool(visible_flags() & {"avx512_bf16", "amx_bf16"})
+
+
 def visible_flags() -> frozenset[str]:
     """The CPU's flags as the plan may use them: a forced tier hides the tier flags above it."""
     flags = raw_cpu_flags()

@@ -24,7 +24,7 @@ import gc
 import logging
 import os
 from importlib import resources
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -142,15 +142,14 @@ def run_tokens(model: nn.Module, ids: list[int], window: int = WINDOW) -> None:
 
 
 def collect(
-    model_path: str, hf_config: Any, load_format: str, ids: list[int], weights: Any = CALIBRATION_WEIGHTS
+    load_model: Callable[[Any], nn.Module], hf_config: Any, ids: list[int], weights: Any = CALIBRATION_WEIGHTS
 ) -> dict[str, torch.Tensor]:
     """Mean square activation per input channel of every weight `quantization=` will quantize, from the
-    calibration tokens `ids` run through the checkpoint loaded with `weights` (a `quantization=` value:
-    int8 per channel by default; "none" loads it float)."""
-    from perfxlm.model.loader import get_model, release_freed_memory
-
+    calibration tokens `ids` run through the checkpoint as `load_model(weights)` loads it (`weights`: a
+    `quantization=` value: int8 per channel by default; "none" loads it float). The loader is passed in:
+    the model loader calls this module while loading, so this module never imports the loader."""
     max_positions = getattr(hf_config, "max_position_embeddings", None) or WINDOW
-    model = get_model(model_path, hf_config, torch.float32, load_format, quantization=weights)
+    model = load_model(weights)
     stats = ChannelStats(hook_targets(model))
     try:
         run_tokens(model, ids, min(WINDOW, max_positions))
@@ -158,7 +157,25 @@ def collect(
         stats.remove()
     del model
     gc.collect()
-    release_freed_memory()
     result = stats.mean_squares()
     logger.info("Calibration: %d tokens, statistics for %d weights.", len(ids), len(result))
     return result
+
+
+def importance(
+    config: Any, model_path: str, hf_config: Any, load_model: Callable[[Any], nn.Module]
+) -> dict[str, torch.Tensor]:
+    """The activation statistics a `QuantizationConfig` asks for (its `calibration`), before any weight
+    of the model is read; {} where it asks for none or, unless the user named the text, where the
+    built-in calibration text cannot be used with this model."""
+    if config is None or config.calibration is None:
+        return {}
+    try:
+        ids = calibration_ids(calibration_text(config.calibration), model_path, config.calibration_tokens)
+    except ValueError as e:
+        if config.calibration_explicit:
+            raise
+        logger.warning("quantization=%r: calibration-free, as the built-in calibration text cannot be "
+                       "used here (%s).", config.method, e)
+        return {}
+    return collect(load_model, hf_config, ids)

@@ -129,24 +129,6 @@ class QuantizedLoader:
                 QuantizedWeight.check_activation_blocks(in_features, f"{name}.{param}")
         self.activations = mode
 
-    def calibrate(self, model_path: str, hf_config: Any, load_format: str) -> None:
-        """Collect the activation statistics the format asks for (`calibration`), before any weight of
-        this model is read; a no-op otherwise."""
-        config = self.config
-        if config is None or config.calibration is None:
-            return
-        from perfxlm.quant.calibration import calibration_ids, calibration_text, collect
-
-        try:
-            ids = calibration_ids(calibration_text(config.calibration), model_path, config.calibration_tokens)
-        except ValueError as e:
-            if config.calibration_explicit:
-                raise
-            logger.warning("quantization=%r: calibration-free, as the built-in calibration text cannot be "
-                           "used here (%s).", config.method, e)
-            return
-        self.importance = collect(model_path, hf_config, load_format, ids)
-
     def _quantize(self, module: nn.Module, local: str, tensor: Any) -> QuantizedWeight:
         if (id(module), local) in self.tables:
             return self.config.quantize_table(tensor)  # type: ignore[union-attr]

@@ -64,7 +64,11 @@ def test_statistics_match_transformers_activations(tiny, text_file, weights):
 
     ids = calibration_ids(calibration_text(text_file), tiny, 200)
     assert len(ids) == 200 and max(ids) < 256
-    stats = collect(tiny, load_hf_config(tiny), "safetensors", ids, weights={"method": weights})
+    from perfxlm.model.loader import get_model
+
+    config = load_hf_config(tiny)
+    load = lambda w: get_model(tiny, config, torch.float32, "safetensors", quantization=w)  # noqa: E731
+    stats = collect(load, config, ids, weights={"method": weights})
     hf = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
     seen: dict[str, torch.Tensor] = {}
     hooks = []

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from perfxlm.model.loader.weight_arena import move_to_arena
 from perfxlm.model.registry import resolve_model_class
+from perfxlm.quant import calibration
 from perfxlm.quant.config import resolve_activations
 from perfxlm.quant.loading import quantized_loader
 from perfxlm.quant.weight import ActivationMode
@@ -36,6 +37,10 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(old)
+
+
+def _calibration_model(model_path: str, hf_config: Any, load_format: str, weights: Any) -> torch.nn.Module:
+    return get_model(model_path, hf_config, torch.float32, load_format, quantization=weights)
 
 
 def get_model(
@@ -68,7 +73,12 @@ def get_model(
         if sink is not None:
             sink.take_activations(activation_mode(hf_config, sink.source, weight_dtype or dtype))
         if sink is not None and load_format != "dummy":
-            sink.calibrate(model_path, hf_config, load_format)  # activation statistics, where asked for
+            # activation statistics, where asked for: from the same checkpoint loaded as `weights` says
+            sink.importance = calibration.importance(
+                sink.config, model_path, hf_config,
+                lambda weights: _calibration_model(model_path, hf_config, load_format, weights),
+            )  # fmt: skip
+            release_freed_memory()  # the calibration model's pages, before this model's weights arrive
         if weight_dtype is not None and weight_dtype != dtype:
             _allocate_weights(model, weight_dtype)
         if load_format == "dummy":

@@ -1,0 +1,30 @@
+"""What every front end (the offline LLMEngine, the threaded engine behind the server) builds the same
+way: the tokenizer, the core (one EngineCore, or the data-parallel router over replicas of it) and the
+input and output processors."""
+
+from __future__ import annotations
+
+from perfxlm.config import EngineConfig
+from perfxlm.engine.data_parallel import DataParallelCore
+from perfxlm.engine.engine_core import EngineCore
+from perfxlm.engine.input_processor import InputProcessor
+from perfxlm.engine.output_processor import OutputProcessor
+
+
+class EngineFrontEndParts:
+    """What every front end builds the same way: tokenizer, core, input and output processors."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config.resolve()
+        self.tokenizer = None
+        if not config.skip_tokenizer_init:
+            from perfxlm.tokenizer import get_tokenizer
+
+            self.tokenizer = get_tokenizer(config.model, config.tokenizer)
+        if config.data_parallel_size > 1:  # replicas in their own processes, one router here
+            self.core = DataParallelCore(config)
+        else:
+            self.core = EngineCore(config)
+        self.num_kv_blocks = self.core.num_kv_blocks
+        self.input_processor = InputProcessor(config, self.tokenizer, self.num_kv_blocks)
+        self.output_processor = OutputProcessor(self.tokenizer)

@@ -1,0 +1,1 @@
+"""Developer tools that read the package (not used at run time)."""
