@@ -1,12 +1,13 @@
 """perfxlm: a vLLM-compatible LLM inference engine, fast on CPU."""
 
+from perfxlm.beam_search import BeamSearchOutput, BeamSearchSequence
 from perfxlm.config import EngineConfig
 from perfxlm.engine.async_engine import AsyncLLM
 from perfxlm.engine.handle import Engine, RequestHandle
 from perfxlm.inputs import AsyncEngineArgs, EngineArgs, TextPrompt, TokensPrompt
 from perfxlm.llm import LLM
 from perfxlm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from perfxlm.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
+from perfxlm.sampling_params import BeamSearchParams, GuidedDecodingParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -14,4 +15,5 @@ __all__ = [
     "LLM", "AsyncLLM", "Engine", "EngineConfig", "RequestHandle", "SamplingParams", "RequestOutput",
     "CompletionOutput", "Logprob", "RequestMetrics", "RequestOutputKind", "__version__",
     "EngineArgs", "AsyncEngineArgs", "TextPrompt", "TokensPrompt", "StructuredOutputsParams", "GuidedDecodingParams",
+    "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence",
 ]
