@@ -165,10 +165,10 @@ class BeamSearch:
 
 def to_request_output(request_id: str, prompt: str | None, prompt_token_ids: list[int],
                       beams: list[BeamSearchSequence], params: BeamSearchParams, tokenizer: Any,
-                      with_logprobs: bool = True) -> RequestOutput:
+                      logprobs: int | None = None) -> RequestOutput:
     """vLLM's asynchronous result: one finished RequestOutput, a completion per beam holding the generated
-    tokens only (the EOS token and its text only with include_stop_str_in_output) and, with_logprobs, each
-    token's row of candidates."""
+    tokens only (the EOS token and its text only with include_stop_str_in_output) and, unless logprobs is
+    None, each token's logprob with that many of its row's best candidates."""
     n = len(prompt_token_ids)
     outputs = []
     for i, beam in enumerate(beams):
@@ -176,9 +176,12 @@ def to_request_output(request_id: str, prompt: str | None, prompt_token_ids: lis
         if beam.finish_reason == "stop" and not params.include_stop_str_in_output:
             generated = generated[:-1]
         text = tokenizer.decode(generated, skip_special_tokens=False) if tokenizer is not None else ""
-        logprobs = beam.logprobs[: len(generated)] if with_logprobs else None
+        rows = None
+        if logprobs is not None:
+            rows = [{t: lp for t, lp in row.items() if t == chosen or (lp.rank or 0) <= logprobs}
+                    for row, chosen in zip(beam.logprobs, generated)]
         outputs.append(CompletionOutput(index=i, text=text, token_ids=generated, cumulative_logprob=beam.cum_logprob,
-                                        logprobs=logprobs, finish_reason=beam.finish_reason,
+                                        logprobs=rows, finish_reason=beam.finish_reason,
                                         stop_reason=beam.stop_reason))
     return RequestOutput(request_id=request_id, prompt=prompt, prompt_token_ids=list(prompt_token_ids),
                          prompt_logprobs=None, outputs=outputs, finished=True)

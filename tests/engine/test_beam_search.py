@@ -207,3 +207,45 @@ def test_engine_bounds_are_refused_before_any_step(llm):
     assert not llm.llm_engine.has_unfinished_requests()
     assert_pool_whole(llm)
     assert len(llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=3))[0].sequences) == 2
+
+
+def test_async_beam_search_equals_offline(eos_prone_checkpoint, llm):
+    """AsyncLLM.beam_search: one finished RequestOutput, generated tokens only; the EOS token and its
+    logprob row only with include_stop_str_in_output; cancelling it mid-search frees every block."""
+    import asyncio
+
+    from perfxlm import AsyncLLM, EngineConfig
+
+    prompt = _prompts(11, seed=1)[0]
+    params = BeamSearchParams(beam_width=3, max_tokens=9, length_penalty=0.0)
+    offline = llm.beam_search([{"prompt_token_ids": prompt}], params)[0].sequences
+    engine = AsyncLLM(EngineConfig(model=eos_prone_checkpoint, skip_tokenizer_init=True, dtype="float32",
+                                   num_kv_blocks=96))
+    try:
+        async def search(p, request_id):
+            return [out async for out in engine.beam_search({"prompt_token_ids": prompt}, request_id, p)]
+
+        async def cancelled():
+            task = asyncio.ensure_future(search(BeamSearchParams(beam_width=4, max_tokens=40, ignore_eos=True), "c"))
+            await asyncio.sleep(0.3)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+        for include in (False, True):
+            p = BeamSearchParams(beam_width=3, max_tokens=9, length_penalty=0.0, include_stop_str_in_output=include)
+            (out,) = asyncio.run(search(p, f"b{include}"))
+            assert out.finished and out.prompt_token_ids == prompt
+            for c, s in zip(out.outputs, offline):
+                ended = s.tokens[-1] == EOS
+                want = s.tokens[len(prompt):] if include or not ended else s.tokens[len(prompt):-1]
+                assert c.token_ids == want and c.finish_reason == ("stop" if ended else "length")
+                assert c.cumulative_logprob == pytest.approx(s.cum_logprob, abs=1e-6)
+                assert len(c.logprobs) == len(want)
+        with pytest.raises(ValueError, match="beam_width must be at most 10"):
+            asyncio.run(search(BeamSearchParams(beam_width=12, max_tokens=2), "bad"))
+        asyncio.run(cancelled())
+        assert engine.engine.wait_idle(30)
+        counts = engine.engine.check_invariants()
+        assert counts["used"] == 0 and counts["free"] + counts["cached"] == engine.engine.num_kv_blocks
+    finally:
+        engine.shutdown()

@@ -98,6 +98,8 @@ class SamplingFields(RequestModel):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     best_of: int | None = None
+    use_beam_search: bool = False  # n beams (BeamSearchParams.beam_width), ranked with length_penalty
+    length_penalty: float = 1.0
     cache_salt: str | None = None  # prefix-cache blocks are shared only among requests with the same salt
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs (and its earlier guided_*
     # fields), llama-server's json_schema and grammar
