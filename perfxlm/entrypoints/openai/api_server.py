@@ -21,13 +21,15 @@ from perfxlm.entrypoints.openai.errors import APIError, error_response
 from perfxlm.entrypoints.openai.metrics import ServerMetrics
 from perfxlm.entrypoints.openai.middleware import APIKeyCheck, BodySizeLimit
 from perfxlm.entrypoints.openai.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest, TokenizeRequest,
 )
+from perfxlm.entrypoints.openai.responses_store import ResponseStore
 from perfxlm.entrypoints.openai.serving_base import (
     ServerContext, check_extra_fields, check_model, engine_dead_error,
 )
 from perfxlm.entrypoints.openai.serving_chat import _message_dicts, create_chat_completion
 from perfxlm.entrypoints.openai.serving_completions import create_completion
+from perfxlm.entrypoints.openai.serving_responses import create_response, delete_response, get_response
 
 logger = logging.getLogger("perfxlm.server")
 _WEB_PAGE = os.path.join(os.path.dirname(__file__), "web", "index.html")
@@ -53,7 +55,8 @@ def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None =
               allowed_origins: list[str] | None = None, max_queued_requests: int = 256,
               max_request_body_bytes: int = 4 << 20, trust_request_chat_template: bool = False,
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None, default_sampling: dict | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, default_sampling: dict | None = None,
+              max_stored_responses: int = 1000) -> FastAPI:
     app = FastAPI(title="perfxlm OpenAI-compatible server", version=perfxlm.__version__)
     metrics = ServerMetrics(engine.engine)
     renderer = ChatRenderer(engine.tokenizer, trust_request_chat_template,
@@ -72,6 +75,7 @@ def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None =
         ctx.reasoning_parser = get_reasoning_parser(reasoning_parser)
         ctx.reasoning_token_ids = _single_tokens(engine.tokenizer, ("<think>", "</think>"))
     ctx.default_sampling = {k: v for k, v in (default_sampling or {}).items() if k != "max_tokens"}
+    ctx.responses = ResponseStore(max_stored_responses)
     app.state.ctx = ctx
 
     @app.exception_handler(APIError)
@@ -136,6 +140,18 @@ def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None =
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         return await served(create_chat_completion, req, raw)
+
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, raw: Request):
+        return await served(create_response, req, raw)
+
+    @app.get("/v1/responses/{response_id}")
+    async def responses_get(response_id: str):
+        return get_response(ctx, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def responses_delete(response_id: str):
+        return delete_response(ctx, response_id)
 
     @app.get("/v1/models")
     async def models():
@@ -321,7 +337,8 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
                     tool_call_parser=getattr(args, "tool_call_parser", None),
                     reasoning_parser=getattr(args, "reasoning_parser", None),
                     default_sampling=load_generation_defaults(engine.engine.config.model,
-                                                              getattr(args, "generation_config", "auto")))
+                                                              getattr(args, "generation_config", "auto")),
+                    max_stored_responses=getattr(args, "max_stored_responses", 1000))
     # the grammar engine's import (~2 s) happens now, off the request path, rather than in the first
     # structured-output request
     threading.Thread(target=_import_grammar_engine, name="perfxlm-import-xgrammar", daemon=True).start()

@@ -144,6 +144,28 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+class ResponsesRequest(SamplingFields):
+    """POST /v1/responses: OpenAI's fields; vLLM's extra sampling fields as on chat completions."""
+
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    reasoning: dict[str, Any] | None = None  # {"effort", "summary"}: the parser decides what is thinking
+    text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+    metadata: dict[str, str] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    include: list[str] | None = None
+    background: bool = False
+    # vLLM extensions, as on chat completions
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
 class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None

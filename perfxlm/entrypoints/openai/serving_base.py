@@ -39,6 +39,7 @@ class ServerContext:
     # sampling defaults of the model's generation_config.json (--generation-config auto), used where a
     # request leaves a field unset
     default_sampling: dict = field(default_factory=dict)
+    responses: Any = None  # responses_store.ResponseStore: /v1/responses kept for GET and previous_response_id
 
 
 def new_id(prefix: str) -> str:
