@@ -4,7 +4,6 @@ messages a later turn (previous_response_id) continues from. Plain data, no engi
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any
 
@@ -156,9 +155,3 @@ def turn_messages(output: list[dict]) -> list[dict]:
         message["tool_calls"] = calls
     return [message]
 
-
-def compact_json(text: str) -> str:
-    try:
-        return json.dumps(json.loads(text), ensure_ascii=False)
-    except ValueError:
-        return text
