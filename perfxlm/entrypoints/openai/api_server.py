@@ -321,6 +321,9 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     template = load_chat_template(getattr(args, "chat_template", None))  # a bad path fails before the model loads
+    max_stored_responses = getattr(args, "max_stored_responses", 1000)
+    if not isinstance(max_stored_responses, int) or max_stored_responses < 0:
+        raise ValueError(f"--max-stored-responses must be an integer >= 0, got {max_stored_responses!r}.")
     engine = AsyncLLM(EngineConfig(**engine_kwargs))
     if template is not None and engine.tokenizer is not None:
         engine.tokenizer.chat_template = template
@@ -338,7 +341,7 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
                     reasoning_parser=getattr(args, "reasoning_parser", None),
                     default_sampling=load_generation_defaults(engine.engine.config.model,
                                                               getattr(args, "generation_config", "auto")),
-                    max_stored_responses=getattr(args, "max_stored_responses", 1000))
+                    max_stored_responses=max_stored_responses)
     # the grammar engine's import (~2 s) happens now, off the request path, rather than in the first
     # structured-output request
     threading.Thread(target=_import_grammar_engine, name="perfxlm-import-xgrammar", daemon=True).start()
