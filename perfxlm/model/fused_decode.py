@@ -210,16 +210,22 @@ class FusedDecode:
         return True
 
     def run(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        layer_ropes: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (hidden, residual); for Gemma 2 (no residual stream) both are the layer output."""
+        """-> (hidden, residual); for Gemma 2 (no residual stream) both are the layer output.
+        `layer_ropes`: one (cos, sin) per layer where layers rotate differently (Gemma 3's local and
+        global bases), else `rope` serves every layer."""
         ops = native.kernels()
         plan = cpu_plan.plan()
         max_rows = plan.native_max_rows
         bf16_gemm = plan.gemm == "bf16" and self.quant_bf16_gemm
-        cos, sin = rope
         residual = x
         for i, (layer, (before, after)) in enumerate(zip(self.layers, self.args or [])):
+            cos, sin = rope if layer_ropes is None else layer_ropes[i]
             cache = layer.self_attn.attn.kv_cache
             x, residual = ops.decode_layer(
                 x, residual, i == 0, *before, cos, sin, cache.key, cache.value, meta.slot_mapping,

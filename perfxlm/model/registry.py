@@ -12,6 +12,7 @@ _MODELS = {
     "Qwen3ForCausalLM": ("perfxlm.model.models.qwen3", "Qwen3ForCausalLM"),
     "Phi3ForCausalLM": ("perfxlm.model.models.phi3", "Phi3ForCausalLM"),
     "Gemma2ForCausalLM": ("perfxlm.model.models.gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("perfxlm.model.models.gemma3", "Gemma3ForCausalLM"),
     "OPTForCausalLM": ("perfxlm.model.models.opt", "OPTForCausalLM"),
     "Qwen2MoeForCausalLM": ("perfxlm.model.models.qwen2_moe", "Qwen2MoeForCausalLM"),
     "MixtralForCausalLM": ("perfxlm.model.models.mixtral", "MixtralForCausalLM"),
