@@ -15,6 +15,7 @@ _MODELS = {
     "Gemma3ForCausalLM": ("perfxlm.model.models.gemma3", "Gemma3ForCausalLM"),
     "OPTForCausalLM": ("perfxlm.model.models.opt", "OPTForCausalLM"),
     "Qwen2MoeForCausalLM": ("perfxlm.model.models.qwen2_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("perfxlm.model.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("perfxlm.model.models.mixtral", "MixtralForCausalLM"),
 }
 

@@ -38,6 +38,18 @@ CASES = {
         attn_logit_softcapping=6.0, final_logit_softcapping=4.0, tie_word_embeddings=False,
         initializer_range=0.05,
     ), False),
+    # dense layers by mlp_only_layers, and by decoder_sparse_step (layers 0 and 2 of the second)
+    "qwen3moe-normtopk-sparse-step": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        hidden_size=56, intermediate_size=88, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=20, num_experts=7, num_experts_per_tok=3, moe_intermediate_size=36,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1], tie_word_embeddings=False,
+    ), True),
+    "qwen3moe-unnormalised-sliding": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        hidden_size=48, intermediate_size=72, num_hidden_layers=4, num_attention_heads=6,
+        num_key_value_heads=3, head_dim=16, num_experts=5, num_experts_per_tok=2, moe_intermediate_size=28,
+        norm_topk_prob=False, decoder_sparse_step=2, use_sliding_window=True, sliding_window=13,
+        attention_bias=True,
+    ), True),
 }
 # fmt: on
 

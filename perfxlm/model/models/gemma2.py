@@ -21,7 +21,9 @@ from perfxlm.model.models.llama import (
 )
 
 
-def gemma_attention(config: Any, layer_idx: int, qk_norm: bool = False, soft_cap: bool = True) -> LlamaAttention:
+def gemma_attention(
+    config: Any, layer_idx: int, qk_norm: bool = False, soft_cap: bool = True
+) -> LlamaAttention:
     """Gemma's attention: scale query_pre_attn_scalar^-1/2, local layers windowed, scores soft-capped
     where configured and `soft_cap`; Gemma 3 adds (1 + w) RMSNorms over each q and k head."""
     return LlamaAttention(
@@ -94,7 +96,8 @@ class Gemma2ForCausalLM(CausalLM):
 
     def make_model(self, config: Any) -> Gemma2Model:
         """The decoder stack; Gemma 3 overrides it."""
-        layers = [Gemma2DecoderLayer(config, gemma_attention(config, i)) for i in range(config.num_hidden_layers)]
+        n = config.num_hidden_layers
+        layers = [Gemma2DecoderLayer(config, gemma_attention(config, i)) for i in range(n)]
         return Gemma2Model(config, layers)
 
     def __init__(self, config: Any) -> None:
