@@ -16,6 +16,8 @@ _MODELS = {
     "OPTForCausalLM": ("perfxlm.model.models.opt", "OPTForCausalLM"),
     "Qwen2MoeForCausalLM": ("perfxlm.model.models.qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("perfxlm.model.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "GlmForCausalLM": ("perfxlm.model.models.glm", "GlmForCausalLM"),
+    "Glm4ForCausalLM": ("perfxlm.model.models.glm4", "Glm4ForCausalLM"),
     "MixtralForCausalLM": ("perfxlm.model.models.mixtral", "MixtralForCausalLM"),
 }
 

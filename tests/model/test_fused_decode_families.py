@@ -21,7 +21,8 @@ from tests.model import test_recent_families_vs_hf as recent
 from tests.model.test_architectures_vs_hf import _prompts, build_checkpoint
 
 FUSED = ["qwen2-bias-tied-sliding", "qwen3-qknorm-headdim-bias", "mistral-sliding-mqa",
-         "gemma2-softcap-local-global", "phi3-longrope-partial-sliding", "gemma3-softcaps-untied"]  # fmt: skip
+         "gemma2-softcap-local-global", "phi3-longrope-partial-sliding", "gemma3-softcaps-untied",
+         "glm-partial-interleaved", "glm4-post-norms"]  # fmt: skip
 MODULE_ONLY = ["opt-pre-ln", "qwen2moe-shared-dense-layer"]
 PLANS = {
     "float32": ("float32", {}),

@@ -50,6 +50,16 @@ CASES = {
         norm_topk_prob=False, decoder_sparse_step=2, use_sliding_window=True, sliding_window=13,
         attention_bias=True,
     ), True),
+    # interleaved rotary over half of each head (10 of 20 channels), q/k/v biases, fused gate|up
+    "glm-partial-interleaved": ("GlmConfig", "GlmForCausalLM", dict(
+        hidden_size=60, intermediate_size=84, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=20, partial_rotary_factor=0.5, tie_word_embeddings=False,
+    ), False),
+    # post-attention and post-MLP norms; a rotary width that is not a power of two (6 of 24)
+    "glm4-post-norms": ("Glm4Config", "Glm4ForCausalLM", dict(
+        hidden_size=52, intermediate_size=76, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=24, partial_rotary_factor=0.25, tie_word_embeddings=False,
+    ), False),
 }
 # fmt: on
 

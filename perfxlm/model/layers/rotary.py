@@ -149,6 +149,21 @@ class RotaryEmbedding(nn.Module):
         return cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
 
 
+def interleaved_to_halves(rows: Any, head_dim: int, rotary_dim: int) -> Any:
+    """A q or k projection (weight [heads * head_dim, K], or its bias) whose heads rotate channel pairs
+    (2i, 2i + 1) (GPT-J's interleaved rotary: GLM), with its rows reordered so that the same rotation
+    is this module's rotate-half over pairs (i, i + rotary_dim / 2). q and k are reordered alike, so
+    their dot products, and attention, are unchanged; channels past rotary_dim keep their places.
+    `rows`: a tensor, or a perfxlm.quant.QuantizedWeight (reordered by `index_rows`)."""
+    if rows.shape[0] % head_dim:
+        raise ValueError(f"{rows.shape[0]} projection rows are not whole heads of {head_dim}.")
+    within = torch.cat((torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2),
+                        torch.arange(rotary_dim, head_dim)))  # fmt: skip
+    heads = rows.shape[0] // head_dim
+    order = (torch.arange(heads).unsqueeze(1) * head_dim + within).reshape(-1)
+    return rows[order] if isinstance(rows, torch.Tensor) else rows.index_rows(order)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [num_tokens, num_heads, head_dim]; q and k heads may come concatenated along dim 1.
 

@@ -181,10 +181,14 @@ class LlamaForCausalLM(CausalLM):
         """One decoder layer; the Llama-shaped families override this."""
         return LlamaDecoderLayer(config, LlamaAttention(config), LlamaMLP(config))
 
+    def make_model(self, config: Any) -> nn.Module:
+        """The decoder stack: embeddings, layers, final norm (GLM-4 carries no residual stream)."""
+        return LlamaModel(config, [self.make_layer(config, i) for i in range(config.num_hidden_layers)])
+
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, [self.make_layer(config, i) for i in range(config.num_hidden_layers)])
+        self.model = self.make_model(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         tied = self.model.embed_tokens if self.tie_word_embeddings else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)
