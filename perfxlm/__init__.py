@@ -5,6 +5,7 @@ from perfxlm.engine.async_engine import AsyncLLM
 from perfxlm.engine.handle import Engine, RequestHandle
 from perfxlm.inputs import AsyncEngineArgs, EngineArgs, TextPrompt, TokensPrompt
 from perfxlm.llm import LLM
+from perfxlm.lora.request import LoRARequest
 from perfxlm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from perfxlm.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -14,4 +15,5 @@ __all__ = [
     "LLM", "AsyncLLM", "Engine", "EngineConfig", "RequestHandle", "SamplingParams", "RequestOutput",
     "CompletionOutput", "Logprob", "RequestMetrics", "RequestOutputKind", "__version__",
     "EngineArgs", "AsyncEngineArgs", "TextPrompt", "TokensPrompt", "StructuredOutputsParams", "GuidedDecodingParams",
+    "LoRARequest",
 ]

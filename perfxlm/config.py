@@ -114,6 +114,12 @@ class EngineConfig:
     # A Hugging Face model id resolves through the hub cache (perfxlm/hub.py): which commit, and where.
     revision: str | None = None
     download_dir: str | None = None
+    # LoRA adapters (perfxlm/lora/), vLLM's names: requests name an adapter with lora_request=; at most
+    # max_loras distinct adapters per step, of rank <= max_lora_rank; max_cpu_loras stay loaded (LRU).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # Resolved by resolve(); not user input.
     hf_config: Any = field(default=None, repr=False)
     torch_dtype: torch.dtype = field(default=torch.float32, repr=False)  # activations (compute)
@@ -121,6 +127,7 @@ class EngineConfig:
     kv_cache_spec: Any = field(default=None, init=False, repr=False)  # ops.kv_quant.KVCacheSpec
     quant_config: Any = field(default=None, init=False, repr=False)  # quant.QuantizationConfig or None
     quant_activation_mode: Any = field(default=None, init=False, repr=False)  # quant.weight.ActivationMode
+    lora_config: Any = field(default=None, init=False, repr=False)  # lora.config.LoRAConfig with enable_lora
     eos_token_ids: set[int] = field(default_factory=set, repr=False)
     # whether max_model_len came from the user (an error if the KV pool cannot hold it) or the model
     # (lowered to what the pool holds)
@@ -133,6 +140,17 @@ class EngineConfig:
         KVCacheSpec.resolve(self.kv_cache_dtype, torch.float32, self.kv_cache_group_size)  # ValueError: choices
         self._resolve_quantization()
         check_quant_activations(self.quant_activations)
+        self.lora_config = self._resolve_lora()
+
+    def _resolve_lora(self) -> Any:
+        from perfxlm.lora.config import LoRAConfig
+
+        if not self.enable_lora:
+            return None
+        if self.tensor_parallel_size > 1 or self.data_parallel_size > 1 or self.distributed_executor_backend == "external_launcher":
+            raise ValueError("enable_lora runs in one process for now: use tensor_parallel_size=1 and "
+                             "data_parallel_size=1, or merge the adapter into the weights.")
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def _resolve_quantization(self) -> Any:
         from perfxlm.quant.config import QuantizationConfig

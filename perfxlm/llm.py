@@ -13,6 +13,7 @@ from perfxlm.config import EngineConfig
 from perfxlm.engine.input_processor import PromptType
 from perfxlm.engine.llm_engine import LLMEngine
 from perfxlm.generation_defaults import load_generation_defaults
+from perfxlm.lora.request import LoRARequest
 from perfxlm.outputs import RequestOutput
 from perfxlm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -74,14 +75,12 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        lora_request: Any = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: list[int] | None = None,
         **unsupported: Any,
     ) -> list[RequestOutput]:
+        """`lora_request`: one adapter for every prompt, or one (or None) per prompt (enable_lora=True)."""
         _refuse_unsupported("generate", unsupported)
-        if lora_request is not None:
-            raise ValueError("lora_request: LoRA adapters are not supported by perfxlm; merge the adapter into the "
-                             "weights (peft's merge_and_unload) and load the merged model.")
         if priority is not None and any(p != 0 for p in priority):
             raise ValueError("priority: perfxlm schedules first come, first served (vLLM's default policy), where "
                              "a priority other than 0 is refused; drop it.")
@@ -98,7 +97,14 @@ class LLM:
                 raise ValueError(
                     f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt."
                 )
-        return self._run(prompts, params_list, use_tqdm)
+        if not isinstance(lora_request, (list, tuple)):  # one for all (checked when the request is added)
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"Got {len(loras)} lora_requests for {len(prompts)} prompts: give one, or one "
+                                 "(or None) per prompt.")
+        return self._run(prompts, params_list, use_tqdm, loras)
 
     def chat(
         self,
@@ -110,7 +116,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
-        lora_request: Any = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         **unsupported: Any,
     ) -> list[RequestOutput]:
         """vLLM's chat(): tools and chat_template_kwargs (e.g. {"enable_thinking": False}) reach the
@@ -132,15 +138,16 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
-    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool,
+             loras: list[LoRARequest | None]) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = [str(next(self._counter)) for _ in prompts]
         added: list[str] = []
         try:
-            for rid, prompt, params in zip(ids, prompts, params_list):
+            for rid, prompt, params, lora in zip(ids, prompts, params_list, loras):
                 params = params.clone()
                 params.output_kind = RequestOutputKind.FINAL_ONLY  # generate() only needs the end
-                engine.add_request(rid, prompt, params)
+                engine.add_request(rid, prompt, params, lora_request=lora)
                 added.append(rid)
         except Exception:
             engine.abort_request(added)  # all or nothing: a bad prompt leaves no request behind

@@ -67,6 +67,11 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
     parser.add_argument("--generation-config", default="auto",
                         help="sampling defaults: auto = the model's generation_config.json, vllm = none, "
                              "or a folder holding a generation_config.json")
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters over the model")
+    parser.add_argument("--max-loras", type=int, default=1, help="distinct LoRA adapters in one step")
+    parser.add_argument("--max-lora-rank", type=int, default=16, help="largest LoRA rank accepted")
+    parser.add_argument("--max-cpu-loras", type=int, default=None,
+                        help="LoRA adapters kept loaded (default: --max-loras)")
     # vLLM's GPU-only flags: accepted so launch lines run unchanged, with a notice of their effect here
     for flag, kind in (("--gpu-memory-utilization", float), ("--swap-space", float), ("--cpu-offload-gb", float)):
         parser.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)
@@ -138,6 +143,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         download_dir=getattr(args, "download_dir", None),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         data_parallel_size=getattr(args, "data_parallel_size", 1),
+        enable_lora=getattr(args, "enable_lora", False),
+        max_loras=getattr(args, "max_loras", 1),
+        max_lora_rank=getattr(args, "max_lora_rank", 16),
+        max_cpu_loras=getattr(args, "max_cpu_loras", None),
     )
 
 
@@ -203,6 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="format of the model's tool calls: hermes (Qwen2.5/Qwen3/Hermes), llama3_json, mistral")
     serve.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                        help="split <think>...</think> out of the reply into reasoning_content")
+    serve.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="LoRA adapters served by name (with --enable-lora): name=path, or vLLM's JSON "
+                            "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; a request's model "
+                            "field picks one")
     serve.add_argument("--uvicorn-log-level", default=None,
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="HTTP server log level (default warning)")

@@ -186,6 +186,11 @@ class FusedDecode:
     def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         if not self.eligible or x.dtype != torch.float32 or meta.prefills or meta.num_decode_tokens != x.shape[0]:
             return False
+        if meta.lora is not None:
+            # A row runs with a LoRA adapter: its products are added after each projection, inside the
+            # layer, where the one native call per layer has no place for them. Steps without an adapter
+            # row keep the fused path.
+            return False
         if native.kernels() is None:
             return False
         if self.args is None:  # first all-decode step: collect (weights are final by now)

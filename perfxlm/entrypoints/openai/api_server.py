@@ -28,6 +28,9 @@ from perfxlm.entrypoints.openai.serving_base import (
 )
 from perfxlm.entrypoints.openai.serving_chat import _message_dicts, create_chat_completion
 from perfxlm.entrypoints.openai.serving_completions import create_completion
+from perfxlm.entrypoints.openai.serving_lora import (
+    ServedAdapters, add_lora_routes, parse_lora_modules, runtime_updating_allowed,
+)
 
 logger = logging.getLogger("perfxlm.server")
 _WEB_PAGE = os.path.join(os.path.dirname(__file__), "web", "index.html")
@@ -53,7 +56,9 @@ def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None =
               allowed_origins: list[str] | None = None, max_queued_requests: int = 256,
               max_request_body_bytes: int = 4 << 20, trust_request_chat_template: bool = False,
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None, default_sampling: dict | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, default_sampling: dict | None = None,
+              lora_modules: list[tuple[str, str, str | None]] | None = None) -> FastAPI:
+    """`lora_modules`: (name, path, base model name) of the LoRA adapters served by name (enable_lora)."""
     app = FastAPI(title="perfxlm OpenAI-compatible server", version=perfxlm.__version__)
     metrics = ServerMetrics(engine.engine)
     renderer = ChatRenderer(engine.tokenizer, trust_request_chat_template,
@@ -72,6 +77,11 @@ def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None =
         ctx.reasoning_parser = get_reasoning_parser(reasoning_parser)
         ctx.reasoning_token_ids = _single_tokens(engine.tokenizer, ("<think>", "</think>"))
     ctx.default_sampling = {k: v for k, v in (default_sampling or {}).items() if k != "max_tokens"}
+    ctx.adapters = ServedAdapters(engine, served_model_name)
+    if lora_modules and not ctx.adapters.enabled:
+        raise ValueError("--lora-modules needs --enable-lora.")
+    for name, path, base in lora_modules or ():
+        ctx.adapters.add(name, path, base)  # a bad adapter stops the start, naming it
     app.state.ctx = ctx
 
     @app.exception_handler(APIError)
@@ -139,9 +149,14 @@ def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None =
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": int(time.time()),
+        created = int(time.time())
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": created,
                                             "owned_by": "perfxlm", "root": engine.engine.config.model,
-                                            "max_model_len": ctx.max_model_len}]}
+                                            "max_model_len": ctx.max_model_len},
+                                           *ctx.adapters.model_cards(created, ctx.max_model_len)]}
+
+    if ctx.adapters.enabled and runtime_updating_allowed():
+        add_lora_routes(app, ctx.adapters)
 
     @app.get("/health")
     async def health():
@@ -305,6 +320,10 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     template = load_chat_template(getattr(args, "chat_template", None))  # a bad path fails before the model loads
+    try:
+        lora_modules = parse_lora_modules(getattr(args, "lora_modules", None))
+    except ValueError as exc:
+        raise SystemExit(f"perfxlm: {exc}") from None
     engine = AsyncLLM(EngineConfig(**engine_kwargs))
     if template is not None and engine.tokenizer is not None:
         engine.tokenizer.chat_template = template
@@ -321,7 +340,8 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
                     tool_call_parser=getattr(args, "tool_call_parser", None),
                     reasoning_parser=getattr(args, "reasoning_parser", None),
                     default_sampling=load_generation_defaults(engine.engine.config.model,
-                                                              getattr(args, "generation_config", "auto")))
+                                                              getattr(args, "generation_config", "auto")),
+                    lora_modules=lora_modules)
     # the grammar engine's import (~2 s) happens now, off the request path, rather than in the first
     # structured-output request
     threading.Thread(target=_import_grammar_engine, name="perfxlm-import-xgrammar", daemon=True).start()
