@@ -1,5 +1,6 @@
 """perfxlm: a vLLM-compatible LLM inference engine, fast on CPU."""
 
+from perfxlm.beam_search import BeamSearchOutput, BeamSearchSequence
 from perfxlm.config import EngineConfig
 from perfxlm.engine.async_engine import AsyncLLM
 from perfxlm.engine.handle import Engine, RequestHandle
@@ -7,7 +8,7 @@ from perfxlm.inputs import AsyncEngineArgs, EngineArgs, TextPrompt, TokensPrompt
 from perfxlm.llm import LLM
 from perfxlm.lora.request import LoRARequest
 from perfxlm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from perfxlm.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
+from perfxlm.sampling_params import BeamSearchParams, GuidedDecodingParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -16,4 +17,5 @@ __all__ = [
     "CompletionOutput", "Logprob", "RequestMetrics", "RequestOutputKind", "__version__",
     "EngineArgs", "AsyncEngineArgs", "TextPrompt", "TokensPrompt", "StructuredOutputsParams", "GuidedDecodingParams",
     "LoRARequest",
+    "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence",
 ]

@@ -8,6 +8,7 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
+from perfxlm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchSequence
 from perfxlm.compat import split_vllm_kwargs
 from perfxlm.config import EngineConfig
 from perfxlm.engine.input_processor import PromptType
@@ -15,7 +16,7 @@ from perfxlm.engine.llm_engine import LLMEngine
 from perfxlm.generation_defaults import load_generation_defaults
 from perfxlm.lora.request import LoRARequest
 from perfxlm.outputs import RequestOutput
-from perfxlm.sampling_params import RequestOutputKind, SamplingParams
+from perfxlm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig) if f.init} - {"hf_config", "torch_dtype", "eos_token_ids"}
 # vLLM arguments with no engine field here (GPU sizing, hub revisions, ...) are handled by compat.py.
@@ -137,6 +138,44 @@ class LLM:
             # The template already holds the special tokens: tokenize without adding more.
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+
+    def beam_search(
+        self,
+        prompts: Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | None = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search: per prompt, the beam_width best sequences (prompt tokens first, text decoded
+        from all of them) after max_tokens steps; rules in perfxlm/beam_search.py. Each step is one engine
+        run over every live beam; concurrency_limit bounds how many prompts search together."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}.")
+        if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be None or an integer >= 1, got {concurrency_limit!r}.")
+        processor = self.llm_engine.input_processor
+        token_lists = [processor.tokenize_prompt(p)[1] for p in prompts]
+        processor.check_beam_search(params, token_lists)
+        eos = processor.eos_token_ids()
+        limit = concurrency_limit or max(1, len(token_lists))
+        results: list[list[BeamSearchSequence]] = []
+        groups = range(0, len(token_lists), limit)
+        for start in tqdm(groups, desc="Beam search", dynamic_ncols=True, disable=not use_tqdm):
+            search = BeamSearch(token_lists[start : start + limit], params, eos)
+            while beams := search.pending():
+                outs = self._run([{"prompt_token_ids": b.tokens} for b in beams],
+                                 [search.step_params] * len(beams), use_tqdm=False,
+                                 loras=[lora_request] * len(beams))
+                search.advance([o.outputs[0].logprobs[0] if o.outputs[0].logprobs else None for o in outs])
+            results.extend(search.results())
+        tokenizer = self.get_tokenizer()
+        for beams in results:
+            for beam in beams:
+                beam.text = tokenizer.decode(beam.tokens) if tokenizer is not None else None
+        return [BeamSearchOutput(sequences=beams) for beams in results]
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool,
              loras: list[LoRARequest | None]) -> list[RequestOutput]:

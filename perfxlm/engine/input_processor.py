@@ -7,6 +7,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from perfxlm.beam_search import check_beam_search
 from perfxlm.config import EngineConfig
 from perfxlm.engine.request import Request
 from perfxlm.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, _Opaque
@@ -111,9 +112,7 @@ class InputProcessor:
                 f"more than the whole pool ({self.max_pool_tokens} tokens): lower max_tokens or enlarge the cache "
                 "(kv_cache_gib / num_kv_blocks)."
             )
-        eos = set(self.config.eos_token_ids)
-        if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
-            eos.add(self.tokenizer.eos_token_id)
+        eos = self.eos_token_ids()
         params = params.clone()
         if params.top_k >= self.vocab_size:
             params.top_k = -1  # keeping the whole vocabulary is no filter; the sampler never sees a huge k
@@ -147,6 +146,20 @@ class InputProcessor:
             raise ValueError("lora_request: this engine was started without LoRA; pass enable_lora=True "
                              "(and max_loras / max_lora_rank to fit the adapters).")
         return self.loras.get(lora_request)
+    def eos_token_ids(self) -> set[int]:
+        """The ids that end a request: the model's EOS ids and the tokenizer's."""
+        eos = set(self.config.eos_token_ids)
+        if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        return eos
+
+    def check_beam_search(self, params: Any, prompts_token_ids: list[list[int]]) -> None:
+        """BeamSearchParams against this engine's bounds, before any step runs."""
+        outside = [t for ids in prompts_token_ids for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if outside:
+            raise ValueError(f"prompt_token_ids holds {outside[0]!r}, outside the vocabulary [0, {self.vocab_size}).")
+        check_beam_search(params, [len(p) for p in prompts_token_ids], self.max_model_len, self.max_logprobs,
+                          self.vocab_size)
 
     def _check_engine_limits(self, params: SamplingParams) -> None:
         """Bounds that depend on the engine, checked before any per-sibling work (copies, forks)."""

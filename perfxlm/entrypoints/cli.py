@@ -202,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests allowed to wait for a seat; past it the server answers 503")
     serve.add_argument("--max-request-body-bytes", type=int, default=4 << 20,
                        help="largest request body accepted (413 beyond)")
+    serve.add_argument("--max-stored-responses", type=int, default=1000,
+                       help="/v1/responses kept in memory for GET /v1/responses/{id} and previous_response_id; "
+                            "the least recently used go first (0: keep none)")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="render chat templates sent with requests (in a bounded sandbox); refused by default")
     serve.add_argument("--chat-template", default=None,

@@ -21,8 +21,9 @@ from perfxlm.entrypoints.openai.errors import APIError, error_response
 from perfxlm.entrypoints.openai.metrics import ServerMetrics
 from perfxlm.entrypoints.openai.middleware import APIKeyCheck, BodySizeLimit
 from perfxlm.entrypoints.openai.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest, TokenizeRequest,
 )
+from perfxlm.entrypoints.openai.responses_store import ResponseStore
 from perfxlm.entrypoints.openai.serving_base import (
     ServerContext, check_extra_fields, check_model, engine_dead_error,
 )
@@ -31,6 +32,7 @@ from perfxlm.entrypoints.openai.serving_completions import create_completion
 from perfxlm.entrypoints.openai.serving_lora import (
     ServedAdapters, add_lora_routes, parse_lora_modules, runtime_updating_allowed,
 )
+from perfxlm.entrypoints.openai.serving_responses import create_response, delete_response, get_response
 
 logger = logging.getLogger("perfxlm.server")
 _WEB_PAGE = os.path.join(os.path.dirname(__file__), "web", "index.html")
@@ -57,7 +59,8 @@ def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None =
               max_request_body_bytes: int = 4 << 20, trust_request_chat_template: bool = False,
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
               reasoning_parser: str | None = None, default_sampling: dict | None = None,
-              lora_modules: list[tuple[str, str, str | None]] | None = None) -> FastAPI:
+              lora_modules: list[tuple[str, str, str | None]] | None = None,
+              max_stored_responses: int = 1000) -> FastAPI:
     """`lora_modules`: (name, path, base model name) of the LoRA adapters served by name (enable_lora)."""
     app = FastAPI(title="perfxlm OpenAI-compatible server", version=perfxlm.__version__)
     metrics = ServerMetrics(engine.engine)
@@ -82,6 +85,7 @@ def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None =
         raise ValueError("--lora-modules needs --enable-lora.")
     for name, path, base in lora_modules or ():
         ctx.adapters.add(name, path, base)  # a bad adapter stops the start, naming it
+    ctx.responses = ResponseStore(max_stored_responses)
     app.state.ctx = ctx
 
     @app.exception_handler(APIError)
@@ -146,6 +150,18 @@ def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None =
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         return await served(create_chat_completion, req, raw)
+
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, raw: Request):
+        return await served(create_response, req, raw)
+
+    @app.get("/v1/responses/{response_id}")
+    async def responses_get(response_id: str):
+        return get_response(ctx, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def responses_delete(response_id: str):
+        return delete_response(ctx, response_id)
 
     @app.get("/v1/models")
     async def models():
@@ -341,7 +357,8 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
                     reasoning_parser=getattr(args, "reasoning_parser", None),
                     default_sampling=load_generation_defaults(engine.engine.config.model,
                                                               getattr(args, "generation_config", "auto")),
-                    lora_modules=lora_modules)
+                    lora_modules=lora_modules,
+                    max_stored_responses=getattr(args, "max_stored_responses", 1000))
     # the grammar engine's import (~2 s) happens now, off the request path, rather than in the first
     # structured-output request
     threading.Thread(target=_import_grammar_engine, name="perfxlm-import-xgrammar", daemon=True).start()

@@ -10,8 +10,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from perfxlm.entrypoints.openai.errors import APIError, error_body
 from perfxlm.entrypoints.openai.protocol import CompletionRequest
 from perfxlm.entrypoints.openai.serving_base import (
-    ServerContext, check_extra_fields, check_model, collect_until_disconnect, compile_structured_outputs,
-    generate_one, merge, new_id, now, sse, to_sampling_params, usage,
+    ServerContext, beam_search_one, check_extra_fields, check_model, collect_until_disconnect, compile_structured_outputs,
+    generate_one, merge, new_id, now, sse, to_beam_search_params, to_sampling_params, usage,
 )
 from perfxlm.outputs import CompletionOutput, RequestOutput
 
@@ -74,13 +74,21 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
         raise APIError(400, "best_of > n is not supported with stream.", "best_of")
     # tokenized here, in the renderer's threads: a long prompt must not hold up the event loop
     prompts = [await _tokenized(ctx, p) for p in _prompts(req)]
-    params = to_sampling_params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs,
-                                req.prompt_logprobs, defaults=ctx.default_sampling)
-    await compile_structured_outputs(ctx, params)
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens
     request_id = new_id("cmpl")
-    streams = [generate_one(ctx, p, params, f"{request_id}-{i}", lora) for i, p in enumerate(prompts)]
+    if req.use_beam_search:
+        if lora is not None:
+            raise APIError(400, "LoRA adapters are not supported with use_beam_search.", "model")
+        if req.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs is not supported with use_beam_search.", "prompt_logprobs")
+        beams = to_beam_search_params(req, max_tokens, ctx.default_sampling)
+        streams = [beam_search_one(ctx, p, beams, f"{request_id}-{i}", req.logprobs) for i, p in enumerate(prompts)]
+    else:
+        params = to_sampling_params(req, max_tokens, req.logprobs, req.prompt_logprobs, defaults=ctx.default_sampling)
+        await compile_structured_outputs(ctx, params)
+        streams = [generate_one(ctx, p, params, f"{request_id}-{i}", lora) for i, p in enumerate(prompts)]
     tokenizer = ctx.engine.tokenizer
-    n = params.n
+    n = req.n
 
     if req.stream:
         merged = merge(streams)
