@@ -114,6 +114,12 @@ class EngineConfig:
     # A Hugging Face model id resolves through the hub cache (perfxlm/hub.py): which commit, and where.
     revision: str | None = None
     download_dir: str | None = None
+    # vLLM's runner kinds: "auto" (pooling for an encoder, else generate), "generate", "pooling" (embeddings,
+    # classification, scores: perfxlm/pooling/); convert "auto" | "none" | "embed" | "classify" | "reward"
+    # says what a pooling model is used as; pooler_config {"pooling_type", "normalize"} overrides how it pools.
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: Any = None
     # Resolved by resolve(); not user input.
     hf_config: Any = field(default=None, repr=False)
     torch_dtype: torch.dtype = field(default=torch.float32, repr=False)  # activations (compute)

@@ -1,4 +1,5 @@
-"""`LLM`: the offline entry point, with vLLM's constructor arguments and generate()/chat()."""
+"""`LLM`: the offline entry point, with vLLM's constructor arguments, generate()/chat() (the generate runner)
+and embed()/classify()/score()/encode() (the pooling runner, `perfxlm/pooling/`)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,15 @@ from perfxlm.engine.input_processor import PromptType
 from perfxlm.engine.llm_engine import LLMEngine
 from perfxlm.generation_defaults import load_generation_defaults
 from perfxlm.outputs import RequestOutput
+from perfxlm.pooling.llm_api import PoolingMethods
+from perfxlm.pooling.runner_kind import select_runner
 from perfxlm.sampling_params import RequestOutputKind, SamplingParams
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig) if f.init} - {"hf_config", "torch_dtype", "eos_token_ids"}
 # vLLM arguments with no engine field here (GPU sizing, hub revisions, ...) are handled by compat.py.
 
 
-class LLM:
+class LLM(PoolingMethods):
     def __init__(
         self,
         model: str | None = None,
@@ -52,7 +55,14 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size,
             **engine_kwargs,
         )
-        self.llm_engine = LLMEngine(config)
+        # the runner kind picks the engine: generation (scheduler, KV cache, sampler) or pooling (no cache)
+        self.runner_kind = select_runner(config)
+        if self.runner_kind == "pooling":
+            from perfxlm.pooling.engine import PoolingEngine
+
+            self.llm_engine: Any = PoolingEngine(config)
+        else:
+            self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()
         self.default_sampling = load_generation_defaults(self.llm_engine.config.model, generation_config)
 
@@ -79,6 +89,7 @@ class LLM:
         **unsupported: Any,
     ) -> list[RequestOutput]:
         _refuse_unsupported("generate", unsupported)
+        self._require_runner("generate", "generate")
         if lora_request is not None:
             raise ValueError("lora_request: LoRA adapters are not supported by perfxlm; merge the adapter into the "
                              "weights (peft's merge_and_unload) and load the merged model.")
@@ -116,6 +127,7 @@ class LLM:
         """vLLM's chat(): tools and chat_template_kwargs (e.g. {"enable_thinking": False}) reach the
         template; continue_final_message continues the last assistant message instead of opening a new one."""
         _refuse_unsupported("chat", unsupported, ignored=("chat_template_content_format", "mm_processor_kwargs"))
+        self._require_runner("generate", "chat")
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat() needs a tokenizer; this LLM was created with skip_tokenizer_init=True.")
