@@ -87,10 +87,12 @@ def _params_list(params: Any, n: int, truncate_prompt_tokens: int | None) -> lis
         params = PoolingParams()
     if isinstance(params, PoolingParams):
         params_list = [params] * n
-    else:
+    elif isinstance(params, (list, tuple)):
         params_list = list(params)
         if len(params_list) != n:
             raise ValueError(f"Got {len(params_list)} PoolingParams for {n} inputs: give one, or one per input.")
+    else:
+        raise ValueError(f"pooling_params must be a PoolingParams (or a list of them), got {type(params).__name__}.")
     if truncate_prompt_tokens is not None:
         params_list = [_with_truncation(p, truncate_prompt_tokens) for p in params_list]
     return params_list
