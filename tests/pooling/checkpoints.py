@@ -82,12 +82,18 @@ def make_sentence_transformer(path: str, family: str = "bert", pooling: str = "c
                               max_seq_length: int | None = None, **kwargs) -> str:
     """An encoder wrapped as sentence-transformers saves it: modules.json, 1_Pooling/config.json, and a
     Normalize module when asked."""
-    from sentence_transformers import SentenceTransformer, models
+    from sentence_transformers import SentenceTransformer
+
+    try:  # sentence-transformers 6 moved the modules
+        from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+    except ImportError:
+        from sentence_transformers.models import Normalize, Pooling, Transformer
 
     raw = make_encoder(path + "_raw", family, **kwargs)
-    transformer = models.Transformer(raw, max_seq_length=max_seq_length)
-    modules = [transformer, models.Pooling(transformer.get_word_embedding_dimension(), pooling_mode=pooling)]
+    transformer = Transformer(raw, max_seq_length=max_seq_length)
+    dim = getattr(transformer, "get_embedding_dimension", transformer.get_word_embedding_dimension)()
+    modules = [transformer, Pooling(dim, pooling_mode=pooling)]
     if normalize:
-        modules.append(models.Normalize())
+        modules.append(Normalize())
     SentenceTransformer(modules=modules, device="cpu").save(path)
     return path
