@@ -7,7 +7,11 @@ from perfxlm.engine.handle import Engine, RequestHandle
 from perfxlm.inputs import AsyncEngineArgs, EngineArgs, TextPrompt, TokensPrompt
 from perfxlm.llm import LLM
 from perfxlm.lora.request import LoRARequest
-from perfxlm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from perfxlm.outputs import (
+    ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
+    Logprob, PoolingOutput, PoolingRequestOutput, RequestMetrics, RequestOutput, ScoringOutput, ScoringRequestOutput,
+)
+from perfxlm.pooling_params import PoolingParams
 from perfxlm.sampling_params import BeamSearchParams, GuidedDecodingParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
@@ -18,4 +22,6 @@ __all__ = [
     "EngineArgs", "AsyncEngineArgs", "TextPrompt", "TokensPrompt", "StructuredOutputsParams", "GuidedDecodingParams",
     "LoRARequest",
     "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence",
+    "PoolingParams", "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput", "EmbeddingRequestOutput",
+    "ClassificationOutput", "ClassificationRequestOutput", "ScoringOutput", "ScoringRequestOutput",
 ]

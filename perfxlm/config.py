@@ -120,6 +120,12 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # vLLM's runner kinds: "auto" (pooling for an encoder, else generate), "generate", "pooling" (embeddings,
+    # classification, scores: perfxlm/pooling/); convert "auto" | "none" | "embed" | "classify" | "reward"
+    # says what a pooling model is used as; pooler_config {"pooling_type", "normalize"} overrides how it pools.
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: Any = None
     # Resolved by resolve(); not user input.
     hf_config: Any = field(default=None, repr=False)
     torch_dtype: torch.dtype = field(default=torch.float32, repr=False)  # activations (compute)

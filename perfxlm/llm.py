@@ -1,4 +1,5 @@
-"""`LLM`: the offline entry point, with vLLM's constructor arguments and generate()/chat()."""
+"""`LLM`: the offline entry point, with vLLM's constructor arguments, generate()/chat() (the generate runner)
+and embed()/classify()/score()/encode() (the pooling runner, `perfxlm/pooling/`)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,15 @@ from perfxlm.engine.llm_engine import LLMEngine
 from perfxlm.generation_defaults import load_generation_defaults
 from perfxlm.lora.request import LoRARequest
 from perfxlm.outputs import RequestOutput
+from perfxlm.pooling.llm_api import PoolingMethods
+from perfxlm.pooling.runner_kind import select_runner
 from perfxlm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig) if f.init} - {"hf_config", "torch_dtype", "eos_token_ids"}
 # vLLM arguments with no engine field here (GPU sizing, hub revisions, ...) are handled by compat.py.
 
 
-class LLM:
+class LLM(PoolingMethods):
     def __init__(
         self,
         model: str | None = None,
@@ -54,7 +57,14 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size,
             **engine_kwargs,
         )
-        self.llm_engine = LLMEngine(config)
+        # the runner kind picks the engine: generation (scheduler, KV cache, sampler) or pooling (no cache)
+        self.runner_kind = select_runner(config)
+        if self.runner_kind == "pooling":
+            from perfxlm.pooling.engine import PoolingEngine
+
+            self.llm_engine: Any = PoolingEngine(config)
+        else:
+            self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()
         self.default_sampling = load_generation_defaults(self.llm_engine.config.model, generation_config)
 
@@ -82,6 +92,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """`lora_request`: one adapter for every prompt, or one (or None) per prompt (enable_lora=True)."""
         _refuse_unsupported("generate", unsupported)
+        self._require_runner("generate", "generate")
         if priority is not None and any(p != 0 for p in priority):
             raise ValueError("priority: perfxlm schedules first come, first served (vLLM's default policy), where "
                              "a priority other than 0 is refused; drop it.")
@@ -123,6 +134,7 @@ class LLM:
         """vLLM's chat(): tools and chat_template_kwargs (e.g. {"enable_thinking": False}) reach the
         template; continue_final_message continues the last assistant message instead of opening a new one."""
         _refuse_unsupported("chat", unsupported, ignored=("chat_template_content_format", "mm_processor_kwargs"))
+        self._require_runner("generate", "chat")
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat() needs a tokenizer; this LLM was created with skip_tokenizer_init=True.")
@@ -150,6 +162,7 @@ class LLM:
         """vLLM's beam search: per prompt, the beam_width best sequences (prompt tokens first, text decoded
         from all of them) after max_tokens steps; rules in perfxlm/beam_search.py. Each step is one engine
         run over every live beam; concurrency_limit bounds how many prompts search together."""
+        self._require_runner("generate", "beam_search")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(params, BeamSearchParams):

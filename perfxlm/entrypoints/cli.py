@@ -64,6 +64,16 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
                              "(default: HF_HUB_CACHE, else HF_HOME/hub)")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                         help="KV cache size in bytes (vLLM's name; VLLM_CPU_KVCACHE_SPACE=GiB works too)")
+    parser.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
+                        help="generate (text) or pooling (embeddings, scores, classes); auto = pooling for an "
+                             "encoder (BERT, XLM-RoBERTa), else generate")
+    parser.add_argument("--convert", default="auto", choices=["auto", "none", "embed", "classify", "reward"],
+                        help="what a pooling model is used as (embed: a causal LM as a last-token embedder)")
+    parser.add_argument("--task", default=None,
+                        help="vLLM's older spelling: generate | embed | classify | score | reward")
+    parser.add_argument("--pooler-config", default=None,
+                        help='how a pooling model pools, as JSON: {"pooling_type": "CLS|MEAN|LAST|ALL", '
+                             '"normalize": true}')
     parser.add_argument("--generation-config", default="auto",
                         help="sampling defaults: auto = the model's generation_config.json, vllm = none, "
                              "or a folder holding a generation_config.json")
@@ -109,6 +119,23 @@ def _kv_cache_gib(args: argparse.Namespace) -> float | None:
     return None
 
 
+def _pooling_kwargs(args: argparse.Namespace) -> dict:
+    """--runner / --convert, or vLLM's --task standing for them; --pooler-config as JSON."""
+    import json
+
+    from perfxlm.pooling.runner_kind import task_settings
+
+    kwargs = {"runner": getattr(args, "runner", "auto"), "convert": getattr(args, "convert", "auto")}
+    try:
+        if getattr(args, "task", None):
+            kwargs.update(task_settings(args.task))
+        if getattr(args, "pooler_config", None):
+            kwargs["pooler_config"] = json.loads(args.pooler_config)
+    except (ValueError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"perfxlm: {exc}") from None
+    return kwargs
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     from perfxlm.compat import check_device
 
@@ -119,7 +146,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     for name, notice in _GPU_FLAG_NOTICES.items():
         if getattr(args, name, None) is not None:
             print(f"perfxlm: {notice}.", file=sys.stderr)
+    pooling = _pooling_kwargs(args)
     return dict(
+        **pooling,
         model=args.model_opt or getattr(args, "model", None),
         tokenizer=args.tokenizer,
         dtype=args.dtype,
