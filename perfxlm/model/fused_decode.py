@@ -206,6 +206,10 @@ class FusedDecode:
             # does (QuantizedWeight.bf16_gemm / activations, decided at load), so both round alike.
             quantized = [m.weight for m in self.layers.modules()
                          if hasattr(m, "weight") and not isinstance(m.weight, torch.Tensor)]
+            if any(w.input_order is not None or not w.kernel_levels for w in quantized):
+                # act-order inputs and FP8 byte tables: products the kernel does not take; module path
+                self.eligible = False
+                return False
             self.quant_bf16_gemm = all(w.bf16_gemm for w in quantized)
             blocks = _int8_blocks(quantized)
             if blocks is None:

@@ -30,7 +30,7 @@ def _compile_stacked(table: list[tuple[str, str, str]]) -> list[tuple[re.Pattern
 
 def _as_float(tensor: Any) -> torch.Tensor:
     """A quantized checkpoint tensor (perfxlm.quant.QuantizedWeight) no sink kept, as float32 values."""
-    return tensor if isinstance(tensor, torch.Tensor) else tensor.dequantize()
+    return tensor if isinstance(tensor, torch.Tensor) else tensor.dense()
 
 
 def _shard_key(param: str, shard: str, expert: int | None) -> str:
