@@ -1,4 +1,4 @@
-"""`perfxlm` command line: generate, serve, chat, bench, eval (more subcommands join as they are built)."""
+"""`perfxlm` command line: generate, serve, chat, bench, eval, export (more subcommands join as they are built)."""
 
 from __future__ import annotations
 
@@ -267,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     from perfxlm.eval.command import add_eval_parser
 
     add_eval_parser(sub, add_engine_args, engine_kwargs)
+    from perfxlm.export.command import add_export_parser
+
+    add_export_parser(sub)
     return parser
 
 
