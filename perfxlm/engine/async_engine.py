@@ -50,8 +50,10 @@ class AsyncLLM:
         return self.engine.tokenizer
 
     async def generate(
-        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str | None = None
+        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str | None = None,
+        lora_request: Any = None,
     ) -> AsyncGenerator[RequestOutput, None]:
+        """`lora_request`: the LoRARequest the request runs with (enable_lora), as in vLLM."""
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         loop = asyncio.get_running_loop()
         results: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -59,7 +61,7 @@ class AsyncLLM:
         def sink(item: RequestOutput | BaseException) -> None:
             loop.call_soon_threadsafe(results.put_nowait, item)
 
-        self.engine.add_request(request_id, prompt, sampling_params, sink)
+        self.engine.add_request(request_id, prompt, sampling_params, sink, lora_request=lora_request)
         finished = False
         try:
             while not finished:

@@ -37,8 +37,10 @@ def _sibling_seed(seed: int, index: int) -> int:
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig, tokenizer: Any, num_kv_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Any, num_kv_blocks: int, loras: Any = None) -> None:
+        """`loras`: the engine's LoRARegistry (enable_lora), else None."""
         self.config = config
+        self.loras = loras
         self.tokenizer = tokenizer
         self.vocab_size = int(config.hf_config.vocab_size)
         self.max_model_len = int(config.max_model_len)
@@ -68,12 +70,14 @@ class InputProcessor:
         return text, token_ids
 
     def process(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None
+        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None,
+        lora_request: Any = None,
     ) -> ProcessedRequest:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
         check_request_id(request_id)
         self._check_engine_limits(params)
+        adapter = self.lora_adapter(lora_request)
         text, token_ids = self.tokenize_prompt(prompt)
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
@@ -131,8 +135,17 @@ class InputProcessor:
         request = Request(child_ids[0], token_ids, child_params[0], max_tokens, eos, arrival_time)
         request.fork_children = list(zip(child_ids[1:], child_params[1:]))
         request.cache_salt = cache_salt
+        request.lora = adapter
         return ProcessedRequest(request, text, child_ids, child_params, params)
 
+    def lora_adapter(self, lora_request: Any) -> Any:
+        """The loaded adapter a request names (None: the base model), checked before anything else runs."""
+        if lora_request is None:
+            return None
+        if self.loras is None:
+            raise ValueError("lora_request: this engine was started without LoRA; pass enable_lora=True "
+                             "(and max_loras / max_lora_rank to fit the adapters).")
+        return self.loras.get(lora_request)
     def eos_token_ids(self) -> set[int]:
         """The ids that end a request: the model's EOS ids and the tokenizer's."""
         eos = set(self.config.eos_token_ids)

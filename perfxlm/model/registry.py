@@ -12,10 +12,25 @@ _MODELS = {
     "Qwen3ForCausalLM": ("perfxlm.model.models.qwen3", "Qwen3ForCausalLM"),
     "Phi3ForCausalLM": ("perfxlm.model.models.phi3", "Phi3ForCausalLM"),
     "Gemma2ForCausalLM": ("perfxlm.model.models.gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("perfxlm.model.models.gemma3", "Gemma3ForCausalLM"),
     "OPTForCausalLM": ("perfxlm.model.models.opt", "OPTForCausalLM"),
     "Qwen2MoeForCausalLM": ("perfxlm.model.models.qwen2_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("perfxlm.model.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "GlmForCausalLM": ("perfxlm.model.models.glm", "GlmForCausalLM"),
+    "Glm4ForCausalLM": ("perfxlm.model.models.glm4", "Glm4ForCausalLM"),
     "MixtralForCausalLM": ("perfxlm.model.models.mixtral", "MixtralForCausalLM"),
+    # encoders: only the pooling runner serves them (model.models.base.EncoderModel)
+    "BertModel": ("perfxlm.model.models.bert", "BertModel"),
+    "BertForSequenceClassification": ("perfxlm.model.models.bert", "BertForSequenceClassification"),
+    "XLMRobertaModel": ("perfxlm.model.models.xlm_roberta", "XLMRobertaModel"),
+    "XLMRobertaForSequenceClassification": (
+        "perfxlm.model.models.xlm_roberta", "XLMRobertaForSequenceClassification",
+    ),
 }
+# architectures that pool and cannot generate (no LM head): runner="auto" picks the pooling runner for them
+POOLING_ONLY = frozenset(
+    {"BertModel", "BertForSequenceClassification", "XLMRobertaModel", "XLMRobertaForSequenceClassification"}
+)
 
 
 def supported_architectures() -> list[str]:
@@ -31,3 +46,11 @@ def resolve_model_class(hf_config: Any) -> type:
     raise ValueError(
         f"Model architectures {archs} are not supported. Supported: {', '.join(supported_architectures())}."
     )
+
+
+def is_pooling_only(hf_config: Any) -> bool:
+    """Whether the first supported architecture the config names is an encoder (pooling only)."""
+    for arch in list(getattr(hf_config, "architectures", None) or []):
+        if arch in _MODELS:
+            return arch in POOLING_ONLY
+    return False

@@ -155,8 +155,8 @@ def test_steps_reuse_the_prompt_blocks(llm, monkeypatch):
     cached: list[list[int]] = []
     run = llm._run
 
-    def spy(prompts, params, use_tqdm):
-        outs = run(prompts, params, use_tqdm)
+    def spy(prompts, params, use_tqdm, **kwargs):
+        outs = run(prompts, params, use_tqdm, **kwargs)
         cached.append([o.num_cached_tokens for o in outs])
         return outs
 

@@ -39,6 +39,7 @@ class ServerContext:
     # sampling defaults of the model's generation_config.json (--generation-config auto), used where a
     # request leaves a field unset
     default_sampling: dict = field(default_factory=dict)
+    adapters: Any = None  # serving_lora.ServedAdapters: LoRA adapters by name (--enable-lora)
     responses: Any = None  # responses_store.ResponseStore: /v1/responses kept for GET and previous_response_id
 
 
@@ -62,9 +63,14 @@ def check_extra_fields(req: Any) -> None:
         logger.warning("The following fields were present in the request but ignored: %s", ", ".join(new))
 
 
-def check_model(ctx: ServerContext, model: str | None) -> None:
-    if model is not None and model != ctx.served_model_name:
+def check_model(ctx: ServerContext, model: str | None) -> Any:
+    """The LoRARequest the request's `model` names (an adapter's name), None for the base model."""
+    if model is None or model == ctx.served_model_name:
+        return None
+    lora = ctx.adapters.get(model) if ctx.adapters is not None else None
+    if lora is None:
         raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+    return lora
 
 
 _STRUCTURED_KEYS = {"json", "regex", "choice", "grammar", "json_object", "disable_fallback", "disable_any_whitespace",
@@ -223,10 +229,10 @@ async def compile_structured_outputs(ctx: ServerContext, params: SamplingParams)
         raise APIError(400, str(exc), _param_of(str(exc))) from None
 
 
-async def generate_one(ctx: ServerContext, prompt: Any, params: SamplingParams, request_id: str
-                       ) -> AsyncIterator[RequestOutput]:
+async def generate_one(ctx: ServerContext, prompt: Any, params: SamplingParams, request_id: str,
+                       lora_request: Any = None) -> AsyncIterator[RequestOutput]:
     """AsyncLLM.generate with the engine's ValueErrors turned into 400s and server metrics kept."""
-    stream = ctx.engine.generate(prompt, params, request_id)
+    stream = ctx.engine.generate(prompt, params, request_id, lora_request=lora_request)
     try:
         try:
             first = await stream.__anext__()

@@ -65,7 +65,7 @@ def _logprobs_block(c: CompletionOutput, tokenizer: Any, text_offset0: int) -> d
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request):
     check_extra_fields(req)
-    check_model(ctx, req.model)
+    lora = check_model(ctx, req.model)
     if req.suffix is not None:
         raise APIError(400, "suffix is not supported.", "suffix")
     if req.echo and req.logprobs is not None:
@@ -77,6 +77,8 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     request_id = new_id("cmpl")
     if req.use_beam_search:
+        if lora is not None:
+            raise APIError(400, "LoRA adapters are not supported with use_beam_search.", "model")
         if req.prompt_logprobs is not None:
             raise APIError(400, "prompt_logprobs is not supported with use_beam_search.", "prompt_logprobs")
         beams = to_beam_search_params(req, max_tokens, ctx.default_sampling)
@@ -84,7 +86,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     else:
         params = to_sampling_params(req, max_tokens, req.logprobs, req.prompt_logprobs, defaults=ctx.default_sampling)
         await compile_structured_outputs(ctx, params)
-        streams = [generate_one(ctx, p, params, f"{request_id}-{i}") for i, p in enumerate(prompts)]
+        streams = [generate_one(ctx, p, params, f"{request_id}-{i}", lora) for i, p in enumerate(prompts)]
     tokenizer = ctx.engine.tokenizer
     n = req.n
 
@@ -108,7 +110,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
                             "logprobs": _logprobs_block(c, tokenizer, 0), "finish_reason": c.finish_reason,
                             "stop_reason": c.stop_reason, "prompt_logprobs": _prompt_lps(out)})
     return JSONResponse({"id": request_id, "object": "text_completion", "created": now(),
-                         "model": ctx.served_model_name, "choices": choices,
+                         "model": req.model or ctx.served_model_name, "choices": choices,
                          "usage": usage(prompt_tokens, completion_tokens)})
 
 
@@ -143,7 +145,7 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str,
                     echoed.add((i, c.index))
                     text = (out.prompt or "") + text
                 chunk = {"id": request_id, "object": "text_completion", "created": created,
-                         "model": ctx.served_model_name,
+                         "model": req.model or ctx.served_model_name,
                          "choices": [{"index": i * n + c.index, "text": text,
                                       "logprobs": _logprobs_block(c, tokenizer, 0),
                                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
@@ -153,7 +155,7 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str,
                 yield sse(chunk)
         if include_usage:
             yield sse({"id": request_id, "object": "text_completion", "created": created,
-                       "model": ctx.served_model_name, "choices": [],
+                       "model": req.model or ctx.served_model_name, "choices": [],
                        "usage": usage(sum(prompt_tokens.values()), completion_tokens)})
     except APIError as exc:
         yield sse(error_body(exc.status, exc.message, exc.param, exc.code))

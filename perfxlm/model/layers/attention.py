@@ -1,7 +1,8 @@
 """The attention layer: writes this step's K/V into the paged cache, then attends.
 
 It reads the batch layout from the forward context; the runner binds `kv_cache` once; the kernels are its
-attention backend's (`attention_backend.py`), chosen by the device of the first forward pass.
+attention backend's (`attention_backend.py`), chosen by the device of the first forward pass (the pooling
+runner binds the cacheless backend itself, and no cache).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class Attention(nn.Module):
         scale: float,
         sliding_window: int | None = None,  # a query at position p sees keys in (p - window, p]
         logit_soft_cap: float | None = None,  # scores -> cap * tanh(scores / cap) before the softmax
+        causal: bool = True,  # False: bidirectional (an encoder; the pooling runner's cacheless backend)
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -56,7 +58,7 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logit_soft_cap = logit_soft_cap
-        self.options = AttentionOptions(scale, sliding_window, logit_soft_cap)
+        self.options = AttentionOptions(scale, sliding_window, logit_soft_cap, causal)
         self.backend: AttentionBackend | None = None  # bound at the first forward pass, by its device
         # K and V blocks, each [num_blocks, block_size, num_kv_heads, head_dim], and their scales for an
         # int8 / fp8 cache (ops/kv_quant.py)
@@ -68,8 +70,8 @@ class Attention(nn.Module):
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
-        assert self.kv_cache is not None, "KV cache not bound"
         backend = self.backend or self._bind_backend(q.device)
+        assert self.kv_cache is not None or not backend.uses_cache, "KV cache not bound"
         out = backend.forward(q, k, v, self.kv_cache, get_forward_context(), self.options)
         return out.view(out.shape[0], -1)
 
