@@ -36,9 +36,10 @@ from perfxlm.entrypoints.openai.tool_parsers import ToolCall
 from perfxlm.outputs import RequestOutput
 
 
-def _check(ctx: ServerContext, req: ResponsesRequest) -> None:
+def _check(ctx: ServerContext, req: ResponsesRequest) -> Any:
+    """The request's LoRA adapter (None: the base model), after refusing what the endpoint cannot do."""
     check_extra_fields(req)
-    check_model(ctx, req.model)
+    lora = check_model(ctx, req.model)
     if req.background:
         raise APIError(400, "background responses are not supported; drop background or set it to false.",
                        "background")
@@ -49,6 +50,7 @@ def _check(ctx: ServerContext, req: ResponsesRequest) -> None:
                        "use_beam_search")
     if req.text is not None and structured_format(req.text) is not None and req.response_format is not None:
         raise APIError(400, "Give text.format or response_format, not both.", "text")
+    return lora
 
 
 def _history(ctx: ServerContext, req: ResponsesRequest) -> list[dict]:
@@ -100,7 +102,7 @@ class _Turn:
 
 
 async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Request):
-    _check(ctx, req)
+    lora = _check(ctx, req)
     history = _history(ctx, req)
     conversation = history + input_messages(req.input)  # instructions are not carried to later turns (OpenAI)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
@@ -125,7 +127,7 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Reques
         params._grammar_start_token = _thinking_end(ctx, prompt["prompt_token_ids"])
     await compile_structured_outputs(ctx, params)
     turn = _Turn(ctx, req, conversation)
-    stream = merge([generate_one(ctx, prompt, params, turn.id)])
+    stream = merge([generate_one(ctx, prompt, params, turn.id, lora)])
     opened = True if (prompt.get("prompt") or "").rstrip().endswith("<think>") else None
     parser = _ChoiceParser(ctx, mode, tool, req.parallel_tool_calls is not False, opened)
     if req.stream:
