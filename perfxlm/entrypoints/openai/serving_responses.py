@@ -116,10 +116,18 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Reques
         if constraint is not None:
             raise APIError(400, f'tool_choice "{mode}" constrains the output already; drop text.format.', "text")
         req.response_format = fmt
-    prompt = await ctx.renderer.render(_assistant_args_to_dicts(system + [dict(m) for m in conversation]), True,
-                                       req.chat_template, False, req.chat_template_kwargs,
-                                       tools=tools if mode != "none" else None)
     max_tokens = req.max_output_tokens if req.max_output_tokens is not None else req.max_tokens
+    kept = list(conversation)
+    while True:
+        prompt = await ctx.renderer.render(_assistant_args_to_dicts(system + [dict(m) for m in kept]), True,
+                                           req.chat_template, False, req.chat_template_kwargs,
+                                           tools=tools if mode != "none" else None)
+        if req.truncation != "auto" or len(prompt["prompt_token_ids"]) + (max_tokens or 1) <= ctx.max_model_len:
+            break
+        kept = _drop_oldest_turn(kept)
+        if not kept:
+            raise APIError(400, f"The instructions and the last input item alone exceed max_model_len "
+                                f"({ctx.max_model_len} tokens) with max_output_tokens; shorten them.", "input")
     if max_tokens is None:
         max_tokens = max(1, ctx.max_model_len - len(prompt["prompt_token_ids"]))
     params = to_sampling_params(req, max_tokens, None, structured_outputs=constraint, defaults=ctx.default_sampling)
@@ -146,6 +154,18 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Reques
                          _usage(out, await _count_tokens(ctx, reasoning)))
     turn.remember(body)
     return JSONResponse(body)
+
+
+def _drop_oldest_turn(messages: list[dict]) -> list[dict]:
+    """truncation="auto" (OpenAI: drop items from the start of the conversation until it fits): the oldest
+    message goes, with the tool results that answered it, and the last message always stays (empty when
+    only it was left, which is then refused)."""
+    if len(messages) <= 1:
+        return []
+    rest = messages[1:]
+    while len(rest) > 1 and rest[0]["role"] == "tool":
+        rest = rest[1:]
+    return rest
 
 
 async def _count_tokens(ctx: ServerContext, text: str | None) -> int:
