@@ -117,17 +117,7 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Reques
             raise APIError(400, f'tool_choice "{mode}" constrains the output already; drop text.format.', "text")
         req.response_format = fmt
     max_tokens = req.max_output_tokens if req.max_output_tokens is not None else req.max_tokens
-    kept = list(conversation)
-    while True:
-        prompt = await ctx.renderer.render(_assistant_args_to_dicts(system + [dict(m) for m in kept]), True,
-                                           req.chat_template, False, req.chat_template_kwargs,
-                                           tools=tools if mode != "none" else None)
-        if req.truncation != "auto" or len(prompt["prompt_token_ids"]) + (max_tokens or 1) <= ctx.max_model_len:
-            break
-        kept = _drop_oldest_turn(kept)
-        if not kept:
-            raise APIError(400, f"The instructions and the last input item alone exceed max_model_len "
-                                f"({ctx.max_model_len} tokens) with max_output_tokens; shorten them.", "input")
+    prompt = await _render(ctx, req, system, conversation, tools if mode != "none" else None, max_tokens or 1)
     if max_tokens is None:
         max_tokens = max(1, ctx.max_model_len - len(prompt["prompt_token_ids"]))
     params = to_sampling_params(req, max_tokens, None, structured_outputs=constraint, defaults=ctx.default_sampling)
@@ -149,11 +139,36 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Reques
     out = results[-1][1]
     choice = out.outputs[0]
     reasoning, content, calls = parser.finish(choice.text, choice.finish_reason)
-    status = "incomplete" if choice.finish_reason == "length" else "completed"
-    body = turn.response(status, output_items(reasoning, content, calls, status),
+    status = _status(choice.finish_reason)
+    body = turn.response(status, output_items(reasoning, content, calls, _item_status(status)),
                          _usage(out, await _count_tokens(ctx, reasoning)))
     turn.remember(body)
     return JSONResponse(body)
+
+
+def _status(finish_reason: str | None) -> str:
+    """A response's status from its choice's finish: cut by max_output_tokens, aborted, or done."""
+    return {"length": "incomplete", "abort": "cancelled"}.get(finish_reason or "", "completed")
+
+
+def _item_status(status: str) -> str:
+    return "completed" if status == "completed" else "incomplete"  # items have no "cancelled"
+
+
+async def _render(ctx: ServerContext, req: ResponsesRequest, system: list[dict], conversation: list[dict],
+                  tools: list[dict] | None, min_new_tokens: int) -> dict:
+    """The prompt through the chat template; with truncation="auto", the oldest turns dropped until it
+    and min_new_tokens fit max_model_len."""
+    kept = list(conversation)
+    while True:
+        prompt = await ctx.renderer.render(_assistant_args_to_dicts(system + [dict(m) for m in kept]), True,
+                                           req.chat_template, False, req.chat_template_kwargs, tools=tools)
+        if req.truncation != "auto" or len(prompt["prompt_token_ids"]) + min_new_tokens <= ctx.max_model_len:
+            return prompt
+        kept = _drop_oldest_turn(kept)
+        if not kept:
+            raise APIError(400, f"The instructions and the last input item alone exceed max_model_len "
+                                f"({ctx.max_model_len} tokens) with max_output_tokens; shorten them.", "input")
 
 
 def _drop_oldest_turn(messages: list[dict]) -> list[dict]:
@@ -292,15 +307,15 @@ async def _stream(turn: _Turn, parser: _ChoiceParser, stream: AsyncIterator[tupl
                 yield e
             if choice.finish_reason is None:
                 continue
-            status = "incomplete" if choice.finish_reason == "length" else "completed"
+            status = _status(choice.finish_reason)
             has_message = any(i["type"] == "message" for i in events.output + [events.open or {"type": None}])
             if not calls and not has_message:
-                for e in events.close_open(status) + _empty_message(events):
+                for e in events.close_open(_item_status(status)) + _empty_message(events):
                     yield e
-            for e in events.close_open(status):
+            for e in events.close_open(_item_status(status)):
                 yield e
             for call in calls:
-                for e in events.call(call, status):
+                for e in events.call(call, _item_status(status)):
                     yield e
             reasoning = "".join(p["text"] for i in events.output if i["type"] == "reasoning" for p in i["content"])
             body = turn.response(status, events.output,
