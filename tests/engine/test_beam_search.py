@@ -119,7 +119,7 @@ def test_without_eos_equals_transformers_generate(llm, hf, width, length_penalty
 
 @pytest.mark.parametrize("width,length_penalty", [(2, 1.0), (3, 0.0), (5, 1.3)])
 def test_with_eos_follows_vllm_rules(llm, hf, width, length_penalty):
-    prompts = _prompts(3, 11, 18, seed=1)
+    prompts = _prompts(3, 18, seed=1)
     params = BeamSearchParams(beam_width=width, max_tokens=9, length_penalty=length_penalty)
     outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
     finished_early = 0
