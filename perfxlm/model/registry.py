@@ -18,6 +18,8 @@ _MODELS = {
     "Qwen3MoeForCausalLM": ("perfxlm.model.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "GlmForCausalLM": ("perfxlm.model.models.glm", "GlmForCausalLM"),
     "Glm4ForCausalLM": ("perfxlm.model.models.glm4", "Glm4ForCausalLM"),
+    "DeepseekV2ForCausalLM": ("perfxlm.model.models.deepseek_v2", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("perfxlm.model.models.deepseek_v2", "DeepseekV3ForCausalLM"),
     "MixtralForCausalLM": ("perfxlm.model.models.mixtral", "MixtralForCausalLM"),
 }
 

@@ -103,4 +103,8 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = route(router_logits, self.top_k, self.renormalize)
-        return grouped_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.act)
+        return self.run_routed(x, weights, ids)
+
+    def run_routed(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Experts chosen by a router of the family's own (DeepSeek's grouped top-k): [T, k] each."""
+        return grouped_experts(x, weights, expert_ids, self.gate_up_proj, self.down_proj, self.act)
