@@ -170,3 +170,21 @@ def test_unsupported_deepseek_variant_named_at_load(tmp_path, field, value, name
     config.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=named + r".*supported"):
         LLM(str(tmp_path), skip_tokenizer_init=True, load_format="dummy")
+
+
+def test_latent_cache_holds_the_latent_once(tmp_path):
+    """A DeepSeek layer's KV cache is one [latent | rope key] tensor serving as K and V: bytes per token
+    are kv_lora_rank + qk_rope_head_dim values per layer, not the expanded heads' K and V."""
+    from perfxlm import LLM
+
+    path = str(tmp_path / "ds")
+    build_checkpoint(path, "deepseekv2-lite-yarn")
+    llm = LLM(path, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=16)
+    core = llm.llm_engine.core
+    caches = [m.attn.kv_cache for m in core.model.modules() if hasattr(m, "latent_dim")]
+    assert len(caches) == 3 and all(c.value is c.key for c in caches)
+    c = CASES["deepseekv2-lite-yarn"][2]
+    latent = c["kv_lora_rank"] + c["qk_rope_head_dim"]
+    assert core.kv_bytes_per_block == 3 * 16 * latent * 4  # 3 layers, 16 tokens a block, float32
+    expanded = c["num_attention_heads"] * (c["qk_nope_head_dim"] + c["qk_rope_head_dim"] + c["v_head_dim"])
+    assert expanded / latent > 3.5  # 170 against 44 values per token and layer here

@@ -14,7 +14,7 @@ from torch import nn
 from perfxlm.model.forward_context import get_forward_context
 from perfxlm.model.layers import attention_backend
 from perfxlm.model.layers.attention_backend import AttentionBackend, AttentionOptions
-from perfxlm.ops.kv_quant import KVCache
+from perfxlm.ops.kv_quant import KVCache, KVCacheSpec
 
 
 def layer_sliding_window(config: Any, layer_idx: int, every_layer: bool = False) -> int | None:
@@ -44,6 +44,7 @@ class Attention(nn.Module):
         scale: float,
         sliding_window: int | None = None,  # a query at position p sees keys in (p - window, p]
         logit_soft_cap: float | None = None,  # scores -> cap * tanh(scores / cap) before the softmax
+        value_is_key: bool = False,  # callers pass v = k (MLA's latent): the cache stores it once
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -56,6 +57,7 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logit_soft_cap = logit_soft_cap
+        self.value_is_key = value_is_key
         self.options = AttentionOptions(scale, sliding_window, logit_soft_cap)
         self.backend: AttentionBackend | None = None  # bound at the first forward pass, by its device
         # K and V blocks, each [num_blocks, block_size, num_kv_heads, head_dim], and their scales for an
@@ -72,6 +74,12 @@ class Attention(nn.Module):
         backend = self.backend or self._bind_backend(q.device)
         out = backend.forward(q, k, v, self.kv_cache, get_forward_context(), self.options)
         return out.view(out.shape[0], -1)
+
+    def cache_bytes_per_token(self, spec: KVCacheSpec) -> int:
+        return spec.bytes_per_token(self.num_kv_heads, self.head_dim, self.value_is_key)
+
+    def allocate_cache(self, spec: KVCacheSpec, num_blocks: int, block_size: int) -> KVCache:
+        return spec.allocate(num_blocks, block_size, self.num_kv_heads, self.head_dim, self.value_is_key)
 
     def _bind_backend(self, device: torch.device) -> AttentionBackend:
         self.backend = attention_backend.for_device(device)
