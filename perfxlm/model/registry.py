@@ -20,6 +20,7 @@ _MODELS = {
     "Glm4ForCausalLM": ("perfxlm.model.models.glm4", "Glm4ForCausalLM"),
     "DeepseekV2ForCausalLM": ("perfxlm.model.models.deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("perfxlm.model.models.deepseek_v2", "DeepseekV3ForCausalLM"),
+    "GptOssForCausalLM": ("perfxlm.model.models.gpt_oss", "GptOssForCausalLM"),
     "MixtralForCausalLM": ("perfxlm.model.models.mixtral", "MixtralForCausalLM"),
 }
 

@@ -93,6 +93,14 @@ CASES = {
         n_shared_experts=1, first_k_dense_replace=0, n_group=2, topk_group=1, norm_topk_prob=False,
         routed_scaling_factor=1.0, rope_interleave=False,
     ), True),
+    # sinks, sliding and full layers alternating, YaRN without truncation, biased experts, clamped SwiGLU
+    "gptoss-sinks-alternating": ("GptOssConfig", "GptOssForCausalLM", dict(
+        hidden_size=48, intermediate_size=36, num_hidden_layers=3, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=12, sliding_window=11, num_local_experts=5, num_experts_per_tok=2,
+        swiglu_limit=1.5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 15000.0},
+    ), True),
 }
 # fmt: on
 
@@ -106,8 +114,10 @@ def build_checkpoint(path: str, case: str, seed: int = 0):
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("eager")  # the grouped-GEMM one needs 16-byte aligned odd sizes
     with torch.no_grad():
-        for param in model.parameters():
-            if param.ndim == 1:  # norms and biases start at constants: perturb them so they count
+        for name, param in model.named_parameters():
+            if name.endswith("sinks"):  # gpt-oss: sink logits big enough to take much of the attention
+                param.copy_(torch.randn_like(param) * 2)
+            elif param.ndim == 1:  # norms and biases start at constants: perturb them so they count
                 param.add_(torch.randn_like(param) * 0.1)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias, zero at first
@@ -129,7 +139,9 @@ def test_bfloat16_logits_close_to_float32(tmp_path, case):
     assert_bfloat16_logits_close(path, routed=CASES[case][3])
 
 
-@pytest.mark.parametrize("kv_cache_dtype,quantization,mean_err", [("int8", None, 0.03), ("fp8", "int8", 0.15)])
+@pytest.mark.parametrize(
+    "kv_cache_dtype,quantization,mean_err", [("int8", None, 0.03), ("fp8", "int8", 0.15)]
+)
 def test_latent_cache_quantized(tmp_path, kv_cache_dtype, quantization, mean_err):
     """MLA's latent cache in int8 / fp8, and int8 weights (kv_b_proj stays float: it is absorbed): prompt
     logprobs of chunked prompts (later chunks read the quantized cache) near the float32 engine's, on
@@ -148,8 +160,8 @@ def test_latent_cache_quantized(tmp_path, kv_cache_dtype, quantization, mean_err
         return torch.tensor([next(iter(d.values())).logprob for o in outs for d in o.prompt_logprobs[1:]])
 
     ref = prompt_logprobs(LLM(path, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64))
-    llm = LLM(path, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype,
-              quantization=quantization, max_num_batched_tokens=16)  # fmt: skip
+    llm = LLM(path, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64,
+              kv_cache_dtype=kv_cache_dtype, quantization=quantization, max_num_batched_tokens=16)  # fmt: skip
     err = (prompt_logprobs(llm) - ref).abs()
     assert 0 < err.mean().item() < mean_err
     assert_pool_whole(llm)

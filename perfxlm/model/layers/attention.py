@@ -6,6 +6,7 @@ attention backend's (`attention_backend.py`), chosen by the device of the first 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ class Attention(nn.Module):
         sliding_window: int | None = None,  # a query at position p sees keys in (p - window, p]
         logit_soft_cap: float | None = None,  # scores -> cap * tanh(scores / cap) before the softmax
         value_is_key: bool = False,  # callers pass v = k (MLA's latent): the cache stores it once
+        sinks: bool = False,  # gpt-oss: a learned sink logit per head, `sinks` [num_heads]
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -59,6 +61,8 @@ class Attention(nn.Module):
         self.logit_soft_cap = logit_soft_cap
         self.value_is_key = value_is_key
         self.options = AttentionOptions(scale, sliding_window, logit_soft_cap)
+        # a Parameter of this module, put into the options at each forward (loading may replace it)
+        self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False) if sinks else None
         self.backend: AttentionBackend | None = None  # bound at the first forward pass, by its device
         # K and V blocks, each [num_blocks, block_size, num_kv_heads, head_dim], and their scales for an
         # int8 / fp8 cache (ops/kv_quant.py)
@@ -72,7 +76,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         assert self.kv_cache is not None, "KV cache not bound"
         backend = self.backend or self._bind_backend(q.device)
-        out = backend.forward(q, k, v, self.kv_cache, get_forward_context(), self.options)
+        options = self.options if self.sinks is None else dataclasses.replace(self.options, sinks=self.sinks)
+        out = backend.forward(q, k, v, self.kv_cache, get_forward_context(), options)
         return out.view(out.shape[0], -1)
 
     def cache_bytes_per_token(self, spec: KVCacheSpec) -> int:
