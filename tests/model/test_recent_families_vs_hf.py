@@ -200,3 +200,24 @@ def test_latent_cache_holds_the_latent_once(tmp_path):
     assert core.kv_bytes_per_block == 3 * 16 * latent * 4  # 3 layers, 16 tokens a block, float32
     expanded = c["num_attention_heads"] * (c["qk_nope_head_dim"] + c["qk_rope_head_dim"] + c["v_head_dim"])
     assert expanded / latent > 3.5  # 170 against 44 values per token and layer here
+
+
+@pytest.mark.parametrize("case", ["deepseekv2-lite-yarn", "gptoss-sinks-alternating"])
+def test_preemption_and_parallel_samples(tmp_path, case):
+    """A pool too small for the batch (requests preempted and recomputed) and n = 2 (forked blocks, a
+    partial one copied: for MLA, the one tensor that is K and V): the same greedy tokens as a roomy pool."""
+    from perfxlm import LLM, SamplingParams
+    from tests.conftest import assert_pool_whole
+    from tests.model.test_architectures_vs_hf import _prompts
+
+    path = str(tmp_path / case)
+    build_checkpoint(path, case)
+    prompts = [{"prompt_token_ids": p} for p in _prompts()[1:]]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, n=2)
+    roomy = LLM(path, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64)
+    tight = LLM(path, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=12, block_size=8)
+    want = [[c.token_ids for c in o.outputs] for o in roomy.generate(prompts, params, use_tqdm=False)]
+    got = [[c.token_ids for c in o.outputs] for o in tight.generate(prompts, params, use_tqdm=False)]
+    assert got == want and all(a == b for a, b in want)
+    assert tight.llm_engine.scheduler.num_preemptions_total > 0
+    assert_pool_whole(tight)
