@@ -161,7 +161,8 @@ def test_latent_cache_quantized(tmp_path, kv_cache_dtype, quantization, mean_err
 
     ref = prompt_logprobs(LLM(path, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64))
     llm = LLM(path, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64,
-              kv_cache_dtype=kv_cache_dtype, quantization=quantization, max_num_batched_tokens=16)  # fmt: skip
+              kv_cache_dtype=kv_cache_dtype, quantization=quantization,
+              max_num_batched_tokens=16)  # fmt: skip
     err = (prompt_logprobs(llm) - ref).abs()
     assert 0 < err.mean().item() < mean_err
     assert_pool_whole(llm)
@@ -221,3 +222,83 @@ def test_preemption_and_parallel_samples(tmp_path, case):
     assert got == want and all(a == b for a, b in want)
     assert tight.llm_engine.scheduler.num_preemptions_total > 0
     assert_pool_whole(tight)
+
+
+def test_qwen3moe_gguf_matches_transformers(tmp_path, monkeypatch):
+    """A qwen3moe GGUF file as llama.cpp's converter writes one (expert stacks `ffn_*_exps` [E, rows, cols]
+    in Q8_0, kept quantized; the rest F32) against transformers on the same, dequantized, weights."""
+    import gguf
+    import numpy as np
+
+    from perfxlm import LLM
+    from tests.model.test_architectures_vs_hf import _generate, _prompts, hf_greedy_with_logprobs
+
+    monkeypatch.setenv("PERFXLM_QUANT_ACTIVATIONS", "float32")  # quantized products equal to float ones
+    Q = gguf.GGMLQuantizationType
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(**{**COMMON, **dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, num_experts=5, num_experts_per_tok=2, moe_intermediate_size=32,
+        norm_topk_prob=True,
+        tie_word_embeddings=False, rope_theta=10000.0,
+    )})  # fmt: skip
+    hf = transformers.Qwen3MoeForCausalLM(config).eval()
+    hf.set_experts_implementation("eager")
+    path = str(tmp_path / "qwen3moe.gguf")
+    writer = gguf.GGUFWriter(path, "qwen3moe")
+    for key, value in [("block_count", 2), ("context_length", 512), ("embedding_length", 64),
+                       ("feed_forward_length", 96), ("attention.head_count", 4),
+                       ("attention.head_count_kv", 2), ("attention.key_length", 32),
+                       ("attention.value_length", 32), ("expert_count", 5), ("expert_used_count", 2),
+                       ("expert_feed_forward_length", 32)]:  # fmt: skip
+        writer.add_uint32(f"qwen3moe.{key}", value)
+    writer.add_float32("qwen3moe.rope.freq_base", 10000.0)
+    writer.add_float32("qwen3moe.attention.layer_norm_rms_epsilon", float(config.rms_norm_eps))
+
+    def add(name: str, hf_name: str, value: torch.Tensor, qtype=Q.F32) -> None:
+        data = value.float().numpy()
+        if qtype != Q.F32:
+            data = gguf.quants.quantize(data, qtype)
+            value = torch.from_numpy(np.array(gguf.quants.dequantize(data, qtype), dtype=np.float32))
+        writer.add_tensor(name, data, raw_dtype=qtype)
+        state[hf_name] = value.reshape(state[hf_name].shape) if hf_name in state else value
+
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if param.ndim == 1:
+                param.add_(torch.randn_like(param) * 0.1)
+    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    add("token_embd.weight", "model.embed_tokens.weight", state["model.embed_tokens.weight"])
+    add("output.weight", "lm_head.weight", state["lm_head.weight"])
+    add("output_norm.weight", "model.norm.weight", state["model.norm.weight"])
+    parts = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+             "attn_k_norm": "self_attn.k_norm", "attn_norm": "input_layernorm",
+             "ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate"}  # fmt: skip
+    for i in range(2):
+        for part, hf_part in parts.items():
+            hf_name = f"model.layers.{i}.{hf_part}.weight"
+            add(f"blk.{i}.{part}.weight", hf_name, state[hf_name])
+        experts = f"model.layers.{i}.mlp.experts"
+        gate_up = state[f"{experts}.gate_up_proj"]
+        gate, up = gate_up[:, :32].clone(), gate_up[:, 32:].clone()
+        for part, value in (("gate", gate), ("up", up)):
+            add(f"blk.{i}.ffn_{part}_exps.weight", f"{experts}.{part}", value, Q.Q8_0)
+        add(f"blk.{i}.ffn_down_exps.weight", f"{experts}.down_proj", state[f"{experts}.down_proj"], Q.Q8_0)
+        halves = (state.pop(f"{experts}.gate"), state.pop(f"{experts}.up"))
+        state[f"{experts}.gate_up_proj"] = torch.cat(halves, 1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    hf.load_state_dict(state)
+
+    llm = LLM(path, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=48)
+    experts = llm.llm_engine.core.model.model.layers[0].mlp.experts
+    assert not isinstance(experts.gate_up_proj, torch.Tensor)  # kept as Q8_0 blocks, not widened
+    prompts = _prompts(seed=2)
+    tokens, logprobs = _generate(llm, prompts)
+    for prompt, got, got_lp in zip(prompts, tokens, logprobs):
+        want, want_lp = hf_greedy_with_logprobs(hf, prompt, len(got))
+        assert got == want, f"prompt of {len(prompt)} tokens"
+        np.testing.assert_allclose(got_lp, want_lp, atol=2e-4, rtol=0)
