@@ -185,6 +185,26 @@ def test_unsupported_deepseek_variant_named_at_load(tmp_path, field, value, name
         LLM(str(tmp_path), skip_tokenizer_init=True, load_format="dummy")
 
 
+@pytest.mark.parametrize("case,quantization_config", [
+    ("gptoss-sinks-alternating", {"quant_method": "mxfp4", "modules_to_not_convert": []}),
+    ("deepseekv3-noaux-grouped", {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}),
+])  # fmt: skip
+def test_quantized_checkpoint_formats_refused_before_weights(tmp_path, case, quantization_config):
+    import json
+
+    from perfxlm import LLM
+
+    path = tmp_path / case
+    build_checkpoint(str(path), case)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "model.safetensors").write_bytes(b"not read")  # the refusal comes before any weight
+    method = quantization_config["quant_method"]
+    with pytest.raises(ValueError, match=rf"quant_method='{method}' are not supported.*supported: float32"):
+        LLM(str(path), skip_tokenizer_init=True)
+
+
 def test_latent_cache_holds_the_latent_once(tmp_path):
     """A DeepSeek layer's KV cache is one [latent | rope key] tensor serving as K and V: bytes per token
     are kv_lora_rank + qk_rope_head_dim values per layer, not the expanded heads' K and V."""

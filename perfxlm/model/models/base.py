@@ -32,6 +32,19 @@ def _as_float(tensor: Any) -> torch.Tensor:
     return tensor if isinstance(tensor, torch.Tensor) else tensor.dequantize()
 
 
+def refuse_checkpoint_quantization(config: Any, family: str) -> None:
+    """A checkpoint quantized in a format this family's loader does not read (gpt-oss's MXFP4, DeepSeek-V3's
+    fp8 blocks) fails here, as the model is built, naming the format, before any weight is read."""
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        return
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", qc)
+    raise ValueError(
+        f"{family} checkpoints quantized with quant_method={method!r} are not supported yet (supported: "
+        "float32 / float16 / bfloat16 checkpoints, quantized at load with quantization=...)."
+    )
+
+
 def _shard_key(param: str, shard: str, expert: int | None) -> str:
     return f"{param}:{shard}" if expert is None else f"{param}:{expert}.{shard}"
 
