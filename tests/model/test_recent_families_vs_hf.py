@@ -170,15 +170,14 @@ def test_latent_cache_quantized(tmp_path, kv_cache_dtype, quantization, mean_err
 
 @pytest.mark.parametrize("field,value,named", [
     ("topk_method", "sparse_sinkhorn", "topk_method 'sparse_sinkhorn'"),
-    ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "rope scaling type 'dynamic'"),
+    ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+     "rope scaling type 'dynamic'"),
 ])  # fmt: skip
 def test_unsupported_deepseek_variant_named_at_load(tmp_path, field, value, named):
     from perfxlm import LLM
 
     config = transformers.DeepseekV2Config(**{**COMMON, **CASES["deepseekv2-grouped-qlora"][2]})
     setattr(config, field, value)
-    if field == "rope_scaling":
-        config.rope_parameters = {**value, "rope_theta": 10000.0}
     config.architectures = ["DeepseekV2ForCausalLM"]
     config.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=named + r".*supported"):
