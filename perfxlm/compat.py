@@ -41,6 +41,14 @@ def split_vllm_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
             raise ValueError(f"{name}={value!r} is not supported: the tokenizer and code come from the model's "
                              "revision (revision=...).")
     check_device(rest.pop("device", "auto"))
+    task = rest.pop("task", None)
+    if task is not None:  # vLLM's older spelling of runner / convert
+        from perfxlm.pooling.runner_kind import task_settings
+
+        settings.update(task_settings(task))
+    override = rest.pop("override_pooler_config", None)
+    if override is not None and rest.get("pooler_config") is None:  # vLLM's older name of pooler_config
+        settings["pooler_config"] = override
     nbytes = rest.pop("kv_cache_memory_bytes", None)
     if nbytes is not None:
         if not isinstance(nbytes, int) or nbytes <= 0:

@@ -59,3 +59,69 @@ class RequestOutput:
     encoder_prompt: str | None = None
     encoder_prompt_token_ids: list[int] | None = None
     kv_transfer_params: dict[str, Any] | None = field(default=None, repr=False)
+
+
+# ---- the pooling runner's outputs (vLLM's shapes: `LLM.encode/embed/classify/score`) ----------------------
+
+
+@dataclass
+class PoolingOutput:
+    """The pooled tensor of one request: [hidden] (or [dimensions]), [num_labels], or [num_tokens, hidden]
+    for per-token pooling."""
+
+    data: Any  # torch.Tensor
+
+
+@dataclass
+class PoolingRequestOutput:
+    request_id: str
+    outputs: Any  # PoolingOutput, or the task's view of it in the subclasses below
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        data = out.outputs.data
+        return cls(out.request_id, EmbeddingOutput(data.tolist()), out.prompt_token_ids, out.finished)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput(PoolingRequestOutput):
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> "ClassificationRequestOutput":
+        data = out.outputs.data
+        return cls(out.request_id, ClassificationOutput(data.tolist()), out.prompt_token_ids, out.finished)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput(PoolingRequestOutput):
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> "ScoringRequestOutput":
+        data = out.outputs.data
+        return cls(out.request_id, ScoringOutput(float(data.reshape(-1)[0])), out.prompt_token_ids, out.finished)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -35,6 +35,34 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool, built once per step
     # Rows after the decodes: multi-token sequences, one attention call each.
     prefills: list[PrefillSeq]
+    # The step's adapters (perfxlm.lora.slots.LoRABatch) when a row has one, read by the LoRA wrappers of
+    # the projections; None otherwise (and always without enable_lora).
+    lora: Any = None
+
+
+@dataclass(slots=True)
+class CachelessBatch:
+    """A forward pass with no KV cache (the pooling runner): whole sequences, each attending to itself only.
+
+    Linears run on the flattened, unpadded tokens; attention gathers them into [num_seqs, max_len] through
+    `index` (padding points at row 0 and is masked out by `valid`), one SDPA call for the batch."""
+
+    seq_lens: list[int]
+    index: torch.Tensor  # [num_seqs, max_len] int64: the flattened row of each sequence's token
+    valid: torch.Tensor  # [num_seqs, max_len] bool: a real token, not padding
+    # read by the fused decode check, which never applies here
+    num_decode_tokens: int = 0
+    prefills: tuple = ()
+
+    @classmethod
+    def of(cls, seq_lens: list[int]) -> "CachelessBatch":
+        width = max(seq_lens)
+        cols = torch.arange(width)
+        lens = torch.tensor(seq_lens, dtype=torch.int64)
+        starts = torch.cumsum(lens, 0) - lens
+        valid = cols[None, :] < lens[:, None]
+        index = torch.where(valid, starts[:, None] + cols[None, :], 0)
+        return cls(list(seq_lens), index, valid)
 
 
 # One context per thread, set around one forward pass: each engine runs its forward passes in its own
@@ -43,7 +71,7 @@ _local = threading.local()
 
 
 @contextlib.contextmanager
-def set_forward_context(metadata: AttentionMetadata) -> Iterator[None]:
+def set_forward_context(metadata: AttentionMetadata | CachelessBatch) -> Iterator[None]:
     assert getattr(_local, "current", None) is None, "forward contexts do not nest"
     _local.current = metadata
     try:
@@ -52,7 +80,7 @@ def set_forward_context(metadata: AttentionMetadata) -> Iterator[None]:
         _local.current = None
 
 
-def get_forward_context() -> AttentionMetadata:
+def get_forward_context() -> AttentionMetadata | CachelessBatch:
     current = getattr(_local, "current", None)
     assert current is not None, "attention called outside set_forward_context()"
     return current

@@ -187,6 +187,11 @@ class FusedDecode:
     def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         if not self.eligible or x.dtype != torch.float32 or meta.prefills or meta.num_decode_tokens != x.shape[0]:
             return False
+        if meta.lora is not None:
+            # A row runs with a LoRA adapter: its products are added after each projection, inside the
+            # layer, where the one native call per layer has no place for them. Steps without an adapter
+            # row keep the fused path.
+            return False
         if native.kernels() is None:
             return False
         if self.args is None:  # first all-decode step: collect (weights are final by now)
@@ -202,6 +207,10 @@ class FusedDecode:
             # does (QuantizedWeight.bf16_gemm / activations, decided at load), so both round alike.
             quantized = [m.weight for m in self.layers.modules()
                          if hasattr(m, "weight") and not isinstance(m.weight, torch.Tensor)]
+            if any(w.input_order is not None or not w.kernel_levels for w in quantized):
+                # act-order inputs and FP8 byte tables: products the kernel does not take; module path
+                self.eligible = False
+                return False
             self.quant_bf16_gemm = all(w.bf16_gemm for w in quantized)
             blocks = _int8_blocks(quantized)
             if blocks is None:

@@ -22,7 +22,18 @@ _MODELS = {
     "DeepseekV3ForCausalLM": ("perfxlm.model.models.deepseek_v2", "DeepseekV3ForCausalLM"),
     "GptOssForCausalLM": ("perfxlm.model.models.gpt_oss", "GptOssForCausalLM"),
     "MixtralForCausalLM": ("perfxlm.model.models.mixtral", "MixtralForCausalLM"),
+    # encoders: only the pooling runner serves them (model.models.base.EncoderModel)
+    "BertModel": ("perfxlm.model.models.bert", "BertModel"),
+    "BertForSequenceClassification": ("perfxlm.model.models.bert", "BertForSequenceClassification"),
+    "XLMRobertaModel": ("perfxlm.model.models.xlm_roberta", "XLMRobertaModel"),
+    "XLMRobertaForSequenceClassification": (
+        "perfxlm.model.models.xlm_roberta", "XLMRobertaForSequenceClassification",
+    ),
 }
+# architectures that pool and cannot generate (no LM head): runner="auto" picks the pooling runner for them
+POOLING_ONLY = frozenset(
+    {"BertModel", "BertForSequenceClassification", "XLMRobertaModel", "XLMRobertaForSequenceClassification"}
+)
 
 
 def supported_architectures() -> list[str]:
@@ -38,3 +49,11 @@ def resolve_model_class(hf_config: Any) -> type:
     raise ValueError(
         f"Model architectures {archs} are not supported. Supported: {', '.join(supported_architectures())}."
     )
+
+
+def is_pooling_only(hf_config: Any) -> bool:
+    """Whether the first supported architecture the config names is an encoder (pooling only)."""
+    for arch in list(getattr(hf_config, "architectures", None) or []):
+        if arch in _MODELS:
+            return arch in POOLING_ONLY
+    return False

@@ -8,52 +8,42 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import HTMLResponse, JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import HTMLResponse, Response
 
 import perfxlm
 from perfxlm.engine.async_engine import AsyncLLM
 from perfxlm.engine.threaded_engine import EngineDeadError
+from perfxlm.entrypoints.openai.app_common import install_error_handlers, install_middleware, parse_allowed_origins
 from perfxlm.entrypoints.openai.chat_render import ChatRenderer
-from perfxlm.entrypoints.openai.errors import APIError, error_response
+from perfxlm.entrypoints.openai.errors import APIError
 from perfxlm.entrypoints.openai.metrics import ServerMetrics
-from perfxlm.entrypoints.openai.middleware import APIKeyCheck, BodySizeLimit
 from perfxlm.entrypoints.openai.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest, TokenizeRequest,
 )
+from perfxlm.entrypoints.openai.responses_store import ResponseStore
 from perfxlm.entrypoints.openai.serving_base import (
     ServerContext, check_extra_fields, check_model, engine_dead_error,
 )
 from perfxlm.entrypoints.openai.serving_chat import _message_dicts, create_chat_completion
 from perfxlm.entrypoints.openai.serving_completions import create_completion
+from perfxlm.entrypoints.openai.serving_lora import (
+    ServedAdapters, add_lora_routes, parse_lora_modules, runtime_updating_allowed,
+)
+from perfxlm.entrypoints.openai.serving_responses import create_response, delete_response, get_response
+from perfxlm.entrypoints.openai.serving_runner import POOLING_PATHS, add_runner_refusals
 
 logger = logging.getLogger("perfxlm.server")
 _WEB_PAGE = os.path.join(os.path.dirname(__file__), "web", "index.html")
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
-    if not errors:
-        return "Invalid request.", None
-    first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = loc[0] if loc else None  # the top-level field; the message gives the full path
-    if first.get("type") == "json_invalid":
-        return "The request body is not valid JSON.", None
-    if first.get("type") == "extra_forbidden":
-        names = sorted({".".join(str(p) for p in e["loc"] if p != "body") for e in errors
-                        if e.get("type") == "extra_forbidden"})
-        return f"Unsupported field(s): {', '.join(names)}.", names[0].split(".")[0]
-    return f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}.", param
 
 
 def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None = None,
               allowed_origins: list[str] | None = None, max_queued_requests: int = 256,
               max_request_body_bytes: int = 4 << 20, trust_request_chat_template: bool = False,
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None, default_sampling: dict | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, default_sampling: dict | None = None,
+              lora_modules: list[tuple[str, str, str | None]] | None = None,
+              max_stored_responses: int = 1000) -> FastAPI:
+    """`lora_modules`: (name, path, base model name) of the LoRA adapters served by name (enable_lora)."""
     app = FastAPI(title="perfxlm OpenAI-compatible server", version=perfxlm.__version__)
     metrics = ServerMetrics(engine.engine)
     renderer = ChatRenderer(engine.tokenizer, trust_request_chat_template,
@@ -72,30 +62,16 @@ def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None =
         ctx.reasoning_parser = get_reasoning_parser(reasoning_parser)
         ctx.reasoning_token_ids = _single_tokens(engine.tokenizer, ("<think>", "</think>"))
     ctx.default_sampling = {k: v for k, v in (default_sampling or {}).items() if k != "max_tokens"}
+    ctx.adapters = ServedAdapters(engine, served_model_name)
+    if lora_modules and not ctx.adapters.enabled:
+        raise ValueError("--lora-modules needs --enable-lora.")
+    for name, path, base in lora_modules or ():
+        ctx.adapters.add(name, path, base)  # a bad adapter stops the start, naming it
+    ctx.responses = ResponseStore(max_stored_responses)
     app.state.ctx = ctx
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError):
-        return error_response(exc.status, exc.message, exc.param, exc.code)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError):
-        message, param = _validation_message(exc)
-        return error_response(400, message, param)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail))
-
-    @app.exception_handler(EngineDeadError)
-    async def _engine_dead(_: Request, exc: EngineDeadError):
-        err = engine_dead_error(exc)
-        return error_response(err.status, err.message, err.param, err.code)
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception):
-        logger.exception("internal error")
-        return error_response(500, "Internal server error.")
+    install_error_handlers(app)
+    add_runner_refusals(app, "generate", POOLING_PATHS)
 
     def admit() -> None:
         if engine.errored:  # a dead engine answers 503 until a supervisor restarts the process
@@ -137,11 +113,28 @@ def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None =
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         return await served(create_chat_completion, req, raw)
 
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, raw: Request):
+        return await served(create_response, req, raw)
+
+    @app.get("/v1/responses/{response_id}")
+    async def responses_get(response_id: str):
+        return get_response(ctx, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def responses_delete(response_id: str):
+        return delete_response(ctx, response_id)
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": int(time.time()),
+        created = int(time.time())
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": created,
                                             "owned_by": "perfxlm", "root": engine.engine.config.model,
-                                            "max_model_len": ctx.max_model_len}]}
+                                            "max_model_len": ctx.max_model_len},
+                                           *ctx.adapters.model_cards(created, ctx.max_model_len)]}
+
+    if ctx.adapters.enabled and runtime_updating_allowed():
+        add_lora_routes(app, ctx.adapters)
 
     @app.get("/health")
     async def health():
@@ -194,13 +187,7 @@ def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None =
         with open(_WEB_PAGE, encoding="utf-8") as f:
             return HTMLResponse(f.read().replace("{{MODEL}}", served_model_name))
 
-    # Outermost first: size limit, then CORS (so browsers see CORS headers on errors), then the key.
-    if api_key:
-        app.add_middleware(APIKeyCheck, api_key=api_key)
-    if allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
-                           allow_headers=["*"], allow_credentials=False)
-    app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
+    install_middleware(app, api_key, allowed_origins, max_request_body_bytes)
     return app
 
 
@@ -229,28 +216,6 @@ def load_chat_template(value: str | None) -> str | None:
     if "{" not in value:
         raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template.")
     return value
-
-
-def parse_allowed_origins(values: list[str] | None) -> list[str] | None:
-    """--allowed-origins as perfxlm spells it (origins as separate arguments) or as vLLM does (one JSON
-    list, e.g. '["*"]')."""
-    if not values:
-        return values
-    import json
-
-    out: list[str] = []
-    for v in values:
-        if v.strip().startswith("["):
-            try:
-                parsed = json.loads(v)
-            except json.JSONDecodeError:
-                raise ValueError(f"--allowed-origins {v!r} is not a valid JSON list.") from None
-            if not all(isinstance(o, str) for o in parsed):
-                raise ValueError(f"--allowed-origins {v!r} must list strings.")
-            out.extend(parsed)
-        else:
-            out.append(v)
-    return out
 
 
 def served_name(model: str | None, served_model_name: str | None) -> str:
@@ -304,8 +269,19 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
     from perfxlm.config import EngineConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from perfxlm.pooling.runner_kind import select_runner
+
+    config = EngineConfig(**engine_kwargs)
+    if select_runner(config) == "pooling":  # embeddings, scores, classes: their own endpoints and engine
+        from perfxlm.entrypoints.openai.serving_pooling import run_pooling_server
+
+        return run_pooling_server(args, config, served_name(engine_kwargs.get("model"), args.served_model_name))
     template = load_chat_template(getattr(args, "chat_template", None))  # a bad path fails before the model loads
-    engine = AsyncLLM(EngineConfig(**engine_kwargs))
+    try:
+        lora_modules = parse_lora_modules(getattr(args, "lora_modules", None))
+    except ValueError as exc:
+        raise SystemExit(f"perfxlm: {exc}") from None
+    engine = AsyncLLM(config)
     if template is not None and engine.tokenizer is not None:
         engine.tokenizer.chat_template = template
     name = served_name(engine_kwargs.get("model"), args.served_model_name)
@@ -321,7 +297,9 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
                     tool_call_parser=getattr(args, "tool_call_parser", None),
                     reasoning_parser=getattr(args, "reasoning_parser", None),
                     default_sampling=load_generation_defaults(engine.engine.config.model,
-                                                              getattr(args, "generation_config", "auto")))
+                                                              getattr(args, "generation_config", "auto")),
+                    lora_modules=lora_modules,
+                    max_stored_responses=getattr(args, "max_stored_responses", 1000))
     # the grammar engine's import (~2 s) happens now, off the request path, rather than in the first
     # structured-output request
     threading.Thread(target=_import_grammar_engine, name="perfxlm-import-xgrammar", daemon=True).start()

@@ -11,6 +11,7 @@ _ACTIVATIONS = {
     "relu": F.relu,
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),  # BERT-era name of the tanh approximation
 }
 
 

@@ -1,7 +1,8 @@
 """The attention layer: writes this step's K/V into the paged cache, then attends.
 
 It reads the batch layout from the forward context; the runner binds `kv_cache` once; the kernels are its
-attention backend's (`attention_backend.py`), chosen by the device of the first forward pass.
+attention backend's (`attention_backend.py`), chosen by the device of the first forward pass (the pooling
+runner binds the cacheless backend itself, and no cache).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class Attention(nn.Module):
         scale: float,
         sliding_window: int | None = None,  # a query at position p sees keys in (p - window, p]
         logit_soft_cap: float | None = None,  # scores -> cap * tanh(scores / cap) before the softmax
+        causal: bool = True,  # False: bidirectional (an encoder; the pooling runner's cacheless backend)
         value_is_key: bool = False,  # callers pass v = k (MLA's latent): the cache stores it once
         sinks: bool = False,  # gpt-oss: a learned sink logit per head, `sinks` [num_heads]
     ) -> None:
@@ -60,7 +62,7 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.logit_soft_cap = logit_soft_cap
         self.value_is_key = value_is_key
-        self.options = AttentionOptions(scale, sliding_window, logit_soft_cap)
+        self.options = AttentionOptions(scale, sliding_window, logit_soft_cap, causal)
         # a Parameter of this module, put into the options at each forward (loading may replace it)
         self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False) if sinks else None
         self.backend: AttentionBackend | None = None  # bound at the first forward pass, by its device
@@ -74,8 +76,8 @@ class Attention(nn.Module):
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
-        assert self.kv_cache is not None, "KV cache not bound"
         backend = self.backend or self._bind_backend(q.device)
+        assert self.kv_cache is not None or not backend.uses_cache, "KV cache not bound"
         options = self.options if self.sinks is None else dataclasses.replace(self.options, sinks=self.sinks)
         out = backend.forward(q, k, v, self.kv_cache, get_forward_context(), options)
         return out.view(out.shape[0], -1)

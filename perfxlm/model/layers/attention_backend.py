@@ -23,6 +23,7 @@ from perfxlm.ops.attention import (
     paged_decode_attention, prefill_attention, sink_attention, write_kv_cache, write_kv_cache_torch,
 )  # fmt: skip
 from perfxlm.ops.kv_quant import KVCache
+from perfxlm.ops.varlen_attention import varlen_attention
 
 BACKENDS = ("auto", "cpu", "triton")
 
@@ -34,6 +35,7 @@ class AttentionOptions:
     scale: float
     sliding_window: int | None = None  # a query at position p sees keys in (p - window, p]
     soft_cap: float | None = None  # scores -> cap * tanh(scores / cap) before the softmax
+    causal: bool = True  # False: an encoder's bidirectional attention (only the cacheless backend has it)
     sinks: torch.Tensor | None = None  # [num_heads] sink logits (gpt-oss), a Parameter loaded in place
 
 
@@ -42,6 +44,8 @@ class AttentionBackend(ABC):
     # whether the CPU's fused decode layer (one native call per layer, its own attention) may replace the
     # module path on all-decode steps: only where this backend's kernels are the ones it would replace
     fuses_decode: bool = False
+    # whether the layer must have its KV cache bound first (the cacheless backend attends within the step)
+    uses_cache: bool = True
 
     @abstractmethod
     def forward(
@@ -89,6 +93,22 @@ class CpuAttentionBackend(AttentionBackend):
                 options.scale, bf16_model=cache.bf16_model, **kwargs,
             )  # fmt: skip
         return out
+
+
+class CachelessAttentionBackend(AttentionBackend):
+    """The pooling runner's: whole sequences in one step, no KV cache, causal (a decoder used as an
+    embedder) or bidirectional (an encoder); `meta` is the step's `CachelessBatch`. Bound by the runner
+    itself, never chosen by device."""
+
+    name = "cacheless"
+    uses_cache = False
+
+    def forward(self, q, k, v, cache, meta, options):
+        if options.soft_cap is not None:
+            raise ValueError("logit soft-capping is not supported by the pooling runner's attention.")
+        if options.sinks is not None:
+            raise ValueError("attention sinks (gpt-oss) are not supported by the pooling runner's attention.")
+        return varlen_attention(q, k, v, meta.index, meta.valid, options.scale, options.causal, options.sliding_window)
 
 
 @dataclass(frozen=True, slots=True)

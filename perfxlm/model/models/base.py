@@ -1,4 +1,5 @@
-"""What every causal LM shares: loading checkpoint tensors by name table, and the forward contract.
+"""What every model shares: loading checkpoint tensors by name table (`CheckpointModel`), and the forward
+contracts of causal LMs (`CausalLM`) and of encoders that only pool (`EncoderModel`).
 
 A model file declares, as data, how checkpoint names map onto its parameters; the loader hands it
 (hf_name, tensor) pairs and nothing model-specific:
@@ -29,27 +30,14 @@ def _compile_stacked(table: list[tuple[str, str, str]]) -> list[tuple[re.Pattern
 
 def _as_float(tensor: Any) -> torch.Tensor:
     """A quantized checkpoint tensor (perfxlm.quant.QuantizedWeight) no sink kept, as float32 values."""
-    return tensor if isinstance(tensor, torch.Tensor) else tensor.dequantize()
-
-
-def refuse_checkpoint_quantization(config: Any, family: str) -> None:
-    """A checkpoint quantized in a format this family's loader does not read (gpt-oss's MXFP4, DeepSeek-V3's
-    fp8 blocks) fails here, as the model is built, naming the format, before any weight is read."""
-    qc = getattr(config, "quantization_config", None)
-    if qc is None:
-        return
-    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", qc)
-    raise ValueError(
-        f"{family} checkpoints quantized with quant_method={method!r} are not supported yet (supported: "
-        "float32 / float16 / bfloat16 checkpoints, quantized at load with quantization=...)."
-    )
+    return tensor if isinstance(tensor, torch.Tensor) else tensor.dense()
 
 
 def _shard_key(param: str, shard: str, expert: int | None) -> str:
     return f"{param}:{shard}" if expert is None else f"{param}:{expert}.{shard}"
 
 
-class CausalLM(nn.Module):
+class CheckpointModel(nn.Module):
     # (regex, replacement) applied to checkpoint names in order
     renames: ClassVar[list[tuple[str, str]]] = []
     # (fused param fragment, checkpoint fragment, shard name) e.g. (".qkv_proj", ".q_proj", "q"); the
@@ -58,16 +46,20 @@ class CausalLM(nn.Module):
     # checkpoint tensors to ignore (e.g. precomputed rotary tables)
     skip_substrings: ClassVar[list[str]] = ["rotary_emb.inv_freq"]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """[num_tokens] ids and positions -> [num_tokens, hidden] final hidden states."""
-        raise NotImplementedError
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[num_rows, hidden] -> [num_rows, vocab] float32."""
-        raise NotImplementedError
-
     def tied_param_names(self) -> set[str]:
         return set()
+
+    def locate(self, name: str) -> tuple[str, str | None]:
+        """Where a checkpoint tensor name lands: (the model's parameter name, the shard of a fused
+        parameter or None), by the same `renames` and `stacked_params` tables as load_weights. Used to
+        place tensors named like the checkpoint's (a LoRA adapter's) without loading them."""
+        for pattern, replacement in self.renames:
+            name = re.sub(pattern, replacement, name)
+        for pattern, fused, shard in _compile_stacked(self.stacked_params):
+            m = pattern.search(name)
+            if m is not None:  # a per-expert tensor has no projection of its own: returned as it is
+                return (name, None) if "expert" in pattern.groupindex else (name[: m.start()] + fused + name[m.end() :], shard)
+        return name, None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], sink: Any = None) -> None:
         """`sink` (perfxlm.quant.loading.QuantizedLoader): offered each tensor before it is copied into its
@@ -133,3 +125,41 @@ class CausalLM(nn.Module):
             elif name not in tied:
                 expected.add(name)
         return expected
+
+
+class CausalLM(CheckpointModel):
+    """A decoder with an LM head: what the generate runner serves (the pooling runner pools its last hidden
+    states: a causal LM used as an embedder)."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[num_tokens] ids and positions -> [num_tokens, hidden] final hidden states."""
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_rows, hidden] -> [num_rows, vocab] float32."""
+        raise NotImplementedError
+
+
+class EncoderModel(CheckpointModel):
+    """A bidirectional encoder (BERT, XLM-RoBERTa): hidden states for pooling, no LM head, no KV cache; only
+    the pooling runner serves it. Sequences of a batch attend to themselves only (the forward context's
+    `CachelessBatch`)."""
+
+    # what the checkpoint's own config means when nothing (sentence-transformers' modules.json) says more
+    default_pooling_type: ClassVar[str] = "CLS"
+    # the number of labels of a sequence-classification head (0: none, an embedder)
+    num_labels: int = 0
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[num_tokens] ids, positions (0-based within each sequence) and segment ids -> [num_tokens, hidden]."""
+        raise NotImplementedError
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """[num_seqs, hidden] pooled states -> [num_seqs, num_labels] float32 logits (classifiers only)."""
+        raise ValueError(f"{type(self).__name__} has no classification head.")
+
+    def max_positions(self) -> int:
+        """The longest sequence the position table holds."""
+        raise NotImplementedError

@@ -17,7 +17,6 @@ from perfxlm.model.layers.mla import MLAttention
 from perfxlm.model.layers.moe import FusedMoE
 from perfxlm.model.layers.moe_router import GroupedTopKRouter
 from perfxlm.model.layers.rotary import interleaved_to_halves
-from perfxlm.model.models.base import refuse_checkpoint_quantization
 from perfxlm.model.models.llama import LLAMA_STACKED_PARAMS, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from perfxlm.model.models.qwen2_moe import MOE_STACKED_PARAMS
 
@@ -44,10 +43,6 @@ class DeepseekMoE(nn.Module):
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
     # the MLPs' gate|up only: MLA keeps its projections apart
     stacked_params = MOE_STACKED_PARAMS + [e for e in LLAMA_STACKED_PARAMS if e[0] == ".gate_up_proj"]
-
-    def __init__(self, config: Any) -> None:
-        refuse_checkpoint_quantization(config, "DeepSeek")  # V3's released fp8 blocks
-        super().__init__(config)
 
     def make_router(self, config: Any) -> GroupedTopKRouter:
         # V2 weights are the softmax scores as they are: transformers' V2 never renormalises them

@@ -16,7 +16,6 @@ from perfxlm.model.layers.activation import ClampedSwiGLU
 from perfxlm.model.layers.attention import layer_sliding_window
 from perfxlm.model.layers.linear import Linear
 from perfxlm.model.layers.moe import grouped_experts
-from perfxlm.model.models.base import refuse_checkpoint_quantization
 from perfxlm.model.models.llama import (
     LLAMA_STACKED_PARAMS, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM,
 )  # fmt: skip
@@ -58,10 +57,6 @@ class GptOssForCausalLM(LlamaForCausalLM):
     # the sinks are the attention layer's own parameter
     renames = [(r"\.self_attn\.sinks$", ".self_attn.attn.sinks")]
     stacked_params = [e for e in LLAMA_STACKED_PARAMS if e[0] == ".qkv_proj"]
-
-    def __init__(self, config: Any) -> None:
-        refuse_checkpoint_quantization(config, "gpt-oss")  # the released MXFP4 blocks and scales
-        super().__init__(config)
 
     def make_layer(self, config: Any, layer_idx: int) -> nn.Module:
         attn = LlamaAttention(
