@@ -51,7 +51,7 @@ class ModelRunner:
         self.prompt_logprobs_observer: Callable[[str, int, torch.Tensor], None] | None = None
         for module in model.modules():
             if isinstance(module, Attention):
-                cache = self.kv_spec.allocate(num_blocks, block_size, module.num_kv_heads, module.head_dim)
+                cache = module.allocate_cache(self.kv_spec, num_blocks, block_size)
                 module.kv_cache = cache
                 self.kv_caches.append(cache)
 
@@ -59,7 +59,7 @@ class ModelRunner:
     def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype | KVCacheSpec) -> int:
         spec = KVCacheSpec.of(dtype)
         return sum(
-            block_size * spec.bytes_per_token(m.num_kv_heads, m.head_dim)
+            block_size * m.cache_bytes_per_token(spec)
             for m in model.modules()
             if isinstance(m, Attention)
         )

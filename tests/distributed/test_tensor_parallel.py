@@ -34,6 +34,17 @@ CASES = {
         hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
         head_dim=32, query_pre_attn_scalar=24, sliding_window=12, attn_logit_softcapping=5.0,
         final_logit_softcapping=3.0, initializer_range=0.02)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        hidden_size=48, intermediate_size=88, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3,
+        head_dim=16, query_pre_attn_scalar=16, sliding_window=7, initializer_range=0.05,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=3,
+        head_dim=16, num_experts=5, num_experts_per_tok=2, moe_intermediate_size=30, norm_topk_prob=True,
+        mlp_only_layers=[0])),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(
+        hidden_size=48, intermediate_size=76, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=3,
+        head_dim=16, partial_rotary_factor=0.5, tie_word_embeddings=False)),
 }  # fmt: skip
 
 PROMPTS = [[5, 17, 300, 42, 9, 77, 13, 600, 2, 45, 81], [8, 8, 100, 200, 3], list(range(3, 40, 2))]
