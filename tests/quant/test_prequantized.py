@@ -340,3 +340,30 @@ def test_compressed_tensors_static_activations_and_formats_refused(tmp_path):
     set_quantization_config(path, bad)
     with pytest.raises(ValueError, match="'model.layers.0.mlp.down_proj' has 160 inputs, which the scheme's group_size=64"):
         resolve(path)
+
+
+def test_compressed_tensors_act_order_group_index():
+    """pack-quantized with `actorder` (its GPTQ modifier's weight_g_idx): the same input order as GPTQ's."""
+    from perfxlm.quant.formats import format_for
+    from tests.quant.packed_checkpoints import pack_int32, quantize_groups
+
+    n, k, group = 16, 96, 32
+    order = torch.randperm(k, generator=torch.Generator().manual_seed(3))
+    w = torch.randn(n, k)
+    q, scales, zeros, dq = quantize_groups(w, 4, group, sym=True, order=order)
+    g_idx = torch.empty(k, dtype=torch.int64).scatter_(0, order, torch.arange(k) // group)
+    fmt = format_for({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                           "group_size": group, "actorder": "group"}}}})  # fmt: skip
+    tensors = {"weight_packed": pack_int32(q, 4), "weight_scale": scales.float(), "weight_shape": torch.tensor([n, k]),
+               "weight_g_idx": g_idx.to(torch.int32)}  # fmt: skip
+    infos = {p: (tuple(t.shape), {torch.int32: "I32", torch.float32: "F32", torch.int64: "I64"}[t.dtype])
+             for p, t in tensors.items()}  # fmt: skip
+    fmt.check("m", infos)
+    weight = fmt.build("m", tensors)
+    assert weight.bits == 4 and torch.equal(weight.input_order, torch.argsort(g_idx, stable=True))
+    torch.testing.assert_close(weight.dense(), dq, rtol=0, atol=1e-6)
+    x = torch.randn(3, k)
+    from perfxlm.ops.linear import linear
+
+    torch.testing.assert_close(linear(x, weight), x @ dq.t(), rtol=1e-5, atol=1e-5)
