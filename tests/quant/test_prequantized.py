@@ -17,6 +17,7 @@ import transformers
 from perfxlm import LLM, SamplingParams
 from perfxlm.config import EngineConfig
 from perfxlm.model.fused_decode import FusedDecode
+from perfxlm.ops import native
 from perfxlm.quant import QuantizedWeight
 from tests.conftest import assert_pool_whole
 from tests.model.test_architectures_vs_hf import CASES, build_checkpoint, hf_greedy_with_logprobs
@@ -142,6 +143,8 @@ def test_awq_gptq_match_transformers_on_dequantized_weights(tmp_path, name):
     qkv = weights["model.layers.0.self_attn.qkv_proj"]
     assert qkv.bits == bits and (qkv.input_order is not None) == act_order and qkv.levels is None
     assert_matches(llm, hf)
+    if native.kernels() is not None:  # act-order products gather their inputs: the module path
+        assert fused_decode_of(llm).eligible == (not act_order)
 
 
 @pytest.mark.parametrize("name", list(CT_SCHEMES))
@@ -214,8 +217,8 @@ def test_every_family_gptq_act_order(tmp_path, case):
 def test_int4_awq_and_gptq_take_the_int4_kernel_path(tmp_path):
     """Without act-order an AWQ / GPTQ 4-bit weight is the engine's own int4 form (4-bit codes, a scale and
     a min per group, no table, no input order): the same native products and the fused decode layer."""
-    own = engine(str(tmp_path / "float"), quantization={"method": "int4", "calibration": False, "mixed_precision": False}) if write_float(
-        str(tmp_path / "float")) else None  # fmt: skip
+    write_float(str(tmp_path / "float"))
+    own = engine(str(tmp_path / "float"), quantization={"method": "int4", "calibration": False, "mixed_precision": False})
     for name in ("awq-g32", "gptq-4bit-g32-asym"):
         make_parts, qconfig, _ = PACKED[name]
         path = str(tmp_path / name)
@@ -225,13 +228,18 @@ def test_int4_awq_and_gptq_take_the_int4_kernel_path(tmp_path):
         for w_own, w in zip(projections(model_of(own)).values(), projections(model_of(llm)).values()):
             assert (w.bits, w.levels, w.input_order, w.act) == (4, None, None, "float")
             assert (w_own.bits, w_own.levels, w_own.act) == (4, None, "float")
-        fused = [m for m in model_of(llm).modules() if isinstance(m, FusedDecode)]
-        assert not fused or all(f.eligible for f in fused)
+        fused = fused_decode_of(llm)
+        assert fused.eligible and (fused.args is not None) == (native.kernels() is not None)  # it ran
 
 
-def write_float(path: str) -> bool:
+def fused_decode_of(llm) -> FusedDecode:
+    found = [m.fused_decode for m in model_of(llm).modules() if isinstance(getattr(m, "fused_decode", None), FusedDecode)]
+    assert len(found) == 1
+    return found[0]
+
+
+def write_float(path: str) -> None:
     tiny_llama().save_pretrained(path)
-    return True
 
 
 def test_stacked_experts_keep_their_own_orders():
