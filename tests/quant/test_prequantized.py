@@ -344,6 +344,16 @@ def test_compressed_tensors_static_activations_and_formats_refused(tmp_path):
     set_quantization_config(path, bad)
     with pytest.raises(ValueError, match="static activation scales"):
         resolve(path)
+    bad = {**qc, "config_groups": {"group_0": {**group, "weights": {**group["weights"], "num_bits": 2}}}}
+    set_quantization_config(path, bad)
+    with pytest.raises(ValueError, match="group_0.weights: num_bits=2 type='int' with pack-quantized"):
+        resolve(path)
+    set_quantization_config(path, {**qc, "quantization_status": "frozen"})
+    with pytest.raises(ValueError, match="quantization_status='frozen'"):
+        resolve(path)
+    set_quantization_config(path, {**qc, "kv_cache_scheme": {"num_bits": 8, "type": "float"}})
+    with pytest.raises(ValueError, match="quantization_config.kv_cache_scheme is not supported"):
+        resolve(path)
     bad = {**qc, "config_groups": {"group_0": {**group, "weights": {**group["weights"], "group_size": 64}}}}
     set_quantization_config(path, bad)
     with pytest.raises(ValueError, match="'model.layers.0.mlp.down_proj' has 160 inputs, which the scheme's group_size=64"):
