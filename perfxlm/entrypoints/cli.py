@@ -34,7 +34,9 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
     parser.add_argument("--quantization", "-q", default=None,
                         help="weights stored quantized: int8 | int4 | nf4 | w8a8 quantize a float checkpoint at "
                              "load; gguf keeps a GGUF file's quantized tensors (the default for .gguf), none "
-                             "dequantizes them; or JSON {\"method\", \"group_size\", \"symmetric\"}")
+                             "dequantizes them; awq | gptq | compressed-tensors name a pre-quantized checkpoint's "
+                             "own format (kept packed, as by default); or JSON {\"method\", \"group_size\", "
+                             "\"symmetric\"}")
     parser.add_argument("--quantization-group-size", type=int, default=None,
                         help="weights per scale (-1: one per output channel; default: 64 for int8 (per channel "
                              "where 64 does not divide an input size) and nf4, per channel for w8a8, 32 for int4)")
