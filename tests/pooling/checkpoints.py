@@ -91,7 +91,8 @@ def make_sentence_transformer(path: str, family: str = "bert", pooling: str = "c
 
     raw = make_encoder(path + "_raw", family, **kwargs)
     transformer = Transformer(raw, max_seq_length=max_seq_length)
-    dim = getattr(transformer, "get_embedding_dimension", transformer.get_word_embedding_dimension)()
+    dim = (transformer.get_embedding_dimension() if hasattr(transformer, "get_embedding_dimension")
+           else transformer.get_word_embedding_dimension())
     modules = [transformer, Pooling(dim, pooling_mode=pooling)]
     if normalize:
         modules.append(Normalize())
