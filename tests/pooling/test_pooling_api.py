@@ -153,3 +153,18 @@ def test_pooler_config_overrides_sentence_transformers_files(matryoshka_bert, tm
     with pytest.raises(ValueError, match="not supported"):
         LLM(str(folder))
     assert os.path.isfile(folder / "config.json")
+
+
+def test_quantized_encoder_embeds_close_to_float(matryoshka_bert, bert_llm, tmp_path):
+    texts = ["the cat sat on the mat", "paris"]
+    ref = np.array([o.outputs.embedding for o in bert_llm.embed(texts, use_tqdm=False)])
+    int8 = LLM(matryoshka_bert, dtype="float32", quantization="int8")
+    got = np.array([o.outputs.embedding for o in int8.embed(texts, use_tqdm=False)])
+    assert (got * ref).sum(1).min() > 0.999 and np.abs(got - ref).max() > 0  # quantized, and close
+    wide = make_encoder(str(tmp_path / "wide"), "bert", hidden_size=64, heads=4, intermediate=128)  # int4: 32s
+    with pytest.raises(ValueError, match="calibration false"):
+        LLM(wide, quantization="int4")  # int4 calibrates by default, over a causal LM's text windows
+    plain = LLM(wide, quantization={"method": "int4", "calibration": False})
+    assert plain.embed("paris", use_tqdm=False)[0].outputs.hidden_size == 64
+    with pytest.raises(ValueError, match="one process"):
+        LLM(matryoshka_bert, data_parallel_size=2)
