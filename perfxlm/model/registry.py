@@ -22,10 +22,13 @@ _MODELS = {
     "XLMRobertaForSequenceClassification": (
         "perfxlm.model.models.xlm_roberta", "XLMRobertaForSequenceClassification",
     ),
+    "ModernBertModel": ("perfxlm.model.models.modernbert", "ModernBertModel"),
+    "ModernBertForSequenceClassification": ("perfxlm.model.models.modernbert", "ModernBertForSequenceClassification"),
 }
 # architectures that pool and cannot generate (no LM head): runner="auto" picks the pooling runner for them
 POOLING_ONLY = frozenset(
-    {"BertModel", "BertForSequenceClassification", "XLMRobertaModel", "XLMRobertaForSequenceClassification"}
+    {"BertModel", "BertForSequenceClassification", "XLMRobertaModel", "XLMRobertaForSequenceClassification",
+     "ModernBertModel", "ModernBertForSequenceClassification"}
 )
 
 

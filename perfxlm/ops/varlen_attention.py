@@ -20,7 +20,8 @@ def varlen_attention(
     valid: torch.Tensor,  # [B, L] bool: a real token
     scale: float,
     causal: bool,
-    sliding_window: int | None = None,  # a query at position p sees keys in (p - window, p]
+    # causal: a query at position p sees keys in (p - window, p]; bidirectional: keys within window - 1 of p
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     num_seqs, width = index.shape
     if num_seqs == 1 and sliding_window is None:  # one sequence: no gather, no mask
@@ -38,7 +39,8 @@ def varlen_attention(
         key_pos = torch.arange(width)[None, :]
         shape = key_pos <= query_pos if causal else torch.ones(width, width, dtype=torch.bool)
         if sliding_window is not None:
-            shape = shape & (key_pos > query_pos - sliding_window)
+            near = (key_pos > query_pos - sliding_window) if causal else (key_pos - query_pos).abs() < sliding_window
+            shape = shape & near
         mask = mask & shape
     out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(1, 2)[valid]

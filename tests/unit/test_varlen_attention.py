@@ -16,14 +16,15 @@ def _reference(q, k, v, lens, scale, causal, window):
         pos = torch.arange(n)
         mask = pos[None, :] <= pos[:, None] if causal else torch.ones(n, n, dtype=torch.bool)
         if window is not None:
-            mask &= pos[None, :] > pos[:, None] - window
+            near = (pos[None, :] - pos[:, None]).abs() < window if not causal else pos[None, :] > pos[:, None] - window
+            mask &= near
         out.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
                    .transpose(0, 1))
         start += n
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 3)])
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 3), (False, 3)])
 @pytest.mark.parametrize("lens", [[7], [5, 1, 13, 2], [1, 1, 1]])
 def test_varlen_equals_one_sdpa_per_sequence(causal, window, lens):
     torch.manual_seed(sum(lens))
