@@ -168,3 +168,12 @@ def test_quantized_encoder_embeds_close_to_float(matryoshka_bert, bert_llm, tmp_
     assert plain.embed("paris", use_tqdm=False)[0].outputs.hidden_size == 64
     with pytest.raises(ValueError, match="one process"):
         LLM(matryoshka_bert, data_parallel_size=2)
+
+
+def test_generation_front_ends_refuse_pooling_models(matryoshka_bert, tiny_llama):
+    from perfxlm import AsyncLLM, EngineConfig
+
+    with pytest.raises(ValueError, match="cannot generate"):
+        AsyncLLM(EngineConfig(model=matryoshka_bert))
+    with pytest.raises(ValueError, match="runner='pooling'"):
+        AsyncLLM(EngineConfig(model=tiny_llama, runner="pooling", skip_tokenizer_init=True))
