@@ -114,6 +114,12 @@ class EngineConfig:
     # A Hugging Face model id resolves through the hub cache (perfxlm/hub.py): which commit, and where.
     revision: str | None = None
     download_dir: str | None = None
+    # LoRA adapters (perfxlm/lora/), vLLM's names: requests name an adapter with lora_request=; at most
+    # max_loras distinct adapters per step, of rank <= max_lora_rank; max_cpu_loras stay loaded (LRU).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # vLLM's runner kinds: "auto" (pooling for an encoder, else generate), "generate", "pooling" (embeddings,
     # classification, scores: perfxlm/pooling/); convert "auto" | "none" | "embed" | "classify" | "reward"
     # says what a pooling model is used as; pooler_config {"pooling_type", "normalize"} overrides how it pools.
@@ -127,6 +133,9 @@ class EngineConfig:
     kv_cache_spec: Any = field(default=None, init=False, repr=False)  # ops.kv_quant.KVCacheSpec
     quant_config: Any = field(default=None, init=False, repr=False)  # quant.QuantizationConfig or None
     quant_activation_mode: Any = field(default=None, init=False, repr=False)  # quant.weight.ActivationMode
+    lora_config: Any = field(default=None, init=False, repr=False)  # lora.config.LoRAConfig with enable_lora
+    # a pre-quantized checkpoint's equivalent method for activation defaults (int4, int8, w8a8), or None
+    packed_source: str | None = field(default=None, init=False, repr=False)
     eos_token_ids: set[int] = field(default_factory=set, repr=False)
     # whether max_model_len came from the user (an error if the KV pool cannot hold it) or the model
     # (lowered to what the pool holds)
@@ -139,6 +148,17 @@ class EngineConfig:
         KVCacheSpec.resolve(self.kv_cache_dtype, torch.float32, self.kv_cache_group_size)  # ValueError: choices
         self._resolve_quantization()
         check_quant_activations(self.quant_activations)
+        self.lora_config = self._resolve_lora()
+
+    def _resolve_lora(self) -> Any:
+        from perfxlm.lora.config import LoRAConfig
+
+        if not self.enable_lora:
+            return None
+        if self.tensor_parallel_size > 1 or self.data_parallel_size > 1 or self.distributed_executor_backend == "external_launcher":
+            raise ValueError("enable_lora runs in one process for now: use tensor_parallel_size=1 and "
+                             "data_parallel_size=1, or merge the adapter into the weights.")
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def _resolve_quantization(self) -> Any:
         from perfxlm.quant.config import QuantizationConfig
@@ -148,6 +168,8 @@ class EngineConfig:
     def _weights_stay_quantized(self) -> bool:
         """A GGUF file kept quantized, or a float checkpoint quantized at load."""
         method = None if self.quant_config is None else self.quant_config.method
+        if self.packed_source is not None:
+            return True
         if self.load_format == "gguf":
             return method in (None, "gguf")
         return self.quant_config is not None and self.quant_config.quantizes
@@ -156,6 +178,8 @@ class EngineConfig:
         """Where quantized weights come from: "gguf" (a GGUF file kept quantized: its float tensors stay
         float), the method quantizing a float checkpoint at load, or None (no weight stays quantized)."""
         method = None if self.quant_config is None else self.quant_config.method
+        if self.packed_source is not None:
+            return self.packed_source
         if self.load_format == "gguf" and method in (None, "gguf"):
             return "gguf" if self.tensor_parallel_size == 1 else None  # ranks dequantize GGUF blocks
         return method if self.quant_config is not None and self.quant_config.quantizes else None
@@ -179,8 +203,13 @@ class EngineConfig:
         from perfxlm.quant.config import resolve_activations
         from perfxlm.quant.loading import check_compatible
 
+        from perfxlm.model.loader import packed_checkpoint
+
         self.quant_config = self._resolve_quantization()
-        check_compatible(self.quant_config, self.load_format, self.model)  # before any weight is read
+        # a pre-quantized folder (AWQ, GPTQ, compressed-tensors): its config and packed shapes checked here
+        packed = packed_checkpoint(self.model, self.load_format)
+        self.packed_source = None if packed is None else packed.format.activation_source
+        check_compatible(self.quant_config, self.load_format, self.model, packed)  # before any weight is read
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")

@@ -9,15 +9,17 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
+from perfxlm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchSequence
 from perfxlm.compat import split_vllm_kwargs
 from perfxlm.config import EngineConfig
 from perfxlm.engine.input_processor import PromptType
 from perfxlm.engine.llm_engine import LLMEngine
 from perfxlm.generation_defaults import load_generation_defaults
+from perfxlm.lora.request import LoRARequest
 from perfxlm.outputs import RequestOutput
 from perfxlm.pooling.llm_api import PoolingMethods
 from perfxlm.pooling.runner_kind import select_runner
-from perfxlm.sampling_params import RequestOutputKind, SamplingParams
+from perfxlm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig) if f.init} - {"hf_config", "torch_dtype", "eos_token_ids"}
 # vLLM arguments with no engine field here (GPU sizing, hub revisions, ...) are handled by compat.py.
@@ -84,15 +86,13 @@ class LLM(PoolingMethods):
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        lora_request: Any = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: list[int] | None = None,
         **unsupported: Any,
     ) -> list[RequestOutput]:
+        """`lora_request`: one adapter for every prompt, or one (or None) per prompt (enable_lora=True)."""
         _refuse_unsupported("generate", unsupported)
         self._require_runner("generate", "generate")
-        if lora_request is not None:
-            raise ValueError("lora_request: LoRA adapters are not supported by perfxlm; merge the adapter into the "
-                             "weights (peft's merge_and_unload) and load the merged model.")
         if priority is not None and any(p != 0 for p in priority):
             raise ValueError("priority: perfxlm schedules first come, first served (vLLM's default policy), where "
                              "a priority other than 0 is refused; drop it.")
@@ -109,7 +109,14 @@ class LLM(PoolingMethods):
                 raise ValueError(
                     f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt."
                 )
-        return self._run(prompts, params_list, use_tqdm)
+        if not isinstance(lora_request, (list, tuple)):  # one for all (checked when the request is added)
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"Got {len(loras)} lora_requests for {len(prompts)} prompts: give one, or one "
+                                 "(or None) per prompt.")
+        return self._run(prompts, params_list, use_tqdm, loras)
 
     def chat(
         self,
@@ -121,7 +128,7 @@ class LLM(PoolingMethods):
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
-        lora_request: Any = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         **unsupported: Any,
     ) -> list[RequestOutput]:
         """vLLM's chat(): tools and chat_template_kwargs (e.g. {"enable_thinking": False}) reach the
@@ -144,15 +151,55 @@ class LLM(PoolingMethods):
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
-    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def beam_search(
+        self,
+        prompts: Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | None = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search: per prompt, the beam_width best sequences (prompt tokens first, text decoded
+        from all of them) after max_tokens steps; rules in perfxlm/beam_search.py. Each step is one engine
+        run over every live beam; concurrency_limit bounds how many prompts search together."""
+        self._require_runner("generate", "beam_search")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}.")
+        if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be None or an integer >= 1, got {concurrency_limit!r}.")
+        processor = self.llm_engine.input_processor
+        token_lists = [processor.tokenize_prompt(p)[1] for p in prompts]
+        processor.check_beam_search(params, token_lists)
+        eos = processor.eos_token_ids()
+        limit = concurrency_limit or max(1, len(token_lists))
+        results: list[list[BeamSearchSequence]] = []
+        groups = range(0, len(token_lists), limit)
+        for start in tqdm(groups, desc="Beam search", dynamic_ncols=True, disable=not use_tqdm):
+            search = BeamSearch(token_lists[start : start + limit], params, eos)
+            while beams := search.pending():
+                outs = self._run([{"prompt_token_ids": b.tokens} for b in beams],
+                                 [search.step_params] * len(beams), use_tqdm=False,
+                                 loras=[lora_request] * len(beams))
+                search.advance([o.outputs[0].logprobs[0] if o.outputs[0].logprobs else None for o in outs])
+            results.extend(search.results())
+        tokenizer = self.get_tokenizer()
+        for beams in results:
+            for beam in beams:
+                beam.text = tokenizer.decode(beam.tokens) if tokenizer is not None else None
+        return [BeamSearchOutput(sequences=beams) for beams in results]
+
+    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool,
+             loras: list[LoRARequest | None]) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = [str(next(self._counter)) for _ in prompts]
         added: list[str] = []
         try:
-            for rid, prompt, params in zip(ids, prompts, params_list):
+            for rid, prompt, params, lora in zip(ids, prompts, params_list, loras):
                 params = params.clone()
                 params.output_kind = RequestOutputKind.FINAL_ONLY  # generate() only needs the end
-                engine.add_request(rid, prompt, params)
+                engine.add_request(rid, prompt, params, lora_request=lora)
                 added.append(rid)
         except Exception:
             engine.abort_request(added)  # all or nothing: a bad prompt leaves no request behind

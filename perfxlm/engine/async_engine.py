@@ -10,11 +10,12 @@ import asyncio
 import itertools
 from typing import Any, AsyncGenerator
 
+from perfxlm.beam_search import BeamSearch, to_request_output
 from perfxlm.config import EngineConfig
 from perfxlm.engine.input_processor import PromptType
 from perfxlm.engine.threaded_engine import ThreadedEngine
 from perfxlm.outputs import RequestOutput
-from perfxlm.sampling_params import SamplingParams
+from perfxlm.sampling_params import BeamSearchParams, SamplingParams
 
 _HEALTH_POLL_S = 0.5
 
@@ -49,8 +50,10 @@ class AsyncLLM:
         return self.engine.tokenizer
 
     async def generate(
-        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str | None = None
+        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str | None = None,
+        lora_request: Any = None,
     ) -> AsyncGenerator[RequestOutput, None]:
+        """`lora_request`: the LoRARequest the request runs with (enable_lora), as in vLLM."""
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         loop = asyncio.get_running_loop()
         results: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -58,7 +61,7 @@ class AsyncLLM:
         def sink(item: RequestOutput | BaseException) -> None:
             loop.call_soon_threadsafe(results.put_nowait, item)
 
-        self.engine.add_request(request_id, prompt, sampling_params, sink)
+        self.engine.add_request(request_id, prompt, sampling_params, sink, lora_request=lora_request)
         finished = False
         try:
             while not finished:
@@ -73,6 +76,36 @@ class AsyncLLM:
         finally:
             if not finished:  # cancelled, or the consumer stopped iterating
                 self.engine.abort(request_id)
+
+    async def beam_search(
+        self, prompt: PromptType, request_id: str, params: BeamSearchParams, lora_request: Any = None,
+        logprobs: int | None = 0,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """vLLM's asynchronous beam search: one finished RequestOutput whose completions are the beam_width
+        best beams, generated tokens only (rules in perfxlm/beam_search.py). Each step runs the live beams
+        as concurrent one-token requests; cancelling the consumer aborts them. logprobs: how many candidates
+        of each token's row to keep (besides the chosen one); None drops the rows."""
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA adapters are not supported by perfxlm; merge the adapter into the "
+                             "weights (peft's merge_and_unload) and load the merged model.")
+        processor = self.engine.input_processor
+        text, token_ids = processor.tokenize_prompt(prompt)
+        processor.check_beam_search(params, [token_ids])
+        search = BeamSearch([token_ids], params, processor.eos_token_ids())
+        step = 0
+        while beams := search.pending():
+            ids = [f"{request_id}-beam{step}-{i}" for i in range(len(beams))]
+            outs = await _all([self._final({"prompt_token_ids": b.tokens}, search.step_params, rid)
+                               for b, rid in zip(beams, ids)])
+            search.advance([o.outputs[0].logprobs[0] if o.outputs[0].logprobs else None for o in outs])
+            step += 1
+        yield to_request_output(request_id, text, token_ids, search.results()[0], params, self.tokenizer, logprobs)
+
+    async def _final(self, prompt: PromptType, params: SamplingParams, request_id: str) -> RequestOutput:
+        out = None
+        async for out in self.generate(prompt, params, request_id):
+            pass
+        return out
 
     async def _next(self, results: asyncio.Queue) -> RequestOutput | BaseException:
         """The next item, looking at the engine's health every half second while none comes: a dead
@@ -103,3 +136,14 @@ class AsyncLLM:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+async def _all(coros: list) -> list:
+    """Every result, in order; the first failure cancels (so aborts) the others before it is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -50,8 +50,11 @@ class EngineCore:
         self.runner = getattr(self.executor, "runner", None)
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len
+            self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
+            config.lora_config.max_loras if config.lora_config is not None else None,
         )
+        # what LoRA adapters are checked against when a request names one (enable_lora, one process)
+        self.lora_targets = getattr(self.executor, "lora_targets", None)
         if _freeze_gc_at_start:
             # The model and tokenizer are long-lived: take them out of the collector's view, so the GC
             # passes that per-step allocations trigger stay short (a few % of a decode step). Unfreeze

@@ -9,6 +9,7 @@ from perfxlm.engine.data_parallel import DataParallelCore
 from perfxlm.engine.engine_core import EngineCore
 from perfxlm.engine.input_processor import InputProcessor
 from perfxlm.engine.output_processor import OutputProcessor
+from perfxlm.lora.registry import LoRARegistry
 
 
 class EngineFrontEndParts:
@@ -27,7 +28,10 @@ class EngineFrontEndParts:
         else:
             self.core = EngineCore(config)
         self.num_kv_blocks = self.core.num_kv_blocks
-        self.input_processor = InputProcessor(config, self.tokenizer, self.num_kv_blocks)
+        self.loras = None  # enable_lora: the loaded adapters, shared by every caller thread
+        if config.lora_config is not None:
+            self.loras = LoRARegistry(self.core.lora_targets, config.lora_config)
+        self.input_processor = InputProcessor(config, self.tokenizer, self.num_kv_blocks, self.loras)
         self.output_processor = OutputProcessor(self.tokenizer)
 
 

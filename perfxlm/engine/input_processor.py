@@ -7,6 +7,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from perfxlm.beam_search import check_beam_search
 from perfxlm.config import EngineConfig
 from perfxlm.engine.request import Request
 from perfxlm.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, _Opaque
@@ -36,8 +37,10 @@ def _sibling_seed(seed: int, index: int) -> int:
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig, tokenizer: Any, num_kv_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Any, num_kv_blocks: int, loras: Any = None) -> None:
+        """`loras`: the engine's LoRARegistry (enable_lora), else None."""
         self.config = config
+        self.loras = loras
         self.tokenizer = tokenizer
         self.vocab_size = int(config.hf_config.vocab_size)
         self.max_model_len = int(config.max_model_len)
@@ -67,12 +70,14 @@ class InputProcessor:
         return text, token_ids
 
     def process(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None
+        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None,
+        lora_request: Any = None,
     ) -> ProcessedRequest:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
         check_request_id(request_id)
         self._check_engine_limits(params)
+        adapter = self.lora_adapter(lora_request)
         text, token_ids = self.tokenize_prompt(prompt)
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
@@ -107,9 +112,7 @@ class InputProcessor:
                 f"more than the whole pool ({self.max_pool_tokens} tokens): lower max_tokens or enlarge the cache "
                 "(kv_cache_gib / num_kv_blocks)."
             )
-        eos = set(self.config.eos_token_ids)
-        if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
-            eos.add(self.tokenizer.eos_token_id)
+        eos = self.eos_token_ids()
         params = params.clone()
         if params.top_k >= self.vocab_size:
             params.top_k = -1  # keeping the whole vocabulary is no filter; the sampler never sees a huge k
@@ -132,7 +135,31 @@ class InputProcessor:
         request = Request(child_ids[0], token_ids, child_params[0], max_tokens, eos, arrival_time)
         request.fork_children = list(zip(child_ids[1:], child_params[1:]))
         request.cache_salt = cache_salt
+        request.lora = adapter
         return ProcessedRequest(request, text, child_ids, child_params, params)
+
+    def lora_adapter(self, lora_request: Any) -> Any:
+        """The loaded adapter a request names (None: the base model), checked before anything else runs."""
+        if lora_request is None:
+            return None
+        if self.loras is None:
+            raise ValueError("lora_request: this engine was started without LoRA; pass enable_lora=True "
+                             "(and max_loras / max_lora_rank to fit the adapters).")
+        return self.loras.get(lora_request)
+    def eos_token_ids(self) -> set[int]:
+        """The ids that end a request: the model's EOS ids and the tokenizer's."""
+        eos = set(self.config.eos_token_ids)
+        if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        return eos
+
+    def check_beam_search(self, params: Any, prompts_token_ids: list[list[int]]) -> None:
+        """BeamSearchParams against this engine's bounds, before any step runs."""
+        outside = [t for ids in prompts_token_ids for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if outside:
+            raise ValueError(f"prompt_token_ids holds {outside[0]!r}, outside the vocabulary [0, {self.vocab_size}).")
+        check_beam_search(params, [len(p) for p in prompts_token_ids], self.max_model_len, self.max_logprobs,
+                          self.vocab_size)
 
     def _check_engine_limits(self, params: SamplingParams) -> None:
         """Bounds that depend on the engine, checked before any per-sibling work (copies, forks)."""

@@ -47,12 +47,17 @@ class KVCacheBlock:
 _ROOT = os.urandom(32)
 
 
-def block_digest(parent: bytes | None, tokens: list[int], cache_salt: str | None = None) -> bytes:
-    """SHA-256 of the parent digest (or the root and salt, for a first block) and the token ids."""
+def block_digest(
+    parent: bytes | None, tokens: list[int], cache_salt: str | None = None, adapter: str | None = None
+) -> bytes:
+    """SHA-256 of the parent digest (or the root, salt and LoRA adapter key, for a first block) and the
+    token ids. The adapter changes every K/V of the sequence, so its blocks never serve another's prompt."""
     h = hashlib.sha256(parent if parent is not None else _ROOT)
-    if parent is None and cache_salt is not None:
-        salt = cache_salt.encode("utf-8", "surrogatepass")
-        h.update(b"salt" + struct.pack("<Q", len(salt)) + salt)
+    if parent is None:
+        for tag, value in ((b"salt", cache_salt), (b"lora", adapter)):
+            if value is not None:
+                data = value.encode("utf-8", "surrogatepass")
+                h.update(tag + struct.pack("<Q", len(data)) + data)
     # every full block has block_size tokens, so fixed-width ids need no separator
     h.update(struct.pack(f"<{len(tokens)}q", *tokens))
     return h.digest()
@@ -118,10 +123,12 @@ class KVCacheManager:
         hashes = self.req_to_hashes.setdefault(request.request_id, [])
         tokens, bs = request.all_token_ids, self.block_size
         salt = getattr(request, "cache_salt", None)
+        lora = getattr(request, "lora", None)
+        adapter = None if lora is None else lora.cache_key
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(block_digest(parent, tokens[i * bs : (i + 1) * bs], salt))
+            hashes.append(block_digest(parent, tokens[i * bs : (i + 1) * bs], salt, adapter))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:

@@ -21,12 +21,13 @@ class LLMEngine(EngineFrontEndParts):
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None
+        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None,
+        lora_request: Any = None,
     ) -> None:
         arrival_time = arrival_time if arrival_time is not None else time.time()
         if request_id in self.output_processor.states:
             raise ValueError(f"request_id {request_id!r} is already in use.")
-        pr = self.input_processor.process(request_id, prompt, params, arrival_time)
+        pr = self.input_processor.process(request_id, prompt, params, arrival_time, lora_request)
         self.scheduler.add_request(pr.request)
         self.output_processor.add_request(request_id, pr, arrival_time)
 

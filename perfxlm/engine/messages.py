@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from perfxlm.sampling_params import SamplingParams
 
@@ -29,6 +30,7 @@ class ScheduledRequest:
     # n > 1 / best_of: at the first sample, these children are sampled from the same logits and then
     # forked off this request, sharing its prompt blocks (the prompt is prefilled once).
     fork_children: list[tuple[str, SamplingParams]] = field(default_factory=list)
+    lora: Any = None  # the request's adapter (perfxlm.lora.adapter.LoRAAdapter), None for the base model
 
 
 @dataclass(slots=True)

@@ -165,6 +165,7 @@ class RequestState:
             [None] if params.prompt_logprobs is not None else None
         )
         self.num_cached_tokens = 0
+        self.lora_request = None  # the request's LoRARequest, echoed on its outputs as vLLM does
         self.metrics = RequestMetrics(arrival_time=arrival_time, last_token_time=arrival_time)
 
     @property
@@ -207,6 +208,7 @@ class RequestState:
             finished=finished,
             metrics=self.metrics,
             num_cached_tokens=self.num_cached_tokens,
+            lora_request=self.lora_request,
         )
 
 
@@ -219,6 +221,8 @@ class OutputProcessor:
     def add_request(self, request_id: str, pr: ProcessedRequest, arrival_time: float) -> None:
         state = RequestState(request_id, pr.child_ids, pr.child_params, pr.prompt, pr.request.prompt_token_ids,
                              pr.params, self.tokenizer, arrival_time)
+        if pr.request.lora is not None:
+            state.lora_request = pr.request.lora.request
         self.states[request_id] = state
         for i, cid in enumerate(pr.child_ids):
             self.child_to_parent[cid] = (state, i)

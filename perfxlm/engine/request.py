@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 from perfxlm.sampling_params import SamplingParams
 
@@ -59,6 +60,8 @@ class Request:
         self.fork_children: list[tuple[str, SamplingParams]] = []
         # vLLM's cache_salt: prefix-cache blocks are shared only between requests with the same salt
         self.cache_salt: str | None = None
+        # the adapter it runs with (perfxlm.lora.adapter.LoRAAdapter); its blocks hash apart from others'
+        self.lora: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

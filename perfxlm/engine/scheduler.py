@@ -37,8 +37,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        max_loras: int | None = None,
     ) -> None:
         self.kv = kv_cache_manager
+        self.max_loras = max_loras  # distinct LoRA adapters one step may hold (the runner's slots)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -95,9 +97,13 @@ class Scheduler:
         num_preemptions = 0
         now = time.time()
 
+        loras: set[str] = set()  # adapters (cache keys) in this step
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if not self._lora_fits(request, loras):  # waits for a step its adapter has a slot in
+                i += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()
@@ -112,8 +118,12 @@ class Scheduler:
                 continue
             break  # the request preempted itself: nothing after it can run either
 
+        skipped: list[Request] = []  # waiting requests whose adapter has no slot this step, kept in order
         while self.waiting and not num_preemptions and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if not self._lora_fits(request, loras):
+                skipped.append(self.waiting.popleft())
+                continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - request.num_computed_tokens - num_hit_tokens, budget)
             if not self.kv.allocate_slots(request, num_new, hits):
@@ -128,6 +138,7 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
 
         self.num_preemptions_total += num_preemptions
         finished, self.finished_request_ids = self.finished_request_ids, set()
@@ -139,6 +150,18 @@ class Scheduler:
             num_preemptions=num_preemptions,
             blocks_to_copy=copies,
         )
+
+    def _lora_fits(self, request: Request, loras: set[str]) -> bool:
+        """Whether the request's adapter can join the step (and, if so, count it): at most max_loras
+        distinct adapters per step, as the runner has that many slots."""
+        if request.lora is None:
+            return True
+        key = request.lora.cache_key
+        if key not in loras:
+            if self.max_loras is not None and len(loras) >= self.max_loras:
+                return False
+            loras.add(key)
+        return True
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -154,6 +177,7 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             fork_children=request.fork_children if do_sample else [],
+            lora=request.lora,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -232,6 +256,7 @@ class Scheduler:
                             parent.arrival_time)
             child.num_computed_tokens = parent.num_computed_tokens
             child.cache_salt = parent.cache_salt  # a sibling that recomputes must hash as its tenant
+            child.lora = parent.lora
             child.num_cached_tokens = parent.num_cached_tokens
             child.first_scheduled_time = parent.first_scheduled_time
             self.requests[child_id] = child

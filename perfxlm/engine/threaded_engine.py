@@ -64,13 +64,13 @@ class ThreadedEngine(EngineFrontEndParts):
 
     # ---- caller side ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, sink: Sink,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, lora_request: Any = None) -> None:
         """Validate and queue a request (ValueError on bad input, raised in the caller's thread)."""
         self.check_health()
         if request_id in self._sinks:  # refuse before any tokenizing; re-checked under the lock below
             raise ValueError(f"request_id {request_id!r} is already in use.")
         arrival_time = arrival_time if arrival_time is not None else time.time()
-        pr = self.input_processor.process(request_id, prompt, params, arrival_time)
+        pr = self.input_processor.process(request_id, prompt, params, arrival_time, lora_request)
         with self._lock:
             if self._dead is not None:
                 raise self._dead

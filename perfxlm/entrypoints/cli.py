@@ -1,4 +1,4 @@
-"""`perfxlm` command line: generate, serve, chat, bench, eval (more subcommands join as they are built)."""
+"""`perfxlm` command line: generate, serve, chat, bench, eval, export (more subcommands join as they are built)."""
 
 from __future__ import annotations
 
@@ -77,6 +77,11 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
     parser.add_argument("--generation-config", default="auto",
                         help="sampling defaults: auto = the model's generation_config.json, vllm = none, "
                              "or a folder holding a generation_config.json")
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters over the model")
+    parser.add_argument("--max-loras", type=int, default=1, help="distinct LoRA adapters in one step")
+    parser.add_argument("--max-lora-rank", type=int, default=16, help="largest LoRA rank accepted")
+    parser.add_argument("--max-cpu-loras", type=int, default=None,
+                        help="LoRA adapters kept loaded (default: --max-loras)")
     # vLLM's GPU-only flags: accepted so launch lines run unchanged, with a notice of their effect here
     for flag, kind in (("--gpu-memory-utilization", float), ("--swap-space", float), ("--cpu-offload-gb", float)):
         parser.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)
@@ -167,6 +172,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         download_dir=getattr(args, "download_dir", None),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         data_parallel_size=getattr(args, "data_parallel_size", 1),
+        enable_lora=getattr(args, "enable_lora", False),
+        max_loras=getattr(args, "max_loras", 1),
+        max_lora_rank=getattr(args, "max_lora_rank", 16),
+        max_cpu_loras=getattr(args, "max_cpu_loras", None),
     )
 
 
@@ -222,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests allowed to wait for a seat; past it the server answers 503")
     serve.add_argument("--max-request-body-bytes", type=int, default=4 << 20,
                        help="largest request body accepted (413 beyond)")
+    serve.add_argument("--max-stored-responses", type=int, default=1000,
+                       help="/v1/responses kept in memory for GET /v1/responses/{id} and previous_response_id; "
+                            "the least recently used go first (0: keep none)")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="render chat templates sent with requests (in a bounded sandbox); refused by default")
     serve.add_argument("--chat-template", default=None,
@@ -232,6 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="format of the model's tool calls: hermes (Qwen2.5/Qwen3/Hermes), llama3_json, mistral")
     serve.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                        help="split <think>...</think> out of the reply into reasoning_content")
+    serve.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="LoRA adapters served by name (with --enable-lora): name=path, or vLLM's JSON "
+                            "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; a request's model "
+                            "field picks one")
     serve.add_argument("--uvicorn-log-level", default=None,
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="HTTP server log level (default warning)")
@@ -251,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     from perfxlm.eval.command import add_eval_parser
 
     add_eval_parser(sub, add_engine_args, engine_kwargs)
+    from perfxlm.export.command import add_export_parser
+
+    add_export_parser(sub)
     return parser
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from perfxlm.lora.layers import wrap_model
+from perfxlm.lora.slots import LoRASlots
 from perfxlm.model.layers.attention import Attention
 from perfxlm.model.loader import get_model
 from perfxlm.worker.model_runner import ModelRunner
@@ -18,6 +20,10 @@ class InProcessExecutor:
             config.model, config.hf_config, config.torch_dtype, config.load_format, config.seed, config.weight_dtype
         )
         self.runner: ModelRunner | None = None
+        # enable_lora: the targeted projections wrapped once, after loading (what adapters are checked against)
+        self.lora_targets = self.lora_wrappers = None
+        if config.lora_config is not None:
+            self.lora_targets, self.lora_wrappers = wrap_model(self.model)
 
     def kv_bytes_per_block(self, block_size: int, spec: Any) -> int:
         return ModelRunner.kv_bytes_per_block(self.model, block_size, spec)
@@ -28,7 +34,10 @@ class InProcessExecutor:
 
     def initialize_cache(self, num_blocks: int) -> None:
         c = self.config
-        self.runner = ModelRunner(self.model, num_blocks, c.block_size, c.kv_cache_spec)
+        slots = None
+        if c.lora_config is not None:
+            slots = LoRASlots(self.lora_wrappers, c.lora_config.max_loras, c.torch_dtype)
+        self.runner = ModelRunner(self.model, num_blocks, c.block_size, c.kv_cache_spec, slots)
 
     def execute(self, so: Any) -> Any:
         return self.runner.execute(so)  # type: ignore[union-attr]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -35,6 +35,9 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool, built once per step
     # Rows after the decodes: multi-token sequences, one attention call each.
     prefills: list[PrefillSeq]
+    # The step's adapters (perfxlm.lora.slots.LoRABatch) when a row has one, read by the LoRA wrappers of
+    # the projections; None otherwise (and always without enable_lora).
+    lora: Any = None
 
 
 @dataclass(slots=True)

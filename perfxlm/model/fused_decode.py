@@ -186,6 +186,11 @@ class FusedDecode:
     def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         if not self.eligible or x.dtype != torch.float32 or meta.prefills or meta.num_decode_tokens != x.shape[0]:
             return False
+        if meta.lora is not None:
+            # A row runs with a LoRA adapter: its products are added after each projection, inside the
+            # layer, where the one native call per layer has no place for them. Steps without an adapter
+            # row keep the fused path.
+            return False
         if native.kernels() is None:
             return False
         if self.args is None:  # first all-decode step: collect (weights are final by now)
@@ -201,6 +206,10 @@ class FusedDecode:
             # does (QuantizedWeight.bf16_gemm / activations, decided at load), so both round alike.
             quantized = [m.weight for m in self.layers.modules()
                          if hasattr(m, "weight") and not isinstance(m.weight, torch.Tensor)]
+            if any(w.input_order is not None or not w.kernel_levels for w in quantized):
+                # act-order inputs and FP8 byte tables: products the kernel does not take; module path
+                self.eligible = False
+                return False
             self.quant_bf16_gemm = all(w.bf16_gemm for w in quantized)
             blocks = _int8_blocks(quantized)
             if blocks is None:
@@ -210,16 +219,22 @@ class FusedDecode:
         return True
 
     def run(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        layer_ropes: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (hidden, residual); for Gemma 2 (no residual stream) both are the layer output."""
+        """-> (hidden, residual); for Gemma 2 (no residual stream) both are the layer output.
+        `layer_ropes`: one (cos, sin) per layer where layers rotate differently (Gemma 3's local and
+        global bases), else `rope` serves every layer."""
         ops = native.kernels()
         plan = cpu_plan.plan()
         max_rows = plan.native_max_rows
         bf16_gemm = plan.gemm == "bf16" and self.quant_bf16_gemm
-        cos, sin = rope
         residual = x
         for i, (layer, (before, after)) in enumerate(zip(self.layers, self.args or [])):
+            cos, sin = rope if layer_ropes is None else layer_ropes[i]
             cache = layer.self_attn.attn.kv_cache
             x, residual = ops.decode_layer(
                 x, residual, i == 0, *before, cos, sin, cache.key, cache.value, meta.slot_mapping,

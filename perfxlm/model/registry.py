@@ -12,8 +12,12 @@ _MODELS = {
     "Qwen3ForCausalLM": ("perfxlm.model.models.qwen3", "Qwen3ForCausalLM"),
     "Phi3ForCausalLM": ("perfxlm.model.models.phi3", "Phi3ForCausalLM"),
     "Gemma2ForCausalLM": ("perfxlm.model.models.gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("perfxlm.model.models.gemma3", "Gemma3ForCausalLM"),
     "OPTForCausalLM": ("perfxlm.model.models.opt", "OPTForCausalLM"),
     "Qwen2MoeForCausalLM": ("perfxlm.model.models.qwen2_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("perfxlm.model.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "GlmForCausalLM": ("perfxlm.model.models.glm", "GlmForCausalLM"),
+    "Glm4ForCausalLM": ("perfxlm.model.models.glm4", "Glm4ForCausalLM"),
     "MixtralForCausalLM": ("perfxlm.model.models.mixtral", "MixtralForCausalLM"),
     # encoders: only the pooling runner serves them (model.models.base.EncoderModel)
     "BertModel": ("perfxlm.model.models.bert", "BertModel"),

@@ -82,9 +82,11 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     blocks as the weight's `activations` (decided at load from `quant_activations`) says, else the
     products are exact to float summation order. The fused decode layer does the same."""
     ops = native.kernels()
-    if ops is None or not hasattr(ops, "linear_q"):
+    if ops is None or not hasattr(ops, "linear_q") or not weight.kernel_levels:
         return reference_linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
+    if weight.input_order is not None:  # act-order: the codes' columns are the inputs in this order
+        rows = rows.index_select(1, weight.input_order)
     if rows.dtype != torch.float32 or not rows.is_contiguous():
         rows = rows.float().contiguous()
     b = bias if bias is None or bias.dtype == torch.float32 else bias.float()

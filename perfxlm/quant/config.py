@@ -17,6 +17,9 @@ Names (vLLM's `quantization` argument):
   with one scale per token, which `activation_group_size=-1` selects).
 - "gguf": accepted on a .gguf file (vLLM's spelling): its quantized tensors stay quantized, the default.
 - "none": no quantized weights; a GGUF file's quantized tensors are dequantized at load to `dtype`.
+- "awq", "gptq", "compressed-tensors" (vLLM's names, "awq_marlin" / "gptq_marlin" too): accepted on a
+  checkpoint whose config.json's quantization_config has that quant_method (perfxlm.quant.formats): its
+  packed weights are kept packed, as they are with None.
 Options: `quantization_group_size` (weights per scale; -1 = one scale per output channel) and
 `quantization_symmetric` (bool). Both may also come inside the value as a dict or its JSON text:
 `{"method": "int4", "group_size": 64, "symmetric": false}`; w8a8 also takes `activation_group_size`
@@ -67,7 +70,11 @@ from perfxlm.quant.weight import ACT_BLOCK, BLOCK4, ActivationMode, QuantizedWei
 
 METHODS = ("int8", "int4", "nf4", "w8a8")
 GGUF, NONE = "gguf", "none"
-ALL_NAMES = (*METHODS, GGUF, NONE)
+# a pre-quantized checkpoint's own method (perfxlm.quant.formats), accepted as `quantization=` where the
+# checkpoint has it (vLLM's spelling: its weights are kept packed, as with None)
+CHECKPOINT_METHODS = ("awq", "gptq", "compressed-tensors")
+_CHECKPOINT_ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq", "compressed_tensors": "compressed-tensors"}
+ALL_NAMES = (*METHODS, GGUF, NONE, *CHECKPOINT_METHODS)
 PER_CHANNEL = -1
 GROUP8 = 16  # 8-bit codes: groups are whole multiples of 16 weights (or one per row)
 # int8: one scale per 64 weights. Measured on the default model's weights (its BF16 conversion, bf16
@@ -326,15 +333,18 @@ class QuantizationConfig:
                 )
             options = {k: v for k, v in quantization.items() if k != "method"}
             quantization = quantization["method"]
-        if not isinstance(quantization, str) or quantization.strip().lower() not in ALL_NAMES:
+        if isinstance(quantization, str):
+            lowered = quantization.strip().lower()
+            quantization = _CHECKPOINT_ALIASES.get(lowered, lowered)
+        if not isinstance(quantization, str) or quantization not in ALL_NAMES:
             raise ValueError(f"quantization={quantization!r} is not supported; supported: {_names()}.")
-        method = quantization.strip().lower()
+        method = quantization
         for key, value in (("group_size", group_size), ("symmetric", symmetric)):
             if value is not None:
                 if key in options and options[key] != value:
                     raise ValueError(f"quantization {key} given twice with different values")
                 options[key] = value
-        if method in (GGUF, NONE):
+        if method in (GGUF, NONE, *CHECKPOINT_METHODS):
             if options:
                 raise ValueError(f"quantization={method!r} takes no group size or symmetry options.")
             return QuantizationConfig(method)

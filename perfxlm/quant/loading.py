@@ -28,7 +28,8 @@ from typing import Any
 from torch import nn
 
 from perfxlm.quant import mixed
-from perfxlm.quant.config import GGUF, METHODS, QuantizationConfig
+from perfxlm.quant.config import CHECKPOINT_METHODS, GGUF, METHODS, QuantizationConfig
+from perfxlm.quant.formats import PackedCheckpoint
 from perfxlm.quant.weight import ActivationMode, QuantizedWeight
 
 logger = logging.getLogger("perfxlm")
@@ -88,8 +89,11 @@ def quantizable_tables(model: nn.Module) -> list[tuple[str, nn.Module, str, int]
 
 
 class QuantizedLoader:
-    def __init__(self, model: nn.Module, config: QuantizationConfig | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, config: QuantizationConfig | None = None, packed: PackedCheckpoint | None = None
+    ) -> None:
         self.config = config if config is not None and config.quantizes else None
+        self.packed = packed  # a pre-quantized checkpoint's weights arrive packed, kept like GGUF blocks
         self.quantize = self.config.quantizer() if self.config is not None else None
         # (id(module), parameter) -> qualified weight name, for every weight this loader quantizes
         targets = quantizable(model) if self.config is not None else []
@@ -111,7 +115,10 @@ class QuantizedLoader:
 
     @property
     def source(self) -> str:
-        """Where the quantized weights come from: the method quantizing at load, or "gguf" (kept)."""
+        """Where the quantized weights come from: the method quantizing at load, a pre-quantized
+        checkpoint's equivalent method (its format's `activation_source`), or "gguf" (kept)."""
+        if self.packed is not None:
+            return self.packed.format.activation_source
         return GGUF if self.config is None else self.config.method
 
     def check(self) -> None:
@@ -205,7 +212,7 @@ class QuantizedLoader:
         param = module._parameters[local]
         for shard, piece in parts.items():
             if shard != "module":
-                module.load_shard(param, piece.dequantize(), shard, expert)
+                module.load_shard(param, piece.dense(), shard, expert)
         logger.info("A fused weight mixes quantized and float shards: stored in float.")
 
     def _expert_done(self, module: nn.Module, local: str, expert: int, weight: QuantizedWeight) -> None:
@@ -272,14 +279,17 @@ def has_quantized_weights(model: nn.Module) -> bool:
 
 
 def quantized_loader(
-    model: nn.Module, quantization: Any, load_format: str, model_path: str
+    model: nn.Module, quantization: Any, load_format: str, model_path: str, packed: PackedCheckpoint | None = None
 ) -> QuantizedLoader | None:
     """The sink `load_weights` offers tensors to, or None where no weight ends up quantized. ValueError,
-    before any weight is read, when the format and the checkpoint do not go together."""
+    before any weight is read, when the format and the checkpoint do not go together. `packed`: the
+    checkpoint's pre-quantized format (`PackedCheckpoint.open`), whose weights the sink keeps."""
     config = quantization
     if not isinstance(config, QuantizationConfig):
         config = QuantizationConfig.resolve(quantization)
-    check_compatible(config, load_format, model_path)
+    check_compatible(config, load_format, model_path, packed)
+    if packed is not None:
+        return QuantizedLoader(model, packed=packed)
     if load_format == "gguf" and (config is None or not config.quantizes):
         return QuantizedLoader(model) if config is None or config.method == GGUF else None
     if config is None or not config.quantizes:
@@ -297,9 +307,28 @@ def gguf_quantized_types(path: str) -> list[str]:
     return sorted({t.ggml_type.name for t in open_gguf(path).tensors.values()} - floats)
 
 
-def check_compatible(config: QuantizationConfig | None, load_format: str, model_path: str) -> None:
+def check_compatible(
+    config: QuantizationConfig | None, load_format: str, model_path: str, packed: PackedCheckpoint | None = None
+) -> None:
+    """ValueError where `quantization=` (`config`) and the checkpoint (a GGUF file, or `packed`, a
+    pre-quantized folder's format) do not go together."""
+    if packed is not None:
+        method = packed.format.method
+        if config is not None and config.method != method:
+            raise ValueError(
+                f"quantization={config.method!r}: {model_path!r} is a pre-quantized {method} checkpoint; its "
+                f"weights are kept as they are packed, not quantized again or widened. Supported with it: "
+                f"quantization=None or {method!r}; for another format, start from its float checkpoint."
+            )
+        return
     if config is None:
         return
+    if config.method in CHECKPOINT_METHODS:
+        raise ValueError(
+            f"quantization={config.method!r} names a pre-quantized checkpoint format, but {model_path!r} has "
+            "no quantization_config with that quant_method in its config.json. Supported for it: "
+            f"{', '.join(METHODS)} (quantize at load), or none."
+        )
     quantized_types = gguf_quantized_types(model_path) if config.quantizes and load_format == "gguf" else []
     if quantized_types:
         raise ValueError(

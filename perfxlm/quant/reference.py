@@ -19,6 +19,9 @@ product on those quantized values times their scales (`fake_quantize_blocks`), w
 int8 dot-product kernel computes up to float summation order. A weight-only weight whose `activations`
 is ActivationMode.INT8 (`quant_activations="int8"`) takes the same rounded activations; INT8_NATIVE
 (int8 blocks only where the native kernel has them) is float32 here: there is no native kernel.
+
+A weight with an `input_order` (GPTQ act-order) multiplies x's columns in that order, taken first, so
+every rule above applies to the permuted row as the native kernel sees it.
 """
 
 from __future__ import annotations
@@ -97,6 +100,8 @@ def w8a8_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) 
 def reference_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (any float dtype) -> [..., N] in x's dtype; computed in float32."""
     rows = x.reshape(-1, x.shape[-1]).float()
+    if w.input_order is not None:
+        rows = rows.index_select(1, w.input_order)
     b = None if bias is None else bias.float()
     if w.activations is ActivationMode.INT8:  # W8A8 blocks, or quant_activations="int8" on any format
         rows = fake_quantize_blocks(rows)

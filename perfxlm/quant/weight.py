@@ -5,10 +5,15 @@ A weight matrix [N, K] (or a stack of expert matrices [E, N, K]) is stored as
   nibble layout: within each 32-element block b of a row, byte j (j < 16) of the block's 16 bytes holds
   element 32b + j in its low nibble and element 32b + 16 + j in its high nibble;
 - `scales`, `mins`: both float32 or both float16, [N, K // group], contiguous;
-- `levels`: None, or float32 [16] (NF4's NormalFloat levels).
+- `levels`: None, or float32 [2 ** bits]: a table of values the codes index (NF4's 16 NormalFloat
+  levels; the 256 values of FP8 e4m3 bytes, a pre-quantized checkpoint's FP8 weights kept as they are);
+- `input_order`: None, or int64 [K] ([E, K] for a stack): the codes' columns are the weight's input channels in this order
+  (GPTQ's act-order: groups are contiguous runs of that order), so a product takes x[..., input_order].
 
-The value of a weight is `scales[n, k // group] * u + mins[n, k // group]`, or with levels
-`scales[...] * levels[u] + mins[...]`, computed in float32 as a multiply then an add (two roundings).
+The value of the weight in codes column k is `scales[n, k // group] * u + mins[n, k // group]`, or with
+levels `scales[...] * levels[u] + mins[...]`, computed in float32 as a multiply then an add (two
+roundings); `dequantize()` gives that matrix, `dense()` the weight as the model sees it (the columns put
+back where `input_order` says).
 `act` says how the activations meet it: "float" (weight-only: activations stay float32), "int8" (W8A8:
 activations quantized per token at run time, one scale per row) or "int8_block" (W8A8 with one scale
 per token per block of 32 activations, llama.cpp's Q8 activations: far fewer small activations lost
@@ -75,6 +80,11 @@ def pack_nibbles(values: torch.Tensor) -> torch.Tensor:
     return (v[..., 0, :] | (v[..., 1, :] << 4)).reshape(*lead, -1).contiguous()
 
 
+def _same_levels(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal level tables (FP8's has NaN entries, for codes no weight uses)."""
+    return a is b or (a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all()))
+
+
 @dataclass(eq=False)
 class QuantizedWeight:
     codes: torch.Tensor
@@ -92,6 +102,8 @@ class QuantizedWeight:
     # Not part of the stored format either: whether products round the activations to int8 blocks, put
     # here at load (`use_activations`); a W8A8 weight's own `act` decides for it.
     activations: ActivationMode = ActivationMode.FLOAT
+    # Input channel of each codes column (GPTQ act-order), or None: the columns are the inputs in order.
+    input_order: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n, k, g = self.out_features, self.in_features, self.group
@@ -125,8 +137,11 @@ class QuantizedWeight:
         if self.scales.dtype != self.mins.dtype:
             raise ValueError("QuantizedWeight: scales and mins must share one dtype.")
         lv = self.levels
-        if lv is not None and (lv.dtype != torch.float32 or tuple(lv.shape) != (16,)):
-            raise ValueError("QuantizedWeight: levels must be float32 [16].")
+        if lv is not None and (lv.dtype != torch.float32 or tuple(lv.shape) != (1 << self.bits,)):
+            raise ValueError(f"QuantizedWeight: levels must be float32 [{1 << self.bits}] for {self.bits}-bit codes.")
+        order = self.input_order
+        if order is not None and (order.dtype != torch.int64 or tuple(order.shape) != (*lead, k)):
+            raise ValueError(f"QuantizedWeight: input_order must be int64 {[*lead, k]} (in_features).")
         if self.act != "float" and (self.bits != 8 or self.levels is not None):
             raise ValueError("QuantizedWeight: int8 activations need 8-bit affine codes (no levels).")
         if self.act == "int8_block" and k % ACT_BLOCK:
@@ -155,6 +170,12 @@ class QuantizedWeight:
 
     # ---- shape ---------------------------------------------------------------------------------------
     @property
+    def kernel_levels(self) -> bool:
+        """Whether the native kernels take this weight's codes: affine codes, or a 16-level table on
+        4-bit codes (a 256-level table, FP8 bytes, runs the plain-torch product)."""
+        return self.levels is None or self.bits == 4
+
+    @property
     def num_experts(self) -> int | None:
         return self.codes.shape[0] if self.codes.dim() == 3 else None
 
@@ -171,10 +192,13 @@ class QuantizedWeight:
     @property
     def nbytes(self) -> int:
         extra = 0 if self.levels is None else self.levels.numel() * 4
+        extra += 0 if self.input_order is None else self.input_order.numel() * 8
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins)) + extra
 
     def describe(self) -> str:
-        fmt = "nf4" if self.levels is not None else f"u{self.bits}"
+        fmt = f"u{self.bits}" if self.levels is None else ("nf4" if self.bits == 4 else "fp8")
+        if self.input_order is not None:
+            fmt += " act-order"
         group = "channel" if self.group == self.in_features else f"g{self.group}"
         act = {"float": "", "int8": " a8", "int8_block": " a8/32"}[self.act]
         if self.act == "float" and self.activations is not ActivationMode.FLOAT:
@@ -189,7 +213,8 @@ class QuantizedWeight:
     ) -> "QuantizedWeight":
         fields = dict(levels=self.levels, bits=self.bits, group=self.group, act=self.act,
                       out_features=codes.shape[-2], in_features=self.in_features,
-                      bf16_gemm=self.bf16_gemm, activations=self.activations)  # fmt: skip
+                      bf16_gemm=self.bf16_gemm, activations=self.activations,
+                      input_order=self.input_order)  # fmt: skip
         fields.update(changes)
         return QuantizedWeight(codes, scales.contiguous(), mins.contiguous(), **fields)
 
@@ -207,6 +232,15 @@ class QuantizedWeight:
         values.mul_(self.scales.float().unsqueeze(-1)).add_(self.mins.float().unsqueeze(-1))
         return values.view(*lead, self.in_features)
 
+    def dense(self) -> torch.Tensor:
+        """float32 [..., N, K]: the weight as the model multiplies by it (`dequantize()` with its columns
+        put back in input order where `input_order` is set)."""
+        values = self.dequantize()
+        if self.input_order is None:
+            return values
+        index = self.input_order.unsqueeze(-2).expand_as(values)
+        return torch.empty_like(values).scatter_(-1, index, values)
+
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` dequantized, float32 [*ids.shape, K]: a table lookup that never widens the table."""
         flat = ids.reshape(-1)
@@ -216,7 +250,8 @@ class QuantizedWeight:
     def __getitem__(self, expert: int) -> "QuantizedWeight":
         if self.num_experts is None:
             raise TypeError("only a stack of expert weights can be indexed")
-        return self._like(self.codes[expert], self.scales[expert], self.mins[expert])
+        order = None if self.input_order is None else self.input_order[expert]
+        return self._like(self.codes[expert], self.scales[expert], self.mins[expert], input_order=order)
 
     def narrow_rows(self, start: int, length: int) -> "QuantizedWeight":
         """Output rows [start, start + length) (views where the storage allows)."""
@@ -275,12 +310,12 @@ class QuantizedWeight:
             raise ValueError(f"parts differ in activation handling: {sorted(acts)}")
         levels = [p.levels for p in parts]
         if any(lv is not None for lv in levels) and not all(
-            lv is not None and torch.equal(lv, levels[0]) for lv in levels
+            lv is not None and _same_levels(lv, levels[0]) for lv in levels
         ):
             raise ValueError("parts mix level tables and affine codes; no common form")
         group = math.gcd(*(p.group for p in parts))
         bits = 8 if any(p.bits == 8 for p in parts) or group % BLOCK4 else 4
-        if bits == 8 and levels[0] is not None:
+        if bits == 8 and levels[0] is not None and any(p.bits == 4 for p in parts):
             raise ValueError("level-table (NF4) parts cannot be widened to 8-bit codes; no common form")
         dtype = torch.float32 if any(p.scales.dtype == torch.float32 for p in parts) else torch.float16
         out = []
@@ -292,6 +327,14 @@ class QuantizedWeight:
     @staticmethod
     def cat_rows(parts: Sequence["QuantizedWeight"]) -> "QuantizedWeight":
         """Rows of `parts` one after the other (fused QKV, gate|up), promoted to a common form first."""
+        orders = [p.input_order for p in parts]
+        if any(o is not None for o in orders) and not all(
+            o is not None and torch.equal(o, orders[0]) for o in orders
+        ):
+            raise ValueError(
+                "parts differ in input order (act-order permutations); they multiply one input, so a "
+                "fused weight needs one order for all of them"
+            )
         parts = QuantizedWeight.common_form(parts)
         if len(parts) == 1:
             return parts[0]
@@ -311,7 +354,11 @@ class QuantizedWeight:
         if len({e.out_features for e in experts}) != 1:
             raise ValueError("experts differ in out_features")
         first = experts[0]
+        order = None  # each expert its own act-order (its own inputs' statistics), [E, K]
+        if any(e.input_order is not None for e in experts):
+            natural = torch.arange(first.in_features)
+            order = torch.stack([natural if e.input_order is None else e.input_order for e in experts])
         return first._like(
             torch.stack([e.codes for e in experts]), torch.stack([e.scales for e in experts]),
-            torch.stack([e.mins for e in experts]),
+            torch.stack([e.mins for e in experts]), input_order=order,
         )  # fmt: skip

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from perfxlm.engine.messages import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from perfxlm.lora.slots import LoRASlots, NoAdapters
 from perfxlm.model.forward_context import AttentionMetadata, PrefillSeq, set_forward_context
 from perfxlm.model.layers.attention import Attention
 from perfxlm.model.layers.sampler import Sampler, compute_logprobs
@@ -30,10 +31,13 @@ from perfxlm.worker.sampling_inputs import SampleRow, build_sampling_metadata
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype | KVCacheSpec
+        self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype | KVCacheSpec,
+        lora_slots: LoRASlots | NoAdapters | None = None,
     ) -> None:
-        """`dtype`: the KV cache's format (a KVCacheSpec, or a plain float32 / bfloat16 dtype)."""
+        """`dtype`: the KV cache's format (a KVCacheSpec, or a plain float32 / bfloat16 dtype). `lora_slots`:
+        the adapter slots over the model's LoRA wrappers (enable_lora), else none."""
         self.model = model
+        self.lora_slots = lora_slots if lora_slots is not None else NoAdapters()
         self.block_size = block_size
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
@@ -72,6 +76,7 @@ class ModelRunner:
         prefills = [s for s in so.scheduled if len(s.token_ids) > 1]
         order = decodes + prefills
         input_ids, positions, meta, token_starts = self._prepare(order, len(decodes))
+        meta.lora = self.lora_slots.batch([s.lora for s in order], [len(s.token_ids) for s in order])
         rows: list[SampleRow] = []
         hidden_rows: list[int] = []
         for s, start in zip(order, token_starts):

@@ -17,10 +17,12 @@ from perfxlm.model.layers.embed_head import LMHead, VocabEmbedding
 from perfxlm.ops import cpu_plan, native
 from perfxlm.ops.linear import native_int8_blocks
 from perfxlm.quant import ActivationMode, QuantizedWeight
+from tests.model import test_recent_families_vs_hf as recent
 from tests.model.test_architectures_vs_hf import _prompts, build_checkpoint
 
 FUSED = ["qwen2-bias-tied-sliding", "qwen3-qknorm-headdim-bias", "mistral-sliding-mqa",
-         "gemma2-softcap-local-global", "phi3-longrope-partial-sliding"]  # fmt: skip
+         "gemma2-softcap-local-global", "phi3-longrope-partial-sliding", "gemma3-softcaps-untied",
+         "glm-partial-interleaved", "glm4-post-norms"]  # fmt: skip
 MODULE_ONLY = ["opt-pre-ln", "qwen2moe-shared-dense-layer"]
 PLANS = {
     "float32": ("float32", {}),
@@ -45,7 +47,7 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
     paths = {}
     for case in FUSED + MODULE_ONLY:
-        build_checkpoint(str(root / case), case)
+        (recent.build_checkpoint if case in recent.CASES else build_checkpoint)(str(root / case), case)
         paths[case] = str(root / case)
     return paths
 
@@ -54,9 +56,9 @@ def _generate(llm, monkeypatch, fused: bool):
     calls = {"fused": 0}
     original = FusedDecode.run
 
-    def counting(self, *args):
+    def counting(self, *args, **kwargs):
         calls["fused"] += 1
-        return original(self, *args)
+        return original(self, *args, **kwargs)
 
     monkeypatch.setattr(FusedDecode, "run", counting)
     if not fused:

@@ -18,13 +18,18 @@ from perfxlm.entrypoints.openai.chat_render import ChatRenderer
 from perfxlm.entrypoints.openai.errors import APIError
 from perfxlm.entrypoints.openai.metrics import ServerMetrics
 from perfxlm.entrypoints.openai.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest, TokenizeRequest,
 )
+from perfxlm.entrypoints.openai.responses_store import ResponseStore
 from perfxlm.entrypoints.openai.serving_base import (
     ServerContext, check_extra_fields, check_model, engine_dead_error,
 )
 from perfxlm.entrypoints.openai.serving_chat import _message_dicts, create_chat_completion
 from perfxlm.entrypoints.openai.serving_completions import create_completion
+from perfxlm.entrypoints.openai.serving_lora import (
+    ServedAdapters, add_lora_routes, parse_lora_modules, runtime_updating_allowed,
+)
+from perfxlm.entrypoints.openai.serving_responses import create_response, delete_response, get_response
 from perfxlm.entrypoints.openai.serving_runner import POOLING_PATHS, add_runner_refusals
 
 logger = logging.getLogger("perfxlm.server")
@@ -35,7 +40,10 @@ def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None =
               allowed_origins: list[str] | None = None, max_queued_requests: int = 256,
               max_request_body_bytes: int = 4 << 20, trust_request_chat_template: bool = False,
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None, default_sampling: dict | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, default_sampling: dict | None = None,
+              lora_modules: list[tuple[str, str, str | None]] | None = None,
+              max_stored_responses: int = 1000) -> FastAPI:
+    """`lora_modules`: (name, path, base model name) of the LoRA adapters served by name (enable_lora)."""
     app = FastAPI(title="perfxlm OpenAI-compatible server", version=perfxlm.__version__)
     metrics = ServerMetrics(engine.engine)
     renderer = ChatRenderer(engine.tokenizer, trust_request_chat_template,
@@ -54,6 +62,12 @@ def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None =
         ctx.reasoning_parser = get_reasoning_parser(reasoning_parser)
         ctx.reasoning_token_ids = _single_tokens(engine.tokenizer, ("<think>", "</think>"))
     ctx.default_sampling = {k: v for k, v in (default_sampling or {}).items() if k != "max_tokens"}
+    ctx.adapters = ServedAdapters(engine, served_model_name)
+    if lora_modules and not ctx.adapters.enabled:
+        raise ValueError("--lora-modules needs --enable-lora.")
+    for name, path, base in lora_modules or ():
+        ctx.adapters.add(name, path, base)  # a bad adapter stops the start, naming it
+    ctx.responses = ResponseStore(max_stored_responses)
     app.state.ctx = ctx
 
     install_error_handlers(app)
@@ -99,11 +113,28 @@ def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None =
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         return await served(create_chat_completion, req, raw)
 
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, raw: Request):
+        return await served(create_response, req, raw)
+
+    @app.get("/v1/responses/{response_id}")
+    async def responses_get(response_id: str):
+        return get_response(ctx, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def responses_delete(response_id: str):
+        return delete_response(ctx, response_id)
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": int(time.time()),
+        created = int(time.time())
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": created,
                                             "owned_by": "perfxlm", "root": engine.engine.config.model,
-                                            "max_model_len": ctx.max_model_len}]}
+                                            "max_model_len": ctx.max_model_len},
+                                           *ctx.adapters.model_cards(created, ctx.max_model_len)]}
+
+    if ctx.adapters.enabled and runtime_updating_allowed():
+        add_lora_routes(app, ctx.adapters)
 
     @app.get("/health")
     async def health():
@@ -246,6 +277,10 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
 
         return run_pooling_server(args, config, served_name(engine_kwargs.get("model"), args.served_model_name))
     template = load_chat_template(getattr(args, "chat_template", None))  # a bad path fails before the model loads
+    try:
+        lora_modules = parse_lora_modules(getattr(args, "lora_modules", None))
+    except ValueError as exc:
+        raise SystemExit(f"perfxlm: {exc}") from None
     engine = AsyncLLM(config)
     if template is not None and engine.tokenizer is not None:
         engine.tokenizer.chat_template = template
@@ -262,7 +297,9 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
                     tool_call_parser=getattr(args, "tool_call_parser", None),
                     reasoning_parser=getattr(args, "reasoning_parser", None),
                     default_sampling=load_generation_defaults(engine.engine.config.model,
-                                                              getattr(args, "generation_config", "auto")))
+                                                              getattr(args, "generation_config", "auto")),
+                    lora_modules=lora_modules,
+                    max_stored_responses=getattr(args, "max_stored_responses", 1000))
     # the grammar engine's import (~2 s) happens now, off the request path, rather than in the first
     # structured-output request
     threading.Thread(target=_import_grammar_engine, name="perfxlm-import-xgrammar", daemon=True).start()

@@ -98,6 +98,8 @@ class SamplingFields(RequestModel):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     best_of: int | None = None
+    use_beam_search: bool = False  # n beams (BeamSearchParams.beam_width), ranked with length_penalty
+    length_penalty: float = 1.0
     cache_salt: str | None = None  # prefix-cache blocks are shared only among requests with the same salt
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs (and its earlier guided_*
     # fields), llama-server's json_schema and grammar
@@ -138,6 +140,28 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ResponsesRequest(SamplingFields):
+    """POST /v1/responses: OpenAI's fields; vLLM's extra sampling fields as on chat completions."""
+
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    reasoning: dict[str, Any] | None = None  # {"effort", "summary"}: the parser decides what is thinking
+    text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+    metadata: dict[str, str] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    include: list[str] | None = None
+    background: bool = False
+    # vLLM extensions, as on chat completions
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 

@@ -19,7 +19,7 @@ from perfxlm.engine.threaded_engine import EngineDeadError
 from perfxlm.entrypoints.openai.errors import APIError
 from perfxlm.entrypoints.openai.protocol import REFUSED_FIELDS, SamplingFields
 from perfxlm.outputs import RequestOutput
-from perfxlm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from perfxlm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 logger = logging.getLogger("perfxlm.server")
@@ -39,6 +39,8 @@ class ServerContext:
     # sampling defaults of the model's generation_config.json (--generation-config auto), used where a
     # request leaves a field unset
     default_sampling: dict = field(default_factory=dict)
+    adapters: Any = None  # serving_lora.ServedAdapters: LoRA adapters by name (--enable-lora)
+    responses: Any = None  # responses_store.ResponseStore: /v1/responses kept for GET and previous_response_id
 
 
 def new_id(prefix: str) -> str:
@@ -61,9 +63,14 @@ def check_extra_fields(req: Any) -> None:
         logger.warning("The following fields were present in the request but ignored: %s", ", ".join(new))
 
 
-def check_model(ctx: ServerContext, model: str | None) -> None:
-    if model is not None and model != ctx.served_model_name:
+def check_model(ctx: ServerContext, model: str | None) -> Any:
+    """The LoRARequest the request's `model` names (an adapter's name), None for the base model."""
+    if model is None or model == ctx.served_model_name:
+        return None
+    lora = ctx.adapters.get(model) if ctx.adapters is not None else None
+    if lora is None:
         raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+    return lora
 
 
 _STRUCTURED_KEYS = {"json", "regex", "choice", "grammar", "json_object", "disable_fallback", "disable_any_whitespace",
@@ -171,6 +178,38 @@ def to_sampling_params(
         raise APIError(400, str(exc), _param_of(str(exc))) from None
 
 
+# what a beam search cannot honour: with use_beam_search these must be unset or at their neutral value
+_NOT_WITH_BEAMS = ("best_of", "stop", "stop_token_ids", "min_tokens", "logit_bias", "allowed_token_ids", "bad_words",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "top_p", "top_k", "min_p", "seed",
+                   "truncate_prompt_tokens", "response_format", "structured_outputs", "guided_json", "guided_regex",
+                   "guided_choice", "guided_grammar", "json_schema", "grammar")
+_NEUTRAL = {"repetition_penalty": 1.0, "top_p": 1.0, "top_k": -1}
+
+
+def to_beam_search_params(req: SamplingFields, max_tokens: int, defaults: dict | None = None) -> BeamSearchParams:
+    """vLLM's use_beam_search: n beams, the request's ignore_eos, temperature (the model's default, else
+    1.0, as vLLM), length_penalty and include_stop_str_in_output; a field it would ignore is a 400."""
+    for name in _NOT_WITH_BEAMS:
+        value = getattr(req, name)
+        if value not in (None, [], {}, 0, _NEUTRAL.get(name)):
+            raise APIError(400, f"{name} is not supported with use_beam_search.", name)
+    temperature = req.temperature if req.temperature is not None else (defaults or {}).get("temperature", 1.0)
+    try:
+        return BeamSearchParams(beam_width=req.n, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
+                                temperature=temperature, length_penalty=req.length_penalty,
+                                include_stop_str_in_output=req.include_stop_str_in_output)
+    except ValueError as exc:
+        raise beam_search_error(exc) from None
+
+
+def beam_search_error(exc: ValueError) -> APIError:
+    """A 400 in the request's words: the beam width is its n."""
+    message = str(exc)
+    if message.startswith("beam_width"):
+        return APIError(400, "n (the beam width)" + message[len("beam_width"):], "n")
+    return APIError(400, message, _param_of(message))
+
+
 def _param_of(message: str) -> str | None:
     word = message.split(" ", 1)[0].strip(".:")
     if word.startswith("structured_outputs."):
@@ -190,10 +229,10 @@ async def compile_structured_outputs(ctx: ServerContext, params: SamplingParams)
         raise APIError(400, str(exc), _param_of(str(exc))) from None
 
 
-async def generate_one(ctx: ServerContext, prompt: Any, params: SamplingParams, request_id: str
-                       ) -> AsyncIterator[RequestOutput]:
+async def generate_one(ctx: ServerContext, prompt: Any, params: SamplingParams, request_id: str,
+                       lora_request: Any = None) -> AsyncIterator[RequestOutput]:
     """AsyncLLM.generate with the engine's ValueErrors turned into 400s and server metrics kept."""
-    stream = ctx.engine.generate(prompt, params, request_id)
+    stream = ctx.engine.generate(prompt, params, request_id, lora_request=lora_request)
     try:
         try:
             first = await stream.__anext__()
@@ -209,6 +248,22 @@ async def generate_one(ctx: ServerContext, prompt: Any, params: SamplingParams, 
     finally:
         ctx.metrics.forget(request_id)  # an aborted stream never sees its final output
         await stream.aclose()  # closing the engine stream aborts the request if it is still running
+
+
+async def beam_search_one(ctx: ServerContext, prompt: Any, params: BeamSearchParams, request_id: str,
+                          logprobs: int | None) -> AsyncIterator[RequestOutput]:
+    """AsyncLLM.beam_search with generate_one's error handling: bad input a 400, a dead engine a 503."""
+    stream = ctx.engine.beam_search(prompt, request_id, params, logprobs=logprobs)
+    try:
+        try:
+            out = await stream.__anext__()
+        except ValueError as exc:
+            raise beam_search_error(exc) from None
+        yield out
+    except EngineDeadError as exc:
+        raise engine_dead_error(exc) from None
+    finally:
+        await stream.aclose()
 
 
 def engine_dead_error(exc: BaseException) -> APIError:

@@ -11,8 +11,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from perfxlm.entrypoints.openai.errors import APIError, error_body
 from perfxlm.entrypoints.openai.protocol import ChatCompletionRequest
 from perfxlm.entrypoints.openai.serving_base import (
-    ServerContext, check_extra_fields, check_model, collect_until_disconnect, compile_structured_outputs,
-    generate_one, merge, new_id, now, sse, structured_outputs_of, to_sampling_params, usage,
+    ServerContext, beam_search_one, check_extra_fields, check_model, collect_until_disconnect, compile_structured_outputs,
+    generate_one, merge, new_id, now, sse, structured_outputs_of, to_beam_search_params, to_sampling_params,
+    usage,
 )
 from perfxlm.entrypoints.openai.tool_parsers import ToolCall, parse_required, required_schema
 from perfxlm.outputs import CompletionOutput, RequestOutput
@@ -210,7 +211,7 @@ def _thinking_end(ctx: ServerContext, prompt_ids: list[int]) -> int | None:
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request):
     check_extra_fields(req)
-    check_model(ctx, req.model)
+    lora = check_model(ctx, req.model)
     _check_unsupported(req)
     if req.stream and req.best_of is not None and req.best_of > req.n:
         raise APIError(400, "best_of > n is not supported with stream.", "best_of")
@@ -229,12 +230,21 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     if max_tokens is None:
         max_tokens = max(1, ctx.max_model_len - len(prompt["prompt_token_ids"]))
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = to_sampling_params(req, max_tokens, logprobs, structured_outputs=constraint, defaults=ctx.default_sampling)
-    if params.structured_outputs is not None and ctx.reasoning_parser is not None:
-        params._grammar_start_token = _thinking_end(ctx, prompt["prompt_token_ids"])
-    await compile_structured_outputs(ctx, params)
     request_id = new_id("chatcmpl")
-    stream = merge([generate_one(ctx, prompt, params, request_id)])
+    if req.use_beam_search:
+        if lora is not None:
+            raise APIError(400, "LoRA adapters are not supported with use_beam_search.", "model")
+        if constraint is not None:
+            raise APIError(400, f'tool_choice "{mode}" is not supported with use_beam_search.', "tool_choice")
+        beams = to_beam_search_params(req, max_tokens, ctx.default_sampling)
+        stream = merge([beam_search_one(ctx, prompt, beams, request_id, logprobs)])
+    else:
+        params = to_sampling_params(req, max_tokens, logprobs, structured_outputs=constraint,
+                                    defaults=ctx.default_sampling)
+        if params.structured_outputs is not None and ctx.reasoning_parser is not None:
+            params._grammar_start_token = _thinking_end(ctx, prompt["prompt_token_ids"])
+        await compile_structured_outputs(ctx, params)
+        stream = merge([generate_one(ctx, prompt, params, request_id, lora)])
     parallel = req.parallel_tool_calls is not False
     # a template that opens <think> itself (Qwen3 thinking-only, DeepSeek-R1): the output starts in reasoning
     opened = True if (prompt.get("prompt") or "").rstrip().endswith("<think>") else None
@@ -260,7 +270,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
                         "finish_reason": _finish_reason(c.finish_reason, mode, calls), "stop_reason": c.stop_reason})
     completion_tokens = sum(len(c.token_ids) for c in out.outputs)
     return JSONResponse({"id": request_id, "object": "chat.completion", "created": now(),
-                         "model": ctx.served_model_name, "choices": choices,
+                         "model": req.model or ctx.served_model_name, "choices": choices,
                          "usage": usage(len(out.prompt_token_ids or ()), completion_tokens)})
 
 
@@ -270,7 +280,7 @@ async def _stream(ctx: ServerContext, req: ChatCompletionRequest, request_id: st
     created = now()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
-    base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": ctx.served_model_name}
+    base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": req.model or ctx.served_model_name}
     parsers: dict[int, _ChoiceParser] = {}
     prompt_tokens = completion_tokens = 0
 

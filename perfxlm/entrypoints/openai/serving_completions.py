@@ -10,8 +10,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from perfxlm.entrypoints.openai.errors import APIError, error_body
 from perfxlm.entrypoints.openai.protocol import CompletionRequest
 from perfxlm.entrypoints.openai.serving_base import (
-    ServerContext, check_extra_fields, check_model, collect_until_disconnect, compile_structured_outputs,
-    generate_one, merge, new_id, now, sse, to_sampling_params, usage,
+    ServerContext, beam_search_one, check_extra_fields, check_model, collect_until_disconnect, compile_structured_outputs,
+    generate_one, merge, new_id, now, sse, to_beam_search_params, to_sampling_params, usage,
 )
 from perfxlm.outputs import CompletionOutput, RequestOutput
 
@@ -65,7 +65,7 @@ def _logprobs_block(c: CompletionOutput, tokenizer: Any, text_offset0: int) -> d
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request):
     check_extra_fields(req)
-    check_model(ctx, req.model)
+    lora = check_model(ctx, req.model)
     if req.suffix is not None:
         raise APIError(400, "suffix is not supported.", "suffix")
     if req.echo and req.logprobs is not None:
@@ -74,13 +74,21 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
         raise APIError(400, "best_of > n is not supported with stream.", "best_of")
     # tokenized here, in the renderer's threads: a long prompt must not hold up the event loop
     prompts = [await _tokenized(ctx, p) for p in _prompts(req)]
-    params = to_sampling_params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs,
-                                req.prompt_logprobs, defaults=ctx.default_sampling)
-    await compile_structured_outputs(ctx, params)
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens
     request_id = new_id("cmpl")
-    streams = [generate_one(ctx, p, params, f"{request_id}-{i}") for i, p in enumerate(prompts)]
+    if req.use_beam_search:
+        if lora is not None:
+            raise APIError(400, "LoRA adapters are not supported with use_beam_search.", "model")
+        if req.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs is not supported with use_beam_search.", "prompt_logprobs")
+        beams = to_beam_search_params(req, max_tokens, ctx.default_sampling)
+        streams = [beam_search_one(ctx, p, beams, f"{request_id}-{i}", req.logprobs) for i, p in enumerate(prompts)]
+    else:
+        params = to_sampling_params(req, max_tokens, req.logprobs, req.prompt_logprobs, defaults=ctx.default_sampling)
+        await compile_structured_outputs(ctx, params)
+        streams = [generate_one(ctx, p, params, f"{request_id}-{i}", lora) for i, p in enumerate(prompts)]
     tokenizer = ctx.engine.tokenizer
-    n = params.n
+    n = req.n
 
     if req.stream:
         merged = merge(streams)
@@ -102,7 +110,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
                             "logprobs": _logprobs_block(c, tokenizer, 0), "finish_reason": c.finish_reason,
                             "stop_reason": c.stop_reason, "prompt_logprobs": _prompt_lps(out)})
     return JSONResponse({"id": request_id, "object": "text_completion", "created": now(),
-                         "model": ctx.served_model_name, "choices": choices,
+                         "model": req.model or ctx.served_model_name, "choices": choices,
                          "usage": usage(prompt_tokens, completion_tokens)})
 
 
@@ -137,7 +145,7 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str,
                     echoed.add((i, c.index))
                     text = (out.prompt or "") + text
                 chunk = {"id": request_id, "object": "text_completion", "created": created,
-                         "model": ctx.served_model_name,
+                         "model": req.model or ctx.served_model_name,
                          "choices": [{"index": i * n + c.index, "text": text,
                                       "logprobs": _logprobs_block(c, tokenizer, 0),
                                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
@@ -147,7 +155,7 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str,
                 yield sse(chunk)
         if include_usage:
             yield sse({"id": request_id, "object": "text_completion", "created": created,
-                       "model": ctx.served_model_name, "choices": [],
+                       "model": req.model or ctx.served_model_name, "choices": [],
                        "usage": usage(sum(prompt_tokens.values()), completion_tokens)})
     except APIError as exc:
         yield sse(error_body(exc.status, exc.message, exc.param, exc.code))

@@ -12,14 +12,22 @@ from torch import nn
 from perfxlm.ops import native
 
 
-def rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any]]:
+def rope_parameters(hf_config: Any, layer_type: str | None = None) -> tuple[float, dict[str, Any]]:
     """(rope_theta, scaling dict) from either transformers 4.x (`rope_theta`, `rope_scaling`)
-    or 5.x (`rope_parameters`) configs."""
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
+    or 5.x (`rope_parameters`) configs. `layer_type`: where the parameters are given per layer type
+    (Gemma 3: {"sliding_attention": {...}, "full_attention": {...}}), that type's."""
+    params = _for_layer_type(getattr(hf_config, "rope_parameters", None), layer_type)
+    scaling = _for_layer_type(getattr(hf_config, "rope_scaling", None), layer_type)
     merged = {**scaling, **params}
     theta = merged.pop("rope_theta", None) or getattr(hf_config, "rope_theta", None) or 10000.0
     return float(theta), merged
+
+
+def _for_layer_type(params: dict[str, Any] | None, layer_type: str | None) -> dict[str, Any]:
+    params = dict(params or {})
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        return dict(params[layer_type])
+    return params
 
 
 def _rope_type(scaling: dict[str, Any]) -> str:
@@ -118,8 +126,8 @@ class RotaryEmbedding(nn.Module):
         self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
-    def from_config(cls, config: Any, head_dim: int) -> "RotaryEmbedding":
-        theta, scaling = rope_parameters(config)
+    def from_config(cls, config: Any, head_dim: int, layer_type: str | None = None) -> "RotaryEmbedding":
+        theta, scaling = rope_parameters(config, layer_type)
         partial = (
             scaling.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
         )
@@ -139,6 +147,21 @@ class RotaryEmbedding(nn.Module):
         """[num_tokens, 1, head_dim] tables for this step: looked up once per forward, used by every layer."""
         cos_table, sin_table = self._tables(dtype)
         return cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
+
+
+def interleaved_to_halves(rows: Any, head_dim: int, rotary_dim: int) -> Any:
+    """A q or k projection (weight [heads * head_dim, K], or its bias) whose heads rotate channel pairs
+    (2i, 2i + 1) (GPT-J's interleaved rotary: GLM), with its rows reordered so that the same rotation
+    is this module's rotate-half over pairs (i, i + rotary_dim / 2). q and k are reordered alike, so
+    their dot products, and attention, are unchanged; channels past rotary_dim keep their places.
+    `rows`: a tensor, or a perfxlm.quant.QuantizedWeight (reordered by `index_rows`)."""
+    if rows.shape[0] % head_dim:
+        raise ValueError(f"{rows.shape[0]} projection rows are not whole heads of {head_dim}.")
+    within = torch.cat((torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2),
+                        torch.arange(rotary_dim, head_dim)))  # fmt: skip
+    heads = rows.shape[0] // head_dim
+    order = (torch.arange(heads).unsqueeze(1) * head_dim + within).reshape(-1)
+    return rows[order] if isinstance(rows, torch.Tensor) else rows.index_rows(order)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,19 @@ from perfxlm.model.loader.weight_arena import move_to_arena
 from perfxlm.model.registry import resolve_model_class
 from perfxlm.quant import calibration
 from perfxlm.quant.config import resolve_activations
+from perfxlm.quant.formats import PackedCheckpoint
 from perfxlm.quant.loading import quantized_loader
 from perfxlm.quant.weight import ActivationMode
+
+
+def packed_checkpoint(model_path: str, load_format: str) -> PackedCheckpoint | None:
+    """A safetensors folder's pre-quantized format (AWQ, GPTQ, compressed-tensors), its tensors' shapes
+    checked against its quantization_config from the file headers; None for any other checkpoint."""
+    if load_format != "safetensors" or not os.path.isdir(model_path):
+        return None
+    from perfxlm.model.loader.hf import safetensors_files
+
+    return PackedCheckpoint.open(model_path, safetensors_files)
 
 
 def load_hf_config(path: str) -> Any:
@@ -56,6 +67,7 @@ def get_model(
     """`tp`: a distributed.sharding.TPShard: build and load only that rank's shard."""
     model_cls = resolve_model_class(hf_config)
     build_config = hf_config
+    packed = packed_checkpoint(model_path, load_format)  # a bad packed checkpoint fails before the build
     if tp is not None:
         from perfxlm.distributed.sharding import check_supported, tp_quantization
 
@@ -69,7 +81,7 @@ def get_model(
         # quantized weights (a GGUF file's blocks, or `quantization=`): checked before any weight is read
         if quantization is None:  # EngineConfig.resolve leaves the user's choice on the model config
             quantization = getattr(hf_config, "perfxlm_quantization", None)
-        sink = quantized_loader(model, quantization, load_format, model_path)
+        sink = quantized_loader(model, quantization, load_format, model_path, packed)
         if sink is not None:
             sink.take_activations(activation_mode(hf_config, sink.source, weight_dtype or dtype))
         if sink is not None and load_format != "dummy":
@@ -92,6 +104,8 @@ def get_model(
             weights = _iter_weights(model_path, hf_config, load_format, keep) if tp is None else _iter_shard(
                 tp, model_path, hf_config, load_format, model_cls
             )
+            if packed is not None:  # each packed module's parts become one QuantizedWeight
+                weights = packed.stream(weights)
             model.load_weights(tqdm(weights, desc="Loading weights", unit="tensor", leave=False), sink=sink)
     if weight_dtype is not None and weight_dtype != dtype:
         cast_weights(model, weight_dtype, dtype)

@@ -30,7 +30,7 @@ def _compile_stacked(table: list[tuple[str, str, str]]) -> list[tuple[re.Pattern
 
 def _as_float(tensor: Any) -> torch.Tensor:
     """A quantized checkpoint tensor (perfxlm.quant.QuantizedWeight) no sink kept, as float32 values."""
-    return tensor if isinstance(tensor, torch.Tensor) else tensor.dequantize()
+    return tensor if isinstance(tensor, torch.Tensor) else tensor.dense()
 
 
 def _shard_key(param: str, shard: str, expert: int | None) -> str:
@@ -48,6 +48,18 @@ class CheckpointModel(nn.Module):
 
     def tied_param_names(self) -> set[str]:
         return set()
+
+    def locate(self, name: str) -> tuple[str, str | None]:
+        """Where a checkpoint tensor name lands: (the model's parameter name, the shard of a fused
+        parameter or None), by the same `renames` and `stacked_params` tables as load_weights. Used to
+        place tensors named like the checkpoint's (a LoRA adapter's) without loading them."""
+        for pattern, replacement in self.renames:
+            name = re.sub(pattern, replacement, name)
+        for pattern, fused, shard in _compile_stacked(self.stacked_params):
+            m = pattern.search(name)
+            if m is not None:  # a per-expert tensor has no projection of its own: returned as it is
+                return (name, None) if "expert" in pattern.groupindex else (name[: m.start()] + fused + name[m.end() :], shard)
+        return name, None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], sink: Any = None) -> None:
         """`sink` (perfxlm.quant.loading.QuantizedLoader): offered each tensor before it is copied into its

@@ -21,17 +21,27 @@ from perfxlm.model.models.llama import (
 )
 
 
+def gemma_attention(
+    config: Any, layer_idx: int, qk_norm: bool = False, soft_cap: bool = True
+) -> LlamaAttention:
+    """Gemma's attention: scale query_pre_attn_scalar^-1/2, local layers windowed, scores soft-capped
+    where configured and `soft_cap`; Gemma 3 adds (1 + w) RMSNorms over each q and k head."""
+    return LlamaAttention(
+        config,
+        qk_norm=qk_norm,
+        head_norm=GemmaRMSNorm,
+        scale=config.query_pre_attn_scalar**-0.5,
+        sliding_window=layer_sliding_window(config, layer_idx),
+        logit_soft_cap=getattr(config, "attn_logit_softcapping", None) if soft_cap else None,
+    )
+
+
 class Gemma2DecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int) -> None:
+    def __init__(self, config: Any, self_attn: LlamaAttention) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
-        self.self_attn = LlamaAttention(
-            config,
-            scale=config.query_pre_attn_scalar**-0.5,
-            sliding_window=layer_sliding_window(config, layer_idx),
-            logit_soft_cap=getattr(config, "attn_logit_softcapping", None),
-        )
+        self.self_attn = self_attn
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
         self.mlp = LlamaMLP(config, bias=False, activation=config.hidden_activation)
@@ -48,24 +58,35 @@ class Gemma2DecoderLayer(nn.Module):
 
 
 class Gemma2Model(nn.Module):
-    def __init__(self, config: Any) -> None:
+    """`rope_kinds`: per layer, the key of its rotary table in `rotary` (Gemma 2: one for all; Gemma 3:
+    local and global layers rotate with different bases); each table is looked up once per step."""
+
+    def __init__(
+        self,
+        config: Any,
+        layers: list[nn.Module],
+        rotary: dict[str, RotaryEmbedding] | None = None,
+        rope_kinds: list[str] | None = None,
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(
             config.vocab_size, config.hidden_size, scale=config.hidden_size**0.5
         )
-        self.rotary_emb = RotaryEmbedding.from_config(config, head_dim_of(config))
-        self.layers = nn.ModuleList(Gemma2DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.rotary = rotary or {"all": RotaryEmbedding.from_config(config, head_dim_of(config))}
+        self.rope_kinds = rope_kinds or ["all"] * len(layers)
+        self.layers = nn.ModuleList(layers)
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fused_decode = FusedDecode(self.layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        rope = self.rotary_emb.cos_sin(positions, x.dtype)
+        tables = {kind: r.cos_sin(positions, x.dtype) for kind, r in self.rotary.items()}
+        ropes = [tables[kind] for kind in self.rope_kinds]
         meta = get_forward_context()
         if self.fused_decode.applies(x, meta):  # all decodes: one native call per layer
-            x, _ = self.fused_decode.run(x.contiguous(), rope, meta)
+            x, _ = self.fused_decode.run(x.contiguous(), ropes[0], meta, layer_ropes=ropes)
         else:
-            for layer in self.layers:
+            for layer, rope in zip(self.layers, ropes):
                 x = layer(rope, x)
         return self.norm(x)
 
@@ -73,12 +94,20 @@ class Gemma2Model(nn.Module):
 class Gemma2ForCausalLM(CausalLM):
     stacked_params = LLAMA_STACKED_PARAMS
 
+    def make_model(self, config: Any) -> Gemma2Model:
+        """The decoder stack; Gemma 3 overrides it."""
+        n = config.num_hidden_layers
+        layers = [Gemma2DecoderLayer(config, gemma_attention(config, i)) for i in range(n)]
+        return Gemma2Model(config, layers)
+
     def __init__(self, config: Any) -> None:
         super().__init__()
         if getattr(config, "use_bidirectional_attention", False):
-            raise ValueError("Gemma 2 with use_bidirectional_attention (an encoder) is not supported.")
+            raise ValueError(
+                f"{type(self).__name__} with use_bidirectional_attention (an encoder) is not supported."
+            )
         self.config = config
-        self.model = Gemma2Model(config)
+        self.model = self.make_model(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         tied = self.model.embed_tokens if self.tie_word_embeddings else None
         self.lm_head = LMHead(

@@ -36,6 +36,7 @@ class LlamaAttention(nn.Module):
         qkv_bias: bool | None = None,  # default: config.attention_bias, for q/k/v and o alike
         o_bias: bool | None = None,
         qk_norm: bool = False,  # Qwen3: RMSNorm over each q and k head before rotary
+        head_norm: type[RMSNorm] = RMSNorm,  # the q/k norm's kind (Gemma 3: 1 + w)
         sliding_window: int | None = None,
         scale: float | None = None,  # default head_dim^-1/2
         logit_soft_cap: float | None = None,
@@ -52,8 +53,8 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = MergedLinear(hidden, {"q": q_size, "k": kv_size, "v": kv_size}, bias=qkv_bias)
         self.o_proj = Linear(q_size, hidden, bias=o_bias)
         if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = head_norm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = head_norm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = qk_norm
         self.attn = Attention(
             self.num_heads,
@@ -180,10 +181,14 @@ class LlamaForCausalLM(CausalLM):
         """One decoder layer; the Llama-shaped families override this."""
         return LlamaDecoderLayer(config, LlamaAttention(config), LlamaMLP(config))
 
+    def make_model(self, config: Any) -> nn.Module:
+        """The decoder stack: embeddings, layers, final norm (GLM-4 carries no residual stream)."""
+        return LlamaModel(config, [self.make_layer(config, i) for i in range(config.num_hidden_layers)])
+
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, [self.make_layer(config, i) for i in range(config.num_hidden_layers)])
+        self.model = self.make_model(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         tied = self.model.embed_tokens if self.tie_word_embeddings else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)

@@ -28,6 +28,15 @@ MOE_STACKED_PARAMS = [
 ]
 
 
+def is_sparse_layer(config: Any, layer_idx: int) -> bool:
+    """Whether a layer routes to experts: not in `mlp_only_layers`, and on the `decoder_sparse_step` beat."""
+    return (
+        layer_idx not in (getattr(config, "mlp_only_layers", None) or [])
+        and config.num_experts > 0
+        and (layer_idx + 1) % config.decoder_sparse_step == 0
+    )
+
+
 class Qwen2MoeSparseMoeBlock(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -64,10 +73,6 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
             o_bias=False,
             sliding_window=layer_sliding_window(config, layer_idx),
         )
-        sparse = (
-            layer_idx not in (getattr(config, "mlp_only_layers", None) or [])
-            and config.num_experts > 0
-            and (layer_idx + 1) % config.decoder_sparse_step == 0
-        )
+        sparse = is_sparse_layer(config, layer_idx)
         mlp = Qwen2MoeSparseMoeBlock(config) if sparse else LlamaMLP(config, bias=False)
         return LlamaDecoderLayer(config, attn, mlp)

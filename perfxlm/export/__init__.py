@@ -1,0 +1,13 @@
+"""Graph export: a loaded model written as an ONNX decoder graph (`perfxlm export onnx`).
+
+- `graph.py`: the graph under construction (nodes, initializers, inputs and outputs), saved with the
+  weights as external data.
+- `graph_ops.py`: the `GraphOps` seam. A decoder layer is written once against it (norms, rotary,
+  attention over a past, linear of each weight format); each flavor emits those ops its own way:
+  `standard` with standard ONNX ops only, `ort` with ONNX Runtime's contrib ops.
+- `matmul_nbits.py`: quantized weights packed the way ONNX Runtime's MatMulNBits reads them.
+- `decoder.py`: reads the engine's loaded model (any weight format it loads) into the graph.
+- `package.py`: the output folder (model.onnx + data, genai_config.json, config, tokenizer files),
+  written beside it and moved in place whole, so a failed export leaves nothing behind.
+- `command.py`: the CLI subcommand.
+"""

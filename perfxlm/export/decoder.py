@@ -1,0 +1,142 @@
+"""The engine's loaded Llama-shaped model written as one ONNX decoder graph, onnxruntime-genai's layout:
+
+    input_ids [batch, seq], attention_mask [batch, past + seq], position_ids [batch, seq],
+    past_key_values.N.key / .value [batch, kv_heads, past, head_dim]
+    -> logits [batch, seq, vocab], present.N.key / .value [batch, kv_heads, past + seq, head_dim]
+
+Weights are read from the loaded model, so every format the engine loads (a float checkpoint, a GGUF
+file, a checkpoint quantized at load) exports as the engine holds it, quantized weights still packed
+where the flavor has a packed matmul. Only families whose every layer is the Llama block (pre-norm
+RMSNorm, rotary attention with optional biases, q/k head norms and sliding window, SiLU-gated MLP) export;
+anything else is refused by name before a node is written.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from onnx import TensorProto
+
+from perfxlm.export.graph import Graph
+from perfxlm.export.graph_ops import AttentionSpec, DecoderInputs, LinearWeight, Rope, graph_ops
+from perfxlm.quant.weight import QuantizedWeight
+
+# architecture -> onnxruntime-genai's model type
+EXPORTABLE = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
+}
+
+
+def genai_model_type(model: torch.nn.Module) -> str:
+    """onnxruntime-genai's type name of an exportable model; ValueError naming what is not."""
+    from perfxlm.model.layers.activation import SiluAndMul
+    from perfxlm.model.layers.norm import RMSNorm
+    from perfxlm.model.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+
+    arch = type(model).__name__
+    if arch not in EXPORTABLE:
+        supported = ", ".join(sorted(EXPORTABLE))
+        raise ValueError(f"ONNX export does not support {arch} yet (supported: {supported}).")
+    inner = model.model
+    if inner.embed_tokens.scale is not None or model.lm_head.logit_soft_cap is not None:
+        raise ValueError(f"ONNX export: this {arch} scales its embeddings or soft-caps its logits; "
+                         "not supported.")
+    for i, layer in enumerate(inner.layers):
+        what = None
+        if type(layer) is not LlamaDecoderLayer:
+            what = f"a {type(layer).__name__} block"
+        elif not isinstance(layer.self_attn, LlamaAttention):
+            what = f"attention {type(layer.self_attn).__name__}"
+        elif not isinstance(layer.mlp, LlamaMLP) or not isinstance(layer.mlp.act, SiluAndMul):
+            what = f"an MLP {type(layer.mlp).__name__} ({type(getattr(layer.mlp, 'act', None)).__name__})"
+        elif layer.self_attn.attn.logit_soft_cap is not None:
+            what = "soft-capped attention"
+        elif {type(layer.input_layernorm), type(layer.post_attention_layernorm)} != {RMSNorm}:
+            what = f"norm {type(layer.input_layernorm).__name__}"
+        if what is not None:
+            raise ValueError(f"ONNX export of {arch}: layer {i} has {what}, which the exporter cannot "
+                             "express.")
+    return EXPORTABLE[arch]
+
+
+def _array(t: Any) -> Any:
+    """A float weight as float32 numpy (bf16 weights widened); a QuantizedWeight as it is."""
+    if isinstance(t, QuantizedWeight):
+        return t
+    return t.detach().float().contiguous().numpy()
+
+
+def _linear(module: Any, name: str) -> LinearWeight:
+    bias = None if module.bias is None else _array(module.bias)
+    return LinearWeight(_array(module.weight), bias, name)
+
+
+def build_decoder_graph(model: torch.nn.Module, flavor: str) -> Graph:
+    genai_model_type(model)  # refuses what cannot be expressed, before any node
+    inner = model.model
+    g = Graph("perfxlm_decoder")
+    i64, f32 = TensorProto.INT64, TensorProto.FLOAT
+    inputs = DecoderInputs(
+        g.add_input("input_ids", i64, ["batch_size", "sequence_length"]),
+        g.add_input("attention_mask", i64, ["batch_size", "total_sequence_length"]),
+        g.add_input("position_ids", i64, ["batch_size", "sequence_length"]),
+    )
+    ops = graph_ops(flavor, g, inputs)
+    rope = Rope(inner.rotary_emb.cos_cache.float().numpy(), inner.rotary_emb.sin_cache.float().numpy())
+    table = _array(inner.embed_tokens.weight)
+    x = ops.embedding(table)
+    residual = None
+    for i, layer in enumerate(inner.layers):
+        attn = layer.self_attn
+        heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        past = []
+        for kind in ("key", "value"):
+            past.append(g.add_input(f"past_key_values.{i}.{kind}", f32,
+                                    ["batch_size", kv_heads, "past_sequence_length", d]))
+            g.add_output(f"present.{i}.{kind}", f32, ["batch_size", kv_heads, "total_sequence_length", d])
+        prefix = f"model.layers.{i}"
+        norm = layer.input_layernorm
+        if residual is None:
+            residual = x
+            h = ops.rms_norm(x, _array(norm.weight), norm.variance_epsilon, f"{prefix}.input_layernorm")
+        else:
+            h, residual = ops.add_rms_norm(x, residual, _array(norm.weight), norm.variance_epsilon,
+                                           f"{prefix}.input_layernorm")
+        qkv = ops.linear(h, _linear(attn.qkv_proj, f"{prefix}.self_attn.qkv_proj"))
+        sizes = g.const([heads * d, kv_heads * d, kv_heads * d])
+        q, k, v = g.op("Split", [qkv, sizes], num_outputs=3, axis=-1)
+        if attn.qk_norm:
+            q = ops.head_rms_norm(q, heads, d, _array(attn.q_norm.weight), attn.q_norm.variance_epsilon,
+                                  f"{prefix}.self_attn.q_norm")
+            k = ops.head_rms_norm(k, kv_heads, d, _array(attn.k_norm.weight), attn.k_norm.variance_epsilon,
+                                  f"{prefix}.self_attn.k_norm")
+        spec = AttentionSpec(heads, kv_heads, d, float(attn.attn.scale), attn.attn.sliding_window)
+        out, present_k, present_v = ops.attention(q, k, v, past[0], past[1], spec, rope,
+                                                  f"{prefix}.self_attn.attn")
+        g.rename(present_k, f"present.{i}.key")
+        g.rename(present_v, f"present.{i}.value")
+        x = ops.linear(out, _linear(attn.o_proj, f"{prefix}.self_attn.o_proj"))
+        post = layer.post_attention_layernorm
+        h, residual = ops.add_rms_norm(x, residual, _array(post.weight), post.variance_epsilon,
+                                       f"{prefix}.post_attention_layernorm")
+        mlp = layer.mlp
+        gate_up = ops.linear(h, _linear(mlp.gate_up_proj, f"{prefix}.mlp.gate_up_proj"))
+        act = ops.silu_and_mul(gate_up, mlp.down_proj.in_features)
+        x = ops.linear(act, _linear(mlp.down_proj, f"{prefix}.mlp.down_proj"))
+    final = inner.norm
+    h, _ = ops.add_rms_norm(x, residual, _array(final.weight), final.variance_epsilon, "model.norm")
+    head = model.lm_head
+    if head.weight is inner.embed_tokens.weight and not isinstance(table, QuantizedWeight):
+        logits = ops.tied_head(h, "model.embed_tokens.weight", table)
+    else:
+        logits = ops.linear(h, LinearWeight(_array(head.weight), None, "lm_head"))
+    g.rename(logits, "logits")
+    g.add_output("logits", f32, ["batch_size", "sequence_length", model.config.vocab_size])
+    g.outputs.insert(0, g.outputs.pop())  # logits first, as onnxruntime-genai's builder orders them
+    return g

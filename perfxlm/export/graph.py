@@ -1,0 +1,87 @@
+"""The graph under construction: nodes in order, initializers, typed inputs and outputs.
+
+A thin layer over onnx's helpers that gives every value a unique name, so the ops that emit a
+decoder layer (`graph_ops.py`) only say what they compute."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+OPSET = 17  # standard ops: ReduceMean's axes still an attribute, LayerNormalization present
+MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops
+
+ELEM = {np.float32: TensorProto.FLOAT, np.int64: TensorProto.INT64, np.int32: TensorProto.INT32}
+
+
+class Graph:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.outputs: list[onnx.ValueInfoProto] = []
+        self.domains: set[str] = set()
+        self._counts: dict[str, int] = {}
+        self._consts: dict[tuple, str] = {}  # small constants shared by value
+
+    def fresh(self, prefix: str) -> str:
+        n = self._counts.get(prefix, 0)
+        self._counts[prefix] = n + 1
+        return prefix if n == 0 else f"{prefix}_{n}"
+
+    def weight(self, name: str, array: np.ndarray) -> str:
+        """An initializer holding `array` (stored in the external data file when large)."""
+        name = self.fresh(name)
+        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def const(self, value: Any, dtype: type = np.int64) -> str:
+        """A small constant (shape, axis, scalar), one initializer per distinct value."""
+        array = np.asarray(value, dtype=dtype)
+        key = (array.dtype.str, array.shape, array.tobytes())
+        if key not in self._consts:
+            self._consts[key] = self.weight("const", array)
+        return self._consts[key]
+
+    def op(self, op_type: str, inputs: Sequence[str], num_outputs: int = 1, domain: str = "",
+           name: str | None = None, **attrs: Any) -> Any:
+        """Append one node; returns its output name (or the list of them when num_outputs > 1).
+        An empty input name is an omitted optional input."""
+        base = self.fresh(name or op_type)
+        outs = [f"{base}/out{i}" for i in range(num_outputs)]
+        node = helper.make_node(op_type, list(inputs), outs, name=base, domain=domain or None, **attrs)
+        self.nodes.append(node)
+        if domain:
+            self.domains.add(domain)
+        return outs[0] if num_outputs == 1 else outs
+
+    def rename(self, value: str, name: str) -> str:
+        """Give a computed value a graph-output name (an Identity: the value keeps its producer)."""
+        self.nodes.append(helper.make_node("Identity", [value], [name], name=self.fresh(f"{name}/identity")))
+        return name
+
+    def add_input(self, name: str, elem: int, shape: Sequence[Any]) -> str:
+        self.inputs.append(helper.make_tensor_value_info(name, elem, list(shape)))
+        return name
+
+    def add_output(self, name: str, elem: int, shape: Sequence[Any]) -> None:
+        self.outputs.append(helper.make_tensor_value_info(name, elem, list(shape)))
+
+    def to_model(self) -> onnx.ModelProto:
+        graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.initializers)
+        opsets = [helper.make_opsetid("", OPSET)] + [helper.make_opsetid(d, 1) for d in sorted(self.domains)]
+        model = helper.make_model(graph, opset_imports=opsets, producer_name="perfxlm")
+        model.ir_version = 8  # readable by every ONNX Runtime since 1.10
+        return model
+
+    def save(self, path: str) -> None:
+        """model.onnx beside one external data file holding every large initializer."""
+        model = self.to_model()
+        location = os.path.basename(path) + ".data"
+        onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=location, size_threshold=1024)

@@ -1,0 +1,298 @@
+"""The `GraphOps` seam: the few ops a Llama-shaped decoder layer is made of, each flavor emitting them its
+own way. `decoder.py` writes a layer once against this interface.
+
+Values are graph value names. Hidden states are [batch, seq, features]; a projection's heads stay
+folded in the feature axis ([batch, seq, heads * head_dim]) between ops, as ONNX Runtime's contrib
+ops take them.
+
+- `StandardOps`: standard ONNX ops only (opset 17), so any ONNX runtime runs the graph. Quantized weights
+  are dequantized to float32 initializers (standard ONNX has no packed 4-bit matmul before opset 21).
+- `OrtOps`: ONNX Runtime's contrib ops where they exist, the graph onnxruntime-genai's own builder makes:
+  SimplifiedLayerNormalization / SkipSimplifiedLayerNormalization, RotaryEmbedding, GroupQueryAttention,
+  MatMulNBits for quantized weights (kept packed); the rest as in `StandardOps`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from perfxlm.export.graph import MS_DOMAIN, Graph
+from perfxlm.export.matmul_nbits import pack_matmul_nbits
+from perfxlm.quant.weight import QuantizedWeight
+
+NEG_LARGE = float(np.finfo(np.float32).min)  # masked scores: exp() is exactly 0, a fully masked row no NaN
+
+
+@dataclass
+class Rope:
+    """Rotary tables of the model, [max_position, rotary_dim] in rotate-half layout (cos of each frequency
+    twice), as the engine's RotaryEmbedding holds them; rotary_dim <= head_dim (partial rotary)."""
+
+    cos: np.ndarray
+    sin: np.ndarray
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.cos.shape[1]
+
+
+@dataclass
+class AttentionSpec:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int | None  # a query at position p sees keys in (p - window, p]
+
+
+@dataclass
+class LinearWeight:
+    """A projection's weight as the engine holds it: float [N, K] or a QuantizedWeight; bias or None."""
+
+    weight: Any
+    bias: np.ndarray | None
+    name: str
+
+
+@dataclass
+class DecoderInputs:
+    """The graph inputs every layer reads (onnxruntime-genai's names)."""
+
+    input_ids: str  # int64 [batch, seq]
+    attention_mask: str  # int64 [batch, past + seq]: 1 for tokens to attend to
+    position_ids: str  # int64 [batch, seq]
+
+
+def dequantized(weight: QuantizedWeight) -> np.ndarray:
+    return weight.dequantize().float().numpy()
+
+
+class GraphOps:
+    """Standard ONNX ops (the `standard` flavor). Shared values (shapes, the attention mask, rotary
+    tables gathered at the positions) are built once per graph, at their first use."""
+
+    flavor = "standard"
+
+    def __init__(self, g: Graph, inputs: DecoderInputs) -> None:
+        self.g = g
+        self.inputs = inputs
+        self._cache: dict[Any, Any] = {}
+
+    def _once(self, key: Any, build) -> Any:
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    # ---- shared values -------------------------------------------------------------------------------
+    def batch_seq_shape(self) -> str:
+        """int64 [2]: (batch, seq) of this call."""
+        return self._once("bs", lambda: self.g.op("Shape", [self.inputs.input_ids], name="batch_seq"))
+
+    def with_last(self, n: int) -> str:
+        """int64 [3]: (batch, seq, n), the shape of a projection's output."""
+        return self._once(("shape", n),
+                          lambda: self.g.op("Concat", [self.batch_seq_shape(), self.g.const([n])], axis=0))
+
+    # ---- embedding, norms, projections -------------------------------------------------------------
+    def embedding(self, table: Any) -> str:
+        array = dequantized(table) if isinstance(table, QuantizedWeight) else table
+        w = self.g.weight("model.embed_tokens.weight", array)
+        return self.g.op("Gather", [w, self.inputs.input_ids], axis=0, name="embed_tokens")
+
+    def rms_norm(self, x: str, weight: np.ndarray, eps: float, name: str) -> str:
+        w = self.g.weight(f"{name}.weight", weight)
+        g = self.g
+        mean_sq = g.op("ReduceMean", [g.op("Mul", [x, x])], axes=[-1], keepdims=1)
+        inv = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [mean_sq, g.const(eps, np.float32)])])])
+        return g.op("Mul", [g.op("Mul", [x, inv]), w], name=name)
+
+    def add_rms_norm(self, x: str, residual: str, weight: np.ndarray, eps: float,
+                     name: str) -> tuple[str, str]:
+        """(norm(x + residual), x + residual)."""
+        total = self.g.op("Add", [x, residual])
+        return self.rms_norm(total, weight, eps, name), total
+
+    def head_rms_norm(self, x: str, heads: int, head_dim: int, weight: np.ndarray, eps: float,
+                      name: str) -> str:
+        """RMSNorm over each head of [batch, seq, heads * head_dim] (Qwen3's q/k norms)."""
+        x4 = self.g.op("Reshape", [x, self.g.const([0, 0, heads, head_dim])])
+        y = self.rms_norm(x4, weight, eps, name)
+        return self.g.op("Reshape", [y, self.g.const([0, 0, heads * head_dim])])
+
+    def linear(self, x: str, lw: LinearWeight) -> str:
+        w = lw.weight
+        array = dequantized(w) if isinstance(w, QuantizedWeight) else w
+        return self._gemm(x, array, lw)
+
+    def _gemm(self, x: str, array: np.ndarray, lw: LinearWeight, weight_name: str | None = None) -> str:
+        """x [b, s, K] times weight [N, K] transposed (kept as the checkpoint stores it, so a tied head
+        shares the embedding table)."""
+        g = self.g
+        n, k = array.shape
+        w = weight_name or g.weight(f"{lw.name}.weight", array)
+        args = [g.op("Reshape", [x, g.const([-1, k])]), w]
+        if lw.bias is not None:
+            args.append(g.weight(f"{lw.name}.bias", lw.bias))
+        y = g.op("Gemm", args, transB=1, name=lw.name)
+        return g.op("Reshape", [y, self.with_last(n)])
+
+    def tied_head(self, x: str, table_name: str, table: np.ndarray) -> str:
+        return self._gemm(x, table, LinearWeight(table, None, "lm_head"), weight_name=table_name)
+
+    def silu_and_mul(self, gate_up: str, inter: int) -> str:
+        g = self.g
+        gate, up = g.op("Split", [gate_up, g.const([inter, inter])], num_outputs=2, axis=-1)
+        return g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
+
+    # ---- rotary and attention ----------------------------------------------------------------------
+    def rotary(self, x: str, heads: int, head_dim: int, rope: Rope) -> str:
+        """Rotate-half rotary on the first rotary_dim channels of each head of x [b, s, heads * head_dim]."""
+        g = self.g
+        cos, sin = self._once("rope", lambda: tuple(
+            g.op("Unsqueeze", [g.op("Gather", [g.weight(f"{n}_table", t), self.inputs.position_ids], axis=0),
+                               g.const([2])])
+            for n, t in (("cos", rope.cos), ("sin", rope.sin))))  # [b, s, 1, rotary_dim]
+        rot = rope.rotary_dim
+        x4 = g.op("Reshape", [x, g.const([0, 0, heads, head_dim])])
+        if rot < head_dim:
+            x_rot, x_pass = g.op("Split", [x4, g.const([rot, head_dim - rot])], num_outputs=2, axis=-1)
+        else:
+            x_rot, x_pass = x4, None
+        x1, x2 = g.op("Split", [x_rot, g.const([rot // 2, rot // 2])], num_outputs=2, axis=-1)
+        rotated = g.op("Concat", [g.op("Neg", [x2]), x1], axis=-1)
+        out = g.op("Add", [g.op("Mul", [x_rot, cos]), g.op("Mul", [rotated, sin])])
+        if x_pass is not None:
+            out = g.op("Concat", [out, x_pass], axis=-1)
+        return g.op("Reshape", [out, g.const([0, 0, heads * head_dim])])
+
+    def _mask_bias(self, window: int | None, groups: int) -> str:
+        """float [b, 1, groups * s, total]: 0 where a query may see a key, NEG_LARGE elsewhere. Query i
+        of this call sits at cache index total - s + i; it sees key j <= that index (within the window)
+        where attention_mask[b, j] is 1. Rows repeat per query head of a KV group (see attention)."""
+        def build() -> str:
+            g = self.g
+            total = g.op("Gather", [g.op("Shape", [self.inputs.attention_mask]), g.const(1)], axis=0)
+            seq = g.op("Gather", [self.batch_seq_shape(), g.const(1)], axis=0)
+            keys = g.op("Unsqueeze", [g.op("Range", [g.const(0), total, g.const(1)]), g.const([0])])  # [1, T]
+            queries = g.op("Unsqueeze", [g.op("Range", [g.op("Sub", [total, seq]), total, g.const(1)]),
+                                         g.const([1])])  # [S, 1]
+            allowed = g.op("LessOrEqual", [keys, queries])
+            if window is not None:
+                first = g.op("Sub", [queries, g.const(window)])
+                allowed = g.op("And", [allowed, g.op("Greater", [keys, first])])
+            as_bool = g.op("Cast", [self.inputs.attention_mask], to=9)
+            pad = g.op("Unsqueeze", [as_bool, g.const([1, 2])])
+            allowed = g.op("And", [allowed, pad])  # [b, 1, S, T]
+            bias = g.op("Where", [allowed, g.const(0.0, np.float32), g.const(NEG_LARGE, np.float32)])
+            return bias if groups == 1 else g.op("Tile", [bias, g.const([1, 1, groups, 1])])
+        return self._once(("mask", window, groups), build)
+
+    def attention(self, q: str, k: str, v: str, past_k: str, past_v: str, spec: AttentionSpec, rope: Rope,
+                  name: str) -> tuple[str, str, str]:
+        """Causal attention of this call's queries over past + new keys, rotary applied here.
+        q [b, s, H*D], k / v [b, s, KV*D], past [b, KV, P, D] -> (out [b, s, H*D], present K, V
+        [b, KV, P + s, D]). The G query heads of a KV head are folded into its query rows
+        ([b, KV, G*s, D]), so K/V are never repeated per head."""
+        g = self.g
+        h, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        q = self.rotary(q, h, d, rope)
+        k = self.rotary(k, kvh, d, rope)
+
+        def heads_first(t: str, n: int) -> str:  # [b, s, n*D] -> [b, n, s, D]
+            return g.op("Transpose", [g.op("Reshape", [t, g.const([0, 0, n, d])])], perm=[0, 2, 1, 3])
+
+        present_k = g.op("Concat", [past_k, heads_first(k, kvh)], axis=2)
+        present_v = g.op("Concat", [past_v, heads_first(v, kvh)], axis=2)
+        qg = g.op("Reshape", [heads_first(q, h), g.const([0, kvh, -1, d])])  # [b, KV, G*s, D]
+        scores = g.op("MatMul", [qg, g.op("Transpose", [present_k], perm=[0, 1, 3, 2])])
+        scores = g.op("Add", [g.op("Mul", [scores, g.const(spec.scale, np.float32)]),
+                              self._mask_bias(spec.sliding_window, h // kvh)])
+        probs = g.op("Softmax", [scores], axis=-1)
+        out = g.op("MatMul", [probs, present_v])  # [b, KV, G*s, D]
+        out = g.op("Transpose", [g.op("Reshape", [out, g.const([0, h, -1, d])])], perm=[0, 2, 1, 3])
+        return g.op("Reshape", [out, g.const([0, 0, h * d])], name=name), present_k, present_v
+
+
+class OrtOps(GraphOps):
+    """ONNX Runtime's contrib ops (the `ort` flavor)."""
+
+    flavor = "ort"
+
+    def rms_norm(self, x: str, weight: np.ndarray, eps: float, name: str) -> str:
+        w = self.g.weight(f"{name}.weight", weight)
+        # in ONNX Runtime's default domain, though not a standard op
+        return self.g.op("SimplifiedLayerNormalization", [x, w], axis=-1, epsilon=eps, stash_type=1,
+                         name=name)
+
+    def add_rms_norm(self, x: str, residual: str, weight: np.ndarray, eps: float,
+                     name: str) -> tuple[str, str]:
+        w = self.g.weight(f"{name}.weight", weight)
+        y, _, _, total = self.g.op("SkipSimplifiedLayerNormalization", [x, residual, w], num_outputs=4,
+                                   domain=MS_DOMAIN, epsilon=eps, name=name)
+        return y, total
+
+    def linear(self, x: str, lw: LinearWeight) -> str:
+        w = lw.weight
+        if not isinstance(w, QuantizedWeight):
+            return self._gemm(x, w, lw)
+        packed = pack_matmul_nbits(w)
+        if packed is None:  # no power-of-two block fits its groups: float, as the standard flavor does
+            return self._gemm(x, dequantized(w), lw)
+        g = self.g
+        args = [x, g.weight(f"{lw.name}.weight_q", packed.codes),
+                g.weight(f"{lw.name}.scales", packed.scales),
+                g.weight(f"{lw.name}.zero_points", packed.zero_points)]
+        y = g.op("MatMulNBits", args, domain=MS_DOMAIN, K=w.in_features, N=w.out_features, bits=w.bits,
+                 block_size=packed.block_size, accuracy_level=0, name=lw.name)
+        if lw.bias is not None:
+            y = g.op("Add", [y, g.weight(f"{lw.name}.bias", lw.bias)])
+        return y
+
+    def _rope_caches(self, rope: Rope) -> tuple[str, str]:
+        half = rope.rotary_dim // 2  # the contrib ops take each frequency once
+        return self._once("rope_half", lambda: (self.g.weight("cos_cache", rope.cos[:, :half]),
+                                                self.g.weight("sin_cache", rope.sin[:, :half])))
+
+    def rotary(self, x: str, heads: int, head_dim: int, rope: Rope) -> str:
+        cos, sin = self._rope_caches(rope)
+        return self.g.op("RotaryEmbedding", [x, self.inputs.position_ids, cos, sin], domain=MS_DOMAIN,
+                         interleaved=0, num_heads=heads, rotary_embedding_dim=rope.rotary_dim)
+
+    def _seqlens(self) -> tuple[str, str]:
+        """GroupQueryAttention's seqlens_k (int32 [b]: index of each row's last token) and total length."""
+        def build() -> tuple[str, str]:
+            g = self.g
+            mask = self.inputs.attention_mask
+            last = g.op("Sub", [g.op("ReduceSum", [mask, g.const([1])], keepdims=0), g.const(1)])
+            total = g.op("Gather", [g.op("Shape", [mask]), g.const(1)], axis=0)
+            return g.op("Cast", [last], to=6), g.op("Cast", [total], to=6)
+        return self._once("seqlens", build)
+
+    def attention(self, q: str, k: str, v: str, past_k: str, past_v: str, spec: AttentionSpec, rope: Rope,
+                  name: str) -> tuple[str, str, str]:
+        # Rotary as its own op (not GroupQueryAttention's do_rotary): Qwen3 normalises q/k heads before it,
+        # and partial rotary is the RotaryEmbedding op's attribute.
+        q = self.rotary(q, spec.num_heads, spec.head_dim, rope)
+        k = self.rotary(k, spec.num_kv_heads, spec.head_dim, rope)
+        seqlens, total = self._seqlens()
+        # local_window_size W: a query at p sees keys in (p - W, p], the engine's window (tested)
+        window = -1 if spec.sliding_window is None else spec.sliding_window
+        out, present_k, present_v = self.g.op(
+            "GroupQueryAttention", [q, k, v, past_k, past_v, seqlens, total], num_outputs=3, domain=MS_DOMAIN,
+            num_heads=spec.num_heads, kv_num_heads=spec.num_kv_heads, scale=spec.scale,
+            local_window_size=window, name=name)
+        return out, present_k, present_v
+
+
+FLAVORS = {"standard": GraphOps, "ort": OrtOps}
+
+
+def graph_ops(flavor: str, g: Graph, inputs: DecoderInputs) -> GraphOps:
+    try:
+        cls = FLAVORS[flavor]
+    except KeyError:
+        raise ValueError(f"ONNX flavor {flavor!r} is not known (known: {', '.join(FLAVORS)}).") from None
+    return cls(g, inputs)

@@ -1,0 +1,167 @@
+"""The runner's adapter slots and the per-step batch that applies every row's adapter at once.
+
+Punica's idea (SGMV/BGMV: one launch for a batch whose rows use different adapters) done with two dense
+products per projection instead of one product pair per adapter: the adapters in the slots are packed
+side by side, each projection's A as [R, in] (every slot's ranks, slot after slot) and B as [out, R]
+(each part's B at its output rows, zero elsewhere: q, k and v of a fused projection are blocks of one
+matrix). A step computes h = x A^T for all rows and all slots, multiplies it by a [rows, R] mask that
+holds the adapter's scale where the column belongs to the row's slot and 0 elsewhere, and adds h B^T to
+the base output. A row without an adapter, or another slot's columns, contribute exact zeros, so a row's
+result is its own adapter's, whatever else shares the step; the mask is built once per step and column
+layout, shared by the projections whose columns mean the same. The cost is R = sum of the slots' ranks
+columns per projection whether a row uses one adapter or none: at max_loras 4 and rank 16, 64 extra
+columns against the projection's thousands. A step whose rows all use one adapter takes only that
+slot's columns (a view), so batch-1 decode with an adapter pays for its own rank alone.
+
+Slots (max_loras) are filled on demand and the least recently used one not needed by the step is given
+up; the scheduler never puts more distinct adapters than max_loras in one step. Filling a slot repacks
+every projection (copies the slots' weights, a few MB), so it happens only when the step's adapters are
+not all already in a slot.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from perfxlm.lora.adapter import LoRAAdapter
+
+
+@dataclass(frozen=True)
+class ColumnLayout:
+    """What the packed columns of a projection are: each column's slot and scale, and each slot's span."""
+
+    col_slot: torch.Tensor  # [R] int64
+    col_scale: torch.Tensor  # [R], the activations' dtype
+    spans: dict[int, tuple[int, int]]  # slot -> [start, end) of its columns
+
+
+@dataclass(frozen=True)
+class PackedLoRA:
+    a: torch.Tensor  # [R, in]
+    b: torch.Tensor  # [out, R]
+    layout: ColumnLayout
+
+
+class LoRABatch:
+    """One step's adapters: each token row's slot (-1: none). `add` is what a LoRALinear calls."""
+
+    def __init__(self, row_slot: torch.Tensor, single_slot: int | None) -> None:
+        self.row_slot = row_slot  # [rows] int64
+        self.single_slot = single_slot  # the one slot every row uses, if so
+        self._masks: dict[int, torch.Tensor] = {}  # id(layout) -> [rows, R] mask, for this step
+
+    def add(self, layer: Any, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        packed: PackedLoRA | None = layer.packed
+        if packed is None:  # no adapter in the slots targets this projection
+            return out
+        layout = packed.layout
+        if self.single_slot is not None:
+            span = layout.spans.get(self.single_slot)
+            if span is None:
+                return out
+            s, e = span
+            h = (x @ packed.a[s:e].T).mul_(layout.col_scale[s:e])
+            return out.addmm_(h, packed.b[:, s:e].T)
+        mask = self._masks.get(id(layout))
+        if mask is None:
+            mask = (layout.col_slot == self.row_slot[:, None]) * layout.col_scale
+            self._masks[id(layout)] = mask
+        h = (x @ packed.a.T).mul_(mask)
+        return out.addmm_(h, packed.b.T)
+
+
+@dataclass
+class _Slot:
+    adapter: LoRAAdapter
+    last_used: int = 0
+
+
+@dataclass
+class LoRASlots:
+    """The runner's `max_loras` adapter slots over the model's LoRALinear wrappers."""
+
+    wrappers: Sequence[Any]  # layers.LoRALinear
+    max_loras: int
+    dtype: torch.dtype
+    slots: dict[int, _Slot] = field(default_factory=dict)  # slot index -> adapter
+    step: int = 0
+    num_repacks: int = 0  # how often the slots' contents changed (tests, metrics)
+
+    def batch(self, adapters: Sequence[LoRAAdapter | None], rows: Sequence[int]) -> LoRABatch | None:
+        """The step's LoRABatch for requests using `adapters` over `rows` token rows each (the runner's
+        order), or None when no request has one."""
+        if all(a is None for a in adapters):
+            return None
+        self.step += 1
+        slot_of = self._assign({a.cache_key: a for a in adapters if a is not None})
+        per_request = np.fromiter((-1 if a is None else slot_of[a.cache_key] for a in adapters), np.int64,
+                                  count=len(adapters))
+        used = set(per_request.tolist())
+        single = used.pop() if len(used) == 1 else None
+        return LoRABatch(torch.from_numpy(np.repeat(per_request, np.asarray(rows, dtype=np.int64))), single)
+
+    def _assign(self, needed: dict[str, LoRAAdapter]) -> dict[str, int]:
+        if len(needed) > self.max_loras:
+            raise RuntimeError(f"{len(needed)} adapters in one step, more than max_loras ({self.max_loras})")
+        slot_of: dict[str, int] = {}
+        for index, slot in self.slots.items():
+            key = slot.adapter.cache_key
+            if needed.get(key) is slot.adapter:
+                slot_of[key] = index
+                slot.last_used = self.step
+        missing = [a for k, a in needed.items() if k not in slot_of]
+        if missing:
+            free = [i for i in range(self.max_loras) if i not in self.slots]
+            # least recently used first, among the slots this step does not need
+            evictable = sorted((s.last_used, i) for i, s in self.slots.items() if i not in slot_of.values())
+            free += [i for _, i in evictable]
+            for adapter, index in zip(missing, free):
+                self.slots[index] = _Slot(adapter, self.step)
+                slot_of[adapter.cache_key] = index
+            self._repack()
+        return slot_of
+
+    def _repack(self) -> None:
+        """Every wrapped projection's packed A and B for the adapters now in the slots."""
+        self.num_repacks += 1
+        layouts: dict[tuple, ColumnLayout] = {}
+        for wrapper in self.wrappers:
+            a_parts, b_blocks, col_slot, col_scale, spans = [], [], [], [], {}
+            column = 0
+            for index in sorted(self.slots):
+                start = column
+                for part in self.slots[index].adapter.modules.get(wrapper.name, ()):
+                    a_parts.append(part.a)
+                    b_blocks.append((part, column))
+                    col_slot += [index] * part.rank
+                    col_scale += [part.scale] * part.rank
+                    column += part.rank
+                if column > start:
+                    spans[index] = (start, column)
+            if not a_parts:
+                wrapper.packed = None
+                continue
+            a = torch.cat(a_parts).to(self.dtype).contiguous()
+            b = torch.zeros(wrapper.out_features, column, dtype=self.dtype)
+            for part, col in b_blocks:
+                b[part.row : part.row + part.rows, col : col + part.rank] = part.b
+            key = (tuple(col_slot), tuple(col_scale))
+            layout = layouts.get(key)
+            if layout is None:
+                layout = layouts[key] = ColumnLayout(torch.tensor(col_slot, dtype=torch.int64),
+                                                     torch.tensor(col_scale, dtype=self.dtype), spans)
+            wrapper.packed = PackedLoRA(a, b, layout)
+
+
+class NoAdapters:
+    """The runner's slots when the engine runs without LoRA: no step has an adapter."""
+
+    num_repacks = 0
+
+    def batch(self, adapters: Sequence[Any], rows: Sequence[int]) -> None:
+        return None
