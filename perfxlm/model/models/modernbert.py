@@ -20,8 +20,7 @@ from perfxlm.model.layers.embed_head import VocabEmbedding
 from perfxlm.model.layers.linear import Linear
 from perfxlm.model.layers.norm import LayerNorm
 from perfxlm.model.layers.rotary import RotaryEmbedding, apply_rotary
-from perfxlm.model.models.base import EncoderModel
-from perfxlm.model.models.bert import num_labels_of
+from perfxlm.model.models.base import EncoderModel, num_labels_of
 
 
 def _norm(config: Any) -> LayerNorm:
