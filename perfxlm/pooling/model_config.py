@@ -50,7 +50,7 @@ class PoolerConfig:
             return
         if not self.is_matryoshka:
             raise ValueError(
-                "dimensions: this model does not support Matryoshka representations (its config.json declares "
+                "dimensions: this model does not support Matryoshka representations (its config declares "
                 "no is_matryoshka / matryoshka_dimensions); leave dimensions unset."
             )
         if self.matryoshka_dimensions is not None and dimensions not in self.matryoshka_dimensions:
