@@ -148,6 +148,8 @@ def test_each_runner_refuses_the_others_endpoints(embedder, tiny_llama):
     assert r.status_code == 400 and "'pooling' runner" in r.json()["error"]["message"]
     assert _run(app, lambda c: c.get("/health")).status_code == 200
     assert _run(app, lambda c: c.get("/v1/models")).json()["data"][0]["max_model_len"] == 20
+    tokens = _post(app, "/tokenize", {"prompt": "the cat"}).json()
+    assert tokens["count"] == 4 and tokens["max_model_len"] == 20  # [CLS] the cat [SEP]
     engine = AsyncLLM(EngineConfig(model=tiny_llama, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=16))
     try:
         gen_app = build_app(engine, "tiny")
