@@ -362,6 +362,12 @@ def _run_throughput(args: argparse.Namespace) -> int:
     return cmd_throughput(args, engine_kwargs(args))
 
 
+def _run_embed(args: argparse.Namespace) -> int:
+    from perfxlm.bench.embed import cmd_embed
+
+    return cmd_embed(args, engine_kwargs(args))
+
+
 def _run_serve(args: argparse.Namespace) -> int:
     from perfxlm.bench.serve import cmd_serve
 
@@ -369,7 +375,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: latency, sweep, throughput, serve")
+    bench = sub.add_parser("bench", help="benchmarks: latency, sweep, throughput, embed, serve")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
 
     lat = bsub.add_parser("latency", help="one batch: prefill time, decode step time, tokens/s, memory")
@@ -405,6 +411,14 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     thr.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     _bench_common_args(thr)
     thr.set_defaults(func=_run_throughput, num_prompts=1000)
+
+    emb = bsub.add_parser("embed", help="embedding throughput on the pooling runner: texts/s and tokens/s")
+    add_engine_args(emb)
+    _dataset_args(emb, input_len=128)
+    emb.add_argument("--max-tokens", type=int, default=256, help="texts cut to this many tokens (and the window)")
+    emb.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    _bench_common_args(emb)
+    emb.set_defaults(func=_run_embed, num_prompts=1024)
 
     srv = bsub.add_parser("serve", help="benchmark an OpenAI-compatible server (streaming /v1/completions)")
     srv.add_argument("--base-url", default=None, help="server URL, e.g. http://127.0.0.1:8000 (default: --host/--port)")
