@@ -236,13 +236,14 @@ def _check_onnx(c: "EngineConfig") -> None:
     from perfxlm.export.manifest import read_manifest
 
     read_manifest(c.model)  # ValueError: not an export, or a version this engine does not know
-    fixed = {"quantization": c.quantization not in (None, "none"), "kv_cache_dtype": c.kv_cache_dtype != "auto",
+    fixed = {"quantization": c.quantization not in (None, "none"),
+             "kv_cache_dtype": c.kv_cache_dtype != "auto",
              "tensor_parallel_size": c.tensor_parallel_size != 1,
              "distributed_executor_backend": c.distributed_executor_backend == "external_launcher"}
     for name, bad in fixed.items():
         if bad:
-            raise ValueError(f"{name}={getattr(c, name)!r} does not apply to an exported ONNX graph ({c.model!r}): "
-                             "its weights and KV layout are fixed at export; supported: the defaults.")
+            raise ValueError(f"{name}={getattr(c, name)!r} does not apply to an exported ONNX graph "
+                             f"({c.model!r}): its weights and KV layout are fixed at export; supported: the defaults.")
 
 
 def _check_parallel(c: "EngineConfig") -> None:

@@ -15,11 +15,12 @@ GENAI_CONFIG = "genai_config.json"
 
 # domain -> op types the exporter writes (graph_ops.py); the runner refuses any other
 KNOWN_OPS = {
-    "": {"Add", "And", "Cast", "Concat", "Gather", "Gemm", "Greater", "Identity", "LessOrEqual", "MatMul", "Mul",
-         "Neg", "Range", "Reciprocal", "ReduceMean", "ReduceSum", "Reshape", "Shape", "Sigmoid",
+    "": {"Add", "And", "Cast", "Concat", "Gather", "Gemm", "Greater", "Identity", "LessOrEqual", "MatMul",
+         "Mul", "Neg", "Range", "Reciprocal", "ReduceMean", "ReduceSum", "Reshape", "Shape", "Sigmoid",
          "SimplifiedLayerNormalization", "Softmax", "Split", "Sqrt", "Sub", "Tile", "Transpose", "Unsqueeze",
          "Where"},
-    "com.microsoft": {"GroupQueryAttention", "MatMulNBits", "RotaryEmbedding", "SkipSimplifiedLayerNormalization"},
+    "com.microsoft": {"GroupQueryAttention", "MatMulNBits", "RotaryEmbedding",
+                      "SkipSimplifiedLayerNormalization"},
 }
 
 
@@ -53,5 +54,5 @@ def check_graph_ops(graph_path: str) -> None:
     for node in model.graph.node:
         if node.op_type not in KNOWN_OPS.get(node.domain or "", ()):
             domain = node.domain or "ai.onnx"
-            raise ValueError(f"{graph_path}: node {node.name!r} is op {domain}::{node.op_type}, which the engine "
-                             f"does not run (it runs the graphs `perfxlm export onnx` writes).")
+            raise ValueError(f"{graph_path}: node {node.name!r} is op {domain}::{node.op_type}, which the "
+                             f"engine does not run (it runs the graphs `perfxlm export onnx` writes).")

@@ -28,12 +28,15 @@ class OnnxDecoderGraph:
         self.num_kv_heads = decoder["num_key_value_heads"]
         self.head_dim = decoder["head_size"]
         names = decoder["inputs"], decoder["outputs"]
-        self.past_names = [names[0][f"past_{kind}_names"] % i for i in range(self.num_layers) for kind in ("key", "value")]
+        self.past_names = [names[0][f"past_{kind}_names"] % i for i in range(self.num_layers)
+                           for kind in ("key", "value")]
         self.present_names = [names[1][f"present_{kind}_names"] % i for i in range(self.num_layers)
                               for kind in ("key", "value")]
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = num_threads
         opts.inter_op_num_threads = 1
+        # no busy-waiting between ops: the engine's own threads (sampling, detokenizing) share the cores
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
         self.flavor = self.manifest.get("flavor", "?")
 
@@ -50,7 +53,8 @@ class OnnxDecoderGraph:
         and the present (past + these tokens) to pass next time."""
         past_len = past[0].shape[2]
         total = past_len + len(token_ids)
-        feeds = {"input_ids": np.asarray([token_ids], np.int64), "attention_mask": np.ones((1, total), np.int64),
+        feeds = {"input_ids": np.asarray([token_ids], np.int64),
+                 "attention_mask": np.ones((1, total), np.int64),
                  "position_ids": np.arange(past_len, total, dtype=np.int64)[None],
                  **dict(zip(self.past_names, past))}
         outputs = self.session.run(["logits", *self.present_names], feeds)
