@@ -74,7 +74,13 @@ def _array(t: Any) -> Any:
 
 def _linear(module: Any, name: str) -> LinearWeight:
     bias = None if module.bias is None else _array(module.bias)
-    return LinearWeight(_array(module.weight), bias, name)
+    weight = _array(module.weight)
+    if isinstance(weight, QuantizedWeight) and weight.act != "float":
+        # W8A8 rounds activations at run time; a graph of weight-only products would not be that model
+        raise ValueError(f"ONNX export: {name} is {weight.describe()}, whose int8 activations the exporter "
+                         "cannot express; export the float checkpoint, or quantize with int4 / int8 "
+                         "(weight-only).")
+    return LinearWeight(weight, bias, name)
 
 
 def build_decoder_graph(model: torch.nn.Module, flavor: str) -> Graph:

@@ -1,6 +1,6 @@
 """The engine running an exported graph (load_format "onnx", detected from the folder): greedy output
 token-identical to the module path over mixed-length prompts in one batch, chunked prefill, the prefix
-cache and n > 1, with the KV pool whole afterwards; refusals of a folder whose version or ops the
+cache, prompt logprobs and n > 1, with the KV pool whole afterwards; refusals of a folder whose version or ops the
 engine does not know, and of options an export fixes."""
 
 from __future__ import annotations
@@ -50,6 +50,10 @@ def test_engine_runs_the_exported_graph_as_the_module_path(tmp_path, case, flavo
         for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
             assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
     assert _generate(graph)[0] == want  # now the prompts' full blocks come from the prefix cache
+    scored = SamplingParams(max_tokens=1, prompt_logprobs=2)
+    for g, w in zip(_generate(graph, PROMPTS[1:], scored)[1], _generate(module, PROMPTS[1:], scored)[1]):
+        for a, b in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:]):
+            assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
     siblings = SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=6)
     assert _generate(graph, PROMPTS[1:], siblings)[0] == _generate(module, PROMPTS[1:], siblings)[0]
     assert_pool_whole(graph)

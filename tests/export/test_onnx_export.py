@@ -152,6 +152,22 @@ def test_unsupported_family_is_named_and_nothing_is_written(tmp_path, case):
     assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".perfxlm-export")]
 
 
+def test_int8_activations_are_refused_by_name(tmp_path, llama96):
+    with pytest.raises(ValueError, match="w8a8 quantizes activations to int8 by definition"):
+        export_onnx(llama96, str(tmp_path / "onnx"), quantization="w8a8")
+    assert not (tmp_path / "onnx").exists()
+    # a weight that rounds its activations (a pre-quantized W8A8 checkpoint) is refused by the exporter
+    from types import SimpleNamespace
+
+    from perfxlm.export.decoder import _linear
+    from perfxlm.quant import QuantizedWeight
+
+    w8a8 = QuantizedWeight(torch.zeros(4, 32, dtype=torch.uint8), torch.ones(4, 1), torch.zeros(4, 1), None,
+                           bits=8, group=32, act="int8", out_features=4, in_features=32)
+    with pytest.raises(ValueError, match="o_proj is u8 .* a8, whose int8 activations the exporter cannot"):
+        _linear(SimpleNamespace(weight=w8a8, bias=None), "o_proj")
+
+
 def test_output_folder_flavor_and_cli(tmp_path, llama96, capsys):
     from perfxlm.entrypoints.cli import main
 
