@@ -1,7 +1,7 @@
 """The engine running an exported graph (load_format "onnx", detected from the folder): greedy output
 token-identical to the module path over mixed-length prompts in one batch, chunked prefill, the prefix
-cache, prompt logprobs and n > 1, with the KV pool whole afterwards; refusals of a folder whose version or ops the
-engine does not know, and of options an export fixes."""
+cache, prompt logprobs and n > 1, with the KV pool whole afterwards; refusals of a folder whose version
+or ops the engine does not know, and of options an export fixes."""
 
 from __future__ import annotations
 
