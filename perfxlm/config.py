@@ -75,7 +75,7 @@ class EngineConfig:
     tokenizer: str | None = None
     skip_tokenizer_init: bool = False
     dtype: str | torch.dtype = "auto"
-    load_format: str = "auto"  # "auto" | "safetensors" | "gguf" | "dummy"
+    load_format: str = "auto"  # "auto" | "safetensors" | "gguf" | "dummy" | "onnx" (`perfxlm export onnx`)
     seed: int | None = 0
     max_model_len: int | None = None
     max_num_seqs: int = 256
@@ -197,9 +197,11 @@ class EngineConfig:
 
         self.model = resolve_model(self.model, self.revision, self.download_dir)
         if self.load_format == "auto":
-            self.load_format = "gguf" if self.model.endswith(".gguf") else "safetensors"
-        if self.load_format not in ("safetensors", "gguf", "dummy"):
-            raise ValueError(f"load_format must be auto, safetensors, gguf or dummy, got {self.load_format!r}.")
+            self.load_format = _detect_load_format(self.model)
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be auto, {', '.join(LOAD_FORMATS)}, got {self.load_format!r}.")
+        if self.load_format == "onnx":
+            _check_onnx(self)
         from perfxlm.quant.config import resolve_activations
         from perfxlm.quant.loading import check_compatible
 
@@ -251,6 +253,32 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
         self.eos_token_ids = _eos_token_ids(self.model, self.hf_config)
         return self
+
+
+LOAD_FORMATS = ("safetensors", "gguf", "dummy", "onnx")
+
+
+def _detect_load_format(model: str) -> str:
+    from perfxlm.export.manifest import is_export
+
+    if model.endswith(".gguf"):
+        return "gguf"
+    return "onnx" if is_export(model) else "safetensors"
+
+
+def _check_onnx(c: "EngineConfig") -> None:
+    """An exported graph is run as it was written: its weights, its float32 K/V, one process."""
+    from perfxlm.export.manifest import read_manifest
+
+    read_manifest(c.model)  # ValueError: not an export, or a version this engine does not know
+    fixed = {"quantization": c.quantization not in (None, "none"),
+             "kv_cache_dtype": c.kv_cache_dtype != "auto",
+             "tensor_parallel_size": c.tensor_parallel_size != 1,
+             "distributed_executor_backend": c.distributed_executor_backend == "external_launcher"}
+    for name, bad in fixed.items():
+        if bad:
+            raise ValueError(f"{name}={getattr(c, name)!r} does not apply to an exported ONNX graph "
+                             f"({c.model!r}): its weights and KV layout are fixed at export; supported: the defaults.")
 
 
 def _check_parallel(c: "EngineConfig") -> None:

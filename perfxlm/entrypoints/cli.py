@@ -18,8 +18,10 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="weights and activations dtype; auto = bfloat16 where the CPU has native bf16")
     parser.add_argument("--device", default="auto", help="auto | cpu (vLLM's flag; the engine runs on CPU)")
-    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
-                        help="dummy = random weights of the right shapes (benchmarks)")
+    parser.add_argument("--load-format", default="auto",
+                        choices=["auto", "safetensors", "gguf", "dummy", "onnx"],
+                        help="dummy = random weights of the right shapes (benchmarks); onnx = a folder "
+                             "`perfxlm export onnx` wrote, run by ONNX Runtime (auto detects it)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output)")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one batch")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="most tokens in one step")

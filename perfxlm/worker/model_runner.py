@@ -89,8 +89,7 @@ class ModelRunner:
                 rows.append(SampleRow(child_id, child_params, s.prompt_token_ids, []))
                 hidden_rows.append(last)
         masks = self._start_grammar_masks(rows)
-        with set_forward_context(meta):
-            hidden = self.model(input_ids, positions)
+        hidden = self._forward(order, input_ids, positions, meta)
         out = ModelRunnerOutput(sampled_token_ids={})
         self._prompt_logprobs(order, token_starts, hidden, out)
         if not rows:
@@ -130,6 +129,12 @@ class ModelRunner:
             return out
         self._record_samples(rows, result, out)
         return out
+
+    def _forward(self, order: list[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden rows of this step's tokens, in `order` (the ONNX runner overrides this one seam)."""
+        with set_forward_context(meta):
+            return self.model(input_ids, positions)
 
     def _start_grammar_masks(self, rows: list[SampleRow]):
         """A future of the structured-output rows' bitmask, filled on a worker thread while the forward
