@@ -19,6 +19,7 @@ from perfxlm.engine.request import Request, RequestStatus
 from perfxlm.engine.scheduler import Scheduler
 from perfxlm.executor import make_executor
 from perfxlm.ops import cpu_plan
+from perfxlm.spec_decode.factory import make_proposer
 
 logger = logging.getLogger("perfxlm")
 
@@ -52,6 +53,10 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len
         )
+        spec = config.speculative_config
+        # Speculative decoding: after each step, the proposer guesses the next tokens of the requests about
+        # to decode; the scheduler sends them with the next step, where the runner verifies them.
+        self.proposer = make_proposer(spec, config) if spec is not None else None
         if _freeze_gc_at_start:
             # The model and tokenizer are long-lived: take them out of the collector's view, so the GC
             # passes that per-step allocations trigger stay short (a few % of a decode step). Unfreeze
@@ -104,7 +109,19 @@ class EngineCore:
         if so.is_empty:
             return []
         mro = (self.runner or self.executor).execute(so)
-        return self.scheduler.update_from_output(so, mro)
+        outputs = self.scheduler.update_from_output(so, mro)
+        if self.proposer is not None:
+            self._propose()
+        return outputs
+
+    def _propose(self) -> None:
+        spec, sched = self.config.speculative_config, self.scheduler
+        self.proposer.drop(sched.finished_request_ids)  # finished since the last schedule
+        if spec.disable_by_batch_size is not None and sched.num_running > spec.disable_by_batch_size:
+            return  # a batch this large gains nothing from verifying guesses: plain decodes
+        batch = sched.draft_requests(spec.num_speculative_tokens)
+        if batch:
+            sched.set_draft_tokens(batch, self.proposer.propose(batch))
 
     def check_health(self) -> None:
         """Raise if the model's worker processes (tensor parallelism) died or failed."""

@@ -29,6 +29,9 @@ class ScheduledRequest:
     # n > 1 / best_of: at the first sample, these children are sampled from the same logits and then
     # forked off this request, sharing its prompt blocks (the prompt is prefilled once).
     fork_children: list[tuple[str, SamplingParams]] = field(default_factory=list)
+    # Speculative decoding: guesses of the tokens after token_ids[0], which follow it in token_ids. Each
+    # is one more decode row; the runner verifies them and returns the accepted prefix plus one token.
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -61,6 +64,10 @@ class ModelRunnerOutput:
     # request_id -> why: requests whose own state failed this step (their seed, filters, logprobs); the
     # scheduler ends them as aborted while the rest of the batch goes on.
     failed: dict[str, str] = field(default_factory=dict)
+    # Requests scheduled with draft tokens: request_id -> the tokens they gain (the drafts the target
+    # accepted, then one token it sampled), and those tokens' logprob entries when asked.
+    verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    verified_logprobs: dict[str, list[LogprobEntry]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -9,6 +9,7 @@ logprob, when all have finished).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -48,6 +49,22 @@ class SequenceState:
 
     def add(self, out: EngineCoreOutput) -> str | None:
         """Take one engine output; return a stop string if one matched (the sequence must end)."""
+        if len(out.new_token_ids) > 1 and self.params.stop and self.detokenizer is not None:
+            # Several tokens at once (speculative decoding): one at a time, so a stop string ends the
+            # output at the token that completed it, as it would have without speculation.
+            last = len(out.new_token_ids) - 1
+            for i, token in enumerate(out.new_token_ids):
+                lp = out.new_logprobs[i : i + 1] if out.new_logprobs else None
+                one = dataclasses.replace(out, new_token_ids=[token], new_logprobs=lp,
+                                          finish_reason=out.finish_reason if i == last else None,
+                                          stop_reason=out.stop_reason if i == last else None)  # fmt: skip
+                stop = self._add(one)
+                if stop is not None:
+                    return stop
+            return None
+        return self._add(out)
+
+    def _add(self, out: EngineCoreOutput) -> str | None:
         self.updated |= bool(out.new_token_ids) or out.finish_reason is not None
         self.token_ids.extend(out.new_token_ids)
         if out.finish_reason is not None:

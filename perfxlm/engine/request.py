@@ -59,6 +59,11 @@ class Request:
         self.fork_children: list[tuple[str, SamplingParams]] = []
         # vLLM's cache_salt: prefix-cache blocks are shared only between requests with the same salt
         self.cache_salt: str | None = None
+        # Speculative decoding: the proposer's guesses of the next tokens, consumed by the next schedule,
+        # and this request's verified draft tokens so far (RequestOutput.metrics)
+        self.draft_token_ids: list[int] = []
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,0 +1,18 @@
+"""The proposer a SpeculativeConfig names."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from perfxlm.spec_decode.proposer import Proposer
+
+
+def make_proposer(spec: Any, target_config: Any) -> Proposer:
+    """`spec`: a SpeculativeConfig; `target_config`: the engine's EngineConfig (dtype, block size, seed)."""
+    if spec.method == "ngram":
+        from perfxlm.spec_decode.ngram import NgramProposer
+
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    from perfxlm.spec_decode.draft_model import DraftModelProposer
+
+    return DraftModelProposer(spec, target_config)

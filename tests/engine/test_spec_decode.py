@@ -1,0 +1,154 @@
+"""Speculative decoding end to end: greedy outputs token-identical to decoding without it (prefix caching,
+chunked prefill, preemption, n > 1, stop ids and strings, logprobs), seeded sampling reproducible, no KV
+block leaked, and the counters."""
+
+import pytest
+
+from perfxlm import LLM, SamplingParams
+from perfxlm.spec_decode.proposer import DraftRequest, Proposer
+from tests.conftest import assert_pool_whole
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# prompts that repeat themselves, so prompt lookup finds something to propose; odd lengths
+PROMPTS = [
+    {"prompt_token_ids": [11, 12, 13, 14, 15] * 5 + [11, 12]},
+    {"prompt_token_ids": [7, 300, 8, 301, 9] * 3 + [7, 300, 8]},
+    {"prompt_token_ids": [11, 12, 13, 14, 15] * 5 + [99, 98, 97]},  # shares a prefix with the first
+    {"prompt_token_ids": list(range(40, 73)) + list(range(40, 50))},
+    {"prompt_token_ids": [5, 6, 7]},
+]
+PARAMS = [
+    SamplingParams(temperature=0, max_tokens=23, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=17, ignore_eos=True, logprobs=2),
+    SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=31, ignore_eos=True, stop_token_ids=[45]),
+    SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama):
+    return LLM(tiny_llama, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=96, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def reference(plain):
+    return [o.outputs[0] for o in plain.generate(PROMPTS, PARAMS, use_tqdm=False)]
+
+
+def _spec_llm(tiny_llama, **kwargs):
+    kwargs.setdefault("num_kv_blocks", 96)
+    return LLM(tiny_llama, skip_tokenizer_init=True, dtype="float32", block_size=4, speculative_config=NGRAM,
+               **kwargs)
+
+
+def _same(outs, reference):
+    for o, r in zip(outs, reference):
+        c = o.outputs[0]
+        assert c.token_ids == r.token_ids, (o.prompt_token_ids, c.token_ids, r.token_ids)
+        assert c.finish_reason == r.finish_reason and c.stop_reason == r.stop_reason
+        if r.logprobs is not None:
+            assert len(c.logprobs) == len(r.logprobs)
+            for a, b in zip(c.logprobs, r.logprobs):
+                assert a.keys() == b.keys()
+                assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 and a[t].rank == b[t].rank for t in a)
+
+
+def test_ngram_greedy_is_token_identical(tiny_llama, reference):
+    llm = _spec_llm(tiny_llama)
+    _same(llm.generate(PROMPTS, PARAMS, use_tqdm=False), reference)
+    stats = llm.llm_engine.scheduler.spec_stats
+    assert stats.num_drafts > 0 and stats.num_draft_tokens >= stats.num_drafts
+    assert_pool_whole(llm)
+    # again, now from the prefix cache, one prompt at a time and chunked by a small budget
+    for prompt, params, ref in zip(PROMPTS, PARAMS, reference):
+        _same(llm.generate(prompt, params, use_tqdm=False), [ref])
+    assert_pool_whole(llm)
+
+
+def test_chunked_prefill_and_preemption(tiny_llama, reference):
+    llm = _spec_llm(tiny_llama, num_kv_blocks=24, max_num_batched_tokens=11, enable_prefix_caching=False)
+    _same(llm.generate(PROMPTS, PARAMS, use_tqdm=False), reference)
+    assert llm.llm_engine.scheduler.num_preemptions_total > 0
+    assert llm.llm_engine.scheduler.spec_stats.num_drafts > 0
+    assert_pool_whole(llm)
+
+
+class _Oracle(Proposer):
+    """Proposes the true greedy continuation, wrong at every `wrong`-th position: drafts are accepted
+    in long runs and rejected mid-way."""
+
+    name = "oracle"
+
+    def __init__(self, continuations: dict[tuple, list[int]], wrong: int) -> None:
+        self.continuations, self.wrong, self.calls = continuations, wrong, 0
+
+    def propose(self, batch: list[DraftRequest]) -> list[list[int]]:
+        out = []
+        for r in batch:
+            for prompt, cont in self.continuations.items():
+                n = len(prompt)
+                if tuple(r.token_ids[:n]) == prompt:
+                    done = len(r.token_ids) - n
+                    d = list(cont[done : done + r.max_drafts])
+                    self.calls += 1
+                    if self.calls % self.wrong == 0 and d:
+                        d[-1] = (d[-1] + 1) % 1000
+                    out.append(d)
+                    break
+            else:
+                out.append([])
+        return out
+
+
+@pytest.mark.parametrize("wrong", [3, 1000])
+def test_accepted_runs_and_rejections_give_the_same_tokens(tiny_llama, reference, wrong):
+    llm = _spec_llm(tiny_llama, num_kv_blocks=40)
+    oracle = _Oracle({tuple(p["prompt_token_ids"]): r.token_ids for p, r in zip(PROMPTS, reference)}, wrong)
+    llm.llm_engine.core.proposer = oracle
+    _same(llm.generate(PROMPTS, PARAMS, use_tqdm=False), reference)
+    stats = llm.llm_engine.scheduler.spec_stats
+    assert oracle.calls > 0 and stats.num_accepted_tokens > 0
+    if wrong == 1000:
+        assert stats.acceptance_rate > 0.95 and stats.mean_acceptance_length > 3
+    assert_pool_whole(llm)
+
+
+def test_seeded_sampling_reproducible_and_n_siblings(tiny_llama):
+    llm = _spec_llm(tiny_llama)
+    params = SamplingParams(temperature=0.7, top_p=0.9, seed=5, max_tokens=19, ignore_eos=True, n=2, logprobs=1)
+    a = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    b = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    for x, y in zip(a, b):
+        assert len(x.outputs) == 2
+        assert [c.token_ids for c in x.outputs] == [c.token_ids for c in y.outputs]
+        assert all(len(c.token_ids) == 19 and len(c.logprobs) == 19 for c in x.outputs)
+    assert_pool_whole(llm)
+
+
+def test_greedy_n_siblings_identical(tiny_llama, reference):
+    llm = _spec_llm(tiny_llama)
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=23, ignore_eos=True, n=3),
+                       use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == [reference[0].token_ids] * 3
+    assert_pool_whole(llm)
+
+
+def test_stop_strings_on_the_default_model(default_model, smollm_fp32):
+    source = "def add(a, b):\n    # the sum of a and b\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
+    text = f"Repeat the following code exactly:\n{source}\nRepeated code:\n"
+    free = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ref_free = smollm_fp32.generate(text, free, use_tqdm=False)[0].outputs[0]
+    stop = ref_free.text[len(ref_free.text) // 2 :][:5]  # ends the output half way
+    params = [SamplingParams(temperature=0, max_tokens=30, stop=[stop]), free]
+    ref = smollm_fp32.generate([text, text], params, use_tqdm=False)
+    llm = LLM(default_model, dtype="float32", kv_cache_gib=0.25, speculative_config=NGRAM)
+    out = llm.generate([text, text], params, use_tqdm=False)
+    for o, r in zip(out, ref):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+        assert o.outputs[0].text == r.outputs[0].text
+        assert (o.outputs[0].finish_reason, o.outputs[0].stop_reason) == (r.outputs[0].finish_reason,
+                                                                          r.outputs[0].stop_reason)
+    assert out[0].outputs[0].stop_reason == stop and len(out[0].outputs[0].token_ids) < 30
+    assert llm.llm_engine.scheduler.spec_stats.mean_acceptance_length > 2
+    assert_pool_whole(llm)
