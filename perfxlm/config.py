@@ -238,9 +238,10 @@ class EngineConfig:
         path = resolve_model(spec.model, None, self.download_dir)
         if path != spec.model:
             self.speculative_config = spec = dataclasses.replace(spec, model=path)
-        if not (path.endswith(".gguf") and os.path.isfile(path)) and not os.path.isdir(path):
+        if not (path.endswith(".gguf") and os.path.isfile(path)) and not os.path.isfile(
+                os.path.join(path, "config.json")):
             raise ValueError(f"speculative_config: the draft model {spec.model!r} is neither a .gguf file nor a "
-                             "checkpoint folder.")
+                             "checkpoint folder (with a config.json).")
         check_draft_against_target(load_hf_config(path), self.hf_config, path)
 
 

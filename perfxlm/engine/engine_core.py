@@ -56,7 +56,7 @@ class EngineCore:
         spec = config.speculative_config
         # Speculative decoding: after each step, the proposer guesses the next tokens of the requests about
         # to decode; the scheduler sends them with the next step, where the runner verifies them.
-        self.proposer = make_proposer(spec, config) if spec is not None else None
+        self.proposer = make_proposer(spec, config, self.num_kv_blocks) if spec is not None else None
         if _freeze_gc_at_start:
             # The model and tokenizer are long-lived: take them out of the collector's view, so the GC
             # passes that per-step allocations trigger stay short (a few % of a decode step). Unfreeze

@@ -152,3 +152,44 @@ def test_stop_strings_on_the_default_model(default_model, smollm_fp32):
     assert out[0].outputs[0].stop_reason == stop and len(out[0].outputs[0].token_ids) < 30
     assert llm.llm_engine.scheduler.spec_stats.mean_acceptance_length > 2
     assert_pool_whole(llm)
+
+
+@pytest.fixture(scope="module")
+def small_draft(tmp_path_factory):
+    from tests.conftest import make_llama_checkpoint
+
+    return make_llama_checkpoint(str(tmp_path_factory.mktemp("draft")), seed=1, hidden_size=48,
+                                 intermediate_size=80, num_hidden_layers=2, num_attention_heads=3,
+                                 num_key_value_heads=1)
+
+
+@pytest.mark.parametrize("which", ["small", "itself"])
+def test_draft_model_greedy_is_token_identical(tiny_llama, small_draft, reference, which):
+    draft = small_draft if which == "small" else tiny_llama
+    llm = LLM(tiny_llama, skip_tokenizer_init=True, dtype="float32", block_size=4, num_kv_blocks=40,
+              max_num_batched_tokens=13, speculative_config={"model": draft, "num_speculative_tokens": 4})
+    _same(llm.generate(PROMPTS, PARAMS, use_tqdm=False), reference)
+    stats = llm.llm_engine.scheduler.spec_stats
+    assert stats.num_drafts > 0
+    if which == "itself":  # the target as its own draft guesses right (float32, the same kernels)
+        assert stats.acceptance_rate > 0.9, stats.as_dict()
+    assert_pool_whole(llm)
+    proposer = llm.llm_engine.core.proposer
+    proposer.drop(list(proposer.seqs))
+    assert proposer.kv.check_invariants()["used"] == 0
+
+
+def test_bad_draft_model_refused_before_loading(tiny_llama, tmp_path):
+    from tests.conftest import make_llama_checkpoint
+
+    other = make_llama_checkpoint(str(tmp_path / "other_vocab"), vocab_size=1003, hidden_size=32,
+                                  intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                  num_key_value_heads=1)
+    with pytest.raises(ValueError, match="vocabulary of 1003 tokens, the target 1000"):
+        LLM(tiny_llama, skip_tokenizer_init=True, speculative_config={"model": other, "num_speculative_tokens": 2})
+    big = make_llama_checkpoint(str(tmp_path / "big"), hidden_size=192, intermediate_size=384)
+    with pytest.raises(ValueError, match="larger than the target"):
+        LLM(tiny_llama, skip_tokenizer_init=True, speculative_config={"model": big, "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="neither a .gguf file nor a checkpoint folder"):
+        LLM(tiny_llama, skip_tokenizer_init=True,
+            speculative_config={"model": str(tmp_path), "num_speculative_tokens": 2})
