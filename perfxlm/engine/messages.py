@@ -81,3 +81,6 @@ class EngineCoreOutput:
     new_logprobs: list[LogprobEntry] | None = None
     new_prompt_logprobs: tuple[int, list[LogprobEntry]] | None = None
     error: str | None = None  # set when the request failed on its own (finish_reason "abort")
+    # speculative decoding: this sequence's draft tokens verified and accepted so far (totals)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0

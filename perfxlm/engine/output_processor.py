@@ -183,10 +183,17 @@ class RequestState:
         )
         self.num_cached_tokens = 0
         self.metrics = RequestMetrics(arrival_time=arrival_time, last_token_time=arrival_time)
+        self.spec_counts: dict[int, tuple[int, int]] = {}  # sequence index -> (draft, accepted tokens)
 
     @property
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.seqs)
+
+    def add_spec_counts(self, index: int, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """A sequence's speculative-decoding totals so far; the metrics hold the sums over sequences."""
+        self.spec_counts[index] = (num_draft_tokens, num_accepted_tokens)
+        self.metrics.spec_num_draft_tokens = sum(d for d, _ in self.spec_counts.values())
+        self.metrics.spec_num_accepted_tokens = sum(a for _, a in self.spec_counts.values())
 
     def add_prompt_logprobs(self, first: int, entries: list[LogprobEntry]) -> None:
         if self.prompt_logprobs is None:
@@ -263,6 +270,8 @@ class OutputProcessor:
                     m.first_token_time = now
                 m.last_token_time = now
             state.num_cached_tokens = out.num_cached_tokens
+            if out.num_draft_tokens:
+                state.add_spec_counts(index, out.num_draft_tokens, out.num_accepted_tokens)
             if out.new_prompt_logprobs is not None:
                 state.add_prompt_logprobs(*out.new_prompt_logprobs)
             stop = state.seqs[index].add(out)

@@ -278,6 +278,8 @@ class Scheduler:
             first_scheduled_time=request.first_scheduled_time,
             new_logprobs=self._logprobs(request.request_id, tokens, mro),
             new_prompt_logprobs=prompt_lps,
+            num_draft_tokens=request.num_draft_tokens,
+            num_accepted_tokens=request.num_accepted_tokens,
         )
 
     @staticmethod

@@ -62,6 +62,10 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
     parser.add_argument("--download-dir", default=None,
                         help="Hugging Face cache to read model ids from and download into "
                              "(default: HF_HUB_CACHE, else HF_HOME/hub)")
+    parser.add_argument("--speculative-config", default=None,
+                        help="speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 5, "
+                             "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} (prompt lookup) or {\"model\": "
+                             "DRAFT, \"num_speculative_tokens\": 4} (a draft model of the same vocabulary)")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                         help="KV cache size in bytes (vLLM's name; VLLM_CPU_KVCACHE_SPACE=GiB works too)")
     parser.add_argument("--generation-config", default="auto",
@@ -138,6 +142,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         download_dir=getattr(args, "download_dir", None),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         data_parallel_size=getattr(args, "data_parallel_size", 1),
+        speculative_config=getattr(args, "speculative_config", None),
     )
 
 

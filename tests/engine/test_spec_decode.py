@@ -193,3 +193,44 @@ def test_bad_draft_model_refused_before_loading(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="neither a .gguf file nor a checkpoint folder"):
         LLM(tiny_llama, skip_tokenizer_init=True,
             speculative_config={"model": str(tmp_path), "num_speculative_tokens": 2})
+
+
+def test_counters_reach_metrics_and_request_outputs(tiny_llama, reference):
+    """vLLM's spec-decode counters on the server's /metrics, and each request's own in its metrics."""
+    import asyncio
+
+    import httpx
+
+    from perfxlm import AsyncLLM, EngineConfig
+    from perfxlm.entrypoints.openai.api_server import build_app
+
+    engine = AsyncLLM(EngineConfig(model=tiny_llama, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64,
+                                   block_size=4, speculative_config=NGRAM))
+    try:
+        app = build_app(engine, "tiny")
+
+        async def go():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+                body = {"prompt": PROMPTS[0]["prompt_token_ids"], "max_tokens": 23, "temperature": 0,
+                        "ignore_eos": True}
+                done = await client.post("/v1/completions", json=body)
+                return done, await client.get("/metrics")
+
+        done, metrics = asyncio.run(go())
+        assert done.status_code == 200
+        lines = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in metrics.text.splitlines()
+                 if ln.startswith("perfxlm:spec_decode")}
+        stats = engine.engine.core.scheduler.spec_stats
+        assert lines["perfxlm:spec_decode_num_drafts_total"] == stats.num_drafts > 0
+        assert lines["perfxlm:spec_decode_num_draft_tokens_total"] == stats.num_draft_tokens
+        assert lines["perfxlm:spec_decode_num_accepted_tokens_total"] == stats.num_accepted_tokens
+        assert lines['perfxlm:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] == \
+            stats.accepted_per_position[0]
+    finally:
+        engine.shutdown()
+    llm = _spec_llm(tiny_llama)
+    out = llm.generate(PROMPTS[0], PARAMS[0], use_tqdm=False)[0]
+    m, stats = out.metrics, llm.llm_engine.scheduler.spec_stats
+    assert m.spec_num_draft_tokens == stats.num_draft_tokens > 0
+    assert m.spec_num_accepted_tokens == stats.num_accepted_tokens
+    assert m.spec_acceptance_rate == stats.acceptance_rate
