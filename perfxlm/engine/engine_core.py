@@ -57,6 +57,7 @@ class EngineCore:
         # Speculative decoding: after each step, the proposer guesses the next tokens of the requests about
         # to decode; the scheduler sends them with the next step, where the runner verifies them.
         self.proposer = make_proposer(spec, config, self.num_kv_blocks) if spec is not None else None
+        self.verify_row_budget = _verify_row_budget(config)
         if _freeze_gc_at_start:
             # The model and tokenizer are long-lived: take them out of the collector's view, so the GC
             # passes that per-step allocations trigger stay short (a few % of a decode step). Unfreeze
@@ -117,9 +118,17 @@ class EngineCore:
     def _propose(self) -> None:
         spec, sched = self.config.speculative_config, self.scheduler
         self.proposer.drop(sched.finished_request_ids)  # finished since the last schedule
-        if spec.disable_by_batch_size is not None and sched.num_running > spec.disable_by_batch_size:
-            return  # a batch this large gains nothing from verifying guesses: plain decodes
-        batch = sched.draft_requests(spec.num_speculative_tokens)
+        k = spec.num_speculative_tokens
+        if spec.disable_by_batch_size is not None:  # vLLM's rule, when asked for
+            if sched.num_running > spec.disable_by_batch_size:
+                return
+        else:
+            # Verification is nearly free while the step's decode rows stay on the weight-streaming kernels
+            # (the CPU plan's measured crossover): fewer guesses per request as the batch grows, none past it.
+            k = min(k, self.verify_row_budget // max(sched.num_running, 1) - 1)
+            if k < 1:
+                return
+        batch = sched.draft_requests(k)
         if batch:
             sched.set_draft_tokens(batch, self.proposer.propose(batch))
 
@@ -132,3 +141,11 @@ class EngineCore:
 
     def check_invariants(self) -> dict[str, int]:
         return self.kv_cache_manager.check_invariants()
+
+
+def _verify_row_budget(config: EngineConfig) -> int:
+    """Decode rows per step up to which the linear layers run the weight-streaming GEMV kernels on this CPU
+    (quantized weights: `quant_max_rows`; float weights: `native_max_rows`), where scoring draft tokens
+    costs little more than the one row each request decodes anyway."""
+    plan = cpu_plan.plan()
+    return max(2, plan.quant_max_rows if config._quantized_source() is not None else plan.native_max_rows)

@@ -234,3 +234,22 @@ def test_counters_reach_metrics_and_request_outputs(tiny_llama, reference):
     assert m.spec_num_draft_tokens == stats.num_draft_tokens > 0
     assert m.spec_num_accepted_tokens == stats.num_accepted_tokens
     assert m.spec_acceptance_rate == stats.acceptance_rate
+
+
+def test_guesses_shrink_and_stop_as_the_batch_grows(tiny_llama):
+    llm = _spec_llm(tiny_llama)
+    core = llm.llm_engine.core
+    core.verify_row_budget = 8  # as a CPU whose GEMV crossover is 8 rows
+    seen = []
+    set_drafts = core.scheduler.set_draft_tokens
+
+    def spy(batch, drafts):
+        seen.append((core.scheduler.num_running, max((r.max_drafts for r in batch), default=0)))
+        set_drafts(batch, drafts)
+
+    core.scheduler.set_draft_tokens = spy
+    llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert seen and all(n * (k + 1) <= 8 for n, k in seen)  # never past the row budget
+    assert not any(n >= 5 for n, _ in seen)  # 5 requests x (1 + 1) > 8: no room for a guess
+    assert any(k == 3 for _, k in seen)  # alone, the configured 3
+    assert_pool_whole(llm)

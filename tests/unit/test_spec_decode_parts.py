@@ -161,3 +161,19 @@ def test_stats_count_like_vllm():
     s.observe(3, 3)
     assert s.accepted_per_position == [2, 2, 1, 0]
     assert s.acceptance_rate == 5 / 7 and s.mean_acceptance_length == 1 + 5 / 2
+
+
+def test_draft_tokens_reach_tensor_parallel_workers():
+    """The worker's mirror knows a request's tokens, never its drafts: the step delta carries them."""
+    from perfxlm.engine.messages import ScheduledRequest, SchedulerOutput
+    from perfxlm.executor.delta import DeltaDecoder, DeltaEncoder
+
+    params = SamplingParams(max_tokens=8)
+    prompt, out = [3, 4, 5], [6]
+    enc, dec = DeltaEncoder(), DeltaDecoder()
+    first = ScheduledRequest("r", [3, 4, 5], 0, np.array([0]), True, params, prompt, [])
+    dec.decode(enc.encode(SchedulerOutput([first], 3)))
+    step = ScheduledRequest("r", [6, 9, 8], 3, np.array([0, 1]), True, params, prompt, out, draft_token_ids=[9, 8])
+    got = dec.decode(enc.encode(SchedulerOutput([step], 3))).scheduled[0]
+    assert (got.token_ids, got.draft_token_ids, got.num_computed_tokens, list(got.block_ids)) == (
+        [6, 9, 8], [9, 8], 3, [0, 1])
