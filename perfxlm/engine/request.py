@@ -64,6 +64,10 @@ class Request:
         self.draft_token_ids: list[int] = []
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        # after verifications that accept nothing, this request sits out spec_skip proposals (doubling up
+        # to a limit, reset by any acceptance): guesses that keep missing stop costing rows
+        self.spec_backoff = 0
+        self.spec_skip = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -32,6 +32,10 @@ from perfxlm.spec_decode.proposer import DraftRequest
 from perfxlm.spec_decode.stats import SpecDecodeStats
 
 
+# Most proposals a request sits out after its guesses keep missing (each miss doubles its pause).
+_MAX_SPEC_BACKOFF = 16
+
+
 class Scheduler:
     def __init__(
         self,
@@ -228,15 +232,24 @@ class Scheduler:
         request.num_draft_tokens += num_drafts
         request.num_accepted_tokens += num_accepted
         self.spec_stats.observe(num_drafts, num_accepted)
+        if num_accepted:
+            request.spec_backoff = 0
+        else:
+            request.spec_backoff = min(max(1, 2 * request.spec_backoff), _MAX_SPEC_BACKOFF)
+            request.spec_skip = request.spec_backoff
 
     # ---- speculative decoding ------------------------------------------------------------
     def draft_requests(self, max_drafts: int) -> list[DraftRequest]:
         """Running requests that decode next step and may carry draft tokens: caught up with their tokens,
         below max_tokens and max_model_len by at least two tokens, not guided by a grammar (its mask
-        would have to follow every draft)."""
+        would have to follow every draft), not sitting out after guesses that missed."""
         batch = []
         for r in self.running:
             if r.num_tokens - r.num_computed_tokens != 1 or r.sampling_params._grammar is not None:
+                continue
+            if r.spec_skip:
+                r.spec_skip -= 1
+                r.draft_token_ids = []
                 continue
             room = min(max_drafts, r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens - 1)
             if room >= 1:

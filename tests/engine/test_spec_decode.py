@@ -137,10 +137,10 @@ def test_greedy_n_siblings_identical(tiny_llama, reference):
 def test_stop_strings_on_the_default_model(default_model, smollm_fp32):
     source = "def add(a, b):\n    # the sum of a and b\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
     text = f"Repeat the following code exactly:\n{source}\nRepeated code:\n"
-    free = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    free = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     ref_free = smollm_fp32.generate(text, free, use_tqdm=False)[0].outputs[0]
     stop = ref_free.text[len(ref_free.text) // 2 :][:5]  # ends the output half way
-    params = [SamplingParams(temperature=0, max_tokens=30, stop=[stop]), free]
+    params = [SamplingParams(temperature=0, max_tokens=20, stop=[stop]), free]
     ref = smollm_fp32.generate([text, text], params, use_tqdm=False)
     llm = LLM(default_model, dtype="float32", kv_cache_gib=0.25, speculative_config=NGRAM)
     out = llm.generate([text, text], params, use_tqdm=False)
@@ -149,7 +149,7 @@ def test_stop_strings_on_the_default_model(default_model, smollm_fp32):
         assert o.outputs[0].text == r.outputs[0].text
         assert (o.outputs[0].finish_reason, o.outputs[0].stop_reason) == (r.outputs[0].finish_reason,
                                                                           r.outputs[0].stop_reason)
-    assert out[0].outputs[0].stop_reason == stop and len(out[0].outputs[0].token_ids) < 30
+    assert out[0].outputs[0].stop_reason == stop and len(out[0].outputs[0].token_ids) < 20
     assert llm.llm_engine.scheduler.spec_stats.mean_acceptance_length > 2
     assert_pool_whole(llm)
 
@@ -252,4 +252,22 @@ def test_guesses_shrink_and_stop_as_the_batch_grows(tiny_llama):
     assert seen and all(n * (k + 1) <= 8 for n, k in seen)  # never past the row budget
     assert not any(n >= 5 for n, _ in seen)  # 5 requests x (1 + 1) > 8: no room for a guess
     assert any(k == 3 for _, k in seen)  # alone, the configured 3
+    assert_pool_whole(llm)
+
+
+def test_guesses_that_keep_missing_back_off(tiny_llama, reference):
+    class Wrong(Proposer):
+        name = "wrong"
+        calls = 0
+
+        def propose(self, batch):
+            self.calls += len(batch)
+            return [[999] * r.max_drafts for r in batch]  # never the model's token here
+
+    llm = _spec_llm(tiny_llama)
+    llm.llm_engine.core.proposer = wrong = Wrong()
+    _same(llm.generate(PROMPTS[:1], PARAMS[:1], use_tqdm=False), reference[:1])
+    stats = llm.llm_engine.scheduler.spec_stats
+    assert stats.num_accepted_tokens == 0 and 0 < stats.num_drafts == wrong.calls
+    assert wrong.calls <= 6  # 22 decode steps, pauses of 1, 2, 4, 8, 16 proposals after each miss
     assert_pool_whole(llm)
