@@ -8,7 +8,8 @@ ratio, the acceptance rate and mean accepted length, and whether every output wa
 chat prompts come from a ShareGPT file (`--dataset`; without one only the code prompts run).
 
     python benchmarks/spec_decode.py --dataset sharegpt_samples_1024.json
-    python benchmarks/spec_decode.py --speculative-config '{"model": "draft.gguf", "num_speculative_tokens": 4}'
+    python benchmarks/spec_decode.py --model m.gguf --quantization none \
+        --speculative-config '{"model": "m.gguf", "num_speculative_tokens": 4}'   # its own quantized file
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="target model (default: the embedded SmolLM2 GGUF)")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default=None,
+                    help="the target's weights, e.g. none: a GGUF file dequantized, so that its own quantized "
+                         "file can be the draft (--speculative-config '{\"model\": FILE, ...}')")
     ap.add_argument("--speculative-config", default=DEFAULT_SPEC)
     ap.add_argument("--dataset", default=None, help="a ShareGPT JSON file for the passage and chat prompts")
     ap.add_argument("--prompts-per-kind", type=int, default=3)
@@ -68,7 +72,7 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    common = dict(dtype=args.dtype, kv_cache_gib=0.5, enable_prefix_caching=False)
+    common = dict(dtype=args.dtype, quantization=args.quantization, kv_cache_gib=0.5, enable_prefix_caching=False)
     plain = LLM(args.model, **common)
     spec = LLM(args.model, speculative_config=args.speculative_config, **common)
     tokenizer = plain.get_tokenizer()

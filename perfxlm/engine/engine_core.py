@@ -112,12 +112,13 @@ class EngineCore:
         mro = (self.runner or self.executor).execute(so)
         outputs = self.scheduler.update_from_output(so, mro)
         if self.proposer is not None:
-            self._propose()
+            self._propose(so.finished_request_ids)
         return outputs
 
-    def _propose(self) -> None:
+    def _propose(self, finished_before: set[str]) -> None:
         spec, sched = self.config.speculative_config, self.scheduler
-        self.proposer.drop(sched.finished_request_ids)  # finished since the last schedule
+        # requests that ended before this step's schedule (aborts, stop strings) and during it
+        self.proposer.drop(finished_before | sched.finished_request_ids)
         k = spec.num_speculative_tokens
         if spec.disable_by_batch_size is not None:  # vLLM's rule, when asked for
             if sched.num_running > spec.disable_by_batch_size:

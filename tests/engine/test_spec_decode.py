@@ -271,3 +271,21 @@ def test_guesses_that_keep_missing_back_off(tiny_llama, reference):
     assert stats.num_accepted_tokens == 0 and 0 < stats.num_drafts == wrong.calls
     assert wrong.calls <= 6  # 22 decode steps, pauses of 1, 2, 4, 8, 16 proposals after each miss
     assert_pool_whole(llm)
+
+
+def test_proposer_forgets_finished_and_aborted_requests(tiny_llama):
+    llm = _spec_llm(tiny_llama)
+    engine = llm.llm_engine
+    engine.add_request("a", PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    engine.add_request("b", PROMPTS[1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    engine.abort_request(["a"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("c", PROMPTS[3], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.core.step()  # an empty step: nothing left to forget
+    assert set(engine.core.proposer._tokens) <= {"c"}
+    assert_pool_whole(llm)
