@@ -66,6 +66,10 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
     parser.add_argument("--download-dir", default=None,
                         help="Hugging Face cache to read model ids from and download into "
                              "(default: HF_HUB_CACHE, else HF_HOME/hub)")
+    parser.add_argument("--speculative-config", default=None,
+                        help="speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 5, "
+                             "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} (prompt lookup) or {\"model\": "
+                             "DRAFT, \"num_speculative_tokens\": 4} (a draft model of the same vocabulary)")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                         help="KV cache size in bytes (vLLM's name; VLLM_CPU_KVCACHE_SPACE=GiB works too)")
     parser.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
@@ -180,6 +184,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_loras=getattr(args, "max_loras", 1),
         max_lora_rank=getattr(args, "max_lora_rank", 16),
         max_cpu_loras=getattr(args, "max_cpu_loras", None),
+        speculative_config=getattr(args, "speculative_config", None),
     )
 
 
