@@ -173,7 +173,6 @@ class Scheduler:
             loras.add(key)
         return True
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
     def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
         """The request's draft tokens this step may verify: only on a decode, within the budget, and never
         more than could become output before max_tokens or max_model_len (each step also gains one token
