@@ -17,6 +17,7 @@ class EngineFrontEndParts:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config.resolve()
+        _check_generate_runner(config)
         self.tokenizer = None
         if not config.skip_tokenizer_init:
             from perfxlm.tokenizer import get_tokenizer
@@ -32,3 +33,16 @@ class EngineFrontEndParts:
             self.loras = LoRARegistry(self.core.lora_targets, config.lora_config)
         self.input_processor = InputProcessor(config, self.tokenizer, self.num_kv_blocks, self.loras)
         self.output_processor = OutputProcessor(self.tokenizer)
+
+
+def _check_generate_runner(config: EngineConfig) -> None:
+    """These front ends run the generate runner; a pooling model goes through LLM(runner="pooling") or the
+    pooling server (perfxlm/pooling/), refused here before anything loads."""
+    from perfxlm.model.registry import is_pooling_only
+
+    if is_pooling_only(config.hf_config):
+        raise ValueError(f"{config.hf_config.architectures[0]} is an encoder with no language-model head: it cannot "
+                         "generate. Use LLM(model, runner='pooling') (embed, classify, score) or `perfxlm serve`.")
+    if config.runner == "pooling" or config.convert in ("embed", "classify", "reward"):
+        raise ValueError("runner='pooling' is served by LLM(model, runner='pooling') and `perfxlm serve`; this "
+                         "engine runs the generate runner.")

@@ -18,8 +18,10 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="weights and activations dtype; auto = bfloat16 where the CPU has native bf16")
     parser.add_argument("--device", default="auto", help="auto | cpu (vLLM's flag; the engine runs on CPU)")
-    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
-                        help="dummy = random weights of the right shapes (benchmarks)")
+    parser.add_argument("--load-format", default="auto",
+                        choices=["auto", "safetensors", "gguf", "dummy", "onnx"],
+                        help="dummy = random weights of the right shapes (benchmarks); onnx = a folder "
+                             "`perfxlm export onnx` wrote, run by ONNX Runtime (auto detects it)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output)")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one batch")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="most tokens in one step")
@@ -34,7 +36,9 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
     parser.add_argument("--quantization", "-q", default=None,
                         help="weights stored quantized: int8 | int4 | nf4 | w8a8 quantize a float checkpoint at "
                              "load; gguf keeps a GGUF file's quantized tensors (the default for .gguf), none "
-                             "dequantizes them; or JSON {\"method\", \"group_size\", \"symmetric\"}")
+                             "dequantizes them; awq | gptq | compressed-tensors name a pre-quantized checkpoint's "
+                             "own format (kept packed, as by default); or JSON {\"method\", \"group_size\", "
+                             "\"symmetric\"}")
     parser.add_argument("--quantization-group-size", type=int, default=None,
                         help="weights per scale (-1: one per output channel; default: 64 for int8 (per channel "
                              "where 64 does not divide an input size) and nf4, per channel for w8a8, 32 for int4)")
@@ -62,6 +66,10 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
     parser.add_argument("--download-dir", default=None,
                         help="Hugging Face cache to read model ids from and download into "
                              "(default: HF_HUB_CACHE, else HF_HOME/hub)")
+    parser.add_argument("--speculative-config", default=None,
+                        help="speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 5, "
+                             "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} (prompt lookup) or {\"model\": "
+                             "DRAFT, \"num_speculative_tokens\": 4} (a draft model of the same vocabulary)")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                         help="KV cache size in bytes (vLLM's name; VLLM_CPU_KVCACHE_SPACE=GiB works too)")
     parser.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
@@ -176,6 +184,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_loras=getattr(args, "max_loras", 1),
         max_lora_rank=getattr(args, "max_lora_rank", 16),
         max_cpu_loras=getattr(args, "max_cpu_loras", None),
+        speculative_config=getattr(args, "speculative_config", None),
     )
 
 
@@ -360,6 +369,12 @@ def _run_throughput(args: argparse.Namespace) -> int:
     return cmd_throughput(args, engine_kwargs(args))
 
 
+def _run_embed(args: argparse.Namespace) -> int:
+    from perfxlm.bench.embed import cmd_embed
+
+    return cmd_embed(args, engine_kwargs(args))
+
+
 def _run_serve(args: argparse.Namespace) -> int:
     from perfxlm.bench.serve import cmd_serve
 
@@ -367,7 +382,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: latency, sweep, throughput, serve")
+    bench = sub.add_parser("bench", help="benchmarks: latency, sweep, throughput, embed, serve")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
 
     lat = bsub.add_parser("latency", help="one batch: prefill time, decode step time, tokens/s, memory")
@@ -403,6 +418,14 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     thr.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     _bench_common_args(thr)
     thr.set_defaults(func=_run_throughput, num_prompts=1000)
+
+    emb = bsub.add_parser("embed", help="embedding throughput on the pooling runner: texts/s and tokens/s")
+    add_engine_args(emb)
+    _dataset_args(emb, input_len=128)
+    emb.add_argument("--max-tokens", type=int, default=256, help="texts cut to this many tokens (and the window)")
+    emb.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    _bench_common_args(emb)
+    emb.set_defaults(func=_run_embed, num_prompts=1024)
 
     srv = bsub.add_parser("serve", help="benchmark an OpenAI-compatible server (streaming /v1/completions)")
     srv.add_argument("--base-url", default=None, help="server URL, e.g. http://127.0.0.1:8000 (default: --host/--port)")

@@ -29,10 +29,17 @@ _MODELS = {
     "XLMRobertaForSequenceClassification": (
         "perfxlm.model.models.xlm_roberta", "XLMRobertaForSequenceClassification",
     ),
+    "ModernBertModel": ("perfxlm.model.models.modernbert", "ModernBertModel"),
+    "LlamaForSequenceClassification": ("perfxlm.model.models.seq_classification", "LlamaForSequenceClassification"),
+    "Qwen2ForSequenceClassification": ("perfxlm.model.models.seq_classification", "Qwen2ForSequenceClassification"),
+    "Qwen3ForSequenceClassification": ("perfxlm.model.models.seq_classification", "Qwen3ForSequenceClassification"),
+    "ModernBertForSequenceClassification": ("perfxlm.model.models.modernbert", "ModernBertForSequenceClassification"),
 }
 # architectures that pool and cannot generate (no LM head): runner="auto" picks the pooling runner for them
 POOLING_ONLY = frozenset(
-    {"BertModel", "BertForSequenceClassification", "XLMRobertaModel", "XLMRobertaForSequenceClassification"}
+    {"BertModel", "BertForSequenceClassification", "XLMRobertaModel", "XLMRobertaForSequenceClassification",
+     "ModernBertModel", "ModernBertForSequenceClassification", "LlamaForSequenceClassification",
+     "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification"}
 )
 
 

@@ -7,5 +7,8 @@ with no KV cache, their hidden states pooled into embeddings, class probabilitie
 - `runner.py`: one batch of token sequences -> pooled states (the model's attention bound to the cacheless
   backend);
 - `engine.py`: tokenizing and checking requests, batching them by total tokens, the outputs;
-- `scoring.py`: score pairs (bi-encoder cosine, cross-encoder logits).
+- `scoring.py`: score pairs (bi-encoder cosine, cross-encoder logits);
+- `runner_kind.py`: which runner serves a model (vLLM's runner / convert / task);
+- `llm_api.py`: `LLM.embed / classify / score / encode / reward`;
+- `batcher.py`: the server's one thread that runs concurrent requests together.
 """

@@ -39,6 +39,7 @@ class PoolingEngine:
         from perfxlm.model.loader import get_model
 
         self.config = config.resolve()
+        _check_supported(config)
         self.tokenizer = None
         if not config.skip_tokenizer_init:
             from perfxlm.tokenizer import get_tokenizer
@@ -166,6 +167,19 @@ class PoolingEngine:
 
     def shutdown(self) -> None:
         pass
+
+
+def _check_supported(config: EngineConfig) -> None:
+    """What the pooling runner does not do, refused before the model loads."""
+    from perfxlm.model.registry import is_pooling_only
+
+    if config.tensor_parallel_size > 1 or config.data_parallel_size > 1:
+        raise ValueError("the pooling runner runs in one process: tensor_parallel_size and data_parallel_size "
+                         "must be 1 (run one server per replica).")
+    quant = config.quant_config
+    if quant is not None and getattr(quant, "calibration", None) is not None and is_pooling_only(config.hf_config):
+        raise ValueError("quantization calibration runs a causal LM over text windows, which an encoder is not: "
+                         "pass calibration false (e.g. {\"method\": \"int4\", \"calibration\": false}), or int8 / w8a8.")
 
 
 def _check_convert(convert: str, pc: PoolerConfig) -> None:

@@ -50,7 +50,7 @@ class PoolerConfig:
             return
         if not self.is_matryoshka:
             raise ValueError(
-                "dimensions: this model does not support Matryoshka representations (its config.json declares "
+                "dimensions: this model does not support Matryoshka representations (its config declares "
                 "no is_matryoshka / matryoshka_dimensions); leave dimensions unset."
             )
         if self.matryoshka_dimensions is not None and dimensions not in self.matryoshka_dimensions:
@@ -106,7 +106,7 @@ def resolve_pooler_config(model: Any, hf_config: Any, folder: str, max_model_len
 
     encoder = isinstance(model, EncoderModel)
     st = sentence_transformers_pooling(folder)
-    pooling_type = (model.default_pooling_type if encoder else "LAST")
+    pooling_type = getattr(model, "default_pooling_type", "LAST")  # a causal LM pools its last token
     pooling_type = st.get("pooling_type", pooling_type)
     normalize = st.get("normalize", True)
     if override is not None and not isinstance(override, dict):  # an object with vLLM's attribute names
@@ -137,7 +137,7 @@ def resolve_pooler_config(model: Any, hf_config: Any, folder: str, max_model_len
         pooling_type=pooling_type,
         normalize=normalize,
         hidden_size=int(hf_config.hidden_size),
-        num_labels=int(getattr(model, "num_labels", 0)) if encoder else 0,
+        num_labels=int(getattr(model, "num_labels", 0) or 0),
         max_len=int(max_len),
         matryoshka_dimensions=tuple(int(d) for d in dims) if dims else None,
         is_matryoshka=bool(getattr(hf_config, "is_matryoshka", False) or dims),

@@ -26,6 +26,8 @@ class PoolingRunner:
         self.pooling_type = pooling_type
         # an encoder takes segment ids; a causal LM used as an embedder takes ids and positions only
         self.encoder = isinstance(model, EncoderModel)
+        # which token a classification head reads: an encoder's first ([CLS]), a decoder's last
+        self.classifier_reads_last = getattr(model, "classifier_token", "first") == "last"
         backend = CachelessAttentionBackend()
         for module in model.modules():
             if isinstance(module, Attention):
@@ -50,9 +52,11 @@ class PoolingRunner:
     @torch.inference_mode()
     def classify(self, hidden: torch.Tensor, lens: list[int], rows: list[int]) -> torch.Tensor:
         """Float32 logits [len(rows), num_labels] of sequences `rows`: the classifier reads their first
-        token (BERT's and XLM-RoBERTa's heads), whatever embeddings pool."""
-        starts = torch.cumsum(torch.tensor(lens), 0) - torch.tensor(lens)
-        return self.model.classify(hidden[starts[torch.tensor(rows)]])
+        token (BERT's, XLM-RoBERTa's, ModernBERT's heads) or, for a decoder's score head, their last,
+        whatever embeddings pool."""
+        ends = torch.cumsum(torch.tensor(lens), 0)
+        picked = ends - 1 if self.classifier_reads_last else ends - torch.tensor(lens)
+        return self.model.classify(hidden[picked[torch.tensor(rows)]])
 
     def run(self, seqs: list[PoolingSeq]) -> list[torch.Tensor]:
         """Pooled states per sequence, by this runner's pooling type."""

@@ -186,3 +186,20 @@ def test_worker_failure_ends_the_engine(checkpoints, monkeypatch, how):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_speculative_tp2_equals_one_process(checkpoints):
+    """Draft tokens travel to the workers in the step delta; greedy output stays one process's."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    prompts = [{"prompt_token_ids": [5, 17, 300, 42] * 4 + [5, 17]}, {"prompt_token_ids": [8, 9, 10] * 5}]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, detokenize=False)
+    kw = dict(dtype="float32", skip_tokenizer_init=True, block_size=4, num_kv_blocks=64)
+    ref = LLM(checkpoints["qwen2"], **kw).generate(prompts, params, use_tqdm=False)
+    llm = LLM(checkpoints["qwen2"], tensor_parallel_size=2, speculative_config=spec, **kw)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.llm_engine.scheduler.spec_stats.num_drafts > 0
+    finally:
+        llm.llm_engine.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert _children_gone()

@@ -23,7 +23,7 @@ def save_tokenizer(path: str, family: str) -> int:
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    if family == "bert":
+    if family in ("bert", "modernbert"):
         specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
         cls, sep, pad, unk, mask = "[CLS]", "[SEP]", "[PAD]", "[UNK]", "[MASK]"
     else:
@@ -33,7 +33,7 @@ def save_tokenizer(path: str, family: str) -> int:
     tok = Tokenizer(models.WordPiece(vocab, unk_token=unk))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    if family == "bert":
+    if family in ("bert", "modernbert"):
         tok.post_processor = processors.TemplateProcessing(
             single=f"{cls}:0 $A:0 {sep}:0", pair=f"{cls}:0 $A:0 {sep}:0 $B:1 {sep}:1",
             special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])],
@@ -53,27 +53,27 @@ def save_tokenizer(path: str, family: str) -> int:
 def make_encoder(path: str, family: str = "bert", *, classifier: bool = False, num_labels: int = 1, seed: int = 0,
                  hidden_size: int = 36, layers: int = 2, heads: int = 3, intermediate: int = 52,
                  max_positions: int = 64, **config) -> str:
-    """A random encoder (BertModel / XLMRobertaModel, or the *ForSequenceClassification head) saved with
-    save_pretrained, its tokenizer beside it."""
+    """A random encoder (BertModel / XLMRobertaModel / ModernBertModel, or the *ForSequenceClassification
+    head) saved with save_pretrained, its tokenizer beside it."""
     import transformers as tf
 
     os.makedirs(path, exist_ok=True)
     vocab_size = save_tokenizer(path, family)
-    cls_config = tf.BertConfig if family == "bert" else tf.XLMRobertaConfig
     kwargs = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=layers, num_attention_heads=heads,
                   intermediate_size=intermediate, max_position_embeddings=max_positions, initializer_range=0.2)
-    if family != "bert":
+    if family == "xlmr":
         kwargs.update(pad_token_id=1, bos_token_id=0, eos_token_id=2, type_vocab_size=1,
                       max_position_embeddings=max_positions + 2)
+    if family == "modernbert":  # a window of 4 on either side on the local layers: shorter than the texts
+        kwargs.update(pad_token_id=0, cls_token_id=2, sep_token_id=3, bos_token_id=2, eos_token_id=3,
+                      local_attention=8, global_attn_every_n_layers=2)
     kwargs.update(config)
     if classifier:
         kwargs["num_labels"] = num_labels
-    cfg = cls_config(**kwargs)
+    names = {"bert": "Bert", "xlmr": "XLMRoberta", "modernbert": "ModernBert"}[family]
+    cfg = getattr(tf, f"{names}Config")(**kwargs)
     torch.manual_seed(seed)
-    if classifier:
-        model = (tf.BertForSequenceClassification if family == "bert" else tf.XLMRobertaForSequenceClassification)(cfg)
-    else:
-        model = (tf.BertModel if family == "bert" else tf.XLMRobertaModel)(cfg)
+    model = getattr(tf, f"{names}ForSequenceClassification" if classifier else f"{names}Model")(cfg)
     model.eval().save_pretrained(path)
     return path
 
@@ -91,7 +91,8 @@ def make_sentence_transformer(path: str, family: str = "bert", pooling: str = "c
 
     raw = make_encoder(path + "_raw", family, **kwargs)
     transformer = Transformer(raw, max_seq_length=max_seq_length)
-    dim = getattr(transformer, "get_embedding_dimension", transformer.get_word_embedding_dimension)()
+    dim = (transformer.get_embedding_dimension() if hasattr(transformer, "get_embedding_dimension")
+           else transformer.get_word_embedding_dimension())
     modules = [transformer, Pooling(dim, pooling_mode=pooling)]
     if normalize:
         modules.append(Normalize())

@@ -153,3 +153,54 @@ def test_pooler_config_overrides_sentence_transformers_files(matryoshka_bert, tm
     with pytest.raises(ValueError, match="not supported"):
         LLM(str(folder))
     assert os.path.isfile(folder / "config.json")
+
+
+def test_quantized_encoder_embeds_close_to_float(matryoshka_bert, bert_llm, tmp_path):
+    texts = ["the cat sat on the mat", "paris"]
+    ref = np.array([o.outputs.embedding for o in bert_llm.embed(texts, use_tqdm=False)])
+    int8 = LLM(matryoshka_bert, dtype="float32", quantization="int8")
+    got = np.array([o.outputs.embedding for o in int8.embed(texts, use_tqdm=False)])
+    assert (got * ref).sum(1).min() > 0.999 and np.abs(got - ref).max() > 0  # quantized, and close
+    wide = make_encoder(str(tmp_path / "wide"), "bert", hidden_size=64, heads=4, intermediate=128)  # int4: 32s
+    with pytest.raises(ValueError, match="calibration false"):
+        LLM(wide, quantization="int4")  # int4 calibrates by default, over a causal LM's text windows
+    plain = LLM(wide, quantization={"method": "int4", "calibration": False})
+    assert plain.embed("paris", use_tqdm=False)[0].outputs.hidden_size == 64
+    with pytest.raises(ValueError, match="one process"):
+        LLM(matryoshka_bert, data_parallel_size=2)
+
+
+def test_generation_front_ends_refuse_pooling_models(matryoshka_bert, tiny_llama):
+    from perfxlm import AsyncLLM, EngineConfig
+
+    with pytest.raises(ValueError, match="cannot generate"):
+        AsyncLLM(EngineConfig(model=matryoshka_bert))
+    with pytest.raises(ValueError, match="runner='pooling'"):
+        AsyncLLM(EngineConfig(model=tiny_llama, runner="pooling", skip_tokenizer_init=True))
+
+
+@pytest.mark.parametrize("family,labels", [("qwen3", 1), ("llama", 3)])
+def test_decoder_score_head_equals_transformers(family, labels, tmp_path):
+    """Qwen3-Reranker converted to a score head (seq-cls), and a Llama classifier: the last token's logits."""
+    import transformers as tf
+
+    cls = {"qwen3": (tf.Qwen3Config, tf.Qwen3ForSequenceClassification),
+           "llama": (tf.LlamaConfig, tf.LlamaForSequenceClassification)}[family]
+    torch.manual_seed(1)
+    config = cls[0](vocab_size=301, hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=6,
+                    num_key_value_heads=2, head_dim=8, max_position_embeddings=128, num_labels=labels,
+                    initializer_range=0.1)
+    hf = cls[1](config).eval()
+    hf.save_pretrained(str(tmp_path))
+    prompts = [[5, 17, 93, 4, 250, 7], [9], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
+    llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True)
+    assert llm.runner_kind == "pooling"  # a score head and no LM head: pooling by itself
+    raw = llm.classify([{"prompt_token_ids": p} for p in prompts], use_tqdm=False,
+                       pooling_params=PoolingParams(use_activation=False))
+    for p, out in zip(prompts, raw):
+        with torch.no_grad():
+            expected = hf(torch.tensor([p])).logits[0]
+        np.testing.assert_allclose(out.outputs.probs, expected.numpy(), atol=1e-5, rtol=0)
+    if labels == 1:  # a reranker: the sigmoid of the one logit is its score
+        out = llm.encode({"prompt_token_ids": prompts[0]}, use_tqdm=False)[0]
+        assert float(out.outputs.data[0]) == pytest.approx(float(torch.sigmoid(torch.tensor(raw[0].outputs.probs[0]))))

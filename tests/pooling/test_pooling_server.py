@@ -148,6 +148,8 @@ def test_each_runner_refuses_the_others_endpoints(embedder, tiny_llama):
     assert r.status_code == 400 and "'pooling' runner" in r.json()["error"]["message"]
     assert _run(app, lambda c: c.get("/health")).status_code == 200
     assert _run(app, lambda c: c.get("/v1/models")).json()["data"][0]["max_model_len"] == 20
+    tokens = _post(app, "/tokenize", {"prompt": "the cat"}).json()
+    assert tokens["count"] == 4 and tokens["max_model_len"] == 20  # [CLS] the cat [SEP]
     engine = AsyncLLM(EngineConfig(model=tiny_llama, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=16))
     try:
         gen_app = build_app(engine, "tiny")
@@ -156,3 +158,75 @@ def test_each_runner_refuses_the_others_endpoints(embedder, tiny_llama):
             assert r.status_code == 400 and "'generate' runner" in r.json()["error"]["message"], (path, r.text)
     finally:
         engine.shutdown()
+
+
+def test_batcher_fails_only_the_request_whose_input_fails():
+    from perfxlm.pooling.batcher import PoolingBatcher
+    from perfxlm.pooling.engine import PoolingInput
+    from perfxlm.pooling.runner import PoolingSeq
+    from perfxlm.pooling_params import PoolingParams
+
+    class FlakyEngine:
+        def __init__(self):
+            self.calls = []
+
+        def run(self, inputs):
+            self.calls.append(len(inputs))
+            if any(x.seq.token_ids == [666] for x in inputs):
+                raise RuntimeError("bad input")
+            return [x.seq.token_ids for x in inputs]
+
+    def item(ids):
+        return [PoolingInput("0", PoolingSeq(ids), "embed", PoolingParams(), "CLS")]
+
+    engine = FlakyEngine()
+    batcher = PoolingBatcher(engine)
+    # hold the thread's first run so that the later requests queue up and are merged into one list
+    import threading
+
+    gate = threading.Event()
+    original = engine.run
+    engine.run = lambda inputs: (gate.wait(5), original(inputs))[1]
+    first = batcher.submit(item([1]))
+    futures = [batcher.submit(item(ids)) for ids in ([2], [666], [3])]
+    gate.set()
+    assert first.result(5) == [[1]]
+    assert futures[0].result(5) == [[2]] and futures[2].result(5) == [[3]]
+    with pytest.raises(RuntimeError, match="bad input"):
+        futures[1].result(5)
+    assert max(engine.calls) >= 3 and engine.calls[-3:] == [1, 1, 1]  # merged once, then retried one by one
+    batcher.shutdown()
+
+
+def test_serve_command_runs_the_pooling_server(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.server.conftest import free_port
+
+    path = make_encoder(str(tmp_path / "e5"), "bert")
+    port = free_port()
+    log = open(tmp_path / "log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "perfxlm.entrypoints.cli", "serve", path, "--port", str(port),
+                             "--dtype", "float32", "--pooler-config", '{"pooling_type": "MEAN"}'],
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TQDM_DISABLE": "1"})
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            assert proc.poll() is None, (tmp_path / "log").read_text()[-2000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/embeddings", json={"model": "e5", "input": ["the cat"]}, timeout=30)
+        assert r.status_code == 200, r.text
+        expected = LLM(path, dtype="float32", pooler_config={"pooling_type": "MEAN"}).embed("the cat", use_tqdm=False)
+        np.testing.assert_allclose(r.json()["data"][0]["embedding"], expected[0].outputs.embedding, atol=1e-6)
+        assert "MEAN pooling" in (tmp_path / "log").read_text()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)

@@ -23,6 +23,7 @@ from perfxlm.entrypoints.openai.app_common import (
     install_error_handlers, install_middleware, parse_allowed_origins,
 )
 from perfxlm.entrypoints.openai.errors import APIError
+from perfxlm.entrypoints.openai.protocol import TokenizeRequest
 from perfxlm.entrypoints.openai.protocol_pooling import (
     ClassificationRequest, EmbeddingRequest, Inputs, PoolingRequest, RerankRequest, ScoreRequest,
 )
@@ -199,6 +200,17 @@ def build_pooling_app(engine: PoolingEngine, served_model_name: str, *, api_key:
         usage = _usage(outs)
         return {"id": f"rerank-{uuid.uuid4().hex}", "model": server.name,
                 "usage": {"total_tokens": usage["total_tokens"]}, "results": results}
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        check_extra_fields(req)
+        server.check(req)
+        if engine.tokenizer is None:
+            raise APIError(400, "This server has no tokenizer.")
+        if req.prompt is None or req.messages is not None:
+            raise APIError(400, "A pooling model tokenizes prompt only (no chat messages).", "prompt")
+        ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
     @app.get("/v1/models")
     async def models():

@@ -140,6 +140,12 @@ class CausalLM(CheckpointModel):
         raise NotImplementedError
 
 
+def num_labels_of(config: Any) -> int:
+    """A sequence-classification head's labels, as transformers counts them (num_labels, else id2label)."""
+    labels = getattr(config, "num_labels", None) or len(getattr(config, "id2label", None) or {}) or 2
+    return int(labels)
+
+
 class EncoderModel(CheckpointModel):
     """A bidirectional encoder (BERT, XLM-RoBERTa): hidden states for pooling, no LM head, no KV cache; only
     the pooling runner serves it. Sequences of a batch attend to themselves only (the forward context's
@@ -149,6 +155,8 @@ class EncoderModel(CheckpointModel):
     default_pooling_type: ClassVar[str] = "CLS"
     # the number of labels of a sequence-classification head (0: none, an embedder)
     num_labels: int = 0
+    # the token whose state a classification head reads (decoders with a score head read the last)
+    classifier_token: ClassVar[str] = "first"
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None = None

@@ -17,7 +17,7 @@ from perfxlm.model.layers.attention import Attention
 from perfxlm.model.layers.embed_head import VocabEmbedding
 from perfxlm.model.layers.linear import Linear, MergedLinear
 from perfxlm.model.layers.norm import LayerNorm
-from perfxlm.model.models.base import EncoderModel
+from perfxlm.model.models.base import EncoderModel, num_labels_of
 
 
 class Table(nn.Module):
@@ -162,11 +162,6 @@ class BertPooler(nn.Module):
 
     def forward(self, cls_states: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.dense(cls_states))
-
-
-def num_labels_of(config: Any) -> int:
-    labels = getattr(config, "num_labels", None) or len(getattr(config, "id2label", None) or {}) or 2
-    return int(labels)
 
 
 class BertForSequenceClassification(EncoderModel):

@@ -16,7 +16,8 @@ from torch import nn
 
 from perfxlm.model.layers.linear import Linear
 from perfxlm.model.models.base import EncoderModel
-from perfxlm.model.models.bert import BERT_STACKED_PARAMS, BertModel, num_labels_of
+from perfxlm.model.models.base import num_labels_of
+from perfxlm.model.models.bert import BERT_STACKED_PARAMS, BertModel
 
 
 def _position_offset(config: Any) -> int:

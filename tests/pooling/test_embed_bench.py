@@ -1,0 +1,38 @@
+"""`perfxlm bench embed` end to end: random token ids on a causal LM (as a last-token embedder), ShareGPT
+texts on an encoder, each cut to --max-tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from perfxlm.entrypoints.cli import main
+from tests.pooling.checkpoints import make_encoder
+
+SHAREGPT = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "datasets", "sharegpt_samples_1024.json")
+
+
+def test_bench_embed_random_on_a_causal_lm(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "embed.json"
+    assert main(["bench", "embed", tiny_llama, "--dataset", "random", "--num-prompts", "7", "--input-len", "11",
+                 "--skip-tokenizer-init", "--disable-tqdm", "--output-json", str(out)]) == 0
+    assert "Embedding throughput:" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["num_texts"] == 7 and data["total_input_tokens"] == 77
+    assert data["texts_per_second"] == pytest.approx(7 / data["elapsed_time"])
+    assert data["config"]["pooling_type"] == "LAST"
+
+
+def test_bench_embed_sharegpt_on_an_encoder(tmp_path, capsys):
+    path = os.path.abspath(SHAREGPT)
+    if not os.path.isfile(path):
+        pytest.skip(f"the ShareGPT sample file is not there ({path})")
+    model = make_encoder(str(tmp_path / "enc"), "bert", max_positions=48)
+    out = tmp_path / "embed.json"
+    assert main(["bench", "embed", model, "--dataset", "sharegpt", path, "--num-prompts", "9", "--max-tokens", "40",
+                 "--disable-tqdm", "--output-json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["num_texts"] == 9 and 9 * 3 <= data["total_input_tokens"] <= 9 * 40
+    assert data["config"]["max_tokens"] == 40 and data["config"]["pooling_type"] == "CLS"
