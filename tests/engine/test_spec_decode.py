@@ -226,6 +226,11 @@ def test_counters_reach_metrics_and_request_outputs(tiny_llama, reference):
         assert lines["perfxlm:spec_decode_num_accepted_tokens_total"] == stats.num_accepted_tokens
         assert lines['perfxlm:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] == \
             stats.accepted_per_position[0]
+        from perfxlm.bench.serve import parse_spec_decode_counters  # what bench serve reads
+
+        assert parse_spec_decode_counters(metrics.text) == {
+            "num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
+            "num_accepted_tokens": stats.num_accepted_tokens}
     finally:
         engine.shutdown()
     llm = _spec_llm(tiny_llama)
