@@ -219,6 +219,7 @@ def run_serve_benchmark(
         raise ValueError(f"--max-concurrency must be >= 1, got {max_concurrency}.")
     arrival_intervals(0, request_rate, burstiness)  # validates both
     url = api_url(base_url, endpoint)
+    spec_before = spec_decode_counters(base_url)
     records, duration = asyncio.run(_benchmark(
         url, model, requests, request_rate, burstiness, max_concurrency, seed, ignore_eos, extra_body,
         disable_tqdm, initial_test, log,
@@ -241,9 +242,52 @@ def run_serve_benchmark(
         "start_times": [r.start_time for r in records],
         "errors": [r.error for r in records],
     })
+    spec = spec_decode_delta(spec_before, spec_decode_counters(base_url))
+    if spec is not None:
+        result["spec_decode"] = spec
+        if log is not None:
+            log(f"speculative decoding: acceptance {spec['acceptance_rate']:.1%}, mean accepted length "
+                f"{spec['mean_acceptance_length']:.2f} ({spec['num_draft_tokens']} draft tokens)")
     if save_detailed:
         result["generated_texts"] = [r.generated_text for r in records]
     return result, records
+
+
+_SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+def spec_decode_counters(base_url: str) -> dict[str, float] | None:
+    """The server's speculative-decoding counters from /metrics (perfxlm's or vLLM's names); None when it
+    has none or /metrics does not answer."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=5) as resp:
+            text = resp.read().decode("utf-8", "replace")
+    except Exception:
+        return None
+    return parse_spec_decode_counters(text)
+
+
+def parse_spec_decode_counters(text: str) -> dict[str, float] | None:
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        for prefix in ("perfxlm:spec_decode_", "vllm:spec_decode_"):
+            for name in _SPEC_COUNTERS:
+                if line.startswith(f"{prefix}{name}_total ") or line.startswith(f"{prefix}{name}_total{{"):
+                    found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found or None
+
+
+def spec_decode_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any] | None:
+    if not after:
+        return None
+    d = {name: int(after.get(name, 0) - (before or {}).get(name, 0)) for name in _SPEC_COUNTERS}
+    if not d["num_draft_tokens"]:
+        return None
+    d["acceptance_rate"] = d["num_accepted_tokens"] / d["num_draft_tokens"]
+    d["mean_acceptance_length"] = 1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else 1.0
+    return d
 
 
 # ---- tokenizer and model name -----------------------------------------------------------------------------

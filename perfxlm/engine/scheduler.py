@@ -15,6 +15,11 @@ Each step hands out a token budget (max_num_batched_tokens):
    sample: they share its prompt blocks (the last partial block is copied), so the prompt is
    prefilled once.
 
+4. Speculative decoding: a decoding request may carry draft tokens (set by set_draft_tokens after the
+   previous step) behind its input token, within the budget and never past max_tokens; when their
+   slots do not fit it decodes plainly. update_from_output counts only the accepted tokens as computed,
+   trims the blocks past them, and appends the accepted tokens through the stop checks one by one.
+
 The scheduler assigns tokens per request, never phases: prefill chunks, prefix hits and decodes
 share one path. It is the only code that changes a request's status or num_computed_tokens.
 """

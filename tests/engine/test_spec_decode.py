@@ -226,6 +226,11 @@ def test_counters_reach_metrics_and_request_outputs(tiny_llama, reference):
         assert lines["perfxlm:spec_decode_num_accepted_tokens_total"] == stats.num_accepted_tokens
         assert lines['perfxlm:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] == \
             stats.accepted_per_position[0]
+        from perfxlm.bench.serve import parse_spec_decode_counters  # what bench serve reads
+
+        assert parse_spec_decode_counters(metrics.text) == {
+            "num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
+            "num_accepted_tokens": stats.num_accepted_tokens}
     finally:
         engine.shutdown()
     llm = _spec_llm(tiny_llama)
@@ -289,3 +294,50 @@ def test_proposer_forgets_finished_and_aborted_requests(tiny_llama):
     engine.core.step()  # an empty step: nothing left to forget
     assert set(engine.core.proposer._tokens) <= {"c"}
     assert_pool_whole(llm)
+
+
+def test_random_sampling_keeps_the_distribution(tiny_llama):
+    """Seeded top-3 sampling over many seeds: the histogram of the verified tokens (2nd and 3rd) with
+    speculation matches the one without it within sampling error (two-sample chi-square)."""
+    from collections import Counter
+
+    n = 300
+    prompt = PROMPTS[1]
+    params = [SamplingParams(temperature=1.0, top_k=3, seed=s, max_tokens=3, ignore_eos=True) for s in range(n)]
+    kw = dict(skip_tokenizer_init=True, dtype="float32", block_size=4, num_kv_blocks=4 * n, max_num_seqs=n)
+    plain = [o.outputs[0].token_ids for o in LLM(tiny_llama, **kw).generate([prompt] * n, params, use_tqdm=False)]
+    # guess, after each first token, the continuation the plain run took most often
+    likely = {}
+    for t1 in {o[0] for o in plain}:
+        likely[t1] = list(Counter(tuple(o[1:]) for o in plain if o[0] == t1).most_common(1)[0][0])
+
+    class Likely(Proposer):
+        name = "likely"
+
+        def propose(self, batch):
+            plen = len(prompt["prompt_token_ids"])
+            return [likely.get(r.token_ids[plen], [])[: r.max_drafts] if len(r.token_ids) == plen + 1 else []
+                    for r in batch]
+
+    spec = dict(NGRAM, disable_by_batch_size=10 * n)  # every request speculates, whatever the batch
+    llm = LLM(tiny_llama, speculative_config=spec, **kw)
+    llm.llm_engine.core.proposer = Likely()
+    guessed = [o.outputs[0].token_ids for o in llm.generate([prompt] * n, params, use_tqdm=False)]
+    stats = llm.llm_engine.scheduler.spec_stats
+    assert stats.num_drafts >= n // 2 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    for position in (1, 2):
+        a, b = Counter(o[position] for o in plain), Counter(o[position] for o in guessed)
+        _two_sample_chi_square_ok(a, b)
+    assert_pool_whole(llm)
+
+
+def _two_sample_chi_square_ok(a, b) -> None:
+    from scipy.stats import chi2
+
+    keys = sorted(set(a) | set(b))
+    merged = [k for k in keys if a[k] + b[k] >= 10]  # rare tokens pooled into one cell
+    rest = [k for k in keys if k not in merged]
+    rows = [(a[k], b[k]) for k in merged] + ([(sum(a[k] for k in rest), sum(b[k] for k in rest))] if rest else [])
+    na, nb = sum(x for x, _ in rows), sum(y for _, y in rows)
+    stat = sum((x * (nb / na) ** 0.5 - y * (na / nb) ** 0.5) ** 2 / (x + y) for x, y in rows if x + y)
+    assert chi2.sf(stat, len(rows) - 1) > 1e-3, (rows, stat)

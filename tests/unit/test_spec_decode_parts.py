@@ -177,3 +177,13 @@ def test_draft_tokens_reach_tensor_parallel_workers():
     got = dec.decode(enc.encode(SchedulerOutput([step], 3))).scheduled[0]
     assert (got.token_ids, got.draft_token_ids, got.num_computed_tokens, list(got.block_ids)) == (
         [6, 9, 8], [9, 8], 3, [0, 1])
+
+
+def test_bench_serve_reads_acceptance_from_metrics():
+    from perfxlm.bench.serve import spec_decode_delta
+
+    before = {"num_drafts": 2.0, "num_draft_tokens": 8.0, "num_accepted_tokens": 4.0}
+    after = {"num_drafts": 12.0, "num_draft_tokens": 48.0, "num_accepted_tokens": 34.0}
+    d = spec_decode_delta(before, after)
+    assert d["num_draft_tokens"] == 40 and d["acceptance_rate"] == 0.75 and d["mean_acceptance_length"] == 4.0
+    assert spec_decode_delta(None, None) is None and spec_decode_delta(after, after) is None
