@@ -168,23 +168,23 @@ class GraphOps:
         return g.op("Reshape", [out, g.const([0, 0, heads * head_dim])])
 
     def _mask_bias(self, window: int | None, groups: int) -> str:
-        """float [b, 1, groups * s, total]: 0 where a query may see a key, NEG_LARGE elsewhere. Query i
-        of this call sits at cache index total - s + i; it sees key j <= that index (within the window)
-        where attention_mask[b, j] is 1. Rows repeat per query head of a KV group (see attention)."""
+        """float [b, 1, groups * s, total]: 0 where a query may see a key, NEG_LARGE elsewhere. A key's
+        position is the count of attended slots before it (attention_mask's running sum - 1), so a row's
+        past may end in padding (a batch of pasts of different lengths); query i of row b sits at
+        position_ids[b, i] and sees the attended keys at or before it (within the window). Rows repeat
+        per query head of a KV group (see attention)."""
         def build() -> str:
             g = self.g
-            total = g.op("Gather", [g.op("Shape", [self.inputs.attention_mask]), g.const(1)], axis=0)
-            seq = g.op("Gather", [self.batch_seq_shape(), g.const(1)], axis=0)
-            keys = g.op("Unsqueeze", [g.op("Range", [g.const(0), total, g.const(1)]), g.const([0])])  # [1, T]
-            queries = g.op("Unsqueeze", [g.op("Range", [g.op("Sub", [total, seq]), total, g.const(1)]),
-                                         g.const([1])])  # [S, 1]
+            mask = self.inputs.attention_mask
+            keys = g.op("Sub", [g.op("CumSum", [mask, g.const(1)]), g.const(1)])
+            keys = g.op("Unsqueeze", [keys, g.const([1])])  # [b, 1, T]
+            queries = g.op("Unsqueeze", [self.inputs.position_ids, g.const([2])])  # [b, S, 1]
             allowed = g.op("LessOrEqual", [keys, queries])
             if window is not None:
                 first = g.op("Sub", [queries, g.const(window)])
                 allowed = g.op("And", [allowed, g.op("Greater", [keys, first])])
-            as_bool = g.op("Cast", [self.inputs.attention_mask], to=9)
-            pad = g.op("Unsqueeze", [as_bool, g.const([1, 2])])
-            allowed = g.op("And", [allowed, pad])  # [b, 1, S, T]
+            attended = g.op("Unsqueeze", [g.op("Cast", [mask], to=9), g.const([1])])  # bool [b, 1, T]
+            allowed = g.op("Unsqueeze", [g.op("And", [allowed, attended]), g.const([1])])  # [b, 1, S, T]
             bias = g.op("Where", [allowed, g.const(0.0, np.float32), g.const(NEG_LARGE, np.float32)])
             return bias if groups == 1 else g.op("Tile", [bias, g.const([1, 1, groups, 1])])
         return self._once(("mask", window, groups), build)

@@ -15,8 +15,8 @@ GENAI_CONFIG = "genai_config.json"
 
 # domain -> op types the exporter writes (graph_ops.py); the runner refuses any other
 KNOWN_OPS = {
-    "": {"Add", "And", "Cast", "Concat", "Gather", "Gemm", "Greater", "Identity", "LessOrEqual", "MatMul",
-         "Mul", "Neg", "Range", "Reciprocal", "ReduceMean", "ReduceSum", "Reshape", "Shape", "Sigmoid",
+    "": {"Add", "And", "Cast", "Concat", "CumSum", "Gather", "Gemm", "Greater", "Identity", "LessOrEqual",
+         "MatMul", "Mul", "Neg", "Range", "Reciprocal", "ReduceMean", "ReduceSum", "Reshape", "Shape", "Sigmoid",
          "SimplifiedLayerNormalization", "Softmax", "Split", "Sqrt", "Sub", "Tile", "Transpose", "Unsqueeze",
          "Where"},
     "com.microsoft": {"GroupQueryAttention", "MatMulNBits", "RotaryEmbedding",

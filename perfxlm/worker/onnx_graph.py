@@ -59,3 +59,35 @@ class OnnxDecoderGraph:
                  **dict(zip(self.past_names, past))}
         outputs = self.session.run(["logits", *self.present_names], feeds)
         return outputs[0][0], outputs[1:]
+
+    def run_decodes(self, token_ids: list[int], pasts: list[list[np.ndarray]]
+                    ) -> tuple[np.ndarray, list[list[np.ndarray]]]:
+        """One new token for each of several sequences in one call: logits [n, vocab] and each one's
+        present. Pasts of different lengths are padded on the right to the longest (attention_mask 0
+        there, the new token's mask 1 after the padding, positions the true ones), as onnxruntime-genai
+        batches them; each present is cut back to its own past + token."""
+        lens = [p[0].shape[2] for p in pasts]
+        longest, n = max(lens), len(pasts)
+        mask = np.zeros((n, longest + 1), np.int64)
+        mask[:, longest] = 1
+        feeds = {"input_ids": np.asarray(token_ids, np.int64)[:, None], "attention_mask": mask,
+                 "position_ids": np.asarray(lens, np.int64)[:, None]}
+        for i, name in enumerate(self.past_names):
+            padded = np.zeros((n, self.num_kv_heads, longest, self.head_dim), np.float32)
+            for row, (past, length) in enumerate(zip(pasts, lens)):
+                padded[row, :, :length] = past[i][0]
+                mask[row, :length] = 1
+            feeds[name] = padded
+        outputs = self.session.run(["logits", *self.present_names], feeds)
+        presents = [[self._own_present(t, row, length, longest) for t in outputs[1:]]
+                    for row, length in enumerate(lens)]
+        return outputs[0][:, -1], presents
+
+    def _own_present(self, present: np.ndarray, row: int, length: int, longest: int) -> np.ndarray:
+        """Row `row`'s past + new token out of a padded present. GroupQueryAttention writes the token
+        right after the row's own past (it counts attended slots); plain Concat appends it after the
+        padding."""
+        if self.flavor == "ort":
+            return present[row : row + 1, :, : length + 1].copy()
+        own = present[row : row + 1]
+        return np.concatenate([own[:, :, :length], own[:, :, longest:]], axis=2)

@@ -5,7 +5,8 @@ The graph keeps K/V as dense per-sequence past tensors, not the paged cache, so 
 per request (the block pool still bounds how many tokens all of them may hold: its bytes per block are the
 graph's). A request whose computed length differs from its past (a prefix-cache hit, a forked child,
 a preemption) has the tokens before its new ones computed again from its token ids, so every path gives
-the logits of the whole sequence. Each sequence is one call."""
+the logits of the whole sequence. A step's decodes run as one batch (pasts padded to the longest), each
+prefill chunk as its own call."""
 
 from __future__ import annotations
 
@@ -39,13 +40,30 @@ class OnnxModelRunner(ModelRunner):
 
     def _forward(self, order: list[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
-        return torch.cat([torch.from_numpy(self._run(s)) for s in order])
+        # decodes whose past is this runner's own go in one call; the rest one by one; rows in `order`
+        batched = [s for s in order if len(s.token_ids) == 1 and self._past_of(s) is not None]
+        rows: dict[int, np.ndarray] = {}
+        if len(batched) > 1:
+            logits, presents = self.graph.run_decodes([s.token_ids[0] for s in batched],
+                                                      [self._past_of(s) for s in batched])
+            for i, (s, present) in enumerate(zip(batched, presents)):
+                self.pasts[s.request_id] = present
+                rows[id(s)] = logits[i : i + 1]
+        for s in order:
+            if id(s) not in rows:
+                rows[id(s)] = self._run(s)
+        return torch.from_numpy(np.concatenate([rows[id(s)] for s in order]))
+
+    def _past_of(self, s: ScheduledRequest) -> list[np.ndarray] | None:
+        """The request's past when it holds exactly the tokens the scheduler says are computed."""
+        past = self.pasts.get(s.request_id)
+        return past if past is not None and past[0].shape[2] == s.num_computed_tokens else None
 
     def _run(self, s: ScheduledRequest) -> np.ndarray:
         computed = s.num_computed_tokens
-        past = self.pasts.get(s.request_id)
+        past = self._past_of(s)
         ids = list(s.token_ids)
-        if past is None or past[0].shape[2] != computed:
+        if past is None:
             known = (list(s.prompt_token_ids) + list(s.output_token_ids))[:computed]
             past, ids = self.graph.empty_past(), known + ids
         logits, self.pasts[s.request_id] = self.graph.run(ids, past)

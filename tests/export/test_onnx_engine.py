@@ -37,6 +37,7 @@ def _generate(llm, prompts=PROMPTS, params=GREEDY):
 @pytest.mark.parametrize("case,flavor", [("qwen3-qknorm-headdim-bias", "ort"),
                                          ("phi3-longrope-partial-sliding", "standard")])
 def test_engine_runs_the_exported_graph_as_the_module_path(tmp_path, case, flavor):
+    """Decodes of sequences of different lengths run as one padded batch, sliding windows included."""
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "onnx")
     build_checkpoint(ckpt, case)
     export_onnx(ckpt, out, flavor=flavor)
@@ -44,8 +45,17 @@ def test_engine_runs_the_exported_graph_as_the_module_path(tmp_path, case, flavo
     assert graph.llm_engine.config.load_format == "onnx"
     module = LLM(ckpt, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64)
     want, want_outs = _generate(module)
+    runner_graph = graph.llm_engine.core.runner.graph
+    batches, run_decodes = [], runner_graph.run_decodes
+
+    def recording(ids, pasts):
+        batches.append([p[0].shape[2] for p in pasts])
+        return run_decodes(ids, pasts)
+
+    runner_graph.run_decodes = recording
     got, got_outs = _generate(graph)
     assert got == want
+    assert any(len(set(lens)) == len(lens) == 3 for lens in batches)  # one call, three past lengths
     for g, w in zip(got_outs, want_outs):
         for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
             assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)

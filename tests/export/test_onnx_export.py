@@ -1,8 +1,9 @@
 """`perfxlm export onnx`: every exportable family on random-weight checkpoints of odd sizes, both flavors,
 run in ONNX Runtime over a prompt and 16 greedy decode steps with the growing past fed back: float32
 logits of every call within 1e-4 of transformers'; quantized exports (int4 with and without zero points,
-int8 per channel, GGUF Q4_0 and Q4_1 files) kept packed in MatMulNBits and greedy-equal to the engine's own
-quantized path; refusals that name what is wrong and leave nothing behind."""
+int8 per channel, GGUF Q4_0 and Q4_1 files) kept packed in MatMulNBits and greedy-equal to the engine's
+own quantized path; refusals that name what is wrong and leave nothing behind; onnxruntime-genai, where
+installed, running the folder unchanged."""
 
 from __future__ import annotations
 
@@ -186,3 +187,19 @@ def test_output_folder_flavor_and_cli(tmp_path, llama96, capsys):
     written = {"model.onnx", "model.onnx.data", "genai_config.json", "config.json", "perfxlm_onnx.json"}
     assert written <= set(os.listdir(out))
     assert "standard flavor" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flavor", ["ort", "standard"])
+def test_onnxruntime_genai_runs_the_folder_unchanged(tmp_path, llama96, flavor):
+    og = pytest.importorskip("onnxruntime_genai")
+    out = str(tmp_path / "onnx")
+    export_onnx(llama96, out, flavor=flavor)
+    want, _, _ = ort_greedy(out, PROMPT, STEPS)
+    model = og.Model(out)
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(PROMPT) + STEPS, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(PROMPT)
+    while not generator.is_done():
+        generator.generate_next_token()
+    assert list(generator.get_sequence(0))[len(PROMPT):] == want
