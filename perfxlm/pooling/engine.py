@@ -55,7 +55,7 @@ class PoolingEngine:
         _check_convert(config.convert, self.pooler_config)
         self.max_model_len = self.pooler_config.max_len
         self.vocab_size = int(config.hf_config.vocab_size)
-        self.runner = PoolingRunner(self.model, self.pooler_config.pooling_type)
+        self.runner = PoolingRunner(self.model)
         self._lock = threading.Lock()  # one forward pass at a time (the server's threads share the engine)
 
     # ---- requests ------------------------------------------------------------------------
@@ -152,11 +152,12 @@ class PoolingEngine:
         pooled = {t: pool(hidden, lens, t) for t in {x.pooling_type for x in inputs if x.task not in _LOGIT_TASKS}}
         logit_rows = [i for i, x in enumerate(inputs) if x.task in _LOGIT_TASKS]
         logits = self.runner.classify(hidden, lens, logit_rows) if logit_rows else None
+        logit_of = {row: j for j, row in enumerate(logit_rows)}
         outs = []
         for i, x in enumerate(inputs):
             p = x.params
             if x.task in _LOGIT_TASKS:
-                data = classifier_activation(logits[logit_rows.index(i)], p.use_activation is not False)
+                data = classifier_activation(logits[logit_of[i]], p.use_activation is not False)
             elif x.task == "reward":
                 data = pooled[x.pooling_type][i]
             else:  # embed, encode, token_embed: embeddings (per token for token_embed)
