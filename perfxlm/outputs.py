@@ -25,6 +25,15 @@ class RequestMetrics:
     first_token_time: float | None = None
     time_in_queue: float | None = None
     finished_time: float | None = None
+    # speculative decoding, over all of the request's sequences: draft tokens verified and accepted
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted / verified draft tokens; None when no draft was verified."""
+        n = self.spec_num_draft_tokens
+        return self.spec_num_accepted_tokens / n if n else None
 
     @property
     def ttft(self) -> float | None:

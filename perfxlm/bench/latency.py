@@ -46,7 +46,7 @@ def measure_batch(engine: Any, prompts: Sequence[Any], params: Any, tag: str) ->
     params.output_kind = RequestOutputKind.DELTA  # every step reports its new tokens
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     started: set[str] = set()
-    tokens = steps = prefill_steps = 0
+    tokens = steps = prefill_steps = prefill_tokens = 0
     prefill_end = None
     t0 = time.perf_counter()
     try:
@@ -63,7 +63,7 @@ def measure_batch(engine: Any, prompts: Sequence[Any], params: Any, tag: str) ->
                     tokens += n
                     started.add(out.request_id)
             if prefill_end is None and len(started) == len(ids):
-                prefill_end, prefill_steps = now, steps
+                prefill_end, prefill_steps, prefill_tokens = now, steps, tokens
     except BaseException:
         engine.abort_request(ids)
         raise
@@ -81,7 +81,9 @@ def measure_batch(engine: Any, prompts: Sequence[Any], params: Any, tag: str) ->
         "latency_s": e2e,
         "generated_tokens": tokens,
         "throughput_tok_s": tokens / e2e,
-        "decode_tok_s": len(ids) / decode_s if decode_steps else math.nan,
+        # tokens per second of decode time: B / step time, unless a step yields several tokens per
+        # request (speculative decoding)
+        "decode_tok_s": (tokens - prefill_tokens) / (end - prefill_end) if decode_steps else math.nan,
     }
 
 
@@ -112,7 +114,11 @@ def run_latency(
     params = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=output_len,
                             detokenize=not disable_detokenize)
     runs = []
+    spec = engine.scheduler.spec_stats
+    spec_before = None
     for it in range(num_iters_warmup + num_iters):
+        if it == num_iters_warmup:
+            spec_before = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
         prompts = [{"prompt_token_ids": ids}
                    for ids in random_token_ids(batch_size, input_len, vocab, seed=seed * 7919 + it)]
         warm = it < num_iters_warmup
@@ -146,6 +152,12 @@ def run_latency(
     out.update(summarize([r["throughput_tok_s"] for r in runs], "throughput", SUMMARY_PERCENTILES,
                          scale=1.0, unit="tok_s"))
     out.update(summarize(latencies, "e2e_latency", SUMMARY_PERCENTILES, scale=1.0, unit="s"))
+    if config.speculative_config is not None and spec_before is not None:
+        drafts, draft_tokens, accepted = (now - then for now, then in zip(
+            (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens), spec_before))
+        out["spec_decode"] = {"num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
+                              "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+                              "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0}
     out["peak_memory_gib"] = benv.peak_rss_gib()
     out["iterations"] = runs
     return out
@@ -176,6 +188,10 @@ def format_latency(result: dict[str, Any]) -> str:
     row("generated tokens/s", "throughput_tok_s", "{:12.1f}")
     row("decode tokens/s", "decode_throughput_tok_s", "{:12.1f}")
     row("end-to-end latency (s)", "e2e_latency_s", "{:12.4f}")
+    spec = result.get("spec_decode")
+    if spec is not None:
+        lines.append(f"{'speculative decoding':28}acceptance {spec['acceptance_rate']:.1%}, mean accepted length "
+                     f"{spec['mean_acceptance_length']:.2f} ({spec['num_draft_tokens']} draft tokens)")
     lines.append(f"{'peak resident memory (GiB)':28}{result['peak_memory_gib']:12.3f}")
     lines.append(f"Avg latency: {result['avg_latency']:.4f} seconds")
     for p, v in result["percentiles"].items():

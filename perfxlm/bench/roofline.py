@@ -43,7 +43,7 @@ def model_costs(llm: Any) -> dict[str, float] | None:
         "matmul_params_per_token": float(matmul_params),
         "lm_head_params": float(head_weight.shape.numel()) if head_weight is not None else 0.0,
         "kv_bytes_per_token": float(
-            sum(spec.bytes_per_token(m.num_kv_heads, m.head_dim) if spec else 8 * m.num_kv_heads * m.head_dim for m in attn)
+            sum(m.cache_bytes_per_token(spec) if spec else 8 * m.num_kv_heads * m.head_dim for m in attn)
         ),
         # QK^T and PV: 2 FLOPs per multiply-add, 2 products, per (query, key) pair and head channel
         "attn_flops_per_pair": float(sum(4 * m.num_heads * m.head_dim for m in attn)),

@@ -33,10 +33,12 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-# Families whose layers are Llama-shaped or Gemma 2's (attention in `self_attn`, MLP in `mlp`).
+# Families whose layers are Llama-shaped or Gemma 2's (attention in `self_attn`, MLP in `mlp`). GLM's
+# q/k rows are reordered within each head after the rank's heads are read, so its shards reorder alike.
 SUPPORTED = {
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
-    "Gemma2ForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM",
+    "Gemma2ForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "Gemma3ForCausalLM",
+    "Qwen3MoeForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
 }  # fmt: skip
 
 

@@ -85,25 +85,24 @@ class AsyncLLM:
         best beams, generated tokens only (rules in perfxlm/beam_search.py). Each step runs the live beams
         as concurrent one-token requests; cancelling the consumer aborts them. logprobs: how many candidates
         of each token's row to keep (besides the chosen one); None drops the rows."""
-        if lora_request is not None:
-            raise ValueError("lora_request: LoRA adapters are not supported by perfxlm; merge the adapter into the "
-                             "weights (peft's merge_and_unload) and load the merged model.")
         processor = self.engine.input_processor
+        processor.lora_adapter(lora_request)  # an adapter the engine cannot run fails before the first step
         text, token_ids = processor.tokenize_prompt(prompt)
         processor.check_beam_search(params, [token_ids])
         search = BeamSearch([token_ids], params, processor.eos_token_ids())
         step = 0
         while beams := search.pending():
             ids = [f"{request_id}-beam{step}-{i}" for i in range(len(beams))]
-            outs = await _all([self._final({"prompt_token_ids": b.tokens}, search.step_params, rid)
+            outs = await _all([self._final({"prompt_token_ids": b.tokens}, search.step_params, rid, lora_request)
                                for b, rid in zip(beams, ids)])
             search.advance([o.outputs[0].logprobs[0] if o.outputs[0].logprobs else None for o in outs])
             step += 1
         yield to_request_output(request_id, text, token_ids, search.results()[0], params, self.tokenizer, logprobs)
 
-    async def _final(self, prompt: PromptType, params: SamplingParams, request_id: str) -> RequestOutput:
+    async def _final(self, prompt: PromptType, params: SamplingParams, request_id: str,
+                     lora_request: Any = None) -> RequestOutput:
         out = None
-        async for out in self.generate(prompt, params, request_id):
+        async for out in self.generate(prompt, params, request_id, lora_request=lora_request):
             pass
         return out
 

@@ -43,6 +43,7 @@ from typing import Any
 from perfxlm.distributed.topology import plan_rank_cpus
 from perfxlm.engine.engine_core import EngineCore
 from perfxlm.executor.multiproc import WorkerDiedError, _stop_workers, _without_main_module
+from perfxlm.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger("perfxlm")
 
@@ -59,7 +60,9 @@ def _stats(core: Any) -> dict[str, int]:
     return {"num_running": s.num_running, "num_waiting": s.num_waiting,
             "num_preemptions_total": s.num_preemptions_total, "num_blocks": kv.num_blocks,
             "num_free_blocks": kv.num_free_blocks, "prefix_queries": kv.prefix_queries,
-            "prefix_hits": kv.prefix_hits}  # fmt: skip
+            "prefix_hits": kv.prefix_hits, "spec_num_drafts": s.spec_stats.num_drafts,
+            "spec_num_draft_tokens": s.spec_stats.num_draft_tokens,
+            "spec_num_accepted_tokens": s.spec_stats.num_accepted_tokens}  # fmt: skip
 
 
 def replica_main(index: int, config: Any, conn: Any, cpus: list[int] | None, parent_pid: int) -> None:
@@ -172,6 +175,12 @@ class _SchedulerView:
     @property
     def num_preemptions_total(self) -> int:
         return self._dp.total("num_preemptions_total")
+
+    @property
+    def spec_stats(self) -> SpecDecodeStats:
+        """Speculative decoding's counters over the replicas (acceptance per position stays per replica)."""
+        return SpecDecodeStats(self._dp.total("spec_num_drafts"), self._dp.total("spec_num_draft_tokens"),
+                               self._dp.total("spec_num_accepted_tokens"))
 
 
 class _KVView:

@@ -19,6 +19,7 @@ from perfxlm.engine.request import Request, RequestStatus
 from perfxlm.engine.scheduler import Scheduler
 from perfxlm.executor import make_executor
 from perfxlm.ops import cpu_plan
+from perfxlm.spec_decode.factory import make_proposer
 
 logger = logging.getLogger("perfxlm")
 
@@ -55,6 +56,11 @@ class EngineCore:
         )
         # what LoRA adapters are checked against when a request names one (enable_lora, one process)
         self.lora_targets = getattr(self.executor, "lora_targets", None)
+        spec = config.speculative_config
+        # Speculative decoding: after each step, the proposer guesses the next tokens of the requests about
+        # to decode; the scheduler sends them with the next step, where the runner verifies them.
+        self.proposer = make_proposer(spec, config, self.num_kv_blocks) if spec is not None else None
+        self.verify_row_budget = _verify_row_budget(config)
         if _freeze_gc_at_start:
             # The model and tokenizer are long-lived: take them out of the collector's view, so the GC
             # passes that per-step allocations trigger stay short (a few % of a decode step). Unfreeze
@@ -107,7 +113,28 @@ class EngineCore:
         if so.is_empty:
             return []
         mro = (self.runner or self.executor).execute(so)
-        return self.scheduler.update_from_output(so, mro)
+        outputs = self.scheduler.update_from_output(so, mro)
+        if self.proposer is not None:
+            self._propose(so.finished_request_ids)
+        return outputs
+
+    def _propose(self, finished_before: set[str]) -> None:
+        spec, sched = self.config.speculative_config, self.scheduler
+        # requests that ended before this step's schedule (aborts, stop strings) and during it
+        self.proposer.drop(finished_before | sched.finished_request_ids)
+        k = spec.num_speculative_tokens
+        if spec.disable_by_batch_size is not None:  # vLLM's rule, when asked for
+            if sched.num_running > spec.disable_by_batch_size:
+                return
+        else:
+            # Verification is nearly free while the step's decode rows stay on the weight-streaming kernels
+            # (the CPU plan's measured crossover): fewer guesses per request as the batch grows, none past it.
+            k = min(k, self.verify_row_budget // max(sched.num_running, 1) - 1)
+            if k < 1:
+                return
+        batch = sched.draft_requests(k)
+        if batch:
+            sched.set_draft_tokens(batch, self.proposer.propose(batch))
 
     def check_health(self) -> None:
         """Raise if the model's worker processes (tensor parallelism) died or failed."""
@@ -118,3 +145,11 @@ class EngineCore:
 
     def check_invariants(self) -> dict[str, int]:
         return self.kv_cache_manager.check_invariants()
+
+
+def _verify_row_budget(config: EngineConfig) -> int:
+    """Decode rows per step up to which the linear layers run the weight-streaming GEMV kernels on this CPU
+    (quantized weights: `quant_max_rows`; float weights: `native_max_rows`), where scoring draft tokens
+    costs little more than the one row each request decodes anyway."""
+    plan = cpu_plan.plan()
+    return max(2, plan.quant_max_rows if config._quantized_source() is not None else plan.native_max_rows)

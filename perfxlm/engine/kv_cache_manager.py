@@ -227,6 +227,20 @@ class KVCacheManager:
         self.req_num_hashed_blocks[child.request_id] = min(self.req_num_hashed_blocks.get(parent.request_id, 0), num_full)
         return copy
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the request's blocks past its first `num_tokens` tokens: the slots of draft tokens the
+        target rejected (speculative decoding). They were never hashed: cache_blocks stops at the computed
+        tokens, which these blocks lie past."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = self.blocks_needed(num_tokens)
+        if not blocks or len(blocks) <= keep:
+            return
+        for block in reversed(blocks[keep:]):
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = block
+        del blocks[keep:]
+
     def free(self, request: Request) -> None:
         rid = request.request_id
         blocks = self.req_to_blocks.pop(rid, [])

@@ -31,6 +31,9 @@ class ScheduledRequest:
     # forked off this request, sharing its prompt blocks (the prompt is prefilled once).
     fork_children: list[tuple[str, SamplingParams]] = field(default_factory=list)
     lora: Any = None  # the request's adapter (perfxlm.lora.adapter.LoRAAdapter), None for the base model
+    # Speculative decoding: guesses of the tokens after token_ids[0], which follow it in token_ids. Each
+    # is one more decode row; the runner verifies them and returns the accepted prefix plus one token.
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -63,6 +66,10 @@ class ModelRunnerOutput:
     # request_id -> why: requests whose own state failed this step (their seed, filters, logprobs); the
     # scheduler ends them as aborted while the rest of the batch goes on.
     failed: dict[str, str] = field(default_factory=dict)
+    # Requests scheduled with draft tokens: request_id -> the tokens they gain (the drafts the target
+    # accepted, then one token it sampled), and those tokens' logprob entries when asked.
+    verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    verified_logprobs: dict[str, list[LogprobEntry]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -76,3 +83,6 @@ class EngineCoreOutput:
     new_logprobs: list[LogprobEntry] | None = None
     new_prompt_logprobs: tuple[int, list[LogprobEntry]] | None = None
     error: str | None = None  # set when the request failed on its own (finish_reason "abort")
+    # speculative decoding: this sequence's draft tokens verified and accepted so far (totals)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0

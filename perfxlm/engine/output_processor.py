@@ -9,6 +9,7 @@ logprob, when all have finished).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -48,6 +49,22 @@ class SequenceState:
 
     def add(self, out: EngineCoreOutput) -> str | None:
         """Take one engine output; return a stop string if one matched (the sequence must end)."""
+        if len(out.new_token_ids) > 1 and self.params.stop and self.detokenizer is not None:
+            # Several tokens at once (speculative decoding): one at a time, so a stop string ends the
+            # output at the token that completed it, as it would have without speculation.
+            last = len(out.new_token_ids) - 1
+            for i, token in enumerate(out.new_token_ids):
+                lp = out.new_logprobs[i : i + 1] if out.new_logprobs else None
+                one = dataclasses.replace(out, new_token_ids=[token], new_logprobs=lp,
+                                          finish_reason=out.finish_reason if i == last else None,
+                                          stop_reason=out.stop_reason if i == last else None)  # fmt: skip
+                stop = self._add(one)
+                if stop is not None:
+                    return stop
+            return None
+        return self._add(out)
+
+    def _add(self, out: EngineCoreOutput) -> str | None:
         self.updated |= bool(out.new_token_ids) or out.finish_reason is not None
         self.token_ids.extend(out.new_token_ids)
         if out.finish_reason is not None:
@@ -167,10 +184,17 @@ class RequestState:
         self.num_cached_tokens = 0
         self.lora_request = None  # the request's LoRARequest, echoed on its outputs as vLLM does
         self.metrics = RequestMetrics(arrival_time=arrival_time, last_token_time=arrival_time)
+        self.spec_counts: dict[int, tuple[int, int]] = {}  # sequence index -> (draft, accepted tokens)
 
     @property
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.seqs)
+
+    def add_spec_counts(self, index: int, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """A sequence's speculative-decoding totals so far; the metrics hold the sums over sequences."""
+        self.spec_counts[index] = (num_draft_tokens, num_accepted_tokens)
+        self.metrics.spec_num_draft_tokens = sum(d for d, _ in self.spec_counts.values())
+        self.metrics.spec_num_accepted_tokens = sum(a for _, a in self.spec_counts.values())
 
     def add_prompt_logprobs(self, first: int, entries: list[LogprobEntry]) -> None:
         if self.prompt_logprobs is None:
@@ -250,6 +274,8 @@ class OutputProcessor:
                     m.first_token_time = now
                 m.last_token_time = now
             state.num_cached_tokens = out.num_cached_tokens
+            if out.num_draft_tokens:
+                state.add_spec_counts(index, out.num_draft_tokens, out.num_accepted_tokens)
             if out.new_prompt_logprobs is not None:
                 state.add_prompt_logprobs(*out.new_prompt_logprobs)
             stop = state.seqs[index].add(out)

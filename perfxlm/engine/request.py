@@ -62,6 +62,15 @@ class Request:
         self.cache_salt: str | None = None
         # the adapter it runs with (perfxlm.lora.adapter.LoRAAdapter); its blocks hash apart from others'
         self.lora: Any = None
+        # Speculative decoding: the proposer's guesses of the next tokens, consumed by the next schedule,
+        # and this request's verified draft tokens so far (RequestOutput.metrics)
+        self.draft_token_ids: list[int] = []
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        # after verifications that accept nothing, this request sits out spec_skip proposals (doubling up
+        # to a limit, reset by any acceptance): guesses that keep missing stop costing rows
+        self.spec_backoff = 0
+        self.spec_skip = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -28,6 +28,12 @@ from perfxlm.engine.kv_cache_manager import KVCacheManager
 from perfxlm.engine.messages import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from perfxlm.engine.request import Request, RequestStatus
 from perfxlm.sampling_params import SamplingParams
+from perfxlm.spec_decode.proposer import DraftRequest
+from perfxlm.spec_decode.stats import SpecDecodeStats
+
+
+# Most proposals a request sits out after its guesses keep missing (each miss doubles its pause).
+_MAX_SPEC_BACKOFF = 16
 
 
 class Scheduler:
@@ -51,6 +57,7 @@ class Scheduler:
         self.blocks_to_copy: list[tuple[int, int]] = []
         self.num_preemptions_total = 0
         self.num_prompt_tokens_computed = 0  # prefill work done, in tokens (recomputation included)
+        self.spec_stats = SpecDecodeStats()
 
     # ---- queue management ----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -105,15 +112,18 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(request, num_new):
+            drafts = self._drafts(request, num_new, budget)
+            if drafts and not self.kv.allocate_slots(request, num_new + len(drafts)):
+                drafts = []  # no room for the guesses: a plain decode (allocation is all or nothing)
+            while not drafts and not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 num_preemptions += 1
                 if victim is request:
                     break
             else:
-                scheduled.append(self._scheduled(request, num_new))
-                budget -= num_new
+                scheduled.append(self._scheduled(request, num_new, drafts))
+                budget -= num_new + len(drafts)
                 i += 1
                 continue
             break  # the request preempted itself: nothing after it can run either
@@ -163,13 +173,25 @@ class Scheduler:
             loras.add(key)
         return True
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The request's draft tokens this step may verify: only on a decode, within the budget, and never
+        more than could become output before max_tokens or max_model_len (each step also gains one token
+        of the target's own)."""
+        drafts, request.draft_token_ids = request.draft_token_ids, []  # guesses are good for one step
+        if not drafts or num_new != 1:
+            return []
+        room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
+                   self.max_model_len - request.num_tokens - 1)  # fmt: skip
+        return drafts[: max(room, 0)]
+
+    def _scheduled(self, request: Request, num_new: int, drafts: list[int] | None = None) -> ScheduledRequest:
         start = request.num_computed_tokens
         do_sample = start + num_new == request.num_tokens
         self.num_prompt_tokens_computed += max(0, min(start + num_new, request.num_prompt_tokens) - start)
+        tokens = request.all_token_ids[start : start + num_new]
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start : start + num_new],
+            token_ids=tokens + drafts if drafts else tokens,
             num_computed_tokens=start,
             block_ids=self.kv.block_table(request.request_id),
             do_sample=do_sample,
@@ -178,6 +200,7 @@ class Scheduler:
             output_token_ids=request.output_token_ids,
             fork_children=request.fork_children if do_sample else [],
             lora=request.lora,
+            draft_token_ids=drafts or [],
         )
 
     def _preempt(self, request: Request) -> None:
@@ -185,6 +208,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        request.draft_token_ids = []
         self.waiting.appendleft(request)
 
     # ---- after the forward pass ----------------------------------------------------------
@@ -194,9 +218,17 @@ class Scheduler:
             request = self.requests.get(sr.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished or preempted meanwhile
-            request.num_computed_tokens += len(sr.token_ids)
             if mro.failed and self._failed_in_step(request, sr, mro.failed, outputs):
                 continue
+            verified = mro.verified_token_ids[sr.request_id] if sr.draft_token_ids else None
+            if verified is None:
+                request.num_computed_tokens += len(sr.token_ids)
+            else:
+                # K/V stays valid for the input token and the accepted drafts; the slots of rejected
+                # drafts are given back (their blocks freed, nothing of them ever hashed).
+                request.num_computed_tokens += len(verified)
+                self.kv.trim(request, request.num_computed_tokens)
+                self._observe_drafts(request, len(sr.draft_token_ids), len(verified) - 1)
             # Only now is this step's K/V written: its full blocks may serve prefix matches.
             self.kv.cache_blocks(request, request.num_computed_tokens)
             prompt_lps = mro.prompt_logprobs.get(sr.request_id)
@@ -206,14 +238,53 @@ class Scheduler:
                 continue
             children = self._fork(request, sr.fork_children) if sr.fork_children else []
             for req in [request, *children]:
-                token = mro.sampled_token_ids[req.request_id]
-                req.append_output_token(token)
-                status = self._check_stop(req, token)
+                tokens = verified if verified is not None else [mro.sampled_token_ids[req.request_id]]
+                status = None
+                for n, token in enumerate(tokens, 1):
+                    req.append_output_token(token)
+                    status = self._check_stop(req, token)
+                    if status is not None:
+                        tokens = tokens[:n]  # what the target accepted past a stop is not output
+                        break
                 if status is not None:
                     self._remove(req)
                     self._finish(req, status)
-                outputs.append(self._output(req, [token], status, mro, prompt_lps if req is request else None))
+                outputs.append(self._output(req, tokens, status, mro, prompt_lps if req is request else None))
         return outputs
+
+    def _observe_drafts(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        request.num_draft_tokens += num_drafts
+        request.num_accepted_tokens += num_accepted
+        self.spec_stats.observe(num_drafts, num_accepted)
+        if num_accepted:
+            request.spec_backoff = 0
+        else:
+            request.spec_backoff = min(max(1, 2 * request.spec_backoff), _MAX_SPEC_BACKOFF)
+            request.spec_skip = request.spec_backoff
+
+    # ---- speculative decoding ------------------------------------------------------------
+    def draft_requests(self, max_drafts: int) -> list[DraftRequest]:
+        """Running requests that decode next step and may carry draft tokens: caught up with their tokens,
+        below max_tokens and max_model_len by at least two tokens, not guided by a grammar (its mask
+        would have to follow every draft), not sitting out after guesses that missed."""
+        batch = []
+        for r in self.running:
+            if r.num_tokens - r.num_computed_tokens != 1 or r.sampling_params._grammar is not None:
+                continue
+            if r.spec_skip:
+                r.spec_skip -= 1
+                r.draft_token_ids = []
+                continue
+            room = min(max_drafts, r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens - 1)
+            if room >= 1:
+                batch.append(DraftRequest(r.request_id, r.all_token_ids, room))
+        return batch
+
+    def set_draft_tokens(self, batch: list[DraftRequest], drafts: list[list[int]]) -> None:
+        for r, d in zip(batch, drafts):
+            request = self.requests.get(r.request_id)
+            if request is not None:
+                request.draft_token_ids = list(d[: r.max_drafts])
 
     def _failed_in_step(self, request: Request, sr: ScheduledRequest, failed: dict[str, str],
                         outputs: list[EngineCoreOutput]) -> bool:
@@ -235,7 +306,6 @@ class Scheduler:
 
     def _output(self, request: Request, tokens: list[int], status: RequestStatus | None, mro: ModelRunnerOutput,
                 prompt_lps) -> EngineCoreOutput:
-        lp = mro.logprobs.get(request.request_id)
         return EngineCoreOutput(
             request_id=request.request_id,
             new_token_ids=tokens,
@@ -243,9 +313,21 @@ class Scheduler:
             stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             first_scheduled_time=request.first_scheduled_time,
-            new_logprobs=[lp] if lp is not None and tokens else None,
+            new_logprobs=self._logprobs(request.request_id, tokens, mro),
             new_prompt_logprobs=prompt_lps,
+            num_draft_tokens=request.num_draft_tokens,
+            num_accepted_tokens=request.num_accepted_tokens,
         )
+
+    @staticmethod
+    def _logprobs(request_id: str, tokens: list[int], mro: ModelRunnerOutput) -> list | None:
+        if not tokens:
+            return None
+        verified = mro.verified_logprobs.get(request_id)
+        if verified is not None:
+            return verified[: len(tokens)]
+        lp = mro.logprobs.get(request_id)
+        return [lp] if lp is not None else None
 
     def _fork(self, parent: Request, children: list[tuple[str, SamplingParams]]) -> list[Request]:
         """Siblings of an n > 1 request start where the parent is now: prompt computed, one token to come."""

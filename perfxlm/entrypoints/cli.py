@@ -18,8 +18,10 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="weights and activations dtype; auto = bfloat16 where the CPU has native bf16")
     parser.add_argument("--device", default="auto", help="auto | cpu (vLLM's flag; the engine runs on CPU)")
-    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
-                        help="dummy = random weights of the right shapes (benchmarks)")
+    parser.add_argument("--load-format", default="auto",
+                        choices=["auto", "safetensors", "gguf", "dummy", "onnx"],
+                        help="dummy = random weights of the right shapes (benchmarks); onnx = a folder "
+                             "`perfxlm export onnx` wrote, run by ONNX Runtime (auto detects it)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output)")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one batch")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="most tokens in one step")
@@ -34,7 +36,9 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
     parser.add_argument("--quantization", "-q", default=None,
                         help="weights stored quantized: int8 | int4 | nf4 | w8a8 quantize a float checkpoint at "
                              "load; gguf keeps a GGUF file's quantized tensors (the default for .gguf), none "
-                             "dequantizes them; or JSON {\"method\", \"group_size\", \"symmetric\"}")
+                             "dequantizes them; awq | gptq | compressed-tensors name a pre-quantized checkpoint's "
+                             "own format (kept packed, as by default); or JSON {\"method\", \"group_size\", "
+                             "\"symmetric\"}")
     parser.add_argument("--quantization-group-size", type=int, default=None,
                         help="weights per scale (-1: one per output channel; default: 64 for int8 (per channel "
                              "where 64 does not divide an input size) and nf4, per channel for w8a8, 32 for int4)")
@@ -62,6 +66,10 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
     parser.add_argument("--download-dir", default=None,
                         help="Hugging Face cache to read model ids from and download into "
                              "(default: HF_HUB_CACHE, else HF_HOME/hub)")
+    parser.add_argument("--speculative-config", default=None,
+                        help="speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 5, "
+                             "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} (prompt lookup) or {\"model\": "
+                             "DRAFT, \"num_speculative_tokens\": 4} (a draft model of the same vocabulary)")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                         help="KV cache size in bytes (vLLM's name; VLLM_CPU_KVCACHE_SPACE=GiB works too)")
     parser.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
@@ -176,6 +184,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_loras=getattr(args, "max_loras", 1),
         max_lora_rank=getattr(args, "max_lora_rank", 16),
         max_cpu_loras=getattr(args, "max_cpu_loras", None),
+        speculative_config=getattr(args, "speculative_config", None),
     )
 
 

@@ -10,6 +10,8 @@ ModelRunnerOutput`.
 - `ExternalLauncherExecutor` (distributed_executor_backend="external_launcher"): this process is one
   rank of a job that torchrun started (several machines); every rank runs the whole engine and goes on
   with rank 0's sampled tokens (`executor/external.py`).
+- `OnnxExecutor` (load_format "onnx"): an exported graph run by ONNX Runtime in-process, under the same
+  scheduler (`executor/onnx.py`, `worker/onnx_runner.py`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from typing import Any
 
 
 def make_executor(config: Any) -> Any:
+    if getattr(config, "load_format", None) == "onnx":
+        from perfxlm.executor.onnx import OnnxExecutor
+
+        return OnnxExecutor(config)
     if getattr(config, "distributed_executor_backend", None) == "external_launcher":
         from perfxlm.executor.external import ExternalLauncherExecutor
 

@@ -28,8 +28,9 @@ class _Sent:
 class StepDelta:
     # (request id, sampling params, prompt token ids) for requests the workers have not seen
     new: list[tuple[str, Any, list[int]]]
-    # (request id, num tokens, num computed, do_sample, new output ids, blocks, blocks replace, fork children)
-    scheduled: list[tuple[str, int, int, bool, list[int], list[int], bool, list]]
+    # (request id, num tokens, num computed, do_sample, new output ids, blocks, blocks replace, fork children,
+    # draft token ids: the guesses behind the first token, which the mirror cannot know)
+    scheduled: list[tuple[str, int, int, bool, list[int], list[int], bool, list, list[int]]]
     num_batched_tokens: int
     finished_request_ids: set[str] = field(default_factory=set)
     num_preemptions: int = 0
@@ -61,8 +62,9 @@ class DeltaEncoder:
             outputs = s.output_token_ids
             new_outputs = list(outputs[state.num_outputs :])
             state.num_outputs = len(outputs)
-            items.append((rid, len(s.token_ids), s.num_computed_tokens, s.do_sample, new_outputs, new_blocks,
-                          replace, list(s.fork_children)))
+            drafts = list(s.draft_token_ids)
+            items.append((rid, len(s.token_ids) - len(drafts), s.num_computed_tokens, s.do_sample, new_outputs,
+                          new_blocks, replace, list(s.fork_children), drafts))
         return StepDelta(new, items, so.num_batched_tokens, set(so.finished_request_ids), so.num_preemptions,
                          list(so.blocks_to_copy))
 
@@ -85,7 +87,7 @@ class DeltaDecoder:
         for rid, params, prompt in delta.new:
             self.requests[rid] = _Mirror(params, prompt, [], [])
         scheduled = []
-        for rid, n, computed, do_sample, new_outputs, blocks, replace, forks in delta.scheduled:
+        for rid, n, computed, do_sample, new_outputs, blocks, replace, forks, drafts in delta.scheduled:
             m = self.requests[rid]
             m.outputs.extend(new_outputs)
             if replace:
@@ -99,7 +101,7 @@ class DeltaDecoder:
                 token_ids = m.outputs[computed - n_prompt : computed - n_prompt + n]
             else:
                 token_ids = (m.prompt + m.outputs)[computed : computed + n]
-            scheduled.append(ScheduledRequest(rid, token_ids, computed, m.blocks, do_sample, m.params, m.prompt,
-                                              m.outputs, forks))
+            scheduled.append(ScheduledRequest(rid, token_ids + drafts if drafts else token_ids, computed, m.blocks,
+                                              do_sample, m.params, m.prompt, m.outputs, forks, drafts))
         return SchedulerOutput(scheduled, delta.num_batched_tokens, delta.finished_request_ids,
                                delta.num_preemptions, delta.blocks_to_copy)

@@ -20,7 +20,7 @@ import torch
 from onnx import TensorProto
 
 from perfxlm.export.graph import Graph
-from perfxlm.export.graph_ops import AttentionSpec, DecoderInputs, LinearWeight, Rope, graph_ops
+from perfxlm.export.graph_ops import AttentionSpec, DecoderInputs, LinearWeight, Rope, dequantized, graph_ops
 from perfxlm.quant.weight import QuantizedWeight
 
 # architecture -> onnxruntime-genai's model type
@@ -74,7 +74,13 @@ def _array(t: Any) -> Any:
 
 def _linear(module: Any, name: str) -> LinearWeight:
     bias = None if module.bias is None else _array(module.bias)
-    return LinearWeight(_array(module.weight), bias, name)
+    weight = _array(module.weight)
+    if isinstance(weight, QuantizedWeight) and weight.act != "float":
+        # W8A8 rounds activations at run time; a graph of weight-only products would not be that model
+        raise ValueError(f"ONNX export: {name} is {weight.describe()}, whose int8 activations the exporter "
+                         "cannot express; export the float checkpoint, or quantize with int4 / int8 "
+                         "(weight-only).")
+    return LinearWeight(weight, bias, name)
 
 
 def build_decoder_graph(model: torch.nn.Module, flavor: str) -> Graph:
@@ -89,7 +95,9 @@ def build_decoder_graph(model: torch.nn.Module, flavor: str) -> Graph:
     )
     ops = graph_ops(flavor, g, inputs)
     rope = Rope(inner.rotary_emb.cos_cache.float().numpy(), inner.rotary_emb.sin_cache.float().numpy())
+    # the table is gathered from as float (a quantized one dequantized once, here)
     table = _array(inner.embed_tokens.weight)
+    table = dequantized(table) if isinstance(table, QuantizedWeight) else table
     x = ops.embedding(table)
     residual = None
     for i, layer in enumerate(inner.layers):
@@ -132,7 +140,9 @@ def build_decoder_graph(model: torch.nn.Module, flavor: str) -> Graph:
     final = inner.norm
     h, _ = ops.add_rms_norm(x, residual, _array(final.weight), final.variance_epsilon, "model.norm")
     head = model.lm_head
-    if head.weight is inner.embed_tokens.weight and not isinstance(table, QuantizedWeight):
+    if head.weight is inner.embed_tokens.weight:
+        # shares the float table: no second copy, and a float GEMM (ONNX Runtime's 8-bit MatMulNBits
+        # dequantizes the whole weight at every call: 30x slower on a 49k-row head, measured)
         logits = ops.tied_head(h, "model.embed_tokens.weight", table)
     else:
         logits = ops.linear(h, LinearWeight(_array(head.weight), None, "lm_head"))

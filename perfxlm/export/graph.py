@@ -10,19 +10,22 @@ from typing import Any, Sequence
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 OPSET = 17  # standard ops: ReduceMean's axes still an attribute, LayerNormalization present
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops
+EXTERNAL_BYTES = 1024  # initializers this large go to the data file
+ALIGN = 4096
 
-ELEM = {np.float32: TensorProto.FLOAT, np.int64: TensorProto.INT64, np.int32: TensorProto.INT32}
 
 
 class Graph:
     def __init__(self, name: str) -> None:
         self.name = name
         self.nodes: list[onnx.NodeProto] = []
-        self.initializers: list[onnx.TensorProto] = []
+        # (name, array): arrays stay as they are (views of the loaded model's weights where they can) until
+        # `save` streams them into the data file, so the export never holds a second copy of the model
+        self.initializers: list[tuple[str, np.ndarray]] = []
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
         self.domains: set[str] = set()
@@ -37,7 +40,7 @@ class Graph:
     def weight(self, name: str, array: np.ndarray) -> str:
         """An initializer holding `array` (stored in the external data file when large)."""
         name = self.fresh(name)
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        self.initializers.append((name, array))
         return name
 
     def const(self, value: Any, dtype: type = np.int64) -> str:
@@ -72,16 +75,30 @@ class Graph:
     def add_output(self, name: str, elem: int, shape: Sequence[Any]) -> None:
         self.outputs.append(helper.make_tensor_value_info(name, elem, list(shape)))
 
-    def to_model(self) -> onnx.ModelProto:
-        graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.initializers)
+    def save(self, path: str) -> None:
+        """model.onnx beside one external data file (`path` + ".data") holding every initializer of
+        EXTERNAL_BYTES or more, each written straight from its array and page-aligned (ONNX Runtime may
+        map the file)."""
+        location = os.path.basename(path) + ".data"
+        tensors = []
+        with open(os.path.join(os.path.dirname(path), location), "wb") as data:
+            for name, array in self.initializers:
+                array = np.ascontiguousarray(array)
+                if array.nbytes < EXTERNAL_BYTES:
+                    tensors.append(numpy_helper.from_array(array, name))
+                    continue
+                offset = (data.tell() + ALIGN - 1) // ALIGN * ALIGN
+                data.seek(offset)
+                array.tofile(data)
+                tensor = onnx.TensorProto(name=name, dims=array.shape,
+                                          data_type=helper.np_dtype_to_tensor_dtype(array.dtype))
+                for key, value in (("location", location), ("offset", offset), ("length", array.nbytes)):
+                    entry = tensor.external_data.add()
+                    entry.key, entry.value = key, str(value)
+                tensor.data_location = onnx.TensorProto.EXTERNAL
+                tensors.append(tensor)
+        graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, tensors)
         opsets = [helper.make_opsetid("", OPSET)] + [helper.make_opsetid(d, 1) for d in sorted(self.domains)]
         model = helper.make_model(graph, opset_imports=opsets, producer_name="perfxlm")
         model.ir_version = 8  # readable by every ONNX Runtime since 1.10
-        return model
-
-    def save(self, path: str) -> None:
-        """model.onnx beside one external data file holding every large initializer."""
-        model = self.to_model()
-        location = os.path.basename(path) + ".data"
-        onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=location, size_threshold=1024)
+        onnx.save_model(model, path)

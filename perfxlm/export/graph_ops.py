@@ -97,9 +97,8 @@ class GraphOps:
                           lambda: self.g.op("Concat", [self.batch_seq_shape(), self.g.const([n])], axis=0))
 
     # ---- embedding, norms, projections -------------------------------------------------------------
-    def embedding(self, table: Any) -> str:
-        array = dequantized(table) if isinstance(table, QuantizedWeight) else table
-        w = self.g.weight("model.embed_tokens.weight", array)
+    def embedding(self, table: np.ndarray) -> str:
+        w = self.g.weight("model.embed_tokens.weight", table)
         return self.g.op("Gather", [w, self.inputs.input_ids], axis=0, name="embed_tokens")
 
     def rms_norm(self, x: str, weight: np.ndarray, eps: float, name: str) -> str:
@@ -247,6 +246,12 @@ class OrtOps(GraphOps):
                 g.weight(f"{lw.name}.zero_points", packed.zero_points)]
         y = g.op("MatMulNBits", args, domain=MS_DOMAIN, K=w.in_features, N=w.out_features, bits=w.bits,
                  block_size=packed.block_size, accuracy_level=0, name=lw.name)
+        if packed.offsets is not None:  # + (sum of each block's activations) x offset
+            blocks = w.in_features // packed.block_size
+            sums = g.op("ReduceSum", [g.op("Reshape", [x, g.const([0, 0, blocks, packed.block_size])]),
+                                      g.const([-1])], keepdims=0)
+            offsets = g.weight(f"{lw.name}.block_offsets", np.ascontiguousarray(packed.offsets.T))
+            y = g.op("Add", [y, g.op("MatMul", [sums, offsets])])
         if lw.bias is not None:
             y = g.op("Add", [y, g.weight(f"{lw.name}.bias", lw.bias)])
         return y

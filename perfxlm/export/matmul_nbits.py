@@ -5,8 +5,11 @@ Q4_0's nibble order. MatMulNBits computes w = (u - zero_point) * scale per block
 of two, at least 16) with B [N, K / block, block * bits / 8], consecutive elements in a byte's low then
 high nibble. So codes are re-packed (never re-quantized), a group becomes group / block blocks sharing
 its scale, and the min becomes a zero point: an integer code where min = -scale * z exactly (Q4_0,
-symmetric int4 / int8: packed uint8, exact), else -min / scale as a float zero point (asymmetric groups:
-one extra rounding per weight, ~1e-7 relative).
+symmetric int4 / int8: packed uint8, exact). Other mins (Q4_1, asymmetric int4) are not a code: ONNX
+Runtime takes float zero points only on a path that dequantizes the whole weight at every call (~10x
+slower than its packed kernel, measured), so those weights get the middle code as zero point and the rest,
+min + scale * middle per block, as `offsets`: w = scale * (u - middle) + offset, the offset term of a
+product being (sum of the block's activations) x offset, one small float matmul of K / block inputs.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ MIN_BLOCK, MAX_BLOCK = 16, 128
 class PackedNBits:
     codes: np.ndarray  # uint8 [N, K / block, block * bits / 8]
     scales: np.ndarray  # float32 [N, K / block]
-    zero_points: np.ndarray  # uint8 [N, ceil(K / block * bits / 8)] or float32 [N, K / block]
+    zero_points: np.ndarray  # uint8 [N, ceil(K / block * bits / 8)]
     block_size: int
+    offsets: np.ndarray | None = None  # float32 [N, K / block], added per block (mins that are no code)
 
 
 def block_size_for(group: int) -> int | None:
@@ -45,7 +49,7 @@ def _pack_pairs(values: np.ndarray) -> np.ndarray:
 
 def pack_matmul_nbits(w: QuantizedWeight) -> PackedNBits | None:
     """None where MatMulNBits cannot hold the weight unchanged (a lookup table such as NF4's, an
-    expert stack, a group no power-of-two block divides, a zero scale with a nonzero min)."""
+    expert stack, a group no power-of-two block divides)."""
     if w.levels is not None or w.num_experts is not None or w.act != "float":
         return None
     block = block_size_for(w.group)
@@ -55,19 +59,19 @@ def pack_matmul_nbits(w: QuantizedWeight) -> PackedNBits | None:
     repeat = w.group // block
     scales = w.scales.float().numpy().repeat(repeat, axis=1)  # [N, K / block]
     mins = w.mins.float().numpy().repeat(repeat, axis=1)
-    if np.any((scales == 0) & (mins != 0)):
-        return None
     u = w.unpacked_codes().numpy().reshape(n, k // block, block)
     codes = _pack_pairs(u) if bits == 4 else u.copy()
     with np.errstate(divide="ignore", invalid="ignore"):
-        zero = np.where(scales == 0, 0.0, -mins / scales).astype(np.float32)
-    integer = np.rint(zero)
+        integer = np.rint(np.where(scales == 0, 0.0, -mins / scales))
     exact = (integer >= 0) & (integer < 2**bits) & (-scales * integer.astype(np.float32) == mins)
-    if exact.all():
-        z = integer.astype(np.uint8)
-        if bits == 4:
-            if z.shape[1] % 2:
-                z = np.concatenate([z, np.zeros((n, 1), np.uint8)], axis=1)
-            z = _pack_pairs(z)
-        return PackedNBits(codes, scales.astype(np.float32), z, block)
-    return PackedNBits(codes, scales.astype(np.float32), zero, block)
+    offsets = None
+    if not exact.all():
+        middle = 2 ** (bits - 1)
+        integer = np.full(scales.shape, middle)
+        offsets = (mins + scales * np.float32(middle)).astype(np.float32)
+    z = integer.astype(np.uint8)
+    if bits == 4:
+        if z.shape[1] % 2:
+            z = np.concatenate([z, np.zeros((n, 1), np.uint8)], axis=1)
+        z = _pack_pairs(z)
+    return PackedNBits(codes, scales.astype(np.float32), z, block, offsets)

@@ -21,11 +21,9 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from perfxlm.export.manifest import FORMAT_VERSION, GENAI_CONFIG, GRAPH_FILE, MANIFEST
 
-FORMAT_VERSION = 1
-MANIFEST = "perfxlm_onnx.json"
-GRAPH_FILE = "model.onnx"
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -91,9 +89,10 @@ def _write_configs(folder: str, config: Any, model_type: str, flavor: str) -> No
     hf = config.hf_config
     hf_dict = {k: v for k, v in hf.to_dict().items()
                if not k.startswith("perfxlm_") and k != "quantization_config"}
+    hf_dict["model_type"] = hf_dict.get("model_type") or model_type  # a GGUF file's config has none
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(hf_dict, f, indent=2)
-    with open(os.path.join(folder, "genai_config.json"), "w") as f:
+    with open(os.path.join(folder, GENAI_CONFIG), "w") as f:
         json.dump(genai_config(hf, config, model_type), f, indent=4)
     with open(os.path.join(folder, MANIFEST), "w") as f:
         json.dump({"format_version": FORMAT_VERSION, "flavor": flavor, "model_type": model_type,

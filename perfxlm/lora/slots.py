@@ -2,9 +2,9 @@
 
 Punica's idea (SGMV/BGMV: one launch for a batch whose rows use different adapters) done with two dense
 products per projection instead of one product pair per adapter: the adapters in the slots are packed
-side by side, each projection's A as [R, in] (every slot's ranks, slot after slot) and B as [out, R]
-(each part's B at its output rows, zero elsewhere: q, k and v of a fused projection are blocks of one
-matrix). A step computes h = x A^T for all rows and all slots, multiplies it by a [rows, R] mask that
+side by side, each projection's A as [R, in] (every slot's ranks, slot after slot) and B^T as [R, out]
+(each part's B at its output columns, zero elsewhere: q, k and v of a fused projection are blocks of
+one matrix). A step computes h = x A^T for all rows and all slots, multiplies it by a [rows, R] mask that
 holds the adapter's scale where the column belongs to the row's slot and 0 elsewhere, and adds h B^T to
 the base output. A row without an adapter, or another slot's columns, contribute exact zeros, so a row's
 result is its own adapter's, whatever else shares the step; the mask is built once per step and column
@@ -43,8 +43,18 @@ class ColumnLayout:
 @dataclass(frozen=True)
 class PackedLoRA:
     a: torch.Tensor  # [R, in]
-    b: torch.Tensor  # [out, R]
+    # B^T [R, out], the right operand of h B^T as a plain row-major matrix: one slot's columns are a
+    # contiguous block of rows, and the GEMM never takes a transposed operand (torch's CPU GEMM ran the
+    # [rows, R] x [out, R]^T product of a 1-row step up to 1000x slower than this layout, measured)
+    bt: torch.Tensor
     layout: ColumnLayout
+
+
+# Below this many multiply-adds an adapter product runs on the calling thread. The products are small
+# (rank columns), and a parallel region's fork and join cost more than such work: on a loaded 2-core
+# machine, [1, 576] x [576, 48] then x [48, 3072] took a median 11 us on one thread and, on two, 10 us or
+# 24 ms depending on whether the other thread was descheduled (set_num_threads itself costs 0.3 us).
+_SERIAL_MACS = 1 << 21
 
 
 class LoRABatch:
@@ -60,19 +70,27 @@ class LoRABatch:
         if packed is None:  # no adapter in the slots targets this projection
             return out
         layout = packed.layout
+        a, bt = packed.a, packed.bt
         if self.single_slot is not None:
             span = layout.spans.get(self.single_slot)
             if span is None:
                 return out
             s, e = span
-            h = (x @ packed.a[s:e].T).mul_(layout.col_scale[s:e])
-            return out.addmm_(h, packed.b[:, s:e].T)
-        mask = self._masks.get(id(layout))
-        if mask is None:
-            mask = (layout.col_slot == self.row_slot[:, None]) * layout.col_scale
-            self._masks[id(layout)] = mask
-        h = (x @ packed.a.T).mul_(mask)
-        return out.addmm_(h, packed.b.T)
+            a, bt, scale = a[s:e], bt[s:e], layout.col_scale[s:e]
+        else:
+            scale = self._masks.get(id(layout))
+            if scale is None:
+                scale = (layout.col_slot == self.row_slot[:, None]) * layout.col_scale
+                self._masks[id(layout)] = scale
+        threads = torch.get_num_threads()
+        serial = threads > 1 and x.shape[0] * a.shape[0] * (a.shape[1] + bt.shape[1]) < _SERIAL_MACS
+        if serial:
+            torch.set_num_threads(1)
+        try:
+            return out.addmm_((x @ a.T).mul_(scale), bt)
+        finally:
+            if serial:
+                torch.set_num_threads(threads)
 
 
 @dataclass
@@ -147,15 +165,15 @@ class LoRASlots:
                 wrapper.packed = None
                 continue
             a = torch.cat(a_parts).to(self.dtype).contiguous()
-            b = torch.zeros(wrapper.out_features, column, dtype=self.dtype)
+            bt = torch.zeros(column, wrapper.out_features, dtype=self.dtype)
             for part, col in b_blocks:
-                b[part.row : part.row + part.rows, col : col + part.rank] = part.b
+                bt[col : col + part.rank, part.row : part.row + part.rows] = part.b.T
             key = (tuple(col_slot), tuple(col_scale))
             layout = layouts.get(key)
             if layout is None:
                 layout = layouts[key] = ColumnLayout(torch.tensor(col_slot, dtype=torch.int64),
                                                      torch.tensor(col_scale, dtype=self.dtype), spans)
-            wrapper.packed = PackedLoRA(a, b, layout)
+            wrapper.packed = PackedLoRA(a, bt, layout)
 
 
 class NoAdapters:

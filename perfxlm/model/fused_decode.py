@@ -3,12 +3,13 @@
 At small batch a decode step costs more in per-op dispatch (about 25 torch ops and a dozen module calls
 per layer) than in arithmetic. `FusedDecode` describes each layer once (`_layer_args`): the Llama family
 (Llama, Mistral, Qwen2 with biases, Qwen3 with q/k norms, Phi-3 with partial rotary, sliding windows) and
-Gemma 2 (sandwich norms with 1 + w, GELU-tanh, soft-capped attention, local/global windows), and runs a
-step whose tokens are all decodes through `torch.ops.perfxlm.decode_layer`, float32 activations over
-float32, bf16 or quantized weights. A decoder layer kind joins by implementing `fused_decode_layer()`
+Gemma 2 / 3 (sandwich norms with 1 + w, GELU-tanh, soft-capped attention, local/global windows, a rope
+table per layer kind), GLM-4 (interleaved rotary reordered at load, post-sublayer norms), and runs a step
+whose tokens are all decodes through `torch.ops.perfxlm.decode_layer`, float32 activations over float32,
+bf16 or quantized weights. A decoder layer kind joins by implementing `fused_decode_layer()`
 (FusableDecoderLayer), built from `fused_attention`, `fused_mlp` and `fused_layer`; no family is named
-here. Anything else (prefill chunks in the batch, MoE and OPT layers, no native kernels, bf16
-activations) takes the module path, which stays the reference the tests compare against.
+here. Anything else (prefill chunks in the batch, MoE, MLA, attention sinks and OPT layers, no native
+kernels, bf16 activations) takes the module path, which stays the reference the tests compare against.
 """
 
 from __future__ import annotations

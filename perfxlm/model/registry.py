@@ -18,6 +18,9 @@ _MODELS = {
     "Qwen3MoeForCausalLM": ("perfxlm.model.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "GlmForCausalLM": ("perfxlm.model.models.glm", "GlmForCausalLM"),
     "Glm4ForCausalLM": ("perfxlm.model.models.glm4", "Glm4ForCausalLM"),
+    "DeepseekV2ForCausalLM": ("perfxlm.model.models.deepseek_v2", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("perfxlm.model.models.deepseek_v2", "DeepseekV3ForCausalLM"),
+    "GptOssForCausalLM": ("perfxlm.model.models.gpt_oss", "GptOssForCausalLM"),
     "MixtralForCausalLM": ("perfxlm.model.models.mixtral", "MixtralForCausalLM"),
     # encoders: only the pooling runner serves them (model.models.base.EncoderModel)
     "BertModel": ("perfxlm.model.models.bert", "BertModel"),

@@ -6,12 +6,14 @@ the tests compare against. Prefill over cached context reads the cache tile by t
 
 Options some models need: `sliding_window` W (a query at position p sees keys in (p - W, p], as
 transformers' sliding-window masks) and `soft_cap` c (scores become c * tanh(scores / c) before the
-mask, Gemma 2). Plain attention (neither set) takes the SDPA paths unchanged.
+mask, Gemma 2). Plain attention (neither set) takes the SDPA paths unchanged. Attention sinks (gpt-oss:
+a per-head logit in each softmax's denominator) run in torch ops only (`sink_attention`).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -67,13 +69,23 @@ def _softcap_attention(
     v: torch.Tensor,
     mask: torch.Tensor,  # bool, broadcastable to [B, num_kv_heads, group, T, S]
     scale: float,
-    soft_cap: float,
+    soft_cap: float | None,
+    sinks: torch.Tensor | None = None,  # [num_heads] logits
 ) -> torch.Tensor:  # [B, num_kv_heads, group, T, D]
     # SDPA has no hook between the scores and the softmax: spelled out, as transformers' eager path.
     scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / soft_cap) * soft_cap
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is not None:
+        # An attention sink (gpt-oss): one more logit per head in the softmax's denominator, attending to
+        # nothing; its probability is dropped, so a head may attend to less than all of its keys.
+        sink = sinks.to(scores.dtype).view(1, q.shape[1], q.shape[2], 1, 1).expand(*scores.shape[:-1], 1)
+        combined = torch.cat((scores, sink), dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(combined, dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype)
+    else:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v.unsqueeze(2))
 
 
@@ -117,9 +129,10 @@ def paged_decode_attention_torch(
     soft_cap: float | None = None,
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The same from torch ops: gather the blocks into contiguous K/V (dequantized), then SDPA with a
-    length mask."""
+    length mask (the softmax spelled out with a soft cap or attention sinks)."""
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -133,8 +146,8 @@ def paged_decode_attention_torch(
         # the query sits at position seq_len - 1: keys before seq_len - window fall out
         first = (seq_lens - sliding_window).view(batch, 1, 1, 1)
         mask = mask & (torch.arange(mask.shape[-1]) >= first)
-    if soft_cap is not None:
-        out = _softcap_attention(q.unsqueeze(3), key, value, mask.unsqueeze(1), scale, soft_cap)
+    if soft_cap is not None or sinks is not None:
+        out = _softcap_attention(q.unsqueeze(3), key, value, mask.unsqueeze(1), scale, soft_cap, sinks)
         return out.reshape(batch, num_heads, head_dim)
     out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
     return out.reshape(batch, num_heads, head_dim)
@@ -210,6 +223,39 @@ def prefill_attention(
 prefill_attention_reference = functools.partial(prefill_attention, tiled=False)
 
 
+def sink_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]: the step's decode rows, then its prefills
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: Any,  # the step's AttentionMetadata
+    scale: float,
+    sinks: torch.Tensor,  # [num_heads] logits
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention with sinks, in torch ops over gathered (dequantized) K/V: the native kernels have no sink
+    term yet. Decode rows and each prefill sequence as their torch paths do, with the sink logits."""
+    out = torch.empty(query.shape, dtype=query.dtype)
+    nd = meta.num_decode_tokens
+    if nd:
+        out[:nd] = paged_decode_attention_torch(
+            query[:nd], key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
+            meta.decode_mask, sliding_window, soft_cap, key_scale, value_scale, sinks,
+        )  # fmt: skip
+    for seq in meta.prefills:
+        s, e = seq.start, seq.end
+        out[s:e] = _prefill_attention_with_options(
+            query[s:e].transpose(0, 1).unsqueeze(0), key[s:e], value[s:e], key_cache, value_cache,
+            seq.block_table, seq.num_context_tokens, scale, sliding_window, soft_cap, key_scale, value_scale,
+            sinks,
+        )  # fmt: skip
+    return out
+
+
 def _prefill_attention_with_options(
     q: torch.Tensor,  # [1, H, T, D]
     key: torch.Tensor,
@@ -223,6 +269,7 @@ def _prefill_attention_with_options(
     soft_cap: float | None,
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     _, num_heads, num_new, head_dim = q.shape
     total = num_context_tokens + num_new
@@ -237,10 +284,10 @@ def _prefill_attention_with_options(
     mask = cols <= rows
     if sliding_window is not None:
         mask &= cols > rows - sliding_window
-    if soft_cap is None:
+    if soft_cap is None and sinks is None:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)
     num_kv_heads = k.shape[1]
     qg = q.view(1, num_kv_heads, num_heads // num_kv_heads, num_new, head_dim)
-    out = _softcap_attention(qg, k, v, mask, scale, soft_cap)
+    out = _softcap_attention(qg, k, v, mask, scale, soft_cap, sinks)
     return out.view(num_heads, num_new, head_dim).transpose(0, 1)

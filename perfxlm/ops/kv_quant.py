@@ -89,22 +89,27 @@ class KVCacheSpec:
             raise ValueError(f"kv_cache_group_size {g} must divide the head size {head_dim}.")
         return g
 
-    def bytes_per_token(self, num_kv_heads: int, head_dim: int) -> int:
-        """K and V of one token in one layer, scales included."""
+    def bytes_per_token(self, num_kv_heads: int, head_dim: int, value_is_key: bool = False) -> int:
+        """K and V of one token in one layer, scales included; K alone where V is the same tensor."""
         values = num_kv_heads * head_dim * self.dtype.itemsize
         scales = 0
         if self.has_scales:
             scales = num_kv_heads * (head_dim // self.group(head_dim)) * self.scale_dtype.itemsize
-        return 2 * (values + scales)
+        return (1 if value_is_key else 2) * (values + scales)
 
-    def allocate(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> "KVCache":
+    def allocate(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, value_is_key: bool = False
+    ) -> "KVCache":
+        """`value_is_key`: the layer's values are its keys (MLA's latent): one tensor serves as both, and
+        the writes of V put the same bits where K's put them."""
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        key, value = lazy_zeros(shape, self.dtype), lazy_zeros(shape, self.dtype)
+        key = lazy_zeros(shape, self.dtype)
+        value = key if value_is_key else lazy_zeros(shape, self.dtype)
         key_scale = value_scale = None
         if self.has_scales:
             sshape = (num_blocks, block_size, num_kv_heads, head_dim // self.group(head_dim))
             key_scale = lazy_zeros(sshape, self.scale_dtype)
-            value_scale = lazy_zeros(sshape, self.scale_dtype)
+            value_scale = key_scale if value_is_key else lazy_zeros(sshape, self.scale_dtype)
         return KVCache(key, value, key_scale, value_scale, bf16_model=self.bf16_model or self.dtype == torch.bfloat16)
 
     def describe(self, head_dim: int | None = None) -> str:
@@ -128,7 +133,12 @@ class KVCache:
     bf16_model: bool = False  # the model's weights are bf16 (see KVCacheSpec.bf16_model)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.key, self.value, self.key_scale, self.value_scale) if t is not None]
+        """Each distinct tensor once (V may be K itself)."""
+        unique: dict[int, torch.Tensor] = {}
+        for t in (self.key, self.value, self.key_scale, self.value_scale):
+            if t is not None:
+                unique.setdefault(id(t), t)
+        return list(unique.values())
 
 
 def cache_is_quantized(cache: torch.Tensor) -> bool:

@@ -66,14 +66,15 @@ from typing import Any, Callable
 import torch
 
 from perfxlm.quant import quantizers
+from perfxlm.quant.formats.loading import ALIASES as CHECKPOINT_ALIASES
+from perfxlm.quant.formats.loading import FORMATS
 from perfxlm.quant.weight import ACT_BLOCK, BLOCK4, ActivationMode, QuantizedWeight
 
 METHODS = ("int8", "int4", "nf4", "w8a8")
 GGUF, NONE = "gguf", "none"
 # a pre-quantized checkpoint's own method (perfxlm.quant.formats), accepted as `quantization=` where the
 # checkpoint has it (vLLM's spelling: its weights are kept packed, as with None)
-CHECKPOINT_METHODS = ("awq", "gptq", "compressed-tensors")
-_CHECKPOINT_ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq", "compressed_tensors": "compressed-tensors"}
+CHECKPOINT_METHODS = tuple(FORMATS)
 ALL_NAMES = (*METHODS, GGUF, NONE, *CHECKPOINT_METHODS)
 PER_CHANNEL = -1
 GROUP8 = 16  # 8-bit codes: groups are whole multiples of 16 weights (or one per row)
@@ -335,7 +336,7 @@ class QuantizationConfig:
             quantization = quantization["method"]
         if isinstance(quantization, str):
             lowered = quantization.strip().lower()
-            quantization = _CHECKPOINT_ALIASES.get(lowered, lowered)
+            quantization = CHECKPOINT_ALIASES.get(lowered, lowered)
         if not isinstance(quantization, str) or quantization not in ALL_NAMES:
             raise ValueError(f"quantization={quantization!r} is not supported; supported: {_names()}.")
         method = quantization

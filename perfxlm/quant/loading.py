@@ -174,7 +174,11 @@ class QuantizedLoader:
         order = self._shard_order(module, local, expert)
         if all(s in parts for s in order):
             del self.pending[key]
-            whole = QuantizedWeight.cat_rows([parts[s] for s in order])
+            try:
+                whole = QuantizedWeight.cat_rows([parts[s] for s in order])
+            except ValueError as e:  # e.g. act-order shards of one input with different orders
+                where = next((n for n, m in self.model.named_modules() if m is module), type(module).__name__)
+                raise ValueError(f"checkpoint weights of {where}.{local} ({', '.join(order)}): {e}") from None
             if expert is None:
                 self._install(module, local, whole)
             else:

@@ -22,6 +22,7 @@ from perfxlm.engine.messages import ModelRunnerOutput, ScheduledRequest, Schedul
 from perfxlm.lora.slots import LoRASlots, NoAdapters
 from perfxlm.model.forward_context import AttentionMetadata, PrefillSeq, set_forward_context
 from perfxlm.model.layers.attention import Attention
+from perfxlm.model.layers.rejection_sampler import RejectionSampler
 from perfxlm.model.layers.sampler import Sampler, compute_logprobs
 from perfxlm.ops import native
 from perfxlm.ops.attention import decode_mask
@@ -40,6 +41,7 @@ class ModelRunner:
         self.lora_slots = lora_slots if lora_slots is not None else NoAdapters()
         self.block_size = block_size
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler(self.sampler)
         self.generators: dict[str, torch.Generator] = {}
         self.grammars = None  # GrammarMatchers, made at the first structured-output row
         self._mask_thread: ThreadPoolExecutor | None = None
@@ -51,7 +53,7 @@ class ModelRunner:
         self.prompt_logprobs_observer: Callable[[str, int, torch.Tensor], None] | None = None
         for module in model.modules():
             if isinstance(module, Attention):
-                cache = self.kv_spec.allocate(num_blocks, block_size, module.num_kv_heads, module.head_dim)
+                cache = module.allocate_cache(self.kv_spec, num_blocks, block_size)
                 module.kv_cache = cache
                 self.kv_caches.append(cache)
 
@@ -59,7 +61,7 @@ class ModelRunner:
     def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype | KVCacheSpec) -> int:
         spec = KVCacheSpec.of(dtype)
         return sum(
-            block_size * spec.bytes_per_token(m.num_kv_heads, m.head_dim)
+            block_size * m.cache_bytes_per_token(spec)
             for m in model.modules()
             if isinstance(m, Attention)
         )
@@ -71,16 +73,21 @@ class ModelRunner:
         if self.grammars is not None:
             self.grammars.drop(so.finished_request_ids)
         self._copy_blocks(so.blocks_to_copy)
-        # Decodes (one new token) first so they form one contiguous slice for batched attention.
-        decodes = [s for s in so.scheduled if len(s.token_ids) == 1]
-        prefills = [s for s in so.scheduled if len(s.token_ids) > 1]
+        # Decodes (one new token, or one and its draft tokens: one decode row each) first so they form
+        # one contiguous slice for batched attention.
+        decodes = [s for s in so.scheduled if len(s.token_ids) == 1 or s.draft_token_ids]
+        prefills = [s for s in so.scheduled if len(s.token_ids) > 1 and not s.draft_token_ids]
         order = decodes + prefills
         input_ids, positions, meta, token_starts = self._prepare(order, len(decodes))
         meta.lora = self.lora_slots.batch([s.lora for s in order], [len(s.token_ids) for s in order])
         rows: list[SampleRow] = []
         hidden_rows: list[int] = []
+        verify = _Verification()
         for s, start in zip(order, token_starts):
             if not s.do_sample:
+                continue
+            if s.draft_token_ids:
+                verify.add(s, start)
                 continue
             last = start + len(s.token_ids) - 1
             rows.append(SampleRow(s.request_id, s.sampling_params, s.prompt_token_ids, s.output_token_ids))
@@ -89,10 +96,11 @@ class ModelRunner:
                 rows.append(SampleRow(child_id, child_params, s.prompt_token_ids, []))
                 hidden_rows.append(last)
         masks = self._start_grammar_masks(rows)
-        with set_forward_context(meta):
-            hidden = self.model(input_ids, positions)
+        hidden = self._forward(order, input_ids, positions, meta)
         out = ModelRunnerOutput(sampled_token_ids={})
         self._prompt_logprobs(order, token_starts, hidden, out)
+        if verify.requests:
+            self._verify(verify, hidden, out)
         if not rows:
             return out
         grammar = None
@@ -130,6 +138,41 @@ class ModelRunner:
             return out
         self._record_samples(rows, result, out)
         return out
+
+    def _forward(self, order: list[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden rows of this step's tokens, in `order` (the ONNX runner overrides this one seam)."""
+        with set_forward_context(meta):
+            return self.model(input_ids, positions)
+
+    def _verify(self, verify: "_Verification", hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """Score every draft token of the step's speculating requests and keep what the target accepts
+        (RejectionSampler); a request whose own sampling state fails is failed alone."""
+        logits = self.model.compute_logits(hidden[torch.tensor(verify.hidden_rows)])
+        try:
+            self._record_verified(verify.requests, verify.rows, verify.drafts, logits, out)
+            return
+        except Exception:
+            pass
+        row = 0
+        for s, d in zip(verify.requests, verify.drafts):
+            n = len(d) + 1
+            try:
+                self._record_verified([s], verify.rows[row : row + n], [d], logits[row : row + n].clone(), out)
+            except Exception as exc:
+                out.failed[s.request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
+            row += n
+
+    def _record_verified(self, requests: list[ScheduledRequest], rows: list[SampleRow], drafts: list[list[int]],
+                         logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+        meta = build_sampling_metadata(rows, self.generators, logits.shape[1])
+        result = self.rejection_sampler(logits, meta, drafts)
+        for i, (s, tokens) in enumerate(zip(requests, result.token_ids)):
+            out.verified_token_ids[s.request_id] = tokens
+            if result.logprobs is not None and s.sampling_params.needs_sampled_logprob:
+                k = 1 + (s.sampling_params.logprobs or 0)
+                ids, lps, ranks = result.logprobs[i]
+                out.verified_logprobs[s.request_id] = [(a[:k], b[:k], r) for a, b, r in zip(ids, lps, ranks)]
 
     def _start_grammar_masks(self, rows: list[SampleRow]):
         """A future of the structured-output rows' bitmask, filled on a worker thread while the forward
@@ -212,10 +255,15 @@ class ModelRunner:
         slot_mapping = tables[req_of_token, positions // bs] * bs + positions % bs
         tables_t = torch.from_numpy(tables)
         decode_tables = decode_lens = mask = None
+        num_decode_tokens = int(ends[num_decodes - 1]) if num_decodes else 0
         if num_decodes:
             dec_max = max(len(s.block_ids) for s in order[:num_decodes])
-            decode_tables = tables_t[:num_decodes, :dec_max]
-            decode_lens = torch.from_numpy(starts[:num_decodes] + 1)
+            if num_decode_tokens == num_decodes:
+                decode_tables = tables_t[:num_decodes, :dec_max]
+                decode_lens = torch.from_numpy(starts[:num_decodes] + 1)
+            else:  # draft tokens: each is a decode row of its request, seeing the tokens up to itself
+                decode_tables = tables_t[torch.from_numpy(req_of_token[:num_decode_tokens]), :dec_max]
+                decode_lens = torch.from_numpy(positions[:num_decode_tokens] + 1)
             if native.kernels() is None:  # the torch fallback masks padded blocks; the kernel needs no mask
                 mask = decode_mask(decode_lens, dec_max * bs)
         prefills = [
@@ -224,7 +272,7 @@ class ModelRunner:
         ]
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping),
-            num_decode_tokens=num_decodes,
+            num_decode_tokens=num_decode_tokens,
             decode_block_tables=decode_tables,
             decode_seq_lens=decode_lens,
             decode_mask=mask,
@@ -232,3 +280,23 @@ class ModelRunner:
         )
         token_starts = (ends - lens).tolist()
         return torch.tensor(ids, dtype=torch.int64), torch.from_numpy(positions), meta, token_starts
+
+
+class _Verification:
+    """The step's requests with draft tokens: their sample rows (one per draft and one after the last,
+    each seeing the output as it would be at that row, for penalties and bans) and hidden-state rows."""
+
+    def __init__(self) -> None:
+        self.requests: list[ScheduledRequest] = []
+        self.rows: list[SampleRow] = []
+        self.hidden_rows: list[int] = []
+        self.drafts: list[list[int]] = []
+
+    def add(self, s: ScheduledRequest, start: int) -> None:
+        d = s.draft_token_ids
+        self.requests.append(s)
+        self.drafts.append(d)
+        for j in range(len(d) + 1):
+            output = s.output_token_ids if j == 0 else [*s.output_token_ids, *d[:j]]
+            self.rows.append(SampleRow(s.request_id, s.sampling_params, s.prompt_token_ids, output))
+            self.hidden_rows.append(start + j)

@@ -34,6 +34,17 @@ CASES = {
         hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
         head_dim=32, query_pre_attn_scalar=24, sliding_window=12, attn_logit_softcapping=5.0,
         final_logit_softcapping=3.0, initializer_range=0.02)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        hidden_size=48, intermediate_size=88, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3,
+        head_dim=16, query_pre_attn_scalar=16, sliding_window=7, initializer_range=0.05,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=3,
+        head_dim=16, num_experts=5, num_experts_per_tok=2, moe_intermediate_size=30, norm_topk_prob=True,
+        mlp_only_layers=[0])),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(
+        hidden_size=48, intermediate_size=76, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=3,
+        head_dim=16, partial_rotary_factor=0.5, tie_word_embeddings=False)),
 }  # fmt: skip
 
 PROMPTS = [[5, 17, 300, 42, 9, 77, 13, 600, 2, 45, 81], [8, 8, 100, 200, 3], list(range(3, 40, 2))]
@@ -175,3 +186,20 @@ def test_worker_failure_ends_the_engine(checkpoints, monkeypatch, how):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_speculative_tp2_equals_one_process(checkpoints):
+    """Draft tokens travel to the workers in the step delta; greedy output stays one process's."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    prompts = [{"prompt_token_ids": [5, 17, 300, 42] * 4 + [5, 17]}, {"prompt_token_ids": [8, 9, 10] * 5}]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, detokenize=False)
+    kw = dict(dtype="float32", skip_tokenizer_init=True, block_size=4, num_kv_blocks=64)
+    ref = LLM(checkpoints["qwen2"], **kw).generate(prompts, params, use_tqdm=False)
+    llm = LLM(checkpoints["qwen2"], tensor_parallel_size=2, speculative_config=spec, **kw)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.llm_engine.scheduler.spec_stats.num_drafts > 0
+    finally:
+        llm.llm_engine.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert _children_gone()

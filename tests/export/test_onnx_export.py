@@ -1,7 +1,7 @@
 """`perfxlm export onnx`: every exportable family on random-weight checkpoints of odd sizes, both flavors,
 run in ONNX Runtime over a prompt and 16 greedy decode steps with the growing past fed back: float32
 logits of every call within 1e-4 of transformers'; quantized exports (int4 with and without zero points,
-int8 per channel, a GGUF Q4_0 file) kept packed in MatMulNBits and greedy-equal to the engine's own
+int8 per channel, GGUF Q4_0 and Q4_1 files) kept packed in MatMulNBits and greedy-equal to the engine's own
 quantized path; refusals that name what is wrong and leave nothing behind."""
 
 from __future__ import annotations
@@ -80,10 +80,10 @@ def test_float_export_matches_transformers(tmp_path, family, flavor):
     assert (manifest["flavor"], manifest["format_version"]) == (flavor, 1)
 
 
-# how each format's mins travel: float zero points (asymmetric groups) or exact uint8 codes
-ZERO_POINTS = {"int4": np.float32, "int4-sym": np.uint8, "int8-channel": np.uint8}
+# whose mins are no zero-point code, so travel as per-block offsets (asymmetric groups)
+OFFSETS = {"int4": True, "int4-sym": False, "int8-channel": False}
 QUANTIZED = {
-    "int4": {"method": "int4", "mixed_precision": False, "calibration": False},  # zero points: float
+    "int4": {"method": "int4", "mixed_precision": False, "calibration": False},  # mins: any float
     "int4-sym": {"method": "int4", "symmetric": True, "mixed_precision": False, "calibration": False},
     "int8-channel": {"method": "int8", "group_size": -1},  # group 96 -> 3 blocks of 32 share a scale
 }
@@ -126,18 +126,17 @@ def test_quantized_export_keeps_weights_packed_and_matches_the_engine(tmp_path, 
     stored = sum(onnx.numpy_helper.to_array(t).nbytes for t in graph.graph.initializer
                  if ".layers." in t.name and "proj" in t.name)
     assert stored < float_bytes / 3
-    zero_points = {onnx.numpy_helper.to_array(t).dtype for t in graph.graph.initializer
-                   if "zero_points" in t.name and ".layers." in t.name}
-    assert zero_points == {np.dtype(ZERO_POINTS[name])}
+    names = [t.name for t in graph.graph.initializer if ".layers." in t.name]
+    assert any("block_offsets" in n for n in names) == OFFSETS[name]
 
 
-def test_gguf_q4_0_export_matches_the_engine(tmp_path, llama96):
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])  # a zero-point code; a min per block (offsets)
+def test_gguf_export_matches_the_engine(tmp_path, llama96, qtype):
     from tests.quant.test_quant_engine import write_quantized_llama_gguf
 
-    Q = gguf.GGMLQuantizationType
     path = str(tmp_path / "llama.gguf")
     parts = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-    write_quantized_llama_gguf(path, llama96, {p: Q.Q4_0 for p in parts})
+    write_quantized_llama_gguf(path, llama96, {p: gguf.GGMLQuantizationType[qtype] for p in parts})
     out = str(tmp_path / "onnx")
     export_onnx(path, out, flavor="ort")
     _assert_matches_engine(out, path, None)
@@ -151,6 +150,22 @@ def test_unsupported_family_is_named_and_nothing_is_written(tmp_path, case):
         export_onnx(str(tmp_path / "ckpt"), str(out))
     assert case.split("-")[0] in str(err.value).lower()
     assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".perfxlm-export")]
+
+
+def test_int8_activations_are_refused_by_name(tmp_path, llama96):
+    with pytest.raises(ValueError, match="w8a8 quantizes activations to int8 by definition"):
+        export_onnx(llama96, str(tmp_path / "onnx"), quantization="w8a8")
+    assert not (tmp_path / "onnx").exists()
+    # a weight that rounds its activations (a pre-quantized W8A8 checkpoint) is refused by the exporter
+    from types import SimpleNamespace
+
+    from perfxlm.export.decoder import _linear
+    from perfxlm.quant import QuantizedWeight
+
+    w8a8 = QuantizedWeight(torch.zeros(4, 32, dtype=torch.uint8), torch.ones(4, 1), torch.zeros(4, 1), None,
+                           bits=8, group=32, act="int8", out_features=4, in_features=32)
+    with pytest.raises(ValueError, match="o_proj is u8 .* a8, whose int8 activations the exporter cannot"):
+        _linear(SimpleNamespace(weight=w8a8, bias=None), "o_proj")
 
 
 def test_output_folder_flavor_and_cli(tmp_path, llama96, capsys):

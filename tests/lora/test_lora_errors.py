@@ -94,6 +94,10 @@ def test_bad_arguments(llm, lora_base):
         llm.generate({"prompt_token_ids": [5]}, use_tqdm=False, lora_request=[None, None])
     with pytest.raises(ValueError, match="max_cpu_loras must be an integer >= max_loras"):
         LLM(lora_base, skip_tokenizer_init=True, enable_lora=True, max_loras=3, max_cpu_loras=2)
+    with pytest.raises(ValueError, match="lora_dtype='float16' is not supported"):
+        LLM(lora_base, skip_tokenizer_init=True, enable_lora=True, lora_dtype="float16")
+    with pytest.raises(ValueError, match="enable_lora runs in one process"):
+        LLM(lora_base, skip_tokenizer_init=True, enable_lora=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="max_lora_rank must be an integer >= 1"):
         LLM(lora_base, skip_tokenizer_init=True, enable_lora=True, max_lora_rank=0)
     assert_pool_whole(llm)

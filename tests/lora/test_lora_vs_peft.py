@@ -104,3 +104,23 @@ def test_prefix_cache_never_shared_across_adapters(lora_base, adapters):
     assert again_a[0] >= 48 and again_a[1] == first_a[1]  # the same adapter reuses its own blocks
     assert cached(None)[0] >= 48
     assert_pool_whole(llm)
+
+
+def test_fused_decode_kept_for_steps_without_an_adapter(lora_base, adapters):
+    """enable_lora leaves base-only steps on the fused decode layer (same output as an engine without
+    LoRA); a step with an adapter row takes the module path, where the adapter products are added."""
+    from perfxlm.ops import native
+
+    prompts = prompts_of((5, 12), seed=4)
+    plain = LLM(lora_base, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=32)
+    llm = LLM(lora_base, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=32, enable_lora=True,
+              max_lora_rank=8)
+    fused = llm.llm_engine.core.model.model.fused_decode
+    calls, fused_run = [], fused.run
+    fused.run = lambda *a: calls.append(1) or fused_run(*a)
+    assert run(llm, prompts, None) == run(plain, prompts, None)
+    if native.kernels() is not None:
+        assert calls and fused.eligible
+    calls.clear()
+    run(llm, prompts, LoRARequest("a", 1, adapters["a"]))
+    assert not calls

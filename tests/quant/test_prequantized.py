@@ -17,6 +17,7 @@ import transformers
 from perfxlm import LLM, SamplingParams
 from perfxlm.config import EngineConfig
 from perfxlm.model.fused_decode import FusedDecode
+from perfxlm.ops import native
 from perfxlm.quant import QuantizedWeight
 from tests.conftest import assert_pool_whole
 from tests.model.test_architectures_vs_hf import CASES, build_checkpoint, hf_greedy_with_logprobs
@@ -142,6 +143,8 @@ def test_awq_gptq_match_transformers_on_dequantized_weights(tmp_path, name):
     qkv = weights["model.layers.0.self_attn.qkv_proj"]
     assert qkv.bits == bits and (qkv.input_order is not None) == act_order and qkv.levels is None
     assert_matches(llm, hf)
+    if native.kernels() is not None:  # act-order products gather their inputs: the module path
+        assert fused_decode_of(llm).eligible == (not act_order)
 
 
 @pytest.mark.parametrize("name", list(CT_SCHEMES))
@@ -214,8 +217,8 @@ def test_every_family_gptq_act_order(tmp_path, case):
 def test_int4_awq_and_gptq_take_the_int4_kernel_path(tmp_path):
     """Without act-order an AWQ / GPTQ 4-bit weight is the engine's own int4 form (4-bit codes, a scale and
     a min per group, no table, no input order): the same native products and the fused decode layer."""
-    own = engine(str(tmp_path / "float"), quantization={"method": "int4", "calibration": False, "mixed_precision": False}) if write_float(
-        str(tmp_path / "float")) else None  # fmt: skip
+    write_float(str(tmp_path / "float"))
+    own = engine(str(tmp_path / "float"), quantization={"method": "int4", "calibration": False, "mixed_precision": False})
     for name in ("awq-g32", "gptq-4bit-g32-asym"):
         make_parts, qconfig, _ = PACKED[name]
         path = str(tmp_path / name)
@@ -225,13 +228,18 @@ def test_int4_awq_and_gptq_take_the_int4_kernel_path(tmp_path):
         for w_own, w in zip(projections(model_of(own)).values(), projections(model_of(llm)).values()):
             assert (w.bits, w.levels, w.input_order, w.act) == (4, None, None, "float")
             assert (w_own.bits, w_own.levels, w_own.act) == (4, None, "float")
-        fused = [m for m in model_of(llm).modules() if isinstance(m, FusedDecode)]
-        assert not fused or all(f.eligible for f in fused)
+        fused = fused_decode_of(llm)
+        assert fused.eligible and (fused.args is not None) == (native.kernels() is not None)  # it ran
 
 
-def write_float(path: str) -> bool:
+def fused_decode_of(llm) -> FusedDecode:
+    found = [m.fused_decode for m in model_of(llm).modules() if isinstance(getattr(m, "fused_decode", None), FusedDecode)]
+    assert len(found) == 1
+    return found[0]
+
+
+def write_float(path: str) -> None:
     tiny_llama().save_pretrained(path)
-    return True
 
 
 def test_stacked_experts_keep_their_own_orders():
@@ -305,7 +313,7 @@ def test_act_order_that_differs_inside_a_fused_weight_is_refused(tmp_path):
     path = str(tmp_path / "gptq")
     write_packed(path, tiny_llama(), lambda n, w: gptq_parts(w, 4, 32, True, torch.randperm(w.shape[1], generator=g)),
                  gptq_config(4, 32, desc_act=True))  # fmt: skip
-    with pytest.raises(ValueError, match="input order"):
+    with pytest.raises(ValueError, match="model.layers.0.mlp.gate_up_proj.weight \\(gate, up\\): parts differ in input order"):
         engine(path)
 
 
@@ -336,7 +344,44 @@ def test_compressed_tensors_static_activations_and_formats_refused(tmp_path):
     set_quantization_config(path, bad)
     with pytest.raises(ValueError, match="static activation scales"):
         resolve(path)
+    bad = {**qc, "config_groups": {"group_0": {**group, "weights": {**group["weights"], "num_bits": 2}}}}
+    set_quantization_config(path, bad)
+    with pytest.raises(ValueError, match="group_0.weights: num_bits=2 type='int' with pack-quantized"):
+        resolve(path)
+    set_quantization_config(path, {**qc, "quantization_status": "frozen"})
+    with pytest.raises(ValueError, match="quantization_status='frozen'"):
+        resolve(path)
+    set_quantization_config(path, {**qc, "kv_cache_scheme": {"num_bits": 8, "type": "float"}})
+    with pytest.raises(ValueError, match="quantization_config.kv_cache_scheme is not supported"):
+        resolve(path)
     bad = {**qc, "config_groups": {"group_0": {**group, "weights": {**group["weights"], "group_size": 64}}}}
     set_quantization_config(path, bad)
     with pytest.raises(ValueError, match="'model.layers.0.mlp.down_proj' has 160 inputs, which the scheme's group_size=64"):
         resolve(path)
+
+
+def test_compressed_tensors_act_order_group_index():
+    """pack-quantized with `actorder` (its GPTQ modifier's weight_g_idx): the same input order as GPTQ's."""
+    from perfxlm.quant.formats import format_for
+    from tests.quant.packed_checkpoints import pack_int32, quantize_groups
+
+    n, k, group = 16, 96, 32
+    order = torch.randperm(k, generator=torch.Generator().manual_seed(3))
+    w = torch.randn(n, k)
+    q, scales, zeros, dq = quantize_groups(w, 4, group, sym=True, order=order)
+    g_idx = torch.empty(k, dtype=torch.int64).scatter_(0, order, torch.arange(k) // group)
+    fmt = format_for({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                           "group_size": group, "actorder": "group"}}}})  # fmt: skip
+    tensors = {"weight_packed": pack_int32(q, 4), "weight_scale": scales.float(), "weight_shape": torch.tensor([n, k]),
+               "weight_g_idx": g_idx.to(torch.int32)}  # fmt: skip
+    infos = {p: (tuple(t.shape), {torch.int32: "I32", torch.float32: "F32", torch.int64: "I64"}[t.dtype])
+             for p, t in tensors.items()}  # fmt: skip
+    fmt.check("m", infos)
+    weight = fmt.build("m", tensors)
+    assert weight.bits == 4 and torch.equal(weight.input_order, torch.argsort(g_idx, stable=True))
+    torch.testing.assert_close(weight.dense(), dq, rtol=0, atol=1e-6)
+    x = torch.randn(3, k)
+    from perfxlm.ops.linear import linear
+
+    torch.testing.assert_close(linear(x, weight), x @ dq.t(), rtol=1e-5, atol=1e-5)

@@ -139,6 +139,21 @@ def test_store_is_bounded_and_optional(client, server):
     server.wait_idle()
 
 
+def test_truncation_auto_drops_the_oldest_turns(client, server):
+    items = [{"role": "user", "content": "word " * 2300},  # past the server's 2048-token context alone
+             {"role": "assistant", "content": "ok"}, {"role": "user", "content": "Say hi."}]
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model=MODEL, input=items, max_output_tokens=4)
+    r = client.responses.create(model=MODEL, input=items, max_output_tokens=4, temperature=0, truncation="auto")
+    fits = client.responses.create(model=MODEL, input=items[1:], max_output_tokens=4, temperature=0)
+    assert r.output_text == fits.output_text and r.usage.input_tokens == fits.usage.input_tokens
+    assert r.truncation == "auto"
+    with pytest.raises(openai.BadRequestError) as err:  # nothing left to drop
+        client.responses.create(model=MODEL, input=items[0]["content"], max_output_tokens=4, truncation="auto")
+    assert err.value.body["param"] == "input"
+    server.wait_idle()
+
+
 @pytest.mark.parametrize("body,param", [
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
     ({"input": [{"type": "web_search_call"}]}, "input"),

@@ -277,6 +277,9 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
 
         return run_pooling_server(args, config, served_name(engine_kwargs.get("model"), args.served_model_name))
     template = load_chat_template(getattr(args, "chat_template", None))  # a bad path fails before the model loads
+    max_stored_responses = getattr(args, "max_stored_responses", 1000)
+    if not isinstance(max_stored_responses, int) or max_stored_responses < 0:
+        raise SystemExit(f"perfxlm: --max-stored-responses must be an integer >= 0, got {max_stored_responses!r}.")
     try:
         lora_modules = parse_lora_modules(getattr(args, "lora_modules", None))
     except ValueError as exc:
@@ -299,7 +302,7 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
                     default_sampling=load_generation_defaults(engine.engine.config.model,
                                                               getattr(args, "generation_config", "auto")),
                     lora_modules=lora_modules,
-                    max_stored_responses=getattr(args, "max_stored_responses", 1000))
+                    max_stored_responses=max_stored_responses)
     # the grammar engine's import (~2 s) happens now, off the request path, rather than in the first
     # structured-output request
     threading.Thread(target=_import_grammar_engine, name="perfxlm-import-xgrammar", daemon=True).start()

@@ -40,6 +40,7 @@ class _EngineCollector:
         hits = CounterMetricFamily("perfxlm:prefix_cache_hits", "Prompt tokens found in the prefix cache")
         hits.add_metric([], kv.prefix_hits)
         yield from (running, waiting, usage, used, inflight, preempt, queries, hits)
+        yield from _spec_decode_metrics(engine.core.scheduler.spec_stats)
         replicas = getattr(engine.core, "replica_stats", None)  # data parallel: the sums above, and each replica
         if replicas is not None:
             names = (("num_requests_inflight", "inflight", "Requests routed to the replica and not ended"),
@@ -53,6 +54,21 @@ class _EngineCollector:
                     value = s.get(key, 0) if key else s.get("num_blocks", 0) - s.get("num_free_blocks", 0)
                     g.add_metric([str(i)], value)
                 yield g
+
+
+def _spec_decode_metrics(stats):
+    """vLLM's speculative-decoding counters (zero without speculation)."""
+    drafts = CounterMetricFamily("perfxlm:spec_decode_num_drafts", "Verifications of draft tokens")
+    drafts.add_metric([], stats.num_drafts)
+    tokens = CounterMetricFamily("perfxlm:spec_decode_num_draft_tokens", "Draft tokens proposed and verified")
+    tokens.add_metric([], stats.num_draft_tokens)
+    accepted = CounterMetricFamily("perfxlm:spec_decode_num_accepted_tokens", "Draft tokens accepted")
+    accepted.add_metric([], stats.num_accepted_tokens)
+    per_pos = CounterMetricFamily("perfxlm:spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted, by position in the draft", labels=["position"])
+    for position, n in enumerate(list(stats.accepted_per_position)):
+        per_pos.add_metric([str(position)], n)
+    return drafts, tokens, accepted, per_pos
 
 
 class ServerMetrics:

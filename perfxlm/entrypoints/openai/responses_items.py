@@ -103,6 +103,8 @@ def chat_tool_choice(choice: Any) -> Any:
 def structured_format(text: dict | None) -> dict | None:
     """`text.format` as the chat path's response_format."""
     fmt = (text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise APIError(400, "text.format must be an object such as {\"type\": \"json_schema\", ...}.", "text")
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":

@@ -251,9 +251,9 @@ async def generate_one(ctx: ServerContext, prompt: Any, params: SamplingParams, 
 
 
 async def beam_search_one(ctx: ServerContext, prompt: Any, params: BeamSearchParams, request_id: str,
-                          logprobs: int | None) -> AsyncIterator[RequestOutput]:
+                          logprobs: int | None, lora_request: Any = None) -> AsyncIterator[RequestOutput]:
     """AsyncLLM.beam_search with generate_one's error handling: bad input a 400, a dead engine a 503."""
-    stream = ctx.engine.beam_search(prompt, request_id, params, logprobs=logprobs)
+    stream = ctx.engine.beam_search(prompt, request_id, params, lora_request, logprobs=logprobs)
     try:
         try:
             out = await stream.__anext__()

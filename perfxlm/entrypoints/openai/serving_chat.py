@@ -232,12 +232,10 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     request_id = new_id("chatcmpl")
     if req.use_beam_search:
-        if lora is not None:
-            raise APIError(400, "LoRA adapters are not supported with use_beam_search.", "model")
         if constraint is not None:
             raise APIError(400, f'tool_choice "{mode}" is not supported with use_beam_search.', "tool_choice")
         beams = to_beam_search_params(req, max_tokens, ctx.default_sampling)
-        stream = merge([beam_search_one(ctx, prompt, beams, request_id, logprobs)])
+        stream = merge([beam_search_one(ctx, prompt, beams, request_id, logprobs, lora)])
     else:
         params = to_sampling_params(req, max_tokens, logprobs, structured_outputs=constraint,
                                     defaults=ctx.default_sampling)

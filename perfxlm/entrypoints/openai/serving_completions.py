@@ -77,12 +77,11 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     request_id = new_id("cmpl")
     if req.use_beam_search:
-        if lora is not None:
-            raise APIError(400, "LoRA adapters are not supported with use_beam_search.", "model")
         if req.prompt_logprobs is not None:
             raise APIError(400, "prompt_logprobs is not supported with use_beam_search.", "prompt_logprobs")
         beams = to_beam_search_params(req, max_tokens, ctx.default_sampling)
-        streams = [beam_search_one(ctx, p, beams, f"{request_id}-{i}", req.logprobs) for i, p in enumerate(prompts)]
+        streams = [beam_search_one(ctx, p, beams, f"{request_id}-{i}", req.logprobs, lora)
+                   for i, p in enumerate(prompts)]
     else:
         params = to_sampling_params(req, max_tokens, req.logprobs, req.prompt_logprobs, defaults=ctx.default_sampling)
         await compile_structured_outputs(ctx, params)

@@ -36,9 +36,10 @@ from perfxlm.entrypoints.openai.tool_parsers import ToolCall
 from perfxlm.outputs import RequestOutput
 
 
-def _check(ctx: ServerContext, req: ResponsesRequest) -> None:
+def _check(ctx: ServerContext, req: ResponsesRequest) -> Any:
+    """The request's LoRA adapter (None: the base model), after refusing what the endpoint cannot do."""
     check_extra_fields(req)
-    check_model(ctx, req.model)
+    lora = check_model(ctx, req.model)
     if req.background:
         raise APIError(400, "background responses are not supported; drop background or set it to false.",
                        "background")
@@ -49,6 +50,7 @@ def _check(ctx: ServerContext, req: ResponsesRequest) -> None:
                        "use_beam_search")
     if req.text is not None and structured_format(req.text) is not None and req.response_format is not None:
         raise APIError(400, "Give text.format or response_format, not both.", "text")
+    return lora
 
 
 def _history(ctx: ServerContext, req: ResponsesRequest) -> list[dict]:
@@ -100,7 +102,7 @@ class _Turn:
 
 
 async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Request):
-    _check(ctx, req)
+    lora = _check(ctx, req)
     history = _history(ctx, req)
     conversation = history + input_messages(req.input)  # instructions are not carried to later turns (OpenAI)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
@@ -114,10 +116,8 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Reques
         if constraint is not None:
             raise APIError(400, f'tool_choice "{mode}" constrains the output already; drop text.format.', "text")
         req.response_format = fmt
-    prompt = await ctx.renderer.render(_assistant_args_to_dicts(system + [dict(m) for m in conversation]), True,
-                                       req.chat_template, False, req.chat_template_kwargs,
-                                       tools=tools if mode != "none" else None)
     max_tokens = req.max_output_tokens if req.max_output_tokens is not None else req.max_tokens
+    prompt = await _render(ctx, req, system, conversation, tools if mode != "none" else None, max_tokens or 1)
     if max_tokens is None:
         max_tokens = max(1, ctx.max_model_len - len(prompt["prompt_token_ids"]))
     params = to_sampling_params(req, max_tokens, None, structured_outputs=constraint, defaults=ctx.default_sampling)
@@ -125,7 +125,7 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Reques
         params._grammar_start_token = _thinking_end(ctx, prompt["prompt_token_ids"])
     await compile_structured_outputs(ctx, params)
     turn = _Turn(ctx, req, conversation)
-    stream = merge([generate_one(ctx, prompt, params, turn.id)])
+    stream = merge([generate_one(ctx, prompt, params, turn.id, lora)])
     opened = True if (prompt.get("prompt") or "").rstrip().endswith("<think>") else None
     parser = _ChoiceParser(ctx, mode, tool, req.parallel_tool_calls is not False, opened)
     if req.stream:
@@ -139,11 +139,48 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Reques
     out = results[-1][1]
     choice = out.outputs[0]
     reasoning, content, calls = parser.finish(choice.text, choice.finish_reason)
-    status = "incomplete" if choice.finish_reason == "length" else "completed"
-    body = turn.response(status, output_items(reasoning, content, calls, status),
+    status = _status(choice.finish_reason)
+    body = turn.response(status, output_items(reasoning, content, calls, _item_status(status)),
                          _usage(out, await _count_tokens(ctx, reasoning)))
     turn.remember(body)
     return JSONResponse(body)
+
+
+def _status(finish_reason: str | None) -> str:
+    """A response's status from its choice's finish: cut by max_output_tokens, aborted, or done."""
+    return {"length": "incomplete", "abort": "cancelled"}.get(finish_reason or "", "completed")
+
+
+def _item_status(status: str) -> str:
+    return "completed" if status == "completed" else "incomplete"  # items have no "cancelled"
+
+
+async def _render(ctx: ServerContext, req: ResponsesRequest, system: list[dict], conversation: list[dict],
+                  tools: list[dict] | None, min_new_tokens: int) -> dict:
+    """The prompt through the chat template; with truncation="auto", the oldest turns dropped until it
+    and min_new_tokens fit max_model_len."""
+    kept = list(conversation)
+    while True:
+        prompt = await ctx.renderer.render(_assistant_args_to_dicts(system + [dict(m) for m in kept]), True,
+                                           req.chat_template, False, req.chat_template_kwargs, tools=tools)
+        if req.truncation != "auto" or len(prompt["prompt_token_ids"]) + min_new_tokens <= ctx.max_model_len:
+            return prompt
+        kept = _drop_oldest_turn(kept)
+        if not kept:
+            raise APIError(400, f"The instructions and the last input item alone exceed max_model_len "
+                                f"({ctx.max_model_len} tokens) with max_output_tokens; shorten them.", "input")
+
+
+def _drop_oldest_turn(messages: list[dict]) -> list[dict]:
+    """truncation="auto" (OpenAI: drop items from the start of the conversation until it fits): the oldest
+    message goes, with the tool results that answered it, and the last message always stays (empty when
+    only it was left, which is then refused)."""
+    if len(messages) <= 1:
+        return []
+    rest = messages[1:]
+    while len(rest) > 1 and rest[0]["role"] == "tool":
+        rest = rest[1:]
+    return rest
 
 
 async def _count_tokens(ctx: ServerContext, text: str | None) -> int:
@@ -270,15 +307,15 @@ async def _stream(turn: _Turn, parser: _ChoiceParser, stream: AsyncIterator[tupl
                 yield e
             if choice.finish_reason is None:
                 continue
-            status = "incomplete" if choice.finish_reason == "length" else "completed"
+            status = _status(choice.finish_reason)
             has_message = any(i["type"] == "message" for i in events.output + [events.open or {"type": None}])
             if not calls and not has_message:
-                for e in events.close_open(status) + _empty_message(events):
+                for e in events.close_open(_item_status(status)) + _empty_message(events):
                     yield e
-            for e in events.close_open(status):
+            for e in events.close_open(_item_status(status)):
                 yield e
             for call in calls:
-                for e in events.call(call, status):
+                for e in events.call(call, _item_status(status)):
                     yield e
             reasoning = "".join(p["text"] for i in events.output if i["type"] == "reasoning" for p in i["content"])
             body = turn.response(status, events.output,

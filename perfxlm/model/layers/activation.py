@@ -55,6 +55,19 @@ class GeluAndMul(nn.Module):
         return F.gelu(gate, approximate=self.approximate) * up
 
 
+class ClampedSwiGLU(nn.Module):
+    """gpt-oss's expert activation: [..., 2 * d] with gate and up interleaved (even, odd columns) ->
+    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
+
+    def __init__(self, alpha: float, limit: float) -> None:
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x[..., ::2].clamp(max=self.limit), x[..., 1::2].clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
 def act_and_mul(name: str) -> nn.Module:
     """The gated-MLP activation for a transformers `hidden_act` name."""
     if name in ("silu", "swish"):

@@ -7,6 +7,7 @@ runner binds the cacheless backend itself, and no cache).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from torch import nn
 from perfxlm.model.forward_context import get_forward_context
 from perfxlm.model.layers import attention_backend
 from perfxlm.model.layers.attention_backend import AttentionBackend, AttentionOptions
-from perfxlm.ops.kv_quant import KVCache
+from perfxlm.ops.kv_quant import KVCache, KVCacheSpec
 
 
 def layer_sliding_window(config: Any, layer_idx: int, every_layer: bool = False) -> int | None:
@@ -46,6 +47,8 @@ class Attention(nn.Module):
         sliding_window: int | None = None,  # a query at position p sees keys in (p - window, p]
         logit_soft_cap: float | None = None,  # scores -> cap * tanh(scores / cap) before the softmax
         causal: bool = True,  # False: bidirectional (an encoder; the pooling runner's cacheless backend)
+        value_is_key: bool = False,  # callers pass v = k (MLA's latent): the cache stores it once
+        sinks: bool = False,  # gpt-oss: a learned sink logit per head, `sinks` [num_heads]
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -58,7 +61,10 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logit_soft_cap = logit_soft_cap
+        self.value_is_key = value_is_key
         self.options = AttentionOptions(scale, sliding_window, logit_soft_cap, causal)
+        # a Parameter of this module, put into the options at each forward (loading may replace it)
+        self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False) if sinks else None
         self.backend: AttentionBackend | None = None  # bound at the first forward pass, by its device
         # K and V blocks, each [num_blocks, block_size, num_kv_heads, head_dim], and their scales for an
         # int8 / fp8 cache (ops/kv_quant.py)
@@ -72,8 +78,15 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         backend = self.backend or self._bind_backend(q.device)
         assert self.kv_cache is not None or not backend.uses_cache, "KV cache not bound"
-        out = backend.forward(q, k, v, self.kv_cache, get_forward_context(), self.options)
+        options = self.options if self.sinks is None else dataclasses.replace(self.options, sinks=self.sinks)
+        out = backend.forward(q, k, v, self.kv_cache, get_forward_context(), options)
         return out.view(out.shape[0], -1)
+
+    def cache_bytes_per_token(self, spec: KVCacheSpec) -> int:
+        return spec.bytes_per_token(self.num_kv_heads, self.head_dim, self.value_is_key)
+
+    def allocate_cache(self, spec: KVCacheSpec, num_blocks: int, block_size: int) -> KVCache:
+        return spec.allocate(num_blocks, block_size, self.num_kv_heads, self.head_dim, self.value_is_key)
 
     def _bind_backend(self, device: torch.device) -> AttentionBackend:
         self.backend = attention_backend.for_device(device)

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from perfxlm.model.forward_context import AttentionMetadata
-from perfxlm.ops.attention import paged_decode_attention, prefill_attention, write_kv_cache, write_kv_cache_torch
+from perfxlm.ops.attention import (
+    paged_decode_attention, prefill_attention, sink_attention, write_kv_cache, write_kv_cache_torch,
+)  # fmt: skip
 from perfxlm.ops.kv_quant import KVCache
 from perfxlm.ops.varlen_attention import varlen_attention
 
@@ -34,6 +36,7 @@ class AttentionOptions:
     sliding_window: int | None = None  # a query at position p sees keys in (p - window, p]
     soft_cap: float | None = None  # scores -> cap * tanh(scores / cap) before the softmax
     causal: bool = True  # False: an encoder's bidirectional attention (only the cacheless backend has it)
+    sinks: torch.Tensor | None = None  # [num_heads] sink logits (gpt-oss), a Parameter loaded in place
 
 
 class AttentionBackend(ABC):
@@ -68,6 +71,11 @@ class CpuAttentionBackend(AttentionBackend):
         kwargs = {}
         if cache.key_scale is not None:
             kwargs["key_scale"], kwargs["value_scale"] = cache.key_scale, cache.value_scale
+        if options.sinks is not None:
+            return sink_attention(
+                q, k, v, key_cache, value_cache, meta, options.scale, options.sinks, options.sliding_window,
+                options.soft_cap, **kwargs,
+            )  # fmt: skip
         if options.sliding_window is not None:
             kwargs["sliding_window"] = options.sliding_window
         if options.soft_cap is not None:
@@ -98,6 +106,8 @@ class CachelessAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, cache, meta, options):
         if options.soft_cap is not None:
             raise ValueError("logit soft-capping is not supported by the pooling runner's attention.")
+        if options.sinks is not None:
+            raise ValueError("attention sinks (gpt-oss) are not supported by the pooling runner's attention.")
         return varlen_attention(q, k, v, meta.index, meta.valid, options.scale, options.causal, options.sliding_window)
 
 
@@ -146,6 +156,8 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, cache, meta, options):
         write_kv_cache_torch(k, v, cache.key, cache.value, meta.slot_mapping.to(k.device), cache.key_scale,
                              cache.value_scale)  # fmt: skip
+        if options.sinks is not None:
+            raise ValueError("the triton attention backend has no attention sinks (gpt-oss) yet; use cpu.")
         if cache.key.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.int8):
             raise ValueError(f"the triton attention backend reads float and int8 KV caches, not {cache.key.dtype}.")
         step = self._step(meta, q.device)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from perfxlm.ops.linear import linear
+from perfxlm.ops.linear import linear, unpack_bf16
 
 
 class Linear(nn.Module):
@@ -24,6 +24,14 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.out_features)
+
+    def weight_matrix(self) -> torch.Tensor:
+        """W as a plain [N, K] tensor whatever its storage (packed bf16 panels, quantized codes): for
+        code that uses W otherwise than in x W^T (MLA folds it into per-head matrices)."""
+        w = self.weight
+        if not isinstance(w, torch.Tensor):
+            return w.dequantize()
+        return unpack_bf16(w, self.out_features) if w.dim() == 3 else w
 
 
 class MergedLinear(Linear):

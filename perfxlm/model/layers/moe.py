@@ -29,6 +29,8 @@ def grouped_experts(
     gate_up: torch.Tensor,  # [E, 2 * inter, hidden]
     down: torch.Tensor,  # [E, hidden, inter]
     act: nn.Module,
+    gate_up_bias: torch.Tensor | None = None,  # [E, 2 * inter] (gpt-oss)
+    down_bias: torch.Tensor | None = None,  # [E, hidden]
 ) -> torch.Tensor:  # [T, hidden]
     num_tokens, top_k = expert_ids.shape
     flat = expert_ids.reshape(-1)
@@ -45,8 +47,10 @@ def grouped_experts(
         end = start + n
         # ops.linear: torch's own where the stacks share the activations' dtype; bf16 stacks under float32
         # activations go to the native row kernel (or the CPU's bf16 GEMM), never widened whole.
-        h = act(linear(xs[start:end], gate_up[expert]))
-        out_sorted[start:end] = linear(h, down[expert]) * ws[start:end]
+        h = linear(xs[start:end], gate_up[expert], None if gate_up_bias is None else gate_up_bias[expert])
+        h = act(h)
+        out = linear(h, down[expert], None if down_bias is None else down_bias[expert])
+        out_sorted[start:end] = out * ws[start:end]
         start = end
     # Pairs are added in expert order, as transformers accumulates them: the same float32 sums.
     return torch.zeros_like(x).index_add_(0, token_of, out_sorted)
@@ -103,4 +107,8 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = route(router_logits, self.top_k, self.renormalize)
-        return grouped_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.act)
+        return self.run_routed(x, weights, ids)
+
+    def run_routed(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Experts chosen by a router of the family's own (DeepSeek's grouped top-k): [T, k] each."""
+        return grouped_experts(x, weights, expert_ids, self.gate_up_proj, self.down_proj, self.act)

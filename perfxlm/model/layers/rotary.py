@@ -71,9 +71,50 @@ def _scaled_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> to
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, blended, scaled)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
     raise ValueError(
-        f"rope scaling type {rope_type!r} is not supported (supported: default, linear, llama3, longrope/su)."
+        f"rope scaling type {rope_type!r} is not supported "
+        "(supported: default, linear, llama3, longrope/su, yarn)."
     )
+
+
+def _yarn_inv_freq(dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN (DeepSeek-V2/V3, Qwen long context): frequencies past `beta_fast` rotations over the original
+    context kept, those under `beta_slow` divided by `factor`, a linear ramp between, as transformers."""
+    factor = scaling["factor"]
+    original = scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no singular ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp
+    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _attention_factor(scaling: dict[str, Any]) -> float:
+    """What YaRN multiplies cos and sin by: `attention_factor`, else mscale / mscale_all_dim's ratio."""
+    if _rope_type(scaling) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, mscale_all_dim = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
 
 
 def _longrope_tables(
@@ -121,8 +162,9 @@ class RotaryEmbedding(nn.Module):
                 t = torch.arange(max_position, dtype=torch.int64).float()
                 freqs = torch.outer(t, inv_freq)
                 emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, rotary_dim]
-                self.cos_cache = emb.cos()
-                self.sin_cache = emb.sin()
+                attention_factor = _attention_factor(scaling)
+                self.cos_cache = emb.cos() * attention_factor
+                self.sin_cache = emb.sin() * attention_factor
         self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
@@ -131,8 +173,10 @@ class RotaryEmbedding(nn.Module):
         partial = (
             scaling.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
         )
-        if _rope_type(scaling) == "longrope" and "original_max_position_embeddings" not in scaling:
+        if _rope_type(scaling) in ("longrope", "yarn") and "original_max_position_embeddings" not in scaling:
             scaling["original_max_position_embeddings"] = config.original_max_position_embeddings
+        if _rope_type(scaling) == "yarn" and scaling.get("factor") is None:
+            scaling["factor"] = config.max_position_embeddings / scaling["original_max_position_embeddings"]
         factors = getattr(config, "rope_freq_factors", None)  # from a GGUF file's rope_freqs tensor
         if factors is not None:
             scaling["freq_factors"] = factors
@@ -149,16 +193,18 @@ class RotaryEmbedding(nn.Module):
         return cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
 
 
-def interleaved_to_halves(rows: Any, head_dim: int, rotary_dim: int) -> Any:
+def interleaved_to_halves(rows: Any, head_dim: int, rotary_dim: int, offset: int = 0) -> Any:
     """A q or k projection (weight [heads * head_dim, K], or its bias) whose heads rotate channel pairs
-    (2i, 2i + 1) (GPT-J's interleaved rotary: GLM), with its rows reordered so that the same rotation
-    is this module's rotate-half over pairs (i, i + rotary_dim / 2). q and k are reordered alike, so
-    their dot products, and attention, are unchanged; channels past rotary_dim keep their places.
+    (2i, 2i + 1) (GPT-J's interleaved rotary: GLM, DeepSeek), with its rows reordered so that the same
+    rotation is this module's rotate-half over pairs (i, i + rotary_dim / 2). q and k are reordered
+    alike, so their dot products, and attention, are unchanged; the rotary channels start `offset` into
+    each head (DeepSeek's come after the unrotated ones), the others keep their places.
     `rows`: a tensor, or a perfxlm.quant.QuantizedWeight (reordered by `index_rows`)."""
     if rows.shape[0] % head_dim:
         raise ValueError(f"{rows.shape[0]} projection rows are not whole heads of {head_dim}.")
-    within = torch.cat((torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2),
-                        torch.arange(rotary_dim, head_dim)))  # fmt: skip
+    end = offset + rotary_dim
+    within = torch.cat((torch.arange(offset), torch.arange(offset, end, 2), torch.arange(offset + 1, end, 2),
+                        torch.arange(end, head_dim)))  # fmt: skip
     heads = rows.shape[0] // head_dim
     order = (torch.arange(heads).unsqueeze(1) * head_dim + within).reshape(-1)
     return rows[order] if isinstance(rows, torch.Tensor) else rows.index_rows(order)

@@ -110,6 +110,16 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
+        logits = self.apply_processors(logits, meta)
+        token_ids = self.sample(logits, meta)
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids)
+        ids, lps, ranks = compute_logprobs(raw_logprobs, token_ids, meta.max_num_logprobs or 0)
+        return SamplerOutput(token_ids, ids, lps, ranks)
+
+    @staticmethod
+    def apply_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Stage 1: the grammar mask, allowed tokens, bans and biases, penalties."""
         if meta.grammar is not None:
             logits = apply_grammar_bitmask(logits, *meta.grammar)
         if meta.allowed is not None:
@@ -118,11 +128,7 @@ class Sampler:
             logits = apply_sparse_edits(logits, meta.edits)
         if meta.penalties is not None:
             logits = apply_penalties(logits, meta.penalties)
-        token_ids = self.sample(logits, meta)
-        if raw_logprobs is None:
-            return SamplerOutput(token_ids)
-        ids, lps, ranks = compute_logprobs(raw_logprobs, token_ids, meta.max_num_logprobs or 0)
-        return SamplerOutput(token_ids, ids, lps, ranks)
+        return logits
 
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:  # [num_rows] int64
         if meta.all_greedy:
@@ -130,13 +136,20 @@ class Sampler:
         is_greedy = meta.temperature == 0
         any_greedy = bool(is_greedy.any())
         greedy = logits.argmax(dim=-1) if any_greedy else None
+        sampled = sample_from_probs(self.probabilities(logits, meta), meta.generators)
+        return torch.where(is_greedy, greedy, sampled) if any_greedy else sampled
+
+    @staticmethod
+    def probabilities(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Stage 3's distribution of every row (greedy rows as if at temperature 1): what random rows
+        draw from, and what speculative decoding's rejection sampler accepts drafts against."""
+        is_greedy = meta.temperature == 0
         temp = torch.where(is_greedy, torch.ones_like(meta.temperature), meta.temperature)
         logits = logits / temp.unsqueeze(1)
         if meta.min_p is not None:
             logits = apply_min_p(logits, meta.min_p)
         logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-        sampled = sample_from_probs(logits.softmax(dim=-1), meta.generators)
-        return torch.where(is_greedy, greedy, sampled) if any_greedy else sampled
+        return logits.softmax(dim=-1)
 
 
 def sample_from_probs(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
@@ -145,6 +158,11 @@ def sample_from_probs(probs: torch.Tensor, generators: dict[int, torch.Generator
     u = torch.rand(probs.shape[0], 1)
     for row, gen in generators.items():
         u[row] = torch.rand(1, generator=gen)
+    return sample_with_uniforms(probs, u)
+
+
+def sample_with_uniforms(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """probs [rows, vocab] (need not sum to 1), u [rows, 1] uniform in [0, 1) -> [rows] token ids."""
     cdf = probs.cumsum(dim=-1)
     # Scale by the row total so rounding in the cumulative sum never leaves u past the end.
     idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)

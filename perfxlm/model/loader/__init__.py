@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from typing import Any, Iterator
 
@@ -16,6 +17,8 @@ from perfxlm.quant.config import resolve_activations
 from perfxlm.quant.formats import PackedCheckpoint
 from perfxlm.quant.loading import quantized_loader
 from perfxlm.quant.weight import ActivationMode
+
+logger = logging.getLogger("perfxlm")
 
 
 def packed_checkpoint(model_path: str, load_format: str) -> PackedCheckpoint | None:
@@ -68,6 +71,8 @@ def get_model(
     model_cls = resolve_model_class(hf_config)
     build_config = hf_config
     packed = packed_checkpoint(model_path, load_format)  # a bad packed checkpoint fails before the build
+    if packed is not None:
+        logger.info("Pre-quantized checkpoint, kept packed: %s", packed.format.describe())
     if tp is not None:
         from perfxlm.distributed.sharding import check_supported, tp_quantization
 

@@ -83,6 +83,9 @@ class _ArchSpec:
     extra_keys: frozenset[str] = frozenset()  # `{arch}.*` metadata read beyond the decoder keys
     # the converter stored norm weights as (1 + w) (Gemma): subtract the one on load
     norms_plus_one: bool = False
+    # a mixture of experts: expert_count / expert_used_count are read, and the `*_exps` tensors, stacked
+    # [num_experts, ...], are split into the per-expert tensors of the Hugging Face layout
+    moe: bool = False
 
 
 _QK_NORM_TENSORS: dict[str, str] = {
@@ -91,6 +94,21 @@ _QK_NORM_TENSORS: dict[str, str] = {
     "blk.{n}.attn_k_norm": "model.layers.{n}.self_attn.k_norm",
 }
 
+# Qwen3-MoE: every layer sparse (Qwen3-30B-A3B's mlp_only_layers is empty), top-k renormalised (llama.cpp's
+# qwen3moe graph always normalises the chosen weights)
+_QWEN3MOE_KEYS = {
+    **_DECODER_KEYS, "expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+}  # fmt: skip
+_QWEN3MOE_TENSORS = {
+    **_QK_NORM_TENSORS,
+    "blk.{n}.ffn_gate_inp": "model.layers.{n}.mlp.gate",
+    "blk.{n}.ffn_gate_exps": "model.layers.{n}.mlp.experts.gate_proj",
+    "blk.{n}.ffn_up_exps": "model.layers.{n}.mlp.experts.up_proj",
+    "blk.{n}.ffn_down_exps": "model.layers.{n}.mlp.experts.down_proj",
+}
+_EXPERT_STACK = re.compile(r"\.experts\.(gate_proj|up_proj|down_proj)\.weight$")
+
 _ARCHS: dict[str, _ArchSpec] = {
     "llama": _ArchSpec("llama", "LlamaForCausalLM", _DECODER_KEYS, _DECODER_TENSORS, permute_qk=True),
     # llama.cpp uses the NeoX rope layout for these, so its converter leaves q/k as they are
@@ -98,6 +116,12 @@ _ARCHS: dict[str, _ArchSpec] = {
                        extra_config={"use_sliding_window": False, "sliding_window": None}),
     "qwen3": _ArchSpec("qwen3", "Qwen3ForCausalLM", _DECODER_KEYS, _QK_NORM_TENSORS, permute_qk=False,
                        extra_config={"use_sliding_window": False, "sliding_window": None}),
+    "qwen3moe": _ArchSpec(
+        "qwen3_moe", "Qwen3MoeForCausalLM", _QWEN3MOE_KEYS, _QWEN3MOE_TENSORS, permute_qk=False,
+        extra_config={"use_sliding_window": False, "sliding_window": None, "norm_topk_prob": True,
+                      "decoder_sparse_step": 1, "mlp_only_layers": []},
+        extra_keys=frozenset({"expert_feed_forward_length"}), moe=True,
+    ),  # fmt: skip
     "gemma2": _ArchSpec("gemma2", "Gemma2ForCausalLM", _DECODER_KEYS, gguf_gemma2.TENSORS, permute_qk=False,
                         extra_config=gguf_gemma2.CONFIG_DEFAULTS, extra_keys=gguf_gemma2.EXTRA_KEYS,
                         norms_plus_one=True),
@@ -149,7 +173,9 @@ def load_gguf_config(path: str) -> "transformers.PretrainedConfig":
 
     # llama.cpp writes Mistral as `llama`; a sliding window in the file makes it Mistral again
     window = meta.get(f"{arch}.attention.sliding_window") if arch == "llama" else None
-    check_metadata(meta, arch, spec.extra_keys | ({"attention.sliding_window"} if arch == "llama" else set()))
+    check_metadata(
+        meta, arch, spec.extra_keys | ({"attention.sliding_window"} if arch == "llama" else set()), spec.moe
+    )
     model_type, hf_architecture = spec.model_type, spec.hf_architecture
     kwargs: dict[str, Any] = {**_CONFIG_DEFAULTS, **spec.extra_config}
     if window:
@@ -319,6 +345,9 @@ def _iter_weights(
         if hf_name is None:
             continue  # rope_freqs: read into the config by load_gguf_config (others refused up front)
         info = f.tensors[name]
+        if spec.moe and _EXPERT_STACK.search(hf_name):
+            yield from _expert_tensors(f, name, hf_name, keep_quantized)
+            continue
         # the thread count is restored before each yield, so the consumer runs with its own setting
         with _one_torch_thread():
             if keep_quantized and info.ggml_type in REPACKED_TYPES and len(info.shape) == 2:
@@ -335,6 +364,19 @@ def _iter_weights(
         yield hf_name, tensor
     # the tensors are copied out: hand the file's pages back, so resident memory is the model's own
     f.release_pages()
+
+
+def _expert_tensors(f: GGUFFile, name: str, hf_name: str, keep_quantized: bool) -> Iterator[tuple[str, Any]]:
+    """A stacked `*_exps` tensor [E, rows, cols] as E per-expert tensors under the Hugging Face names
+    (`experts.{e}.gate_proj.weight`, ...); quantized blocks are repacked expert by expert, never widened."""
+    info = f.tensors[name]
+    quantized = keep_quantized and info.ggml_type in REPACKED_TYPES and len(info.shape) == 3
+    raw = f.raw(name) if quantized else None
+    stack = None if quantized else f.tensor(name)
+    for e in range(info.shape[0]):
+        with _one_torch_thread():
+            tensor = repack(raw[e], info.ggml_type, info.shape[1:]) if quantized else stack[e]
+        yield hf_name.replace(".experts.", f".experts.{e}."), tensor
 
 
 def _unpermute(tensor: Any, n_head: int) -> Any:

@@ -43,7 +43,10 @@ def uniform(meta: dict[str, Any], key: str) -> Any:
     return value
 
 
-def check_metadata(meta: dict[str, Any], arch: str, extra_keys: frozenset[str] = frozenset()) -> None:
+def check_metadata(
+    meta: dict[str, Any], arch: str, extra_keys: frozenset[str] = frozenset(), moe: bool = False
+) -> None:
+    """`moe`: the architecture's loader reads expert_count / expert_used_count (else they must be 0)."""
     prefix = arch + "."
     unknown = sorted(
         k for k in meta if k.startswith(prefix) and k[len(prefix) :] not in TRANSLATED_KEYS | extra_keys
@@ -64,7 +67,7 @@ def check_metadata(meta: dict[str, Any], arch: str, extra_keys: frozenset[str] =
         # llama.cpp scales the rotated q/k by it for every rope type; the rotary layer here does not
         raise ValueError(f"GGUF metadata {prefix}rope.scaling.attn_factor={attn_factor} is not supported.")
     for key in ("expert_count", "expert_used_count"):
-        if meta.get(prefix + key, 0):
+        if not moe and meta.get(prefix + key, 0):
             raise ValueError(
                 f"GGUF metadata {prefix}{key}={meta[prefix + key]}: mixture-of-experts GGUF files are not "
                 "supported (load the Hugging Face checkpoint instead)."

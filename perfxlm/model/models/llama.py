@@ -40,6 +40,7 @@ class LlamaAttention(nn.Module):
         sliding_window: int | None = None,
         scale: float | None = None,  # default head_dim^-1/2
         logit_soft_cap: float | None = None,
+        sinks: bool = False,  # gpt-oss: a learned sink logit per head (in `attn`)
     ) -> None:
         super().__init__()
         hidden = config.hidden_size
@@ -63,6 +64,7 @@ class LlamaAttention(nn.Module):
             scale or self.head_dim**-0.5,
             sliding_window=sliding_window,
             logit_soft_cap=logit_soft_cap,
+            sinks=sinks,
         )
         self.qk_size = q_size + kv_size
 
@@ -81,6 +83,8 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v))
 
     def fused_decode_attention(self) -> FusedAttention | None:
+        if self.attn.sinks is not None:
+            return None  # the fused kernel has no sink term
         norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
         return fused_attention(self.qkv_proj, self.o_proj, self.attn, *norms)
 

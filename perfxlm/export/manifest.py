@@ -1,0 +1,58 @@
+"""What an exported folder promises the engine that runs it: `perfxlm_onnx.json` (format version,
+flavor, family) and the op types its graphs may hold. Read by the exporter, which writes it, and by the
+engine's ONNX runner, which refuses a folder whose version or ops it does not know before starting."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+FORMAT_VERSION = 1
+MANIFEST = "perfxlm_onnx.json"
+GRAPH_FILE = "model.onnx"
+GENAI_CONFIG = "genai_config.json"
+
+# domain -> op types the exporter writes (graph_ops.py); the runner refuses any other
+KNOWN_OPS = {
+    "": {"Add", "And", "Cast", "Concat", "Gather", "Gemm", "Greater", "Identity", "LessOrEqual", "MatMul",
+         "Mul", "Neg", "Range", "Reciprocal", "ReduceMean", "ReduceSum", "Reshape", "Shape", "Sigmoid",
+         "SimplifiedLayerNormalization", "Softmax", "Split", "Sqrt", "Sub", "Tile", "Transpose", "Unsqueeze",
+         "Where"},
+    "com.microsoft": {"GroupQueryAttention", "MatMulNBits", "RotaryEmbedding",
+                      "SkipSimplifiedLayerNormalization"},
+}
+
+
+def is_export(folder: str) -> bool:
+    return os.path.isdir(folder) and os.path.isfile(os.path.join(folder, MANIFEST))
+
+
+def read_manifest(folder: str) -> dict[str, Any]:
+    """The folder's manifest; ValueError naming what is missing or not known."""
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.isfile(path):
+        raise ValueError(f"{folder!r} is not an ONNX export of perfxlm: it has no {MANIFEST} "
+                         "(write one with `perfxlm export onnx`).")
+    with open(path) as f:
+        manifest = json.load(f)
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ValueError(f"{path}: format_version {version!r} is not known to this engine (it runs version "
+                         f"{FORMAT_VERSION}); export the model again with this version of perfxlm.")
+    for name in (manifest.get("graph", GRAPH_FILE), GENAI_CONFIG):
+        if not os.path.isfile(os.path.join(folder, name)):
+            raise ValueError(f"ONNX export {folder!r} lacks {name}.")
+    return manifest
+
+
+def check_graph_ops(graph_path: str) -> None:
+    """ValueError naming the first node whose op type (or domain) the engine does not run."""
+    import onnx
+
+    model = onnx.load(graph_path, load_external_data=False)
+    for node in model.graph.node:
+        if node.op_type not in KNOWN_OPS.get(node.domain or "", ()):
+            domain = node.domain or "ai.onnx"
+            raise ValueError(f"{graph_path}: node {node.name!r} is op {domain}::{node.op_type}, which the "
+                             f"engine does not run (it runs the graphs `perfxlm export onnx` writes).")

@@ -1,0 +1,90 @@
+"""Multi-head latent attention (DeepSeek-V2/V3), with the compressed latent as the KV cache.
+
+Each token's keys and values are one latent c = norm(W_DKV x) of `kv_lora_rank` values plus one shared
+rotary key k_pe of `qk_rope_head_dim`; head h's key is [W_UK[h] c, k_pe] and its value W_UV[h] c. Rather
+than expanding them (num_heads x (qk_head_dim + v_head_dim) values per token), W_UK is folded into the
+query and W_UV applied after attention ("weight absorption"):
+
+    score_h = (q_nope_h W_UK[h]) . c + q_pe_h . k_pe        out_h = W_UV[h] (sum_t p_t c_t)
+
+so attention is multi-query attention with one KV head of kv_lora_rank + qk_rope_head_dim channels, which
+the paged cache and every attention kernel already serve (a decode reads each cached latent once for all
+heads). The value is the same latent row as the key (the rope channels of the output are dropped), so the
+layer's cache holds one tensor as both K and V (`value_is_key`): kv_lora_rank + qk_rope_head_dim values
+per token and layer, the latent's size. DeepSeek-V2-Lite's expanded K/V would be 16 heads x (192 + 128)
+= 5120 values per token and layer, against 576 here (8.9x fewer bytes at any cache dtype).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from perfxlm.model.layers.attention import Attention
+from perfxlm.model.layers.linear import Linear
+from perfxlm.model.layers.norm import RMSNorm
+from perfxlm.model.layers.rotary import _rope_type, apply_rotary, rope_parameters, yarn_mscale
+
+
+def mla_scale(config: Any) -> float:
+    """qk_head_dim^-1/2, times YaRN's mscale(factor, mscale_all_dim)^2 where the rope is scaled."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    _, scaling = rope_parameters(config)
+    mscale_all_dim = scaling.get("mscale_all_dim", 0)
+    if _rope_type(scaling) != "default" and mscale_all_dim:
+        scale *= yarn_mscale(scaling["factor"], mscale_all_dim) ** 2
+    return scale
+
+
+class MLAttention(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        hidden, bias = config.hidden_size, bool(getattr(config, "attention_bias", False))
+        self.num_heads = config.num_attention_heads
+        self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.v_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank
+        q_out = self.num_heads * (self.nope_dim + self.rope_dim)
+        self.q_lora_rank = getattr(config, "q_lora_rank", None)
+        if self.q_lora_rank:  # the query through its own low-rank bottleneck (V2 full size, V3)
+            self.q_a_proj = Linear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank)  # transformers' default epsilon, not the config's
+            self.q_b_proj = Linear(self.q_lora_rank, q_out)
+        else:
+            self.q_proj = Linear(hidden, q_out)
+        self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank)
+        self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim))
+        self.kv_b_proj.quantize_weight = False  # absorbed into per-head float matrices at the first step
+        self.o_proj = Linear(self.num_heads * self.v_dim, hidden, bias=bias)
+        self.latent_dim = self.kv_lora_rank + self.rope_dim
+        self.attn = Attention(self.num_heads, 1, self.latent_dim, mla_scale(config), value_is_key=True)
+        self._absorbed: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def absorbed(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, nope, kv_lora], W_UV^T [H, kv_lora, v]) from kv_b_proj, once per dtype (the weights
+        are final by the first forward pass)."""
+        if dtype not in self._absorbed:
+            w = self.kv_b_proj.weight_matrix().to(dtype)
+            w = w.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+            w_uk = w[:, : self.nope_dim].contiguous()
+            w_uv_t = w[:, self.nope_dim :].transpose(1, 2).contiguous()
+            self._absorbed[dtype] = (w_uk, w_uv_t)
+        return self._absorbed[dtype]
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
+        q = q.view(n, self.num_heads, self.nope_dim + self.rope_dim)
+        kv = self.kv_a_proj_with_mqa(x)
+        latent = self.kv_a_layernorm(kv[:, : self.kv_lora_rank].contiguous())
+        q_pe = apply_rotary(q[..., self.nope_dim :].contiguous(), *rope)
+        k_pe = apply_rotary(kv[:, self.kv_lora_rank :].contiguous().view(n, 1, self.rope_dim), *rope)
+        w_uk, w_uv_t = self.absorbed(x.dtype)
+        q_latent = torch.bmm(q[..., : self.nope_dim].transpose(0, 1), w_uk).transpose(0, 1)  # [n, H, kv_lora]
+        query = torch.cat((q_latent, q_pe), dim=-1)
+        key = torch.cat((latent.view(n, 1, self.kv_lora_rank), k_pe), dim=-1)  # [n, 1, latent_dim]
+        out = self.attn(query, key, key).view(n, self.num_heads, self.latent_dim)[..., : self.kv_lora_rank]
+        out = torch.bmm(out.transpose(0, 1), w_uv_t).transpose(0, 1)  # [n, H, v]
+        return self.o_proj(out.reshape(n, self.num_heads * self.v_dim))

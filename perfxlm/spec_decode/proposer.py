@@ -1,0 +1,32 @@
+"""The proposer seam: a request's tokens in, a guess of its next tokens out.
+
+The engine core asks after each step, for the running requests that will decode next (caught up with
+their tokens, not guided by a grammar, below `max_tokens`); the scheduler puts the drafts behind the
+request's next input token, and the runner verifies them in the same forward pass. A proposer may return
+fewer drafts than asked, or none (the request then decodes plainly). It must be deterministic in the
+sense the rejection sampler assumes: one draft token per position, no distribution.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class DraftRequest:
+    request_id: str
+    token_ids: list[int]  # prompt then output so far (read only: the request's own list)
+    max_drafts: int  # at most this many draft tokens (>= 1)
+
+
+class Proposer(ABC):
+    name: str
+
+    @abstractmethod
+    def propose(self, batch: list[DraftRequest]) -> list[list[int]]:
+        """Draft tokens for each request of `batch`, in order (an empty list: no guess)."""
+
+    def drop(self, request_ids: Iterable[str]) -> None:
+        """Forget per-request state of requests that finished or stopped speculating."""

@@ -1,0 +1,52 @@
+"""The runner's adapter slots and the grouped product, on hand-made adapters: LRU slot reuse, and each
+row's result equal to its own adapter's B A x times scale, alone or mixed with other adapters' rows."""
+
+from __future__ import annotations
+
+import torch
+
+from perfxlm.lora.adapter import LoRAAdapter, LoRAPart
+from perfxlm.lora.request import LoRARequest
+from perfxlm.lora.slots import LoRASlots
+
+
+class _Wrapper:  # what LoRASlots reads of a LoRALinear
+    def __init__(self, name: str, out_features: int) -> None:
+        self.name, self.out_features, self.packed = name, out_features, None
+
+
+def _adapter(i: int, rank: int, k: int = 13, parts=((0, 5), (5, 3), (8, 3))) -> LoRAAdapter:
+    g = torch.Generator().manual_seed(i)
+    made = [LoRAPart(row, rows, torch.randn(rank + j, k, generator=g), torch.randn(rows, rank + j, generator=g),
+                     0.5 * (i + j + 1)) for j, (row, rows) in enumerate(parts)]
+    return LoRAAdapter(LoRARequest(f"l{i}", i, f"/adapters/{i}"), {"proj": made}, rank + len(parts) - 1)
+
+
+def _expected(adapter: LoRAAdapter | None, x: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(x.shape[0], 11)
+    for p in (adapter.modules["proj"] if adapter else ()):
+        out[:, p.row : p.row + p.rows] += (x @ p.a.T @ p.b.T) * p.scale
+    return out
+
+
+def test_grouped_product_per_row_and_lru_slots():
+    wrapper = _Wrapper("proj", 11)
+    slots = LoRASlots([wrapper], max_loras=2, dtype=torch.float32)
+    a, b, c = _adapter(1, 2), _adapter(2, 4), _adapter(3, 1)
+    x = torch.randn(7, 13, generator=torch.Generator().manual_seed(9))
+
+    def check(adapters, rows):
+        batch = slots.batch(adapters, rows)
+        got = batch.add(wrapper, x, torch.zeros(7, 11))
+        per_row = [ad for ad, n in zip(adapters, rows) for _ in range(n)]
+        want = torch.cat([_expected(ad, x[i : i + 1]) for i, ad in enumerate(per_row)])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    assert slots.batch([None, None], [3, 4]) is None  # no adapter row: no LoRA work at all
+    check([a, None, b], [2, 3, 2])  # mixed: the masked product
+    check([b], [7])  # one adapter: its own columns
+    assert slots.num_repacks == 1
+    check([c, None], [1, 6])  # a third adapter takes the least recently used slot (a's)
+    assert slots.num_repacks == 2 and {s.adapter.lora_int_id for s in slots.slots.values()} == {2, 3}
+    check([b, c], [4, 3])  # both in slots: nothing moves
+    assert slots.num_repacks == 2

@@ -1,0 +1,179 @@
+"""Speculative decoding's parts alone: the config as vLLM spells it, prompt lookup, the rejection sampler
+(exact for greedy rows, the target's distribution for random rows) and the KV trim of rejected slots."""
+
+import numpy as np
+import pytest
+import torch
+
+from perfxlm.config import EngineConfig
+from perfxlm.engine.kv_cache_manager import KVCacheManager
+from perfxlm.engine.request import Request
+from perfxlm.model.layers.rejection_sampler import RejectionSampler
+from perfxlm.model.layers.sampler import Sampler, SamplingMetadata
+from perfxlm.sampling_params import SamplingParams
+from perfxlm.spec_decode.config import SpeculativeConfig, check_draft_against_target
+from perfxlm.spec_decode.ngram import NgramProposer, propose_ngram
+from perfxlm.spec_decode.proposer import DraftRequest
+from perfxlm.spec_decode.stats import SpecDecodeStats
+
+
+def test_config_as_vllm_spells_it():
+    c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
+                                 "prompt_lookup_min": 2})
+    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 5, 2, 4)
+    assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}').prompt_lookup_max == 5
+    one = SpeculativeConfig.parse({"method": "[ngram]", "num_speculative_tokens": 1, "prompt_lookup_max": 3})
+    assert (one.method, one.prompt_lookup_min, one.prompt_lookup_max) == ("ngram", 3, 3)
+    d = SpeculativeConfig.parse({"model": "/some/draft", "num_speculative_tokens": 4})
+    assert (d.method, d.model) == ("draft_model", "/some/draft")
+    assert SpeculativeConfig.parse(None) is None
+
+
+@pytest.mark.parametrize("value,match", [
+    ({"method": "eagle7", "num_speculative_tokens": 3}, r"method 'eagle7'.*ngram, draft_model, mtp"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens must be in 1\.\.16, got 0"),
+    ({"method": "ngram", "num_speculative_tokens": 17}, r"1\.\.16, got 17"),
+    ({"method": "ngram"}, "num_speculative_tokens is required"),
+    ({"method": "ngram", "num_speculative_tokens": "3"}, "must be an integer"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 5, "prompt_lookup_max": 2},
+     r"prompt_lookup_min \(5\) must be <= prompt_lookup_max \(2\)"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 0}, ">= 1"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "lookahead": 2}, "unknown key.*'lookahead'"),
+    ({"method": "mtp", "num_speculative_tokens": 1}, "multi-token-prediction"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+    ({"num_speculative_tokens": 2}, "needs a 'method'"),
+    ("{not json", "JSON object"),
+    ([1, 2], "must be a dict"),
+])
+def test_bad_config_names_the_value(value, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig.parse(value)
+    # the engine's configuration refuses it at construction, before any model is read
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(model="/nonexistent", speculative_config=value)
+
+
+def test_draft_checked_against_target_from_configs():
+    from transformers import LlamaConfig
+
+    target = LlamaConfig(vocab_size=1000, hidden_size=96, intermediate_size=192, num_hidden_layers=3,
+                         num_attention_heads=6, num_key_value_heads=2)
+    small = LlamaConfig(vocab_size=1000, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=3, num_key_value_heads=1)
+    check_draft_against_target(small, target, "d")
+    check_draft_against_target(target, target, "d")  # the target's own quantized file is allowed
+    other_vocab = LlamaConfig(vocab_size=1001, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                              num_attention_heads=3, num_key_value_heads=1)
+    with pytest.raises(ValueError, match="vocabulary of 1001 tokens, the target 1000"):
+        check_draft_against_target(other_vocab, target, "d")
+    with pytest.raises(ValueError, match="larger than the target"):
+        check_draft_against_target(target, small, "d")
+
+
+def test_prompt_lookup_takes_longest_most_recent_match():
+    t = np.array([1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8, 1, 2, 3, 4])
+    # suffix [2, 3, 4] (max 3) last seen at index 6 -> followed by 7, 8, 1
+    assert propose_ngram(t, 1, 3, 3) == [7, 8, 1]
+    assert propose_ngram(t, 1, 3, 10) == [7, 8, 1, 2, 3, 4]  # runs into the suffix itself, ends at the end
+    assert propose_ngram(np.array([5, 6, 7, 8]), 1, 3, 4) == []  # nothing repeats
+    assert propose_ngram(np.array([5, 6, 7, 6]), 2, 3, 4) == []  # only a 1-gram repeats: below the minimum
+    assert propose_ngram(np.array([5, 6, 7, 6]), 1, 3, 4) == [7, 6]
+    assert propose_ngram(np.array([3]), 1, 3, 4) == []
+
+
+def test_ngram_proposer_follows_a_growing_request():
+    p = NgramProposer(1, 2)
+    tokens = [1, 2, 3, 1]
+    assert p.propose([DraftRequest("a", tokens, 2)]) == [[2, 3]]
+    tokens += [2, 3, 9] + list(range(100, 190))  # grows past the first buffer
+    tokens += [2, 3]
+    assert p.propose([DraftRequest("a", tokens, 3)]) == [[9, 100, 101]]
+    p.drop(["a"])
+    assert p.propose([DraftRequest("a", [4, 4], 2)]) == [[4]]  # a re-used id starts afresh
+
+
+def _meta(rows: int, temperature: float, seed: int | None = None) -> SamplingMetadata:
+    gens = {r: torch.Generator().manual_seed(seed) for r in range(rows)} if seed is not None else {}
+    return SamplingMetadata(torch.full((rows,), temperature), temperature == 0, None, None, None, gens)
+
+
+def test_greedy_verification_is_the_argmax_chain():
+    rs = RejectionSampler(Sampler())
+    logits = torch.full((4, 7), -5.0)
+    for row, best in enumerate([3, 1, 6, 2]):
+        logits[row, best] = 5.0
+    assert rs(logits, _meta(4, 0.0), [[3, 1, 6]]).token_ids == [[3, 1, 6, 2]]  # all accepted + bonus
+    assert rs(logits, _meta(4, 0.0), [[3, 4, 6]]).token_ids == [[3, 1]]  # first mismatch: the argmax
+    assert rs(logits, _meta(4, 0.0), [[0, 1, 6]]).token_ids == [[3]]
+    two = torch.cat([logits[:2], logits[:4]])  # two requests: 1 draft, 3 drafts
+    assert rs(two, _meta(6, 0.0), [[3], [3, 1, 5]]).token_ids == [[3, 1], [3, 1, 6]]
+
+
+def test_random_verification_keeps_the_target_distribution():
+    """First emitted token ~ p0; given it equals the first draft, the second ~ p1 (chi-square, small vocab)."""
+    torch.manual_seed(0)
+    vocab, n = 5, 6000
+    p = torch.tensor([[0.1, 0.4, 0.2, 0.25, 0.05], [0.3, 0.1, 0.1, 0.2, 0.3], [0.2] * 5])
+    logits = p.log().repeat(n, 1)
+    drafts = [[1, 4]] * (n // 2) + [[0, 3]] * (n // 2)  # a likely and an unlikely first draft
+    out = RejectionSampler(Sampler())(logits, _meta(3 * n, 1.0), drafts).token_ids
+    for first_draft in (1, 0):
+        group = [o for o, d in zip(out, drafts) if d[0] == first_draft]
+        first = np.bincount([o[0] for o in group], minlength=vocab)
+        _chi_square_ok(first, p[0].numpy())
+        second = np.bincount([o[1] for o in group if o[0] == first_draft], minlength=vocab)
+        _chi_square_ok(second, p[1].numpy())
+    assert all(1 <= len(o) <= 3 for o in out)
+
+
+def _chi_square_ok(counts: np.ndarray, probs: np.ndarray) -> None:
+    expected = probs * counts.sum()
+    stat = float(((counts - expected) ** 2 / expected).sum())
+    assert stat < 18.5, (counts, expected, stat)  # df 4: p = 0.001
+
+
+def test_seeded_verification_is_reproducible():
+    logits = torch.randn(4, 11)
+    rs = RejectionSampler(Sampler())
+    a = rs(logits, _meta(4, 0.8, seed=3), [[1, 2, 3]]).token_ids
+    b = rs(logits, _meta(4, 0.8, seed=3), [[1, 2, 3]]).token_ids
+    assert a == b
+
+
+def test_trim_gives_back_rejected_slots():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    r = Request("r", list(range(6)), SamplingParams(), 10, set())
+    assert kv.allocate_slots(r, 6)
+    r.num_computed_tokens = 5
+    assert kv.allocate_slots(r, 1 + 6)  # the last token and 6 drafts: positions 5..11 -> 3 blocks
+    assert len(kv.block_ids("r")) == 3
+    kv.trim(r, 7)  # the input token and one accepted draft
+    assert len(kv.block_ids("r")) == 2
+    counts = kv.check_invariants()
+    assert counts["used"] == 2 and counts["free"] == 6
+    kv.free(r)
+    assert kv.check_invariants()["used"] == 0
+
+
+def test_stats_count_like_vllm():
+    s = SpecDecodeStats()
+    s.observe(4, 2)
+    s.observe(3, 3)
+    assert s.accepted_per_position == [2, 2, 1, 0]
+    assert s.acceptance_rate == 5 / 7 and s.mean_acceptance_length == 1 + 5 / 2
+
+
+def test_draft_tokens_reach_tensor_parallel_workers():
+    """The worker's mirror knows a request's tokens, never its drafts: the step delta carries them."""
+    from perfxlm.engine.messages import ScheduledRequest, SchedulerOutput
+    from perfxlm.executor.delta import DeltaDecoder, DeltaEncoder
+
+    params = SamplingParams(max_tokens=8)
+    prompt, out = [3, 4, 5], [6]
+    enc, dec = DeltaEncoder(), DeltaDecoder()
+    first = ScheduledRequest("r", [3, 4, 5], 0, np.array([0]), True, params, prompt, [])
+    dec.decode(enc.encode(SchedulerOutput([first], 3)))
+    step = ScheduledRequest("r", [6, 9, 8], 3, np.array([0, 1]), True, params, prompt, out, draft_token_ids=[9, 8])
+    got = dec.decode(enc.encode(SchedulerOutput([step], 3))).scheduled[0]
+    assert (got.token_ids, got.draft_token_ids, got.num_computed_tokens, list(got.block_ids)) == (
+        [6, 9, 8], [9, 8], 3, [0, 1])
