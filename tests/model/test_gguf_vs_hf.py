@@ -269,15 +269,15 @@ def test_unknown_tensor_fails_loudly(tmp_path):
 
 
 def test_unsupported_gguf_architecture_is_refused_with_a_clear_error(tmp_path):
-    path = str(tmp_path / "gemma3.gguf")
-    writer = gguf.GGUFWriter(path, "gemma3")
+    path = str(tmp_path / "gemma3n.gguf")
+    writer = gguf.GGUFWriter(path, "gemma3n")
     for key, value in [("block_count", 2), ("embedding_length", 64), ("attention.head_count", 4)]:
-        writer.add_uint32(f"gemma3.{key}", value)
+        writer.add_uint32(f"gemma3n.{key}", value)
     writer.add_tensor("token_embd.weight", np.zeros((1000, 64), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"GGUF architecture 'gemma3' is not supported \(supported: gemma2, llama"):
+    with pytest.raises(ValueError, match=r"'gemma3n' is not supported \(supported: gemma2, gemma3, llama"):
         LLM(path, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=16)
 

@@ -321,3 +321,71 @@ def test_qwen3moe_gguf_matches_transformers(tmp_path, monkeypatch):
         want, want_lp = hf_greedy_with_logprobs(hf, prompt, len(got))
         assert got == want, f"prompt of {len(prompt)} tokens"
         np.testing.assert_allclose(got_lp, want_lp, atol=2e-4, rtol=0)
+
+
+def test_gemma3_gguf_matches_transformers(tmp_path):
+    """A gemma3 GGUF file as llama.cpp's converter writes one (norms stored as 1 + w, q/k norms included;
+    the global rope base and its linear scaling in the metadata, the local base and the 5:1 pattern
+    implied) against transformers."""
+    import gguf
+
+    from perfxlm import LLM
+    from tests.model.test_architectures_vs_hf import _generate, _prompts, hf_greedy_with_logprobs
+
+    torch.manual_seed(0)
+    config = transformers.Gemma3TextConfig(**{**COMMON, **dict(
+        hidden_size=48, intermediate_size=72, num_hidden_layers=7, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=9,
+        initializer_range=0.05, tie_word_embeddings=True,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 50000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+    )})  # fmt: skip
+    hf = transformers.Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for param in hf.parameters():
+            if param.ndim == 1:
+                param.add_(torch.randn_like(param) * 0.1)
+    path = str(tmp_path / "gemma3.gguf")
+    writer = gguf.GGUFWriter(path, "gemma3")
+    for key, value in [("block_count", 7), ("context_length", 512), ("embedding_length", 48),
+                       ("feed_forward_length", 72), ("attention.head_count", 4),
+                       ("attention.head_count_kv", 2), ("attention.key_length", 16),
+                       ("attention.value_length", 16), ("attention.sliding_window", 9)]:  # fmt: skip
+        writer.add_uint32(f"gemma3.{key}", value)
+    writer.add_float32("gemma3.rope.freq_base", 50000.0)
+    writer.add_string("gemma3.rope.scaling.type", "linear")
+    writer.add_float32("gemma3.rope.scaling.factor", 4.0)
+    writer.add_float32("gemma3.attention.layer_norm_rms_epsilon", float(config.rms_norm_eps))
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+             "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+             "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+             "post_feedforward_layernorm": "post_ffw_norm"}  # fmt: skip
+    for name, tensor in hf.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied
+        t = tensor.detach().float()
+        if name == "model.embed_tokens.weight":
+            gguf_name = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gguf_name = "output_norm.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gguf_name = f"blk.{layer}.{names[module]}.{kind}"
+        if name.endswith("norm.weight"):
+            t = t + 1  # the converter's norm_shift
+        writer.add_tensor(gguf_name, t.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    llm = LLM(path, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=48)
+    prompts = _prompts(seed=3)
+    tokens, logprobs = _generate(llm, prompts)
+    for prompt, got, got_lp in zip(prompts, tokens, logprobs):
+        want, want_lp = hf_greedy_with_logprobs(hf, prompt, len(got))
+        assert got == want, f"prompt of {len(prompt)} tokens"
+        assert max(abs(a - b) for a, b in zip(got_lp, want_lp)) < 2e-4

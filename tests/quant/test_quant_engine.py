@@ -124,10 +124,16 @@ def test_format_end_to_end(fmt, checkpoint, request, monkeypatch):
     got = generate(llm)
     if fmt in acts:
         # activations quantized at run time: the native kernels against the torch reference. An
-        # activation a rounding step away from a half quantizes to the next int8 in one of them, so
-        # the logprobs agree to about 1 / 127 of an activation's share, not to float rounding.
+        # activation within float rounding of a half quantizes to the next int8 in one of them (which
+        # one depends on the tier's summation order), and from that step on the two runs differ by up
+        # to 1 / 127 of that activation's share: seen 0.10 on one AVX512-VNNI step of this tiny random
+        # model. So: the same tokens, most logprobs equal to float rounding (a wrong kernel moves them
+        # all), none far off.
         monkeypatch.setattr(native, "kernels", lambda: None)
-        assert_same_greedy(got, generate(llm), atol=5e-2)
+        ref = generate(llm)
+        assert got[0] == ref[0]
+        diffs = np.abs(np.concatenate([np.subtract(x, y) for x, y in zip(got[1], ref[1])]))
+        assert np.median(diffs) < 2e-3 and diffs.max() < 0.25, diffs
     else:  # weight-only: the float model holding the dequantized weights, up to summation order
         assert_same_greedy(got, generate(dequantized_twin(llm, path)))
     assert_pool_whole(llm)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import gguf
 import torch
 
-from perfxlm.model.loader import gguf_gemma2
+from perfxlm.model.loader import gguf_gemma2, gguf_gemma3
 from perfxlm.model.loader.gguf_reader import GGUFFile, open_gguf
 from perfxlm.model.loader.gguf_metadata import (
     check_attention_scale, check_metadata, head_dims, rope_freq_factors, uniform,
@@ -125,6 +125,10 @@ _ARCHS: dict[str, _ArchSpec] = {
     "gemma2": _ArchSpec("gemma2", "Gemma2ForCausalLM", _DECODER_KEYS, gguf_gemma2.TENSORS, permute_qk=False,
                         extra_config=gguf_gemma2.CONFIG_DEFAULTS, extra_keys=gguf_gemma2.EXTRA_KEYS,
                         norms_plus_one=True),
+    "gemma3": _ArchSpec(
+        "gemma3_text", "Gemma3ForCausalLM", _DECODER_KEYS, gguf_gemma3.TENSORS, permute_qk=False,
+        extra_config=gguf_gemma3.CONFIG_DEFAULTS, extra_keys=gguf_gemma3.EXTRA_KEYS, norms_plus_one=True,
+    ),
 }
 
 # What the transformers config classes of these families default to, for the fields a GGUF file does
@@ -198,7 +202,7 @@ def load_gguf_config(path: str) -> "transformers.PretrainedConfig":
     kwargs["head_dim"] = head_dim
     if arch == "gemma2":
         gguf_gemma2.apply(meta, kwargs, head_dim)  # its attention scale is query_pre_attn_scalar
-    else:
+    elif arch != "gemma3":  # (gemma3's is set with its rope, below)
         check_attention_scale(meta, arch, head_dim)
     freq_factors = rope_freq_factors(f.tensors, f.tensor, head_dim)
 
@@ -209,6 +213,8 @@ def load_gguf_config(path: str) -> "transformers.PretrainedConfig":
     kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta, **(rope_scaling or {})}
     if rope_scaling is not None:
         kwargs["rope_scaling"] = rope_scaling
+    if arch == "gemma3":
+        gguf_gemma3.apply(meta, kwargs, head_dim)  # local and global rope, the attention scale, the windows
     if spec.extra_config.get("use_sliding_window") is False:  # as Qwen2Config: every layer full attention
         kwargs["layer_types"] = ["full_attention"] * int(kwargs["num_hidden_layers"])
         kwargs["max_window_layers"] = int(kwargs["num_hidden_layers"])
