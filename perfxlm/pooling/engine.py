@@ -55,7 +55,7 @@ class PoolingEngine:
         _check_convert(config.convert, self.pooler_config)
         self.max_model_len = self.pooler_config.max_len
         self.vocab_size = int(config.hf_config.vocab_size)
-        self.runner = PoolingRunner(self.model, self.pooler_config.pooling_type)
+        self.runner = PoolingRunner(self.model)
         self._lock = threading.Lock()  # one forward pass at a time (the server's threads share the engine)
 
     # ---- requests ------------------------------------------------------------------------
@@ -69,7 +69,9 @@ class PoolingEngine:
         pc = self.pooler_config
         if task not in pc.tasks:
             kind = "a classifier (cross-encoder)" if pc.num_labels else "an embedding model"
-            raise ValueError(f"task {task!r} is not served by this model, {kind}; it serves {', '.join(sorted(pc.tasks))}.")
+            raise ValueError(
+                f"task {task!r} is not served by this model, {kind}; it serves {', '.join(sorted(pc.tasks))}."
+            )
         if params.dimensions is not None:
             if task != "embed":
                 raise ValueError(f"dimensions applies to embeddings only, not to task {task!r}.")
@@ -78,7 +80,9 @@ class PoolingEngine:
         if limit == -1:
             limit = self.max_model_len
         if limit is not None and limit > self.max_model_len:
-            raise ValueError(f"truncate_prompt_tokens ({limit}) is larger than the model's window ({self.max_model_len}).")
+            raise ValueError(
+                f"truncate_prompt_tokens ({limit}) is larger than the model's window ({self.max_model_len})."
+            )
         seq = self._tokenize(prompt, pair, limit)
         n = len(seq.token_ids)
         if n == 0:
@@ -104,7 +108,8 @@ class PoolingEngine:
         text = prompt.get("prompt") if isinstance(prompt, Mapping) else prompt
         if not isinstance(text, str) or (pair is not None and not isinstance(pair, str)):
             raise ValueError(
-                f"An input must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}; got {type(text).__name__}."
+                "An input must be a string, {'prompt': str} or {'prompt_token_ids': [...]}; "
+                f"got {type(text).__name__}."
             )
         if self.tokenizer is None:
             raise ValueError("The tokenizer was not initialised (skip_tokenizer_init=True): pass prompt_token_ids.")
@@ -152,11 +157,12 @@ class PoolingEngine:
         pooled = {t: pool(hidden, lens, t) for t in {x.pooling_type for x in inputs if x.task not in _LOGIT_TASKS}}
         logit_rows = [i for i, x in enumerate(inputs) if x.task in _LOGIT_TASKS]
         logits = self.runner.classify(hidden, lens, logit_rows) if logit_rows else None
+        logit_of = {row: j for j, row in enumerate(logit_rows)}
         outs = []
         for i, x in enumerate(inputs):
             p = x.params
             if x.task in _LOGIT_TASKS:
-                data = classifier_activation(logits[logit_rows.index(i)], p.use_activation is not False)
+                data = classifier_activation(logits[logit_of[i]], p.use_activation is not False)
             elif x.task == "reward":
                 data = pooled[x.pooling_type][i]
             else:  # embed, encode, token_embed: embeddings (per token for token_embed)
@@ -179,7 +185,8 @@ def _check_supported(config: EngineConfig) -> None:
     quant = config.quant_config
     if quant is not None and getattr(quant, "calibration", None) is not None and is_pooling_only(config.hf_config):
         raise ValueError("quantization calibration runs a causal LM over text windows, which an encoder is not: "
-                         "pass calibration false (e.g. {\"method\": \"int4\", \"calibration\": false}), or int8 / w8a8.")
+                         "pass calibration false (e.g. {\"method\": \"int4\", \"calibration\": false}), "
+                         "or int8 / w8a8.")
 
 
 def _check_convert(convert: str, pc: PoolerConfig) -> None:

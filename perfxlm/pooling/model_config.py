@@ -56,7 +56,9 @@ class PoolerConfig:
         if self.matryoshka_dimensions is not None and dimensions not in self.matryoshka_dimensions:
             raise ValueError(f"dimensions: this model supports {list(self.matryoshka_dimensions)}, got {dimensions}.")
         if dimensions > self.hidden_size:
-            raise ValueError(f"dimensions must be at most the model's hidden size {self.hidden_size}, got {dimensions}.")
+            raise ValueError(
+                f"dimensions must be at most the model's hidden size {self.hidden_size}, got {dimensions}."
+            )
 
 
 def _read_json(path: str) -> Any:

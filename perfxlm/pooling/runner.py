@@ -1,5 +1,6 @@
-"""One batch of whole token sequences -> pooled hidden states. The model runner of the pooling runner kind:
-no KV cache, no sampler; every attention layer is bound to the cacheless backend once, here."""
+"""One batch of whole token sequences -> final hidden states (and classifier logits): the model runner of
+the pooling runner kind, with no KV cache and no sampler (pooling is `pooler.py`'s, per request). Every
+attention layer is bound to the cacheless backend once, here."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from perfxlm.model.forward_context import CachelessBatch, set_forward_context
 from perfxlm.model.layers.attention import Attention
 from perfxlm.model.layers.attention_backend import CachelessAttentionBackend
 from perfxlm.model.models.base import EncoderModel
-from perfxlm.pooling.pooler import pool
 
 
 @dataclass(slots=True)
@@ -21,9 +21,8 @@ class PoolingSeq:
 
 
 class PoolingRunner:
-    def __init__(self, model: torch.nn.Module, pooling_type: str) -> None:
+    def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self.pooling_type = pooling_type
         # an encoder takes segment ids; a causal LM used as an embedder takes ids and positions only
         self.encoder = isinstance(model, EncoderModel)
         # which token a classification head reads: an encoder's first ([CLS]), a decoder's last
@@ -57,8 +56,3 @@ class PoolingRunner:
         ends = torch.cumsum(torch.tensor(lens), 0)
         picked = ends - 1 if self.classifier_reads_last else ends - torch.tensor(lens)
         return self.model.classify(hidden[picked[torch.tensor(rows)]])
-
-    def run(self, seqs: list[PoolingSeq]) -> list[torch.Tensor]:
-        """Pooled states per sequence, by this runner's pooling type."""
-        hidden, lens = self.forward(seqs)
-        return pool(hidden, lens, self.pooling_type)

@@ -59,10 +59,11 @@ class ModernBertAttention(nn.Module):
         self.layer_type = layer_type
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]
+        n, qk_size = x.shape[0], 2 * self.num_heads * self.head_dim
         qkv = self.Wqkv(x)
-        qk = apply_rotary(qkv[:, : 2 * self.num_heads * self.head_dim].view(n, 2 * self.num_heads, self.head_dim), *rope)
-        v = qkv[:, 2 * self.num_heads * self.head_dim :].view(n, self.num_heads, self.head_dim)
+        # q and k heads are adjacent in the fused output: rotate them in one pass
+        qk = apply_rotary(qkv[:, :qk_size].view(n, 2 * self.num_heads, self.head_dim), *rope)
+        v = qkv[:, qk_size:].view(n, self.num_heads, self.head_dim)
         return self.Wo(self.attn(qk[:, : self.num_heads], qk[:, self.num_heads :], v))
 
 
