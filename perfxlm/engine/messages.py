@@ -30,10 +30,10 @@ class ScheduledRequest:
     # n > 1 / best_of: at the first sample, these children are sampled from the same logits and then
     # forked off this request, sharing its prompt blocks (the prompt is prefilled once).
     fork_children: list[tuple[str, SamplingParams]] = field(default_factory=list)
-    lora: Any = None  # the request's adapter (perfxlm.lora.adapter.LoRAAdapter), None for the base model
     # Speculative decoding: guesses of the tokens after token_ids[0], which follow it in token_ids. Each
     # is one more decode row; the runner verifies them and returns the accepted prefix plus one token.
     draft_token_ids: list[int] = field(default_factory=list)
+    lora: Any = None  # the request's adapter (perfxlm.lora.adapter.LoRAAdapter), None for the base model
 
 
 @dataclass(slots=True)
