@@ -130,3 +130,22 @@ def test_parse_lora_modules():
     for bad in ("a", "=/x", "a=", '{"name": "b"}', "{oops"):
         with pytest.raises(ValueError, match="--lora-modules"):
             parse_lora_modules([bad])
+
+
+def test_adapter_gone_from_disk_is_a_400(engine, adapters, tmp_path):
+    """An adapter the engine's cache dropped is read again when a request names it: a folder removed
+    since is that request's 400, and the base model still answers."""
+    import shutil
+
+    copy = shutil.copytree(adapters["c"], tmp_path / "c")
+    app = build_app(engine, "tiny", lora_modules=[("c", str(copy), None)])
+    engine.engine.loras.remove(app.state.ctx.adapters.get("c").lora_int_id)
+    shutil.rmtree(copy)
+
+    async def go(client):
+        return await _complete(client, "c"), await _complete(client, "tiny")
+
+    gone, base = _run(app, go)
+    assert gone[0] == 400 and "does not exist" in gone[1]["error"]["message"]
+    assert base[0] == "tiny" and len(base[1]) == NEW
+    _pool_whole(engine)

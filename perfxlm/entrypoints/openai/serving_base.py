@@ -232,6 +232,13 @@ async def compile_structured_outputs(ctx: ServerContext, params: SamplingParams)
 async def generate_one(ctx: ServerContext, prompt: Any, params: SamplingParams, request_id: str,
                        lora_request: Any = None) -> AsyncIterator[RequestOutput]:
     """AsyncLLM.generate with the engine's ValueErrors turned into 400s and server metrics kept."""
+    if lora_request is not None:
+        # an adapter the engine's cache dropped (more adapters than --max-cpu-loras) is read from disk
+        # here, off the event loop; adding the request then finds it loaded
+        try:
+            await asyncio.to_thread(ctx.engine.engine.loras.get, lora_request)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "model") from None
     stream = ctx.engine.generate(prompt, params, request_id, lora_request=lora_request)
     try:
         try:
