@@ -40,7 +40,7 @@ class EngineCore:
             torch.manual_seed(config.seed)
         # In-process for one rank (model and runner here), worker processes for tensor parallelism.
         self.executor = make_executor(config)
-        self.model = getattr(self.executor, "model", None)
+        self.model = self.executor.model
         try:
             self.num_kv_blocks = self._num_kv_blocks()
             self.executor.initialize_cache(self.num_kv_blocks)
@@ -48,14 +48,14 @@ class EngineCore:
             self.executor.shutdown()
             raise
         # In-process, steps call the runner itself: the executor costs nothing there.
-        self.runner = getattr(self.executor, "runner", None)
+        self.runner = self.executor.runner
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
             config.lora_config.max_loras if config.lora_config is not None else None,
         )
         # what LoRA adapters are checked against when a request names one (enable_lora, one process)
-        self.lora_targets = getattr(self.executor, "lora_targets", None)
+        self.lora_targets = self.executor.lora_targets
         spec = config.speculative_config
         # Speculative decoding: after each step, the proposer guesses the next tokens of the requests about
         # to decode; the scheduler sends them with the next step, where the runner verifies them.
@@ -91,8 +91,7 @@ class EngineCore:
         num = plan_num_blocks(
             per_block, c.block_size, c.max_num_seqs, c.max_model_len, c.num_kv_blocks, c.kv_cache_gib
         )
-        if hasattr(self.executor, "agree_num_blocks"):  # ranks on several machines: the smallest pool
-            num = self.executor.agree_num_blocks(num)
+        num = self.executor.agree_num_blocks(num)  # ranks on several machines: the smallest pool
         # One sequence must fit the pool: the scheduler and the input checks see the fitted length.
         c.max_model_len = fit_max_model_len(
             c.max_model_len, c.max_model_len_explicit, num, c.block_size, per_block

@@ -1,7 +1,7 @@
 """The boundary between the engine core and the model: `Executor.execute(SchedulerOutput) ->
-ModelRunnerOutput`.
+ModelRunnerOutput`, the interface in `executor/base.py`.
 
-- `InProcessExecutor` (tensor_parallel_size 1, the default): the model and runner live in the engine's
+- `ModuleExecutor` (tensor_parallel_size 1, the default): the model and runner live in the engine's
   process and `execute` is the runner's own method, no copy, no extra call.
 - `MultiprocExecutor` (tensor_parallel_size N > 1): N spawned worker processes, one per NUMA node (or
   per core group), each holding 1/N of the model. Each step's SchedulerOutput is sent to every worker
@@ -18,8 +18,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from perfxlm.executor.base import Executor
 
-def make_executor(config: Any) -> Any:
+
+def make_executor(config: Any) -> Executor:
     if getattr(config, "load_format", None) == "onnx":
         from perfxlm.executor.onnx import OnnxExecutor
 
@@ -32,6 +34,6 @@ def make_executor(config: Any) -> Any:
         from perfxlm.executor.multiproc import MultiprocExecutor
 
         return MultiprocExecutor(config)
-    from perfxlm.executor.uniproc import InProcessExecutor
+    from perfxlm.executor.uniproc import ModuleExecutor
 
-    return InProcessExecutor(config)
+    return ModuleExecutor(config)

@@ -24,6 +24,8 @@ import os
 from datetime import timedelta
 from typing import Any
 
+from perfxlm.executor.base import Executor
+
 logger = logging.getLogger("perfxlm")
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -49,7 +51,7 @@ def _shared_memory_everywhere(rank: int) -> bool:
     return bool(ok.item())
 
 
-class ExternalLauncherExecutor:
+class ExternalLauncherExecutor(Executor):
     def __init__(self, config: Any) -> None:
         import torch.distributed as dist
 

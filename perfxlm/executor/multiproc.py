@@ -27,6 +27,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from perfxlm.distributed.topology import plan_rank_cpus
+from perfxlm.executor.base import Executor
 from perfxlm.executor.delta import DeltaEncoder
 from perfxlm.executor.worker import worker_main
 
@@ -71,7 +72,7 @@ def _stop_workers(procs: list[Any], conns: list[Any], tmpdir: str) -> None:
     shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(Executor):
     def __init__(self, config: Any) -> None:
         self.config = config
         self.world_size = n = config.tensor_parallel_size

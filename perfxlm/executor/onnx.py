@@ -7,13 +7,13 @@ from typing import Any
 
 import torch
 
+from perfxlm.executor.base import InProcessExecutor
 from perfxlm.worker.onnx_graph import OnnxDecoderGraph
 from perfxlm.worker.onnx_runner import OnnxModelRunner
 
 
-class OnnxExecutor:
-    world_size = 1
-    model = None  # no module model: the graph is the model
+class OnnxExecutor(InProcessExecutor):
+    # no module model (Executor.model stays None): the graph is the model
 
     def __init__(self, config: Any) -> None:
         self.config = config
@@ -29,15 +29,6 @@ class OnnxExecutor:
     def initialize_cache(self, num_blocks: int) -> None:
         c = self.config
         self.runner = OnnxModelRunner(self.graph, num_blocks, c.block_size, c.kv_cache_spec)
-
-    def execute(self, so: Any) -> Any:
-        return self.runner.execute(so)  # type: ignore[union-attr]
-
-    def check_health(self) -> None:
-        pass
-
-    def shutdown(self) -> None:
-        pass
 
     def describe(self) -> str:
         return f"in-process, ONNX graph ({self.graph.flavor} flavor) in ONNX Runtime"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from perfxlm.executor.base import InProcessExecutor
 from perfxlm.lora.layers import wrap_model
 from perfxlm.lora.slots import LoRASlots
 from perfxlm.model.layers.attention import Attention
@@ -11,8 +12,8 @@ from perfxlm.model.loader import get_model
 from perfxlm.worker.model_runner import ModelRunner
 
 
-class InProcessExecutor:
-    world_size = 1
+class ModuleExecutor(InProcessExecutor):
+    """The engine's own modules, loaded in this process."""
 
     def __init__(self, config: Any) -> None:
         self.config = config
@@ -38,15 +39,6 @@ class InProcessExecutor:
         if c.lora_config is not None:
             slots = LoRASlots(self.lora_wrappers, c.lora_config.max_loras, c.torch_dtype)
         self.runner = ModelRunner(self.model, num_blocks, c.block_size, c.kv_cache_spec, slots)
-
-    def execute(self, so: Any) -> Any:
-        return self.runner.execute(so)  # type: ignore[union-attr]
-
-    def check_health(self) -> None:
-        pass
-
-    def shutdown(self) -> None:
-        pass
 
     def describe(self) -> str:
         return "in-process"

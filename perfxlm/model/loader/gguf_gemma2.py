@@ -50,10 +50,15 @@ def apply(meta: dict[str, Any], kwargs: dict[str, Any], head_dim: int) -> None:
     kwargs["layer_types"] = [
         "sliding_attention" if window and i % 2 == 0 else "full_attention" for i in range(n_layers)
     ]
-    scale = meta.get("gemma2.attention.scale")
+    kwargs["query_pre_attn_scalar"] = query_pre_attn_scalar(meta.get("gemma2.attention.scale"), kwargs, head_dim,
+                                                            n_layers == _LLAMA_CPP_27B_LAYERS)
+
+
+def query_pre_attn_scalar(scale: Any, kwargs: dict[str, Any], head_dim: int, is_27b: bool) -> float:
+    """The attention scale's inverse square: the file's, else llama.cpp's rule (hidden / heads for the
+    27B model, whose layer count gives it away; head_dim otherwise)."""
     if scale is not None:
-        kwargs["query_pre_attn_scalar"] = float(scale) ** -2
-    elif n_layers == _LLAMA_CPP_27B_LAYERS:
-        kwargs["query_pre_attn_scalar"] = int(kwargs["hidden_size"]) // int(kwargs["num_attention_heads"])
-    else:
-        kwargs["query_pre_attn_scalar"] = head_dim
+        return float(scale) ** -2
+    if is_27b:
+        return int(kwargs["hidden_size"]) // int(kwargs["num_attention_heads"])
+    return head_dim

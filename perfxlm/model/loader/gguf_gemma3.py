@@ -40,13 +40,8 @@ def apply(meta: dict[str, Any], kwargs: dict[str, Any], head_dim: int) -> None:
         for i in range(n_layers)
     ]
     kwargs["attn_logit_softcapping"] = kwargs["final_logit_softcapping"] = None
-    scale = meta.get("gemma3.attention.scale")
-    if scale is not None:
-        kwargs["query_pre_attn_scalar"] = float(scale) ** -2
-    elif n_layers == _LLAMA_CPP_27B_LAYERS:
-        kwargs["query_pre_attn_scalar"] = int(kwargs["hidden_size"]) // int(kwargs["num_attention_heads"])
-    else:
-        kwargs["query_pre_attn_scalar"] = head_dim
+    kwargs["query_pre_attn_scalar"] = gguf_gemma2.query_pre_attn_scalar(
+        meta.get("gemma3.attention.scale"), kwargs, head_dim, n_layers == _LLAMA_CPP_27B_LAYERS)
     kwargs["rope_parameters"] = {
         "full_attention": kwargs["rope_parameters"],
         "sliding_attention": {"rope_type": "default", "rope_theta": _LOCAL_ROPE_THETA},

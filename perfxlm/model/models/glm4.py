@@ -11,13 +11,11 @@ import torch
 from torch import nn
 
 from perfxlm.model.forward_context import get_forward_context
-from perfxlm.model.fused_decode import FusedDecode, FusedLayer
-from perfxlm.model.layers.embed_head import VocabEmbedding
+from perfxlm.model.fused_decode import FusedLayer
 from perfxlm.model.layers.norm import RMSNorm
-from perfxlm.model.layers.rotary import RotaryEmbedding
 from perfxlm.model.models.glm import InterleavedRotaryLoading
 from perfxlm.model.models.llama import (
-    LlamaAttention, LlamaForCausalLM, LlamaMLP, fused_llama_layer, head_dim_of,
+    LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel, fused_llama_layer,
 )  # fmt: skip
 
 
@@ -43,16 +41,11 @@ class Glm4DecoderLayer(nn.Module):
         return fused_llama_layer(self, norms)
 
 
-class Glm4Model(nn.Module):
+class Glm4Model(LlamaModel):
     """Layers whose output is the whole stream (no residual carried beside it), as Gemma 2's."""
 
     def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.rotary_emb = RotaryEmbedding.from_config(config, head_dim_of(config))
-        self.layers = nn.ModuleList(Glm4DecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.fused_decode = FusedDecode(self.layers)
+        super().__init__(config, [Glm4DecoderLayer(config) for _ in range(config.num_hidden_layers)])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
