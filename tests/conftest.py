@@ -69,3 +69,13 @@ def native_kernels_built():
     from perfxlm.ops import native
 
     native.kernels()
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test: tiny matrices gain nothing from a second one, and its barriers
+    cost much on a busy machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -14,7 +14,7 @@ import transformers
 
 from perfxlm import LLM, SamplingParams
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_thread")]
 
 COMMON = dict(vocab_size=1000, max_position_embeddings=512, initializer_range=0.15, bos_token_id=1, eos_token_id=2,
               pad_token_id=0)  # fmt: skip
@@ -70,13 +70,6 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
     return {case: build(str(root / case), case) for case in CASES}
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _run(path: str, tp: int, **kw) -> tuple[list[list[int]], list]:

@@ -31,12 +31,7 @@ CONTRIB = {"GroupQueryAttention", "RotaryEmbedding", "SkipSimplifiedLayerNormali
            "SimplifiedLayerNormalization", "MatMulNBits"}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _checkpoint(path: str, family: str):

@@ -181,12 +181,7 @@ def write_converted(path: str, model, arch: str, extra_meta: dict | None = None,
     writer.close()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("case", list(CASES))

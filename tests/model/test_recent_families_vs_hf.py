@@ -13,12 +13,7 @@ from tests.model.test_architectures_vs_hf import (
 )  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def _one_thread_for_tiny_models():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # name -> (config class, model class, config overrides, whether tokens are routed to experts); odd sizes
