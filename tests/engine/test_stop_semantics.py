@@ -42,7 +42,7 @@ class _Pr:
         self.child_ids = [f"{rid}.{i}" for i in range(n)]
         self.child_params = [params.clone() for _ in range(n)]
         self.prompt, self.params = None, params
-        self.request = type("R", (), {"prompt_token_ids": [1, 2, 3]})()
+        self.request = type("R", (), {"prompt_token_ids": [1, 2, 3], "lora": None})()
 
 
 def test_delta_stream_sends_a_siblings_final_chunk_once():
