@@ -31,13 +31,13 @@ int8 dots, keeps int8 and nf4 weight-only, w8a8 always rounds), decided once at 
 - PERFXLM_QUANT_ACTIVATIONS = auto | int8 | float32   stands in for quant_activations left at auto
                                                       (read with the engine's configuration, not here)
 - PERFXLM_QUANT_MAX_ROWS = N      rows up to which quantized weights take the GEMV kernels; more rows
-                                  dequantize slabs for torch's GEMM. Default 8 where the GEMM is bf16 or
-                                  AVX-512 (measured crossover 12-16 on AMX); 32 on AVX2, where the GEMM
-                                  is float32 and the int8 GEMV is 2.5x faster at 16 rows, even at 32
-                                  (8-bit codes) and 1.3x faster at 64 (4-bit codes)
+                                  dequantize slabs for torch's GEMM. Default 8 where the CPU has fast bf16
+                                  (measured crossover 12-16 on AMX); 32 without (AVX2, AVX-512 without
+                                  BF16), where the GEMM is float32 and the int8 GEMV is 2.5x faster at
+                                  16 rows, even at 32 (8-bit codes) and 1.3x faster at 64 (4-bit codes)
 - PERFXLM_QUANT_BLOCK_MAX_ROWS = N  the same limit for 4-bit codes (int4, Q4_0, Q4_1, Q4_K) and for
                                   weights of more than 4M values (an LM head) with int8 activation
-                                  blocks; default 128 on AVX2 / AVX-VNNI, where their int8 block
+                                  blocks; default 128 without fast bf16, where their int8 block
                                   products beat dequantizing for the float32 GEMM: 4-bit FFN shapes
                                   1.2-1.4x at 64 rows, equal at 256, 0.85-1.1x at 512; the default
                                   model's Q8_0 head 1.7x at 48-64 rows, 1.25x at 128 (its dequantized
@@ -99,9 +99,13 @@ def detect() -> CpuPlan:
     # beats dequantizing slabs for the bf16 GEMM up to 12-16 rows (equal at 16). 8 keeps short prefill
     # tails (a prefix-cache hit's last tokens) on the GEMM that computed the prompt the first time, so a
     # bf16 model's greedy text does not move with the cache (measured cost at 9-16 rows: under 10 %).
+    # Without fast bf16 (AVX2, AVX-512 with or without VNNI) the GEMM path widens the codes into a float32
+    # GEMM, which the int8-block products beat further: 16 parallel sequences of the default model on an
+    # AVX512-VNNI Xeon (no BF16), 3 alternating rounds: Q8_0 209 -> 316 tok/s with 32 rows, Q4_0 208 ->
+    # 334 with 4-bit codes up to 128 rows (AVX2 measured the same way on a Zen 3).
     tier = isa.selected()
-    quant_rows = _rows("PERFXLM_QUANT_MAX_ROWS", 32 if tier in ("avx2", "avx_vnni") else 8)
-    block_rows_limit = _rows("PERFXLM_QUANT_BLOCK_MAX_ROWS", 128 if tier in ("avx2", "avx_vnni") else -1)
+    quant_rows = _rows("PERFXLM_QUANT_MAX_ROWS", 8 if fast_bf16 else 32)
+    block_rows_limit = _rows("PERFXLM_QUANT_BLOCK_MAX_ROWS", -1 if fast_bf16 else 128)
     return CpuPlan(layout, gemm, max_rows, compute, quant_rows, tier, block_rows_limit)
 
 
