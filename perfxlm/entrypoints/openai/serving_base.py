@@ -277,6 +277,14 @@ def engine_dead_error(exc: BaseException) -> APIError:
     return APIError(503, f"The engine has failed and serves no more requests: {exc}", code="engine_dead")
 
 
+async def prepended(first: Any, stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """`first` (already awaited, to turn an early error into a status code before streaming) then the rest."""
+    if first is not None:
+        yield first
+    async for item in stream:
+        yield item
+
+
 async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several prompts' streams as their outputs arrive, tagged with the prompt index."""
     if len(streams) == 1:

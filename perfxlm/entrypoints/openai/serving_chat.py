@@ -12,7 +12,7 @@ from perfxlm.entrypoints.openai.errors import APIError, error_body
 from perfxlm.entrypoints.openai.protocol import ChatCompletionRequest
 from perfxlm.entrypoints.openai.serving_base import (
     ServerContext, beam_search_one, check_extra_fields, check_model, collect_until_disconnect, compile_structured_outputs,
-    generate_one, merge, new_id, now, sse, structured_outputs_of, to_beam_search_params, to_sampling_params,
+    generate_one, merge, prepended, new_id, now, sse, structured_outputs_of, to_beam_search_params, to_sampling_params,
     usage,
 )
 from perfxlm.entrypoints.openai.tool_parsers import ToolCall, parse_required, required_schema
@@ -291,13 +291,7 @@ async def _stream(ctx: ServerContext, req: ChatCompletionRequest, request_id: st
         return sse(body)
 
     try:
-        async def items():
-            if first is not None:
-                yield first
-            async for item in stream:
-                yield item
-
-        async for _, out in items():
+        async for _, out in prepended(first, stream):
             prompt_tokens = len(out.prompt_token_ids or ())
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)

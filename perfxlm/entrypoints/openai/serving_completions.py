@@ -11,7 +11,7 @@ from perfxlm.entrypoints.openai.errors import APIError, error_body
 from perfxlm.entrypoints.openai.protocol import CompletionRequest
 from perfxlm.entrypoints.openai.serving_base import (
     ServerContext, beam_search_one, check_extra_fields, check_model, collect_until_disconnect, compile_structured_outputs,
-    generate_one, merge, new_id, now, sse, to_beam_search_params, to_sampling_params, usage,
+    generate_one, merge, prepended, new_id, now, sse, to_beam_search_params, to_sampling_params, usage,
 )
 from perfxlm.outputs import CompletionOutput, RequestOutput
 
@@ -129,13 +129,7 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str,
     echoed: set[tuple[int, int]] = set()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     try:
-        async def items():
-            if first is not None:
-                yield first
-            async for item in merged:
-                yield item
-
-        async for i, out in items():
+        async for i, out in prepended(first, merged):
             prompt_tokens[i] = len(out.prompt_token_ids or ())
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)

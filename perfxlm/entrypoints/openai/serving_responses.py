@@ -27,7 +27,7 @@ from perfxlm.entrypoints.openai.responses_items import (
 from perfxlm.entrypoints.openai.responses_store import StoredResponse
 from perfxlm.entrypoints.openai.serving_base import (
     ServerContext, check_extra_fields, check_model, collect_until_disconnect, compile_structured_outputs,
-    generate_one, merge, to_sampling_params,
+    generate_one, merge, prepended, to_sampling_params,
 )
 from perfxlm.entrypoints.openai.serving_chat import (
     _assistant_args_to_dicts, _ChoiceParser, _thinking_end, _tool_constraint, _tool_mode,
@@ -285,13 +285,7 @@ async def _stream(turn: _Turn, parser: _ChoiceParser, stream: AsyncIterator[tupl
         yield e
     held = ""  # a named tool's arguments: sent as the call at the end, or as text if it never became one
     try:
-        async def items():
-            if first is not None:
-                yield first
-            async for item in stream:
-                yield item
-
-        async for _, out in items():
+        async for _, out in prepended(first, stream):
             choice = out.outputs[0]
             if choice.finish_reason is None:
                 new_r, new_c = parser.stream(choice.text)
