@@ -340,8 +340,18 @@ async def collect_until_disconnect(request: Request, stream: AsyncIterator[tuple
     return results
 
 
+# Characters that JSON leaves raw but that line readers built on str.splitlines (httpx's
+# aiter_lines among them) take for line ends; escaped so a sampled token can never cut an event.
+_LINE_BREAKING = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_json(data: dict) -> str:
+    """One JSON document for an SSE ``data:`` line: UTF-8 kept, every line-breaking character escaped."""
+    return json.dumps(data, ensure_ascii=False).translate(_LINE_BREAKING)
+
+
 def sse(data: dict | str) -> str:
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    payload = data if isinstance(data, str) else sse_json(data)
     return f"data: {payload}\n\n"
 
 

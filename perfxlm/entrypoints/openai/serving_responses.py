@@ -10,7 +10,6 @@ response.completed (response.incomplete when max_output_tokens cut it)."""
 from __future__ import annotations
 
 import itertools
-import json
 import time
 from types import SimpleNamespace
 from typing import Any, AsyncIterator
@@ -27,7 +26,7 @@ from perfxlm.entrypoints.openai.responses_items import (
 from perfxlm.entrypoints.openai.responses_store import StoredResponse
 from perfxlm.entrypoints.openai.serving_base import (
     ServerContext, check_extra_fields, check_model, collect_until_disconnect, compile_structured_outputs,
-    generate_one, merge, prepended, to_sampling_params,
+    generate_one, merge, prepended, sse_json, to_sampling_params,
 )
 from perfxlm.entrypoints.openai.serving_chat import (
     _assistant_args_to_dicts, _ChoiceParser, _thinking_end, _tool_constraint, _tool_mode,
@@ -214,7 +213,7 @@ class _Events:
 
     def event(self, kind: str, **fields: Any) -> str:
         body = {"type": kind, "sequence_number": next(self.seq), **fields}
-        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+        return f"event: {kind}\ndata: {sse_json(body)}\n\n"
 
     def start(self) -> list[str]:
         shell = self.turn.response("in_progress", [], None)
