@@ -11,6 +11,7 @@ the native one in site-packages). Imports nothing heavy: it runs before torch is
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -46,7 +47,8 @@ def llama_cpp_folder(tier: str) -> Path:
     import importlib.metadata
 
     folder = CACHE_DIR / f"llama-cpp-python-{tier}"
-    if (folder / "llama_cpp").is_dir():
+    marker = folder / "CMAKE_ARGS"  # what the folder was built with: a build for other options is redone
+    if (folder / "llama_cpp").is_dir() and marker.is_file() and marker.read_text() == TIERS[tier][3]:
         return folder
     try:
         version = importlib.metadata.version("llama-cpp-python")
@@ -57,8 +59,13 @@ def llama_cpp_folder(tier: str) -> Path:
           flush=True)
     env = dict(os.environ, CMAKE_ARGS=TIERS[tier][3], FORCE_CMAKE="1")
     tmp = folder.with_suffix(".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    # --no-cache-dir: pip's wheel cache is keyed by version, not CMAKE_ARGS, and would hand back the
+    # native build (AVX-512 code in an "AVX2" folder) without compiling anything
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-binary", "llama-cpp-python",
-                    "--target", str(tmp), spec], env=env, check=True)
+                    "--no-cache-dir", "--target", str(tmp), spec], env=env, check=True)
+    (tmp / "CMAKE_ARGS").write_text(TIERS[tier][3])
+    shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
     return folder
 
