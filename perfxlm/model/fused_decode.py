@@ -6,7 +6,7 @@ per layer) than in arithmetic. `FusedDecode` describes each layer once (`_layer_
 Gemma 2 / 3 (sandwich norms with 1 + w, GELU-tanh, soft-capped attention, local/global windows, a rope
 table per layer kind), GLM-4 (interleaved rotary reordered at load, post-sublayer norms), and runs a step
 whose tokens are all decodes through `torch.ops.perfxlm.decode_layer`, float32 activations over float32,
-bf16 or quantized weights. A decoder layer kind joins by implementing `fused_decode_layer()`
+bf16 or quantized weights, with the step's LoRA adapters added after each projection. A decoder layer kind joins by implementing `fused_decode_layer()`
 (FusableDecoderLayer), built from `fused_attention`, `fused_mlp` and `fused_layer`; no family is named
 here. Anything else (prefill chunks in the batch, MoE, MLA, attention sinks and OPT layers, no native
 kernels, bf16 activations) takes the module path, which stays the reference the tests compare against.
@@ -14,7 +14,7 @@ kernels, bf16 activations) takes the module path, which stays the reference the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -73,6 +73,8 @@ class FusedAttention:
     q_norm: torch.Tensor | None = None  # per-head RMSNorm scales (Qwen3), with one epsilon for both
     k_norm: torch.Tensor | None = None
     head_eps: float = 0.0
+    # the q|k|v and output projection modules: a step's LoRA adapters are looked up by module
+    projections: tuple[nn.Module, ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ class FusedMLP:
     down_bias: torch.Tensor | None
     intermediate: int
     activation: int  # activation_code()
+    projections: tuple[nn.Module, ...] = field(default=(), compare=False)  # gate|up and down modules
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,10 @@ class FusedLayer:
         a = self.attention
         return (a.scale, a.sliding_window or 0, a.soft_cap or 0.0)
 
+    def projections(self) -> tuple[nn.Module, ...]:
+        """qkv, o, gate_up, down: the order of decode_layer's `lora` operands."""
+        return (*self.attention.projections, *self.mlp.projections)
+
 
 @runtime_checkable
 class FusableDecoderLayer(Protocol):
@@ -133,6 +140,7 @@ def fused_attention(qkv_proj: nn.Module, o_proj: nn.Module, core: nn.Module,
     return FusedAttention(
         weight_parts(qkv_proj.weight), qkv_proj.bias, weight_parts(o_proj.weight), o_proj.bias, core.num_heads,
         core.num_kv_heads, core.head_dim, core.scale, core.sliding_window, core.logit_soft_cap, qn, kn, head_eps,
+        (qkv_proj, o_proj),
     )  # fmt: skip
 
 
@@ -141,7 +149,7 @@ def fused_mlp(gate_up_proj: nn.Module, down_proj: nn.Module, act: nn.Module) -> 
     if code is None:
         return None
     return FusedMLP(weight_parts(gate_up_proj.weight), gate_up_proj.bias, weight_parts(down_proj.weight),
-                    down_proj.bias, down_proj.in_features, code)  # fmt: skip
+                    down_proj.bias, down_proj.in_features, code, (gate_up_proj, down_proj))  # fmt: skip
 
 
 def fused_layer(norms: list[nn.Module], attention: FusedAttention | None, mlp: FusedMLP | None) -> FusedLayer | None:
@@ -155,11 +163,11 @@ def fused_layer(norms: list[nn.Module], attention: FusedAttention | None, mlp: F
     return FusedLayer(tuple(padded), eps.pop(), attention, mlp)  # type: ignore[arg-type]
 
 
-def _layer_args(layer: nn.Module) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
-    """The layer's arguments to `decode_layer` before and after the per-step ones, or None where the
-    layer does not fit the kernel."""
+def _layer_args(layer: nn.Module) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[nn.Module, ...]] | None:
+    """The layer's arguments to `decode_layer` before and after the per-step ones and its projection
+    modules, or None where the layer does not fit the kernel."""
     fused = layer.fused_decode_layer() if isinstance(layer, FusableDecoderLayer) else None
-    return None if fused is None else (fused.before_rope(), fused.after_rope())
+    return None if fused is None else (fused.before_rope(), fused.after_rope(), fused.projections())
 
 
 def _int8_blocks(quantized: list[Any]) -> bool | None:
@@ -179,18 +187,14 @@ def _int8_blocks(quantized: list[Any]) -> bool | None:
 class FusedDecode:
     def __init__(self, layers: nn.ModuleList) -> None:
         self.layers = layers
-        self.args: list[tuple[tuple[Any, ...], tuple[Any, ...]]] | None = None
+        self.args: list[tuple[tuple[Any, ...], tuple[Any, ...], tuple[nn.Module, ...]]] | None = None
+        self.lora_fits: bool | None = None  # every adapter target of the layers is a fused projection
         self.eligible = len(layers) > 0
         self.quant_bf16_gemm = True
         self.int8_blocks = False  # whether the kernel rounds activations to int8 blocks (all weights alike)
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         if not self.eligible or x.dtype != torch.float32 or meta.prefills or meta.num_decode_tokens != x.shape[0]:
-            return False
-        if meta.lora is not None:
-            # A row runs with a LoRA adapter: its products are added after each projection, inside the
-            # layer, where the one native call per layer has no place for them. Steps without an adapter
-            # row keep the fused path.
             return False
         if native.kernels() is None:
             return False
@@ -217,7 +221,18 @@ class FusedDecode:
                 self.eligible = False
                 return False
             self.int8_blocks = blocks
+        if meta.lora is not None and not self._lora_fits(meta.lora):
+            return False
         return True
+
+    def _lora_fits(self, lora: Any) -> bool:
+        """Whether the kernel can add this step's adapter products: it adds them after the four
+        projections it knows (qkv, o, gate_up, down); an adapter target elsewhere in a layer (a MoE
+        expert, a separate projection) sends LoRA steps to the module path."""
+        if self.lora_fits is None:
+            known = {id(m) for _, _, projections in self.args or [] for m in projections}
+            self.lora_fits = all(id(m) in known for m in self.layers.modules() if lora.targets(m))
+        return self.lora_fits
 
     def run(
         self,
@@ -234,12 +249,23 @@ class FusedDecode:
         max_rows = plan.native_max_rows
         bf16_gemm = plan.gemm == "bf16" and self.quant_bf16_gemm
         residual = x
-        for i, (layer, (before, after)) in enumerate(zip(self.layers, self.args or [])):
+        lora = meta.lora
+        for i, (layer, (before, after, projections)) in enumerate(zip(self.layers, self.args or [])):
             cos, sin = rope if layer_ropes is None else layer_ropes[i]
+            adapters = [] if lora is None else _lora_operands(lora, projections)
             cache = layer.self_attn.attn.kv_cache
             x, residual = ops.decode_layer(
                 x, residual, i == 0, *before, cos, sin, cache.key, cache.value, meta.slot_mapping,
-                meta.decode_block_tables, meta.decode_seq_lens, *after, max_rows, bf16_gemm, cache.key_scale,
-                cache.value_scale, self.int8_blocks, plan.quant_max_rows, plan.quant_block_max_rows,
+                meta.decode_block_tables, meta.decode_seq_lens, *after, max_rows, bf16_gemm, adapters,
+                cache.key_scale, cache.value_scale, self.int8_blocks, plan.quant_max_rows, plan.quant_block_max_rows,
             )  # fmt: skip
         return x, residual
+
+
+_NO_ADAPTER = (torch.empty(0),) * 3
+
+
+def _lora_operands(lora: Any, projections: tuple[nn.Module, ...]) -> list[torch.Tensor]:
+    """decode_layer's `lora` list: (A, B^T, scale) per projection from the step's LoRABatch, empty
+    tensors where no adapter of the step targets it."""
+    return [t for m in projections for t in (lora.operands(m) or _NO_ADAPTER)]
