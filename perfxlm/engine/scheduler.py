@@ -270,11 +270,11 @@ class Scheduler:
     # ---- speculative decoding ------------------------------------------------------------
     def draft_requests(self, max_drafts: int) -> list[DraftRequest]:
         """Running requests that decode next step and may carry draft tokens: caught up with their tokens,
-        below max_tokens and max_model_len by at least two tokens, not guided by a grammar (its mask
-        would have to follow every draft), not sitting out after guesses that missed."""
+        below max_tokens and max_model_len by at least two tokens, not sitting out after guesses that
+        missed. Guided requests speculate too: the runner masks each verification row by the grammar."""
         batch = []
         for r in self.running:
-            if r.num_tokens - r.num_computed_tokens != 1 or r.sampling_params._grammar is not None:
+            if r.num_tokens - r.num_computed_tokens != 1:
                 continue
             if r.spec_skip:
                 r.spec_skip -= 1
