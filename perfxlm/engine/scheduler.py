@@ -285,11 +285,11 @@ class Scheduler:
                 batch.append(DraftRequest(r.request_id, r.all_token_ids, room))
         return batch
 
-    def set_draft_tokens(self, batch: list[DraftRequest], drafts: list[list[int]]) -> None:
-        for r, d in zip(batch, drafts):
-            request = self.requests.get(r.request_id)
-            if request is not None:
-                request.draft_token_ids = list(d[: r.max_drafts])
+    def set_draft_tokens(self, drafts: dict[str, list[int]]) -> None:
+        """The next step's draft tokens by request id (each within its draft_requests max_drafts); every
+        other running request has none."""
+        for r in self.running:
+            r.draft_token_ids = list(drafts.get(r.request_id, ()))
 
     def _failed_in_step(self, request: Request, sr: ScheduledRequest, failed: dict[str, str],
                         outputs: list[EngineCoreOutput]) -> bool:
