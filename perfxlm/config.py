@@ -269,9 +269,6 @@ class EngineConfig:
         spec = self.speculative_config
         if spec is None or spec.method != "draft_model":
             return
-        if self.tensor_parallel_size > 1 or self.distributed_executor_backend == "external_launcher":
-            raise ValueError("speculative_config with a draft model runs with tensor_parallel_size 1 only; use "
-                             "method 'ngram' with tensor parallelism.")
         path = resolve_model(spec.model, None, self.download_dir)
         if path != spec.model:
             self.speculative_config = spec = dataclasses.replace(spec, model=path)
