@@ -9,7 +9,7 @@ import string
 import torch
 
 WORDS = ["the", "a", "cat", "dog", "sat", "on", "mat", "query", "passage", "what", "is", "paris", "capital",
-         "of", "france", "berlin", "germany", "red", "blue", "green"]
+         "of", "france", "berlin", "germany", "red", "blue", "green", "yes", "no"]
 
 
 def _vocab(specials: list[str]) -> list[str]:
@@ -18,8 +18,9 @@ def _vocab(specials: list[str]) -> list[str]:
 
 
 def save_tokenizer(path: str, family: str) -> int:
-    """A WordPiece tokenizer: BERT's specials and [CLS] a [SEP] b [SEP] pairs with segment ids, or
-    XLM-RoBERTa's (<s>=0, <pad>=1, </s>=2) and <s> a </s></s> b </s>. Returns the vocabulary size."""
+    """A WordPiece tokenizer: BERT's specials and [CLS] a [SEP] b [SEP] pairs with segment ids,
+    XLM-RoBERTa's (<s>=0, <pad>=1, </s>=2) and <s> a </s></s> b </s>, or a decoder's ("decoder": a pair is
+    the two texts' tokens one after the other, as Qwen's tokenizer joins them). Returns the vocabulary size."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -33,7 +34,9 @@ def save_tokenizer(path: str, family: str) -> int:
     tok = Tokenizer(models.WordPiece(vocab, unk_token=unk))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    if family in ("bert", "modernbert"):
+    if family == "decoder":
+        tok.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:0", special_tokens=[])
+    elif family in ("bert", "modernbert"):
         tok.post_processor = processors.TemplateProcessing(
             single=f"{cls}:0 $A:0 {sep}:0", pair=f"{cls}:0 $A:0 {sep}:0 $B:1 {sep}:1",
             special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])],
