@@ -156,6 +156,9 @@ class PoolingEngine:
         seqs = [x.seq for x in inputs]
         hidden, lens = self.runner.forward(seqs)
         pooled = {t: pool(hidden, lens, t) for t in {x.pooling_type for x in inputs if x.task not in _LOGIT_TASKS}}
+        dense = self.pooler_config.dense
+        if dense is not None:  # sentence-transformers' Dense modules: over sentence embeddings, not per token
+            pooled.update({t: list(dense(torch.stack(rows)).unbind(0)) for t, rows in pooled.items() if t != "ALL"})
         logit_rows = [i for i, x in enumerate(inputs) if x.task in _LOGIT_TASKS]
         logits = self.runner.classify(hidden, lens, logit_rows) if logit_rows else None
         logit_of = {row: j for j, row in enumerate(logit_rows)}

@@ -82,21 +82,26 @@ def make_encoder(path: str, family: str = "bert", *, classifier: bool = False, n
 
 
 def make_sentence_transformer(path: str, family: str = "bert", pooling: str = "cls", normalize: bool = True,
-                              max_seq_length: int | None = None, **kwargs) -> str:
-    """An encoder wrapped as sentence-transformers saves it: modules.json, 1_Pooling/config.json, and a
-    Normalize module when asked."""
+                              max_seq_length: int | None = None, dense: list[dict] | None = None, **kwargs) -> str:
+    """An encoder wrapped as sentence-transformers saves it: modules.json, 1_Pooling/config.json, Dense
+    modules after pooling (`dense`: Dense's keyword arguments but in_features, seeded) and a Normalize
+    module when asked."""
     from sentence_transformers import SentenceTransformer
 
     try:  # sentence-transformers 6 moved the modules
-        from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+        from sentence_transformers.sentence_transformer.modules import Dense, Normalize, Pooling, Transformer
     except ImportError:
-        from sentence_transformers.models import Normalize, Pooling, Transformer
+        from sentence_transformers.models import Dense, Normalize, Pooling, Transformer
 
     raw = make_encoder(path + "_raw", family, **kwargs)
     transformer = Transformer(raw, max_seq_length=max_seq_length)
     dim = (transformer.get_embedding_dimension() if hasattr(transformer, "get_embedding_dimension")
            else transformer.get_word_embedding_dimension())
     modules = [transformer, Pooling(dim, pooling_mode=pooling)]
+    torch.manual_seed(kwargs.get("seed", 0) + 100)
+    for layer in dense or []:
+        modules.append(Dense(dim, **layer))
+        dim = layer["out_features"]
     if normalize:
         modules.append(Normalize())
     SentenceTransformer(modules=modules, device="cpu").save(path)
