@@ -14,7 +14,8 @@ WORDS = ["the", "a", "cat", "dog", "sat", "on", "mat", "query", "passage", "what
 
 def _vocab(specials: list[str]) -> list[str]:
     letters = list(string.ascii_lowercase + string.digits)
-    return specials + WORDS + letters + ["##" + c for c in letters] + list(".,?!")
+    # each token once ("a" is a word and a letter), so the ids run 0..len-1 and len is the vocabulary size
+    return list(dict.fromkeys(specials + WORDS + letters + ["##" + c for c in letters] + list(".,?!")))
 
 
 def save_tokenizer(path: str, family: str) -> int:
