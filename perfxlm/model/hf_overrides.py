@@ -47,7 +47,7 @@ def apply_hf_overrides(hf_config: Any, overrides: Any) -> Any:
 
 def overridden_architectures(architectures: list[str], overrides: Any) -> list[str]:
     """config.json's architectures as a dict of overrides changes them (before the config object is built:
-    the runner is chosen from the file). A function's changes are seen once the config loads."""
+    the runner is chosen from the file; a function of the config is applied to the loaded one there)."""
     overrides = parse_hf_overrides(overrides)
     if isinstance(overrides, dict) and overrides.get("architectures") is not None:
         archs = overrides["architectures"]

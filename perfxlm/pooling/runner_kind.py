@@ -43,6 +43,11 @@ def _architectures(model: str | None, revision: str | None, download_dir: str | 
     if not os.path.isdir(path) or not os.path.isfile(config):
         # a GGUF file (decoders only), or a folder the loader will refuse with its own message
         return overridden_architectures([], hf_overrides)
+    if callable(hf_overrides):  # a function of the config: what it makes of the loaded one
+        from perfxlm.model.hf_overrides import apply_hf_overrides
+        from perfxlm.model.loader import load_hf_config
+
+        return list(getattr(apply_hf_overrides(load_hf_config(path), hf_overrides), "architectures", None) or [])
     with open(config, encoding="utf-8") as f:
         return overridden_architectures(list(json.load(f).get("architectures") or []), hf_overrides)
 

@@ -139,3 +139,19 @@ def test_command_line_takes_hf_overrides_as_json():
     assert kwargs["hf_overrides"] == RERANKER
     with pytest.raises(SystemExit, match="not valid JSON"):
         engine_kwargs(parser.parse_args(["m", "--hf-overrides", "{architectures: 1}"]))
+
+
+def test_hf_overrides_as_a_function_of_the_config(tmp_path):
+    path = _causal_lm(str(tmp_path / "lm"), tied=True, seed=6)
+
+    def as_reranker(config):
+        for key, value in RERANKER.items():
+            setattr(config, key, value)
+        return config
+
+    llm = LLM(path, dtype="float32", hf_overrides=as_reranker)  # runner chosen from the function's config
+    assert llm.runner_kind == "pooling"
+    got = [o.outputs.score for o in llm.score(QUERY, DOCS[:2], use_tqdm=False)]
+    np.testing.assert_allclose(got, _expected(path, QUERY, DOCS[:2]), atol=2e-6, rtol=0)
+    with pytest.raises(ValueError, match="returned None"):
+        LLM(path, runner="pooling", hf_overrides=lambda config: None)
