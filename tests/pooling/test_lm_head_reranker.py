@@ -45,7 +45,7 @@ def _expected(path: str, query: str, docs: list[str]) -> np.ndarray:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
-    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     no, yes = tok.convert_tokens_to_ids("no"), tok.convert_tokens_to_ids("yes")
     scores = []
     for doc in docs:

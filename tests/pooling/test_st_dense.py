@@ -86,3 +86,19 @@ def test_unsupported_dense_modules_are_clear_errors(dense_model, tmp_path, edit,
     folder = _copy_with(dense_model, str(tmp_path / "copy"), edit)
     with pytest.raises(ValueError, match=needle):
         LLM(folder, dtype="float32")
+
+
+def test_dense_weights_saved_as_pytorch_model_bin(dense_model, tmp_path):
+    """Older sentence-transformers releases save Dense weights with torch.save: the same embeddings."""
+    import torch
+    from safetensors.torch import load_file
+
+    def to_bin(folder):
+        for d in _dense_dirs(folder):
+            torch.save(load_file(os.path.join(d, "model.safetensors")), os.path.join(d, "pytorch_model.bin"))
+            os.remove(os.path.join(d, "model.safetensors"))
+
+    folder = _copy_with(dense_model, str(tmp_path / "bin"), to_bin)
+    ref = LLM(dense_model, dtype="float32").embed(TEXTS[:2], use_tqdm=False)
+    got = LLM(folder, dtype="float32").embed(TEXTS[:2], use_tqdm=False)
+    np.testing.assert_array_equal([o.outputs.embedding for o in got], [o.outputs.embedding for o in ref])
