@@ -374,6 +374,8 @@ void rotary_embedding(at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 //   [residual +=] x; x = rmsnorm(residual); qkv = x Wqkv (+b); [q, k = rmsnorm per head]; rotary(q, k);
 //   cache <- k, v; a = attention(q); x = a Wo (+b); residual += x; x = rmsnorm(residual);
 //   x = act(g) * u Wdown
+// Without MLP weights (w_gate_up empty: a mixture of experts, which the caller runs) the layer stops
+// after the post-attention norm and returns (normed x, residual). `sinks`: gpt-oss's per-head logits.
 // Gemma 2 ("sandwich": pre_ff_norm given; norm weights already 1 + w), no residual stream:
 //   x += rmsnorm(attn block(rmsnorm(x)), post); x += rmsnorm(mlp(rmsnorm(x, pre_ff)), post_ff)
 // ---------------------------------------------------------------------------------------------
@@ -441,7 +443,7 @@ std::vector<at::Tensor> decode_layer(
     at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
     const at::Tensor& seq_lens, double scale, int64_t sliding_window, double soft_cap, int64_t max_rows,
     bool bf16_gemm, const c10::optional<at::Tensor>& key_scale, const c10::optional<at::Tensor>& value_scale,
-    bool int8_blocks, int64_t quant_max_rows, int64_t quant_block_max_rows) {
+    bool int8_blocks, int64_t quant_max_rows, int64_t quant_block_max_rows, const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x must be contiguous float32 [T, hidden]");
   const int64_t T = x.size(0), hidden = x.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
@@ -472,7 +474,7 @@ std::vector<at::Tensor> decode_layer(
   perfxlm_attn::write_slots(qkv_p + q_size + kv_size, row, T, kv_size, slots, value_cache, value_scale);
   at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
   at::Tensor attn = perfxlm_attn::paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale,
-                                                         sliding_window, soft_cap, key_scale, value_scale);
+                                                         sliding_window, soft_cap, key_scale, value_scale, sinks);
   at::Tensor o = project(attn.view({T, q_size}), w_o, hidden, b_o, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);
   if (sandwich) {
     x = x + rms_norm(o, post_norm, eps);
@@ -480,6 +482,10 @@ std::vector<at::Tensor> decode_layer(
   } else {
     fused_add_rms_norm(o, residual, post_norm, eps);
     h = o;
+  }
+  if (w_gate_up.empty()) {  // the caller runs the layer's own MLP (a mixture of experts) on the normed h
+    TORCH_CHECK(!sandwich, "decode_layer: a layer without its MLP must be pre-norm (no sandwich norms)");
+    return {h, residual};
   }
   at::Tensor gate_up = project(h, w_gate_up, 2 * intermediate, b_gate_up, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);
   at::Tensor out = project(mlp_activation(gate_up, intermediate, activation), w_down, hidden, b_down, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);
@@ -506,7 +512,7 @@ TORCH_LIBRARY(perfxlm, m) {
       "Tensor? b_down, int num_heads, int num_kv_heads, int head_dim, int intermediate, int activation, "
       "Tensor cos, Tensor sin, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, "
       "Tensor block_tables, Tensor seq_lens, float scale, int sliding_window, float soft_cap, int max_rows, "
-      "bool bf16_gemm, Tensor(e!)? key_scale=None, Tensor(f!)? value_scale=None, bool int8_blocks=False, int quant_max_rows=-1, int quant_block_max_rows=-1) -> Tensor[]");
+      "bool bf16_gemm, Tensor(e!)? key_scale=None, Tensor(f!)? value_scale=None, bool int8_blocks=False, int quant_max_rows=-1, int quant_block_max_rows=-1, Tensor? sinks=None) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(perfxlm, CPU, m) {
