@@ -65,7 +65,7 @@ def _stacks(kind: str, num_experts: int, hidden: int, inter: int, seed: int):
 
 @pytest.mark.parametrize("kind", ["float32", "bf16", "transposed", "int8", "int4"])
 @pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh", "clamped-swiglu"])
-@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 5, 2), (23, 7, 3), (70, 4, 4)])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 5, 2), (37, 7, 4)])
 def test_native_experts_equal_the_torch_loop(kind, activation, num_tokens, num_experts, top_k, monkeypatch):
     """The one-call kernel runs the torch loop's ops in the same order: the same bits, for every stack
     kind and activation, with gpt-oss's biases; experts that get no token are skipped."""
