@@ -384,13 +384,15 @@ void rotary_embedding(at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 // y = x W^T + b as perfxlm/ops/linear.py dispatches it, so the fused layer and the module path agree:
 // packed panels -> the panel kernel; bf16 rows under float32 x -> the row kernel up to max_rows rows,
 // else torch's bf16 GEMM (bf16_gemm) or a float32 GEMM on the widened weight; same dtypes -> torch.
-// A quantized weight arrives as [codes, scales, mins, levels (empty: none), act_int8 (0-dim)], see
+// A quantized weight arrives as [codes, scales, mins (empty: centred codes), levels (empty: none),
+// act_int8 (0-dim)], see
 // perfxlm/model/fused_decode.py; a plain one as [w].
 at::Tensor project(const at::Tensor& x, at::TensorList parts, int64_t n_out, const c10::optional<at::Tensor>& bias,
                    int64_t max_rows, bool bf16_gemm, bool int8_blocks, int64_t quant_max_rows, int64_t quant_block_max_rows) {
   if (parts.size() == 5) {
     const c10::optional<at::Tensor> levels = parts[3].numel() ? c10::optional<at::Tensor>(parts[3]) : c10::nullopt;
-    return perfxlm_quant::linear_q(x, parts[0], parts[1], parts[2], levels, bias, *parts[4].const_data_ptr<bool>(),
+    const c10::optional<at::Tensor> mins = parts[2].numel() ? c10::optional<at::Tensor>(parts[2]) : c10::nullopt;
+    return perfxlm_quant::linear_q(x, parts[0], parts[1], mins, levels, bias, *parts[4].const_data_ptr<bool>(),
                                    quant_max_rows >= 0 ? quant_max_rows : max_rows, bf16_gemm, int8_blocks,
                                    quant_block_max_rows);
   }

@@ -51,11 +51,12 @@ def norm_scale(norm: nn.Module) -> torch.Tensor | None:
 
 def weight_parts(weight: Any) -> list[torch.Tensor]:
     """A projection's weight as `decode_layer` takes it: [w], or a quantized weight's tensors
-    [codes, scales, mins, levels (empty: none), act_int8] (perfxlm.quant.QuantizedWeight)."""
+    [codes, scales, mins (empty: centred codes), levels (empty: none), act_int8] (perfxlm.quant.QuantizedWeight)."""
     if isinstance(weight, torch.Tensor):
         return [weight]
     levels = weight.levels if weight.levels is not None else torch.empty(0)
-    return [weight.codes, weight.scales, weight.mins, levels, torch.tensor(weight.act == "int8")]
+    mins = weight.mins if weight.mins is not None else torch.empty(0)
+    return [weight.codes, weight.scales, mins, levels, torch.tensor(weight.act == "int8")]
 
 
 @dataclass(frozen=True)
