@@ -243,10 +243,6 @@ class EngineConfig:
             # one (ops/cpu_plan.py says which path each CPU kind takes).
             self.torch_dtype = torch.float32
         self.hf_config = load_hf_config(self.model)
-        if self.quant_config is not None:
-            # travels with the model's config to every loader (worker processes included); read by get_model
-            self.hf_config.perfxlm_quantization = self.quant_config.as_dict()
-        self.hf_config.perfxlm_quant_activations = self.quant_activation_mode.value  # decided here, once
         limit = _max_position_embeddings(self.hf_config)
         self.max_model_len_explicit = self.max_model_len is not None
         if self.max_model_len is None:

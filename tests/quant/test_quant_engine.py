@@ -298,7 +298,7 @@ _RSS_SCRIPT = """
 import gc, json, sys
 import torch
 from perfxlm.config import EngineConfig
-from perfxlm.model.loader import get_model
+from perfxlm.model.loader import load_model
 
 def rss():
     with open("/proc/self/status") as f:
@@ -307,7 +307,7 @@ def rss():
 cfg = EngineConfig(quantization=sys.argv[1] or None, dtype="bfloat16").resolve()
 gc.collect()
 before = rss()
-model = get_model(cfg.model, cfg.hf_config, cfg.torch_dtype, cfg.load_format, cfg.seed, cfg.weight_dtype)
+model = load_model(cfg)
 after = rss()
 print(json.dumps({k: after[k] - before[k] for k in before}))
 """

@@ -57,6 +57,15 @@ def _calibration_model(model_path: str, hf_config: Any, load_format: str, weight
     return get_model(model_path, hf_config, torch.float32, load_format, quantization=weights)
 
 
+def load_model(config: Any, tp: Any = None) -> torch.nn.Module:
+    """The model a resolved EngineConfig names, with its weight format and activation mode passed as
+    values (nothing of the engine's choice rides on the model's config)."""
+    return get_model(
+        config.model, config.hf_config, config.torch_dtype, config.load_format, config.seed, config.weight_dtype,
+        tp=tp, quantization=config.quant_config, activations=config.quant_activation_mode,
+    )  # fmt: skip
+
+
 def get_model(
     model_path: str,
     hf_config: Any,
@@ -66,8 +75,12 @@ def get_model(
     weight_dtype: torch.dtype | None = None,
     tp: Any = None,
     quantization: Any = None,
+    activations: ActivationMode | None = None,
 ):
-    """`tp`: a distributed.sharding.TPShard: build and load only that rank's shard."""
+    """`tp`: a distributed.sharding.TPShard: build and load only that rank's shard. `quantization`: the
+    weight format (a QuantizationConfig, or what `QuantizationConfig.resolve` takes; None keeps a GGUF
+    file's blocks and a float checkpoint float). `activations`: the mode EngineConfig.resolve decided,
+    else the default for these weights."""
     model_cls = resolve_model_class(hf_config)
     build_config = hf_config
     packed = packed_checkpoint(model_path, load_format)  # a bad packed checkpoint fails before the build
@@ -79,16 +92,15 @@ def get_model(
         prequantized = getattr(hf_config, "quantization_config", None) is not None
         check_supported(model_cls, tp.world_size, hf_config, prequantized)
         build_config = tp.shard_config(hf_config)
-        quantization = tp_quantization(quantization, hf_config)
+        quantization = tp_quantization(quantization)
     with _default_dtype(dtype), torch.no_grad():
         # Layers allocate with torch.empty: building the model costs no initialisation pass.
         model = model_cls(build_config)
         # quantized weights (a GGUF file's blocks, or `quantization=`): checked before any weight is read
-        if quantization is None:  # EngineConfig.resolve leaves the user's choice on the model config
-            quantization = getattr(hf_config, "perfxlm_quantization", None)
         sink = quantized_loader(model, quantization, load_format, model_path, packed)
         if sink is not None:
-            sink.take_activations(activation_mode(hf_config, sink.source, weight_dtype or dtype))
+            mode = activations if activations is not None else resolve_activations("auto", sink.source, weight_dtype or dtype)
+            sink.take_activations(mode)
         if sink is not None and load_format != "dummy":
             # activation statistics, where asked for: from the same checkpoint loaded as `weights` says
             sink.importance = calibration.importance(
@@ -117,15 +129,6 @@ def get_model(
     move_to_arena(model)  # final layouts only: after packing and casting
     release_freed_memory()
     return model.eval()
-
-
-def activation_mode(hf_config: Any, source: str, weight_dtype: torch.dtype) -> ActivationMode:
-    """The activation mode EngineConfig.resolve decided (it travels on the model's config to every
-    loader), else the default for these weights (a caller loading without an EngineConfig)."""
-    decided = getattr(hf_config, "perfxlm_quant_activations", None)
-    if decided is not None:
-        return ActivationMode(decided)
-    return resolve_activations("auto", source, weight_dtype)
 
 
 def release_freed_memory() -> None:
