@@ -114,6 +114,14 @@ class QuantizedLoader:
         self.activations = ActivationMode.FLOAT
 
     @property
+    def format_name(self) -> str:
+        """The registry name of the linear method the weights this sink installs run by: the packed
+        checkpoint's format, the method quantizing at load, or "gguf" (kept)."""
+        if self.packed is not None:
+            return self.packed.format.method
+        return GGUF if self.config is None else self.config.method
+
+    @property
     def source(self) -> str:
         """Where the quantized weights come from: the method quantizing at load, a pre-quantized
         checkpoint's equivalent method (its format's `activation_source`), or "gguf" (kept)."""

@@ -5,7 +5,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from perfxlm.model.layers.activation import soft_cap
-from perfxlm.ops.linear import linear
+from perfxlm.model.layers.linear_methods.base import LinearMethod, LinearPlan
+from perfxlm.model.layers.linear_methods.registry import method_for
+from perfxlm.model.layers.linear_methods.unquantized import UnquantizedLinear
 from perfxlm.quant.weight import QuantizedWeight
 
 
@@ -43,7 +45,8 @@ class LearnedPositionalEmbedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    """Projects hidden states to vocabulary logits; shares the embedding's weight when tied."""
+    """Projects hidden states to vocabulary logits; shares the embedding's weight when tied. Its product
+    runs by a linear method chosen at load, as a Linear's (a tied head's weight is the table's)."""
 
     def __init__(
         self,
@@ -53,7 +56,9 @@ class LMHead(nn.Module):
         logit_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
-        self.vocab_size = vocab_size
+        self.vocab_size = self.out_features = vocab_size
+        self.in_features = hidden_size
+        self.method: LinearMethod = UnquantizedLinear()
         if tied_to is not None:
             self.weight = tied_to.weight
         else:
@@ -62,7 +67,11 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # Logits in float32 whatever the model dtype: sampling and logprobs want the precision.
-        logits = linear(hidden, self.weight, None, self.vocab_size).float()
+        logits = self.method.apply(self, hidden, None).float()
         if self.logit_soft_cap is not None:
             logits = soft_cap(logits, self.logit_soft_cap)
         return logits
+
+    def bind_linear_method(self, plan: LinearPlan) -> None:
+        self.method = method_for(self.weight, plan)
+        self.method.process_after_loading(self, plan)
