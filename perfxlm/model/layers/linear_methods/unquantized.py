@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from perfxlm.model.layers.linear_methods.base import LinearMethod, LinearPlan
-from perfxlm.ops import cpu_plan, native
 from perfxlm.ops.linear import bf16_rows_linear, pack_bf16, packed_linear, unpack_bf16
 
 
@@ -62,7 +61,3 @@ class Bf16PanelsLinear(LinearMethod):
     def weight_matrix(self, weight: Any, out_features: int) -> torch.Tensor:
         return unpack_bf16(weight, out_features)
 
-
-def panels_available() -> bool:
-    """Whether bf16 weights take the panel layout on this CPU (native kernels and the plan's choice)."""
-    return native.kernels() is not None and cpu_plan.plan().layout == "panels"
