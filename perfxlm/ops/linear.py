@@ -1,4 +1,6 @@
-"""y = x W^T + b, dispatched on how W is stored (see `cpu_plan` for which form a CPU gets).
+"""y = x W^T + b: the kernels each layer's linear method calls (model/layers/linear_methods/, chosen once
+at load), and `linear`, which dispatches on how W is stored for weights no layer owns (see `cpu_plan`
+for which form a CPU gets).
 
 - W in x's dtype ([N, K]): torch's own linear (MKL / oneDNN).
 - W bf16 rows [N, K] under float32 x (CPUs with AVX512-BF16 / AMX, and MoE expert stacks everywhere): up

@@ -60,7 +60,8 @@ def grouped_experts(
         # torch's own where the stacks share the activations' dtype; bf16 stacks under float32 activations
         # go to the native row kernel (or the CPU's bf16 GEMM), never widened whole.
         w = gate_up[expert]
-        h = gate_up_multiply(xs[start:end], w, None if gate_up_bias is None else gate_up_bias[expert], w.shape[-2])
+        b = None if gate_up_bias is None else gate_up_bias[expert]
+        h = gate_up_multiply(xs[start:end], w, b, w.shape[-2])
         h = act(h)
         w = down[expert]
         out = down_multiply(h, w, None if down_bias is None else down_bias[expert], w.shape[-2])

@@ -55,8 +55,12 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def _calibration_model(model_path: str, hf_config: Any, load_format: str, weights: Any) -> torch.nn.Module:
-    return get_model(model_path, hf_config, torch.float32, load_format, quantization=weights)
+def _calibration_model(
+    model_path: str, hf_config: Any, load_format: str, weights: Any, activations: ActivationMode | None
+) -> torch.nn.Module:
+    return get_model(
+        model_path, hf_config, torch.float32, load_format, quantization=weights, activations=activations
+    )
 
 
 def load_model(config: Any, tp: Any = None) -> torch.nn.Module:
@@ -101,13 +105,14 @@ def get_model(
         # quantized weights (a GGUF file's blocks, or `quantization=`): checked before any weight is read
         sink = quantized_loader(model, quantization, load_format, model_path, packed)
         if sink is not None:
-            mode = activations if activations is not None else resolve_activations("auto", sink.source, weight_dtype or dtype)
-            sink.take_activations(mode)
+            if activations is None:  # a caller loading without an EngineConfig: the weights' default
+                activations = resolve_activations("auto", sink.source, weight_dtype or dtype)
+            sink.take_activations(activations)
         if sink is not None and load_format != "dummy":
             # activation statistics, where asked for: from the same checkpoint loaded as `weights` says
             sink.importance = calibration.importance(
                 sink.config, model_path, hf_config,
-                lambda weights: _calibration_model(model_path, hf_config, load_format, weights),
+                lambda weights: _calibration_model(model_path, hf_config, load_format, weights, activations),
             )  # fmt: skip
             release_freed_memory()  # the calibration model's pages, before this model's weights arrive
         if weight_dtype is not None and weight_dtype != dtype:
@@ -191,7 +196,9 @@ def cast_weights(model: torch.nn.Module, weight_dtype: torch.dtype, compute_dtyp
                 module.weight.data = module.weight.data.to(weight_dtype)
 
 
-def linear_plan(weight_dtype: torch.dtype, compute_dtype: torch.dtype, quantized_format: str | None) -> LinearPlan:
+def linear_plan(
+    weight_dtype: torch.dtype, compute_dtype: torch.dtype, quantized_format: str | None
+) -> LinearPlan:
     """The plan a model's layers choose their linear methods by: bf16 weights under float32 activations
     take the layout the CPU plan names where the native kernels are built (ops/cpu_plan.py), else rows."""
     from perfxlm.ops import cpu_plan, native

@@ -68,7 +68,9 @@ class LinearMethod(ABC):
         return self.multiply(x, layer.weight, bias, layer.out_features)
 
     @abstractmethod
-    def multiply(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    def multiply(
+        self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None, out_features: int
+    ) -> torch.Tensor:
         """x W^T + b for a weight in this method's layout (the layer's, or one expert's of a stack)."""
 
     def weight_matrix(self, weight: Any, out_features: int) -> torch.Tensor:

@@ -72,7 +72,9 @@ class QuantizedLinearMethod(LinearMethod):
         FP8 byte table, not act-order inputs)."""
         return self.native and not self.ordered
 
-    def multiply(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    def multiply(
+        self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None, out_features: int
+    ) -> torch.Tensor:
         ops = native.kernels()  # None where a caller turned them off: the definition runs
         if ops is None or not self.native:
             return reference_linear(x, weight, bias)

@@ -8,7 +8,9 @@ from torch import nn
 
 from perfxlm.model.layers.linear_methods.base import LinearMethod, LinearPlan, OwnsLinearMethod
 from perfxlm.model.layers.linear_methods.quantized import QUANTIZED_METHODS
-from perfxlm.model.layers.linear_methods.unquantized import Bf16PanelsLinear, Bf16RowsLinear, UnquantizedLinear
+from perfxlm.model.layers.linear_methods.unquantized import (
+    Bf16PanelsLinear, Bf16RowsLinear, UnquantizedLinear,
+)  # fmt: skip
 from perfxlm.quant.weight import QuantizedWeight
 
 LINEAR_METHODS: dict[str, type[LinearMethod]] = {

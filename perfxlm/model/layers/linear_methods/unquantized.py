@@ -19,7 +19,9 @@ class UnquantizedLinear(LinearMethod):
 
     name = "float"
 
-    def multiply(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    def multiply(
+        self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None, out_features: int
+    ) -> torch.Tensor:
         if weight.dtype == x.dtype:
             return F.linear(x, weight, bias)
         if weight.dtype == torch.bfloat16 and x.dtype == torch.float32:
@@ -39,7 +41,9 @@ class Bf16RowsLinear(LinearMethod):
         if layer.weight.dtype != torch.bfloat16:  # .data: a tied head keeps sharing the table's Parameter
             layer.weight.data = layer.weight.data.to(torch.bfloat16)
 
-    def multiply(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    def multiply(
+        self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None, out_features: int
+    ) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         return bf16_rows_linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
 
@@ -55,7 +59,9 @@ class Bf16PanelsLinear(LinearMethod):
         if layer.weight.dim() != 3:
             layer.weight = nn.Parameter(pack_bf16(layer.weight.data.to(torch.bfloat16)), requires_grad=False)
 
-    def multiply(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    def multiply(
+        self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None, out_features: int
+    ) -> torch.Tensor:
         return packed_linear(x, weight, bias, out_features)
 
     def weight_matrix(self, weight: Any, out_features: int) -> torch.Tensor:
