@@ -8,6 +8,7 @@ from perfxlm.model.layers.activation import soft_cap
 from perfxlm.model.layers.linear_methods.base import LinearMethod, LinearPlan
 from perfxlm.model.layers.linear_methods.registry import method_for
 from perfxlm.model.layers.linear_methods.unquantized import UnquantizedLinear
+from perfxlm.quant.targets import TABLE, QuantizableWeight
 from perfxlm.quant.weight import QuantizedWeight
 
 
@@ -19,6 +20,9 @@ class VocabEmbedding(nn.Module):
         self.scale = scale
         # Set when the table is stored narrower than the activations (bf16 weights, float32 compute).
         self.compute_dtype: torch.dtype | None = None
+
+    def quantizable_weights(self) -> list[QuantizableWeight]:
+        return [QuantizableWeight("weight", TABLE, self.weight.shape[-1])]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if type(self.weight) is QuantizedWeight:  # a GGUF table kept quantized: only these rows widen
@@ -71,6 +75,9 @@ class LMHead(nn.Module):
         if self.logit_soft_cap is not None:
             logits = soft_cap(logits, self.logit_soft_cap)
         return logits
+
+    def quantizable_weights(self) -> list[QuantizableWeight]:
+        return [QuantizableWeight("weight", TABLE, self.in_features)]
 
     def bind_linear_method(self, plan: LinearPlan) -> None:
         self.method = method_for(self.weight, plan)

@@ -8,6 +8,7 @@ from torch import nn
 from perfxlm.model.layers.linear_methods.base import LinearMethod, LinearPlan
 from perfxlm.model.layers.linear_methods.registry import method_for
 from perfxlm.model.layers.linear_methods.unquantized import UnquantizedLinear
+from perfxlm.quant.targets import LINEAR, QuantizableWeight
 
 
 class Linear(nn.Module):
@@ -25,6 +26,9 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x, self.bias)
+
+    def quantizable_weights(self) -> list[QuantizableWeight]:
+        return [QuantizableWeight("weight", LINEAR, self.in_features, self.quantize_weight)]
 
     def bind_linear_method(self, plan: LinearPlan) -> None:
         self.method = method_for(self.weight, plan)

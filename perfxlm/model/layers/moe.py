@@ -15,6 +15,7 @@ from perfxlm.model.layers.activation import act_and_mul
 from perfxlm.model.layers.linear_methods.base import LinearMethod, LinearPlan
 from perfxlm.model.layers.linear_methods.registry import method_for
 from perfxlm.ops.linear import linear
+from perfxlm.quant.targets import EXPERTS, QuantizableWeight
 
 Multiply = Callable[[torch.Tensor, Any, "torch.Tensor | None", int], torch.Tensor]
 
@@ -102,6 +103,9 @@ class FusedMoE(nn.Module):
         # the stacks' linear methods, chosen at load (until then: the weight's form read per call)
         self.gate_up_method: LinearMethod | None = None
         self.down_method: LinearMethod | None = None
+
+    def quantizable_weights(self) -> list[QuantizableWeight]:
+        return [QuantizableWeight(p, EXPERTS, getattr(self, p).shape[-1]) for p in ("gate_up_proj", "down_proj")]
 
     def bind_linear_method(self, plan: LinearPlan) -> None:
         """Expert stacks are read expert by expert, as rows (never bf16 panels)."""
