@@ -252,10 +252,6 @@ class EngineConfig:
         from perfxlm.model.hf_overrides import apply_hf_overrides
 
         self.hf_config = apply_hf_overrides(load_hf_config(self.model), self.hf_overrides)
-        if self.quant_config is not None:
-            # travels with the model's config to every loader (worker processes included); read by get_model
-            self.hf_config.perfxlm_quantization = self.quant_config.as_dict()
-        self.hf_config.perfxlm_quant_activations = self.quant_activation_mode.value  # decided here, once
         limit = _max_position_embeddings(self.hf_config)
         self.max_model_len_explicit = self.max_model_len is not None
         if self.max_model_len is None:

@@ -58,7 +58,7 @@ class ExternalLauncherExecutor(Executor):
         from perfxlm.distributed.comm import collective_timeout, make_communicator
         from perfxlm.distributed.sharding import TPShard, parallelize
         from perfxlm.distributed.topology import bind_current_process, plan_rank_cpus
-        from perfxlm.model.loader import get_model
+        from perfxlm.model.loader import load_model
 
         missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
         if missing:
@@ -82,8 +82,7 @@ class ExternalLauncherExecutor(Executor):
             kind = "gloo"  # ranks on several machines
         self.comm = make_communicator(self.rank, self.world_size, kind)
         self.shard = TPShard.of(config.hf_config, self.rank, self.world_size)
-        self.model = get_model(config.model, config.hf_config, config.torch_dtype, config.load_format, config.seed,
-                               config.weight_dtype, tp=self.shard)
+        self.model = load_model(config, tp=self.shard)
         parallelize(self.model, self.shard, self.comm)
         # speculative decoding: rank 0 alone proposes (a draft model loads there only), every rank verifies
         # its drafts, so the ranks' schedulers stay identical

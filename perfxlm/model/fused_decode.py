@@ -26,6 +26,7 @@ from torch import nn
 from perfxlm.model.forward_context import AttentionMetadata
 from perfxlm.model.layers import attention_backend
 from perfxlm.model.layers.activation import GeluAndMul, SiluAndMul
+from perfxlm.model.layers.linear import Linear
 from perfxlm.model.layers.norm import GemmaRMSNorm, RMSNorm
 from perfxlm.ops import cpu_plan, native
 from perfxlm.ops.linear import native_int8_blocks
@@ -239,14 +240,14 @@ class FusedDecode:
                 return False
             self.args = args  # type: ignore[assignment]
             # Quantized weights use the bf16 GEMM and int8 activation blocks only where the module path
-            # does (QuantizedWeight.bf16_gemm / activations, decided at load), so both round alike.
-            quantized = [m.weight for m in self.layers.modules()
-                         if hasattr(m, "weight") and not isinstance(m.weight, torch.Tensor)]
-            if any(w.input_order is not None or not w.kernel_levels for w in quantized):
+            # does (the layers' linear methods, decided at load), so both round alike.
+            methods = [m.method for m in self.layers.modules() if isinstance(m, Linear) and m.method.quantized]
+            if not all(m.fusable for m in methods):
                 # act-order inputs and FP8 byte tables: products the kernel does not take; module path
                 self.eligible = False
                 return False
-            self.quant_bf16_gemm = all(w.bf16_gemm for w in quantized)
+            quantized = [m.weight for m in self.layers.modules() if isinstance(m, Linear) and m.method.quantized]
+            self.quant_bf16_gemm = all(m.bf16_gemm for m in methods)
             blocks = _int8_blocks(quantized)
             if blocks is None:
                 self.eligible = False

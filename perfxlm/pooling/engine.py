@@ -36,7 +36,7 @@ class PoolingEngine:
     runner_kind = "pooling"
 
     def __init__(self, config: EngineConfig) -> None:
-        from perfxlm.model.loader import get_model
+        from perfxlm.model.loader import load_model
 
         self.config = config.resolve()
         _check_supported(config)
@@ -46,9 +46,7 @@ class PoolingEngine:
 
             self.tokenizer = get_tokenizer(config.model, config.tokenizer)
         _convert_lm_head(config.hf_config, self.tokenizer)
-        self.model = get_model(
-            config.model, config.hf_config, config.torch_dtype, config.load_format, config.seed, config.weight_dtype
-        )
+        self.model = load_model(config)
         self.pooler_config: PoolerConfig = resolve_pooler_config(
             self.model, config.hf_config, config.model, int(config.max_model_len), config.pooler_config,
             self.tokenizer,

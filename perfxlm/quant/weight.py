@@ -104,9 +104,6 @@ class QuantizedWeight:
     act: str
     out_features: int
     in_features: int
-    # Not part of the stored format: whether products with many rows may run torch's bf16 GEMM on
-    # dequantized slabs (set for bfloat16 models by the loader; float32 models keep float32 GEMMs).
-    bf16_gemm: bool = False
     # Not part of the stored format either: whether products round the activations to int8 blocks, put
     # here at load (`use_activations`); a W8A8 weight's own `act` decides for it.
     activations: ActivationMode = ActivationMode.FLOAT
@@ -252,7 +249,7 @@ class QuantizedWeight:
     ) -> "QuantizedWeight":
         fields = dict(levels=self.levels, bits=self.bits, group=self.group, act=self.act,
                       out_features=codes.shape[-2], in_features=self.in_features,
-                      bf16_gemm=self.bf16_gemm, activations=self.activations,
+                      activations=self.activations,
                       input_order=self.input_order)  # fmt: skip
         fields.update(changes)
         return QuantizedWeight(codes, scales.contiguous(), None if mins is None else mins.contiguous(), **fields)

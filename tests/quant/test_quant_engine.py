@@ -162,7 +162,8 @@ def test_bf16_model_prefix_caching_n_and_preemption(llama128):
     caching, n > 1 siblings and preemption with chunked prefill: the same greedy tokens every way."""
     kwargs = dict(skip_tokenizer_init=True, dtype="bfloat16", quantization="int4")
     llm = LLM(llama128, num_kv_blocks=64, **kwargs)
-    assert all(w.bf16_gemm for w in quantized_weights(model_of(llm)).values())
+    methods = [m.method for m in model_of(llm).modules() if getattr(m, "method", None) is not None]
+    assert all(m.bf16_gemm for m in methods if m.quantized) and any(m.quantized for m in methods)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = [list(range(3, 3 + n)) for n in (37, 20, 45)]
     ref = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
@@ -315,7 +316,7 @@ _RSS_SCRIPT = """
 import gc, json, sys
 import torch
 from perfxlm.config import EngineConfig
-from perfxlm.model.loader import get_model
+from perfxlm.model.loader import load_model
 
 def rss():
     with open("/proc/self/status") as f:
@@ -324,7 +325,7 @@ def rss():
 cfg = EngineConfig(quantization=sys.argv[1] or None, dtype="bfloat16").resolve()
 gc.collect()
 before = rss()
-model = get_model(cfg.model, cfg.hf_config, cfg.torch_dtype, cfg.load_format, cfg.seed, cfg.weight_dtype)
+model = load_model(cfg)
 after = rss()
 print(json.dumps({k: after[k] - before[k] for k in before}))
 """
