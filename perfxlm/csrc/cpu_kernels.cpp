@@ -591,7 +591,8 @@ at::Tensor expert_activation(const at::Tensor& gate_up, int64_t inter, int64_t a
 // with the first three stacked.
 std::vector<at::Tensor> expert_parts(at::TensorList stack, int64_t e) {
   std::vector<at::Tensor> parts;
-  for (size_t i = 0; i < stack.size(); ++i) parts.push_back(i < 3 ? stack[i].select(0, e) : stack[i]);
+  for (size_t i = 0; i < stack.size(); ++i)  // codes, scales, mins per expert (empty mins: centred codes)
+    parts.push_back(i < 3 && stack[i].numel() ? stack[i].select(0, e) : stack[i]);
   return parts;
 }
 

@@ -53,11 +53,7 @@ def norm_scale(norm: nn.Module) -> torch.Tensor | None:
 def weight_parts(weight: Any) -> list[torch.Tensor]:
     """A projection's weight as `decode_layer` takes it: [w], or a quantized weight's tensors
     [codes, scales, mins (empty: centred codes), levels (empty: none), act_int8] (perfxlm.quant.QuantizedWeight)."""
-    if isinstance(weight, torch.Tensor):
-        return [weight]
-    levels = weight.levels if weight.levels is not None else torch.empty(0)
-    mins = weight.mins if weight.mins is not None else torch.empty(0)
-    return [weight.codes, weight.scales, mins, levels, torch.tensor(weight.act == "int8")]
+    return [weight] if isinstance(weight, torch.Tensor) else weight.native_parts()
 
 
 @dataclass(frozen=True)

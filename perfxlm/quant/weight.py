@@ -202,6 +202,13 @@ class QuantizedWeight:
         return self._like(self.codes, self.scales, mins)
 
     # ---- shape ---------------------------------------------------------------------------------------
+    def native_parts(self) -> list[torch.Tensor]:
+        """The tensors the native products take (csrc `project`, `moe_experts`): [codes, scales, mins
+        (empty: centred codes), levels (empty: none), act_int8 (0-dim bool)]."""
+        empty = torch.empty(0)
+        return [self.codes, self.scales, self.mins if self.mins is not None else empty,
+                self.levels if self.levels is not None else empty, torch.tensor(self.act == "int8")]
+
     @property
     def kernel_levels(self) -> bool:
         """Whether the native kernels take this weight's codes: affine codes, or a 16-level table on
