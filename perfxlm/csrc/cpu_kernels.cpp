@@ -407,6 +407,28 @@ at::Tensor project(const at::Tensor& x, at::TensorList parts, int64_t n_out, con
   return at::linear(x, w, has_bias ? *bias : at::Tensor());
 }
 
+// y += (x A^T * scale) B^T: the step's LoRA adapters on one projection, the same ops in the same order as
+// perfxlm/lora/slots.py's LoRABatch.add, so the fused layer and the module path agree. `lora` holds
+// (A [R, in], B^T [R, out], scale [R] or [rows, R]) for qkv, o, gate_up and down in turn; an empty A: no
+// adapter there; an empty list: no adapter in the step. The products are a few rank columns: below
+// LoRABatch's threshold they run on the calling thread (a parallel region costs more than the work).
+void add_lora(at::Tensor& y, const at::Tensor& x, at::TensorList lora, int64_t index) {
+  if (lora.empty()) return;
+  TORCH_CHECK(lora.size() == 12, "decode_layer: lora is (A, B^T, scale) for each of the 4 projections");
+  const at::Tensor& a = lora[3 * index];
+  if (!a.numel()) return;
+  const at::Tensor& bt = lora[3 * index + 1];
+  const at::Tensor& scale = lora[3 * index + 2];
+  const int threads = at::get_num_threads();
+  const bool serial = threads > 1 && x.size(0) * a.size(0) * (a.size(1) + bt.size(1)) < (int64_t{1} << 21);
+  struct Restore {
+    int threads; bool on;
+    ~Restore() { if (on) at::set_num_threads(threads); }
+  } restore{threads, serial};
+  if (serial) at::set_num_threads(1);
+  y.addmm_(at::mm(x, a.t()).mul_(scale), bt);
+}
+
 // RMSNorm over each head of rows [T, heads * D] (row stride `stride`) in place (Qwen3's q/k norms).
 void head_rms_norm_(float* base, int64_t stride, int64_t T, int64_t heads, int64_t D, const at::Tensor& weight,
                     double eps) {
@@ -443,7 +465,7 @@ std::vector<at::Tensor> decode_layer(
     int64_t head_dim, int64_t intermediate, int64_t activation, const at::Tensor& cos, const at::Tensor& sin,
     at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
     const at::Tensor& seq_lens, double scale, int64_t sliding_window, double soft_cap, int64_t max_rows,
-    bool bf16_gemm, const c10::optional<at::Tensor>& key_scale, const c10::optional<at::Tensor>& value_scale,
+    bool bf16_gemm, at::TensorList lora, const c10::optional<at::Tensor>& key_scale, const c10::optional<at::Tensor>& value_scale,
     bool int8_blocks, int64_t quant_max_rows, int64_t quant_block_max_rows, const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x must be contiguous float32 [T, hidden]");
   const int64_t T = x.size(0), hidden = x.size(1);
@@ -460,6 +482,7 @@ std::vector<at::Tensor> decode_layer(
     h = x;
   }
   at::Tensor qkv = project(h, w_qkv, q_size + 2 * kv_size, b_qkv, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);  // [T, q | k | v]
+  add_lora(qkv, h, lora, 0);
   const int64_t row = qkv.stride(0);
   float* qkv_p = qkv.data_ptr<float>();
   if (q_norm.has_value() && q_norm->defined()) {
@@ -476,7 +499,9 @@ std::vector<at::Tensor> decode_layer(
   at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
   at::Tensor attn = perfxlm_attn::paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale,
                                                          sliding_window, soft_cap, key_scale, value_scale, sinks);
-  at::Tensor o = project(attn.view({T, q_size}), w_o, hidden, b_o, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);
+  const at::Tensor attn_rows = attn.view({T, q_size});
+  at::Tensor o = project(attn_rows, w_o, hidden, b_o, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);
+  add_lora(o, attn_rows, lora, 1);
   if (sandwich) {
     x = x + rms_norm(o, post_norm, eps);
     h = rms_norm(x, *pre_ff_norm, eps);
@@ -489,7 +514,10 @@ std::vector<at::Tensor> decode_layer(
     return {h, residual};
   }
   at::Tensor gate_up = project(h, w_gate_up, 2 * intermediate, b_gate_up, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);
-  at::Tensor out = project(mlp_activation(gate_up, intermediate, activation), w_down, hidden, b_down, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);
+  add_lora(gate_up, h, lora, 2);
+  const at::Tensor act = mlp_activation(gate_up, intermediate, activation);
+  at::Tensor out = project(act, w_down, hidden, b_down, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);
+  add_lora(out, act, lora, 3);
   if (sandwich) {
     x = x + rms_norm(out, *post_ff_norm, eps);
     return {x, x};
@@ -585,7 +613,7 @@ TORCH_LIBRARY(perfxlm, m) {
       "Tensor? b_down, int num_heads, int num_kv_heads, int head_dim, int intermediate, int activation, "
       "Tensor cos, Tensor sin, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, "
       "Tensor block_tables, Tensor seq_lens, float scale, int sliding_window, float soft_cap, int max_rows, "
-      "bool bf16_gemm, Tensor(e!)? key_scale=None, Tensor(f!)? value_scale=None, bool int8_blocks=False, int quant_max_rows=-1, int quant_block_max_rows=-1, Tensor? sinks=None) -> Tensor[]");
+      "bool bf16_gemm, Tensor[] lora, Tensor(e!)? key_scale=None, Tensor(f!)? value_scale=None, bool int8_blocks=False, int quant_max_rows=-1, int quant_block_max_rows=-1, Tensor? sinks=None) -> Tensor[]");
   m.def(
       "moe_experts(Tensor x, Tensor weights, Tensor expert_ids, Tensor[] w_gate_up, Tensor? b_gate_up, Tensor[] w_down, "
       "Tensor? b_down, int num_experts, int inter, int activation, float alpha, float limit, int max_rows, "

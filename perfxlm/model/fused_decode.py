@@ -1,14 +1,15 @@
 """All-decode steps as one native call per decoder layer.
 
 At small batch a decode step costs more in per-op dispatch (about 25 torch ops and a dozen module calls
-per layer) than in arithmetic. `FusedDecode` describes each layer once (`_layer_args`): the Llama family
+per layer) than in arithmetic. `FusedDecode` describes each layer once (`_layer_call`): the Llama family
 (Llama, Mistral, Qwen2 with biases, Qwen3 with q/k norms, Phi-3 with partial rotary, sliding windows) and
 Gemma 2 / 3 (sandwich norms with 1 + w, GELU-tanh, soft-capped attention, local/global windows, a rope
 table per layer kind), GLM-4 (interleaved rotary reordered at load, post-sublayer norms), attention sinks
 (gpt-oss), and runs a step whose tokens are all decodes through `torch.ops.perfxlm.decode_layer`, float32
-activations over float32, bf16 or quantized weights. A layer whose MLP is a mixture of experts (Qwen2/3-MoE,
-Mixtral, gpt-oss) fuses its attention half: the call stops after the post-attention norm and the layer's
-own MLP module runs on its output. A decoder layer kind joins by implementing `fused_decode_layer()`
+activations over float32, bf16 or quantized weights, with the step's LoRA adapters added after each
+projection. A layer whose MLP is a mixture of experts (Qwen2/3-MoE, Mixtral, gpt-oss) fuses its attention
+half: the call stops after the post-attention norm and the layer's own MLP module runs on its output. A
+decoder layer kind joins by implementing `fused_decode_layer()`
 (FusableDecoderLayer), built from `fused_attention`, `fused_mlp` and `fused_layer`; no family is named
 here. Anything else (prefill chunks in the batch, MLA and OPT layers, no native kernels, bf16
 activations) takes the module path, which stays the reference the tests compare against.
@@ -16,7 +17,7 @@ activations) takes the module path, which stays the reference the tests compare 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -76,6 +77,8 @@ class FusedAttention:
     k_norm: torch.Tensor | None = None
     head_eps: float = 0.0
     sinks: torch.Tensor | None = None  # float32 [num_heads] sink logits (gpt-oss)
+    # the q|k|v and output projection modules: a step's LoRA adapters are looked up by module
+    projections: tuple[nn.Module, ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,7 @@ class FusedMLP:
     down_bias: torch.Tensor | None
     intermediate: int
     activation: int  # activation_code()
+    projections: tuple[nn.Module, ...] = field(default=(), compare=False)  # gate|up and down modules
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,11 @@ class FusedLayer:
         a = self.attention
         return (a.scale, a.sliding_window or 0, a.soft_cap or 0.0)
 
+    def projections(self) -> tuple[nn.Module, ...]:
+        """qkv, o, gate_up, down: the order of decode_layer's `lora` operands (qkv and o only where the MLP
+        is a module of its own, whose projections the kernel never runs)."""
+        return (*self.attention.projections, *(self.mlp.projections if self.mlp is not None else ()))
+
 
 @runtime_checkable
 class FusableDecoderLayer(Protocol):
@@ -140,7 +149,7 @@ def fused_attention(qkv_proj: nn.Module, o_proj: nn.Module, core: nn.Module,
     return FusedAttention(
         weight_parts(qkv_proj.weight), qkv_proj.bias, weight_parts(o_proj.weight), o_proj.bias, core.num_heads,
         core.num_kv_heads, core.head_dim, core.scale, core.sliding_window, core.logit_soft_cap, qn, kn, head_eps,
-        sinks,
+        sinks, (qkv_proj, o_proj),
     )  # fmt: skip
 
 
@@ -149,7 +158,7 @@ def fused_mlp(gate_up_proj: nn.Module, down_proj: nn.Module, act: nn.Module) -> 
     if code is None:
         return None
     return FusedMLP(weight_parts(gate_up_proj.weight), gate_up_proj.bias, weight_parts(down_proj.weight),
-                    down_proj.bias, down_proj.in_features, code)  # fmt: skip
+                    down_proj.bias, down_proj.in_features, code, (gate_up_proj, down_proj))  # fmt: skip
 
 
 def fused_layer(
@@ -172,12 +181,14 @@ def fused_layer(
 
 @dataclass(frozen=True)
 class _LayerCall:
-    """One layer's `decode_layer` arguments before and after the per-step ones, its sinks, and the MLP
-    module to run after the call (a mixture of experts), if any."""
+    """One layer's `decode_layer` arguments before and after the per-step ones, its sinks, its projection
+    modules (for the step's LoRA operands), and the MLP module to run after the call (a mixture of
+    experts), if any."""
 
     before: tuple[Any, ...]
     after: tuple[Any, ...]
     sinks: torch.Tensor | None
+    projections: tuple[nn.Module, ...]
     module_mlp: nn.Module | None
 
 
@@ -186,7 +197,8 @@ def _layer_call(layer: nn.Module) -> _LayerCall | None:
     fused = layer.fused_decode_layer() if isinstance(layer, FusableDecoderLayer) else None
     if fused is None:
         return None
-    return _LayerCall(fused.before_rope(), fused.after_rope(), fused.attention.sinks, fused.module_mlp)
+    return _LayerCall(fused.before_rope(), fused.after_rope(), fused.attention.sinks, fused.projections(),
+                      fused.module_mlp)  # fmt: skip
 
 
 def _int8_blocks(quantized: list[Any]) -> bool | None:
@@ -207,17 +219,13 @@ class FusedDecode:
     def __init__(self, layers: nn.ModuleList) -> None:
         self.layers = layers
         self.args: list[_LayerCall] | None = None
+        self.lora_fits: bool | None = None  # every adapter target of the layers is a fused projection
         self.eligible = len(layers) > 0
         self.quant_bf16_gemm = True
         self.int8_blocks = False  # whether the kernel rounds activations to int8 blocks (all weights alike)
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         if not self.eligible or x.dtype != torch.float32 or meta.prefills or meta.num_decode_tokens != x.shape[0]:
-            return False
-        if meta.lora is not None:
-            # A row runs with a LoRA adapter: its products are added after each projection, inside the
-            # layer, where the one native call per layer has no place for them. Steps without an adapter
-            # row keep the fused path.
             return False
         if native.kernels() is None:
             return False
@@ -244,7 +252,18 @@ class FusedDecode:
                 self.eligible = False
                 return False
             self.int8_blocks = blocks
+        if meta.lora is not None and not self._lora_fits(meta.lora):
+            return False
         return True
+
+    def _lora_fits(self, lora: Any) -> bool:
+        """Whether the kernel can add this step's adapter products: it adds them after the four
+        projections it knows (qkv, o, gate_up, down); an adapter target elsewhere in a layer (a MoE
+        expert, a separate projection) sends LoRA steps to the module path."""
+        if self.lora_fits is None:
+            known = {id(m) for call in self.args or [] for m in call.projections}
+            self.lora_fits = all(id(m) in known for m in self.layers.modules() if lora.targets(m))
+        return self.lora_fits
 
     def run(
         self,
@@ -261,14 +280,28 @@ class FusedDecode:
         max_rows = plan.native_max_rows
         bf16_gemm = plan.gemm == "bf16" and self.quant_bf16_gemm
         residual = x
+        lora = meta.lora
         for i, (layer, call) in enumerate(zip(self.layers, self.args or [])):
             cos, sin = rope if layer_ropes is None else layer_ropes[i]
+            adapters = [] if lora is None else _lora_operands(lora, call.projections)
             cache = layer.self_attn.attn.kv_cache
             x, residual = ops.decode_layer(
                 x, residual, i == 0, *call.before, cos, sin, cache.key, cache.value, meta.slot_mapping,
-                meta.decode_block_tables, meta.decode_seq_lens, *call.after, max_rows, bf16_gemm, cache.key_scale,
-                cache.value_scale, self.int8_blocks, plan.quant_max_rows, plan.quant_block_max_rows, call.sinks,
+                meta.decode_block_tables, meta.decode_seq_lens, *call.after, max_rows, bf16_gemm, adapters,
+                cache.key_scale, cache.value_scale, self.int8_blocks, plan.quant_max_rows, plan.quant_block_max_rows,
+                call.sinks,
             )  # fmt: skip
             if call.module_mlp is not None:
                 x = call.module_mlp(x).contiguous()
         return x, residual
+
+
+_NO_ADAPTER = (torch.empty(0),) * 3
+
+
+def _lora_operands(lora: Any, projections: tuple[nn.Module, ...]) -> list[torch.Tensor]:
+    """decode_layer's `lora` list: (A, B^T, scale) per projection from the step's LoRABatch, empty
+    tensors where no adapter of the step targets it."""
+    operands = [t for m in projections for t in (lora.operands(m) or _NO_ADAPTER)]
+    # a layer whose MLP is its own module gives qkv and o only: the kernel takes four projections' worth
+    return operands + list(_NO_ADAPTER) * (4 - len(projections))
