@@ -384,13 +384,15 @@ void rotary_embedding(at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 // y = x W^T + b as perfxlm/ops/linear.py dispatches it, so the fused layer and the module path agree:
 // packed panels -> the panel kernel; bf16 rows under float32 x -> the row kernel up to max_rows rows,
 // else torch's bf16 GEMM (bf16_gemm) or a float32 GEMM on the widened weight; same dtypes -> torch.
-// A quantized weight arrives as [codes, scales, mins, levels (empty: none), act_int8 (0-dim)], see
+// A quantized weight arrives as [codes, scales, mins (empty: centred codes), levels (empty: none),
+// act_int8 (0-dim)], see
 // perfxlm/model/fused_decode.py; a plain one as [w].
 at::Tensor project(const at::Tensor& x, at::TensorList parts, int64_t n_out, const c10::optional<at::Tensor>& bias,
                    int64_t max_rows, bool bf16_gemm, bool int8_blocks, int64_t quant_max_rows, int64_t quant_block_max_rows) {
   if (parts.size() == 5) {
     const c10::optional<at::Tensor> levels = parts[3].numel() ? c10::optional<at::Tensor>(parts[3]) : c10::nullopt;
-    return perfxlm_quant::linear_q(x, parts[0], parts[1], parts[2], levels, bias, *parts[4].const_data_ptr<bool>(),
+    const c10::optional<at::Tensor> mins = parts[2].numel() ? c10::optional<at::Tensor>(parts[2]) : c10::nullopt;
+    return perfxlm_quant::linear_q(x, parts[0], parts[1], mins, levels, bias, *parts[4].const_data_ptr<bool>(),
                                    quant_max_rows >= 0 ? quant_max_rows : max_rows, bf16_gemm, int8_blocks,
                                    quant_block_max_rows);
   }
@@ -407,25 +409,65 @@ at::Tensor project(const at::Tensor& x, at::TensorList parts, int64_t n_out, con
   return at::linear(x, w, has_bias ? *bias : at::Tensor());
 }
 
-// y += (x A^T * scale) B^T: the step's LoRA adapters on one projection, the same ops in the same order as
-// perfxlm/lora/slots.py's LoRABatch.add, so the fused layer and the module path agree. `lora` holds
-// (A [R, in], B^T [R, out], scale [R] or [rows, R]) for qkv, o, gate_up and down in turn; an empty A: no
-// adapter there; an empty list: no adapter in the step. The products are a few rank columns: below
-// LoRABatch's threshold they run on the calling thread (a parallel region costs more than the work).
+// y += (x A^T * scale) B^T: the step's LoRA adapters on one projection (perfxlm/lora/slots.py's
+// LoRABatch.add). `lora` holds (A [R, in], B^T [R, out], scale [R] or [rows, R]) for qkv, o, gate_up and
+// down in turn (qkv and o only where the layer's MLP runs outside the call); an empty A: no adapter there;
+// an empty list: no adapter in the step.
+// A decode step's rows are few and the ranks small: three ATen ops per projection (about 360 per step
+// for a 30-layer model) cost more in dispatch than their arithmetic, so up to kLoraRows rows run here in
+// one pass on the calling thread, skipping the columns whose scale is 0 (another slot's adapter); more
+// rows take the same ATen ops as the module path.
+constexpr int64_t kLoraRows = 64;
+
+void lora_rows(const float* x, int64_t T, int64_t K, const float* a, int64_t R, const float* bt, int64_t N,
+               const float* scale, bool per_row_scale, float* y) {
+  for (int64_t t = 0; t < T; ++t) {
+    const float* xt = x + t * K;
+    float* yt = y + t * N;
+    const float* st = scale + (per_row_scale ? t * R : 0);
+    for (int64_t r = 0; r < R; ++r) {
+      if (st[r] == 0.0f) continue;
+      const float* ar = a + r * K;
+#ifdef PERFXLM_SIMD16
+      simd16::V acc = simd16::zero();
+      for (int64_t k = 0; k < K; k += 16) acc = simd16::fmadd(simd16::load(xt + k, K - k), simd16::load(ar + k, K - k), acc);
+      const float h = simd16::reduce_add(acc) * st[r];
+      const simd16::V hv = simd16::set1(h);
+      const float* br = bt + r * N;
+      for (int64_t n = 0; n < N; n += 16)
+        simd16::store(yt + n, simd16::fmadd(hv, simd16::load(br + n, N - n), simd16::load(yt + n, N - n)), N - n);
+#else
+      float dot = 0.0f;
+      for (int64_t k = 0; k < K; ++k) dot += xt[k] * ar[k];
+      const float h = dot * st[r];
+      const float* br = bt + r * N;
+      for (int64_t n = 0; n < N; ++n) yt[n] += h * br[n];
+#endif
+    }
+  }
+}
+
 void add_lora(at::Tensor& y, const at::Tensor& x, at::TensorList lora, int64_t index) {
   if (lora.empty()) return;
-  TORCH_CHECK(lora.size() == 12, "decode_layer: lora is (A, B^T, scale) for each of the 4 projections");
+  TORCH_CHECK(lora.size() >= 3 * (index + 1), "decode_layer: lora is (A, B^T, scale) for qkv, o, gate_up, down");
   const at::Tensor& a = lora[3 * index];
   if (!a.numel()) return;
   const at::Tensor& bt = lora[3 * index + 1];
   const at::Tensor& scale = lora[3 * index + 2];
-  const int threads = at::get_num_threads();
-  const bool serial = threads > 1 && x.size(0) * a.size(0) * (a.size(1) + bt.size(1)) < (int64_t{1} << 21);
-  struct Restore {
-    int threads; bool on;
-    ~Restore() { if (on) at::set_num_threads(threads); }
-  } restore{threads, serial};
-  if (serial) at::set_num_threads(1);
+  const int64_t T = x.size(0), K = x.size(1), R = a.size(0), N = bt.size(1);
+  const bool fits = T <= kLoraRows && x.is_contiguous() && y.is_contiguous() && a.is_contiguous() &&
+                    bt.is_contiguous() && scale.is_contiguous() && a.scalar_type() == at::kFloat &&
+                    bt.scalar_type() == at::kFloat && scale.scalar_type() == at::kFloat &&
+                    y.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat;
+  if (fits) {
+    TORCH_CHECK(a.size(1) == K && bt.size(0) == R && y.size(1) == N, "decode_layer: lora shapes disagree");
+    const bool per_row = scale.dim() == 2;
+    TORCH_CHECK(per_row ? (scale.size(0) == T && scale.size(1) == R) : scale.numel() == R,
+                "decode_layer: lora scale must be [R] or [rows, R]");
+    lora_rows(x.data_ptr<float>(), T, K, a.data_ptr<float>(), R, bt.data_ptr<float>(), N, scale.data_ptr<float>(),
+              per_row, y.data_ptr<float>());
+    return;
+  }
   y.addmm_(at::mm(x, a.t()).mul_(scale), bt);
 }
 
@@ -466,7 +508,8 @@ std::vector<at::Tensor> decode_layer(
     at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
     const at::Tensor& seq_lens, double scale, int64_t sliding_window, double soft_cap, int64_t max_rows,
     bool bf16_gemm, at::TensorList lora, const c10::optional<at::Tensor>& key_scale, const c10::optional<at::Tensor>& value_scale,
-    bool int8_blocks, int64_t quant_max_rows, int64_t quant_block_max_rows, const c10::optional<at::Tensor>& sinks) {
+    bool int8_blocks, int64_t quant_max_rows, int64_t quant_block_max_rows,
+    const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x must be contiguous float32 [T, hidden]");
   const int64_t T = x.size(0), hidden = x.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
@@ -548,7 +591,8 @@ at::Tensor expert_activation(const at::Tensor& gate_up, int64_t inter, int64_t a
 // with the first three stacked.
 std::vector<at::Tensor> expert_parts(at::TensorList stack, int64_t e) {
   std::vector<at::Tensor> parts;
-  for (size_t i = 0; i < stack.size(); ++i) parts.push_back(i < 3 ? stack[i].select(0, e) : stack[i]);
+  for (size_t i = 0; i < stack.size(); ++i)  // codes, scales, mins per expert (empty mins: centred codes)
+    parts.push_back(i < 3 && stack[i].numel() ? stack[i].select(0, e) : stack[i]);
   return parts;
 }
 

@@ -1,15 +1,15 @@
 """All-decode steps as one native call per decoder layer.
 
 At small batch a decode step costs more in per-op dispatch (about 25 torch ops and a dozen module calls
-per layer) than in arithmetic. `FusedDecode` describes each layer once (`_layer_call`): the Llama family
+per layer) than in arithmetic. `FusedDecode` describes each layer once (`_layer_args`): the Llama family
 (Llama, Mistral, Qwen2 with biases, Qwen3 with q/k norms, Phi-3 with partial rotary, sliding windows) and
 Gemma 2 / 3 (sandwich norms with 1 + w, GELU-tanh, soft-capped attention, local/global windows, a rope
 table per layer kind), GLM-4 (interleaved rotary reordered at load, post-sublayer norms), attention sinks
 (gpt-oss), and runs a step whose tokens are all decodes through `torch.ops.perfxlm.decode_layer`, float32
 activations over float32, bf16 or quantized weights, with the step's LoRA adapters added after each
-projection. A layer whose MLP is a mixture of experts (Qwen2/3-MoE, Mixtral, gpt-oss) fuses its attention
-half: the call stops after the post-attention norm and the layer's own MLP module runs on its output. A
-decoder layer kind joins by implementing `fused_decode_layer()`
+projection. A layer whose MLP is a mixture of experts (Qwen2/3-MoE,
+Mixtral, gpt-oss) fuses its attention half: the call stops after the post-attention norm and the layer's
+own MLP module runs on its output. A decoder layer kind joins by implementing `fused_decode_layer()`
 (FusableDecoderLayer), built from `fused_attention`, `fused_mlp` and `fused_layer`; no family is named
 here. Anything else (prefill chunks in the batch, MLA and OPT layers, no native kernels, bf16
 activations) takes the module path, which stays the reference the tests compare against.
@@ -26,6 +26,7 @@ from torch import nn
 from perfxlm.model.forward_context import AttentionMetadata
 from perfxlm.model.layers import attention_backend
 from perfxlm.model.layers.activation import GeluAndMul, SiluAndMul
+from perfxlm.model.layers.linear import Linear
 from perfxlm.model.layers.norm import GemmaRMSNorm, RMSNorm
 from perfxlm.ops import cpu_plan, native
 from perfxlm.ops.linear import native_int8_blocks
@@ -51,11 +52,8 @@ def norm_scale(norm: nn.Module) -> torch.Tensor | None:
 
 def weight_parts(weight: Any) -> list[torch.Tensor]:
     """A projection's weight as `decode_layer` takes it: [w], or a quantized weight's tensors
-    [codes, scales, mins, levels (empty: none), act_int8] (perfxlm.quant.QuantizedWeight)."""
-    if isinstance(weight, torch.Tensor):
-        return [weight]
-    levels = weight.levels if weight.levels is not None else torch.empty(0)
-    return [weight.codes, weight.scales, weight.mins, levels, torch.tensor(weight.act == "int8")]
+    [codes, scales, mins (empty: centred codes), levels (empty: none), act_int8] (perfxlm.quant.QuantizedWeight)."""
+    return [weight] if isinstance(weight, torch.Tensor) else weight.native_parts()
 
 
 @dataclass(frozen=True)
@@ -122,8 +120,8 @@ class FusedLayer:
         return (a.scale, a.sliding_window or 0, a.soft_cap or 0.0)
 
     def projections(self) -> tuple[nn.Module, ...]:
-        """qkv, o, gate_up, down: the order of decode_layer's `lora` operands (qkv and o only where the MLP
-        is a module of its own, whose projections the kernel never runs)."""
+        """qkv, o, gate_up, down (the last two only with a fused MLP): the order of decode_layer's `lora`
+        operands."""
         return (*self.attention.projections, *(self.mlp.projections if self.mlp is not None else ()))
 
 
@@ -181,15 +179,14 @@ def fused_layer(
 
 @dataclass(frozen=True)
 class _LayerCall:
-    """One layer's `decode_layer` arguments before and after the per-step ones, its sinks, its projection
-    modules (for the step's LoRA operands), and the MLP module to run after the call (a mixture of
-    experts), if any."""
+    """One layer's `decode_layer` arguments before and after the per-step ones, its sinks, and the MLP
+    module to run after the call (a mixture of experts), if any."""
 
     before: tuple[Any, ...]
     after: tuple[Any, ...]
     sinks: torch.Tensor | None
-    projections: tuple[nn.Module, ...]
     module_mlp: nn.Module | None
+    projections: tuple[nn.Module, ...]  # qkv, o[, gate_up, down]: where the step's LoRA products go
 
 
 def _layer_call(layer: nn.Module) -> _LayerCall | None:
@@ -197,8 +194,8 @@ def _layer_call(layer: nn.Module) -> _LayerCall | None:
     fused = layer.fused_decode_layer() if isinstance(layer, FusableDecoderLayer) else None
     if fused is None:
         return None
-    return _LayerCall(fused.before_rope(), fused.after_rope(), fused.attention.sinks, fused.projections(),
-                      fused.module_mlp)  # fmt: skip
+    return _LayerCall(fused.before_rope(), fused.after_rope(), fused.attention.sinks, fused.module_mlp,
+                      fused.projections())
 
 
 def _int8_blocks(quantized: list[Any]) -> bool | None:
@@ -239,14 +236,14 @@ class FusedDecode:
                 return False
             self.args = args  # type: ignore[assignment]
             # Quantized weights use the bf16 GEMM and int8 activation blocks only where the module path
-            # does (QuantizedWeight.bf16_gemm / activations, decided at load), so both round alike.
-            quantized = [m.weight for m in self.layers.modules()
-                         if hasattr(m, "weight") and not isinstance(m.weight, torch.Tensor)]
-            if any(w.input_order is not None or not w.kernel_levels for w in quantized):
+            # does (the layers' linear methods, decided at load), so both round alike.
+            methods = [m.method for m in self.layers.modules() if isinstance(m, Linear) and m.method.quantized]
+            if not all(m.fusable for m in methods):
                 # act-order inputs and FP8 byte tables: products the kernel does not take; module path
                 self.eligible = False
                 return False
-            self.quant_bf16_gemm = all(w.bf16_gemm for w in quantized)
+            quantized = [m.weight for m in self.layers.modules() if isinstance(m, Linear) and m.method.quantized]
+            self.quant_bf16_gemm = all(m.bf16_gemm for m in methods)
             blocks = _int8_blocks(quantized)
             if blocks is None:
                 self.eligible = False
@@ -258,10 +255,11 @@ class FusedDecode:
 
     def _lora_fits(self, lora: Any) -> bool:
         """Whether the kernel can add this step's adapter products: it adds them after the four
-        projections it knows (qkv, o, gate_up, down); an adapter target elsewhere in a layer (a MoE
-        expert, a separate projection) sends LoRA steps to the module path."""
+        projections it knows (qkv, o, gate_up, down), and a layer's module MLP (a mixture of experts) adds
+        its own as a module; an adapter target elsewhere in a layer sends LoRA steps to the module path."""
         if self.lora_fits is None:
             known = {id(m) for call in self.args or [] for m in call.projections}
+            known |= {id(m) for call in self.args or [] if call.module_mlp is not None for m in call.module_mlp.modules()}
             self.lora_fits = all(id(m) in known for m in self.layers.modules() if lora.targets(m))
         return self.lora_fits
 
@@ -288,8 +286,7 @@ class FusedDecode:
             x, residual = ops.decode_layer(
                 x, residual, i == 0, *call.before, cos, sin, cache.key, cache.value, meta.slot_mapping,
                 meta.decode_block_tables, meta.decode_seq_lens, *call.after, max_rows, bf16_gemm, adapters,
-                cache.key_scale, cache.value_scale, self.int8_blocks, plan.quant_max_rows, plan.quant_block_max_rows,
-                call.sinks,
+                cache.key_scale, cache.value_scale, self.int8_blocks, plan.quant_max_rows, plan.quant_block_max_rows, call.sinks,
             )  # fmt: skip
             if call.module_mlp is not None:
                 x = call.module_mlp(x).contiguous()
@@ -302,6 +299,4 @@ _NO_ADAPTER = (torch.empty(0),) * 3
 def _lora_operands(lora: Any, projections: tuple[nn.Module, ...]) -> list[torch.Tensor]:
     """decode_layer's `lora` list: (A, B^T, scale) per projection from the step's LoRABatch, empty
     tensors where no adapter of the step targets it."""
-    operands = [t for m in projections for t in (lora.operands(m) or _NO_ADAPTER)]
-    # a layer whose MLP is its own module gives qkv and o only: the kernel takes four projections' worth
-    return operands + list(_NO_ADAPTER) * (4 - len(projections))
+    return [t for m in projections for t in (lora.operands(m) or _NO_ADAPTER)]

@@ -34,14 +34,13 @@ class ExpertActivation:
 
 
 def _stack_parts(stack: torch.Tensor | QuantizedWeight) -> tuple[list[torch.Tensor], QuantizedWeight | None] | None:
-    """[w] for a float / bf16 stack [E, N, K], or a quantized stack's [codes, scales, mins, levels, act_int8];
+    """[w] for a float / bf16 stack [E, N, K], or a quantized stack's native_parts();
     None where the kernel does not take it (act-order inputs, FP8 byte tables)."""
     if isinstance(stack, torch.Tensor):
         return [stack], None
     if stack.input_order is not None or not stack.kernel_levels:
         return None
-    levels = stack.levels if stack.levels is not None else torch.empty(0)
-    return [stack.codes, stack.scales, stack.mins, levels, torch.tensor(stack.act == "int8")], stack
+    return stack.native_parts(), stack
 
 
 def experts_call(

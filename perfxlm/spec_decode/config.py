@@ -80,8 +80,8 @@ class SpeculativeConfig:
                              f"got {k}.")
         tp = _int(value, "draft_tensor_parallel_size", 1)
         if tp != 1:
-            raise ValueError(f"speculative_config: draft_tensor_parallel_size must be 1 (the draft runs in the "
-                             f"engine's process), got {tp}.")
+            raise ValueError(f"speculative_config: draft_tensor_parallel_size must be 1 (the draft runs whole in "
+                             f"the engine's process, whatever the target's tensor_parallel_size), got {tp}.")
         disable = _int(value, "disable_by_batch_size", None)
         if disable is not None and disable < 1:
             raise ValueError(f"speculative_config: disable_by_batch_size must be >= 1, got {disable}.")

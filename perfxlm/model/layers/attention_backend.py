@@ -105,7 +105,7 @@ class CachelessAttentionBackend(AttentionBackend):
             raise ValueError("logit soft-capping is not supported by the pooling runner's attention.")
         if options.sinks is not None:
             raise ValueError("attention sinks (gpt-oss) are not supported by the pooling runner's attention.")
-        return varlen_attention(q, k, v, meta.index, meta.valid, options.scale, options.causal, options.sliding_window)
+        return varlen_attention(q, k, v, meta.runs, options.scale, options.causal, options.sliding_window)
 
 
 @dataclass(frozen=True, slots=True)

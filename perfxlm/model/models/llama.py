@@ -41,6 +41,7 @@ class LlamaAttention(nn.Module):
         scale: float | None = None,  # default head_dim^-1/2
         logit_soft_cap: float | None = None,
         sinks: bool = False,  # gpt-oss: a learned sink logit per head (in `attn`)
+        causal: bool = True,  # False: bidirectional (a decoder's layers used as an encoder: EmbeddingGemma)
     ) -> None:
         super().__init__()
         hidden = config.hidden_size
@@ -65,6 +66,7 @@ class LlamaAttention(nn.Module):
             sliding_window=sliding_window,
             logit_soft_cap=logit_soft_cap,
             sinks=sinks,
+            causal=causal,
         )
         self.qk_size = q_size + kv_size
 
