@@ -186,3 +186,35 @@ def test_fused_layer_matches_module_path_with_quantized_weights(checkpoints, mon
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             for tok in la:
                 assert la[tok].logprob == pytest.approx(lb[tok].logprob, abs=tol)
+
+
+def test_moe_attention_half_adds_attention_adapters(checkpoints, tmp_path, monkeypatch):
+    """A MoE layer's fused attention half takes the step's LoRA adapters on q/k/v and o (the MLP's
+    operands are empty: the kernel does not run it): the same tokens and logprobs as the module path."""
+    if native.kernels() is None:
+        pytest.skip("native kernels unavailable on this machine")
+    from perfxlm import LoRARequest
+    from tests.lora.conftest import make_adapter
+
+    base = checkpoints["gptoss-sinks-alternating"]
+    adapter = make_adapter(base, str(tmp_path / "attn"), seed=5, r=4, targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+    llm = LLM(base, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64, enable_prefix_caching=False,
+              enable_lora=True, max_lora_rank=8)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": p} for p in _prompts()[:3]]
+    loras = [LoRARequest("attn", 1, adapter), None, LoRARequest("attn", 1, adapter)]
+    fused = llm.llm_engine.core.model.model.fused_decode
+    calls, fused_run = [], fused.run
+    monkeypatch.setattr(fused, "run", lambda *a: calls.append(1) or fused_run(*a))
+    got = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    assert calls and fused.eligible and fused.lora_fits
+    fused.eligible = False
+    want = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    plain = LLM(base, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64).generate(
+        prompts, params, use_tqdm=False)
+    assert got[0].outputs[0].token_ids != plain[0].outputs[0].token_ids  # the adapter changes the output
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for tok in la:
+                assert la[tok].logprob == pytest.approx(lb[tok].logprob, abs=1e-4)
