@@ -5,7 +5,8 @@ Each type maps onto the affine form w = scale * u + min without changing a value
 - Q4_0: u = q (0..15), Q4_0's nibble layout kept byte for byte; scale d (float16), centred codes: the
   min -8 d is implied, not stored (4.5 bits per weight streamed, as the file holds them, not 5).
 - Q4_1: u = q, scale d, min m (float16).
-- Q8_0: 8-bit u = q + 128, scale d, min -128 d (float16).
+- Q8_0: 8-bit u = q + 128, scale d (float16), centred codes: the min -128 d is implied (8.5 bits per
+  weight streamed, not 9; AVX2's shifted int8 dots need no min correction at all).
 - Q5_0 / Q5_1: 8-bit u = q (0..31); scale d, min -16 d / m (float16).
 - Q4_K: 4-bit u, group 32; scale d * sc, min -dmin * m (float32: products of two float16-sized values).
 - Q5_K: as Q4_K with 8-bit u (0..31).
@@ -73,7 +74,7 @@ def repack(raw: np.ndarray | torch.Tensor, qtype: Q, shape: tuple[int, ...]) -> 
         scales, mins = _f16(b, 0), _f16(b, 2)
     elif qtype == Q.Q8_0:
         codes, group, bits = b[:, 2:34] ^ 0x80, 32, 8  # int8 q + 128
-        scales, mins = _scaled_min(_f16(b, 0), -128.0)
+        scales, mins = _f16(b, 0), None
     elif qtype == Q.Q5_0:
         codes, group, bits = gd._q5(b, 2), 32, 8
         scales, mins = _scaled_min(_f16(b, 0), -16.0)

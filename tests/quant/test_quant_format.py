@@ -58,11 +58,12 @@ def test_repacked_gguf_blocks_dequantize_bit_exactly(qtype, rows):
         assert w.centred and w.mins is None and w.nbytes == raw.nbytes
 
 
-def test_q8_0_min_overflowing_float16_falls_back_to_float32():
+def test_q8_0_min_overflowing_float16_needs_no_float32():
     raw = random_blocks(np.random.default_rng(0), Q.Q8_0, 3, 64)
     raw.reshape(-1, 34)[0, 0:2] = np.array([1000.0], dtype=np.float16).view(np.uint8)  # -128 d overflows
     w = repack(raw, Q.Q8_0, (3, 64))
-    assert w.scales.dtype == torch.float32
+    assert w.centred and w.scales.dtype == torch.float16  # the min is implied, computed in float32
+    assert torch.equal(w.with_mins().mins.float(), w.full_mins()) and w.with_mins().mins.dtype == torch.float32
     want = torch.from_numpy(np.array(gguf.quants.dequantize(raw, Q.Q8_0), dtype=np.float32)).reshape(3, 64)
     torch.testing.assert_close(w.dequantize(), want, rtol=0, atol=0)
 
