@@ -133,6 +133,11 @@ class AsyncLLM:
     def errored(self) -> bool:
         return self.engine.is_dead
 
+    @property
+    def dead_error(self) -> BaseException:
+        """vLLM's name: the error a caller gets once the engine has failed."""
+        return self.engine.dead_error
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 

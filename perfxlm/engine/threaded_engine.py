@@ -120,6 +120,19 @@ class ThreadedEngine(EngineFrontEndParts):
     def is_dead(self) -> bool:
         return self._dead is not None
 
+    @property
+    def dead_error(self) -> EngineDeadError:
+        """Why the engine serves no more requests (a generic error while it still runs)."""
+        return self._dead or EngineDeadError("the engine is not running")
+
+    def abort_all(self) -> int:
+        """Abort every request in flight (each sink gets its final 'abort' output); how many."""
+        with self._lock:
+            ids = list(self._sinks)
+        for request_id in ids:
+            self.abort(request_id)
+        return len(ids)
+
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until no request is queued or running in the core."""
         return self._idle.wait(timeout)

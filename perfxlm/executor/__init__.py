@@ -12,6 +12,8 @@ ModelRunnerOutput`, the interface in `executor/base.py`.
   with rank 0's sampled tokens (`executor/external.py`).
 - `OnnxExecutor` (load_format "onnx"): an exported graph run by ONNX Runtime in-process, under the same
   scheduler (`executor/onnx.py`, `worker/onnx_runner.py`).
+- `GraphExecutor` (load_format "onnx", a `perfxlm`-flavor folder): the graph's nodes on the engine's own
+  kernels, under the ordinary model runner (`executor/graph.py`, `model/graph/`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ from perfxlm.executor.base import Executor
 
 def make_executor(config: Any) -> Executor:
     if getattr(config, "load_format", None) == "onnx":
+        from perfxlm.export.manifest import read_manifest
+
+        if read_manifest(config.model).get("flavor") == "perfxlm":
+            from perfxlm.executor.graph import GraphExecutor
+
+            return GraphExecutor(config)
         from perfxlm.executor.onnx import OnnxExecutor
 
         return OnnxExecutor(config)

@@ -84,6 +84,9 @@ class ExternalLauncherExecutor(Executor):
         self.shard = TPShard.of(config.hf_config, self.rank, self.world_size)
         self.model = load_model(config, tp=self.shard)
         parallelize(self.model, self.shard, self.comm)
+        # speculative decoding: rank 0 alone proposes (a draft model loads there only), every rank verifies
+        # its drafts, so the ranks' schedulers stay identical
+        self.proposes_drafts = self.rank == 0
         self._runner: Any = None  # not `runner`: the engine core would call it directly, skipping the broadcast
         logger.info("external launcher: rank %d of %d, %s collectives, cores %s", self.rank, self.world_size,
                     self.comm.name, self.cpus or "all")
@@ -127,6 +130,13 @@ class ExternalLauncherExecutor(Executor):
         out = self._runner.execute(so)
         box = [out if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)  # every rank goes on with rank 0's tokens
+        return box[0]
+
+    def agree_draft_tokens(self, drafts: dict[str, list[int]]) -> dict[str, list[int]]:
+        import torch.distributed as dist
+
+        box = [drafts if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def check_health(self) -> None:

@@ -14,10 +14,13 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
     onnx.add_argument("model", help="Hugging Face model folder, .gguf file or model id")
     onnx.add_argument("out_dir", nargs="?", default=None, help="output folder (or -o)")
     onnx.add_argument("-o", "--output", dest="output", default=None, help="output folder")
-    onnx.add_argument("--flavor", default="ort", choices=["ort", "standard"],
+    onnx.add_argument("--flavor", default="ort", choices=["ort", "standard", "perfxlm"],
                       help="ort: ONNX Runtime's contrib ops (GroupQueryAttention, RotaryEmbedding, "
                            "SkipSimplifiedLayerNormalization, MatMulNBits: quantized weights kept packed); "
-                           "standard: standard ONNX ops only (quantized weights dequantized)")
+                           "standard: standard ONNX ops only (quantized weights dequantized); perfxlm: the "
+                           "engine's own fused ops (perfxlm domain) over a paged KV cache, which the engine runs")
+    onnx.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                      help="float weights stored as float32, or bfloat16 (perfxlm flavor)")
     onnx.add_argument("--quantization", "-q", default=None,
                       help="weights exported quantized: int4 | int8 quantize a float checkpoint; a .gguf "
                            "file's quantized tensors are kept (none dequantizes them)")
@@ -40,7 +43,8 @@ def _export_onnx(args: argparse.Namespace) -> int:
     result = export_onnx(args.model, out, flavor=args.flavor, quantization=args.quantization,
                          quantization_group_size=args.quantization_group_size,
                          quantization_symmetric=args.quantization_symmetric, tokenizer=args.tokenizer,
-                         overwrite=args.overwrite, revision=args.revision, download_dir=args.download_dir)
+                         overwrite=args.overwrite, revision=args.revision, download_dir=args.download_dir,
+                         dtype=args.dtype)
     ops = ", ".join(f"{op} {n}" for op, n in sorted(result.op_census.items(), key=lambda kv: -kv[1]))
     print(f"wrote {result.out_dir} ({result.model_type}, {result.flavor} flavor; "
           f"{len(result.op_census)} op types: {ops})", file=sys.stderr)

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
-from onnx import TensorProto
 
+from perfxlm.export.flavors import graph_ops
 from perfxlm.export.graph import Graph
-from perfxlm.export.graph_ops import AttentionSpec, DecoderInputs, LinearWeight, Rope, dequantized, graph_ops
+from perfxlm.export.graph_ops import AttentionSpec, HeadNorms, LinearWeight, Rope
 from perfxlm.quant.weight import QuantizedWeight
 
 # architecture -> onnxruntime-genai's model type
@@ -83,31 +82,19 @@ def _linear(module: Any, name: str) -> LinearWeight:
     return LinearWeight(weight, bias, name)
 
 
-def build_decoder_graph(model: torch.nn.Module, flavor: str) -> Graph:
+def build_decoder_graph(model: torch.nn.Module, flavor: str, weight_dtype: str = "float32") -> Graph:
+    """`weight_dtype` "bfloat16": float matrices stored as bf16 (flavors that take them: perfxlm)."""
     genai_model_type(model)  # refuses what cannot be expressed, before any node
     inner = model.model
     g = Graph("perfxlm_decoder")
-    i64, f32 = TensorProto.INT64, TensorProto.FLOAT
-    inputs = DecoderInputs(
-        g.add_input("input_ids", i64, ["batch_size", "sequence_length"]),
-        g.add_input("attention_mask", i64, ["batch_size", "total_sequence_length"]),
-        g.add_input("position_ids", i64, ["batch_size", "sequence_length"]),
-    )
-    ops = graph_ops(flavor, g, inputs)
+    ops = graph_ops(flavor, g)
+    ops.set_weight_dtype(weight_dtype)
     rope = Rope(inner.rotary_emb.cos_cache.float().numpy(), inner.rotary_emb.sin_cache.float().numpy())
-    # the table is gathered from as float (a quantized one dequantized once, here)
-    table = _array(inner.embed_tokens.weight)
-    table = dequantized(table) if isinstance(table, QuantizedWeight) else table
-    x = ops.embedding(table)
+    x = ops.embedding(_array(inner.embed_tokens.weight))
     residual = None
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
-        heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        past = []
-        for kind in ("key", "value"):
-            past.append(g.add_input(f"past_key_values.{i}.{kind}", f32,
-                                    ["batch_size", kv_heads, "past_sequence_length", d]))
-            g.add_output(f"present.{i}.{kind}", f32, ["batch_size", kv_heads, "total_sequence_length", d])
+        cache = ops.layer_cache(i, attn.num_kv_heads, attn.head_dim)
         prefix = f"model.layers.{i}"
         norm = layer.input_layernorm
         if residual is None:
@@ -117,18 +104,12 @@ def build_decoder_graph(model: torch.nn.Module, flavor: str) -> Graph:
             h, residual = ops.add_rms_norm(x, residual, _array(norm.weight), norm.variance_epsilon,
                                            f"{prefix}.input_layernorm")
         qkv = ops.linear(h, _linear(attn.qkv_proj, f"{prefix}.self_attn.qkv_proj"))
-        sizes = g.const([heads * d, kv_heads * d, kv_heads * d])
-        q, k, v = g.op("Split", [qkv, sizes], num_outputs=3, axis=-1)
+        norms = None
         if attn.qk_norm:
-            q = ops.head_rms_norm(q, heads, d, _array(attn.q_norm.weight), attn.q_norm.variance_epsilon,
-                                  f"{prefix}.self_attn.q_norm")
-            k = ops.head_rms_norm(k, kv_heads, d, _array(attn.k_norm.weight), attn.k_norm.variance_epsilon,
-                                  f"{prefix}.self_attn.k_norm")
-        spec = AttentionSpec(heads, kv_heads, d, float(attn.attn.scale), attn.attn.sliding_window)
-        out, present_k, present_v = ops.attention(q, k, v, past[0], past[1], spec, rope,
-                                                  f"{prefix}.self_attn.attn")
-        g.rename(present_k, f"present.{i}.key")
-        g.rename(present_v, f"present.{i}.value")
+            norms = HeadNorms(_array(attn.q_norm.weight), _array(attn.k_norm.weight), attn.q_norm.variance_epsilon)
+        spec = AttentionSpec(attn.num_heads, attn.num_kv_heads, attn.head_dim, float(attn.attn.scale),
+                             attn.attn.sliding_window)
+        out = ops.self_attention(qkv, spec, norms, rope, cache, i, f"{prefix}.self_attn")
         x = ops.linear(out, _linear(attn.o_proj, f"{prefix}.self_attn.o_proj"))
         post = layer.post_attention_layernorm
         h, residual = ops.add_rms_norm(x, residual, _array(post.weight), post.variance_epsilon,
@@ -140,13 +121,6 @@ def build_decoder_graph(model: torch.nn.Module, flavor: str) -> Graph:
     final = inner.norm
     h, _ = ops.add_rms_norm(x, residual, _array(final.weight), final.variance_epsilon, "model.norm")
     head = model.lm_head
-    if head.weight is inner.embed_tokens.weight:
-        # shares the float table: no second copy, and a float GEMM (ONNX Runtime's 8-bit MatMulNBits
-        # dequantizes the whole weight at every call: 30x slower on a 49k-row head, measured)
-        logits = ops.tied_head(h, "model.embed_tokens.weight", table)
-    else:
-        logits = ops.linear(h, LinearWeight(_array(head.weight), None, "lm_head"))
-    g.rename(logits, "logits")
-    g.add_output("logits", f32, ["batch_size", "sequence_length", model.config.vocab_size])
-    g.outputs.insert(0, g.outputs.pop())  # logits first, as onnxruntime-genai's builder orders them
+    tied = head.weight is inner.embed_tokens.weight
+    ops.logits(h, None if tied else LinearWeight(_array(head.weight), None, "lm_head"), model.config.vocab_size)
     return g

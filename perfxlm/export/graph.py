@@ -23,9 +23,9 @@ class Graph:
     def __init__(self, name: str) -> None:
         self.name = name
         self.nodes: list[onnx.NodeProto] = []
-        # (name, array): arrays stay as they are (views of the loaded model's weights where they can) until
+        # (name, array, element type or None: the array's own): arrays stay as they are (views of the loaded model's weights where they can) until
         # `save` streams them into the data file, so the export never holds a second copy of the model
-        self.initializers: list[tuple[str, np.ndarray]] = []
+        self.initializers: list[tuple[str, np.ndarray, int | None]] = []
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
         self.domains: set[str] = set()
@@ -37,10 +37,11 @@ class Graph:
         self._counts[prefix] = n + 1
         return prefix if n == 0 else f"{prefix}_{n}"
 
-    def weight(self, name: str, array: np.ndarray) -> str:
-        """An initializer holding `array` (stored in the external data file when large)."""
+    def weight(self, name: str, array: np.ndarray, elem: int | None = None) -> str:
+        """An initializer holding `array` (stored in the external data file when large); `elem`: the ONNX
+        element type its bytes are, where numpy has no such dtype (bfloat16 as uint16)."""
         name = self.fresh(name)
-        self.initializers.append((name, array))
+        self.initializers.append((name, array, elem))
         return name
 
     def const(self, value: Any, dtype: type = np.int64) -> str:
@@ -82,16 +83,16 @@ class Graph:
         location = os.path.basename(path) + ".data"
         tensors = []
         with open(os.path.join(os.path.dirname(path), location), "wb") as data:
-            for name, array in self.initializers:
+            for name, array, elem in self.initializers:
                 array = np.ascontiguousarray(array)
-                if array.nbytes < EXTERNAL_BYTES:
+                if array.nbytes < EXTERNAL_BYTES and elem is None:
                     tensors.append(numpy_helper.from_array(array, name))
                     continue
                 offset = (data.tell() + ALIGN - 1) // ALIGN * ALIGN
                 data.seek(offset)
                 array.tofile(data)
                 tensor = onnx.TensorProto(name=name, dims=array.shape,
-                                          data_type=helper.np_dtype_to_tensor_dtype(array.dtype))
+                                          data_type=elem or helper.np_dtype_to_tensor_dtype(array.dtype))
                 for key, value in (("location", location), ("offset", offset), ("length", array.nbytes)):
                     entry = tensor.external_data.add()
                     entry.key, entry.value = key, str(value)

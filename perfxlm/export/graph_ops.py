@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from onnx import TensorProto
 
 from perfxlm.export.graph import MS_DOMAIN, Graph
 from perfxlm.export.matmul_nbits import pack_matmul_nbits
@@ -58,6 +59,15 @@ class LinearWeight:
 
 
 @dataclass
+class HeadNorms:
+    """Qwen3's RMSNorm over each q and k head, before rotary."""
+
+    q_weight: np.ndarray
+    k_weight: np.ndarray
+    eps: float
+
+
+@dataclass
 class DecoderInputs:
     """The graph inputs every layer reads (onnxruntime-genai's names)."""
 
@@ -76,10 +86,70 @@ class GraphOps:
 
     flavor = "standard"
 
-    def __init__(self, g: Graph, inputs: DecoderInputs) -> None:
+    def __init__(self, g: Graph) -> None:
         self.g = g
-        self.inputs = inputs
+        self.inputs = self.declare_inputs(g)
         self._cache: dict[Any, Any] = {}
+        self._table: tuple[str, Any] | None = None  # the embedding table's initializer, for a tied head
+
+    def set_weight_dtype(self, dtype: str) -> None:
+        self.check_weight_dtype(dtype)
+
+    @classmethod
+    def check_weight_dtype(cls, dtype: str) -> None:
+        """How float matrices are stored: "float32" here (standard ONNX Runtime kernels have no bf16 GEMM)."""
+        if dtype != "float32":
+            raise ValueError(f"dtype {dtype!r}: the {cls.flavor} flavor writes float32 weights; "
+                             "bfloat16 weights are the perfxlm flavor's (--flavor perfxlm).")
+
+    # ---- the graph's interface (onnxruntime-genai's layout; the perfxlm flavor has its own) -------------
+    @staticmethod
+    def declare_inputs(g: Graph) -> DecoderInputs:
+        i64 = TensorProto.INT64
+        return DecoderInputs(
+            g.add_input("input_ids", i64, ["batch_size", "sequence_length"]),
+            g.add_input("attention_mask", i64, ["batch_size", "total_sequence_length"]),
+            g.add_input("position_ids", i64, ["batch_size", "sequence_length"]),
+        )
+
+    def layer_cache(self, layer: int, kv_heads: int, head_dim: int) -> tuple[str, str]:
+        """Layer `layer`'s K/V as the graph holds them: here past inputs (with present outputs)."""
+        past = []
+        for kind in ("key", "value"):
+            past.append(self.g.add_input(f"past_key_values.{layer}.{kind}", TensorProto.FLOAT,
+                                         ["batch_size", kv_heads, "past_sequence_length", head_dim]))
+            self.g.add_output(f"present.{layer}.{kind}", TensorProto.FLOAT,
+                              ["batch_size", kv_heads, "total_sequence_length", head_dim])
+        return past[0], past[1]
+
+    def self_attention(self, qkv: str, spec: AttentionSpec, qk_norms: "HeadNorms | None", rope: Rope,
+                       cache: tuple[str, str], layer: int, name: str) -> str:
+        """The fused QKV projection's output in, attention's output [.., heads * head_dim] out: split,
+        q/k head norms (Qwen3), rotary, attention over the cache."""
+        g = self.g
+        heads, kv_heads, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        q, k, v = g.op("Split", [qkv, g.const([heads * d, kv_heads * d, kv_heads * d])], num_outputs=3, axis=-1)
+        if qk_norms is not None:
+            q = self.head_rms_norm(q, heads, d, qk_norms.q_weight, qk_norms.eps, f"{name}.q_norm")
+            k = self.head_rms_norm(k, kv_heads, d, qk_norms.k_weight, qk_norms.eps, f"{name}.k_norm")
+        out, present_k, present_v = self.attention(q, k, v, cache[0], cache[1], spec, rope, f"{name}.attn")
+        g.rename(present_k, f"present.{layer}.key")
+        g.rename(present_v, f"present.{layer}.value")
+        return out
+
+    def logits(self, h: str, head: "LinearWeight | None", vocab: int) -> None:
+        """The LM head over the final hidden states, the graph's first output; `head` None: tied to the
+        embedding table."""
+        if head is None:
+            # shares the float table: no second copy, and a float GEMM (ONNX Runtime's 8-bit MatMulNBits
+            # dequantizes the whole weight at every call: 30x slower on a 49k-row head, measured)
+            name, table = self._table
+            logits = self.tied_head(h, name, table)
+        else:
+            logits = self.linear(h, head)
+        self.g.rename(logits, "logits")
+        self.g.add_output("logits", TensorProto.FLOAT, ["batch_size", "sequence_length", vocab])
+        self.g.outputs.insert(0, self.g.outputs.pop())  # logits first, as onnxruntime-genai's builder orders them
 
     def _once(self, key: Any, build) -> Any:
         if key not in self._cache:
@@ -97,8 +167,11 @@ class GraphOps:
                           lambda: self.g.op("Concat", [self.batch_seq_shape(), self.g.const([n])], axis=0))
 
     # ---- embedding, norms, projections -------------------------------------------------------------
-    def embedding(self, table: np.ndarray) -> str:
+    def embedding(self, table: Any) -> str:
+        # gathered from as float (a quantized table dequantized once, here)
+        table = dequantized(table) if isinstance(table, QuantizedWeight) else table
         w = self.g.weight("model.embed_tokens.weight", table)
+        self._table = (w, table)
         return self.g.op("Gather", [w, self.inputs.input_ids], axis=0, name="embed_tokens")
 
     def rms_norm(self, x: str, weight: np.ndarray, eps: float, name: str) -> str:
@@ -293,11 +366,3 @@ class OrtOps(GraphOps):
 
 
 FLAVORS = {"standard": GraphOps, "ort": OrtOps}
-
-
-def graph_ops(flavor: str, g: Graph, inputs: DecoderInputs) -> GraphOps:
-    try:
-        cls = FLAVORS[flavor]
-    except KeyError:
-        raise ValueError(f"ONNX flavor {flavor!r} is not known (known: {', '.join(FLAVORS)}).") from None
-    return cls(g, inputs)

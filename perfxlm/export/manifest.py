@@ -13,6 +13,11 @@ MANIFEST = "perfxlm_onnx.json"
 GRAPH_FILE = "model.onnx"
 GENAI_CONFIG = "genai_config.json"
 
+# The perfxlm flavor's custom ops (export/perfxlm_ops.py defines them, model/graph/ runs them): their domain
+# and its version, raised when an op's inputs, outputs or attributes change meaning.
+PERFXLM_DOMAIN = "perfxlm"
+PERFXLM_OPSET = 1
+
 # domain -> op types the exporter writes (graph_ops.py); the runner refuses any other
 KNOWN_OPS = {
     "": {"Add", "And", "Cast", "Concat", "CumSum", "Gather", "Gemm", "Greater", "Identity", "LessOrEqual",
@@ -40,7 +45,9 @@ def read_manifest(folder: str) -> dict[str, Any]:
     if version != FORMAT_VERSION:
         raise ValueError(f"{path}: format_version {version!r} is not known to this engine (it runs version "
                          f"{FORMAT_VERSION}); export the model again with this version of perfxlm.")
-    for name in (manifest.get("graph", GRAPH_FILE), GENAI_CONFIG):
+    # the perfxlm flavor is the engine's own graph: no onnxruntime-genai description
+    needed = [manifest.get("graph", GRAPH_FILE)] + ([] if manifest.get("flavor") == "perfxlm" else [GENAI_CONFIG])
+    for name in needed:
         if not os.path.isfile(os.path.join(folder, name)):
             raise ValueError(f"ONNX export {folder!r} lacks {name}.")
     return manifest

@@ -45,18 +45,20 @@ def check_out_dir(out_dir: str, overwrite: bool) -> None:
 def export_onnx(model: str | None, out_dir: str, flavor: str = "ort", quantization: Any = None,
                 quantization_group_size: int | None = None, quantization_symmetric: bool | None = None,
                 tokenizer: str | None = None, overwrite: bool = False, revision: str | None = None,
-                download_dir: str | None = None) -> ExportResult:
+                download_dir: str | None = None, dtype: str = "float32") -> ExportResult:
     """Load `model` in float32 (quantized weights as `quantization` says, a GGUF file's kept) and write
-    it to `out_dir` as an ONNX decoder graph of `flavor` ("ort" or "standard")."""
+    it to `out_dir` as an ONNX decoder graph of `flavor` ("ort", "standard" or "perfxlm"); `dtype`: how
+    float matrices are stored ("bfloat16": the perfxlm flavor only)."""
     import torch
 
     from perfxlm.config import EngineConfig
     from perfxlm.export.decoder import build_decoder_graph, genai_model_type
-    from perfxlm.export.graph_ops import FLAVORS
+    from perfxlm.export.flavors import FLAVORS
     from perfxlm.model.loader import get_model
 
     if flavor not in FLAVORS:
         raise ValueError(f"ONNX flavor {flavor!r} is not known (known: {', '.join(FLAVORS)}).")
+    FLAVORS[flavor].check_weight_dtype(dtype)
     out_dir = os.path.abspath(out_dir)
     check_out_dir(out_dir, overwrite)
     config = EngineConfig(model=model, tokenizer=tokenizer, dtype="float32", quantization=quantization,
@@ -66,7 +68,7 @@ def export_onnx(model: str | None, out_dir: str, flavor: str = "ort", quantizati
     loaded = get_model(config.model, config.hf_config, torch.float32, config.load_format, config.seed,
                        quantization=config.quant_config, activations=config.quant_activation_mode)
     model_type = genai_model_type(loaded)
-    graph = build_decoder_graph(loaded, flavor)
+    graph = build_decoder_graph(loaded, flavor, dtype)
     census: dict[str, int] = {}
     for node in graph.nodes:
         census[node.op_type] = census.get(node.op_type, 0) + 1
@@ -93,8 +95,9 @@ def _write_configs(folder: str, config: Any, model_type: str, flavor: str) -> No
     hf_dict["model_type"] = hf_dict.get("model_type") or model_type  # a GGUF file's config has none
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(hf_dict, f, indent=2)
-    with open(os.path.join(folder, GENAI_CONFIG), "w") as f:
-        json.dump(genai_config(hf, config, model_type), f, indent=4)
+    if flavor != "perfxlm":  # the engine's own graph: not onnxruntime-genai's layout
+        with open(os.path.join(folder, GENAI_CONFIG), "w") as f:
+            json.dump(genai_config(hf, config, model_type), f, indent=4)
     with open(os.path.join(folder, MANIFEST), "w") as f:
         json.dump({"format_version": FORMAT_VERSION, "flavor": flavor, "model_type": model_type,
                    "graph": GRAPH_FILE, "num_hidden_layers": hf.num_hidden_layers}, f, indent=2)

@@ -5,8 +5,8 @@ The base projection is untouched (float, bf16 or quantized: its own kernel runs 
 products come from the step's `LoRABatch` (perfxlm/lora/slots.py), which the runner sets on the forward
 context only when a row of the step has an adapter, so a step without one costs a context lookup per
 projection. The wrapper shows the base's `weight`, `bias` and sizes, so whoever describes the model's
-weights (the fused decode layer) sees the base projection; the fused layer cannot add adapter products
-and is skipped for steps with a LoRA row (FusedDecode.applies).
+weights (the fused decode layer) sees the base projection; the fused layer adds the same adapter
+products itself after each of its projections (LoRABatch.operands), in the same order as `forward`.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from perfxlm.lora.adapter import LoRAAdapter
+from perfxlm.lora.layers import LoRALinear
 
 
 @dataclass(frozen=True)
@@ -65,23 +66,35 @@ class LoRABatch:
         self.single_slot = single_slot  # the one slot every row uses, if so
         self._masks: dict[int, torch.Tensor] = {}  # id(layout) -> [rows, R] mask, for this step
 
-    def add(self, layer: Any, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        packed: PackedLoRA | None = layer.packed
-        if packed is None:  # no adapter in the slots targets this projection
-            return out
+    @staticmethod
+    def targets(module: Any) -> bool:
+        """Whether an adapter of any step can add products to this module (a LoRA wrapper)."""
+        return isinstance(module, LoRALinear)
+
+    def operands(self, layer: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(A [R, in], B^T [R, out], scale: [R] or a [rows, R] mask) of this step for one LoRALinear, or
+        None when no adapter of the step targets it. The fused decode layer takes these too."""
+        packed: PackedLoRA | None = getattr(layer, "packed", None)
+        if packed is None:  # not a LoRA wrapper, or no adapter in the slots targets this projection
+            return None
         layout = packed.layout
-        a, bt = packed.a, packed.bt
         if self.single_slot is not None:
             span = layout.spans.get(self.single_slot)
             if span is None:
-                return out
+                return None
             s, e = span
-            a, bt, scale = a[s:e], bt[s:e], layout.col_scale[s:e]
-        else:
-            scale = self._masks.get(id(layout))
-            if scale is None:
-                scale = (layout.col_slot == self.row_slot[:, None]) * layout.col_scale
-                self._masks[id(layout)] = scale
+            return packed.a[s:e], packed.bt[s:e], layout.col_scale[s:e]
+        scale = self._masks.get(id(layout))
+        if scale is None:
+            scale = (layout.col_slot == self.row_slot[:, None]) * layout.col_scale
+            self._masks[id(layout)] = scale
+        return packed.a, packed.bt, scale
+
+    def add(self, layer: Any, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        ops = self.operands(layer)
+        if ops is None:
+            return out
+        a, bt, scale = ops
         threads = torch.get_num_threads()
         serial = threads > 1 and x.shape[0] * a.shape[0] * (a.shape[1] + bt.shape[1]) < _SERIAL_MACS
         if serial:

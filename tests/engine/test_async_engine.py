@@ -80,6 +80,41 @@ def test_cancelling_the_consumer_aborts_and_frees_blocks(async_tiny):
     assert "cancel-me" not in async_tiny.engine.output_processor.states
 
 
+def test_abort_all_ends_every_stream_and_frees_blocks(async_tiny):
+    """What the server's shutdown calls: every request in flight ends with finish_reason 'abort', the
+    engine stays alive and serves the next request."""
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+    async def main():
+        finals = {}
+
+        async def consume(i):
+            async for out in async_tiny.generate({"prompt_token_ids": _ids(9 + i, i)}, params, request_id=f"all{i}"):
+                finals[i] = out
+
+        tasks = [asyncio.create_task(consume(i)) for i in range(5)]
+        while len(finals) < 5:
+            await asyncio.sleep(0.01)
+        assert async_tiny.engine.abort_all() == 5
+        await asyncio.gather(*tasks)
+        return finals
+
+    finals = asyncio.run(main())
+    assert all(f.finished and f.outputs[0].finish_reason == "abort" for f in finals.values())
+    assert not async_tiny.errored and async_tiny.engine.abort_all() == 0
+    _pool_whole(async_tiny.engine)
+    out = asyncio.run(_last(async_tiny.generate({"prompt_token_ids": _ids(6, 0)},
+                                                SamplingParams(max_tokens=3, ignore_eos=True))))
+    assert len(out.outputs[0].token_ids) == 3
+
+
+async def _last(stream):
+    out = None
+    async for out in stream:
+        pass
+    return out
+
+
 def test_delta_stream_adds_up_to_cumulative(smollm_fp32, default_model):
     engine = AsyncLLM(model=default_model, dtype="float32", kv_cache_gib=0.25)
     try:

@@ -106,21 +106,39 @@ def test_prefix_cache_never_shared_across_adapters(lora_base, adapters):
     assert_pool_whole(llm)
 
 
-def test_fused_decode_kept_for_steps_without_an_adapter(lora_base, adapters):
-    """enable_lora leaves base-only steps on the fused decode layer (same output as an engine without
-    LoRA); a step with an adapter row takes the module path, where the adapter products are added."""
+def test_fused_decode_adds_the_adapters(lora_base, adapters):
+    """enable_lora keeps every all-decode step on the fused decode layer: base-only steps give what an
+    engine without LoRA gives, and steps with adapter rows (one adapter, or several and none mixed) give
+    what the module path gives, logprobs included."""
     from perfxlm.ops import native
 
-    prompts = prompts_of((5, 12), seed=4)
-    plain = LLM(lora_base, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=32)
-    llm = LLM(lora_base, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=32, enable_lora=True,
-              max_lora_rank=8)
+    prompts = prompts_of((5, 12, 9), seed=4)
+    plain = LLM(lora_base, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=48)
+    llm = LLM(lora_base, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=48, enable_lora=True,
+              max_loras=3, max_lora_rank=8)
     fused = llm.llm_engine.core.model.model.fused_decode
     calls, fused_run = [], fused.run
     fused.run = lambda *a: calls.append(1) or fused_run(*a)
     assert run(llm, prompts, None) == run(plain, prompts, None)
-    if native.kernels() is not None:
-        assert calls and fused.eligible
+    a, b, c = (LoRARequest(k, i, adapters[k]) for i, k in ((1, "a"), (2, "b"), (3, "c")))
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=3)
+    cases = ([a, a, a], [a, None, c], [b, c, a])
+
+    def outputs(loras):
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in got]
+
     calls.clear()
-    run(llm, prompts, LoRARequest("a", 1, adapters["a"]))
-    assert not calls
+    fused_outputs = [outputs(list(loras)) for loras in cases]
+    if native.kernels() is not None:
+        assert calls and fused.eligible and fused.lora_fits
+    fused.eligible = False  # the module path: the reference the fused layer must agree with
+    for loras, got in zip(cases, fused_outputs):
+        want = outputs(list(loras))
+        for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, want):
+            assert tokens == ref_tokens, loras
+            for step, ref_step in zip(logprobs, ref_logprobs):
+                assert step.keys() == ref_step.keys()
+                for t in step:
+                    assert abs(step[t].logprob - ref_step[t].logprob) < 1e-4, loras
+    assert_pool_whole(llm)

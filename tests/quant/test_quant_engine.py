@@ -262,6 +262,23 @@ def test_gguf_kept_quantized_equals_the_dequantized_path(llama128, tmp_path):
     assert_same_greedy(generate(kept), generate(widened))
 
 
+def test_q4_0_gguf_streams_no_mins_and_equals_the_dequantized_path(llama128, tmp_path):
+    """A Q4_0 file (Q8_0 table) keeps every projection as centred 4-bit codes (no stored mins: 4.5 bits per
+    weight, as the file), fused QKV and gate|up included, and decodes greedily as its dequantized weights."""
+    Q = gguf.GGMLQuantizationType
+    path = str(tmp_path / "q4_0.gguf")
+    parts = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    write_quantized_llama_gguf(path, llama128, {**{p: Q.Q4_0 for p in parts}, "token_embd": Q.Q8_0})
+    kept = LLM(path, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64)
+    model = model_of(kept)
+    layer = model.model.layers[0]
+    for w in (layer.self_attn.qkv_proj.weight, layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight):
+        assert (w.bits, w.centred, w.scales.dtype) == (4, True, torch.float16)
+        assert w.nbytes == w.out_features * w.in_features * 18 // 32
+    widened = LLM(path, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64, quantization="none")
+    assert_same_greedy(generate(kept), generate(widened))
+
+
 def test_a_float_gguf_quantizes_at_load_as_its_hf_checkpoint_does(llama128, tmp_path):
     """`quantization=` on an F32 / F16 / BF16 GGUF file quantizes it at load like any float checkpoint
     (a file with quantized tensors refuses: they would be quantized twice)."""

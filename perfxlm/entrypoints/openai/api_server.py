@@ -75,7 +75,7 @@ def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None =
 
     def admit() -> None:
         if engine.errored:  # a dead engine answers 503 until a supervisor restarts the process
-            raise engine_dead_error(engine.engine._dead)
+            raise engine_dead_error(engine.dead_error)
         # Overload: refuse before any tokenizing or compute.
         if metrics.num_waiting() >= max_queued_requests:
             raise APIError(503, f"Server overloaded: {max_queued_requests} requests already waiting. Retry later.",
@@ -316,10 +316,7 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
         def handle_exit(self, sig: int, frame: Any) -> None:
             # End in-flight streams first (finish_reason "abort"), so the graceful shutdown has
             # nothing to wait for.
-            with engine.engine._lock:
-                ids = list(engine.engine._sinks)
-            for rid in ids:
-                engine.engine.abort(rid)
+            engine.engine.abort_all()
             super().handle_exit(sig, frame)
 
         @contextlib.contextmanager

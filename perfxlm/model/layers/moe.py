@@ -1,7 +1,9 @@
 """Mixture-of-experts MLP: softmax top-k routing, then each expert runs once on the tokens routed to it.
 
 The (token, expert) pairs are sorted by expert so every expert's tokens form one contiguous group: one
-pair of matrix multiplications per expert that got any token, never a loop over tokens.
+pair of matrix multiplications per expert that got any token, never a loop over tokens. The experts run
+in one native call (`ops/fused_moe.py`) where the kernels are built and take the weights; the torch loop
+over experts (`grouped_experts_torch`) is the same ops in the same order, and its reference.
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from perfxlm.model.layers.activation import act_and_mul
+from perfxlm.model.layers.activation import ClampedSwiGLU, GeluAndMul, SiluAndMul, act_and_mul
 from perfxlm.model.layers.linear_methods.base import LinearMethod, LinearPlan
 from perfxlm.model.layers.linear_methods.registry import method_for
+from perfxlm.ops.fused_moe import ExpertActivation, experts_call
 from perfxlm.ops.linear import linear
 from perfxlm.quant.targets import EXPERTS, QuantizableWeight
 
@@ -22,6 +25,17 @@ Multiply = Callable[[torch.Tensor, Any, "torch.Tensor | None", int], torch.Tenso
 
 def _any_weight(x: torch.Tensor, w: Any, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     return linear(x, w, bias, out_features)  # the weight's form read per call: stacks no FusedMoE owns
+
+
+def expert_activation(act: nn.Module) -> ExpertActivation | None:
+    """The native kernel's name for an experts' activation module, or None (torch version only)."""
+    if type(act) is SiluAndMul:
+        return ExpertActivation(0)
+    if type(act) is GeluAndMul:
+        return ExpertActivation(1 if act.approximate == "tanh" else 2)
+    if type(act) is ClampedSwiGLU:
+        return ExpertActivation(3, act.alpha, act.limit)
+    return None
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,7 +51,7 @@ def grouped_experts(
     x: torch.Tensor,  # [T, hidden]
     weights: torch.Tensor,  # [T, k]
     expert_ids: torch.Tensor,  # [T, k] int64
-    gate_up: torch.Tensor,  # [E, 2 * inter, hidden]
+    gate_up: torch.Tensor,  # [E, 2 * inter, hidden] (or a quantized stack)
     down: torch.Tensor,  # [E, hidden, inter]
     act: nn.Module,
     gate_up_bias: torch.Tensor | None = None,  # [E, 2 * inter] (gpt-oss)
@@ -45,6 +59,28 @@ def grouped_experts(
     gate_up_multiply: Multiply = _any_weight,  # the stacks' linear methods' products (FusedMoE's)
     down_multiply: Multiply = _any_weight,
 ) -> torch.Tensor:  # [T, hidden]
+    activation = expert_activation(act)
+    if activation is not None:
+        out = experts_call(x, weights, expert_ids, gate_up, down, activation, gate_up_bias, down_bias)
+        if out is not None:
+            return out
+    return grouped_experts_torch(x, weights, expert_ids, gate_up, down, act, gate_up_bias, down_bias,
+                                 gate_up_multiply, down_multiply)
+
+
+def grouped_experts_torch(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    expert_ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    act: nn.Module,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    gate_up_multiply: Multiply = _any_weight,
+    down_multiply: Multiply = _any_weight,
+) -> torch.Tensor:
+    """grouped_experts in torch ops, one expert after another."""
     num_tokens, top_k = expert_ids.shape
     flat = expert_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)

@@ -1,0 +1,36 @@
+"""A `perfxlm`-flavor export (`perfxlm export onnx --flavor perfxlm`) run by the engine itself: the graph's
+nodes bound to the engine's kernels (`model/graph/`) stand where a family's model stands, under the
+ordinary `ModelRunner` (paged KV cache, prefix caching, chunked prefill, batched decodes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from perfxlm.executor.base import InProcessExecutor
+from perfxlm.export.manifest import GRAPH_FILE, read_manifest
+from perfxlm.model.graph.model import GraphModel
+from perfxlm.worker.model_runner import ModelRunner
+
+
+class GraphExecutor(InProcessExecutor):
+    # Executor.model stays None: there is no family module (LoRA wrappers and the fused decode layer need one)
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        manifest = read_manifest(config.model)
+        self.graph = GraphModel(config.model, manifest.get("graph", GRAPH_FILE))
+        self.runner: ModelRunner | None = None
+
+    def kv_bytes_per_block(self, block_size: int, spec: Any) -> int:
+        return ModelRunner.kv_bytes_per_block(self.graph, block_size, spec)
+
+    def head_dim(self) -> int | None:
+        dims = {a.head_dim for a in self.graph.attention_layers}
+        return dims.pop() if len(dims) == 1 else None
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        c = self.config
+        self.runner = ModelRunner(self.graph, num_blocks, c.block_size, c.kv_cache_spec)
+
+    def describe(self) -> str:
+        return f"in-process, perfxlm-flavor ONNX graph ({len(self.graph.kernels)} nodes on the engine's kernels)"

@@ -1,0 +1,174 @@
+"""The `perfxlm` flavor: a decoder as the graph of the engine's own fused ops, custom ops in the `perfxlm`
+domain (version `PERFXLM_OPSET`), each the kernel the engine's module path calls, so the engine runs the
+graph node by node (`perfxlm/model/graph/`) and another runtime needs only these few kernels.
+
+The graph's interface is the engine's step, not onnxruntime-genai's: one flattened batch of tokens of
+several sequences (prefill chunks and decodes together) over a paged KV cache.
+
+    input_ids, positions, slot_mapping  int64 [num_tokens]   (slot: block * block_size + offset)
+    block_tables                        int64 [num_seqs, max_blocks]
+    seq_lens                            int64 [num_seqs]     (cached + new tokens)
+    query_start_loc                     int64 [num_seqs + 1] (each sequence's first row; the last: num_tokens)
+    logits_indices                      int64 [num_logits]   (rows whose logits are wanted)
+    key_cache.N, value_cache.N          float [num_blocks, block_size, kv_heads, head_dim], written in place
+    -> logits                           float [num_logits, vocab]
+
+Ops (attributes in brackets):
+    Embedding(ids, W, scales?, mins?, levels?)          [bits, group, act, activations]: rows of W
+    RMSNorm(x, w)                                       [epsilon]
+    AddRMSNorm(x, residual, w) -> (y, x + residual)     [epsilon]
+    HeadRMSNorm(qkv, q_w, k_w): RMSNorm of each q and k head (Qwen3) [num_heads, num_kv_heads, head_dim, epsilon]
+    Linear(x, W, bias?, scales?, mins?, levels?)        [bits, group, act, activations]: x W^T + b
+    Rotary(qkv, positions, cos, sin): rotate-half rotary of the first num_heads heads (q and k), tables
+        [max_position, rotary_dim], the channels past rotary_dim passed through  [num_heads, head_dim]
+    PagedAttention(qkv, key_cache, value_cache, block_tables, seq_lens, query_start_loc, slot_mapping):
+        writes each token's k, v at its slot, then causal attention of each sequence's queries over its
+        cached + new keys  [num_heads, num_kv_heads, head_dim, scale, sliding_window (0: none)]
+    SiluAndMul(x), GeluAndMul(x) [approximate]: [.., 2d] (gate | up) -> [.., d]
+    Gather (standard): the logits rows
+
+A weight is stored as the engine holds it: bits 0 is a float matrix W [N, K] (float32, or bfloat16 with
+`--dtype bfloat16`); bits 4 / 8 are its packed codes (4-bit in GGUF Q4_0's nibble order) with float16 or
+float32 scales and mins per group of `group` inputs (w = scale * code + min), an optional 16-level table,
+and the activation rounding the engine applies (perfxlm/quant/weight.py's form, moved bit for bit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from onnx import TensorProto
+
+from perfxlm.export.graph import Graph
+from perfxlm.export.graph_ops import AttentionSpec, GraphOps, HeadNorms, LinearWeight, Rope
+from perfxlm.export.manifest import PERFXLM_DOMAIN
+from perfxlm.quant.weight import QuantizedWeight
+
+WEIGHT_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass
+class StepInputs:
+    input_ids: str
+    positions: str
+    slot_mapping: str
+    block_tables: str
+    seq_lens: str
+    query_start_loc: str
+    logits_indices: str
+
+
+def bf16_bits(array: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16's bits as uint16, rounded to nearest even (as torch's cast)."""
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(array, np.float32)).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+
+class PerfxlmOps(GraphOps):
+    flavor = "perfxlm"
+
+    def __init__(self, g: Graph) -> None:
+        super().__init__(g)
+        self.weight_dtype = "float32"
+
+    def set_weight_dtype(self, dtype: str) -> None:
+        self.check_weight_dtype(dtype)
+        self.weight_dtype = dtype
+
+    @classmethod
+    def check_weight_dtype(cls, dtype: str) -> None:
+        if dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not one the perfxlm flavor writes (known: {', '.join(WEIGHT_DTYPES)}).")
+
+    def _op(self, op_type: str, inputs: list[str], num_outputs: int = 1, **attrs: Any) -> Any:
+        while inputs and not inputs[-1]:  # trailing optional inputs left out
+            inputs = inputs[:-1]
+        return self.g.op(op_type, inputs, num_outputs, domain=PERFXLM_DOMAIN, **attrs)
+
+    # ---- the graph's interface: the engine's step ---------------------------------------------------
+    @staticmethod
+    def declare_inputs(g: Graph) -> StepInputs:
+        i64 = TensorProto.INT64
+        return StepInputs(
+            g.add_input("input_ids", i64, ["num_tokens"]),
+            g.add_input("positions", i64, ["num_tokens"]),
+            g.add_input("slot_mapping", i64, ["num_tokens"]),
+            g.add_input("block_tables", i64, ["num_seqs", "max_blocks"]),
+            g.add_input("seq_lens", i64, ["num_seqs"]),
+            g.add_input("query_start_loc", i64, ["num_seqs_plus_1"]),
+            g.add_input("logits_indices", i64, ["num_logits"]),
+        )
+
+    def layer_cache(self, layer: int, kv_heads: int, head_dim: int) -> tuple[str, str]:
+        return tuple(self.g.add_input(f"{kind}_cache.{layer}", TensorProto.FLOAT,
+                                      ["num_blocks", "block_size", kv_heads, head_dim])
+                     for kind in ("key", "value"))
+
+    # ---- weights --------------------------------------------------------------------------------------
+    def _weight(self, name: str, w: Any) -> tuple[list[str], dict[str, Any]]:
+        """A weight's initializers [W or codes, scales, mins, levels] ("" where absent) and attributes."""
+        g = self.g
+        if not isinstance(w, QuantizedWeight):
+            if self.weight_dtype == "bfloat16":
+                return [g.weight(f"{name}.weight", bf16_bits(w), TensorProto.BFLOAT16), "", "", ""], {"bits": 0}
+            return [g.weight(f"{name}.weight", w), "", "", ""], {"bits": 0}
+        if w.input_order is not None or w.num_experts is not None:
+            raise ValueError(f"ONNX export (perfxlm flavor): {name} is {w.describe()}, whose column order or "
+                             "expert stack the Linear op does not take yet.")
+        names = [g.weight(f"{name}.codes", w.codes.numpy()), g.weight(f"{name}.scales", w.scales.numpy()),
+                 g.weight(f"{name}.mins", w.mins.numpy()),
+                 "" if w.levels is None else g.weight(f"{name}.levels", w.levels.numpy())]
+        return names, {"bits": w.bits, "group": w.group, "act": w.act, "activations": w.activations.value}
+
+    def embedding(self, table: Any) -> str:
+        names, attrs = self._weight("model.embed_tokens", table)
+        self._table = (names, attrs)  # a tied head shares these initializers
+        return self._op("Embedding", [self.inputs.input_ids, *names], name="embed_tokens", **attrs)
+
+    def rms_norm(self, x: str, weight: np.ndarray, eps: float, name: str) -> str:
+        return self._op("RMSNorm", [x, self.g.weight(f"{name}.weight", weight)], epsilon=eps, name=name)
+
+    def add_rms_norm(self, x: str, residual: str, weight: np.ndarray, eps: float,
+                     name: str) -> tuple[str, str]:
+        y, total = self._op("AddRMSNorm", [x, residual, self.g.weight(f"{name}.weight", weight)], 2,
+                            epsilon=eps, name=name)
+        return y, total
+
+    def linear(self, x: str, lw: LinearWeight) -> str:
+        return self._linear(x, *self._weight(lw.name, lw.weight), lw.bias, lw.name)
+
+    def _linear(self, x: str, names: list[str], attrs: dict[str, Any], bias: np.ndarray | None, name: str) -> str:
+        b = "" if bias is None else self.g.weight(f"{name}.bias", bias)
+        return self._op("Linear", [x, names[0], b, *names[1:]], name=name, **attrs)
+
+    def silu_and_mul(self, gate_up: str, inter: int) -> str:
+        return self._op("SiluAndMul", [gate_up])
+
+    # ---- attention ------------------------------------------------------------------------------------
+    def self_attention(self, qkv: str, spec: AttentionSpec, qk_norms: HeadNorms | None, rope: Rope,
+                       cache: tuple[str, str], layer: int, name: str) -> str:
+        g, s = self.g, self.inputs
+        h, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        if qk_norms is not None:
+            qkv = self._op("HeadRMSNorm", [qkv, g.weight(f"{name}.q_norm.weight", qk_norms.q_weight),
+                                           g.weight(f"{name}.k_norm.weight", qk_norms.k_weight)],
+                           num_heads=h, num_kv_heads=kvh, head_dim=d, epsilon=qk_norms.eps, name=f"{name}.qk_norm")
+        cos, sin = self._once("rope", lambda: (g.weight("rope.cos", rope.cos), g.weight("rope.sin", rope.sin)))
+        qkv = self._op("Rotary", [qkv, s.positions, cos, sin], num_heads=h + kvh, head_dim=d, name=f"{name}.rotary")
+        return self._op("PagedAttention", [qkv, cache[0], cache[1], s.block_tables, s.seq_lens, s.query_start_loc,
+                                           s.slot_mapping],
+                        num_heads=h, num_kv_heads=kvh, head_dim=d, scale=spec.scale,
+                        sliding_window=spec.sliding_window or 0, name=f"{name}.attn")
+
+    def logits(self, h: str, head: LinearWeight | None, vocab: int) -> None:
+        rows = self.g.op("Gather", [h, self.inputs.logits_indices], axis=0, name="logits_rows")
+        if head is None:
+            names, attrs = self._table
+            logits = self._linear(rows, names, attrs, None, "lm_head")
+        else:
+            logits = self.linear(rows, head)
+        self.g.nodes[-1].output[0] = "logits"  # the head's own output, no Identity after it
+        self.g.add_output("logits", TensorProto.FLOAT, ["num_logits", vocab])

@@ -1,0 +1,9 @@
+"""The engine running a `perfxlm`-flavor ONNX graph (`perfxlm export onnx --flavor perfxlm`): no model file
+of the family, the graph is the model.
+
+- `weights.py`: the graph file and its initializers (external data read straight into tensors).
+- `kernels.py`: each op of the `perfxlm` domain mapped to the engine's kernel, the one the module path calls
+  (RMSNorm's native kernels, rotary, the attention layer over the paged cache, ops.linear for every
+  weight format); unknown ops and versions are refused by name.
+- `model.py`: `GraphModel`, the nodes as a module the ordinary `ModelRunner` runs under the scheduler.
+"""

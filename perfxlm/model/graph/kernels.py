@@ -1,0 +1,183 @@
+"""The `perfxlm` domain's ops, each bound to the kernel the engine's module path calls for it, so a graph
+run gives the module path's numbers: RMSNorm / add+RMSNorm through `RMSNorm` (the native kernels, the
+residual added in place), rotary through `apply_rotary`, attention through the `Attention` layer (its
+backend reads the step's block tables, sequence lengths and slots from the forward context, the same
+values the graph names as inputs, and writes the paged cache the runner allocates for it), products
+through `ops.linear` for float, bf16 and quantized weights alike.
+
+A kernel is built once per node at load (`KERNELS[op_type](node, attrs, weights)`), holding its weights;
+calling it runs the node. `mutates` lists the inputs it may overwrite (the interpreter hands it a copy
+where a value is still needed later)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from perfxlm.model.layers.activation import GeluAndMul, SiluAndMul
+from perfxlm.model.layers.attention import Attention
+from perfxlm.model.layers.norm import RMSNorm
+from perfxlm.model.layers.rotary import apply_rotary
+from perfxlm.ops.linear import linear
+from perfxlm.quant.weight import ActivationMode, QuantizedWeight
+
+
+class Kernel(nn.Module):
+    mutates: tuple[int, ...] = ()
+
+
+def _norm(weight: torch.Tensor, eps: float) -> RMSNorm:
+    norm = RMSNorm(weight.shape[0], eps)
+    norm.weight = nn.Parameter(weight.float(), requires_grad=False)
+    return norm
+
+
+def _weight(node: str, attrs: dict[str, Any], w: torch.Tensor, scales: Any, mins: Any, levels: Any) -> Any:
+    """A weight as the engine holds it: a float tensor (bits 0) or a QuantizedWeight from its parts."""
+    bits = attrs.get("bits", 0)
+    if bits == 0:
+        return w
+    if scales is None or mins is None:
+        raise ValueError(f"node {node!r}: a {bits}-bit weight needs its scales and mins inputs.")
+    try:
+        q = QuantizedWeight(w, scales, mins, levels, bits, attrs["group"], attrs.get("act", "float"), w.shape[0],
+                            w.shape[1] * 8 // bits)
+        q.use_activations(ActivationMode(attrs.get("activations", "float32")), node)
+    except (KeyError, ValueError) as exc:
+        raise ValueError(f"node {node!r}: its weight is not one the engine holds: {exc}") from None
+    return q
+
+
+class Embedding(Kernel):
+    def __init__(self, node: str, attrs: dict[str, Any], w, scales=None, mins=None, levels=None) -> None:
+        super().__init__()
+        self.weight = _weight(node, attrs, w, scales, mins, levels)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if type(self.weight) is QuantizedWeight:  # only the rows looked up widen
+            return self.weight.embedding(ids)
+        return F.embedding(ids, self.weight).float()
+
+
+class Linear(Kernel):
+    def __init__(self, node: str, attrs: dict[str, Any], w, bias=None, scales=None, mins=None, levels=None) -> None:
+        super().__init__()
+        self.weight = _weight(node, attrs, w, scales, mins, levels)
+        self.bias = bias
+        self.out_features = self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.out_features)
+
+
+class Norm(Kernel):
+    def __init__(self, node: str, attrs: dict[str, Any], weight) -> None:
+        super().__init__()
+        self.norm = _norm(weight, attrs["epsilon"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x)
+
+
+class AddNorm(Kernel):
+    mutates = (0, 1)  # the native kernel adds the residual in place and normalises x in place
+
+    def __init__(self, node: str, attrs: dict[str, Any], weight) -> None:
+        super().__init__()
+        self.norm = _norm(weight, attrs["epsilon"])
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.norm(x, residual)
+
+
+class HeadNorm(Kernel):
+    """RMSNorm of each q and each k head of a fused QKV row (Qwen3), as the module path's q_norm / k_norm."""
+
+    def __init__(self, node: str, attrs: dict[str, Any], q_weight, k_weight) -> None:
+        super().__init__()
+        self.q_norm, self.k_norm = _norm(q_weight, attrs["epsilon"]), _norm(k_weight, attrs["epsilon"])
+        self.heads, self.kv_heads, self.head_dim = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
+
+    def forward(self, qkv: torch.Tensor) -> torch.Tensor:
+        n, h, d = qkv.shape[0], self.heads, self.head_dim
+        qk = qkv[:, : (h + self.kv_heads) * d].view(n, -1, d)
+        q, k = self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])
+        return torch.cat((q.reshape(n, -1), k.reshape(n, -1), qkv[:, qk.shape[1] * d :]), dim=1)
+
+
+class RopeTable:
+    """cos / sin rows at the step's positions, looked up once per step for every Rotary node (as the module
+    path's RotaryEmbedding.cos_sin)."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.cos, self.sin = cos.float(), sin.float()
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._last is None or self._last[0] is not positions:
+            self._last = (positions, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+        return self._last[1], self._last[2]
+
+
+class Rotary(Kernel):
+    mutates = (0,)  # rotated in place, as the module path rotates q and k heads in one pass
+
+    def __init__(self, node: str, attrs: dict[str, Any], table: RopeTable) -> None:
+        super().__init__()
+        self.table, self.heads, self.head_dim = table, attrs["num_heads"], attrs["head_dim"]
+
+    def forward(self, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        n, d = qkv.shape[0], self.head_dim
+        qk = qkv[:, : self.heads * d].view(n, self.heads, d)
+        rotated = apply_rotary(qk, *self.table.at(positions))
+        if rotated is not qk:  # the torch path returns a new tensor
+            qkv = qkv.clone()
+            qkv[:, : self.heads * d] = rotated.reshape(n, -1)
+        return qkv
+
+
+class PagedAttention(Kernel):
+    def __init__(self, node: str, attrs: dict[str, Any]) -> None:
+        super().__init__()
+        window = attrs.get("sliding_window", 0)
+        self.attn = Attention(attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"], attrs["scale"],
+                              sliding_window=window or None)
+
+    def forward(self, qkv: torch.Tensor) -> torch.Tensor:
+        a = self.attn
+        n, d = qkv.shape[0], a.head_dim
+        qk_size = (a.num_heads + a.num_kv_heads) * d
+        qk = qkv[:, :qk_size].view(n, -1, d)
+        v = qkv[:, qk_size:].view(n, a.num_kv_heads, d)
+        return a(qk[:, : a.num_heads], qk[:, a.num_heads :], v)
+
+
+class Activation(Kernel):
+    def __init__(self, node: str, attrs: dict[str, Any], fn: nn.Module) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
+
+
+# op type -> (builder(node name, attributes, weight inputs...), which inputs are weights (initializers),
+# which are step values). PagedAttention's cache and step-layout inputs are bound by the runner, not here.
+Builder = Callable[..., Kernel]
+KERNELS: dict[str, tuple[Builder, tuple[int, ...], tuple[int, ...]]] = {
+    "Embedding": (Embedding, (1, 2, 3, 4), (0,)),
+    "Linear": (Linear, (1, 2, 3, 4, 5), (0,)),
+    "RMSNorm": (Norm, (1,), (0,)),
+    "AddRMSNorm": (AddNorm, (2,), (0, 1)),
+    "HeadRMSNorm": (HeadNorm, (1, 2), (0,)),
+    "Rotary": (Rotary, (2, 3), (0, 1)),
+    "PagedAttention": (PagedAttention, (), (0,)),
+    "SiluAndMul": (lambda n, a: Activation(n, a, SiluAndMul()), (), (0,)),
+    "GeluAndMul": (lambda n, a: Activation(n, a, GeluAndMul(a.get("approximate", "none"))), (), (0,)),
+}
+# the inputs of each op that must be the graph's own step inputs, by name (see export/perfxlm_ops.py)
+STEP_INPUTS = {"PagedAttention": {3: "block_tables", 4: "seq_lens", 5: "query_start_loc", 6: "slot_mapping"},
+               "Rotary": {1: "positions"}, "Embedding": {0: "input_ids"}}

@@ -1,0 +1,166 @@
+"""`GraphModel`: a `perfxlm`-flavor graph as the module the ordinary `ModelRunner` runs, so the graph gets
+the scheduler, paged KV cache, prefix caching, chunked prefill and sampling of the module path unchanged.
+
+The nodes are checked and bound to their kernels once, at load (`kernels.py`); a step then calls them in
+the graph's order over a table of values, freeing each value after its last use. The graph's step-layout
+inputs (slot_mapping, block_tables, seq_lens, query_start_loc) are the runner's attention metadata, which
+the attention kernels read from the forward context; `logits_indices` is where the runner's seam lies:
+`forward` returns the rows the head's Gather reads (the final hidden states) and `compute_logits` runs
+the nodes after that Gather on the rows the runner picked, as a family model's LM head does."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import onnx
+import torch
+from onnx import helper
+from torch import nn
+
+from perfxlm.export.manifest import GRAPH_FILE, PERFXLM_DOMAIN, PERFXLM_OPSET
+from perfxlm.model.graph.kernels import KERNELS, STEP_INPUTS, Kernel, PagedAttention, RopeTable
+from perfxlm.model.graph.weights import load_graph, read_initializers
+
+
+@dataclass
+class _Step:
+    kernel: Kernel | None  # None: the standard ops the interpreter does itself (Identity)
+    inputs: list[str]  # value names passed to the kernel, in its order
+    outputs: list[str]
+    copy: list[bool]  # hand the kernel a copy (it writes that input in place and the value is read later)
+    drop: list[str]  # values whose last reader this is
+
+
+class GraphModel(nn.Module):
+    def __init__(self, folder: str, graph_file: str = GRAPH_FILE) -> None:
+        super().__init__()
+        path = os.path.join(folder, graph_file)
+        proto = load_graph(path)
+        _check_opsets(proto, path)
+        weights = read_initializers(proto, folder)
+        graph_inputs = {i.name for i in proto.graph.input}
+        self.kernels = nn.ModuleList()
+        tables: dict[tuple[str, str], RopeTable] = {}
+        caches: set[str] = set()
+        nodes = list(proto.graph.node)
+        split = _head_split(nodes, path)
+        self.hidden_name, self.rows_name = nodes[split].input[0], nodes[split].output[0]
+        built: list[tuple[Kernel | None, list[str], list[str]]] = []
+        for index, node in enumerate(nodes):
+            if index == split:
+                continue
+            built.append(self._build(node, path, weights, graph_inputs, tables, caches))
+        self.body = _schedule(built[:split], keep={self.hidden_name})
+        self.head = _schedule(built[split:], keep={"logits"})
+        self.attention_layers = [k.attn for k in self.kernels if isinstance(k, PagedAttention)]
+        if not self.attention_layers:
+            raise ValueError(f"{path}: the graph has no perfxlm::PagedAttention node; it is not a decoder.")
+
+    def _build(self, node: onnx.NodeProto, path: str, weights: dict[str, torch.Tensor], graph_inputs: set[str],
+               tables: dict, caches: set[str]) -> tuple[Kernel | None, list[str], list[str]]:
+        name = node.name or node.output[0]
+        if (node.domain or "") == "" and node.op_type == "Identity":
+            return None, list(node.input), list(node.output)
+        entry = KERNELS.get(node.op_type) if node.domain == PERFXLM_DOMAIN else None
+        if entry is None:
+            domain = node.domain or "ai.onnx"
+            raise ValueError(f"{path}: node {name!r} is op {domain}::{node.op_type}, which the engine does not "
+                             f"run (the perfxlm flavor's ops: {', '.join(sorted(KERNELS))}).")
+        builder, weight_slots, value_slots = entry
+        inputs = list(node.input)
+        for slot, want in STEP_INPUTS.get(node.op_type, {}).items():
+            if slot >= len(inputs) or inputs[slot] != want:
+                raise ValueError(f"{path}: node {name!r} ({node.op_type}) must take the graph input {want!r} "
+                                 f"as input {slot}.")
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
+        args = []
+        for slot in weight_slots:
+            value = inputs[slot] if slot < len(inputs) else ""
+            if value and value not in weights:
+                raise ValueError(f"{path}: node {name!r} ({node.op_type}) input {slot} ({value!r}) must be a "
+                                 "weight stored in the graph.")
+            args.append(weights.get(value) if value else None)
+        if node.op_type == "Rotary":
+            key = (inputs[2], inputs[3])
+            if key not in tables:
+                tables[key] = RopeTable(*args)
+            args = [tables[key]]
+        if node.op_type == "PagedAttention":
+            for slot in (1, 2):  # this layer's cache: a graph input of its own, allocated by the runner
+                if inputs[slot] not in graph_inputs or inputs[slot] in caches:
+                    raise ValueError(f"{path}: node {name!r} input {slot} ({inputs[slot]!r}) must be a KV cache "
+                                     "graph input used by no other attention node.")
+                caches.add(inputs[slot])
+        try:
+            kernel = builder(name, attrs, *args)
+        except KeyError as exc:
+            raise ValueError(f"{path}: node {name!r} ({node.op_type}) lacks attribute {exc}.") from None
+        if isinstance(kernel, PagedAttention) and kernel.attn.num_heads % kernel.attn.num_kv_heads:
+            raise ValueError(f"{path}: node {name!r}: num_heads is not a multiple of num_kv_heads.")
+        self.kernels.append(kernel)
+        return kernel, [inputs[s] for s in value_slots], list(node.output)
+
+    # ---- the runner's seam ------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        values = {"input_ids": input_ids, "positions": positions}
+        _run(self.body, values)
+        return values[self.hidden_name]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        values = {self.rows_name: hidden}
+        _run(self.head, values)
+        return values["logits"].float()
+
+
+def _check_opsets(proto: onnx.ModelProto, path: str) -> None:
+    versions = {o.domain: o.version for o in proto.opset_import}
+    if versions.get(PERFXLM_DOMAIN) != PERFXLM_OPSET:
+        raise ValueError(f"{path}: the graph imports the {PERFXLM_DOMAIN} op set at version "
+                         f"{versions.get(PERFXLM_DOMAIN)!r}; this engine runs version {PERFXLM_OPSET} (export the "
+                         "model again with this version of perfxlm).")
+
+
+def _head_split(nodes: list[onnx.NodeProto], path: str) -> int:
+    """The index of the Gather that picks the rows whose logits are wanted."""
+    for i, node in enumerate(nodes):
+        if "logits_indices" in node.input:
+            ok = node.op_type == "Gather" and (node.domain or "") == "" and list(node.input)[1:] == ["logits_indices"]
+            axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+            if not ok or axis != 0:
+                raise ValueError(f"{path}: logits_indices must be read by one Gather over axis 0 of the final "
+                                 f"hidden states; node {node.name!r} is {node.op_type}.")
+            return i
+    raise ValueError(f"{path}: no node reads logits_indices; the graph has no LM head the engine can find.")
+
+
+def _schedule(built: list[tuple[Kernel | None, list[str], list[str]]], keep: set[str]) -> list[_Step]:
+    last: dict[str, int] = {}
+    for i, (_, inputs, _) in enumerate(built):
+        for name in inputs:
+            last[name] = i
+    steps = []
+    for i, (kernel, inputs, outputs) in enumerate(built):
+        mutated = getattr(kernel, "mutates", ())
+        copy = [slot in mutated and (last[name] > i or name in keep or inputs.count(name) > 1)
+                for slot, name in enumerate(inputs)]
+        drop = sorted({n for n in inputs if last[n] == i and n not in keep})
+        steps.append(_Step(kernel, inputs, outputs, copy, drop))
+    return steps
+
+
+def _run(steps: list[_Step], values: dict[str, Any]) -> None:
+    for step in steps:
+        try:
+            args = [values[n].clone() if c else values[n] for n, c in zip(step.inputs, step.copy)]
+        except KeyError as exc:
+            raise ValueError(f"graph value {exc} is read before any node writes it.") from None
+        out = args[0] if step.kernel is None else step.kernel(*args)
+        if isinstance(out, tuple):
+            values.update(zip(step.outputs, out))
+        else:
+            values[step.outputs[0]] = out
+        for name in step.drop:
+            values.pop(name, None)

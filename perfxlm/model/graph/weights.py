@@ -1,0 +1,47 @@
+"""A graph file and its initializers as torch tensors. External data is read from its file at the offset
+the tensor names (page-aligned by the exporter), one tensor at a time, so loading holds the model once."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, numpy_helper
+
+# ONNX element type -> (numpy dtype of its bytes, torch dtype of the tensor)
+_ELEMENTS = {
+    TensorProto.FLOAT: (np.float32, torch.float32),
+    TensorProto.FLOAT16: (np.float16, torch.float16),
+    TensorProto.BFLOAT16: (np.int16, torch.bfloat16),
+    TensorProto.UINT8: (np.uint8, torch.uint8),
+    TensorProto.INT32: (np.int32, torch.int32),
+    TensorProto.INT64: (np.int64, torch.int64),
+}
+
+
+def load_graph(path: str) -> onnx.ModelProto:
+    if not os.path.isfile(path):
+        raise ValueError(f"ONNX graph {path!r} does not exist.")
+    return onnx.load(path, load_external_data=False)
+
+
+def read_initializers(model: onnx.ModelProto, folder: str) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for t in model.graph.initializer:
+        if t.data_type not in _ELEMENTS:
+            raise ValueError(f"initializer {t.name!r} has ONNX element type "
+                             f"{TensorProto.DataType.Name(t.data_type)}, which the engine does not load.")
+        np_dtype, torch_dtype = _ELEMENTS[t.data_type]
+        if t.data_location == TensorProto.EXTERNAL:
+            info = {e.key: e.value for e in t.external_data}
+            count = int(info["length"]) // np.dtype(np_dtype).itemsize
+            array = np.fromfile(os.path.join(folder, info["location"]), np_dtype, count,
+                                offset=int(info.get("offset", 0))).reshape(tuple(t.dims))
+        elif t.data_type == TensorProto.BFLOAT16:
+            array = np.asarray(t.int32_data, np.int32).astype(np.int16).reshape(tuple(t.dims))
+        else:
+            array = np.array(numpy_helper.to_array(t))
+        out[t.name] = torch.from_numpy(array).view(torch_dtype)
+    return out
