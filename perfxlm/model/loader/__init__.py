@@ -157,9 +157,10 @@ def release_freed_memory() -> None:
 
 
 def _allocate_weights(model: torch.nn.Module, weight_dtype: torch.dtype) -> None:
-    """Give the weights `cast_weights` stores narrower their final dtype before anything is loaded, so
-    checkpoint tensors are rounded as they are copied in (the same rounding as a cast afterwards) and
-    the model never exists in the wider dtype: peak memory at start is the narrow model's."""
+    """Give the weights stored narrower (`cast_weights`, the bf16 linear methods) their final dtype before
+    anything is loaded, so checkpoint tensors are rounded as they are copied in (the same rounding as a
+    cast afterwards) and the model never exists in the wider dtype: peak memory at start is the narrow
+    model's."""
     from perfxlm.model.layers.embed_head import LMHead, VocabEmbedding
     from perfxlm.model.layers.linear import Linear
     from perfxlm.model.layers.moe import FusedMoE
