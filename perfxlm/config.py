@@ -301,7 +301,8 @@ def _check_onnx(c: "EngineConfig") -> None:
     fixed = {"quantization": c.quantization not in (None, "none"),
              "kv_cache_dtype": c.kv_cache_dtype != "auto",
              "tensor_parallel_size": c.tensor_parallel_size != 1,
-             "distributed_executor_backend": c.distributed_executor_backend == "external_launcher"}
+             "distributed_executor_backend": c.distributed_executor_backend == "external_launcher",
+             "enable_lora": bool(c.enable_lora)}
     for name, bad in fixed.items():
         if bad:
             raise ValueError(f"{name}={getattr(c, name)!r} does not apply to an exported ONNX graph "

@@ -210,3 +210,5 @@ def test_a_bad_request_fails_alone(exported):
     assert_pool_whole(llm)
     manifest = json.load(open(os.path.join(exported, "perfxlm_onnx.json")))
     assert manifest["flavor"] == "perfxlm"
+    with pytest.raises(ValueError, match="enable_lora=True does not apply to an exported ONNX graph"):
+        LLM(exported, skip_tokenizer_init=True, enable_lora=True)
