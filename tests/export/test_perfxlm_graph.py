@@ -88,6 +88,8 @@ def test_graph_run_by_the_engine_is_the_module_path(tmp_path, family):
     np.testing.assert_allclose(_logprobs(got_outs), _logprobs(want_outs), atol=1e-5, rtol=0)
     assert len({t for seq in got for t in seq}) > 5  # random enough that the steps differ
     # again: the prompts' full blocks now come from the prefix cache
+    fused = graph.llm_engine.core.executor.graph.fused_decode
+    assert fused.args is not None and len(fused.args) == len(fused.layers)  # all-decode steps: one call per layer
     again, again_outs = _generate(graph)
     assert again == want and again_outs[2].num_cached_tokens >= 32
     assert_pool_whole(graph)

@@ -67,7 +67,7 @@ class Linear(Kernel):
         super().__init__()
         self.weight = _weight(node, attrs, w, scales, mins, levels)
         self.bias = bias
-        self.out_features = self.weight.shape[0]
+        self.out_features, self.in_features = self.weight.shape[0], self.weight.shape[-1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.out_features)
