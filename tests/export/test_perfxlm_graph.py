@@ -214,3 +214,48 @@ def test_a_bad_request_fails_alone(exported):
     assert manifest["flavor"] == "perfxlm"
     with pytest.raises(ValueError, match="enable_lora=True does not apply to an exported ONNX graph"):
         LLM(exported, skip_tokenizer_init=True, enable_lora=True)
+
+
+def test_served_over_the_openai_api(tmp_path):
+    """`perfxlm serve OUT_DIR`: the export's own tokenizer, completions equal to the module path's, a bad
+    request answered 400 without disturbing the next."""
+    import asyncio
+
+    import httpx
+
+    from perfxlm.config import EngineConfig
+    from perfxlm.engine.async_engine import AsyncLLM
+    from perfxlm.entrypoints.openai.api_server import build_app
+    from perfxlm.tokenizer import get_tokenizer
+    from tests.conftest import default_model_or_skip
+
+    tokenizer = get_tokenizer(default_model_or_skip())
+    ckpt = make_llama_checkpoint(str(tmp_path / "ckpt"), vocab_size=len(tokenizer), hidden_size=64,
+                                 intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                                 num_hidden_layers=2)
+    tokenizer.save_pretrained(ckpt)
+    out = str(tmp_path / "graph")
+    export_onnx(ckpt, out, flavor="perfxlm")
+    prompt = "The capital of France is"
+    want = LLM(ckpt, dtype="float32", num_kv_blocks=64).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+    engine = AsyncLLM(EngineConfig(model=out, dtype="float32", num_kv_blocks=64))
+    try:
+        app = build_app(engine, "graph")
+
+        async def calls() -> list[httpx.Response]:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=300) as c:
+                body = {"model": "graph", "prompt": prompt, "temperature": 0, "max_tokens": 8, "ignore_eos": True}
+                bad = await c.post("/v1/completions", json={**body, "max_tokens": -1})
+                good = await c.post("/v1/completions", json=body)
+                return [bad, good]
+
+        bad, good = asyncio.run(calls())
+        assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
+        assert good.status_code == 200, good.text
+        assert good.json()["choices"][0]["text"] == want
+        counts = engine.engine.check_invariants()
+        assert counts["used"] == 0, counts
+    finally:
+        engine.shutdown()
