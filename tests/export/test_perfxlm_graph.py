@@ -140,6 +140,14 @@ def test_gguf_q4_0_export_matches_the_engine(tmp_path, llama96):
     _assert_quantized_matches(out, path, None)
 
 
+def test_a_quantized_kv_cache_is_the_engine_s_own(exported, llama96):
+    kwargs = dict(skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64, kv_cache_dtype="int8",
+                  max_num_batched_tokens=24)
+    got, _ = _generate(LLM(exported, **kwargs))
+    want, _ = _generate(LLM(llama96, **kwargs))
+    assert got == want
+
+
 def test_bfloat16_weights_from_the_cli(tmp_path, llama96):
     from perfxlm.entrypoints.cli import main
 
