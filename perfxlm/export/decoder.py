@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from perfxlm.export.flavors import graph_ops
+from perfxlm.export.flavors import FLAVORS, graph_ops
 from perfxlm.export.graph import Graph
 from perfxlm.export.graph_ops import AttentionSpec, HeadNorms, LinearWeight, Rope
 from perfxlm.quant.weight import QuantizedWeight
@@ -32,9 +32,8 @@ EXPORTABLE = {
 }
 
 
-def genai_model_type(model: torch.nn.Module) -> str:
+def genai_model_type(model: torch.nn.Module, flavor: str = "ort") -> str:
     """onnxruntime-genai's type name of an exportable model; ValueError naming what is not."""
-    from perfxlm.model.layers.activation import SiluAndMul
     from perfxlm.model.layers.norm import RMSNorm
     from perfxlm.model.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 
@@ -52,7 +51,7 @@ def genai_model_type(model: torch.nn.Module) -> str:
             what = f"a {type(layer).__name__} block"
         elif not isinstance(layer.self_attn, LlamaAttention):
             what = f"attention {type(layer.self_attn).__name__}"
-        elif not isinstance(layer.mlp, LlamaMLP) or not isinstance(layer.mlp.act, SiluAndMul):
+        elif not isinstance(layer.mlp, LlamaMLP) or type(layer.mlp.act).__name__ not in FLAVORS[flavor].activations:
             what = f"an MLP {type(layer.mlp).__name__} ({type(getattr(layer.mlp, 'act', None)).__name__})"
         elif layer.self_attn.attn.logit_soft_cap is not None:
             what = "soft-capped attention"
@@ -60,7 +59,7 @@ def genai_model_type(model: torch.nn.Module) -> str:
             what = f"norm {type(layer.input_layernorm).__name__}"
         if what is not None:
             raise ValueError(f"ONNX export of {arch}: layer {i} has {what}, which the exporter cannot "
-                             "express.")
+                             f"express (flavor {flavor}).")
     return EXPORTABLE[arch]
 
 
@@ -84,7 +83,7 @@ def _linear(module: Any, name: str) -> LinearWeight:
 
 def build_decoder_graph(model: torch.nn.Module, flavor: str, weight_dtype: str = "float32") -> Graph:
     """`weight_dtype` "bfloat16": float matrices stored as bf16 (flavors that take them: perfxlm)."""
-    genai_model_type(model)  # refuses what cannot be expressed, before any node
+    genai_model_type(model, flavor)  # refuses what cannot be expressed, before any node
     inner = model.model
     g = Graph("perfxlm_decoder")
     ops = graph_ops(flavor, g)
@@ -116,7 +115,7 @@ def build_decoder_graph(model: torch.nn.Module, flavor: str, weight_dtype: str =
                                        f"{prefix}.post_attention_layernorm")
         mlp = layer.mlp
         gate_up = ops.linear(h, _linear(mlp.gate_up_proj, f"{prefix}.mlp.gate_up_proj"))
-        act = ops.silu_and_mul(gate_up, mlp.down_proj.in_features)
+        act = ops.act_and_mul(gate_up, mlp.down_proj.in_features, mlp.act)
         x = ops.linear(act, _linear(mlp.down_proj, f"{prefix}.mlp.down_proj"))
     final = inner.norm
     h, _ = ops.add_rms_norm(x, residual, _array(final.weight), final.variance_epsilon, "model.norm")

@@ -85,6 +85,7 @@ class GraphOps:
     tables gathered at the positions) are built once per graph, at their first use."""
 
     flavor = "standard"
+    activations: tuple[str, ...] = ("SiluAndMul",)  # the gated-MLP activations (layer class names) it writes
 
     def __init__(self, g: Graph) -> None:
         self.g = g
@@ -213,6 +214,10 @@ class GraphOps:
 
     def tied_head(self, x: str, table_name: str, table: np.ndarray) -> str:
         return self._gemm(x, table, LinearWeight(table, None, "lm_head"), weight_name=table_name)
+
+    def act_and_mul(self, gate_up: str, inter: int, act: Any) -> str:
+        """The gated MLP's activation of a [.., 2 * inter] gate | up value (one of `activations`)."""
+        return self.silu_and_mul(gate_up, inter)
 
     def silu_and_mul(self, gate_up: str, inter: int) -> str:
         g = self.g

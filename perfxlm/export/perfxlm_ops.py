@@ -69,6 +69,7 @@ def bf16_bits(array: np.ndarray) -> np.ndarray:
 
 class PerfxlmOps(GraphOps):
     flavor = "perfxlm"
+    activations = ("SiluAndMul", "GeluAndMul")
 
     def __init__(self, g: Graph) -> None:
         super().__init__(g)
@@ -144,7 +145,9 @@ class PerfxlmOps(GraphOps):
         b = "" if bias is None else self.g.weight(f"{name}.bias", bias)
         return self._op("Linear", [x, names[0], b, *names[1:]], name=name, **attrs)
 
-    def silu_and_mul(self, gate_up: str, inter: int) -> str:
+    def act_and_mul(self, gate_up: str, inter: int, act: Any) -> str:
+        if type(act).__name__ == "GeluAndMul":
+            return self._op("GeluAndMul", [gate_up], approximate=act.approximate)
         return self._op("SiluAndMul", [gate_up])
 
     # ---- attention ------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from tests.model.test_architectures_vs_hf import build_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
 PROMPTS = [[5], list(range(7, 16)), list(range(40, 77))]  # 1, 9, 37 tokens: chunked at 24, past the windows
-FAMILIES = ["llama", "qwen2-bias-tied-sliding", "qwen3-qknorm-headdim-bias", "mistral-sliding-mqa",
+FAMILIES = ["llama", "llama-gelu", "qwen2-bias-tied-sliding", "qwen3-qknorm-headdim-bias", "mistral-sliding-mqa",
             "phi3-longrope-partial-sliding"]
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
 
@@ -35,6 +35,9 @@ def _checkpoint(path: str, family: str) -> str:
     if family == "llama":  # untied head, odd head count
         return make_llama_checkpoint(path, hidden_size=96, intermediate_size=160, num_attention_heads=6,
                                      num_key_value_heads=3, num_hidden_layers=2, tie_word_embeddings=False)
+    if family == "llama-gelu":  # GELU-tanh gating (the ort and standard flavors refuse it)
+        return make_llama_checkpoint(path, hidden_size=80, intermediate_size=144, num_attention_heads=5,
+                                     num_key_value_heads=5, num_hidden_layers=2, hidden_act="gelu_pytorch_tanh")
     build_checkpoint(path, family)
     return path
 
@@ -65,7 +68,7 @@ def _readme_census() -> dict[str, dict[str, int]]:
     """README's "census" lines: `- family: N op types: A, B, ...`."""
     text = open(README).read()
     section = text[text.index("perfxlm-flavor op census"):]
-    rows = re.findall(r"^ *- `([a-z0-9-]+)`: (\d+) op types: (.+)$", section, re.M)
+    rows = re.findall(r"^ *- `([a-z0-9-]+)`[^:]*: (\d+) op types: (.+)$", section, re.M)
     out = {}
     for family, count, ops in rows:
         out[family] = {op: int(n) for op, n in (o.split() for o in ops.split(","))}
@@ -161,6 +164,10 @@ def test_bfloat16_weights_from_the_cli(tmp_path, llama96):
     got, got_outs = _generate(LLM(out, **kwargs), PROMPTS[1:], SamplingParams(temperature=0, max_tokens=1, logprobs=0))
     want, want_outs = _generate(LLM(llama96, **kwargs), PROMPTS[1:], SamplingParams(temperature=0, max_tokens=1, logprobs=0))
     np.testing.assert_allclose(_logprobs(got_outs), _logprobs(want_outs), atol=0.05, rtol=0)
+    gelu = _checkpoint(str(tmp_path / "gelu"), "llama-gelu")
+    with pytest.raises(ValueError, match=r"layer 0 has an MLP LlamaMLP \(GeluAndMul\), which the exporter cannot "
+                                         r"express \(flavor ort\)"):
+        export_onnx(gelu, str(tmp_path / "ort"), flavor="ort")
     with pytest.raises(ValueError, match="bfloat16 weights are the perfxlm flavor's"):
         export_onnx(llama96, str(tmp_path / "ort"), flavor="ort", dtype="bfloat16")
     assert not os.path.exists(tmp_path / "ort")
