@@ -29,6 +29,7 @@ EXPORTABLE = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",  # the perfxlm flavor only (its MoE op)
 }
 
 
@@ -51,8 +52,8 @@ def genai_model_type(model: torch.nn.Module, flavor: str = "ort") -> str:
             what = f"a {type(layer).__name__} block"
         elif not isinstance(layer.self_attn, LlamaAttention):
             what = f"attention {type(layer.self_attn).__name__}"
-        elif not isinstance(layer.mlp, LlamaMLP) or type(layer.mlp.act).__name__ not in FLAVORS[flavor].activations:
-            what = f"an MLP {type(layer.mlp).__name__} ({type(getattr(layer.mlp, 'act', None)).__name__})"
+        elif type(layer.mlp).__name__ not in FLAVORS[flavor].mlps or _mlp_act(layer.mlp) not in FLAVORS[flavor].activations:
+            what = f"an MLP {type(layer.mlp).__name__} ({_mlp_act(layer.mlp)})"
         elif layer.self_attn.attn.logit_soft_cap is not None:
             what = "soft-capped attention"
         elif {type(layer.input_layernorm), type(layer.post_attention_layernorm)} != {RMSNorm}:
@@ -61,6 +62,12 @@ def genai_model_type(model: torch.nn.Module, flavor: str = "ort") -> str:
             raise ValueError(f"ONNX export of {arch}: layer {i} has {what}, which the exporter cannot "
                              f"express (flavor {flavor}).")
     return EXPORTABLE[arch]
+
+
+def _mlp_act(mlp: Any) -> str:
+    """The gated activation's layer class name: a dense MLP's, or a mixture's experts'."""
+    act = getattr(mlp, "act", None) or getattr(getattr(mlp, "experts", None), "act", None)
+    return type(act).__name__
 
 
 def _array(t: Any) -> Any:
@@ -114,6 +121,11 @@ def build_decoder_graph(model: torch.nn.Module, flavor: str, weight_dtype: str =
         h, residual = ops.add_rms_norm(x, residual, _array(post.weight), post.variance_epsilon,
                                        f"{prefix}.post_attention_layernorm")
         mlp = layer.mlp
+        if hasattr(mlp, "experts"):  # a mixture of experts (flavors whose `mlps` name it)
+            e = mlp.experts
+            x = ops.moe(h, _linear(mlp.gate, f"{prefix}.mlp.gate"), _array(e.gate_up_proj), _array(e.down_proj),
+                        e.top_k, e.renormalize, e.act, f"{prefix}.mlp.experts")
+            continue
         gate_up = ops.linear(h, _linear(mlp.gate_up_proj, f"{prefix}.mlp.gate_up_proj"))
         act = ops.act_and_mul(gate_up, mlp.down_proj.in_features, mlp.act)
         x = ops.linear(act, _linear(mlp.down_proj, f"{prefix}.mlp.down_proj"))

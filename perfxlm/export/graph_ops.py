@@ -86,6 +86,7 @@ class GraphOps:
 
     flavor = "standard"
     activations: tuple[str, ...] = ("SiluAndMul",)  # the gated-MLP activations (layer class names) it writes
+    mlps: tuple[str, ...] = ("LlamaMLP",)  # the MLP blocks (layer class names) it writes
 
     def __init__(self, g: Graph) -> None:
         self.g = g

@@ -25,6 +25,9 @@ Ops (attributes in brackets):
         writes each token's k, v at its slot, then causal attention of each sequence's queries over its
         cached + new keys  [num_heads, num_kv_heads, head_dim, scale, sliding_window (0: none)]
     SiluAndMul(x), GeluAndMul(x) [approximate]: [.., 2d] (gate | up) -> [.., d]
+    MoE(x, router_logits, gate_up [E, 2I, H], down [E, H, I]): softmax top-k routing (weights renormalised
+        if asked), each token through its experts' gated MLPs, summed by weight
+        [top_k, renormalize, activation (SiluAndMul | GeluAndMul), approximate]
     Gather (standard): the logits rows
 
 A weight is stored as the engine holds it: bits 0 is a float matrix W [N, K] (float32, or bfloat16 with
@@ -70,6 +73,7 @@ def bf16_bits(array: np.ndarray) -> np.ndarray:
 class PerfxlmOps(GraphOps):
     flavor = "perfxlm"
     activations = ("SiluAndMul", "GeluAndMul")
+    mlps = ("LlamaMLP", "MixtralSparseMoeBlock")
 
     def __init__(self, g: Graph) -> None:
         super().__init__(g)
@@ -149,6 +153,16 @@ class PerfxlmOps(GraphOps):
         if type(act).__name__ == "GeluAndMul":
             return self._op("GeluAndMul", [gate_up], approximate=act.approximate)
         return self._op("SiluAndMul", [gate_up])
+
+    def moe(self, x: str, router: LinearWeight, gate_up: Any, down: Any, top_k: int, renormalize: bool, act: Any,
+            name: str) -> str:
+        """Softmax top-k routing over the router's logits, each expert a gated MLP (Mixtral)."""
+        logits = self.linear(x, router)
+        gu, gu_attrs = self._weight(f"{name}.gate_up_proj", gate_up)
+        dn, dn_attrs = self._weight(f"{name}.down_proj", down)
+        approximate = getattr(act, "approximate", "none")
+        return self._op("MoE", [x, logits, gu[0], dn[0]], top_k=top_k, renormalize=int(renormalize),
+                        activation=type(act).__name__, approximate=approximate, name=name)
 
     # ---- attention ------------------------------------------------------------------------------------
     def self_attention(self, qkv: str, spec: AttentionSpec, qk_norms: HeadNorms | None, rope: Rope,

@@ -25,7 +25,7 @@ from tests.model.test_architectures_vs_hf import build_checkpoint
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
 PROMPTS = [[5], list(range(7, 16)), list(range(40, 77))]  # 1, 9, 37 tokens: chunked at 24, past the windows
 FAMILIES = ["llama", "llama-gelu", "qwen2-bias-tied-sliding", "qwen3-qknorm-headdim-bias", "mistral-sliding-mqa",
-            "phi3-longrope-partial-sliding"]
+            "phi3-longrope-partial-sliding", "mixtral-sliding"]
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -97,7 +97,7 @@ def test_graph_run_by_the_engine_is_the_module_path(tmp_path, family):
     assert len({t for seq in got for t in seq}) > 5  # random enough that the steps differ
     # again: the prompts' full blocks now come from the prefix cache
     fused = graph.llm_engine.core.executor.graph.fused_decode
-    if native.kernels() is not None:  # all-decode steps: one native call per layer, as the module path
+    if native.kernels() is not None and family != "mixtral-sliding":  # all-decode steps: one native call per layer, as the module path
         assert fused.args is not None and len(fused.args) == len(fused.layers) == len(graph_layers(ckpt))
     again, again_outs = _generate(graph)
     assert again == want and again_outs[2].num_cached_tokens >= 32

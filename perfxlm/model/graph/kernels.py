@@ -19,6 +19,7 @@ from torch import nn
 
 from perfxlm.model.layers.activation import GeluAndMul, SiluAndMul
 from perfxlm.model.layers.attention import Attention
+from perfxlm.model.layers.moe import grouped_experts, route
 from perfxlm.model.layers.norm import RMSNorm
 from perfxlm.model.layers.rotary import apply_rotary
 from perfxlm.ops.linear import linear
@@ -164,6 +165,25 @@ class Activation(Kernel):
         return self.fn(x)
 
 
+class MoE(Kernel):
+    """Mixtral's mixture as the module path runs it: `route`, then `grouped_experts`."""
+
+    def __init__(self, node: str, attrs: dict[str, Any], gate_up, down) -> None:
+        super().__init__()
+        if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
+            raise ValueError(f"node {node!r}: MoE takes float expert stacks gate_up [E, 2I, H] and down [E, H, I].")
+        self.gate_up, self.down = gate_up, down
+        self.top_k, self.renormalize = attrs["top_k"], bool(attrs.get("renormalize", 0))
+        kind = attrs.get("activation", "SiluAndMul")
+        if kind not in ("SiluAndMul", "GeluAndMul"):
+            raise ValueError(f"node {node!r}: MoE activation {kind!r} is not known (SiluAndMul, GeluAndMul).")
+        self.act = SiluAndMul() if kind == "SiluAndMul" else GeluAndMul(attrs.get("approximate", "none"))
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(router_logits, self.top_k, self.renormalize)
+        return grouped_experts(x, weights, ids, self.gate_up, self.down, self.act)
+
+
 # op type -> (builder(node name, attributes, weight inputs...), which inputs are weights (initializers),
 # which are step values). PagedAttention's cache and step-layout inputs are bound by the runner, not here.
 Builder = Callable[..., Kernel]
@@ -177,6 +197,7 @@ KERNELS: dict[str, tuple[Builder, tuple[int, ...], tuple[int, ...]]] = {
     "PagedAttention": (PagedAttention, (), (0,)),
     "SiluAndMul": (lambda n, a: Activation(n, a, SiluAndMul()), (), (0,)),
     "GeluAndMul": (lambda n, a: Activation(n, a, GeluAndMul(a.get("approximate", "none"))), (), (0,)),
+    "MoE": (MoE, (2, 3), (0, 1)),
 }
 # the inputs of each op that must be the graph's own step inputs, by name (see export/perfxlm_ops.py)
 STEP_INPUTS = {"PagedAttention": {3: "block_tables", 4: "seq_lens", 5: "query_start_loc", 6: "slot_mapping"},
