@@ -25,9 +25,11 @@ Ops (attributes in brackets):
         writes each token's k, v at its slot, then causal attention of each sequence's queries over its
         cached + new keys  [num_heads, num_kv_heads, head_dim, scale, sliding_window (0: none)]
     SiluAndMul(x), GeluAndMul(x) [approximate]: [.., 2d] (gate | up) -> [.., d]
-    MoE(x, router_logits, gate_up [E, 2I, H], down [E, H, I]): softmax top-k routing (weights renormalised
-        if asked), each token through its experts' gated MLPs, summed by weight
-        [top_k, renormalize, activation (SiluAndMul | GeluAndMul), approximate]
+    MoE(x, router_logits, gate_up [E, 2I, H], down [E, H, I], gate_up's scales?, mins?, levels?, down's
+        scales?, mins?, levels?): softmax top-k routing (weights renormalised if asked), each token through its
+        experts' gated MLPs, summed by weight; expert stacks float or packed as a Linear's weight, per expert
+        [top_k, renormalize, activation (SiluAndMul | GeluAndMul), approximate, gate_up_* / down_* the
+        stacks' weight attributes]
     Gather (standard): the logits rows
 
 A weight is stored as the engine holds it: bits 0 is a float matrix W [N, K] (float32, or bfloat16 with
@@ -120,9 +122,9 @@ class PerfxlmOps(GraphOps):
             if self.weight_dtype == "bfloat16":
                 return [g.weight(f"{name}.weight", bf16_bits(w), TensorProto.BFLOAT16), "", "", ""], {"bits": 0}
             return [g.weight(f"{name}.weight", w), "", "", ""], {"bits": 0}
-        if w.input_order is not None or w.num_experts is not None:
-            raise ValueError(f"ONNX export (perfxlm flavor): {name} is {w.describe()}, whose column order or "
-                             "expert stack the Linear op does not take yet.")
+        if w.input_order is not None:
+            raise ValueError(f"ONNX export (perfxlm flavor): {name} is {w.describe()}, whose column order "
+                             "(act-order) the ops do not take yet.")
         names = [g.weight(f"{name}.codes", w.codes.numpy()), g.weight(f"{name}.scales", w.scales.numpy()),
                  g.weight(f"{name}.mins", w.mins.numpy()),
                  "" if w.levels is None else g.weight(f"{name}.levels", w.levels.numpy())]
@@ -160,9 +162,11 @@ class PerfxlmOps(GraphOps):
         logits = self.linear(x, router)
         gu, gu_attrs = self._weight(f"{name}.gate_up_proj", gate_up)
         dn, dn_attrs = self._weight(f"{name}.down_proj", down)
+        attrs = {**{f"gate_up_{k}": v for k, v in gu_attrs.items()}, **{f"down_{k}": v for k, v in dn_attrs.items()}}
         approximate = getattr(act, "approximate", "none")
-        return self._op("MoE", [x, logits, gu[0], dn[0]], top_k=top_k, renormalize=int(renormalize),
-                        activation=type(act).__name__, approximate=approximate, name=name)
+        return self._op("MoE", [x, logits, gu[0], dn[0], *gu[1:], *dn[1:]], top_k=top_k,
+                        renormalize=int(renormalize), activation=type(act).__name__, approximate=approximate,
+                        name=name, **attrs)
 
     # ---- attention ------------------------------------------------------------------------------------
     def self_attention(self, qkv: str, spec: AttentionSpec, qk_norms: HeadNorms | None, rope: Rope,

@@ -132,6 +132,20 @@ def test_int4_export_keeps_codes_packed_and_matches_the_quantized_engine(tmp_pat
     _assert_quantized_matches(out, llama96, q)
 
 
+def test_int4_mixtral_keeps_its_expert_stacks_packed(tmp_path):
+    q = {"method": "int4", "mixed_precision": False, "calibration": False}
+    ckpt, out = _checkpoint(str(tmp_path / "ckpt"), "mixtral-sliding"), str(tmp_path / "graph")
+    export_onnx(ckpt, out, flavor="perfxlm", quantization=q)
+    model = onnx.load(os.path.join(out, "model.onnx"), load_external_data=False)
+    moe = next(n for n in model.graph.node if n.op_type == "MoE")
+    assert {a.name: a.i for a in moe.attribute if a.name.endswith("_bits")} == {"gate_up_bits": 4, "down_bits": 4}
+    kwargs = dict(skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=24)
+    want, want_outs = _generate(LLM(ckpt, quantization=q, quant_activations="float32", **kwargs))
+    got, got_outs = _generate(LLM(out, **kwargs))
+    assert got == want
+    np.testing.assert_allclose(_logprobs(got_outs), _logprobs(want_outs), atol=1e-4, rtol=0)
+
+
 def test_gguf_q4_0_export_matches_the_engine(tmp_path, llama96):
     from tests.quant.test_quant_engine import write_quantized_llama_gguf
 

@@ -43,9 +43,9 @@ def _weight(node: str, attrs: dict[str, Any], w: torch.Tensor, scales: Any, mins
         return w
     if scales is None or mins is None:
         raise ValueError(f"node {node!r}: a {bits}-bit weight needs its scales and mins inputs.")
-    try:
-        q = QuantizedWeight(w, scales, mins, levels, bits, attrs["group"], attrs.get("act", "float"), w.shape[0],
-                            w.shape[1] * 8 // bits)
+    try:  # codes [N, K * bits / 8], or [E, N, K * bits / 8] for an expert stack
+        q = QuantizedWeight(w, scales, mins, levels, bits, attrs["group"], attrs.get("act", "float"), w.shape[-2],
+                            w.shape[-1] * 8 // bits)
         q.use_activations(ActivationMode(attrs.get("activations", "float32")), node)
     except (KeyError, ValueError) as exc:
         raise ValueError(f"node {node!r}: its weight is not one the engine holds: {exc}") from None
@@ -168,11 +168,14 @@ class Activation(Kernel):
 class MoE(Kernel):
     """Mixtral's mixture as the module path runs it: `route`, then `grouped_experts`."""
 
-    def __init__(self, node: str, attrs: dict[str, Any], gate_up, down) -> None:
+    def __init__(self, node: str, attrs: dict[str, Any], gate_up, down, *parts) -> None:
         super().__init__()
         if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
-            raise ValueError(f"node {node!r}: MoE takes float expert stacks gate_up [E, 2I, H] and down [E, H, I].")
-        self.gate_up, self.down = gate_up, down
+            raise ValueError(f"node {node!r}: MoE takes expert stacks gate_up [E, 2I, H] and down [E, H, I].")
+        gu_attrs = {k[len("gate_up_"):]: v for k, v in attrs.items() if k.startswith("gate_up_")}
+        dn_attrs = {k[len("down_"):]: v for k, v in attrs.items() if k.startswith("down_")}
+        self.gate_up = _weight(node, gu_attrs, gate_up, *parts[:3])
+        self.down = _weight(node, dn_attrs, down, *parts[3:])
         self.top_k, self.renormalize = attrs["top_k"], bool(attrs.get("renormalize", 0))
         kind = attrs.get("activation", "SiluAndMul")
         if kind not in ("SiluAndMul", "GeluAndMul"):
@@ -197,7 +200,7 @@ KERNELS: dict[str, tuple[Builder, tuple[int, ...], tuple[int, ...]]] = {
     "PagedAttention": (PagedAttention, (), (0,)),
     "SiluAndMul": (lambda n, a: Activation(n, a, SiluAndMul()), (), (0,)),
     "GeluAndMul": (lambda n, a: Activation(n, a, GeluAndMul(a.get("approximate", "none"))), (), (0,)),
-    "MoE": (MoE, (2, 3), (0, 1)),
+    "MoE": (MoE, (2, 3, 4, 5, 6, 7, 8, 9), (0, 1)),
 }
 # the inputs of each op that must be the graph's own step inputs, by name (see export/perfxlm_ops.py)
 STEP_INPUTS = {"PagedAttention": {3: "block_tables", 4: "seq_lens", 5: "query_start_loc", 6: "slot_mapping"},
