@@ -52,7 +52,8 @@ def genai_model_type(model: torch.nn.Module, flavor: str = "ort") -> str:
             what = f"a {type(layer).__name__} block"
         elif not isinstance(layer.self_attn, LlamaAttention):
             what = f"attention {type(layer.self_attn).__name__}"
-        elif type(layer.mlp).__name__ not in FLAVORS[flavor].mlps or _mlp_act(layer.mlp) not in FLAVORS[flavor].activations:
+        elif (type(layer.mlp).__name__ not in FLAVORS[flavor].mlps
+              or _mlp_act(layer.mlp) not in FLAVORS[flavor].activations):
             what = f"an MLP {type(layer.mlp).__name__} ({_mlp_act(layer.mlp)})"
         elif layer.self_attn.attn.logit_soft_cap is not None:
             what = "soft-capped attention"

@@ -69,7 +69,8 @@ def bf16_bits(array: np.ndarray) -> np.ndarray:
     """float32 -> bfloat16's bits as uint16, rounded to nearest even (as torch's cast)."""
     import torch
 
-    return torch.from_numpy(np.ascontiguousarray(array, np.float32)).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    bf16 = torch.from_numpy(np.ascontiguousarray(array, np.float32)).to(torch.bfloat16)
+    return bf16.view(torch.int16).numpy().view(np.uint16)
 
 
 class PerfxlmOps(GraphOps):
@@ -88,7 +89,8 @@ class PerfxlmOps(GraphOps):
     @classmethod
     def check_weight_dtype(cls, dtype: str) -> None:
         if dtype not in WEIGHT_DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not one the perfxlm flavor writes (known: {', '.join(WEIGHT_DTYPES)}).")
+            raise ValueError(f"dtype {dtype!r} is not one the perfxlm flavor writes "
+                             f"(known: {', '.join(WEIGHT_DTYPES)}).")
 
     def _op(self, op_type: str, inputs: list[str], num_outputs: int = 1, **attrs: Any) -> Any:
         while inputs and not inputs[-1]:  # trailing optional inputs left out
@@ -162,7 +164,8 @@ class PerfxlmOps(GraphOps):
         logits = self.linear(x, router)
         gu, gu_attrs = self._weight(f"{name}.gate_up_proj", gate_up)
         dn, dn_attrs = self._weight(f"{name}.down_proj", down)
-        attrs = {**{f"gate_up_{k}": v for k, v in gu_attrs.items()}, **{f"down_{k}": v for k, v in dn_attrs.items()}}
+        attrs = {f"gate_up_{k}": v for k, v in gu_attrs.items()}
+        attrs.update({f"down_{k}": v for k, v in dn_attrs.items()})
         approximate = getattr(act, "approximate", "none")
         return self._op("MoE", [x, logits, gu[0], dn[0], *gu[1:], *dn[1:]], top_k=top_k,
                         renormalize=int(renormalize), activation=type(act).__name__, approximate=approximate,
@@ -178,7 +181,8 @@ class PerfxlmOps(GraphOps):
                                            g.weight(f"{name}.k_norm.weight", qk_norms.k_weight)],
                            num_heads=h, num_kv_heads=kvh, head_dim=d, epsilon=qk_norms.eps, name=f"{name}.qk_norm")
         cos, sin = self._once("rope", lambda: (g.weight("rope.cos", rope.cos), g.weight("rope.sin", rope.sin)))
-        qkv = self._op("Rotary", [qkv, s.positions, cos, sin], num_heads=h + kvh, head_dim=d, name=f"{name}.rotary")
+        qkv = self._op("Rotary", [qkv, s.positions, cos, sin], num_heads=h + kvh, head_dim=d,
+                       name=f"{name}.rotary")
         return self._op("PagedAttention", [qkv, cache[0], cache[1], s.block_tables, s.seq_lens, s.query_start_loc,
                                            s.slot_mapping],
                         num_heads=h, num_kv_heads=kvh, head_dim=d, scale=spec.scale,

@@ -97,7 +97,8 @@ def test_graph_run_by_the_engine_is_the_module_path(tmp_path, family):
     assert len({t for seq in got for t in seq}) > 5  # random enough that the steps differ
     # again: the prompts' full blocks now come from the prefix cache
     fused = graph.llm_engine.core.executor.graph.fused_decode
-    if native.kernels() is not None and family != "mixtral-sliding":  # all-decode steps: one native call per layer, as the module path
+    # all-decode steps: one native call per layer, as the module path (a mixture keeps the nodes)
+    if native.kernels() is not None and family != "mixtral-sliding":
         assert fused.args is not None and len(fused.args) == len(fused.layers) == len(graph_layers(ckpt))
     again, again_outs = _generate(graph)
     assert again == want and again_outs[2].num_cached_tokens >= 32
@@ -175,8 +176,9 @@ def test_bfloat16_weights_from_the_cli(tmp_path, llama96):
     assert types["model.layers.0.mlp.down_proj.weight"] == onnx.TensorProto.BFLOAT16
     assert types["model.norm.weight"] == onnx.TensorProto.FLOAT
     kwargs = dict(skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64)
-    got, got_outs = _generate(LLM(out, **kwargs), PROMPTS[1:], SamplingParams(temperature=0, max_tokens=1, logprobs=0))
-    want, want_outs = _generate(LLM(llama96, **kwargs), PROMPTS[1:], SamplingParams(temperature=0, max_tokens=1, logprobs=0))
+    one = SamplingParams(temperature=0, max_tokens=1, logprobs=0)
+    _, got_outs = _generate(LLM(out, **kwargs), PROMPTS[1:], one)
+    _, want_outs = _generate(LLM(llama96, **kwargs), PROMPTS[1:], one)
     np.testing.assert_allclose(_logprobs(got_outs), _logprobs(want_outs), atol=0.05, rtol=0)
     gelu = _checkpoint(str(tmp_path / "gelu"), "llama-gelu")
     with pytest.raises(ValueError, match=r"layer 0 has an MLP LlamaMLP \(GeluAndMul\), which the exporter cannot "

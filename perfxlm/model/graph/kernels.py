@@ -64,7 +64,8 @@ class Embedding(Kernel):
 
 
 class Linear(Kernel):
-    def __init__(self, node: str, attrs: dict[str, Any], w, bias=None, scales=None, mins=None, levels=None) -> None:
+    def __init__(self, node: str, attrs: dict[str, Any], w, bias=None, scales=None, mins=None,
+                 levels=None) -> None:
         super().__init__()
         self.weight = _weight(node, attrs, w, scales, mins, levels)
         self.bias = bias

@@ -79,7 +79,8 @@ def find_layers(steps: list[Any]) -> LayerRun | None:
         found["input_norm"] = norm.kernel
         if layers:
             residual = norm.outputs[1]
-        chain = [("qkv", Linear), ("head_norm", HeadNorm), ("rotary", Rotary), ("attn", PagedAttention), ("o", Linear)]
+        chain = [("qkv", Linear), ("head_norm", HeadNorm), ("rotary", Rotary), ("attn", PagedAttention),
+                 ("o", Linear)]
         value = norm.outputs[0]
         for key, kind in chain:
             step = take(kind, value)

@@ -155,7 +155,8 @@ def _head_split(nodes: list[onnx.NodeProto], path: str) -> int:
     """The index of the Gather that picks the rows whose logits are wanted."""
     for i, node in enumerate(nodes):
         if "logits_indices" in node.input:
-            ok = node.op_type == "Gather" and (node.domain or "") == "" and list(node.input)[1:] == ["logits_indices"]
+            ok = (node.op_type == "Gather" and (node.domain or "") == ""
+                  and list(node.input)[1:] == ["logits_indices"])
             axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
             if not ok or axis != 0:
                 raise ValueError(f"{path}: logits_indices must be read by one Gather over axis 0 of the final "
