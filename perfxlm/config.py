@@ -128,6 +128,10 @@ class EngineConfig:
     runner: str = "auto"
     convert: str = "auto"
     pooler_config: Any = None
+    # vLLM's hf_overrides: config.json attributes laid over the checkpoint's (a dict, JSON text or a
+    # function config -> config; perfxlm/model/hf_overrides.py), e.g. a causal LM's architecture made
+    # Qwen3ForSequenceClassification with classifier_from_token to serve it as a reranker.
+    hf_overrides: Any = None
     # vLLM's speculative_config (perfxlm/spec_decode/config.py): a dict, JSON text or SpeculativeConfig;
     # validated at construction (a SpeculativeConfig from then on).
     speculative_config: Any = None
@@ -155,6 +159,9 @@ class EngineConfig:
         check_quant_activations(self.quant_activations)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.lora_config = self._resolve_lora()
+        from perfxlm.model.hf_overrides import parse_hf_overrides
+
+        self.hf_overrides = parse_hf_overrides(self.hf_overrides)  # ValueError for a bad shape, at construction
 
     def _resolve_lora(self) -> Any:
         from perfxlm.lora.config import LoRAConfig
@@ -242,11 +249,9 @@ class EngineConfig:
             # registers for decode, and many-row products still use the CPU's bf16 GEMM where it has
             # one (ops/cpu_plan.py says which path each CPU kind takes).
             self.torch_dtype = torch.float32
-        self.hf_config = load_hf_config(self.model)
-        if self.quant_config is not None:
-            # travels with the model's config to every loader (worker processes included); read by get_model
-            self.hf_config.perfxlm_quantization = self.quant_config.as_dict()
-        self.hf_config.perfxlm_quant_activations = self.quant_activation_mode.value  # decided here, once
+        from perfxlm.model.hf_overrides import apply_hf_overrides
+
+        self.hf_config = apply_hf_overrides(load_hf_config(self.model), self.hf_overrides)
         limit = _max_position_embeddings(self.hf_config)
         self.max_model_len_explicit = self.max_model_len is not None
         if self.max_model_len is None:
@@ -269,9 +274,6 @@ class EngineConfig:
         spec = self.speculative_config
         if spec is None or spec.method != "draft_model":
             return
-        if self.tensor_parallel_size > 1 or self.distributed_executor_backend == "external_launcher":
-            raise ValueError("speculative_config with a draft model runs with tensor_parallel_size 1 only; use "
-                             "method 'ngram' with tensor parallelism.")
         path = resolve_model(spec.model, None, self.download_dir)
         if path != spec.model:
             self.speculative_config = spec = dataclasses.replace(spec, model=path)

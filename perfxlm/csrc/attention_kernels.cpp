@@ -2,7 +2,8 @@
 // decode attention reading the paged cache in place through the block table (no gather into a
 // contiguous copy), float32 or bfloat16 cache, or a quantized one (int8 with float32 group scales beside
 // the blocks, fp8 e4m3 / e5m2 with power-of-two scales in one byte, see kv_elements.h's ScaleOf)
-// dequantized in registers; sliding window and logit soft-capping.
+// dequantized in registers; sliding window, logit soft-capping and attention sinks (gpt-oss: a logit per
+// head in the softmax's denominator, over no value).
 //
 // The plain-torch references are perfxlm/ops/attention.py's torch paths and perfxlm/ops/reference.py.
 
@@ -427,7 +428,7 @@ void decode_attention_impl(const float* query, const T* key_cache, const T* valu
                            const int64_t* seq_lens, float* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
                            int64_t block_size, int64_t max_blocks, double scale, int64_t window, double soft_cap,
                            const ScaleT<T>* k_scales = nullptr, const ScaleT<T>* v_scales = nullptr,
-                           int64_t groups = 0) {
+                           int64_t groups = 0, const float* sinks = nullptr) {
   const int64_t G = H / KVH;
   const Geometry geo{block_size, block_size * KVH * D, KVH * D, block_size * KVH * groups, KVH * groups, groups};
   const float scale_f = static_cast<float>(scale), cap = static_cast<float>(soft_cap);
@@ -514,8 +515,13 @@ void decode_attention_impl(const float* query, const T* key_cache, const T* valu
       }
       if (task.part < 0) {  // the whole sequence: normalise straight into the output
         float* dst = out + (task.b * H + task.h * G) * D;
-        for (int64_t h = 0; h < G; ++h)
-          for (int64_t d = 0; d < D; ++d) dst[h * D + d] = o[h * D + d] / sum[h];
+        for (int64_t h = 0; h < G; ++h) {
+          // A sink (gpt-oss) is one more term of the denominator, e^(sink - max), over no value. A sink so
+          // far above the scores that the term overflows leaves o / inf = 0, the limit (the true value is
+          // below float's range there).
+          const float total = sinks != nullptr ? sum[h] + std::exp(sinks[task.h * G + h] - mx[h]) : sum[h];
+          for (int64_t d = 0; d < D; ++d) dst[h * D + d] = o[h * D + d] / total;
+        }
       } else {
         float* dst = partial.data() + task.part * part_stride;
         for (int64_t h = 0; h < G; ++h) {
@@ -536,6 +542,11 @@ void decode_attention_impl(const float* query, const T* key_cache, const T* valu
       float top = -std::numeric_limits<float>::infinity();
       for (int64_t j = 0; j < splits; ++j) top = std::max(top, p0[j * part_stride + D]);
       float total = 0.f;
+      if (sinks != nullptr) {  // the sink's term of the denominator (see the single-range case)
+        const float sk = sinks[h * G + g];
+        top = std::max(top, sk);
+        total = std::exp(sk - top);
+      }
       float* dst = out + (b * H + h * G + g) * D;
       std::fill(dst, dst + D, 0.f);
       for (int64_t j = 0; j < splits; ++j) {
@@ -592,7 +603,7 @@ const T* cache_ptr(const at::Tensor& t) { return reinterpret_cast<const T*>(t.co
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                                   int64_t sliding_window, double soft_cap, const c10::optional<at::Tensor>& key_scale,
-                                  const c10::optional<at::Tensor>& value_scale) {
+                                  const c10::optional<at::Tensor>& value_scale, const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat, "query must be float32 [B, H, D]");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
               "caches must be [num_blocks, block_size, num_kv_heads, head_dim], both the same shape");
@@ -621,6 +632,13 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
                     tp[b * max_blocks + j], " out of range for ", num_blocks, " cache blocks");
     }
   }
+  at::Tensor sink_logits;
+  if (sinks.has_value() && sinks->defined()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->numel() == H, "sinks must be float32 [num_heads] (",
+                H, "), got ", sinks->scalar_type(), " ", sinks->sizes());
+    sink_logits = sinks->contiguous();
+  }
+  const float* sink_p = sink_logits.defined() ? sink_logits.const_data_ptr<float>() : nullptr;
   const int64_t groups = check_scales(key_cache, key_scale, "key_scale");
   TORCH_CHECK(check_scales(value_cache, value_scale, "value_scale") == groups, "key and value scales differ in shape");
   auto run = [&](auto tag) {
@@ -629,7 +647,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
     const auto* vs = groups ? reinterpret_cast<const ScaleT<T>*>(value_scale->const_data_ptr()) : nullptr;
     decode_attention_impl<T>(q.data_ptr<float>(), cache_ptr<T>(key_cache), cache_ptr<T>(value_cache),
                              tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KVH, D,
-                             block_size, max_blocks, scale, sliding_window, soft_cap, ks, vs, groups);
+                             block_size, max_blocks, scale, sliding_window, soft_cap, ks, vs, groups, sink_p);
   };
   switch (key_cache.scalar_type()) {
     case at::kFloat: run(float{}); break;
@@ -727,7 +745,7 @@ TORCH_LIBRARY_FRAGMENT(perfxlm, m) {
   m.def(
       "paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor seq_lens, float scale, int sliding_window, float soft_cap, Tensor? key_scale=None, "
-      "Tensor? value_scale=None) -> Tensor");
+      "Tensor? value_scale=None, Tensor? sinks=None) -> Tensor");
   m.def(
       "write_kv_slots(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, "
       "Tensor(c!)? key_scale=None, Tensor(d!)? value_scale=None) -> ()");

@@ -9,6 +9,7 @@
 //    call each (dispatch overhead, not arithmetic, is what they cost at small batch).
 // 3. decode_layer: a whole decoder layer (Llama family, Gemma 2) for an all-decode step, composed from
 //    the above and the KV cache kernels of attention_kernels.cpp.
+// 4. moe_experts: a mixture of experts' routed experts in one call (no Python loop over experts).
 //
 // The plain-torch references are perfxlm/ops/reference.py; tests compare the two on random inputs.
 // Built at first use by torch.utils.cpp_extension (see perfxlm/ops/native.py) with -march=native:
@@ -374,6 +375,8 @@ void rotary_embedding(at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 //   [residual +=] x; x = rmsnorm(residual); qkv = x Wqkv (+b); [q, k = rmsnorm per head]; rotary(q, k);
 //   cache <- k, v; a = attention(q); x = a Wo (+b); residual += x; x = rmsnorm(residual);
 //   x = act(g) * u Wdown
+// Without MLP weights (w_gate_up empty: a mixture of experts, which the caller runs) the layer stops
+// after the post-attention norm and returns (normed x, residual). `sinks`: gpt-oss's per-head logits.
 // Gemma 2 ("sandwich": pre_ff_norm given; norm weights already 1 + w), no residual stream:
 //   x += rmsnorm(attn block(rmsnorm(x)), post); x += rmsnorm(mlp(rmsnorm(x, pre_ff)), post_ff)
 // ---------------------------------------------------------------------------------------------
@@ -381,13 +384,15 @@ void rotary_embedding(at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 // y = x W^T + b as perfxlm/ops/linear.py dispatches it, so the fused layer and the module path agree:
 // packed panels -> the panel kernel; bf16 rows under float32 x -> the row kernel up to max_rows rows,
 // else torch's bf16 GEMM (bf16_gemm) or a float32 GEMM on the widened weight; same dtypes -> torch.
-// A quantized weight arrives as [codes, scales, mins, levels (empty: none), act_int8 (0-dim)], see
+// A quantized weight arrives as [codes, scales, mins (empty: centred codes), levels (empty: none),
+// act_int8 (0-dim)], see
 // perfxlm/model/fused_decode.py; a plain one as [w].
 at::Tensor project(const at::Tensor& x, at::TensorList parts, int64_t n_out, const c10::optional<at::Tensor>& bias,
                    int64_t max_rows, bool bf16_gemm, bool int8_blocks, int64_t quant_max_rows, int64_t quant_block_max_rows) {
   if (parts.size() == 5) {
     const c10::optional<at::Tensor> levels = parts[3].numel() ? c10::optional<at::Tensor>(parts[3]) : c10::nullopt;
-    return perfxlm_quant::linear_q(x, parts[0], parts[1], parts[2], levels, bias, *parts[4].const_data_ptr<bool>(),
+    const c10::optional<at::Tensor> mins = parts[2].numel() ? c10::optional<at::Tensor>(parts[2]) : c10::nullopt;
+    return perfxlm_quant::linear_q(x, parts[0], parts[1], mins, levels, bias, *parts[4].const_data_ptr<bool>(),
                                    quant_max_rows >= 0 ? quant_max_rows : max_rows, bf16_gemm, int8_blocks,
                                    quant_block_max_rows);
   }
@@ -404,25 +409,65 @@ at::Tensor project(const at::Tensor& x, at::TensorList parts, int64_t n_out, con
   return at::linear(x, w, has_bias ? *bias : at::Tensor());
 }
 
-// y += (x A^T * scale) B^T: the step's LoRA adapters on one projection, the same ops in the same order as
-// perfxlm/lora/slots.py's LoRABatch.add, so the fused layer and the module path agree. `lora` holds
-// (A [R, in], B^T [R, out], scale [R] or [rows, R]) for qkv, o, gate_up and down in turn; an empty A: no
-// adapter there; an empty list: no adapter in the step. The products are a few rank columns: below
-// LoRABatch's threshold they run on the calling thread (a parallel region costs more than the work).
+// y += (x A^T * scale) B^T: the step's LoRA adapters on one projection (perfxlm/lora/slots.py's
+// LoRABatch.add). `lora` holds (A [R, in], B^T [R, out], scale [R] or [rows, R]) for qkv, o, gate_up and
+// down in turn (qkv and o only where the layer's MLP runs outside the call); an empty A: no adapter there;
+// an empty list: no adapter in the step.
+// A decode step's rows are few and the ranks small: three ATen ops per projection (about 360 per step
+// for a 30-layer model) cost more in dispatch than their arithmetic, so up to kLoraRows rows run here in
+// one pass on the calling thread, skipping the columns whose scale is 0 (another slot's adapter); more
+// rows take the same ATen ops as the module path.
+constexpr int64_t kLoraRows = 64;
+
+void lora_rows(const float* x, int64_t T, int64_t K, const float* a, int64_t R, const float* bt, int64_t N,
+               const float* scale, bool per_row_scale, float* y) {
+  for (int64_t t = 0; t < T; ++t) {
+    const float* xt = x + t * K;
+    float* yt = y + t * N;
+    const float* st = scale + (per_row_scale ? t * R : 0);
+    for (int64_t r = 0; r < R; ++r) {
+      if (st[r] == 0.0f) continue;
+      const float* ar = a + r * K;
+#ifdef PERFXLM_SIMD16
+      simd16::V acc = simd16::zero();
+      for (int64_t k = 0; k < K; k += 16) acc = simd16::fmadd(simd16::load(xt + k, K - k), simd16::load(ar + k, K - k), acc);
+      const float h = simd16::reduce_add(acc) * st[r];
+      const simd16::V hv = simd16::set1(h);
+      const float* br = bt + r * N;
+      for (int64_t n = 0; n < N; n += 16)
+        simd16::store(yt + n, simd16::fmadd(hv, simd16::load(br + n, N - n), simd16::load(yt + n, N - n)), N - n);
+#else
+      float dot = 0.0f;
+      for (int64_t k = 0; k < K; ++k) dot += xt[k] * ar[k];
+      const float h = dot * st[r];
+      const float* br = bt + r * N;
+      for (int64_t n = 0; n < N; ++n) yt[n] += h * br[n];
+#endif
+    }
+  }
+}
+
 void add_lora(at::Tensor& y, const at::Tensor& x, at::TensorList lora, int64_t index) {
   if (lora.empty()) return;
-  TORCH_CHECK(lora.size() == 12, "decode_layer: lora is (A, B^T, scale) for each of the 4 projections");
+  TORCH_CHECK(lora.size() >= 3 * (index + 1), "decode_layer: lora is (A, B^T, scale) for qkv, o, gate_up, down");
   const at::Tensor& a = lora[3 * index];
   if (!a.numel()) return;
   const at::Tensor& bt = lora[3 * index + 1];
   const at::Tensor& scale = lora[3 * index + 2];
-  const int threads = at::get_num_threads();
-  const bool serial = threads > 1 && x.size(0) * a.size(0) * (a.size(1) + bt.size(1)) < (int64_t{1} << 21);
-  struct Restore {
-    int threads; bool on;
-    ~Restore() { if (on) at::set_num_threads(threads); }
-  } restore{threads, serial};
-  if (serial) at::set_num_threads(1);
+  const int64_t T = x.size(0), K = x.size(1), R = a.size(0), N = bt.size(1);
+  const bool fits = T <= kLoraRows && x.is_contiguous() && y.is_contiguous() && a.is_contiguous() &&
+                    bt.is_contiguous() && scale.is_contiguous() && a.scalar_type() == at::kFloat &&
+                    bt.scalar_type() == at::kFloat && scale.scalar_type() == at::kFloat &&
+                    y.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat;
+  if (fits) {
+    TORCH_CHECK(a.size(1) == K && bt.size(0) == R && y.size(1) == N, "decode_layer: lora shapes disagree");
+    const bool per_row = scale.dim() == 2;
+    TORCH_CHECK(per_row ? (scale.size(0) == T && scale.size(1) == R) : scale.numel() == R,
+                "decode_layer: lora scale must be [R] or [rows, R]");
+    lora_rows(x.data_ptr<float>(), T, K, a.data_ptr<float>(), R, bt.data_ptr<float>(), N, scale.data_ptr<float>(),
+              per_row, y.data_ptr<float>());
+    return;
+  }
   y.addmm_(at::mm(x, a.t()).mul_(scale), bt);
 }
 
@@ -463,7 +508,8 @@ std::vector<at::Tensor> decode_layer(
     at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
     const at::Tensor& seq_lens, double scale, int64_t sliding_window, double soft_cap, int64_t max_rows,
     bool bf16_gemm, at::TensorList lora, const c10::optional<at::Tensor>& key_scale, const c10::optional<at::Tensor>& value_scale,
-    bool int8_blocks, int64_t quant_max_rows, int64_t quant_block_max_rows) {
+    bool int8_blocks, int64_t quant_max_rows, int64_t quant_block_max_rows,
+    const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x must be contiguous float32 [T, hidden]");
   const int64_t T = x.size(0), hidden = x.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
@@ -495,7 +541,7 @@ std::vector<at::Tensor> decode_layer(
   perfxlm_attn::write_slots(qkv_p + q_size + kv_size, row, T, kv_size, slots, value_cache, value_scale);
   at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
   at::Tensor attn = perfxlm_attn::paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale,
-                                                         sliding_window, soft_cap, key_scale, value_scale);
+                                                         sliding_window, soft_cap, key_scale, value_scale, sinks);
   const at::Tensor attn_rows = attn.view({T, q_size});
   at::Tensor o = project(attn_rows, w_o, hidden, b_o, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);
   add_lora(o, attn_rows, lora, 1);
@@ -505,6 +551,10 @@ std::vector<at::Tensor> decode_layer(
   } else {
     fused_add_rms_norm(o, residual, post_norm, eps);
     h = o;
+  }
+  if (w_gate_up.empty()) {  // the caller runs the layer's own MLP (a mixture of experts) on the normed h
+    TORCH_CHECK(!sandwich, "decode_layer: a layer without its MLP must be pre-norm (no sandwich norms)");
+    return {h, residual};
   }
   at::Tensor gate_up = project(h, w_gate_up, 2 * intermediate, b_gate_up, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);
   add_lora(gate_up, h, lora, 2);
@@ -516,6 +566,79 @@ std::vector<at::Tensor> decode_layer(
     return {x, x};
   }
   return {out, residual};
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// moe_experts: a mixture of experts' routed experts as one call, the ops of model/layers/moe.py's
+// grouped_experts_torch in the same order (so both give the same bits) without a Python loop over
+// experts. The (token, expert) pairs are sorted by expert once; each expert that got tokens runs its
+// gate|up and down projections (`project`: float, bf16 or quantized stacks) on its contiguous group, so
+// its weights are read once per step however many tokens chose it; the results, times their routing
+// weights, are added back in expert order (transformers' float32 sums).
+// ---------------------------------------------------------------------------------------------
+
+// act(gate) * up over [T, 2 * inter]; code 3 is gpt-oss's clamped SwiGLU over interleaved gate/up columns:
+// (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit), in ClampedSwiGLU's op order.
+at::Tensor expert_activation(const at::Tensor& gate_up, int64_t inter, int64_t activation, double alpha, double limit) {
+  if (activation != 3) return mlp_activation(gate_up, inter, activation);
+  const at::Tensor gate = gate_up.slice(1, 0, c10::nullopt, 2).clamp_max(limit);
+  const at::Tensor up = gate_up.slice(1, 1, c10::nullopt, 2).clamp(-limit, limit);
+  return (up + 1) * (gate * at::sigmoid(gate * alpha));
+}
+
+// One expert's weight parts out of a stack's: [w [E, N, K]] or [codes, scales, mins, levels, act_int8]
+// with the first three stacked.
+std::vector<at::Tensor> expert_parts(at::TensorList stack, int64_t e) {
+  std::vector<at::Tensor> parts;
+  for (size_t i = 0; i < stack.size(); ++i)  // codes, scales, mins per expert (empty mins: centred codes)
+    parts.push_back(i < 3 && stack[i].numel() ? stack[i].select(0, e) : stack[i]);
+  return parts;
+}
+
+c10::optional<at::Tensor> expert_bias(const c10::optional<at::Tensor>& bias, int64_t e) {
+  if (!bias.has_value() || !bias->defined()) return c10::nullopt;
+  return bias->select(0, e);
+}
+
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& expert_ids,
+                       at::TensorList w_gate_up, const c10::optional<at::Tensor>& b_gate_up, at::TensorList w_down,
+                       const c10::optional<at::Tensor>& b_down, int64_t num_experts, int64_t inter, int64_t activation,
+                       double alpha, double limit, int64_t max_rows, bool bf16_gemm, bool int8_blocks,
+                       int64_t quant_max_rows, int64_t quant_block_max_rows) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "moe_experts: x must be float32 [T, hidden]");
+  TORCH_CHECK(expert_ids.dim() == 2 && expert_ids.size(0) == x.size(0) && expert_ids.scalar_type() == at::kLong &&
+                  weights.sizes() == expert_ids.sizes(),
+              "moe_experts: weights and expert_ids must be [T, top_k], the ids int64");
+  TORCH_CHECK(w_gate_up.size() == 1 || w_gate_up.size() == 5, "moe_experts: a stack is [w] or [codes, scales, mins, levels, act_int8]");
+  TORCH_CHECK(w_down.size() == 1 || w_down.size() == 5, "moe_experts: a stack is [w] or [codes, scales, mins, levels, act_int8]");
+  TORCH_CHECK(w_gate_up[0].size(0) == num_experts && w_down[0].size(0) == num_experts, "moe_experts: stacks of ",
+              num_experts, " experts expected");
+  const int64_t top_k = expert_ids.size(1), hidden = x.size(1);
+  const at::Tensor flat = expert_ids.reshape(-1);
+  if (flat.numel()) {
+    TORCH_CHECK(flat.min().item<int64_t>() >= 0 && flat.max().item<int64_t>() < num_experts,
+                "moe_experts: expert ids must be in [0, ", num_experts, ")");
+  }
+  const at::Tensor order = at::argsort(flat, /*stable=*/true);
+  const at::Tensor token_of = at::floor_divide(order, top_k);  // the token each sorted pair belongs to
+  const at::Tensor counts = at::bincount(flat, {}, num_experts);
+  const at::Tensor xs = x.index_select(0, token_of);
+  const at::Tensor ws = weights.reshape(-1).index_select(0, order).to(x.scalar_type()).unsqueeze(1);
+  at::Tensor out_sorted = at::empty_like(xs);
+  const int64_t* count = counts.const_data_ptr<int64_t>();
+  for (int64_t e = 0, start = 0; e < num_experts; ++e) {
+    const int64_t n = count[e];
+    if (n == 0) continue;
+    at::Tensor h = project(xs.narrow(0, start, n), expert_parts(w_gate_up, e), 2 * inter, expert_bias(b_gate_up, e),
+                           max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);
+    h = expert_activation(h, inter, activation, alpha, limit);
+    const at::Tensor o = project(h, expert_parts(w_down, e), hidden, expert_bias(b_down, e), max_rows, bf16_gemm,
+                                 int8_blocks, quant_max_rows, quant_block_max_rows);
+    out_sorted.narrow(0, start, n).copy_(o * ws.narrow(0, start, n));
+    start += n;
+  }
+  return at::zeros_like(x).index_add_(0, token_of, out_sorted);
 }
 
 }  // namespace
@@ -534,7 +657,11 @@ TORCH_LIBRARY(perfxlm, m) {
       "Tensor? b_down, int num_heads, int num_kv_heads, int head_dim, int intermediate, int activation, "
       "Tensor cos, Tensor sin, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, "
       "Tensor block_tables, Tensor seq_lens, float scale, int sliding_window, float soft_cap, int max_rows, "
-      "bool bf16_gemm, Tensor[] lora, Tensor(e!)? key_scale=None, Tensor(f!)? value_scale=None, bool int8_blocks=False, int quant_max_rows=-1, int quant_block_max_rows=-1) -> Tensor[]");
+      "bool bf16_gemm, Tensor[] lora, Tensor(e!)? key_scale=None, Tensor(f!)? value_scale=None, bool int8_blocks=False, int quant_max_rows=-1, int quant_block_max_rows=-1, Tensor? sinks=None) -> Tensor[]");
+  m.def(
+      "moe_experts(Tensor x, Tensor weights, Tensor expert_ids, Tensor[] w_gate_up, Tensor? b_gate_up, Tensor[] w_down, "
+      "Tensor? b_down, int num_experts, int inter, int activation, float alpha, float limit, int max_rows, "
+      "bool bf16_gemm, bool int8_blocks, int quant_max_rows, int quant_block_max_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(perfxlm, CPU, m) {
@@ -545,4 +672,5 @@ TORCH_LIBRARY_IMPL(perfxlm, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("decode_layer", &decode_layer);
+  m.impl("moe_experts", &moe_experts);
 }

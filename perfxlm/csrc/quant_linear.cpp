@@ -1,6 +1,8 @@
 // Quantized-weight products: y = x W^T (+ b) with W in perfxlm.quant.QuantizedWeight's one affine form
 // (uint8 codes, 8-bit or 4-bit, a scale and a min per group of inputs: w = scale * u + min, or
-// scale * levels[u] + min for NF4). Every GGUF block type the engine runs, and its own int8 / int4 /
+// scale * levels[u] + min for NF4). Centred codes (Q4_0, Q8_0, symmetric int4 / int8) store no mins:
+// w = scale * (u - 8) for 4-bit codes, scale * (u - 128) for 8-bit ones, scale * levels[u] with a table,
+// so a decode step streams 4.5 bits per 4-bit weight instead of 5 (llama.cpp's Q4_0 rate). Every GGUF block type the engine runs, and its own int8 / int4 /
 // NF4 / W8A8 quantizations, are repacked into this form at load, so one set of kernels serves them all.
 //
 // Decode (few rows) is bound by reading the weights: the GEMV kernels stream 4.5-9 bits per weight
@@ -48,9 +50,14 @@ struct QW {
   int64_t N, K, row_bytes, group, groups;
   bool bits4;
   const void* scales;
+  // A group's min is param(mins) * min_factor: the stored mins times 1, or for centred codes the scales
+  // times -centre (exact: a power of two), so every kernel reads one formula and centred weights stream
+  // no mins from memory (the scale it re-reads is in the same cache line it just loaded).
   const void* mins;
   bool half;
   const float* levels;  // 16 floats or null
+  bool centred;
+  float min_factor;
 };
 
 inline float half_to_float(uint16_t h) {
@@ -86,11 +93,13 @@ inline float weight_at(const QW& w, int64_t n, int64_t k) {
   const int u = code_at(w, n, k);
   const int64_t g = n * w.groups + k / w.group;
   const float v = w.levels ? w.levels[u] : static_cast<float>(u);
-  return std::fma(v, param(w, w.scales, g), param(w, w.mins, g));
+  return std::fma(v, param(w, w.scales, g), param(w, w.mins, g) * w.min_factor);
 }
 
-QW describe(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+QW describe(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins_arg,
             const c10::optional<at::Tensor>& levels, int64_t K) {
+  const bool centred = !mins_arg.has_value() || !mins_arg->defined();
+  const at::Tensor& mins = centred ? scales : *mins_arg;
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
               "linear_q: codes must be contiguous uint8 [N, K] or [N, K / 2]");
   const int64_t N = codes.size(0);
@@ -115,8 +124,11 @@ QW describe(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor&
     TORCH_CHECK(bits4, "linear_q: a level table needs 4-bit codes");
     lv = levels->data_ptr<float>();
   }
+  // centred: w = scale * (u - centre), or scale * levels[u] with a table
+  const float centre = lv ? 0.f : (bits4 ? 8.f : 128.f);
   return QW{codes.data_ptr<uint8_t>(), N, K, codes.size(1), group, groups, bits4,
-            scales.data_ptr(), mins.data_ptr(), scales.scalar_type() == at::kHalf, lv};
+            scales.data_ptr(), mins.data_ptr(), scales.scalar_type() == at::kHalf, lv,
+            centred, centred ? -centre : 1.f};
 }
 
 #ifdef PERFXLM_SIMD16
@@ -154,7 +166,7 @@ inline void q_tile(const float* x, const QW& w, int64_t n0, float* y, const floa
       // NT interleaved streams: fetch the next tile's rows a tile ahead (as the bf16 row kernel does).
       if ((k & 127) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + NT * w.row_bytes + (BITS4 ? k / 2 : k)), _MM_HINT_T0);
       const V s = simd16::set1(param_at<HALF>(w.scales, n * w.groups + g));
-      const V m = simd16::set1(param_at<HALF>(w.mins, n * w.groups + g));
+      const V m = simd16::set1(param_at<HALF>(w.mins, n * w.groups + g) * w.min_factor);
       if constexpr (BITS4) {
         I lo, hi;
         simd16::load_nibbles(row + k / 2, lo, hi);
@@ -229,7 +241,7 @@ void dequant_rows(const QW& w, int64_t n0, int64_t n1, T* out) {
       const int64_t step = w.bits4 ? 32 : 16;
       for (int64_t k = 0; k < w.K; k += step) {
         const int64_t g = n * w.groups + k / w.group;
-        const V s = simd16::set1(param(w, w.scales, g)), m = simd16::set1(param(w, w.mins, g));
+        const V s = simd16::set1(param(w, w.scales, g)), m = simd16::set1(param(w, w.mins, g) * w.min_factor);
         if (w.bits4) {
           I lo, hi;
           simd16::load_nibbles(row + k / 2, lo, hi);
@@ -299,7 +311,7 @@ inline void vnni_tile(const int8_t* xq, const float* sx, const int32_t* xsum, co
   #pragma GCC unroll 16
   for (int j = 0; j < NT; ++j) {
     const int64_t n = n0 + j;
-    const float s = param(w, w.scales, n), m = param(w, w.mins, n);
+    const float s = param(w, w.scales, n), m = param(w, w.mins, n) * w.min_factor;
     #pragma GCC unroll 16
     for (int i = 0; i < MT; ++i) {
       const float dot = static_cast<float>(_mm512_reduce_add_epi32(acc[i][j]));
@@ -517,12 +529,13 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
   }
   // the mins: sum over groups of min * (activation scale * sum of the group's int8 values)
   const float* gsum = a.gsum + m0 * a.gstride;
+  const __m512 factor = _mm512_set1_ps(w.min_factor);
   for (int64_t g = 0; g < groups; g += 16) {
     const int64_t left = groups - g;
     const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
     #pragma GCC unroll 16
     for (int j = 0; j < NT; ++j) {
-      const __m512 mv = load_params16<HALF>(w.mins, (n0 + j) * groups + g, left);
+      const __m512 mv = _mm512_mul_ps(load_params16<HALF>(w.mins, (n0 + j) * groups + g, left), factor);
       #pragma GCC unroll 16
       for (int i = 0; i < MT; ++i)
         acc[i][j] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mask, gsum + i * a.gstride + g), acc[i][j]);
@@ -612,18 +625,21 @@ inline __m128 hsum4x8(__m256 a, __m256 b, __m256 c, __m256 d) {
 
 // Sum over the row's groups of min (plus 128 * scale for shifted 8-bit codes) times the activations'
 // group sums: 8 groups per step, the last few one by one (gsum is zero-padded, the weight's rows not).
+// Centred 8-bit codes shifted by 128 are exactly the signed values: nothing to add.
 template <bool BITS4, bool HALF>
 inline __m256 add_mins(__m256 acc, const QW& w, int64_t row_base, const float* gsum) {
   constexpr bool shifted = !BITS4 && kShift8;
+  if (shifted && w.centred && !w.levels) return acc;
+  const __m256 factor = _mm256_set1_ps(w.min_factor);
   int64_t g = 0;
   for (; g + 8 <= w.groups; g += 8) {
-    __m256 mv = load_params8<HALF>(w.mins, row_base + g);
+    __m256 mv = _mm256_mul_ps(load_params8<HALF>(w.mins, row_base + g), factor);
     if constexpr (shifted) mv = _mm256_fmadd_ps(load_params8<HALF>(w.scales, row_base + g), _mm256_set1_ps(128.f), mv);
     acc = _mm256_fmadd_ps(mv, _mm256_loadu_ps(gsum + g), acc);
   }
   float tail = 0.f;
   for (; g < w.groups; ++g) {
-    float m = param_at<HALF>(w.mins, row_base + g);
+    float m = param_at<HALF>(w.mins, row_base + g) * w.min_factor;
     if constexpr (shifted) m += 128.f * param_at<HALF>(w.scales, row_base + g);
     tail += m * gsum[g];
   }
@@ -642,7 +658,7 @@ inline void prefetch_row(const QW& w, int64_t n) {
   const char* mn = static_cast<const char*>(w.mins) + n * pbytes;
   for (int64_t o = 0; o < pbytes; o += 64) {
     _mm_prefetch(sc + o, _MM_HINT_T0);
-    _mm_prefetch(mn + o, _MM_HINT_T0);
+    if (!w.centred) _mm_prefetch(mn + o, _MM_HINT_T0);
   }
 }
 
@@ -884,8 +900,8 @@ at::Tensor float_product(const at::Tensor& x, const QW& w, const float* bias, in
 
 }  // namespace
 
-at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
-                    const c10::optional<at::Tensor>& levels, const c10::optional<at::Tensor>& bias, bool act_int8,
+at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                    const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& levels, const c10::optional<at::Tensor>& bias, bool act_int8,
                     int64_t max_rows, bool bf16_gemm, bool int8_blocks, int64_t block_max_rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_q: x must be 2-D float32");
   const at::Tensor xc = x.contiguous();
@@ -930,7 +946,7 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tens
 
 namespace {
 
-at::Tensor dequantize_q(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+at::Tensor dequantize_q(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                         const c10::optional<at::Tensor>& levels, int64_t in_features) {
   const QW w = describe(codes, scales, mins, levels, in_features);
   at::Tensor out = at::empty({w.N, w.K}, scales.options().dtype(at::kFloat));
@@ -973,11 +989,11 @@ std::string compiled_isa() {
 
 TORCH_LIBRARY_FRAGMENT(perfxlm, m) {
   m.def(
-      "linear_q(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? levels, Tensor? bias, bool act_int8, "
+      "linear_q(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? levels, Tensor? bias, bool act_int8, "
       "int max_rows, bool bf16_gemm, bool int8_blocks=False, int block_max_rows=-1) -> Tensor");
   m.def("int8_block_dots() -> bool", &perfxlm_quant::int8_block_dots);  // no tensors: a catch-all kernel
   m.def("compiled_isa() -> str", &perfxlm_quant::compiled_isa);
-  m.def("dequantize_q(Tensor codes, Tensor scales, Tensor mins, Tensor? levels, int in_features) -> Tensor");
+  m.def("dequantize_q(Tensor codes, Tensor scales, Tensor? mins, Tensor? levels, int in_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(perfxlm, CPU, m) {

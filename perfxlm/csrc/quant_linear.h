@@ -8,15 +8,15 @@ namespace perfxlm_quant {
 // y = x W^T (+ b), x float32 [M, K], W stored as perfxlm.quant.QuantizedWeight's tensors:
 // codes uint8 [N, K] (8-bit) or [N, K / 2] (4-bit, GGUF Q4 nibble order per 32-block), scales and mins
 // float32 or float16 [N, K / group], w = scale * u + min (or scale * levels[u] + min with a 16-entry
-// table). act_int8: activations quantized per row to symmetric int8 first (W8A8). Up to max_rows rows go
+// table); no mins (centred codes): w = scale * (u - 8) (4-bit), scale * (u - 128) (8-bit), scale * levels[u]. act_int8: activations quantized per row to symmetric int8 first (W8A8). Up to max_rows rows go
 // to the GEMV kernels; more rows dequantize slabs of W for torch's GEMM (bf16 under bf16_gemm).
 // int8_blocks: weight-only formats' GEMV quantizes x to int8 per block of 32 and runs int8 dot products
 // (AVX512-VNNI, AVX2 and AVX-VNNI builds; llama.cpp's scheme), instead of widening the codes to float32.
 // block_max_rows (>= 0): the GEMV limit, instead of max_rows, for 4-bit codes and for weights of more
 // than 4M values (an LM head) under int8_blocks (on AVX2 their
 // int8 block products beat dequantizing for a float32 GEMM up to a few hundred rows).
-at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
-                    const c10::optional<at::Tensor>& levels, const c10::optional<at::Tensor>& bias, bool act_int8,
+at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                    const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& levels, const c10::optional<at::Tensor>& bias, bool act_int8,
                     int64_t max_rows, bool bf16_gemm, bool int8_blocks = false, int64_t block_max_rows = -1);
 
 }  // namespace perfxlm_quant

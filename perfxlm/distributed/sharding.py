@@ -184,11 +184,9 @@ def check_supported(model_cls: type, world_size: int, hf_config: Any, quantized:
         raise ValueError(f"{heads} attention heads do not form groups over {kv} KV heads.")
 
 
-def tp_quantization(quantization: Any, hf_config: Any) -> Any:
+def tp_quantization(quantization: Any) -> Any:
     """The quantization a rank loads with: "none" (GGUF blocks dequantized to the model dtype, float
     checkpoints as they are); quantized weights are not split across ranks yet (ValueError)."""
-    if quantization is None:
-        quantization = getattr(hf_config, "perfxlm_quantization", None)
     if quantization is None:
         return "none"
     from perfxlm.quant.config import QuantizationConfig

@@ -58,8 +58,13 @@ class EngineCore:
         self.lora_targets = self.executor.lora_targets
         spec = config.speculative_config
         # Speculative decoding: after each step, the proposer guesses the next tokens of the requests about
-        # to decode; the scheduler sends them with the next step, where the runner verifies them.
-        self.proposer = make_proposer(spec, config, self.num_kv_blocks) if spec is not None else None
+        # to decode; the scheduler sends them with the next step, where the runner verifies them. A draft
+        # model runs here, in the engine's process, whatever the target's tensor parallelism (vLLM's
+        # draft_tensor_parallel_size 1); under an external launcher only rank 0 proposes, and every rank
+        # takes its drafts (`Executor.agree_draft_tokens`), so the ranks schedule the same steps.
+        self.speculating = spec is not None
+        self.proposer = make_proposer(spec, config, self.num_kv_blocks) \
+            if spec is not None and self.executor.proposes_drafts else None  # fmt: skip
         self.verify_row_budget = _verify_row_budget(config)
         if _freeze_gc_at_start:
             # The model and tokenizer are long-lived: take them out of the collector's view, so the GC
@@ -113,27 +118,30 @@ class EngineCore:
             return []
         mro = (self.runner or self.executor).execute(so)
         outputs = self.scheduler.update_from_output(so, mro)
-        if self.proposer is not None:
-            self._propose(so.finished_request_ids)
+        if self.speculating:
+            drafts = self._propose(so.finished_request_ids) if self.proposer is not None else {}
+            self.scheduler.set_draft_tokens(self.executor.agree_draft_tokens(drafts))
         return outputs
 
-    def _propose(self, finished_before: set[str]) -> None:
+    def _propose(self, finished_before: set[str]) -> dict[str, list[int]]:
+        """Draft tokens for the next step, by request id."""
         spec, sched = self.config.speculative_config, self.scheduler
         # requests that ended before this step's schedule (aborts, stop strings) and during it
         self.proposer.drop(finished_before | sched.finished_request_ids)
         k = spec.num_speculative_tokens
         if spec.disable_by_batch_size is not None:  # vLLM's rule, when asked for
             if sched.num_running > spec.disable_by_batch_size:
-                return
+                return {}
         else:
             # Verification is nearly free while the step's decode rows stay on the weight-streaming kernels
             # (the CPU plan's measured crossover): fewer guesses per request as the batch grows, none past it.
             k = min(k, self.verify_row_budget // max(sched.num_running, 1) - 1)
             if k < 1:
-                return
+                return {}
         batch = sched.draft_requests(k)
-        if batch:
-            sched.set_draft_tokens(batch, self.proposer.propose(batch))
+        if not batch:
+            return {}
+        return {r.request_id: list(d[: r.max_drafts]) for r, d in zip(batch, self.proposer.propose(batch)) if d}
 
     def check_health(self) -> None:
         """Raise if the model's worker processes (tensor parallelism) died or failed."""

@@ -270,11 +270,11 @@ class Scheduler:
     # ---- speculative decoding ------------------------------------------------------------
     def draft_requests(self, max_drafts: int) -> list[DraftRequest]:
         """Running requests that decode next step and may carry draft tokens: caught up with their tokens,
-        below max_tokens and max_model_len by at least two tokens, not guided by a grammar (its mask
-        would have to follow every draft), not sitting out after guesses that missed."""
+        below max_tokens and max_model_len by at least two tokens, not sitting out after guesses that
+        missed. Guided requests speculate too: the runner masks each verification row by the grammar."""
         batch = []
         for r in self.running:
-            if r.num_tokens - r.num_computed_tokens != 1 or r.sampling_params._grammar is not None:
+            if r.num_tokens - r.num_computed_tokens != 1:
                 continue
             if r.spec_skip:
                 r.spec_skip -= 1
@@ -285,11 +285,11 @@ class Scheduler:
                 batch.append(DraftRequest(r.request_id, r.all_token_ids, room))
         return batch
 
-    def set_draft_tokens(self, batch: list[DraftRequest], drafts: list[list[int]]) -> None:
-        for r, d in zip(batch, drafts):
-            request = self.requests.get(r.request_id)
-            if request is not None:
-                request.draft_token_ids = list(d[: r.max_drafts])
+    def set_draft_tokens(self, drafts: dict[str, list[int]]) -> None:
+        """The next step's draft tokens by request id (each within its draft_requests max_drafts); every
+        other running request has none."""
+        for r in self.running:
+            r.draft_token_ids = list(drafts.get(r.request_id, ()))
 
     def _failed_in_step(self, request: Request, sr: ScheduledRequest, failed: dict[str, str],
                         outputs: list[EngineCoreOutput]) -> bool:

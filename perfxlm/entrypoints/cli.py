@@ -82,6 +82,10 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
     parser.add_argument("--pooler-config", default=None,
                         help='how a pooling model pools, as JSON: {"pooling_type": "CLS|MEAN|LAST|ALL", '
                              '"normalize": true}')
+    parser.add_argument("--hf-overrides", default=None,
+                        help="config.json attributes laid over the checkpoint's, as JSON (vLLM's), e.g. "
+                             '\'{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": '
+                             '["no", "yes"], "is_original_qwen3_reranker": true}\' for Qwen3-Reranker')
     parser.add_argument("--generation-config", default="auto",
                         help="sampling defaults: auto = the model's generation_config.json, vllm = none, "
                              "or a folder holding a generation_config.json")
@@ -128,7 +132,7 @@ def _kv_cache_gib(args: argparse.Namespace) -> float | None:
 
 
 def _pooling_kwargs(args: argparse.Namespace) -> dict:
-    """--runner / --convert, or vLLM's --task standing for them; --pooler-config as JSON."""
+    """--runner / --convert, or vLLM's --task standing for them; --pooler-config and --hf-overrides as JSON."""
     import json
 
     from perfxlm.pooling.runner_kind import task_settings
@@ -139,6 +143,10 @@ def _pooling_kwargs(args: argparse.Namespace) -> dict:
             kwargs.update(task_settings(args.task))
         if getattr(args, "pooler_config", None):
             kwargs["pooler_config"] = json.loads(args.pooler_config)
+        if getattr(args, "hf_overrides", None):
+            from perfxlm.model.hf_overrides import parse_hf_overrides
+
+            kwargs["hf_overrides"] = parse_hf_overrides(args.hf_overrides)
     except (ValueError, json.JSONDecodeError) as exc:
         raise SystemExit(f"perfxlm: {exc}") from None
     return kwargs

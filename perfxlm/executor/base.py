@@ -13,6 +13,8 @@ class Executor(ABC):
     model: Any = None  # the module model in this process (a rank's shard under external launch), else None
     runner: Any = None  # this process's model runner, once the cache is allocated (else None)
     lora_targets: Any = None  # what LoRA adapters are checked against (enable_lora, one process)
+    # whether this process's engine proposes speculative draft tokens (else it takes rank 0's)
+    proposes_drafts: bool = True
 
     @abstractmethod
     def kv_bytes_per_block(self, block_size: int, spec: Any) -> int:
@@ -37,6 +39,11 @@ class Executor(ABC):
     def agree_num_blocks(self, num_blocks: int) -> int:
         """The pool size every rank's scheduler uses: this process's own plan unless ranks must agree."""
         return num_blocks
+
+    def agree_draft_tokens(self, drafts: dict[str, list[int]]) -> dict[str, list[int]]:
+        """The draft tokens (by request id) every rank's scheduler uses next step: this process's own
+        unless ranks must agree."""
+        return drafts
 
     def check_health(self) -> None:
         """Raise if a part of the executor (a worker process) has died."""

@@ -58,7 +58,7 @@ class ExternalLauncherExecutor(Executor):
         from perfxlm.distributed.comm import collective_timeout, make_communicator
         from perfxlm.distributed.sharding import TPShard, parallelize
         from perfxlm.distributed.topology import bind_current_process, plan_rank_cpus
-        from perfxlm.model.loader import get_model
+        from perfxlm.model.loader import load_model
 
         missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
         if missing:
@@ -82,9 +82,11 @@ class ExternalLauncherExecutor(Executor):
             kind = "gloo"  # ranks on several machines
         self.comm = make_communicator(self.rank, self.world_size, kind)
         self.shard = TPShard.of(config.hf_config, self.rank, self.world_size)
-        self.model = get_model(config.model, config.hf_config, config.torch_dtype, config.load_format, config.seed,
-                               config.weight_dtype, tp=self.shard)
+        self.model = load_model(config, tp=self.shard)
         parallelize(self.model, self.shard, self.comm)
+        # speculative decoding: rank 0 alone proposes (a draft model loads there only), every rank verifies
+        # its drafts, so the ranks' schedulers stay identical
+        self.proposes_drafts = self.rank == 0
         self._runner: Any = None  # not `runner`: the engine core would call it directly, skipping the broadcast
         logger.info("external launcher: rank %d of %d, %s collectives, cores %s", self.rank, self.world_size,
                     self.comm.name, self.cpus or "all")
@@ -128,6 +130,13 @@ class ExternalLauncherExecutor(Executor):
         out = self._runner.execute(so)
         box = [out if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)  # every rank goes on with rank 0's tokens
+        return box[0]
+
+    def agree_draft_tokens(self, drafts: dict[str, list[int]]) -> dict[str, list[int]]:
+        import torch.distributed as dist
+
+        box = [drafts if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def check_health(self) -> None:

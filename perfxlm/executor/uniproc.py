@@ -8,7 +8,7 @@ from perfxlm.executor.base import InProcessExecutor
 from perfxlm.lora.layers import wrap_model
 from perfxlm.lora.slots import LoRASlots
 from perfxlm.model.layers.attention import Attention
-from perfxlm.model.loader import get_model
+from perfxlm.model.loader import load_model
 from perfxlm.worker.model_runner import ModelRunner
 
 
@@ -17,9 +17,7 @@ class ModuleExecutor(InProcessExecutor):
 
     def __init__(self, config: Any) -> None:
         self.config = config
-        self.model = get_model(
-            config.model, config.hf_config, config.torch_dtype, config.load_format, config.seed, config.weight_dtype
-        )
+        self.model = load_model(config)
         self.runner: ModelRunner | None = None
         # enable_lora: the targeted projections wrapped once, after loading (what adapters are checked against)
         self.lora_targets = self.lora_wrappers = None

@@ -39,7 +39,7 @@ def worker_main(rank: int, world_size: int, config: Any, conn: Any, init_method:
         from perfxlm.distributed.sharding import TPShard, parallelize
         from perfxlm.distributed.topology import bind_current_process
         from perfxlm.executor.delta import DeltaDecoder
-        from perfxlm.model.loader import get_model
+        from perfxlm.model.loader import load_model
         from perfxlm.worker.model_runner import ModelRunner
 
         threads = bind_current_process(cpus)
@@ -48,8 +48,7 @@ def worker_main(rank: int, world_size: int, config: Any, conn: Any, init_method:
         init_process_group(rank, world_size, init_method)
         comm = make_communicator(rank, world_size)
         shard = TPShard.of(config.hf_config, rank, world_size)
-        model = get_model(config.model, config.hf_config, config.torch_dtype, config.load_format, config.seed,
-                          config.weight_dtype, tp=shard)
+        model = load_model(config, tp=shard)
         parallelize(model, shard, comm)
         info = {
             "kv_bytes_per_block": ModelRunner.kv_bytes_per_block(model, config.block_size, config.kv_cache_spec),

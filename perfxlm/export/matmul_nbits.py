@@ -58,7 +58,7 @@ def pack_matmul_nbits(w: QuantizedWeight) -> PackedNBits | None:
     n, k, bits = w.out_features, w.in_features, w.bits
     repeat = w.group // block
     scales = w.scales.float().numpy().repeat(repeat, axis=1)  # [N, K / block]
-    mins = w.mins.float().numpy().repeat(repeat, axis=1)
+    mins = w.full_mins().numpy().repeat(repeat, axis=1)
     u = w.unpacked_codes().numpy().reshape(n, k // block, block)
     codes = _pack_pairs(u) if bits == 4 else u.copy()
     with np.errstate(divide="ignore", invalid="ignore"):

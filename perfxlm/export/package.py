@@ -65,7 +65,8 @@ def export_onnx(model: str | None, out_dir: str, flavor: str = "ort", quantizati
                           quantization_group_size=quantization_group_size,
                           quantization_symmetric=quantization_symmetric, quant_activations="float32",
                           revision=revision, download_dir=download_dir).resolve()
-    loaded = get_model(config.model, config.hf_config, torch.float32, config.load_format, config.seed)
+    loaded = get_model(config.model, config.hf_config, torch.float32, config.load_format, config.seed,
+                       quantization=config.quant_config, activations=config.quant_activation_mode)
     model_type = genai_model_type(loaded, flavor)
     graph = build_decoder_graph(loaded, flavor, dtype)
     census: dict[str, int] = {}

@@ -34,7 +34,8 @@ Ops (attributes in brackets):
 
 A weight is stored as the engine holds it: bits 0 is a float matrix W [N, K] (float32, or bfloat16 with
 `--dtype bfloat16`); bits 4 / 8 are its packed codes (4-bit in GGUF Q4_0's nibble order) with float16 or
-float32 scales and mins per group of `group` inputs (w = scale * code + min), an optional 16-level table,
+float32 scales and mins per group of `group` inputs (w = scale * code + min; no mins: centred codes,
+w = scale * code), an optional 16-level table,
 and the activation rounding the engine applies (perfxlm/quant/weight.py's form, moved bit for bit).
 """
 
@@ -128,7 +129,7 @@ class PerfxlmOps(GraphOps):
             raise ValueError(f"ONNX export (perfxlm flavor): {name} is {w.describe()}, whose column order "
                              "(act-order) the ops do not take yet.")
         names = [g.weight(f"{name}.codes", w.codes.numpy()), g.weight(f"{name}.scales", w.scales.numpy()),
-                 g.weight(f"{name}.mins", w.mins.numpy()),
+                 "" if w.mins is None else g.weight(f"{name}.mins", w.mins.numpy()),
                  "" if w.levels is None else g.weight(f"{name}.levels", w.levels.numpy())]
         return names, {"bits": w.bits, "group": w.group, "act": w.act, "activations": w.activations.value}
 

@@ -44,25 +44,29 @@ class AttentionMetadata:
 class CachelessBatch:
     """A forward pass with no KV cache (the pooling runner): whole sequences, each attending to itself only.
 
-    Linears run on the flattened, unpadded tokens; attention gathers them into [num_seqs, max_len] through
-    `index` (padding points at row 0 and is masked out by `valid`), one SDPA call for the batch."""
+    Linears run on the flattened, unpadded tokens; attention takes each run of consecutive sequences of
+    one length as a [sequences, length] view of those rows (the runner sorts a batch by length, so long
+    texts cut to the window make long runs): nothing is gathered, padded or masked."""
 
     seq_lens: list[int]
-    index: torch.Tensor  # [num_seqs, max_len] int64: the flattened row of each sequence's token
-    valid: torch.Tensor  # [num_seqs, max_len] bool: a real token, not padding
+    # (first row, number of sequences, length) of each run of consecutive sequences of one length
+    runs: tuple[tuple[int, int, int], ...]
     # read by the fused decode check, which never applies here
     num_decode_tokens: int = 0
     prefills: tuple = ()
 
     @classmethod
     def of(cls, seq_lens: list[int]) -> "CachelessBatch":
-        width = max(seq_lens)
-        cols = torch.arange(width)
-        lens = torch.tensor(seq_lens, dtype=torch.int64)
-        starts = torch.cumsum(lens, 0) - lens
-        valid = cols[None, :] < lens[:, None]
-        index = torch.where(valid, starts[:, None] + cols[None, :], 0)
-        return cls(list(seq_lens), index, valid)
+        runs: list[tuple[int, int, int]] = []
+        row = 0
+        for n in seq_lens:
+            if runs and runs[-1][2] == n:
+                start, count, _ = runs[-1]
+                runs[-1] = (start, count + 1, n)
+            else:
+                runs.append((row, 1, n))
+            row += n
+        return cls(list(seq_lens), tuple(runs))
 
 
 # One context per thread, set around one forward pass: each engine runs its forward passes in its own

@@ -4,12 +4,15 @@ At small batch a decode step costs more in per-op dispatch (about 25 torch ops a
 per layer) than in arithmetic. `FusedDecode` describes each layer once (`_layer_args`): the Llama family
 (Llama, Mistral, Qwen2 with biases, Qwen3 with q/k norms, Phi-3 with partial rotary, sliding windows) and
 Gemma 2 / 3 (sandwich norms with 1 + w, GELU-tanh, soft-capped attention, local/global windows, a rope
-table per layer kind), GLM-4 (interleaved rotary reordered at load, post-sublayer norms), and runs a step
-whose tokens are all decodes through `torch.ops.perfxlm.decode_layer`, float32 activations over float32,
-bf16 or quantized weights, with the step's LoRA adapters added after each projection. A decoder layer kind joins by implementing `fused_decode_layer()`
+table per layer kind), GLM-4 (interleaved rotary reordered at load, post-sublayer norms), attention sinks
+(gpt-oss), and runs a step whose tokens are all decodes through `torch.ops.perfxlm.decode_layer`, float32
+activations over float32, bf16 or quantized weights, with the step's LoRA adapters added after each
+projection. A layer whose MLP is a mixture of experts (Qwen2/3-MoE,
+Mixtral, gpt-oss) fuses its attention half: the call stops after the post-attention norm and the layer's
+own MLP module runs on its output. A decoder layer kind joins by implementing `fused_decode_layer()`
 (FusableDecoderLayer), built from `fused_attention`, `fused_mlp` and `fused_layer`; no family is named
-here. Anything else (prefill chunks in the batch, MoE, MLA, attention sinks and OPT layers, no native
-kernels, bf16 activations) takes the module path, which stays the reference the tests compare against.
+here. Anything else (prefill chunks in the batch, MLA and OPT layers, no native kernels, bf16
+activations) takes the module path, which stays the reference the tests compare against.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from torch import nn
 from perfxlm.model.forward_context import AttentionMetadata
 from perfxlm.model.layers import attention_backend
 from perfxlm.model.layers.activation import GeluAndMul, SiluAndMul
+from perfxlm.model.layers.linear import Linear
 from perfxlm.model.layers.norm import GemmaRMSNorm, RMSNorm
 from perfxlm.ops import cpu_plan, native
 from perfxlm.ops.linear import native_int8_blocks
@@ -48,11 +52,8 @@ def norm_scale(norm: nn.Module) -> torch.Tensor | None:
 
 def weight_parts(weight: Any) -> list[torch.Tensor]:
     """A projection's weight as `decode_layer` takes it: [w], or a quantized weight's tensors
-    [codes, scales, mins, levels (empty: none), act_int8] (perfxlm.quant.QuantizedWeight)."""
-    if isinstance(weight, torch.Tensor):
-        return [weight]
-    levels = weight.levels if weight.levels is not None else torch.empty(0)
-    return [weight.codes, weight.scales, weight.mins, levels, torch.tensor(weight.act == "int8")]
+    [codes, scales, mins (empty: centred codes), levels (empty: none), act_int8] (perfxlm.quant.QuantizedWeight)."""
+    return [weight] if isinstance(weight, torch.Tensor) else weight.native_parts()
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class FusedAttention:
     q_norm: torch.Tensor | None = None  # per-head RMSNorm scales (Qwen3), with one epsilon for both
     k_norm: torch.Tensor | None = None
     head_eps: float = 0.0
+    sinks: torch.Tensor | None = None  # float32 [num_heads] sink logits (gpt-oss)
     # the q|k|v and output projection modules: a step's LoRA adapters are looked up by module
     projections: tuple[nn.Module, ...] = field(default=(), compare=False)
 
@@ -100,10 +102,13 @@ class FusedLayer:
     norms: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
     eps: float
     attention: FusedAttention
-    mlp: FusedMLP
+    mlp: FusedMLP | None  # None: `module_mlp` runs after the call, on its normed output
+    module_mlp: nn.Module | None = None  # a mixture of experts, which the kernel does not run
 
     def before_rope(self) -> tuple[Any, ...]:
         a, m = self.attention, self.mlp
+        if m is None:  # no MLP weights: the kernel stops after the post-attention norm
+            m = FusedMLP([], None, [], None, 0, 0)
         return (
             *self.norms, self.eps, a.q_norm, a.k_norm, a.head_eps, a.qkv, a.qkv_bias, a.o, a.o_bias,
             m.gate_up, m.gate_up_bias, m.down, m.down_bias, a.num_heads, a.num_kv_heads, a.head_dim,
@@ -115,8 +120,9 @@ class FusedLayer:
         return (a.scale, a.sliding_window or 0, a.soft_cap or 0.0)
 
     def projections(self) -> tuple[nn.Module, ...]:
-        """qkv, o, gate_up, down: the order of decode_layer's `lora` operands."""
-        return (*self.attention.projections, *self.mlp.projections)
+        """qkv, o, gate_up, down (the last two only with a fused MLP): the order of decode_layer's `lora`
+        operands."""
+        return (*self.attention.projections, *(self.mlp.projections if self.mlp is not None else ()))
 
 
 @runtime_checkable
@@ -137,10 +143,11 @@ def fused_attention(qkv_proj: nn.Module, o_proj: nn.Module, core: nn.Module,
         if qn is None or kn is None or q_norm.variance_epsilon != k_norm.variance_epsilon:
             return None
         head_eps = q_norm.variance_epsilon
+    sinks = None if core.sinks is None else core.sinks.detach().float().contiguous()
     return FusedAttention(
         weight_parts(qkv_proj.weight), qkv_proj.bias, weight_parts(o_proj.weight), o_proj.bias, core.num_heads,
         core.num_kv_heads, core.head_dim, core.scale, core.sliding_window, core.logit_soft_cap, qn, kn, head_eps,
-        (qkv_proj, o_proj),
+        sinks, (qkv_proj, o_proj),
     )  # fmt: skip
 
 
@@ -152,22 +159,43 @@ def fused_mlp(gate_up_proj: nn.Module, down_proj: nn.Module, act: nn.Module) -> 
                     down_proj.bias, down_proj.in_features, code, (gate_up_proj, down_proj))  # fmt: skip
 
 
-def fused_layer(norms: list[nn.Module], attention: FusedAttention | None, mlp: FusedMLP | None) -> FusedLayer | None:
+def fused_layer(
+    norms: list[nn.Module],
+    attention: FusedAttention | None,
+    mlp: FusedMLP | None,
+    module_mlp: nn.Module | None = None,  # instead of `mlp`: run as a module on the call's output
+) -> FusedLayer | None:
     """`norms`: input and post-attention (two), or those and the pre-/post-feedforward ones (four); all of
-    one epsilon."""
+    one epsilon. A layer with a `module_mlp` must be pre-norm (two norms)."""
     scales = [norm_scale(n) for n in norms]
     eps = {n.variance_epsilon for n in norms}
-    if attention is None or mlp is None or any(w is None for w in scales) or len(eps) != 1:
+    if attention is None or (mlp is None) == (module_mlp is None) or any(w is None for w in scales) or len(eps) != 1:
+        return None
+    if module_mlp is not None and len(norms) != 2:
         return None
     padded = (scales + [None, None])[:4]
-    return FusedLayer(tuple(padded), eps.pop(), attention, mlp)  # type: ignore[arg-type]
+    return FusedLayer(tuple(padded), eps.pop(), attention, mlp, module_mlp)  # type: ignore[arg-type]
 
 
-def _layer_args(layer: nn.Module) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[nn.Module, ...]] | None:
-    """The layer's arguments to `decode_layer` before and after the per-step ones and its projection
-    modules, or None where the layer does not fit the kernel."""
+@dataclass(frozen=True)
+class _LayerCall:
+    """One layer's `decode_layer` arguments before and after the per-step ones, its sinks, and the MLP
+    module to run after the call (a mixture of experts), if any."""
+
+    before: tuple[Any, ...]
+    after: tuple[Any, ...]
+    sinks: torch.Tensor | None
+    module_mlp: nn.Module | None
+    projections: tuple[nn.Module, ...]  # qkv, o[, gate_up, down]: where the step's LoRA products go
+
+
+def _layer_call(layer: nn.Module) -> _LayerCall | None:
+    """None where the layer does not fit the kernel."""
     fused = layer.fused_decode_layer() if isinstance(layer, FusableDecoderLayer) else None
-    return None if fused is None else (fused.before_rope(), fused.after_rope(), fused.projections())
+    if fused is None:
+        return None
+    return _LayerCall(fused.before_rope(), fused.after_rope(), fused.attention.sinks, fused.module_mlp,
+                      fused.projections())
 
 
 def _int8_blocks(quantized: list[Any]) -> bool | None:
@@ -187,7 +215,7 @@ def _int8_blocks(quantized: list[Any]) -> bool | None:
 class FusedDecode:
     def __init__(self, layers: nn.ModuleList) -> None:
         self.layers = layers
-        self.args: list[tuple[tuple[Any, ...], tuple[Any, ...], tuple[nn.Module, ...]]] | None = None
+        self.args: list[_LayerCall] | None = None
         self.lora_fits: bool | None = None  # every adapter target of the layers is a fused projection
         self.eligible = len(layers) > 0
         self.quant_bf16_gemm = True
@@ -202,20 +230,20 @@ class FusedDecode:
             if not attention_backend.for_device(x.device).fuses_decode:
                 self.eligible = False  # the fused layer would bypass the backend's own kernels
                 return False
-            args = [_layer_args(layer) for layer in self.layers]
+            args = [_layer_call(layer) for layer in self.layers]
             if any(a is None for a in args):
                 self.eligible = False
                 return False
             self.args = args  # type: ignore[assignment]
             # Quantized weights use the bf16 GEMM and int8 activation blocks only where the module path
-            # does (QuantizedWeight.bf16_gemm / activations, decided at load), so both round alike.
-            quantized = [m.weight for m in self.layers.modules()
-                         if hasattr(m, "weight") and not isinstance(m.weight, torch.Tensor)]
-            if any(w.input_order is not None or not w.kernel_levels for w in quantized):
+            # does (the layers' linear methods, decided at load), so both round alike.
+            methods = [m.method for m in self.layers.modules() if isinstance(m, Linear) and m.method.quantized]
+            if not all(m.fusable for m in methods):
                 # act-order inputs and FP8 byte tables: products the kernel does not take; module path
                 self.eligible = False
                 return False
-            self.quant_bf16_gemm = all(w.bf16_gemm for w in quantized)
+            quantized = [m.weight for m in self.layers.modules() if isinstance(m, Linear) and m.method.quantized]
+            self.quant_bf16_gemm = all(m.bf16_gemm for m in methods)
             blocks = _int8_blocks(quantized)
             if blocks is None:
                 self.eligible = False
@@ -227,10 +255,11 @@ class FusedDecode:
 
     def _lora_fits(self, lora: Any) -> bool:
         """Whether the kernel can add this step's adapter products: it adds them after the four
-        projections it knows (qkv, o, gate_up, down); an adapter target elsewhere in a layer (a MoE
-        expert, a separate projection) sends LoRA steps to the module path."""
+        projections it knows (qkv, o, gate_up, down), and a layer's module MLP (a mixture of experts) adds
+        its own as a module; an adapter target elsewhere in a layer sends LoRA steps to the module path."""
         if self.lora_fits is None:
-            known = {id(m) for _, _, projections in self.args or [] for m in projections}
+            known = {id(m) for call in self.args or [] for m in call.projections}
+            known |= {id(m) for call in self.args or [] if call.module_mlp is not None for m in call.module_mlp.modules()}
             self.lora_fits = all(id(m) in known for m in self.layers.modules() if lora.targets(m))
         return self.lora_fits
 
@@ -250,15 +279,17 @@ class FusedDecode:
         bf16_gemm = plan.gemm == "bf16" and self.quant_bf16_gemm
         residual = x
         lora = meta.lora
-        for i, (layer, (before, after, projections)) in enumerate(zip(self.layers, self.args or [])):
+        for i, (layer, call) in enumerate(zip(self.layers, self.args or [])):
             cos, sin = rope if layer_ropes is None else layer_ropes[i]
-            adapters = [] if lora is None else _lora_operands(lora, projections)
+            adapters = [] if lora is None else _lora_operands(lora, call.projections)
             cache = layer.self_attn.attn.kv_cache
             x, residual = ops.decode_layer(
-                x, residual, i == 0, *before, cos, sin, cache.key, cache.value, meta.slot_mapping,
-                meta.decode_block_tables, meta.decode_seq_lens, *after, max_rows, bf16_gemm, adapters,
-                cache.key_scale, cache.value_scale, self.int8_blocks, plan.quant_max_rows, plan.quant_block_max_rows,
+                x, residual, i == 0, *call.before, cos, sin, cache.key, cache.value, meta.slot_mapping,
+                meta.decode_block_tables, meta.decode_seq_lens, *call.after, max_rows, bf16_gemm, adapters,
+                cache.key_scale, cache.value_scale, self.int8_blocks, plan.quant_max_rows, plan.quant_block_max_rows, call.sinks,
             )  # fmt: skip
+            if call.module_mlp is not None:
+                x = call.module_mlp(x).contiguous()
         return x, residual
 
 

@@ -34,12 +34,13 @@ _MODELS = {
     "Qwen2ForSequenceClassification": ("perfxlm.model.models.seq_classification", "Qwen2ForSequenceClassification"),
     "Qwen3ForSequenceClassification": ("perfxlm.model.models.seq_classification", "Qwen3ForSequenceClassification"),
     "ModernBertForSequenceClassification": ("perfxlm.model.models.modernbert", "ModernBertForSequenceClassification"),
+    "Gemma3TextModel": ("perfxlm.model.models.gemma3_encoder", "Gemma3TextModel"),
 }
 # architectures that pool and cannot generate (no LM head): runner="auto" picks the pooling runner for them
 POOLING_ONLY = frozenset(
     {"BertModel", "BertForSequenceClassification", "XLMRobertaModel", "XLMRobertaForSequenceClassification",
      "ModernBertModel", "ModernBertForSequenceClassification", "LlamaForSequenceClassification",
-     "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification"}
+     "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification", "Gemma3TextModel"}
 )
 
 

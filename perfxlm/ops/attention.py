@@ -7,20 +7,20 @@ the tests compare against. Prefill over cached context reads the cache tile by t
 Options some models need: `sliding_window` W (a query at position p sees keys in (p - W, p], as
 transformers' sliding-window masks) and `soft_cap` c (scores become c * tanh(scores / c) before the
 mask, Gemma 2). Plain attention (neither set) takes the SDPA paths unchanged. Attention sinks (gpt-oss:
-a per-head logit in each softmax's denominator) run in torch ops only (`sink_attention`).
+a per-head logit in each softmax's denominator, over no value) enter the native decode kernel's
+normalisation, and prefill through the log-sum-exp the flash kernel returns: out x sigmoid(lse - sink)
+(`prefill_tiles.apply_sinks`); the spelled-out softmax with the sink as one more column is the reference.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
 from perfxlm.ops import cpu_plan, native
 from perfxlm.ops.kv_quant import as_bits, cache_is_quantized, gather_blocks, quantize
-from perfxlm.ops.prefill_tiles import fits_one_tile, tiled_prefill_attention
+from perfxlm.ops.prefill_tiles import apply_sinks, attention_tile, fits_one_tile, gather_tile, tiled_prefill_attention
 
 
 def write_kv_cache(
@@ -101,6 +101,7 @@ def paged_decode_attention(
     soft_cap: float | None = None,
     key_scale: torch.Tensor | None = None,  # quantized cache: the scales beside the blocks
     value_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads] sink logits (gpt-oss)
 ) -> torch.Tensor:  # [B, num_heads, head_dim]
     ops = native.kernels()
     if ops is not None:
@@ -108,12 +109,12 @@ def paged_decode_attention(
         # gathered copy, no mask.
         out = ops.paged_decode_attention(
             query.float(), key_cache, value_cache, block_tables, seq_lens, scale, sliding_window or 0,
-            soft_cap or 0.0, key_scale, value_scale,
+            soft_cap or 0.0, key_scale, value_scale, None if sinks is None else sinks.float(),
         )  # fmt: skip
         return out.to(query.dtype)
     return paged_decode_attention_torch(
         query, key_cache, value_cache, block_tables, seq_lens, scale, mask, sliding_window, soft_cap, key_scale,
-        value_scale,
+        value_scale, sinks,
     )  # fmt: skip
 
 
@@ -179,6 +180,7 @@ def prefill_attention(
     value_scale: torch.Tensor | None = None,
     bf16_model: bool = False,  # a quantized cache of a bfloat16 model (see _prefill_compute_dtype)
     tiled: bool = True,  # False: prefill_attention_reference
+    sinks: torch.Tensor | None = None,  # [num_heads] sink logits (gpt-oss)
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     """Causal attention of a sequence's new tokens. With cached context before them, the cache is read
     tile by tile (`ops/prefill_tiles.py`): no copy of the whole context."""
@@ -187,16 +189,26 @@ def prefill_attention(
         out = prefill_attention(
             query.to(compute), key.to(compute), value.to(compute), key_cache, value_cache, block_table,
             num_context_tokens, scale, sliding_window, soft_cap, key_scale, value_scale, bf16_model,
-            tiled=tiled,
+            tiled=tiled, sinks=sinks,
         )  # fmt: skip
         return out.to(query.dtype)
     q = query.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
     if num_context_tokens > 0 and tiled and not fits_one_tile(num_context_tokens + query.shape[0], soft_cap):
         out = tiled_prefill_attention(
             q, key_cache, value_cache, block_table, num_context_tokens, scale, sliding_window, soft_cap,
-            key_scale, value_scale,
+            key_scale, value_scale, sinks=sinks,
         )  # fmt: skip
         return out[0].transpose(0, 1)
+    if sinks is not None:
+        if not tiled:  # the reference: the sink spelled out as one more softmax column
+            return _prefill_attention_with_options(
+                q, key, value, key_cache, value_cache, block_table, num_context_tokens, scale, sliding_window,
+                soft_cap, key_scale, value_scale, sinks,
+            )  # fmt: skip
+        return _prefill_with_sinks(
+            q, key, value, key_cache, value_cache, block_table, num_context_tokens, scale, sliding_window,
+            soft_cap, key_scale, value_scale, sinks,
+        )  # fmt: skip
     if sliding_window is not None or soft_cap is not None:
         return _prefill_attention_with_options(
             q, key, value, key_cache, value_cache, block_table, num_context_tokens, scale, sliding_window,
@@ -223,37 +235,40 @@ def prefill_attention(
 prefill_attention_reference = functools.partial(prefill_attention, tiled=False)
 
 
-def sink_attention(
-    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]: the step's decode rows, then its prefills
+def _prefill_with_sinks(
+    q: torch.Tensor,  # [1, H, T, D]
     key: torch.Tensor,
     value: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    meta: Any,  # the step's AttentionMetadata
+    block_table: torch.Tensor,
+    num_context_tokens: int,
     scale: float,
-    sinks: torch.Tensor,  # [num_heads] logits
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    key_scale: torch.Tensor | None = None,
-    value_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Attention with sinks, in torch ops over gathered (dequantized) K/V: the native kernels have no sink
-    term yet. Decode rows and each prefill sequence as their torch paths do, with the sink logits."""
-    out = torch.empty(query.shape, dtype=query.dtype)
-    nd = meta.num_decode_tokens
-    if nd:
-        out[:nd] = paged_decode_attention_torch(
-            query[:nd], key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
-            meta.decode_mask, sliding_window, soft_cap, key_scale, value_scale, sinks,
-        )  # fmt: skip
-    for seq in meta.prefills:
-        s, e = seq.start, seq.end
-        out[s:e] = _prefill_attention_with_options(
-            query[s:e].transpose(0, 1).unsqueeze(0), key[s:e], value[s:e], key_cache, value_cache,
-            seq.block_table, seq.num_context_tokens, scale, sliding_window, soft_cap, key_scale, value_scale,
-            sinks,
-        )  # fmt: skip
-    return out
+    sliding_window: int | None,
+    soft_cap: float | None,
+    key_scale: torch.Tensor | None,
+    value_scale: torch.Tensor | None,
+    sinks: torch.Tensor,
+) -> torch.Tensor:  # [T, num_heads, head_dim]
+    """A sequence that is one tile, with sinks: one flash call over its own K/V (a fresh prompt) or the
+    gathered sequence, whose log-sum-exp gives each row's sink factor (`apply_sinks`)."""
+    num_new = q.shape[2]
+    if num_context_tokens == 0:
+        k = key.transpose(0, 1).unsqueeze(0).contiguous()
+        v = value.transpose(0, 1).unsqueeze(0).contiguous()
+    else:
+        total = num_context_tokens + num_new
+        k = gather_tile(key_cache, block_table, 0, total, q.dtype, key_scale)
+        v = gather_tile(value_cache, block_table, 0, total, q.dtype, value_scale)
+    mask = None
+    if num_context_tokens > 0 or sliding_window is not None:
+        rows = torch.arange(num_new)[:, None] + num_context_tokens
+        cols = torch.arange(k.shape[2])[None, :]
+        mask = cols <= rows
+        if sliding_window is not None:
+            mask &= cols > rows - sliding_window
+    out, lse = attention_tile(q.contiguous(), k, v, scale, soft_cap, mask=mask, causal=mask is None)
+    return apply_sinks(out, lse, sinks)[0].transpose(0, 1)
 
 
 def _prefill_attention_with_options(

@@ -1,4 +1,6 @@
-"""y = x W^T + b, dispatched on how W is stored (see `cpu_plan` for which form a CPU gets).
+"""y = x W^T + b: the kernels each layer's linear method calls (model/layers/linear_methods/, chosen once
+at load), and `linear`, which dispatches on how W is stored for weights no layer owns (see `cpu_plan`
+for which form a CPU gets).
 
 - W in x's dtype ([N, K]): torch's own linear (MKL / oneDNN).
 - W bf16 rows [N, K] under float32 x (CPUs with AVX512-BF16 / AMX, and MoE expert stacks everywhere): up
@@ -56,17 +58,14 @@ def unpack_bf16(packed: torch.Tensor, out_features: int) -> torch.Tensor:
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out_features: int | None = None
 ) -> torch.Tensor:
+    """Any weight, its form read off its type, rank and dtype on each call: for weights no layer owns
+    (expert stacks of families without a FusedMoE, tests). A layer runs its `LinearMethod` instead,
+    chosen once at load (model/layers/linear_methods/)."""
     if type(weight) is QuantizedWeight:
         return quantized_linear(x, weight, bias)
     if weight.dim() == 3:  # packed bf16 panels
         assert out_features is not None, "a packed weight needs its out_features"
-        rows = x.reshape(-1, x.shape[-1])
-        ops = native.kernels()
-        if ops is not None and rows.shape[0] <= cpu_plan.plan().native_max_rows:
-            y = ops.linear_bf16_packed(rows, weight, out_features, bias)
-        else:
-            y = _slab_linear(rows, weight, out_features, bias)
-        return y.view(*x.shape[:-1], out_features)
+        return packed_linear(x, weight, bias, out_features)
     if weight.dtype == x.dtype:
         return F.linear(x, weight, bias)
     if weight.dtype == torch.bfloat16 and x.dtype == torch.float32:
@@ -75,15 +74,43 @@ def linear(
     return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
 
 
-def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+def packed_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """x [..., K] float32 times packed bf16 panels: the native panel kernel for few rows, else widened slabs."""
+    rows = x.reshape(-1, x.shape[-1])
+    ops = native.kernels()
+    if ops is not None and rows.shape[0] <= cpu_plan.plan().native_max_rows:
+        y = ops.linear_bf16_packed(rows, weight, out_features, bias)
+    else:
+        y = _slab_linear(rows, weight, out_features, bias)
+    return y.view(*x.shape[:-1], out_features)
+
+
+def quantized_linear(
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, bf16_gemm: bool = False
+) -> torch.Tensor:
     """x [..., K] (float32, or bf16 activations computed in float32) -> [..., N] in x's dtype: the native
     `linear_q` kernel where built, else the plain-torch reference (perfxlm.quant.reference). Many rows run
-    the CPU's bf16 GEMM for a bfloat16 model (`weight.bf16_gemm`); the activations are rounded to int8
+    the CPU's bf16 GEMM for a bfloat16 model (`bf16_gemm`); the activations are rounded to int8
     blocks as the weight's `activations` (decided at load from `quant_activations`) says, else the
     products are exact to float summation order. The fused decode layer does the same."""
     ops = native.kernels()
     if ops is None or not hasattr(ops, "linear_q") or not weight.kernel_levels:
         return reference_linear(x, weight, bias)
+    mode = weight.activations
+    int8_blocks = mode is not ActivationMode.FLOAT  # INT8_NATIVE: the kernel rounds where it can
+    round_in_torch = mode is ActivationMode.INT8 and not native_int8_blocks(weight)
+    # the kernel would multiply them as given: round them here, the same way
+    return run_linear_q(ops, x, weight, bias, bf16_gemm, int8_blocks and not round_in_torch, round_in_torch)
+
+
+def run_linear_q(
+    ops: object, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, bf16_gemm: bool,
+    int8_blocks: bool, round_in_torch: bool,
+) -> torch.Tensor:
+    """The native `linear_q` call, with the choices made: whether many rows may run the bf16 GEMM,
+    whether the kernel rounds activations to int8 blocks, or they are rounded here first."""
     rows = x.reshape(-1, x.shape[-1])
     if weight.input_order is not None:  # act-order: the codes' columns are the inputs in this order
         rows = rows.index_select(1, weight.input_order)
@@ -91,14 +118,11 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
         rows = rows.float().contiguous()
     b = bias if bias is None or bias.dtype == torch.float32 else bias.float()
     plan = cpu_plan.plan()
-    mode = weight.activations
-    int8_blocks = mode is not ActivationMode.FLOAT  # INT8_NATIVE: the kernel rounds where it can
-    if mode is ActivationMode.INT8 and not native_int8_blocks(weight):
-        # the kernel would multiply them as given: round them here, the same way
-        rows, int8_blocks = fake_quantize_blocks(rows), False
-    y = ops.linear_q(
+    if round_in_torch:
+        rows = fake_quantize_blocks(rows)
+    y = ops.linear_q(  # type: ignore[attr-defined]
         rows, weight.codes, weight.scales, weight.mins, weight.levels, b, weight.act == "int8",
-        plan.quant_max_rows, plan.gemm == "bf16" and weight.bf16_gemm, int8_blocks, plan.quant_block_max_rows,
+        plan.quant_max_rows, plan.gemm == "bf16" and bf16_gemm, int8_blocks, plan.quant_block_max_rows,
     )  # fmt: skip
     return y.to(x.dtype).view(*x.shape[:-1], weight.out_features)
 

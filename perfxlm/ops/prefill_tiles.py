@@ -18,7 +18,8 @@ causal (the flash kernel's top-left `is_causal`: no mask tensor). A sliding wind
 tile only for the rows that see some of it (a leading run of rows, so no row is fully masked: the CPU
 flash kernel reports log-sum-exp 0 for such a row, which the merge would count), and masks a tile only
 where some of its columns fall out of a row's window. Soft-capped scores (Gemma 2) have no hook in
-SDPA: those tiles are spelled out (scores, cap, mask, softmax statistics) on the same tiles.
+SDPA: those tiles are spelled out (scores, cap, mask, softmax statistics) on the same tiles. Attention
+sinks (gpt-oss) scale the merged rows by their share against the sink, from the merged log-sum-exp.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def _softcap_tile(
     return out.view(1, num_heads, n, head_dim).to(q.dtype), lse.view(1, num_heads, n)
 
 
-def _tile(
+def attention_tile(
     q: torch.Tensor,  # [1, H, n, D]
     k: torch.Tensor,  # [1, KVH, S, D]
     v: torch.Tensor,
@@ -107,6 +108,17 @@ def _tile(
     if mask is not None:
         additive = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
     return _flash(q, k, v, 0.0, causal, attn_mask=additive, scale=scale)
+
+
+def apply_sinks(
+    out: torch.Tensor,  # [1, H, T, D], each row normalised over its keys
+    lse: torch.Tensor,  # [1, H, T] float32, the rows' log-sum-exp of scores
+    sinks: torch.Tensor,  # [H] sink logits
+) -> torch.Tensor:  # [1, H, T, D] in out's dtype
+    """Attention sinks (gpt-oss) after the fact: the sink is one more logit in each row's softmax over no
+    value, so the row's weights shrink by e^lse / (e^lse + e^sink) = sigmoid(lse - sink)."""
+    keep = torch.sigmoid(lse - sinks.float().view(1, -1, 1)).unsqueeze(-1)
+    return (out.float() * keep).to(out.dtype)
 
 
 class _Merge:
@@ -137,6 +149,7 @@ def tiled_prefill_attention(
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
     tile_tokens: int | None = None,  # default: TILE_TOKENS (SOFTCAP_TILE_TOKENS with a soft cap)
+    sinks: torch.Tensor | None = None,  # [H] sink logits (gpt-oss), applied to the merged result
 ) -> torch.Tensor:  # [1, H, T, D] in q's dtype
     q = q.contiguous()  # [T, H, D] transposed by the caller: one copy, faster tiles (see gather_tile)
     num_new = q.shape[2]
@@ -154,9 +167,9 @@ def tiled_prefill_attention(
     if sliding_window is not None and sliding_window < num_new:
         pos = torch.arange(num_new)
         diff = pos[:, None] - pos[None, :]
-        merge = _Merge(*_tile(q, k, v, scale, soft_cap, mask=(diff >= 0) & (diff < sliding_window)))
+        merge = _Merge(*attention_tile(q, k, v, scale, soft_cap, mask=(diff >= 0) & (diff < sliding_window)))
     else:
-        merge = _Merge(*_tile(q, k, v, scale, soft_cap, causal=True))
+        merge = _Merge(*attention_tile(q, k, v, scale, soft_cap, causal=True))
     del k, v
     # Context tiles. Without a window every new token sees all of them; with one, the first new token
     # (at ctx) sees nothing before ctx - W + 1.
@@ -175,5 +188,7 @@ def tiled_prefill_attention(
                 pos = torch.arange(ctx, ctx + rows)
                 mask = torch.arange(a, b)[None, :] > (pos - sliding_window)[:, None]
         k, v = kv(a, b)
-        merge.add(*_tile(q[:, :, :rows], k, v, scale, soft_cap, mask=mask))
+        merge.add(*attention_tile(q[:, :, :rows], k, v, scale, soft_cap, mask=mask))
+    if sinks is not None:
+        return apply_sinks(merge.acc, merge.lse, sinks).to(q.dtype)
     return merge.acc.to(q.dtype)

@@ -12,11 +12,12 @@ def attention_reference(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads] logits
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     """Causal attention where query i is the last T tokens of the S-token sequence.
 
     With a sliding window W the query at position p sees only keys p - W + 1 .. p; with a soft cap c
-    the scores become c * tanh(scores / c).
+    the scores become c * tanh(scores / c); a sink is one more score per head whose weight is dropped.
     """
     num_new, num_heads, _ = query.shape
     total, num_kv_heads, _ = key.shape
@@ -31,7 +32,10 @@ def attention_reference(
             scores = (k @ query[i, h].float()) * scale
             if soft_cap is not None:
                 scores = soft_cap * torch.tanh(scores / soft_cap)
-            weights = torch.softmax(scores, dim=0)
+            if sinks is not None:
+                weights = torch.softmax(torch.cat((scores, sinks[h].float().view(1))), dim=0)[:-1]
+            else:
+                weights = torch.softmax(scores, dim=0)
             out[i, h] = (weights @ v).to(query.dtype)
     return out
 

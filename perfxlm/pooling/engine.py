@@ -36,7 +36,7 @@ class PoolingEngine:
     runner_kind = "pooling"
 
     def __init__(self, config: EngineConfig) -> None:
-        from perfxlm.model.loader import get_model
+        from perfxlm.model.loader import load_model
 
         self.config = config.resolve()
         _check_supported(config)
@@ -45,9 +45,8 @@ class PoolingEngine:
             from perfxlm.tokenizer import get_tokenizer
 
             self.tokenizer = get_tokenizer(config.model, config.tokenizer)
-        self.model = get_model(
-            config.model, config.hf_config, config.torch_dtype, config.load_format, config.seed, config.weight_dtype
-        )
+        _convert_lm_head(config.hf_config, self.tokenizer)
+        self.model = load_model(config)
         self.pooler_config: PoolerConfig = resolve_pooler_config(
             self.model, config.hf_config, config.model, int(config.max_model_len), config.pooler_config,
             self.tokenizer,
@@ -155,6 +154,9 @@ class PoolingEngine:
         seqs = [x.seq for x in inputs]
         hidden, lens = self.runner.forward(seqs)
         pooled = {t: pool(hidden, lens, t) for t in {x.pooling_type for x in inputs if x.task not in _LOGIT_TASKS}}
+        dense = self.pooler_config.dense
+        if dense is not None:  # sentence-transformers' Dense modules: over sentence embeddings, not per token
+            pooled.update({t: list(dense(torch.stack(rows)).unbind(0)) for t, rows in pooled.items() if t != "ALL"})
         logit_rows = [i for i, x in enumerate(inputs) if x.task in _LOGIT_TASKS]
         logits = self.runner.classify(hidden, lens, logit_rows) if logit_rows else None
         logit_of = {row: j for j, row in enumerate(logit_rows)}
@@ -187,6 +189,25 @@ def _check_supported(config: EngineConfig) -> None:
         raise ValueError("quantization calibration runs a causal LM over text windows, which an encoder is not: "
                          "pass calibration false (e.g. {\"method\": \"int4\", \"calibration\": false}), "
                          "or int8 / w8a8.")
+
+
+def _convert_lm_head(hf_config: Any, tokenizer: Any) -> None:
+    """A causal LM's checkpoint served as a classifier from its LM head's rows (hf_overrides'
+    classifier_from_token): the tokens resolved to ids on the config, before the model is built."""
+    from perfxlm.model.models import classifier_from_tokens
+    from perfxlm.model.models.seq_classification import DecoderForSequenceClassification
+    from perfxlm.model.registry import resolve_model_class
+
+    if not classifier_from_tokens.requested(hf_config):
+        return
+    model_cls = resolve_model_class(hf_config)
+    if not issubclass(model_cls, DecoderForSequenceClassification):
+        raise ValueError(
+            f"classifier_from_token converts a decoder's LM head into a score head, which {model_cls.__name__} "
+            "is not: set hf_overrides' architectures to the *ForSequenceClassification of its causal LM "
+            '(e.g. ["Qwen3ForSequenceClassification"]).'
+        )
+    classifier_from_tokens.resolve(hf_config, tokenizer)
 
 
 def _check_convert(convert: str, pc: PoolerConfig) -> None:

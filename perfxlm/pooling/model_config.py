@@ -3,8 +3,9 @@ it serves and its window.
 
 Sources, first wins: the user's `pooler_config` (vLLM's name: {"pooling_type", "normalize"}), the
 checkpoint's sentence-transformers files (`modules.json` naming a Pooling module whose `config.json` says
-CLS / mean / last token, a Normalize module, `sentence_bert_config.json`'s max_seq_length or, as version 6
-saves it, the tokenizer's model_max_length), then the
+CLS / mean / last token, Dense modules after it (`dense.py`), a Normalize module last,
+`sentence_bert_config.json`'s max_seq_length or, as version 6 saves it, the tokenizer's model_max_length),
+then the
 model's kind (an encoder pools its [CLS] token; a causal LM its last token, normalized, as vLLM does).
 """
 
@@ -12,8 +13,10 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from perfxlm.pooling.dense import SENTENCE_EMBEDDING, DenseStack
 
 POOLING_TYPES = ("CLS", "MEAN", "LAST", "ALL")
 
@@ -37,6 +40,8 @@ class PoolerConfig:
     max_len: int  # the longest input, in tokens
     matryoshka_dimensions: tuple[int, ...] | None  # the `dimensions` the model allows (None: any, or none)
     is_matryoshka: bool
+    # sentence-transformers Dense modules between pooling and normalization (hidden_size is their output)
+    dense: DenseStack | None = field(default=None, compare=False, repr=False)
 
     @property
     def tasks(self) -> frozenset[str]:
@@ -76,7 +81,15 @@ def sentence_transformers_pooling(folder: str) -> dict[str, Any]:
     for module in _read_json(modules_path):
         kind = str(module.get("type", ""))
         name = kind.rsplit(".", 1)[-1]
-        if name == "Pooling":
+        if found["normalize"]:  # Normalize ends what the pooling runner reproduces
+            raise ValueError(f"sentence-transformers module {kind!r} after Normalize is not supported by the pooling "
+                             "runner.")
+        if name == "Dense":
+            if "pooling_type" not in found:
+                raise ValueError("a sentence-transformers Dense module before Pooling (over token embeddings) is not "
+                                 "supported: the pooling runner applies Dense layers to the pooled embedding.")
+            found.setdefault("dense", []).append(os.path.join(folder, module.get("path", "")))
+        elif name == "Pooling":
             config = _read_json(os.path.join(folder, module.get("path", ""), "config.json"))
             bad = [k for k in _ST_UNSUPPORTED if config.get(k)]
             modes = [t for k, t in _ST_MODES.items() if config.get(k)]
@@ -91,6 +104,7 @@ def sentence_transformers_pooling(folder: str) -> dict[str, Any]:
                 )
             found["pooling_type"] = modes[0]
         elif name == "Normalize":
+            _check_normalize(os.path.join(folder, module.get("path", "")))
             found["normalize"] = True
         elif name not in ("Transformer", "Pooling"):
             raise ValueError(f"sentence-transformers module {kind!r} is not supported by the pooling runner.")
@@ -100,6 +114,16 @@ def sentence_transformers_pooling(folder: str) -> dict[str, Any]:
         if isinstance(length, int) and length > 0:
             found["max_seq_length"] = length
     return found
+
+
+def _check_normalize(path: str) -> None:
+    """Normalize over the sentence embedding (the default) is the embedding head's; over token embeddings
+    (multi-vector models) it is not."""
+    config_path = os.path.join(path, "config.json")
+    config = _read_json(config_path) if path and os.path.isfile(config_path) else {}
+    if config.get("module_input_name", SENTENCE_EMBEDDING) != SENTENCE_EMBEDDING:
+        raise ValueError(f"sentence-transformers Normalize over {config['module_input_name']!r} is not supported: "
+                         "the pooling runner normalizes the sentence embedding.")
 
 
 def resolve_pooler_config(model: Any, hf_config: Any, folder: str, max_model_len: int,
@@ -135,12 +159,14 @@ def resolve_pooler_config(model: Any, hf_config: Any, folder: str, max_model_len
         if isinstance(limit, int) and 0 < limit < max_len:
             max_len = limit
     dims = getattr(hf_config, "matryoshka_dimensions", None)
+    dense = DenseStack.load(st["dense"], int(hf_config.hidden_size)) if st.get("dense") else None
     return PoolerConfig(
         pooling_type=pooling_type,
         normalize=normalize,
-        hidden_size=int(hf_config.hidden_size),
+        hidden_size=dense.out_features if dense is not None else int(hf_config.hidden_size),
         num_labels=int(getattr(model, "num_labels", 0) or 0),
         max_len=int(max_len),
         matryoshka_dimensions=tuple(int(d) for d in dims) if dims else None,
         is_matryoshka=bool(getattr(hf_config, "is_matryoshka", False) or dims),
+        dense=dense,
     )

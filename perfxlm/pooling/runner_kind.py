@@ -30,17 +30,26 @@ def task_settings(task: str) -> dict[str, str]:
     return {"runner": runner, "convert": convert}
 
 
-def _architectures(model: str | None, revision: str | None, download_dir: str | None) -> list[str]:
+def _architectures(model: str | None, revision: str | None, download_dir: str | None,
+                   hf_overrides: Any = None) -> list[str]:
+    from perfxlm.model.hf_overrides import overridden_architectures
+
     if model is None:
-        return []  # the default model: a causal LM
+        return overridden_architectures([], hf_overrides)  # the default model: a causal LM
     from perfxlm.hub import resolve_model
 
     path = resolve_model(model, revision, download_dir)
     config = os.path.join(path, "config.json")
     if not os.path.isdir(path) or not os.path.isfile(config):
-        return []  # a GGUF file (decoders only), or a folder the loader will refuse with its own message
+        # a GGUF file (decoders only), or a folder the loader will refuse with its own message
+        return overridden_architectures([], hf_overrides)
+    if callable(hf_overrides):  # a function of the config: what it makes of the loaded one
+        from perfxlm.model.hf_overrides import apply_hf_overrides
+        from perfxlm.model.loader import load_hf_config
+
+        return list(getattr(apply_hf_overrides(load_hf_config(path), hf_overrides), "architectures", None) or [])
     with open(config, encoding="utf-8") as f:
-        return list(json.load(f).get("architectures") or [])
+        return overridden_architectures(list(json.load(f).get("architectures") or []), hf_overrides)
 
 
 def select_runner(config: Any) -> str:
@@ -52,7 +61,7 @@ def select_runner(config: Any) -> str:
         raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}.")
     if convert not in CONVERTS:
         raise ValueError(f"convert must be one of {', '.join(CONVERTS)}, got {convert!r}.")
-    archs = _architectures(config.model, config.revision, config.download_dir)
+    archs = _architectures(config.model, config.revision, config.download_dir, config.hf_overrides)
     encoder = next((a for a in archs if a in POOLING_ONLY), None)
     if convert in ("embed", "classify", "reward"):
         if runner == "generate":

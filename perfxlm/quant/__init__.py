@@ -1,6 +1,6 @@
 """Quantized weights: one storage form (`QuantizedWeight`) for GGUF blocks kept quantized and for float
-checkpoints quantized at load (`quantization=`), multiplied by `ops.linear` through the native kernel or
-the plain-torch reference."""
+checkpoints quantized at load (`quantization=`), multiplied by each layer's linear method
+(model/layers/linear_methods/) through the native kernel or the plain-torch reference."""
 
 from perfxlm.quant.config import METHODS, QuantizationConfig, resolve_activations
 from perfxlm.quant.quantizers import NF4_LEVELS

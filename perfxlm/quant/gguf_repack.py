@@ -2,7 +2,8 @@
 
 Each type maps onto the affine form w = scale * u + min without changing a value (`dequantize()` equals
 `gguf.quants.dequantize` bit for bit):
-- Q4_0: u = q (0..15), Q4_0's nibble layout kept byte for byte; scale d, min -8 d (float16).
+- Q4_0: u = q (0..15), Q4_0's nibble layout kept byte for byte; scale d (float16), centred codes: the
+  min -8 d is implied, not stored (4.5 bits per weight streamed, as the file holds them, not 5).
 - Q4_1: u = q, scale d, min m (float16).
 - Q8_0: 8-bit u = q + 128, scale d, min -128 d (float16).
 - Q5_0 / Q5_1: 8-bit u = q (0..31); scale d, min -16 d / m (float16).
@@ -66,7 +67,7 @@ def repack(raw: np.ndarray | torch.Tensor, qtype: Q, shape: tuple[int, ...]) -> 
 
     if qtype == Q.Q4_0:
         codes, group, bits = b[:, 2:18], 32, 4
-        scales, mins = _scaled_min(_f16(b, 0), -8.0)
+        scales, mins = _f16(b, 0), None
     elif qtype == Q.Q4_1:
         codes, group, bits = b[:, 4:20], 32, 4
         scales, mins = _f16(b, 0), _f16(b, 2)
@@ -102,5 +103,5 @@ def repack(raw: np.ndarray | torch.Tensor, qtype: Q, shape: tuple[int, ...]) -> 
         group, bits = 16, 8
     return QuantizedWeight(
         codes.contiguous().reshape(n, k * bits // 8), scales.contiguous().reshape(n, k // group),
-        mins.contiguous().reshape(n, k // group), None, bits, group, "float", n, k,
+        None if mins is None else mins.contiguous().reshape(n, k // group), None, bits, group, "float", n, k,
     )  # fmt: skip

@@ -30,11 +30,10 @@ from torch import nn
 from perfxlm.quant import mixed
 from perfxlm.quant.config import CHECKPOINT_METHODS, GGUF, METHODS, QuantizationConfig
 from perfxlm.quant.formats import PackedCheckpoint
+from perfxlm.quant.targets import TABLE, QuantizableLayer, QuantizableWeight
 from perfxlm.quant.weight import ActivationMode, QuantizedWeight
 
 logger = logging.getLogger("perfxlm")
-
-_EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
 
 def install(module: nn.Module, name: str, weight: QuantizedWeight) -> Any:
@@ -44,47 +43,38 @@ def install(module: nn.Module, name: str, weight: QuantizedWeight) -> Any:
     return old
 
 
-def _kind(module: nn.Module, local: str) -> str | None:
-    from perfxlm.model.layers.embed_head import LMHead, VocabEmbedding
-    from perfxlm.model.layers.linear import Linear
-    from perfxlm.model.layers.moe import FusedMoE
+def _declared(module: nn.Module) -> dict[str, QuantizableWeight]:
+    """The weights `module` declares quantizable (QuantizableLayer), by parameter name."""
+    if not isinstance(module, QuantizableLayer):
+        return {}
+    return {w.param: w for w in module.quantizable_weights()}
 
-    if isinstance(module, Linear) and local == "weight":
-        return "linear"
-    if isinstance(module, (LMHead, VocabEmbedding)) and local == "weight":
-        return "table"
-    if isinstance(module, FusedMoE) and local in _EXPERT_PARAMS:
-        return "experts"
-    return None
+
+def _kind(module: nn.Module, local: str) -> str | None:
+    declared = _declared(module).get(local)
+    return None if declared is None else declared.kind
 
 
 def quantizable(model: nn.Module) -> list[tuple[str, nn.Module, str, int]]:
     """(qualified name, module, parameter, in_features) of every weight `quantization=` quantizes."""
-    from perfxlm.model.layers.linear import Linear
-    from perfxlm.model.layers.moe import FusedMoE
-
     out = []
     for name, module in model.named_modules():
-        if isinstance(module, Linear) and module.quantize_weight:
-            out.append((name, module, "weight", module.in_features))
-        elif isinstance(module, FusedMoE):
-            out.append((name, module, "gate_up_proj", module.gate_up_proj.shape[-1]))
-            out.append((name, module, "down_proj", module.down_proj.shape[-1]))
+        for w in _declared(module).values():
+            if w.kind != TABLE and w.at_load:
+                out.append((name, module, w.param, w.in_features))
     return out
 
 
 def quantizable_tables(model: nn.Module) -> list[tuple[str, nn.Module, str, int]]:
     """(qualified name, module, "weight", hidden size) of the embedding table and the LM head, each
     Parameter once: a tied head shares the table's, and gets its QuantizedWeight at `finish`."""
-    from perfxlm.model.layers.embed_head import LMHead, VocabEmbedding
-
     out, seen = [], set()
     for name, module in model.named_modules():
-        if isinstance(module, (VocabEmbedding, LMHead)):
-            param = module._parameters.get("weight")
+        for w in _declared(module).values():
+            param = module._parameters.get(w.param) if w.kind == TABLE else None
             if param is not None and id(param) not in seen:
                 seen.add(id(param))
-                out.append((name, module, "weight", param.shape[-1]))
+                out.append((name, module, w.param, w.in_features))
     return out
 
 
@@ -112,6 +102,14 @@ class QuantizedLoader:
         self.kept: Counter[str] = Counter()
         self.model = model
         self.activations = ActivationMode.FLOAT
+
+    @property
+    def format_name(self) -> str:
+        """The registry name of the linear method the weights this sink installs run by: the packed
+        checkpoint's format, the method quantizing at load, or "gguf" (kept)."""
+        if self.packed is not None:
+            return self.packed.format.method
+        return GGUF if self.config is None else self.config.method
 
     @property
     def source(self) -> str:

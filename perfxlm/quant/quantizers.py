@@ -52,13 +52,14 @@ def _to_half_if_exact(scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.T
 
 
 def _build(codes, scales, mins, bits, group, shape, act="float", levels=None) -> QuantizedWeight:
+    """mins None: centred codes (the min implied by the scale, not stored)."""
     *lead, n, k = shape
     codes = codes.reshape(*lead, n, k).to(torch.uint8)
     if bits == 4:
         codes = pack_nibbles(codes)
     return QuantizedWeight(
         codes.contiguous(), scales.reshape(*lead, n, k // group).contiguous(),
-        mins.reshape(*lead, n, k // group).contiguous(), levels, bits, group, act, n, k,
+        None if mins is None else mins.reshape(*lead, n, k // group).contiguous(), levels, bits, group, act, n, k,
     )  # fmt: skip
 
 
@@ -98,10 +99,10 @@ def quantize_symmetric_int4(w: torch.Tensor, group: int) -> QuantizedWeight:
     idx = g.abs().argmax(dim=-1, keepdim=True)
     d = torch.gather(g, -1, idx).squeeze(-1) / -8.0
     d16 = d.half()
-    if torch.isfinite(d16 * -8.0).all():  # float16 where -8 d fits; a power of two times d stays exact
+    if torch.isfinite(d16).all():  # float16 where d fits (the min -8 d is implied: centred codes)
         d = d16
     u = torch.round(g / _safe(d.float()).unsqueeze(-1)).add_(8).clamp_(0, 15)
-    return _build(u, d, d * -8.0, 4, group, w.shape)
+    return _build(u, d, None, 4, group, w.shape)
 
 
 def quantize_asymmetric_int4(w: torch.Tensor, group: int) -> QuantizedWeight:

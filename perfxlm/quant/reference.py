@@ -80,7 +80,7 @@ def w8a8_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) 
     """x float32 [M, K] -> [M, N] float32, by the W8A8 rule in the module docstring."""
     qx, sx = quantize_activations(x)
     qw = w.codes.view(torch.int8) ^ torch.tensor(-128, dtype=torch.int8)  # u - 128, as int8
-    scales, mins = w.scales.float(), w.mins.float()
+    scales, mins = w.scales.float(), w.full_mins()
     offsets = mins + 128.0 * scales
     g = w.group
     total = None

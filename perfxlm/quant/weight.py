@@ -4,7 +4,10 @@ A weight matrix [N, K] (or a stack of expert matrices [E, N, K]) is stored as
 - `codes`, uint8: bits=8: [N, K], one code u (0..255) per weight; bits=4: [N, K // 2], GGUF Q4_0's
   nibble layout: within each 32-element block b of a row, byte j (j < 16) of the block's 16 bytes holds
   element 32b + j in its low nibble and element 32b + 16 + j in its high nibble;
-- `scales`, `mins`: both float32 or both float16, [N, K // group], contiguous;
+- `scales`, `mins`: both float32 or both float16, [N, K // group], contiguous; `mins` None for centred
+  codes (Q4_0, Q8_0, symmetric int4 / int8, NF4), whose min is implied: -8 x scale for 4-bit codes,
+  -128 x scale for 8-bit ones, 0 with a level table. Not storing it is what lets a 4-bit decode stream
+  4.5 bits per weight instead of 5;
 - `levels`: None, or float32 [2 ** bits]: a table of values the codes index (NF4's 16 NormalFloat
   levels; the 256 values of FP8 e4m3 bytes, a pre-quantized checkpoint's FP8 weights kept as they are);
 - `input_order`: None, or int64 [K] ([E, K] for a stack): the codes' columns are the weight's input channels in this order
@@ -12,7 +15,7 @@ A weight matrix [N, K] (or a stack of expert matrices [E, N, K]) is stored as
 
 The value of the weight in codes column k is `scales[n, k // group] * u + mins[n, k // group]`, or with
 levels `scales[...] * levels[u] + mins[...]`, computed in float32 as a multiply then an add (two
-roundings); `dequantize()` gives that matrix, `dense()` the weight as the model sees it (the columns put
+roundings); centred codes: `scales[...] * (u - centre)` (or `* levels[u]`), one rounding; `dequantize()` gives that matrix, `dense()` the weight as the model sees it (the columns put
 back where `input_order` says).
 `act` says how the activations meet it: "float" (weight-only: activations stay float32), "int8" (W8A8:
 activations quantized per token at run time, one scale per row) or "int8_block" (W8A8 with one scale
@@ -80,6 +83,11 @@ def pack_nibbles(values: torch.Tensor) -> torch.Tensor:
     return (v[..., 0, :] | (v[..., 1, :] << 4)).reshape(*lead, -1).contiguous()
 
 
+def _pick(mins: torch.Tensor | None, fn: Any) -> torch.Tensor | None:
+    """fn(mins) for stored mins; centred codes (None) stay centred."""
+    return None if mins is None else fn(mins)
+
+
 def _same_levels(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal level tables (FP8's has NaN entries, for codes no weight uses)."""
     return a is b or (a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all()))
@@ -89,16 +97,13 @@ def _same_levels(a: torch.Tensor, b: torch.Tensor) -> bool:
 class QuantizedWeight:
     codes: torch.Tensor
     scales: torch.Tensor
-    mins: torch.Tensor
+    mins: torch.Tensor | None
     levels: torch.Tensor | None
     bits: int
     group: int
     act: str
     out_features: int
     in_features: int
-    # Not part of the stored format: whether products with many rows may run torch's bf16 GEMM on
-    # dequantized slabs (set for bfloat16 models by the loader; float32 models keep float32 GEMMs).
-    bf16_gemm: bool = False
     # Not part of the stored format either: whether products round the activations to int8 blocks, put
     # here at load (`use_activations`); a W8A8 weight's own `act` decides for it.
     activations: ActivationMode = ActivationMode.FLOAT
@@ -128,13 +133,15 @@ class QuantizedWeight:
         want = (*lead, n, k // g)
         for name in ("scales", "mins"):
             t = getattr(self, name)
+            if t is None and name == "mins":
+                continue
             ok = tuple(t.shape) == want and t.dtype in (torch.float32, torch.float16) and t.is_contiguous()
             if not ok:
                 raise ValueError(
                     f"QuantizedWeight: {name} {t.dtype} {tuple(t.shape)}, expected contiguous float32 or "
                     f"float16 {want}."
                 )
-        if self.scales.dtype != self.mins.dtype:
+        if self.mins is not None and self.scales.dtype != self.mins.dtype:
             raise ValueError("QuantizedWeight: scales and mins must share one dtype.")
         lv = self.levels
         if lv is not None and (lv.dtype != torch.float32 or tuple(lv.shape) != (1 << self.bits,)):
@@ -168,7 +175,40 @@ class QuantizedWeight:
                 "quant_activations='auto' or 'float32'."
             )
 
+    # ---- centred codes -------------------------------------------------------------------------------
+    @property
+    def centred(self) -> bool:
+        """Whether the mins are implied (-centre x scale) rather than stored."""
+        return self.mins is None
+
+    @property
+    def centre(self) -> int:
+        """The code a centred weight's zero sits at: 8 (4-bit), 128 (8-bit), 0 with a level table."""
+        return 0 if self.levels is not None else 1 << (self.bits - 1)
+
+    def full_mins(self) -> torch.Tensor:
+        """The mins as float32, stored or implied."""
+        if self.mins is not None:
+            return self.mins.float()
+        return self.scales.float() * float(-self.centre)
+
+    def with_mins(self) -> "QuantizedWeight":
+        """The same values with the mins stored (float32 scales too where -centre x scale leaves float16)."""
+        if self.mins is not None:
+            return self
+        mins = self.scales * float(-self.centre)
+        if not torch.isfinite(mins).all() and torch.isfinite(self.scales).all():
+            return self._like(self.codes, self.scales.float(), self.full_mins())
+        return self._like(self.codes, self.scales, mins)
+
     # ---- shape ---------------------------------------------------------------------------------------
+    def native_parts(self) -> list[torch.Tensor]:
+        """The tensors the native products take (csrc `project`, `moe_experts`): [codes, scales, mins
+        (empty: centred codes), levels (empty: none), act_int8 (0-dim bool)]."""
+        empty = torch.empty(0)
+        return [self.codes, self.scales, self.mins if self.mins is not None else empty,
+                self.levels if self.levels is not None else empty, torch.tensor(self.act == "int8")]
+
     @property
     def kernel_levels(self) -> bool:
         """Whether the native kernels take this weight's codes: affine codes, or a 16-level table on
@@ -193,10 +233,13 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         extra = 0 if self.levels is None else self.levels.numel() * 4
         extra += 0 if self.input_order is None else self.input_order.numel() * 8
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins)) + extra
+        stored = (self.codes, self.scales) if self.mins is None else (self.codes, self.scales, self.mins)
+        return sum(t.numel() * t.element_size() for t in stored) + extra
 
     def describe(self) -> str:
         fmt = f"u{self.bits}" if self.levels is None else ("nf4" if self.bits == 4 else "fp8")
+        if self.centred and self.levels is None:
+            fmt = f"s{self.bits}"  # signed: centred codes
         if self.input_order is not None:
             fmt += " act-order"
         group = "channel" if self.group == self.in_features else f"g{self.group}"
@@ -209,14 +252,14 @@ class QuantizedWeight:
         return f"QuantizedWeight({tuple(self.shape)}, {self.describe()}, {self.nbytes} bytes)"
 
     def _like(
-        self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, **changes: Any
+        self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, **changes: Any
     ) -> "QuantizedWeight":
         fields = dict(levels=self.levels, bits=self.bits, group=self.group, act=self.act,
                       out_features=codes.shape[-2], in_features=self.in_features,
-                      bf16_gemm=self.bf16_gemm, activations=self.activations,
+                      activations=self.activations,
                       input_order=self.input_order)  # fmt: skip
         fields.update(changes)
-        return QuantizedWeight(codes, scales.contiguous(), mins.contiguous(), **fields)
+        return QuantizedWeight(codes, scales.contiguous(), None if mins is None else mins.contiguous(), **fields)
 
     # ---- values --------------------------------------------------------------------------------------
     def unpacked_codes(self) -> torch.Tensor:
@@ -232,7 +275,12 @@ class QuantizedWeight:
         else:
             values = u.float()
         values = values.view(*lead, -1, self.group)
-        values.mul_(self.scales.float().unsqueeze(-1)).add_(self.mins.float().unsqueeze(-1))
+        if self.mins is None:
+            if self.levels is None:
+                values.sub_(float(self.centre))
+            values.mul_(self.scales.float().unsqueeze(-1))
+        else:
+            values.mul_(self.scales.float().unsqueeze(-1)).add_(self.mins.float().unsqueeze(-1))
         return values.view(*lead, self.in_features)
 
     def dense(self) -> torch.Tensor:
@@ -254,14 +302,15 @@ class QuantizedWeight:
         if self.num_experts is None:
             raise TypeError("only a stack of expert weights can be indexed")
         order = None if self.input_order is None else self.input_order[expert]
-        return self._like(self.codes[expert], self.scales[expert], self.mins[expert], input_order=order)
+        return self._like(self.codes[expert], self.scales[expert], _pick(self.mins, lambda m: m[expert]),
+                          input_order=order)
 
     def narrow_rows(self, start: int, length: int) -> "QuantizedWeight":
         """Output rows [start, start + length) (views where the storage allows)."""
         dim = self.codes.dim() - 2
         return self._like(
             self.codes.narrow(dim, start, length), self.scales.narrow(dim, start, length),
-            self.mins.narrow(dim, start, length),
+            _pick(self.mins, lambda m: m.narrow(dim, start, length)),
         )  # fmt: skip
 
     def index_rows(self, index: torch.Tensor) -> "QuantizedWeight":
@@ -269,7 +318,7 @@ class QuantizedWeight:
         dim = self.codes.dim() - 2
         return self._like(
             self.codes.index_select(dim, index), self.scales.index_select(dim, index),
-            self.mins.index_select(dim, index),
+            _pick(self.mins, lambda m: m.index_select(dim, index)),
         )  # fmt: skip
 
     # ---- promotion -----------------------------------------------------------------------------------
@@ -277,7 +326,10 @@ class QuantizedWeight:
         """The same values with 8-bit codes."""
         if self.bits == 8:
             return self
-        return self._like(unpack_nibbles(self.codes).contiguous(), self.scales, self.mins, bits=8)
+        u = unpack_nibbles(self.codes).contiguous()
+        if self.centred and self.levels is None:  # u - 8 == (u + 120) - 128: still centred
+            u.add_(128 - 8)
+        return self._like(u, self.scales, self.mins, bits=8)
 
     def regrouped(self, group: int) -> "QuantizedWeight":
         """The same values with a smaller group that divides this one (scales and mins repeated)."""
@@ -289,15 +341,16 @@ class QuantizedWeight:
         w = self if self.bits == 8 or group % BLOCK4 == 0 else self.widened()
         dim = w.scales.dim() - 1
         return w._like(
-            w.codes, w.scales.repeat_interleave(r, dim=dim), w.mins.repeat_interleave(r, dim=dim), group=group
-        )
+            w.codes, w.scales.repeat_interleave(r, dim=dim),
+            _pick(w.mins, lambda m: m.repeat_interleave(r, dim=dim)), group=group,
+        )  # fmt: skip
 
     def with_scale_dtype(self, dtype: torch.dtype) -> "QuantizedWeight":
         if self.scales.dtype == dtype:
             return self
         if dtype != torch.float32:
             raise ValueError("scales are only ever widened (float16 -> float32)")
-        return self._like(self.codes, self.scales.float(), self.mins.float())
+        return self._like(self.codes, self.scales.float(), _pick(self.mins, torch.Tensor.float))
 
     @staticmethod
     def common_form(parts: Sequence["QuantizedWeight"]) -> list["QuantizedWeight"]:
@@ -320,6 +373,8 @@ class QuantizedWeight:
         bits = 8 if any(p.bits == 8 for p in parts) or group % BLOCK4 else 4
         if bits == 8 and levels[0] is not None and any(p.bits == 4 for p in parts):
             raise ValueError("level-table (NF4) parts cannot be widened to 8-bit codes; no common form")
+        if len({p.centred for p in parts}) > 1:  # centred beside stored mins: store them all
+            parts = [p.with_mins() for p in parts]
         dtype = torch.float32 if any(p.scales.dtype == torch.float32 for p in parts) else torch.float16
         out = []
         for p in parts:
@@ -345,7 +400,7 @@ class QuantizedWeight:
         first = parts[0]
         return first._like(
             torch.cat([p.codes for p in parts], dim), torch.cat([p.scales for p in parts], dim),
-            torch.cat([p.mins for p in parts], dim),
+            None if first.mins is None else torch.cat([p.mins for p in parts], dim),
         )  # fmt: skip
 
     @staticmethod
@@ -363,5 +418,5 @@ class QuantizedWeight:
             order = torch.stack([natural if e.input_order is None else e.input_order for e in experts])
         return first._like(
             torch.stack([e.codes for e in experts]), torch.stack([e.scales for e in experts]),
-            torch.stack([e.mins for e in experts]), input_order=order,
+            None if first.mins is None else torch.stack([e.mins for e in experts]), input_order=order,
         )  # fmt: skip

@@ -4,7 +4,7 @@ Accepted as vLLM spells it (a dict, or JSON text from the command line):
 
     {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     {"model": PATH, "num_speculative_tokens": 4}               (method "draft_model")
-    {"method": "mtp", ...}                                      (refused: no family with MTP layers yet)
+    {"method": "mtp", ...}                                      (refused: MTP layers are not loaded yet)
 
 Every check here runs when the engine's configuration is built, before any weights are read; the draft
 model's checks (`check_draft_against_target`) read only its config.
@@ -68,9 +68,9 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: method {value.get('method')!r} is not supported; use one of "
                              f"{', '.join(METHODS)}.")
         if method == "mtp":
-            raise ValueError("speculative_config: method 'mtp' needs a checkpoint with multi-token-prediction "
-                             "layers (DeepSeek-V3 style); no family this engine runs has them yet. Use 'ngram' or "
-                             "a draft 'model'.")
+            raise ValueError("speculative_config: method 'mtp' (a checkpoint's own multi-token-prediction layers, "
+                             "DeepSeek-V3's num_nextn_predict_layers) is not supported yet: this engine does not "
+                             "load those layers. Use 'ngram' or a draft 'model'.")
         k = _int(value, "num_speculative_tokens", None)
         if k is None:
             raise ValueError("speculative_config: num_speculative_tokens is required (1 to "
@@ -80,8 +80,8 @@ class SpeculativeConfig:
                              f"got {k}.")
         tp = _int(value, "draft_tensor_parallel_size", 1)
         if tp != 1:
-            raise ValueError(f"speculative_config: draft_tensor_parallel_size must be 1 (the draft runs in the "
-                             f"engine's process), got {tp}.")
+            raise ValueError(f"speculative_config: draft_tensor_parallel_size must be 1 (the draft runs whole in "
+                             f"the engine's process, whatever the target's tensor_parallel_size), got {tp}.")
         disable = _int(value, "disable_by_batch_size", None)
         if disable is not None and disable < 1:
             raise ValueError(f"speculative_config: disable_by_batch_size must be >= 1, got {disable}.")

@@ -18,7 +18,7 @@ from typing import Any
 from perfxlm.engine.kv_cache_manager import KVCacheManager
 from perfxlm.engine.messages import ScheduledRequest, SchedulerOutput
 from perfxlm.engine.request import Request
-from perfxlm.model.loader import get_model
+from perfxlm.model.loader import load_model
 from perfxlm.sampling_params import SamplingParams
 from perfxlm.spec_decode.proposer import DraftRequest, Proposer
 from perfxlm.worker.model_runner import ModelRunner
@@ -43,8 +43,7 @@ class DraftModelProposer(Proposer):
         config = EngineConfig(model=spec.model, dtype=t.dtype, quantization=spec.quantization, seed=t.seed,
                               block_size=t.block_size, enable_prefix_caching=False).resolve()  # fmt: skip
         self.config = config
-        self.model = get_model(config.model, config.hf_config, config.torch_dtype, config.load_format, config.seed,
-                               config.weight_dtype)  # fmt: skip
+        self.model = load_model(config)
         # as many blocks as the target's pool: the draft follows the same tokens, in fewer bytes each
         self.kv = KVCacheManager(num_kv_blocks, t.block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(self.model, num_kv_blocks, t.block_size, config.kv_cache_spec)

@@ -1,10 +1,11 @@
 """The proposer seam: a request's tokens in, a guess of its next tokens out.
 
 The engine core asks after each step, for the running requests that will decode next (caught up with
-their tokens, not guided by a grammar, below `max_tokens`); the scheduler puts the drafts behind the
-request's next input token, and the runner verifies them in the same forward pass. A proposer may return
-fewer drafts than asked, or none (the request then decodes plainly). It must be deterministic in the
-sense the rejection sampler assumes: one draft token per position, no distribution.
+their tokens, below `max_tokens`); the scheduler puts the drafts behind the request's next input token,
+and the runner verifies them in the same forward pass (a guided request's rows masked by its grammar as
+it stands at each draft, so a draft the grammar forbids is rejected like any other wrong guess). A
+proposer may return fewer drafts than asked, or none (the request then decodes plainly). It must be
+deterministic in the sense the rejection sampler assumes: one draft token per position, no distribution.
 """
 
 from __future__ import annotations

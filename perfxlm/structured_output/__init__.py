@@ -7,6 +7,10 @@ per-request matchers that turn the tokens generated so far into a token bitmask 
   guided row's matcher first accepts the output tokens it has not seen (normally the one sampled last
   step; after a preemption nothing is lost, the output is still there; a new matcher replays all of it),
   then fills its row of the bitmask. The sampler applies the rows' masks to those rows only.
+- Speculative decoding: a guided request's verification rows (one per draft token and one after the
+  last) are each masked as the grammar stands there: the matcher advances through the drafts while it
+  fills them, stops at a draft the grammar rejects (verification rejects it at the row before), and is
+  rolled back, so next step it catches up with what was accepted like any output.
 - n > 1: every sibling has its own request id and so its own matcher, all from one compiled grammar.
 
 xgrammar was chosen over llguidance on this engine's default tokenizer (SmolLM2, 49152 tokens):

@@ -125,8 +125,9 @@ def restore_compiled_grammar(grammar_json: str, digest: str, tokenizer_json: str
 
 
 class GrammarMatchers:
-    """Per-request matchers of the runner. fill() brings each guided row's matcher up to date with its
-    output tokens and writes its next-token bitmask; rows whose tokens the grammar rejects are reported."""
+    """Per-request matchers of the runner. fill() brings each guided request's matcher up to date with its
+    output tokens and writes its next-token bitmask (one row, or one per position of its draft tokens);
+    requests whose tokens the grammar rejects are reported."""
 
     def __init__(self) -> None:
         self._matchers: dict[str, Any] = {}  # request id -> [matcher, tokens accepted]
@@ -138,31 +139,36 @@ class GrammarMatchers:
         for rid in request_ids:
             self._matchers.pop(rid, None)
 
-    def fill(self, rows: list[tuple[int, str, Any, list[int], int | None]], num_rows: int
-             ) -> tuple[list[int], torch.Tensor | None, dict[str, str]]:
-        """rows: (batch row, request id, compiled grammar, output token ids, start token). A row with a
-        start token (a reasoning model's end-of-thinking token) is free until that token is in its output,
-        and constrained from the next token on. Returns the rows to mask, the bitmask
-        [num_rows, ceil(vocab / 32)] int32 (other rows all ones) and failures by request id."""
+    def fill(self, rows: list[tuple], num_rows: int) -> tuple[list[int], torch.Tensor | None, dict[str, str]]:
+        """rows: (first batch row, request id, compiled grammar, output token ids, start token[, draft token
+        ids]). A request with k draft tokens owns rows first..first + k, row j scoring the token after its
+        output and drafts[:j] (speculative decoding's verification). A start token (a reasoning model's
+        end-of-thinking token) leaves the rows free until it is in the output (or drafts) and constrains
+        them from the next token on. Returns the rows to mask, the bitmask [num_rows, ceil(vocab / 32)]
+        int32 (other rows all ones) and failures by request id."""
         import xgrammar as xgr
 
         # every grammar was compiled for the model's vocabulary (the logits' width)
         bitmask = xgr.allocate_token_bitmask(num_rows, rows[0][2].tokenizer_info.vocab_size)
         masked: list[int] = []
         failed: dict[str, str] = {}
-        for row, rid, grammar, output, start in rows:
+        for row, rid, grammar, output, start, *rest in rows:
+            drafts = rest[0] if rest else ()
             entry = self._matchers.get(rid)
             if entry is None:
                 # [matcher, output tokens consumed (or scanned for the start token), started]
                 entry = self._matchers[rid] = [xgr.GrammarMatcher(grammar), 0, start is None]
             matcher = entry[0]
+            first = 0  # the first of the request's positions the grammar constrains
             if not entry[2]:
                 try:
                     entry[1] = output.index(start, entry[1]) + 1
                     entry[2] = True
                 except ValueError:
                     entry[1] = len(output)
-                    continue  # still thinking: unconstrained
+                    if start not in drafts:
+                        continue  # still thinking: unconstrained
+                    first = drafts.index(start) + 1  # thinking ends inside the guesses
             try:
                 while entry[1] < len(output):
                     token = output[entry[1]]
@@ -173,11 +179,30 @@ class GrammarMatchers:
                         raise ValueError(f"the grammar rejects token {token} at output position {entry[1]} "
                                          "(no token the grammar allows had a finite logit)")
                     entry[1] += 1
-                if matcher.is_terminated():
-                    continue  # nothing left to constrain
-                matcher.fill_next_token_bitmask(bitmask, row)
-                masked.append(row)
+                masked.extend(_fill_positions(matcher, bitmask, row, drafts, first))
             except Exception as exc:  # noqa: BLE001 - this request's state failed alone
                 failed[rid] = f"structured output failed: {exc}"
                 self._matchers.pop(rid, None)
         return masked, (bitmask if masked else None), failed
+
+
+def _fill_positions(matcher: Any, bitmask: torch.Tensor, row: int, drafts, first: int) -> list[int]:
+    """Bitmask rows row + first .. row + len(drafts): the matcher advances through the drafts, each row
+    masked as it stands there, and is rolled back to where it started. Past a draft the grammar rejects
+    no row is filled: verification rejects that draft at the row before, whose mask excludes it. A
+    terminated grammar constrains nothing further (generation past its end: ignore_eos)."""
+    masked: list[int] = []
+    advanced = 0
+    try:
+        for j in range(first, len(drafts) + 1):
+            if matcher.is_terminated():
+                break
+            matcher.fill_next_token_bitmask(bitmask, row + j)
+            masked.append(row + j)
+            if j == len(drafts) or not matcher.accept_token(drafts[j]):
+                break
+            advanced += 1
+    finally:
+        if advanced:
+            matcher.rollback(advanced)
+    return masked

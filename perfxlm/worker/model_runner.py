@@ -7,7 +7,8 @@ It never sees a Request. Per step it:
 3. runs the model, computes logits only for rows that sample (plus prompt rows of requests that
    asked for prompt logprobs), and samples, one row per forked child where a prompt forks.
 Structured-output rows get their grammar bitmask from a worker thread that fills it while the
-forward pass runs (the matchers see only output tokens already known before the step).
+forward pass runs (the matchers see only tokens known before the step: the output, and the draft tokens
+of a speculating request, whose every verification row is masked as the grammar stands there).
 """
 
 from __future__ import annotations
@@ -95,12 +96,13 @@ class ModelRunner:
             for child_id, child_params in s.fork_children:
                 rows.append(SampleRow(child_id, child_params, s.prompt_token_ids, []))
                 hidden_rows.append(last)
-        masks = self._start_grammar_masks(rows)
+        masks = self._start_grammar_masks(_guided(rows), len(rows))
+        verify_masks = self._start_grammar_masks(verify.guided(), len(verify.rows))
         hidden = self._forward(order, input_ids, positions, meta)
         out = ModelRunnerOutput(sampled_token_ids={})
         self._prompt_logprobs(order, token_starts, hidden, out)
         if verify.requests:
-            self._verify(verify, hidden, out)
+            self._verify(verify, hidden, verify_masks, out)
         if not rows:
             return out
         grammar = None
@@ -145,12 +147,19 @@ class ModelRunner:
         with set_forward_context(meta):
             return self.model(input_ids, positions)
 
-    def _verify(self, verify: "_Verification", hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+    def _verify(self, verify: "_Verification", hidden: torch.Tensor, masks, out: ModelRunnerOutput) -> None:
         """Score every draft token of the step's speculating requests and keep what the target accepts
-        (RejectionSampler); a request whose own sampling state fails is failed alone."""
+        (RejectionSampler); a guided request's rows are masked by its grammar as it stands at each draft.
+        A request whose own sampling or grammar state fails is failed alone."""
         logits = self.model.compute_logits(hidden[torch.tensor(verify.hidden_rows)])
+        grammar = None
+        if masks is not None:
+            masked, bitmask, failed = masks.result()
+            out.failed.update(failed)
+            if bitmask is not None:
+                grammar = (masked, bitmask)
         try:
-            self._record_verified(verify.requests, verify.rows, verify.drafts, logits, out)
+            self._record_verified(verify.requests, verify.rows, verify.drafts, logits, grammar, out)
             return
         except Exception:
             pass
@@ -158,27 +167,30 @@ class ModelRunner:
         for s, d in zip(verify.requests, verify.drafts):
             n = len(d) + 1
             try:
-                self._record_verified([s], verify.rows[row : row + n], [d], logits[row : row + n].clone(), out)
+                self._record_verified([s], verify.rows[row : row + n], [d], logits[row : row + n].clone(),
+                                      _grammar_slice(grammar, row, n), out)  # fmt: skip
             except Exception as exc:
                 out.failed[s.request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
             row += n
 
     def _record_verified(self, requests: list[ScheduledRequest], rows: list[SampleRow], drafts: list[list[int]],
-                         logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+                         logits: torch.Tensor, grammar, out: ModelRunnerOutput) -> None:
         meta = build_sampling_metadata(rows, self.generators, logits.shape[1])
+        meta.grammar = grammar
         result = self.rejection_sampler(logits, meta, drafts)
         for i, (s, tokens) in enumerate(zip(requests, result.token_ids)):
+            if s.request_id in out.failed:
+                continue  # its grammar state failed: its rows were not masked, nothing of them counts
             out.verified_token_ids[s.request_id] = tokens
             if result.logprobs is not None and s.sampling_params.needs_sampled_logprob:
                 k = 1 + (s.sampling_params.logprobs or 0)
                 ids, lps, ranks = result.logprobs[i]
                 out.verified_logprobs[s.request_id] = [(a[:k], b[:k], r) for a, b, r in zip(ids, lps, ranks)]
 
-    def _start_grammar_masks(self, rows: list[SampleRow]):
-        """A future of the structured-output rows' bitmask, filled on a worker thread while the forward
-        pass runs; None when no row is guided (unguided batches never touch the grammar engine)."""
-        guided = [(i, r.request_id, r.params._grammar.value, list(r.output_token_ids),
-                   r.params._grammar_start_token) for i, r in enumerate(rows) if r.params._grammar is not None]
+    def _start_grammar_masks(self, guided: list[tuple], num_rows: int):
+        """A future of the structured-output rows' bitmask (GrammarMatchers.fill's rows), filled on a worker
+        thread while the forward pass runs; None when no row is guided (unguided batches never touch the
+        grammar engine). One thread: the step's fills run in order, never on the same matcher at once."""
         if not guided:
             return None
         if self.grammars is None:
@@ -186,7 +198,7 @@ class ModelRunner:
 
             self.grammars = GrammarMatchers()
             self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perfxlm-grammar")
-        return self._mask_thread.submit(self.grammars.fill, guided, len(rows))
+        return self._mask_thread.submit(self.grammars.fill, guided, num_rows)
 
     @staticmethod
     def _record_samples(rows: list[SampleRow], result, out: ModelRunnerOutput) -> None:
@@ -282,6 +294,20 @@ class ModelRunner:
         return torch.tensor(ids, dtype=torch.int64), torch.from_numpy(positions), meta, token_starts
 
 
+def _guided(rows: list[SampleRow]) -> list[tuple]:
+    """GrammarMatchers.fill's rows for the guided sample rows."""
+    return [(i, r.request_id, r.params._grammar.value, list(r.output_token_ids), r.params._grammar_start_token)
+            for i, r in enumerate(rows) if r.params._grammar is not None]
+
+
+def _grammar_slice(grammar, first: int, n: int):
+    """The sampler's grammar mask for rows first..first + n - 1 alone, renumbered from 0."""
+    if grammar is None:
+        return None
+    masked = [r - first for r in grammar[0] if first <= r < first + n]
+    return (masked, grammar[1][first : first + n].contiguous()) if masked else None
+
+
 class _Verification:
     """The step's requests with draft tokens: their sample rows (one per draft and one after the last,
     each seeing the output as it would be at that row, for penalties and bans) and hidden-state rows."""
@@ -300,3 +326,14 @@ class _Verification:
             output = s.output_token_ids if j == 0 else [*s.output_token_ids, *d[:j]]
             self.rows.append(SampleRow(s.request_id, s.sampling_params, s.prompt_token_ids, output))
             self.hidden_rows.append(start + j)
+
+    def guided(self) -> list[tuple]:
+        """GrammarMatchers.fill's rows for the guided requests: each owns its len(drafts) + 1 rows."""
+        out, row = [], 0
+        for s, d in zip(self.requests, self.drafts):
+            p = s.sampling_params
+            if p._grammar is not None:
+                out.append((row, s.request_id, p._grammar.value, list(s.output_token_ids), p._grammar_start_token,
+                            list(d)))  # fmt: skip
+            row += len(d) + 1
+        return out

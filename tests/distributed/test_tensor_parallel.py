@@ -181,9 +181,18 @@ def test_worker_failure_ends_the_engine(checkpoints, monkeypatch, how):
             os.kill(pid, 0)
 
 
-def test_speculative_tp2_equals_one_process(checkpoints):
-    """Draft tokens travel to the workers in the step delta; greedy output stays one process's."""
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_tp2_equals_one_process(checkpoints, tmp_path, method):
+    """Draft tokens travel to the workers in the step delta; greedy output stays one process's. A draft
+    model runs in the engine's process (draft_tensor_parallel_size 1) beside the target's two ranks."""
+    if method == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    else:
+        from tests.conftest import make_llama_checkpoint
+
+        draft = make_llama_checkpoint(str(tmp_path / "draft"), seed=3, hidden_size=40, intermediate_size=72,
+                                      num_hidden_layers=1, num_attention_heads=5, num_key_value_heads=1)
+        spec = {"model": draft, "num_speculative_tokens": 4, "draft_tensor_parallel_size": 1}
     prompts = [{"prompt_token_ids": [5, 17, 300, 42] * 4 + [5, 17]}, {"prompt_token_ids": [8, 9, 10] * 5}]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, detokenize=False)
     kw = dict(dtype="float32", skip_tokenizer_init=True, block_size=4, num_kv_blocks=64)
@@ -192,6 +201,10 @@ def test_speculative_tp2_equals_one_process(checkpoints):
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert llm.llm_engine.scheduler.spec_stats.num_drafts > 0
+        if method == "draft_model":
+            proposer = llm.llm_engine.core.proposer
+            proposer.drop(list(proposer.seqs))
+            assert proposer.kv.check_invariants()["used"] == 0
     finally:
         llm.llm_engine.shutdown()
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]

@@ -246,13 +246,14 @@ def test_guesses_shrink_and_stop_as_the_batch_grows(tiny_llama):
     core = llm.llm_engine.core
     core.verify_row_budget = 8  # as a CPU whose GEMV crossover is 8 rows
     seen = []
-    set_drafts = core.scheduler.set_draft_tokens
+    draft_requests = core.scheduler.draft_requests
 
-    def spy(batch, drafts):
+    def spy(max_drafts):
+        batch = draft_requests(max_drafts)
         seen.append((core.scheduler.num_running, max((r.max_drafts for r in batch), default=0)))
-        set_drafts(batch, drafts)
+        return batch
 
-    core.scheduler.set_draft_tokens = spy
+    core.scheduler.draft_requests = spy
     llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     assert seen and all(n * (k + 1) <= 8 for n, k in seen)  # never past the row budget
     assert not any(n >= 5 for n, _ in seen)  # 5 requests x (1 + 1) > 8: no room for a guess

@@ -20,10 +20,13 @@ from perfxlm.quant import ActivationMode, QuantizedWeight
 from tests.model import test_recent_families_vs_hf as recent
 from tests.model.test_architectures_vs_hf import _prompts, build_checkpoint
 
+# the MoE cases fuse their attention half (gpt-oss's with sinks, on sliding and full layers) and run the
+# expert MLP as a module between calls; Qwen2-MoE mixes such layers with wholly fused dense ones
 FUSED = ["qwen2-bias-tied-sliding", "qwen3-qknorm-headdim-bias", "mistral-sliding-mqa",
          "gemma2-softcap-local-global", "phi3-longrope-partial-sliding", "gemma3-softcaps-untied",
-         "glm-partial-interleaved", "glm4-post-norms"]  # fmt: skip
-MODULE_ONLY = ["opt-pre-ln", "qwen2moe-shared-dense-layer"]
+         "glm-partial-interleaved", "glm4-post-norms", "gptoss-sinks-alternating",
+         "qwen2moe-shared-dense-layer"]  # fmt: skip
+MODULE_ONLY = ["opt-pre-ln", "deepseekv2-lite-yarn"]
 PLANS = {
     "float32": ("float32", {}),
     "bf16-rows-native": ("bfloat16", dict(layout="rows", gemm="bf16", native_max_rows=4, bf16_compute="float32")),

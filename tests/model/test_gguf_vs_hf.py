@@ -57,6 +57,13 @@ CASES = {
         head_dim=32, query_pre_attn_scalar=32, sliding_window=12, attn_logit_softcapping=5.0,
         final_logit_softcapping=3.0, max_position_embeddings=8192, initializer_range=0.02,
     )),
+    # GLM-4-0414: four norms a layer, fused gate|up as ffn_up, q/k/v biases, interleaved rotary over 10 of
+    # each head's 20 channels (rope.dimension_count is that width; key_length the head size)
+    "glm4-partial-post-norms": ("Glm4Config", "Glm4ForCausalLM", "glm4", dict(
+        hidden_size=60, intermediate_size=92, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+        head_dim=20, partial_rotary_factor=0.5, attention_bias=True, max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )),
 }
 # fmt: on
 
@@ -116,16 +123,20 @@ def converter_rope_factors(head_dim: int, theta: float, rope: dict) -> np.ndarra
     return np.array(factors, dtype=np.float32)
 
 
-def write_converted(path: str, model, arch: str, extra_meta: dict | None = None, extra_tensors: dict | None = None):
+def write_converted(path: str, model, arch: str, extra_meta: dict | None = None, extra_tensors: dict | None = None,
+                    q8_0: tuple[str, ...] = ()):
+    """`q8_0`: suffixes of the HF tensors written as Q8_0 blocks (the rest F32)."""
     cfg = model.config
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    # the converter's Glm4Model: the rotary width, head_dim x partial_rotary_factor
+    rotary_dim = int(head_dim * rope.get("partial_rotary_factor", 0.5)) if arch == "glm4" else head_dim
     meta = {f"{arch}.{k}": v for k, v in [
         ("context_length", cfg.max_position_embeddings), ("embedding_length", cfg.hidden_size),
         ("block_count", cfg.num_hidden_layers), ("feed_forward_length", cfg.intermediate_size),
         ("attention.head_count", heads), ("attention.head_count_kv", kv_heads),
-        ("rope.dimension_count", head_dim), ("vocab_size", cfg.vocab_size),
+        ("rope.dimension_count", rotary_dim), ("vocab_size", cfg.vocab_size),
         ("rope.freq_base", float(rope.get("rope_theta", 10000.0))),
         ("attention.layer_norm_rms_epsilon", float(cfg.rms_norm_eps)),
     ]}  # fmt: skip
@@ -165,13 +176,21 @@ def write_converted(path: str, model, arch: str, extra_meta: dict | None = None,
             _, _, layer, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
             names = {**_LAYER_NAMES, **_GEMMA2_NORMS} if arch == "gemma2" else _LAYER_NAMES
-            gguf_name = f"blk.{layer}.{names[module]}.{kind}"
+            if arch == "glm4":  # gguf's own name map, as the converter uses it
+                gguf_name = gguf.TensorNameMap(gguf.MODEL_ARCH.GLM4, cfg.num_hidden_layers).get_name(name[: -len(kind) - 1])
+                gguf_name = f"{gguf_name}.{kind}"
+            else:
+                gguf_name = f"blk.{layer}.{names[module]}.{kind}"
             if arch == "llama" and module == "self_attn.q_proj":
                 t = converter_permute(t, heads)
             elif arch == "llama" and module == "self_attn.k_proj":
                 t = converter_permute(t, kv_heads)
         if arch == "gemma2" and name.endswith("norm.weight"):
             t = t + 1  # the converter stores Gemma norms as (1 + w)
+        if name.endswith(q8_0):
+            Q8 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(gguf_name, gguf.quants.quantize(t.numpy(), Q8), raw_dtype=Q8)
+            continue
         writer.add_tensor(gguf_name, t.numpy())
     for name, data in (extra_tensors or {}).items():
         writer.add_tensor(name, data)
@@ -273,6 +292,42 @@ def test_unsupported_gguf_architecture_is_refused_with_a_clear_error(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"'gemma3n' is not supported \(supported: gemma2, gemma3, llama"):
+    with pytest.raises(ValueError, match=r"'gemma3n' is not supported \(supported: gemma2, gemma3, glm4, llama"):
         LLM(path, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=16)
 
+
+
+def test_glm4_q8_0_projections_stay_quantized(tmp_path, monkeypatch):
+    """A glm4 file with Q8_0 projections: kept as blocks (the q/k rows reordered for the interleaved
+    rotary by moving whole rows of codes and scales), against transformers on the same dequantized
+    weights."""
+    monkeypatch.setenv("PERFXLM_QUANT_ACTIVATIONS", "float32")  # quantized products equal to float ones
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    torch.manual_seed(3)
+    config = transformers.Glm4Config(
+        vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5, attention_bias=True,
+        max_position_embeddings=4096, tie_word_embeddings=False, initializer_range=0.15, rms_norm_eps=1e-5,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    hf = transformers.Glm4ForCausalLM(config).eval()
+    suffixes = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_up_proj.weight",
+                "down_proj.weight")  # fmt: skip
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if param.ndim == 1:
+                param.add_(torch.randn_like(param) * 0.1)
+            elif name.endswith(suffixes):  # the values Q8_0 holds, so both models compute with the same
+                blocks = gguf.quants.quantize(param.numpy(), q8)
+                param.copy_(torch.from_numpy(np.array(gguf.quants.dequantize(blocks, q8))).view_as(param))
+    path = str(tmp_path / "glm4-q8.gguf")
+    write_converted(path, hf, "glm4", q8_0=suffixes)
+    llm = LLM(path, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64)
+    attn = llm.llm_engine.core.model.model.layers[0].self_attn
+    assert not isinstance(attn.qkv_proj.weight, torch.Tensor)  # kept as Q8_0 codes, not widened
+    prompts = _prompts(seed=2)
+    tokens, logprobs = _generate(llm, prompts)
+    for prompt, got, got_lp in zip(prompts, tokens, logprobs):
+        want, want_lp = hf_greedy_with_logprobs(hf, prompt, len(got))
+        assert got == want, f"prompt of {len(prompt)} tokens"
+        np.testing.assert_allclose(got_lp, want_lp, atol=5e-4, rtol=0)

@@ -9,17 +9,19 @@ import string
 import torch
 
 WORDS = ["the", "a", "cat", "dog", "sat", "on", "mat", "query", "passage", "what", "is", "paris", "capital",
-         "of", "france", "berlin", "germany", "red", "blue", "green"]
+         "of", "france", "berlin", "germany", "red", "blue", "green", "yes", "no"]
 
 
 def _vocab(specials: list[str]) -> list[str]:
     letters = list(string.ascii_lowercase + string.digits)
-    return specials + WORDS + letters + ["##" + c for c in letters] + list(".,?!")
+    # each token once ("a" is a word and a letter), so the ids run 0..len-1 and len is the vocabulary size
+    return list(dict.fromkeys(specials + WORDS + letters + ["##" + c for c in letters] + list(".,?!")))
 
 
 def save_tokenizer(path: str, family: str) -> int:
-    """A WordPiece tokenizer: BERT's specials and [CLS] a [SEP] b [SEP] pairs with segment ids, or
-    XLM-RoBERTa's (<s>=0, <pad>=1, </s>=2) and <s> a </s></s> b </s>. Returns the vocabulary size."""
+    """A WordPiece tokenizer: BERT's specials and [CLS] a [SEP] b [SEP] pairs with segment ids,
+    XLM-RoBERTa's (<s>=0, <pad>=1, </s>=2) and <s> a </s></s> b </s>, or a decoder's ("decoder": a pair is
+    the two texts' tokens one after the other, as Qwen's tokenizer joins them). Returns the vocabulary size."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -33,7 +35,9 @@ def save_tokenizer(path: str, family: str) -> int:
     tok = Tokenizer(models.WordPiece(vocab, unk_token=unk))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    if family in ("bert", "modernbert"):
+    if family == "decoder":
+        tok.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:0", special_tokens=[])
+    elif family in ("bert", "modernbert"):
         tok.post_processor = processors.TemplateProcessing(
             single=f"{cls}:0 $A:0 {sep}:0", pair=f"{cls}:0 $A:0 {sep}:0 $B:1 {sep}:1",
             special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])],
@@ -79,21 +83,26 @@ def make_encoder(path: str, family: str = "bert", *, classifier: bool = False, n
 
 
 def make_sentence_transformer(path: str, family: str = "bert", pooling: str = "cls", normalize: bool = True,
-                              max_seq_length: int | None = None, **kwargs) -> str:
-    """An encoder wrapped as sentence-transformers saves it: modules.json, 1_Pooling/config.json, and a
-    Normalize module when asked."""
+                              max_seq_length: int | None = None, dense: list[dict] | None = None, **kwargs) -> str:
+    """An encoder wrapped as sentence-transformers saves it: modules.json, 1_Pooling/config.json, Dense
+    modules after pooling (`dense`: Dense's keyword arguments but in_features, seeded) and a Normalize
+    module when asked."""
     from sentence_transformers import SentenceTransformer
 
     try:  # sentence-transformers 6 moved the modules
-        from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+        from sentence_transformers.sentence_transformer.modules import Dense, Normalize, Pooling, Transformer
     except ImportError:
-        from sentence_transformers.models import Normalize, Pooling, Transformer
+        from sentence_transformers.models import Dense, Normalize, Pooling, Transformer
 
     raw = make_encoder(path + "_raw", family, **kwargs)
     transformer = Transformer(raw, max_seq_length=max_seq_length)
     dim = (transformer.get_embedding_dimension() if hasattr(transformer, "get_embedding_dimension")
            else transformer.get_word_embedding_dimension())
     modules = [transformer, Pooling(dim, pooling_mode=pooling)]
+    torch.manual_seed(kwargs.get("seed", 0) + 100)
+    for layer in dense or []:
+        modules.append(Dense(dim, **layer))
+        dim = layer["out_features"]
     if normalize:
         modules.append(Normalize())
     SentenceTransformer(modules=modules, device="cpu").save(path)

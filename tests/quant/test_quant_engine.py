@@ -162,7 +162,8 @@ def test_bf16_model_prefix_caching_n_and_preemption(llama128):
     caching, n > 1 siblings and preemption with chunked prefill: the same greedy tokens every way."""
     kwargs = dict(skip_tokenizer_init=True, dtype="bfloat16", quantization="int4")
     llm = LLM(llama128, num_kv_blocks=64, **kwargs)
-    assert all(w.bf16_gemm for w in quantized_weights(model_of(llm)).values())
+    methods = [m.method for m in model_of(llm).modules() if getattr(m, "method", None) is not None]
+    assert all(m.bf16_gemm for m in methods if m.quantized) and any(m.quantized for m in methods)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = [list(range(3, 3 + n)) for n in (37, 20, 45)]
     ref = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
@@ -261,6 +262,23 @@ def test_gguf_kept_quantized_equals_the_dequantized_path(llama128, tmp_path):
     assert_same_greedy(generate(kept), generate(widened))
 
 
+def test_q4_0_gguf_streams_no_mins_and_equals_the_dequantized_path(llama128, tmp_path):
+    """A Q4_0 file (Q8_0 table) keeps every projection as centred 4-bit codes (no stored mins: 4.5 bits per
+    weight, as the file), fused QKV and gate|up included, and decodes greedily as its dequantized weights."""
+    Q = gguf.GGMLQuantizationType
+    path = str(tmp_path / "q4_0.gguf")
+    parts = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    write_quantized_llama_gguf(path, llama128, {**{p: Q.Q4_0 for p in parts}, "token_embd": Q.Q8_0})
+    kept = LLM(path, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64)
+    model = model_of(kept)
+    layer = model.model.layers[0]
+    for w in (layer.self_attn.qkv_proj.weight, layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight):
+        assert (w.bits, w.centred, w.scales.dtype) == (4, True, torch.float16)
+        assert w.nbytes == w.out_features * w.in_features * 18 // 32
+    widened = LLM(path, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64, quantization="none")
+    assert_same_greedy(generate(kept), generate(widened))
+
+
 def test_a_float_gguf_quantizes_at_load_as_its_hf_checkpoint_does(llama128, tmp_path):
     """`quantization=` on an F32 / F16 / BF16 GGUF file quantizes it at load like any float checkpoint
     (a file with quantized tensors refuses: they would be quantized twice)."""
@@ -298,7 +316,7 @@ _RSS_SCRIPT = """
 import gc, json, sys
 import torch
 from perfxlm.config import EngineConfig
-from perfxlm.model.loader import get_model
+from perfxlm.model.loader import load_model
 
 def rss():
     with open("/proc/self/status") as f:
@@ -307,7 +325,7 @@ def rss():
 cfg = EngineConfig(quantization=sys.argv[1] or None, dtype="bfloat16").resolve()
 gc.collect()
 before = rss()
-model = get_model(cfg.model, cfg.hf_config, cfg.torch_dtype, cfg.load_format, cfg.seed, cfg.weight_dtype)
+model = load_model(cfg)
 after = rss()
 print(json.dumps({k: after[k] - before[k] for k in before}))
 """

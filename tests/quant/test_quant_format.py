@@ -53,8 +53,9 @@ def test_repacked_gguf_blocks_dequantize_bit_exactly(qtype, rows):
                 Q.Q5_1: (8, 32, f16), Q.Q4_K: (4, 32, f32), Q.Q5_K: (8, 32, f32), Q.Q6_K: (8, 16, f32)}[qtype]
     assert (w.bits, w.group, w.scales.dtype) == expected
     torch.testing.assert_close(w.dequantize(), want, rtol=0, atol=0)
-    if qtype == Q.Q4_0:  # the nibble layout is Q4_0's, byte for byte
+    if qtype == Q.Q4_0:  # the nibble layout is Q4_0's, byte for byte, and d alone: 18 bytes per block
         assert torch.equal(w.codes.view(-1, 16), torch.from_numpy(raw.reshape(-1, 18)[:, 2:]))
+        assert w.centred and w.mins is None and w.nbytes == raw.nbytes
 
 
 def test_q8_0_min_overflowing_float16_falls_back_to_float32():
@@ -127,7 +128,8 @@ def test_int4_error_bounds_and_layout(symmetric, group):
 def test_int4_symmetric_is_q4_0s_rule():
     w = _weights(n=5, k=64)
     q = quantizers.quantize_symmetric_int4(w, 32)
-    torch.testing.assert_close(q.mins.float(), q.scales.float() * -8, rtol=0, atol=0)
+    assert q.centred and q.mins is None  # the min -8 d is implied, not stored
+    torch.testing.assert_close(q.full_mins(), q.scales.float() * -8, rtol=0, atol=0)
     # the largest magnitude of each block is represented exactly (up to its float16 scale): code 0
     u = unpack_nibbles(q.codes).view(5, 2, 32)
     idx = w.view(5, 2, 32).abs().argmax(-1, keepdim=True)
@@ -175,6 +177,32 @@ def test_cat_rows_promotes_losslessly():
     # same form: no promotion, 4-bit float16 stays so
     same = QuantizedWeight.cat_rows(parts[2:3] * 2)
     assert (same.bits, same.group, same.scales.dtype) == (4, 32, torch.float16)
+
+
+def test_centred_codes_keep_their_values_through_every_reshaping():
+    """Centred codes (no stored mins) are narrowed, gathered, stacked, regrouped, widened and fused
+    without storing a min, and beside a weight with mins they are given theirs (-8 x scale), losslessly."""
+    w = quantizers.quantize_symmetric_int4(torch.randn(12, 128), 64)
+    full = w.dequantize()
+    assert w.nbytes == 12 * 64 + 12 * 2 * 2  # codes and float16 scales only
+    perm = torch.randperm(12, generator=torch.Generator().manual_seed(1))
+    for part, want in [(w.narrow_rows(2, 7), full[2:9]), (w.index_rows(perm), full[perm]),
+                       (w.regrouped(32), full), (w.widened(), full), (w.with_scale_dtype(torch.float32), full),
+                       (QuantizedWeight.cat_rows([w, w]), torch.cat([full, full]))]:
+        assert part.centred
+        torch.testing.assert_close(part.dequantize(), want, rtol=0, atol=0)
+    assert w.widened().codes.min() >= 120 and w.widened().codes.max() <= 135  # u - 8 == (u + 120) - 128
+    stack = QuantizedWeight.stack([w, w.index_rows(perm)])
+    assert stack.centred and torch.equal(stack[1].dequantize(), full[perm])
+    asym = quantizers.quantize_asymmetric_int4(torch.randn(3, 128), 32)
+    mixed = QuantizedWeight.cat_rows([w, asym])
+    assert not mixed.centred and mixed.group == 32
+    torch.testing.assert_close(mixed.dequantize(), torch.cat([full, asym.dequantize()]), rtol=0, atol=1e-6)
+    # a min -8 d that float16 cannot hold moves both to float32
+    big = QuantizedWeight(w.codes, torch.full_like(w.scales, 10000.0), None, None, 4, 64, "float", 12, 128)
+    stored = big.with_mins()
+    assert stored.scales.dtype == stored.mins.dtype == torch.float32
+    torch.testing.assert_close(stored.dequantize(), big.dequantize(), rtol=0, atol=0)
 
 
 def test_rows_stacks_and_lookups_keep_values():

@@ -219,3 +219,82 @@ def test_native_decode_rejects_bad_metadata():
         paged_decode_attention(q, k_cache, v_cache, torch.tensor([[0, 1]]), torch.tensor([17]), 0.125)
     with pytest.raises(RuntimeError, match="out of range"):
         paged_decode_attention(q, k_cache, v_cache, torch.tensor([[0, 9]]), torch.tensor([12]), 0.125)
+
+
+def _sinks(num_heads: int, seed: int) -> torch.Tensor:
+    """Sink logits of every kind: some far below the scores, some near them, one far above (the sink takes
+    almost all of the softmax: the kernel must not overflow computing its share)."""
+    g = torch.Generator().manual_seed(seed)
+    sinks = torch.randn(num_heads, generator=g) * 3
+    sinks[0] = 60.0
+    if num_heads > 2:
+        sinks[1] = -40.0
+    return sinks
+
+
+# (sliding_window, soft_cap) with sinks: plain, a window shorter than the sequences, a soft cap
+SINK_OPTIONS = [(None, None), (9, None), (None, 2.5)]
+
+
+@pytest.mark.parametrize("sliding_window,soft_cap", SINK_OPTIONS)
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,block_size", [(6, 2, 64, 16), (9, 3, 17, 5), (8, 2, 128, 7), (3, 1, 256, 3)]
+)
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_decode_sinks_match_reference(
+    sliding_window, soft_cap, num_heads, num_kv_heads, head_dim, block_size, cache_dtype, decode_impl
+):
+    """Attention sinks (gpt-oss) in decode: short sequences (one task per head) and one of 700 tokens
+    (cut into ranges whose partial results are merged, the sink entering the merge once)."""
+    seq_lens = [1, 13, 700, block_size * 3 + 2]
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
+    k_cache, v_cache = _setup(num_blocks, block_size, num_kv_heads, head_dim, cache_dtype, seed=7)
+    k_cache.mul_(2)
+    tables, bt = _random_tables(seq_lens, block_size, num_blocks)
+    q = torch.randn(len(seq_lens), num_heads, head_dim)
+    scale, lens, sinks = head_dim**-0.5, torch.tensor(seq_lens), _sinks(num_heads, 1)
+    out = decode_impl(q, k_cache, v_cache, bt, lens, scale, None, sliding_window, soft_cap, sinks=sinks)
+    plain = decode_impl(q, k_cache, v_cache, bt, lens, scale, None, sliding_window, soft_cap)
+    for i, n in enumerate(seq_lens):
+        k = gather_sequence_kv(k_cache, tables[i], n).float()
+        v = gather_sequence_kv(v_cache, tables[i], n).float()
+        ref = attention_reference(q[i : i + 1], k, v, scale, sliding_window, soft_cap, sinks=sinks)
+        torch.testing.assert_close(out[i : i + 1], ref, atol=2e-5, rtol=2e-5)
+    # the sinks count: the far-above one empties its head, the others shrink theirs
+    assert out[:, 0].abs().max() < 1e-20 < plain[:, 0].abs().max()
+    assert not torch.allclose(out[:, 2:], plain[:, 2:], atol=1e-3)
+
+
+@pytest.mark.parametrize("sliding_window,soft_cap", SINK_OPTIONS)
+@pytest.mark.parametrize("num_context", [0, 5, 37])
+@pytest.mark.parametrize("tile_tokens", [2048, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_sinks_match_reference(sliding_window, soft_cap, num_context, tile_tokens, dtype, monkeypatch):
+    """Prefill with sinks from the flash kernel's log-sum-exp, against the per-token reference: a fresh
+    prompt, a context within one tile, and (tiles of 16 tokens) a context read in merged tiles."""
+    from perfxlm.ops import prefill_tiles
+
+    monkeypatch.setattr(prefill_tiles, "TILE_TOKENS", tile_tokens)
+    monkeypatch.setattr(prefill_tiles, "SOFTCAP_TILE_TOKENS", tile_tokens)
+    num_heads, num_kv_heads, head_dim, block_size = 6, 2, 24, 4
+    k_cache, v_cache = _setup(32, block_size, num_kv_heads, head_dim, dtype, seed=8)
+    num_new = 13
+    total = num_context + num_new
+    table = torch.randperm(32)[: -(-total // block_size)]
+    q = torch.randn(num_new, num_heads, head_dim, dtype=dtype) * 2
+    k_new = torch.randn(num_new, num_kv_heads, head_dim, dtype=dtype) * 2
+    v_new = torch.randn(num_new, num_kv_heads, head_dim, dtype=dtype)
+    positions = torch.arange(num_context, total)
+    write_kv_cache(k_new, v_new, k_cache, v_cache, table[positions // block_size] * block_size + positions % block_size)
+    scale, sinks = head_dim**-0.5, _sinks(num_heads, 2)
+    args = (q, k_new, v_new, k_cache, v_cache, table, num_context, scale, sliding_window, soft_cap)
+    out = prefill_attention(*args, sinks=sinks)
+    reference = prefill_attention(*args, sinks=sinks, tiled=False)
+    k = gather_sequence_kv(k_cache, table.tolist(), total)
+    v = gather_sequence_kv(v_cache, table.tolist(), total)
+    ref = attention_reference(q, k, v, scale, sliding_window, soft_cap, sinks=sinks)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(reference, ref, atol=tol, rtol=tol)
+    assert out[:, 0].float().abs().max() < 1e-20
+    assert not torch.allclose(out, prefill_attention(*args), atol=1e-2)

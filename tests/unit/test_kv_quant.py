@@ -133,7 +133,8 @@ def test_decode_reads_quantized_cache(name, group, num_heads, num_kv_heads, head
     bt = torch.tensor([t + [0] * (mb - len(t)) for t in tables])
     q = torch.randn(len(seq_lens), num_heads, head_dim)
     scale = head_dim**-0.5
-    for options in ({}, {"sliding_window": 5}, {"soft_cap": 3.0}):
+    sinks = torch.randn(num_heads) * 2  # gpt-oss: a logit per head in the softmax's denominator
+    for options in ({}, {"sliding_window": 5}, {"soft_cap": 3.0}, {"sinks": sinks, "sliding_window": 11}):
         out = fn(q, cache.key, cache.value, bt, torch.tensor(seq_lens), scale, None, key_scale=cache.key_scale,
                  value_scale=cache.value_scale, **options)  # fmt: skip
         for i, n in enumerate(seq_lens):

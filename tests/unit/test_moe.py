@@ -36,3 +36,72 @@ def test_per_expert_shards_load_into_stacked_parameters():
         moe.load_shard(moe.down_proj, down, "down", expert=3)
     with pytest.raises(ValueError, match="checkpoint shape"):
         moe.load_shard(moe.down_proj, down.T, "down", expert=0)
+
+
+def _native_or_skip():
+    from perfxlm.ops import native
+
+    if native.kernels() is None:
+        pytest.skip("native kernels unavailable on this machine")
+
+
+def _stacks(kind: str, num_experts: int, hidden: int, inter: int, seed: int):
+    """gate|up [E, 2 * inter, hidden] and down [E, hidden, inter] stacks as a model may hold them."""
+    from perfxlm.quant.quantizers import quantize_symmetric_int4, quantize_symmetric_int8
+
+    g = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=g) * 0.2
+    down = torch.randn(num_experts, hidden, inter, generator=g) * 0.2
+    if kind == "bf16":
+        return gate_up.bfloat16(), down.bfloat16()
+    if kind == "transposed":  # gpt-oss keeps transformers' [E, in, out] stacks and multiplies their views
+        return gate_up.transpose(1, 2).contiguous().transpose(1, 2), down.transpose(1, 2).contiguous().transpose(1, 2)
+    if kind == "int8":
+        return quantize_symmetric_int8(gate_up, 32), quantize_symmetric_int8(down, 32)
+    if kind == "int4":
+        return quantize_symmetric_int4(gate_up, 32), quantize_symmetric_int4(down, 32)
+    return gate_up, down
+
+
+@pytest.mark.parametrize("kind", ["float32", "bf16", "transposed", "int8", "int4"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh", "clamped-swiglu"])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 5, 2), (37, 7, 4)])
+def test_native_experts_equal_the_torch_loop(kind, activation, num_tokens, num_experts, top_k, monkeypatch):
+    """The one-call kernel runs the torch loop's ops in the same order: the same bits, for every stack
+    kind and activation, with gpt-oss's biases; experts that get no token are skipped."""
+    from perfxlm.model.layers import moe as moe_module
+    from perfxlm.model.layers.activation import ClampedSwiGLU, act_and_mul
+    from perfxlm.ops import fused_moe
+
+    _native_or_skip()
+    hidden, inter = 64, 96  # 4-bit codes take in_features in multiples of 32
+    gate_up, down = _stacks(kind, num_experts, hidden, inter, seed=num_tokens)
+    act = ClampedSwiGLU(1.702, 1.3) if activation == "clamped-swiglu" else act_and_mul(activation)
+    torch.manual_seed(num_experts)
+    biases = (torch.randn(num_experts, 2 * inter) * 0.1, torch.randn(num_experts, hidden) * 0.1)
+    if activation != "clamped-swiglu":
+        biases = (None, None)
+    x = torch.randn(num_tokens, hidden)
+    weights, ids = torch.softmax(torch.randn(num_tokens, num_experts) * 2, -1).topk(top_k, dim=-1)
+    calls = []
+    real = fused_moe.experts_call
+    monkeypatch.setattr(moe_module, "experts_call", lambda *a: calls.append(1) or real(*a))
+    native = moe_module.grouped_experts(x, weights, ids, gate_up, down, act, *biases)
+    looped = moe_module.grouped_experts_torch(x, weights, ids, gate_up, down, act, *biases)
+    assert calls and real(x, weights, ids, gate_up, down, moe_module.expert_activation(act), *biases) is not None
+    assert torch.equal(native, looped)
+    # and the routing counts: zeroing one token's weights zeroes its row only
+    weights[0] = 0
+    again = moe_module.grouped_experts(x, weights, ids, gate_up, down, act, *biases)
+    assert again[0].abs().max() == 0 and torch.equal(again[1:], native[1:])
+
+
+def test_native_experts_refuse_bad_expert_ids():
+    from perfxlm.model.layers.activation import SiluAndMul
+    from perfxlm.model.layers.moe import grouped_experts
+
+    _native_or_skip()
+    gate_up, down = _stacks("float32", 3, 8, 6, seed=0)
+    x = torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match=r"expert ids must be in \[0, 3\)"):
+        grouped_experts(x, torch.ones(2, 1), torch.tensor([[0], [3]]), gate_up, down, SiluAndMul())

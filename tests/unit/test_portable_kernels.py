@@ -12,7 +12,7 @@ import pytest
 from perfxlm.ops import isa, native
 
 KERNEL_TESTS = ["tests/unit/test_linear_ops.py", "tests/unit/test_attention_ops.py", "tests/unit/test_fused_ops.py",
-                "tests/unit/test_kv_quant.py", "tests/unit/test_quant_linear_ops.py"]
+                "tests/unit/test_kv_quant.py", "tests/unit/test_quant_linear_ops.py", "tests/unit/test_moe.py"]
 
 
 @pytest.mark.slow

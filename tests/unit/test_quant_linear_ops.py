@@ -1,7 +1,7 @@
 """The native quantized-weight products (csrc/quant_linear.cpp) against a plain-torch reference written
 here from the format's definition: codes (8-bit, or 4-bit in GGUF's Q4 nibble order), a scale and a min
-per group, an optional 16-level table; weight-only and W8A8; the GEMV path, the slab-GEMM path in float32
-and bf16; odd sizes. Built for AVX2 and scalar too by test_portable_kernels."""
+per group (or none: centred codes, w = scale * (u - 8 or 128), or scale * levels[u]), an optional 16-level
+table; weight-only and W8A8; the GEMV path, the slab-GEMM path in float32 and bf16; odd sizes. Built for AVX2 and scalar too by test_portable_kernels."""
 
 import pytest
 import torch
@@ -21,12 +21,36 @@ def _unpack4(codes: torch.Tensor) -> torch.Tensor:
 
 
 def _dequant(codes, scales, mins, levels, k):
-    u = _unpack4(codes) if codes.shape[1] * 2 == k and codes.shape[1] != k else codes.int()
+    bits4 = codes.shape[1] * 2 == k and codes.shape[1] != k
+    u = _unpack4(codes) if bits4 else codes.int()
     v = levels[u.long()] if levels is not None else u.float()
     group = k // scales.shape[1]
     s = scales.float().repeat_interleave(group, 1)
+    if mins is None:  # centred codes
+        return (v if levels is not None else v - (8 if bits4 else 128)) * s
     m = mins.float().repeat_interleave(group, 1)
     return v * s + m
+
+
+def _centred(n, k, bits, group, half, lut, seed):
+    """A weight with centred codes (no mins), and the same weight with its implied mins stored."""
+    codes, scales, _, levels = _weight(n, k, bits, group, half, lut, seed)
+    centre = 0 if lut else (8 if bits == 4 else 128)
+    return codes, scales, levels, (scales.float() * -centre).to(scales.dtype)
+
+
+CENTRED = [  # bits, n, k, group, half, lut: Q4_0 / symmetric int4, Q8_0 / symmetric int8, NF4
+    (4, 13, 32, 32, False, False),
+    (4, 33, 576, 32, True, False),
+    (4, 1030, 64, 64, False, False),
+    (4, 11, 192, 192, True, False),
+    (4, 17, 96, 32, False, True),
+    (8, 33, 576, 32, True, False),
+    (8, 1030, 48, 16, False, False),
+    (8, 7, 160, 160, True, False),
+    (8, 21, 1536, 1536, False, False),
+    (8, 11, 128, 16, True, False),
+]
 
 
 def _weight(n, k, bits, group, half, lut, seed):
@@ -170,3 +194,44 @@ def test_weights_larger_than_a_slab_keep_the_block_kernel_to_the_block_limit():
     # with int8 dots: the block kernel (same bits); without (the scalar tier), both take the float path
     assert torch.equal(limited, block if ops.int8_block_dots() else gemm)
     torch.testing.assert_close(gemm, block, atol=1e-4 * (block.abs().max().item() + 1), rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows,max_rows,bf16,blocks", [(1, 4, False, False), (3, 4, False, False),
+                                                       (9, 0, False, False), (33, 0, True, False),
+                                                       (1, 8, False, True), (4, 8, False, True),
+                                                       (5, 8, False, True), (70, 4, False, True)])
+@pytest.mark.parametrize("bits,n,k,group,half,lut", CENTRED)
+def test_centred_codes_match_reference_and_their_stored_mins(bits, n, k, group, half, lut, rows, max_rows, bf16,
+                                                             blocks):
+    """No mins (Q4_0, Q8_0, symmetric int4 / int8, NF4): the kernels imply -8 x scale (4-bit), -128 x scale
+    (8-bit) or 0 (a level table) and read no mins. The result is the reference's, and the same bits as the
+    weight with those mins stored, on every path (GEMV, block GEMV, slabs for the GEMM)."""
+    ops = native.kernels()
+    codes, scales, levels, stored = _centred(n, k, bits, group, half, lut, 3 * n + k + rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows * k))
+    b = torch.randn(n)
+    w = _dequant(codes, scales, None, levels, k)
+    torch.testing.assert_close(w, _dequant(codes, scales, stored, levels, k), atol=1e-6, rtol=1e-6)
+    x_used = x
+    if blocks and ops.int8_block_dots() and _block_applies(bits, k, group, lut):
+        blk = x.view(rows, k // 32, 32)
+        sx = blk.abs().amax(2, keepdim=True) / 127
+        x_used = (torch.where(sx > 0, blk / sx, torch.zeros_like(blk)).round().clamp(-127, 127) * sx).view(rows, k)
+    ref = torch.nn.functional.linear(x_used.double(), w.double(), b.double()).float()
+    out = ops.linear_q(x, codes, scales, None, levels, b, False, max_rows, bf16, blocks)
+    tol = 2e-2 if bf16 else 1e-4
+    torch.testing.assert_close(out, ref, atol=tol * (ref.abs().max().item() + 1), rtol=tol)
+    assert torch.equal(out, ops.linear_q(x, codes, scales, stored, levels, b, False, max_rows, bf16, blocks))
+    # one rounding, as the reference's (u - centre) * scale: the kernels' FMA with the stored mins too
+    assert torch.equal(ops.dequantize_q(codes, scales, None, levels, k), w)
+    assert torch.equal(ops.dequantize_q(codes, scales, stored, levels, k), w)
+
+
+@pytest.mark.parametrize("rows,max_rows", [(1, 4), (5, 16), (9, 0)])
+@pytest.mark.parametrize("n,k", [(13, 37), (33, 576), (1030, 64)])
+def test_w8a8_centred_codes_match_their_stored_mins(n, k, rows, max_rows):
+    ops = native.kernels()
+    codes, scales, _, stored = _centred(n, k, 8, k, False, False, n + rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    out = ops.linear_q(x, codes, scales, None, None, None, True, max_rows, False)
+    assert torch.equal(out, ops.linear_q(x, codes, scales, stored, None, None, True, max_rows, False))

@@ -24,12 +24,15 @@ def _reference(q, k, v, lens, scale, causal, window):
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 3), (False, 3)])
-@pytest.mark.parametrize("lens", [[7], [5, 1, 13, 2], [1, 1, 1]])
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 3), (False, 3), (False, 9)])
+@pytest.mark.parametrize("lens", [[7], [5, 1, 13, 2], [1, 1, 1], [9, 9, 9, 4, 4, 9, 1]])
 def test_varlen_equals_one_sdpa_per_sequence(causal, window, lens):
     torch.manual_seed(sum(lens))
     total, heads, kv_heads, dim = sum(lens), 6, 2, 11
-    q, k, v = torch.randn(total, heads, dim), torch.randn(total, kv_heads, dim), torch.randn(total, kv_heads, dim)
+    # q, k and v as a fused projection's views (strided rows), as the models pass them
+    fused = torch.randn(total, heads + 2 * kv_heads, dim)
+    q, k, v = fused.split([heads, kv_heads, kv_heads], dim=1)
     batch = CachelessBatch.of(lens)
-    got = varlen_attention(q, k, v, batch.index, batch.valid, 0.3, causal, window)
+    assert sum(count * length for _, count, length in batch.runs) == total
+    got = varlen_attention(q, k, v, batch.runs, 0.3, causal, window)
     torch.testing.assert_close(got, _reference(q, k, v, lens, 0.3, causal, window), atol=1e-5, rtol=1e-5)

@@ -41,8 +41,8 @@ def _weight(node: str, attrs: dict[str, Any], w: torch.Tensor, scales: Any, mins
     bits = attrs.get("bits", 0)
     if bits == 0:
         return w
-    if scales is None or mins is None:
-        raise ValueError(f"node {node!r}: a {bits}-bit weight needs its scales and mins inputs.")
+    if scales is None:  # (mins absent: centred codes, w = scale * code)
+        raise ValueError(f"node {node!r}: a {bits}-bit weight needs its scales input.")
     try:  # codes [N, K * bits / 8], or [E, N, K * bits / 8] for an expert stack
         q = QuantizedWeight(w, scales, mins, levels, bits, attrs["group"], attrs.get("act", "float"), w.shape[-2],
                             w.shape[-1] * 8 // bits)

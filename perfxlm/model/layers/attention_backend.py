@@ -20,7 +20,7 @@ import torch
 
 from perfxlm.model.forward_context import AttentionMetadata
 from perfxlm.ops.attention import (
-    paged_decode_attention, prefill_attention, sink_attention, write_kv_cache, write_kv_cache_torch,
+    paged_decode_attention, prefill_attention, write_kv_cache, write_kv_cache_torch,
 )  # fmt: skip
 from perfxlm.ops.kv_quant import KVCache
 from perfxlm.ops.varlen_attention import varlen_attention
@@ -72,10 +72,7 @@ class CpuAttentionBackend(AttentionBackend):
         if cache.key_scale is not None:
             kwargs["key_scale"], kwargs["value_scale"] = cache.key_scale, cache.value_scale
         if options.sinks is not None:
-            return sink_attention(
-                q, k, v, key_cache, value_cache, meta, options.scale, options.sinks, options.sliding_window,
-                options.soft_cap, **kwargs,
-            )  # fmt: skip
+            kwargs["sinks"] = options.sinks
         if options.sliding_window is not None:
             kwargs["sliding_window"] = options.sliding_window
         if options.soft_cap is not None:
@@ -108,7 +105,7 @@ class CachelessAttentionBackend(AttentionBackend):
             raise ValueError("logit soft-capping is not supported by the pooling runner's attention.")
         if options.sinks is not None:
             raise ValueError("attention sinks (gpt-oss) are not supported by the pooling runner's attention.")
-        return varlen_attention(q, k, v, meta.index, meta.valid, options.scale, options.causal, options.sliding_window)
+        return varlen_attention(q, k, v, meta.runs, options.scale, options.causal, options.sliding_window)
 
 
 @dataclass(frozen=True, slots=True)

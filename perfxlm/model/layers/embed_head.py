@@ -5,7 +5,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from perfxlm.model.layers.activation import soft_cap
-from perfxlm.ops.linear import linear
+from perfxlm.model.layers.linear_methods.base import LinearMethod, LinearPlan
+from perfxlm.model.layers.linear_methods.registry import method_for
+from perfxlm.model.layers.linear_methods.unquantized import UnquantizedLinear
+from perfxlm.quant.targets import TABLE, QuantizableWeight
 from perfxlm.quant.weight import QuantizedWeight
 
 
@@ -17,6 +20,9 @@ class VocabEmbedding(nn.Module):
         self.scale = scale
         # Set when the table is stored narrower than the activations (bf16 weights, float32 compute).
         self.compute_dtype: torch.dtype | None = None
+
+    def quantizable_weights(self) -> list[QuantizableWeight]:
+        return [QuantizableWeight("weight", TABLE, self.weight.shape[-1])]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if type(self.weight) is QuantizedWeight:  # a GGUF table kept quantized: only these rows widen
@@ -43,7 +49,8 @@ class LearnedPositionalEmbedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    """Projects hidden states to vocabulary logits; shares the embedding's weight when tied."""
+    """Projects hidden states to vocabulary logits; shares the embedding's weight when tied. Its product
+    runs by a linear method chosen at load, as a Linear's (a tied head's weight is the table's)."""
 
     def __init__(
         self,
@@ -53,7 +60,9 @@ class LMHead(nn.Module):
         logit_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
-        self.vocab_size = vocab_size
+        self.vocab_size = self.out_features = vocab_size
+        self.in_features = hidden_size
+        self.method: LinearMethod = UnquantizedLinear()
         if tied_to is not None:
             self.weight = tied_to.weight
         else:
@@ -62,7 +71,14 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # Logits in float32 whatever the model dtype: sampling and logprobs want the precision.
-        logits = linear(hidden, self.weight, None, self.vocab_size).float()
+        logits = self.method.apply(self, hidden, None).float()
         if self.logit_soft_cap is not None:
             logits = soft_cap(logits, self.logit_soft_cap)
         return logits
+
+    def quantizable_weights(self) -> list[QuantizableWeight]:
+        return [QuantizableWeight("weight", TABLE, self.in_features)]
+
+    def bind_linear_method(self, plan: LinearPlan) -> None:
+        self.method = method_for(self.weight, plan)
+        self.method.process_after_loading(self, plan)

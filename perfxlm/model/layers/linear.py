@@ -5,33 +5,39 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from perfxlm.ops.linear import linear, unpack_bf16
+from perfxlm.model.layers.linear_methods.base import LinearMethod, LinearPlan
+from perfxlm.model.layers.linear_methods.registry import method_for
+from perfxlm.model.layers.linear_methods.unquantized import UnquantizedLinear
+from perfxlm.quant.targets import LINEAR, QuantizableWeight
 
 
 class Linear(nn.Module):
-    """`weight` is a Parameter [N, K], or a `perfxlm.quant.QuantizedWeight` once a quantized checkpoint
-    or `quantization=` replaced it (ops.linear dispatches on which)."""
+    """y = x W^T + b by the layer's `method` (model/layers/linear_methods/): the float method while the
+    model is built and loaded, then the one chosen at load for what `weight` holds (a Parameter in the
+    plan's float layout, or a `perfxlm.quant.QuantizedWeight` the quantized-weight sink installed)."""
 
     # whether `quantization=` quantizes this projection (MoE routers and gates stay float, as in vLLM)
     quantize_weight = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.method: LinearMethod = UnquantizedLinear()
+        self.method.create_weights(self, in_features, out_features, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.out_features)
+        return self.method.apply(self, x, self.bias)
+
+    def quantizable_weights(self) -> list[QuantizableWeight]:
+        return [QuantizableWeight("weight", LINEAR, self.in_features, self.quantize_weight)]
+
+    def bind_linear_method(self, plan: LinearPlan) -> None:
+        self.method = method_for(self.weight, plan)
+        self.method.process_after_loading(self, plan)
 
     def weight_matrix(self) -> torch.Tensor:
         """W as a plain [N, K] tensor whatever its storage (packed bf16 panels, quantized codes): for
         code that uses W otherwise than in x W^T (MLA folds it into per-head matrices)."""
-        w = self.weight
-        if not isinstance(w, torch.Tensor):
-            return w.dequantize()
-        return unpack_bf16(w, self.out_features) if w.dim() == 3 else w
+        return self.method.weight_matrix(self.weight, self.out_features)
 
 
 class MergedLinear(Linear):

@@ -1,16 +1,41 @@
 """Mixture-of-experts MLP: softmax top-k routing, then each expert runs once on the tokens routed to it.
 
 The (token, expert) pairs are sorted by expert so every expert's tokens form one contiguous group: one
-pair of matrix multiplications per expert that got any token, never a loop over tokens.
+pair of matrix multiplications per expert that got any token, never a loop over tokens. The experts run
+in one native call (`ops/fused_moe.py`) where the kernels are built and take the weights; the torch loop
+over experts (`grouped_experts_torch`) is the same ops in the same order, and its reference.
 """
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 from torch import nn
 
-from perfxlm.model.layers.activation import act_and_mul
+from perfxlm.model.layers.activation import ClampedSwiGLU, GeluAndMul, SiluAndMul, act_and_mul
+from perfxlm.model.layers.linear_methods.base import LinearMethod, LinearPlan
+from perfxlm.model.layers.linear_methods.registry import method_for
+from perfxlm.ops.fused_moe import ExpertActivation, experts_call
 from perfxlm.ops.linear import linear
+from perfxlm.quant.targets import EXPERTS, QuantizableWeight
+
+Multiply = Callable[[torch.Tensor, Any, "torch.Tensor | None", int], torch.Tensor]
+
+
+def _any_weight(x: torch.Tensor, w: Any, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return linear(x, w, bias, out_features)  # the weight's form read per call: stacks no FusedMoE owns
+
+
+def expert_activation(act: nn.Module) -> ExpertActivation | None:
+    """The native kernel's name for an experts' activation module, or None (torch version only)."""
+    if type(act) is SiluAndMul:
+        return ExpertActivation(0)
+    if type(act) is GeluAndMul:
+        return ExpertActivation(1 if act.approximate == "tanh" else 2)
+    if type(act) is ClampedSwiGLU:
+        return ExpertActivation(3, act.alpha, act.limit)
+    return None
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,12 +51,36 @@ def grouped_experts(
     x: torch.Tensor,  # [T, hidden]
     weights: torch.Tensor,  # [T, k]
     expert_ids: torch.Tensor,  # [T, k] int64
-    gate_up: torch.Tensor,  # [E, 2 * inter, hidden]
+    gate_up: torch.Tensor,  # [E, 2 * inter, hidden] (or a quantized stack)
     down: torch.Tensor,  # [E, hidden, inter]
     act: nn.Module,
     gate_up_bias: torch.Tensor | None = None,  # [E, 2 * inter] (gpt-oss)
     down_bias: torch.Tensor | None = None,  # [E, hidden]
+    gate_up_multiply: Multiply = _any_weight,  # the stacks' linear methods' products (FusedMoE's)
+    down_multiply: Multiply = _any_weight,
 ) -> torch.Tensor:  # [T, hidden]
+    activation = expert_activation(act)
+    if activation is not None:
+        out = experts_call(x, weights, expert_ids, gate_up, down, activation, gate_up_bias, down_bias)
+        if out is not None:
+            return out
+    return grouped_experts_torch(x, weights, expert_ids, gate_up, down, act, gate_up_bias, down_bias,
+                                 gate_up_multiply, down_multiply)
+
+
+def grouped_experts_torch(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    expert_ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    act: nn.Module,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    gate_up_multiply: Multiply = _any_weight,
+    down_multiply: Multiply = _any_weight,
+) -> torch.Tensor:
+    """grouped_experts in torch ops, one expert after another."""
     num_tokens, top_k = expert_ids.shape
     flat = expert_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -45,11 +94,14 @@ def grouped_experts(
         if n == 0:
             continue
         end = start + n
-        # ops.linear: torch's own where the stacks share the activations' dtype; bf16 stacks under float32
-        # activations go to the native row kernel (or the CPU's bf16 GEMM), never widened whole.
-        h = linear(xs[start:end], gate_up[expert], None if gate_up_bias is None else gate_up_bias[expert])
+        # torch's own where the stacks share the activations' dtype; bf16 stacks under float32 activations
+        # go to the native row kernel (or the CPU's bf16 GEMM), never widened whole.
+        w = gate_up[expert]
+        b = None if gate_up_bias is None else gate_up_bias[expert]
+        h = gate_up_multiply(xs[start:end], w, b, w.shape[-2])
         h = act(h)
-        out = linear(h, down[expert], None if down_bias is None else down_bias[expert])
+        w = down[expert]
+        out = down_multiply(h, w, None if down_bias is None else down_bias[expert], w.shape[-2])
         out_sorted[start:end] = out * ws[start:end]
         start = end
     # Pairs are added in expert order, as transformers accumulates them: the same float32 sums.
@@ -84,6 +136,20 @@ class FusedMoE(nn.Module):
             torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False
         )
         self.act = act_and_mul(activation)
+        # the stacks' linear methods, chosen at load (until then: the weight's form read per call)
+        self.gate_up_method: LinearMethod | None = None
+        self.down_method: LinearMethod | None = None
+
+    def quantizable_weights(self) -> list[QuantizableWeight]:
+        return [QuantizableWeight(p, EXPERTS, getattr(self, p).shape[-1]) for p in ("gate_up_proj", "down_proj")]
+
+    def bind_linear_method(self, plan: LinearPlan) -> None:
+        """Expert stacks are read expert by expert, as rows (never bf16 panels)."""
+        for param, attr in (("gate_up_proj", "gate_up_method"), ("down_proj", "down_method")):
+            method = method_for(getattr(self, param), plan, panels=False)
+            if method.quantized:
+                method.decide(getattr(self, param), plan, f"FusedMoE.{param}")  # type: ignore[attr-defined]
+            setattr(self, attr, method)
 
     def expected_shards(self, param_name: str) -> list[str]:
         parts = ("gate", "up") if param_name == "gate_up_proj" else ("down",)
@@ -111,4 +177,7 @@ class FusedMoE(nn.Module):
 
     def run_routed(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """Experts chosen by a router of the family's own (DeepSeek's grouped top-k): [T, k] each."""
-        return grouped_experts(x, weights, expert_ids, self.gate_up_proj, self.down_proj, self.act)
+        gate_up = _any_weight if self.gate_up_method is None else self.gate_up_method.multiply
+        down = _any_weight if self.down_method is None else self.down_method.multiply
+        return grouped_experts(x, weights, expert_ids, self.gate_up_proj, self.down_proj, self.act,
+                               gate_up_multiply=gate_up, down_multiply=down)  # fmt: skip

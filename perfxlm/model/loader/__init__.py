@@ -10,6 +10,8 @@ from typing import Any, Iterator
 import torch
 from tqdm import tqdm
 
+from perfxlm.model.layers.linear_methods.base import LinearPlan
+from perfxlm.model.layers.linear_methods.registry import bind
 from perfxlm.model.loader.weight_arena import move_to_arena
 from perfxlm.model.registry import resolve_model_class
 from perfxlm.quant import calibration
@@ -53,8 +55,21 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def _calibration_model(model_path: str, hf_config: Any, load_format: str, weights: Any) -> torch.nn.Module:
-    return get_model(model_path, hf_config, torch.float32, load_format, quantization=weights)
+def _calibration_model(
+    model_path: str, hf_config: Any, load_format: str, weights: Any, activations: ActivationMode | None
+) -> torch.nn.Module:
+    return get_model(
+        model_path, hf_config, torch.float32, load_format, quantization=weights, activations=activations
+    )
+
+
+def load_model(config: Any, tp: Any = None) -> torch.nn.Module:
+    """The model a resolved EngineConfig names, with its weight format and activation mode passed as
+    values (nothing of the engine's choice rides on the model's config)."""
+    return get_model(
+        config.model, config.hf_config, config.torch_dtype, config.load_format, config.seed, config.weight_dtype,
+        tp=tp, quantization=config.quant_config, activations=config.quant_activation_mode,
+    )  # fmt: skip
 
 
 def get_model(
@@ -66,8 +81,12 @@ def get_model(
     weight_dtype: torch.dtype | None = None,
     tp: Any = None,
     quantization: Any = None,
+    activations: ActivationMode | None = None,
 ):
-    """`tp`: a distributed.sharding.TPShard: build and load only that rank's shard."""
+    """`tp`: a distributed.sharding.TPShard: build and load only that rank's shard. `quantization`: the
+    weight format (a QuantizationConfig, or what `QuantizationConfig.resolve` takes; None keeps a GGUF
+    file's blocks and a float checkpoint float). `activations`: the mode EngineConfig.resolve decided,
+    else the default for these weights."""
     model_cls = resolve_model_class(hf_config)
     build_config = hf_config
     packed = packed_checkpoint(model_path, load_format)  # a bad packed checkpoint fails before the build
@@ -79,21 +98,21 @@ def get_model(
         prequantized = getattr(hf_config, "quantization_config", None) is not None
         check_supported(model_cls, tp.world_size, hf_config, prequantized)
         build_config = tp.shard_config(hf_config)
-        quantization = tp_quantization(quantization, hf_config)
+        quantization = tp_quantization(quantization)
     with _default_dtype(dtype), torch.no_grad():
         # Layers allocate with torch.empty: building the model costs no initialisation pass.
         model = model_cls(build_config)
         # quantized weights (a GGUF file's blocks, or `quantization=`): checked before any weight is read
-        if quantization is None:  # EngineConfig.resolve leaves the user's choice on the model config
-            quantization = getattr(hf_config, "perfxlm_quantization", None)
         sink = quantized_loader(model, quantization, load_format, model_path, packed)
         if sink is not None:
-            sink.take_activations(activation_mode(hf_config, sink.source, weight_dtype or dtype))
+            if activations is None:  # a caller loading without an EngineConfig: the weights' default
+                activations = resolve_activations("auto", sink.source, weight_dtype or dtype)
+            sink.take_activations(activations)
         if sink is not None and load_format != "dummy":
             # activation statistics, where asked for: from the same checkpoint loaded as `weights` says
             sink.importance = calibration.importance(
                 sink.config, model_path, hf_config,
-                lambda weights: _calibration_model(model_path, hf_config, load_format, weights),
+                lambda weights: _calibration_model(model_path, hf_config, load_format, weights, activations),
             )  # fmt: skip
             release_freed_memory()  # the calibration model's pages, before this model's weights arrive
         if weight_dtype is not None and weight_dtype != dtype:
@@ -112,20 +131,13 @@ def get_model(
             if packed is not None:  # each packed module's parts become one QuantizedWeight
                 weights = packed.stream(weights)
             model.load_weights(tqdm(weights, desc="Loading weights", unit="tensor", leave=False), sink=sink)
-    if weight_dtype is not None and weight_dtype != dtype:
-        cast_weights(model, weight_dtype, dtype)
+    stored = weight_dtype or dtype
+    bind_linear_methods(model, linear_plan(stored, dtype, None if sink is None else sink.format_name))
+    if stored != dtype:
+        cast_weights(model, stored, dtype)
     move_to_arena(model)  # final layouts only: after packing and casting
     release_freed_memory()
     return model.eval()
-
-
-def activation_mode(hf_config: Any, source: str, weight_dtype: torch.dtype) -> ActivationMode:
-    """The activation mode EngineConfig.resolve decided (it travels on the model's config to every
-    loader), else the default for these weights (a caller loading without an EngineConfig)."""
-    decided = getattr(hf_config, "perfxlm_quant_activations", None)
-    if decided is not None:
-        return ActivationMode(decided)
-    return resolve_activations("auto", source, weight_dtype)
 
 
 def release_freed_memory() -> None:
@@ -165,42 +177,41 @@ def _allocate_weights(model: torch.nn.Module, weight_dtype: torch.dtype) -> None
 
 
 def cast_weights(model: torch.nn.Module, weight_dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
-    """Store the projection and embedding weights in `weight_dtype` while activations keep the model
-    dtype (bf16 weights, float32 compute). With native kernels, projections take the layout the CPU plan
-    names (ops/cpu_plan.py): plain bf16 rows, which a tied LM head shares with the embedding table, or
-    packed panels (a tied LM head then gets its own packed copy, as the embedding needs rows). MoE expert
-    stacks stay plain bf16 rows, read by the same kernels expert by expert. Norms and biases keep the
-    model dtype. Quantized weights (perfxlm.quant.QuantizedWeight) keep their codes; products of many rows
-    with them may run the CPU's bf16 GEMM, as bf16 weights do (what they do to activations was decided
-    at load: `QuantizedWeight.activations`)."""
-    from perfxlm.model.layers.embed_head import LMHead, VocabEmbedding
-    from perfxlm.model.layers.linear import Linear
+    """Store the embedding tables and MoE expert stacks in `weight_dtype` while activations keep the
+    model dtype (bf16 weights, float32 compute); projections and LM heads take their layout from their
+    linear method (`bind_linear_methods`). Norms and biases keep the model dtype; quantized weights
+    keep their codes."""
+    from perfxlm.model.layers.embed_head import VocabEmbedding
     from perfxlm.model.layers.moe import FusedMoE
-    from perfxlm.ops import cpu_plan, native
-    from perfxlm.ops.linear import pack_bf16
     from perfxlm.quant.weight import QuantizedWeight
 
-    pack = weight_dtype == torch.bfloat16 and native.kernels() is not None and cpu_plan.plan().layout == "panels"
-    embeddings = {id(m.weight): m for m in model.modules() if isinstance(m, VocabEmbedding)}
-    tied_heads = [m for m in model.modules() if isinstance(m, LMHead) and id(m.weight) in embeddings]
-    for module in list(model.modules()):
-        if isinstance(module, (Linear, LMHead)) and not isinstance(module.weight, QuantizedWeight):
-            if not pack and module in tied_heads:
-                continue  # shares the embedding's table, cast below
-            w = module.weight.data.to(weight_dtype)
-            module.weight = torch.nn.Parameter(pack_bf16(w) if pack else w, requires_grad=False)
+    for module in model.modules():
         if isinstance(module, FusedMoE):
             for param in (module.gate_up_proj, module.down_proj):
                 if not isinstance(param, QuantizedWeight):
                     param.data = param.data.to(weight_dtype)
-    for module in embeddings.values():
-        module.compute_dtype = compute_dtype
-        if not isinstance(module.weight, QuantizedWeight):
-            module.weight.data = module.weight.data.to(weight_dtype)
-    for module in model.modules():
-        for value in vars(module).values():
-            if isinstance(value, QuantizedWeight):
-                value.bf16_gemm = weight_dtype == torch.bfloat16
+        if isinstance(module, VocabEmbedding):
+            module.compute_dtype = compute_dtype
+            if not isinstance(module.weight, QuantizedWeight):
+                module.weight.data = module.weight.data.to(weight_dtype)
+
+
+def linear_plan(
+    weight_dtype: torch.dtype, compute_dtype: torch.dtype, quantized_format: str | None
+) -> LinearPlan:
+    """The plan a model's layers choose their linear methods by: bf16 weights under float32 activations
+    take the layout the CPU plan names where the native kernels are built (ops/cpu_plan.py), else rows."""
+    from perfxlm.ops import cpu_plan, native
+
+    panels = weight_dtype == torch.bfloat16 and native.kernels() is not None and cpu_plan.plan().layout == "panels"
+    return LinearPlan(weight_dtype, compute_dtype, "panels" if panels else "rows", quantized_format)
+
+
+def bind_linear_methods(model: torch.nn.Module, plan: LinearPlan) -> None:
+    """Every layer's linear method, chosen once for what it holds (model/layers/linear_methods/). A tied
+    LM head under bf16 rows casts the table it shares; under panels it gets its own packed copy first,
+    from the table as loaded, before the table is cast."""
+    bind(model, plan)
 
 
 def _iter_shard(tp: Any, model_path: str, hf_config: Any, load_format: str, model_cls: type):

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import gguf
 import torch
 
-from perfxlm.model.loader import gguf_gemma2, gguf_gemma3
+from perfxlm.model.loader import gguf_gemma2, gguf_gemma3, gguf_glm4
 from perfxlm.model.loader.gguf_reader import GGUFFile, open_gguf
 from perfxlm.model.loader.gguf_metadata import (
     check_attention_scale, check_metadata, head_dims, rope_freq_factors, uniform,
@@ -129,6 +129,8 @@ _ARCHS: dict[str, _ArchSpec] = {
         "gemma3_text", "Gemma3ForCausalLM", _DECODER_KEYS, gguf_gemma3.TENSORS, permute_qk=False,
         extra_config=gguf_gemma3.CONFIG_DEFAULTS, extra_keys=gguf_gemma3.EXTRA_KEYS, norms_plus_one=True,
     ),
+    "glm4": _ArchSpec("glm4", "Glm4ForCausalLM", _DECODER_KEYS, gguf_glm4.TENSORS, permute_qk=False,
+                      extra_config=gguf_glm4.CONFIG_DEFAULTS),
 }
 
 # What the transformers config classes of these families default to, for the fields a GGUF file does
@@ -198,8 +200,12 @@ def load_gguf_config(path: str) -> "transformers.PretrainedConfig":
         elif "token_embd.weight" in f.tensors:
             kwargs["vocab_size"] = f.tensors["token_embd.weight"].shape[0]
 
-    head_dim = head_dims(meta, arch, int(kwargs["hidden_size"]), int(kwargs["num_attention_heads"]))
+    head_dim = head_dims(
+        meta, arch, int(kwargs["hidden_size"]), int(kwargs["num_attention_heads"]), partial_rotary=arch == "glm4"
+    )  # fmt: skip
     kwargs["head_dim"] = head_dim
+    if arch == "glm4":
+        gguf_glm4.apply(meta, kwargs, head_dim)  # its rope width is a part of the head
     if arch == "gemma2":
         gguf_gemma2.apply(meta, kwargs, head_dim)  # its attention scale is query_pre_attn_scalar
     elif arch != "gemma3":  # (gemma3's is set with its rope, below)

@@ -84,15 +84,17 @@ def check_attention_scale(meta: dict[str, Any], arch: str, head_dim: int) -> Non
         )
 
 
-def head_dims(meta: dict[str, Any], arch: str, hidden: int, heads: int) -> int:
-    """The head size, with the rotary and value sizes checked against it (no partial rotary here)."""
+def head_dims(meta: dict[str, Any], arch: str, hidden: int, heads: int, partial_rotary: bool = False) -> int:
+    """The head size, with the rotary and value sizes checked against it. `partial_rotary`: the
+    architecture rotates part of each head (GLM-4), so the rotary width is not a head size (the caller
+    checks it)."""
     key_len = uniform(meta, f"{arch}.attention.key_length")
     value_len = uniform(meta, f"{arch}.attention.value_length")
     rope_dim = meta.get(f"{arch}.rope.dimension_count")
-    head_dim = int(key_len or rope_dim or hidden // heads)
+    head_dim = int(key_len or (None if partial_rotary else rope_dim) or hidden // heads)
     if value_len is not None and int(value_len) != head_dim:
         raise ValueError(f"GGUF key and value head sizes differ ({head_dim} vs {value_len}); not supported.")
-    if rope_dim is not None and int(rope_dim) != head_dim:
+    if rope_dim is not None and int(rope_dim) != head_dim and not partial_rotary:
         raise ValueError(
             f"GGUF {arch}.rope.dimension_count={rope_dim} differs from the head size {head_dim} (partial "
             "rotary); not supported for this architecture."

@@ -42,7 +42,7 @@ def _slots(model: torch.nn.Module):
             if isinstance(value, QuantizedWeight):
                 for name in ("codes", "scales", "mins"):
                     t = getattr(value, name)
-                    if t.device.type == "cpu" and t.nbytes >= MIN_BYTES and t.is_contiguous():
+                    if t is not None and t.device.type == "cpu" and t.nbytes >= MIN_BYTES and t.is_contiguous():
                         yield value, name, t
 
 

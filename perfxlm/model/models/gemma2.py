@@ -22,10 +22,11 @@ from perfxlm.model.models.llama import (
 
 
 def gemma_attention(
-    config: Any, layer_idx: int, qk_norm: bool = False, soft_cap: bool = True
+    config: Any, layer_idx: int, qk_norm: bool = False, soft_cap: bool = True, causal: bool = True
 ) -> LlamaAttention:
     """Gemma's attention: scale query_pre_attn_scalar^-1/2, local layers windowed, scores soft-capped
-    where configured and `soft_cap`; Gemma 3 adds (1 + w) RMSNorms over each q and k head."""
+    where configured and `soft_cap`; Gemma 3 adds (1 + w) RMSNorms over each q and k head. Not `causal`:
+    bidirectional, a local layer's window then reaching as far on either side (EmbeddingGemma)."""
     return LlamaAttention(
         config,
         qk_norm=qk_norm,
@@ -33,6 +34,7 @@ def gemma_attention(
         scale=config.query_pre_attn_scalar**-0.5,
         sliding_window=layer_sliding_window(config, layer_idx),
         logit_soft_cap=getattr(config, "attn_logit_softcapping", None) if soft_cap else None,
+        causal=causal,
     )
 
 

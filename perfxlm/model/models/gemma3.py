@@ -15,16 +15,22 @@ from perfxlm.model.models.gemma2 import Gemma2DecoderLayer, Gemma2ForCausalLM, G
 from perfxlm.model.models.llama import head_dim_of
 
 
+def gemma3_stack(config: Any, causal: bool = True) -> Gemma2Model:
+    """Gemma 3's embeddings, layers and final norm; bidirectional where not `causal` (EmbeddingGemma's
+    encoder, `gemma3_encoder.py`)."""
+    kinds = list(config.layer_types)
+    if len(kinds) != config.num_hidden_layers:
+        raise ValueError(
+            f"layer_types has {len(kinds)} entries for {config.num_hidden_layers} layers."
+        )
+    rotary = {kind: RotaryEmbedding.from_config(config, head_dim_of(config), kind) for kind in set(kinds)}
+    layers = [
+        Gemma2DecoderLayer(config, gemma_attention(config, i, qk_norm=True, soft_cap=False, causal=causal))
+        for i in range(config.num_hidden_layers)
+    ]
+    return Gemma2Model(config, layers, rotary, kinds)
+
+
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     def make_model(self, config: Any) -> Gemma2Model:
-        kinds = list(config.layer_types)
-        if len(kinds) != config.num_hidden_layers:
-            raise ValueError(
-                f"layer_types has {len(kinds)} entries for {config.num_hidden_layers} layers."
-            )
-        rotary = {kind: RotaryEmbedding.from_config(config, head_dim_of(config), kind) for kind in set(kinds)}
-        layers = [
-            Gemma2DecoderLayer(config, gemma_attention(config, i, qk_norm=True, soft_cap=False))
-            for i in range(config.num_hidden_layers)
-        ]
-        return Gemma2Model(config, layers, rotary, kinds)
+        return gemma3_stack(config)

@@ -1,6 +1,6 @@
 """gpt-oss (GptOssForCausalLM), from float checkpoints: Llama-shaped attention with biases everywhere, a
-learned sink logit per head (attention in torch ops: ops.attention.sink_attention), sliding-window and
-full layers alternating by `layer_types`, YaRN; every layer a mixture of experts whose router has a bias
+learned sink logit per head (an `Attention` option the CPU kernels and the fused decode layer take),
+sliding-window and full layers alternating by `layer_types`, YaRN; every layer a mixture of experts whose router has a bias
 and softmaxes only the top-k logits, and whose experts have biases and gpt-oss's clamped SwiGLU over
 interleaved gate/up columns. The expert stacks keep transformers' layout ([E, hidden, 2 * inter] and
 [E, inter, hidden], x @ W) and are multiplied through transposed views."""

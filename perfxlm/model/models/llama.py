@@ -41,6 +41,7 @@ class LlamaAttention(nn.Module):
         scale: float | None = None,  # default head_dim^-1/2
         logit_soft_cap: float | None = None,
         sinks: bool = False,  # gpt-oss: a learned sink logit per head (in `attn`)
+        causal: bool = True,  # False: bidirectional (a decoder's layers used as an encoder: EmbeddingGemma)
     ) -> None:
         super().__init__()
         hidden = config.hidden_size
@@ -65,6 +66,7 @@ class LlamaAttention(nn.Module):
             sliding_window=sliding_window,
             logit_soft_cap=logit_soft_cap,
             sinks=sinks,
+            causal=causal,
         )
         self.qk_size = q_size + kv_size
 
@@ -83,8 +85,6 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v))
 
     def fused_decode_attention(self) -> FusedAttention | None:
-        if self.attn.sinks is not None:
-            return None  # the fused kernel has no sink term
         norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
         return fused_attention(self.qkv_proj, self.o_proj, self.attn, *norms)
 
@@ -138,12 +138,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 def fused_llama_layer(layer: nn.Module, norms: list[nn.Module]) -> FusedLayer | None:
-    """A layer of LlamaAttention and LlamaMLP blocks as one fused decode call; other blocks (a mixture of
-    experts) keep the module path."""
+    """A layer of LlamaAttention and LlamaMLP blocks as one fused decode call; with another MLP (a mixture
+    of experts) the call covers the attention half and the MLP module runs after it."""
     attn, mlp = layer.self_attn, layer.mlp
-    if not isinstance(attn, LlamaAttention) or not isinstance(mlp, LlamaMLP):
+    if not isinstance(attn, LlamaAttention):
         return None
-    return fused_layer(norms, attn.fused_decode_attention(), mlp.fused_decode_mlp())
+    if isinstance(mlp, LlamaMLP):
+        return fused_layer(norms, attn.fused_decode_attention(), mlp.fused_decode_mlp())
+    return fused_layer(norms, attn.fused_decode_attention(), None, module_mlp=mlp)
 
 
 class LlamaModel(nn.Module):

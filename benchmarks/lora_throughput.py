@@ -1,0 +1,127 @@
+"""Multi-LoRA speed against the base model alone, in one run: 16 parallel requests spread over 4 adapters
+(generated tokens/s) and batch-1 decode with one adapter (tokens/s after the first token), each next to
+the same requests on an engine without LoRA.
+
+The adapters are random PEFT folders of the requested rank over every attention and MLP projection,
+written for the model's shapes (adapter_config.json + adapter_model.safetensors, the names PEFT writes),
+so any model the engine loads can be measured, GGUF files included. Both engines live in one process
+and run alternately (base, LoRA, base, ...), so drift on a shared machine hits both alike; medians.
+
+    python benchmarks/lora_throughput.py                       # the embedded SmolLM2 GGUF
+    python benchmarks/lora_throughput.py --model m.gguf --rank 16 --adapters 4 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+from safetensors.torch import save_file
+
+from perfxlm import LLM, LoRARequest, SamplingParams
+from perfxlm.config import default_model_path
+
+_TARGETS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+
+
+def _shapes(cfg) -> dict[str, tuple[int, int]]:
+    """(in, out) of each target projection of one layer, from the model's Hugging Face config."""
+    hidden = cfg.hidden_size
+    head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    inter = cfg.intermediate_size
+    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+
+
+def write_adapter(path: str, cfg, rank: int, seed: int) -> str:
+    g = torch.Generator().manual_seed(seed)
+    shapes = _shapes(cfg)
+    tensors = {}
+    for layer in range(cfg.num_hidden_layers):
+        for block, names in _TARGETS.items():
+            for name in names:
+                n_in, n_out = shapes[name]
+                prefix = f"base_model.model.model.layers.{layer}.{block}.{name}"
+                tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, n_in, generator=g) * 0.02
+                tensors[f"{prefix}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * 0.02
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0, "bias": "none",
+              "target_modules": [n for names in _TARGETS.values() for n in names], "task_type": "CAUSAL_LM"}
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
+def parallel_tok_s(llm: LLM, prompts: list[list[int]], out_len: int, loras) -> float:
+    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+
+
+def decode_tok_s(llm: LLM, prompt: list[int], out_len: int, lora) -> float:
+    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False, lora_request=lora)[0]
+    m = out.metrics
+    return (len(out.outputs[0].token_ids) - 1) / (m.last_token_time - m.first_token_time)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2 GGUF")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--adapters", type=int, default=4)
+    ap.add_argument("--parallel", type=int, default=16)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--decode-context", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--output-json", default=None)
+    args = ap.parse_args()
+    if args.model is None:
+        args.model = default_model_path()
+    common = dict(dtype=args.dtype, quantization=args.quantization, enable_prefix_caching=False)
+    base = LLM(args.model, **common)
+    lora = LLM(args.model, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank, **common)
+    cfg = lora.llm_engine.config.hf_config
+    g = torch.Generator().manual_seed(0)
+    vocab = cfg.vocab_size
+    prompts = [torch.randint(100, vocab - 100, (args.input_len,), generator=g).tolist() for _ in range(args.parallel)]
+    long_prompt = torch.randint(100, vocab - 100, (args.decode_context,), generator=g).tolist()
+    rows: dict[str, list[float]] = {k: [] for k in ("par_base", "par_lora", "dec_base", "dec_lora")}
+    with tempfile.TemporaryDirectory() as tmp:
+        requests = [LoRARequest(f"a{i}", i + 1, write_adapter(os.path.join(tmp, f"a{i}"), cfg, args.rank, i))
+                    for i in range(args.adapters)]
+        spread = [requests[i % len(requests)] for i in range(args.parallel)]
+        parallel_tok_s(lora, prompts[:2], 4, spread[:2])  # warm-up: kernels, adapter slots
+        parallel_tok_s(base, prompts[:2], 4, None)
+        for r in range(args.rounds):
+            rows["par_base"].append(parallel_tok_s(base, prompts, args.output_len, None))
+            rows["par_lora"].append(parallel_tok_s(lora, prompts, args.output_len, spread))
+            rows["dec_base"].append(decode_tok_s(base, long_prompt, args.output_len, None))
+            rows["dec_lora"].append(decode_tok_s(lora, long_prompt, args.output_len, requests[0]))
+            print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rows.items()), flush=True)
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    print(f"\nmodel {args.model}, {args.adapters} adapters of rank {args.rank}, {torch.get_num_threads()} threads, "
+          f"medians of {args.rounds} alternating rounds")
+    print(f"{args.parallel} parallel {args.input_len}/{args.output_len}, generated tok/s: base {med['par_base']:.1f}, "
+          f"across {args.adapters} adapters {med['par_lora']:.1f} -> {med['par_lora'] / med['par_base']:.2f}x")
+    print(f"batch-1 decode after {args.decode_context}, tok/s: base {med['dec_base']:.1f}, with an adapter "
+          f"{med['dec_lora']:.1f} -> {med['dec_lora'] / med['dec_base']:.2f}x")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"args": vars(args), "rounds": rows, "medians": med}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

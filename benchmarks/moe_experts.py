@@ -1,0 +1,97 @@
+"""One mixture-of-experts layer's routed experts: the native one-call kernel (`ops/fused_moe.py`) against
+the torch loop over experts (`grouped_experts_torch`), same inputs, same run, rounds interleaved so drift
+on a shared machine hits both alike; medians reported, and their ratio.
+
+Defaults: Qwen3-30B-A3B's expert shapes (hidden 2048, 768 per expert, 8 of 128 experts per token) with
+fewer experts so the stacks fit a small machine (routing stays uniform over those there are).
+
+    python benchmarks/moe_experts.py                           # bf16 stacks, 1 / 16 / 128 tokens
+    python benchmarks/moe_experts.py --weights int4 --experts 64 --tokens 1,4 --output-json moe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from perfxlm.model.layers.activation import SiluAndMul
+from perfxlm.model.layers.moe import grouped_experts, grouped_experts_torch
+from perfxlm.ops import native
+from perfxlm.quant.quantizers import quantize_symmetric_int4, quantize_symmetric_int8
+
+
+def stacks(args: argparse.Namespace):
+    g = torch.Generator().manual_seed(0)
+    e, h, i = args.experts, args.hidden, args.inter
+    gate_up = torch.randn(e, 2 * i, h, generator=g) * 0.02
+    down = torch.randn(e, h, i, generator=g) * 0.02
+    if args.weights == "bf16":
+        return gate_up.bfloat16(), down.bfloat16()
+    if args.weights == "int8":
+        return quantize_symmetric_int8(gate_up, 32), quantize_symmetric_int8(down, 32)
+    if args.weights == "int4":
+        return quantize_symmetric_int4(gate_up, 32), quantize_symmetric_int4(down, 32)
+    return gate_up, down
+
+
+def timed(fn, repeats: int) -> float:
+    fn()  # warm
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--weights", choices=["float32", "bf16", "int8", "int4"], default="bf16")
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--inter", type=int, default=768)
+    ap.add_argument("--tokens", default="1,16,128", help="batch sizes (tokens per step), comma-separated")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--output-json", default=None)
+    args = ap.parse_args(argv)
+    if native.kernels() is None:
+        sys.exit("the native kernels are not built on this machine: nothing to compare")
+    torch.set_num_threads(args.threads)
+    gate_up, down = stacks(args)
+    act = SiluAndMul()
+    results = []
+    with torch.inference_mode():
+        for n in (int(t) for t in args.tokens.split(",")):
+            g = torch.Generator().manual_seed(n)
+            x = torch.randn(n, args.hidden, generator=g)
+            weights, ids = torch.softmax(torch.randn(n, args.experts, generator=g), -1).topk(args.top_k, dim=-1)
+            assert torch.equal(grouped_experts(x, weights, ids, gate_up, down, act),
+                               grouped_experts_torch(x, weights, ids, gate_up, down, act))  # fmt: skip
+            rounds = {"native": [], "torch": []}
+            for _ in range(args.rounds):
+                rounds["native"].append(timed(lambda: grouped_experts(x, weights, ids, gate_up, down, act), args.repeats))
+                rounds["torch"].append(timed(lambda: grouped_experts_torch(x, weights, ids, gate_up, down, act), args.repeats))
+            nat, tor = statistics.median(rounds["native"]), statistics.median(rounds["torch"])
+            active = int(torch.unique(ids).numel())
+            results.append({"tokens": n, "active_experts": active, "native_ms": nat * 1e3, "torch_ms": tor * 1e3,
+                            "speedup": tor / nat})  # fmt: skip
+            print(f"{n:4d} tokens ({active:3d} experts active): native {nat * 1e3:8.3f} ms  torch loop "
+                  f"{tor * 1e3:8.3f} ms  x{tor / nat:.2f}", flush=True)  # fmt: skip
+    report = {"weights": args.weights, "experts": args.experts, "top_k": args.top_k, "hidden": args.hidden,
+              "inter": args.inter, "threads": args.threads, "results": results}  # fmt: skip
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+if __name__ == "__main__":
+    main()

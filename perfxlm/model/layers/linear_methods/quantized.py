@@ -1,0 +1,148 @@
+"""Quantized weights: one class per format, all over the one storage form (`perfxlm.quant.QuantizedWeight`)
+and the one native kernel (`linear_q`), or its plain-torch definition (`perfxlm.quant.reference`).
+
+`process_after_loading` checks the layer holds what its format produces and decides, once, how its
+product runs: the native kernel or the reference (a 256-level table: FP8 bytes), the activations'
+input order (GPTQ act-order), whether activations are rounded to int8 blocks by the kernel or in torch
+first (a layout or build the block GEMV lacks), whether many rows may run the CPU's bf16 GEMM (a
+bfloat16 model). The fused decode layer reads the same decisions (`fusable`, `bf16_gemm`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from perfxlm.model.layers.linear_methods.base import LinearMethod, LinearPlan
+from perfxlm.ops import native
+from perfxlm.ops.linear import native_int8_blocks, run_linear_q
+from perfxlm.quant.reference import reference_linear
+from perfxlm.quant.weight import ActivationMode, QuantizedWeight
+
+
+class QuantizedLinearMethod(LinearMethod):
+    quantized = True
+    # what the format's weights may hold: code widths, level tables, an input order, int8 activations
+    bits: tuple[int, ...] = (4, 8)
+    levels: bool = False
+    input_order: bool = False
+    acts: tuple[str, ...] = ("float",)
+
+    def __init__(self) -> None:
+        self.native = True  # the native kernel takes the codes (else the plain-torch reference)
+        self.bf16_gemm = False
+        self.int8_blocks = False
+        self.round_in_torch = False
+        self.ordered = False
+
+    def check(self, weight: Any, where: str) -> None:
+        """ValueError where `weight` is not what this format produces (a loader bug, named)."""
+        problem = None
+        if not isinstance(weight, QuantizedWeight):
+            problem = f"holds {type(weight).__name__}, not quantized codes"
+        elif weight.bits not in self.bits:
+            problem = f"has {weight.bits}-bit codes; the format has {self.bits}"
+        elif weight.levels is not None and not self.levels:
+            problem = "has a level table; the format has affine codes only"
+        elif weight.input_order is not None and not self.input_order:
+            problem = "has an input order (act-order); the format has none"
+        elif weight.act not in self.acts:
+            problem = f"takes {weight.act!r} activations; the format takes {self.acts}"
+        if problem is not None:
+            raise ValueError(f"{where}: a {self.name} weight {problem}.")
+
+    def process_after_loading(self, layer: nn.Module, plan: LinearPlan) -> None:
+        self.decide(layer.weight, plan, type(layer).__name__)
+
+    def decide(self, weight: QuantizedWeight, plan: LinearPlan, where: str) -> None:
+        self.check(weight, where)
+        self.native = weight.kernel_levels
+        self.ordered = weight.input_order is not None  # act-order: the product gathers x's columns
+        # bf16 storage under float32 activations (a bfloat16 model): many rows may run the bf16 GEMM
+        self.bf16_gemm = plan.weight_dtype == torch.bfloat16 and plan.compute_dtype != torch.bfloat16
+        mode = weight.activations  # taken at install, checked there against the weight's input size
+        self.round_in_torch = mode is ActivationMode.INT8 and not native_int8_blocks(weight)
+        self.int8_blocks = mode is not ActivationMode.FLOAT and not self.round_in_torch
+
+    @property
+    def fusable(self) -> bool:
+        """Whether the fused decode layer's kernel takes this weight as the module path runs it (not an
+        FP8 byte table, not act-order inputs)."""
+        return self.native and not self.ordered
+
+    def multiply(
+        self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None, out_features: int
+    ) -> torch.Tensor:
+        ops = native.kernels()  # None where a caller turned them off: the definition runs
+        if ops is None or not self.native:
+            return reference_linear(x, weight, bias)
+        return run_linear_q(ops, x, weight, bias, self.bf16_gemm, self.int8_blocks, self.round_in_torch)
+
+    def weight_matrix(self, weight: Any, out_features: int) -> torch.Tensor:
+        return weight.dequantize()
+
+
+class GGUFLinear(QuantizedLinearMethod):
+    """A GGUF file's blocks kept as they are (Q4_0, Q4_K, Q6_K, Q8_0, ...: affine codes, any group)."""
+
+    name = "gguf"
+
+
+class Int8Linear(QuantizedLinearMethod):
+    """int8 at load: 8-bit codes, float activations unless quant_activations rounds them."""
+
+    name = "int8"
+    bits = (8,)
+
+
+class Int4Linear(QuantizedLinearMethod):
+    """int4 at load: 4-bit codes (8-bit where mixed precision widened a weight)."""
+
+    name = "int4"
+
+
+class NF4Linear(QuantizedLinearMethod):
+    """QLoRA's NF4: 4-bit codes into 16 NormalFloat levels (the table scaled per group)."""
+
+    name = "nf4"
+    levels = True  # 8-bit affine codes too: the embedding table and LM head
+
+
+class W8A8Linear(QuantizedLinearMethod):
+    """W8A8: 8-bit codes and int8 activations, per token or in blocks, as the weight's `act` says."""
+
+    name = "w8a8"
+    bits = (8,)
+    acts = ("int8", "int8_block", "float")  # float: the embedding table and LM head
+
+
+class AWQLinear(QuantizedLinearMethod):
+    """AWQ checkpoints: codes repacked into Q4_0's nibble order (or 8-bit codes), zero points as mins."""
+
+    name = "awq"
+
+
+class GPTQLinear(QuantizedLinearMethod):
+    """GPTQ checkpoints: 4- or 8-bit codes; with act-order the product gathers x's columns first (the
+    fused decode layer then leaves the model to the module path)."""
+
+    name = "gptq"
+    input_order = True
+
+
+
+class CompressedTensorsLinear(QuantizedLinearMethod):
+    """compressed-tensors checkpoints: int4 / int8 packs (W8A8 with int8 activations), and FP8 e4m3
+    bytes as a 256-level table, which only the plain-torch product takes."""
+
+    name = "compressed-tensors"
+    levels = True
+    input_order = True  # actorder "group"
+    acts = ("float", "int8", "int8_block")
+
+
+QUANTIZED_METHODS: tuple[type[QuantizedLinearMethod], ...] = (
+    GGUFLinear, Int8Linear, Int4Linear, NF4Linear, W8A8Linear, AWQLinear, GPTQLinear, CompressedTensorsLinear,
+)

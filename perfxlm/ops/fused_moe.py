@@ -1,0 +1,76 @@
+"""A mixture of experts' routed experts as one native call (`moe_experts` in csrc/cpu_kernels.cpp).
+
+The torch version (`model/layers/moe.py`'s grouped_experts_torch) sorts the (token, expert) pairs by
+expert and then loops in Python over the experts that got tokens: six or so torch ops per expert, which at
+decode (top-k experts per token, dozens of layers) costs more in dispatch than the products do. The native
+op runs the same ops in the same order in one call, so both give the same bits; each expert's weights
+(a float, bf16 or quantized stack, whatever `project` takes) are read once per step however many tokens
+chose it.
+
+`experts_call` decides once per call whether the kernel takes the stacks (quantized weights only where
+the kernel would round activations as the torch path does) and returns None otherwise: the caller then
+runs the torch version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from perfxlm.ops import cpu_plan, native
+from perfxlm.ops.linear import native_int8_blocks
+from perfxlm.quant.weight import ActivationMode, QuantizedWeight
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertActivation:
+    """The experts' gated activation as the kernel names it: 0 SiLU, 1 GELU-tanh, 2 GELU over [gate | up];
+    3 gpt-oss's clamped SwiGLU over interleaved gate/up columns, with its alpha and limit."""
+
+    code: int
+    alpha: float = 0.0
+    limit: float = 0.0
+
+
+def _stack_parts(stack: torch.Tensor | QuantizedWeight) -> tuple[list[torch.Tensor], QuantizedWeight | None] | None:
+    """[w] for a float / bf16 stack [E, N, K], or a quantized stack's native_parts();
+    None where the kernel does not take it (act-order inputs, FP8 byte tables)."""
+    if isinstance(stack, torch.Tensor):
+        return [stack], None
+    if stack.input_order is not None or not stack.kernel_levels:
+        return None
+    return stack.native_parts(), stack
+
+
+def experts_call(
+    x: torch.Tensor,  # [T, hidden]
+    weights: torch.Tensor,  # [T, k]
+    expert_ids: torch.Tensor,  # [T, k] int64
+    gate_up: torch.Tensor | QuantizedWeight,  # [E, 2 * inter, hidden]
+    down: torch.Tensor | QuantizedWeight,  # [E, hidden, inter]
+    activation: ExpertActivation,
+    gate_up_bias: torch.Tensor | None = None,  # [E, 2 * inter]
+    down_bias: torch.Tensor | None = None,  # [E, hidden]
+) -> torch.Tensor | None:  # [T, hidden], or None: run the torch version
+    ops = native.kernels()
+    if ops is None or x.dtype != torch.float32 or x.dim() != 2:
+        return None
+    up_parts, down_parts = _stack_parts(gate_up), _stack_parts(down)
+    if up_parts is None or down_parts is None:
+        return None
+    quantized = [w for w in (up_parts[1], down_parts[1]) if w is not None]
+    modes = {w.activations for w in quantized}
+    if len(modes) > 1:
+        return None  # one int8_blocks flag for both products
+    mode = modes.pop() if modes else ActivationMode.FLOAT
+    if mode is ActivationMode.INT8 and not all(native_int8_blocks(w) for w in quantized):
+        return None  # the torch version rounds these activations itself
+    plan = cpu_plan.plan()
+    bf16_gemm = plan.gemm == "bf16" and all(w.bf16_gemm for w in quantized)
+    inter = gate_up.shape[-2] // 2
+    return ops.moe_experts(
+        x.contiguous(), weights, expert_ids, up_parts[0], gate_up_bias, down_parts[0], down_bias,
+        gate_up.shape[0], inter, activation.code, activation.alpha, activation.limit, plan.native_max_rows,
+        bf16_gemm, mode is not ActivationMode.FLOAT, plan.quant_max_rows, plan.quant_block_max_rows,
+    )  # fmt: skip

@@ -1,0 +1,23 @@
+"""What a layer declares about its weights to the quantized-weight sink, so that quant never imports the
+model's layer classes: which parameters may hold a `QuantizedWeight`, of which kind, and whether
+`quantization=` quantizes them at load."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+LINEAR, EXPERTS, TABLE = "linear", "experts", "table"
+
+
+@dataclass(frozen=True)
+class QuantizableWeight:
+    param: str  # the parameter's name on the layer
+    kind: str  # LINEAR (one [N, K] matrix), EXPERTS (a stack [E, N, K]) or TABLE (embedding / LM head rows)
+    in_features: int
+    at_load: bool = True  # whether quantization= quantizes it (MoE routers and gates stay float)
+
+
+@runtime_checkable
+class QuantizableLayer(Protocol):
+    def quantizable_weights(self) -> list[QuantizableWeight]: ...

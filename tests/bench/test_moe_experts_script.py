@@ -1,0 +1,27 @@
+"""benchmarks/moe_experts.py runs end to end on tiny shapes and reports both paths and their ratio."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from perfxlm.ops import native
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "moe_experts.py"
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int4"])
+def test_both_paths_are_timed(tmp_path, weights):
+    if native.kernels() is None:
+        pytest.skip("native kernels unavailable on this machine")
+    spec = importlib.util.spec_from_file_location("moe_experts_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "moe.json"
+    report = module.main(["--weights", weights, "--experts", "5", "--top-k", "2", "--hidden", "64", "--inter", "96",
+                          "--tokens", "1,7", "--rounds", "1", "--repeats", "2", "--threads", "1",
+                          "--output-json", str(out)])  # fmt: skip
+    assert [r["tokens"] for r in report["results"]] == [1, 7]
+    assert all(r["native_ms"] > 0 and r["torch_ms"] > 0 and r["speedup"] > 0 for r in report["results"])
+    assert json.loads(out.read_text()) == report
