@@ -86,7 +86,8 @@ def _linear(module: Any, name: str) -> LinearWeight:
         raise ValueError(f"ONNX export: {name} is {weight.describe()}, whose int8 activations the exporter "
                          "cannot express; export the float checkpoint, or quantize with int4 / int8 "
                          "(weight-only).")
-    return LinearWeight(weight, bias, name)
+    method = getattr(getattr(module, "method", None), "name", None) if isinstance(weight, QuantizedWeight) else None
+    return LinearWeight(weight, bias, name, method)
 
 
 def build_decoder_graph(model: torch.nn.Module, flavor: str, weight_dtype: str = "float32") -> Graph:

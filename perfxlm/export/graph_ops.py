@@ -56,6 +56,7 @@ class LinearWeight:
     weight: Any
     bias: np.ndarray | None
     name: str
+    method: str | None = None  # a quantized weight's linear-method name (its format: "int4", "gguf", ...)
 
 
 @dataclass

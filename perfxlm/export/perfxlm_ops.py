@@ -118,7 +118,7 @@ class PerfxlmOps(GraphOps):
                      for kind in ("key", "value"))
 
     # ---- weights --------------------------------------------------------------------------------------
-    def _weight(self, name: str, w: Any) -> tuple[list[str], dict[str, Any]]:
+    def _weight(self, name: str, w: Any, lw_format: str | None = None) -> tuple[list[str], dict[str, Any]]:
         """A weight's initializers [W or codes, scales, mins, levels] ("" where absent) and attributes."""
         g = self.g
         if not isinstance(w, QuantizedWeight):
@@ -131,7 +131,10 @@ class PerfxlmOps(GraphOps):
         names = [g.weight(f"{name}.codes", w.codes.numpy()), g.weight(f"{name}.scales", w.scales.numpy()),
                  "" if w.mins is None else g.weight(f"{name}.mins", w.mins.numpy()),
                  "" if w.levels is None else g.weight(f"{name}.levels", w.levels.numpy())]
-        return names, {"bits": w.bits, "group": w.group, "act": w.act, "activations": w.activations.value}
+        attrs = {"bits": w.bits, "group": w.group, "act": w.act, "activations": w.activations.value}
+        if lw_format is not None:  # the engine's linear method for it (model/layers/linear_methods/)
+            attrs["format"] = lw_format
+        return names, attrs
 
     def embedding(self, table: Any) -> str:
         names, attrs = self._weight("model.embed_tokens", table)
@@ -148,7 +151,7 @@ class PerfxlmOps(GraphOps):
         return y, total
 
     def linear(self, x: str, lw: LinearWeight) -> str:
-        return self._linear(x, *self._weight(lw.name, lw.weight), lw.bias, lw.name)
+        return self._linear(x, *self._weight(lw.name, lw.weight, lw.method), lw.bias, lw.name)
 
     def _linear(self, x: str, names: list[str], attrs: dict[str, Any], bias: np.ndarray | None, name: str) -> str:
         b = "" if bias is None else self.g.weight(f"{name}.bias", bias)

@@ -3,7 +3,8 @@ run gives the module path's numbers: RMSNorm / add+RMSNorm through `RMSNorm` (th
 residual added in place), rotary through `apply_rotary`, attention through the `Attention` layer (its
 backend reads the step's block tables, sequence lengths and slots from the forward context, the same
 values the graph names as inputs, and writes the paged cache the runner allocates for it), products
-through `ops.linear` for float, bf16 and quantized weights alike.
+through the engine's `Linear` layer with its linear method bound as the loader binds it (float, bf16
+rows or panels, each quantized format), mixtures through `route` and `grouped_experts`.
 
 A kernel is built once per node at load (`KERNELS[op_type](node, attrs, weights)`), holding its weights;
 calling it runs the node. `mutates` lists the inputs it may overwrite (the interpreter hands it a copy
@@ -19,10 +20,10 @@ from torch import nn
 
 from perfxlm.model.layers.activation import GeluAndMul, SiluAndMul
 from perfxlm.model.layers.attention import Attention
+from perfxlm.model.layers.linear import Linear as EngineLinear
 from perfxlm.model.layers.moe import grouped_experts, route
 from perfxlm.model.layers.norm import RMSNorm
 from perfxlm.model.layers.rotary import apply_rotary
-from perfxlm.ops.linear import linear
 from perfxlm.quant.weight import ActivationMode, QuantizedWeight
 
 
@@ -63,16 +64,50 @@ class Embedding(Kernel):
         return F.embedding(ids, self.weight).float()
 
 
+def _format(weight: QuantizedWeight, attrs: dict[str, Any]) -> str:
+    """The linear method of a quantized weight: the one the export names, else the format that admits it."""
+    if "format" in attrs:
+        return attrs["format"]
+    return "nf4" if weight.levels is not None else "w8a8" if weight.act != "float" else "gguf"
+
+
 class Linear(Kernel):
+    """The engine's own `Linear` layer holding the node's weight, its method bound as the loader binds it
+    (`bind_linear_method`: bf16 panels or rows by the CPU plan, the quantized format's decisions), so the
+    product is the module path's."""
+
     def __init__(self, node: str, attrs: dict[str, Any], w, bias=None, scales=None, mins=None,
                  levels=None) -> None:
         super().__init__()
-        self.weight = _weight(node, attrs, w, scales, mins, levels)
-        self.bias = bias
-        self.out_features, self.in_features = self.weight.shape[0], self.weight.shape[-1]
+        from perfxlm.model.loader import linear_plan
+
+        weight = _weight(node, attrs, w, scales, mins, levels)
+        n, k = weight.shape[-2], weight.shape[-1]
+        with torch.device("meta"):  # placeholders replaced below: no allocation
+            self.layer = EngineLinear(k, n, bias is not None)
+        quantized = isinstance(weight, QuantizedWeight)
+        del self.layer.weight  # a QuantizedWeight is a plain attribute where the Parameter was (as the sink puts it)
+        self.layer.weight = weight if quantized else nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            self.layer.bias = nn.Parameter(bias.float(), requires_grad=False)
+        stored = torch.float32 if quantized else weight.dtype
+        try:
+            plan = linear_plan(stored, torch.float32, _format(weight, attrs) if quantized else None)
+            self.layer.bind_linear_method(plan)
+        except ValueError as exc:
+            raise ValueError(f"node {node!r}: {exc}") from None
+        self.out_features, self.in_features = n, k
+
+    @property
+    def weight(self) -> Any:  # what the fused decode layer reads
+        return self.layer.weight
+
+    @property
+    def bias(self) -> Any:
+        return self.layer.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.out_features)
+        return self.layer(x)
 
 
 class Norm(Kernel):
