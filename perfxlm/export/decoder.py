@@ -36,7 +36,7 @@ EXPORTABLE = {
 def genai_model_type(model: torch.nn.Module, flavor: str = "ort") -> str:
     """onnxruntime-genai's type name of an exportable model; ValueError naming what is not."""
     from perfxlm.model.layers.norm import RMSNorm
-    from perfxlm.model.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+    from perfxlm.model.models.llama import LlamaAttention, LlamaDecoderLayer
 
     arch = type(model).__name__
     if arch not in EXPORTABLE:
