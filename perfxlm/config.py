@@ -296,14 +296,18 @@ def _detect_load_format(model: str) -> str:
 
 
 def _check_onnx(c: "EngineConfig") -> None:
-    """An exported graph is run as it was written: its weights, its float32 K/V, one process."""
+    """An exported graph is run as it was written: its weights, its float32 K/V (a perfxlm-flavor graph: the
+    engine's paged cache, any kv_cache_dtype), one process."""
     from perfxlm.export.manifest import read_manifest
 
-    read_manifest(c.model)  # ValueError: not an export, or a version this engine does not know
+    manifest = read_manifest(c.model)  # ValueError: not an export, or a version this engine does not know
+    # a perfxlm-flavor graph attends over the engine's own paged cache, whatever its format
+    own_cache = manifest.get("flavor") == "perfxlm"
     fixed = {"quantization": c.quantization not in (None, "none"),
-             "kv_cache_dtype": c.kv_cache_dtype != "auto",
+             "kv_cache_dtype": c.kv_cache_dtype != "auto" and not own_cache,
              "tensor_parallel_size": c.tensor_parallel_size != 1,
-             "distributed_executor_backend": c.distributed_executor_backend == "external_launcher"}
+             "distributed_executor_backend": c.distributed_executor_backend == "external_launcher",
+             "enable_lora": bool(c.enable_lora)}
     for name, bad in fixed.items():
         if bad:
             raise ValueError(f"{name}={getattr(c, name)!r} does not apply to an exported ONNX graph "

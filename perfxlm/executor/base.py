@@ -1,5 +1,6 @@
-"""What the engine core asks of whatever runs the model: one interface, four implementations (in-process
-modules, an ONNX graph, spawned tensor-parallel workers, ranks of an external launcher)."""
+"""What the engine core asks of whatever runs the model: one interface, five implementations (in-process
+modules, an ONNX graph in ONNX Runtime, a perfxlm-flavor graph on the engine's kernels, spawned
+tensor-parallel workers, ranks of an external launcher)."""
 
 from __future__ import annotations
 

@@ -5,6 +5,8 @@
 - `graph_ops.py`: the `GraphOps` seam. A decoder layer is written once against it (norms, rotary,
   attention over a past, linear of each weight format); each flavor emits those ops its own way:
   `standard` with standard ONNX ops only, `ort` with ONNX Runtime's contrib ops.
+- `perfxlm_ops.py`: the `perfxlm` flavor, the engine's own fused ops over a paged KV cache (the engine
+  runs it: perfxlm/model/graph/). `flavors.py`: flavor names -> their GraphOps.
 - `matmul_nbits.py`: quantized weights packed the way ONNX Runtime's MatMulNBits reads them.
 - `decoder.py`: reads the engine's loaded model (any weight format it loads) into the graph.
 - `package.py`: the output folder (model.onnx + data, genai_config.json, config, tokenizer files),

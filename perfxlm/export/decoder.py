@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from perfxlm.export.flavors import graph_ops
+from perfxlm.export.flavors import FLAVORS, graph_ops
 from perfxlm.export.graph import Graph
 from perfxlm.export.graph_ops import AttentionSpec, HeadNorms, LinearWeight, Rope
 from perfxlm.quant.weight import QuantizedWeight
@@ -29,14 +29,14 @@ EXPORTABLE = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",  # the perfxlm flavor only (its MoE op)
 }
 
 
-def genai_model_type(model: torch.nn.Module) -> str:
+def genai_model_type(model: torch.nn.Module, flavor: str = "ort") -> str:
     """onnxruntime-genai's type name of an exportable model; ValueError naming what is not."""
-    from perfxlm.model.layers.activation import SiluAndMul
     from perfxlm.model.layers.norm import RMSNorm
-    from perfxlm.model.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+    from perfxlm.model.models.llama import LlamaAttention, LlamaDecoderLayer
 
     arch = type(model).__name__
     if arch not in EXPORTABLE:
@@ -52,16 +52,23 @@ def genai_model_type(model: torch.nn.Module) -> str:
             what = f"a {type(layer).__name__} block"
         elif not isinstance(layer.self_attn, LlamaAttention):
             what = f"attention {type(layer.self_attn).__name__}"
-        elif not isinstance(layer.mlp, LlamaMLP) or not isinstance(layer.mlp.act, SiluAndMul):
-            what = f"an MLP {type(layer.mlp).__name__} ({type(getattr(layer.mlp, 'act', None)).__name__})"
+        elif (type(layer.mlp).__name__ not in FLAVORS[flavor].mlps
+              or _mlp_act(layer.mlp) not in FLAVORS[flavor].activations):
+            what = f"an MLP {type(layer.mlp).__name__} ({_mlp_act(layer.mlp)})"
         elif layer.self_attn.attn.logit_soft_cap is not None:
             what = "soft-capped attention"
         elif {type(layer.input_layernorm), type(layer.post_attention_layernorm)} != {RMSNorm}:
             what = f"norm {type(layer.input_layernorm).__name__}"
         if what is not None:
             raise ValueError(f"ONNX export of {arch}: layer {i} has {what}, which the exporter cannot "
-                             "express.")
+                             f"express (flavor {flavor}).")
     return EXPORTABLE[arch]
+
+
+def _mlp_act(mlp: Any) -> str:
+    """The gated activation's layer class name: a dense MLP's, or a mixture's experts'."""
+    act = getattr(mlp, "act", None) or getattr(getattr(mlp, "experts", None), "act", None)
+    return type(act).__name__
 
 
 def _array(t: Any) -> Any:
@@ -79,12 +86,13 @@ def _linear(module: Any, name: str) -> LinearWeight:
         raise ValueError(f"ONNX export: {name} is {weight.describe()}, whose int8 activations the exporter "
                          "cannot express; export the float checkpoint, or quantize with int4 / int8 "
                          "(weight-only).")
-    return LinearWeight(weight, bias, name)
+    method = getattr(getattr(module, "method", None), "name", None) if isinstance(weight, QuantizedWeight) else None
+    return LinearWeight(weight, bias, name, method)
 
 
 def build_decoder_graph(model: torch.nn.Module, flavor: str, weight_dtype: str = "float32") -> Graph:
     """`weight_dtype` "bfloat16": float matrices stored as bf16 (flavors that take them: perfxlm)."""
-    genai_model_type(model)  # refuses what cannot be expressed, before any node
+    genai_model_type(model, flavor)  # refuses what cannot be expressed, before any node
     inner = model.model
     g = Graph("perfxlm_decoder")
     ops = graph_ops(flavor, g)
@@ -115,8 +123,13 @@ def build_decoder_graph(model: torch.nn.Module, flavor: str, weight_dtype: str =
         h, residual = ops.add_rms_norm(x, residual, _array(post.weight), post.variance_epsilon,
                                        f"{prefix}.post_attention_layernorm")
         mlp = layer.mlp
+        if hasattr(mlp, "experts"):  # a mixture of experts (flavors whose `mlps` name it)
+            e = mlp.experts
+            x = ops.moe(h, _linear(mlp.gate, f"{prefix}.mlp.gate"), _array(e.gate_up_proj), _array(e.down_proj),
+                        e.top_k, e.renormalize, e.act, f"{prefix}.mlp.experts")
+            continue
         gate_up = ops.linear(h, _linear(mlp.gate_up_proj, f"{prefix}.mlp.gate_up_proj"))
-        act = ops.silu_and_mul(gate_up, mlp.down_proj.in_features)
+        act = ops.act_and_mul(gate_up, mlp.down_proj.in_features, mlp.act)
         x = ops.linear(act, _linear(mlp.down_proj, f"{prefix}.mlp.down_proj"))
     final = inner.norm
     h, _ = ops.add_rms_norm(x, residual, _array(final.weight), final.variance_epsilon, "model.norm")

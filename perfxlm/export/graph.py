@@ -23,7 +23,8 @@ class Graph:
     def __init__(self, name: str) -> None:
         self.name = name
         self.nodes: list[onnx.NodeProto] = []
-        # (name, array, element type or None: the array's own): arrays stay as they are (views of the loaded model's weights where they can) until
+        # (name, array, element type or None: the array's own): arrays stay as they are (views of the loaded
+        # model's weights where they can) until
         # `save` streams them into the data file, so the export never holds a second copy of the model
         self.initializers: list[tuple[str, np.ndarray, int | None]] = []
         self.inputs: list[onnx.ValueInfoProto] = []

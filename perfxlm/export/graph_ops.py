@@ -56,6 +56,7 @@ class LinearWeight:
     weight: Any
     bias: np.ndarray | None
     name: str
+    method: str | None = None  # a quantized weight's linear-method name (its format: "int4", "gguf", ...)
 
 
 @dataclass
@@ -85,6 +86,8 @@ class GraphOps:
     tables gathered at the positions) are built once per graph, at their first use."""
 
     flavor = "standard"
+    activations: tuple[str, ...] = ("SiluAndMul",)  # the gated-MLP activations (layer class names) it writes
+    mlps: tuple[str, ...] = ("LlamaMLP",)  # the MLP blocks (layer class names) it writes
 
     def __init__(self, g: Graph) -> None:
         self.g = g
@@ -213,6 +216,10 @@ class GraphOps:
 
     def tied_head(self, x: str, table_name: str, table: np.ndarray) -> str:
         return self._gemm(x, table, LinearWeight(table, None, "lm_head"), weight_name=table_name)
+
+    def act_and_mul(self, gate_up: str, inter: int, act: Any) -> str:
+        """The gated MLP's activation of a [.., 2 * inter] gate | up value (one of `activations`)."""
+        return self.silu_and_mul(gate_up, inter)
 
     def silu_and_mul(self, gate_up: str, inter: int) -> str:
         g = self.g

@@ -67,7 +67,7 @@ def export_onnx(model: str | None, out_dir: str, flavor: str = "ort", quantizati
                           revision=revision, download_dir=download_dir).resolve()
     loaded = get_model(config.model, config.hf_config, torch.float32, config.load_format, config.seed,
                        quantization=config.quant_config, activations=config.quant_activation_mode)
-    model_type = genai_model_type(loaded)
+    model_type = genai_model_type(loaded, flavor)
     graph = build_decoder_graph(loaded, flavor, dtype)
     census: dict[str, int] = {}
     for node in graph.nodes:

@@ -25,11 +25,17 @@ Ops (attributes in brackets):
         writes each token's k, v at its slot, then causal attention of each sequence's queries over its
         cached + new keys  [num_heads, num_kv_heads, head_dim, scale, sliding_window (0: none)]
     SiluAndMul(x), GeluAndMul(x) [approximate]: [.., 2d] (gate | up) -> [.., d]
+    MoE(x, router_logits, gate_up [E, 2I, H], down [E, H, I], gate_up's scales?, mins?, levels?, down's
+        scales?, mins?, levels?): softmax top-k routing (weights renormalised if asked), each token through its
+        experts' gated MLPs, summed by weight; expert stacks float or packed as a Linear's weight, per expert
+        [top_k, renormalize, activation (SiluAndMul | GeluAndMul), approximate, gate_up_* / down_* the
+        stacks' weight attributes]
     Gather (standard): the logits rows
 
 A weight is stored as the engine holds it: bits 0 is a float matrix W [N, K] (float32, or bfloat16 with
 `--dtype bfloat16`); bits 4 / 8 are its packed codes (4-bit in GGUF Q4_0's nibble order) with float16 or
-float32 scales and mins per group of `group` inputs (w = scale * code + min), an optional 16-level table,
+float32 scales and mins per group of `group` inputs (w = scale * code + min; no mins: centred codes,
+w = scale * code), an optional 16-level table,
 and the activation rounding the engine applies (perfxlm/quant/weight.py's form, moved bit for bit).
 """
 
@@ -64,11 +70,14 @@ def bf16_bits(array: np.ndarray) -> np.ndarray:
     """float32 -> bfloat16's bits as uint16, rounded to nearest even (as torch's cast)."""
     import torch
 
-    return torch.from_numpy(np.ascontiguousarray(array, np.float32)).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    bf16 = torch.from_numpy(np.ascontiguousarray(array, np.float32)).to(torch.bfloat16)
+    return bf16.view(torch.int16).numpy().view(np.uint16)
 
 
 class PerfxlmOps(GraphOps):
     flavor = "perfxlm"
+    activations = ("SiluAndMul", "GeluAndMul")
+    mlps = ("LlamaMLP", "MixtralSparseMoeBlock")
 
     def __init__(self, g: Graph) -> None:
         super().__init__(g)
@@ -81,7 +90,8 @@ class PerfxlmOps(GraphOps):
     @classmethod
     def check_weight_dtype(cls, dtype: str) -> None:
         if dtype not in WEIGHT_DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not one the perfxlm flavor writes (known: {', '.join(WEIGHT_DTYPES)}).")
+            raise ValueError(f"dtype {dtype!r} is not one the perfxlm flavor writes "
+                             f"(known: {', '.join(WEIGHT_DTYPES)}).")
 
     def _op(self, op_type: str, inputs: list[str], num_outputs: int = 1, **attrs: Any) -> Any:
         while inputs and not inputs[-1]:  # trailing optional inputs left out
@@ -108,20 +118,23 @@ class PerfxlmOps(GraphOps):
                      for kind in ("key", "value"))
 
     # ---- weights --------------------------------------------------------------------------------------
-    def _weight(self, name: str, w: Any) -> tuple[list[str], dict[str, Any]]:
+    def _weight(self, name: str, w: Any, lw_format: str | None = None) -> tuple[list[str], dict[str, Any]]:
         """A weight's initializers [W or codes, scales, mins, levels] ("" where absent) and attributes."""
         g = self.g
         if not isinstance(w, QuantizedWeight):
             if self.weight_dtype == "bfloat16":
                 return [g.weight(f"{name}.weight", bf16_bits(w), TensorProto.BFLOAT16), "", "", ""], {"bits": 0}
             return [g.weight(f"{name}.weight", w), "", "", ""], {"bits": 0}
-        if w.input_order is not None or w.num_experts is not None:
-            raise ValueError(f"ONNX export (perfxlm flavor): {name} is {w.describe()}, whose column order or "
-                             "expert stack the Linear op does not take yet.")
+        if w.input_order is not None:
+            raise ValueError(f"ONNX export (perfxlm flavor): {name} is {w.describe()}, whose column order "
+                             "(act-order) the ops do not take yet.")
         names = [g.weight(f"{name}.codes", w.codes.numpy()), g.weight(f"{name}.scales", w.scales.numpy()),
-                 g.weight(f"{name}.mins", w.mins.numpy()),
+                 "" if w.mins is None else g.weight(f"{name}.mins", w.mins.numpy()),
                  "" if w.levels is None else g.weight(f"{name}.levels", w.levels.numpy())]
-        return names, {"bits": w.bits, "group": w.group, "act": w.act, "activations": w.activations.value}
+        attrs = {"bits": w.bits, "group": w.group, "act": w.act, "activations": w.activations.value}
+        if lw_format is not None:  # the engine's linear method for it (model/layers/linear_methods/)
+            attrs["format"] = lw_format
+        return names, attrs
 
     def embedding(self, table: Any) -> str:
         names, attrs = self._weight("model.embed_tokens", table)
@@ -138,14 +151,29 @@ class PerfxlmOps(GraphOps):
         return y, total
 
     def linear(self, x: str, lw: LinearWeight) -> str:
-        return self._linear(x, *self._weight(lw.name, lw.weight), lw.bias, lw.name)
+        return self._linear(x, *self._weight(lw.name, lw.weight, lw.method), lw.bias, lw.name)
 
     def _linear(self, x: str, names: list[str], attrs: dict[str, Any], bias: np.ndarray | None, name: str) -> str:
         b = "" if bias is None else self.g.weight(f"{name}.bias", bias)
         return self._op("Linear", [x, names[0], b, *names[1:]], name=name, **attrs)
 
-    def silu_and_mul(self, gate_up: str, inter: int) -> str:
+    def act_and_mul(self, gate_up: str, inter: int, act: Any) -> str:
+        if type(act).__name__ == "GeluAndMul":
+            return self._op("GeluAndMul", [gate_up], approximate=act.approximate)
         return self._op("SiluAndMul", [gate_up])
+
+    def moe(self, x: str, router: LinearWeight, gate_up: Any, down: Any, top_k: int, renormalize: bool, act: Any,
+            name: str) -> str:
+        """Softmax top-k routing over the router's logits, each expert a gated MLP (Mixtral)."""
+        logits = self.linear(x, router)
+        gu, gu_attrs = self._weight(f"{name}.gate_up_proj", gate_up)
+        dn, dn_attrs = self._weight(f"{name}.down_proj", down)
+        attrs = {f"gate_up_{k}": v for k, v in gu_attrs.items()}
+        attrs.update({f"down_{k}": v for k, v in dn_attrs.items()})
+        approximate = getattr(act, "approximate", "none")
+        return self._op("MoE", [x, logits, gu[0], dn[0], *gu[1:], *dn[1:]], top_k=top_k,
+                        renormalize=int(renormalize), activation=type(act).__name__, approximate=approximate,
+                        name=name, **attrs)
 
     # ---- attention ------------------------------------------------------------------------------------
     def self_attention(self, qkv: str, spec: AttentionSpec, qk_norms: HeadNorms | None, rope: Rope,
@@ -157,7 +185,8 @@ class PerfxlmOps(GraphOps):
                                            g.weight(f"{name}.k_norm.weight", qk_norms.k_weight)],
                            num_heads=h, num_kv_heads=kvh, head_dim=d, epsilon=qk_norms.eps, name=f"{name}.qk_norm")
         cos, sin = self._once("rope", lambda: (g.weight("rope.cos", rope.cos), g.weight("rope.sin", rope.sin)))
-        qkv = self._op("Rotary", [qkv, s.positions, cos, sin], num_heads=h + kvh, head_dim=d, name=f"{name}.rotary")
+        qkv = self._op("Rotary", [qkv, s.positions, cos, sin], num_heads=h + kvh, head_dim=d,
+                       name=f"{name}.rotary")
         return self._op("PagedAttention", [qkv, cache[0], cache[1], s.block_tables, s.seq_lens, s.query_start_loc,
                                            s.slot_mapping],
                         num_heads=h, num_kv_heads=kvh, head_dim=d, scale=spec.scale,

@@ -173,8 +173,8 @@ def test_output_folder_flavor_and_cli(tmp_path, llama96, capsys):
     with pytest.raises(ValueError, match="not empty; pass --overwrite"):
         export_onnx(llama96, str(out))
     assert os.listdir(out) == ["keep.txt"]
-    with pytest.raises(ValueError, match="flavor 'perfxlm' is not known"):
-        export_onnx(llama96, str(tmp_path / "other"), flavor="perfxlm")
+    with pytest.raises(ValueError, match="flavor 'tflite' is not known"):
+        export_onnx(llama96, str(tmp_path / "other"), flavor="tflite")
     assert main(["export", "onnx", llama96, "-o", str(out)]) == 2  # not empty: the error, exit status 2
     assert "pass --overwrite" in capsys.readouterr().err
     assert main(["export", "onnx", llama96, "-o", str(out), "--overwrite", "--flavor", "standard"]) == 0

@@ -5,5 +5,6 @@ of the family, the graph is the model.
 - `kernels.py`: each op of the `perfxlm` domain mapped to the engine's kernel, the one the module path calls
   (RMSNorm's native kernels, rotary, the attention layer over the paged cache, ops.linear for every
   weight format); unknown ops and versions are refused by name.
+- `layers.py`: the decoder layers found again among the nodes, for the fused decode layer.
 - `model.py`: `GraphModel`, the nodes as a module the ordinary `ModelRunner` runs under the scheduler.
 """

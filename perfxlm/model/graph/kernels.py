@@ -3,7 +3,8 @@ run gives the module path's numbers: RMSNorm / add+RMSNorm through `RMSNorm` (th
 residual added in place), rotary through `apply_rotary`, attention through the `Attention` layer (its
 backend reads the step's block tables, sequence lengths and slots from the forward context, the same
 values the graph names as inputs, and writes the paged cache the runner allocates for it), products
-through `ops.linear` for float, bf16 and quantized weights alike.
+through the engine's `Linear` layer with its linear method bound as the loader binds it (float, bf16
+rows or panels, each quantized format), mixtures through `route` and `grouped_experts`.
 
 A kernel is built once per node at load (`KERNELS[op_type](node, attrs, weights)`), holding its weights;
 calling it runs the node. `mutates` lists the inputs it may overwrite (the interpreter hands it a copy
@@ -19,9 +20,10 @@ from torch import nn
 
 from perfxlm.model.layers.activation import GeluAndMul, SiluAndMul
 from perfxlm.model.layers.attention import Attention
+from perfxlm.model.layers.linear import Linear as EngineLinear
+from perfxlm.model.layers.moe import grouped_experts, route
 from perfxlm.model.layers.norm import RMSNorm
 from perfxlm.model.layers.rotary import apply_rotary
-from perfxlm.ops.linear import linear
 from perfxlm.quant.weight import ActivationMode, QuantizedWeight
 
 
@@ -40,11 +42,11 @@ def _weight(node: str, attrs: dict[str, Any], w: torch.Tensor, scales: Any, mins
     bits = attrs.get("bits", 0)
     if bits == 0:
         return w
-    if scales is None or mins is None:
-        raise ValueError(f"node {node!r}: a {bits}-bit weight needs its scales and mins inputs.")
-    try:
-        q = QuantizedWeight(w, scales, mins, levels, bits, attrs["group"], attrs.get("act", "float"), w.shape[0],
-                            w.shape[1] * 8 // bits)
+    if scales is None:  # (mins absent: centred codes, w = scale * code)
+        raise ValueError(f"node {node!r}: a {bits}-bit weight needs its scales input.")
+    try:  # codes [N, K * bits / 8], or [E, N, K * bits / 8] for an expert stack
+        q = QuantizedWeight(w, scales, mins, levels, bits, attrs["group"], attrs.get("act", "float"), w.shape[-2],
+                            w.shape[-1] * 8 // bits)
         q.use_activations(ActivationMode(attrs.get("activations", "float32")), node)
     except (KeyError, ValueError) as exc:
         raise ValueError(f"node {node!r}: its weight is not one the engine holds: {exc}") from None
@@ -62,15 +64,50 @@ class Embedding(Kernel):
         return F.embedding(ids, self.weight).float()
 
 
+def _format(weight: QuantizedWeight, attrs: dict[str, Any]) -> str:
+    """The linear method of a quantized weight: the one the export names, else the format that admits it."""
+    if "format" in attrs:
+        return attrs["format"]
+    return "nf4" if weight.levels is not None else "w8a8" if weight.act != "float" else "gguf"
+
+
 class Linear(Kernel):
-    def __init__(self, node: str, attrs: dict[str, Any], w, bias=None, scales=None, mins=None, levels=None) -> None:
+    """The engine's own `Linear` layer holding the node's weight, its method bound as the loader binds it
+    (`bind_linear_method`: bf16 panels or rows by the CPU plan, the quantized format's decisions), so the
+    product is the module path's."""
+
+    def __init__(self, node: str, attrs: dict[str, Any], w, bias=None, scales=None, mins=None,
+                 levels=None) -> None:
         super().__init__()
-        self.weight = _weight(node, attrs, w, scales, mins, levels)
-        self.bias = bias
-        self.out_features = self.weight.shape[0]
+        from perfxlm.model.loader import linear_plan
+
+        weight = _weight(node, attrs, w, scales, mins, levels)
+        n, k = weight.shape[-2], weight.shape[-1]
+        with torch.device("meta"):  # placeholders replaced below: no allocation
+            self.layer = EngineLinear(k, n, bias is not None)
+        quantized = isinstance(weight, QuantizedWeight)
+        del self.layer.weight  # a QuantizedWeight is a plain attribute where the Parameter was (as the sink puts it)
+        self.layer.weight = weight if quantized else nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            self.layer.bias = nn.Parameter(bias.float(), requires_grad=False)
+        stored = torch.float32 if quantized else weight.dtype
+        try:
+            plan = linear_plan(stored, torch.float32, _format(weight, attrs) if quantized else None)
+            self.layer.bind_linear_method(plan)
+        except ValueError as exc:
+            raise ValueError(f"node {node!r}: {exc}") from None
+        self.out_features, self.in_features = n, k
+
+    @property
+    def weight(self) -> Any:  # what the fused decode layer reads
+        return self.layer.weight
+
+    @property
+    def bias(self) -> Any:
+        return self.layer.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.out_features)
+        return self.layer(x)
 
 
 class Norm(Kernel):
@@ -164,6 +201,28 @@ class Activation(Kernel):
         return self.fn(x)
 
 
+class MoE(Kernel):
+    """Mixtral's mixture as the module path runs it: `route`, then `grouped_experts`."""
+
+    def __init__(self, node: str, attrs: dict[str, Any], gate_up, down, *parts) -> None:
+        super().__init__()
+        if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
+            raise ValueError(f"node {node!r}: MoE takes expert stacks gate_up [E, 2I, H] and down [E, H, I].")
+        gu_attrs = {k[len("gate_up_"):]: v for k, v in attrs.items() if k.startswith("gate_up_")}
+        dn_attrs = {k[len("down_"):]: v for k, v in attrs.items() if k.startswith("down_")}
+        self.gate_up = _weight(node, gu_attrs, gate_up, *parts[:3])
+        self.down = _weight(node, dn_attrs, down, *parts[3:])
+        self.top_k, self.renormalize = attrs["top_k"], bool(attrs.get("renormalize", 0))
+        kind = attrs.get("activation", "SiluAndMul")
+        if kind not in ("SiluAndMul", "GeluAndMul"):
+            raise ValueError(f"node {node!r}: MoE activation {kind!r} is not known (SiluAndMul, GeluAndMul).")
+        self.act = SiluAndMul() if kind == "SiluAndMul" else GeluAndMul(attrs.get("approximate", "none"))
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(router_logits, self.top_k, self.renormalize)
+        return grouped_experts(x, weights, ids, self.gate_up, self.down, self.act)
+
+
 # op type -> (builder(node name, attributes, weight inputs...), which inputs are weights (initializers),
 # which are step values). PagedAttention's cache and step-layout inputs are bound by the runner, not here.
 Builder = Callable[..., Kernel]
@@ -177,6 +236,7 @@ KERNELS: dict[str, tuple[Builder, tuple[int, ...], tuple[int, ...]]] = {
     "PagedAttention": (PagedAttention, (), (0,)),
     "SiluAndMul": (lambda n, a: Activation(n, a, SiluAndMul()), (), (0,)),
     "GeluAndMul": (lambda n, a: Activation(n, a, GeluAndMul(a.get("approximate", "none"))), (), (0,)),
+    "MoE": (MoE, (2, 3, 4, 5, 6, 7, 8, 9), (0, 1)),
 }
 # the inputs of each op that must be the graph's own step inputs, by name (see export/perfxlm_ops.py)
 STEP_INPUTS = {"PagedAttention": {3: "block_tables", 4: "seq_lens", 5: "query_start_loc", 6: "slot_mapping"},

@@ -20,7 +20,10 @@ from onnx import helper
 from torch import nn
 
 from perfxlm.export.manifest import GRAPH_FILE, PERFXLM_DOMAIN, PERFXLM_OPSET
+from perfxlm.model.forward_context import get_forward_context
+from perfxlm.model.fused_decode import FusedDecode
 from perfxlm.model.graph.kernels import KERNELS, STEP_INPUTS, Kernel, PagedAttention, RopeTable
+from perfxlm.model.graph.layers import LayerRun, find_layers
 from perfxlm.model.graph.weights import load_graph, read_initializers
 
 
@@ -55,6 +58,10 @@ class GraphModel(nn.Module):
         self.body = _schedule(built[:split], keep={self.hidden_name})
         self.head = _schedule(built[split:], keep={"logits"})
         self.attention_layers = [k.attn for k in self.kernels if isinstance(k, PagedAttention)]
+        # all-decode steps: one native call per layer, as the module path (None: interpreted every step)
+        self.layer_run: LayerRun | None = _self_contained(find_layers(self.body), self.body)
+        self.decoder_layers = nn.ModuleList(self.layer_run.layers if self.layer_run else [])
+        self.fused_decode = FusedDecode(self.decoder_layers)
         if not self.attention_layers:
             raise ValueError(f"{path}: the graph has no perfxlm::PagedAttention node; it is not a decoder.")
 
@@ -106,13 +113,34 @@ class GraphModel(nn.Module):
     # ---- the runner's seam ------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         values = {"input_ids": input_ids, "positions": positions}
-        _run(self.body, values)
+        run = self.layer_run
+        if run is None:
+            _run(self.body, values)
+            return values[self.hidden_name]
+        _run(self.body[: run.first], values)
+        x = values[run.input_name]
+        meta = get_forward_context()
+        if self.fused_decode.applies(x, meta):
+            rope = run.rotary.table.at(positions)
+            values[run.x_name], values[run.residual_name] = self.fused_decode.run(x.contiguous(), rope, meta)
+        else:
+            _run(self.body[run.first : run.end], values)
+        _run(self.body[run.end :], values)
         return values[self.hidden_name]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         values = {self.rows_name: hidden}
         _run(self.head, values)
         return values["logits"].float()
+
+
+def _self_contained(run: LayerRun | None, steps: list[_Step]) -> LayerRun | None:
+    """`run` where nothing after the layers reads a value made inside them but their output and residual."""
+    if run is None:
+        return None
+    inside = {n for s in steps[run.first : run.end] for n in s.outputs} - {run.x_name, run.residual_name}
+    later = {n for s in steps[run.end :] for n in s.inputs}
+    return None if inside & later else run
 
 
 def _check_opsets(proto: onnx.ModelProto, path: str) -> None:
@@ -127,7 +155,8 @@ def _head_split(nodes: list[onnx.NodeProto], path: str) -> int:
     """The index of the Gather that picks the rows whose logits are wanted."""
     for i, node in enumerate(nodes):
         if "logits_indices" in node.input:
-            ok = node.op_type == "Gather" and (node.domain or "") == "" and list(node.input)[1:] == ["logits_indices"]
+            ok = (node.op_type == "Gather" and (node.domain or "") == ""
+                  and list(node.input)[1:] == ["logits_indices"])
             axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
             if not ok or axis != 0:
                 raise ValueError(f"{path}: logits_indices must be read by one Gather over axis 0 of the final "
