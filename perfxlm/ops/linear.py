@@ -66,6 +66,12 @@ def linear(
     if weight.dim() == 3:  # packed bf16 panels
         assert out_features is not None, "a packed weight needs its out_features"
         return packed_linear(x, weight, bias, out_features)
+    return float_linear(x, weight, bias)
+
+
+def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A plain [N, K] float weight: torch's product where dtypes agree, the bf16 row kernel for bf16
+    weights under float32 activations (never widened whole), else the weight cast to x's dtype."""
     if weight.dtype == x.dtype:
         return F.linear(x, weight, bias)
     if weight.dtype == torch.bfloat16 and x.dtype == torch.float32:

@@ -14,7 +14,7 @@ of a speculating request, whose every verification row is masked as the grammar 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -105,20 +105,16 @@ class ModelRunner:
             self._verify(verify, hidden, verify_masks, out)
         if not rows:
             return out
-        grammar = None
-        if masks is not None:
-            masked, bitmask, failed = masks.result()
-            out.failed.update(failed)
-            if bitmask is not None:
-                grammar = (masked, bitmask)
-            if failed:
-                keep = [i for i, r in enumerate(rows) if r.request_id not in failed]
-                remap = {old: new for new, old in enumerate(keep)}
-                rows, hidden_rows = [rows[i] for i in keep], [hidden_rows[i] for i in keep]
-                if grammar is not None:
-                    grammar = ([remap[i] for i in masked if i in remap], bitmask[keep].contiguous())
-                if not rows:
-                    return out
+        grammar, failed = _grammar_masks(masks, out)
+        if failed:
+            keep = [i for i, r in enumerate(rows) if r.request_id not in failed]
+            remap = {old: new for new, old in enumerate(keep)}
+            rows, hidden_rows = [rows[i] for i in keep], [hidden_rows[i] for i in keep]
+            if grammar is not None:
+                masked, bitmask = grammar
+                grammar = ([remap[i] for i in masked if i in remap], bitmask[keep].contiguous())
+            if not rows:
+                return out
         logits = self.model.compute_logits(hidden[torch.tensor(hidden_rows)])  # [rows, vocab] fp32
         try:
             meta_s = build_sampling_metadata(rows, self.generators, logits.shape[1])
@@ -152,12 +148,7 @@ class ModelRunner:
         (RejectionSampler); a guided request's rows are masked by its grammar as it stands at each draft.
         A request whose own sampling or grammar state fails is failed alone."""
         logits = self.model.compute_logits(hidden[torch.tensor(verify.hidden_rows)])
-        grammar = None
-        if masks is not None:
-            masked, bitmask, failed = masks.result()
-            out.failed.update(failed)
-            if bitmask is not None:
-                grammar = (masked, bitmask)
+        grammar, _ = _grammar_masks(masks, out)
         try:
             self._record_verified(verify.requests, verify.rows, verify.drafts, logits, grammar, out)
             return
@@ -337,3 +328,13 @@ class _Verification:
                             list(d)))  # fmt: skip
             row += len(d) + 1
         return out
+
+
+def _grammar_masks(masks: Any, out: ModelRunnerOutput) -> tuple[tuple[Any, Any] | None, Any]:
+    """The grammar thread's result for a step's rows: ((masked rows, bitmask) or None, the failed
+    requests, also recorded on `out`); (None, empty) without guided rows."""
+    if masks is None:
+        return None, ()
+    masked, bitmask, failed = masks.result()
+    out.failed.update(failed)
+    return (None if bitmask is None else (masked, bitmask)), failed

@@ -6,11 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from perfxlm.model.layers.linear_methods.base import LinearMethod, LinearPlan
-from perfxlm.ops.linear import bf16_rows_linear, pack_bf16, packed_linear, unpack_bf16
+from perfxlm.ops.linear import bf16_rows_linear, float_linear, pack_bf16, packed_linear, unpack_bf16
 
 
 class UnquantizedLinear(LinearMethod):
@@ -22,12 +21,7 @@ class UnquantizedLinear(LinearMethod):
     def multiply(
         self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None, out_features: int
     ) -> torch.Tensor:
-        if weight.dtype == x.dtype:
-            return F.linear(x, weight, bias)
-        if weight.dtype == torch.bfloat16 and x.dtype == torch.float32:
-            rows = x.reshape(-1, x.shape[-1])
-            return bf16_rows_linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
-        return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        return float_linear(x, weight, bias)
 
 
 class Bf16RowsLinear(LinearMethod):
