@@ -343,8 +343,9 @@ def parse_args(argv: list[str] | None = None):
                     help="also time a llama.cpp-family build (e.g. ik_llama.cpp=~/.cache/perfxlm/peers/"
                          "ik_llama.cpp/build): PATH holds llama-bench and llama-batched-bench (or has "
                          "them in bin/); it runs llama.cpp's file with the same threads; repeatable. With "
-                         "--isa avx2 or avx512 a peer is refused unless its CMakeCache.txt shows it was built for that "
-                         "tier (GGML_NATIVE=OFF and the tier's GGML options, as isa_tiers.py lists them)")
+                         "--isa avx2 or avx512 a peer is refused unless its CMakeCache.txt shows it was "
+                         "built for that tier (GGML_NATIVE=OFF and the tier's GGML options, as isa_tiers.py "
+                         "lists them)")
     ap.add_argument("--peer-repack", default="both", choices=["both", "on", "off"],
                     help="peers with run-time repacking (ik_llama.cpp's -rtr): run both ways and report the "
                          "better (both), or only with / without it")
@@ -544,4 +545,7 @@ def plot(summary: dict, specs: dict, config: dict, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except peer_tools.PeerError as exc:  # the message names the command and its last lines: no traceback
+        raise SystemExit(f"peer failed: {exc}") from None

@@ -149,7 +149,7 @@ def test_repack_choice(tmp_path, monkeypatch):
 def test_a_failing_or_unreadable_tool_names_the_command(tmp_path, monkeypatch):
     (engine,) = peer_tools.peer_engines("ik", fake_build(tmp_path / "build"), "/m.gguf", 2, "off")
     monkeypatch.setenv("FAKE_PEER_FAIL", "1")
-    with pytest.raises(peer_tools.PeerError, match=r"llama-batched-bench -m /m.gguf .* exited with 1:\n.*load"):
+    with pytest.raises(peer_tools.PeerError, match=r"batched-bench -m /m.gguf .* exited with 1:\n.*load"):
         engine.measure("decode", (1, 9, 4))
     monkeypatch.delenv("FAKE_PEER_FAIL")
     monkeypatch.setenv("FAKE_PEER_GARBLE", "1")
@@ -184,8 +184,9 @@ def test_one_round_end_to_end_with_a_fake_peer(tmp_path, default_model):
     out = tmp_path / "cmp.json"
     done = subprocess.run(
         [sys.executable, str(BENCH / "compare_llamacpp.py"), "--peer", f"fake={folder}",
-         "--rows", "prefill,decode,p3", "--prompt-tokens", "13", "--decode-tokens", "3", "--parallel-prompt", "5", "--parallel-new", "2",
-         "--rounds", "1", "--threads", "1", "--output-json", str(out)],
+         "--rows", "prefill,decode,p3", "--prompt-tokens", "13", "--decode-tokens", "3",
+         "--parallel-prompt", "5", "--parallel-new", "2", "--rounds", "1", "--threads", "1",
+         "--output-json", str(out)],
         capture_output=True, text=True, env=_script_env(), timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())

@@ -43,8 +43,7 @@ else:
     heads = ["T_PP s", "S_PP t/s", "T_TG s", "S_TG t/s", "T s", "S t/s"]
     print(f"|{'PP':>6s} | {'TG':>6s} | {'B':>4s} | {'N_KV':>6s} | " + "".join(f"{h:>8s} | " for h in heads),
           file=sys.stderr)
-    print("|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|",
-          file=sys.stderr)
+    print("|-------|--------|------|--------|" + "----------|" * 6, file=sys.stderr)
     n_kv, t = b * (pp + tg), t_pp + t_tg
     print(f"|{pp:6d} | {tg:6d} | {b:4d} | {n_kv:6d} | {t_pp:8.3f} | {b * pp / t_pp:8.2f} | {t_tg:8.3f} | "
           f"{b * tg / t_tg:8.2f} | {t:8.3f} | {n_kv / t:8.2f} |", file=sys.stderr)
