@@ -534,8 +534,10 @@ def plot(summary: dict, specs: dict, config: dict, out: Path) -> None:
     ax.set_xticks(range(len(rows)), rows)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_ylabel("perfxlm / reference (median tok/s)")
-    if peers:
-        ax.legend(fontsize=8)
+    if peers:  # bars are coloured by their ratio; the legend tells the references apart by hatch only
+        legend = ax.legend(fontsize=8)
+        for handle in getattr(legend, "legend_handles", None) or legend.legendHandles:
+            handle.set_facecolor("white")
     ax.set_title(f"{config['cpu']}, {config['threads']} threads, tier {TIER}\n"
                  f"perfxlm {config['perfxlm']['dtype']} vs llama.cpp {config['llamacpp']['desc']}"
                  + "".join(f", {p}" for p in peers), fontsize=9)
