@@ -205,3 +205,12 @@ def test_one_round_end_to_end_with_a_fake_peer(tmp_path, default_model):
     runs = [c for c in calls(folder) if "--help" not in c]
     assert len(runs) == 6 and all(c[c.index("-t") + 1] == "1" for c in runs)
     assert {c[c.index("-m") + 1] for c in runs} == {result["config"]["llamacpp"]["gguf"]}
+
+
+def test_outputs_captured_from_an_ik_llama_cpp_build():
+    """The same parsers on what ik_llama.cpp's tools printed (default model, tiny sizes), logs included."""
+    test = peer_tools.parse_llama_bench_json((OUTPUTS / "ik_llama_bench_p32.json").read_text(), 32)
+    assert test["avg_ns"] == 84423760
+    text = (OUTPUTS / "ik_batched_bench_npl_1_3.txt").read_text()
+    assert peer_tools.batched_bench_row(text, 32, 4, 1)["T_TG s"] == pytest.approx(0.114)
+    assert peer_tools.batched_bench_row(text, 32, 4, 3)["T s"] == pytest.approx(0.342)
