@@ -17,6 +17,9 @@ kernels and plan, torch's kernels, a llama.cpp built for the tier in its own fol
 machine for a CPU of that tier; --isa native (the default) builds both for this CPU. The header names it.
 Decoding is greedy and ignores EOS on both sides. llama.cpp runs through llama-cpp-python's low-level
 API: one context with a sequence id per request, so the parallel rows are real batched decoding.
+--peer NAME=PATH (repeatable) adds a build of a llama.cpp-family engine, e.g. ik_llama.cpp, timed with its
+own llama-bench / llama-batched-bench on llama.cpp's file, in the same alternation (benchmarks/peer_tools.py);
+a build with run-time repacking is run plain and with -rtr, and the better of the two is reported.
 Not a test: timings belong to benchmarks, not to the test suite.
 """
 
@@ -34,6 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import isa_tiers  # noqa: E402  (before torch: a forced tier is set up in a fresh process)
+import peer_tools  # noqa: E402
 
 TIER = isa_tiers.reexec_for_tier(sys.argv)
 
@@ -131,7 +135,16 @@ def _clear_memory(ctx) -> None:
         llama_cpp.llama_kv_cache_clear(ctx)
 
 
-class LlamaCppEngine:
+class InProcessEngine:
+    """An engine driven in this process on the comparison's own token ids (peers run their tools)."""
+
+    def measure(self, row: str, spec: tuple[int, int, int], prompts: list[list[int]]) -> dict:
+        t = self.run(prompts, spec[2])
+        del t["tokens"]
+        return t
+
+
+class LlamaCppEngine(InProcessEngine):
     name = "llama.cpp"
 
     def __init__(self, path: str, threads: int, extra_buffers: bool):
@@ -244,7 +257,7 @@ def _weight_formats(llm) -> str:
     return ", ".join(f"{k} x{n}" for k, n in kinds.most_common())
 
 
-class PerfxlmEngine:
+class PerfxlmEngine(InProcessEngine):
     name = "perfxlm"
 
     def __init__(self, path: str, dtype: str, extra: dict):
@@ -312,7 +325,7 @@ def make_prompts(allowed: np.ndarray, B: int, P: int, seed: int) -> list[list[in
 
 # ---- main --------------------------------------------------------------------------------------------
 
-def parse_args():
+def parse_args(argv: list[str] | None = None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", default=None, help="weights for both engines (default: the embedded model)")
     ap.add_argument("--llamacpp-gguf", default=None, help="another file of the same weights for llama.cpp")
@@ -326,6 +339,16 @@ def parse_args():
                     help="extra LLM(...) keyword, repeatable; VALUE is a Python literal or a string")
     ap.add_argument("--isa", default="native", choices=["native", *isa_tiers.TIERS],
                     help="build both engines for this instruction-set tier only (see benchmarks/isa_tiers.py)")
+    ap.add_argument("--peer", action="append", default=[], metavar="NAME=PATH",
+                    help="also time a llama.cpp-family build (e.g. ik_llama.cpp=~/.cache/perfxlm/peers/"
+                         "ik_llama.cpp/build): PATH holds llama-bench and llama-batched-bench (or has "
+                         "them in bin/); it runs llama.cpp's file with the same threads; repeatable. With "
+                         "--isa avx2 or avx512 a peer is refused unless its CMakeCache.txt shows it was "
+                         "built for that tier (GGML_NATIVE=OFF and the tier's GGML options, as isa_tiers.py "
+                         "lists them)")
+    ap.add_argument("--peer-repack", default="both", choices=["both", "on", "off"],
+                    help="peers with run-time repacking (ik_llama.cpp's -rtr): run both ways and report the "
+                         "better (both), or only with / without it")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rows", default="prefill,decode,p16,p64", help="pN: N parallel sequences")
@@ -335,7 +358,7 @@ def parse_args():
     ap.add_argument("--parallel-new", type=int, default=128, help="generated tokens per sequence in pN rows")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-json", default=None, help="save config + raw times; a PNG of the ratios beside")
-    return ap.parse_args()
+    return ap.parse_args(argv)
 
 
 def parse_perfxlm_args(items: list[str]) -> dict:
@@ -351,8 +374,34 @@ def parse_perfxlm_args(items: list[str]) -> dict:
     return out
 
 
-def main() -> None:
-    args = parse_args()
+def parse_peers(items: list[str]) -> list[tuple[str, Path]]:
+    taken: set[str] = {"perfxlm", "llama.cpp"}
+    peers = []
+    for item in items:
+        name, path = peer_tools.parse_peer_arg(item, taken)
+        taken.add(name)
+        peers.append((name, path))
+    return peers
+
+
+def check_peer_tier(name: str, folder: Path, tier: str) -> dict[str, str]:
+    """The peer build's GGML options; under a forced tier, refuse a build for another one: its figures
+    would compare a tier-limited perfxlm with a peer using the whole CPU."""
+    tools = peer_tools.find_tools(name, folder)
+    options = peer_tools.build_options(tools["llama-bench"].parent)
+    if tier != "native":
+        wrong = peer_tools.tier_mismatches(options, isa_tiers.TIERS[tier][3])
+        if wrong:
+            raise SystemExit(f"--peer {name}={folder} is not built for the {tier} tier (--isa {tier}): "
+                             + "; ".join(wrong) + f". Build one with cmake -DCMAKE_BUILD_TYPE=Release "
+                             f"{isa_tiers.TIERS[tier][3]} and pass its folder")
+    return options
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    peers = parse_peers(args.peer)
+    peer_options = {name: check_peer_tier(name, path, TIER) for name, path in peers}
     torch.set_num_threads(args.threads)
     gguf = args.gguf or default_model_path()
     llama_path = requantize(args.llamacpp_gguf or gguf, args.llamacpp_ftype, args.threads)
@@ -365,7 +414,10 @@ def main() -> None:
         if not repack:
             print("llama.cpp crashed with its extra buffer types (AMX/repack) on these weights: now without")
     llama = LlamaCppEngine(llama_path, args.threads, repack)
-    engines = [perfx, llama]
+    local = [perfx, llama]
+    peer_columns = {name: peer_tools.peer_engines(name, path, llama_path, args.threads, args.peer_repack)
+                    for name, path in peers}
+    engines = local + [e for cols in peer_columns.values() for e in cols]
 
     # Random ids both vocabularies know, minus control/special tokens (which may change model behaviour).
     n_vocab = min(perfx.n_vocab, llama.n_vocab)
@@ -380,16 +432,22 @@ def main() -> None:
         "llamacpp": {"gguf": llama_path, "ftype": args.llamacpp_ftype, "desc": llama.desc,
                      "extra_buffer_types": repack,
                      "system_info": llama_cpp.llama_print_system_info().decode().strip()},
+        "peers": {name: {"path": str(path), "gguf": llama_path,
+                         "columns": [e.name for e in peer_columns[name]], "build_options": peer_options[name]}
+                  for name, path in peers},
     }
     print(f"\nCPU: {cpu}\nflags: {' '.join(flags) or '(none of ' + ', '.join(CPU_FLAGS) + ')'}")
     print(f"tier: {config['tier']}\nperfxlm CPU plan: {config['cpu_plan']}")
     print(f"torch {torch.__version__}, llama-cpp-python {llama_cpp.__version__}, threads {args.threads}")
     print(f"perfxlm:   {gguf}\n           {perfx.desc}")
     print(f"llama.cpp: {llama_path}\n           {llama.desc}\n           {config['llamacpp']['system_info']}")
+    for e in engines[len(local):]:
+        print(f"{e.name}: {llama_path}\n           {e.desc}")
 
     # Warm-up: every row shape once per engine (kernel selection, llama.cpp graph and KV allocation).
+    # Peers' tools warm up inside every run.
     warm = {}
-    for eng in engines:
+    for eng in local:
         for row, (B, P, N) in specs.items():
             warm[eng.name, row] = eng.run(make_prompts(allowed, B, P, args.seed), min(N, 4), P + N)["tokens"]
     # Both engines should compute the same greedy tokens (up to rounding when the dtypes differ):
@@ -407,8 +465,7 @@ def main() -> None:
             order = engines if (rnd + i) % 2 == 0 else engines[::-1]
             for eng in order:
                 time.sleep(0.2)  # let the other engine's spinning worker threads go idle
-                t = eng.run(prompts, spec[2])
-                del t["tokens"]
+                t = eng.measure(row, spec, prompts)
                 raw[row][eng.name].append({**t, "tok_s": throughput(row, spec, t)})
             line = ", ".join(f"{e.name} {raw[row][e.name][-1]['tok_s']:.1f}" for e in engines)
             print(f"round {rnd + 1} {row}: {line} tok/s", flush=True)
@@ -420,15 +477,30 @@ def main() -> None:
             v = [x["tok_s"] for x in raw[row][e.name]]
             s[e.name] = {"median": statistics.median(v), "min": min(v), "max": max(v)}
         s["ratio"] = s["perfxlm"]["median"] / s["llama.cpp"]["median"]
+        # Each peer's better column (plain or -rtr), named, and perfxlm's ratio to it.
+        s["peers"] = {}
+        for name, cols in peer_columns.items():
+            best = max(cols, key=lambda e: s[e.name]["median"])
+            s["peers"][name] = {"best": best.name, "repack": best.repack, "median": s[best.name]["median"],
+                                "ratio": s["perfxlm"]["median"] / s[best.name]["median"]}
         summary[row] = s
+    for name, cols in peer_columns.items():
+        config["peers"][name]["build_commit"] = next((e.build_commit for e in cols if e.build_commit), None)
 
-    print(f"\n| workload | perfxlm {args.perfxlm_dtype} | llama.cpp {llama.desc} | perfxlm / llama.cpp |")
-    print("|---|---:|---:|---:|")
+    heads = "".join(f" {name} (best) | perfxlm / {name} |" for name in peer_columns)
+    print(f"\n| workload | perfxlm {args.perfxlm_dtype} | llama.cpp {llama.desc} | perfxlm / llama.cpp |"
+          + heads)
+    print("|---|---:|---:|---:|" + "---:|---:|" * len(peer_columns))
     for row, spec in specs.items():
         s = summary[row]
-        cell = ["{median:.1f} ({min:.1f}-{max:.1f})".format(**s[e.name]) for e in engines]
-        print(f"| {describe(row, spec)} | {cell[0]} | {cell[1]} | **{s['ratio']:.2f}x** |")
-    print(f"\nmedians of {args.rounds} rounds (min-max in parentheses)")
+        cell = ["{median:.1f} ({min:.1f}-{max:.1f})".format(**s[e.name]) for e in local]
+        peer_cells = "".join(
+            " {} {} | **{:.2f}x** |".format("{median:.1f} ({min:.1f}-{max:.1f})".format(**s[p["best"]]),
+                                           "rtr" if p["repack"] else "plain", p["ratio"])
+            for p in s["peers"].values())
+        print(f"| {describe(row, spec)} | {cell[0]} | {cell[1]} | **{s['ratio']:.2f}x** |{peer_cells}")
+    print(f"\nmedians of {args.rounds} rounds (min-max in parentheses)"
+          + ("; a peer: the better of plain and -rtr (run-time repacking), named" if peer_columns else ""))
 
     if args.output_json:
         path = Path(args.output_json)
@@ -446,19 +518,36 @@ def plot(summary: dict, specs: dict, config: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = list(specs)
-    ratios = [summary[r]["ratio"] for r in rows]
-    fig, ax = plt.subplots(figsize=(1.6 * len(rows) + 3, 4))
-    bars = ax.bar(rows, ratios, color=["tab:green" if r >= 1 else "tab:red" for r in ratios])
-    ax.bar_label(bars, labels=[f"{r:.2f}x" for r in ratios])
+    peers = list(config.get("peers", {}))
+    # One bar per row and reference engine: llama.cpp, then each peer's better column.
+    refs = [("llama.cpp", [summary[r]["ratio"] for r in rows])] + [
+        (f"{p} ({'/'.join(sorted({'rtr' if summary[r]['peers'][p]['repack'] else 'plain' for r in rows}))})",
+         [summary[r]["peers"][p]["ratio"] for r in rows]) for p in peers]
+    width = 0.8 / len(refs)
+    fig, ax = plt.subplots(figsize=(1.6 * len(rows) * len(refs) ** 0.5 + 3, 4))
+    for k, (label, ratios) in enumerate(refs):
+        x = [i + (k - (len(refs) - 1) / 2) * width for i in range(len(rows))]
+        colors = ["tab:green" if r >= 1 else "tab:red" for r in ratios]
+        bars = ax.bar(x, ratios, width, color=colors, edgecolor="black", hatch=["", "//", "..", "xx"][k % 4],
+                      label=f"vs {label}")
+        ax.bar_label(bars, labels=[f"{r:.2f}x" for r in ratios], fontsize=8)
+    ax.set_xticks(range(len(rows)), rows)
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_ylabel("perfxlm / llama.cpp (median tok/s)")
+    ax.set_ylabel("perfxlm / reference (median tok/s)")
+    if peers:  # bars are coloured by their ratio; the legend tells the references apart by hatch only
+        legend = ax.legend(fontsize=8)
+        for handle in getattr(legend, "legend_handles", None) or legend.legendHandles:
+            handle.set_facecolor("white")
     ax.set_title(f"{config['cpu']}, {config['threads']} threads, tier {TIER}\n"
-                 f"perfxlm {config['perfxlm']['dtype']} vs llama.cpp {config['llamacpp']['desc']}",
-                 fontsize=9)
+                 f"perfxlm {config['perfxlm']['dtype']} vs llama.cpp {config['llamacpp']['desc']}"
+                 + "".join(f", {p}" for p in peers), fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except peer_tools.PeerError as exc:  # the message names the command and its last lines: no traceback
+        raise SystemExit(f"peer failed: {exc}") from None
