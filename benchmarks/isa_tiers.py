@@ -32,6 +32,10 @@ TIERS = {
 }
 
 
+# MKL_ENABLE_INSTRUCTIONS per tier
+_MKL = {"avx2": "AVX2", "avx512": "AVX512"}
+
+
 def requested(argv: list[str]) -> str:
     """--isa's value in argv (native when absent), read before argparse so torch is not imported yet."""
     for i, arg in enumerate(argv):
@@ -80,7 +84,10 @@ def reexec_for_tier(argv: list[str]) -> str:
         raise SystemExit(f"--isa {tier}: expected native, {', '.join(TIERS)}")
     perfxlm_isa, aten, onednn, _ = TIERS[tier]
     folder = llama_cpp_folder(tier)
-    env = dict(os.environ, PERFXLM_ISA=perfxlm_isa, ATEN_CPU_CAPABILITY=aten, ONEDNN_MAX_CPU_ISA=onednn)
+    # MKL (torch's float32 GEMM on x86) picks its own code path: without this a forced AVX2 tier's
+    # prefill would still run AVX-512 GEMMs
+    env = dict(os.environ, PERFXLM_ISA=perfxlm_isa, ATEN_CPU_CAPABILITY=aten, ONEDNN_MAX_CPU_ISA=onednn,
+               MKL_ENABLE_INSTRUCTIONS=_MKL[tier])
     env[CHILD] = tier
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(folder), env.get("PYTHONPATH", "")) if p)
     env.pop("PERFXLM_NATIVE_MARCH", None)
@@ -93,4 +100,4 @@ def describe(tier: str) -> str:
         return "native (both engines built for this CPU)"
     perfxlm_isa, aten, onednn, cmake = TIERS[tier]
     return (f"{tier}, forced: perfxlm PERFXLM_ISA={perfxlm_isa}, torch ATEN_CPU_CAPABILITY={aten} "
-            f"ONEDNN_MAX_CPU_ISA={onednn}; llama.cpp CMAKE_ARGS=\"{cmake}\"")
+            f"ONEDNN_MAX_CPU_ISA={onednn} MKL_ENABLE_INSTRUCTIONS={_MKL[tier]}; llama.cpp CMAKE_ARGS=\"{cmake}\"")
