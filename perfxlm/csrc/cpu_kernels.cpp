@@ -419,11 +419,11 @@ at::Tensor project(const at::Tensor& x, at::TensorList parts, int64_t n_out, con
 // rows take the same ATen ops as the module path.
 constexpr int64_t kLoraRows = 64;
 
-void lora_rows(const float* x, int64_t T, int64_t K, const float* a, int64_t R, const float* bt, int64_t N,
-               const float* scale, bool per_row_scale, float* y) {
+void lora_rows(const float* x, int64_t x_stride, int64_t T, int64_t K, const float* a, int64_t R, const float* bt,
+               int64_t N, const float* scale, bool per_row_scale, float* y, int64_t y_stride) {
   for (int64_t t = 0; t < T; ++t) {
-    const float* xt = x + t * K;
-    float* yt = y + t * N;
+    const float* xt = x + t * x_stride;
+    float* yt = y + t * y_stride;
     const float* st = scale + (per_row_scale ? t * R : 0);
     for (int64_t r = 0; r < R; ++r) {
       if (st[r] == 0.0f) continue;
@@ -455,7 +455,10 @@ void add_lora(at::Tensor& y, const at::Tensor& x, at::TensorList lora, int64_t i
   const at::Tensor& bt = lora[3 * index + 1];
   const at::Tensor& scale = lora[3 * index + 2];
   const int64_t T = x.size(0), K = x.size(1), R = a.size(0), N = bt.size(1);
-  const bool fits = T <= kLoraRows && x.is_contiguous() && y.is_contiguous() && a.is_contiguous() &&
+  // rows may sit at any stride (a projection's output can be a view of a wider buffer), values in a row
+  // must be adjacent
+  const bool fits = T <= kLoraRows && x.dim() == 2 && y.dim() == 2 && x.stride(1) == 1 && y.stride(1) == 1 &&
+                    a.is_contiguous() &&
                     bt.is_contiguous() && scale.is_contiguous() && a.scalar_type() == at::kFloat &&
                     bt.scalar_type() == at::kFloat && scale.scalar_type() == at::kFloat &&
                     y.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat;
@@ -464,8 +467,8 @@ void add_lora(at::Tensor& y, const at::Tensor& x, at::TensorList lora, int64_t i
     const bool per_row = scale.dim() == 2;
     TORCH_CHECK(per_row ? (scale.size(0) == T && scale.size(1) == R) : scale.numel() == R,
                 "decode_layer: lora scale must be [R] or [rows, R]");
-    lora_rows(x.data_ptr<float>(), T, K, a.data_ptr<float>(), R, bt.data_ptr<float>(), N, scale.data_ptr<float>(),
-              per_row, y.data_ptr<float>());
+    lora_rows(x.data_ptr<float>(), x.stride(0), T, K, a.data_ptr<float>(), R, bt.data_ptr<float>(), N,
+              scale.data_ptr<float>(), per_row, y.data_ptr<float>(), y.stride(0));
     return;
   }
   y.addmm_(at::mm(x, a.t()).mul_(scale), bt);
