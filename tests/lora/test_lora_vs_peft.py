@@ -134,11 +134,41 @@ def test_fused_decode_adds_the_adapters(lora_base, adapters):
         assert calls and fused.eligible and fused.lora_fits
     fused.eligible = False  # the module path: the reference the fused layer must agree with
     for loras, got in zip(cases, fused_outputs):
-        want = outputs(list(loras))
-        for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, want):
-            assert tokens == ref_tokens, loras
-            for step, ref_step in zip(logprobs, ref_logprobs):
-                assert step.keys() == ref_step.keys()
-                for t in step:
-                    assert abs(step[t].logprob - ref_step[t].logprob) < 1e-4, loras
+        _assert_same(got, outputs(list(loras)), loras)
+    assert_pool_whole(llm)
+
+
+def _assert_same(got, want, what):
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, want, strict=True):
+        assert tokens == ref_tokens, what
+        for step, ref_step in zip(logprobs, ref_logprobs):
+            assert step.keys() == ref_step.keys()
+            for t in step:
+                assert abs(step[t].logprob - ref_step[t].logprob) < 1e-4, what
+
+
+def test_fused_decode_adapters_past_the_row_kernel(lora_base, adapters):
+    """More decode rows than the kernel's one-pass LoRA loop takes (64): the fused layer adds the
+    adapters with the module path's products instead, with the same result."""
+    llm = LLM(lora_base, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=160, enable_lora=True,
+              max_loras=2, max_lora_rank=8, max_num_seqs=80)
+    a, c = LoRARequest("a", 1, adapters["a"]), LoRARequest("c", 3, adapters["c"])
+    prompts = prompts_of([3 + i % 5 for i in range(70)], seed=6)
+    loras = [(a, None, c)[i % 3] for i in range(70)]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)
+
+    def outputs():
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in got]
+
+    from perfxlm.ops import native
+
+    fused = llm.llm_engine.core.model.model.fused_decode
+    rows, fused_run = [], fused.run
+    fused.run = lambda x, *a, **k: rows.append(x.shape[0]) or fused_run(x, *a, **k)
+    got = outputs()
+    if native.kernels() is not None:
+        assert max(rows) == 70
+    fused.eligible = False
+    _assert_same(got, outputs(), "70 rows")
     assert_pool_whole(llm)
