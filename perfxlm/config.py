@@ -194,7 +194,7 @@ class EngineConfig:
         if self.packed_source is not None:
             return self.packed_source
         if self.load_format == "gguf" and method in (None, "gguf"):
-            return "gguf" if self.tensor_parallel_size == 1 else None  # ranks dequantize GGUF blocks
+            return "gguf"
         return method if self.quant_config is not None and self.quant_config.quantizes else None
 
     def resolve(self) -> "EngineConfig":

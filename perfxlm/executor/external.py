@@ -56,7 +56,7 @@ class ExternalLauncherExecutor(Executor):
         import torch.distributed as dist
 
         from perfxlm.distributed.comm import collective_timeout, make_communicator
-        from perfxlm.distributed.sharding import TPShard, parallelize
+        from perfxlm.distributed.parallel_state import TPGroup
         from perfxlm.distributed.topology import bind_current_process, plan_rank_cpus
         from perfxlm.model.loader import load_model
 
@@ -81,9 +81,7 @@ class ExternalLauncherExecutor(Executor):
         if kind == "shm" and not _shared_memory_everywhere(self.rank):
             kind = "gloo"  # ranks on several machines
         self.comm = make_communicator(self.rank, self.world_size, kind)
-        self.shard = TPShard.of(config.hf_config, self.rank, self.world_size)
-        self.model = load_model(config, tp=self.shard)
-        parallelize(self.model, self.shard, self.comm)
+        self.model = load_model(config, tp=TPGroup(self.rank, self.world_size, self.comm))
         # speculative decoding: rank 0 alone proposes (a draft model loads there only), every rank verifies
         # its drafts, so the ranks' schedulers stay identical
         self.proposes_drafts = self.rank == 0
@@ -113,9 +111,9 @@ class ExternalLauncherExecutor(Executor):
         return int(n.item())
 
     def head_dim(self) -> int | None:
-        from perfxlm.distributed.sharding import _head_dim
+        from perfxlm.model.layers.attention import common_head_dim
 
-        return _head_dim(self.config.hf_config)
+        return common_head_dim(self.model)
 
     def initialize_cache(self, num_blocks: int) -> None:
         from perfxlm.worker.model_runner import ModelRunner

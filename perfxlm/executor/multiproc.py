@@ -114,9 +114,7 @@ class MultiprocExecutor(Executor):
         return sum(i["kv_bytes_per_block"] for i in self.infos)
 
     def head_dim(self) -> int | None:
-        from perfxlm.distributed.sharding import _head_dim
-
-        return _head_dim(self.config.hf_config)
+        return self.infos[0]["head_dim"]
 
     def initialize_cache(self, num_blocks: int) -> None:
         for conn in self.conns:

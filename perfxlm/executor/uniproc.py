@@ -7,7 +7,7 @@ from typing import Any
 from perfxlm.executor.base import InProcessExecutor
 from perfxlm.lora.layers import wrap_model
 from perfxlm.lora.slots import LoRASlots
-from perfxlm.model.layers.attention import Attention
+from perfxlm.model.layers.attention import common_head_dim
 from perfxlm.model.loader import load_model
 from perfxlm.worker.model_runner import ModelRunner
 
@@ -28,8 +28,7 @@ class ModuleExecutor(InProcessExecutor):
         return ModelRunner.kv_bytes_per_block(self.model, block_size, spec)
 
     def head_dim(self) -> int | None:
-        dims = {m.head_dim for m in self.model.modules() if isinstance(m, Attention)}
-        return dims.pop() if len(dims) == 1 else None
+        return common_head_dim(self.model)
 
     def initialize_cache(self, num_blocks: int) -> None:
         c = self.config

@@ -36,9 +36,10 @@ def worker_main(rank: int, world_size: int, config: Any, conn: Any, init_method:
         import torch
 
         from perfxlm.distributed.comm import init_process_group, make_communicator
-        from perfxlm.distributed.sharding import TPShard, parallelize
+        from perfxlm.distributed.parallel_state import TPGroup
         from perfxlm.distributed.topology import bind_current_process
         from perfxlm.executor.delta import DeltaDecoder
+        from perfxlm.model.layers.attention import Attention, common_head_dim
         from perfxlm.model.loader import load_model
         from perfxlm.worker.model_runner import ModelRunner
 
@@ -47,13 +48,12 @@ def worker_main(rank: int, world_size: int, config: Any, conn: Any, init_method:
             torch.manual_seed(config.seed)
         init_process_group(rank, world_size, init_method)
         comm = make_communicator(rank, world_size)
-        shard = TPShard.of(config.hf_config, rank, world_size)
-        model = load_model(config, tp=shard)
-        parallelize(model, shard, comm)
+        model = load_model(config, tp=TPGroup(rank, world_size, comm))  # the parallel layers hold this rank's shard
+        attn = next(m for m in model.modules() if isinstance(m, Attention))
         info = {
             "kv_bytes_per_block": ModelRunner.kv_bytes_per_block(model, config.block_size, config.kv_cache_spec),
             "comm": comm.name, "threads": threads, "cpus": cpus, "pid": os.getpid(),
-            "heads": shard.q_range[1], "kv_heads": shard.kv_range[1],
+            "heads": attn.num_heads, "kv_heads": attn.num_kv_heads, "head_dim": common_head_dim(model),
         }  # fmt: skip
         conn.send(("ready", info))
         kind, num_blocks = conn.recv()

@@ -45,6 +45,10 @@ class LoRALinear(nn.Module):
     def out_features(self) -> int:
         return self.base.out_features
 
+    @property
+    def reduces_output(self) -> bool:
+        return self.base.reduces_output
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         batch = get_forward_context().lora

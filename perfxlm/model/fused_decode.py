@@ -135,7 +135,11 @@ class FusableDecoderLayer(Protocol):
 
 def fused_attention(qkv_proj: nn.Module, o_proj: nn.Module, core: nn.Module,
                     q_norm: nn.Module | None = None, k_norm: nn.Module | None = None) -> FusedAttention | None:  # fmt: skip
-    """`core`: the block's `Attention` layer (heads, scale, window, soft cap)."""
+    """`core`: the block's `Attention` layer (heads, scale, window, soft cap). None where the output
+    projection sums the ranks' partial products (tensor parallelism): the call has no place for that
+    all-reduce, so the model takes the module path, where the row-parallel layer does it."""
+    if o_proj.reduces_output:
+        return None
     qn = kn = None
     head_eps = 0.0
     if q_norm is not None:
@@ -153,7 +157,7 @@ def fused_attention(qkv_proj: nn.Module, o_proj: nn.Module, core: nn.Module,
 
 def fused_mlp(gate_up_proj: nn.Module, down_proj: nn.Module, act: nn.Module) -> FusedMLP | None:
     code = activation_code(act)
-    if code is None:
+    if code is None or down_proj.reduces_output:  # an all-reduce after down: module path (as attention's)
         return None
     return FusedMLP(weight_parts(gate_up_proj.weight), gate_up_proj.bias, weight_parts(down_proj.weight),
                     down_proj.bias, down_proj.in_features, code, (gate_up_proj, down_proj))  # fmt: skip

@@ -138,8 +138,12 @@ class QuantizedLoader:
         if (id(module), local) in self.tables:
             return self.config.quantize_table(tensor)  # type: ignore[union-attr]
         name = self.names[(id(module), local)]
+        importance = self.importance.get(name)
+        if importance is not None and importance.shape[-1] != tensor.shape[-1]:
+            # a tensor-parallel rank's row-parallel shard: its input columns of the whole model's statistics
+            importance = importance.narrow(-1, *module.input_part)
         return self.config.quantize_weight(  # type: ignore[union-attr]
-            tensor, importance=self.importance.get(name), wide=name in self.wide
+            tensor, importance=importance, wide=name in self.wide
         )
 
     # ---- loading -------------------------------------------------------------------------------------

@@ -313,6 +313,29 @@ class QuantizedWeight:
             _pick(self.mins, lambda m: m.narrow(dim, start, length)),
         )  # fmt: skip
 
+    def narrow_columns(self, start: int, length: int) -> "QuantizedWeight":
+        """Input columns [start, start + length): whole groups only (a tensor-parallel rank's share of a
+        row-parallel weight). Codes move as bytes: a 4-bit group (a multiple of 32 values, GGUF's nibble
+        order within each 32) is whole bytes."""
+        if self.input_order is not None:
+            raise ValueError("act-order weights (input_order) cannot be split by input columns")
+        if start % self.group or length % self.group:
+            raise ValueError(f"columns [{start}, {start + length}) of a weight with groups of {self.group} inputs: "
+                             "a split must fall on group boundaries")
+        first, count = start * self.bits // 8, length * self.bits // 8
+        g0, gn = start // self.group, length // self.group
+        return self._like(
+            self.codes.narrow(-1, first, count).contiguous(), self.scales.narrow(-1, g0, gn),
+            _pick(self.mins, lambda m: m.narrow(-1, g0, gn)), in_features=length,
+        )  # fmt: skip
+
+    def zero_rows(self, rows: int) -> "QuantizedWeight":
+        """`rows` rows of this form whose values are all zero (scales and mins 0): padding."""
+        lead = tuple(self.codes.shape[:-2])
+        codes = torch.zeros((*lead, rows, self.codes.shape[-1]), dtype=torch.uint8)
+        scales = torch.zeros((*lead, rows, self.scales.shape[-1]), dtype=self.scales.dtype)
+        return self._like(codes, scales, None if self.mins is None else torch.zeros_like(scales))
+
     def index_rows(self, index: torch.Tensor) -> "QuantizedWeight":
         """Output rows in the order `index` gives (a permutation, or a gather for lookups)."""
         dim = self.codes.dim() - 2

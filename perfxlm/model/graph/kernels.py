@@ -76,6 +76,8 @@ class Linear(Kernel):
     (`bind_linear_method`: bf16 panels or rows by the CPU plan, the quantized format's decisions), so the
     product is the module path's."""
 
+    reduces_output = False  # a graph runs in one process: no rank sums its products
+
     def __init__(self, node: str, attrs: dict[str, Any], w, bias=None, scales=None, mins=None,
                  levels=None) -> None:
         super().__init__()

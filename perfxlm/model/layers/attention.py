@@ -91,3 +91,9 @@ class Attention(nn.Module):
     def _bind_backend(self, device: torch.device) -> AttentionBackend:
         self.backend = attention_backend.for_device(device)
         return self.backend
+
+
+def common_head_dim(model: nn.Module) -> int | None:
+    """The head size of the model's attention layers when they all have the same one, else None."""
+    dims = {m.head_dim for m in model.modules() if isinstance(m, Attention)}
+    return dims.pop() if len(dims) == 1 else None

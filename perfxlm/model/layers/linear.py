@@ -18,6 +18,9 @@ class Linear(nn.Module):
 
     # whether `quantization=` quantizes this projection (MoE routers and gates stay float, as in vLLM)
     quantize_weight = True
+    # whether forward sums the ranks' partial products (a row-parallel layer under tensor parallelism):
+    # the fused decode layer, which runs the product itself, has no place for that collective
+    reduces_output = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()

@@ -13,9 +13,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from perfxlm.distributed.parallel_state import tp_group
 from perfxlm.model.layers.activation import ClampedSwiGLU, GeluAndMul, SiluAndMul, act_and_mul
 from perfxlm.model.layers.linear_methods.base import LinearMethod, LinearPlan
 from perfxlm.model.layers.linear_methods.registry import method_for
+from perfxlm.model.layers.rank_sharded import COLUMNS, ROWS, narrow, take_parts
 from perfxlm.ops.fused_moe import ExpertActivation, experts_call
 from perfxlm.ops.linear import linear
 from perfxlm.quant.targets import EXPERTS, QuantizableWeight
@@ -111,7 +113,12 @@ def grouped_experts_torch(
 class FusedMoE(nn.Module):
     """`num_experts` gated MLPs stored stacked: gate_up_proj [E, 2 * inter, hidden] and down_proj
     [E, hidden, inter], transformers 5's layout, so its fused checkpoints load as they are; per-expert
-    checkpoint tensors load through `load_shard`."""
+    checkpoint tensors load through `load_shard`.
+
+    Under tensor parallelism every rank holds every expert with its share of the intermediate size (vLLM's
+    default for MoE under TP): routing is replicated, the stacks are column- (gate|up) and row-parallel
+    (down), and the partial outputs are summed by one all-reduce (by the caller with
+    `reduce_results=False`, where a shared expert's partial output is added first)."""
 
     def __init__(
         self,
@@ -121,10 +128,15 @@ class FusedMoE(nn.Module):
         intermediate_size: int,
         renormalize: bool,
         activation: str = "silu",
+        reduce_results: bool = True,
     ) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok ({top_k}) must be in [1, num_experts ({num_experts})].")
+        self.tp = tp_group()
+        self.inter_part = self.tp.part(intermediate_size)
+        intermediate_size = self.inter_part[1]
+        self.reduces_output = reduce_results and self.tp.parallel
         self.num_experts = num_experts
         self.top_k = top_k
         self.intermediate_size = intermediate_size
@@ -155,6 +167,17 @@ class FusedMoE(nn.Module):
         parts = ("gate", "up") if param_name == "gate_up_proj" else ("down",)
         return [f"{e}.{p}" for e in range(self.num_experts) for p in parts]
 
+    def rank_part(self, param_name: str, tensor: Any, shard: str | None, expert: int | None) -> Any:
+        """This rank's intermediate rows (gate, up) or columns (down), of one expert's tensor or a stack."""
+        if not self.tp.parallel:
+            return tensor
+        start, size = self.inter_part
+        if shard is None and param_name == "gate_up_proj":  # [E, 2I, H] already fused in the checkpoint
+            whole = tensor.shape[-2] // 2
+            return take_parts(tensor, ROWS, [(start, size), (whole + start, size)])
+        # one expert's [I, H] / [H, I], a stack of one part [E, I, H] (GGUF), or down's stack [E, H, I]
+        return narrow(tensor, ROWS if shard in ("gate", "up") else COLUMNS, start, size)
+
     def load_shard(
         self, param: nn.Parameter, loaded: torch.Tensor, shard: str, expert: int | None = None
     ) -> None:
@@ -173,7 +196,8 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = route(router_logits, self.top_k, self.renormalize)
-        return self.run_routed(x, weights, ids)
+        out = self.run_routed(x, weights, ids)
+        return self.tp.all_reduce(out) if self.reduces_output else out
 
     def run_routed(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """Experts chosen by a router of the family's own (DeepSeek's grouped top-k): [T, k] each."""

@@ -10,9 +10,11 @@ from typing import Any, Iterator
 import torch
 from tqdm import tqdm
 
+from perfxlm.distributed.parallel_state import SINGLE, building_for
 from perfxlm.model.layers.linear_methods.base import LinearPlan
 from perfxlm.model.layers.linear_methods.registry import bind
 from perfxlm.model.loader.weight_arena import move_to_arena
+from perfxlm.model.models.base import CausalLM
 from perfxlm.model.registry import resolve_model_class
 from perfxlm.quant import calibration
 from perfxlm.quant.config import resolve_activations
@@ -83,25 +85,21 @@ def get_model(
     quantization: Any = None,
     activations: ActivationMode | None = None,
 ):
-    """`tp`: a distributed.sharding.TPShard: build and load only that rank's shard. `quantization`: the
+    """`tp`: a distributed.parallel_state.TPGroup: build and load only that rank's shard (the model's
+    parallel layers take their rows or columns of each checkpoint tensor). `quantization`: the
     weight format (a QuantizationConfig, or what `QuantizationConfig.resolve` takes; None keeps a GGUF
     file's blocks and a float checkpoint float). `activations`: the mode EngineConfig.resolve decided,
     else the default for these weights."""
     model_cls = resolve_model_class(hf_config)
-    build_config = hf_config
+    tp = tp or SINGLE
     packed = packed_checkpoint(model_path, load_format)  # a bad packed checkpoint fails before the build
     if packed is not None:
         logger.info("Pre-quantized checkpoint, kept packed: %s", packed.format.describe())
-    if tp is not None:
-        from perfxlm.distributed.sharding import check_supported, tp_quantization
-
-        prequantized = getattr(hf_config, "quantization_config", None) is not None
-        check_supported(model_cls, tp.world_size, hf_config, prequantized)
-        build_config = tp.shard_config(hf_config)
-        quantization = tp_quantization(quantization)
-    with _default_dtype(dtype), torch.no_grad():
+    if tp.parallel:
+        check_tensor_parallel(model_cls, packed is not None)
+    with _default_dtype(dtype), torch.no_grad(), building_for(tp):
         # Layers allocate with torch.empty: building the model costs no initialisation pass.
-        model = model_cls(build_config)
+        model = model_cls(hf_config)
         # quantized weights (a GGUF file's blocks, or `quantization=`): checked before any weight is read
         sink = quantized_loader(model, quantization, load_format, model_path, packed)
         if sink is not None:
@@ -125,9 +123,7 @@ def get_model(
                 sink.quantize_loaded()
         else:
             keep = sink is not None  # GGUF blocks stay quantized
-            weights = _iter_weights(model_path, hf_config, load_format, keep) if tp is None else _iter_shard(
-                tp, model_path, hf_config, load_format, model_cls
-            )
+            weights = _iter_weights(model_path, hf_config, load_format, keep)
             if packed is not None:  # each packed module's parts become one QuantizedWeight
                 weights = packed.stream(weights)
             model.load_weights(tqdm(weights, desc="Loading weights", unit="tensor", leave=False), sink=sink)
@@ -215,11 +211,14 @@ def bind_linear_methods(model: torch.nn.Module, plan: LinearPlan) -> None:
     bind(model, plan)
 
 
-def _iter_shard(tp: Any, model_path: str, hf_config: Any, load_format: str, model_cls: type):
-    from perfxlm.distributed.sharding import iter_shard_weights
-
-    full = lambda: _iter_weights(model_path, hf_config, load_format)  # noqa: E731
-    return iter_shard_weights(tp, model_path, hf_config, load_format, model_cls.renames, full)
+def check_tensor_parallel(model_cls: type, prequantized: bool) -> None:
+    """A family loads under tensor parallelism when its layers are the parallel ones."""
+    if not (issubclass(model_cls, CausalLM) and model_cls.supports_tensor_parallel):
+        raise ValueError(f"tensor_parallel_size > 1 is not supported for {model_cls.__name__} yet: its layers are "
+                         "not tensor-parallel layers.")
+    if prequantized:  # (a GGUF file's blocks and `quantization=` are split: the layers cut them)
+        raise ValueError("tensor_parallel_size > 1 with a pre-quantized checkpoint (AWQ, GPTQ, compressed-tensors) "
+                         "is not supported yet: load the float checkpoint with quantization=, or a GGUF file.")
 
 
 def _iter_weights(

@@ -19,6 +19,8 @@ from typing import Any, ClassVar, Iterable
 import torch
 from torch import nn
 
+from perfxlm.model.layers.rank_sharded import RankSharded
+
 
 def _compile_stacked(table: list[tuple[str, str, str]]) -> list[tuple[re.Pattern[str], str, str]]:
     compiled = []
@@ -31,6 +33,12 @@ def _compile_stacked(table: list[tuple[str, str, str]]) -> list[tuple[re.Pattern
 def _as_float(tensor: Any) -> torch.Tensor:
     """A quantized checkpoint tensor (perfxlm.quant.QuantizedWeight) no sink kept, as float32 values."""
     return tensor if isinstance(tensor, torch.Tensor) else tensor.dense()
+
+
+def _rank_part(module: nn.Module, local: str, tensor: Any, shard: str | None, expert: int | None) -> Any:
+    """What of a checkpoint tensor a tensor-parallel layer keeps (its rank's rows or columns); a
+    replicated layer keeps it whole."""
+    return module.rank_part(local, tensor, shard, expert) if isinstance(module, RankSharded) else tensor
 
 
 def _shard_key(param: str, shard: str, expert: int | None) -> str:
@@ -85,6 +93,7 @@ class CheckpointModel(nn.Module):
                 expert = int(m.group("expert")) if "expert" in pattern.groupindex else None
                 parent, local = target.rsplit(".", 1)
                 module = modules[parent]
+                tensor = _rank_part(module, local, tensor, shard, expert)
                 if sink is None or not sink.load(module, local, tensor, shard, expert):
                     tensor = _as_float(tensor)
                     module.load_shard(params[target], tensor, shard, expert)  # type: ignore[operator]
@@ -96,11 +105,12 @@ class CheckpointModel(nn.Module):
                         continue  # checkpoint stores the tied head too; it is the embedding
                     raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
                 param = params[name]
+                parent, local = name.rsplit(".", 1)
+                tensor = _rank_part(modules[parent], local, tensor, None, None)
                 if param.shape != tensor.shape:
                     raise ValueError(
                         f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}"
                     )
-                parent, local = name.rsplit(".", 1)
                 if sink is None or not sink.load(modules[parent], local, tensor, None, None):
                     param.data.copy_(_as_float(tensor))
                 loaded.add(name)
@@ -130,6 +140,10 @@ class CheckpointModel(nn.Module):
 class CausalLM(CheckpointModel):
     """A decoder with an LM head: what the generate runner serves (the pooling runner pools its last hidden
     states: a causal LM used as an embedder)."""
+
+    # whether every layer that holds a weight is built from the parallel layers (model/layers/
+    # parallel_linear.py, the vocabulary-parallel embedding and head), so a rank builds its shard
+    supports_tensor_parallel: ClassVar[bool] = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[num_tokens] ids and positions -> [num_tokens, hidden] final hidden states."""

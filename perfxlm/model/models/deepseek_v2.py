@@ -41,6 +41,7 @@ class DeepseekMoE(nn.Module):
 
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
+    supports_tensor_parallel = False  # its attention and experts are not parallel layers yet
     # the MLPs' gate|up only: MLA keeps its projections apart
     stacked_params = MOE_STACKED_PARAMS + [e for e in LLAMA_STACKED_PARAMS if e[0] == ".gate_up_proj"]
 

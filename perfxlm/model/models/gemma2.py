@@ -12,7 +12,7 @@ from torch import nn
 from perfxlm.model.forward_context import get_forward_context
 from perfxlm.model.fused_decode import FusedDecode, FusedLayer
 from perfxlm.model.layers.attention import layer_sliding_window
-from perfxlm.model.layers.embed_head import LMHead, VocabEmbedding
+from perfxlm.model.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from perfxlm.model.layers.norm import GemmaRMSNorm
 from perfxlm.model.layers.rotary import RotaryEmbedding
 from perfxlm.model.models.base import CausalLM
@@ -71,7 +71,7 @@ class Gemma2Model(nn.Module):
         rope_kinds: list[str] | None = None,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(
+        self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, scale=config.hidden_size**0.5
         )
         self.rotary = rotary or {"all": RotaryEmbedding.from_config(config, head_dim_of(config))}
@@ -95,6 +95,7 @@ class Gemma2Model(nn.Module):
 
 class Gemma2ForCausalLM(CausalLM):
     stacked_params = LLAMA_STACKED_PARAMS
+    supports_tensor_parallel = True
 
     def make_model(self, config: Any) -> Gemma2Model:
         """The decoder stack; Gemma 3 overrides it."""
@@ -112,7 +113,7 @@ class Gemma2ForCausalLM(CausalLM):
         self.model = self.make_model(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         tied = self.model.embed_tokens if self.tie_word_embeddings else None
-        self.lm_head = LMHead(
+        self.lm_head = ParallelLMHead(
             config.vocab_size,
             config.hidden_size,
             tied_to=tied,

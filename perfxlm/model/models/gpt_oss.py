@@ -54,6 +54,7 @@ class GptOssMLP(nn.Module):
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
+    supports_tensor_parallel = False  # its attention and experts are not parallel layers yet
     # the sinks are the attention layer's own parameter
     renames = [(r"\.self_attn\.sinks$", ".self_attn.attn.sinks")]
     stacked_params = [e for e in LLAMA_STACKED_PARAMS if e[0] == ".qkv_proj"]

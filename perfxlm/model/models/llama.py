@@ -17,9 +17,9 @@ from perfxlm.model.fused_decode import (
 )
 from perfxlm.model.layers.activation import act_and_mul
 from perfxlm.model.layers.attention import Attention
-from perfxlm.model.layers.embed_head import LMHead, VocabEmbedding
-from perfxlm.model.layers.linear import Linear, MergedLinear
+from perfxlm.model.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from perfxlm.model.layers.norm import RMSNorm
+from perfxlm.model.layers.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from perfxlm.model.layers.rotary import RotaryEmbedding, apply_rotary
 from perfxlm.model.models.base import CausalLM
 
@@ -45,15 +45,17 @@ class LlamaAttention(nn.Module):
     ) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
         self.head_dim = head_dim_of(config)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = bias if qkv_bias is None else qkv_bias
         o_bias = bias if o_bias is None else o_bias
-        self.qkv_proj = MergedLinear(hidden, {"q": q_size, "k": kv_size, "v": kv_size}, bias=qkv_bias)
-        self.o_proj = Linear(q_size, hidden, bias=o_bias)
+        # this rank's KV heads and their query heads (all of them with one rank)
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, heads, kv_heads, bias=qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(heads * self.head_dim, hidden, bias=o_bias, input_part=self.qkv_proj.q_part)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if qk_norm:
             self.q_norm = head_norm(self.head_dim, config.rms_norm_eps)
             self.k_norm = head_norm(self.head_dim, config.rms_norm_eps)
@@ -96,13 +98,14 @@ class LlamaMLP(nn.Module):
         intermediate_size: int | None = None,
         bias: bool | None = None,
         activation: str | None = None,
+        reduce_results: bool = True,  # False: the caller sums the ranks' partial outputs (a MoE block)
     ) -> None:
         super().__init__()
         inter = intermediate_size or config.intermediate_size
         bias = bool(getattr(config, "mlp_bias", False)) if bias is None else bias
-        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": inter, "up": inter}, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, {"gate": inter, "up": inter}, bias=bias)
         self.act = act_and_mul(activation or getattr(config, "hidden_act", "silu"))
-        self.down_proj = Linear(inter, config.hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, reduce_results=reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -151,7 +154,7 @@ def fused_llama_layer(layer: nn.Module, norms: list[nn.Module]) -> FusedLayer | 
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, layers: list[nn.Module]) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding.from_config(config, head_dim_of(config))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -182,6 +185,7 @@ LLAMA_STACKED_PARAMS = [
 
 class LlamaForCausalLM(CausalLM):
     stacked_params = LLAMA_STACKED_PARAMS
+    supports_tensor_parallel = True
 
     def make_layer(self, config: Any, layer_idx: int) -> nn.Module:
         """One decoder layer; the Llama-shaped families override this."""
@@ -197,7 +201,7 @@ class LlamaForCausalLM(CausalLM):
         self.model = self.make_model(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         tied = self.model.embed_tokens if self.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tied_to=tied)
 
     def tied_param_names(self) -> set[str]:
         return {"lm_head.weight"} if self.tie_word_embeddings else set()

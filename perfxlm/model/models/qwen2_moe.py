@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from perfxlm.distributed.parallel_state import tp_group
 from perfxlm.model.layers.attention import layer_sliding_window
 from perfxlm.model.layers.linear import Linear
 from perfxlm.model.layers.moe import FusedMoE
@@ -49,9 +50,15 @@ class Qwen2MoeSparseMoeBlock(nn.Module):
             config.moe_intermediate_size,
             renormalize=bool(config.norm_topk_prob),
             activation=config.hidden_act,
+            reduce_results=False,
         )
         shared = getattr(config, "shared_expert_intermediate_size", 0)
-        self.shared_expert = LlamaMLP(config, intermediate_size=shared, bias=False) if shared else None
+        # under tensor parallelism the experts' and the shared expert's partial sums are added first, then
+        # reduced once (the shared expert's gate is replicated: it scales each rank's partial sum alike)
+        self.tp = tp_group()
+        self.shared_expert = (
+            LlamaMLP(config, intermediate_size=shared, bias=False, reduce_results=False) if shared else None
+        )
         self.shared_expert_gate = Linear(config.hidden_size, 1) if shared else None
         if self.shared_expert_gate is not None:
             self.shared_expert_gate.quantize_weight = False
@@ -60,7 +67,7 @@ class Qwen2MoeSparseMoeBlock(nn.Module):
         out = self.experts(x, self.gate(x))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return self.tp.all_reduce(out) if self.tp.parallel else out
 
 
 class Qwen2MoeForCausalLM(LlamaForCausalLM):
