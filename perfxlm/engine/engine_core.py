@@ -38,6 +38,7 @@ class EngineCore:
         self.config = config
         if config.seed is not None:
             torch.manual_seed(config.seed)
+        logger.info("Initializing a perfxlm engine with config: %s", config.resolved.describe())
         # In-process for one rank (model and runner here), worker processes for tensor parallelism.
         self.executor = make_executor(config)
         self.model = self.executor.model

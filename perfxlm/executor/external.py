@@ -119,7 +119,7 @@ class ExternalLauncherExecutor(Executor):
         from perfxlm.worker.model_runner import ModelRunner
 
         c = self.config
-        self._runner = ModelRunner(self.model, num_blocks, c.block_size, c.kv_cache_spec)
+        self._runner = ModelRunner(self.model, num_blocks, c.resolved.block_size, c.resolved.kv_cache_spec)
         self.comm.barrier()
 
     def execute(self, so: Any) -> Any:

@@ -35,7 +35,7 @@ class ModuleExecutor(InProcessExecutor):
         slots = None
         if c.lora_config is not None:
             slots = LoRASlots(self.lora_wrappers, c.lora_config.max_loras, c.torch_dtype)
-        self.runner = ModelRunner(self.model, num_blocks, c.block_size, c.kv_cache_spec, slots)
+        self.runner = ModelRunner(self.model, num_blocks, c.resolved.block_size, c.resolved.kv_cache_spec, slots)
 
     def describe(self) -> str:
         return "in-process"

@@ -41,9 +41,12 @@ def worker_main(rank: int, world_size: int, config: Any, conn: Any, init_method:
         from perfxlm.executor.delta import DeltaDecoder
         from perfxlm.model.layers.attention import Attention, common_head_dim
         from perfxlm.model.loader import load_model
+        from perfxlm.ops import cpu_plan
         from perfxlm.worker.model_runner import ModelRunner
 
         threads = bind_current_process(cpus)
+        resolved = config.resolved
+        cpu_plan.use(resolved.cpu_plan)  # the engine's decisions (layout, GEMM, ISA tier), not this process's own
         if config.seed is not None:
             torch.manual_seed(config.seed)
         init_process_group(rank, world_size, init_method)
@@ -51,7 +54,7 @@ def worker_main(rank: int, world_size: int, config: Any, conn: Any, init_method:
         model = load_model(config, tp=TPGroup(rank, world_size, comm))  # the parallel layers hold this rank's shard
         attn = next(m for m in model.modules() if isinstance(m, Attention))
         info = {
-            "kv_bytes_per_block": ModelRunner.kv_bytes_per_block(model, config.block_size, config.kv_cache_spec),
+            "kv_bytes_per_block": ModelRunner.kv_bytes_per_block(model, resolved.block_size, resolved.kv_cache_spec),
             "comm": comm.name, "threads": threads, "cpus": cpus, "pid": os.getpid(),
             "heads": attn.num_heads, "kv_heads": attn.num_kv_heads, "head_dim": common_head_dim(model),
         }  # fmt: skip
@@ -59,7 +62,7 @@ def worker_main(rank: int, world_size: int, config: Any, conn: Any, init_method:
         kind, num_blocks = conn.recv()
         if kind != "init_cache":
             return
-        runner = ModelRunner(model, num_blocks, config.block_size, config.kv_cache_spec)
+        runner = ModelRunner(model, num_blocks, resolved.block_size, resolved.kv_cache_spec)
         comm.barrier()
         conn.send(("ok", None))
         decoder = DeltaDecoder()

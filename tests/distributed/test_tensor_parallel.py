@@ -123,6 +123,49 @@ def test_gloo_fallback(checkpoints, monkeypatch):
     assert _run(checkpoints["qwen2"], 2)[0] == _run(checkpoints["qwen2"], 1)[0]
 
 
+@pytest.fixture(scope="module")
+def quantizable(tmp_path_factory):
+    """A Llama whose every rank's share of an input falls on whole groups (64 inputs) for two ranks."""
+    path = str(tmp_path_factory.mktemp("tpq") / "llama")
+    torch.manual_seed(7)
+    config = transformers.LlamaConfig(**{**COMMON, **dict(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=16, tie_word_embeddings=False)})  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(path)
+    return model, path
+
+
+@pytest.mark.parametrize("how", ["int8", "gguf_q4_0"])
+def test_quantized_weights_tp2_equal_one_process(quantizable, tmp_path, how):
+    """Each rank's layers cut their shard of a GGUF file's Q4_0 blocks (rows of codes, columns as whole
+    groups), or of the float checkpoint that `quantization=` then quantizes, and the shard runs on the
+    format's own kernels; greedy output is one process's. The GGUF case also keeps an fp8 KV cache,
+    split by KV heads like the rest."""
+    import gguf
+
+    from tests.model.test_gguf_vs_hf import write_converted
+
+    model, path = quantizable
+    kw: dict = dict(block_size=4, num_kv_blocks=64)
+    if how == "int8":
+        kw["quantization"] = "int8"
+    else:
+        suffixes = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+                    "up_proj.weight", "down_proj.weight")  # fmt: skip
+        path = str(tmp_path / "q4_0.gguf")
+        write_converted(path, model, "llama", q8_0=suffixes, qtype=gguf.GGMLQuantizationType.Q4_0)
+        kw["kv_cache_dtype"] = "fp8"
+    one = LLM(path, dtype="float32", skip_tokenizer_init=True, **kw)
+    try:
+        proj = one.llm_engine.core.model.model.layers[0].mlp.down_proj
+        assert proj.method.quantized  # the format the ranks split, not a dequantized copy
+    finally:
+        one.llm_engine.shutdown()
+    assert _run(path, 2, **kw)[0] == _run(path, 1, **kw)[0]
+    assert _children_gone()
+
+
 def _worker_pids(llm) -> list[int]:
     return [p.pid for p in llm.llm_engine.core.executor.procs]
 

@@ -124,8 +124,8 @@ def converter_rope_factors(head_dim: int, theta: float, rope: dict) -> np.ndarra
 
 
 def write_converted(path: str, model, arch: str, extra_meta: dict | None = None, extra_tensors: dict | None = None,
-                    q8_0: tuple[str, ...] = ()):
-    """`q8_0`: suffixes of the HF tensors written as Q8_0 blocks (the rest F32)."""
+                    q8_0: tuple[str, ...] = (), qtype: int = gguf.GGMLQuantizationType.Q8_0):
+    """`q8_0`: suffixes of the HF tensors written as `qtype` blocks (Q8_0 unless told; the rest F32)."""
     cfg = model.config
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -188,8 +188,7 @@ def write_converted(path: str, model, arch: str, extra_meta: dict | None = None,
         if arch == "gemma2" and name.endswith("norm.weight"):
             t = t + 1  # the converter stores Gemma norms as (1 + w)
         if name.endswith(q8_0):
-            Q8 = gguf.GGMLQuantizationType.Q8_0
-            writer.add_tensor(gguf_name, gguf.quants.quantize(t.numpy(), Q8), raw_dtype=Q8)
+            writer.add_tensor(gguf_name, gguf.quants.quantize(t.numpy(), qtype), raw_dtype=qtype)
             continue
         writer.add_tensor(gguf_name, t.numpy())
     for name, data in (extra_tensors or {}).items():

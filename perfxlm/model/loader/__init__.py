@@ -66,11 +66,15 @@ def _calibration_model(
 
 
 def load_model(config: Any, tp: Any = None) -> torch.nn.Module:
-    """The model a resolved EngineConfig names, with its weight format and activation mode passed as
-    values (nothing of the engine's choice rides on the model's config)."""
+    """The model a resolved EngineConfig names, built by its frozen decisions (`config.resolved`: dtypes,
+    weight format, activation mode), passed as values (nothing of the engine's choice rides on the
+    model's config)."""
+    r = config.resolved
+    if r is None:
+        raise ValueError("load_model needs a resolved EngineConfig: call config.resolve() first.")
     return get_model(
-        config.model, config.hf_config, config.torch_dtype, config.load_format, config.seed, config.weight_dtype,
-        tp=tp, quantization=config.quant_config, activations=config.quant_activation_mode,
+        r.model, config.hf_config, r.compute_dtype, r.load_format, r.seed, r.weight_dtype,
+        tp=tp, quantization=r.quant_config, activations=r.quant_activations,
     )  # fmt: skip
 
 
