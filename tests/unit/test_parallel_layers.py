@@ -332,3 +332,20 @@ def test_a_row_parallel_rank_takes_a_quantized_checkpoint_tensor():
     part = row.rank_part("weight", qw, None, None)
     assert part.in_features == 96 and part.out_features == 12
     torch.testing.assert_close(part.dense(), qw.dense()[:, 96:], rtol=0, atol=0)
+
+
+def test_a_split_off_group_boundaries_names_the_weight():
+    """96 inputs over 2 ranks are 48 each: not whole groups of 32 codes. The load says which weight."""
+    from perfxlm.model.models.base import CheckpointModel
+    from perfxlm.quant.quantizers import quantize_symmetric_int4
+
+    class Tiny(CheckpointModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = RowParallelLinear(96, 8)
+
+    with building_for(TPGroup(1, 2, object())):
+        model = Tiny()
+    blocks = quantize_symmetric_int4(torch.randn(8, 96), 32)
+    with pytest.raises(ValueError, match=r"proj\.weight: columns \[48, 96\) .* group boundaries"):
+        model.load_weights([("proj.weight", blocks)])

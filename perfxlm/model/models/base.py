@@ -35,10 +35,18 @@ def _as_float(tensor: Any) -> torch.Tensor:
     return tensor if isinstance(tensor, torch.Tensor) else tensor.dense()
 
 
-def _rank_part(module: nn.Module, local: str, tensor: Any, shard: str | None, expert: int | None) -> Any:
+def _rank_part(
+    module: nn.Module, name: str, local: str, tensor: Any, shard: str | None, expert: int | None
+) -> Any:
     """What of a checkpoint tensor a tensor-parallel layer keeps (its rank's rows or columns); a
     replicated layer keeps it whole."""
-    return module.rank_part(local, tensor, shard, expert) if isinstance(module, RankSharded) else tensor
+    if not isinstance(module, RankSharded):
+        return tensor
+    try:
+        return module.rank_part(local, tensor, shard, expert)
+    except ValueError as e:  # e.g. a rank's share of a quantized weight's inputs is not whole groups
+        part = "" if shard is None else f" ({shard if expert is None else f'expert {expert} {shard}'})"
+        raise ValueError(f"{name}{part}: {e}") from None
 
 
 def _shard_key(param: str, shard: str, expert: int | None) -> str:
@@ -93,7 +101,7 @@ class CheckpointModel(nn.Module):
                 expert = int(m.group("expert")) if "expert" in pattern.groupindex else None
                 parent, local = target.rsplit(".", 1)
                 module = modules[parent]
-                tensor = _rank_part(module, local, tensor, shard, expert)
+                tensor = _rank_part(module, target, local, tensor, shard, expert)
                 if sink is None or not sink.load(module, local, tensor, shard, expert):
                     tensor = _as_float(tensor)
                     module.load_shard(params[target], tensor, shard, expert)  # type: ignore[operator]
@@ -106,7 +114,7 @@ class CheckpointModel(nn.Module):
                     raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
                 param = params[name]
                 parent, local = name.rsplit(".", 1)
-                tensor = _rank_part(modules[parent], local, tensor, None, None)
+                tensor = _rank_part(modules[parent], name, local, tensor, None, None)
                 if param.shape != tensor.shape:
                     raise ValueError(
                         f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}"
