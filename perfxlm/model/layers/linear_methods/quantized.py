@@ -88,6 +88,7 @@ class GGUFLinear(QuantizedLinearMethod):
     """A GGUF file's blocks kept as they are (Q4_0, Q4_K, Q6_K, Q8_0, ...: affine codes, any group)."""
 
     name = "gguf"
+    levels = True  # MXFP4 (gpt-oss's experts): 4-bit codes into the E2M1 table
 
 
 class Int8Linear(QuantizedLinearMethod):
