@@ -60,10 +60,15 @@ def _stacks(kind: str, num_experts: int, hidden: int, inter: int, seed: int):
         return quantize_symmetric_int8(gate_up, 32), quantize_symmetric_int8(down, 32)
     if kind == "int4":
         return quantize_symmetric_int4(gate_up, 32), quantize_symmetric_int4(down, 32)
+    if kind == "mxfp4":  # gpt-oss's experts: E2M1 levels, power-of-two float32 scales
+        from perfxlm.quant import mxfp4
+
+        return (mxfp4.from_checkpoint(*mxfp4.quantize_reference(gate_up), "gate_up"),
+                mxfp4.from_checkpoint(*mxfp4.quantize_reference(down), "down"))  # fmt: skip
     return gate_up, down
 
 
-@pytest.mark.parametrize("kind", ["float32", "bf16", "transposed", "int8", "int4"])
+@pytest.mark.parametrize("kind", ["float32", "bf16", "transposed", "int8", "int4", "mxfp4"])
 @pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh", "clamped-swiglu"])
 @pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 5, 2), (37, 7, 4)])
 def test_native_experts_equal_the_torch_loop(kind, activation, num_tokens, num_experts, top_k, monkeypatch):
