@@ -1,7 +1,8 @@
-"""gpt-oss GGUF files as llama.cpp's converter writes them (`benchmarks/make_dummy_gguf.py`'s `write_gpt_oss`:
+"""gpt-oss with MXFP4 experts. GGUF files as llama.cpp's converter writes them (`benchmarks/make_dummy_gguf.py`'s `write_gpt_oss`:
 MXFP4 expert stacks split into gate / up, attention sinks, YaRN, alternating windows) against transformers
 on the same weights (the MXFP4 values dequantized into its float32 model): greedy output token-identical,
-the experts kept packed. And what must fail loudly: a tensor type the loader cannot read."""
+the experts kept packed; the same for the Hugging Face checkpoint's MXFP4 (`*_blocks` / `*_scales`). And what
+must fail loudly: a tensor type the loader cannot read, a checkpoint whose packing disagrees with itself."""
 
 from __future__ import annotations
 
@@ -114,3 +115,67 @@ def test_unknown_or_unreadable_ggml_type_is_a_clear_error(tmp_path, type_id, nam
     _set_tensor_type(path, "blk.0.attn_sinks.weight", type_id)
     with pytest.raises(ValueError, match=named):
         LLM(path, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=16)
+
+
+def _mxfp4_checkpoint(folder, hf, quantization_config=None, corrupt: str | None = None) -> dict:
+    """Save `hf` as OpenAI's gpt-oss checkpoints store it: expert stacks as `*_blocks` / `*_scales`
+    (rounded by ggml's MXFP4 rule), the rest float, and `quantization_config` naming mxfp4. Returns the
+    stacks' values in transformers' layout, as the checkpoint holds them. `corrupt`: a tensor to cut short."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from perfxlm.quant import mxfp4
+
+    hf.save_pretrained(folder)
+    path = os.path.join(folder, "model.safetensors")
+    state = load_file(path)
+    held = {}
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = state.pop(name).transpose(1, 2)  # [E, out, in]
+        blocks, scales = mxfp4.quantize_reference(w)
+        if corrupt and name.endswith(corrupt):
+            scales = scales[..., :-1].contiguous()
+        state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
+        held[name] = mxfp4.from_checkpoint(blocks, scales, name).dequantize().transpose(1, 2) if not corrupt else w
+    save_file(state, path, metadata={"format": "pt"})
+    config_path = os.path.join(folder, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["quantization_config"] = quantization_config or {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                                   "lm_head"],
+    }  # fmt: skip
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+    return held
+
+
+def test_gpt_oss_mxfp4_checkpoint_matches_transformers(tmp_path):
+    hf = build_gpt_oss(seed=1)
+    folder = str(tmp_path / "gpt-oss-mxfp4")
+    held = _mxfp4_checkpoint(folder, hf)
+    hf.load_state_dict(held, strict=False)  # transformers on the values the checkpoint holds
+
+    llm = LLM(folder, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=48)
+    experts = llm.llm_engine.core.model.model.layers[2].mlp.experts
+    assert isinstance(experts.down_proj, QuantizedWeight) and experts.down_method.name == "mxfp4"
+    assert tuple(experts.gate_up_proj.shape) == (5, 128, 96)  # [E, 2 * inter, hidden]: packed as stored
+    prompts = _prompts(seed=4, vocab=997)[1:]
+    tokens, logprobs = _generate(llm, prompts)
+    for prompt, got, got_lp in zip(prompts, tokens, logprobs):
+        want, want_lp = hf_greedy_with_logprobs(hf, prompt, len(got))
+        assert got == want, f"prompt of {len(prompt)} tokens"
+        np.testing.assert_allclose(got_lp, want_lp, atol=5e-4, rtol=0)
+
+
+@pytest.mark.parametrize("quantization_config,corrupt,named", [
+    ({"quant_method": "mxfp4", "group_size": 64}, None, r"field\(s\) group_size for mxfp4 are not supported"),
+    (None, "down_proj", r"'model.layers.0.mlp.experts.down_proj_blocks' .* and .*_scales' .* do not fit"),
+])  # fmt: skip
+def test_bad_mxfp4_checkpoints_are_refused_before_weights_are_read(tmp_path, quantization_config, corrupt, named):
+    folder = str(tmp_path / "bad")
+    _mxfp4_checkpoint(folder, build_gpt_oss(), quantization_config, corrupt)
+    with pytest.raises(ValueError, match=named):
+        LLM(folder, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=16)
