@@ -54,7 +54,7 @@ def _stacks(kind: str, num_experts: int, hidden: int, inter: int, seed: int):
     down = torch.randn(num_experts, hidden, inter, generator=g) * 0.2
     if kind == "bf16":
         return gate_up.bfloat16(), down.bfloat16()
-    if kind == "transposed":  # gpt-oss keeps transformers' [E, in, out] stacks and multiplies their views
+    if kind == "transposed":  # views of [E, in, out] stacks (transformers' layout), taken as they are
         return gate_up.transpose(1, 2).contiguous().transpose(1, 2), down.transpose(1, 2).contiguous().transpose(1, 2)
     if kind == "int8":
         return quantize_symmetric_int8(gate_up, 32), quantize_symmetric_int8(down, 32)
