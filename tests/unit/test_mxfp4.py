@@ -86,3 +86,53 @@ def test_native_product_matches_the_definition(n, k, rows, bias):
     x = torch.randn(rows, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
     torch.testing.assert_close(linear(x, packed, b), reference_linear(x, packed, b), atol=2e-5, rtol=2e-5)
+
+
+def _int8_case(n, k, seed):
+    w = _weights((n, k), seed=seed)
+    w /= np.abs(w).max(axis=-1, keepdims=True)
+    packed = repack(gguf.quants.quantize(w, Q.MXFP4), Q.MXFP4, (n, k))
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(seed))
+    x[0, :32] = 0.0  # an all-zero activation block
+    return packed, x
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("n,k", [(13, 64), (33, 192), (6, 576)])
+def test_int8_block_products_take_the_table_as_int8(n, k, rows):
+    """With int8_blocks the kernel looks each E2M1 code up as an int8 (the doubled value plus 12) and
+    multiplies it with the int8 activation blocks exactly, the 12 x scale given back with the mins: the
+    float product of the fake-quantized activations with the weight, as llama.cpp's MXFP4 dot computes."""
+    from perfxlm.ops.linear import integer_levels
+    from perfxlm.quant.reference import fake_quantize_blocks
+
+    ops = native.kernels()
+    if ops is None:
+        pytest.skip("native kernels unavailable on this machine")
+    packed, x = _int8_case(n, k, seed=n * k + rows)
+    x = x[:rows]
+    assert integer_levels(packed)
+    b = torch.randn(n)
+    x_used = fake_quantize_blocks(x) if ops.int8_block_dots() else x
+    want = torch.nn.functional.linear(x_used.double(), packed.dequantize().double(), b.double()).float()
+    codes, scales, levels = packed.codes, packed.scales, packed.levels
+    got = ops.linear_q(x, codes, scales, None, levels, b, False, 8, False, True)
+    torch.testing.assert_close(got, want, atol=1e-4 * (want.abs().max().item() + 1), rtol=1e-4)
+    # a row's result is the same bits alone (batch-1 kernel) as beside others, and past the GEMV's row
+    # limit (dequantized slabs with the same activation blocks) within rounding
+    alone = torch.cat([ops.linear_q(x[i : i + 1], codes, scales, None, levels, b, False, 8, False, True)
+                       for i in range(rows)])  # fmt: skip
+    assert torch.equal(alone, got)
+    many = ops.linear_q(x, codes, scales, None, levels, b, False, 0, False, True)
+    torch.testing.assert_close(many, want, atol=1e-4 * (want.abs().max().item() + 1), rtol=1e-4)
+
+
+def test_tables_the_int8_products_cannot_take_stay_float():
+    """NF4's levels are not integers; a table spanning more than 64 would overflow vpmaddubsw's pairs."""
+    from perfxlm.ops.linear import integer_levels
+    from perfxlm.quant.quantizers import quantize_nf4
+
+    assert not integer_levels(quantize_nf4(torch.randn(4, 64), 64))
+    packed, _ = _int8_case(4, 64, seed=1)
+    packed.levels = packed.levels * 3  # -36 .. 36: a span of 72
+    assert not integer_levels(packed)
