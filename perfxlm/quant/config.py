@@ -114,7 +114,7 @@ _AUTO_ACTIVATIONS = {
     GGUF: ActivationMode.INT8_NATIVE,  # llama.cpp's own scheme for its formats: GGUF decode keeps its speed
     "int4": ActivationMode.INT8_NATIVE,  # 4-bit rounding dwarfs the activations'; int8 dots keep its speed
     "int8": ActivationMode.FLOAT,  # weight-only as named: int8 blocks would double its loss
-    "nf4": ActivationMode.FLOAT,  # level tables have no int8 dot path: float32 in any case
+    "nf4": ActivationMode.FLOAT,  # its levels are not integers: no int8 dot path, float32 in any case
     "w8a8": ActivationMode.INT8,  # the format quantizes activations by definition
 }
 

@@ -179,3 +179,30 @@ def test_bad_mxfp4_checkpoints_are_refused_before_weights_are_read(tmp_path, qua
     _mxfp4_checkpoint(folder, build_gpt_oss(), quantization_config, corrupt)
     with pytest.raises(ValueError, match=named):
         LLM(folder, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=16)
+
+
+def test_gpt_oss_gguf_int8_activations_in_the_kernel_equal_torch_rounding(tmp_path, monkeypatch):
+    """quant_activations='int8': the expert kernel looks the E2M1 table up as int8 and dots it with the
+    int8 activation blocks (where the build has int8 dots); the same model with the blocks rounded in
+    torch and multiplied in float gives the same tokens and logprobs to float rounding."""
+    from perfxlm.model.layers.linear_methods import quantized
+    from perfxlm.ops import fused_moe
+    from perfxlm.ops.linear import native_int8_blocks
+
+    path = str(tmp_path / "gpt-oss.gguf")
+    _converter().write_gpt_oss(path, build_gpt_oss(seed=2))
+    prompts = _prompts(seed=5, vocab=997)[1:]
+    runs = []
+    for kernel_rounds in (True, False):
+        if not kernel_rounds:  # what a build without int8 dots does: torch rounds, the float kernel multiplies
+            monkeypatch.setattr(fused_moe, "native_int8_blocks", lambda w: False)
+            monkeypatch.setattr(quantized, "native_int8_blocks", lambda w: False)
+        llm = LLM(path, skip_tokenizer_init=True, dtype="float32", quant_activations="int8", num_kv_blocks=64)
+        experts = llm.llm_engine.core.model.model.layers[0].mlp.experts
+        if kernel_rounds:
+            assert experts.gate_up_method.int8_blocks == native_int8_blocks(experts.gate_up_proj)
+        runs.append(_generate(llm, prompts))
+    (tokens, logprobs), (want_tokens, want_logprobs) = runs
+    assert tokens == want_tokens
+    for got_lp, want_lp in zip(logprobs, want_logprobs):
+        np.testing.assert_allclose(got_lp, want_lp, atol=2e-3, rtol=0)

@@ -62,7 +62,9 @@ class MXFP4Format(CheckpointFormat):
 
     @property
     def activation_source(self) -> str:
-        return "nf4"  # a level table, as NF4's: no int8 dot path, float32 activations
+        # 4-bit values, as int4's: under auto a bfloat16 model rounds activations to int8 blocks where the
+        # kernel looks the E2M1 table up as int8 (llama.cpp's scheme for MXFP4), else float32
+        return "int4"
 
     def describe(self) -> str:
         return "mxfp4 (E2M1 codes, one E8M0 exponent per 32 weights)"
