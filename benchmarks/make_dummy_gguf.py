@@ -7,6 +7,11 @@ Speed depends on shapes, not on values, so a dummy file measures what a real one
 
     python benchmarks/make_dummy_gguf.py /tmp/llama-1b-shape.f16.gguf            # Llama-3.2-1B body
     python benchmarks/make_dummy_gguf.py out.gguf --hidden 4096 --layers 32 --intermediate 14336
+
+`--from-hf DIR` converts a gpt-oss Hugging Face checkpoint (random weights saved by transformers) instead,
+as llama.cpp's converter lays it out: expert stacks in MXFP4, the rest F32 (or `--float-type BF16`):
+
+    python benchmarks/make_dummy_gguf.py tiny-gpt-oss.gguf --from-hf /tmp/tiny-gpt-oss
 """
 
 from __future__ import annotations
@@ -83,6 +88,104 @@ def write_dummy(path: str, donor: str, hidden: int, layers: int, intermediate: i
     writer.close()
 
 
+def _float_tensor(writer, name: str, value, float_type: str):
+    """`value` (torch) written as F32, or as BF16 for matrices (norms, biases and sinks stay F32, as the
+    converter keeps 1-D tensors); returns the float32 values the file holds."""
+    import gguf
+    import torch
+
+    value = value.detach().float().contiguous()
+    if float_type == "BF16" and value.dim() > 1:
+        rounded = value.to(torch.bfloat16)
+        writer.add_tensor(name, rounded.view(torch.int16).numpy().view(np.uint16),
+                          raw_dtype=gguf.GGMLQuantizationType.BF16)
+        return rounded.float()
+    writer.add_tensor(name, value.numpy())
+    return value
+
+
+def _mxfp4_tensor(writer, name: str, value):
+    """[E, N, K] written as GGML MXFP4 blocks (gguf-py's quantizer); returns the dequantized values."""
+    import gguf
+    import torch
+
+    q = gguf.GGMLQuantizationType.MXFP4
+    blocks = gguf.quants.quantize(value.detach().float().contiguous().numpy(), q)
+    writer.add_tensor(name, blocks, raw_dtype=q)
+    return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(blocks, q), dtype=np.float32))
+
+
+def write_gpt_oss(path: str, model, float_type: str = "F32") -> dict:
+    """A gpt-oss GGUF file from a transformers `GptOssForCausalLM` (float), laid out as llama.cpp's
+    converter writes it: gate|up columns split into `ffn_gate_exps` / `ffn_up_exps` (even / odd columns),
+    every stack [E, out, in] in MXFP4 (rows a multiple of 32 long), `attn_sinks`, the router as
+    `ffn_gate_inp`, YaRN keys. Returns the model's state dict with the values as the file holds them
+    (MXFP4 and BF16 rounding included), to load back into transformers for a comparison."""
+    import gguf
+    import torch
+
+    cfg = model.config
+    arch = "gpt-oss"
+    rope = dict(cfg.rope_parameters)
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    writer.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+    writer.add_expert_count(cfg.num_local_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(cfg.intermediate_size)
+    writer.add_sliding_window(cfg.sliding_window)
+    writer.add_vocab_size(cfg.vocab_size)
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+        writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+        writer.add_rope_scaling_yarn_beta_fast(float(rope.get("beta_fast", 32.0)))
+        writer.add_rope_scaling_yarn_beta_slow(float(rope.get("beta_slow", 1.0)))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    held = dict(state)
+    held["model.embed_tokens.weight"] = _float_tensor(writer, "token_embd.weight", state["model.embed_tokens.weight"], float_type)
+    held["model.norm.weight"] = _float_tensor(writer, "output_norm.weight", state["model.norm.weight"], float_type)
+    if not cfg.tie_word_embeddings:
+        held["lm_head.weight"] = _float_tensor(writer, "output.weight", state["lm_head.weight"], float_type)
+    parts = {
+        "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
+        "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
+        "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
+        "self_attn.o_proj.weight": "attn_output.weight", "self_attn.o_proj.bias": "attn_output.bias",
+        "self_attn.sinks": "attn_sinks.weight", "mlp.router.weight": "ffn_gate_inp.weight",
+        "mlp.router.bias": "ffn_gate_inp.bias",
+    }  # fmt: skip
+    for i in range(cfg.num_hidden_layers):
+        hf, blk = f"model.layers.{i}.", f"blk.{i}."
+        for part, gguf_part in parts.items():
+            held[hf + part] = _float_tensor(writer, blk + gguf_part, state[hf + part], float_type)
+        experts = hf + "mlp.experts."
+        gate_up = state[experts + "gate_up_proj"].transpose(1, 2)  # [E, 2I, H], gate and up rows interleaved
+        gate = _mxfp4_tensor(writer, blk + "ffn_gate_exps.weight", gate_up[:, 0::2])
+        up = _mxfp4_tensor(writer, blk + "ffn_up_exps.weight", gate_up[:, 1::2])
+        down = _mxfp4_tensor(writer, blk + "ffn_down_exps.weight", state[experts + "down_proj"].transpose(1, 2))
+        bias = state[experts + "gate_up_proj_bias"]
+        _float_tensor(writer, blk + "ffn_gate_exps.bias", bias[:, 0::2], float_type)
+        _float_tensor(writer, blk + "ffn_up_exps.bias", bias[:, 1::2], float_type)
+        _float_tensor(writer, blk + "ffn_down_exps.bias", state[experts + "down_proj_bias"], float_type)
+        held[experts + "gate_up_proj"] = torch.stack((gate, up), dim=2).reshape(gate_up.shape).transpose(1, 2)
+        held[experts + "down_proj"] = down.transpose(1, 2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return held
+
+
 def main() -> None:
     from perfxlm.config import default_model_path
 
@@ -98,7 +201,18 @@ def main() -> None:
     p.add_argument("--context", type=int, default=8192)
     p.add_argument("--rope-theta", type=float, default=500000.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--from-hf", default=None, help="convert this gpt-oss Hugging Face folder instead")
+    p.add_argument("--float-type", default="F32", choices=("F32", "BF16"), help="with --from-hf: non-expert matrices")
     a = p.parse_args()
+    if a.from_hf:
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(a.from_hf, dtype="float32")
+        if model.config.model_type != "gpt_oss":
+            p.error(f"--from-hf converts gpt-oss checkpoints; {a.from_hf} is {model.config.model_type!r}")
+        write_gpt_oss(a.out, model, a.float_type)
+        print(f"wrote {a.out}")
+        return
     donor = a.donor or default_model_path()
     write_dummy(a.out, donor, a.hidden, a.layers, a.intermediate, a.heads, a.kv_heads, a.context, a.rope_theta,
                 a.seed)

@@ -58,7 +58,27 @@ struct QW {
   const float* levels;  // 16 floats or null
   bool centred;
   float min_factor;
+  // A centred table of small integers (MXFP4's E2M1 values doubled): the int8 block products look each
+  // code up as levels[u] + offset (0..64, unsigned for vpdpbusd / vpmaddubsw: 4 x 64 x 127 stays within
+  // vpmaddubsw's int16 pair sums), and take offset x scale back with the mins (block_min_factor = -offset).
+  bool int_lut = false;
+  alignas(16) uint8_t ulut[16] = {};
+  float block_min_factor = 1.f;  // min_factor for the int8 block products
 };
+
+// Whether `lv` (16 floats) is a table the int8 block products take, and its unsigned form and offset.
+inline bool integer_table(const float* lv, uint8_t* ulut, float* offset) {
+  float lo = lv[0], hi = lv[0];
+  for (int i = 0; i < 16; ++i) {
+    if (!(lv[i] == std::nearbyint(lv[i]))) return false;  // NaN fails too
+    lo = std::min(lo, lv[i]);
+    hi = std::max(hi, lv[i]);
+  }
+  if (hi - lo > 64.f) return false;
+  for (int i = 0; i < 16; ++i) ulut[i] = static_cast<uint8_t>(lv[i] - lo);
+  *offset = -lo;
+  return true;
+}
 
 inline float half_to_float(uint16_t h) {
 #ifdef __F16C__
@@ -126,9 +146,16 @@ QW describe(const at::Tensor& codes, const at::Tensor& scales, const c10::option
   }
   // centred: w = scale * (u - centre), or scale * levels[u] with a table
   const float centre = lv ? 0.f : (bits4 ? 8.f : 128.f);
-  return QW{codes.data_ptr<uint8_t>(), N, K, codes.size(1), group, groups, bits4,
-            scales.data_ptr(), mins.data_ptr(), scales.scalar_type() == at::kHalf, lv,
-            centred, centred ? -centre : 1.f};
+  QW w{codes.data_ptr<uint8_t>(), N, K, codes.size(1), group, groups, bits4,
+       scales.data_ptr(), mins.data_ptr(), scales.scalar_type() == at::kHalf, lv,
+       centred, centred ? -centre : 1.f};
+  w.block_min_factor = w.min_factor;
+  float offset = 0.f;
+  if (lv && centred && integer_table(lv, w.ulut, &offset)) {
+    w.int_lut = true;
+    w.block_min_factor = -offset;  // w = scale * (lut[u] - offset): the min is -offset x the scale
+  }
+  return w;
 }
 
 #ifdef PERFXLM_SIMD16
@@ -456,12 +483,13 @@ BlockActs quantize_blocks(const at::Tensor& x, const QW& w) {
 
 #ifdef PERFXLM_VNNI
 template <bool BITS4>
-inline __m512i chunk_codes(const uint8_t* row, int64_t c) {
+inline __m512i chunk_codes(const uint8_t* row, int64_t c, const QW& w, __m512i lut) {
   if constexpr (BITS4) {
     // 32 bytes -> [bytes | bytes >> 4] & 0x0F: lo nibbles of A, of B, then hi nibbles of A, of B
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 32));
     const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(b), _mm256_srli_epi16(b, 4), 1);
-    return _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
+    const __m512i u = _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
+    return w.int_lut ? _mm512_shuffle_epi8(lut, u) : u;
   } else {
     return _mm512_loadu_si512(row + c * 64);
   }
@@ -487,6 +515,7 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
                            : BITS4  ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
                                     : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   constexpr int64_t per_load = SPC > 1 ? 16 / SPC : 1;  // chunks whose scales one 16-lane load holds
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(w.ulut)));
   __m512 acc[MT][NT];
   #pragma GCC unroll 16
   for (int i = 0; i < MT; ++i)
@@ -513,7 +542,7 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
         const int64_t n = n0 + j;
         const uint8_t* row = w.codes + n * w.row_bytes;
         if ((c & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + NT * w.row_bytes + c * (BITS4 ? 32 : 64)), _MM_HINT_T0);
-        const __m512i wv = chunk_codes<BITS4>(row, c);
+        const __m512i wv = chunk_codes<BITS4>(row, c, w, lut);
         __m512 ws;
         if constexpr (SPC > 1)
           ws = _mm512_permutexvar_ps(idx, S[j]);
@@ -529,7 +558,7 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
   }
   // the mins: sum over groups of min * (activation scale * sum of the group's int8 values)
   const float* gsum = a.gsum + m0 * a.gstride;
-  const __m512 factor = _mm512_set1_ps(w.min_factor);
+  const __m512 factor = _mm512_set1_ps(w.block_min_factor);
   for (int64_t g = 0; g < groups; g += 16) {
     const int64_t left = groups - g;
     const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
@@ -630,7 +659,7 @@ template <bool BITS4, bool HALF>
 inline __m256 add_mins(__m256 acc, const QW& w, int64_t row_base, const float* gsum) {
   constexpr bool shifted = !BITS4 && kShift8;
   if (shifted && w.centred && !w.levels) return acc;
-  const __m256 factor = _mm256_set1_ps(w.min_factor);
+  const __m256 factor = _mm256_set1_ps(w.block_min_factor);
   int64_t g = 0;
   for (; g + 8 <= w.groups; g += 8) {
     __m256 mv = _mm256_mul_ps(load_params8<HALF>(w.mins, row_base + g), factor);
@@ -639,7 +668,7 @@ inline __m256 add_mins(__m256 acc, const QW& w, int64_t row_base, const float* g
   }
   float tail = 0.f;
   for (; g < w.groups; ++g) {
-    float m = param_at<HALF>(w.mins, row_base + g) * w.min_factor;
+    float m = param_at<HALF>(w.mins, row_base + g) * w.block_min_factor;
     if constexpr (shifted) m += 128.f * param_at<HALF>(w.scales, row_base + g);
     tail += m * gsum[g];
   }
@@ -674,6 +703,7 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
   const __m256i lo_idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   const __m256i hi_idx = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
   const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(w.ulut)));
   for (int j = 0; j < NT; ++j) {
     const int64_t n = n0 + j, row_base = n * groups;
     const uint8_t* row = w.codes + n * w.row_bytes;
@@ -688,7 +718,8 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
       const int64_t g0 = row_base + (c * 64) / w.group;
       if constexpr (BITS4) {
         const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 32));
-        const __m256i lo = _mm256_and_si256(b, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
+        __m256i lo = _mm256_and_si256(b, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
+        if (w.int_lut) lo = _mm256_shuffle_epi8(lut, lo), hi = _mm256_shuffle_epi8(lut, hi);
         // both halves carry [A x4, B x4] weight and activation scales, so their int32 sums add up
         __m256 ws;
         if constexpr (SPC == 1)
@@ -755,6 +786,7 @@ inline void block_tile_m1x4(const BlockActs& a, int64_t m, const QW& w, int64_t 
   const float* lanes = a.lanes + m * chunks * 16;
   const __m256i lo_idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(w.ulut)));
   const uint8_t* row[4];
   int64_t base[4];
   #pragma GCC unroll 4
@@ -773,7 +805,8 @@ inline void block_tile_m1x4(const BlockActs& a, int64_t m, const QW& w, int64_t 
     #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[j] + c * 32));
-      const __m256i lo = _mm256_and_si256(b, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
+      __m256i lo = _mm256_and_si256(b, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
+      if (w.int_lut) lo = _mm256_shuffle_epi8(lut, lo), hi = _mm256_shuffle_epi8(lut, hi);
       __m256 ws;
       if constexpr (SPC == 1)
         ws = _mm256_set1_ps(param_at<HALF>(w.scales, base[j] + goff));
@@ -839,7 +872,7 @@ at::Tensor fake_quantize_blocks(const at::Tensor& x) {
 
 // Scales per 64-input chunk, or 0 where the block path does not apply (then the float kernel runs).
 int block_spc(const QW& w) {
-  if (w.levels || w.K % 64 != 0) return 0;
+  if ((w.levels && !w.int_lut) || w.K % 64 != 0) return 0;
   if (w.group % 64 == 0) return 1;
   if (w.group == 32) return 2;
   if (w.group == 16 && !w.bits4) return 4;

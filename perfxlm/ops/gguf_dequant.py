@@ -1,6 +1,6 @@
 """Dequantize GGUF tensor data (raw ggml blocks) into float32 torch tensors.
 
-F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the k-quants Q4_K, Q5_K, Q6_K are done with a
+F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the k-quants Q4_K, Q5_K, Q6_K and MXFP4 (gpt-oss's experts) are done with a
 handful of vectorized torch ops on the whole tensor; every other type gguf-py can dequantize falls back
 to its numpy reference implementation. Results match gguf-py's `gguf.quants.dequantize` bit for bit on
 the native types.
@@ -15,6 +15,8 @@ import gguf
 import numpy as np
 import torch
 
+from perfxlm.quant.mxfp4 import dequantize_gguf_blocks
+
 Q = gguf.GGMLQuantizationType
 
 # ggml type -> (elements per block, bytes per block)
@@ -27,6 +29,7 @@ _BLOCK: dict[Q, tuple[int, int]] = {
     Q.Q4_K: (256, 144),
     Q.Q5_K: (256, 176),
     Q.Q6_K: (256, 210),
+    Q.MXFP4: (32, 17),
 }
 _FLOAT: dict[Q, torch.dtype] = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 
@@ -190,6 +193,7 @@ _BLOCK_DEQUANT: dict[Q, Callable[[torch.Tensor], torch.Tensor]] = {
     Q.Q4_K: _q4_k,
     Q.Q5_K: _q5_k,
     Q.Q6_K: _q6_k,
+    Q.MXFP4: dequantize_gguf_blocks,
 }
 
 

@@ -135,13 +135,23 @@ def run_linear_q(
 
 def native_int8_blocks(weight: QuantizedWeight) -> bool:
     """Whether the native kernel quantizes activations to int8 blocks for this weight when asked (a VNNI
-    build, and a layout its block GEMV takes: no level table, K a multiple of 64, groups of 16 / 32 /
-    multiples of 64); elsewhere it multiplies the activations as given."""
+    build, and a layout its block GEMV takes: no level table, or a centred table of integers spanning at
+    most 64 (MXFP4's, looked up as int8), K a multiple of 64, groups of 16 / 32 / multiples of 64);
+    elsewhere it multiplies the activations as given."""
     g = weight.group
-    layout_ok = weight.levels is None and weight.in_features % 64 == 0 and (
+    layout_ok = (weight.levels is None or integer_levels(weight)) and weight.in_features % 64 == 0 and (
         g % 64 == 0 or g == 32 or (g == 16 and weight.bits == 8)
     )
     return layout_ok and _int8_dots()
+
+
+def integer_levels(weight: QuantizedWeight) -> bool:
+    """A level table the int8 block products take (csrc `integer_table`): centred 4-bit codes into
+    integers spanning at most 64 (MXFP4's E2M1 values doubled)."""
+    lv = weight.levels
+    if lv is None or weight.bits != 4 or weight.mins is not None:
+        return False
+    return bool(torch.equal(lv, lv.round()) and float(lv.max() - lv.min()) <= 64.0)
 
 
 @functools.cache

@@ -17,7 +17,7 @@ Names (vLLM's `quantization` argument):
   with one scale per token, which `activation_group_size=-1` selects).
 - "gguf": accepted on a .gguf file (vLLM's spelling): its quantized tensors stay quantized, the default.
 - "none": no quantized weights; a GGUF file's quantized tensors are dequantized at load to `dtype`.
-- "awq", "gptq", "compressed-tensors" (vLLM's names, "awq_marlin" / "gptq_marlin" too): accepted on a
+- "awq", "gptq", "compressed-tensors", "mxfp4" (vLLM's names, "awq_marlin" / "gptq_marlin" too): accepted on a
   checkpoint whose config.json's quantization_config has that quant_method (perfxlm.quant.formats): its
   packed weights are kept packed, as they are with None.
 Options: `quantization_group_size` (weights per scale; -1 = one scale per output channel) and
@@ -114,7 +114,7 @@ _AUTO_ACTIVATIONS = {
     GGUF: ActivationMode.INT8_NATIVE,  # llama.cpp's own scheme for its formats: GGUF decode keeps its speed
     "int4": ActivationMode.INT8_NATIVE,  # 4-bit rounding dwarfs the activations'; int8 dots keep its speed
     "int8": ActivationMode.FLOAT,  # weight-only as named: int8 blocks would double its loss
-    "nf4": ActivationMode.FLOAT,  # level tables have no int8 dot path: float32 in any case
+    "nf4": ActivationMode.FLOAT,  # its levels are not integers: no int8 dot path, float32 in any case
     "w8a8": ActivationMode.INT8,  # the format quantizes activations by definition
 }
 

@@ -11,6 +11,7 @@ Each type maps onto the affine form w = scale * u + min without changing a value
 - Q4_K: 4-bit u, group 32; scale d * sc, min -dmin * m (float32: products of two float16-sized values).
 - Q5_K: as Q4_K with 8-bit u (0..31).
 - Q6_K: 8-bit u = q (0..63), group 16; scale d * sc, min -32 d * sc (float32).
+- MXFP4: 4-bit codes into the E2M1 level table, group 32, scale 2^(e - 128) (float32; `quant/mxfp4.py`).
 float16 scales and mins fall back to float32 when a min overflows float16 (|d| too large for -8 d).
 """
 
@@ -21,12 +22,13 @@ import numpy as np
 import torch
 
 from perfxlm.ops import gguf_dequant as gd
+from perfxlm.quant import mxfp4
 from perfxlm.quant.weight import QuantizedWeight, pack_nibbles
 
 Q = gguf.GGMLQuantizationType
 
 REPACKED_TYPES: frozenset[Q] = frozenset(
-    (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+    (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4)
 )
 
 
@@ -49,19 +51,28 @@ def _scaled_min(d: torch.Tensor, factor: float) -> tuple[torch.Tensor, torch.Ten
 
 
 def repack(raw: np.ndarray | torch.Tensor, qtype: Q, shape: tuple[int, ...]) -> QuantizedWeight:
-    """A 2-D GGUF tensor (torch shape [N, K]) of a type in REPACKED_TYPES as a weight-only QuantizedWeight."""
+    """A 2-D GGUF tensor (torch shape [N, K]), or a stack [E, N, K], of a type in REPACKED_TYPES as a weight-only QuantizedWeight."""
     qtype = Q(int(qtype))
     if qtype not in REPACKED_TYPES:
         raise ValueError(
             f"GGML type {qtype.name} cannot be kept quantized "
             f"(supported: {', '.join(sorted(t.name for t in REPACKED_TYPES))})."
         )
+    if len(shape) == 3:  # an expert stack [E, N, K]: its rows repacked as one matrix, then split by expert
+        e, n, k = (int(s) for s in shape)
+        w = repack(raw, qtype, (e * n, k))
+        return QuantizedWeight(
+            w.codes.view(e, n, -1), w.scales.view(e, n, -1), None if w.mins is None else w.mins.view(e, n, -1),
+            w.levels, w.bits, w.group, w.act, n, k,
+        )  # fmt: skip
     if len(shape) != 2:
-        raise ValueError(f"only matrices are kept quantized; got shape {tuple(shape)}")
+        raise ValueError(f"only matrices and expert stacks are kept quantized; got shape {tuple(shape)}")
     n, k = (int(s) for s in shape)
     block_elems, block_bytes = gd._BLOCK[qtype]
     if k % block_elems:
         raise ValueError(f"row length {k} of a {qtype.name} tensor is not a multiple of {block_elems}")
+    if qtype == Q.MXFP4:
+        return mxfp4.from_gguf(gd._raw_bytes(raw)[0], (n, k))
     b = _blocks(raw, block_bytes)
     if b.shape[0] != n * k // block_elems:
         raise ValueError(f"{qtype.name} tensor of shape {tuple(shape)}: wrong number of bytes")

@@ -238,6 +238,8 @@ class QuantizedWeight:
 
     def describe(self) -> str:
         fmt = f"u{self.bits}" if self.levels is None else ("nf4" if self.bits == 4 else "fp8")
+        if self.levels is not None and self.bits == 4 and float(self.levels[7]) == 12.0:
+            fmt = "mxfp4"  # E2M1 doubled (quant/mxfp4.py): its positive half ends at 12, NF4's at 1
         if self.centred and self.levels is None:
             fmt = f"s{self.bits}"  # signed: centred codes
         if self.input_order is not None:

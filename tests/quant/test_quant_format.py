@@ -25,7 +25,7 @@ Q = gguf.GGMLQuantizationType
 
 # where each type keeps its float16 scalars (d; d and m / dmin)
 _F16_AT = {Q.Q4_0: (0,), Q.Q8_0: (0,), Q.Q5_0: (0,), Q.Q4_1: (0, 2), Q.Q5_1: (0, 2), Q.Q4_K: (0, 2),
-           Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # fmt: skip
+           Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.MXFP4: ()}  # fmt: skip (MXFP4: any exponent byte)
 
 
 def random_blocks(rng: np.random.Generator, qtype: Q, rows: int, cols: int, scale=0.05) -> np.ndarray:
@@ -47,10 +47,11 @@ def test_repacked_gguf_blocks_dequantize_bit_exactly(qtype, rows):
     raw = random_blocks(np.random.default_rng(rows), qtype, rows, cols)
     want = torch.from_numpy(np.array(gguf.quants.dequantize(raw, qtype), dtype=np.float32)).view(rows, cols)
     w = repack(raw, qtype, (rows, cols))
-    assert w.act == "float" and w.levels is None and w.codes.dtype == torch.uint8
+    assert w.act == "float" and (w.levels is None) == (qtype != Q.MXFP4) and w.codes.dtype == torch.uint8
     f16, f32 = torch.float16, torch.float32
     expected = {Q.Q4_0: (4, 32, f16), Q.Q4_1: (4, 32, f16), Q.Q8_0: (8, 32, f16), Q.Q5_0: (8, 32, f16),
-                Q.Q5_1: (8, 32, f16), Q.Q4_K: (4, 32, f32), Q.Q5_K: (8, 32, f32), Q.Q6_K: (8, 16, f32)}[qtype]
+                Q.Q5_1: (8, 32, f16), Q.Q4_K: (4, 32, f32), Q.Q5_K: (8, 32, f32), Q.Q6_K: (8, 16, f32),
+                Q.MXFP4: (4, 32, f32)}[qtype]
     assert (w.bits, w.group, w.scales.dtype) == expected
     torch.testing.assert_close(w.dequantize(), want, rtol=0, atol=0)
     if qtype == Q.Q4_0:  # the nibble layout is Q4_0's, byte for byte, and d alone: 18 bytes per block

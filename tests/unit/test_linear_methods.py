@@ -11,6 +11,7 @@ from perfxlm.model.layers.embed_head import LMHead
 from perfxlm.model.layers.linear import Linear, MergedLinear
 from perfxlm.model.layers.linear_methods.base import LinearPlan
 from perfxlm.model.layers.linear_methods.registry import LINEAR_METHODS, method_for
+from perfxlm.quant import mxfp4
 from perfxlm.model.loader import get_model, load_hf_config
 from perfxlm.ops import linear as linear_ops
 from perfxlm.quant import quantizers
@@ -87,6 +88,8 @@ def test_float_layouts_match_the_float_product(layout, rows, monkeypatch):
     (lambda w: quantizers.quantize_asymmetric_int4(w, 32), "int4"),
     (lambda w: quantizers.quantize_nf4(w, 64), "nf4"),
     (lambda w: quantizers.quantize_symmetric_int8(w, 64, act="int8"), "w8a8"),
+    (lambda w: mxfp4.from_checkpoint(*mxfp4.quantize_reference(w), "w"), "mxfp4"),
+    (lambda w: mxfp4.from_checkpoint(*mxfp4.quantize_reference(w), "w"), "gguf"),  # a GGUF file's MXFP4
 ])  # fmt: skip
 def test_quantized_methods_match_the_definition(quantize, fmt, monkeypatch):
     g = torch.Generator().manual_seed(5)

@@ -54,16 +54,21 @@ def _stacks(kind: str, num_experts: int, hidden: int, inter: int, seed: int):
     down = torch.randn(num_experts, hidden, inter, generator=g) * 0.2
     if kind == "bf16":
         return gate_up.bfloat16(), down.bfloat16()
-    if kind == "transposed":  # gpt-oss keeps transformers' [E, in, out] stacks and multiplies their views
+    if kind == "transposed":  # views of [E, in, out] stacks (transformers' layout), taken as they are
         return gate_up.transpose(1, 2).contiguous().transpose(1, 2), down.transpose(1, 2).contiguous().transpose(1, 2)
     if kind == "int8":
         return quantize_symmetric_int8(gate_up, 32), quantize_symmetric_int8(down, 32)
     if kind == "int4":
         return quantize_symmetric_int4(gate_up, 32), quantize_symmetric_int4(down, 32)
+    if kind == "mxfp4":  # gpt-oss's experts: E2M1 levels, power-of-two float32 scales
+        from perfxlm.quant import mxfp4
+
+        return (mxfp4.from_checkpoint(*mxfp4.quantize_reference(gate_up), "gate_up"),
+                mxfp4.from_checkpoint(*mxfp4.quantize_reference(down), "down"))  # fmt: skip
     return gate_up, down
 
 
-@pytest.mark.parametrize("kind", ["float32", "bf16", "transposed", "int8", "int4"])
+@pytest.mark.parametrize("kind", ["float32", "bf16", "transposed", "int8", "int4", "mxfp4"])
 @pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh", "clamped-swiglu"])
 @pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 5, 2), (37, 7, 4)])
 def test_native_experts_equal_the_torch_loop(kind, activation, num_tokens, num_experts, top_k, monkeypatch):

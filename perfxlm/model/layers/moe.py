@@ -129,6 +129,8 @@ class FusedMoE(nn.Module):
         renormalize: bool,
         activation: str = "silu",
         reduce_results: bool = True,
+        bias: bool = False,  # gpt-oss: a bias per expert on both products
+        act: nn.Module | None = None,  # an activation no `hidden_act` names (gpt-oss's clamped SwiGLU)
     ) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
@@ -147,7 +149,11 @@ class FusedMoE(nn.Module):
         self.down_proj = nn.Parameter(
             torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False
         )
-        self.act = act_and_mul(activation)
+        self.gate_up_proj_bias = (
+            nn.Parameter(torch.empty(num_experts, 2 * intermediate_size), requires_grad=False) if bias else None
+        )
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False) if bias else None
+        self.act = act if act is not None else act_and_mul(activation)
         # the stacks' linear methods, chosen at load (until then: the weight's form read per call)
         self.gate_up_method: LinearMethod | None = None
         self.down_method: LinearMethod | None = None
@@ -204,4 +210,4 @@ class FusedMoE(nn.Module):
         gate_up = _any_weight if self.gate_up_method is None else self.gate_up_method.multiply
         down = _any_weight if self.down_method is None else self.down_method.multiply
         return grouped_experts(x, weights, expert_ids, self.gate_up_proj, self.down_proj, self.act,
-                               gate_up_multiply=gate_up, down_multiply=down)  # fmt: skip
+                               self.gate_up_proj_bias, self.down_proj_bias, gate_up, down)  # fmt: skip

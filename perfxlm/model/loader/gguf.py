@@ -10,15 +10,15 @@ import logging
 import os
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import gguf
 import torch
 
-from perfxlm.model.loader import gguf_gemma2, gguf_gemma3, gguf_glm4
+from perfxlm.model.loader import gguf_gemma2, gguf_gemma3, gguf_glm4, gguf_gpt_oss
 from perfxlm.model.loader.gguf_reader import GGUFFile, open_gguf
 from perfxlm.model.loader.gguf_metadata import (
-    check_attention_scale, check_metadata, head_dims, rope_freq_factors, uniform,
+    ROPE_SCALING_TYPES, check_attention_scale, check_metadata, head_dims, rope_freq_factors, uniform,
 )
 from perfxlm.ops.gguf_dequant import check_supported
 from perfxlm.quant.gguf_repack import REPACKED_TYPES, repack
@@ -86,6 +86,10 @@ class _ArchSpec:
     # a mixture of experts: expert_count / expert_used_count are read, and the `*_exps` tensors, stacked
     # [num_experts, ...], are split into the per-expert tensors of the Hugging Face layout
     moe: bool = False
+    # the family puts its expert tensors together itself (gpt-oss: fused, interleaved stacks): the stream of
+    # (Hugging Face name, tensor) pairs passes through this instead of the per-expert split
+    regroup: Callable[[Iterator[tuple[str, Any]]], Iterator[tuple[str, Any]]] | None = None
+    rope_types: tuple[str, ...] = ROPE_SCALING_TYPES  # the rope.scaling.type values the family reads
 
 
 _QK_NORM_TENSORS: dict[str, str] = {
@@ -131,6 +135,11 @@ _ARCHS: dict[str, _ArchSpec] = {
     ),
     "glm4": _ArchSpec("glm4", "Glm4ForCausalLM", _DECODER_KEYS, gguf_glm4.TENSORS, permute_qk=False,
                       extra_config=gguf_glm4.CONFIG_DEFAULTS),
+    "gpt-oss": _ArchSpec(
+        "gpt_oss", "GptOssForCausalLM", {**_DECODER_KEYS, **gguf_gpt_oss.KEYS}, gguf_gpt_oss.TENSORS,
+        permute_qk=False, extra_config=gguf_gpt_oss.CONFIG_DEFAULTS, extra_keys=gguf_gpt_oss.EXTRA_KEYS, moe=True,
+        regroup=gguf_gpt_oss.regroup, rope_types=gguf_gpt_oss.ROPE_SCALING_TYPES,
+    ),
 }
 
 # What the transformers config classes of these families default to, for the fields a GGUF file does
@@ -180,7 +189,8 @@ def load_gguf_config(path: str) -> "transformers.PretrainedConfig":
     # llama.cpp writes Mistral as `llama`; a sliding window in the file makes it Mistral again
     window = meta.get(f"{arch}.attention.sliding_window") if arch == "llama" else None
     check_metadata(
-        meta, arch, spec.extra_keys | ({"attention.sliding_window"} if arch == "llama" else set()), spec.moe
+        meta, arch, spec.extra_keys | ({"attention.sliding_window"} if arch == "llama" else set()), spec.moe,
+        spec.rope_types,
     )
     model_type, hf_architecture = spec.model_type, spec.hf_architecture
     kwargs: dict[str, Any] = {**_CONFIG_DEFAULTS, **spec.extra_config}
@@ -221,6 +231,8 @@ def load_gguf_config(path: str) -> "transformers.PretrainedConfig":
         kwargs["rope_scaling"] = rope_scaling
     if arch == "gemma3":
         gguf_gemma3.apply(meta, kwargs, head_dim)  # local and global rope, the attention scale, the windows
+    if arch == "gpt-oss":
+        gguf_gpt_oss.apply(meta, kwargs)  # alternating sliding / full layers, untruncated YaRN
     if spec.extra_config.get("use_sliding_window") is False:  # as Qwen2Config: every layer full attention
         kwargs["layer_types"] = ["full_attention"] * int(kwargs["num_hidden_layers"])
         kwargs["max_window_layers"] = int(kwargs["num_hidden_layers"])
@@ -330,7 +342,8 @@ def iter_gguf_weights(
                 "GGUF %s: tensors of type %s are dequantized to float at load (kept quantized: %s).",
                 os.path.basename(path), ", ".join(widened), ", ".join(sorted(t.name for t in REPACKED_TYPES)),
             )  # fmt: skip
-    return _iter_weights(f, spec, n_head, n_kv_head, keep_quantized)
+    weights = _iter_weights(f, spec, n_head, n_kv_head, keep_quantized)
+    return weights if spec.regroup is None else spec.regroup(weights)
 
 
 @contextlib.contextmanager
@@ -357,12 +370,12 @@ def _iter_weights(
         if hf_name is None:
             continue  # rope_freqs: read into the config by load_gguf_config (others refused up front)
         info = f.tensors[name]
-        if spec.moe and _EXPERT_STACK.search(hf_name):
+        if spec.moe and spec.regroup is None and _EXPERT_STACK.search(hf_name):
             yield from _expert_tensors(f, name, hf_name, keep_quantized)
             continue
         # the thread count is restored before each yield, so the consumer runs with its own setting
         with _one_torch_thread():
-            if keep_quantized and info.ggml_type in REPACKED_TYPES and len(info.shape) == 2:
+            if keep_quantized and info.ggml_type in REPACKED_TYPES and len(info.shape) in (2, 3):
                 tensor: Any = repack(f.raw(name), info.ggml_type, info.shape)
             else:
                 tensor = f.tensor(name)

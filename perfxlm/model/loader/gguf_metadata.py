@@ -26,7 +26,7 @@ TRANSLATED_KEYS = frozenset({
     "rope.scaling.finetuned",
 })
 
-# what the rotary layer computes; yarn (Qwen2.5/3 long-context GGUFs) is not implemented there
+# what the llama-like loaders translate (yarn is read only where a family's table module does: gpt-oss)
 ROPE_SCALING_TYPES = ("none", "linear")
 
 
@@ -44,9 +44,11 @@ def uniform(meta: dict[str, Any], key: str) -> Any:
 
 
 def check_metadata(
-    meta: dict[str, Any], arch: str, extra_keys: frozenset[str] = frozenset(), moe: bool = False
+    meta: dict[str, Any], arch: str, extra_keys: frozenset[str] = frozenset(), moe: bool = False,
+    rope_types: tuple[str, ...] = ROPE_SCALING_TYPES,
 ) -> None:
-    """`moe`: the architecture's loader reads expert_count / expert_used_count (else they must be 0)."""
+    """`moe`: the architecture's loader reads expert_count / expert_used_count (else they must be 0);
+    `rope_types`: the rope.scaling.type values the architecture's loader translates."""
     prefix = arch + "."
     unknown = sorted(
         k for k in meta if k.startswith(prefix) and k[len(prefix) :] not in TRANSLATED_KEYS | extra_keys
@@ -57,10 +59,10 @@ def check_metadata(
             "compute something else than the file describes, so it is not loaded."
         )
     kind = meta.get(prefix + "rope.scaling.type")
-    if kind is not None and kind not in ROPE_SCALING_TYPES:
+    if kind is not None and kind not in rope_types:
         raise ValueError(
-            f"GGUF rope scaling type {kind!r} is not supported (supported: {', '.join(ROPE_SCALING_TYPES)}, "
-            "and Llama-3 scaling stored as the rope_freqs tensor)."
+            f"GGUF rope scaling type {kind!r} is not supported for architecture {arch!r} (supported: "
+            f"{', '.join(rope_types)}, and Llama-3 scaling stored as the rope_freqs tensor)."
         )
     attn_factor = meta.get(prefix + "rope.scaling.attn_factor")
     if attn_factor is not None and not math.isclose(float(attn_factor), 1.0):

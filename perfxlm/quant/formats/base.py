@@ -42,6 +42,15 @@ class CheckpointFormat(ABC):
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = config
 
+    def split(self, name: str) -> tuple[str, str]:
+        """A checkpoint tensor name -> (the packed weight it may belong to, its part): `<module>.<part>`."""
+        module, _, part = name.rpartition(".")
+        return module, part
+
+    def output_name(self, module: str) -> str:
+        """The name the built weight goes by in the stream the model loads."""
+        return f"{module}.weight"
+
     def is_packed(self, module: str, infos: dict[str, TensorInfo]) -> bool:
         """Whether `module`'s tensors (suffix -> info) are a packed weight of this format."""
         return self.marker in infos

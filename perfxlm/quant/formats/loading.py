@@ -20,9 +20,10 @@ from perfxlm.quant.formats.awq import AWQFormat
 from perfxlm.quant.formats.base import CheckpointFormat, TensorInfo
 from perfxlm.quant.formats.compressed_tensors import CompressedTensorsFormat
 from perfxlm.quant.formats.gptq import GPTQFormat
+from perfxlm.quant.formats.mxfp4 import MXFP4Format
 
 FORMATS: dict[str, type[CheckpointFormat]] = {
-    f.method: f for f in (AWQFormat, GPTQFormat, CompressedTensorsFormat)
+    f.method: f for f in (AWQFormat, GPTQFormat, CompressedTensorsFormat, MXFP4Format)
 }
 # vLLM's names for the same checkpoints (`quantization=` may name the method; the kernels are ours)
 ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq", "compressed_tensors": "compressed-tensors"}
@@ -88,7 +89,7 @@ class PackedCheckpoint:
         fmt = format_for(config)
         by_module: dict[str, dict[str, TensorInfo]] = {}
         for name, info in _headers(files(folder)).items():
-            module, _, part = name.rpartition(".")
+            module, part = fmt.split(name)
             if part in fmt.parts:
                 by_module.setdefault(module, {})[part] = info
         modules = {}
@@ -106,7 +107,7 @@ class PackedCheckpoint:
     def stream(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, Any]]:
         pending: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in weights:
-            module, _, part = name.rpartition(".")
+            module, part = self.format.split(name)
             want = self.modules.get(module)
             if want is None or part not in want:
                 yield name, tensor
@@ -115,7 +116,7 @@ class PackedCheckpoint:
             got[part] = tensor
             if len(got) == len(want):
                 del pending[module]
-                yield f"{module}.weight", self.format.build(module, got)
+                yield self.format.output_name(module), self.format.build(module, got)
         if pending:
             module, got = next(iter(pending.items()))
             missing = sorted(self.modules[module] - set(got))

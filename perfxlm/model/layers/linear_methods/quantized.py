@@ -88,6 +88,7 @@ class GGUFLinear(QuantizedLinearMethod):
     """A GGUF file's blocks kept as they are (Q4_0, Q4_K, Q6_K, Q8_0, ...: affine codes, any group)."""
 
     name = "gguf"
+    levels = True  # MXFP4 (gpt-oss's experts): 4-bit codes into the E2M1 table
 
 
 class Int8Linear(QuantizedLinearMethod):
@@ -143,6 +144,16 @@ class CompressedTensorsLinear(QuantizedLinearMethod):
     acts = ("float", "int8", "int8_block")
 
 
+class MXFP4Linear(QuantizedLinearMethod):
+    """MXFP4 checkpoints (gpt-oss's experts): 4-bit E2M1 codes into a 16-level table, scaled by a power of
+    two per 32 weights (`quant/mxfp4.py`)."""
+
+    name = "mxfp4"
+    bits = (4,)
+    levels = True
+
+
 QUANTIZED_METHODS: tuple[type[QuantizedLinearMethod], ...] = (
     GGUFLinear, Int8Linear, Int4Linear, NF4Linear, W8A8Linear, AWQLinear, GPTQLinear, CompressedTensorsLinear,
+    MXFP4Linear,
 )
