@@ -146,6 +146,8 @@ class EngineConfig:
     lora_config: Any = field(default=None, init=False, repr=False)  # lora.config.LoRAConfig with enable_lora
     # a pre-quantized checkpoint's equivalent method for activation defaults (int4, int8, w8a8), or None
     packed_source: str | None = field(default=None, init=False, repr=False)
+    # a perfxlm-flavor export's recorded choices (export/engine_choices.py), or None
+    export_choices: Any = field(default=None, init=False, repr=False)
     eos_token_ids: set[int] = field(default_factory=set, repr=False)
     # whether max_model_len came from the user (an error if the KV pool cannot hold it) or the model
     # (lowered to what the pool holds)
@@ -218,7 +220,7 @@ class EngineConfig:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be auto, {', '.join(LOAD_FORMATS)}, got {self.load_format!r}.")
         if self.load_format == "onnx":
-            _check_onnx(self)
+            self.export_choices = _check_onnx(self)
         from perfxlm.quant.config import resolve_activations
         from perfxlm.quant.loading import check_compatible
 
@@ -228,6 +230,10 @@ class EngineConfig:
         # a pre-quantized folder (AWQ, GPTQ, compressed-tensors): its config and packed shapes checked here
         packed = packed_checkpoint(self.model, self.load_format)
         self.packed_source = None if packed is None else packed.format.activation_source
+        if self.export_choices is not None:
+            # an export's quantized weights are a pre-quantized checkpoint's: the resolution below makes
+            # the module path's choices for them on this CPU (the executor says where they differ)
+            self.packed_source = self.export_choices.quantized_source
         check_compatible(self.quant_config, self.load_format, self.model, packed)  # before any weight is read
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
@@ -305,10 +311,11 @@ def _detect_load_format(model: str) -> str:
     return "onnx" if is_export(model) else "safetensors"
 
 
-def _check_onnx(c: "EngineConfig") -> None:
+def _check_onnx(c: "EngineConfig") -> Any:
     """An exported graph is run as it was written: its weights, its float32 K/V (a perfxlm-flavor graph: the
-    engine's paged cache, any kv_cache_dtype), one process."""
-    from perfxlm.export.manifest import read_manifest
+    engine's paged cache, any kv_cache_dtype), one process. Returns a perfxlm-flavor export's recorded
+    EngineChoices (None for the other flavors, and for exports that predate them)."""
+    from perfxlm.export.manifest import read_engine_choices, read_manifest
 
     manifest = read_manifest(c.model)  # ValueError: not an export, or a version this engine does not know
     # a perfxlm-flavor graph attends over the engine's own paged cache, whatever its format
@@ -322,6 +329,7 @@ def _check_onnx(c: "EngineConfig") -> None:
         if bad:
             raise ValueError(f"{name}={getattr(c, name)!r} does not apply to an exported ONNX graph "
                              f"({c.model!r}): its weights and KV layout are fixed at export; supported: the defaults.")
+    return read_engine_choices(c.model, manifest) if own_cache else None
 
 
 def _check_parallel(c: "EngineConfig") -> None:

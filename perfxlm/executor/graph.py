@@ -4,12 +4,19 @@ ordinary `ModelRunner` (paged KV cache, prefix caching, chunked prefill, batched
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import torch
+
 from perfxlm.executor.base import InProcessExecutor
+from perfxlm.export.engine_choices import EngineChoices, run_notes
 from perfxlm.export.manifest import GRAPH_FILE, read_manifest
+from perfxlm.model.graph.kernels import AS_STORED, HeldAs
 from perfxlm.model.graph.model import GraphModel
 from perfxlm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 class GraphExecutor(InProcessExecutor):
@@ -18,7 +25,7 @@ class GraphExecutor(InProcessExecutor):
     def __init__(self, config: Any) -> None:
         self.config = config
         manifest = read_manifest(config.model)
-        self.graph = GraphModel(config.model, manifest.get("graph", GRAPH_FILE))
+        self.graph = GraphModel(config.model, manifest.get("graph", GRAPH_FILE), held_as(config))
         self.runner: ModelRunner | None = None
 
     def kv_bytes_per_block(self, block_size: int, spec: Any) -> int:
@@ -34,3 +41,18 @@ class GraphExecutor(InProcessExecutor):
 
     def describe(self) -> str:
         return f"in-process, perfxlm-flavor ONNX graph ({len(self.graph.kernels)} nodes on the engine's kernels)"
+
+
+def held_as(config: Any) -> HeldAs:
+    """The run's weights as the engine resolved them for the folder (EngineConfig.resolve: the module path's
+    choices for the exported model on this CPU, with the dtype asked for), each difference from the
+    choices the export recorded logged; a folder that recorded none runs as stored."""
+    recorded = config.export_choices
+    if recorded is None:
+        return AS_STORED
+    if config.torch_dtype != torch.float32:
+        raise ValueError(f"{config.model!r}: a perfxlm-flavor graph runs float32 activations; this run resolves "
+                         f"{config.torch_dtype} (PERFXLM_BF16_COMPUTE): unset it to run the graph.")
+    for note in run_notes(recorded, EngineChoices.of(config)):
+        logger.warning("%s: %s.", config.model, note)
+    return HeldAs(config.weight_dtype, config.quant_activation_mode)

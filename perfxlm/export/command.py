@@ -19,8 +19,11 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
                            "SkipSimplifiedLayerNormalization, MatMulNBits: quantized weights kept packed); "
                            "standard: standard ONNX ops only (quantized weights dequantized); perfxlm: the "
                            "engine's own fused ops (perfxlm domain) over a paged KV cache, which the engine runs")
-    onnx.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                      help="float weights stored as float32, or bfloat16 (perfxlm flavor)")
+    onnx.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"],
+                      help="the engine's dtype the model is loaded with, its float weights stored as held. "
+                           "perfxlm flavor: auto (default: what the engine chooses for the model on this CPU, "
+                           "recorded so the engine runs the folder as it runs the model), float32 or bfloat16; "
+                           "ort and standard: float32")
     onnx.add_argument("--quantization", "-q", default=None,
                       help="weights exported quantized: int4 | int8 quantize a float checkpoint; a .gguf "
                            "file's quantized tensors are kept (none dequantizes them)")

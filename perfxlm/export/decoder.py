@@ -13,13 +13,14 @@ anything else is refused by name before a node is written.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from perfxlm.export.flavors import FLAVORS, graph_ops
 from perfxlm.export.graph import Graph
 from perfxlm.export.graph_ops import AttentionSpec, HeadNorms, LinearWeight, Rope
+from perfxlm.export.perfxlm_ops import HeldBf16
 from perfxlm.quant.weight import QuantizedWeight
 
 # architecture -> onnxruntime-genai's model type
@@ -72,15 +73,29 @@ def _mlp_act(mlp: Any) -> str:
 
 
 def _array(t: Any) -> Any:
-    """A float weight as float32 numpy (bf16 weights widened); a QuantizedWeight as it is."""
+    """A vector (norm, bias, rotary table) as float32 numpy; a QuantizedWeight as it is."""
     if isinstance(t, QuantizedWeight):
         return t
     return t.detach().float().contiguous().numpy()
 
 
+def _matrix(t: Any, rows: Callable[[], torch.Tensor] | None = None) -> Any:
+    """A matrix (or expert stack) as the engine holds it: a QuantizedWeight as it is, float32 as numpy, bf16
+    kept bf16 (`rows`: how to get [N, K] back from a layer's panel layout)."""
+    if isinstance(t, QuantizedWeight) or t.dtype != torch.bfloat16:
+        return _array(t)
+    return HeldBf16(rows or t.detach)
+
+
+def _layer_matrix(module: Any) -> Any:
+    """A Linear's or LM head's weight as its linear method holds it, [N, K] (bf16 panels unpacked)."""
+    w = module.weight
+    return _matrix(w, lambda: module.method.weight_matrix(w, module.out_features))
+
+
 def _linear(module: Any, name: str) -> LinearWeight:
     bias = None if module.bias is None else _array(module.bias)
-    weight = _array(module.weight)
+    weight = _layer_matrix(module)
     if isinstance(weight, QuantizedWeight) and weight.act != "float":
         # W8A8 rounds activations at run time; a graph of weight-only products would not be that model
         raise ValueError(f"ONNX export: {name} is {weight.describe()}, whose int8 activations the exporter "
@@ -90,15 +105,15 @@ def _linear(module: Any, name: str) -> LinearWeight:
     return LinearWeight(weight, bias, name, method)
 
 
-def build_decoder_graph(model: torch.nn.Module, flavor: str, weight_dtype: str = "float32") -> Graph:
-    """`weight_dtype` "bfloat16": float matrices stored as bf16 (flavors that take them: perfxlm)."""
+def build_decoder_graph(model: torch.nn.Module, flavor: str) -> Graph:
+    """Matrices are written as `model` holds them (float32, bf16 or packed codes); flavors that take only
+    float32 (ort, standard) are given a float32 model."""
     genai_model_type(model, flavor)  # refuses what cannot be expressed, before any node
     inner = model.model
     g = Graph("perfxlm_decoder")
     ops = graph_ops(flavor, g)
-    ops.set_weight_dtype(weight_dtype)
     rope = Rope(inner.rotary_emb.cos_cache.float().numpy(), inner.rotary_emb.sin_cache.float().numpy())
-    x = ops.embedding(_array(inner.embed_tokens.weight))
+    x = ops.embedding(_matrix(inner.embed_tokens.weight))
     residual = None
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
@@ -125,7 +140,7 @@ def build_decoder_graph(model: torch.nn.Module, flavor: str, weight_dtype: str =
         mlp = layer.mlp
         if hasattr(mlp, "experts"):  # a mixture of experts (flavors whose `mlps` name it)
             e = mlp.experts
-            x = ops.moe(h, _linear(mlp.gate, f"{prefix}.mlp.gate"), _array(e.gate_up_proj), _array(e.down_proj),
+            x = ops.moe(h, _linear(mlp.gate, f"{prefix}.mlp.gate"), _matrix(e.gate_up_proj), _matrix(e.down_proj),
                         e.top_k, e.renormalize, e.act, f"{prefix}.mlp.experts")
             continue
         gate_up = ops.linear(h, _linear(mlp.gate_up_proj, f"{prefix}.mlp.gate_up_proj"))
@@ -134,6 +149,7 @@ def build_decoder_graph(model: torch.nn.Module, flavor: str, weight_dtype: str =
     final = inner.norm
     h, _ = ops.add_rms_norm(x, residual, _array(final.weight), final.variance_epsilon, "model.norm")
     head = model.lm_head
-    tied = head.weight is inner.embed_tokens.weight
-    ops.logits(h, None if tied else LinearWeight(_array(head.weight), None, "lm_head"), model.config.vocab_size)
+    # (a tied head under bf16 panels holds its own packed copy of the table: tied all the same)
+    tied = head.weight is inner.embed_tokens.weight or getattr(model, "tie_word_embeddings", False)
+    ops.logits(h, None if tied else LinearWeight(_layer_matrix(head), None, "lm_head"), model.config.vocab_size)
     return g

@@ -23,10 +23,10 @@ class Graph:
     def __init__(self, name: str) -> None:
         self.name = name
         self.nodes: list[onnx.NodeProto] = []
-        # (name, array, element type or None: the array's own): arrays stay as they are (views of the loaded
-        # model's weights where they can) until
+        # (name, array or a function making it, element type or None: the array's own): arrays stay as they
+        # are (views of the loaded model's weights where they can, made at save time where they cannot) until
         # `save` streams them into the data file, so the export never holds a second copy of the model
-        self.initializers: list[tuple[str, np.ndarray, int | None]] = []
+        self.initializers: list[tuple[str, Any, int | None]] = []
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
         self.domains: set[str] = set()
@@ -38,9 +38,10 @@ class Graph:
         self._counts[prefix] = n + 1
         return prefix if n == 0 else f"{prefix}_{n}"
 
-    def weight(self, name: str, array: np.ndarray, elem: int | None = None) -> str:
-        """An initializer holding `array` (stored in the external data file when large); `elem`: the ONNX
-        element type its bytes are, where numpy has no such dtype (bfloat16 as uint16)."""
+    def weight(self, name: str, array: Any, elem: int | None = None) -> str:
+        """An initializer holding `array` (stored in the external data file when large), or made by calling
+        it when the graph is saved; `elem`: the ONNX element type its bytes are, where numpy has no such
+        dtype (bfloat16 as uint16)."""
         name = self.fresh(name)
         self.initializers.append((name, array, elem))
         return name
@@ -85,7 +86,7 @@ class Graph:
         tensors = []
         with open(os.path.join(os.path.dirname(path), location), "wb") as data:
             for name, array, elem in self.initializers:
-                array = np.ascontiguousarray(array)
+                array = np.ascontiguousarray(array() if callable(array) else array)
                 if array.nbytes < EXTERNAL_BYTES and elem is None:
                     tensors.append(numpy_helper.from_array(array, name))
                     continue

@@ -95,15 +95,16 @@ class GraphOps:
         self._cache: dict[Any, Any] = {}
         self._table: tuple[str, Any] | None = None  # the embedding table's initializer, for a tied head
 
-    def set_weight_dtype(self, dtype: str) -> None:
-        self.check_weight_dtype(dtype)
+    default_dtype = "float32"  # `perfxlm export onnx --dtype` left out
 
     @classmethod
-    def check_weight_dtype(cls, dtype: str) -> None:
-        """How float matrices are stored: "float32" here (standard ONNX Runtime kernels have no bf16 GEMM)."""
-        if dtype != "float32":
+    def check_weight_dtype(cls, dtype: str) -> str:
+        """The dtype the model is loaded and its float matrices stored in: float32 here (standard ONNX
+        Runtime kernels have no bf16 GEMM), which "auto" means for this flavor."""
+        if dtype not in ("auto", "float32"):
             raise ValueError(f"dtype {dtype!r}: the {cls.flavor} flavor writes float32 weights; "
                              "bfloat16 weights are the perfxlm flavor's (--flavor perfxlm).")
+        return "float32"
 
     # ---- the graph's interface (onnxruntime-genai's layout; the perfxlm flavor has its own) -------------
     @staticmethod

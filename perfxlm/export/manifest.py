@@ -12,6 +12,7 @@ FORMAT_VERSION = 1
 MANIFEST = "perfxlm_onnx.json"
 GRAPH_FILE = "model.onnx"
 GENAI_CONFIG = "genai_config.json"
+ENGINE_KEY = "engine"  # a perfxlm-flavor export's EngineChoices (export/engine_choices.py)
 
 # The perfxlm flavor's custom ops (export/perfxlm_ops.py defines them, model/graph/ runs them): their domain
 # and its version, raised when an op's inputs, outputs or attributes change meaning.
@@ -51,6 +52,16 @@ def read_manifest(folder: str) -> dict[str, Any]:
         if not os.path.isfile(os.path.join(folder, name)):
             raise ValueError(f"ONNX export {folder!r} lacks {name}.")
     return manifest
+
+
+def read_engine_choices(folder: str, manifest: dict[str, Any]) -> Any:
+    """The EngineChoices a perfxlm-flavor export recorded, or None where it predates them (its weights
+    then run as float32 exports did: weight-only products)."""
+    from perfxlm.export.engine_choices import EngineChoices
+
+    if ENGINE_KEY not in manifest:
+        return None
+    return EngineChoices.from_json(manifest[ENGINE_KEY], os.path.join(folder, MANIFEST))
 
 
 def check_graph_ops(graph_path: str) -> None:

@@ -5,7 +5,8 @@
     config.json                    the model's Hugging Face config (the engine reads the folder too)
     tokenizer files                the model's tokenizer, saved by transformers (a GGUF file's converted)
     perfxlm_onnx.json              what the engine needs to check before running the graph: format
-                                   version, flavor, family
+                                   version, flavor, family; the perfxlm flavor's: the engine's choices
+                                   for the model when it was exported (engine_choices.py)
 
 Everything is written into a hidden folder beside OUT_DIR and renamed into place at the end, so an
 export that fails leaves nothing behind, and an OUT_DIR holding files is refused unless overwrite.
@@ -21,7 +22,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from perfxlm.export.manifest import FORMAT_VERSION, GENAI_CONFIG, GRAPH_FILE, MANIFEST
+from perfxlm.export.manifest import ENGINE_KEY, FORMAT_VERSION, GENAI_CONFIG, GRAPH_FILE, MANIFEST
 
 logger = logging.getLogger(__name__)
 
@@ -45,30 +46,39 @@ def check_out_dir(out_dir: str, overwrite: bool) -> None:
 def export_onnx(model: str | None, out_dir: str, flavor: str = "ort", quantization: Any = None,
                 quantization_group_size: int | None = None, quantization_symmetric: bool | None = None,
                 tokenizer: str | None = None, overwrite: bool = False, revision: str | None = None,
-                download_dir: str | None = None, dtype: str = "float32") -> ExportResult:
-    """Load `model` in float32 (quantized weights as `quantization` says, a GGUF file's kept) and write
-    it to `out_dir` as an ONNX decoder graph of `flavor` ("ort", "standard" or "perfxlm"); `dtype`: how
-    float matrices are stored ("bfloat16": the perfxlm flavor only)."""
-    import torch
-
+                download_dir: str | None = None, dtype: str | None = None) -> ExportResult:
+    """Load `model` as the engine does with `dtype` (None: the flavor's default, "auto" for the perfxlm
+    flavor, float32 for the others) and quantized weights as `quantization` says (a GGUF file's kept), and
+    write it to `out_dir` as an ONNX decoder graph of `flavor` ("ort", "standard" or "perfxlm"), its
+    matrices as the engine holds them. A perfxlm-flavor folder records the engine's choices
+    (export/engine_choices.py), so the engine runs it as it runs `model` with that dtype."""
     from perfxlm.config import EngineConfig
     from perfxlm.export.decoder import build_decoder_graph, genai_model_type
+    from perfxlm.export.engine_choices import EngineChoices
     from perfxlm.export.flavors import FLAVORS
-    from perfxlm.model.loader import get_model
+    from perfxlm.model.loader import load_model
 
     if flavor not in FLAVORS:
         raise ValueError(f"ONNX flavor {flavor!r} is not known (known: {', '.join(FLAVORS)}).")
-    FLAVORS[flavor].check_weight_dtype(dtype)
+    ops = FLAVORS[flavor]
+    dtype = ops.check_weight_dtype(ops.default_dtype if dtype is None else dtype)
+    own = flavor == "perfxlm"  # run by the engine: its own choices; ONNX Runtime's flavors: weight-only float32
     out_dir = os.path.abspath(out_dir)
     check_out_dir(out_dir, overwrite)
-    config = EngineConfig(model=model, tokenizer=tokenizer, dtype="float32", quantization=quantization,
+    config = EngineConfig(model=model, tokenizer=tokenizer, dtype=dtype, quantization=quantization,
                           quantization_group_size=quantization_group_size,
-                          quantization_symmetric=quantization_symmetric, quant_activations="float32",
+                          quantization_symmetric=quantization_symmetric,
+                          quant_activations="auto" if own else "float32",
                           revision=revision, download_dir=download_dir).resolve()
-    loaded = get_model(config.model, config.hf_config, torch.float32, config.load_format, config.seed,
-                       quantization=config.quant_config, activations=config.quant_activation_mode)
+    if config.load_format == "onnx":
+        raise ValueError(f"{config.model!r} is an ONNX export already; export its source model.")
+    choices = EngineChoices.of(config) if own else None
+    if choices is not None and choices.compute_dtype != "float32":
+        raise ValueError(f"dtype={dtype!r} resolves bfloat16 activations here (PERFXLM_BF16_COMPUTE); a "
+                         "perfxlm-flavor graph runs float32 activations: unset it for the export.")
+    loaded = load_model(config)
     model_type = genai_model_type(loaded, flavor)
-    graph = build_decoder_graph(loaded, flavor, dtype)
+    graph = build_decoder_graph(loaded, flavor)
     census: dict[str, int] = {}
     for node in graph.nodes:
         census[node.op_type] = census.get(node.op_type, 0) + 1
@@ -78,7 +88,7 @@ def export_onnx(model: str | None, out_dir: str, flavor: str = "ort", quantizati
     try:
         graph.save(os.path.join(staging, GRAPH_FILE))
         del graph, loaded
-        _write_configs(staging, config, model_type, flavor)
+        _write_configs(staging, config, model_type, flavor, choices)
         _save_tokenizer(staging, config)
         if os.path.isdir(out_dir):
             shutil.rmtree(out_dir)  # checked above: empty, or overwrite asked for
@@ -88,7 +98,7 @@ def export_onnx(model: str | None, out_dir: str, flavor: str = "ort", quantizati
     return ExportResult(out_dir, flavor, model_type, census)
 
 
-def _write_configs(folder: str, config: Any, model_type: str, flavor: str) -> None:
+def _write_configs(folder: str, config: Any, model_type: str, flavor: str, choices: Any) -> None:
     hf = config.hf_config
     hf_dict = {k: v for k, v in hf.to_dict().items()
                if not k.startswith("perfxlm_") and k != "quantization_config"}
@@ -98,9 +108,12 @@ def _write_configs(folder: str, config: Any, model_type: str, flavor: str) -> No
     if flavor != "perfxlm":  # the engine's own graph: not onnxruntime-genai's layout
         with open(os.path.join(folder, GENAI_CONFIG), "w") as f:
             json.dump(genai_config(hf, config, model_type), f, indent=4)
+    manifest = {"format_version": FORMAT_VERSION, "flavor": flavor, "model_type": model_type,
+                "graph": GRAPH_FILE, "num_hidden_layers": hf.num_hidden_layers}
+    if choices is not None:
+        manifest[ENGINE_KEY] = choices.to_json()
     with open(os.path.join(folder, MANIFEST), "w") as f:
-        json.dump({"format_version": FORMAT_VERSION, "flavor": flavor, "model_type": model_type,
-                   "graph": GRAPH_FILE, "num_hidden_layers": hf.num_hidden_layers}, f, indent=2)
+        json.dump(manifest, f, indent=2)
     if os.path.isdir(config.model):
         src = os.path.join(config.model, "generation_config.json")
         if os.path.isfile(src):

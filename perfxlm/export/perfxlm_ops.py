@@ -42,7 +42,7 @@ and the activation rounding the engine applies (perfxlm/quant/weight.py's form, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from onnx import TensorProto
@@ -52,7 +52,7 @@ from perfxlm.export.graph_ops import AttentionSpec, GraphOps, HeadNorms, LinearW
 from perfxlm.export.manifest import PERFXLM_DOMAIN
 from perfxlm.quant.weight import QuantizedWeight
 
-WEIGHT_DTYPES = ("float32", "bfloat16")
+WEIGHT_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass
@@ -66,12 +66,17 @@ class StepInputs:
     logits_indices: str
 
 
-def bf16_bits(array: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16's bits as uint16, rounded to nearest even (as torch's cast)."""
-    import torch
+@dataclass
+class HeldBf16:
+    """A float matrix the engine holds in bf16: `matrix()` gives it [N, K] (a panel layout unpacked then,
+    at save time, so unpacked copies never pile up beside the model)."""
 
-    bf16 = torch.from_numpy(np.ascontiguousarray(array, np.float32)).to(torch.bfloat16)
-    return bf16.view(torch.int16).numpy().view(np.uint16)
+    matrix: Callable[[], Any]  # -> torch.bfloat16 [N, K]
+
+    def bits(self) -> np.ndarray:
+        import torch
+
+        return self.matrix().contiguous().view(torch.int16).numpy().view(np.uint16)
 
 
 class PerfxlmOps(GraphOps):
@@ -79,19 +84,17 @@ class PerfxlmOps(GraphOps):
     activations = ("SiluAndMul", "GeluAndMul")
     mlps = ("LlamaMLP", "MixtralSparseMoeBlock")
 
-    def __init__(self, g: Graph) -> None:
-        super().__init__(g)
-        self.weight_dtype = "float32"
-
-    def set_weight_dtype(self, dtype: str) -> None:
-        self.check_weight_dtype(dtype)
-        self.weight_dtype = dtype
+    # the engine's own choice for the model on this CPU (export/engine_choices.py), so the folder runs as
+    # the module path does
+    default_dtype = "auto"
 
     @classmethod
-    def check_weight_dtype(cls, dtype: str) -> None:
+    def check_weight_dtype(cls, dtype: str) -> str:
+        """The engine's dtype option the model is loaded with; its float matrices are stored as it holds them."""
         if dtype not in WEIGHT_DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one the perfxlm flavor writes "
                              f"(known: {', '.join(WEIGHT_DTYPES)}).")
+        return dtype
 
     def _op(self, op_type: str, inputs: list[str], num_outputs: int = 1, **attrs: Any) -> Any:
         while inputs and not inputs[-1]:  # trailing optional inputs left out
@@ -121,9 +124,9 @@ class PerfxlmOps(GraphOps):
     def _weight(self, name: str, w: Any, lw_format: str | None = None) -> tuple[list[str], dict[str, Any]]:
         """A weight's initializers [W or codes, scales, mins, levels] ("" where absent) and attributes."""
         g = self.g
+        if isinstance(w, HeldBf16):  # bf16 bits as held, written when the graph is saved
+            return [g.weight(f"{name}.weight", w.bits, TensorProto.BFLOAT16), "", "", ""], {"bits": 0}
         if not isinstance(w, QuantizedWeight):
-            if self.weight_dtype == "bfloat16":
-                return [g.weight(f"{name}.weight", bf16_bits(w), TensorProto.BFLOAT16), "", "", ""], {"bits": 0}
             return [g.weight(f"{name}.weight", w), "", "", ""], {"bits": 0}
         if w.input_order is not None:
             raise ValueError(f"ONNX export (perfxlm flavor): {name} is {w.describe()}, whose column order "

@@ -79,7 +79,7 @@ def _readme_census() -> dict[str, dict[str, int]]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_graph_run_by_the_engine_is_the_module_path(tmp_path, family):
     ckpt, out = _checkpoint(str(tmp_path / "ckpt"), family), str(tmp_path / "graph")
-    result = export_onnx(ckpt, out, flavor="perfxlm")
+    result = export_onnx(ckpt, out, flavor="perfxlm", dtype="float32")
     census = _census(out)
     assert census == result.op_census
     print(f"{family}: {len(census)} op types: {census}")
@@ -129,14 +129,14 @@ def _assert_quantized_matches(out: str, source: str, quantization) -> None:
 def test_int4_export_keeps_codes_packed_and_matches_the_quantized_engine(tmp_path, llama96):
     q = {"method": "int4", "mixed_precision": False, "calibration": False}
     out = str(tmp_path / "graph")
-    export_onnx(llama96, out, flavor="perfxlm", quantization=q)
+    export_onnx(llama96, out, flavor="perfxlm", quantization=q, dtype="float32")
     _assert_quantized_matches(out, llama96, q)
 
 
 def test_int4_mixtral_keeps_its_expert_stacks_packed(tmp_path):
     q = {"method": "int4", "mixed_precision": False, "calibration": False}
     ckpt, out = _checkpoint(str(tmp_path / "ckpt"), "mixtral-sliding"), str(tmp_path / "graph")
-    export_onnx(ckpt, out, flavor="perfxlm", quantization=q)
+    export_onnx(ckpt, out, flavor="perfxlm", quantization=q, dtype="float32")
     model = onnx.load(os.path.join(out, "model.onnx"), load_external_data=False)
     moe = next(n for n in model.graph.node if n.op_type == "MoE")
     assert {a.name: a.i for a in moe.attribute if a.name.endswith("_bits")} == {"gate_up_bits": 4, "down_bits": 4}
@@ -154,7 +154,7 @@ def test_gguf_q4_0_export_matches_the_engine(tmp_path, llama96):
     parts = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
     write_quantized_llama_gguf(path, llama96, {p: gguf.GGMLQuantizationType.Q4_0 for p in parts})
     out = str(tmp_path / "graph")
-    export_onnx(path, out, flavor="perfxlm")
+    export_onnx(path, out, flavor="perfxlm", dtype="float32")
     _assert_quantized_matches(out, path, None)
 
 
@@ -192,7 +192,7 @@ def test_bfloat16_weights_from_the_cli(tmp_path, llama96):
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory, llama96) -> str:
     out = str(tmp_path_factory.mktemp("perfxlm") / "graph")
-    export_onnx(llama96, out, flavor="perfxlm")
+    export_onnx(llama96, out, flavor="perfxlm", dtype="float32")
     return out
 
 
@@ -272,7 +272,7 @@ def test_served_over_the_openai_api(tmp_path):
                                  num_hidden_layers=2)
     tokenizer.save_pretrained(ckpt)
     out = str(tmp_path / "graph")
-    export_onnx(ckpt, out, flavor="perfxlm")
+    export_onnx(ckpt, out, flavor="perfxlm", dtype="float32")
     prompt = "The capital of France is"
     want = LLM(ckpt, dtype="float32", num_kv_blocks=64).generate(
         [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0].outputs[0].text

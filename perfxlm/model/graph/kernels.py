@@ -6,12 +6,14 @@ values the graph names as inputs, and writes the paged cache the runner allocate
 through the engine's `Linear` layer with its linear method bound as the loader binds it (float, bf16
 rows or panels, each quantized format), mixtures through `route` and `grouped_experts`.
 
-A kernel is built once per node at load (`KERNELS[op_type](node, attrs, weights)`), holding its weights;
-calling it runs the node. `mutates` lists the inputs it may overwrite (the interpreter hands it a copy
+A kernel is built once per node at load (`KERNELS[op_type](node, attrs, held, weights)`), holding its
+weights as `held` says (the run's own choices: EngineConfig.resolve's for the folder); calling it runs
+the node. `mutates` lists the inputs it may overwrite (the interpreter hands it a copy
 where a value is still needed later)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -31,14 +33,28 @@ class Kernel(nn.Module):
     mutates: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class HeldAs:
+    """How a run holds the graph's weights: the engine's choices for the folder on this CPU, which are the
+    module path's for the exported model (None: as the graph stores them and its nodes say)."""
+
+    weight_dtype: torch.dtype | None = None  # float matrices (Linear, Embedding, MoE stacks)
+    activations: ActivationMode | None = None  # quantized products' activation rounding
+
+
+AS_STORED = HeldAs()
+
+
 def _norm(weight: torch.Tensor, eps: float) -> RMSNorm:
     norm = RMSNorm(weight.shape[0], eps)
     norm.weight = nn.Parameter(weight.float(), requires_grad=False)
     return norm
 
 
-def _weight(node: str, attrs: dict[str, Any], w: torch.Tensor, scales: Any, mins: Any, levels: Any) -> Any:
-    """A weight as the engine holds it: a float tensor (bits 0) or a QuantizedWeight from its parts."""
+def _weight(node: str, attrs: dict[str, Any], held: HeldAs, w: torch.Tensor, scales: Any, mins: Any,
+            levels: Any) -> Any:
+    """A weight as the engine holds it: a float tensor (bits 0: `GraphModel` gave it the run's dtype) or a
+    QuantizedWeight from its parts, its activations the run's where the run decides them."""
     bits = attrs.get("bits", 0)
     if bits == 0:
         return w
@@ -47,16 +63,17 @@ def _weight(node: str, attrs: dict[str, Any], w: torch.Tensor, scales: Any, mins
     try:  # codes [N, K * bits / 8], or [E, N, K * bits / 8] for an expert stack
         q = QuantizedWeight(w, scales, mins, levels, bits, attrs["group"], attrs.get("act", "float"), w.shape[-2],
                             w.shape[-1] * 8 // bits)
-        q.use_activations(ActivationMode(attrs.get("activations", "float32")), node)
+        q.use_activations(held.activations or ActivationMode(attrs.get("activations", "float32")), node)
     except (KeyError, ValueError) as exc:
         raise ValueError(f"node {node!r}: its weight is not one the engine holds: {exc}") from None
     return q
 
 
 class Embedding(Kernel):
-    def __init__(self, node: str, attrs: dict[str, Any], w, scales=None, mins=None, levels=None) -> None:
+    def __init__(self, node: str, attrs: dict[str, Any], held: HeldAs, w, scales=None, mins=None,
+                 levels=None) -> None:
         super().__init__()
-        self.weight = _weight(node, attrs, w, scales, mins, levels)
+        self.weight = _weight(node, attrs, held, w, scales, mins, levels)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if type(self.weight) is QuantizedWeight:  # only the rows looked up widen
@@ -78,12 +95,12 @@ class Linear(Kernel):
 
     reduces_output = False  # a graph runs in one process: no rank sums its products
 
-    def __init__(self, node: str, attrs: dict[str, Any], w, bias=None, scales=None, mins=None,
+    def __init__(self, node: str, attrs: dict[str, Any], held: HeldAs, w, bias=None, scales=None, mins=None,
                  levels=None) -> None:
         super().__init__()
         from perfxlm.model.loader import linear_plan
 
-        weight = _weight(node, attrs, w, scales, mins, levels)
+        weight = _weight(node, attrs, held, w, scales, mins, levels)
         n, k = weight.shape[-2], weight.shape[-1]
         with torch.device("meta"):  # placeholders replaced below: no allocation
             self.layer = EngineLinear(k, n, bias is not None)
@@ -92,7 +109,9 @@ class Linear(Kernel):
         self.layer.weight = weight if quantized else nn.Parameter(weight, requires_grad=False)
         if bias is not None:
             self.layer.bias = nn.Parameter(bias.float(), requires_grad=False)
-        stored = torch.float32 if quantized else weight.dtype
+        # the model's weight dtype, as the loader's plan has it for every layer: for quantized codes it decides
+        # whether many rows may run the CPU's bf16 GEMM (a bf16 model's choice)
+        stored = (held.weight_dtype or torch.float32) if quantized else weight.dtype
         try:
             plan = linear_plan(stored, torch.float32, _format(weight, attrs) if quantized else None)
             self.layer.bind_linear_method(plan)
@@ -113,7 +132,7 @@ class Linear(Kernel):
 
 
 class Norm(Kernel):
-    def __init__(self, node: str, attrs: dict[str, Any], weight) -> None:
+    def __init__(self, node: str, attrs: dict[str, Any], held: HeldAs, weight) -> None:
         super().__init__()
         self.norm = _norm(weight, attrs["epsilon"])
 
@@ -124,7 +143,7 @@ class Norm(Kernel):
 class AddNorm(Kernel):
     mutates = (0, 1)  # the native kernel adds the residual in place and normalises x in place
 
-    def __init__(self, node: str, attrs: dict[str, Any], weight) -> None:
+    def __init__(self, node: str, attrs: dict[str, Any], held: HeldAs, weight) -> None:
         super().__init__()
         self.norm = _norm(weight, attrs["epsilon"])
 
@@ -135,7 +154,7 @@ class AddNorm(Kernel):
 class HeadNorm(Kernel):
     """RMSNorm of each q and each k head of a fused QKV row (Qwen3), as the module path's q_norm / k_norm."""
 
-    def __init__(self, node: str, attrs: dict[str, Any], q_weight, k_weight) -> None:
+    def __init__(self, node: str, attrs: dict[str, Any], held: HeldAs, q_weight, k_weight) -> None:
         super().__init__()
         self.q_norm, self.k_norm = _norm(q_weight, attrs["epsilon"]), _norm(k_weight, attrs["epsilon"])
         self.heads, self.kv_heads, self.head_dim = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
@@ -164,7 +183,7 @@ class RopeTable:
 class Rotary(Kernel):
     mutates = (0,)  # rotated in place, as the module path rotates q and k heads in one pass
 
-    def __init__(self, node: str, attrs: dict[str, Any], table: RopeTable) -> None:
+    def __init__(self, node: str, attrs: dict[str, Any], held: HeldAs, table: RopeTable) -> None:
         super().__init__()
         self.table, self.heads, self.head_dim = table, attrs["num_heads"], attrs["head_dim"]
 
@@ -179,7 +198,7 @@ class Rotary(Kernel):
 
 
 class PagedAttention(Kernel):
-    def __init__(self, node: str, attrs: dict[str, Any]) -> None:
+    def __init__(self, node: str, attrs: dict[str, Any], held: HeldAs) -> None:
         super().__init__()
         window = attrs.get("sliding_window", 0)
         self.attn = Attention(attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"], attrs["scale"],
@@ -195,7 +214,7 @@ class PagedAttention(Kernel):
 
 
 class Activation(Kernel):
-    def __init__(self, node: str, attrs: dict[str, Any], fn: nn.Module) -> None:
+    def __init__(self, node: str, attrs: dict[str, Any], held: HeldAs, fn: nn.Module) -> None:
         super().__init__()
         self.fn = fn
 
@@ -206,14 +225,14 @@ class Activation(Kernel):
 class MoE(Kernel):
     """Mixtral's mixture as the module path runs it: `route`, then `grouped_experts`."""
 
-    def __init__(self, node: str, attrs: dict[str, Any], gate_up, down, *parts) -> None:
+    def __init__(self, node: str, attrs: dict[str, Any], held: HeldAs, gate_up, down, *parts) -> None:
         super().__init__()
         if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
             raise ValueError(f"node {node!r}: MoE takes expert stacks gate_up [E, 2I, H] and down [E, H, I].")
         gu_attrs = {k[len("gate_up_"):]: v for k, v in attrs.items() if k.startswith("gate_up_")}
         dn_attrs = {k[len("down_"):]: v for k, v in attrs.items() if k.startswith("down_")}
-        self.gate_up = _weight(node, gu_attrs, gate_up, *parts[:3])
-        self.down = _weight(node, dn_attrs, down, *parts[3:])
+        self.gate_up = _weight(node, gu_attrs, held, gate_up, *parts[:3])
+        self.down = _weight(node, dn_attrs, held, down, *parts[3:])
         self.top_k, self.renormalize = attrs["top_k"], bool(attrs.get("renormalize", 0))
         kind = attrs.get("activation", "SiluAndMul")
         if kind not in ("SiluAndMul", "GeluAndMul"):
@@ -225,7 +244,7 @@ class MoE(Kernel):
         return grouped_experts(x, weights, ids, self.gate_up, self.down, self.act)
 
 
-# op type -> (builder(node name, attributes, weight inputs...), which inputs are weights (initializers),
+# op type -> (builder(node name, attributes, HeldAs, weight inputs...), which inputs are weights (initializers),
 # which are step values). PagedAttention's cache and step-layout inputs are bound by the runner, not here.
 Builder = Callable[..., Kernel]
 KERNELS: dict[str, tuple[Builder, tuple[int, ...], tuple[int, ...]]] = {
@@ -236,8 +255,8 @@ KERNELS: dict[str, tuple[Builder, tuple[int, ...], tuple[int, ...]]] = {
     "HeadRMSNorm": (HeadNorm, (1, 2), (0,)),
     "Rotary": (Rotary, (2, 3), (0, 1)),
     "PagedAttention": (PagedAttention, (), (0,)),
-    "SiluAndMul": (lambda n, a: Activation(n, a, SiluAndMul()), (), (0,)),
-    "GeluAndMul": (lambda n, a: Activation(n, a, GeluAndMul(a.get("approximate", "none"))), (), (0,)),
+    "SiluAndMul": (lambda n, a, h: Activation(n, a, h, SiluAndMul()), (), (0,)),
+    "GeluAndMul": (lambda n, a, h: Activation(n, a, h, GeluAndMul(a.get("approximate", "none"))), (), (0,)),
     "MoE": (MoE, (2, 3, 4, 5, 6, 7, 8, 9), (0, 1)),
 }
 # the inputs of each op that must be the graph's own step inputs, by name (see export/perfxlm_ops.py)

@@ -22,7 +22,7 @@ from torch import nn
 from perfxlm.export.manifest import GRAPH_FILE, PERFXLM_DOMAIN, PERFXLM_OPSET
 from perfxlm.model.forward_context import get_forward_context
 from perfxlm.model.fused_decode import FusedDecode
-from perfxlm.model.graph.kernels import KERNELS, STEP_INPUTS, Kernel, PagedAttention, RopeTable
+from perfxlm.model.graph.kernels import AS_STORED, KERNELS, STEP_INPUTS, HeldAs, Kernel, PagedAttention, RopeTable
 from perfxlm.model.graph.layers import LayerRun, find_layers
 from perfxlm.model.graph.weights import load_graph, read_initializers
 
@@ -37,12 +37,15 @@ class _Step:
 
 
 class GraphModel(nn.Module):
-    def __init__(self, folder: str, graph_file: str = GRAPH_FILE) -> None:
+    def __init__(self, folder: str, graph_file: str = GRAPH_FILE, held: HeldAs = AS_STORED) -> None:
         super().__init__()
         path = os.path.join(folder, graph_file)
         proto = load_graph(path)
         _check_opsets(proto, path)
         weights = read_initializers(proto, folder)
+        if held.weight_dtype is not None:
+            _cast_float_matrices(proto.graph.node, weights, held.weight_dtype)
+        self.held = held
         graph_inputs = {i.name for i in proto.graph.input}
         self.kernels = nn.ModuleList()
         tables: dict[tuple[str, str], RopeTable] = {}
@@ -102,7 +105,7 @@ class GraphModel(nn.Module):
                                      "graph input used by no other attention node.")
                 caches.add(inputs[slot])
         try:
-            kernel = builder(name, attrs, *args)
+            kernel = builder(name, attrs, self.held, *args)
         except KeyError as exc:
             raise ValueError(f"{path}: node {name!r} ({node.op_type}) lacks attribute {exc}.") from None
         if isinstance(kernel, PagedAttention) and kernel.attn.num_heads % kernel.attn.num_kv_heads:
@@ -141,6 +144,23 @@ def _self_contained(run: LayerRun | None, steps: list[_Step]) -> LayerRun | None
     inside = {n for s in steps[run.first : run.end] for n in s.outputs} - {run.x_name, run.residual_name}
     later = {n for s in steps[run.end :] for n in s.inputs}
     return None if inside & later else run
+
+
+# op type -> (input slot of a weight, the attribute saying its bits: 0 for a float matrix)
+_MATRICES = {"Linear": ((1, "bits"),), "Embedding": ((1, "bits"),),
+             "MoE": ((2, "gate_up_bits"), (3, "down_bits"))}
+
+
+def _cast_float_matrices(nodes: Any, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """Float matrices in the run's weight dtype, each once (a tied head shares the table's initializer), as
+    the loader rounds a checkpoint's into a bf16 model; norms, biases and rotary tables keep theirs."""
+    for node in nodes:
+        for slot, bits_attr in _MATRICES.get(node.op_type, ()) if node.domain == PERFXLM_DOMAIN else ():
+            bits = next((a.i for a in node.attribute if a.name == bits_attr), 0)
+            name = node.input[slot] if slot < len(node.input) else ""
+            w = weights.get(name)
+            if bits == 0 and w is not None and w.is_floating_point() and w.dtype != dtype:
+                weights[name] = w.to(dtype)
 
 
 def _check_opsets(proto: onnx.ModelProto, path: str) -> None:

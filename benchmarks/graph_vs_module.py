@@ -1,0 +1,72 @@
+"""An exported perfxlm-flavor graph against the module path on the same weights, same process, rounds
+alternating: prefill tok/s (512-token prompt) and batch-1 decode tok/s (512-token context, 128 new tokens).
+
+    python benchmarks/graph_vs_module.py [--model PATH] [--folder OUT_DIR] [--dtype auto] [--repeats 3]
+
+Without --folder the model is exported (`--flavor perfxlm`, the run's dtype) into a temporary folder.
+Prints each round and the medians with graph / module ratios. Not a test: timings belong here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+
+from perfxlm import LLM, SamplingParams
+from perfxlm.export.package import export_onnx
+
+
+def prompt(length: int, vocab: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"prompt_token_ids": torch.randint(100, vocab, (length,), generator=g).tolist()}]
+
+
+def prefill_rate(llm: LLM, vocab: int, seed: int) -> float:
+    t = time.perf_counter()
+    llm.generate(prompt(512, vocab, seed), SamplingParams(max_tokens=1), use_tqdm=False)
+    return 512 / (time.perf_counter() - t)
+
+
+def decode_rate(llm: LLM, vocab: int, seed: int) -> float:
+    out = llm.generate(prompt(512, vocab, seed), SamplingParams(max_tokens=128, ignore_eos=True), use_tqdm=False)[0]
+    return 127 / (out.metrics.finished_time - out.metrics.first_token_time)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="the source model (default: the embedded default model)")
+    ap.add_argument("--folder", default=None, help="its perfxlm-flavor export (default: exported here)")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = args.folder
+        if folder is None:
+            folder = f"{tmp}/graph"
+            export_onnx(args.model, folder, flavor="perfxlm", dtype=args.dtype)
+        kw = dict(dtype=args.dtype, enable_prefix_caching=False, kv_cache_gib=1.0)
+        engines = {"module": LLM(args.model, **kw), "graph": LLM(folder, **kw)}
+        vocab = engines["module"].llm_engine.config.hf_config.vocab_size
+        for llm in engines.values():  # warm-up
+            llm.generate(prompt(64, vocab, 0), SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        rates: dict[str, dict[str, list[float]]] = {n: {"prefill": [], "decode": []} for n in engines}
+        for r in range(args.repeats):
+            for name, llm in engines.items():  # alternating: both see the same load
+                rates[name]["prefill"].append(prefill_rate(llm, vocab, 100 + r))
+                rates[name]["decode"].append(decode_rate(llm, vocab, 200 + r))
+                print(f"round {r} {name}: prefill {rates[name]['prefill'][-1]:.0f} tok/s, "
+                      f"decode {rates[name]['decode'][-1]:.1f} tok/s", flush=True)
+    med = {n: {k: statistics.median(v) for k, v in kinds.items()} for n, kinds in rates.items()}
+    for kind in ("prefill", "decode"):
+        print(f"median {kind}: module {med['module'][kind]:.1f} tok/s, graph {med['graph'][kind]:.1f} tok/s, "
+              f"graph/module {med['graph'][kind] / med['module'][kind]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
