@@ -3,11 +3,16 @@
 // slot's columns only) then an expand (y += h B^T, each B row over the output columns it covers only),
 // so a slot's A and B are read once per step whatever the number of its rows, other slots' columns are
 // never touched, and the zero blocks of a fused projection's packed B^T (q's B beside k's columns) are
-// skipped. Both passes split across threads as the base GEMV kernels do: the shrink over packed
-// columns, the expand over blocks of 16 output columns; work too small to pay for a parallel region's
-// fork and join stays on the calling thread. A and B come in float32 (exact against peft in a float32
-// engine) or bfloat16 (half the bytes, the adapters' form next to bf16 or quantized base weights),
-// widened in registers; sums are float32 either way.
+// skipped. A and B come in float32 (exact against peft in a float32 engine) or bfloat16 (half the
+// bytes, the adapters' form next to bf16 or quantized base weights), widened in registers; sums are
+// float32 either way.
+//
+// Threads: the work is cut into units that write disjoint parts of y, so one parallel region per
+// projection needs no barrier between shrink and expand: a unit is one slot's rows over one part of the
+// projection (q, k or v; gate or up), whose output columns no other part covers, and a part whose
+// expand outweighs its shrink is cut further into output-column blocks, each redoing the part's small
+// shrink. Threads take units largest first from a shared counter. Work too small to pay for a parallel
+// region's fork and join stays on the calling thread.
 //
 // Decode with adapters is bound by reading A and B (at rank 16 on every projection of a 135M model,
 // 1 MB of float32 per layer, 30 MB per step beside the 4-bit model's 98 MB), so bytes and the threads
@@ -19,6 +24,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -28,9 +34,10 @@
 namespace perfxlm_lora {
 namespace {
 
-// Below this many multiply-adds a pass runs on the calling thread (a 1-row step's qkv shrink at rank 16
-// is about 28 thousand).
-constexpr int64_t kParallelMacs = 1 << 15;
+// Below this many multiply-adds a projection's products run on the calling thread (a 1-row step's
+// q|k|v at rank 16 on a 576-wide model is about 45 thousand).
+constexpr int64_t kParallelMacs = 1 << 14;
+constexpr int kMaxTile = 8;
 #ifdef PERFXLM_SIMD16
 constexpr int kTile = simd16::kAvx512 ? 8 : 4;  // rows sharing one load of A or B
 #else
@@ -51,48 +58,55 @@ struct Segment {
   int64_t c0, c1, n0, n1;
 };
 
-// The rows of the step that use one slot, with that slot's columns in this projection.
+// The rows of the step that use one slot, with that slot's parts in this projection.
 struct Group {
-  int64_t c0 = 0, c1 = 0;
   std::vector<int64_t> rows;
   std::vector<Segment> segments;
-  int64_t h_offset = 0;  // where its h [rows, c1 - c0] starts in the step's buffer
 };
 
-// h[i][c] = (x_i . A_c) * scale_c for MT rows and one column c.
+// One piece of work: a group's rows over one segment's columns, adding to output columns [n0, n1).
+struct Unit {
+  const Group* group;
+  const Segment* segment;
+  int64_t n0, n1, macs;
+};
+
+// h[i][j] = (x_i . A_{c0 + j}) * scale for MT rows and the segment's columns.
 template <int MT, typename W>
-void shrink_tile(const float* const* xr, int64_t K, const W* a, float scale, float* const* h) {
+void shrink_tile(const float* const* xr, int64_t K, const W* a, const float* scale, int64_t cols, float* h) {
+  for (int64_t j = 0; j < cols; ++j) {
+    const W* aj = a + j * K;
 #ifdef PERFXLM_SIMD16
-  simd16::V acc[MT];
-  for (int i = 0; i < MT; ++i) acc[i] = simd16::zero();
-  for (int64_t k = 0; k < K; k += 16) {
-    const simd16::V av = simd16::load(a + k, K - k);
-    for (int i = 0; i < MT; ++i) acc[i] = simd16::fmadd(simd16::load(xr[i] + k, K - k), av, acc[i]);
-  }
-  for (int i = 0; i < MT; ++i) *h[i] = simd16::reduce_add(acc[i]) * scale;
+    simd16::V acc[MT];
+    for (int i = 0; i < MT; ++i) acc[i] = simd16::zero();
+    for (int64_t k = 0; k < K; k += 16) {
+      const simd16::V av = simd16::load(aj + k, K - k);
+      for (int i = 0; i < MT; ++i) acc[i] = simd16::fmadd(simd16::load(xr[i] + k, K - k), av, acc[i]);
+    }
+    for (int i = 0; i < MT; ++i) h[i * cols + j] = simd16::reduce_add(acc[i]) * scale[j];
 #else
-  float acc[MT] = {};
-  for (int64_t k = 0; k < K; ++k) {
-    const float av = widen(a[k]);
-    for (int i = 0; i < MT; ++i) acc[i] += xr[i][k] * av;
-  }
-  for (int i = 0; i < MT; ++i) *h[i] = acc[i] * scale;
+    float acc[MT] = {};
+    for (int64_t k = 0; k < K; ++k) {
+      const float av = widen(aj[k]);
+      for (int i = 0; i < MT; ++i) acc[i] += xr[i][k] * av;
+    }
+    for (int i = 0; i < MT; ++i) h[i * cols + j] = acc[i] * scale[j];
 #endif
+  }
 }
 
-// y_i[n0:n1] += sum over the segment's columns c of h_i[c] * B^T[c, n0:n1], for MT rows; each y value is
-// read and written once, each B value read once.
+// y_i[n0:n1] += sum over the segment's columns j of h_i[j] * B^T[c0 + j, n0:n1], for MT rows; each y
+// value is read and written once, each B value read once.
 template <int MT, typename W>
-void expand_tile(float* const* yr, const float* const* hr, const W* bt, int64_t N, int64_t cols, int64_t n0,
-                 int64_t n1) {
+void expand_tile(float* const* yr, const float* h, const W* bt, int64_t N, int64_t cols, int64_t n0, int64_t n1) {
 #ifdef PERFXLM_SIMD16
   for (int64_t n = n0; n < n1; n += 16) {
     const int64_t valid = n1 - n;
     simd16::V acc[MT];
     for (int i = 0; i < MT; ++i) acc[i] = simd16::load(yr[i] + n, valid);
-    for (int64_t c = 0; c < cols; ++c) {
-      const simd16::V b = simd16::load(bt + c * N + n, valid);
-      for (int i = 0; i < MT; ++i) acc[i] = simd16::fmadd(simd16::set1(hr[i][c]), b, acc[i]);
+    for (int64_t j = 0; j < cols; ++j) {
+      const simd16::V b = simd16::load(bt + j * N + n, valid);
+      for (int i = 0; i < MT; ++i) acc[i] = simd16::fmadd(simd16::set1(h[i * cols + j]), b, acc[i]);
     }
     for (int i = 0; i < MT; ++i) simd16::store(yr[i] + n, acc[i], valid);
   }
@@ -100,9 +114,9 @@ void expand_tile(float* const* yr, const float* const* hr, const W* bt, int64_t 
   for (int64_t n = n0; n < n1; ++n) {
     float acc[MT];
     for (int i = 0; i < MT; ++i) acc[i] = yr[i][n];
-    for (int64_t c = 0; c < cols; ++c) {
-      const float b = widen(bt[c * N + n]);
-      for (int i = 0; i < MT; ++i) acc[i] += hr[i][c] * b;
+    for (int64_t j = 0; j < cols; ++j) {
+      const float b = widen(bt[j * N + n]);
+      for (int i = 0; i < MT; ++i) acc[i] += h[i * cols + j] * b;
     }
     for (int i = 0; i < MT; ++i) yr[i][n] = acc[i];
   }
@@ -123,68 +137,71 @@ void with_tile(int64_t m, F&& f) {
   }
 }
 
-int64_t grain(int64_t tasks, int64_t macs) {
-  if (macs < kParallelMacs || tasks <= 1) return std::max<int64_t>(tasks, 1);
-  const int64_t per_task = std::max<int64_t>(1, macs / tasks);
-  return std::max<int64_t>(1, kParallelMacs / 2 / per_task);
+struct Operands {
+  float* y;
+  int64_t y_stride;
+  const float* x;
+  int64_t x_stride, K, N;
+  const float* scale;
+};
+
+template <typename W>
+void run_unit(const Unit& u, const Operands& o, const W* a, const W* bt, std::vector<float>& h) {
+  const Segment& s = *u.segment;
+  const std::vector<int64_t>& rows = u.group->rows;
+  const int64_t cols = s.c1 - s.c0, n = static_cast<int64_t>(rows.size());
+  h.resize(static_cast<size_t>(kTile * cols));
+  for (int64_t i0 = 0; i0 < n; i0 += kTile) {
+    const int64_t m = std::min<int64_t>(kTile, n - i0);
+    const float* xr[kMaxTile];
+    float* yr[kMaxTile];
+    for (int64_t i = 0; i < m; ++i) {
+      xr[i] = o.x + rows[i0 + i] * o.x_stride;
+      yr[i] = o.y + rows[i0 + i] * o.y_stride;
+    }
+    with_tile(m, [&](auto mt) {
+      constexpr int MT = decltype(mt)::value;
+      shrink_tile<MT>(xr, o.K, a + s.c0 * o.K, o.scale + s.c0, cols, h.data());
+      expand_tile<MT>(yr, h.data(), bt + s.c0 * o.N, o.N, cols, u.n0, u.n1);
+    });
+  }
 }
 
 template <typename W>
-void apply(float* y, int64_t y_stride, const float* x, int64_t x_stride, int64_t K, const W* a, const W* bt,
-           int64_t N, const float* scale, std::vector<Group>& groups) {
-  // shrink: one task per (group, column), flattened
-  std::vector<std::pair<int32_t, int64_t>> tasks;
-  int64_t h_size = 0, shrink_macs = 0, expand_macs = 0;
-  for (size_t g = 0; g < groups.size(); ++g) {
-    Group& gr = groups[g];
-    gr.h_offset = h_size;
-    const int64_t rows = static_cast<int64_t>(gr.rows.size());
-    h_size += rows * (gr.c1 - gr.c0);
-    for (int64_t c = gr.c0; c < gr.c1; ++c) tasks.emplace_back(static_cast<int32_t>(g), c);
-    shrink_macs += rows * (gr.c1 - gr.c0) * K;
-    for (const Segment& s : gr.segments) expand_macs += rows * (s.c1 - s.c0) * (s.n1 - s.n0);
+void apply(const Operands& o, const W* a, const W* bt, const std::vector<Group>& groups) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  int64_t pairs = 0;
+  for (const Group& g : groups) pairs += static_cast<int64_t>(g.segments.size());
+  std::vector<Unit> units;
+  int64_t total = 0;
+  for (const Group& g : groups) {
+    const int64_t rows = static_cast<int64_t>(g.rows.size());
+    for (const Segment& s : g.segments) {
+      const int64_t shrink = rows * (s.c1 - s.c0) * o.K, width = s.n1 - s.n0;
+      const int64_t expand = rows * (s.c1 - s.c0) * width;
+      // cut a part's outputs only while there are fewer parts than threads, and only as far as each
+      // piece's expand still outweighs the shrink it repeats
+      int64_t pieces = 1;
+      if (pairs < threads) pieces = std::clamp<int64_t>(expand / std::max<int64_t>(shrink, 1), 1, threads);
+      const int64_t step = ((width + pieces - 1) / pieces + 15) / 16 * 16;
+      for (int64_t n0 = s.n0; n0 < s.n1; n0 += step) {
+        const int64_t n1 = std::min(s.n1, n0 + step);
+        units.push_back({&g, &s, n0, n1, shrink + rows * (s.c1 - s.c0) * (n1 - n0)});
+        total += units.back().macs;
+      }
+    }
   }
-  std::vector<float> h(static_cast<size_t>(h_size));
-  const int64_t n_tasks = static_cast<int64_t>(tasks.size());
-  at::parallel_for(0, n_tasks, grain(n_tasks, shrink_macs), [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      const Group& gr = groups[tasks[j].first];
-      const int64_t c = tasks[j].second, span = gr.c1 - gr.c0, rows = static_cast<int64_t>(gr.rows.size());
-      for (int64_t i0 = 0; i0 < rows; i0 += kTile) {
-        const int64_t m = std::min<int64_t>(kTile, rows - i0);
-        const float* xr[8];
-        float* hp[8];
-        for (int64_t i = 0; i < m; ++i) {
-          xr[i] = x + gr.rows[i0 + i] * x_stride;
-          hp[i] = h.data() + gr.h_offset + (i0 + i) * span + (c - gr.c0);
-        }
-        with_tile(m, [&](auto mt) { shrink_tile<decltype(mt)::value>(xr, K, a + c * K, scale[c], hp); });
-      }
-    }
-  });
-  // expand: blocks of 16 output columns
-  const int64_t blocks = (N + 15) / 16;
-  at::parallel_for(0, blocks, grain(blocks, expand_macs), [&](int64_t begin, int64_t end) {
-    const int64_t lo = begin * 16, hi = std::min(N, end * 16);
-    for (const Group& gr : groups) {
-      const int64_t span = gr.c1 - gr.c0, rows = static_cast<int64_t>(gr.rows.size());
-      for (const Segment& s : gr.segments) {
-        const int64_t n0 = std::max(s.n0, lo), n1 = std::min(s.n1, hi);
-        if (n0 >= n1) continue;
-        for (int64_t i0 = 0; i0 < rows; i0 += kTile) {
-          const int64_t m = std::min<int64_t>(kTile, rows - i0);
-          float* yr[8];
-          const float* hr[8];
-          for (int64_t i = 0; i < m; ++i) {
-            yr[i] = y + gr.rows[i0 + i] * y_stride;
-            hr[i] = h.data() + gr.h_offset + (i0 + i) * span + (s.c0 - gr.c0);
-          }
-          with_tile(m, [&](auto mt) {
-            expand_tile<decltype(mt)::value>(yr, hr, bt + s.c0 * N, N, s.c1 - s.c0, n0, n1);
-          });
-        }
-      }
-    }
+  std::vector<float> h;
+  if (total < kParallelMacs || units.size() < 2 || threads < 2) {
+    for (const Unit& u : units) run_unit(u, o, a, bt, h);
+    return;
+  }
+  std::sort(units.begin(), units.end(), [](const Unit& p, const Unit& q) { return p.macs > q.macs; });
+  std::atomic<int64_t> next{0};
+  const int64_t n_units = static_cast<int64_t>(units.size());
+  at::parallel_for(0, std::min(threads, n_units), 1, [&](int64_t, int64_t) {
+    std::vector<float> local;
+    for (int64_t j = next.fetch_add(1); j < n_units; j = next.fetch_add(1)) run_unit(units[j], o, a, bt, local);
   });
 }
 
@@ -222,8 +239,8 @@ void add(at::Tensor& y, const at::Tensor& x, at::TensorList lora, int64_t index)
   }
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
 
-  // each slot's columns (contiguous: the slots are packed one after another), split where the output
-  // columns a B row covers change
+  // each slot's parts: runs of its columns (contiguous, the slots are packed one after another) whose B
+  // rows cover the same output columns
   const int32_t* info = cols.data_ptr<int32_t>();
   std::vector<Group> groups;
   std::vector<int64_t> group_of_slot;
@@ -234,16 +251,14 @@ void add(at::Tensor& y, const at::Tensor& x, at::TensorList lora, int64_t index)
     if (group_of_slot[slot] < 0) {
       group_of_slot[slot] = static_cast<int64_t>(groups.size());
       groups.emplace_back();
-      groups.back().c0 = c;
     } else {
       TORCH_CHECK(info[3 * (c - 1)] == slot, "lora: a slot's columns must be contiguous");
     }
-    Group& gr = groups[group_of_slot[slot]];
-    gr.c1 = c + 1;
-    if (!gr.segments.empty() && gr.segments.back().n0 == n0 && gr.segments.back().n1 == n1) {
-      gr.segments.back().c1 = c + 1;
-    } else {
-      gr.segments.push_back({c, c + 1, n0, n1});
+    std::vector<Segment>& segments = groups[group_of_slot[slot]].segments;
+    if (!segments.empty() && segments.back().c1 == c && segments.back().n0 == n0 && segments.back().n1 == n1) {
+      segments.back().c1 = c + 1;
+    } else if (n1 > n0) {
+      segments.push_back({c, c + 1, n0, n1});
     }
   }
   const int32_t* rs = row_slot.data_ptr<int32_t>();
@@ -255,14 +270,12 @@ void add(at::Tensor& y, const at::Tensor& x, at::TensorList lora, int64_t index)
   groups.erase(std::remove_if(groups.begin(), groups.end(), [](const Group& g) { return g.rows.empty(); }),
                groups.end());
   if (groups.empty()) return;
-  float* yp = y.data_ptr<float>();
-  const float* xp = xc.data_ptr<float>();
-  const float* sp = scale.data_ptr<float>();
+  const Operands o{y.data_ptr<float>(), y.stride(0), xc.data_ptr<float>(), xc.stride(0), K, N, scale.data_ptr<float>()};
   if (a.scalar_type() == at::kFloat) {
-    apply(yp, y.stride(0), xp, xc.stride(0), K, a.data_ptr<float>(), bt.data_ptr<float>(), N, sp, groups);
+    apply(o, a.data_ptr<float>(), bt.data_ptr<float>(), groups);
   } else {
-    apply(yp, y.stride(0), xp, xc.stride(0), K, reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()),
-          reinterpret_cast<const uint16_t*>(bt.data_ptr<at::BFloat16>()), N, sp, groups);
+    apply(o, reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()),
+          reinterpret_cast<const uint16_t*>(bt.data_ptr<at::BFloat16>()), groups);
   }
 }
 

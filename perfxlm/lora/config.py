@@ -24,7 +24,8 @@ class LoRAConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
         key = str(self.dtype).removeprefix("torch.")
         if key not in _DTYPES:
-            raise ValueError(f"lora_dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}.")
+            raise ValueError(f"lora_dtype={self.dtype!r} is not supported: adapters are stored in float32 or "
+                             "bfloat16 (use 'auto', 'float32' or 'bfloat16').")
         object.__setattr__(self, "dtype", key)
         cpu = self.max_cpu_loras
         if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < self.max_loras):
