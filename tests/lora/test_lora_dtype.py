@@ -62,7 +62,9 @@ def test_bf16_adapters_match_peft_rounded_and_the_module_path(lora_base, adapter
     for prompt, lora, (tokens, _) in zip(prompts, loras, fused):
         assert tokens == peft_greedy(lora_base, rounded[lora.lora_name] if lora else None, prompt, 12), lora
     llm.llm_engine.core.model.model.fused_decode.eligible = False  # the module path
-    _assert_same(fused, outputs(), "bf16 adapters, fused vs module path")
+    # the same adapter values on both paths; only float32 summation order differs (the portable tier's
+    # sequential sums drift up to ~1e-4 in 12 steps of this random model)
+    _assert_same(fused, outputs(), "bf16 adapters, fused vs module path", tolerance=5e-4)
     assert_pool_whole(llm)
 
 

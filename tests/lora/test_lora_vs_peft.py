@@ -138,13 +138,13 @@ def test_fused_decode_adds_the_adapters(lora_base, adapters):
     assert_pool_whole(llm)
 
 
-def _assert_same(got, want, what):
+def _assert_same(got, want, what, tolerance=1e-4):
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, want, strict=True):
         assert tokens == ref_tokens, what
         for step, ref_step in zip(logprobs, ref_logprobs):
             assert step.keys() == ref_step.keys()
             for t in step:
-                assert abs(step[t].logprob - ref_step[t].logprob) < 1e-4, what
+                assert abs(step[t].logprob - ref_step[t].logprob) < tolerance, what
 
 
 def test_fused_decode_adapters_at_many_rows(lora_base, adapters):
