@@ -78,6 +78,7 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2 GGUF")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default=None)
+    ap.add_argument("--lora-dtype", default="auto", help="what A and B are stored in (auto, float32, bfloat16)")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--adapters", type=int, default=4)
     ap.add_argument("--parallel", type=int, default=16)
@@ -91,7 +92,8 @@ def main() -> int:
         args.model = default_model_path()
     common = dict(dtype=args.dtype, quantization=args.quantization, enable_prefix_caching=False)
     base = LLM(args.model, **common)
-    lora = LLM(args.model, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank, **common)
+    lora = LLM(args.model, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank,
+               lora_dtype=args.lora_dtype, **common)
     cfg = lora.llm_engine.config.hf_config
     g = torch.Generator().manual_seed(0)
     vocab = cfg.vocab_size
@@ -111,7 +113,8 @@ def main() -> int:
             rows["dec_lora"].append(decode_tok_s(lora, long_prompt, args.output_len, requests[0]))
             print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rows.items()), flush=True)
     med = {k: statistics.median(v) for k, v in rows.items()}
-    print(f"\nmodel {args.model}, {args.adapters} adapters of rank {args.rank}, {torch.get_num_threads()} threads, "
+    print(f"\nmodel {args.model}, {args.adapters} adapters of rank {args.rank} ({args.lora_dtype}), "
+          f"{torch.get_num_threads()} threads, "
           f"medians of {args.rounds} alternating rounds")
     print(f"{args.parallel} parallel {args.input_len}/{args.output_len}, generated tok/s: base {med['par_base']:.1f}, "
           f"across {args.adapters} adapters {med['par_lora']:.1f} -> {med['par_lora'] / med['par_base']:.2f}x")

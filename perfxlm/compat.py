@@ -51,9 +51,8 @@ def split_vllm_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
     if override is not None and rest.get("pooler_config") is None:  # vLLM's older name of pooler_config
         settings["pooler_config"] = override
     lora_dtype = rest.pop("lora_dtype", "auto")
-    if lora_dtype not in ("auto", None):
-        raise ValueError(f"lora_dtype={lora_dtype!r} is not supported: adapters compute in the model's activation "
-                         "dtype; leave it 'auto'.")
+    if lora_dtype is not None:  # an engine field (checked by lora.config.LoRAConfig)
+        settings["lora_dtype"] = lora_dtype
     nbytes = rest.pop("kv_cache_memory_bytes", None)
     if nbytes is not None:
         if not isinstance(nbytes, int) or nbytes <= 0:

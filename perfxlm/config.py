@@ -123,6 +123,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # vLLM's lora_dtype: "auto" (float32 adapters beside float32 weights, bfloat16 beside bf16 or quantized
+    # ones), "float32" or "bfloat16"
+    lora_dtype: str = "auto"
     # vLLM's runner kinds: "auto" (pooling for an encoder, else generate), "generate", "pooling" (embeddings,
     # classification, scores: perfxlm/pooling/); convert "auto" | "none" | "embed" | "classify" | "reward"
     # says what a pooling model is used as; pooler_config {"pooling_type", "normalize"} overrides how it pools.
@@ -177,7 +180,7 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 or self.data_parallel_size > 1 or self.distributed_executor_backend == "external_launcher":
             raise ValueError("enable_lora runs in one process for now: use tensor_parallel_size=1 and "
                              "data_parallel_size=1, or merge the adapter into the weights.")
-        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras, self.lora_dtype)
 
     def _resolve_quantization(self) -> Any:
         from perfxlm.quant.config import QuantizationConfig

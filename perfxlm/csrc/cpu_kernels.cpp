@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "attention_kernels.h"  // the fused layer's cache write and attention
+#include "lora_kernels.h"  // the step's LoRA adapters after each projection
 #include "quant_linear.h"  // quantized weights in the fused layer's projections
 #include "simd16.h"  // the GEMV kernels' 16-lane vectors: AVX-512, or AVX2 + FMA
 
@@ -409,71 +410,6 @@ at::Tensor project(const at::Tensor& x, at::TensorList parts, int64_t n_out, con
   return at::linear(x, w, has_bias ? *bias : at::Tensor());
 }
 
-// y += (x A^T * scale) B^T: the step's LoRA adapters on one projection (perfxlm/lora/slots.py's
-// LoRABatch.add). `lora` holds (A [R, in], B^T [R, out], scale [R] or [rows, R]) for qkv, o, gate_up and
-// down in turn (qkv and o only where the layer's MLP runs outside the call); an empty A: no adapter there;
-// an empty list: no adapter in the step.
-// A decode step's rows are few and the ranks small: three ATen ops per projection (about 360 per step
-// for a 30-layer model) cost more in dispatch than their arithmetic, so up to kLoraRows rows run here in
-// one pass on the calling thread, skipping the columns whose scale is 0 (another slot's adapter); more
-// rows take the same ATen ops as the module path.
-constexpr int64_t kLoraRows = 64;
-
-void lora_rows(const float* x, int64_t x_stride, int64_t T, int64_t K, const float* a, int64_t R, const float* bt,
-               int64_t N, const float* scale, bool per_row_scale, float* y, int64_t y_stride) {
-  for (int64_t t = 0; t < T; ++t) {
-    const float* xt = x + t * x_stride;
-    float* yt = y + t * y_stride;
-    const float* st = scale + (per_row_scale ? t * R : 0);
-    for (int64_t r = 0; r < R; ++r) {
-      if (st[r] == 0.0f) continue;
-      const float* ar = a + r * K;
-#ifdef PERFXLM_SIMD16
-      simd16::V acc = simd16::zero();
-      for (int64_t k = 0; k < K; k += 16) acc = simd16::fmadd(simd16::load(xt + k, K - k), simd16::load(ar + k, K - k), acc);
-      const float h = simd16::reduce_add(acc) * st[r];
-      const simd16::V hv = simd16::set1(h);
-      const float* br = bt + r * N;
-      for (int64_t n = 0; n < N; n += 16)
-        simd16::store(yt + n, simd16::fmadd(hv, simd16::load(br + n, N - n), simd16::load(yt + n, N - n)), N - n);
-#else
-      float dot = 0.0f;
-      for (int64_t k = 0; k < K; ++k) dot += xt[k] * ar[k];
-      const float h = dot * st[r];
-      const float* br = bt + r * N;
-      for (int64_t n = 0; n < N; ++n) yt[n] += h * br[n];
-#endif
-    }
-  }
-}
-
-void add_lora(at::Tensor& y, const at::Tensor& x, at::TensorList lora, int64_t index) {
-  if (lora.empty()) return;
-  TORCH_CHECK(lora.size() >= 3 * (index + 1), "decode_layer: lora is (A, B^T, scale) for qkv, o, gate_up, down");
-  const at::Tensor& a = lora[3 * index];
-  if (!a.numel()) return;
-  const at::Tensor& bt = lora[3 * index + 1];
-  const at::Tensor& scale = lora[3 * index + 2];
-  const int64_t T = x.size(0), K = x.size(1), R = a.size(0), N = bt.size(1);
-  // rows may sit at any stride (a projection's output can be a view of a wider buffer), values in a row
-  // must be adjacent
-  const bool fits = T <= kLoraRows && x.dim() == 2 && y.dim() == 2 && x.stride(1) == 1 && y.stride(1) == 1 &&
-                    a.is_contiguous() &&
-                    bt.is_contiguous() && scale.is_contiguous() && a.scalar_type() == at::kFloat &&
-                    bt.scalar_type() == at::kFloat && scale.scalar_type() == at::kFloat &&
-                    y.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat;
-  if (fits) {
-    TORCH_CHECK(a.size(1) == K && bt.size(0) == R && y.size(1) == N, "decode_layer: lora shapes disagree");
-    const bool per_row = scale.dim() == 2;
-    TORCH_CHECK(per_row ? (scale.size(0) == T && scale.size(1) == R) : scale.numel() == R,
-                "decode_layer: lora scale must be [R] or [rows, R]");
-    lora_rows(x.data_ptr<float>(), x.stride(0), T, K, a.data_ptr<float>(), R, bt.data_ptr<float>(), N,
-              scale.data_ptr<float>(), per_row, y.data_ptr<float>(), y.stride(0));
-    return;
-  }
-  y.addmm_(at::mm(x, a.t()).mul_(scale), bt);
-}
-
 // RMSNorm over each head of rows [T, heads * D] (row stride `stride`) in place (Qwen3's q/k norms).
 void head_rms_norm_(float* base, int64_t stride, int64_t T, int64_t heads, int64_t D, const at::Tensor& weight,
                     double eps) {
@@ -528,7 +464,7 @@ std::vector<at::Tensor> decode_layer(
     h = x;
   }
   at::Tensor qkv = project(h, w_qkv, q_size + 2 * kv_size, b_qkv, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);  // [T, q | k | v]
-  add_lora(qkv, h, lora, 0);
+  perfxlm_lora::add(qkv, h, lora, 0);
   const int64_t row = qkv.stride(0);
   float* qkv_p = qkv.data_ptr<float>();
   if (q_norm.has_value() && q_norm->defined()) {
@@ -547,7 +483,7 @@ std::vector<at::Tensor> decode_layer(
                                                          sliding_window, soft_cap, key_scale, value_scale, sinks);
   const at::Tensor attn_rows = attn.view({T, q_size});
   at::Tensor o = project(attn_rows, w_o, hidden, b_o, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);
-  add_lora(o, attn_rows, lora, 1);
+  perfxlm_lora::add(o, attn_rows, lora, 1);
   if (sandwich) {
     x = x + rms_norm(o, post_norm, eps);
     h = rms_norm(x, *pre_ff_norm, eps);
@@ -560,10 +496,10 @@ std::vector<at::Tensor> decode_layer(
     return {h, residual};
   }
   at::Tensor gate_up = project(h, w_gate_up, 2 * intermediate, b_gate_up, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);
-  add_lora(gate_up, h, lora, 2);
+  perfxlm_lora::add(gate_up, h, lora, 2);
   const at::Tensor act = mlp_activation(gate_up, intermediate, activation);
   at::Tensor out = project(act, w_down, hidden, b_down, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);
-  add_lora(out, act, lora, 3);
+  perfxlm_lora::add(out, act, lora, 3);
   if (sandwich) {
     x = x + rms_norm(out, *post_ff_norm, eps);
     return {x, x};

@@ -34,7 +34,8 @@ class ModuleExecutor(InProcessExecutor):
         c = self.config
         slots = None
         if c.lora_config is not None:
-            slots = LoRASlots(self.lora_wrappers, c.lora_config.max_loras, c.torch_dtype)
+            slots = LoRASlots(self.lora_wrappers, c.lora_config.max_loras, c.torch_dtype,
+                              c.lora_config.storage_dtype(c.weight_dtype))
         self.runner = ModelRunner(self.model, num_blocks, c.resolved.block_size, c.resolved.kv_cache_spec, slots)
 
     def describe(self) -> str:

@@ -13,6 +13,16 @@ columns per projection whether a row uses one adapter or none: at max_loras 4 an
 columns against the projection's thousands. A step whose rows all use one adapter takes only that
 slot's columns (a view), so batch-1 decode with an adapter pays for its own rank alone.
 
+The fused decode layer does not take the dense products: its kernel (csrc/lora_kernels.cpp) groups the
+rows by slot and reads only each used slot's A and the part of each B row its module covers
+(`fused_operands`), so the zeros beside a fused projection's parts and the slots no row uses cost nothing.
+
+A and B are stored in the LoRA dtype (LoRAConfig.dtype; "auto": float32 beside float32 base weights, so
+a float32 engine matches peft exactly, bfloat16 beside bf16 or quantized ones, as vLLM keeps adapters in
+the model's dtype): decode with adapters is bound by reading them. Products always sum in float32 on the
+fused path; the module path widens the stored values to the activations' dtype, so both paths use the
+same adapter values.
+
 Slots (max_loras) are filled on demand and the least recently used one not needed by the step is given
 up; the scheduler never puts more distinct adapters than max_loras in one step. Filling a slot repacks
 every projection (copies the slots' weights, a few MB), so it happens only when the step's adapters are
@@ -43,12 +53,16 @@ class ColumnLayout:
 
 @dataclass(frozen=True)
 class PackedLoRA:
-    a: torch.Tensor  # [R, in]
+    a: torch.Tensor  # [R, in], the LoRA dtype
     # B^T [R, out], the right operand of h B^T as a plain row-major matrix: one slot's columns are a
     # contiguous block of rows, and the GEMM never takes a transposed operand (torch's CPU GEMM ran the
     # [rows, R] x [out, R]^T product of a 1-row step up to 1000x slower than this layout, measured)
     bt: torch.Tensor
     layout: ColumnLayout
+    # the fused kernel's view: each column's scale (float32) and [slot, n0, n1) (int32 [R, 3]), the
+    # output columns its B row covers (one part of a fused projection)
+    kernel_scale: torch.Tensor
+    kernel_cols: torch.Tensor
 
 
 # Below this many multiply-adds an adapter product runs on the calling thread. The products are small
@@ -65,6 +79,7 @@ class LoRABatch:
         self.row_slot = row_slot  # [rows] int64
         self.single_slot = single_slot  # the one slot every row uses, if so
         self._masks: dict[int, torch.Tensor] = {}  # id(layout) -> [rows, R] mask, for this step
+        self._row_slot32: torch.Tensor | None = None
 
     @staticmethod
     def targets(module: Any) -> bool:
@@ -90,11 +105,25 @@ class LoRABatch:
             self._masks[id(layout)] = scale
         return packed.a, packed.bt, scale
 
+    def fused_operands(self, projections: Sequence[Any]) -> list[torch.Tensor]:
+        """The fused decode layer's `lora` list for one layer's projections (csrc/lora_kernels.h): the rows'
+        slots, then (A, B^T, scale, cols) per projection, empty tensors where no adapter targets it."""
+        if self._row_slot32 is None:
+            self._row_slot32 = self.row_slot.to(torch.int32)
+        ops = [self._row_slot32]
+        for m in projections:
+            packed: PackedLoRA | None = getattr(m, "packed", None)
+            ops += _NO_KERNEL_OPERANDS if packed is None else (packed.a, packed.bt, packed.kernel_scale,
+                                                               packed.kernel_cols)
+        return ops
+
     def add(self, layer: Any, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         ops = self.operands(layer)
         if ops is None:
             return out
         a, bt, scale = ops
+        if a.dtype != x.dtype:  # bf16 adapters beside float32 activations: the fused kernel's values
+            a, bt = a.to(x.dtype), bt.to(x.dtype)
         threads = torch.get_num_threads()
         serial = threads > 1 and x.shape[0] * a.shape[0] * (a.shape[1] + bt.shape[1]) < _SERIAL_MACS
         if serial:
@@ -104,6 +133,9 @@ class LoRABatch:
         finally:
             if serial:
                 torch.set_num_threads(threads)
+
+
+_NO_KERNEL_OPERANDS = (torch.empty(0),) * 4
 
 
 @dataclass
@@ -118,7 +150,8 @@ class LoRASlots:
 
     wrappers: Sequence[Any]  # layers.LoRALinear
     max_loras: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the activations'
+    storage_dtype: torch.dtype | None = None  # A's and B's (LoRAConfig.dtype resolved); None: `dtype`
     slots: dict[int, _Slot] = field(default_factory=dict)  # slot index -> adapter
     step: int = 0
     num_repacks: int = 0  # how often the slots' contents changed (tests, metrics)
@@ -162,7 +195,7 @@ class LoRASlots:
         self.num_repacks += 1
         layouts: dict[tuple, ColumnLayout] = {}
         for wrapper in self.wrappers:
-            a_parts, b_blocks, col_slot, col_scale, spans = [], [], [], [], {}
+            a_parts, b_blocks, col_slot, col_scale, col_out, spans = [], [], [], [], [], {}
             column = 0
             for index in sorted(self.slots):
                 start = column
@@ -171,14 +204,16 @@ class LoRASlots:
                     b_blocks.append((part, column))
                     col_slot += [index] * part.rank
                     col_scale += [part.scale] * part.rank
+                    col_out += [(index, part.row, part.row + part.rows)] * part.rank
                     column += part.rank
                 if column > start:
                     spans[index] = (start, column)
             if not a_parts:
                 wrapper.packed = None
                 continue
-            a = torch.cat(a_parts).to(self.dtype).contiguous()
-            bt = torch.zeros(column, wrapper.out_features, dtype=self.dtype)
+            storage = self.storage_dtype or self.dtype
+            a = torch.cat(a_parts).to(storage).contiguous()
+            bt = torch.zeros(column, wrapper.out_features, dtype=storage)
             for part, col in b_blocks:
                 bt[col : col + part.rank, part.row : part.row + part.rows] = part.b.T
             key = (tuple(col_slot), tuple(col_scale))
@@ -186,7 +221,8 @@ class LoRASlots:
             if layout is None:
                 layout = layouts[key] = ColumnLayout(torch.tensor(col_slot, dtype=torch.int64),
                                                      torch.tensor(col_scale, dtype=self.dtype), spans)
-            wrapper.packed = PackedLoRA(a, bt, layout)
+            wrapper.packed = PackedLoRA(a, bt, layout, torch.tensor(col_scale, dtype=torch.float32),
+                                        torch.tensor(col_out, dtype=torch.int32))
 
 
 class NoAdapters:

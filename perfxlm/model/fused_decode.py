@@ -285,7 +285,7 @@ class FusedDecode:
         lora = meta.lora
         for i, (layer, call) in enumerate(zip(self.layers, self.args or [])):
             cos, sin = rope if layer_ropes is None else layer_ropes[i]
-            adapters = [] if lora is None else _lora_operands(lora, call.projections)
+            adapters = [] if lora is None else lora.fused_operands(call.projections)
             cache = layer.self_attn.attn.kv_cache
             x, residual = ops.decode_layer(
                 x, residual, i == 0, *call.before, cos, sin, cache.key, cache.value, meta.slot_mapping,
@@ -296,11 +296,3 @@ class FusedDecode:
                 x = call.module_mlp(x).contiguous()
         return x, residual
 
-
-_NO_ADAPTER = (torch.empty(0),) * 3
-
-
-def _lora_operands(lora: Any, projections: tuple[nn.Module, ...]) -> list[torch.Tensor]:
-    """decode_layer's `lora` list: (A, B^T, scale) per projection from the step's LoRABatch, empty
-    tensors where no adapter of the step targets it."""
-    return [t for m in projections for t in (lora.operands(m) or _NO_ADAPTER)]

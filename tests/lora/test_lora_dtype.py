@@ -1,0 +1,79 @@
+"""What LoRA A and B are stored in (lora_dtype): float32 beside float32 base weights, bfloat16 beside bf16
+or quantized ones. bf16 adapters are exactly the checkpoint's values rounded to bf16, summed in float32:
+greedy output equals peft's with the adapter rounded the same way, and the fused decode layer gives what
+the module path gives."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from perfxlm import LLM, LoRARequest, SamplingParams
+from perfxlm.lora.config import LoRAConfig
+from tests.conftest import assert_pool_whole
+from tests.lora.conftest import peft_greedy
+from tests.lora.test_lora_vs_peft import _assert_same, prompts_of
+
+
+def _rounded_copy(adapter: str, path: str) -> str:
+    """The adapter folder with every tensor rounded to bf16 (stored back as float32)."""
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(path, exist_ok=True)
+    shutil.copy(os.path.join(adapter, "adapter_config.json"), path)
+    tensors = load_file(os.path.join(adapter, "adapter_model.safetensors"))
+    save_file({k: v.bfloat16().float() for k, v in tensors.items()}, os.path.join(path, "adapter_model.safetensors"))
+    return path
+
+
+def _slots(llm):
+    return llm.llm_engine.core.runner.lora_slots
+
+
+def test_storage_dtype_follows_the_base_weights():
+    auto = LoRAConfig()
+    assert auto.storage_dtype(torch.float32) == torch.float32
+    assert auto.storage_dtype(torch.bfloat16) == torch.bfloat16
+    assert LoRAConfig(dtype="float32").storage_dtype(torch.bfloat16) == torch.float32
+    assert LoRAConfig(dtype=torch.bfloat16).storage_dtype(torch.float32) == torch.bfloat16  # vLLM takes dtypes too
+    with pytest.raises(ValueError, match="lora_dtype='float16' is not supported: adapters are stored in float32 or bfloat16"):
+        LoRAConfig(dtype="float16")
+
+
+def test_bf16_adapters_match_peft_rounded_and_the_module_path(lora_base, adapters, tmp_path):
+    llm = LLM(lora_base, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64, enable_lora=True,
+              max_loras=2, max_lora_rank=8, lora_dtype="bfloat16")
+    a, b = LoRARequest("a", 1, adapters["a"]), LoRARequest("b", 2, adapters["b"])
+    prompts = prompts_of((7, 16, 3), seed=8)
+    loras = [a, None, b]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+
+    def outputs():
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in got]
+
+    fused = outputs()
+    packed = [w.packed for w in _slots(llm).wrappers if w.packed is not None]
+    assert packed and all(p.a.dtype == p.bt.dtype == torch.bfloat16 for p in packed)
+    rounded = {k: _rounded_copy(adapters[k], str(tmp_path / k)) for k in ("a", "b")}
+    for prompt, lora, (tokens, _) in zip(prompts, loras, fused):
+        assert tokens == peft_greedy(lora_base, rounded[lora.lora_name] if lora else None, prompt, 12), lora
+    llm.llm_engine.core.model.model.fused_decode.eligible = False  # the module path
+    # the same adapter values on both paths; only float32 summation order differs (the portable tier's
+    # sequential sums drift up to ~1e-4 in 12 steps of this random model)
+    _assert_same(fused, outputs(), "bf16 adapters, fused vs module path", tolerance=5e-4)
+    assert_pool_whole(llm)
+
+
+def test_auto_stores_bf16_beside_quantized_weights(lora_base, adapters):
+    llm = LLM(lora_base, skip_tokenizer_init=True, quantization="int8", num_kv_blocks=48, enable_lora=True,
+              max_lora_rank=8)
+    out = llm.generate({"prompt_token_ids": [5, 9, 11]}, SamplingParams(max_tokens=3), use_tqdm=False,
+                       lora_request=LoRARequest("a", 1, adapters["a"]))[0]
+    assert len(out.outputs[0].token_ids) == 3
+    assert _slots(llm).storage_dtype == torch.bfloat16
+    exact = LLM(lora_base, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=48, enable_lora=True)
+    assert _slots(exact).storage_dtype == torch.float32

@@ -1,0 +1,99 @@
+"""The fused decode layer's LoRA kernel (csrc/lora_kernels.cpp) against a plain-torch reference: rows of
+several slots and of none, a fused projection's parts (each B row adds only to its part's columns),
+float32 and bfloat16 adapters, strided rows, and steps big enough to split across threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from perfxlm.ops import native
+
+pytestmark = pytest.mark.skipif(native.kernels() is None, reason="no compiler for the native kernels")
+
+
+def _operands(K, parts, slots, seed, dtype):
+    """One projection's packed operands for `slots` adapters, each with a rank per part: (A, B^T, scale,
+    cols). B^T holds noise outside each row's part, which the kernel must not add."""
+    g = torch.Generator().manual_seed(seed)
+    N = parts[-1][1]
+    cols, a_rows = [], []
+    for slot, ranks in slots:
+        for (n0, n1), r in zip(parts, ranks):
+            cols += [(slot, n0, n1)] * r
+    R = len(cols)
+    a = torch.randn(R, K, generator=g).to(dtype)
+    bt = torch.randn(R, N, generator=g).to(dtype)
+    scale = torch.rand(R, generator=g) + 0.5
+    return a, bt, scale, torch.tensor(cols, dtype=torch.int32)
+
+
+def _reference(y, x, row_slot, a, bt, scale, cols):
+    out = y.double().clone()
+    for c, (slot, n0, n1) in enumerate(cols.tolist()):
+        rows = row_slot == slot
+        h = (x[rows].double() @ a[c].double()) * float(scale[c])
+        out[rows, n0:n1] += h[:, None] * bt[c, n0:n1].double()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,K,parts,threads", [
+    (1, 37, [(0, 20), (20, 27), (27, 34)], 1),  # one row, q|k|v parts of odd widths
+    (5, 53, [(0, 41)], 2),
+    (70, 45, [(0, 13), (13, 150)], 2),  # more rows than a tile, many tiles
+    (33, 300, [(0, 250), (250, 333), (333, 419)], 2),  # big enough to split both passes across threads
+])
+def test_lora_rows_match_reference(dtype, rows, K, parts, threads):
+    ops = native.kernels()
+    # slots 0, 2 and 3 packed (slot 1 empty: its columns absent); slot 3 lacks the first part
+    slots = [(0, [3] * len(parts)), (2, [5] * len(parts)), (3, [0] + [2] * (len(parts) - 1))]
+    a, bt, scale, cols = _operands(K, parts, slots, seed=rows, dtype=dtype)
+    N = parts[-1][1]
+    g = torch.Generator().manual_seed(7)
+    wide = torch.randn(rows, K + 9, generator=g)
+    x = wide[:, 4 : 4 + K]  # rows at a stride, as a projection's input view may be
+    y = torch.randn(rows, N, generator=g)
+    row_slot = torch.tensor([(-1, 0, 2, 3, 1)[i % 5] for i in range(rows)], dtype=torch.int32)
+    want = _reference(y, x, row_slot, a, bt, scale, cols)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = y.clone()
+        ops.lora_add(got, x, [row_slot, a, bt, scale, cols], 0)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    # rows of no slot, or of a slot without columns here, are untouched
+    untouched = (row_slot == -1) | (row_slot == 1)
+    assert torch.equal(got[untouched], y[untouched])
+
+
+def test_lora_second_projection_and_empty_operands():
+    ops = native.kernels()
+    a, bt, scale, cols = _operands(19, [(0, 23)], [(1, [4])], seed=1, dtype=torch.float32)
+    x, y = torch.randn(3, 19), torch.randn(3, 23)
+    row_slot = torch.tensor([1, -1, 1], dtype=torch.int32)
+    empty = [torch.empty(0)] * 4
+    got = y.clone()
+    ops.lora_add(got, x, [row_slot, *empty, a, bt, scale, cols], 1)
+    torch.testing.assert_close(got.double(), _reference(y, x, row_slot, a, bt, scale, cols), rtol=1e-5, atol=1e-5)
+    same = y.clone()
+    ops.lora_add(same, x, [row_slot, *empty, a, bt, scale, cols], 0)  # no adapter on projection 0
+    ops.lora_add(same, x, [], 0)  # no adapter in the step
+    assert torch.equal(same, y)
+
+
+def test_lora_bad_operands_are_clear_errors():
+    ops = native.kernels()
+    a, bt, scale, cols = _operands(19, [(0, 23)], [(0, [4])], seed=2, dtype=torch.float32)
+    x, y = torch.randn(2, 19), torch.randn(2, 23)
+    row_slot = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="must both be float32 or both bfloat16"):
+        ops.lora_add(y, x, [row_slot, a, bt.bfloat16(), scale, cols], 0)
+    with pytest.raises(RuntimeError, match=r"B\^T \[R, 23\]"):
+        ops.lora_add(y, x, [row_slot, a, bt[:, :20].contiguous(), scale, cols], 0)
+    bad = cols.clone()
+    bad[0, 2] = 99
+    with pytest.raises(RuntimeError, match="bad cols entry"):
+        ops.lora_add(y, x, [row_slot, a, bt, scale, bad], 0)
