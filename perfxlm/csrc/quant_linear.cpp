@@ -560,7 +560,10 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
 // vpmaddubsw + vpmaddwd (llama.cpp's AVX2 scheme), or vpdpbusd on ymm where the CPU has AVX-VNNI.
 // vpmaddubsw saturates its int16 pair sums: 4-bit codes (<= 15) cannot reach it, 8-bit codes (<= 255)
 // can, so without AVX-VNNI they enter as code - 128 (signed), multiplied as |c| x sign(c) x, and the
-// 128 * scale taken off is given back with the mins.
+// 128 * scale taken off is given back with the mins. The sign goes onto the activations, not the codes
+// (llama.cpp's other order, |x| stored once per call and sign(c, x) per code, would save one vpsignb per
+// 32 codes): a code u = 0 is c = -128, whose negation int8 cannot hold, and the code formats here
+// (asymmetric int8, a Q8_0 block holding -128) may have it.
 // ---------------------------------------------------------------------------------------------
 #if defined(__AVXVNNI__)
 constexpr bool kShift8 = false;
