@@ -402,6 +402,7 @@ inline float quantize_block(const float* src, int8_t* q) {
 struct BlockActs {
   const int8_t* q;       // int8 [M, K], in the codes' chunk order
   const float* lanes;    // float32 [M, K / 64, 16]: each int32 lane's activation scale
+  const float* bscale;   // float32 [M, K / 32]: each block's scale, in order (a chunk's pair is adjacent)
   const float* gsum;     // float32 [M, gstride]: per weight group, sum of scale * int8 values (0-padded)
   int64_t gstride;       // the weight's groups rounded up to 8, so 8-lane loads need no tail
 };
@@ -444,21 +445,24 @@ inline float quantize_block_simd(const float* src, int8_t* q) { return quantize_
 BlockActs quantize_blocks(const at::Tensor& x, const QW& w) {
   const int64_t M = x.size(0), K = w.K, chunks = K / 64, gstride = (w.groups + 7) / 8 * 8;
   thread_local std::vector<int8_t> q_buf;
-  thread_local std::vector<float> lanes_buf, gsum_buf;
+  thread_local std::vector<float> lanes_buf, bscale_buf, gsum_buf;
   q_buf.resize(static_cast<size_t>(M * K));
   lanes_buf.resize(static_cast<size_t>(M * chunks * 16));
+  bscale_buf.resize(static_cast<size_t>(M * (K / 32)));
   gsum_buf.assign(static_cast<size_t>(M * gstride), 0.f);
   const float* xp = x.data_ptr<float>();
   int8_t* qp = q_buf.data();
   float* lp = lanes_buf.data();
+  float* bp = bscale_buf.data();
   float* gp = gsum_buf.data();
-  const BlockActs a{qp, lp, gp, gstride};
+  const BlockActs a{qp, lp, bp, gp, gstride};
   // rows in parallel past a few (a prefill's thousands of blocks); a decode step's row stays on this thread
   at::parallel_for(0, M, 8, [&](int64_t m_begin, int64_t m_end) {
     for (int64_t m = m_begin; m < m_end; ++m) {
       for (int64_t b = 0; b < K / 32; ++b) {
         int8_t block[32];
         const float scale = quantize_block_simd(xp + m * K + b * 32, block);
+        bp[m * (K / 32) + b] = scale;
         int32_t total[2] = {0, 0};  // per 16 inputs: a block spans two groups when group == 16
         for (int j = 0; j < 32; ++j) total[j / 16] += block[j];
         const int64_t c = b / 2, half = b % 2;
@@ -585,7 +589,10 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
 // vpmaddubsw + vpmaddwd (llama.cpp's AVX2 scheme), or vpdpbusd on ymm where the CPU has AVX-VNNI.
 // vpmaddubsw saturates its int16 pair sums: 4-bit codes (<= 15) cannot reach it, 8-bit codes (<= 255)
 // can, so without AVX-VNNI they enter as code - 128 (signed), multiplied as |c| x sign(c) x, and the
-// 128 * scale taken off is given back with the mins.
+// 128 * scale taken off is given back with the mins. The sign goes onto the activations, not the codes
+// (llama.cpp's other order, |x| stored once per call and sign(c, x) per code, would save one vpsignb per
+// 32 codes): a code u = 0 is c = -128, whose negation int8 cannot hold, and the code formats here
+// (asymmetric int8, a Q8_0 block holding -128) may have it.
 // ---------------------------------------------------------------------------------------------
 #if defined(__AVXVNNI__)
 constexpr bool kShift8 = false;
@@ -691,6 +698,31 @@ inline void prefetch_row(const QW& w, int64_t n) {
   }
 }
 
+// A chunk's two block scales of one weight row as [A, B, ., .]: two per chunk (group 32), or one
+// repeated (a group of 64 or more).
+template <bool HALF, int SPC>
+inline __m128 block_scale_pair(const QW& w, int64_t g0) {
+  if constexpr (SPC == 1)
+    return _mm_set1_ps(param_at<HALF>(w.scales, g0));
+  else
+    return load_params_lo<HALF, 2>(w.scales, g0);
+}
+
+// acc + one 64-input chunk of 8-bit codes (lo, hi: its two blocks) against one activation row, each
+// block scaled by weight scale x activation scale. The two blocks' int32 lanes are summed pairwise into
+// one register ([A A B B | A A B B]: vphaddd) so one conversion and one FMA serve the chunk, and the
+// four scale products are one vector multiply instead of two scalar ones per block: the float work per
+// chunk was as much as the integer dot products (measured 1.2-1.3x per GEMV on this tier).
+inline __m256 chunk_dot8(__m256i lo, __m256i hi, const int8_t* xc, __m128 wscale_pair, const float* xscale_pair,
+                         __m256 acc) {
+  const __m256i d0 = dot_u8(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)));
+  const __m256i d1 = dot_u8(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32)));
+  const __m128 xs = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(xscale_pair)));
+  const __m256 ws = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_mul_ps(wscale_pair, xs)),
+                                             _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(d0, d1)), ws, acc);
+}
+
 // NT weight rows, one after the other (a row of a small model is a few cache lines, and consecutive
 // rows are one stream), each against MT activation rows: MT accumulators, everything else transient.
 template <bool BITS4, bool HALF, int SPC, int MT, int NT>
@@ -708,9 +740,9 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
     const int64_t n = n0 + j, row_base = n * groups;
     const uint8_t* row = w.codes + n * w.row_bytes;
     prefetch_row(w, n + kPrefetchRows);
-    // 4-bit: one accumulator per activation row, updated in the order block_tile_m1x4 updates it (the
-    // same sums whether a row is decoded alone or with others); 8-bit: one per half of the chunk, two
-    // FMA chains (a single chain waited on the FMA latency: the head's GEMV ran 1.1-1.2x slower)
+    // 4-bit, and 8-bit with a scale per block: one accumulator per activation row, updated in the order
+    // block_tile_m1x4(_q8) updates it (the same sums whether a row is decoded alone or with others);
+    // 8-bit at group 16: one per half of the chunk, two FMA chains
     __m256 acc[MT][2];
     #pragma GCC unroll 4
     for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
@@ -749,23 +781,19 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
             acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(ws_lo, _mm256_broadcast_ss(xs)), acc[i][0]);
             acc[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(ws_hi, _mm256_broadcast_ss(xs + 8)), acc[i][1]);
           }
-        } else {  // one scale per half: weight scale x activation scale multiplied as scalars
-          const float s_lo = param_at<HALF>(w.scales, g0), s_hi = SPC == 2 ? param_at<HALF>(w.scales, g0 + 1) : s_lo;
+        } else {  // one scale per half (block): see chunk_dot8
+          const __m128 sp = block_scale_pair<HALF, SPC>(w, g0);
           #pragma GCC unroll 4
-          for (int i = 0; i < MT; ++i) {
-            const int8_t* xc = xq + i * K + c * 64;
-            const float* xs = lanes + (i * chunks + c) * 16;
-            const __m256i d0 = dot_u8(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)));
-            const __m256i d1 = dot_u8(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32)));
-            acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(s_lo * xs[0]), acc[i][0]);
-            acc[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_set1_ps(s_hi * xs[8]), acc[i][1]);
-          }
+          for (int i = 0; i < MT; ++i)
+            acc[i][0] = chunk_dot8(lo, hi, xq + i * K + c * 64, sp, a.bscale + (m0 + i) * (K / 32) + 2 * c, acc[i][0]);
         }
       }
     }
     #pragma GCC unroll 4
     for (int i = 0; i < MT; ++i) {
-      const __m256 sum = BITS4 ? acc[i][0] : _mm256_add_ps(acc[i][0], acc[i][1]);
+      // 4-bit codes and 8-bit ones with a scale per block keep one accumulator (the one
+      // block_tile_m1x4 keeps): adding the unused one would change nothing but the sign of a zero
+      const __m256 sum = BITS4 || SPC <= 2 ? acc[i][0] : _mm256_add_ps(acc[i][0], acc[i][1]);
       const __m256 total = add_mins<BITS4, HALF>(sum, w, row_base, a.gsum + (m0 + i) * a.gstride);
       y[(m0 + i) * N + n] = hsum8(total) + (bias ? bias[n] : 0.f);
     }
@@ -776,8 +804,7 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
 // reduced together into one 4-float store. At decode a row of a small model is 9-24 chunks, so the
 // per-row work of block_tile (its loads of the activations, reduction, store) was a quarter of the
 // time (measured 1.15-1.25x per GEMV on Zen 3). Each row's operations are block_tile's, in its order:
-// the results are the same bits. 4-bit codes only: 8-bit codes' sign trick needs more registers than
-// four rows leave, and the head GEMV ran 2x slower this way.
+// the results are the same bits. 4-bit codes here; 8-bit ones in block_tile_m1x4_q8 below.
 template <bool BITS4, bool HALF, int SPC>
 inline void block_tile_m1x4(const BlockActs& a, int64_t m, const QW& w, int64_t n0, float* y, const float* bias) {
   static_assert(BITS4, "four rows at once: 4-bit codes only");
@@ -822,6 +849,41 @@ inline void block_tile_m1x4(const BlockActs& a, int64_t m, const QW& w, int64_t 
   if (bias) r = _mm_add_ps(r, _mm_loadu_ps(bias + n0));
   _mm_storeu_ps(y + m * w.N + n0, r);
 }
+
+// block_tile_m1x4 for 8-bit codes with a scale per block (Q8_0, symmetric int8 at group 32 or more):
+// the activation loads shared by four rows, four FMA chains, one reduction for the four. Each row's
+// operations are block_tile's (chunk_dot8, in its order): the same bits.
+template <bool HALF, int SPC>
+inline void block_tile_m1x4_q8(const BlockActs& a, int64_t m, const QW& w, int64_t n0, float* y, const float* bias) {
+  static_assert(SPC <= 2, "four rows at once: one scale per 8-bit block");
+  const int64_t K = w.K, chunks = K / 64, groups = w.groups;
+  const int8_t* xq = a.q + m * K;
+  const float* bscale = a.bscale + m * (K / 32);
+  const uint8_t* row[4];
+  int64_t base[4];
+  #pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) {
+    row[j] = w.codes + (n0 + j) * w.row_bytes;
+    base[j] = (n0 + j) * groups;
+    prefetch_row(w, n0 + j + kPrefetchRows);
+  }
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t goff = (c * 64) / w.group;
+    #pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[j] + c * 64));
+      const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[j] + c * 64 + 32));
+      acc[j] = chunk_dot8(lo, hi, xq + c * 64, block_scale_pair<HALF, SPC>(w, base[j] + goff), bscale + 2 * c, acc[j]);
+    }
+  }
+  const float* gsum = a.gsum + m * a.gstride;
+  #pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) acc[j] = add_mins<false, HALF>(acc[j], w, base[j], gsum);
+  __m128 r = hsum4x8(acc[0], acc[1], acc[2], acc[3]);
+  if (bias) r = _mm_add_ps(r, _mm_loadu_ps(bias + n0));
+  _mm_storeu_ps(y + m * w.N + n0, r);
+}
 #define PERFXLM_BLOCK_M1X4 1
 #endif  // PERFXLM_VNNI / PERFXLM_DOTS_AVX2
 
@@ -831,6 +893,9 @@ inline void block_rows(const BlockActs& a, int64_t M, const QW& w, int64_t n0, f
 #ifdef PERFXLM_BLOCK_M1X4
   if constexpr (NT == 4 && BITS4) {
     if (M == 1) return block_tile_m1x4<BITS4, HALF, SPC>(a, 0, w, n0, y, bias);
+  }
+  if constexpr (NT == 4 && !BITS4 && SPC <= 2) {
+    if (M == 1) return block_tile_m1x4_q8<HALF, SPC>(a, 0, w, n0, y, bias);
   }
 #endif
   int64_t m = 0;
