@@ -221,7 +221,7 @@ def check_tensor_parallel(model_cls: type, prequantized: bool) -> None:
         raise ValueError(f"tensor_parallel_size > 1 is not supported for {model_cls.__name__} yet: its layers are "
                          "not tensor-parallel layers.")
     if prequantized:  # (a GGUF file's blocks and `quantization=` are split: the layers cut them)
-        raise ValueError("tensor_parallel_size > 1 with a pre-quantized checkpoint (AWQ, GPTQ, compressed-tensors) "
+        raise ValueError("tensor_parallel_size > 1 with a pre-quantized checkpoint (AWQ, GPTQ, compressed-tensors, MXFP4) "
                          "is not supported yet: load the float checkpoint with quantization=, or a GGUF file.")
 
 
