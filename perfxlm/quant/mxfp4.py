@@ -38,7 +38,8 @@ def e8m0_half(exponents: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-def _weight(codes: torch.Tensor, exponents: torch.Tensor, out_features: int, in_features: int) -> QuantizedWeight:
+def _weight(codes: torch.Tensor, exponents: torch.Tensor, out_features: int, in_features: int
+            ) -> QuantizedWeight:
     return QuantizedWeight(
         codes.contiguous(), e8m0_half(exponents).contiguous(), None, E2M1_DOUBLED.clone(), 4, MXFP4_BLOCK,
         "float", out_features, in_features,
@@ -72,10 +73,14 @@ def from_checkpoint(blocks: torch.Tensor, scales: torch.Tensor, where: str) -> Q
     """A checkpoint's `blocks` uint8 [..., N, K / 32, 16] and `scales` uint8 [..., N, K / 32] as a
     QuantizedWeight [..., N, K]; ValueError naming `where` if they do not fit together."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise ValueError(f"{where}: MXFP4 blocks and scales must be uint8 (got {blocks.dtype}, {scales.dtype}).")
-    if blocks.dim() not in (3, 4) or blocks.shape[-1] != MXFP4_BLOCK // 2 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
         raise ValueError(
-            f"{where}: MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not fit: expected "
+            f"{where}: MXFP4 blocks and scales must be uint8 (got {blocks.dtype}, {scales.dtype})."
+        )
+    fits = tuple(scales.shape) == tuple(blocks.shape[:-1])
+    if blocks.dim() not in (3, 4) or blocks.shape[-1] != MXFP4_BLOCK // 2 or not fits:
+        raise ValueError(
+            f"{where}: MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not fit: "
+            "expected "
             f"blocks [..., N, K / {MXFP4_BLOCK}, {MXFP4_BLOCK // 2}] and scales [..., N, K / {MXFP4_BLOCK}]."
         )
     *lead, n, nb, _ = blocks.shape
@@ -89,7 +94,8 @@ def dequantize_gguf_blocks(blocks: torch.Tensor) -> torch.Tensor:
     """uint8 [n_blocks, 17] -> float32 [n_blocks, 32], equal to `gguf.quants.dequantize` bit for bit."""
     qs = blocks[:, 1:]
     codes = torch.cat((qs & 0x0F, qs >> 4), dim=1)
-    return E2M1_DOUBLED.index_select(0, codes.reshape(-1).int()).view(codes.shape).mul_(e8m0_half(blocks[:, :1]))
+    values = E2M1_DOUBLED.index_select(0, codes.reshape(-1).int()).view(codes.shape)
+    return values.mul_(e8m0_half(blocks[:, :1]))
 
 
 def quantize_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

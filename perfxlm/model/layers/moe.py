@@ -149,10 +149,11 @@ class FusedMoE(nn.Module):
         self.down_proj = nn.Parameter(
             torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False
         )
-        self.gate_up_proj_bias = (
-            nn.Parameter(torch.empty(num_experts, 2 * intermediate_size), requires_grad=False) if bias else None
-        )
-        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False) if bias else None
+        def biases(*shape: int) -> nn.Parameter | None:
+            return nn.Parameter(torch.empty(*shape), requires_grad=False) if bias else None
+
+        self.gate_up_proj_bias = biases(num_experts, 2 * intermediate_size)
+        self.down_proj_bias = biases(num_experts, hidden_size)
         self.act = act if act is not None else act_and_mul(activation)
         # the stacks' linear methods, chosen at load (until then: the weight's form read per call)
         self.gate_up_method: LinearMethod | None = None

@@ -87,7 +87,9 @@ def apply(meta: dict[str, Any], kwargs: dict[str, Any]) -> None:
     kwargs.pop("rope_scaling", None)
 
 
-_EXPERTS = re.compile(r"^(?P<layer>.+\.mlp\.experts)\.(?P<part>gate_proj|up_proj|down_proj)\.(?P<kind>weight|bias)$")
+_EXPERTS = re.compile(
+    r"^(?P<layer>.+\.mlp\.experts)\.(?P<part>gate_proj|up_proj|down_proj)\.(?P<kind>weight|bias)$"
+)
 _SINKS = re.compile(r"\.self_attn\.sinks\.weight$")
 
 
@@ -104,7 +106,7 @@ def _interleave_rows(gate: Any, up: Any) -> Any:
 
 
 def _checkpoint_layout(stack: Any) -> Any:
-    """A float [E, out, in] stack as transformers stores it ([E, in, out]); packed stacks stay [E, out, in]."""
+    """A float [E, out, in] stack as transformers stores it ([E, in, out]); packed stacks stay as they are."""
     return stack if isinstance(stack, QuantizedWeight) else stack.transpose(-1, -2)
 
 

@@ -1,10 +1,10 @@
-"""gpt-oss (GptOssForCausalLM), from float checkpoints: Llama-shaped attention with biases everywhere, a
-learned sink logit per head (an `Attention` option the CPU kernels and the fused decode layer take),
-sliding-window and full layers alternating by `layer_types`, YaRN; every layer a mixture of experts whose router has a bias
-and softmaxes only the top-k logits, and whose experts have biases and gpt-oss's clamped SwiGLU over
-interleaved gate/up columns. The expert stacks are stored [E, out, in] like every MoE family's (transformers'
-x @ W stacks transposed at load), so float, bf16 and quantized experts (GGUF's and the checkpoint's MXFP4)
-run through the shared `FusedMoE`."""
+"""gpt-oss (GptOssForCausalLM), from float or MXFP4 checkpoints and GGUF files: Llama-shaped attention with
+biases everywhere, a learned sink logit per head (an `Attention` option the CPU kernels and the fused decode
+layer take), sliding-window and full layers alternating by `layer_types`, YaRN; every layer a mixture of
+experts whose router has a bias and softmaxes only the top-k logits, and whose experts have biases and
+gpt-oss's clamped SwiGLU over interleaved gate/up rows. The expert stacks are stored [E, out, in] like every
+MoE family's (transformers' x @ W stacks transposed at load), so float, bf16 and quantized experts (MXFP4
+kept packed) run through the shared `FusedMoE`."""
 
 from __future__ import annotations
 
@@ -38,7 +38,9 @@ class GptOssMLP(nn.Module):
         super().__init__()
         self.top_k, experts = config.num_experts_per_tok, config.num_local_experts
         if not 0 < self.top_k <= experts:
-            raise ValueError(f"num_experts_per_tok ({self.top_k}) must be in [1, num_local_experts ({experts})].")
+            raise ValueError(
+                f"num_experts_per_tok ({self.top_k}) must be in [1, num_local_experts ({experts})]."
+            )
         self.router = Linear(config.hidden_size, config.num_local_experts, bias=True)
         self.router.quantize_weight = False  # routers stay float under quantization=
         self.experts = gpt_oss_experts(config)
