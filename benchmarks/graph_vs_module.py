@@ -2,6 +2,7 @@
 alternating: prefill tok/s (512-token prompt) and batch-1 decode tok/s (512-token context, 128 new tokens).
 
     python benchmarks/graph_vs_module.py [--model PATH] [--folder OUT_DIR] [--dtype auto] [--repeats 3]
+                                         [--threads 2] [--prompt 512] [--new-tokens 128]
 
 Without --folder the model is exported (`--flavor perfxlm`, the run's dtype) into a temporary folder.
 Prints each round and the medians with graph / module ratios. Not a test: timings belong here.
@@ -25,15 +26,16 @@ def prompt(length: int, vocab: int, seed: int) -> list[dict]:
     return [{"prompt_token_ids": torch.randint(100, vocab, (length,), generator=g).tolist()}]
 
 
-def prefill_rate(llm: LLM, vocab: int, seed: int) -> float:
+def prefill_rate(llm: LLM, vocab: int, seed: int, length: int) -> float:
     t = time.perf_counter()
-    llm.generate(prompt(512, vocab, seed), SamplingParams(max_tokens=1), use_tqdm=False)
-    return 512 / (time.perf_counter() - t)
+    llm.generate(prompt(length, vocab, seed), SamplingParams(max_tokens=1), use_tqdm=False)
+    return length / (time.perf_counter() - t)
 
 
-def decode_rate(llm: LLM, vocab: int, seed: int) -> float:
-    out = llm.generate(prompt(512, vocab, seed), SamplingParams(max_tokens=128, ignore_eos=True), use_tqdm=False)[0]
-    return 127 / (out.metrics.finished_time - out.metrics.first_token_time)
+def decode_rate(llm: LLM, vocab: int, seed: int, length: int, new: int) -> float:
+    params = SamplingParams(max_tokens=new, ignore_eos=True)
+    out = llm.generate(prompt(length, vocab, seed), params, use_tqdm=False)[0]
+    return (new - 1) / (out.metrics.finished_time - out.metrics.first_token_time)
 
 
 def main() -> None:
@@ -43,6 +45,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompt", type=int, default=512, help="prompt tokens (prefill, and decode's context)")
+    ap.add_argument("--new-tokens", type=int, default=128, help="tokens decoded per decode round")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -58,8 +62,8 @@ def main() -> None:
         rates: dict[str, dict[str, list[float]]] = {n: {"prefill": [], "decode": []} for n in engines}
         for r in range(args.repeats):
             for name, llm in engines.items():  # alternating: both see the same load
-                rates[name]["prefill"].append(prefill_rate(llm, vocab, 100 + r))
-                rates[name]["decode"].append(decode_rate(llm, vocab, 200 + r))
+                rates[name]["prefill"].append(prefill_rate(llm, vocab, 100 + r, args.prompt))
+                rates[name]["decode"].append(decode_rate(llm, vocab, 200 + r, args.prompt, args.new_tokens))
                 print(f"round {r} {name}: prefill {rates[name]['prefill'][-1]:.0f} tok/s, "
                       f"decode {rates[name]['decode'][-1]:.1f} tok/s", flush=True)
     med = {n: {k: statistics.median(v) for k, v in kinds.items()} for n, kinds in rates.items()}

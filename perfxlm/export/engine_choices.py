@@ -84,8 +84,8 @@ def run_notes(recorded: EngineChoices, here: EngineChoices) -> list[str]:
     moved = recorded.differences(here)
     if moved and here.dtype == recorded.dtype:
         notes.append(f"exported where the engine chose otherwise for this model ({'; '.join(moved)}); it runs "
-                     "with this CPU's choices, as the module path does here, so its output is this CPU's "
-                     "module path's, not the exporting machine's")
+                     "with the choices made here (this CPU, these options), as the module path does, so its "
+                     "output is the module path's here, not the exporting machine's")
     elif here.dtype != recorded.dtype:
         notes.append(f"exported with dtype={recorded.dtype!r}, run with dtype={here.dtype!r}: weights, "
                      "activations and KV cache as the module path holds them with that dtype"

@@ -57,3 +57,22 @@ def test_switched_off_leaves_tensors_in_place(monkeypatch):
     before = _storages(model)
     assert move_to_arena(model) == 0
     assert _storages(model) == before
+
+
+def test_each_original_is_let_go_once_its_owners_point_into_the_arena():
+    """The load's peak is the model once plus one weight, not twice the model: by the time a later weight
+    moves, an earlier one (tied: both owners rebound) is no longer held by anyone."""
+    import weakref
+
+    model = Tiny()
+    embed = weakref.ref(model.embed)
+    alive_when_up_moved = []
+
+    class Watched(dict):
+        def __setitem__(self, key, value):
+            alive_when_up_moved.append(embed() is not None)
+            super().__setitem__(key, value)
+
+    model.up._parameters = Watched(model.up._parameters)
+    assert move_to_arena(model) > 0
+    assert alive_when_up_moved == [False]

@@ -13,7 +13,7 @@ from tqdm import tqdm
 from perfxlm.distributed.parallel_state import SINGLE, building_for
 from perfxlm.model.layers.linear_methods.base import LinearPlan
 from perfxlm.model.layers.linear_methods.registry import bind
-from perfxlm.model.loader.weight_arena import move_to_arena
+from perfxlm.model.loader.weight_arena import move_to_arena, release_freed_memory
 from perfxlm.model.models.base import CausalLM
 from perfxlm.model.registry import resolve_model_class
 from perfxlm.quant import calibration
@@ -138,22 +138,6 @@ def get_model(
     move_to_arena(model)  # final layouts only: after packing and casting
     release_freed_memory()
     return model.eval()
-
-
-def release_freed_memory() -> None:
-    """Hand the allocator's freed pages back to the system (glibc's malloc_trim).
-
-    Loading frees a lot (read buffers, float copies of quantized tensors, the parts of fused
-    projections) in pieces glibc keeps in its heap; without this the default model's process holds
-    about 27 MB more than it uses once loaded. A no-op where the C library has no malloc_trim."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _allocate_weights(model: torch.nn.Module, weight_dtype: torch.dtype) -> None:

@@ -46,6 +46,25 @@ def _slots(model: torch.nn.Module):
                         yield value, name, t
 
 
+def release_freed_memory() -> None:
+    """Hand the allocator's freed pages back to the system (glibc's malloc_trim).
+
+    Loading frees a lot (read buffers, float copies of quantized tensors, the parts of fused
+    projections) in pieces glibc keeps in its heap; without this the default model's process holds
+    about 27 MB more than it uses once loaded. A no-op where the C library has no malloc_trim."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+TRIM_BYTES = 256 << 20  # originals let go between two hand-backs of freed pages
+
+
 def move_to_arena(model: torch.nn.Module) -> int:
     """Copy the model's large weights into one huge-page mapping; returns the bytes moved (0: not done)."""
     if not _enabled():
@@ -68,7 +87,18 @@ def move_to_arena(model: torch.nn.Module) -> int:
     arena = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` alive as long as any view
     moved: dict[tuple, torch.Tensor] = {}
     params: dict[tuple, torch.nn.Parameter] = {}  # one Parameter per tie, so parameters() still dedups
-    for owner, name, t, key in slots:
+    # Each original is let go as soon as its owners point into the arena (`slots` is consumed, not walked):
+    # holding them all until the end made the load's peak twice the model (6.2 GiB for a 2.3 GiB bf16 Llama
+    # of 1.2B parameters; 3.8 GiB after, 3.0 GiB held).
+    slots.reverse()
+    release_freed_memory()  # what packing freed, before the arena's pages arrive
+    released = 0
+    while slots:
+        owner, name, t, key = slots.pop()
+        if released >= TRIM_BYTES:  # freed originals kept in glibc's heap would add up to the model again
+            release_freed_memory()
+            released = 0
+        released += t.nbytes
         if key not in moved:
             offset = seen[key]
             view = arena[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
