@@ -80,19 +80,32 @@ struct Unit {
   int64_t n0, n1, macs;
 };
 
-// h[i][j] = (x_i . A_{c0 + j}) * scale for MT rows and the segment's columns.
+// h[i][j] = (x_i . A_{c0 + j}) * scale for MT rows and the segment's columns. One or two rows (batch-1
+// decode) keep two partial sums per row, so consecutive FMAs do not wait on each other.
 template <int MT, typename W>
 void shrink_tile(const float* const* xr, int64_t K, const W* a, const float* scale, int64_t cols, float* h) {
   for (int64_t j = 0; j < cols; ++j) {
     const W* aj = a + j * K;
 #ifdef PERFXLM_SIMD16
-    simd16::V acc[MT];
-    for (int i = 0; i < MT; ++i) acc[i] = simd16::zero();
-    for (int64_t k = 0; k < K; k += 16) {
+    constexpr int U = MT <= 2 ? 2 : 1;
+    simd16::V acc[MT][U];
+    for (int i = 0; i < MT; ++i)
+      for (int u = 0; u < U; ++u) acc[i][u] = simd16::zero();
+    int64_t k = 0;
+    for (; k + 16 * U <= K; k += 16 * U)
+      for (int u = 0; u < U; ++u) {
+        const simd16::V av = load_w(aj + k + 16 * u, 16);
+        for (int i = 0; i < MT; ++i) acc[i][u] = simd16::fmadd(simd16::load(xr[i] + k + 16 * u, 16), av, acc[i][u]);
+      }
+    for (; k < K; k += 16) {
       const simd16::V av = load_w(aj + k, K - k);
-      for (int i = 0; i < MT; ++i) acc[i] = simd16::fmadd(simd16::load(xr[i] + k, K - k), av, acc[i]);
+      for (int i = 0; i < MT; ++i) acc[i][0] = simd16::fmadd(simd16::load(xr[i] + k, K - k), av, acc[i][0]);
     }
-    for (int i = 0; i < MT; ++i) h[i * cols + j] = simd16::reduce_add(acc[i]) * scale[j];
+    for (int i = 0; i < MT; ++i) {
+      simd16::V sum = acc[i][0];
+      for (int u = 1; u < U; ++u) sum = simd16::add(sum, acc[i][u]);
+      h[i * cols + j] = simd16::reduce_add(sum) * scale[j];
+    }
 #else
     float acc[MT] = {};
     for (int64_t k = 0; k < K; ++k) {
@@ -105,11 +118,26 @@ void shrink_tile(const float* const* xr, int64_t K, const W* a, const float* sca
 }
 
 // y_i[n0:n1] += sum over the segment's columns j of h_i[j] * B^T[c0 + j, n0:n1], for MT rows; each y
-// value is read and written once, each B value read once.
+// value is read and written once, each B value read once. One or two rows take two blocks of 16 outputs
+// at a time, for independent FMA chains.
 template <int MT, typename W>
 void expand_tile(float* const* yr, const float* h, const W* bt, int64_t N, int64_t cols, int64_t n0, int64_t n1) {
 #ifdef PERFXLM_SIMD16
-  for (int64_t n = n0; n < n1; n += 16) {
+  constexpr int U = MT <= 2 ? 2 : 1;
+  int64_t n = n0;
+  for (; n + 16 * U <= n1; n += 16 * U) {
+    simd16::V acc[MT][U];
+    for (int i = 0; i < MT; ++i)
+      for (int u = 0; u < U; ++u) acc[i][u] = simd16::load(yr[i] + n + 16 * u, 16);
+    for (int64_t j = 0; j < cols; ++j)
+      for (int u = 0; u < U; ++u) {
+        const simd16::V b = load_w(bt + j * N + n + 16 * u, 16);
+        for (int i = 0; i < MT; ++i) acc[i][u] = simd16::fmadd(simd16::set1(h[i * cols + j]), b, acc[i][u]);
+      }
+    for (int i = 0; i < MT; ++i)
+      for (int u = 0; u < U; ++u) simd16::store(yr[i] + n + 16 * u, acc[i][u], 16);
+  }
+  for (; n < n1; n += 16) {
     const int64_t valid = n1 - n;
     simd16::V acc[MT];
     for (int i = 0; i < MT; ++i) acc[i] = simd16::load(yr[i] + n, valid);

@@ -50,6 +50,7 @@ def _reference(y, x, row_slot, a, bt, scale, cols):
 @pytest.mark.parametrize("rows,K,parts,threads", [
     (1, 37, [(0, 20), (20, 27), (27, 34)], 1),  # one row, q|k|v parts of odd widths
     (5, 53, [(0, 41)], 2),
+    (7, 64, [(0, 96), (96, 101)], 1),  # two rows of a slot, widths a multiple of the paired blocks
     (70, 45, [(0, 13), (13, 150)], 2),  # more rows than a tile, many tiles
     (33, 300, [(0, 250), (250, 333), (333, 419)], 2),  # big enough to split both passes across threads
 ])
