@@ -3,9 +3,9 @@
 // slot's columns only) then an expand (y += h B^T, each B row over the output columns it covers only),
 // so a slot's A and B are read once per step whatever the number of its rows, other slots' columns are
 // never touched, and the zero blocks of a fused projection's packed B^T (q's B beside k's columns) are
-// skipped. A and B come in float32 (exact against peft in a float32 engine) or bfloat16 (half the
-// bytes, the adapters' form next to bf16 or quantized base weights), widened in registers; sums are
-// float32 either way.
+// skipped. A and B come in float32 (exact against peft in a float32 engine), bfloat16 (half the
+// bytes, the adapters' form next to bf16 or quantized base weights) or int8 codes with a scale per
+// packed row (a quarter, opt-in), widened in registers; sums are float32 always.
 //
 // Threads: the work is cut into units that write disjoint parts of y, so one parallel region per
 // projection needs no barrier between shrink and expand: a unit is one slot's rows over one part of the
@@ -51,6 +51,15 @@ inline float widen(uint16_t v) {
   std::memcpy(&f, &u, sizeof(f));
   return f;
 }
+// int8 adapters arrive as unsigned codes q + 128 (their per-row scales folded into `scale`)
+inline float widen(uint8_t v) { return static_cast<float>(static_cast<int>(v) - 128); }
+#ifdef PERFXLM_SIMD16
+inline simd16::V load_w(const float* p, int64_t n) { return simd16::load(p, n); }
+inline simd16::V load_w(const uint16_t* p, int64_t n) { return simd16::load(p, n); }
+inline simd16::V load_w(const uint8_t* p, int64_t n) {
+  return simd16::add(simd16::to_float(simd16::load_u8(p, n)), simd16::set1(-128.0f));
+}
+#endif
 
 // Consecutive packed columns of one slot whose B rows cover the same output columns: one checkpoint
 // module (q, k or v of a fused q|k|v).
@@ -71,19 +80,32 @@ struct Unit {
   int64_t n0, n1, macs;
 };
 
-// h[i][j] = (x_i . A_{c0 + j}) * scale for MT rows and the segment's columns.
+// h[i][j] = (x_i . A_{c0 + j}) * scale for MT rows and the segment's columns. One or two rows (batch-1
+// decode) keep two partial sums per row, so consecutive FMAs do not wait on each other.
 template <int MT, typename W>
 void shrink_tile(const float* const* xr, int64_t K, const W* a, const float* scale, int64_t cols, float* h) {
   for (int64_t j = 0; j < cols; ++j) {
     const W* aj = a + j * K;
 #ifdef PERFXLM_SIMD16
-    simd16::V acc[MT];
-    for (int i = 0; i < MT; ++i) acc[i] = simd16::zero();
-    for (int64_t k = 0; k < K; k += 16) {
-      const simd16::V av = simd16::load(aj + k, K - k);
-      for (int i = 0; i < MT; ++i) acc[i] = simd16::fmadd(simd16::load(xr[i] + k, K - k), av, acc[i]);
+    constexpr int U = MT <= 2 ? 2 : 1;
+    simd16::V acc[MT][U];
+    for (int i = 0; i < MT; ++i)
+      for (int u = 0; u < U; ++u) acc[i][u] = simd16::zero();
+    int64_t k = 0;
+    for (; k + 16 * U <= K; k += 16 * U)
+      for (int u = 0; u < U; ++u) {
+        const simd16::V av = load_w(aj + k + 16 * u, 16);
+        for (int i = 0; i < MT; ++i) acc[i][u] = simd16::fmadd(simd16::load(xr[i] + k + 16 * u, 16), av, acc[i][u]);
+      }
+    for (; k < K; k += 16) {
+      const simd16::V av = load_w(aj + k, K - k);
+      for (int i = 0; i < MT; ++i) acc[i][0] = simd16::fmadd(simd16::load(xr[i] + k, K - k), av, acc[i][0]);
     }
-    for (int i = 0; i < MT; ++i) h[i * cols + j] = simd16::reduce_add(acc[i]) * scale[j];
+    for (int i = 0; i < MT; ++i) {
+      simd16::V sum = acc[i][0];
+      for (int u = 1; u < U; ++u) sum = simd16::add(sum, acc[i][u]);
+      h[i * cols + j] = simd16::reduce_add(sum) * scale[j];
+    }
 #else
     float acc[MT] = {};
     for (int64_t k = 0; k < K; ++k) {
@@ -96,16 +118,31 @@ void shrink_tile(const float* const* xr, int64_t K, const W* a, const float* sca
 }
 
 // y_i[n0:n1] += sum over the segment's columns j of h_i[j] * B^T[c0 + j, n0:n1], for MT rows; each y
-// value is read and written once, each B value read once.
+// value is read and written once, each B value read once. One or two rows take two blocks of 16 outputs
+// at a time, for independent FMA chains.
 template <int MT, typename W>
 void expand_tile(float* const* yr, const float* h, const W* bt, int64_t N, int64_t cols, int64_t n0, int64_t n1) {
 #ifdef PERFXLM_SIMD16
-  for (int64_t n = n0; n < n1; n += 16) {
+  constexpr int U = MT <= 2 ? 2 : 1;
+  int64_t n = n0;
+  for (; n + 16 * U <= n1; n += 16 * U) {
+    simd16::V acc[MT][U];
+    for (int i = 0; i < MT; ++i)
+      for (int u = 0; u < U; ++u) acc[i][u] = simd16::load(yr[i] + n + 16 * u, 16);
+    for (int64_t j = 0; j < cols; ++j)
+      for (int u = 0; u < U; ++u) {
+        const simd16::V b = load_w(bt + j * N + n + 16 * u, 16);
+        for (int i = 0; i < MT; ++i) acc[i][u] = simd16::fmadd(simd16::set1(h[i * cols + j]), b, acc[i][u]);
+      }
+    for (int i = 0; i < MT; ++i)
+      for (int u = 0; u < U; ++u) simd16::store(yr[i] + n + 16 * u, acc[i][u], 16);
+  }
+  for (; n < n1; n += 16) {
     const int64_t valid = n1 - n;
     simd16::V acc[MT];
     for (int i = 0; i < MT; ++i) acc[i] = simd16::load(yr[i] + n, valid);
     for (int64_t j = 0; j < cols; ++j) {
-      const simd16::V b = simd16::load(bt + j * N + n, valid);
+      const simd16::V b = load_w(bt + j * N + n, valid);
       for (int i = 0; i < MT; ++i) acc[i] = simd16::fmadd(simd16::set1(h[i * cols + j]), b, acc[i]);
     }
     for (int i = 0; i < MT; ++i) simd16::store(yr[i] + n, acc[i], valid);
@@ -222,8 +259,9 @@ void add(at::Tensor& y, const at::Tensor& x, at::TensorList lora, int64_t index)
   const int64_t T = x.size(0), K = x.size(1), R = a.size(0), N = y.size(1);
   TORCH_CHECK(a.dim() == 2 && bt.dim() == 2 && a.size(1) == K && bt.size(0) == R && bt.size(1) == N && y.size(0) == T,
               "lora: A must be [R, ", K, "] and B^T [R, ", N, "]");
-  TORCH_CHECK(a.scalar_type() == bt.scalar_type() && (a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16),
-              "lora: A and B^T must both be float32 or both bfloat16");
+  const at::ScalarType wt = a.scalar_type();
+  TORCH_CHECK(wt == bt.scalar_type() && (wt == at::kFloat || wt == at::kBFloat16 || wt == at::kByte),
+              "lora: A and B^T must both be float32, both bfloat16 or both uint8 (int8 codes + 128)");
   TORCH_CHECK(a.is_contiguous() && bt.is_contiguous(), "lora: A and B^T must be contiguous");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == R && scale.is_contiguous(),
               "lora: scale must be contiguous float32 [R]");
@@ -271,8 +309,10 @@ void add(at::Tensor& y, const at::Tensor& x, at::TensorList lora, int64_t index)
                groups.end());
   if (groups.empty()) return;
   const Operands o{y.data_ptr<float>(), y.stride(0), xc.data_ptr<float>(), xc.stride(0), K, N, scale.data_ptr<float>()};
-  if (a.scalar_type() == at::kFloat) {
+  if (wt == at::kFloat) {
     apply(o, a.data_ptr<float>(), bt.data_ptr<float>(), groups);
+  } else if (wt == at::kByte) {
+    apply(o, a.data_ptr<uint8_t>(), bt.data_ptr<uint8_t>(), groups);
   } else {
     apply(o, reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()),
           reinterpret_cast<const uint16_t*>(bt.data_ptr<at::BFloat16>()), groups);

@@ -6,8 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-# vLLM's lora_dtype values this engine stores adapters in ("auto": the base weights' kind, see storage_dtype)
-_DTYPES = {"auto": None, "float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16}
+# vLLM's lora_dtype values this engine stores adapters in ("auto": the base weights' kind, see storage_dtype),
+# and "int8" (perfxlm's: codes with a scale per row of A and column of B, a quarter of float32's bytes)
+_DTYPES = {"auto": None, "float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "int8": torch.int8}
 
 
 @dataclass(frozen=True)
@@ -24,8 +26,8 @@ class LoRAConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
         key = str(self.dtype).removeprefix("torch.")
         if key not in _DTYPES:
-            raise ValueError(f"lora_dtype={self.dtype!r} is not supported: adapters are stored in float32 or "
-                             "bfloat16 (use 'auto', 'float32' or 'bfloat16').")
+            raise ValueError(f"lora_dtype={self.dtype!r} is not supported: adapters are stored in float32, "
+                             "bfloat16 or int8 (use 'auto', 'float32', 'bfloat16' or 'int8').")
         object.__setattr__(self, "dtype", key)
         cpu = self.max_cpu_loras
         if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < self.max_loras):

@@ -19,8 +19,9 @@ rows by slot and reads only each used slot's A and the part of each B row its mo
 
 A and B are stored in the LoRA dtype (LoRAConfig.dtype; "auto": float32 beside float32 base weights, so
 a float32 engine matches peft exactly, bfloat16 beside bf16 or quantized ones, as vLLM keeps adapters in
-the model's dtype): decode with adapters is bound by reading them. Products always sum in float32 on the
-fused path; the module path widens the stored values to the activations' dtype, so both paths use the
+the model's dtype; "int8" on request: codes with a scale per packed row): decode with adapters is bound
+by reading them. Products always sum in float32 on the fused path; the module path widens the stored
+values to the activations' dtype (int8: keeps the codes' values beside them), so both paths use the
 same adapter values.
 
 Slots (max_loras) are filled on demand and the least recently used one not needed by the step is given
@@ -59,8 +60,12 @@ class PackedLoRA:
     # [rows, R] x [out, R]^T product of a 1-row step up to 1000x slower than this layout, measured)
     bt: torch.Tensor
     layout: ColumnLayout
-    # the fused kernel's view: each column's scale (float32) and [slot, n0, n1) (int32 [R, 3]), the
-    # output columns its B row covers (one part of a fused projection)
+    # the fused kernel's view: A and B^T as stored (int8 storage: codes + 128 as uint8, `a` and `bt`
+    # then hold their values for the module path), each column's scale (float32, int8's row scales
+    # folded in) and [slot, n0, n1) (int32 [R, 3]), the output columns its B row covers (one part of a
+    # fused projection)
+    kernel_a: torch.Tensor
+    kernel_bt: torch.Tensor
     kernel_scale: torch.Tensor
     kernel_cols: torch.Tensor
 
@@ -113,8 +118,8 @@ class LoRABatch:
         ops = [self._row_slot32]
         for m in projections:
             packed: PackedLoRA | None = getattr(m, "packed", None)
-            ops += _NO_KERNEL_OPERANDS if packed is None else (packed.a, packed.bt, packed.kernel_scale,
-                                                               packed.kernel_cols)
+            ops += _NO_KERNEL_OPERANDS if packed is None else (packed.kernel_a, packed.kernel_bt,
+                                                               packed.kernel_scale, packed.kernel_cols)
         return ops
 
     def add(self, layer: Any, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -212,17 +217,33 @@ class LoRASlots:
                 wrapper.packed = None
                 continue
             storage = self.storage_dtype or self.dtype
-            a = torch.cat(a_parts).to(storage).contiguous()
-            bt = torch.zeros(column, wrapper.out_features, dtype=storage)
+            a = torch.cat(a_parts)
+            bt = torch.zeros(column, wrapper.out_features)
             for part, col in b_blocks:
                 bt[col : col + part.rank, part.row : part.row + part.rows] = part.b.T
+            kernel_scale = torch.tensor(col_scale, dtype=torch.float32)
+            if storage == torch.int8:
+                (a, kernel_a, a_scale), (bt, kernel_bt, b_scale) = _int8_rows(a), _int8_rows(bt)
+                kernel_scale = kernel_scale * a_scale * b_scale
+                a, bt = a.to(self.dtype), bt.to(self.dtype)
+            else:
+                a = kernel_a = a.to(storage).contiguous()
+                bt = kernel_bt = bt.to(storage).contiguous()
             key = (tuple(col_slot), tuple(col_scale))
             layout = layouts.get(key)
             if layout is None:
                 layout = layouts[key] = ColumnLayout(torch.tensor(col_slot, dtype=torch.int64),
                                                      torch.tensor(col_scale, dtype=self.dtype), spans)
-            wrapper.packed = PackedLoRA(a, bt, layout, torch.tensor(col_scale, dtype=torch.float32),
+            wrapper.packed = PackedLoRA(a, bt, layout, kernel_a, kernel_bt, kernel_scale,
                                         torch.tensor(col_out, dtype=torch.int32))
+
+
+def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 rows as int8 codes with one absmax scale per row: (the values the codes stand for, the
+    codes + 128 as uint8, the scales)."""
+    scale = w.abs().amax(dim=1).clamp_min(1e-30) / 127
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127)
+    return q * scale[:, None], (q + 128).to(torch.uint8).contiguous(), scale
 
 
 class NoAdapters:

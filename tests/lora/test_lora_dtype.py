@@ -1,5 +1,6 @@
 """What LoRA A and B are stored in (lora_dtype): float32 beside float32 base weights, bfloat16 beside bf16
-or quantized ones. bf16 adapters are exactly the checkpoint's values rounded to bf16, summed in float32:
+or quantized ones, int8 on request. bf16 adapters are exactly the checkpoint's values rounded to bf16,
+int8 ones the values of their codes (a scale per row of A and per column of B), summed in float32:
 greedy output equals peft's with the adapter rounded the same way, and the fused decode layer gives what
 the module path gives."""
 
@@ -18,14 +19,26 @@ from tests.lora.conftest import peft_greedy
 from tests.lora.test_lora_vs_peft import _assert_same, prompts_of
 
 
-def _rounded_copy(adapter: str, path: str) -> str:
-    """The adapter folder with every tensor rounded to bf16 (stored back as float32)."""
+def _int8_values(name: str, w: torch.Tensor) -> torch.Tensor:
+    """What int8 storage keeps of a lora_A [r, in] (per row) or lora_B [out, r] (per column) weight."""
+    rows = w if "lora_A" in name else w.T
+    scale = rows.abs().amax(dim=1).clamp_min(1e-30) / 127
+    kept = torch.round(rows / scale[:, None]).clamp_(-127, 127) * scale[:, None]
+    return kept if "lora_A" in name else kept.T
+
+
+_ROUNDED = {"bfloat16": lambda name, w: w.bfloat16().float(), "int8": _int8_values}
+
+
+def _rounded_copy(adapter: str, path: str, dtype: str) -> str:
+    """The adapter folder with every tensor rounded as `dtype` storage rounds it (stored back as float32)."""
     from safetensors.torch import load_file, save_file
 
     os.makedirs(path, exist_ok=True)
     shutil.copy(os.path.join(adapter, "adapter_config.json"), path)
     tensors = load_file(os.path.join(adapter, "adapter_model.safetensors"))
-    save_file({k: v.bfloat16().float() for k, v in tensors.items()}, os.path.join(path, "adapter_model.safetensors"))
+    save_file({k: _ROUNDED[dtype](k, v.float()).contiguous() for k, v in tensors.items()},
+              os.path.join(path, "adapter_model.safetensors"))
     return path
 
 
@@ -39,13 +52,15 @@ def test_storage_dtype_follows_the_base_weights():
     assert auto.storage_dtype(torch.bfloat16) == torch.bfloat16
     assert LoRAConfig(dtype="float32").storage_dtype(torch.bfloat16) == torch.float32
     assert LoRAConfig(dtype=torch.bfloat16).storage_dtype(torch.float32) == torch.bfloat16  # vLLM takes dtypes too
-    with pytest.raises(ValueError, match="lora_dtype='float16' is not supported: adapters are stored in float32 or bfloat16"):
+    assert LoRAConfig(dtype="int8").storage_dtype(torch.float32) == torch.int8
+    with pytest.raises(ValueError, match="lora_dtype='float16' is not supported: adapters are stored in float32, bfloat16 or int8"):
         LoRAConfig(dtype="float16")
 
 
-def test_bf16_adapters_match_peft_rounded_and_the_module_path(lora_base, adapters, tmp_path):
+@pytest.mark.parametrize("lora_dtype,stored", [("bfloat16", torch.bfloat16), ("int8", torch.uint8)])
+def test_narrow_adapters_match_peft_rounded_and_the_module_path(lora_base, adapters, tmp_path, lora_dtype, stored):
     llm = LLM(lora_base, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64, enable_lora=True,
-              max_loras=2, max_lora_rank=8, lora_dtype="bfloat16")
+              max_loras=2, max_lora_rank=8, lora_dtype=lora_dtype)
     a, b = LoRARequest("a", 1, adapters["a"]), LoRARequest("b", 2, adapters["b"])
     prompts = prompts_of((7, 16, 3), seed=8)
     loras = [a, None, b]
@@ -57,14 +72,14 @@ def test_bf16_adapters_match_peft_rounded_and_the_module_path(lora_base, adapter
 
     fused = outputs()
     packed = [w.packed for w in _slots(llm).wrappers if w.packed is not None]
-    assert packed and all(p.a.dtype == p.bt.dtype == torch.bfloat16 for p in packed)
-    rounded = {k: _rounded_copy(adapters[k], str(tmp_path / k)) for k in ("a", "b")}
+    assert packed and all(p.kernel_a.dtype == p.kernel_bt.dtype == stored for p in packed)
+    rounded = {k: _rounded_copy(adapters[k], str(tmp_path / k), lora_dtype) for k in ("a", "b")}
     for prompt, lora, (tokens, _) in zip(prompts, loras, fused):
         assert tokens == peft_greedy(lora_base, rounded[lora.lora_name] if lora else None, prompt, 12), lora
     llm.llm_engine.core.model.model.fused_decode.eligible = False  # the module path
     # the same adapter values on both paths; only float32 summation order differs (the portable tier's
     # sequential sums drift up to ~1e-4 in 12 steps of this random model)
-    _assert_same(fused, outputs(), "bf16 adapters, fused vs module path", tolerance=5e-4)
+    _assert_same(fused, outputs(), f"{lora_dtype} adapters, fused vs module path", tolerance=5e-4)
     assert_pool_whole(llm)
 
 

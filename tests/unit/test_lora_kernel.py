@@ -1,6 +1,6 @@
 """The fused decode layer's LoRA kernel (csrc/lora_kernels.cpp) against a plain-torch reference: rows of
 several slots and of none, a fused projection's parts (each B row adds only to its part's columns),
-float32 and bfloat16 adapters, strided rows, and steps big enough to split across threads."""
+float32, bfloat16 and int8 (codes + 128) adapters, strided rows, and steps big enough to split across threads."""
 
 from __future__ import annotations
 
@@ -22,13 +22,22 @@ def _operands(K, parts, slots, seed, dtype):
         for (n0, n1), r in zip(parts, ranks):
             cols += [(slot, n0, n1)] * r
     R = len(cols)
-    a = torch.randn(R, K, generator=g).to(dtype)
-    bt = torch.randn(R, N, generator=g).to(dtype)
+    if dtype == torch.uint8:
+        a = torch.randint(0, 256, (R, K), generator=g, dtype=torch.uint8)
+        bt = torch.randint(0, 256, (R, N), generator=g, dtype=torch.uint8)
+    else:
+        a = torch.randn(R, K, generator=g).to(dtype)
+        bt = torch.randn(R, N, generator=g).to(dtype)
     scale = torch.rand(R, generator=g) + 0.5
     return a, bt, scale, torch.tensor(cols, dtype=torch.int32)
 
 
+def _values(w):
+    return w.double() - 128 if w.dtype == torch.uint8 else w.double()
+
+
 def _reference(y, x, row_slot, a, bt, scale, cols):
+    a, bt = _values(a), _values(bt)
     out = y.double().clone()
     for c, (slot, n0, n1) in enumerate(cols.tolist()):
         rows = row_slot == slot
@@ -37,10 +46,11 @@ def _reference(y, x, row_slot, a, bt, scale, cols):
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
 @pytest.mark.parametrize("rows,K,parts,threads", [
     (1, 37, [(0, 20), (20, 27), (27, 34)], 1),  # one row, q|k|v parts of odd widths
     (5, 53, [(0, 41)], 2),
+    (7, 64, [(0, 96), (96, 101)], 1),  # two rows of a slot, widths a multiple of the paired blocks
     (70, 45, [(0, 13), (13, 150)], 2),  # more rows than a tile, many tiles
     (33, 300, [(0, 250), (250, 333), (333, 419)], 2),  # big enough to split both passes across threads
 ])
@@ -89,7 +99,7 @@ def test_lora_bad_operands_are_clear_errors():
     a, bt, scale, cols = _operands(19, [(0, 23)], [(0, [4])], seed=2, dtype=torch.float32)
     x, y = torch.randn(2, 19), torch.randn(2, 23)
     row_slot = torch.zeros(2, dtype=torch.int32)
-    with pytest.raises(RuntimeError, match="must both be float32 or both bfloat16"):
+    with pytest.raises(RuntimeError, match="must both be float32, both bfloat16 or both uint8"):
         ops.lora_add(y, x, [row_slot, a, bt.bfloat16(), scale, cols], 0)
     with pytest.raises(RuntimeError, match=r"B\^T \[R, 23\]"):
         ops.lora_add(y, x, [row_slot, a, bt[:, :20].contiguous(), scale, cols], 0)
