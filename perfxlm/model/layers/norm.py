@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        ops = self._native()
+        ops = self._native(x)
         if ops is not None and x.dtype == torch.float32:
             if residual is None:
                 return ops.rms_norm(x, self.weight, self.variance_epsilon)
@@ -38,11 +38,11 @@ class RMSNorm(nn.Module):
         x = x + residual
         return self._norm(x), x
 
-    def _native(self):
+    def _native(self, x: torch.Tensor):
         # Only this class's formula (Gemma's subclass scales differently) and float32 weights.
         if type(self) is not RMSNorm or self.weight.dtype != torch.float32:
             return None
-        return native.kernels()
+        return native.kernels_for(x)
 
 
 class GemmaRMSNorm(RMSNorm):

@@ -69,6 +69,7 @@ def load_model(config: Any, tp: Any = None) -> torch.nn.Module:
     return get_model(
         config.model, config.hf_config, config.torch_dtype, config.load_format, config.seed, config.weight_dtype,
         tp=tp, quantization=config.quant_config, activations=config.quant_activation_mode,
+        device=config.torch_device,
     )  # fmt: skip
 
 
@@ -82,8 +83,10 @@ def get_model(
     tp: Any = None,
     quantization: Any = None,
     activations: ActivationMode | None = None,
+    device: torch.device | str = "cpu",
 ):
-    """`tp`: a distributed.sharding.TPShard: build and load only that rank's shard. `quantization`: the
+    """`device`: where the weights live (a CUDA model is built there, its float weights loaded into it,
+    and its layers bound to the methods of that device). `tp`: a distributed.sharding.TPShard: build and load only that rank's shard. `quantization`: the
     weight format (a QuantizationConfig, or what `QuantizationConfig.resolve` takes; None keeps a GGUF
     file's blocks and a float checkpoint float). `activations`: the mode EngineConfig.resolve decided,
     else the default for these weights."""
@@ -99,7 +102,8 @@ def get_model(
         check_supported(model_cls, tp.world_size, hf_config, prequantized)
         build_config = tp.shard_config(hf_config)
         quantization = tp_quantization(quantization)
-    with _default_dtype(dtype), torch.no_grad():
+    device = torch.device(device)
+    with _default_dtype(dtype), torch.no_grad(), torch.device(device):
         # Layers allocate with torch.empty: building the model costs no initialisation pass.
         model = model_cls(build_config)
         # quantized weights (a GGUF file's blocks, or `quantization=`): checked before any weight is read
@@ -132,10 +136,14 @@ def get_model(
                 weights = packed.stream(weights)
             model.load_weights(tqdm(weights, desc="Loading weights", unit="tensor", leave=False), sink=sink)
     stored = weight_dtype or dtype
-    bind_linear_methods(model, linear_plan(stored, dtype, None if sink is None else sink.format_name))
+    plan = linear_plan(stored, dtype, None if sink is None else sink.format_name, device)
+    bind_linear_methods(model, plan)
     if stored != dtype:
         cast_weights(model, stored, dtype)
-    move_to_arena(model)  # final layouts only: after packing and casting
+    if device.type == "cpu":
+        move_to_arena(model)  # final layouts only: after packing and casting
+    else:
+        model.to(device)  # what a loader put in place of a Parameter built on the device
     release_freed_memory()
     return model.eval()
 
@@ -198,13 +206,16 @@ def cast_weights(model: torch.nn.Module, weight_dtype: torch.dtype, compute_dtyp
 
 
 def linear_plan(
-    weight_dtype: torch.dtype, compute_dtype: torch.dtype, quantized_format: str | None
+    weight_dtype: torch.dtype, compute_dtype: torch.dtype, quantized_format: str | None,
+    device: torch.device | str = "cpu",
 ) -> LinearPlan:
     """The plan a model's layers choose their linear methods by: bf16 weights under float32 activations
-    take the layout the CPU plan names where the native kernels are built (ops/cpu_plan.py), else rows."""
+    take the layout the CPU plan names where the native kernels are built (ops/cpu_plan.py), else rows
+    (and always on a GPU, whose weights are stored in the compute dtype: the float method)."""
     from perfxlm.ops import cpu_plan, native
 
-    panels = weight_dtype == torch.bfloat16 and native.kernels() is not None and cpu_plan.plan().layout == "panels"
+    panels = (torch.device(device).type == "cpu" and weight_dtype == torch.bfloat16 and native.kernels() is not None
+              and cpu_plan.plan().layout == "panels")  # fmt: skip
     return LinearPlan(weight_dtype, compute_dtype, "panels" if panels else "rows", quantized_format)
 
 

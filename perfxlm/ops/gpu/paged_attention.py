@@ -13,6 +13,8 @@ attention), so prefill over cached context never gathers the whole sequence.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -121,6 +123,46 @@ def _tiles(num_queries: list[int], group_heads: int, block_m: int) -> tuple[list
     return seqs, rows
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionLaunch:
+    """What one step's launch needs beyond the tensors of a layer, the same for every layer of the step
+    (a backend builds it once per step: one host-to-device copy, not five per layer)."""
+
+    block_m: int
+    num_tokens: int
+    num_tiles: int
+    starts: torch.Tensor  # [num_seqs + 1] int32: each sequence's first query row
+    pos0: torch.Tensor  # [num_seqs]: position of each sequence's first new token
+    seq_lens: torch.Tensor  # [num_seqs]
+    tile_seq: torch.Tensor  # [num_tiles]: the sequence of each BLOCK_M tile
+    tile_row0: torch.Tensor  # [num_tiles]: its first (token x head) row
+
+
+def decode_block_m(group_heads: int) -> int:
+    """Rows of a tile when every sequence has one query token: tl.dot wants 16 or more; G heads need G."""
+    return min(max(16, triton.next_power_of_2(group_heads)), 128)
+
+
+def plan_launch(query_lens: list[int], seq_lens: list[int], group_heads: int, device: torch.device) -> AttentionLaunch:
+    # rows of a tile: a decode of G heads needs G rows, a prefill more
+    if max(query_lens) == 1:
+        block_m = decode_block_m(group_heads)
+    else:
+        block_m = min(max(16, triton.next_power_of_2(4 * group_heads)), 128)
+    tile_seq, tile_row0 = _tiles(query_lens, group_heads, block_m)
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    pos0 = [s - n for s, n in zip(seq_lens, query_lens)]
+    parts = (starts, pos0, list(seq_lens), tile_seq, tile_row0)
+    packed = torch.tensor([x for part in parts for x in part], dtype=torch.int32).to(device, non_blocking=True)
+    views, at = [], 0
+    for part in parts:
+        views.append(packed[at : at + len(part)])
+        at += len(part)
+    return AttentionLaunch(block_m, starts[-1], len(tile_seq), *views)
+
+
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]: every sequence's new tokens, back to back
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], this step's K/V written
@@ -134,6 +176,7 @@ def paged_attention(
     key_scale: torch.Tensor | None = None,  # int8 cache: [num_blocks, block_size, num_kv_heads, groups]
     value_scale: torch.Tensor | None = None,
     block_n: int = 32,
+    launch: AttentionLaunch | None = None,  # the step's plan_launch(query_lens, seq_lens, ...), else made here
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
@@ -145,33 +188,25 @@ def paged_attention(
     if quantized and key_scale is None:
         raise ValueError("an int8 KV cache needs its key_scale and value_scale tensors.")
     group_heads = num_heads // num_kv_heads
-    device = query.device
-    # rows of a tile: tl.dot wants 16 or more; a decode of G heads needs G rows, a prefill more
-    block_m = max(16, triton.next_power_of_2(group_heads if max(query_lens) == 1 else 4 * group_heads))
-    block_m = min(block_m, 128)
-    tile_seq, tile_row0 = _tiles(query_lens, group_heads, block_m)
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    if starts[-1] != num_tokens:
-        raise ValueError(f"query_lens sum to {starts[-1]} but the query has {num_tokens} tokens.")
-    pos0 = [s - n for s, n in zip(seq_lens, query_lens)]
-    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
+    if launch is None:
+        launch = plan_launch(query_lens, seq_lens, group_heads, query.device)
+    if launch.num_tokens != num_tokens:
+        raise ValueError(f"query_lens sum to {launch.num_tokens} but the query has {num_tokens} tokens.")
     out = torch.empty_like(query)
-    if not tile_seq:
+    if not launch.num_tiles:
         return out
     groups = head_dim // key_scale.shape[-1] if quantized else head_dim
     dummy = key_cache  # an unused pointer argument where the cache carries no scales
     ks, vs = (key_scale, value_scale) if quantized else (dummy, dummy)
     sstrides = ks.stride()[:3] if quantized else (0, 0, 0)
-    _paged_attention_kernel[(len(tile_seq), num_kv_heads)](
+    _paged_attention_kernel[(launch.num_tiles, num_kv_heads)](
         out, query, key_cache, value_cache, ks, vs,
-        block_tables, as_tensor(starts), as_tensor(pos0), as_tensor(seq_lens), as_tensor(tile_seq), as_tensor(tile_row0),
+        block_tables, launch.starts, launch.pos0, launch.seq_lens, launch.tile_seq, launch.tile_row0,
         float(scale), float(soft_cap or 0.0), int(sliding_window or 0),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), *sstrides,
         head_dim, group_heads,
-        BLOCK_SIZE=key_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_SIZE=key_cache.shape[1], BLOCK_M=launch.block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), GROUP=groups, QUANTIZED=quantized,
         SOFT_CAP=soft_cap is not None, WINDOW=sliding_window is not None,
     )  # fmt: skip
