@@ -80,6 +80,37 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+class StepClock:
+    """Seconds spent in the scheduler, in the runner (forward, sampling, and the wait for the GPU at its
+    end) and in the whole engine step, summed over a run: where a decode step's time goes."""
+
+    def __init__(self, core) -> None:
+        self.totals = {"schedule": 0.0, "execute": 0.0, "step": 0.0}
+        self.steps = 0
+        for owner, name, key in ((core.scheduler, "schedule", "schedule"), (core.runner, "execute", "execute"),
+                                 (core, "step", "step")):  # fmt: skip
+            setattr(owner, name, self._timed(getattr(owner, name), key))
+
+    def _timed(self, fn, key):
+        def call(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.totals[key] += time.perf_counter() - t0
+                self.steps += key == "step"
+
+        return call
+
+    def reset(self) -> None:
+        self.totals = dict.fromkeys(self.totals, 0.0)
+        self.steps = 0
+
+    def per_step_ms(self) -> dict:
+        n = max(1, self.steps)
+        return {f"{k}_ms": v / n * 1e3 for k, v in self.totals.items()}
+
+
 def perfxlm_rows(path: str, rows, args) -> list[dict]:
     from perfxlm import LLM, SamplingParams
     from perfxlm.worker.cuda_graphs import EagerForward
@@ -93,6 +124,7 @@ def perfxlm_rows(path: str, rows, args) -> list[dict]:
     weights = sum(p.numel() * p.element_size() for p in core.runner.model.parameters())
     per_token = core.kv_bytes_per_block // llm.llm_engine.config.block_size
     out_rows = []
+    clock = StepClock(core)
     graphs = core.runner.forward_path
     eager_rows = parse_rows(args.eager_rows) if args.eager_rows else []
     for batch, inp, out, eager in [(*r, False) for r in rows] + [(*r, True) for r in eager_rows]:
@@ -110,14 +142,21 @@ def perfxlm_rows(path: str, rows, args) -> list[dict]:
             torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated() if on_gpu else 0
         prefill = timed(lambda: run(1), args.repeats)
+        clock.reset()
         total = timed(lambda: run(out), args.repeats)
+        breakdown = clock.per_step_ms()
+        if not eager and hasattr(graphs, "graphs") and batch in graphs.graphs:
+            # the forward pass alone on the GPU: the row's captured graph replayed back to back (the static
+            # inputs still hold this row's last step)
+            graph = graphs.graphs[batch][0]
+            breakdown["graph_replay_ms"] = timed(lambda: [graph.replay() for _ in range(20)], 1) / 20 * 1e3
         activations = torch.cuda.max_memory_allocated() - base if on_gpu else 0
         decode = (total - prefill) / max(1, out - 1)
         kv_used = batch * (inp + out) * per_token
         row = dict(engine="perfxlm eager" if eager else "perfxlm", batch=batch, input=inp, output=out, prefill_ms=prefill * 1e3,
                    decode_ms=decode * 1e3, throughput=batch * out / total,
                    memory_gib=(weights + kv_used + activations) / 2**30, weights_gib=weights / 2**30,
-                   kv_pool_gib=core.num_kv_blocks * core.kv_bytes_per_block / 2**30)  # fmt: skip
+                   kv_pool_gib=core.num_kv_blocks * core.kv_bytes_per_block / 2**30, **breakdown)  # fmt: skip
         print(json.dumps(row), flush=True)
         out_rows.append(row)
     del llm, core

@@ -13,6 +13,7 @@ attention), so prefill over cached context never gathers the whole sequence.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -24,14 +25,17 @@ import triton.language as tl
 def _load_kv_tile(
     cache, scales, block_table_row, pos, valid, kv_head, d, d_mask,
     stride_block, stride_slot, stride_head, scale_stride_block, scale_stride_slot, scale_stride_head,
-    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, QUANTIZED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, QUANTIZED: tl.constexpr, HALF_DOT: tl.constexpr,
 ):  # fmt: skip
-    """K or V rows at positions `pos` [BLOCK_N] of one KV head, widened to float32: [BLOCK_N, D]."""
+    """K or V rows at positions `pos` [BLOCK_N] of one KV head: [BLOCK_N, D], widened to float32 unless
+    HALF_DOT (a 16-bit cache read as stored, for the tensor cores)."""
     block = tl.load(block_table_row + pos // BLOCK_SIZE, mask=valid, other=0)
     slot = pos % BLOCK_SIZE
     row = block.to(tl.int64) * stride_block + slot * stride_slot + kv_head * stride_head
     mask = valid[:, None] & d_mask[None, :]
-    tile = tl.load(cache + row[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    tile = tl.load(cache + row[:, None] + d[None, :], mask=mask, other=0.0)
+    if not HALF_DOT:
+        tile = tile.to(tl.float32)
     if QUANTIZED:
         srow = block.to(tl.int64) * scale_stride_block + slot * scale_stride_slot + kv_head * scale_stride_head
         scale = tl.load(scales + srow[:, None] + (d // GROUP)[None, :], mask=mask, other=0.0)
@@ -50,6 +54,7 @@ def _paged_attention_kernel(
     head_dim, group_heads,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr, QUANTIZED: tl.constexpr, SOFT_CAP: tl.constexpr, WINDOW: tl.constexpr,
+    HALF_DOT: tl.constexpr,
 ):  # fmt: skip
     # Program (tile, kv_head): BLOCK_M rows = (query token, query head of this KV head) pairs, so a decode
     # row block holds the G heads of one token and a prefill block holds BLOCK_M // G tokens x G heads.
@@ -69,7 +74,11 @@ def _paged_attention_kernel(
     d = tl.arange(0, BLOCK_D)
     d_mask = d < head_dim
     q_ptr = query + (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
-    q = tl.load(q_ptr, mask=row_valid[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    q = tl.load(q_ptr, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+    if HALF_DOT:  # a 16-bit query against a 16-bit cache: exact products, float32 sums, on the tensor cores
+        q = q.to(key_cache.dtype.element_ty)
+    else:
+        q = q.to(tl.float32)
     q_pos = pos0 + tok  # [BLOCK_M]
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -86,9 +95,12 @@ def _paged_attention_kernel(
         valid = pos <= last
         k = _load_kv_tile(
             key_cache, key_scale, table, pos, valid, kv_head, d, d_mask, stride_block, stride_slot, stride_head,
-            scale_stride_block, scale_stride_slot, scale_stride_head, BLOCK_SIZE, GROUP, QUANTIZED,
+            scale_stride_block, scale_stride_slot, scale_stride_head, BLOCK_SIZE, GROUP, QUANTIZED, HALF_DOT,
         )  # fmt: skip
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
+        if HALF_DOT:
+            s = tl.dot(q, tl.trans(k)) * sm_scale
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
         if SOFT_CAP:
             # c * tanh(s / c), tanh spelled with exp: 1 - 2 / (exp(2x) + 1) saturates cleanly at +-1
             s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0))
@@ -103,9 +115,12 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = _load_kv_tile(
             value_cache, value_scale, table, pos, valid, kv_head, d, d_mask, stride_block, stride_slot, stride_head,
-            scale_stride_block, scale_stride_slot, scale_stride_head, BLOCK_SIZE, GROUP, QUANTIZED,
+            scale_stride_block, scale_stride_slot, scale_stride_head, BLOCK_SIZE, GROUP, QUANTIZED, HALF_DOT,
         )  # fmt: skip
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        if HALF_DOT:  # the weights rounded to the cache's type, as flash attention does
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m_i = m_new
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_ptr = out + (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
@@ -175,7 +190,7 @@ def paged_attention(
     soft_cap: float | None = None,
     key_scale: torch.Tensor | None = None,  # int8 cache: [num_blocks, block_size, num_kv_heads, groups]
     value_scale: torch.Tensor | None = None,
-    block_n: int = 32,
+    block_n: int | None = None,  # keys per step of a program's walk (default: 64 on the tensor cores, else 32)
     launch: AttentionLaunch | None = None,  # the step's plan_launch(query_lens, seq_lens, ...), else made here
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_tokens, num_heads, head_dim = query.shape
@@ -196,6 +211,13 @@ def paged_attention(
     if not launch.num_tiles:
         return out
     groups = head_dim // key_scale.shape[-1] if quantized else head_dim
+    # a float16 / bfloat16 cache under a query of the same type: both dots on the tensor cores (float32
+    # models and int8 caches keep exact float32 dots)
+    half_dot = key_cache.dtype in (torch.float16, torch.bfloat16) and query.dtype == key_cache.dtype
+    if key_cache.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+        half_dot = False  # the interpreter's numpy has no bfloat16: its bf16 dots come out as garbage
+    if block_n is None:
+        block_n = 64 if half_dot else 32
     dummy = key_cache  # an unused pointer argument where the cache carries no scales
     ks, vs = (key_scale, value_scale) if quantized else (dummy, dummy)
     sstrides = ks.stride()[:3] if quantized else (0, 0, 0)
@@ -208,6 +230,7 @@ def paged_attention(
         head_dim, group_heads,
         BLOCK_SIZE=key_cache.shape[1], BLOCK_M=launch.block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), GROUP=groups, QUANTIZED=quantized,
+        HALF_DOT=half_dot,
         SOFT_CAP=soft_cap is not None, WINDOW=sliding_window is not None,
     )  # fmt: skip
     return out
