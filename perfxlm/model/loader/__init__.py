@@ -103,7 +103,9 @@ def get_model(
         build_config = tp.shard_config(hf_config)
         quantization = tp_quantization(quantization)
     device = torch.device(device)
-    with _default_dtype(dtype), torch.no_grad(), torch.device(device):
+    # a GPU model is built where it runs (the CPU's needs no device mode around every allocation)
+    place = contextlib.nullcontext() if device.type == "cpu" else device
+    with _default_dtype(dtype), torch.no_grad(), place:
         # Layers allocate with torch.empty: building the model costs no initialisation pass.
         model = model_cls(build_config)
         # quantized weights (a GGUF file's blocks, or `quantization=`): checked before any weight is read
