@@ -41,8 +41,9 @@ def split_vllm_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
                              "revision (revision=...).")
     if "device" in rest:  # checked here (a bad name fails before anything loads), resolved by EngineConfig
         check_device(rest["device"])
-    if "gpu_memory_utilization" in rest:
-        settings["gpu_memory_utilization"] = check_gpu_memory_utilization(rest.pop("gpu_memory_utilization"))
+    share = rest.pop("gpu_memory_utilization", None)
+    if share is not None:  # None: the default (the CLI passes its flag's absence as None)
+        settings["gpu_memory_utilization"] = check_gpu_memory_utilization(share)
     task = rest.pop("task", None)
     if task is not None:  # vLLM's older spelling of runner / convert
         from perfxlm.pooling.runner_kind import task_settings

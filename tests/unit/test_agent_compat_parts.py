@@ -113,6 +113,8 @@ def test_vllm_arguments(monkeypatch):
     assert split_vllm_kwargs({"revision": "abc", "download_dir": "/x"})[0] == {"revision": "abc",
                                                                                "download_dir": "/x"}  # engine fields
     assert split_vllm_kwargs({"device": "cpu", "max_model_len": 8})[0] == {"device": "cpu", "max_model_len": 8}
+    rest, settings = split_vllm_kwargs({"gpu_memory_utilization": None})  # the CLI's absent flag
+    assert rest == {} and "gpu_memory_utilization" not in settings
     bad_cases = [({"tokenizer_mode": "mistral"}, "fast tokenizer"), ({"tokenizer_revision": "v2"}, "revision"),
                  ({"device": "tpu"}, "one of auto, cpu, cuda"), ({"gpu_memory_utilization": 1.5}, r"in \(0, 1\]")]
     if not torch.cuda.is_available():
