@@ -12,8 +12,6 @@ logger = logging.getLogger("perfxlm")
 
 # accepted: no effect on a CPU engine, as in vLLM's own CPU backend (logged once per argument)
 _NOTICES = {
-    "gpu_memory_utilization": "gpu_memory_utilization has no effect on CPU: size the KV cache with kv_cache_gib, "
-                              "kv_cache_memory_bytes or VLLM_CPU_KVCACHE_SPACE",
     "swap_space": "swap_space has no effect: preempted requests are recomputed, never swapped",
     "cpu_offload_gb": "cpu_offload_gb has no effect: the weights already live in CPU memory",
     "max_seq_len_to_capture": "max_seq_len_to_capture has no effect: no CUDA graphs on CPU",
@@ -41,7 +39,11 @@ def split_vllm_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
         if value not in (None, "main"):
             raise ValueError(f"{name}={value!r} is not supported: the tokenizer and code come from the model's "
                              "revision (revision=...).")
-    check_device(rest.pop("device", "auto"))
+    if "device" in rest:  # checked here (a bad name fails before anything loads), resolved by EngineConfig
+        check_device(rest["device"])
+    share = rest.pop("gpu_memory_utilization", None)
+    if share is not None:  # None: the default (the CLI passes its flag's absence as None)
+        settings["gpu_memory_utilization"] = check_gpu_memory_utilization(share)
     task = rest.pop("task", None)
     if task is not None:  # vLLM's older spelling of runner / convert
         from perfxlm.pooling.runner_kind import task_settings
@@ -86,16 +88,16 @@ def kv_cache_space_env() -> float | None:
     return gib if gib > 0 else None
 
 
-DEVICES = ("auto", "cpu")
-
-
 def check_device(device: Any) -> str:
-    """vLLM's `device`: "auto" and "cpu" run here. The GPU kernels exist (ops/gpu, tested in Triton's
-    interpreter) but the CUDA executor does not yet, so "cuda" is refused rather than quietly run on CPU."""
-    name = str(device).strip().lower() if device is not None else "auto"
-    if name in DEVICES:
-        return "cpu"
-    if name.startswith("cuda"):
-        raise ValueError(f"device={device!r}: this version of perfxlm runs the engine on CPU only; use "
-                         "device='cpu' or 'auto'.")
-    raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}.")
+    """vLLM's `device`: "auto", "cpu", "cuda" or "cuda:N" (perfxlm/device.py); the device type it resolves
+    to here. ValueError names the choices, or says that torch sees no GPU."""
+    from perfxlm.device import resolve_device
+
+    return resolve_device(device).type
+
+
+def check_gpu_memory_utilization(value: Any) -> float:
+    """vLLM's share of the GPU's memory the engine may take (weights, activations and KV cache): in (0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {value!r}.")
+    return float(value)

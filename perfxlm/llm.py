@@ -36,7 +36,7 @@ class LLM(PoolingMethods):
         dtype: str = "auto",
         quantization: str | dict[str, Any] | None = None,
         seed: int | None = 0,
-        enforce_eager: bool = True,
+        enforce_eager: bool = False,
         **kwargs: Any,
     ) -> None:
         generation_config = kwargs.pop("generation_config", "auto")

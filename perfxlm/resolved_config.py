@@ -41,6 +41,7 @@ class ResolvedConfig:
     max_num_batched_tokens: int
     max_model_len: int
     seed: int | None
+    device: torch.device  # where weights, KV cache and sampling tensors live (cpu, or cuda: perfxlm/device.py)
 
     @property
     def isa(self) -> str:
@@ -59,6 +60,6 @@ class ResolvedConfig:
             ("cpu_plan", self.cpu_plan.describe()), ("tensor_parallel_size", self.tensor_parallel_size),
             ("data_parallel_size", self.data_parallel_size), ("max_num_seqs", self.max_num_seqs),
             ("max_num_batched_tokens", self.max_num_batched_tokens), ("max_model_len", self.max_model_len),
-            ("seed", self.seed),
+            ("seed", self.seed), ("device", self.device),
         ]  # fmt: skip
         return ", ".join(f"{k}={v}" for k, v in fields)

@@ -78,7 +78,7 @@ class EngineCore:
             "perfxlm engine core: model=%s compute=%s weights=%s kv=%s kv_blocks=%d x %d tokens, max_model_len=%d, "
             "quantized-weight activations=%s, CPU plan: %s, model: %s",
             config.model, config.torch_dtype, config.weight_dtype, config.kv_cache_spec.name, self.num_kv_blocks,
-            config.block_size, config.max_model_len, config.quant_activation_mode, cpu_plan.plan().describe(),
+            config.block_size, config.max_model_len, config.quant_activation_mode, _plan_text(config),
             self.executor.describe(),
         )  # fmt: skip
         logger.info(
@@ -95,7 +95,8 @@ class EngineCore:
         c = self.config
         per_block = self.kv_bytes_per_block = self.executor.kv_bytes_per_block(c.block_size, c.kv_cache_spec)
         num = plan_num_blocks(
-            per_block, c.block_size, c.max_num_seqs, c.max_model_len, c.num_kv_blocks, c.kv_cache_gib
+            per_block, c.block_size, c.max_num_seqs, c.max_model_len, c.num_kv_blocks, c.kv_cache_gib,
+            self.executor.kv_budget_bytes() if c.num_kv_blocks is None and c.kv_cache_gib is None else None,
         )
         num = self.executor.agree_num_blocks(num)  # ranks on several machines: the smallest pool
         # One sequence must fit the pool: the scheduler and the input checks see the fitted length.
@@ -155,9 +156,18 @@ class EngineCore:
         return self.kv_cache_manager.check_invariants()
 
 
+def _plan_text(config: EngineConfig) -> str:
+    """The CPU plan a CPU engine runs by; a GPU engine's device (its CPU plan is never detected: that would
+    build the CPU kernels for nothing)."""
+    return cpu_plan.plan().describe() if config.torch_device.type == "cpu" else f"none ({config.torch_device})"
+
+
 def _verify_row_budget(config: EngineConfig) -> int:
     """Decode rows per step up to which the linear layers run the weight-streaming GEMV kernels on this CPU
     (quantized weights: `quant_max_rows`; float weights: `native_max_rows`), where scoring draft tokens
-    costs little more than the one row each request decodes anyway."""
+    costs little more than the one row each request decodes anyway. On a GPU, a decode step of a few
+    dozen rows reads the weights once like one row does."""
+    if config.torch_device.type != "cpu":
+        return 32
     plan = cpu_plan.plan()
     return max(2, plan.quant_max_rows if config._quantized_source() is not None else plan.native_max_rows)

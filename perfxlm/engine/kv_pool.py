@@ -6,6 +6,8 @@ Decided once at start, after the model is built (the bytes per block depend on i
 - `kv_cache_gib` given: that many GiB (vLLM's CPU KV-space setting).
 - neither: min(DEFAULT_KV_CACHE_GIB, half the memory available now), and never more than
   `max_num_seqs x max_model_len` could fill.
+- neither, on a GPU: what `gpu_memory_utilization` leaves once the weights and a step's activations
+  are counted (`worker/gpu_memory.py`, vLLM's rule), with the same ceiling.
 
 The pool tensors commit pages only as blocks are written (`worker/kv_memory.py`), so a large pool
 costs address space, not resident memory, until requests use it.
@@ -71,7 +73,9 @@ def plan_num_blocks(
     max_model_len: int,
     num_kv_blocks: int | None = None,
     kv_cache_gib: float | None = None,
+    device_budget: int | None = None,
 ) -> int:
+    """`device_budget`: bytes a GPU's pool may take (gpu_memory_utilization's share), or None on the CPU."""
     if num_kv_blocks is not None:
         return num_kv_blocks
     if kv_cache_gib is not None:
@@ -83,12 +87,20 @@ def plan_num_blocks(
                 f"kv_cache_gib={kv_cache_gib} is too small for one block ({bytes_per_block} bytes)."
             )
         return num
+    # Never more than every seat filled to max_model_len could use.
+    ceiling = max_num_seqs * -(-max_model_len // block_size)
+    if device_budget is not None:
+        num = min(max(0, device_budget) // bytes_per_block, ceiling)
+        if num < 1:
+            raise ValueError(
+                f"No GPU memory left for one KV block ({bytes_per_block} bytes) under gpu_memory_utilization: "
+                f"raise gpu_memory_utilization, lower max_num_batched_tokens / max_num_seqs, or free the GPU."
+            )
+        return num
     budget = DEFAULT_KV_CACHE_GIB * GIB
     avail = available_memory_bytes()
     if avail is not None:
         budget = min(budget, avail * DEFAULT_AVAILABLE_FRACTION)
-    # Never more than every seat filled to max_model_len could use.
-    ceiling = max_num_seqs * -(-max_model_len // block_size)
     num = min(int(budget // bytes_per_block), ceiling)
     if num < 1:
         raise ValueError(

@@ -15,9 +15,11 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
     else:
         parser.add_argument("--model", dest="model_opt", default=None, help=model_help)
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder, if not the model's")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="weights and activations dtype; auto = bfloat16 where the CPU has native bf16")
-    parser.add_argument("--device", default="auto", help="auto | cpu (vLLM's flag; the engine runs on CPU)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weights and activations dtype; auto = bfloat16 where the CPU has native bf16 (on "
+                             "CUDA: the checkpoint's dtype, float32 checkpoints as bfloat16); float16: CUDA only")
+    parser.add_argument("--device", default="auto",
+                        help="auto | cpu | cuda | cuda:N (vLLM's flag; auto = CUDA where torch sees a GPU)")
     parser.add_argument("--load-format", default="auto",
                         choices=["auto", "safetensors", "gguf", "dummy", "onnx"],
                         help="dummy = random weights of the right shapes (benchmarks); onnx = a folder "
@@ -106,8 +108,6 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
 
 
 _GPU_FLAG_NOTICES = {
-    "gpu_memory_utilization": "--gpu-memory-utilization has no effect on CPU: size the KV cache with "
-                              "--kv-cache-gib, --kv-cache-memory-bytes or VLLM_CPU_KVCACHE_SPACE",
     "swap_space": "--swap-space has no effect: preempted requests are recomputed, never swapped",
     "cpu_offload_gb": "--cpu-offload-gb has no effect: the weights already live in CPU memory",
     "enforce_eager": "--enforce-eager has no effect: perfxlm always runs eagerly on CPU",
@@ -159,11 +159,15 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     from perfxlm.compat import check_device
 
     try:
-        check_device(getattr(args, "device", "auto"))
+        device = check_device(getattr(args, "device", "auto"))
     except ValueError as exc:
         raise SystemExit(f"perfxlm: {exc}") from None
+    gpu_share = getattr(args, "gpu_memory_utilization", None)
+    if gpu_share is not None and device == "cpu":
+        print("perfxlm: --gpu-memory-utilization has no effect on CPU: size the KV cache with --kv-cache-gib, "
+              "--kv-cache-memory-bytes or VLLM_CPU_KVCACHE_SPACE.", file=sys.stderr)
     for name, notice in _GPU_FLAG_NOTICES.items():
-        if getattr(args, name, None) is not None:
+        if getattr(args, name, None) is not None and not (name == "enforce_eager" and device != "cpu"):
             print(f"perfxlm: {notice}.", file=sys.stderr)
     pooling = _pooling_kwargs(args)
     return dict(
@@ -197,6 +201,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_cpu_loras=getattr(args, "max_cpu_loras", None),
         lora_dtype=getattr(args, "lora_dtype", "auto"),
         speculative_config=getattr(args, "speculative_config", None),
+        device=getattr(args, "device", "auto"),
+        gpu_memory_utilization=gpu_share if device != "cpu" else None,
+        enforce_eager=bool(getattr(args, "enforce_eager", None)),
     )
 
 

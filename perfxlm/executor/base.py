@@ -36,6 +36,11 @@ class Executor(ABC):
     def describe(self) -> str:
         """Where the model runs, in a few words, for the start-up log."""
 
+    def kv_budget_bytes(self) -> int | None:
+        """Bytes this executor's KV pool may take where its device sets the limit (a GPU's
+        gpu_memory_utilization), else None: the pool's CPU rule."""
+        return None
+
     def agree_num_blocks(self, num_blocks: int) -> int:
         """The pool size every rank's scheduler uses: this process's own plan unless ranks must agree."""
         return num_blocks

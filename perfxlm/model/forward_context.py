@@ -38,6 +38,10 @@ class AttentionMetadata:
     # The step's adapters (perfxlm.lora.slots.LoRABatch) when a row has one, read by the LoRA wrappers of
     # the projections; None otherwise (and always without enable_lora).
     lora: Any = None
+    # The attention backend's own device-side form of this step, made before the forward pass (a CUDA
+    # graph's static decode inputs, `AttentionBackend.decode_buffers`); None: the backend builds it from
+    # the fields above.
+    prepared: Any = None
 
 
 @dataclass(slots=True)

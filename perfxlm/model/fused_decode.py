@@ -228,7 +228,7 @@ class FusedDecode:
     def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         if not self.eligible or x.dtype != torch.float32 or meta.prefills or meta.num_decode_tokens != x.shape[0]:
             return False
-        if native.kernels() is None:
+        if native.kernels_for(x) is None:  # a GPU's tensors: the module path on its own kernels
             return False
         if self.args is None:  # first all-decode step: collect (weights are final by now)
             if not attention_backend.for_device(x.device).fuses_decode:

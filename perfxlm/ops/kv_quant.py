@@ -98,18 +98,19 @@ class KVCacheSpec:
         return (1 if value_is_key else 2) * (values + scales)
 
     def allocate(
-        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, value_is_key: bool = False
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, value_is_key: bool = False,
+        device: torch.device | None = None,
     ) -> "KVCache":
         """`value_is_key`: the layer's values are its keys (MLA's latent): one tensor serves as both, and
         the writes of V put the same bits where K's put them."""
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        key = lazy_zeros(shape, self.dtype)
-        value = key if value_is_key else lazy_zeros(shape, self.dtype)
+        key = lazy_zeros(shape, self.dtype, device)
+        value = key if value_is_key else lazy_zeros(shape, self.dtype, device)
         key_scale = value_scale = None
         if self.has_scales:
             sshape = (num_blocks, block_size, num_kv_heads, head_dim // self.group(head_dim))
-            key_scale = lazy_zeros(sshape, self.scale_dtype)
-            value_scale = key_scale if value_is_key else lazy_zeros(sshape, self.scale_dtype)
+            key_scale = lazy_zeros(sshape, self.scale_dtype, device)
+            value_scale = key_scale if value_is_key else lazy_zeros(sshape, self.scale_dtype, device)
         return KVCache(key, value, key_scale, value_scale, bf16_model=self.bf16_model or self.dtype == torch.bfloat16)
 
     def describe(self, head_dim: int | None = None) -> str:

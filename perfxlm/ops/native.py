@@ -103,6 +103,12 @@ def kernels() -> Any | None:
         return _state["ops"]
 
 
+def kernels_for(t: Any) -> Any | None:
+    """The kernels where tensor `t` lives in CPU memory, None for a tensor on another device (a GPU's):
+    callers then take their torch path, which runs anywhere. Never builds the kernels for such a tensor."""
+    return kernels() if t.device.type == "cpu" else None
+
+
 def _load() -> Any | None:
     try:
         from torch.utils.cpp_extension import load

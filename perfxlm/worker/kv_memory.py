@@ -14,7 +14,11 @@ import mmap
 import torch
 
 
-def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    """Zeros in CPU memory committed on first write; on another device (a GPU's pool, sized to what it
+    may hold), plain zeros there."""
+    if device is not None and torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
     numel = math.prod(shape)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:

@@ -21,23 +21,25 @@ import torch
 
 from perfxlm.engine.messages import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from perfxlm.lora.slots import LoRASlots, NoAdapters
-from perfxlm.model.forward_context import AttentionMetadata, PrefillSeq, set_forward_context
+from perfxlm.model.forward_context import AttentionMetadata, PrefillSeq
 from perfxlm.model.layers.attention import Attention
 from perfxlm.model.layers.rejection_sampler import RejectionSampler
 from perfxlm.model.layers.sampler import Sampler, compute_logprobs
 from perfxlm.ops import native
 from perfxlm.ops.attention import decode_mask
 from perfxlm.ops.kv_quant import KVCache, KVCacheSpec, as_bits
+from perfxlm.worker.cuda_graphs import CudaGraphForward, EagerForward, GraphPlan
 from perfxlm.worker.sampling_inputs import SampleRow, build_sampling_metadata
 
 
 class ModelRunner:
     def __init__(
         self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype | KVCacheSpec,
-        lora_slots: LoRASlots | NoAdapters | None = None,
+        lora_slots: LoRASlots | NoAdapters | None = None, graphs: GraphPlan | None = None,
     ) -> None:
         """`dtype`: the KV cache's format (a KVCacheSpec, or a plain float32 / bfloat16 dtype). `lora_slots`:
-        the adapter slots over the model's LoRA wrappers (enable_lora), else none."""
+        the adapter slots over the model's LoRA wrappers (enable_lora), else none. `graphs`: decode steps
+        replayed from CUDA graphs of these sizes (a GPU model; worker/cuda_graphs.py), else eager."""
         self.model = model
         self.lora_slots = lora_slots if lora_slots is not None else NoAdapters()
         self.block_size = block_size
@@ -47,16 +49,27 @@ class ModelRunner:
         self.grammars = None  # GrammarMatchers, made at the first structured-output row
         self._mask_thread: ThreadPoolExecutor | None = None
         self.kv_spec = KVCacheSpec.of(dtype)
+        # where the model's weights are: its KV cache, step inputs and sampling tensors go there too (the
+        # batch is laid out on the CPU, then copied once per step)
+        self.device = model_device(model)
         self.kv_caches: list[KVCache] = []
         # Sees every prompt-logprob computation whole: (request_id, position of the first row's token,
         # log-probabilities [rows, vocab] float32). Evaluations that need whole distributions (KL
         # divergence) set it; requests' own outputs keep only the top-k they asked for.
         self.prompt_logprobs_observer: Callable[[str, int, torch.Tensor], None] | None = None
+        # captured steps pad their batch with rows whose K/V go to one block past the manager's pool
+        sink_blocks = 1 if graphs is not None else 0
         for module in model.modules():
             if isinstance(module, Attention):
-                cache = module.allocate_cache(self.kv_spec, num_blocks, block_size)
+                cache = module.allocate_cache(self.kv_spec, num_blocks + sink_blocks, block_size, self.device)
                 module.kv_cache = cache
                 self.kv_caches.append(cache)
+        self.forward_path: EagerForward = EagerForward()
+        if graphs is not None:
+            from perfxlm.model.layers import attention_backend
+
+            self.forward_path = CudaGraphForward(model, attention_backend.for_device(self.device), graphs.sizes,
+                                                 graphs.max_blocks, num_blocks, block_size, self.device)  # fmt: skip
 
     @staticmethod
     def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype | KVCacheSpec) -> int:
@@ -119,7 +132,7 @@ class ModelRunner:
         try:
             meta_s = build_sampling_metadata(rows, self.generators, logits.shape[1])
             meta_s.grammar = grammar
-            result = self.sampler(logits, meta_s)
+            result = self.sampler(logits, meta_s.to(logits.device))
         except Exception:
             # One request's sampling state (its seed, filters, logit edits) must not fail the batch:
             # sample row by row, and fail only the rows that fail on their own.
@@ -128,7 +141,7 @@ class ModelRunner:
                     one_meta = build_sampling_metadata([r], self.generators, logits.shape[1])
                     if grammar is not None and i in grammar[0]:
                         one_meta.grammar = ([0], grammar[1][i : i + 1].contiguous())
-                    one = self.sampler(logits[i : i + 1].clone(), one_meta)
+                    one = self.sampler(logits[i : i + 1].clone(), one_meta.to(logits.device))
                 except Exception as exc:
                     out.failed[r.request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
                     continue
@@ -140,8 +153,7 @@ class ModelRunner:
     def _forward(self, order: list[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
         """Hidden rows of this step's tokens, in `order` (the ONNX runner overrides this one seam)."""
-        with set_forward_context(meta):
-            return self.model(input_ids, positions)
+        return self.forward_path(self.model, input_ids, positions, meta)
 
     def _verify(self, verify: "_Verification", hidden: torch.Tensor, masks, out: ModelRunnerOutput) -> None:
         """Score every draft token of the step's speculating requests and keep what the target accepts
@@ -168,7 +180,7 @@ class ModelRunner:
                          logits: torch.Tensor, grammar, out: ModelRunnerOutput) -> None:
         meta = build_sampling_metadata(rows, self.generators, logits.shape[1])
         meta.grammar = grammar
-        result = self.rejection_sampler(logits, meta, drafts)
+        result = self.rejection_sampler(logits, meta.to(logits.device), drafts)
         for i, (s, tokens) in enumerate(zip(requests, result.token_ids)):
             if s.request_id in out.failed:
                 continue  # its grammar state failed: its rows were not masked, nothing of them counts
@@ -205,8 +217,8 @@ class ModelRunner:
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
             return
-        src = torch.tensor([p[0] for p in pairs])
-        dst = torch.tensor([p[1] for p in pairs])
+        src = torch.tensor([p[0] for p in pairs], device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.device)
         for cache in self.kv_caches:
             for t in map(as_bits, cache.tensors()):  # K, V and, for a quantized cache, their scales
                 t.index_copy_(0, dst, t.index_select(0, src))
@@ -228,7 +240,7 @@ class ModelRunner:
             first = s.num_computed_tokens + 1
             if self.prompt_logprobs_observer is not None:
                 self.prompt_logprobs_observer(s.request_id, first, logprobs)
-            targets = torch.tensor(s.prompt_token_ids[first : first + count], dtype=torch.int64)
+            targets = torch.tensor(s.prompt_token_ids[first : first + count], dtype=torch.int64, device=logprobs.device)
             try:
                 ids, lps, ranks = compute_logprobs(logprobs, targets, k)
             except Exception as exc:  # this request's own ask (its k) failed: fail it alone
@@ -267,14 +279,14 @@ class ModelRunner:
             else:  # draft tokens: each is a decode row of its request, seeing the tokens up to itself
                 decode_tables = tables_t[torch.from_numpy(req_of_token[:num_decode_tokens]), :dec_max]
                 decode_lens = torch.from_numpy(positions[:num_decode_tokens] + 1)
-            if native.kernels() is None:  # the torch fallback masks padded blocks; the kernel needs no mask
+            if self.device.type == "cpu" and native.kernels() is None:  # the torch fallback masks padded blocks
                 mask = decode_mask(decode_lens, dec_max * bs)
         prefills = [
             PrefillSeq(int(ends[i] - lens[i]), int(ends[i]), int(starts[i]), tables_t[i, : len(order[i].block_ids)])
             for i in range(num_decodes, len(order))
         ]
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping),
+            slot_mapping=torch.from_numpy(slot_mapping).to(self.device, non_blocking=True),
             num_decode_tokens=num_decode_tokens,
             decode_block_tables=decode_tables,
             decode_seq_lens=decode_lens,
@@ -282,7 +294,15 @@ class ModelRunner:
             prefills=prefills,
         )
         token_starts = (ends - lens).tolist()
-        return torch.tensor(ids, dtype=torch.int64), torch.from_numpy(positions), meta, token_starts
+        input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        return input_ids, torch.from_numpy(positions).to(self.device, non_blocking=True), meta, token_starts
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of a model's first weight (the CPU for a model without any)."""
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
 
 
 def _guided(rows: list[SampleRow]) -> list[tuple]:

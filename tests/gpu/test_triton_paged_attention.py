@@ -84,10 +84,12 @@ def test_int8_cache_with_group_scales(device, groups):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
-def test_bfloat16_cache_and_query(device):
-    seq_lens, query_lens, scale = [29, 64], [29, 1], 0.125
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_cache_and_query(device, dtype):
+    # both dots in the cache's type (float32 sums): the tensor cores' path on a GPU
+    seq_lens, query_lens, scale = [29, 64, 130], [29, 1, 1], 0.125
     query, caches, kv_float, block_tables, tables = _case(
-        device, seq_lens, query_lens, dtype=torch.bfloat16, num_heads=8, num_kv_heads=8, head_dim=64,
+        device, seq_lens, query_lens, dtype=dtype, num_heads=8, num_kv_heads=8, head_dim=64,
     )  # fmt: skip
     got = _run(device, query, caches, block_tables, seq_lens, query_lens, scale)
     want = _reference(query, kv_float, tables, seq_lens, query_lens, scale)

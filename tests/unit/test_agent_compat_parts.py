@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from perfxlm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from perfxlm.entrypoints.openai.tool_parsers import get_tool_parser, parse_required, required_schema
@@ -105,15 +106,20 @@ def test_vllm_arguments(monkeypatch):
 
     rest, settings = split_vllm_kwargs({"gpu_memory_utilization": 0.9, "enforce_eager": True, "max_model_len": 64,
                                         "kv_cache_memory_bytes": 1 << 29, "trust_remote_code": True})
-    assert rest == {"max_model_len": 64} and settings == {"kv_cache_gib": 0.5}
+    assert rest == {"max_model_len": 64} and settings == {"kv_cache_gib": 0.5, "gpu_memory_utilization": 0.9}
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
     assert split_vllm_kwargs({})[1] == {"kv_cache_gib": 2.0}
     assert split_vllm_kwargs({"kv_cache_gib": 1.0})[1] == {}
     assert split_vllm_kwargs({"revision": "abc", "download_dir": "/x"})[0] == {"revision": "abc",
                                                                                "download_dir": "/x"}  # engine fields
-    assert split_vllm_kwargs({"device": "cpu", "max_model_len": 8})[0] == {"max_model_len": 8}
-    for bad, words in [({"tokenizer_mode": "mistral"}, "fast tokenizer"), ({"tokenizer_revision": "v2"}, "revision"),
-                       ({"device": "cuda"}, "CPU only; use device='cpu'"), ({"device": "tpu"}, "one of auto, cpu")]:
+    assert split_vllm_kwargs({"device": "cpu", "max_model_len": 8})[0] == {"device": "cpu", "max_model_len": 8}
+    rest, settings = split_vllm_kwargs({"gpu_memory_utilization": None})  # the CLI's absent flag
+    assert rest == {} and "gpu_memory_utilization" not in settings
+    bad_cases = [({"tokenizer_mode": "mistral"}, "fast tokenizer"), ({"tokenizer_revision": "v2"}, "revision"),
+                 ({"device": "tpu"}, "one of auto, cpu, cuda"), ({"gpu_memory_utilization": 1.5}, r"in \(0, 1\]")]
+    if not torch.cuda.is_available():
+        bad_cases.append(({"device": "cuda"}, "torch sees no CUDA device"))
+    for bad, words in bad_cases:
         with pytest.raises(ValueError, match=words):
             split_vllm_kwargs(bad)
     assert parse_allowed_origins(['["*"]']) == ["*"]

@@ -85,8 +85,9 @@ class Attention(nn.Module):
     def cache_bytes_per_token(self, spec: KVCacheSpec) -> int:
         return spec.bytes_per_token(self.num_kv_heads, self.head_dim, self.value_is_key)
 
-    def allocate_cache(self, spec: KVCacheSpec, num_blocks: int, block_size: int) -> KVCache:
-        return spec.allocate(num_blocks, block_size, self.num_kv_heads, self.head_dim, self.value_is_key)
+    def allocate_cache(self, spec: KVCacheSpec, num_blocks: int, block_size: int,
+                       device: torch.device | None = None) -> KVCache:
+        return spec.allocate(num_blocks, block_size, self.num_kv_heads, self.head_dim, self.value_is_key, device)
 
     def _bind_backend(self, device: torch.device) -> AttentionBackend:
         self.backend = attention_backend.for_device(device)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import functools
 import os
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -46,6 +47,12 @@ class AttentionBackend(ABC):
     fuses_decode: bool = False
     # whether the layer must have its KV cache bound first (the cacheless backend attends within the step)
     uses_cache: bool = True
+
+    def decode_buffers(self, max_rows: int, max_blocks: int, device: torch.device) -> "DecodeBuffers":
+        """Static device-side inputs for decode steps of up to `max_rows` rows, read by the kernels in
+        place, so a CUDA graph captured over them replays any later step's values (worker/cuda_graphs.py).
+        Only a backend whose kernels take their step from device tensors has them."""
+        raise NotImplementedError(f"the {self.name} attention backend cannot run captured decode steps")
 
     @abstractmethod
     def forward(
@@ -115,18 +122,98 @@ class _TritonStep:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
     query_lens: list[int]
     seq_lens: list[int]
+    # query heads per KV head -> the kernel's launch plan (paged_attention.AttentionLaunch), made by the
+    # first layer of that shape and reused by the rest
+    launches: dict[int, Any] = field(default_factory=dict)
+
+    def launch(self, group: int, plan_launch: Any, device: torch.device) -> Any:
+        got = self.launches.get(group)
+        if got is None:
+            got = self.launches[group] = plan_launch(self.query_lens, self.seq_lens, group, device)
+        return got
+
+
+class DecodeBuffers:
+    """A decode step's inputs to the Triton kernel in static device memory: block tables and sequence
+    lengths for up to `max_rows` rows, filled from the CPU by one copy per step (`fill`), and the steps
+    of each padded row count over views of them (`step`), whose launch plans read the same memory.
+    Rows past a step's own keep what they held: whatever they read, their output is never used."""
+
+    def __init__(self, max_rows: int, max_blocks: int, device: torch.device) -> None:
+        self.max_rows, self.max_blocks = max_rows, max_blocks
+        # [seq_lens | first positions | block tables] as one int32 block: one host-to-device copy per step
+        size = max_rows * (2 + max_blocks)
+        # page-locked on a GPU's host, so the per-step copy runs asynchronously
+        self.host = torch.zeros(size, dtype=torch.int32, pin_memory=torch.device(device).type == "cuda")
+        self.device = torch.zeros(size, dtype=torch.int32, device=device)
+        self.seq_lens = self.device[:max_rows]
+        self.pos0 = self.device[max_rows : 2 * max_rows]
+        self.tables = self.device[2 * max_rows :].view(max_rows, max_blocks)
+        self._host_lens = self.host[:max_rows]
+        self._host_pos0 = self.host[max_rows : 2 * max_rows]
+        self._host_tables = self.host[2 * max_rows :].view(max_rows, max_blocks)
+        self.arange = torch.arange(max_rows + 1, dtype=torch.int32, device=device)  # query starts, tile rows
+        self.zeros = torch.zeros(max_rows, dtype=torch.int32, device=device)
+        self._steps: dict[int, _TritonStep] = {}
+
+    def fits(self, rows: int, width: int) -> bool:
+        return rows <= self.max_rows and width <= self.max_blocks
+
+    def fill(self, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """This step's decode rows (CPU tensors: [rows, blocks] and [rows], within `fits`) into the static
+        memory; the rows' table entries past `blocks` keep old values the kernel never reaches."""
+        rows, width = block_tables.shape
+        self._host_lens[:rows].copy_(seq_lens)
+        self._host_pos0[:rows].copy_(seq_lens - 1)
+        self._host_tables[:rows, :width].copy_(block_tables)
+        n, m = self.max_rows, self.max_blocks
+        self.device[:rows].copy_(self.host[:rows], non_blocking=True)
+        self.device[n : n + rows].copy_(self.host[n : n + rows], non_blocking=True)
+        self.device[2 * n : 2 * n + rows * m].copy_(self.host[2 * n : 2 * n + rows * m], non_blocking=True)
+
+    def step(self, rows: int) -> _TritonStep:
+        """The kernel's view of a padded decode step of `rows` rows (one BLOCK_M tile per row)."""
+        got = self._steps.get(rows)
+        if got is None:
+            got = self._steps[rows] = _StaticDecodeStep(self.tables[:rows], [], [], {}, self, rows)
+        return got
+
+
+@dataclass(frozen=True, slots=True)
+class _StaticDecodeStep(_TritonStep):
+    """A padded decode step over DecodeBuffers: its launch plans are views, never copies."""
+
+    buffers: DecodeBuffers | None = None
+    rows: int = 0
+
+    def launch(self, group: int, plan_launch: Any, device: torch.device) -> Any:
+        got = self.launches.get(group)
+        if got is None:
+            from perfxlm.ops.gpu.paged_attention import AttentionLaunch, decode_block_m
+
+            b, n = self.buffers, self.rows
+            got = self.launches[group] = AttentionLaunch(
+                decode_block_m(group), n, n, b.arange[: n + 1], b.pos0[:n], b.seq_lens[:n], b.arange[:n], b.zeros[:n]
+            )
+        return got
 
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
     def __init__(self) -> None:
-        from perfxlm.ops.gpu.paged_attention import paged_attention  # imports triton: only when chosen
+        from perfxlm.ops.gpu.paged_attention import paged_attention, plan_launch  # imports triton: when chosen
 
         self._attend = paged_attention
+        self._plan_launch = plan_launch
         self._steps: dict[int, tuple[AttentionMetadata, _TritonStep]] = {}
 
+    def decode_buffers(self, max_rows: int, max_blocks: int, device: torch.device) -> DecodeBuffers:
+        return DecodeBuffers(max_rows, max_blocks, device)
+
     def _step(self, meta: AttentionMetadata, device: torch.device) -> _TritonStep:
+        if meta.prepared is not None:  # a captured decode step: its inputs already sit in static memory
+            return meta.prepared
         # Every layer of a forward pass sees the same metadata object: the table is built by the first.
         cached = self._steps.get(id(meta))
         if cached is not None and cached[0] is meta:
@@ -146,7 +233,7 @@ class TritonAttentionBackend(AttentionBackend):
         padded = torch.zeros(len(tables), width, dtype=torch.int32)
         for i, t in enumerate(tables):
             padded[i, : t.shape[0]] = t
-        step = _TritonStep(padded.to(device), query_lens, seq_lens)
+        step = _TritonStep(padded.to(device, non_blocking=True), query_lens, seq_lens)
         self._steps = {id(meta): (meta, step)}  # only the current step is kept
         return step
 
@@ -158,9 +245,10 @@ class TritonAttentionBackend(AttentionBackend):
         if cache.key.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.int8):
             raise ValueError(f"the triton attention backend reads float and int8 KV caches, not {cache.key.dtype}.")
         step = self._step(meta, q.device)
+        launch = step.launch(q.shape[1] // cache.key.shape[2], self._plan_launch, q.device)
         return self._attend(
             q, cache.key, cache.value, step.block_tables, step.query_lens, step.seq_lens, options.scale,
-            options.sliding_window, options.soft_cap, cache.key_scale, cache.value_scale,
+            options.sliding_window, options.soft_cap, cache.key_scale, cache.value_scale, launch=launch,
         )  # fmt: skip
 
 

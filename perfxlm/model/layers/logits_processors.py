@@ -39,7 +39,7 @@ def apply_allowed(logits: torch.Tensor, allowed_rows: torch.Tensor, allowed_cols
     """Rows listed in allowed_rows keep only the (row, col) pairs given."""
     keep = torch.zeros_like(logits, dtype=torch.bool)
     keep[allowed_rows, allowed_cols] = True
-    restricted = torch.zeros(logits.shape[0], dtype=torch.bool)
+    restricted = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     restricted[allowed_rows] = True
     return logits.masked_fill(restricted.unsqueeze(1) & ~keep, float("-inf"))
 
@@ -50,7 +50,7 @@ def apply_sparse_edits(logits: torch.Tensor, edits: SparseLogitEdits) -> torch.T
 
 def _token_counts(ids: torch.Tensor, vocab: int) -> torch.Tensor:
     # Padding uses id == vocab: count into one spare column, then drop it.
-    counts = torch.zeros(ids.shape[0], vocab + 1, dtype=torch.float32)
+    counts = torch.zeros(ids.shape[0], vocab + 1, dtype=torch.float32, device=ids.device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
     return counts[:, :vocab]
 

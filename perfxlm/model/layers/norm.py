@@ -25,8 +25,8 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        ops = self._native()
-        if ops is not None and x.dtype == torch.float32:
+        ops = self._kernels(x)
+        if ops is not None:
             if residual is None:
                 return ops.rms_norm(x, self.weight, self.variance_epsilon)
             if x.is_contiguous() and residual.is_contiguous():
@@ -38,11 +38,20 @@ class RMSNorm(nn.Module):
         x = x + residual
         return self._norm(x), x
 
-    def _native(self):
-        # Only this class's formula (Gemma's subclass scales differently) and float32 weights.
-        if type(self) is not RMSNorm or self.weight.dtype != torch.float32:
+    def _kernels(self, x: torch.Tensor):
+        """The one-kernel norms for x, else None (the torch path): the CPU's native kernels for float32,
+        a GPU's Triton kernel (`ops/gpu/rms_norm.py`) for contiguous 16-bit rows in the weight's type.
+        Only this class's formula (Gemma's subclass scales differently)."""
+        if type(self) is not RMSNorm:
             return None
-        return native.kernels()
+        if x.device.type == "cpu":
+            both_fp32 = x.dtype == torch.float32 and self.weight.dtype == torch.float32
+            return native.kernels_for(x) if both_fp32 else None
+        if x.dtype in (torch.float16, torch.bfloat16) and self.weight.dtype == x.dtype and x.is_contiguous():
+            from perfxlm.ops.gpu.rms_norm import KERNELS  # imports triton: only for a GPU's tensors
+
+            return KERNELS
+        return None
 
 
 class GemmaRMSNorm(RMSNorm):

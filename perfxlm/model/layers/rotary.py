@@ -165,7 +165,7 @@ class RotaryEmbedding(nn.Module):
                 attention_factor = _attention_factor(scaling)
                 self.cos_cache = emb.cos() * attention_factor
                 self.sin_cache = emb.sin() * attention_factor
-        self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._cast: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
     def from_config(cls, config: Any, head_dim: int, layer_type: str | None = None) -> "RotaryEmbedding":
@@ -182,14 +182,16 @@ class RotaryEmbedding(nn.Module):
             scaling["freq_factors"] = factors
         return cls(head_dim, config.max_position_embeddings, theta, scaling, int(head_dim * partial))
 
-    def _tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if dtype not in self._cast:
-            self._cast[dtype] = (self.cos_cache.to(dtype), self.sin_cache.to(dtype))
-        return self._cast[dtype]
+    def _tables(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables in `dtype` on the device of the step's positions (a GPU model's copy made once)."""
+        key = (dtype, device)
+        if key not in self._cast:
+            self._cast[key] = (self.cos_cache.to(device, dtype), self.sin_cache.to(device, dtype))
+        return self._cast[key]
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[num_tokens, 1, head_dim] tables for this step: looked up once per forward, used by every layer."""
-        cos_table, sin_table = self._tables(dtype)
+        cos_table, sin_table = self._tables(dtype, positions.device)
         return cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
 
 
@@ -216,7 +218,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     May rotate x in place (the native kernel does, on float32 activations) and returns the result."""
     rotary_dim = cos.shape[-1]
     if x.dtype == torch.float32 and x.stride(-1) == 1 and cos.dtype == torch.float32:
-        ops = native.kernels()
+        ops = native.kernels_for(x)
         if ops is not None:  # in place; with partial rotary the channels past rotary_dim pass through
             ops.rotary_embedding(x, cos, sin)
             return x

@@ -39,6 +39,29 @@ class SamplingMetadata:
     max_num_logprobs: int | None = None  # None: no row wants logprobs; 0: only the sampled token's
     grammar: tuple[list[int], torch.Tensor] | None = None  # (guided rows, bitmask [num_rows, words])
 
+    def to(self, device: torch.device) -> "SamplingMetadata":
+        """The same metadata with its tensors where the logits are (built on the CPU, as Python lists
+        become tensors; one copy each per step). Seeded generators stay CPU generators: each draws its
+        row's one uniform there, so a seed gives the same tokens on every device."""
+        if device.type == "cpu":
+            return self
+
+        def move(t):
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return SamplingMetadata(
+            move(self.temperature), self.all_greedy, move(self.top_p), move(self.top_k), move(self.min_p),
+            self.generators,
+            allowed=None if self.allowed is None else (move(self.allowed[0]), move(self.allowed[1])),
+            edits=None if self.edits is None else SparseLogitEdits(*map(move, (self.edits.rows, self.edits.cols,
+                                                                               self.edits.values))),
+            penalties=None if self.penalties is None else Penalties(*map(move, (
+                self.penalties.repetition, self.penalties.frequency, self.penalties.presence,
+                self.penalties.prompt_ids, self.penalties.output_ids))),
+            max_num_logprobs=self.max_num_logprobs,
+            grammar=None if self.grammar is None else (self.grammar[0], move(self.grammar[1])),
+        )  # fmt: skip
+
 
 @dataclass(slots=True)
 class SamplerOutput:
@@ -158,7 +181,7 @@ def sample_from_probs(probs: torch.Tensor, generators: dict[int, torch.Generator
     u = torch.rand(probs.shape[0], 1)
     for row, gen in generators.items():
         u[row] = torch.rand(1, generator=gen)
-    return sample_with_uniforms(probs, u)
+    return sample_with_uniforms(probs, u.to(probs.device))
 
 
 def sample_with_uniforms(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -74,7 +74,7 @@ def load_model(config: Any, tp: Any = None) -> torch.nn.Module:
         raise ValueError("load_model needs a resolved EngineConfig: call config.resolve() first.")
     return get_model(
         r.model, config.hf_config, r.compute_dtype, r.load_format, r.seed, r.weight_dtype,
-        tp=tp, quantization=r.quant_config, activations=r.quant_activations,
+        tp=tp, quantization=r.quant_config, activations=r.quant_activations, device=r.device,
     )  # fmt: skip
 
 
@@ -88,9 +88,12 @@ def get_model(
     tp: Any = None,
     quantization: Any = None,
     activations: ActivationMode | None = None,
+    device: torch.device | str = "cpu",
 ):
-    """`tp`: a distributed.parallel_state.TPGroup: build and load only that rank's shard (the model's
-    parallel layers take their rows or columns of each checkpoint tensor). `quantization`: the
+    """`device`: where the weights live (a CUDA model is built there, its float weights loaded into it,
+    and its layers bound to the methods of that device). `tp`: a distributed.parallel_state.TPGroup: build
+    and load only that rank's shard (the model's parallel layers take their rows or columns of each
+    checkpoint tensor). `quantization`: the
     weight format (a QuantizationConfig, or what `QuantizationConfig.resolve` takes; None keeps a GGUF
     file's blocks and a float checkpoint float). `activations`: the mode EngineConfig.resolve decided,
     else the default for these weights."""
@@ -101,7 +104,10 @@ def get_model(
         logger.info("Pre-quantized checkpoint, kept packed: %s", packed.format.describe())
     if tp.parallel:
         check_tensor_parallel(model_cls, packed is not None)
-    with _default_dtype(dtype), torch.no_grad(), building_for(tp):
+    device = torch.device(device)
+    # a GPU model is built where it runs (the CPU's needs no device mode around every allocation)
+    place = contextlib.nullcontext() if device.type == "cpu" else device
+    with _default_dtype(dtype), torch.no_grad(), building_for(tp), place:
         # Layers allocate with torch.empty: building the model costs no initialisation pass.
         model = model_cls(hf_config)
         # quantized weights (a GGUF file's blocks, or `quantization=`): checked before any weight is read
@@ -132,10 +138,14 @@ def get_model(
                 weights = packed.stream(weights)
             model.load_weights(tqdm(weights, desc="Loading weights", unit="tensor", leave=False), sink=sink)
     stored = weight_dtype or dtype
-    bind_linear_methods(model, linear_plan(stored, dtype, None if sink is None else sink.format_name))
+    plan = linear_plan(stored, dtype, None if sink is None else sink.format_name, device)
+    bind_linear_methods(model, plan)
     if stored != dtype:
         cast_weights(model, stored, dtype)
-    move_to_arena(model)  # final layouts only: after packing and casting
+    if device.type == "cpu":
+        move_to_arena(model)  # final layouts only: after packing and casting
+    else:
+        model.to(device)  # what a loader put in place of a Parameter built on the device
     release_freed_memory()
     return model.eval()
 
@@ -182,13 +192,16 @@ def cast_weights(model: torch.nn.Module, weight_dtype: torch.dtype, compute_dtyp
 
 
 def linear_plan(
-    weight_dtype: torch.dtype, compute_dtype: torch.dtype, quantized_format: str | None
+    weight_dtype: torch.dtype, compute_dtype: torch.dtype, quantized_format: str | None,
+    device: torch.device | str = "cpu",
 ) -> LinearPlan:
     """The plan a model's layers choose their linear methods by: bf16 weights under float32 activations
-    take the layout the CPU plan names where the native kernels are built (ops/cpu_plan.py), else rows."""
+    take the layout the CPU plan names where the native kernels are built (ops/cpu_plan.py), else rows
+    (and always on a GPU, whose weights are stored in the compute dtype: the float method)."""
     from perfxlm.ops import cpu_plan, native
 
-    panels = weight_dtype == torch.bfloat16 and native.kernels() is not None and cpu_plan.plan().layout == "panels"
+    panels = (torch.device(device).type == "cpu" and weight_dtype == torch.bfloat16 and native.kernels() is not None
+              and cpu_plan.plan().layout == "panels")  # fmt: skip
     return LinearPlan(weight_dtype, compute_dtype, "panels" if panels else "rows", quantized_format)
 
 

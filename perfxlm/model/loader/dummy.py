@@ -10,7 +10,8 @@ from perfxlm.model.layers.norm import GemmaRMSNorm
 
 @torch.no_grad()
 def fill_dummy_weights(model: nn.Module, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
+    # drawn where each weight lives: a GPU model's billions of values never pass through the CPU
+    gens: dict[torch.device, torch.Generator] = {}
     # Gemma's norms scale by 1 + w: an identity norm stores 0
     gemma_norms = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, GemmaRMSNorm)}
     for name, param in model.named_parameters():
@@ -21,5 +22,9 @@ def fill_dummy_weights(model: nn.Module, seed: int) -> None:
         elif name.endswith(".bias"):
             param.zero_()
         else:
-            values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=gen)
+            gen = gens.get(param.device)
+            if gen is None:
+                gen = gens[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+            values = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+            values.normal_(0.0, 0.02, generator=gen)
             param.copy_(values)
