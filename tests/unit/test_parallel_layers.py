@@ -286,10 +286,8 @@ def test_unsupported_family_is_refused_by_name():
 
     for cls in (DeepseekV2ForCausalLM, OPTForCausalLM):
         with pytest.raises(ValueError, match=f"not supported for {cls.__name__}"):
-            check_tensor_parallel(cls, prequantized=False)
-    check_tensor_parallel(Qwen3ForCausalLM, prequantized=False)
-    with pytest.raises(ValueError, match="pre-quantized checkpoint"):
-        check_tensor_parallel(Qwen3ForCausalLM, prequantized=True)
+            check_tensor_parallel(cls, None)
+    check_tensor_parallel(Qwen3ForCausalLM, None)
 
 
 @pytest.mark.parametrize("kind", ["int4_centred", "int4_mins", "int8", "stack"])
