@@ -203,6 +203,26 @@ def test_refusals_come_before_any_worker_starts(quantizable, tmp_path):
     assert _children_gone(1.0)
 
 
+def test_workers_run_the_engines_cpu_plan(checkpoints):
+    """The plan is decided once, in the engine's process (config.resolved), and handed to the ranks: a
+    plan put in force there (as an override would) is the one each worker runs, not one it detects."""
+    from perfxlm.ops import cpu_plan
+
+    previous = cpu_plan.use(native_max_rows=5)
+    try:
+        llm = LLM(checkpoints["qwen2"], dtype="float32", skip_tokenizer_init=True, tensor_parallel_size=2,
+                  num_kv_blocks=16)
+    finally:
+        cpu_plan.use(previous)
+    try:
+        infos = llm.llm_engine.core.executor.infos
+        assert [i["heads"] for i in infos] == [3, 3] and [i["kv_heads"] for i in infos] == [1, 1]
+        assert all("native_max_rows=5 " in i["cpu_plan"] for i in infos), [i["cpu_plan"] for i in infos]
+    finally:
+        llm.llm_engine.shutdown()
+    assert _children_gone()
+
+
 def _worker_pids(llm) -> list[int]:
     return [p.pid for p in llm.llm_engine.core.executor.procs]
 
