@@ -55,7 +55,11 @@ def _build() -> Any | None:
     try:
         from torch.utils.cpp_extension import load
 
-        key = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+        # the source's folder is part of the key, as for the layer kernels (ops/native.py): torch's builder
+        # writes absolute source paths into build.ninja, so checkouts sharing a folder rebuild it in turn
+        key = hashlib.sha256(
+            _SOURCE.read_bytes() + str(_SOURCE.parent).encode() + torch.__version__.encode()
+        ).hexdigest()[:16]
         root = Path(os.environ.get("PERFXLM_CACHE_DIR", Path.home() / ".cache" / "perfxlm"))
         build_dir = root / "kernels" / f"shm-{key}"
         build_dir.mkdir(parents=True, exist_ok=True)

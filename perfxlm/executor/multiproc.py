@@ -30,6 +30,8 @@ from perfxlm.distributed.topology import plan_rank_cpus
 from perfxlm.executor.base import Executor
 from perfxlm.executor.delta import DeltaEncoder
 from perfxlm.executor.worker import worker_main
+from perfxlm.model.loader import check_tensor_parallel, packed_checkpoint
+from perfxlm.model.registry import resolve_model_class
 
 logger = logging.getLogger("perfxlm")
 
@@ -74,6 +76,8 @@ def _stop_workers(procs: list[Any], conns: list[Any], tmpdir: str) -> None:
 
 class MultiprocExecutor(Executor):
     def __init__(self, config: Any) -> None:
+        # what every rank would refuse, refused here before any process starts (a ValueError, not a worker's)
+        check_tensor_parallel(resolve_model_class(config.hf_config), packed_checkpoint(config.model, config.load_format))
         self.config = config
         self.world_size = n = config.tensor_parallel_size
         self.encoder = DeltaEncoder()

@@ -57,6 +57,7 @@ def worker_main(rank: int, world_size: int, config: Any, conn: Any, init_method:
             "kv_bytes_per_block": ModelRunner.kv_bytes_per_block(model, resolved.block_size, resolved.kv_cache_spec),
             "comm": comm.name, "threads": threads, "cpus": cpus, "pid": os.getpid(),
             "heads": attn.num_heads, "kv_heads": attn.num_kv_heads, "head_dim": common_head_dim(model),
+            "cpu_plan": cpu_plan.plan().describe(),
         }  # fmt: skip
         conn.send(("ready", info))
         kind, num_blocks = conn.recv()

@@ -166,6 +166,63 @@ def test_quantized_weights_tp2_equal_one_process(quantizable, tmp_path, how):
     assert _children_gone()
 
 
+def test_awq_checkpoint_tp2_equals_one_process(quantizable, tmp_path):
+    """A pre-quantized checkpoint's packed modules arrive as quantized weights, cut by the same layers."""
+    from tests.quant.packed_checkpoints import awq_parts, write_packed
+    from tests.quant.test_prequantized import AWQ_CONFIG
+
+    import copy
+
+    model = copy.deepcopy(quantizable[0])  # write_packed puts the dequantized weights in the model it saves
+    path = str(tmp_path / "awq")
+    write_packed(path, model, lambda name, w: awq_parts(w, 32), AWQ_CONFIG)
+    assert _run(path, 2, block_size=4, num_kv_blocks=64)[0] == _run(path, 1, block_size=4, num_kv_blocks=64)[0]
+    assert _children_gone()
+
+
+def test_refusals_come_before_any_worker_starts(quantizable, tmp_path):
+    """A family without parallel layers, and an act-order checkpoint: ValueErrors naming what to change,
+    raised in the engine's process."""
+    from tests.quant.packed_checkpoints import write_packed
+    from tests.quant.test_prequantized import PACKED
+
+    opt = str(tmp_path / "opt")
+    torch.manual_seed(0)
+    transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=1000, hidden_size=32, ffn_dim=64, num_hidden_layers=1, num_attention_heads=2,
+        word_embed_proj_dim=32)).save_pretrained(opt)  # fmt: skip
+    with pytest.raises(ValueError, match="not supported for OPTForCausalLM"):
+        LLM(opt, skip_tokenizer_init=True, tensor_parallel_size=2)
+    make_parts, qconfig, _ = PACKED["gptq-4bit-g32-sym-act-order"]
+    import copy
+
+    act_order = str(tmp_path / "act-order")
+    write_packed(act_order, copy.deepcopy(quantizable[0]), make_parts, qconfig)
+    with pytest.raises(ValueError, match="act-order checkpoint"):
+        LLM(act_order, skip_tokenizer_init=True, tensor_parallel_size=2)
+    assert _children_gone(1.0)
+
+
+def test_workers_run_the_engines_cpu_plan(checkpoints):
+    """The plan is decided once, in the engine's process (config.resolved), and handed to the ranks: a
+    plan put in force there (as an override would) is the one each worker runs, not one it detects."""
+    from perfxlm.ops import cpu_plan
+
+    previous = cpu_plan.use(native_max_rows=5)
+    try:
+        llm = LLM(checkpoints["qwen2"], dtype="float32", skip_tokenizer_init=True, tensor_parallel_size=2,
+                  num_kv_blocks=16)
+    finally:
+        cpu_plan.use(previous)
+    try:
+        infos = llm.llm_engine.core.executor.infos
+        assert [i["heads"] for i in infos] == [3, 3] and [i["kv_heads"] for i in infos] == [1, 1]
+        assert all("native_max_rows=5 " in i["cpu_plan"] for i in infos), [i["cpu_plan"] for i in infos]
+    finally:
+        llm.llm_engine.shutdown()
+    assert _children_gone()
+
+
 def _worker_pids(llm) -> list[int]:
     return [p.pid for p in llm.llm_engine.core.executor.procs]
 

@@ -286,10 +286,8 @@ def test_unsupported_family_is_refused_by_name():
 
     for cls in (DeepseekV2ForCausalLM, OPTForCausalLM):
         with pytest.raises(ValueError, match=f"not supported for {cls.__name__}"):
-            check_tensor_parallel(cls, prequantized=False)
-    check_tensor_parallel(Qwen3ForCausalLM, prequantized=False)
-    with pytest.raises(ValueError, match="pre-quantized checkpoint"):
-        check_tensor_parallel(Qwen3ForCausalLM, prequantized=True)
+            check_tensor_parallel(cls, None)
+    check_tensor_parallel(Qwen3ForCausalLM, None)
 
 
 @pytest.mark.parametrize("kind", ["int4_centred", "int4_mins", "int8", "stack"])
@@ -349,3 +347,23 @@ def test_a_split_off_group_boundaries_names_the_weight():
     blocks = quantize_symmetric_int4(torch.randn(8, 96), 32)
     with pytest.raises(ValueError, match=r"proj\.weight: columns \[48, 96\) .* group boundaries"):
         model.load_weights([("proj.weight", blocks)])
+
+
+def test_a_wrong_sized_checkpoint_tensor_is_refused_not_cut():
+    """At one rank the parameter's shape check catches a checkpoint tensor of the wrong size; a rank must
+    not quietly cut a shard of the wrong rows out of it."""
+    with building_for(TPGroup(0, 2, object())):
+        col, row = ColumnParallelLinear(10, 12, bias=True), RowParallelLinear(12, 10, bias=True)
+        gate_up = MergedColumnParallelLinear(10, {"gate": 6, "up": 6})
+        emb = VocabParallelEmbedding(20, 10)
+        moe = FusedMoE(3, 2, 10, 8, renormalize=True)
+    cases = [
+        (col, "weight", torch.randn(14, 10), None), (col, "bias", torch.randn(13), None),
+        (row, "weight", torch.randn(10, 16), None), (row, "bias", torch.randn(11), None),
+        (gate_up, "weight", torch.randn(7, 10), "gate"), (gate_up, "weight", torch.randn(14, 10), None),
+        (emb, "weight", torch.randn(22, 10), None), (moe, "down_proj", torch.randn(10, 9), "down"),
+    ]  # fmt: skip
+    for layer, name, tensor, shard in cases:
+        with pytest.raises(ValueError, match="checkpoint shape .* the model expects"):
+            layer.rank_part(name, tensor, shard, None if shard != "down" else 0)
+    assert col.rank_part("weight", torch.randn(12, 10), None, None).shape == (6, 10)

@@ -15,7 +15,7 @@ from perfxlm.model.layers.activation import soft_cap
 from perfxlm.model.layers.linear_methods.base import LinearMethod, LinearPlan
 from perfxlm.model.layers.linear_methods.registry import method_for
 from perfxlm.model.layers.linear_methods.unquantized import UnquantizedLinear
-from perfxlm.model.layers.rank_sharded import ROWS, narrow, pad_rows
+from perfxlm.model.layers.rank_sharded import ROWS, check_whole, narrow, pad_rows
 from perfxlm.quant.targets import TABLE, QuantizableWeight
 from perfxlm.quant.weight import QuantizedWeight
 
@@ -105,6 +105,7 @@ class VocabShard:
         """This rank's rows of a [vocab, ...] checkpoint tensor, zero rows past the vocabulary's end."""
         if not self.tp.parallel:
             return tensor
+        check_whole(tensor, ROWS, self.vocab_size)
         start = min(self.start, tensor.shape[0])
         return pad_rows(narrow(tensor, ROWS, start, min(self.rows, tensor.shape[0] - start)), self.rows)
 

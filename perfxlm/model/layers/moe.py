@@ -137,6 +137,7 @@ class FusedMoE(nn.Module):
             raise ValueError(f"num_experts_per_tok ({top_k}) must be in [1, num_experts ({num_experts})].")
         self.tp = tp_group()
         self.inter_part = self.tp.part(intermediate_size)
+        self.full_intermediate_size = intermediate_size
         intermediate_size = self.inter_part[1]
         self.reduces_output = reduce_results and self.tp.parallel
         self.num_experts = num_experts
@@ -180,10 +181,11 @@ class FusedMoE(nn.Module):
             return tensor
         start, size = self.inter_part
         if shard is None and param_name == "gate_up_proj":  # [E, 2I, H] already fused in the checkpoint
-            whole = tensor.shape[-2] // 2
-            return take_parts(tensor, ROWS, [(start, size), (whole + start, size)])
+            whole = self.full_intermediate_size
+            return take_parts(tensor, ROWS, [(start, size), (whole + start, size)], whole=2 * whole)
         # one expert's [I, H] / [H, I], a stack of one part [E, I, H] (GGUF), or down's stack [E, H, I]
-        return narrow(tensor, ROWS if shard in ("gate", "up") else COLUMNS, start, size)
+        dim = ROWS if shard in ("gate", "up") else COLUMNS
+        return narrow(tensor, dim, start, size, whole=self.full_intermediate_size)
 
     def load_shard(
         self, param: nn.Parameter, loaded: torch.Tensor, shard: str, expert: int | None = None

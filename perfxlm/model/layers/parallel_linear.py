@@ -29,7 +29,7 @@ import torch
 
 from perfxlm.distributed.parallel_state import TPGroup, tp_group
 from perfxlm.model.layers.linear import Linear, MergedLinear
-from perfxlm.model.layers.rank_sharded import COLUMNS, ROWS, narrow, take_parts
+from perfxlm.model.layers.rank_sharded import COLUMNS, ROWS, check_whole, narrow, take_parts
 
 
 class ColumnParallelLinear(Linear):
@@ -41,11 +41,12 @@ class ColumnParallelLinear(Linear):
         super().__init__(in_features, size, bias)
         self.tp: TPGroup = tp
         self.output_part = (start, size)
+        self.full_out_features = out_features
 
     def rank_part(self, param_name: str, tensor: Any, shard: str | None, expert: int | None) -> Any:
         if not self.tp.parallel:
             return tensor
-        return narrow(tensor, ROWS, *self.output_part)
+        return narrow(tensor, ROWS, *self.output_part, whole=self.full_out_features)
 
 
 class RowParallelLinear(Linear):
@@ -64,6 +65,7 @@ class RowParallelLinear(Linear):
         super().__init__(size, out_features, bias)
         self.tp = tp
         self.input_part = (start, size)
+        self.full_in_features = in_features
         self.reduces_output = reduce_results and tp.parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,8 +76,9 @@ class RowParallelLinear(Linear):
         if not self.tp.parallel:
             return tensor
         if param_name == "bias":  # summed over ranks: rank 0 adds it, the others add zeros
+            check_whole(tensor, 0, self.out_features)
             return tensor if self.tp.rank == 0 else torch.zeros_like(tensor)
-        return narrow(tensor, COLUMNS, *self.input_part)
+        return narrow(tensor, COLUMNS, *self.input_part, whole=self.full_in_features)
 
 
 class _MergedColumnParallel(MergedLinear):
@@ -95,14 +98,14 @@ class _MergedColumnParallel(MergedLinear):
         if not self.tp.parallel:
             return tensor
         if shard is not None:  # one part's checkpoint tensor (q_proj, gate_proj)
-            return narrow(tensor, ROWS, *self.ranges[shard])
+            return narrow(tensor, ROWS, *self.ranges[shard], whole=self.full_sizes[shard])
         # the checkpoint stores the parts already fused (Phi-3's qkv_proj, gate_up_proj)
         pieces, offset = [], 0
         for name, full in self.full_sizes.items():
             start, size = self.ranges[name]
             pieces.append((offset + start, size))
             offset += full
-        return take_parts(tensor, ROWS, pieces)
+        return take_parts(tensor, ROWS, pieces, whole=offset)
 
 
 class MergedColumnParallelLinear(_MergedColumnParallel):

@@ -26,9 +26,19 @@ class RankSharded(Protocol):
         ...
 
 
-def narrow(tensor: Any, dim: int, start: int, size: int) -> Any:
+def check_whole(tensor: Any, dim: int, whole: int) -> None:
+    """A checkpoint tensor must be the whole weight before a rank cuts it (at one rank the parameter's own
+    shape check does this): a wrong size is an error, not a shard of the wrong rows."""
+    d = 0 if len(tensor.shape) == 1 else dim
+    if tensor.shape[d] != whole:
+        raise ValueError(f"checkpoint shape {tuple(tensor.shape)}: the model expects {whole} along dim {d % len(tensor.shape)}")
+
+
+def narrow(tensor: Any, dim: int, start: int, size: int, whole: int | None = None) -> Any:
     """`tensor`'s [start, start + size) along `dim` (ROWS or COLUMNS; a 1-D bias: its only dim), contiguous
-    (what a sink quantizes or a copy reads)."""
+    (what a sink quantizes or a copy reads); `whole`: the size `tensor` must have along `dim`."""
+    if whole is not None:
+        check_whole(tensor, dim, whole)
     if isinstance(tensor, QuantizedWeight):
         if dim == ROWS:
             return tensor.narrow_rows(start, size)
@@ -38,8 +48,10 @@ def narrow(tensor: Any, dim: int, start: int, size: int) -> Any:
     return tensor.narrow(dim, start, size).contiguous()
 
 
-def take_parts(tensor: Any, dim: int, pieces: list[tuple[int, int]]) -> Any:
+def take_parts(tensor: Any, dim: int, pieces: list[tuple[int, int]], whole: int | None = None) -> Any:
     """The (start, size) pieces of `tensor` along `dim`, concatenated in order (rows of a fused weight)."""
+    if whole is not None:
+        check_whole(tensor, dim, whole)
     parts = [narrow(tensor, dim, start, size) for start, size in pieces]
     if isinstance(tensor, QuantizedWeight):
         return QuantizedWeight.cat_rows(parts)

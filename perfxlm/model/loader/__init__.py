@@ -103,7 +103,7 @@ def get_model(
     if packed is not None:
         logger.info("Pre-quantized checkpoint, kept packed: %s", packed.format.describe())
     if tp.parallel:
-        check_tensor_parallel(model_cls, packed is not None)
+        check_tensor_parallel(model_cls, packed)
     device = torch.device(device)
     # a GPU model is built where it runs (the CPU's needs no device mode around every allocation)
     place = contextlib.nullcontext() if device.type == "cpu" else device
@@ -212,14 +212,15 @@ def bind_linear_methods(model: torch.nn.Module, plan: LinearPlan) -> None:
     bind(model, plan)
 
 
-def check_tensor_parallel(model_cls: type, prequantized: bool) -> None:
-    """A family loads under tensor parallelism when its layers are the parallel ones."""
+def check_tensor_parallel(model_cls: type, packed: PackedCheckpoint | None) -> None:
+    """A family loads under tensor parallelism when its layers are the parallel ones; their cuts take
+    every weight format whose inputs are in order (act-order checkpoints gather them per product)."""
     if not (issubclass(model_cls, CausalLM) and model_cls.supports_tensor_parallel):
         raise ValueError(f"tensor_parallel_size > 1 is not supported for {model_cls.__name__} yet: its layers are "
                          "not tensor-parallel layers.")
-    if prequantized:  # (a GGUF file's blocks and `quantization=` are split: the layers cut them)
-        raise ValueError("tensor_parallel_size > 1 with a pre-quantized checkpoint (AWQ, GPTQ, compressed-tensors, MXFP4) "
-                         "is not supported yet: load the float checkpoint with quantization=, or a GGUF file.")
+    if packed is not None and getattr(packed.format, "desc_act", False):
+        raise ValueError(f"tensor_parallel_size > 1 with an act-order checkpoint ({packed.format.describe()}) is "
+                         "not supported yet: its inputs cannot be split by rank. Use tensor_parallel_size=1.")
 
 
 def _iter_weights(
