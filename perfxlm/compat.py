@@ -52,8 +52,8 @@ def split_vllm_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
     override = rest.pop("override_pooler_config", None)
     if override is not None and rest.get("pooler_config") is None:  # vLLM's older name of pooler_config
         settings["pooler_config"] = override
-    lora_dtype = rest.pop("lora_dtype", "auto")
-    if lora_dtype is not None:  # an engine field (checked by lora.config.LoRAConfig)
+    lora_dtype = rest.pop("lora_dtype", None)
+    if lora_dtype is not None:  # an engine field (checked by lora.config.LoRAConfig); absent: its default
         settings["lora_dtype"] = lora_dtype
     nbytes = rest.pop("kv_cache_memory_bytes", None)
     if nbytes is not None:
