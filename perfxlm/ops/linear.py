@@ -138,7 +138,7 @@ def native_int8_blocks(weight: QuantizedWeight) -> bool:
     build, and a layout its block GEMV takes: no level table, K a multiple of 64, groups of 16 / 32 /
     multiples of 64); elsewhere it multiplies the activations as given."""
     g = weight.group
-    layout_ok = weight.levels is None and weight.in_features % 64 == 0 and (
+    layout_ok = weight.levels is None and weight.bits != 5 and weight.in_features % 64 == 0 and (
         g % 64 == 0 or g == 32 or (g == 16 and weight.bits == 8)
     )
     return layout_ok and _int8_dots()
