@@ -317,3 +317,22 @@ def test_nf4_calibration_needs_the_plain_form():
     assert "float16 scales searched" in c.describe() and QuantizationConfig.resolve(c.as_dict()) == c
     zero = c.quantize_weight(torch.zeros(2, 64))
     assert torch.equal(zero.dequantize(), torch.zeros(2, 64))
+
+
+def test_only_an_untied_embedding_table_counts_as_looked_up():
+    """A table is narrowed with the projections only when nothing multiplies by it: an embedding untied
+    from the LM head, never the head, nor a table a tied head shares."""
+    from torch import nn
+
+    from perfxlm.model.layers.embed_head import LMHead, VocabEmbedding
+    from perfxlm.quant.loading import lookup_tables
+
+    class Model(nn.Module):
+        def __init__(self, tied: bool) -> None:
+            super().__init__()
+            self.embed_tokens = VocabEmbedding(37, 64)
+            self.lm_head = LMHead(37, 64, tied_to=self.embed_tokens if tied else None)
+
+    untied, tied = Model(False), Model(True)
+    assert lookup_tables(untied) == {id(untied.embed_tokens.weight)}
+    assert lookup_tables(tied) == set()
