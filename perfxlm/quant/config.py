@@ -94,6 +94,7 @@ _DICT_KEYS = (
     "method", "group_size", "symmetric", "activation_group_size", "calibration", "calibration_tokens",
     "mixed_precision", "double_quant", "lm_head",
 )  # fmt: skip
+LARGE_TABLE_ROWS = 16384  # 5-bit codes for more rows than this, calibration-free: Q5_0's one-pass rule
 TABLE_GROUP = 64  # the 8-bit embedding table / LM head: weights per scale (32 where 64 does not divide)
 DEFAULT_CALIBRATION = "default"  # the built-in text (perfxlm/quant/calibration.txt)
 DEFAULT_CALIBRATION_TOKENS = 512
@@ -295,6 +296,8 @@ class QuantizationConfig:
         if bits == 5:
             group5 = self.group_for(w.shape[-1])
             group5 = group5 if group5 % BLOCK4 == 0 and group5 < w.shape[-1] else BLOCK4
+            if importance is None and w.shape[-2] > LARGE_TABLE_ROWS:  # an embedding table: nothing to weigh
+                return quantizers.quantize_symmetric_int5(w, group5)
             return quantizers.quantize_int5_search(w, group5, importance)
         group = self.group_for(w.shape[-1])
         if self.method == "int8":

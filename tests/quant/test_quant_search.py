@@ -285,6 +285,7 @@ def test_int5_search_beats_the_absmax_rule_and_int4(n, k, group, with_importance
     d = (torch.gather(g, -1, idx).squeeze(-1) / -16).half().float()  # llama.cpp's Q5_0: max / -16
     u = torch.round(g / torch.where(d == 0, torch.ones_like(d), d).unsqueeze(-1)).add(16).clamp(0, 31)
     plain = ((u - 16) * d.unsqueeze(-1)).reshape(n, k)
+    assert torch.equal(quantizers.quantize_symmetric_int5(w, group).dequantize(), plain)  # tables' one-pass rule
 
     class Plain:
         def dequantize(self):
