@@ -48,7 +48,10 @@ constexpr int64_t kSlabValues = int64_t{4} << 20;  // values of W dequantized at
 struct QW {
   const uint8_t* codes;
   int64_t N, K, row_bytes, group, groups;
-  bool bits4;
+  bool bits4;  // nibble codes: 4-bit, or the low four bits of 5-bit ones
+  // 5-bit codes: each row's nibbles (K / 2 bytes) are followed by a plane of fifth bits (K / 8 bytes,
+  // bit i of byte b = element 8b + i), u = nibble + 16 x fifth bit: the 4-bit paths plus one masked add
+  bool bits5;
   const void* scales;
   // A group's min is param(mins) * min_factor: the stored mins times 1, or for centred codes the scales
   // times -centre (exact: a power of two), so every kernel reads one formula and centred weights stream
@@ -106,7 +109,8 @@ inline int code_at(const QW& w, int64_t n, int64_t k) {
   if (!w.bits4) return row[k];
   const int64_t block = k / 32, j = k % 32;
   const uint8_t b = row[block * 16 + (j & 15)];
-  return j < 16 ? (b & 0x0F) : (b >> 4);
+  const int low = j < 16 ? (b & 0x0F) : (b >> 4);
+  return w.bits5 ? low + 16 * ((row[w.K / 2 + k / 8] >> (k % 8)) & 1) : low;
 }
 
 inline float weight_at(const QW& w, int64_t n, int64_t k) {
@@ -123,9 +127,10 @@ QW describe(const at::Tensor& codes, const at::Tensor& scales, const c10::option
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
               "linear_q: codes must be contiguous uint8 [N, K] or [N, K / 2]");
   const int64_t N = codes.size(0);
-  const bool bits4 = codes.size(1) * 2 == K && codes.size(1) != K;
+  const bool bits5 = codes.size(1) * 8 == K * 5 && K % 32 == 0;
+  const bool bits4 = bits5 || (codes.size(1) * 2 == K && codes.size(1) != K);
   TORCH_CHECK(bits4 || codes.size(1) == K, "linear_q: codes hold ", codes.size(1), " bytes per row for ", K,
-              " inputs (want K or K / 2)");
+              " inputs (want K, 5 K / 8 or K / 2)");
   TORCH_CHECK(!bits4 || K % 32 == 0, "linear_q: 4-bit codes need K % 32 == 0, got K = ", K);
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.is_contiguous() && mins.sizes() == scales.sizes() &&
                   mins.is_contiguous() && mins.scalar_type() == scales.scalar_type(),
@@ -141,12 +146,12 @@ QW describe(const at::Tensor& codes, const at::Tensor& scales, const c10::option
   if (levels.has_value() && levels->defined()) {
     TORCH_CHECK(levels->scalar_type() == at::kFloat && levels->numel() == 16 && levels->is_contiguous(),
                 "linear_q: levels must be contiguous float32 [16]");
-    TORCH_CHECK(bits4, "linear_q: a level table needs 4-bit codes");
+    TORCH_CHECK(bits4 && !bits5, "linear_q: a level table needs 4-bit codes");
     lv = levels->data_ptr<float>();
   }
   // centred: w = scale * (u - centre), or scale * levels[u] with a table
-  const float centre = lv ? 0.f : (bits4 ? 8.f : 128.f);
-  QW w{codes.data_ptr<uint8_t>(), N, K, codes.size(1), group, groups, bits4,
+  const float centre = lv ? 0.f : (bits5 ? 16.f : (bits4 ? 8.f : 128.f));
+  QW w{codes.data_ptr<uint8_t>(), N, K, codes.size(1), group, groups, bits4, bits5,
        scales.data_ptr(), mins.data_ptr(), scales.scalar_type() == at::kHalf, lv,
        centred, centred ? -centre : 1.f};
   w.block_min_factor = w.min_factor;
@@ -168,7 +173,7 @@ alignas(64) constexpr float kNoLevels[16] = {};
 
 // NT weight rows against MT x rows, 16 (8-bit) or 32 (4-bit) inputs per step: each code widened once,
 // scaled and offset with one FMA, then one FMA per x row.
-template <bool BITS4, bool LUT, bool HALF, int MT, int NT>
+template <bool BITS4, bool LUT, bool HALF, int MT, int NT, bool FIVE = false>
 inline void q_tile(const float* x, const QW& w, int64_t n0, float* y, const float* bias) {
   const int64_t K = w.K, N = w.N;
   const simd16::Table16 table(LUT ? w.levels : kNoLevels);
@@ -197,6 +202,12 @@ inline void q_tile(const float* x, const QW& w, int64_t n0, float* y, const floa
       if constexpr (BITS4) {
         I lo, hi;
         simd16::load_nibbles(row + k / 2, lo, hi);
+        if constexpr (FIVE) {
+          uint32_t fifth;
+          std::memcpy(&fifth, row + K / 2 + k / 8, 4);
+          lo = simd16::add_fifth_bits(lo, fifth & 0xFFFF);
+          hi = simd16::add_fifth_bits(hi, fifth >> 16);
+        }
         const V w0 = simd16::fmadd(LUT ? simd16::lookup(table, lo) : simd16::to_float(lo), s, m);
         const V w1 = simd16::fmadd(LUT ? simd16::lookup(table, hi) : simd16::to_float(hi), s, m);
         #pragma GCC unroll 16
@@ -215,37 +226,40 @@ inline void q_tile(const float* x, const QW& w, int64_t n0, float* y, const floa
     for (int j = 0; j < NT; ++j) y[i * N + n0 + j] = simd16::reduce_add(acc[i][j]) + (bias ? bias[n0 + j] : 0.f);
 }
 
-template <bool BITS4, bool LUT, bool HALF, int NT>
+template <bool BITS4, bool LUT, bool HALF, int NT, bool FIVE = false>
 inline void q_block(const float* x, int64_t M, const QW& w, int64_t n0, float* y, const float* bias) {
   constexpr int MT = kChunk;
   const int64_t K = w.K, N = w.N;
   int64_t m = 0;
-  for (; m + MT <= M; m += MT) q_tile<BITS4, LUT, HALF, MT, NT>(x + m * K, w, n0, y + m * N, bias);
+  for (; m + MT <= M; m += MT) q_tile<BITS4, LUT, HALF, MT, NT, FIVE>(x + m * K, w, n0, y + m * N, bias);
   switch (M - m) {
-    case 3: q_tile<BITS4, LUT, HALF, 3, NT>(x + m * K, w, n0, y + m * N, bias); break;
-    case 2: q_tile<BITS4, LUT, HALF, 2, NT>(x + m * K, w, n0, y + m * N, bias); break;
-    case 1: q_tile<BITS4, LUT, HALF, 1, NT>(x + m * K, w, n0, y + m * N, bias); break;
+    case 3: q_tile<BITS4, LUT, HALF, 3, NT, FIVE>(x + m * K, w, n0, y + m * N, bias); break;
+    case 2: q_tile<BITS4, LUT, HALF, 2, NT, FIVE>(x + m * K, w, n0, y + m * N, bias); break;
+    case 1: q_tile<BITS4, LUT, HALF, 1, NT, FIVE>(x + m * K, w, n0, y + m * N, bias); break;
     default: break;
   }
 }
 
-template <bool BITS4, bool LUT, bool HALF>
+template <bool BITS4, bool LUT, bool HALF, bool FIVE = false>
 void q_gemv_typed(const float* x, int64_t M, const QW& w, float* y, const float* bias) {
   const int64_t NT = M == 1 ? kTileOne : 4;
   const int64_t tiles = w.N / NT;
   at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (NT == 8)
-        q_block<BITS4, LUT, HALF, 8>(x, M, w, t * NT, y, bias);
+        q_block<BITS4, LUT, HALF, 8, FIVE>(x, M, w, t * NT, y, bias);
       else
-        q_block<BITS4, LUT, HALF, 4>(x, M, w, t * NT, y, bias);
+        q_block<BITS4, LUT, HALF, 4, FIVE>(x, M, w, t * NT, y, bias);
     }
   });
-  for (int64_t n = tiles * NT; n < w.N; ++n) q_block<BITS4, LUT, HALF, 1>(x, M, w, n, y, bias);
+  for (int64_t n = tiles * NT; n < w.N; ++n) q_block<BITS4, LUT, HALF, 1, FIVE>(x, M, w, n, y, bias);
 }
 
 void q_gemv(const float* x, int64_t M, const QW& w, float* y, const float* bias) {
-  if (w.bits4 && w.levels) {
+  if (w.bits5) {
+    w.half ? q_gemv_typed<true, false, true, true>(x, M, w, y, bias)
+           : q_gemv_typed<true, false, false, true>(x, M, w, y, bias);
+  } else if (w.bits4 && w.levels) {
     w.half ? q_gemv_typed<true, true, true>(x, M, w, y, bias) : q_gemv_typed<true, true, false>(x, M, w, y, bias);
   } else if (w.bits4) {
     w.half ? q_gemv_typed<true, false, true>(x, M, w, y, bias) : q_gemv_typed<true, false, false>(x, M, w, y, bias);
@@ -272,6 +286,12 @@ void dequant_rows(const QW& w, int64_t n0, int64_t n1, T* out) {
         if (w.bits4) {
           I lo, hi;
           simd16::load_nibbles(row + k / 2, lo, hi);
+          if (w.bits5) {
+            uint32_t fifth;
+            std::memcpy(&fifth, row + w.K / 2 + k / 8, 4);
+            lo = simd16::add_fifth_bits(lo, fifth & 0xFFFF);
+            hi = simd16::add_fifth_bits(hi, fifth >> 16);
+          }
           store_out(o + k, simd16::fmadd(w.levels ? simd16::lookup(table, lo) : simd16::to_float(lo), s, m));
           store_out(o + k + 16, simd16::fmadd(w.levels ? simd16::lookup(table, hi) : simd16::to_float(hi), s, m));
         } else {
@@ -937,7 +957,7 @@ at::Tensor fake_quantize_blocks(const at::Tensor& x) {
 
 // Scales per 64-input chunk, or 0 where the block path does not apply (then the float kernel runs).
 int block_spc(const QW& w) {
-  if ((w.levels && !w.int_lut) || w.K % 64 != 0) return 0;
+  if ((w.levels && !w.int_lut) || w.bits5 || w.K % 64 != 0) return 0;  // 5-bit codes: the float kernel
   if (w.group % 64 == 0) return 1;
   if (w.group == 32) return 2;
   if (w.group == 16 && !w.bits4) return 4;

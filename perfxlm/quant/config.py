@@ -31,9 +31,11 @@ Options: `quantization_group_size` (weights per scale; -1 = one scale per output
   text shipped with the package; false: calibration-free.
   The default quietly falls back to calibration-free (a warning) where the model has no tokenizer;
   a named text fails instead.
-- `mixed_precision` (int4, nf4): 8-bit codes for the FFN down projections of half the layers, as
-  llama.cpp's Q4_K_M widens them (`perfxlm.quant.mixed`); on by default for int4 (not its symmetric
-  Q4_0 form).
+- `mixed_precision` (int4, nf4): llama.cpp's Q4_K_M allocation (`perfxlm.quant.mixed`): 5-bit codes (one
+  float16 scale per 32, searched: Q5_0's form) for the V (fused QKV) and FFN down projections of half
+  the layers and for every weight whose input size is not a multiple of 256 (where Q4_K_M falls back to
+  Q5_0), 4-bit elsewhere; an embedding table untied from the LM head takes the same rule instead of
+  8-bit codes. On by default for int4 (not its symmetric Q4_0 form).
 - `double_quant` (nf4): QLoRA's double-quantized absmax (default true); false keeps a float16 absmax
   per group, or with `calibration` a float16 scale per group searched like int4's (not QLoRA's values).
 - `lm_head` (every method; vLLM's GPTQ name): the embedding table and the LM head stored as 8-bit codes,
@@ -92,6 +94,7 @@ _DICT_KEYS = (
     "method", "group_size", "symmetric", "activation_group_size", "calibration", "calibration_tokens",
     "mixed_precision", "double_quant", "lm_head",
 )  # fmt: skip
+LARGE_TABLE_ROWS = 16384  # 5-bit codes for more rows than this, calibration-free: Q5_0's one-pass rule
 TABLE_GROUP = 64  # the 8-bit embedding table / LM head: weights per scale (32 where 64 does not divide)
 DEFAULT_CALIBRATION = "default"  # the built-in text (perfxlm/quant/calibration.txt)
 DEFAULT_CALIBRATION_TOKENS = 512
@@ -202,7 +205,7 @@ class QuantizationConfig:
             plain = ", float16 scales searched" if self.calibration is not None else ", float16 absmax"
             kind += ", double-quantized absmax" if self.double_quant else plain
         if self.mixed_precision:
-            kind += ", 8-bit down projections in half the layers"
+            kind += ", 5-bit codes where llama.cpp's Q4_K_M widens or falls back to Q5_0"
         kind += ", 8-bit embedding and LM head" if self.lm_head else ", float embedding and LM head"
         if self.method == "w8a8":
             per = "token" if self.activation_group_size == PER_CHANNEL else f"{self.activation_group_size} values"
@@ -282,15 +285,20 @@ class QuantizationConfig:
         return quantizers.quantize_symmetric_int8(w, group)
 
     def quantize_weight(
-        self, w: torch.Tensor, importance: torch.Tensor | None = None, wide: bool = False
+        self, w: torch.Tensor, importance: torch.Tensor | None = None, bits: int | None = None
     ) -> QuantizedWeight:
         """float [..., N, K] -> QuantizedWeight. `importance`: the mean square activation of each input
-        channel [K] (int4's search weighs errors by it); `wide`: mixed precision's 8-bit codes, one
-        symmetric scale per output channel."""
+        channel [K] (int4's search weighs errors by it); `bits`: mixed precision's code width for this
+        weight (5: 5-bit codes, a searched float16 scale per group of 32 or of the method's group where
+        that is a multiple of 32; 4 or None: the method's own form)."""
         if not self.quantizes:
             raise ValueError(f"quantization={self.method!r} does not quantize weights")
-        if wide:
-            return quantizers.quantize_symmetric_int8(w, w.shape[-1])
+        if bits == 5:
+            group5 = self.group_for(w.shape[-1])
+            group5 = group5 if group5 % BLOCK4 == 0 and group5 < w.shape[-1] else BLOCK4
+            if importance is None and w.shape[-2] > LARGE_TABLE_ROWS:  # an embedding table: nothing to weigh
+                return quantizers.quantize_symmetric_int5(w, group5)
+            return quantizers.quantize_int5_search(w, group5, importance)
         group = self.group_for(w.shape[-1])
         if self.method == "int8":
             if self.symmetric:

@@ -8,7 +8,8 @@ copied into its Parameter (`CausalLM.load_weights(weights, sink=...)`). Two sour
   every Linear except MoE routers and gates (`Linear.quantize_weight`), and MoE expert stacks; and the
   embedding table and LM head as 8-bit codes, one scale per 64 values (`QuantizationConfig.quantize_table`,
   as llama.cpp stores them; `lm_head: false` keeps them float, as vLLM's quantized checkpoints do).
-Each weight is quantized with its own options: `mixed_precision` widens some to 8-bit codes
+Each weight is quantized with its own options: `mixed_precision` gives some 5-bit codes, as
+llama.cpp's Q4_K_M allocates its bits, an embedding table that is only looked up included
 (`perfxlm.quant.mixed`), and `calibration` first collects activation statistics with the model loaded
 once as int8 (`perfxlm.quant.calibration`, `QuantizedLoader.calibrate`), which weigh each weight's
 squared error in int4's search. Each piece is quantized as it arrives, so a model never exists whole in
@@ -65,6 +66,17 @@ def quantizable(model: nn.Module) -> list[tuple[str, nn.Module, str, int]]:
     return out
 
 
+def lookup_tables(model: nn.Module) -> set[int]:
+    """ids of the table Parameters that are only looked up (an embedding untied from the LM head)."""
+    lookups: dict[int, bool] = {}
+    for module in model.modules():
+        for w in _declared(module).values():
+            param = module._parameters.get(w.param) if w.kind == TABLE else None
+            if param is not None:
+                lookups[id(param)] = lookups.get(id(param), True) and w.lookup
+    return {p for p, only in lookups.items() if only}
+
+
 def quantizable_tables(model: nn.Module) -> list[tuple[str, nn.Module, str, int]]:
     """(qualified name, module, "weight", hidden size) of the embedding table and the LM head, each
     Parameter once: a tied head shares the table's, and gets its QuantizedWeight at `finish`."""
@@ -89,11 +101,16 @@ class QuantizedLoader:
         targets = quantizable(model) if self.config is not None else []
         tables = quantizable_tables(model) if self.config is not None and self.config.lm_head else []
         self.tables = {(id(m), p) for _, m, p, _ in tables}
+        lookups = lookup_tables(model) if self.config is not None and self.config.mixed_precision else set()
+        # the projections, and a table that is only looked up: the weights mixed precision sizes
+        mixed_targets = targets + [t for t in tables if id(t[1]._parameters[t[2]]) in lookups]
+        self.lookups = {(id(m), p) for _, m, p, _ in mixed_targets} & self.tables
         targets += tables
         self.names = {(id(m), p): f"{n}.{p}" for n, m, p, _ in targets}
         self.targets = set(self.names)
         mixed_on = self.config is not None and self.config.mixed_precision
-        self.wide = mixed.widened(list(self.names.values())) if mixed_on else set()
+        # weight name -> code width under mixed precision (Q4_K_M's allocation); absent: the method's own
+        self.bits = mixed.code_bits({f"{n}.{p}": k for n, _, p, k in mixed_targets}) if mixed_on else {}
         self.importance: dict[str, Any] = {}  # weight name -> mean square input activation [K]
         self.pending: dict[tuple[int, str, int | None], dict[str, Any]] = {}
         self.experts: dict[tuple[int, str], dict[int, QuantizedWeight]] = {}
@@ -135,15 +152,15 @@ class QuantizedLoader:
         self.activations = mode
 
     def _quantize(self, module: nn.Module, local: str, tensor: Any) -> QuantizedWeight:
-        if (id(module), local) in self.tables:
-            return self.config.quantize_table(tensor)  # type: ignore[union-attr]
         name = self.names[(id(module), local)]
+        if (id(module), local) in self.tables and (id(module), local) not in self.lookups:
+            return self.config.quantize_table(tensor)  # type: ignore[union-attr]
         importance = self.importance.get(name)
         if importance is not None and importance.shape[-1] != tensor.shape[-1]:
             # a tensor-parallel rank's row-parallel shard: its input columns of the whole model's statistics
             importance = importance.narrow(-1, *module.input_part)
         return self.config.quantize_weight(  # type: ignore[union-attr]
-            tensor, importance=importance, wide=name in self.wide
+            tensor, importance=importance, bits=self.bits.get(name)
         )
 
     # ---- loading -------------------------------------------------------------------------------------

@@ -27,9 +27,10 @@ import torch
 
 from perfxlm.quant.nf4 import NF4_LEVELS, double_quantize_absmax, nf4_codes
 from perfxlm.quant.search import search_affine, search_levels
-from perfxlm.quant.weight import QuantizedWeight, pack_nibbles
+from perfxlm.quant.weight import QuantizedWeight, pack_codes
 
 _NF4_MIDPOINTS = (NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2
+_INT5_LEVELS = (torch.arange(32, dtype=torch.float32) - 16) / 16  # s (u - 16) as a level table over [-1, 1)
 
 
 def _groups(w: torch.Tensor, group: int) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -54,9 +55,7 @@ def _to_half_if_exact(scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.T
 def _build(codes, scales, mins, bits, group, shape, act="float", levels=None) -> QuantizedWeight:
     """mins None: centred codes (the min implied by the scale, not stored)."""
     *lead, n, k = shape
-    codes = codes.reshape(*lead, n, k).to(torch.uint8)
-    if bits == 4:
-        codes = pack_nibbles(codes)
+    codes = pack_codes(codes.reshape(*lead, n, k).to(torch.uint8), bits)
     return QuantizedWeight(
         codes.contiguous(), scales.reshape(*lead, n, k // group).contiguous(),
         None if mins is None else mins.reshape(*lead, n, k // group).contiguous(), levels, bits, group, act, n, k,
@@ -126,6 +125,37 @@ def quantize_int4_search(
         imp = importance.float().reshape(k // group, group)  # one row's groups, tiled over the rows
     u, s, mins = search_affine(flat, 15, imp)
     return _build(u, s, mins, 4, group, w.shape)
+
+
+def _importance_groups(importance: torch.Tensor | None, k: int, group: int) -> torch.Tensor | None:
+    if importance is None:
+        return None
+    if tuple(importance.shape) != (k,):
+        raise ValueError(f"importance has shape {tuple(importance.shape)}, expected ({k},)")
+    return importance.float().reshape(k // group, group)  # one row's groups, tiled over the rows
+
+
+def quantize_int5_search(
+    w: torch.Tensor, group: int, importance: torch.Tensor | None = None
+) -> QuantizedWeight:
+    """5-bit codes, centred (llama.cpp's Q5_0 form: w = s (u - 16), one float16 scale per group and no
+    min, 5 + 16 / group bits per weight), the scale searched for the least weighted squared error;
+    `importance` as for `quantize_int4_search`."""
+    g, _ = _groups(w, group)
+    imp = _importance_groups(importance, w.shape[-1], group)
+    u, s = search_levels(g.reshape(-1, group), _INT5_LEVELS, imp)
+    return _build(u, s.float().mul_(1 / 16).half(), None, 5, group, w.shape)
+
+
+def quantize_symmetric_int5(w: torch.Tensor, group: int) -> QuantizedWeight:
+    """5-bit centred codes by llama.cpp's Q5_0 rule: d = (the weight of largest magnitude) / -16, u =
+    clamp(round(w / d) + 16, 0, 31), a float16 d per group. One pass over the weights: for a table with
+    no activation statistics to weigh (an embedding's 28M values took the search 20 minutes)."""
+    g, _ = _groups(w, group)
+    idx = g.abs().argmax(dim=-1, keepdim=True)
+    d = (torch.gather(g, -1, idx).squeeze(-1) / -16.0).half()
+    u = torch.round(g / _safe(d.float()).unsqueeze(-1)).add_(16).clamp_(0, 31)
+    return _build(u, d, None, 5, group, w.shape)
 
 
 def quantize_nf4_search(

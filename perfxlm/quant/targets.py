@@ -16,6 +16,9 @@ class QuantizableWeight:
     kind: str  # LINEAR (one [N, K] matrix), EXPERTS (a stack [E, N, K]) or TABLE (embedding / LM head rows)
     in_features: int
     at_load: bool = True  # whether quantization= quantizes it (MoE routers and gates stay float)
+    # TABLE only: the rows are only looked up (an embedding), never multiplied (an LM head); a table all
+    # of whose owners only look it up may take narrower codes (`perfxlm.quant.mixed`)
+    lookup: bool = False
 
 
 @runtime_checkable

@@ -3,7 +3,10 @@
 A weight matrix [N, K] (or a stack of expert matrices [E, N, K]) is stored as
 - `codes`, uint8: bits=8: [N, K], one code u (0..255) per weight; bits=4: [N, K // 2], GGUF Q4_0's
   nibble layout: within each 32-element block b of a row, byte j (j < 16) of the block's 16 bytes holds
-  element 32b + j in its low nibble and element 32b + 16 + j in its high nibble;
+  element 32b + j in its low nibble and element 32b + 16 + j in its high nibble; bits=5: [N, 5 K // 8],
+  each row the 4-bit layout of the low four bits (K // 2 bytes) followed by a plane of the fifth bits
+  (K // 8 bytes, bit i of byte b = element 8b + i: a 32-block's four bytes read as one little-endian
+  word give its elements in order, as GGUF Q5_0's qh does), u = low + 16 x fifth (0..31);
 - `scales`, `mins`: both float32 or both float16, [N, K // group], contiguous; `mins` None for centred
   codes (Q4_0, Q8_0, symmetric int4 / int8, NF4), whose min is implied: -8 x scale for 4-bit codes,
   -128 x scale for 8-bit ones, 0 with a level table. Not storing it is what lets a 4-bit decode stream
@@ -38,7 +41,8 @@ import torch
 
 ACTS = ("float", "int8", "int8_block")
 ACT_BLOCK = 32  # activations per scale under act="int8_block"
-BLOCK4 = 32  # elements per nibble block of 4-bit codes (GGUF Q4_0's)
+BLOCK4 = 32  # elements per nibble block of 4-bit (and 5-bit) codes (GGUF Q4_0's)
+BITS = (4, 5, 8)  # code widths
 
 
 class ActivationMode(enum.Enum):
@@ -83,6 +87,36 @@ def pack_nibbles(values: torch.Tensor) -> torch.Tensor:
     return (v[..., 0, :] | (v[..., 1, :] << 4)).reshape(*lead, -1).contiguous()
 
 
+def pack_fives(values: torch.Tensor) -> torch.Tensor:
+    """[..., K] uint8 values 0..31 (K a multiple of 32) -> 5-bit codes [..., 5 K // 8]: the low four bits
+    in Q4_0's nibble layout, then the plane of fifth bits."""
+    lead, k = values.shape[:-1], values.shape[-1]
+    nibbles = pack_nibbles(values & 0x0F)
+    high = (values >> 4).reshape(*lead, k // 8, 8)
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+    plane = (high * weights).sum(-1, dtype=torch.int32).to(torch.uint8)
+    return torch.cat([nibbles, plane], dim=-1).contiguous()
+
+
+def unpack_fives(codes: torch.Tensor) -> torch.Tensor:
+    """5-bit codes [..., 5 K // 8] -> one uint8 per element [..., K] (values 0..31)."""
+    lead, k = codes.shape[:-1], codes.shape[-1] * 8 // 5
+    low = unpack_nibbles(codes[..., : k // 2].contiguous())
+    plane = codes[..., k // 2 :].unsqueeze(-1)
+    shifts = torch.arange(8, dtype=torch.uint8)
+    high = torch.bitwise_and(torch.bitwise_right_shift(plane, shifts), 1).reshape(*lead, k)
+    return low | (high << 4)
+
+
+def pack_codes(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """One uint8 code per weight [..., K] -> the stored layout for `bits`."""
+    if bits == 4:
+        return pack_nibbles(values)
+    if bits == 5:
+        return pack_fives(values)
+    return values.contiguous()
+
+
 def _pick(mins: torch.Tensor | None, fn: Any) -> torch.Tensor | None:
     """fn(mins) for stored mins; centred codes (None) stay centred."""
     return None if mins is None else fn(mins)
@@ -112,15 +146,15 @@ class QuantizedWeight:
 
     def __post_init__(self) -> None:
         n, k, g = self.out_features, self.in_features, self.group
-        if self.bits not in (4, 8):
-            raise ValueError(f"QuantizedWeight: bits={self.bits}; supported: 4, 8.")
+        if self.bits not in BITS:
+            raise ValueError(f"QuantizedWeight: bits={self.bits}; supported: {', '.join(map(str, BITS))}.")
         if self.act not in ACTS:
             raise ValueError(f"QuantizedWeight: act={self.act!r}; supported: {', '.join(ACTS)}.")
         if g < 1 or k % g:
             raise ValueError(f"QuantizedWeight: group {g} does not divide in_features {k}.")
-        if self.bits == 4 and (k % BLOCK4 or g % BLOCK4):
+        if self.bits != 8 and (k % BLOCK4 or g % BLOCK4):
             raise ValueError(
-                f"QuantizedWeight: 4-bit codes need in_features ({k}) and group ({g}) multiples of {BLOCK4}."
+                f"QuantizedWeight: {self.bits}-bit codes need in_features ({k}) and group ({g}) multiples of {BLOCK4}."
             )
         lead = tuple(self.codes.shape[:-2])
         if len(lead) > 1:
@@ -144,6 +178,8 @@ class QuantizedWeight:
         if self.mins is not None and self.scales.dtype != self.mins.dtype:
             raise ValueError("QuantizedWeight: scales and mins must share one dtype.")
         lv = self.levels
+        if lv is not None and self.bits == 5:
+            raise ValueError("QuantizedWeight: 5-bit codes take no level table (affine codes only).")
         if lv is not None and (lv.dtype != torch.float32 or tuple(lv.shape) != (1 << self.bits,)):
             raise ValueError(f"QuantizedWeight: levels must be float32 [{1 << self.bits}] for {self.bits}-bit codes.")
         order = self.input_order
@@ -183,7 +219,8 @@ class QuantizedWeight:
 
     @property
     def centre(self) -> int:
-        """The code a centred weight's zero sits at: 8 (4-bit), 128 (8-bit), 0 with a level table."""
+        """The code a centred weight's zero sits at: 8 (4-bit), 16 (5-bit), 128 (8-bit), 0 with a level
+        table."""
         return 0 if self.levels is not None else 1 << (self.bits - 1)
 
     def full_mins(self) -> torch.Tensor:
@@ -266,7 +303,9 @@ class QuantizedWeight:
     # ---- values --------------------------------------------------------------------------------------
     def unpacked_codes(self) -> torch.Tensor:
         """One uint8 code per weight, [..., N, K]."""
-        return unpack_nibbles(self.codes) if self.bits == 4 else self.codes
+        if self.bits == 4:
+            return unpack_nibbles(self.codes)
+        return unpack_fives(self.codes) if self.bits == 5 else self.codes
 
     def dequantize(self) -> torch.Tensor:
         """float32 [..., N, K]: scales * u (or levels[u]) + mins, the reference every kernel is held to."""
@@ -347,14 +386,16 @@ class QuantizedWeight:
         )  # fmt: skip
 
     # ---- promotion -----------------------------------------------------------------------------------
-    def widened(self) -> "QuantizedWeight":
-        """The same values with 8-bit codes."""
-        if self.bits == 8:
+    def widened(self, bits: int = 8) -> "QuantizedWeight":
+        """The same values with `bits`-bit codes (8, or 5 from 4)."""
+        if self.bits == bits:
             return self
-        u = unpack_nibbles(self.codes).contiguous()
+        if bits < self.bits or bits not in BITS or (bits != 8 and self.levels is not None):
+            raise ValueError(f"{self.bits}-bit codes cannot be widened to {bits} bits")
+        u = self.unpacked_codes().contiguous()
         if self.centred and self.levels is None:  # u - 8 == (u + 120) - 128: still centred
-            u.add_(128 - 8)
-        return self._like(u, self.scales, self.mins, bits=8)
+            u.add_((1 << (bits - 1)) - self.centre)
+        return self._like(pack_codes(u, bits), self.scales, self.mins, bits=bits)
 
     def regrouped(self, group: int) -> "QuantizedWeight":
         """The same values with a smaller group that divides this one (scales and mins repeated)."""
@@ -380,7 +421,8 @@ class QuantizedWeight:
     @staticmethod
     def common_form(parts: Sequence["QuantizedWeight"]) -> list["QuantizedWeight"]:
         """`parts` promoted losslessly to one form: 8-bit codes if any part has 8 or the common group
-        cannot hold 4-bit blocks, the greatest common group, float32 scales if any part has them."""
+        cannot hold 4-bit blocks, else the widest of 4 and 5 bits the parts have; the greatest common
+        group, float32 scales if any part has them."""
         if not parts:
             raise ValueError("no parts")
         k = parts[0].in_features
@@ -395,7 +437,7 @@ class QuantizedWeight:
         ):
             raise ValueError("parts mix level tables and affine codes; no common form")
         group = math.gcd(*(p.group for p in parts))
-        bits = 8 if any(p.bits == 8 for p in parts) or group % BLOCK4 else 4
+        bits = 8 if any(p.bits == 8 for p in parts) or group % BLOCK4 else max(p.bits for p in parts)
         if bits == 8 and levels[0] is not None and any(p.bits == 4 for p in parts):
             raise ValueError("level-table (NF4) parts cannot be widened to 8-bit codes; no common form")
         if len({p.centred for p in parts}) > 1:  # centred beside stored mins: store them all
@@ -403,7 +445,7 @@ class QuantizedWeight:
         dtype = torch.float32 if any(p.scales.dtype == torch.float32 for p in parts) else torch.float16
         out = []
         for p in parts:
-            p = p.widened() if bits == 8 else p
+            p = p.widened(bits)
             out.append(p.regrouped(group).with_scale_dtype(dtype))
         return out
 

@@ -21,7 +21,7 @@ from perfxlm.model.layers.embed_head import VocabEmbedding
 from perfxlm.model.layers.linear import Linear
 from perfxlm.model.layers.moe import FusedMoE
 from perfxlm.ops import native
-from perfxlm.quant import QuantizedWeight
+from perfxlm.quant import QuantizationConfig, QuantizedWeight
 from tests.conftest import assert_pool_whole, make_llama_checkpoint
 from tests.model.test_architectures_vs_hf import CASES, build_checkpoint
 
@@ -116,7 +116,12 @@ def test_format_end_to_end(fmt, checkpoint, request, monkeypatch):
     assert all(isinstance(m.weight, torch.nn.Parameter) for m in routers)  # routers stay float
     tables = [m for m in model.modules() if isinstance(m, VocabEmbedding)]
     if not isinstance(FORMATS[fmt], dict) or FORMATS[fmt].get("lm_head", True):  # 8-bit tables by default
-        assert tables and all(m.weight.bits == 8 and m.weight.group == 64 for m in tables)
+        mixed = QuantizationConfig.resolve(FORMATS[fmt]).mixed_precision
+        untied = model.lm_head.weight is not tables[0].weight
+        # mixed precision: a table only looked up takes the projections' rule (5-bit: 128 inputs)
+        assert tables and all((m.weight.bits == 5) if mixed and untied else (m.weight.bits, m.weight.group) == (8, 64)
+                              for m in tables)  # fmt: skip
+        assert model.lm_head.weight.bits == 8
     else:
         assert tables and all(isinstance(m.weight, torch.nn.Parameter) for m in tables)
     acts = {"w8a8": "int8_block", "w8a8-per-token": "int8"}
@@ -417,8 +422,10 @@ def test_dummy_weights_quantize_and_the_cli_flags_reach_the_engine(llama128):
     )  # fmt: skip
     llm = LLM(kwargs.pop("model"), skip_tokenizer_init=True, **{**kwargs, "num_kv_blocks": 16})
     weights = quantized_weights(model_of(llm))
-    # int4's mixed precision (on by default) widens some FFN down projections to 8-bit per-channel codes
-    narrow = {n: w for n, w in weights.items() if w.bits == 4}
-    assert narrow and all(w.group == 64 for w in narrow.values())
-    assert all("down_proj" in n or "embed" in n or "lm_head" in n for n, w in weights.items() if w.bits != 4)
+    # int4's mixed precision (on by default) gives 5-bit codes where Q4_K_M would not have Q4_K (input
+    # sizes not multiples of 256, V and down in llama.cpp's layers), all in the given group; the head 8-bit
+    layers = {n: w for n, w in weights.items() if "layers" in n}
+    assert all(w.bits in (4, 5) and w.group == 64 for w in layers.values())
+    assert {w.bits for n, w in layers.items() if "qkv" in n} == {5}  # 128 inputs
+    assert all(w.bits == 8 for n, w in weights.items() if "lm_head" in n)
     assert len(generate(llm, PROMPTS[:1])[0][0]) == GREEDY.max_tokens

@@ -207,6 +207,57 @@ def test_centred_codes_keep_their_values_through_every_reshaping():
     torch.testing.assert_close(stored.dequantize(), big.dequantize(), rtol=0, atol=0)
 
 
+def _five_bit_reference(codes: torch.Tensor, k: int) -> torch.Tensor:
+    """5-bit codes [N, 5 K / 8] -> u [N, K] from the layout's definition: per row K / 2 bytes of Q4_0's
+    nibbles (block b, byte j: element 32b + j low, 32b + 16 + j high), then K / 8 bytes whose bit i of
+    byte c is element 8c + i's fifth bit."""
+    n = codes.shape[0]
+    u = torch.zeros(n, k, dtype=torch.int64)
+    for r in range(n):
+        for e in range(k):
+            byte = int(codes[r, (e // 32) * 16 + (e % 16)])
+            low = byte & 15 if e % 32 < 16 else byte >> 4
+            u[r, e] = low + 16 * ((int(codes[r, k // 2 + e // 8]) >> (e % 8)) & 1)
+    return u
+
+
+def test_five_bit_codes_round_trip_and_keep_values_through_every_reshaping():
+    """5-bit codes (mixed precision's widened weights, Q5_0's form): packed as defined, centred on 16,
+    promoted from 4-bit codes (q and k fused beside a 5-bit v) and to 8-bit ones without changing a
+    value; odd row counts, several groups per row."""
+    w = torch.randn(13, 160) * 0.05
+    q = quantizers.quantize_int5_search(w, 32, torch.rand(160))
+    u = _five_bit_reference(q.codes, 160)
+    assert q.codes.shape == (13, 100) and q.centred and q.nbytes == 13 * 100 + 13 * 5 * 2
+    assert torch.equal(q.unpacked_codes().long(), u) and u.max() <= 31
+    full = ((u.float() - 16).view(13, 5, 32) * q.scales.float().unsqueeze(-1)).view(13, 160)
+    assert torch.equal(q.dequantize(), full)
+    step = q.scales.float().abs().repeat_interleave(32, 1)  # a searched scale may clip a group's extreme
+    assert ((q.dequantize() - w).abs() <= 4 * step + 1e-6).all()
+    perm = torch.randperm(13, generator=torch.Generator().manual_seed(2))
+    four = quantizers.quantize_symmetric_int4(torch.randn(5, 160), 32)
+    for part, want in [(q.narrow_rows(2, 7), full[2:9]), (q.index_rows(perm), full[perm]),
+                       (q.widened(), full), (q.with_scale_dtype(torch.float32), full),
+                       (four.widened(5), four.dequantize()),
+                       (QuantizedWeight.cat_rows([four, q]), torch.cat([four.dequantize(), full]))]:
+        assert part.centred
+        torch.testing.assert_close(part.dequantize(), want, rtol=0, atol=0)
+    assert QuantizedWeight.cat_rows([four, q]).bits == 5 and q.widened().bits == 8
+    stack = QuantizedWeight.stack([q, q.index_rows(perm)])
+    assert stack.bits == 5 and torch.equal(stack[1].dequantize(), full[perm])
+    ids = torch.tensor([[12, 0], [3, 3]])
+    assert torch.equal(q.embedding(ids), full[ids])
+    x = torch.randn(3, 160)
+    torch.testing.assert_close(reference_linear(x, q, None), F.linear(x, full), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear(x, q), F.linear(x, full), rtol=1e-5, atol=1e-5)  # native where built
+    with pytest.raises(ValueError, match="5-bit codes take no level table"):
+        QuantizedWeight(q.codes, q.scales, None, NF4_LEVELS, 5, 32, "float", 13, 160)
+    with pytest.raises(ValueError, match="5-bit codes need in_features"):
+        QuantizedWeight(torch.zeros(2, 30, dtype=torch.uint8), torch.ones(2, 3), None, None, 5, 16, "float", 2, 48)
+    with pytest.raises(ValueError, match="cannot be widened to 4 bits"):
+        q.widened(4)
+
+
 def test_rows_stacks_and_lookups_keep_values():
     w = quantizers.quantize_asymmetric_int4(torch.randn(12, 64), 32)
     full = w.dequantize()

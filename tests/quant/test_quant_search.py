@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from perfxlm.quant import QuantizationConfig, quantizers, search
-from perfxlm.quant.mixed import use_more_bits, widened
+from perfxlm.quant.mixed import code_bits, use_more_bits
 from perfxlm.quant.nf4 import NF4_LEVELS, double_quantize_absmax, dynamic_map
 
 # odd group counts per row (3, 5, 7), odd row counts, outliers
@@ -245,21 +245,56 @@ def test_use_more_bits_is_llama_cpp_rule():
     assert sum(use_more_bits(i, 32) for i in range(32)) == 16  # a 7B Llama: half
 
 
-def test_widened_names_the_down_projections_of_the_chosen_layers():
-    """Dense and expert down projections of llama.cpp's layers; never the fused QKV (its V part would
-    widen q and k too) nor gate|up."""
-    names = []
+def test_code_bits_follow_q4_k_m_allocation():
+    """5 bits where Q4_K_M widens (V inside the fused QKV, dense and expert down projections of llama.cpp's
+    layers) or falls back to Q5_0 (rows that are not whole 256-value super-blocks); 4 elsewhere."""
+    weights = {}
     for i in range(8):
-        names += [f"model.layers.{i}.self_attn.qkv_proj.weight", f"model.layers.{i}.self_attn.o_proj.weight",
-                  f"model.layers.{i}.mlp.gate_up_proj.weight", f"model.layers.{i}.mlp.down_proj.weight"]
-    names.append("model.layers.3.block_sparse_moe.experts.down_proj")
-    wide = widened(names)
-    want = {f"model.layers.{i}.mlp.down_proj.weight" for i in (0, 3, 6, 7)}  # 8 layers: 0, 7, then every 3rd
+        weights |= {f"model.layers.{i}.self_attn.qkv_proj.weight": 512, f"model.layers.{i}.self_attn.o_proj.weight": 512,
+                    f"model.layers.{i}.mlp.gate_up_proj.weight": 512, f"model.layers.{i}.mlp.down_proj.weight": 1536}
+    weights["model.layers.3.block_sparse_moe.experts.down_proj"] = 768
+    weights["model.embed_tokens.weight"] = 512  # an untied table that is only looked up
+    bits = code_bits(weights)
+    wide = {n for n, b in bits.items() if b == 5}
+    chosen = (0, 3, 6, 7)  # 8 layers: 0, 7, then every 3rd
+    want = {f"model.layers.{i}.{p}.weight" for i in chosen for p in ("mlp.down_proj", "self_attn.qkv_proj")}
     assert wide == want | {"model.layers.3.block_sparse_moe.experts.down_proj"}
-    assert widened(["lm_head.weight"]) == set()
+    assert set(bits.values()) == {4, 5}
+    # input sizes that K-quants cannot hold: Q4_K_M's Q5_0 fallback, whatever the layer
+    assert code_bits({"model.layers.1.mlp.gate_up_proj.weight": 576, "model.layers.1.mlp.down_proj.weight": 1536,
+                      "model.layers.9.mlp.down_proj.weight": 1536}) == {
+        "model.layers.1.mlp.gate_up_proj.weight": 5, "model.layers.1.mlp.down_proj.weight": 4,
+        "model.layers.9.mlp.down_proj.weight": 5}  # fmt: skip
     c = QuantizationConfig.resolve({"method": "int4", "mixed_precision": True})
-    q = c.quantize_weight(torch.randn(8, 96), wide=True)
-    assert (q.bits, q.group, q.scales.dtype) == (8, 96, torch.float32)
+    q = c.quantize_weight(torch.randn(9, 96), bits=5)
+    assert (q.bits, q.group, q.scales.dtype, q.centred) == (5, 32, torch.float16, True)
+    assert c.quantize_weight(torch.randn(9, 96), bits=4).bits == 4
+
+
+@pytest.mark.parametrize("with_importance", [False, True])
+@pytest.mark.parametrize("n,k,group", SHAPES)
+def test_int5_search_beats_the_absmax_rule_and_int4(n, k, group, with_importance):
+    """5-bit centred codes (Q5_0's form) with a searched scale: never worse on the weighted objective than
+    the absmax scale (Q5_0's rule, written here), and well below int4's searched error."""
+    w = weights(n, k, seed=n + k)
+    imp = importance(k, seed=k) if with_importance else None
+    q = quantizers.quantize_int5_search(w, group, imp)
+    assert (q.bits, q.centred) == (5, True) and q.codes.shape == (n, k * 5 // 8)
+    g = w.reshape(n, k // group, group)
+    idx = g.abs().argmax(-1, keepdim=True)
+    d = (torch.gather(g, -1, idx).squeeze(-1) / -16).half().float()  # llama.cpp's Q5_0: max / -16
+    u = torch.round(g / torch.where(d == 0, torch.ones_like(d), d).unsqueeze(-1)).add(16).clamp(0, 31)
+    plain = ((u - 16) * d.unsqueeze(-1)).reshape(n, k)
+    assert torch.equal(quantizers.quantize_symmetric_int5(w, group).dequantize(), plain)  # tables' one-pass rule
+
+    class Plain:
+        def dequantize(self):
+            return plain
+
+    ours, base = weighted_error(q, w, group, imp), weighted_error(Plain(), w, group, imp)
+    assert ours.sum() <= base.sum() * (1 + 1e-6)
+    four = weighted_error(quantizers.quantize_int4_search(w, group, imp), w, group, imp)
+    assert ours[1:].sum() < 0.6 * four[1:].sum()  # (the outlier's group: a symmetric range spends half on nothing)
 
 
 @pytest.mark.parametrize("with_importance", [False, True])
@@ -283,3 +318,22 @@ def test_nf4_calibration_needs_the_plain_form():
     assert "float16 scales searched" in c.describe() and QuantizationConfig.resolve(c.as_dict()) == c
     zero = c.quantize_weight(torch.zeros(2, 64))
     assert torch.equal(zero.dequantize(), torch.zeros(2, 64))
+
+
+def test_only_an_untied_embedding_table_counts_as_looked_up():
+    """A table is narrowed with the projections only when nothing multiplies by it: an embedding untied
+    from the LM head, never the head, nor a table a tied head shares."""
+    from torch import nn
+
+    from perfxlm.model.layers.embed_head import LMHead, VocabEmbedding
+    from perfxlm.quant.loading import lookup_tables
+
+    class Model(nn.Module):
+        def __init__(self, tied: bool) -> None:
+            super().__init__()
+            self.embed_tokens = VocabEmbedding(37, 64)
+            self.lm_head = LMHead(37, 64, tied_to=self.embed_tokens if tied else None)
+
+    untied, tied = Model(False), Model(True)
+    assert lookup_tables(untied) == {id(untied.embed_tokens.weight)}
+    assert lookup_tables(tied) == set()

@@ -1,6 +1,7 @@
 """The native quantized-weight products (csrc/quant_linear.cpp) against a plain-torch reference written
-here from the format's definition: codes (8-bit, or 4-bit in GGUF's Q4 nibble order), a scale and a min
-per group (or none: centred codes, w = scale * (u - 8 or 128), or scale * levels[u]), an optional 16-level
+here from the format's definition: codes (8-bit, 4-bit in GGUF's Q4 nibble order, or 5-bit: those nibbles
+then a plane of fifth bits), a scale and a min per group (or none: centred codes, w = scale * (u - 8, 16
+or 128), or scale * levels[u]), an optional 16-level
 table; weight-only and W8A8; the GEMV path, the slab-GEMM path in float32 and bf16; odd sizes. Built for AVX2 and scalar too by test_portable_kernels."""
 
 import pytest
@@ -20,14 +21,28 @@ def _unpack4(codes: torch.Tensor) -> torch.Tensor:
     return torch.cat([blocks & 15, blocks >> 4], dim=2).view(n, half * 2)
 
 
+def _unpack5(codes: torch.Tensor, k: int) -> torch.Tensor:
+    low = _unpack4(codes[:, : k // 2].contiguous())
+    plane = codes[:, k // 2 :].int().unsqueeze(-1)
+    fifth = ((plane >> torch.arange(8)) & 1).reshape(codes.shape[0], k)  # bit i of byte b: element 8b + i
+    return low + 16 * fifth
+
+
+def _bits(codes, k):
+    if codes.shape[1] * 8 == k * 5 and k % 32 == 0:
+        return 5
+    return 4 if codes.shape[1] * 2 == k and codes.shape[1] != k else 8
+
+
 def _dequant(codes, scales, mins, levels, k):
-    bits4 = codes.shape[1] * 2 == k and codes.shape[1] != k
-    u = _unpack4(codes) if bits4 else codes.int()
+    bits = _bits(codes, k)
+    bits4 = bits == 4
+    u = _unpack4(codes) if bits4 else (_unpack5(codes, k) if bits == 5 else codes.int())
     v = levels[u.long()] if levels is not None else u.float()
     group = k // scales.shape[1]
     s = scales.float().repeat_interleave(group, 1)
     if mins is None:  # centred codes
-        return (v if levels is not None else v - (8 if bits4 else 128)) * s
+        return (v if levels is not None else v - {4: 8, 5: 16, 8: 128}[bits]) * s
     m = mins.float().repeat_interleave(group, 1)
     return v * s + m
 
@@ -35,7 +50,7 @@ def _dequant(codes, scales, mins, levels, k):
 def _centred(n, k, bits, group, half, lut, seed):
     """A weight with centred codes (no mins), and the same weight with its implied mins stored."""
     codes, scales, _, levels = _weight(n, k, bits, group, half, lut, seed)
-    centre = 0 if lut else (8 if bits == 4 else 128)
+    centre = 0 if lut else {4: 8, 5: 16, 8: 128}[bits]
     return codes, scales, levels, (scales.float() * -centre).to(scales.dtype)
 
 
@@ -50,14 +65,17 @@ CENTRED = [  # bits, n, k, group, half, lut: Q4_0 / symmetric int4, Q8_0 / symme
     (8, 7, 160, 160, True, False),
     (8, 21, 1536, 1536, False, False),
     (8, 11, 128, 16, True, False),
+    (5, 33, 576, 32, True, False),  # 5-bit codes (Q5_0's form: mixed precision's widened weights)
+    (5, 9, 96, 96, False, False),
+    (5, 1030, 64, 32, True, False),
 ]
 
 
 def _weight(n, k, bits, group, half, lut, seed):
     g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 256, (n, k // 2 if bits == 4 else k), generator=g, dtype=torch.uint8)
+    codes = torch.randint(0, 256, (n, k * bits // 8), generator=g, dtype=torch.uint8)
     dtype = torch.float16 if half else torch.float32
-    levels_max = 15 if bits == 4 else 255
+    levels_max = (1 << bits) - 1
     scales = (torch.rand(n, k // group, generator=g) * 0.02 + 0.001).to(dtype)
     mins = (-(torch.rand(n, k // group, generator=g)) * 0.02 * levels_max / 2).to(dtype)
     levels = NF4.clone() if lut else None
@@ -75,6 +93,10 @@ CASES = [  # bits, n, k, group, half, lut
     (8, 1030, 48, 16, False, False),
     (8, 7, 160, 160, True, False),
     (8, 5, 1, 1, False, False),
+    (5, 13, 32, 32, False, False),
+    (5, 33, 576, 32, True, False),
+    (5, 1030, 64, 64, False, False),
+    (5, 7, 160, 160, True, False),
 ]
 
 
@@ -127,7 +149,7 @@ def test_bad_shapes_are_errors():
 
 
 def _block_applies(bits, k, group, lut):
-    return (not lut and k % 64 == 0 and (group % 64 == 0 or group == 32 or (group == 16 and bits == 8)))
+    return (not lut and bits != 5 and k % 64 == 0 and (group % 64 == 0 or group == 32 or (group == 16 and bits == 8)))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])

@@ -30,7 +30,7 @@ class VocabEmbedding(nn.Module):
         self.compute_dtype: torch.dtype | None = None
 
     def quantizable_weights(self) -> list[QuantizableWeight]:
-        return [QuantizableWeight("weight", TABLE, self.weight.shape[-1])]
+        return [QuantizableWeight("weight", TABLE, self.weight.shape[-1], lookup=True)]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if type(self.weight) is QuantizedWeight:  # a GGUF table kept quantized: only these rows widen

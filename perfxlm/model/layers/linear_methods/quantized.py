@@ -99,15 +99,17 @@ class Int8Linear(QuantizedLinearMethod):
 
 
 class Int4Linear(QuantizedLinearMethod):
-    """int4 at load: 4-bit codes (8-bit where mixed precision widened a weight)."""
+    """int4 at load: 4-bit codes (5-bit where mixed precision widened a weight; 8-bit tables)."""
 
     name = "int4"
+    bits = (4, 5, 8)
 
 
 class NF4Linear(QuantizedLinearMethod):
     """QLoRA's NF4: 4-bit codes into 16 NormalFloat levels (the table scaled per group)."""
 
     name = "nf4"
+    bits = (4, 5, 8)  # 5-bit affine codes where mixed precision widened a weight
     levels = True  # 8-bit affine codes too: the embedding table and LM head
 
 
