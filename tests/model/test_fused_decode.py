@@ -1,7 +1,6 @@
 """The fused all-decode step (one native call per layer) against the module path it replaces."""
 
 import pytest
-import torch
 
 from perfxlm import LLM, SamplingParams
 from perfxlm.model.fused_decode import FusedDecode

@@ -19,7 +19,7 @@ import transformers
 
 from perfxlm import LLM
 from perfxlm.model.loader.gguf import load_gguf_config
-from tests.model.test_architectures_vs_hf import _generate, _prompts, hf_greedy_with_logprobs
+from tests.model.test_architectures_vs_hf import _prompts, assert_generate_matches_hf, hf_greedy_with_logprobs
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                # small, so that the scaled and blended frequencies matter at short test positions
@@ -209,11 +209,7 @@ def test_converted_gguf_matches_transformers(tmp_path, case):
     write_converted(path, hf, CASES[case][2])
     llm = LLM(path, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64)
     prompts = _prompts(seed=2)
-    tokens, logprobs = _generate(llm, prompts)
-    for prompt, got, got_lp in zip(prompts, tokens, logprobs):
-        want, want_lp = hf_greedy_with_logprobs(hf, prompt, len(got))
-        assert got == want, f"prompt of {len(prompt)} tokens"
-        np.testing.assert_allclose(got_lp, want_lp, atol=5e-4, rtol=0)
+    tokens = assert_generate_matches_hf(llm, hf, prompts)
     assert len(set(tokens[-1])) > 4  # random enough that greedy output varies
 
 
@@ -325,8 +321,4 @@ def test_glm4_q8_0_projections_stay_quantized(tmp_path, monkeypatch):
     attn = llm.llm_engine.core.model.model.layers[0].self_attn
     assert not isinstance(attn.qkv_proj.weight, torch.Tensor)  # kept as Q8_0 codes, not widened
     prompts = _prompts(seed=2)
-    tokens, logprobs = _generate(llm, prompts)
-    for prompt, got, got_lp in zip(prompts, tokens, logprobs):
-        want, want_lp = hf_greedy_with_logprobs(hf, prompt, len(got))
-        assert got == want, f"prompt of {len(prompt)} tokens"
-        np.testing.assert_allclose(got_lp, want_lp, atol=5e-4, rtol=0)
+    assert_generate_matches_hf(llm, hf, prompts)

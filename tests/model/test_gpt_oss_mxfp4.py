@@ -18,7 +18,7 @@ import transformers
 
 from perfxlm import LLM
 from perfxlm.quant.weight import QuantizedWeight
-from tests.model.test_architectures_vs_hf import COMMON, _generate, _prompts, hf_greedy_with_logprobs
+from tests.model.test_architectures_vs_hf import COMMON, _generate, _prompts, assert_generate_matches_hf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -69,11 +69,7 @@ def test_gpt_oss_mxfp4_gguf_matches_transformers(tmp_path, monkeypatch, float_ty
         assert isinstance(stack, QuantizedWeight) and stack.bits == 4  # kept as MXFP4 codes, not widened
     assert "mxfp4" in experts.gate_up_proj.describe()
     prompts = _prompts(seed=3, vocab=997)
-    tokens, logprobs = _generate(llm, prompts)
-    for prompt, got, got_lp in zip(prompts, tokens, logprobs):
-        want, want_lp = hf_greedy_with_logprobs(hf, prompt, len(got))
-        assert got == want, f"prompt of {len(prompt)} tokens"
-        np.testing.assert_allclose(got_lp, want_lp, atol=5e-4, rtol=0)
+    tokens = assert_generate_matches_hf(llm, hf, prompts)
     assert len(set(tokens[-1])) > 4  # random enough that greedy output varies
 
 
@@ -163,11 +159,7 @@ def test_gpt_oss_mxfp4_checkpoint_matches_transformers(tmp_path):
     assert isinstance(experts.down_proj, QuantizedWeight) and experts.down_method.name == "mxfp4"
     assert tuple(experts.gate_up_proj.shape) == (5, 128, 96)  # [E, 2 * inter, hidden]: packed as stored
     prompts = _prompts(seed=4, vocab=997)[1:]
-    tokens, logprobs = _generate(llm, prompts)
-    for prompt, got, got_lp in zip(prompts, tokens, logprobs):
-        want, want_lp = hf_greedy_with_logprobs(hf, prompt, len(got))
-        assert got == want, f"prompt of {len(prompt)} tokens"
-        np.testing.assert_allclose(got_lp, want_lp, atol=5e-4, rtol=0)
+    assert_generate_matches_hf(llm, hf, prompts)
 
 
 @pytest.mark.parametrize("quantization_config,corrupt,named", [

@@ -245,7 +245,7 @@ def test_qwen3moe_gguf_matches_transformers(tmp_path, monkeypatch):
     import numpy as np
 
     from perfxlm import LLM
-    from tests.model.test_architectures_vs_hf import _generate, _prompts, hf_greedy_with_logprobs
+    from tests.model.test_architectures_vs_hf import _prompts, assert_generate_matches_hf
 
     monkeypatch.setenv("PERFXLM_QUANT_ACTIVATIONS", "float32")  # quantized products equal to float ones
     Q = gguf.GGMLQuantizationType
@@ -311,11 +311,7 @@ def test_qwen3moe_gguf_matches_transformers(tmp_path, monkeypatch):
     experts = llm.llm_engine.core.model.model.layers[0].mlp.experts
     assert not isinstance(experts.gate_up_proj, torch.Tensor)  # kept as Q8_0 blocks, not widened
     prompts = _prompts(seed=2)
-    tokens, logprobs = _generate(llm, prompts)
-    for prompt, got, got_lp in zip(prompts, tokens, logprobs):
-        want, want_lp = hf_greedy_with_logprobs(hf, prompt, len(got))
-        assert got == want, f"prompt of {len(prompt)} tokens"
-        np.testing.assert_allclose(got_lp, want_lp, atol=2e-4, rtol=0)
+    assert_generate_matches_hf(llm, hf, prompts, atol=2e-4)
 
 
 def test_gemma3_gguf_matches_transformers(tmp_path):
@@ -325,7 +321,7 @@ def test_gemma3_gguf_matches_transformers(tmp_path):
     import gguf
 
     from perfxlm import LLM
-    from tests.model.test_architectures_vs_hf import _generate, _prompts, hf_greedy_with_logprobs
+    from tests.model.test_architectures_vs_hf import _prompts, assert_generate_matches_hf
 
     torch.manual_seed(0)
     config = transformers.Gemma3TextConfig(**{**COMMON, **dict(
@@ -379,8 +375,4 @@ def test_gemma3_gguf_matches_transformers(tmp_path):
 
     llm = LLM(path, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=48)
     prompts = _prompts(seed=3)
-    tokens, logprobs = _generate(llm, prompts)
-    for prompt, got, got_lp in zip(prompts, tokens, logprobs):
-        want, want_lp = hf_greedy_with_logprobs(hf, prompt, len(got))
-        assert got == want, f"prompt of {len(prompt)} tokens"
-        assert max(abs(a - b) for a, b in zip(got_lp, want_lp)) < 2e-4
+    assert_generate_matches_hf(llm, hf, prompts, atol=2e-4)
