@@ -33,6 +33,7 @@ EXPORTABLE = {
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
     "MixtralForCausalLM": "mixtral",  # the perfxlm flavor only (its MoE op)
+    "Qwen2MoeForCausalLM": "qwen2_moe",  # the perfxlm flavor only (MoE, a shared expert under SigmoidGatedAdd)
 }
 
 
@@ -176,6 +177,14 @@ def build_decoder_graph(model: torch.nn.Module, flavor: str, stored: torch.dtype
             x = ops.moe(h, _linear(mlp.gate, f"{prefix}.mlp.gate", stored), _matrix(e.gate_up_proj, stored),
                         _matrix(e.down_proj, stored),
                         e.top_k, e.renormalize, e.act, f"{prefix}.mlp.experts")
+            shared = getattr(mlp, "shared_expert", None)
+            if shared is not None:  # Qwen2-MoE
+                x = ops.shared_expert(
+                    h, x, _linear(shared.gate_up_proj, f"{prefix}.mlp.shared_expert.gate_up_proj", stored),
+                    _linear(shared.down_proj, f"{prefix}.mlp.shared_expert.down_proj", stored),
+                    shared.down_proj.in_features, shared.act,
+                    _linear(mlp.shared_expert_gate, f"{prefix}.mlp.shared_expert_gate", stored),
+                    f"{prefix}.mlp.shared_expert_add")
             continue
         gate_up = ops.linear(h, _linear(mlp.gate_up_proj, f"{prefix}.mlp.gate_up_proj", stored))
         act = ops.act_and_mul(gate_up, mlp.down_proj.in_features, mlp.act)

@@ -30,6 +30,8 @@ Ops (attributes in brackets):
         experts' gated MLPs, summed by weight; expert stacks float or packed as a Linear's weight, per expert
         [top_k, renormalize, activation (SiluAndMul | GeluAndMul), approximate, gate_up_* / down_* the
         stacks' weight attributes]
+    SigmoidGatedAdd(x, y, gate) -> x + sigmoid(gate) * y: a shared expert's output (y, an ordinary gated MLP
+        of Linear nodes) added to the routed experts' (x) under its one-column gate's sigmoid (Qwen2-MoE)
     Gather (standard): the logits rows
 
 A weight is stored as the engine holds it: bits 0 is a float matrix W [N, K] (float32, or bfloat16 with
@@ -82,7 +84,7 @@ class HeldBf16:
 class PerfxlmOps(GraphOps):
     flavor = "perfxlm"
     activations = ("SiluAndMul", "GeluAndMul")
-    mlps = ("LlamaMLP", "MixtralSparseMoeBlock")
+    mlps = ("LlamaMLP", "MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock")
 
     # the engine's own choice for the model on this CPU (export/engine_choices.py), so the folder runs as
     # the module path does
@@ -177,6 +179,13 @@ class PerfxlmOps(GraphOps):
         return self._op("MoE", [x, logits, gu[0], dn[0], *gu[1:], *dn[1:]], top_k=top_k,
                         renormalize=int(renormalize), activation=type(act).__name__, approximate=approximate,
                         name=name, **attrs)
+
+    def shared_expert(self, x: str, routed: str, gate_up: LinearWeight, down: LinearWeight, inter: int, act: Any,
+                      gate: LinearWeight, name: str) -> str:
+        """routed + sigmoid(x gate^T) * mlp(x): the shared expert as Linear / activation nodes (any weight
+        format a Linear takes), added under its gate as the module path adds it."""
+        shared = self.linear(self.act_and_mul(self.linear(x, gate_up), inter, act), down)
+        return self._op("SigmoidGatedAdd", [routed, shared, self.linear(x, gate)], name=name)
 
     # ---- attention ------------------------------------------------------------------------------------
     def self_attention(self, qkv: str, spec: AttentionSpec, qk_norms: HeadNorms | None, rope: Rope,

@@ -244,6 +244,16 @@ class MoE(Kernel):
         return grouped_experts(x, weights, ids, self.gate_up, self.down, self.act)
 
 
+class SigmoidGatedAdd(Kernel):
+    """x + sigmoid(gate) * y: a shared expert's output added under its gate, as Qwen2-MoE's block adds it."""
+
+    def __init__(self, node: str, attrs: dict[str, Any], held: HeldAs) -> None:
+        super().__init__()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return x + torch.sigmoid(gate) * y
+
+
 # op type -> (builder(node name, attributes, HeldAs, weight inputs...), which inputs are weights (initializers),
 # which are step values). PagedAttention's cache and step-layout inputs are bound by the runner, not here.
 Builder = Callable[..., Kernel]
@@ -258,6 +268,7 @@ KERNELS: dict[str, tuple[Builder, tuple[int, ...], tuple[int, ...]]] = {
     "SiluAndMul": (lambda n, a, h: Activation(n, a, h, SiluAndMul()), (), (0,)),
     "GeluAndMul": (lambda n, a, h: Activation(n, a, h, GeluAndMul(a.get("approximate", "none"))), (), (0,)),
     "MoE": (MoE, (2, 3, 4, 5, 6, 7, 8, 9), (0, 1)),
+    "SigmoidGatedAdd": (SigmoidGatedAdd, (), (0, 1, 2)),
 }
 # the inputs of each op that must be the graph's own step inputs, by name (see export/perfxlm_ops.py)
 STEP_INPUTS = {"PagedAttention": {3: "block_tables", 4: "seq_lens", 5: "query_start_loc", 6: "slot_mapping"},
