@@ -138,6 +138,11 @@ def _linear(module: Any, name: str, stored: torch.dtype | None = None) -> Linear
     return LinearWeight(weight, bias, name, method)
 
 
+def _method_name(method: Any, weight: Any) -> str | None:
+    """A quantized weight's linear-method name (its format), None for a float one."""
+    return getattr(method, "name", None) if isinstance(weight, QuantizedWeight) else None
+
+
 def build_decoder_graph(model: torch.nn.Module, flavor: str, stored: torch.dtype | None = None) -> Graph:
     """Matrices are written as `model` holds them (float32, bf16 or packed codes), bf16 ones widened where
     `stored` is float32 (the engine's weight dtype for a model the exporter holds in its checkpoint's bf16);
@@ -175,8 +180,8 @@ def build_decoder_graph(model: torch.nn.Module, flavor: str, stored: torch.dtype
         if hasattr(mlp, "experts"):  # a mixture of experts (flavors whose `mlps` name it)
             e = mlp.experts
             x = ops.moe(h, _linear(mlp.gate, f"{prefix}.mlp.gate", stored), _matrix(e.gate_up_proj, stored),
-                        _matrix(e.down_proj, stored),
-                        e.top_k, e.renormalize, e.act, f"{prefix}.mlp.experts")
+                        _matrix(e.down_proj, stored), e.top_k, e.renormalize, e.act, f"{prefix}.mlp.experts",
+                        (_method_name(e.gate_up_method, e.gate_up_proj), _method_name(e.down_method, e.down_proj)))
             shared = getattr(mlp, "shared_expert", None)
             if shared is not None:  # Qwen2-MoE
                 x = ops.shared_expert(
@@ -194,5 +199,6 @@ def build_decoder_graph(model: torch.nn.Module, flavor: str, stored: torch.dtype
     head = model.lm_head
     # (a tied head under bf16 panels holds its own packed copy of the table: tied all the same)
     tied = head.weight is inner.embed_tokens.weight or getattr(model, "tie_word_embeddings", False)
-    ops.logits(h, None if tied else LinearWeight(_layer_matrix(head, stored), None, "lm_head"), model.config.vocab_size)
+    ops.logits(h, None if tied else LinearWeight(_layer_matrix(head, stored), None, "lm_head",
+                                                     _method_name(getattr(head, "method", None), head.weight)), model.config.vocab_size)
     return g

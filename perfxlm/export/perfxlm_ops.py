@@ -168,11 +168,12 @@ class PerfxlmOps(GraphOps):
         return self._op("SiluAndMul", [gate_up])
 
     def moe(self, x: str, router: LinearWeight, gate_up: Any, down: Any, top_k: int, renormalize: bool, act: Any,
-            name: str) -> str:
-        """Softmax top-k routing over the router's logits, each expert a gated MLP (Mixtral)."""
+            name: str, formats: tuple[str | None, str | None] = (None, None)) -> str:
+        """Softmax top-k routing over the router's logits, each expert a gated MLP (Mixtral); `formats`: the
+        quantized stacks' linear-method names."""
         logits = self.linear(x, router)
-        gu, gu_attrs = self._weight(f"{name}.gate_up_proj", gate_up)
-        dn, dn_attrs = self._weight(f"{name}.down_proj", down)
+        gu, gu_attrs = self._weight(f"{name}.gate_up_proj", gate_up, formats[0])
+        dn, dn_attrs = self._weight(f"{name}.down_proj", down, formats[1])
         attrs = {f"gate_up_{k}": v for k, v in gu_attrs.items()}
         attrs.update({f"down_{k}": v for k, v in dn_attrs.items()})
         approximate = getattr(act, "approximate", "none")

@@ -23,7 +23,7 @@ from torch import nn
 from perfxlm.model.layers.activation import GeluAndMul, SiluAndMul
 from perfxlm.model.layers.attention import Attention
 from perfxlm.model.layers.linear import Linear as EngineLinear
-from perfxlm.model.layers.moe import grouped_experts, route
+from perfxlm.model.layers.moe import FusedMoE
 from perfxlm.model.layers.norm import RMSNorm
 from perfxlm.model.layers.rotary import apply_rotary
 from perfxlm.quant.weight import ActivationMode, QuantizedWeight
@@ -223,25 +223,44 @@ class Activation(Kernel):
 
 
 class MoE(Kernel):
-    """Mixtral's mixture as the module path runs it: `route`, then `grouped_experts`."""
+    """The engine's own `FusedMoE` layer holding the node's expert stacks, their linear methods bound as the
+    loader binds them (bf16 rows, each quantized format's decisions), so routing and experts are the
+    module path's."""
 
     def __init__(self, node: str, attrs: dict[str, Any], held: HeldAs, gate_up, down, *parts) -> None:
         super().__init__()
+        from perfxlm.model.loader import linear_plan
+
         if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
             raise ValueError(f"node {node!r}: MoE takes expert stacks gate_up [E, 2I, H] and down [E, H, I].")
         gu_attrs = {k[len("gate_up_"):]: v for k, v in attrs.items() if k.startswith("gate_up_")}
         dn_attrs = {k[len("down_"):]: v for k, v in attrs.items() if k.startswith("down_")}
-        self.gate_up = _weight(node, gu_attrs, held, gate_up, *parts[:3])
-        self.down = _weight(node, dn_attrs, held, down, *parts[3:])
-        self.top_k, self.renormalize = attrs["top_k"], bool(attrs.get("renormalize", 0))
+        stacks = {"gate_up_proj": _weight(node, gu_attrs, held, gate_up, *parts[:3]),
+                  "down_proj": _weight(node, dn_attrs, held, down, *parts[3:])}
         kind = attrs.get("activation", "SiluAndMul")
         if kind not in ("SiluAndMul", "GeluAndMul"):
             raise ValueError(f"node {node!r}: MoE activation {kind!r} is not known (SiluAndMul, GeluAndMul).")
-        self.act = SiluAndMul() if kind == "SiluAndMul" else GeluAndMul(attrs.get("approximate", "none"))
+        act = SiluAndMul() if kind == "SiluAndMul" else GeluAndMul(attrs.get("approximate", "none"))
+        experts, two_inter, hidden = stacks["gate_up_proj"].shape
+        top_k = attrs["top_k"]
+        with torch.device("meta"):  # placeholders replaced below: no allocation
+            self.experts = FusedMoE(experts, top_k, hidden, two_inter // 2, bool(attrs.get("renormalize", 0)), act=act)
+        quantized = None
+        for name, w in stacks.items():
+            delattr(self.experts, name)  # a QuantizedWeight is a plain attribute where the Parameter was
+            if isinstance(w, QuantizedWeight):
+                quantized = _format(w, gu_attrs if name == "gate_up_proj" else dn_attrs)
+                setattr(self.experts, name, w)
+            else:
+                setattr(self.experts, name, nn.Parameter(w, requires_grad=False))
+        stored = (held.weight_dtype or torch.float32) if quantized else stacks["gate_up_proj"].dtype
+        try:
+            self.experts.bind_linear_method(linear_plan(stored, torch.float32, quantized))
+        except ValueError as exc:
+            raise ValueError(f"node {node!r}: {exc}") from None
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(router_logits, self.top_k, self.renormalize)
-        return grouped_experts(x, weights, ids, self.gate_up, self.down, self.act)
+        return self.experts(x, router_logits)
 
 
 class SigmoidGatedAdd(Kernel):
