@@ -302,3 +302,27 @@ def test_served_over_the_openai_api(tmp_path):
         assert counts["used"] == 0, counts
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("case", ["gptq-4bit-g32-sym-act-order", "gptq-8bit-g32-asym-act-order"])
+def test_act_order_gptq_keeps_its_column_order(tmp_path, case):
+    """A GPTQ act-order checkpoint: each Linear's codes, scales and the input channel of each codes column
+    (input_order) kept as loaded, so the graph's products are the module path's (which gathers the inputs
+    in that order)."""
+    from tests.quant.packed_checkpoints import write_packed
+    from tests.quant.test_prequantized import PACKED, tiny_llama
+
+    make_parts, qconfig, _ = PACKED[case]
+    ckpt = str(tmp_path / "gptq")
+    write_packed(ckpt, tiny_llama(), make_parts, qconfig)
+    out = str(tmp_path / "graph")
+    export_onnx(ckpt, out, flavor="perfxlm", dtype="float32")
+    model = onnx.load(os.path.join(out, "model.onnx"), load_external_data=False)
+    qkv = next(n for n in model.graph.node if n.name == "model.layers.0.self_attn.qkv_proj")
+    assert qkv.input[6] == "model.layers.0.self_attn.qkv_proj.input_order"
+    assert {a.name: a.s for a in qkv.attribute if a.name == "format"} == {"format": b"gptq"}
+    kwargs = dict(skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=24)
+    want, want_outs = _generate(LLM(ckpt, **kwargs))
+    got, got_outs = _generate(LLM(out, **kwargs))
+    assert got == want
+    np.testing.assert_allclose(_logprobs(got_outs), _logprobs(want_outs), atol=1e-5, rtol=0)

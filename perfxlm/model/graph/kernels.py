@@ -52,7 +52,7 @@ def _norm(weight: torch.Tensor, eps: float) -> RMSNorm:
 
 
 def _weight(node: str, attrs: dict[str, Any], held: HeldAs, w: torch.Tensor, scales: Any, mins: Any,
-            levels: Any) -> Any:
+            levels: Any, order: Any = None) -> Any:
     """A weight as the engine holds it: a float tensor (bits 0: `GraphModel` gave it the run's dtype) or a
     QuantizedWeight from its parts, its activations the run's where the run decides them."""
     bits = attrs.get("bits", 0)
@@ -62,7 +62,7 @@ def _weight(node: str, attrs: dict[str, Any], held: HeldAs, w: torch.Tensor, sca
         raise ValueError(f"node {node!r}: a {bits}-bit weight needs its scales input.")
     try:  # codes [N, K * bits / 8], or [E, N, K * bits / 8] for an expert stack
         q = QuantizedWeight(w, scales, mins, levels, bits, attrs["group"], attrs.get("act", "float"), w.shape[-2],
-                            w.shape[-1] * 8 // bits)
+                            w.shape[-1] * 8 // bits, input_order=order)
         q.use_activations(held.activations or ActivationMode(attrs.get("activations", "float32")), node)
     except (KeyError, ValueError) as exc:
         raise ValueError(f"node {node!r}: its weight is not one the engine holds: {exc}") from None
@@ -96,11 +96,11 @@ class Linear(Kernel):
     reduces_output = False  # a graph runs in one process: no rank sums its products
 
     def __init__(self, node: str, attrs: dict[str, Any], held: HeldAs, w, bias=None, scales=None, mins=None,
-                 levels=None) -> None:
+                 levels=None, order=None) -> None:
         super().__init__()
         from perfxlm.model.loader import linear_plan
 
-        weight = _weight(node, attrs, held, w, scales, mins, levels)
+        weight = _weight(node, attrs, held, w, scales, mins, levels, order)
         n, k = weight.shape[-2], weight.shape[-1]
         with torch.device("meta"):  # placeholders replaced below: no allocation
             self.layer = EngineLinear(k, n, bias is not None)
@@ -278,7 +278,7 @@ class SigmoidGatedAdd(Kernel):
 Builder = Callable[..., Kernel]
 KERNELS: dict[str, tuple[Builder, tuple[int, ...], tuple[int, ...]]] = {
     "Embedding": (Embedding, (1, 2, 3, 4), (0,)),
-    "Linear": (Linear, (1, 2, 3, 4, 5), (0,)),
+    "Linear": (Linear, (1, 2, 3, 4, 5, 6), (0,)),
     "RMSNorm": (Norm, (1,), (0,)),
     "AddRMSNorm": (AddNorm, (2,), (0, 1)),
     "HeadRMSNorm": (HeadNorm, (1, 2), (0,)),
