@@ -70,7 +70,10 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k))
+        # The test __post_init__ counts with: an empty regex or schema ({}) is a constraint too, and a
+        # truthiness test would find no kind (StopIteration, which hangs a caller awaiting a thread).
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object")
+                    if getattr(self, k) not in (None, False))
 
 
 # vLLM's earlier name for the same parameters.

@@ -6,7 +6,7 @@ decoder layer (`graph_ops.py`) only say what they compute."""
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import onnx
@@ -81,27 +81,53 @@ class Graph:
     def save(self, path: str) -> None:
         """model.onnx beside one external data file (`path` + ".data") holding every initializer of
         EXTERNAL_BYTES or more, each written straight from its array and page-aligned (ONNX Runtime may
-        map the file)."""
+        map the file). An initializer given as a `Streamed` is written block by block."""
         location = os.path.basename(path) + ".data"
         tensors = []
         with open(os.path.join(os.path.dirname(path), location), "wb") as data:
             for name, array, elem in self.initializers:
+                if isinstance(array, Streamed):
+                    shape, dtype, blocks = array.stream()
+                    tensors.append(_external(name, shape, elem or helper.np_dtype_to_tensor_dtype(dtype), data,
+                                             blocks, location))
+                    continue
                 array = np.ascontiguousarray(array() if callable(array) else array)
                 if array.nbytes < EXTERNAL_BYTES and elem is None:
                     tensors.append(numpy_helper.from_array(array, name))
                     continue
-                offset = (data.tell() + ALIGN - 1) // ALIGN * ALIGN
-                data.seek(offset)
-                array.tofile(data)
-                tensor = onnx.TensorProto(name=name, dims=array.shape,
-                                          data_type=elem or helper.np_dtype_to_tensor_dtype(array.dtype))
-                for key, value in (("location", location), ("offset", offset), ("length", array.nbytes)):
-                    entry = tensor.external_data.add()
-                    entry.key, entry.value = key, str(value)
-                tensor.data_location = onnx.TensorProto.EXTERNAL
-                tensors.append(tensor)
+                tensors.append(_external(name, array.shape, elem or helper.np_dtype_to_tensor_dtype(array.dtype),
+                                         data, [array], location))
         graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, tensors)
         opsets = [helper.make_opsetid("", OPSET)] + [helper.make_opsetid(d, 1) for d in sorted(self.domains)]
         model = helper.make_model(graph, opset_imports=opsets, producer_name="perfxlm")
         model.ir_version = 8  # readable by every ONNX Runtime since 1.10
         onnx.save_model(model, path)
+
+
+@runtime_checkable
+class Streamed(Protocol):
+    """An initializer made while the graph is saved, in blocks along its first axis, so one converted on
+    the way out (a bf16 matrix widened to float32) never exists whole beside the model."""
+
+    shape: tuple[int, ...]
+
+    def stream(self) -> tuple[tuple[int, ...], np.dtype, Iterable[np.ndarray]]:
+        """(shape, element dtype, the blocks in order)."""
+
+
+def _external(name: str, shape: Sequence[int], elem: int, data: Any, blocks: Iterable[np.ndarray],
+              location: str) -> onnx.TensorProto:
+    """Write `blocks` at the next page boundary of `data`; the tensor pointing at them."""
+    offset = (data.tell() + ALIGN - 1) // ALIGN * ALIGN
+    data.seek(offset)
+    length = 0
+    for block in blocks:
+        block = np.ascontiguousarray(block)
+        block.tofile(data)
+        length += block.nbytes
+    tensor = onnx.TensorProto(name=name, dims=list(shape), data_type=elem)
+    for key, value in (("location", location), ("offset", offset), ("length", length)):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, str(value)
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    return tensor

@@ -56,7 +56,7 @@ def export_onnx(model: str | None, out_dir: str, flavor: str = "ort", quantizati
     from perfxlm.export.decoder import build_decoder_graph, genai_model_type
     from perfxlm.export.engine_choices import EngineChoices
     from perfxlm.export.flavors import FLAVORS
-    from perfxlm.model.loader import load_model
+    from perfxlm.export.held_weights import load_for_export
 
     if flavor not in FLAVORS:
         raise ValueError(f"ONNX flavor {flavor!r} is not known (known: {', '.join(FLAVORS)}).")
@@ -76,9 +76,9 @@ def export_onnx(model: str | None, out_dir: str, flavor: str = "ort", quantizati
     if choices is not None and choices.compute_dtype != "float32":
         raise ValueError(f"dtype={dtype!r} resolves bfloat16 activations here (PERFXLM_BF16_COMPUTE); a "
                          "perfxlm-flavor graph runs float32 activations: unset it for the export.")
-    loaded = load_model(config)
+    loaded, stored = load_for_export(config)  # no run-time copies; a bf16 checkpoint's values held in bf16
     model_type = genai_model_type(loaded, flavor)
-    graph = build_decoder_graph(loaded, flavor)
+    graph = build_decoder_graph(loaded, flavor, stored)
     census: dict[str, int] = {}
     for node in graph.nodes:
         census[node.op_type] = census.get(node.op_type, 0) + 1

@@ -18,7 +18,8 @@ Ops (attributes in brackets):
     RMSNorm(x, w)                                       [epsilon]
     AddRMSNorm(x, residual, w) -> (y, x + residual)     [epsilon]
     HeadRMSNorm(qkv, q_w, k_w): RMSNorm of each q and k head (Qwen3) [num_heads, num_kv_heads, head_dim, epsilon]
-    Linear(x, W, bias?, scales?, mins?, levels?)        [bits, group, act, activations]: x W^T + b
+    Linear(x, W, bias?, scales?, mins?, levels?, input_order?)  [bits, group, act, activations, format]:
+        x W^T + b; input_order (int64 [K]): the input channel of each codes column (GPTQ's act-order)
     Rotary(qkv, positions, cos, sin): rotate-half rotary of the first num_heads heads (q and k), tables
         [max_position, rotary_dim], the channels past rotary_dim passed through  [num_heads, head_dim]
     PagedAttention(qkv, key_cache, value_cache, block_tables, seq_lens, query_start_loc, slot_mapping):
@@ -30,6 +31,8 @@ Ops (attributes in brackets):
         experts' gated MLPs, summed by weight; expert stacks float or packed as a Linear's weight, per expert
         [top_k, renormalize, activation (SiluAndMul | GeluAndMul), approximate, gate_up_* / down_* the
         stacks' weight attributes]
+    SigmoidGatedAdd(x, y, gate) -> x + sigmoid(gate) * y: a shared expert's output (y, an ordinary gated MLP
+        of Linear nodes) added to the routed experts' (x) under its one-column gate's sigmoid (Qwen2-MoE)
     Gather (standard): the logits rows
 
 A weight is stored as the engine holds it: bits 0 is a float matrix W [N, K] (float32, or bfloat16 with
@@ -79,10 +82,17 @@ class HeldBf16:
         return self.matrix().contiguous().view(torch.int16).numpy().view(np.uint16)
 
 
+def _in_order(name: str, names: list[str]) -> None:
+    """Only a Linear takes act-order codes (an embedding table or expert stack never comes so from GPTQ)."""
+    if names[4]:
+        raise ValueError(f"ONNX export (perfxlm flavor): {name} has act-order codes (input_order), which only a "
+                         "Linear node takes.")
+
+
 class PerfxlmOps(GraphOps):
     flavor = "perfxlm"
     activations = ("SiluAndMul", "GeluAndMul")
-    mlps = ("LlamaMLP", "MixtralSparseMoeBlock")
+    mlps = ("LlamaMLP", "MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock")
 
     # the engine's own choice for the model on this CPU (export/engine_choices.py), so the folder runs as
     # the module path does
@@ -122,18 +132,17 @@ class PerfxlmOps(GraphOps):
 
     # ---- weights --------------------------------------------------------------------------------------
     def _weight(self, name: str, w: Any, lw_format: str | None = None) -> tuple[list[str], dict[str, Any]]:
-        """A weight's initializers [W or codes, scales, mins, levels] ("" where absent) and attributes."""
+        """A weight's initializers [W or codes, scales, mins, levels, input_order] ("" where absent) and
+        attributes."""
         g = self.g
         if isinstance(w, HeldBf16):  # bf16 bits as held, written when the graph is saved
-            return [g.weight(f"{name}.weight", w.bits, TensorProto.BFLOAT16), "", "", ""], {"bits": 0}
+            return [g.weight(f"{name}.weight", w.bits, TensorProto.BFLOAT16), "", "", "", ""], {"bits": 0}
         if not isinstance(w, QuantizedWeight):
-            return [g.weight(f"{name}.weight", w), "", "", ""], {"bits": 0}
-        if w.input_order is not None:
-            raise ValueError(f"ONNX export (perfxlm flavor): {name} is {w.describe()}, whose column order "
-                             "(act-order) the ops do not take yet.")
+            return [g.weight(f"{name}.weight", w), "", "", "", ""], {"bits": 0}
         names = [g.weight(f"{name}.codes", w.codes.numpy()), g.weight(f"{name}.scales", w.scales.numpy()),
                  "" if w.mins is None else g.weight(f"{name}.mins", w.mins.numpy()),
-                 "" if w.levels is None else g.weight(f"{name}.levels", w.levels.numpy())]
+                 "" if w.levels is None else g.weight(f"{name}.levels", w.levels.numpy()),
+                 "" if w.input_order is None else g.weight(f"{name}.input_order", w.input_order.numpy())]
         attrs = {"bits": w.bits, "group": w.group, "act": w.act, "activations": w.activations.value}
         if lw_format is not None:  # the engine's linear method for it (model/layers/linear_methods/)
             attrs["format"] = lw_format
@@ -141,6 +150,7 @@ class PerfxlmOps(GraphOps):
 
     def embedding(self, table: Any) -> str:
         names, attrs = self._weight("model.embed_tokens", table)
+        _in_order("model.embed_tokens", names)
         self._table = (names, attrs)  # a tied head shares these initializers
         return self._op("Embedding", [self.inputs.input_ids, *names], name="embed_tokens", **attrs)
 
@@ -166,17 +176,28 @@ class PerfxlmOps(GraphOps):
         return self._op("SiluAndMul", [gate_up])
 
     def moe(self, x: str, router: LinearWeight, gate_up: Any, down: Any, top_k: int, renormalize: bool, act: Any,
-            name: str) -> str:
-        """Softmax top-k routing over the router's logits, each expert a gated MLP (Mixtral)."""
+            name: str, formats: tuple[str | None, str | None] = (None, None)) -> str:
+        """Softmax top-k routing over the router's logits, each expert a gated MLP (Mixtral); `formats`: the
+        quantized stacks' linear-method names."""
         logits = self.linear(x, router)
-        gu, gu_attrs = self._weight(f"{name}.gate_up_proj", gate_up)
-        dn, dn_attrs = self._weight(f"{name}.down_proj", down)
+        gu, gu_attrs = self._weight(f"{name}.gate_up_proj", gate_up, formats[0])
+        dn, dn_attrs = self._weight(f"{name}.down_proj", down, formats[1])
+        _in_order(f"{name}.gate_up_proj", gu)
+        _in_order(f"{name}.down_proj", dn)
+        gu, dn = gu[:4], dn[:4]
         attrs = {f"gate_up_{k}": v for k, v in gu_attrs.items()}
         attrs.update({f"down_{k}": v for k, v in dn_attrs.items()})
         approximate = getattr(act, "approximate", "none")
         return self._op("MoE", [x, logits, gu[0], dn[0], *gu[1:], *dn[1:]], top_k=top_k,
                         renormalize=int(renormalize), activation=type(act).__name__, approximate=approximate,
                         name=name, **attrs)
+
+    def shared_expert(self, x: str, routed: str, gate_up: LinearWeight, down: LinearWeight, inter: int, act: Any,
+                      gate: LinearWeight, name: str) -> str:
+        """routed + sigmoid(x gate^T) * mlp(x): the shared expert as Linear / activation nodes (any weight
+        format a Linear takes), added under its gate as the module path adds it."""
+        shared = self.linear(self.act_and_mul(self.linear(x, gate_up), inter, act), down)
+        return self._op("SigmoidGatedAdd", [routed, shared, self.linear(x, gate)], name=name)
 
     # ---- attention ------------------------------------------------------------------------------------
     def self_attention(self, qkv: str, spec: AttentionSpec, qk_norms: HeadNorms | None, rope: Rope,

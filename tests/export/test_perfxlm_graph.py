@@ -25,7 +25,7 @@ from tests.model.test_architectures_vs_hf import build_checkpoint
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
 PROMPTS = [[5], list(range(7, 16)), list(range(40, 77))]  # 1, 9, 37 tokens: chunked at 24, past the windows
 FAMILIES = ["llama", "llama-gelu", "qwen2-bias-tied-sliding", "qwen3-qknorm-headdim-bias", "mistral-sliding-mqa",
-            "phi3-longrope-partial-sliding", "mixtral-sliding"]
+            "phi3-longrope-partial-sliding", "mixtral-sliding", "qwen2moe-shared-dense-layer"]
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -98,7 +98,7 @@ def test_graph_run_by_the_engine_is_the_module_path(tmp_path, family):
     # again: the prompts' full blocks now come from the prefix cache
     fused = graph.llm_engine.core.executor.graph.fused_decode
     # all-decode steps: one native call per layer, as the module path (a mixture keeps the nodes)
-    if native.kernels() is not None and family != "mixtral-sliding":
+    if native.kernels() is not None and family not in ("mixtral-sliding", "qwen2moe-shared-dense-layer"):
         assert fused.args is not None and len(fused.args) == len(fused.layers) == len(graph_layers(ckpt))
     again, again_outs = _generate(graph)
     assert again == want and again_outs[2].num_cached_tokens >= 32
@@ -133,13 +133,19 @@ def test_int4_export_keeps_codes_packed_and_matches_the_quantized_engine(tmp_pat
     _assert_quantized_matches(out, llama96, q)
 
 
-def test_int4_mixtral_keeps_its_expert_stacks_packed(tmp_path):
-    q = {"method": "int4", "mixed_precision": False, "calibration": False}
-    ckpt, out = _checkpoint(str(tmp_path / "ckpt"), "mixtral-sliding"), str(tmp_path / "graph")
+@pytest.mark.parametrize("family", ["mixtral-sliding", "qwen2moe-shared-dense-layer"])
+def test_int4_mixture_keeps_its_expert_stacks_packed(tmp_path, family):
+    # (Qwen2-MoE's expert width here is 48, no multiple of int4's 32: int8; its shared expert's Linears packed too)
+    bits = 4 if family == "mixtral-sliding" else 8
+    q = {"method": f"int{bits}", "mixed_precision": False, "calibration": False}
+    ckpt, out = _checkpoint(str(tmp_path / "ckpt"), family), str(tmp_path / "graph")
     export_onnx(ckpt, out, flavor="perfxlm", quantization=q, dtype="float32")
     model = onnx.load(os.path.join(out, "model.onnx"), load_external_data=False)
     moe = next(n for n in model.graph.node if n.op_type == "MoE")
-    assert {a.name: a.i for a in moe.attribute if a.name.endswith("_bits")} == {"gate_up_bits": 4, "down_bits": 4}
+    assert {a.name: a.i for a in moe.attribute if a.name.endswith("_bits")} == {"gate_up_bits": bits, "down_bits": bits}
+    if family != "mixtral-sliding":
+        shared = next(n for n in model.graph.node if n.name == "model.layers.0.mlp.shared_expert.gate_up_proj")
+        assert next(a.i for a in shared.attribute if a.name == "bits") == 8
     kwargs = dict(skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=24)
     want, want_outs = _generate(LLM(ckpt, quantization=q, quant_activations="float32", **kwargs))
     got, got_outs = _generate(LLM(out, **kwargs))
@@ -296,3 +302,27 @@ def test_served_over_the_openai_api(tmp_path):
         assert counts["used"] == 0, counts
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("case", ["gptq-4bit-g32-sym-act-order", "gptq-8bit-g32-asym-act-order"])
+def test_act_order_gptq_keeps_its_column_order(tmp_path, case):
+    """A GPTQ act-order checkpoint: each Linear's codes, scales and the input channel of each codes column
+    (input_order) kept as loaded, so the graph's products are the module path's (which gathers the inputs
+    in that order)."""
+    from tests.quant.packed_checkpoints import write_packed
+    from tests.quant.test_prequantized import PACKED, tiny_llama
+
+    make_parts, qconfig, _ = PACKED[case]
+    ckpt = str(tmp_path / "gptq")
+    write_packed(ckpt, tiny_llama(), make_parts, qconfig)
+    out = str(tmp_path / "graph")
+    export_onnx(ckpt, out, flavor="perfxlm", dtype="float32")
+    model = onnx.load(os.path.join(out, "model.onnx"), load_external_data=False)
+    qkv = next(n for n in model.graph.node if n.name == "model.layers.0.self_attn.qkv_proj")
+    assert qkv.input[6] == "model.layers.0.self_attn.qkv_proj.input_order"
+    assert {a.name: a.s for a in qkv.attribute if a.name == "format"} == {"format": b"gptq"}
+    kwargs = dict(skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=24)
+    want, want_outs = _generate(LLM(ckpt, **kwargs))
+    got, got_outs = _generate(LLM(out, **kwargs))
+    assert got == want
+    np.testing.assert_allclose(_logprobs(got_outs), _logprobs(want_outs), atol=1e-5, rtol=0)

@@ -218,3 +218,48 @@ def test_a_lower_tier_runs_its_own_choices_and_says_so(tmp_path, tiny_gguf):
     assert f"isa: {isa.detect()} -> {lower}" in run.stderr
     if result["int8_dots"] != recorded["int8_dots"]:
         assert f"int8_dots: {recorded['int8_dots']} -> {result['int8_dots']}" in run.stderr
+
+
+@pytest.mark.parametrize("family,quantization", [("mixtral-sliding", None), ("mixtral-sliding", "int4"),
+                                                 ("qwen2moe-shared-dense-layer", None)])
+def test_a_mixture_held_in_bf16_runs_its_experts_as_the_module_path(tmp_path, monkeypatch, caplog, family,
+                                                                    quantization):
+    """A bf16 model under auto (a CPU with fast bf16; the decision patched here): float expert stacks stored
+    bf16, quantized ones packed, each stack's product decided as the module path's FusedMoE decides it
+    (its linear methods bound by the same plan), over prefill chunks past the row limits and decodes."""
+    from tests.model.test_architectures_vs_hf import build_checkpoint
+
+    monkeypatch.setattr("perfxlm.config.cpu_has_fast_bf16", lambda: True)
+    ckpt = str(tmp_path / "ckpt")
+    build_checkpoint(ckpt, family)
+    q = None if quantization is None else {"method": quantization, "mixed_precision": False, "calibration": False}
+    out = str(tmp_path / "graph")
+    export_onnx(ckpt, out, flavor="perfxlm", quantization=q)
+    assert _recorded(out)["weight_dtype"] == "bfloat16"
+    proto = onnx.load(os.path.join(out, "model.onnx"), load_external_data=False)
+    types = {t.name: t.data_type for t in proto.graph.initializer}
+    stack = "model.layers.0.mlp.experts.gate_up_proj"
+    assert types.get(f"{stack}.weight", types.get(f"{stack}.codes")) == (
+        onnx.TensorProto.BFLOAT16 if q is None else onnx.TensorProto.UINT8)
+    prompts = [[5], list(range(7, 16)), [(i * 37) % 900 + 50 for i in range(150)]]
+    with caplog.at_level(logging.WARNING, logger="perfxlm"):
+        graph = LLM(out, **KW)
+    assert _notes(caplog) == ""
+    module = LLM(ckpt, quantization=q, **KW)
+    _assert_same(graph, module, prompts)
+    assert _experts(graph) == _experts(module)
+
+
+def _experts(llm) -> list:
+    """Each mixture's stacks: their linear methods and the choices made for them at load."""
+    from perfxlm.model.layers.moe import FusedMoE
+
+    executor = llm.llm_engine.core.executor
+    root = executor.graph if executor.model is None else executor.model
+    out = []
+    for m in root.modules():
+        if isinstance(m, FusedMoE):
+            for method, w in ((m.gate_up_method, m.gate_up_proj), (m.down_method, m.down_proj)):
+                out.append((method.name, getattr(w, "bf16_gemm", None), getattr(w, "activations", None), w.dtype
+                            if isinstance(w, __import__("torch").Tensor) else w.bits))
+    return out

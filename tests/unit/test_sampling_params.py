@@ -85,3 +85,13 @@ def test_seed_minus_one_means_random_and_int64_bounds_are_accepted():
     assert SamplingParams(seed=-1, temperature=1.0).sampling_type == SamplingType.RANDOM
     assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
     assert SamplingParams(seed=-(2**63)).seed == -(2**63)
+
+
+@pytest.mark.parametrize("kwargs,kind", [({"regex": ""}, "regex"), ({"json": {}}, "json"), ({"grammar": ""}, "grammar"),
+                                         ({"json": ""}, "json"), ({"json_object": True}, "json_object")])
+def test_empty_constraints_still_have_a_kind(kwargs, kind):
+    """Found by the server fuzz test: an empty regex or schema passed the checks but had no kind
+    (StopIteration in the grammar compile, which left the request waiting forever)."""
+    from perfxlm.sampling_params import StructuredOutputsParams
+
+    assert StructuredOutputsParams(**kwargs).kind == kind

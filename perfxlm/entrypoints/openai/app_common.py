@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from perfxlm.engine.threaded_engine import EngineDeadError
-from perfxlm.entrypoints.openai.errors import APIError, error_response
+from perfxlm.entrypoints.openai.errors import APIError, ClientDisconnected, error_response
 from perfxlm.entrypoints.openai.middleware import APIKeyCheck, BodySizeLimit
 from perfxlm.entrypoints.openai.serving_base import engine_dead_error
 
@@ -38,6 +38,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _engine_dead(_: Request, exc: EngineDeadError):
         err = engine_dead_error(exc)
         return error_response(err.status, err.message, err.param, err.code)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _client_gone(_: Request, exc: ClientDisconnected):
+        return Response(status_code=499)  # no one reads it: not an error of the server, nothing logged
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception):

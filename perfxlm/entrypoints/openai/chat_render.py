@@ -11,13 +11,12 @@ held to the same length limit.
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from perfxlm.entrypoints.openai.errors import APIError
+from perfxlm.entrypoints.openai.off_loop import run_off_loop
 from perfxlm.entrypoints.openai.template_sandbox import render_bounded
 
 DEFAULT_MAX_RENDERED_CHARS = 4 << 20  # the default request body limit: a prompt need not be longer
@@ -49,9 +48,9 @@ class ChatRenderer:
         # queue behind each other, never in front of the model's template or tokenization
         self._request_template_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perfxlm-template")
 
-    async def _off_loop(self, fn, *args, pool: ThreadPoolExecutor | None = None, **kwargs):
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(pool or self._pool, functools.partial(fn, *args, **kwargs))
+    async def off_loop(self, fn, *args, pool: ThreadPoolExecutor | None = None, **kwargs):
+        """fn(*args, **kwargs) on the render threads (or `pool`), awaited."""
+        return await run_off_loop(fn, *args, executor=pool or self._pool, **kwargs)
 
     async def render(
         self, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None,
@@ -60,23 +59,23 @@ class ChatRenderer:
         """{"prompt": text, "prompt_token_ids": ids} for a conversation; APIError(400) for bad input."""
         self._check(chat_template, template_kwargs)
         pool = self._request_template_pool if chat_template is not None else self._pool
-        return await self._off_loop(self.render_sync, messages, add_generation_prompt, chat_template,
+        return await self.off_loop(self.render_sync, messages, add_generation_prompt, chat_template,
                                     continue_final_message, template_kwargs, tools, pool=pool)
 
     async def dumps(self, obj: Any) -> str:
         """JSON text of a response, serialized in the render threads: a long prompt's id list takes
         FastAPI's encoder about a second on a small machine, time the event loop would not answer in."""
-        return await self._off_loop(json.dumps, obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        return await self.off_loop(json.dumps, obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise APIError(400, "This server has no tokenizer.")
-        return await self._off_loop(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+        return await self.off_loop(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
     async def decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:
             raise APIError(400, "This server has no tokenizer.")
-        return await self._off_loop(self.tokenizer.decode, token_ids)
+        return await self.off_loop(self.tokenizer.decode, token_ids)
 
     def _check(self, chat_template: str | None, template_kwargs: dict | None) -> None:
         if self.tokenizer is None:

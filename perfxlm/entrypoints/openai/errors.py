@@ -15,6 +15,11 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
+class ClientDisconnected(Exception):
+    """The client went away before its answer was ready; what the request ran is aborted, and the
+    answer (499, nginx's "client closed request") goes nowhere."""
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     if len(message) > _MAX_MESSAGE:
         message = message[: _MAX_MESSAGE - 3] + "..."

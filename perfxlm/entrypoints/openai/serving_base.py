@@ -8,7 +8,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 import logging
 
@@ -16,13 +16,15 @@ from fastapi import Request
 
 from perfxlm.engine.async_engine import AsyncLLM
 from perfxlm.engine.threaded_engine import EngineDeadError
-from perfxlm.entrypoints.openai.errors import APIError
+from perfxlm.entrypoints.openai.errors import APIError, ClientDisconnected
+from perfxlm.entrypoints.openai.off_loop import run_off_loop
 from perfxlm.entrypoints.openai.protocol import REFUSED_FIELDS, SamplingFields
 from perfxlm.outputs import RequestOutput
 from perfxlm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 logger = logging.getLogger("perfxlm.server")
+T = TypeVar("T")
 
 
 @dataclass
@@ -224,7 +226,7 @@ async def compile_structured_outputs(ctx: ServerContext, params: SamplingParams)
         return
     processor = ctx.engine.engine.input_processor
     try:
-        params._grammar = await ctx.renderer._off_loop(processor.compile_structured_outputs, params)
+        params._grammar = await ctx.renderer.off_loop(processor.compile_structured_outputs, params)
     except ValueError as exc:
         raise APIError(400, str(exc), _param_of(str(exc))) from None
 
@@ -236,7 +238,7 @@ async def generate_one(ctx: ServerContext, prompt: Any, params: SamplingParams, 
         # an adapter the engine's cache dropped (more adapters than --max-cpu-loras) is read from disk
         # here, off the event loop; adding the request then finds it loaded
         try:
-            await asyncio.to_thread(ctx.engine.engine.loras.get, lora_request)
+            await run_off_loop(ctx.engine.engine.loras.get, lora_request)
         except ValueError as exc:
             raise APIError(400, str(exc), "model") from None
     stream = ctx.engine.generate(prompt, params, request_id, lora_request=lora_request)
@@ -319,25 +321,52 @@ async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tu
             t.cancel()
 
 
+_DISCONNECT_POLL_S = 0.2
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (which aborts what it runs in the engine) if the client goes away
+    first: then ClientDisconnected. Nothing else watches the connection while a handler awaits, so a
+    client that gave up would otherwise keep its request generating to the end."""
+    task = asyncio.ensure_future(work)
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                raise ClientDisconnected()
+        return task.result()
+    finally:
+        if not task.done():  # the client left, or this handler itself was cancelled
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def first_until_disconnect(request: Request, stream: AsyncIterator[Any]) -> Any:
+    """A streaming request's first item (None if there is none), awaited before the response starts so
+    that bad input is a status code; the stream is closed if the client goes away meanwhile. A beam
+    search yields only when it ends: without this an abandoned one would run to its last token."""
+    try:
+        async def first() -> Any:
+            return await anext(stream, None)
+
+        return await until_disconnect(request, first())
+    except BaseException:
+        await stream.aclose()  # type: ignore[attr-defined]
+        raise
+
+
 async def collect_until_disconnect(request: Request, stream: AsyncIterator[tuple[int, RequestOutput]]
                                    ) -> list[tuple[int, RequestOutput]]:
     """Run a non-streaming request, but stop (and so abort it) if the client goes away."""
-    results: list[tuple[int, RequestOutput]] = []
 
-    async def consume() -> None:
-        async for item in stream:
-            results.append(item)
+    async def consume() -> list[tuple[int, RequestOutput]]:
+        return [item async for item in stream]
 
-    task = asyncio.create_task(consume())
-    while not task.done():
-        await asyncio.wait({task}, timeout=0.2)
-        if not task.done() and await request.is_disconnected():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await stream.aclose()  # type: ignore[attr-defined]
-            raise asyncio.CancelledError("client disconnected")
-    task.result()
-    return results
+    try:
+        return await until_disconnect(request, consume())
+    except BaseException:
+        await stream.aclose()  # type: ignore[attr-defined]
+        raise
 
 
 # Characters that JSON leaves raw but that line readers built on str.splitlines (httpx's

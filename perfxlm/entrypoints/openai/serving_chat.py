@@ -12,8 +12,8 @@ from perfxlm.entrypoints.openai.errors import APIError, error_body
 from perfxlm.entrypoints.openai.protocol import ChatCompletionRequest
 from perfxlm.entrypoints.openai.serving_base import (
     ServerContext, beam_search_one, check_extra_fields, check_model, collect_until_disconnect, compile_structured_outputs,
-    generate_one, merge, prepended, new_id, now, sse, structured_outputs_of, to_beam_search_params, to_sampling_params,
-    usage,
+    first_until_disconnect, generate_one, merge, prepended, new_id, now, sse, structured_outputs_of,
+    to_beam_search_params, to_sampling_params, usage,
 )
 from perfxlm.entrypoints.openai.tool_parsers import ToolCall, parse_required, required_schema
 from perfxlm.outputs import CompletionOutput, RequestOutput
@@ -247,10 +247,8 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     # a template that opens <think> itself (Qwen3 thinking-only, DeepSeek-R1): the output starts in reasoning
     opened = True if (prompt.get("prompt") or "").rstrip().endswith("<think>") else None
     if req.stream:
-        try:
-            first = await stream.__anext__()
-        except StopAsyncIteration:
-            first = None
+        # bad input surfaces as a 400 before the stream starts
+        first = await first_until_disconnect(raw, stream)
         return StreamingResponse(_stream(ctx, req, request_id, stream, first, mode, tool, parallel, opened),
                                  media_type="text/event-stream")
 

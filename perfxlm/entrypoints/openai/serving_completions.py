@@ -11,7 +11,8 @@ from perfxlm.entrypoints.openai.errors import APIError, error_body
 from perfxlm.entrypoints.openai.protocol import CompletionRequest
 from perfxlm.entrypoints.openai.serving_base import (
     ServerContext, beam_search_one, check_extra_fields, check_model, collect_until_disconnect, compile_structured_outputs,
-    generate_one, merge, prepended, new_id, now, sse, to_beam_search_params, to_sampling_params, usage,
+    first_until_disconnect, generate_one, merge, prepended, new_id, now, sse, to_beam_search_params, to_sampling_params,
+    usage,
 )
 from perfxlm.outputs import CompletionOutput, RequestOutput
 
@@ -91,10 +92,8 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
 
     if req.stream:
         merged = merge(streams)
-        try:  # surface bad input as a 400 before the stream starts
-            first = await merged.__anext__()
-        except StopAsyncIteration:
-            first = None
+        # bad input surfaces as a 400 before the stream starts
+        first = await first_until_disconnect(raw, merged)
         return StreamingResponse(_stream(ctx, req, request_id, merged, first, n, tokenizer),
                                  media_type="text/event-stream")
 

@@ -5,7 +5,6 @@ field names the base model or one adapter; each adapter is listed in /v1/models.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import os
@@ -16,6 +15,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
 from perfxlm.entrypoints.openai.errors import APIError
+from perfxlm.entrypoints.openai.off_loop import run_off_loop
 from perfxlm.lora.request import LoRARequest
 
 RUNTIME_UPDATING_ENV = ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "PERFXLM_ALLOW_RUNTIME_LORA_UPDATING")
@@ -108,7 +108,7 @@ def add_lora_routes(app: Any, adapters: ServedAdapters) -> None:
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(req: LoadLoRAAdapterRequest):
         try:  # reading and checking the adapter's files happens off the event loop
-            await asyncio.to_thread(adapters.add, req.lora_name, req.lora_path)
+            await run_off_loop(adapters.add, req.lora_name, req.lora_path)
         except ValueError as exc:
             raise APIError(400, str(exc), "lora_path") from None
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")

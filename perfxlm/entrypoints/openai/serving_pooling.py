@@ -23,6 +23,7 @@ from perfxlm.entrypoints.openai.app_common import (
     install_error_handlers, install_middleware, parse_allowed_origins,
 )
 from perfxlm.entrypoints.openai.errors import APIError
+from perfxlm.entrypoints.openai.off_loop import run_off_loop
 from perfxlm.entrypoints.openai.protocol import TokenizeRequest
 from perfxlm.entrypoints.openai.protocol_pooling import (
     ClassificationRequest, EmbeddingRequest, Inputs, PoolingRequest, RerankRequest, ScoreRequest,
@@ -97,7 +98,7 @@ class PoolingServer:
         self.inflight += 1
         try:
             try:
-                inputs = await asyncio.to_thread(prepare)
+                inputs = await run_off_loop(prepare)
             except ValueError as exc:
                 raise APIError(400, str(exc)) from None
             return await asyncio.wrap_future(self.batcher.submit(inputs))
@@ -209,7 +210,7 @@ def build_pooling_app(engine: PoolingEngine, served_model_name: str, *, api_key:
             raise APIError(400, "This server has no tokenizer.")
         if req.prompt is None or req.messages is not None:
             raise APIError(400, "A pooling model tokenizes prompt only (no chat messages).", "prompt")
-        ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
+        ids = await run_off_loop(engine.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
     @app.get("/v1/models")

@@ -26,7 +26,7 @@ from perfxlm.entrypoints.openai.responses_items import (
 from perfxlm.entrypoints.openai.responses_store import StoredResponse
 from perfxlm.entrypoints.openai.serving_base import (
     ServerContext, check_extra_fields, check_model, collect_until_disconnect, compile_structured_outputs,
-    generate_one, merge, prepended, sse_json, to_sampling_params,
+    first_until_disconnect, generate_one, merge, prepended, sse_json, to_sampling_params,
 )
 from perfxlm.entrypoints.openai.serving_chat import (
     _assistant_args_to_dicts, _ChoiceParser, _thinking_end, _tool_constraint, _tool_mode,
@@ -128,10 +128,8 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Reques
     opened = True if (prompt.get("prompt") or "").rstrip().endswith("<think>") else None
     parser = _ChoiceParser(ctx, mode, tool, req.parallel_tool_calls is not False, opened)
     if req.stream:
-        try:  # bad input surfaces as a 400 before the stream starts
-            first = await stream.__anext__()
-        except StopAsyncIteration:
-            first = None
+        # bad input surfaces as a 400 before the stream starts
+        first = await first_until_disconnect(raw, stream)
         return StreamingResponse(_stream(turn, parser, stream, first), media_type="text/event-stream")
 
     results = await collect_until_disconnect(raw, stream)

@@ -23,7 +23,7 @@ from torch import nn
 from perfxlm.model.layers.activation import GeluAndMul, SiluAndMul
 from perfxlm.model.layers.attention import Attention
 from perfxlm.model.layers.linear import Linear as EngineLinear
-from perfxlm.model.layers.moe import grouped_experts, route
+from perfxlm.model.layers.moe import FusedMoE
 from perfxlm.model.layers.norm import RMSNorm
 from perfxlm.model.layers.rotary import apply_rotary
 from perfxlm.quant.weight import ActivationMode, QuantizedWeight
@@ -52,7 +52,7 @@ def _norm(weight: torch.Tensor, eps: float) -> RMSNorm:
 
 
 def _weight(node: str, attrs: dict[str, Any], held: HeldAs, w: torch.Tensor, scales: Any, mins: Any,
-            levels: Any) -> Any:
+            levels: Any, order: Any = None) -> Any:
     """A weight as the engine holds it: a float tensor (bits 0: `GraphModel` gave it the run's dtype) or a
     QuantizedWeight from its parts, its activations the run's where the run decides them."""
     bits = attrs.get("bits", 0)
@@ -62,7 +62,7 @@ def _weight(node: str, attrs: dict[str, Any], held: HeldAs, w: torch.Tensor, sca
         raise ValueError(f"node {node!r}: a {bits}-bit weight needs its scales input.")
     try:  # codes [N, K * bits / 8], or [E, N, K * bits / 8] for an expert stack
         q = QuantizedWeight(w, scales, mins, levels, bits, attrs["group"], attrs.get("act", "float"), w.shape[-2],
-                            w.shape[-1] * 8 // bits)
+                            w.shape[-1] * 8 // bits, input_order=order)
         q.use_activations(held.activations or ActivationMode(attrs.get("activations", "float32")), node)
     except (KeyError, ValueError) as exc:
         raise ValueError(f"node {node!r}: its weight is not one the engine holds: {exc}") from None
@@ -96,11 +96,11 @@ class Linear(Kernel):
     reduces_output = False  # a graph runs in one process: no rank sums its products
 
     def __init__(self, node: str, attrs: dict[str, Any], held: HeldAs, w, bias=None, scales=None, mins=None,
-                 levels=None) -> None:
+                 levels=None, order=None) -> None:
         super().__init__()
         from perfxlm.model.loader import linear_plan
 
-        weight = _weight(node, attrs, held, w, scales, mins, levels)
+        weight = _weight(node, attrs, held, w, scales, mins, levels, order)
         n, k = weight.shape[-2], weight.shape[-1]
         with torch.device("meta"):  # placeholders replaced below: no allocation
             self.layer = EngineLinear(k, n, bias is not None)
@@ -223,25 +223,54 @@ class Activation(Kernel):
 
 
 class MoE(Kernel):
-    """Mixtral's mixture as the module path runs it: `route`, then `grouped_experts`."""
+    """The engine's own `FusedMoE` layer holding the node's expert stacks, their linear methods bound as the
+    loader binds them (bf16 rows, each quantized format's decisions), so routing and experts are the
+    module path's."""
 
     def __init__(self, node: str, attrs: dict[str, Any], held: HeldAs, gate_up, down, *parts) -> None:
         super().__init__()
+        from perfxlm.model.loader import linear_plan
+
         if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
             raise ValueError(f"node {node!r}: MoE takes expert stacks gate_up [E, 2I, H] and down [E, H, I].")
         gu_attrs = {k[len("gate_up_"):]: v for k, v in attrs.items() if k.startswith("gate_up_")}
         dn_attrs = {k[len("down_"):]: v for k, v in attrs.items() if k.startswith("down_")}
-        self.gate_up = _weight(node, gu_attrs, held, gate_up, *parts[:3])
-        self.down = _weight(node, dn_attrs, held, down, *parts[3:])
-        self.top_k, self.renormalize = attrs["top_k"], bool(attrs.get("renormalize", 0))
+        stacks = {"gate_up_proj": _weight(node, gu_attrs, held, gate_up, *parts[:3]),
+                  "down_proj": _weight(node, dn_attrs, held, down, *parts[3:])}
         kind = attrs.get("activation", "SiluAndMul")
         if kind not in ("SiluAndMul", "GeluAndMul"):
             raise ValueError(f"node {node!r}: MoE activation {kind!r} is not known (SiluAndMul, GeluAndMul).")
-        self.act = SiluAndMul() if kind == "SiluAndMul" else GeluAndMul(attrs.get("approximate", "none"))
+        act = SiluAndMul() if kind == "SiluAndMul" else GeluAndMul(attrs.get("approximate", "none"))
+        experts, two_inter, hidden = stacks["gate_up_proj"].shape
+        top_k = attrs["top_k"]
+        with torch.device("meta"):  # placeholders replaced below: no allocation
+            self.experts = FusedMoE(experts, top_k, hidden, two_inter // 2, bool(attrs.get("renormalize", 0)), act=act)
+        quantized = None
+        for name, w in stacks.items():
+            delattr(self.experts, name)  # a QuantizedWeight is a plain attribute where the Parameter was
+            if isinstance(w, QuantizedWeight):
+                quantized = _format(w, gu_attrs if name == "gate_up_proj" else dn_attrs)
+                setattr(self.experts, name, w)
+            else:
+                setattr(self.experts, name, nn.Parameter(w, requires_grad=False))
+        stored = (held.weight_dtype or torch.float32) if quantized else stacks["gate_up_proj"].dtype
+        try:
+            self.experts.bind_linear_method(linear_plan(stored, torch.float32, quantized))
+        except ValueError as exc:
+            raise ValueError(f"node {node!r}: {exc}") from None
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(router_logits, self.top_k, self.renormalize)
-        return grouped_experts(x, weights, ids, self.gate_up, self.down, self.act)
+        return self.experts(x, router_logits)
+
+
+class SigmoidGatedAdd(Kernel):
+    """x + sigmoid(gate) * y: a shared expert's output added under its gate, as Qwen2-MoE's block adds it."""
+
+    def __init__(self, node: str, attrs: dict[str, Any], held: HeldAs) -> None:
+        super().__init__()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return x + torch.sigmoid(gate) * y
 
 
 # op type -> (builder(node name, attributes, HeldAs, weight inputs...), which inputs are weights (initializers),
@@ -249,7 +278,7 @@ class MoE(Kernel):
 Builder = Callable[..., Kernel]
 KERNELS: dict[str, tuple[Builder, tuple[int, ...], tuple[int, ...]]] = {
     "Embedding": (Embedding, (1, 2, 3, 4), (0,)),
-    "Linear": (Linear, (1, 2, 3, 4, 5), (0,)),
+    "Linear": (Linear, (1, 2, 3, 4, 5, 6), (0,)),
     "RMSNorm": (Norm, (1,), (0,)),
     "AddRMSNorm": (AddNorm, (2,), (0, 1)),
     "HeadRMSNorm": (HeadNorm, (1, 2), (0,)),
@@ -258,6 +287,7 @@ KERNELS: dict[str, tuple[Builder, tuple[int, ...], tuple[int, ...]]] = {
     "SiluAndMul": (lambda n, a, h: Activation(n, a, h, SiluAndMul()), (), (0,)),
     "GeluAndMul": (lambda n, a, h: Activation(n, a, h, GeluAndMul(a.get("approximate", "none"))), (), (0,)),
     "MoE": (MoE, (2, 3, 4, 5, 6, 7, 8, 9), (0, 1)),
+    "SigmoidGatedAdd": (SigmoidGatedAdd, (), (0, 1, 2)),
 }
 # the inputs of each op that must be the graph's own step inputs, by name (see export/perfxlm_ops.py)
 STEP_INPUTS = {"PagedAttention": {3: "block_tables", 4: "seq_lens", 5: "query_start_loc", 6: "slot_mapping"},

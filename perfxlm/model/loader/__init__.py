@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from typing import Any, Iterator
@@ -89,8 +90,11 @@ def get_model(
     quantization: Any = None,
     activations: ActivationMode | None = None,
     device: torch.device | str = "cpu",
+    runs: bool = True,
 ):
-    """`device`: where the weights live (a CUDA model is built there, its float weights loaded into it,
+    """`runs` False: the model is only read, never run (an export writes its weights out): no run-time
+    layouts (bf16 panels, with a tied head's own packed copy) and no huge-page arena, whose copies would
+    only raise the load's peak. `device`: where the weights live (a CUDA model is built there, its float weights loaded into it,
     and its layers bound to the methods of that device). `tp`: a distributed.parallel_state.TPGroup: build
     and load only that rank's shard (the model's parallel layers take their rows or columns of each
     checkpoint tensor). `quantization`: the
@@ -139,10 +143,12 @@ def get_model(
             model.load_weights(tqdm(weights, desc="Loading weights", unit="tensor", leave=False), sink=sink)
     stored = weight_dtype or dtype
     plan = linear_plan(stored, dtype, None if sink is None else sink.format_name, device)
+    if not runs:  # the same values as rows, read as they were loaded
+        plan = dataclasses.replace(plan, layout="rows")
     bind_linear_methods(model, plan)
     if stored != dtype:
         cast_weights(model, stored, dtype)
-    if device.type == "cpu":
+    if device.type == "cpu" and runs:
         move_to_arena(model)  # final layouts only: after packing and casting
     else:
         model.to(device)  # what a loader put in place of a Parameter built on the device
