@@ -26,11 +26,10 @@ from __future__ import annotations
 import torch
 
 from perfxlm.quant.nf4 import NF4_LEVELS, double_quantize_absmax, nf4_codes
-from perfxlm.quant.search import search_affine, search_levels
+from perfxlm.quant.search import search_affine, search_centred, search_levels
 from perfxlm.quant.weight import QuantizedWeight, pack_codes
 
 _NF4_MIDPOINTS = (NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2
-_INT5_LEVELS = (torch.arange(32, dtype=torch.float32) - 16) / 16  # s (u - 16) as a level table over [-1, 1)
 
 
 def _groups(w: torch.Tensor, group: int) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -139,12 +138,13 @@ def quantize_int5_search(
     w: torch.Tensor, group: int, importance: torch.Tensor | None = None
 ) -> QuantizedWeight:
     """5-bit codes, centred (llama.cpp's Q5_0 form: w = s (u - 16), one float16 scale per group and no
-    min, 5 + 16 / group bits per weight), the scale searched for the least weighted squared error;
+    min, 5 + 16 / group bits per weight), the scale searched for the least weighted squared error
+    (`perfxlm.quant.search.search_centred`);
     `importance` as for `quantize_int4_search`."""
     g, _ = _groups(w, group)
     imp = _importance_groups(importance, w.shape[-1], group)
-    u, s = search_levels(g.reshape(-1, group), _INT5_LEVELS, imp)
-    return _build(u, s.float().mul_(1 / 16).half(), None, 5, group, w.shape)
+    q, d = search_centred(g.reshape(-1, group), 5, imp)
+    return _build(q.add_(16), d, None, 5, group, w.shape)
 
 
 def quantize_symmetric_int5(w: torch.Tensor, group: int) -> QuantizedWeight:
