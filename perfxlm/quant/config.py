@@ -39,7 +39,7 @@ Options: `quantization_group_size` (weights per scale; -1 = one scale per output
 - `double_quant` (nf4): QLoRA's double-quantized absmax (default true); false keeps a float16 absmax
   per group, or with `calibration` a float16 scale per group searched like int4's (not QLoRA's values).
 - `lm_head` (every method; vLLM's GPTQ name): the embedding table and the LM head stored as 8-bit codes,
-  one symmetric scale per 64 values (Q8_0's rule; 9 bits per weight), as every llama.cpp format stores
+  one symmetric float32 scale per 64 values, the min implied (Q8_0's form; 8.5 bits per weight), as every llama.cpp format stores
   them (default true). false keeps them in the model's float dtype: on the default model a float32
   head is 113 MB, more than all its int4 projections, and every decode step reads it whole.
 
@@ -282,7 +282,7 @@ class QuantizationConfig:
         (W8A8's per-token rounding moved greedy picks on the head where the layers' did not)."""
         k = w.shape[-1]
         group = next((g for g in (TABLE_GROUP, 32) if k % g == 0), k)
-        return quantizers.quantize_symmetric_int8(w, group)
+        return quantizers.quantize_symmetric_int8(w, group, centred=True)
 
     def quantize_weight(
         self, w: torch.Tensor, importance: torch.Tensor | None = None, bits: int | None = None
@@ -293,6 +293,9 @@ class QuantizationConfig:
         that is a multiple of 32; 4 or None: the method's own form)."""
         if not self.quantizes:
             raise ValueError(f"quantization={self.method!r} does not quantize weights")
+        if bits == 8:  # Q8_0's form: centred codes, a float16 scale per 32
+            group8 = BLOCK4 if w.shape[-1] % BLOCK4 == 0 else w.shape[-1]
+            return quantizers.quantize_symmetric_int8(w, group8, centred=True, half=True)
         if bits == 5:
             group5 = self.group_for(w.shape[-1])
             group5 = group5 if group5 % BLOCK4 == 0 and group5 < w.shape[-1] else BLOCK4

@@ -61,11 +61,17 @@ def _build(codes, scales, mins, bits, group, shape, act="float", levels=None) ->
     )  # fmt: skip
 
 
-def quantize_symmetric_int8(w: torch.Tensor, group: int, act: str = "float") -> QuantizedWeight:
+def quantize_symmetric_int8(
+    w: torch.Tensor, group: int, act: str = "float", centred: bool = False, half: bool = False
+) -> QuantizedWeight:
+    """`centred`: the min -128 s implied, not stored (Q8_0's form); `half`: float16 scales where they fit
+    (codes against the rounded scale), as Q8_0 stores them."""
     g, _ = _groups(w, group)
     s = g.abs().amax(dim=-1) / 127.0
-    q = torch.round(g / _safe(s).unsqueeze(-1)).clamp_(-127, 127)
-    return _build(q.add_(128), s, s * -128.0, 8, group, w.shape, act)
+    if half and bool(torch.isfinite(s.half()).all()):
+        s = s.half()
+    q = torch.round(g / _safe(s.float()).unsqueeze(-1)).clamp_(-127, 127)
+    return _build(q.add_(128), s, None if centred else s * -128.0, 8, group, w.shape, act)
 
 
 def _asymmetric(w: torch.Tensor, group: int, top: int, half: bool, zero_point: bool = True) -> tuple:

@@ -265,7 +265,21 @@ def test_code_bits_follow_q4_k_m_allocation():
                       "model.layers.9.mlp.down_proj.weight": 1536}) == {
         "model.layers.1.mlp.gate_up_proj.weight": 5, "model.layers.1.mlp.down_proj.weight": 4,
         "model.layers.9.mlp.down_proj.weight": 5}  # fmt: skip
+    # V widened where its rows do not fit K-quants: Q4_K_M's Q8_0 fallback, 8-bit codes for the whole QKV;
+    # a table only looked up: Q4_K_M's token_embd, 4-bit, whatever its width
+    assert code_bits({"model.layers.0.self_attn.qkv_proj.weight": 576, "model.layers.4.self_attn.qkv_proj.weight": 576,
+                      "model.layers.0.mlp.down_proj.weight": 1536, "model.layers.7.mlp.down_proj.weight": 1536,
+                      "model.embed_tokens.weight": 576}, tables={"model.embed_tokens.weight"}) == {
+        "model.layers.0.self_attn.qkv_proj.weight": 8, "model.layers.4.self_attn.qkv_proj.weight": 5,
+        "model.layers.0.mlp.down_proj.weight": 5, "model.layers.7.mlp.down_proj.weight": 5,
+        "model.embed_tokens.weight": 4}  # fmt: skip
     c = QuantizationConfig.resolve({"method": "int4", "mixed_precision": True})
+    w = torch.randn(9, 96)
+    q8 = c.quantize_weight(w, bits=8)  # Q8_0's form: centred codes, float16 absmax / 127 per 32
+    assert (q8.bits, q8.group, q8.scales.dtype, q8.centred) == (8, 32, torch.float16, True)
+    d = (w.reshape(9, 3, 32).abs().amax(-1) / 127).half().float()
+    ref = torch.round(w.reshape(9, 3, 32) / d.unsqueeze(-1)).clamp(-127, 127) * d.unsqueeze(-1)
+    assert torch.equal(q8.dequantize(), ref.reshape(9, 96))
     q = c.quantize_weight(torch.randn(9, 96), bits=5)
     assert (q.bits, q.group, q.scales.dtype, q.centred) == (5, 32, torch.float16, True)
     assert c.quantize_weight(torch.randn(9, 96), bits=4).bits == 4
