@@ -32,10 +32,11 @@ Options: `quantization_group_size` (weights per scale; -1 = one scale per output
   The default quietly falls back to calibration-free (a warning) where the model has no tokenizer;
   a named text fails instead.
 - `mixed_precision` (int4, nf4): llama.cpp's Q4_K_M allocation (`perfxlm.quant.mixed`): 5-bit codes (one
-  float16 scale per 32, searched: Q5_0's form) for the V (fused QKV) and FFN down projections of half
-  the layers and for every weight whose input size is not a multiple of 256 (where Q4_K_M falls back to
-  Q5_0), 4-bit elsewhere; an embedding table untied from the LM head takes the same rule instead of
-  8-bit codes. On by default for int4 (not its symmetric Q4_0 form).
+  float16 scale per 32, searched: Q5_0's form) for the FFN down projections of half the layers and for
+  every weight whose input size is not a multiple of 256 (where Q4_K_M falls back to Q5_0), Q8_0's
+  8-bit form for the fused QKV of those layers where its V is such a weight (Q4_K_M's V: Q8_0 there),
+  the method's 4-bit form elsewhere and for an embedding table untied from the LM head (instead of
+  8-bit codes). On by default for int4 (not its symmetric Q4_0 form) and nf4.
 - `double_quant` (nf4): QLoRA's double-quantized absmax (default true); false keeps a float16 absmax
   per group, or with `calibration` a float16 scale per group searched like int4's (not QLoRA's values).
 - `lm_head` (every method; vLLM's GPTQ name): the embedding table and the LM head stored as 8-bit codes,
@@ -205,7 +206,7 @@ class QuantizationConfig:
             plain = ", float16 scales searched" if self.calibration is not None else ", float16 absmax"
             kind += ", double-quantized absmax" if self.double_quant else plain
         if self.mixed_precision:
-            kind += ", 5-bit codes where llama.cpp's Q4_K_M widens or falls back to Q5_0"
+            kind += ", 5- and 8-bit codes where llama.cpp's Q4_K_M widens or falls back to Q5_0 / Q8_0"
         kind += ", 8-bit embedding and LM head" if self.lm_head else ", float embedding and LM head"
         if self.method == "w8a8":
             per = "token" if self.activation_group_size == PER_CHANNEL else f"{self.activation_group_size} values"
