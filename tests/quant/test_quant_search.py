@@ -401,3 +401,41 @@ def test_centred_search_zero_and_constant_groups():
     assert torch.equal((d.float().unsqueeze(-1) * q).reshape(3, 64), w)
     with pytest.raises(ValueError, match="float16"):
         search.search_centred(torch.full((1, 32), 1e7), 5)
+
+
+def test_int4_allocation_within_q4_k_m_bits_on_the_default_models_shapes():
+    """SmolLM2-135M's shapes (30 layers, 576 wide, 1536 FFN, untied 49152-row embedding, as the rotated
+    model has it): int4's allocation, each weight's bits taken from the form the engine stores, stays at
+    or below the bits llama.cpp's Q4_K_M file of that model has (6.044: Q5_0, Q8_0, Q4_K, Q6_K)."""
+    hidden, ffn, vocab, layers = 576, 1536, 49152, 30
+    shapes = {}
+    for i in range(layers):
+        shapes |= {f"model.layers.{i}.self_attn.qkv_proj.weight": (960, hidden),
+                   f"model.layers.{i}.self_attn.o_proj.weight": (hidden, hidden),
+                   f"model.layers.{i}.mlp.gate_up_proj.weight": (2 * ffn, hidden),
+                   f"model.layers.{i}.mlp.down_proj.weight": (hidden, ffn)}  # fmt: skip
+    shapes["model.embed_tokens.weight"] = (vocab, hidden)
+    bits = code_bits({n: k for n, (_, k) in shapes.items()}, tables={"model.embed_tokens.weight"})
+    c = QuantizationConfig.resolve("int4")
+    per_weight = {}  # stored bits per weight of each (code width, input size), from a few rows
+
+    def stored(b: int, k: int) -> float:
+        if (b, k) not in per_weight:
+            q = c.quantize_weight(torch.randn(4, k), bits=b)
+            per_weight[(b, k)] = 8 * q.nbytes / (4 * k)
+        return per_weight[(b, k)]
+
+    total = sum(n * k * stored(bits[name], k) for name, (n, k) in shapes.items())
+    head = c.quantize_table(torch.randn(4, hidden))
+    total += vocab * hidden * 8 * head.nbytes / (4 * hidden)
+    weights = sum(n * k for n, k in shapes.values()) + vocab * hidden
+    # Q4_K_M: V and down widened in use_more_bits layers (V: Q8_0 at 576 inputs; down: Q6_K), Q5_0 for
+    # every other 576-wide weight and the embedding, Q4_K for the other down projections, Q8_0 head
+    wide = sum(use_more_bits(i, layers) for i in range(layers))
+    v, qk = 192 * hidden, 768 * hidden
+    q4km = (layers * (qk + hidden * hidden + 2 * ffn * hidden) * 5.5 + wide * v * 8.5
+            + (layers - wide) * v * 5.5 + wide * hidden * ffn * 6.5625 + (layers - wide) * hidden * ffn * 4.5
+            + vocab * hidden * (5.5 + 8.5))  # fmt: skip
+    assert round(q4km / weights, 3) == 6.044  # the file's own count (its tensors' bytes)
+    assert bits["model.layers.0.self_attn.qkv_proj.weight"] == 8 and bits["model.embed_tokens.weight"] == 4
+    assert total / weights <= q4km / weights
