@@ -10,7 +10,8 @@ Names (vLLM's `quantization` argument):
   group, searched for the least (activation-weighted) squared error (llama.cpp's Q4_K search); or
   symmetric (Q4_0's rule, `symmetric: true`).
 - "nf4": 4-bit NormalFloat as QLoRA defines it: absmax per group of 64, double-quantized
-  (`perfxlm.quant.nf4`); `double_quant: false` keeps the plain absmax in float16.
+  (`perfxlm.quant.nf4`), with Q4_K_M's mixed precision (below) by default; `double_quant: false` keeps
+  the plain absmax in float16.
 - "w8a8": int8 weights per output channel, symmetric; activations quantized to int8 per token at run
   time, with one scale per block of 32 activations of the token by default (llama.cpp's Q8
   activations; measured on the default model: +0.6 % perplexity over the float model, against +3.3 %
@@ -32,14 +33,15 @@ Options: `quantization_group_size` (weights per scale; -1 = one scale per output
   The default quietly falls back to calibration-free (a warning) where the model has no tokenizer;
   a named text fails instead.
 - `mixed_precision` (int4, nf4): llama.cpp's Q4_K_M allocation (`perfxlm.quant.mixed`): 5-bit codes (one
-  float16 scale per 32, searched: Q5_0's form) for the V (fused QKV) and FFN down projections of half
-  the layers and for every weight whose input size is not a multiple of 256 (where Q4_K_M falls back to
-  Q5_0), 4-bit elsewhere; an embedding table untied from the LM head takes the same rule instead of
-  8-bit codes. On by default for int4 (not its symmetric Q4_0 form).
+  float16 scale per 32, searched: Q5_0's form) for the FFN down projections of half the layers and for
+  every weight whose input size is not a multiple of 256 (where Q4_K_M falls back to Q5_0), Q8_0's
+  8-bit form for the fused QKV of those layers where its V is such a weight (Q4_K_M's V: Q8_0 there),
+  the method's 4-bit form elsewhere and for an embedding table untied from the LM head (instead of
+  8-bit codes). On by default for int4 (not its symmetric Q4_0 form) and nf4.
 - `double_quant` (nf4): QLoRA's double-quantized absmax (default true); false keeps a float16 absmax
   per group, or with `calibration` a float16 scale per group searched like int4's (not QLoRA's values).
 - `lm_head` (every method; vLLM's GPTQ name): the embedding table and the LM head stored as 8-bit codes,
-  one symmetric scale per 64 values (Q8_0's rule; 9 bits per weight), as every llama.cpp format stores
+  one symmetric float32 scale per 64 values, the min implied (Q8_0's form; 8.5 bits per weight), as every llama.cpp format stores
   them (default true). false keeps them in the model's float dtype: on the default model a float32
   head is 113 MB, more than all its int4 projections, and every decode step reads it whole.
 
@@ -103,9 +105,10 @@ _DEFAULT_SYMMETRIC = {"int8": True, "int4": False, "nf4": True, "w8a8": True}
 # calibration text by method where the user names none: measured on a 135M Llama, int4 group 32 goes
 # from +10 % perplexity calibration-free to +2.6 % for about one more load of the model (README)
 _DEFAULT_CALIBRATION = {"int4": DEFAULT_CALIBRATION, "nf4": None}
-# int4 widens like Q4_K_M by default (measured: it takes int4's KL divergence below Q4_K_M's for 0.4 more
-# bits per weight); nf4 stays QLoRA's form unless asked
-_DEFAULT_MIXED = {"int4": True, "nf4": False}
+# both widen like Q4_K_M by default. Measured on the default model turned off its 4-bit grid (README, 20
+# windows): int4 mean KLD 0.0666 at 6.03 bits per weight against Q4_K_M's 0.0852 at 6.04; nf4 0.115 at
+# 5.90 (1.35x Q4_K_M's), where QLoRA's uniform form (`mixed_precision: false`) has 0.621 at 6.22
+_DEFAULT_MIXED = {"int4": True, "nf4": True}
 ACTIVATION_GROUPS = (ACT_BLOCK, PER_CHANNEL)  # w8a8: activations per scale, or one scale per token
 
 
@@ -205,7 +208,7 @@ class QuantizationConfig:
             plain = ", float16 scales searched" if self.calibration is not None else ", float16 absmax"
             kind += ", double-quantized absmax" if self.double_quant else plain
         if self.mixed_precision:
-            kind += ", 5-bit codes where llama.cpp's Q4_K_M widens or falls back to Q5_0"
+            kind += ", 5- and 8-bit codes where llama.cpp's Q4_K_M widens or falls back to Q5_0 / Q8_0"
         kind += ", 8-bit embedding and LM head" if self.lm_head else ", float embedding and LM head"
         if self.method == "w8a8":
             per = "token" if self.activation_group_size == PER_CHANNEL else f"{self.activation_group_size} values"
@@ -282,7 +285,7 @@ class QuantizationConfig:
         (W8A8's per-token rounding moved greedy picks on the head where the layers' did not)."""
         k = w.shape[-1]
         group = next((g for g in (TABLE_GROUP, 32) if k % g == 0), k)
-        return quantizers.quantize_symmetric_int8(w, group)
+        return quantizers.quantize_symmetric_int8(w, group, centred=True)
 
     def quantize_weight(
         self, w: torch.Tensor, importance: torch.Tensor | None = None, bits: int | None = None
@@ -293,6 +296,9 @@ class QuantizationConfig:
         that is a multiple of 32; 4 or None: the method's own form)."""
         if not self.quantizes:
             raise ValueError(f"quantization={self.method!r} does not quantize weights")
+        if bits == 8:  # Q8_0's form: centred codes, a float16 scale per 32
+            group8 = BLOCK4 if w.shape[-1] % BLOCK4 == 0 else w.shape[-1]
+            return quantizers.quantize_symmetric_int8(w, group8, centred=True, half=True)
         if bits == 5:
             group5 = self.group_for(w.shape[-1])
             group5 = group5 if group5 % BLOCK4 == 0 and group5 < w.shape[-1] else BLOCK4

@@ -110,7 +110,10 @@ class QuantizedLoader:
         self.targets = set(self.names)
         mixed_on = self.config is not None and self.config.mixed_precision
         # weight name -> code width under mixed precision (Q4_K_M's allocation); absent: the method's own
-        self.bits = mixed.code_bits({f"{n}.{p}": k for n, _, p, k in mixed_targets}) if mixed_on else {}
+        looked_up = {f"{n}.{p}" for n, m, p, _ in mixed_targets if (id(m), p) in self.lookups}
+        self.bits = (
+            mixed.code_bits({f"{n}.{p}": k for n, _, p, k in mixed_targets}, tables=looked_up) if mixed_on else {}
+        )
         self.importance: dict[str, Any] = {}  # weight name -> mean square input activation [K]
         self.pending: dict[tuple[int, str, int | None], dict[str, Any]] = {}
         self.experts: dict[tuple[int, str], dict[int, QuantizedWeight]] = {}

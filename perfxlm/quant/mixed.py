@@ -1,31 +1,34 @@
-"""Mixed precision, as llama.cpp's Q4_K_M allocates bits: 5-bit codes where Q4_K_M spends more than 4.5
-bits on a tensor, 4-bit codes elsewhere.
+"""Mixed precision, as llama.cpp's Q4_K_M allocates bits, at no more bits per weight than it.
 
 llama.cpp's Q4_K_M (src/llama-quant.cpp) stores most tensors as Q4_K (4.5 bits per weight), the attention
 V projection and the FFN down projection at Q6_K (6.56) in about half the layers (`use_more_bits`: the
 first and last eighth of the layers, and every third one between), and falls back to Q5_0 (5.5) for a
 Q4_K tensor and to Q8_0 (8.5) for a Q6_K one whose rows are not whole 256-value super-blocks (on the
 default model's architecture every projection but the FFN down one reads 576 inputs: most of its
-"Q4_K_M" is Q5_0). The engine's forms with the same bits:
+"Q4_K_M" is Q5_0, its widened V Q8_0). The engine's forms:
 - 4-bit codes, a float16 scale and min per group of 32 searched for the least activation-weighted error
   (5 bits per weight) where Q4_K_M has Q4_K;
 - 5-bit codes, one float16 scale per group of 32 (llama.cpp's Q5_0 form, 5.5 bits per weight), the scale
-  searched the same way, everywhere Q4_K_M has more: its Q5_0 fallbacks and its widened V and down
-  projections. The widened ones get 5 bits where Q4_K_M gives 6.56 or 8.5, which is what pays for the
-  first form's 0.5 bit over Q4_K; earlier this engine gave them 8-bit codes (8.04 bits) and had no
-  budget left for the rest.
-V lives inside the fused QKV weight, which takes one code width for all its parts: QKV is 5-bit where
-V would be widened (or where the rows do not fit K-quants), q and k with it.
-An embedding table that is only looked up (untied from the LM head) follows the same rule (Q4_K_M's
-token_embd is Q4_K, or Q5_0 where the rows do not fit); the LM head, or a table tied to it, stays 8-bit
-as in every llama.cpp format (Q6_K or Q8_0).
+  searched the same way (`perfxlm.quant.search.search_centred`), where Q4_K_M falls back to Q5_0 and for
+  its widened down projections (Q6_K there);
+- 8-bit codes, one float16 scale per 32 (Q8_0's form, 8.5 bits), for the widened V where Q4_K_M too falls
+  back to Q8_0. V lives inside the fused QKV, which takes one code width for all its parts, so q and k
+  are 8-bit with it. Measured on the default model turned off its 4-bit grid (README): V is the most
+  sensitive weight by far (V in float in those 14 of 30 layers takes a fifth off the KL divergence, the
+  down projections in float 7 %), which is why Q4_K_M widens it.
+An embedding table that is only looked up (untied from the LM head) takes 4-bit codes (Q4_K_M's
+token_embd is Q4_K; where its rows do not fit, Q5_0): its error costs little (measured: 5-bit to 4-bit
+adds 4 % to the KL divergence, widening V takes 21 % off) and its 0.5 bit per weight pays for the 8-bit
+QKV. The LM head, or a table tied to it, stays 8-bit as in every llama.cpp format (Q6_K or Q8_0).
 """
 
 from __future__ import annotations
 
 import re
 
-WIDENED = ("down_proj", "fc2", "qkv_proj", "v_proj")  # Q4_K_M's widened tensors under the engine's names
+DOWN = ("down_proj", "fc2")  # the FFN down projection under the engine's names
+VALUE = ("qkv_proj", "v_proj")  # the attention V projection, alone or inside the fused QKV
+WIDENED = DOWN + VALUE  # Q4_K_M's widened tensors
 K_QUANT_ROW = 256  # values per K-quant super-block: rows of other lengths fall back to Q5_0 / Q8_0
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -41,15 +44,24 @@ def layer_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def code_bits(weights: dict[str, int], targets: tuple[str, ...] = WIDENED) -> dict[str, int]:
+def code_bits(
+    weights: dict[str, int], targets: tuple[str, ...] = WIDENED, tables: frozenset[str] | set[str] = frozenset()
+) -> dict[str, int]:
     """Quantized weights {name ("model.layers.3.mlp.down_proj.weight", ...): in_features} -> the code
-    width of each (4 or 5) under Q4_K_M's allocation."""
+    width of each (4, 5 or 8) under Q4_K_M's allocation. `tables`: the names among them of embedding
+    tables that are only looked up (Q4_K_M's token_embd: 4 bits)."""
     layers = {layer_of(n) for n in weights} - {None}
     num_layers = max(layers) + 1 if layers else 0  # type: ignore[type-var]
     out = {}
     for name, in_features in weights.items():
+        if name in tables:
+            out[name] = 4
+            continue
         layer = layer_of(name)
         parts = name.split(".")
         widened = layer is not None and any(t in parts for t in targets) and use_more_bits(layer, num_layers)
-        out[name] = 5 if widened or in_features % K_QUANT_ROW else 4
+        if widened and any(t in parts for t in VALUE) and in_features % K_QUANT_ROW:
+            out[name] = 8  # Q4_K_M's Q6_K V falls back to Q8_0 here
+        else:
+            out[name] = 5 if widened or in_features % K_QUANT_ROW else 4
     return out

@@ -26,11 +26,10 @@ from __future__ import annotations
 import torch
 
 from perfxlm.quant.nf4 import NF4_LEVELS, double_quantize_absmax, nf4_codes
-from perfxlm.quant.search import search_affine, search_levels
+from perfxlm.quant.search import search_affine, search_centred, search_levels
 from perfxlm.quant.weight import QuantizedWeight, pack_codes
 
 _NF4_MIDPOINTS = (NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2
-_INT5_LEVELS = (torch.arange(32, dtype=torch.float32) - 16) / 16  # s (u - 16) as a level table over [-1, 1)
 
 
 def _groups(w: torch.Tensor, group: int) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -62,11 +61,17 @@ def _build(codes, scales, mins, bits, group, shape, act="float", levels=None) ->
     )  # fmt: skip
 
 
-def quantize_symmetric_int8(w: torch.Tensor, group: int, act: str = "float") -> QuantizedWeight:
+def quantize_symmetric_int8(
+    w: torch.Tensor, group: int, act: str = "float", centred: bool = False, half: bool = False
+) -> QuantizedWeight:
+    """`centred`: the min -128 s implied, not stored (Q8_0's form); `half`: float16 scales where they fit
+    (codes against the rounded scale), as Q8_0 stores them."""
     g, _ = _groups(w, group)
     s = g.abs().amax(dim=-1) / 127.0
-    q = torch.round(g / _safe(s).unsqueeze(-1)).clamp_(-127, 127)
-    return _build(q.add_(128), s, s * -128.0, 8, group, w.shape, act)
+    if half and bool(torch.isfinite(s.half()).all()):
+        s = s.half()
+    q = torch.round(g / _safe(s.float()).unsqueeze(-1)).clamp_(-127, 127)
+    return _build(q.add_(128), s, None if centred else s * -128.0, 8, group, w.shape, act)
 
 
 def _asymmetric(w: torch.Tensor, group: int, top: int, half: bool, zero_point: bool = True) -> tuple:
@@ -139,12 +144,13 @@ def quantize_int5_search(
     w: torch.Tensor, group: int, importance: torch.Tensor | None = None
 ) -> QuantizedWeight:
     """5-bit codes, centred (llama.cpp's Q5_0 form: w = s (u - 16), one float16 scale per group and no
-    min, 5 + 16 / group bits per weight), the scale searched for the least weighted squared error;
+    min, 5 + 16 / group bits per weight), the scale searched for the least weighted squared error
+    (`perfxlm.quant.search.search_centred`);
     `importance` as for `quantize_int4_search`."""
     g, _ = _groups(w, group)
     imp = _importance_groups(importance, w.shape[-1], group)
-    u, s = search_levels(g.reshape(-1, group), _INT5_LEVELS, imp)
-    return _build(u, s.float().mul_(1 / 16).half(), None, 5, group, w.shape)
+    q, d = search_centred(g.reshape(-1, group), 5, imp)
+    return _build(q.add_(16), d, None, 5, group, w.shape)
 
 
 def quantize_symmetric_int5(w: torch.Tensor, group: int) -> QuantizedWeight:

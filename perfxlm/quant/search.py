@@ -210,3 +210,94 @@ def search_levels(
             "double_quant true (float32 scales)."
         )
     return torch.cat(us), s.half()
+
+
+# Centred integer codes (Q5_0's form, value = d * q, q in -half..half-1): the scale candidates of
+# `search_centred`, as multiples of the plain rule's |d| = absmax / half; both signs are tried, so the
+# extreme value may take the code of larger magnitude (-half) or the other end (half - 1) of the range.
+# 1.06 .. 0.70 finely, then down to 0.3 coarsely: with activation weights, a group whose extreme value
+# meets an idle input channel is best served by clipping that value hard
+CENTRED_FACTORS = [1.06 - 0.01 * i for i in range(37)] + [0.65 - 0.05 * i for i in range(8)]
+ANCHOR_FRACTIONS = (0.3, 0.1, 0.03)  # see `_centred_chunk`
+ANCHOR_FACTORS = (1.0, 0.9, 0.8)
+REFINE_STEPS = 2  # alternating least-squares steps on the best candidate's stored codes
+
+
+def _centred_codes(g: torch.Tensor, d: torch.Tensor, half: int) -> torch.Tensor:
+    safe = torch.where(d != 0, d, torch.ones_like(d))
+    return torch.round(g / safe.unsqueeze(-1)).clamp_(-half, half - 1)
+
+
+def _centred_chunk(g: torch.Tensor, w: torch.Tensor, half: int, dtype: torch.dtype):
+    idx = g.abs().argmax(-1, keepdim=True)
+    extreme = torch.gather(g, -1, idx).squeeze(-1)  # the value of largest magnitude, with its sign
+    wx = w * g
+    swx2 = (wx * g).sum(-1).double()
+    best_d, best_err = (extreme / -half).double(), torch.full_like(swx2, float("inf"))
+    # anchors: the group's extreme value, and the extremes among its weights that count at least a
+    # fraction of its most important one (an extreme on an idle input channel is best clipped away)
+    anchors = [(extreme, CENTRED_FACTORS)]
+    wmax = w.amax(-1, keepdim=True)
+    for frac in ANCHOR_FRACTIONS:
+        kept = torch.where(w >= frac * wmax, g, torch.zeros_like(g))
+        anchors.append((torch.gather(kept, -1, kept.abs().argmax(-1, keepdim=True)).squeeze(-1), ANCHOR_FACTORS))
+    candidates = [(anchor, sign * f) for sign in (-1.0, 1.0) for anchor, factors in anchors for f in factors]
+    for anchor, f in candidates:  # sign -1: llama.cpp's orientation (the anchor at code -half)
+        q = _centred_codes(g, anchor * (f / half), half)
+        swq2, swxq = (w * q * q).sum(-1).double(), (wx * q).sum(-1).double()
+        ok = swq2 > 0
+        den = torch.where(ok, swq2, torch.ones_like(swq2))
+        err = torch.where(ok, swx2 - swxq * swxq / den, best_err)  # at the least-squares scale
+        better = err < best_err
+        best_d, best_err = torch.where(better, swxq / den, best_d), torch.where(better, err, best_err)
+
+    def stored(d: torch.Tensor):
+        d = d.to(dtype).float()
+        q = _centred_codes(g, d, half)
+        return d, q, (w * (d.unsqueeze(-1) * q - g).square()).sum(-1)
+
+    d, q, err = stored(extreme / -half)  # the plain rule first: ties keep it
+    cand = stored(best_d.float())
+    for step in range(REFINE_STEPS + 1):
+        cd, cq, cerr = cand
+        better = (cerr < err) & torch.isfinite(cd) & (cd != 0)
+        d, err = torch.where(better, cd, d), torch.where(better, cerr, err)
+        q = torch.where(better.unsqueeze(-1), cq, q)
+        if step == REFINE_STEPS:
+            break
+        swq2, swxq = (w * cq * cq).sum(-1), (wx * cq).sum(-1)  # refit the scale to these codes
+        cand = stored(torch.where(swq2 > 0, swxq / torch.where(swq2 > 0, swq2, torch.ones_like(swq2)), cd))
+    return q, d
+
+
+def search_centred(
+    g: torch.Tensor, bits: int, importance: torch.Tensor | None = None, half: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Groups float32 [R, G] -> centred codes q [R, G] (-2^(bits-1) .. 2^(bits-1) - 1, value d * q) and
+    one scale d per group [R] (float16 where `half`; ValueError where one would not fit), searched for the
+    least weighted squared error: the plain rule (d = the largest-magnitude value / -2^(bits-1),
+    llama.cpp's Q5_0, which wins ties), then 45 scales from 1.06 down to 0.3 of it in either orientation,
+    each refit by least squares on its codes, the best refined by alternating code / scale steps on the
+    stored values. The same objective as `search_levels` on the integer table, in plain arithmetic (no
+    table look-ups), so a whole model's 5-bit weights take seconds. `importance` as in `search_affine`."""
+    g = g.float().contiguous()
+    if importance is not None:
+        importance = importance.float().contiguous()
+        if importance.dim() != 2 or importance.shape[1] != g.shape[1] or g.shape[0] % importance.shape[0]:
+            raise ValueError(f"importance {tuple(importance.shape)} does not tile groups {tuple(g.shape)}")
+    top = 1 << (bits - 1)
+    rows = max(1, CHUNK // g.shape[-1])
+    dtype = torch.float16 if half else torch.float32
+    qs, ds = [], []
+    for start in range(0, g.shape[0], rows):
+        chunk = g[start : start + rows]
+        imp = None
+        if importance is not None:
+            imp = importance[torch.arange(start, start + chunk.shape[0]) % importance.shape[0]]
+        q, d = _centred_chunk(chunk, element_weights(chunk, imp), top, dtype)
+        qs.append(q)
+        ds.append(d)
+    d = torch.cat(ds)
+    if not bool(torch.isfinite(d).all()) or bool((d.abs() > 65504).any()):
+        raise ValueError("a weight group whose scale is beyond float16's range")
+    return torch.cat(qs), d.to(dtype) if half else d

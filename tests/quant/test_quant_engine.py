@@ -22,6 +22,7 @@ from perfxlm.model.layers.linear import Linear
 from perfxlm.model.layers.moe import FusedMoE
 from perfxlm.ops import native
 from perfxlm.quant import QuantizationConfig, QuantizedWeight
+from perfxlm.quant.mixed import layer_of, use_more_bits
 from tests.conftest import assert_pool_whole, make_llama_checkpoint
 from tests.model.test_architectures_vs_hf import CASES, build_checkpoint
 
@@ -118,8 +119,8 @@ def test_format_end_to_end(fmt, checkpoint, request, monkeypatch):
     if not isinstance(FORMATS[fmt], dict) or FORMATS[fmt].get("lm_head", True):  # 8-bit tables by default
         mixed = QuantizationConfig.resolve(FORMATS[fmt]).mixed_precision
         untied = model.lm_head.weight is not tables[0].weight
-        # mixed precision: a table only looked up takes the projections' rule (5-bit: 128 inputs)
-        assert tables and all((m.weight.bits == 5) if mixed and untied else (m.weight.bits, m.weight.group) == (8, 64)
+        # mixed precision: a table only looked up takes 4-bit codes (Q4_K_M's token_embd: Q4_K)
+        assert tables and all((m.weight.bits == 4) if mixed and untied else (m.weight.bits, m.weight.group) == (8, 64)
                               for m in tables)  # fmt: skip
         assert model.lm_head.weight.bits == 8
     else:
@@ -423,9 +424,12 @@ def test_dummy_weights_quantize_and_the_cli_flags_reach_the_engine(llama128):
     llm = LLM(kwargs.pop("model"), skip_tokenizer_init=True, **{**kwargs, "num_kv_blocks": 16})
     weights = quantized_weights(model_of(llm))
     # int4's mixed precision (on by default) gives 5-bit codes where Q4_K_M would not have Q4_K (input
-    # sizes not multiples of 256, V and down in llama.cpp's layers), all in the given group; the head 8-bit
+    # sizes not multiples of 256, down in llama.cpp's layers), all in the given group, and Q8_0's form
+    # (group 32) to the QKV holding a V that Q4_K_M widens to Q8_0; the head 8-bit
     layers = {n: w for n, w in weights.items() if "layers" in n}
-    assert all(w.bits in (4, 5) and w.group == 64 for w in layers.values())
-    assert {w.bits for n, w in layers.items() if "qkv" in n} == {5}  # 128 inputs
+    wide = {n for n in layers if "qkv" in n and use_more_bits(layer_of(n), model_of(llm).config.num_hidden_layers)}
+    assert wide and all((w.bits, w.group, w.centred) == (8, 32, True) for n, w in layers.items() if n in wide)
+    assert all(w.bits in (4, 5) and w.group == 64 for n, w in layers.items() if n not in wide)
+    assert {w.bits for n, w in layers.items() if "qkv" in n and n not in wide} == {5}  # 128 inputs
     assert all(w.bits == 8 for n, w in weights.items() if "lm_head" in n)
     assert len(generate(llm, PROMPTS[:1])[0][0]) == GREEDY.max_tokens

@@ -393,7 +393,7 @@ def test_w8a8_activation_group_option():
 
 @pytest.mark.skipif(not hasattr(native.kernels() or object(), "linear_q"), reason="no native kernels")
 @pytest.mark.parametrize("rows", [1, 3, 17])
-@pytest.mark.parametrize("fmt", ["q4_1", "q6_k", "int4-asym", "nf4", "w8a8"])
+@pytest.mark.parametrize("fmt", ["q4_1", "q6_k", "int4-asym", "nf4", "w8a8", "table", "q8_0-form", "int5"])
 def test_linear_dispatch_native_matches_reference(fmt, rows):
     g = torch.Generator().manual_seed(rows)
     rng = np.random.default_rng(rows)
@@ -403,6 +403,10 @@ def test_linear_dispatch_native_matches_reference(fmt, rows):
         "int4-asym": lambda: quantizers.quantize_asymmetric_int4(torch.randn(33, 96, generator=g), 32),
         "nf4": lambda: quantizers.quantize_nf4(torch.randn(33, 128, generator=g), 64),
         "w8a8": lambda: quantizers.quantize_symmetric_int8(torch.randn(33, 96, generator=g), 96, act="int8"),
+        # the 8-bit head (centred, float32 scale per 64) and mixed precision's Q8_0 and 5-bit forms
+        "table": lambda: QuantizationConfig.resolve("int4").quantize_table(torch.randn(33, 192, generator=g)),
+        "q8_0-form": lambda: QuantizationConfig.resolve("int4").quantize_weight(torch.randn(33, 96, generator=g), bits=8),
+        "int5": lambda: quantizers.quantize_int5_search(torch.randn(33, 160, generator=g), 32, torch.rand(160, generator=g)),
     }[fmt]()
     x, b = torch.randn(rows, w.in_features, generator=g), torch.randn(33, generator=g)
     got = linear(x, w, b, w.out_features)  # fresh weights: float32 activations (ActivationMode.FLOAT)
@@ -474,6 +478,10 @@ def test_lm_head_option_quantizes_the_tables_by_default():
     assert not off.lm_head and QuantizationConfig.resolve(off.as_dict()) == off
     with pytest.raises(ValueError, match=r"lm_head='yes': expected true"):
         QuantizationConfig.resolve({"method": "int4", "lm_head": "yes"})
-    table = c.quantize_table(torch.randn(10, 96))  # 64 does not divide 96: one scale per 32
-    assert (table.bits, table.group, table.act) == (8, 32, "float")
+    w = torch.randn(10, 96)
+    table = c.quantize_table(w)  # 64 does not divide 96: one scale per 32
+    assert (table.bits, table.group, table.act, table.centred) == (8, 32, "float", True)  # Q8_0's form
+    d = w.reshape(10, 3, 32).abs().amax(-1, keepdim=True) / 127  # float32 scales: 8 + 32 / 32 bits
+    assert torch.equal(table.dequantize(), (torch.round(w.reshape(10, 3, 32) / d) * d).reshape(10, 96))
+    assert table.nbytes == 10 * 96 + 10 * 3 * 4
     assert QuantizationConfig.resolve("w8a8").quantize_table(torch.randn(4, 128)).act == "float"
