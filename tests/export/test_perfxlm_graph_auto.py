@@ -263,3 +263,24 @@ def _experts(llm) -> list:
                 out.append((method.name, getattr(w, "bf16_gemm", None), getattr(w, "activations", None), w.dtype
                             if isinstance(w, __import__("torch").Tensor) else w.bits))
     return out
+
+
+def test_graph_weights_sit_as_the_module_path_s(smollm_auto):
+    """Read from the folder, the weights take the loader's last step too: one huge-page block in step order
+    (where the arena is on), every tensor cache-line aligned, as the fused decode layer's module path reads
+    them (batch-1 decode was 0.92-0.95x the module path's with each weight on its own 4 KiB pages)."""
+    from perfxlm.model.loader.weight_arena import MIN_BYTES, _enabled
+    from perfxlm.quant.weight import QuantizedWeight
+
+    _, out = smollm_auto
+    graph = LLM(out, **KW).llm_engine.core.executor.graph
+    tensors = [p for p in graph.parameters()]
+    for m in graph.modules():
+        for v in vars(m).values():
+            if isinstance(v, QuantizedWeight):
+                tensors += [t for t in (v.codes, v.scales, v.mins) if t is not None]
+    assert len(tensors) > 100
+    assert all(t.data_ptr() % 64 == 0 for t in tensors)
+    if _enabled():
+        large = {t.untyped_storage().data_ptr() for t in tensors if t.nbytes >= MIN_BYTES}
+        assert len(large) == 1
