@@ -1,7 +1,7 @@
 // Quantized-weight products: y = x W^T (+ b) with W in perfxlm.quant.QuantizedWeight's one affine form
-// (uint8 codes, 8-bit or 4-bit, a scale and a min per group of inputs: w = scale * u + min, or
-// scale * levels[u] + min for NF4). Centred codes (Q4_0, Q8_0, symmetric int4 / int8) store no mins:
-// w = scale * (u - 8) for 4-bit codes, scale * (u - 128) for 8-bit ones, scale * levels[u] with a table,
+// (uint8 codes, 8-bit, 5-bit or 4-bit, a scale and a min per group of inputs: w = scale * u + min, or
+// scale * levels[u] + min for NF4). Centred codes (Q4_0, Q5_0, Q8_0, symmetric int4 / int8) store no mins:
+// w = scale * (u - 8) for 4-bit codes, (u - 16) for 5-bit, (u - 128) for 8-bit, scale * levels[u] with a table,
 // so a decode step streams 4.5 bits per 4-bit weight instead of 5 (llama.cpp's Q4_0 rate). Every GGUF block type the engine runs, and its own int8 / int4 /
 // NF4 / W8A8 quantizations, are repacked into this form at load, so one set of kernels serves them all.
 //
@@ -427,6 +427,18 @@ struct BlockActs {
   int64_t gstride;       // the weight's groups rounded up to 8, so 8-lane loads need no tail
 };
 
+// 5-bit codes: a chunk's 64 fifth bits (the plane's 8 bytes at K / 2 + 8 c: block A's 32 bits, then
+// block B's, each in element order) put in the order the chunk's nibbles unpack to (A 0-15, B 0-15,
+// A 16-31, B 16-31), so bit p says whether code byte p gains 16: one masked add per 64 codes (AVX-512),
+// two per 32 (AVX2), on the 4-bit paths. The codes stay within 0..31: vpmaddubsw's pair sums of two
+// halves (4 x 31 x 127) fit int16 as 4-bit ones do, and the min (-16 x scale) goes with the mins.
+inline uint64_t chunk_fifths(const uint8_t* row, const QW& w, int64_t c) {
+  uint64_t f;
+  std::memcpy(&f, row + w.K / 2 + c * 8, sizeof(f));
+  const uint64_t a = f & 0xFFFFFFFFu, b = f >> 32;
+  return (a & 0xFFFF) | ((b & 0xFFFF) << 16) | ((a >> 16) << 32) | ((b >> 16) << 48);
+}
+
 #ifdef PERFXLM_DOTS_AVX2
 // quantize_block on ymm: the same division and round-half-to-even per value, so the same bytes.
 inline float quantize_block_simd(const float* src, int8_t* q) {
@@ -506,13 +518,14 @@ BlockActs quantize_blocks(const at::Tensor& x, const QW& w) {
 }
 
 #ifdef PERFXLM_VNNI
-template <bool BITS4>
+template <bool BITS4, bool FIVE>
 inline __m512i chunk_codes(const uint8_t* row, int64_t c, const QW& w, __m512i lut) {
   if constexpr (BITS4) {
     // 32 bytes -> [bytes | bytes >> 4] & 0x0F: lo nibbles of A, of B, then hi nibbles of A, of B
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 32));
     const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(b), _mm256_srli_epi16(b, 4), 1);
     const __m512i u = _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
+    if constexpr (FIVE) return _mm512_mask_add_epi8(u, chunk_fifths(row, w, c), u, _mm512_set1_epi8(16));
     return w.int_lut ? _mm512_shuffle_epi8(lut, u) : u;
   } else {
     return _mm512_loadu_si512(row + c * 64);
@@ -529,7 +542,7 @@ inline __m512 load_params16(const void* p, int64_t i, int64_t n) {
     return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p) + i);
 }
 
-template <bool BITS4, bool HALF, int SPC, int MT, int NT>
+template <bool BITS4, bool HALF, int SPC, int MT, int NT, bool FIVE>
 inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, float* y, const float* bias) {
   const int64_t K = w.K, N = w.N, chunks = K / 64, groups = w.groups;
   const int8_t* xq = a.q + m0 * K;
@@ -566,7 +579,7 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
         const int64_t n = n0 + j;
         const uint8_t* row = w.codes + n * w.row_bytes;
         if ((c & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + NT * w.row_bytes + c * (BITS4 ? 32 : 64)), _MM_HINT_T0);
-        const __m512i wv = chunk_codes<BITS4>(row, c, w, lut);
+        const __m512i wv = chunk_codes<BITS4, FIVE>(row, c, w, lut);
         __m512 ws;
         if constexpr (SPC > 1)
           ws = _mm512_permutexvar_ps(idx, S[j]);
@@ -718,6 +731,32 @@ inline void prefetch_row(const QW& w, int64_t n) {
   }
 }
 
+// 32 fifth bits -> 32 bytes, byte p 16 where bit p is set (llama.cpp's bytes_from_bits_32, times 16).
+inline __m256i fifths_to_bytes(uint32_t bits) {
+  const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+  const __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), spread);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(b, bit), bit), _mm256_set1_epi8(16));
+}
+
+// One chunk of 4-bit (or 5-bit) codes as two halves of 32 bytes: lo nibbles [A 0-15, B 0-15], hi
+// nibbles [A 16-31, B 16-31], each plus its fifth bits or looked up in an integer table.
+template <bool FIVE>
+inline void chunk_halves(const uint8_t* row, int64_t c, const QW& w, __m256i lut, __m256i& lo, __m256i& hi) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 32));
+  lo = _mm256_and_si256(b, nibble);
+  hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
+  if constexpr (FIVE) {
+    const uint64_t f = chunk_fifths(row, w, c);
+    lo = _mm256_or_si256(lo, fifths_to_bytes(static_cast<uint32_t>(f)));
+    hi = _mm256_or_si256(hi, fifths_to_bytes(static_cast<uint32_t>(f >> 32)));
+  } else if (w.int_lut) {
+    lo = _mm256_shuffle_epi8(lut, lo);
+    hi = _mm256_shuffle_epi8(lut, hi);
+  }
+}
+
 // A chunk's two block scales of one weight row as [A, B, ., .]: two per chunk (group 32), or one
 // repeated (a group of 64 or more).
 template <bool HALF, int SPC>
@@ -745,7 +784,7 @@ inline __m256 chunk_dot8(__m256i lo, __m256i hi, const int8_t* xc, __m128 wscale
 
 // NT weight rows, one after the other (a row of a small model is a few cache lines, and consecutive
 // rows are one stream), each against MT activation rows: MT accumulators, everything else transient.
-template <bool BITS4, bool HALF, int SPC, int MT, int NT>
+template <bool BITS4, bool HALF, int SPC, int MT, int NT, bool FIVE>
 inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, float* y, const float* bias) {
   const int64_t K = w.K, N = w.N, chunks = K / 64, groups = w.groups;
   const int8_t* xq = a.q + m0 * K;
@@ -754,7 +793,6 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
   // of the chunk, 8-bit halves one block each (group 16: two groups of 4 lanes)
   const __m256i lo_idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   const __m256i hi_idx = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
   const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(w.ulut)));
   for (int j = 0; j < NT; ++j) {
     const int64_t n = n0 + j, row_base = n * groups;
@@ -769,9 +807,8 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t g0 = row_base + (c * 64) / w.group;
       if constexpr (BITS4) {
-        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 32));
-        __m256i lo = _mm256_and_si256(b, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
-        if (w.int_lut) lo = _mm256_shuffle_epi8(lut, lo), hi = _mm256_shuffle_epi8(lut, hi);
+        __m256i lo, hi;
+        chunk_halves<FIVE>(row, c, w, lut, lo, hi);
         // both halves carry [A x4, B x4] weight and activation scales, so their int32 sums add up
         __m256 ws;
         if constexpr (SPC == 1)
@@ -819,29 +856,52 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
     }
   }
 }
+// The four weight rows a batch-1 tile reads from n0: where each one's codes and groups start, with the
+// rows kPrefetchRows further on requested (the setup both four-row kernels below share).
+struct FourRows {
+  const uint8_t* row[4];
+  int64_t base[4];
+};
+
+inline FourRows four_rows(const QW& w, int64_t n0) {
+  FourRows r;
+  #pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) {
+    r.row[j] = w.codes + (n0 + j) * w.row_bytes;
+    r.base[j] = (n0 + j) * w.groups;
+    prefetch_row(w, n0 + j + kPrefetchRows);
+  }
+  return r;
+}
+
+// The four rows' results: each accumulator plus its mins, reduced together (block_tile's order for each)
+// into one 4-float store at y[n0..n0 + 3] of activation row m.
+template <bool BITS4, bool HALF>
+inline void store_four(__m256 (&acc)[4], const FourRows& r, const BlockActs& a, int64_t m, const QW& w, int64_t n0,
+                       float* y, const float* bias) {
+  const float* gsum = a.gsum + m * a.gstride;
+  #pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) acc[j] = add_mins<BITS4, HALF>(acc[j], w, r.base[j], gsum);
+  __m128 sum = hsum4x8(acc[0], acc[1], acc[2], acc[3]);
+  if (bias) sum = _mm_add_ps(sum, _mm_loadu_ps(bias + n0));
+  _mm_storeu_ps(y + m * w.N + n0, sum);
+}
+
 // Batch-1 decode, four weight rows at once against the one activation row: the activation loads are
 // shared by the four rows, the four accumulators are four independent FMA chains, and the four sums are
 // reduced together into one 4-float store. At decode a row of a small model is 9-24 chunks, so the
 // per-row work of block_tile (its loads of the activations, reduction, store) was a quarter of the
 // time (measured 1.15-1.25x per GEMV on Zen 3). Each row's operations are block_tile's, in its order:
-// the results are the same bits. 4-bit codes here; 8-bit ones in block_tile_m1x4_q8 below.
-template <bool BITS4, bool HALF, int SPC>
+// the results are the same bits. 4-bit (and 5-bit) codes here; 8-bit ones in block_tile_m1x4_q8 below.
+template <bool BITS4, bool HALF, int SPC, bool FIVE>
 inline void block_tile_m1x4(const BlockActs& a, int64_t m, const QW& w, int64_t n0, float* y, const float* bias) {
   static_assert(BITS4, "four rows at once: 4-bit codes only");
-  const int64_t K = w.K, chunks = K / 64, groups = w.groups;
+  const int64_t K = w.K, chunks = K / 64;
   const int8_t* xq = a.q + m * K;
   const float* lanes = a.lanes + m * chunks * 16;
   const __m256i lo_idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
   const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(w.ulut)));
-  const uint8_t* row[4];
-  int64_t base[4];
-  #pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) {
-    row[j] = w.codes + (n0 + j) * w.row_bytes;
-    base[j] = (n0 + j) * groups;
-    prefetch_row(w, n0 + j + kPrefetchRows);
-  }
+  const FourRows r = four_rows(w, n0);
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t goff = (c * 64) / w.group;
@@ -851,23 +911,17 @@ inline void block_tile_m1x4(const BlockActs& a, int64_t m, const QW& w, int64_t 
     const __m256 xv = _mm256_loadu_ps(xs);
     #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[j] + c * 32));
-      __m256i lo = _mm256_and_si256(b, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
-      if (w.int_lut) lo = _mm256_shuffle_epi8(lut, lo), hi = _mm256_shuffle_epi8(lut, hi);
+      __m256i lo, hi;
+      chunk_halves<FIVE>(r.row[j], c, w, lut, lo, hi);
       __m256 ws;
       if constexpr (SPC == 1)
-        ws = _mm256_set1_ps(param_at<HALF>(w.scales, base[j] + goff));
+        ws = _mm256_set1_ps(param_at<HALF>(w.scales, r.base[j] + goff));
       else
-        ws = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(load_params_lo<HALF, 2>(w.scales, base[j] + goff)), lo_idx);
+        ws = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(load_params_lo<HALF, 2>(w.scales, r.base[j] + goff)), lo_idx);
       acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_pairs(lo, x0, hi, x1)), _mm256_mul_ps(ws, xv), acc[j]);
     }
   }
-  const float* gsum = a.gsum + m * a.gstride;
-  #pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) acc[j] = add_mins<BITS4, HALF>(acc[j], w, base[j], gsum);
-  __m128 r = hsum4x8(acc[0], acc[1], acc[2], acc[3]);
-  if (bias) r = _mm_add_ps(r, _mm_loadu_ps(bias + n0));
-  _mm_storeu_ps(y + m * w.N + n0, r);
+  store_four<BITS4, HALF>(acc, r, a, m, w, n0, y, bias);
 }
 
 // block_tile_m1x4 for 8-bit codes with a scale per block (Q8_0, symmetric int8 at group 32 or more):
@@ -876,65 +930,53 @@ inline void block_tile_m1x4(const BlockActs& a, int64_t m, const QW& w, int64_t 
 template <bool HALF, int SPC>
 inline void block_tile_m1x4_q8(const BlockActs& a, int64_t m, const QW& w, int64_t n0, float* y, const float* bias) {
   static_assert(SPC <= 2, "four rows at once: one scale per 8-bit block");
-  const int64_t K = w.K, chunks = K / 64, groups = w.groups;
+  const int64_t K = w.K, chunks = K / 64;
   const int8_t* xq = a.q + m * K;
   const float* bscale = a.bscale + m * (K / 32);
-  const uint8_t* row[4];
-  int64_t base[4];
-  #pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) {
-    row[j] = w.codes + (n0 + j) * w.row_bytes;
-    base[j] = (n0 + j) * groups;
-    prefetch_row(w, n0 + j + kPrefetchRows);
-  }
+  const FourRows r = four_rows(w, n0);
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t goff = (c * 64) / w.group;
     #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
-      const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[j] + c * 64));
-      const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[j] + c * 64 + 32));
-      acc[j] = chunk_dot8(lo, hi, xq + c * 64, block_scale_pair<HALF, SPC>(w, base[j] + goff), bscale + 2 * c, acc[j]);
+      const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.row[j] + c * 64));
+      const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.row[j] + c * 64 + 32));
+      acc[j] = chunk_dot8(lo, hi, xq + c * 64, block_scale_pair<HALF, SPC>(w, r.base[j] + goff), bscale + 2 * c, acc[j]);
     }
   }
-  const float* gsum = a.gsum + m * a.gstride;
-  #pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) acc[j] = add_mins<false, HALF>(acc[j], w, base[j], gsum);
-  __m128 r = hsum4x8(acc[0], acc[1], acc[2], acc[3]);
-  if (bias) r = _mm_add_ps(r, _mm_loadu_ps(bias + n0));
-  _mm_storeu_ps(y + m * w.N + n0, r);
+  store_four<false, HALF>(acc, r, a, m, w, n0, y, bias);
 }
 #define PERFXLM_BLOCK_M1X4 1
 #endif  // PERFXLM_VNNI / PERFXLM_DOTS_AVX2
 
 
-template <bool BITS4, bool HALF, int SPC, int NT>
+template <bool BITS4, bool HALF, int SPC, int NT, bool FIVE>
 inline void block_rows(const BlockActs& a, int64_t M, const QW& w, int64_t n0, float* y, const float* bias) {
 #ifdef PERFXLM_BLOCK_M1X4
   if constexpr (NT == 4 && BITS4) {
-    if (M == 1) return block_tile_m1x4<BITS4, HALF, SPC>(a, 0, w, n0, y, bias);
+    if (M == 1) return block_tile_m1x4<BITS4, HALF, SPC, FIVE>(a, 0, w, n0, y, bias);
   }
   if constexpr (NT == 4 && !BITS4 && SPC <= 2) {
     if (M == 1) return block_tile_m1x4_q8<HALF, SPC>(a, 0, w, n0, y, bias);
   }
 #endif
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) block_tile<BITS4, HALF, SPC, 4, NT>(a, m, w, n0, y, bias);
+  for (; m + 4 <= M; m += 4) block_tile<BITS4, HALF, SPC, 4, NT, FIVE>(a, m, w, n0, y, bias);
   switch (M - m) {
-    case 3: block_tile<BITS4, HALF, SPC, 3, NT>(a, m, w, n0, y, bias); break;
-    case 2: block_tile<BITS4, HALF, SPC, 2, NT>(a, m, w, n0, y, bias); break;
-    case 1: block_tile<BITS4, HALF, SPC, 1, NT>(a, m, w, n0, y, bias); break;
+    case 3: block_tile<BITS4, HALF, SPC, 3, NT, FIVE>(a, m, w, n0, y, bias); break;
+    case 2: block_tile<BITS4, HALF, SPC, 2, NT, FIVE>(a, m, w, n0, y, bias); break;
+    case 1: block_tile<BITS4, HALF, SPC, 1, NT, FIVE>(a, m, w, n0, y, bias); break;
     default: break;
   }
 }
 
-template <bool BITS4, bool HALF, int SPC>
+template <bool BITS4, bool HALF, int SPC, bool FIVE>
 void block_gemv_typed(const BlockActs& a, int64_t M, const QW& w, float* y, const float* bias) {
   const int64_t tiles = w.N / 4;
   at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) block_rows<BITS4, HALF, SPC, 4>(a, M, w, t * 4, y, bias);
+    for (int64_t t = begin; t < end; ++t) block_rows<BITS4, HALF, SPC, 4, FIVE>(a, M, w, t * 4, y, bias);
   });
-  for (int64_t n = tiles * 4; n < w.N; ++n) block_rows<BITS4, HALF, SPC, 1>(a, M, w, n, y, bias);
+  for (int64_t n = tiles * 4; n < w.N; ++n) block_rows<BITS4, HALF, SPC, 1, FIVE>(a, M, w, n, y, bias);
 }
 
 // x with each block of 32 replaced by its int8 quantization times its scale: what the block GEMV
@@ -957,18 +999,18 @@ at::Tensor fake_quantize_blocks(const at::Tensor& x) {
 
 // Scales per 64-input chunk, or 0 where the block path does not apply (then the float kernel runs).
 int block_spc(const QW& w) {
-  if ((w.levels && !w.int_lut) || w.bits5 || w.K % 64 != 0) return 0;  // 5-bit codes: the float kernel
+  if ((w.levels && !w.int_lut) || w.K % 64 != 0) return 0;
   if (w.group % 64 == 0) return 1;
   if (w.group == 32) return 2;
   if (w.group == 16 && !w.bits4) return 4;
   return 0;
 }
 
-template <bool BITS4, bool HALF>
+template <bool BITS4, bool HALF, bool FIVE = false>
 void block_gemv_spc(const BlockActs& a, int64_t M, const QW& w, float* y, const float* bias, int spc) {
-  if (spc == 1) block_gemv_typed<BITS4, HALF, 1>(a, M, w, y, bias);
-  else if (spc == 2) block_gemv_typed<BITS4, HALF, 2>(a, M, w, y, bias);
-  else if constexpr (!BITS4) block_gemv_typed<BITS4, HALF, 4>(a, M, w, y, bias);
+  if (spc == 1) block_gemv_typed<BITS4, HALF, 1, FIVE>(a, M, w, y, bias);
+  else if (spc == 2) block_gemv_typed<BITS4, HALF, 2, FIVE>(a, M, w, y, bias);
+  else if constexpr (!BITS4) block_gemv_typed<BITS4, HALF, 4, FIVE>(a, M, w, y, bias);
 }
 
 at::Tensor block_product(const at::Tensor& x, const QW& w, const float* bias, int spc) {
@@ -976,7 +1018,10 @@ at::Tensor block_product(const at::Tensor& x, const QW& w, const float* bias, in
   const BlockActs a = quantize_blocks(x, w);
   at::Tensor y = at::empty({M, w.N}, x.options());
   float* yp = y.data_ptr<float>();
-  if (w.bits4)
+  if (w.bits5)
+    w.half ? block_gemv_spc<true, true, true>(a, M, w, yp, bias, spc)
+           : block_gemv_spc<true, false, true>(a, M, w, yp, bias, spc);
+  else if (w.bits4)
     w.half ? block_gemv_spc<true, true>(a, M, w, yp, bias, spc) : block_gemv_spc<true, false>(a, M, w, yp, bias, spc);
   else
     w.half ? block_gemv_spc<false, true>(a, M, w, yp, bias, spc) : block_gemv_spc<false, false>(a, M, w, yp, bias, spc);

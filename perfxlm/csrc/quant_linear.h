@@ -6,7 +6,8 @@
 namespace perfxlm_quant {
 
 // y = x W^T (+ b), x float32 [M, K], W stored as perfxlm.quant.QuantizedWeight's tensors:
-// codes uint8 [N, K] (8-bit) or [N, K / 2] (4-bit, GGUF Q4 nibble order per 32-block), scales and mins
+// codes uint8 [N, K] (8-bit), [N, K / 2] (4-bit, GGUF Q4 nibble order per 32-block) or [N, 5 K / 8] (5-bit:
+// those nibbles, then a plane of fifth bits), scales and mins
 // float32 or float16 [N, K / group], w = scale * u + min (or scale * levels[u] + min with a 16-entry
 // table); no mins (centred codes): w = scale * (u - 8) (4-bit), scale * (u - 128) (8-bit), scale * levels[u]. act_int8: activations quantized per row to symmetric int8 first (W8A8). Up to max_rows rows go
 // to the GEMV kernels; more rows dequantize slabs of W for torch's GEMM (bf16 under bf16_gemm).

@@ -1,5 +1,6 @@
-// The group search of perfxlm.quant.search in one pass per group: affine codes (0..top) whose scale and
-// min make the weighted squared error least, llama.cpp's make_qkx2 / make_qkx3 search.
+// The group searches of perfxlm.quant.search in one pass per group: affine codes (0..top) whose scale and
+// min make the weighted squared error least, llama.cpp's make_qkx2 / make_qkx3 search (search_affine),
+// and codes into a table of levels with one searched scale (search_levels, below).
 //
 // The Python module holds the definition (and a plain-torch version of it, used where this is not
 // built): candidates stretch the group's [min, max] by (top + rmin + i * rdelta) / top, i = 0..steps;
@@ -15,10 +16,12 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace perfxlm_search {
@@ -201,14 +204,195 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> search_affine(const at::Tensor& g
   return std::make_tuple(u, s, m);
 }
 
+// ---------------------------------------------------------------------------------------------
+// search_levels: codes into a sorted table of levels (5-bit centred codes' 32 uniform levels, NF4's 16)
+// and one scale per group, value = scale * levels[u], as perfxlm.quant.search.search_levels defines it:
+// scales sign x factor x absmax for both signs and factors[] (float32 products, as torch multiplies a
+// tensor by a Python float), each refit by least squares on its codes (double from float sums), the
+// least error kept (strictly less: the first wins ties); then the plain rule (absmax) and the searched
+// scale rounded to float16 and recoded against the stored value, the plain rule winning ties. The torch
+// version runs ~170 elementwise passes per weight, with a bucketize for each code; here a group stays
+// in registers and the nearest level of a uniform table is one rounding and two exact comparisons.
+// ---------------------------------------------------------------------------------------------
+
+// A sorted table and its midpoints (torch's (levels[1:] + levels[:-1]) / 2); `uniform` where each level
+// and midpoint is lo + i * step (i integer, or half an integer) to the bit, so both come from arithmetic.
+struct Table {
+  const float* levels;
+  int L;
+  std::vector<float> mid;
+  bool uniform;
+  float lo, step;
+
+  Table(const float* lv, int n) : levels(lv), L(n), mid(n - 1) {
+    for (int i = 0; i + 1 < n; ++i) mid[i] = (lv[i] + lv[i + 1]) / 2.0f;
+    lo = lv[0];
+    step = (lv[n - 1] - lv[0]) / static_cast<float>(n - 1);
+    uniform = step > 0;
+    for (int i = 0; i < n && uniform; ++i) uniform = at(static_cast<float>(i)) == lv[i];
+    for (int i = 0; i + 1 < n && uniform; ++i) uniform = at(static_cast<float>(i) + 0.5f) == mid[i];
+  }
+
+  float at(float i) const { return lo + i * step; }
+
+  // torch.bucketize(clamp(v, -1, 1), mid): the number of midpoints below v (a tie goes to the lower level).
+  int nearest_sorted(float v) const {
+    v = std::min(std::max(v, -1.0f), 1.0f);
+    return static_cast<int>(std::lower_bound(mid.begin(), mid.end(), v) - mid.begin());
+  }
+};
+
+// The nearest level's index of each x[j] / d (clamped to [-1, 1]) as a float, into q. A uniform table:
+// the rounded position (a multiply by 1 / step: it only has to land within one level) is off by at most
+// one where v sits near a midpoint, and two comparisons with the exact midpoints (lo + (q -+ 0.5) step,
+// the table's own floats) settle it, as bucketize would. Locals, not the table's fields, in the loop: a
+// float store through q could alias them and stop the vectorizer.
+inline void nearest_codes(const Table& t, const float* x, int64_t G, float d, float* q) {
+  if (t.uniform) {
+    const float top = static_cast<float>(t.L - 1), lo = t.lo, step = t.step, inv = 1.0f / t.step;
+#pragma omp simd
+    for (int64_t j = 0; j < G; ++j) {
+      const float v = std::min(std::max(x[j] / d, -1.0f), 1.0f);
+      float i = round_small(std::min(std::max((v - lo) * inv, 0.0f), top));
+      const float below = lo + (i - 0.5f) * step, above = lo + (i + 0.5f) * step;
+      i = (i > 0 && !(below < v)) ? i - 1 : ((i < top && above < v) ? i + 1 : i);
+      q[j] = i;
+    }
+  } else {
+    for (int64_t j = 0; j < G; ++j) q[j] = static_cast<float>(t.nearest_sorted(x[j] / d));
+  }
+}
+
+// sum w lv^2 and sum w x lv over a group's codes (torch's (w * lv) * lv and wx * lv, float sums).
+inline void level_sums(const Table& t, const float* w, const float* wx, const float* q, int64_t G, float* swl2,
+                       float* swxl) {
+  float a = 0, b = 0;
+  if (t.uniform) {
+    const float lo = t.lo, step = t.step;
+#pragma omp simd reduction(+ : a, b)
+    for (int64_t j = 0; j < G; ++j) {
+      const float lv = lo + q[j] * step;
+      a += (w[j] * lv) * lv;
+      b += wx[j] * lv;
+    }
+  } else {
+    for (int64_t j = 0; j < G; ++j) {
+      const float lv = t.levels[static_cast<int>(q[j])];
+      a += (w[j] * lv) * lv;
+      b += wx[j] * lv;
+    }
+  }
+  *swl2 = a;
+  *swxl = b;
+}
+
+inline float level_of(const Table& t, float i) {
+  return t.uniform ? t.at(i) : t.levels[static_cast<int>(i)];
+}
+
+void search_levels_group(const float* x, const float* imp, int64_t G, const Table& t, const float* factors,
+                         int64_t nf, uint8_t* u_out, float* s_out, float* buf) {
+  float* w = buf;  // 4 scratch rows of G floats
+  float* wx = buf + G;
+  float* q = buf + 2 * G;
+  float* best_q = buf + 3 * G;
+  element_weights(x, imp, G, w);
+  float absmax = 0;
+  for (int64_t j = 0; j < G; ++j) absmax = std::max(absmax, std::fabs(x[j]));
+  const float safe = absmax > 0 ? absmax : 1.0f;
+  float fx2 = 0;
+  for (int64_t j = 0; j < G; ++j) {
+    wx[j] = w[j] * x[j];
+    fx2 += wx[j] * x[j];
+  }
+  const double swx2 = fx2;
+  double best_s = safe, best_err = std::numeric_limits<double>::infinity();
+  for (int sign = 0; sign < 2; ++sign) {
+    for (int64_t f = 0; f < nf; ++f) {
+      const float d = (sign ? -factors[f] : factors[f]) * safe;
+      nearest_codes(t, x, G, d, q);
+      float a, b;
+      level_sums(t, w, wx, q, G, &a, &b);
+      const double swl2 = a, swxl = b;
+      if (!(swl2 > 0)) continue;
+      const double err = swx2 - swxl * swxl / swl2;
+      if (err < best_err) {
+        best_err = err;
+        best_s = swxl / swl2;
+      }
+    }
+  }
+  // stored values: codes against the float16 scale, error on them
+  auto stored = [&](float s, float* codes) {
+    s = static_cast<float>(c10::Half(s));
+    nearest_codes(t, x, G, s != 0 ? s : 1.0f, codes);
+    float err = 0;
+#pragma omp simd reduction(+ : err)
+    for (int64_t j = 0; j < G; ++j) {
+      const float diff = s * level_of(t, codes[j]) - x[j];
+      err += w[j] * (diff * diff);
+    }
+    return std::make_pair(s, err);
+  };
+  auto [s, err] = stored(absmax, best_q);  // the plain rule first: ties keep it
+  const auto [cs, cerr] = stored(static_cast<float>(best_s), q);
+  if (cerr < err && std::isfinite(cs) && cs != 0) {
+    s = cs;
+    std::copy(q, q + G, best_q);
+  }
+  for (int64_t j = 0; j < G; ++j) u_out[j] = static_cast<uint8_t>(best_q[j]);
+  *s_out = s;
+}
+
+std::tuple<at::Tensor, at::Tensor> search_levels(const at::Tensor& groups, const at::Tensor& levels,
+                                                 const c10::optional<at::Tensor>& importance,
+                                                 const at::Tensor& factors) {
+  TORCH_CHECK(groups.dim() == 2 && groups.scalar_type() == at::kFloat && groups.is_contiguous(),
+              "search_levels: groups must be contiguous float32 [R, G]");
+  TORCH_CHECK(levels.dim() == 1 && levels.scalar_type() == at::kFloat && levels.is_contiguous() &&
+                  levels.numel() >= 2 && levels.numel() <= 256,
+              "search_levels: levels must be contiguous float32 [2..256], sorted");
+  TORCH_CHECK(factors.dim() == 1 && factors.scalar_type() == at::kFloat && factors.is_contiguous(),
+              "search_levels: factors must be contiguous float32");
+  const int64_t R = groups.size(0), G = groups.size(1);
+  const float* imp = nullptr;
+  int64_t P = 1;
+  if (importance.has_value() && importance->defined()) {
+    TORCH_CHECK(importance->dim() == 2 && importance->size(1) == G && importance->scalar_type() == at::kFloat &&
+                    importance->is_contiguous() && importance->size(0) > 0 && R % importance->size(0) == 0,
+                "search_levels: importance must be contiguous float32 [P, G] with P dividing R");
+    imp = importance->data_ptr<float>();
+    P = importance->size(0);
+  }
+  const Table table(levels.data_ptr<float>(), static_cast<int>(levels.numel()));
+  for (int i = 0; i + 1 < table.L; ++i) TORCH_CHECK(table.levels[i] < table.levels[i + 1], "search_levels: levels must be sorted");
+  auto u = at::empty({R, G}, groups.options().dtype(at::kByte));
+  auto s = at::empty({R}, groups.options());
+  const float* x = groups.data_ptr<float>();
+  const float* fp = factors.data_ptr<float>();
+  const int64_t nf = factors.numel();
+  uint8_t* up = u.data_ptr<uint8_t>();
+  float* sp = s.data_ptr<float>();
+  at::parallel_for(0, R, std::max<int64_t>(1, 16384 / std::max<int64_t>(G, 1)), [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(4 * G);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* ir = imp == nullptr ? nullptr : imp + (r % P) * G;
+      search_levels_group(x + r * G, ir, G, table, fp, nf, up + r * G, sp + r, buf.data());
+    }
+  });
+  return std::make_tuple(u, s);
+}
+
 }  // namespace
 }  // namespace perfxlm_search
 
 TORCH_LIBRARY_FRAGMENT(perfxlm, m) {
   m.def("search_affine(Tensor groups, Tensor? importance, int top, int steps, float rmin, float rdelta, bool half) "
         "-> (Tensor, Tensor, Tensor)");
+  m.def("search_levels(Tensor groups, Tensor levels, Tensor? importance, Tensor factors) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(perfxlm, CPU, m) {
   m.impl("search_affine", &perfxlm_search::search_affine);
+  m.impl("search_levels", &perfxlm_search::search_levels);
 }

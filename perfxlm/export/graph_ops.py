@@ -325,7 +325,7 @@ class OrtOps(GraphOps):
         args = [x, g.weight(f"{lw.name}.weight_q", packed.codes),
                 g.weight(f"{lw.name}.scales", packed.scales),
                 g.weight(f"{lw.name}.zero_points", packed.zero_points)]
-        y = g.op("MatMulNBits", args, domain=MS_DOMAIN, K=w.in_features, N=w.out_features, bits=w.bits,
+        y = g.op("MatMulNBits", args, domain=MS_DOMAIN, K=w.in_features, N=w.out_features, bits=packed.bits,
                  block_size=packed.block_size, accuracy_level=0, name=lw.name)
         if packed.offsets is not None:  # + (sum of each block's activations) x offset
             blocks = w.in_features // packed.block_size

@@ -29,6 +29,7 @@ class PackedNBits:
     scales: np.ndarray  # float32 [N, K / block]
     zero_points: np.ndarray  # uint8 [N, ceil(K / block * bits / 8)]
     block_size: int
+    bits: int  # 4 or 8 (5-bit codes are stored as 8-bit ones)
     offsets: np.ndarray | None = None  # float32 [N, K / block], added per block (mins that are no code)
 
 
@@ -55,6 +56,8 @@ def pack_matmul_nbits(w: QuantizedWeight) -> PackedNBits | None:
     block = block_size_for(w.group)
     if block is None:
         return None
+    if w.bits == 5:  # (Q5_0's form, mixed precision's int4) MatMulNBits packs 4 or 8 bits: the same values as 8
+        w = w.widened(8)
     n, k, bits = w.out_features, w.in_features, w.bits
     repeat = w.group // block
     scales = w.scales.float().numpy().repeat(repeat, axis=1)  # [N, K / block]
@@ -74,4 +77,4 @@ def pack_matmul_nbits(w: QuantizedWeight) -> PackedNBits | None:
         if z.shape[1] % 2:
             z = np.concatenate([z, np.zeros((n, 1), np.uint8)], axis=1)
         z = _pack_pairs(z)
-    return PackedNBits(codes, scales.astype(np.float32), z, block, offsets)
+    return PackedNBits(codes, scales.astype(np.float32), z, block, bits, offsets)

@@ -139,8 +139,7 @@ def native_int8_blocks(weight: QuantizedWeight) -> bool:
     most 64 (MXFP4's, looked up as int8), K a multiple of 64, groups of 16 / 32 / multiples of 64);
     elsewhere it multiplies the activations as given."""
     g = weight.group
-    block_form = weight.in_features % 64 == 0 and weight.bits != 5  # 5-bit codes: the float kernel
-    layout_ok = (weight.levels is None or integer_levels(weight)) and block_form and (
+    layout_ok = (weight.levels is None or integer_levels(weight)) and weight.in_features % 64 == 0 and (
         g % 64 == 0 or g == 32 or (g == 16 and weight.bits == 8)
     )
     return layout_ok and _int8_dots()

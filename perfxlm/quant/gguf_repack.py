@@ -7,12 +7,16 @@ Each type maps onto the affine form w = scale * u + min without changing a value
 - Q4_1: u = q, scale d, min m (float16).
 - Q8_0: 8-bit u = q + 128, scale d (float16), centred codes: the min -128 d is implied (8.5 bits per
   weight streamed, not 9; AVX2's shifted int8 dots need no min correction at all).
-- Q5_0 / Q5_1: 8-bit u = q (0..31); scale d, min -16 d / m (float16).
+- Q5_0: 5-bit u = q (0..31), the file's bytes moved: each row's qs (Q4_0's nibble layout) then its qh
+  words, which are the fifth-bit plane as the 5-bit form defines it; scale d (float16), centred codes
+  (the min -16 d implied): 5.5 bits per weight streamed, as the file holds them (8-bit codes with a
+  stored min streamed 9).
+- Q5_1: as Q5_0, with its min m stored (float16): 6 bits per weight.
 - Q4_K: 4-bit u, group 32; scale d * sc, min -dmin * m (float32: products of two float16-sized values).
-- Q5_K: as Q4_K with 8-bit u (0..31).
+- Q5_K: as Q4_K with 5-bit u (0..31).
 - Q6_K: 8-bit u = q (0..63), group 16; scale d * sc, min -32 d * sc (float32).
 - MXFP4: 4-bit codes into the E2M1 level table, group 32, scale 2^(e - 128) (float32; `quant/mxfp4.py`).
-float16 scales and mins fall back to float32 when a min overflows float16 (|d| too large for -8 d).
+The 5-bit forms run the 4-bit kernels plus one masked add per 32 codes (int8 block products included).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 
 from perfxlm.ops import gguf_dequant as gd
 from perfxlm.quant import mxfp4
-from perfxlm.quant.weight import QuantizedWeight, pack_nibbles
+from perfxlm.quant.weight import QuantizedWeight, pack_fives, pack_nibbles
 
 Q = gguf.GGMLQuantizationType
 
@@ -42,12 +46,13 @@ def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
     return blocks[:, start : start + 2].contiguous().view(torch.float16).reshape(-1)
 
 
-def _scaled_min(d: torch.Tensor, factor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, factor * d): float16 if the product fits (exact: a power of two), else both float32."""
-    m16 = d * factor
-    if torch.isfinite(m16).all() or not torch.isfinite(d).all():
-        return d, m16
-    return d.float(), d.float() * factor
+def _fives(b: torch.Tensor, qh_at: int, n: int) -> torch.Tensor:
+    """Q5_0 / Q5_1 blocks (n_blocks, bytes), qh at `qh_at` and qs after it -> 5-bit codes [n, 5 K / 8]: each
+    row's qs bytes (the nibbles in Q4_0's layout), then its qh words (bit i of a block's little-endian word
+    is element i's fifth bit: the plane's order)."""
+    qs = b[:, qh_at + 4 : qh_at + 20].reshape(n, -1)
+    qh = b[:, qh_at : qh_at + 4].reshape(n, -1)
+    return torch.cat([qs, qh], dim=1)
 
 
 def repack(raw: np.ndarray | torch.Tensor, qtype: Q, shape: tuple[int, ...]) -> QuantizedWeight:
@@ -87,10 +92,10 @@ def repack(raw: np.ndarray | torch.Tensor, qtype: Q, shape: tuple[int, ...]) -> 
         codes, group, bits = b[:, 2:34] ^ 0x80, 32, 8  # int8 q + 128
         scales, mins = _f16(b, 0), None
     elif qtype == Q.Q5_0:
-        codes, group, bits = gd._q5(b, 2), 32, 8
-        scales, mins = _scaled_min(_f16(b, 0), -16.0)
+        codes, group, bits = _fives(b, 2, n), 32, 5
+        scales, mins = _f16(b, 0), None
     elif qtype == Q.Q5_1:
-        codes, group, bits = gd._q5(b, 4), 32, 8
+        codes, group, bits = _fives(b, 4, n), 32, 5
         scales, mins = _f16(b, 0), _f16(b, 2)
     elif qtype in (Q.Q4_K, Q.Q5_K):
         u = gd._split_nibbles(b[:, 16:144] if qtype == Q.Q4_K else b[:, 48:], 32).reshape(-1, 8, 32)
@@ -104,7 +109,7 @@ def repack(raw: np.ndarray | torch.Tensor, qtype: Q, shape: tuple[int, ...]) -> 
         if qtype == Q.Q4_K:
             codes, bits = pack_nibbles(u.reshape(-1, 256)), 4
         else:
-            codes, bits = u.reshape(-1, 256), 8
+            codes, bits = pack_fives(u.reshape(n, k)), 5
     else:  # Q6_K
         nb = b.shape[0]
         low = gd._split_nibbles(b[:, :128], 64).reshape(nb, 8, 32)

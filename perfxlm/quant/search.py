@@ -185,14 +185,38 @@ def _levels_chunk(
 
 
 def search_levels(
-    g: torch.Tensor, levels: torch.Tensor, importance: torch.Tensor | None = None
+    g: torch.Tensor, levels: torch.Tensor, importance: torch.Tensor | None = None, use_native: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Groups float32 [R, G] -> codes [R, G] into the sorted 16-entry table `levels` and one float16 scale
-    per group (value = scale * levels[u]), searched for the least weighted squared error: the absmax
-    scale (the plain rule, which wins ties), scales down to 0.75 absmax of either sign, each refit by
-    least squares on its codes. `importance` as in `search_affine`. ValueError where a scale would not
-    fit float16."""
+    """Groups float32 [R, G] -> codes [R, G] into the sorted table `levels` (NF4's 16, 5-bit codes' 32) and
+    one float16 scale per group (value = scale * levels[u]), searched for the least weighted squared
+    error: the absmax scale (the plain rule, which wins ties), scales down to 0.75 absmax of either sign,
+    each refit by least squares on its codes. `importance` as in `search_affine`. The native kernel where
+    built (`use_native`) and the weights are finite, else the same search in plain torch. ValueError
+    where a scale would not fit float16."""
     g = g.float().contiguous()
+    ops = _native_levels() if use_native else None
+    if ops is not None and bool(torch.isfinite(g).all()):
+        imp = None if importance is None else importance.float().contiguous()
+        factors = torch.tensor(LEVEL_FACTORS, dtype=torch.float32)  # float32, as torch multiplies by them
+        u, s = ops.search_levels(g, levels.float().contiguous(), imp, factors)
+    else:
+        u, s = _search_levels_torch(g, levels, importance)
+    if not bool(torch.isfinite(s).all()) or bool((s.abs() > 65504).any()):
+        raise ValueError(
+            "nf4 with searched scales: a weight group beyond float16's range; supported there: "
+            "double_quant true (float32 scales)."
+        )
+    return u, s.half()
+
+
+def _native_levels():
+    ops = _native()
+    return ops if ops is not None and hasattr(ops, "search_levels") else None
+
+
+def _search_levels_torch(
+    g: torch.Tensor, levels: torch.Tensor, importance: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     rows = max(1, CHUNK // g.shape[-1])
     us, ss = [], []
     for start in range(0, g.shape[0], rows):
@@ -203,13 +227,7 @@ def search_levels(
         u, s = _levels_chunk(chunk, element_weights(chunk, imp), levels)
         us.append(u)
         ss.append(s)
-    s = torch.cat(ss)
-    if not bool(torch.isfinite(s).all()) or bool((s.abs() > 65504).any()):
-        raise ValueError(
-            "nf4 with searched scales: a weight group beyond float16's range; supported there: "
-            "double_quant true (float32 scales)."
-        )
-    return torch.cat(us), s.half()
+    return torch.cat(us), torch.cat(ss)
 
 
 # Centred integer codes (Q5_0's form, value = d * q, q in -half..half-1): the scale candidates of

@@ -126,7 +126,8 @@ def test_quantized_export_keeps_weights_packed_and_matches_the_engine(tmp_path, 
     assert any("block_offsets" in n for n in names) == OFFSETS[name]
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])  # a zero-point code; a min per block (offsets)
+# a zero-point code; a min per block (offsets); 5-bit codes (exported as 8-bit ones)
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0"])
 def test_gguf_export_matches_the_engine(tmp_path, llama96, qtype):
     from tests.quant.test_quant_engine import write_quantized_llama_gguf
 

@@ -49,14 +49,19 @@ def test_repacked_gguf_blocks_dequantize_bit_exactly(qtype, rows):
     w = repack(raw, qtype, (rows, cols))
     assert w.act == "float" and (w.levels is None) == (qtype != Q.MXFP4) and w.codes.dtype == torch.uint8
     f16, f32 = torch.float16, torch.float32
-    expected = {Q.Q4_0: (4, 32, f16), Q.Q4_1: (4, 32, f16), Q.Q8_0: (8, 32, f16), Q.Q5_0: (8, 32, f16),
-                Q.Q5_1: (8, 32, f16), Q.Q4_K: (4, 32, f32), Q.Q5_K: (8, 32, f32), Q.Q6_K: (8, 16, f32),
+    expected = {Q.Q4_0: (4, 32, f16), Q.Q4_1: (4, 32, f16), Q.Q8_0: (8, 32, f16), Q.Q5_0: (5, 32, f16),
+                Q.Q5_1: (5, 32, f16), Q.Q4_K: (4, 32, f32), Q.Q5_K: (5, 32, f32), Q.Q6_K: (8, 16, f32),
                 Q.MXFP4: (4, 32, f32)}[qtype]
     assert (w.bits, w.group, w.scales.dtype) == expected
     torch.testing.assert_close(w.dequantize(), want, rtol=0, atol=0)
     if qtype == Q.Q4_0:  # the nibble layout is Q4_0's, byte for byte, and d alone: 18 bytes per block
         assert torch.equal(w.codes.view(-1, 16), torch.from_numpy(raw.reshape(-1, 18)[:, 2:]))
         assert w.centred and w.mins is None and w.nbytes == raw.nbytes
+    if qtype in (Q.Q5_0, Q.Q5_1):  # packed 5-bit codes: the file's bytes moved, 22 / 24 bytes per block
+        assert w.centred == (qtype == Q.Q5_0) and w.nbytes == raw.nbytes
+        at = 2 if qtype == Q.Q5_0 else 4
+        blocks = torch.from_numpy(raw.reshape(-1, at + 20))
+        assert torch.equal(w.codes[:, : cols // 2].reshape(-1, 16), blocks[:, at + 4 :])
 
 
 def test_q8_0_min_overflowing_float16_needs_no_float32():
@@ -237,6 +242,7 @@ def test_five_bit_codes_round_trip_and_keep_values_through_every_reshaping():
     perm = torch.randperm(13, generator=torch.Generator().manual_seed(2))
     four = quantizers.quantize_symmetric_int4(torch.randn(5, 160), 32)
     for part, want in [(q.narrow_rows(2, 7), full[2:9]), (q.index_rows(perm), full[perm]),
+                       (q.narrow_columns(32, 96), full[:, 32:128]),  # a row-parallel rank's share
                        (q.widened(), full), (q.with_scale_dtype(torch.float32), full),
                        (four.widened(5), four.dequantize()),
                        (QuantizedWeight.cat_rows([four, q]), torch.cat([four.dequantize(), full]))]:

@@ -80,6 +80,52 @@ def test_native_and_torch_searches_agree():
         torch.testing.assert_close(e1, e2, rtol=1e-4, atol=0)
 
 
+@pytest.mark.parametrize("table", ["int5", "nf4"])
+@pytest.mark.parametrize("n,k,group", [(37, 96, 32), (5, 448, 64), (129, 160, 32)])
+def test_native_and_torch_level_searches_agree(n, k, group, table):
+    """The native level search (5-bit codes' 32 uniform levels, NF4's 16) follows the plain-torch definition:
+    the same codes and float16 scales but where a float sum's order tips a near tie (a candidate's error is
+    a difference of sums close to each other, so float32 sums in another order can reorder two candidates
+    within 0.1 %), and the same objective overall; zero groups and a group with one outlier included."""
+    from perfxlm.ops import native
+
+    if native.kernels() is None or not hasattr(native.kernels(), "search_levels"):
+        pytest.skip("native kernels not built")
+    levels = quantizers._INT5_LEVELS if table == "int5" else NF4_LEVELS
+    w = weights(n, k, seed=n * k)
+    w[1, :group] = 0.0
+    w[2, :group] = 1e-30  # below float16's range: the plain rule's scale rounds to 0
+    g = w.reshape(-1, group)
+    for imp in (None, importance(k, seed=k).reshape(k // group, group)):
+        u1, s1 = search.search_levels(g, levels, imp, use_native=True)
+        u2, s2 = search.search_levels(g, levels, imp, use_native=False)
+        assert u1.dtype == torch.uint8 and s1.dtype == s2.dtype == torch.float16
+        same = (s1 == s2) & (u1.long() == u2.long()).all(-1)
+        assert same.float().mean() > 0.97, same.float().mean()
+        assert torch.equal(u1[same].long(), u2[same].long())
+        wt = search.element_weights(g, None if imp is None else imp.repeat(n, 1))
+        e1 = (wt * (s1.float()[:, None] * levels[u1.long()] - g).square()).sum(-1)
+        e2 = (wt * (s2.float()[:, None] * levels[u2.long()] - g).square()).sum(-1)
+        torch.testing.assert_close(e1, e2, rtol=2e-3, atol=1e-12)  # per group: a near tie either way
+        torch.testing.assert_close(e1.sum(), e2.sum(), rtol=2e-4, atol=0)
+        absmax = g.abs().amax(-1).half().float()  # the plain rule, which neither may lose to
+        safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+        plain = levels[search._nearest(g / safe[:, None], levels)] * absmax[:, None]
+        assert (e1 <= (wt * (plain - g).square()).sum(-1) * (1 + 1e-6) + 1e-30).all()
+
+
+def test_int5_search_loads_native_and_torch_to_the_same_objective(monkeypatch):
+    """quantize_int5_search (mixed precision's 5-bit weights) through either search: the same weighted
+    error, and the torch search stays the fallback where the kernels are not built."""
+    w = weights(33, 576, seed=5)
+    imp = importance(576, seed=2)
+    native_q = quantizers.quantize_int5_search(w, 32, imp)
+    monkeypatch.setattr(search, "_native", lambda: None)
+    torch_q = quantizers.quantize_int5_search(w, 32, imp)
+    torch.testing.assert_close(weighted_error(native_q, w, 32, imp).sum(), weighted_error(torch_q, w, 32, imp).sum(),
+                               rtol=1e-5, atol=0)
+
+
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 def test_zero_and_constant_groups_are_exact(native, monkeypatch):
     """A group of zeros dequantizes to zeros and a constant group to its constant (the min carries it:

@@ -149,7 +149,7 @@ def test_bad_shapes_are_errors():
 
 
 def _block_applies(bits, k, group, lut):
-    return (not lut and bits != 5 and k % 64 == 0 and (group % 64 == 0 or group == 32 or (group == 16 and bits == 8)))
+    return (not lut and k % 64 == 0 and (group % 64 == 0 or group == 32 or (group == 16 and bits == 8)))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
@@ -182,6 +182,7 @@ def test_int8_block_activations_match_reference(bits, n, k, group, half, lut, ro
 
 
 @pytest.mark.parametrize("bits,n,k,group,half,lut", [(4, 13, 192, 32, True, False), (4, 9, 128, 64, False, False),
+                                                     (5, 13, 192, 32, True, False), (5, 9, 128, 64, False, False),
                                                      (8, 10, 128, 32, True, False), (8, 11, 192, 64, False, False),
                                                      (8, 7, 128, 16, False, False)])
 def test_int8_block_rows_alone_equal_rows_together_and_the_4bit_row_limit(bits, n, k, group, half, lut):
@@ -197,7 +198,7 @@ def test_int8_block_rows_alone_equal_rows_together_and_the_4bit_row_limit(bits, 
     assert torch.equal(alone, together)
     beyond = ops.linear_q(x, codes, scales, mins, levels, b, False, 2, False, True, 64)
     general = ops.linear_q(x, codes, scales, mins, levels, b, False, 2, False, True)
-    if bits == 4 and ops.int8_block_dots():
+    if bits in (4, 5) and ops.int8_block_dots():
         assert torch.equal(beyond, together)  # the block kernel, not the GEMM on dequantized slabs
     else:
         assert torch.equal(beyond, general)  # 8-bit codes keep the general limit
@@ -258,3 +259,35 @@ def test_w8a8_centred_codes_match_their_stored_mins(n, k, rows, max_rows):
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     out = ops.linear_q(x, codes, scales, None, None, None, True, max_rows, False)
     assert torch.equal(out, ops.linear_q(x, codes, scales, stored, None, None, True, max_rows, False))
+
+
+@pytest.mark.parametrize("centred", [True, False], ids=["q5_0", "q5_1"])
+@pytest.mark.parametrize("n,k,group,half", [(13, 64, 32, True), (33, 192, 64, False), (31, 576, 32, True),
+                                            (7, 1536, 1536, False), (1031, 128, 32, True), (9, 96, 32, False)])
+def test_5bit_codes_take_the_int8_block_products(n, k, group, half, centred):
+    """5-bit codes (nibbles, then the plane of fifth bits) in the int8 block products, as 4-bit ones: the
+    exact product of the block-rounded activations with W, from 1 to 70 activation rows, centred (Q5_0's
+    form, min -16 x scale) or with stored mins (Q5_1's); one row alone gives the same bits as the row beside
+    others. K = 96 (not a multiple of 64) keeps float activations."""
+    ops = native.kernels()
+    codes, scales, mins, _ = _weight(n, k, 5, group, half, False, n * k)
+    if centred:
+        mins = None
+    w = _dequant(codes, scales, mins, None, k)
+    b = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(k)) * 2
+    x[1, 32:64] = 0.0  # an all-zero block
+    x[2, 5] = 40.0  # an outlier: its block's scale
+    blocks_apply = ops.int8_block_dots() and _block_applies(5, k, group, False)
+    if blocks_apply:
+        blk = x.view(70, k // 32, 32)
+        sx = blk.abs().amax(2, keepdim=True) / 127
+        x_used = (torch.where(sx > 0, blk / sx, torch.zeros_like(blk)).round().clamp(-127, 127) * sx).view(70, k)
+    else:
+        x_used = x
+    ref = torch.nn.functional.linear(x_used.double(), w.double(), b.double()).float()
+    together = ops.linear_q(x, codes, scales, mins, None, b, False, 70, False, True)
+    torch.testing.assert_close(together, ref, atol=1e-4 * (ref.abs().max().item() + 1), rtol=1e-4)
+    for rows in (1, 2, 3, 5, 17):
+        part = ops.linear_q(x[:rows], codes, scales, mins, None, b, False, 70, False, True)
+        assert torch.equal(part, together[:rows]) if blocks_apply else torch.allclose(part, together[:rows])

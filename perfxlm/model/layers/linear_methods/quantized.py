@@ -88,6 +88,7 @@ class GGUFLinear(QuantizedLinearMethod):
     """A GGUF file's blocks kept as they are (Q4_0, Q4_K, Q6_K, Q8_0, ...: affine codes, any group)."""
 
     name = "gguf"
+    bits = (4, 5, 8)  # 5-bit: Q5_0 / Q5_1 / Q5_K
     levels = True  # MXFP4 (gpt-oss's experts): 4-bit codes into the E2M1 table
 
 
