@@ -75,7 +75,8 @@ def replica_body(channel: Channel, index: int, config: Any, cpus: list[int] | No
         core = EngineCore(config)  # a default KV pool takes its share of memory (resolved.data_parallel_size)
         channel.send(Ready({"num_kv_blocks": core.num_kv_blocks, "max_model_len": core.resolved.max_model_len,
                             "kv_bytes_per_block": core.kv_bytes_per_block, "pid": os.getpid(), "cpus": cpus,
-                            "threads": threads, "stats": _stats(core)}))  # fmt: skip
+                            "threads": threads, "stats": _stats(core),
+                            "cpu_plan": cpu_plan.plan().describe()}))  # fmt: skip
         generation: dict[str, int] = {}  # base request id -> generation of the front end's add
         failed: list[Any] = []  # outputs of requests that could not be added
         ended: set[str] = set()  # base ids whose sequences may all have ended since the last report
