@@ -72,8 +72,8 @@ def checkpoints(tmp_path_factory):
 
 
 
-def _run(path: str, tp: int, **kw) -> tuple[list[list[int]], list]:
-    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, tensor_parallel_size=tp, **kw)
+def _run(path: str, tp: int, dtype: str = "float32", **kw) -> tuple[list[list[int]], list]:
+    llm = LLM(path, dtype=dtype, skip_tokenizer_init=True, tensor_parallel_size=tp, **kw)
     try:
         params = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, detokenize=False, logprobs=2),
                   SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, detokenize=False, prompt_logprobs=1),
@@ -180,6 +180,19 @@ def test_quantized_weights_tp2_equal_one_process(quantizable, tmp_path, how):
     assert ids == _run(path, 1, **kw)[0]
     assert _run.fused_steps[0] > 0
     assert _children_gone()
+
+
+def test_int8_bfloat16_tp2_decodes_fused_within_tolerance(quantizable):
+    """bf16 weights beside int8 ones, a bf16 KV cache: each rank's fused step on its shard; the first
+    tokens and their log-probabilities agree with one process within bf16 rounding."""
+    kw: dict = dict(block_size=4, num_kv_blocks=64, quantization="int8")
+    ids, lps = _run(quantizable[1], 2, dtype="bfloat16", **kw)
+    assert min(_run.fused_steps) > 0
+    ref_ids, ref_lps = _run(quantizable[1], 1, dtype="bfloat16", **kw)
+    assert [i[:3] for i in ids] == [i[:3] for i in ref_ids]
+    for a, b in zip(ref_lps[0][:3], lps[0][:3]):
+        for t in a.keys() & b.keys():
+            assert abs(a[t].logprob - b[t].logprob) < 0.05
 
 
 def test_awq_checkpoint_tp2_equals_one_process(quantizable, tmp_path):
