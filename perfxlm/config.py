@@ -286,9 +286,18 @@ class EngineConfig:
             self.model, self.load_format, self.torch_dtype, self.weight_dtype, self.quant_config, source,
             self.quant_activation_mode, self.kv_cache_spec, self.block_size,
             cpu_plan.plan(), self.tensor_parallel_size, self.data_parallel_size, self.max_num_seqs,
-            self.max_num_batched_tokens, self.max_model_len, self.seed, self.torch_device,
+            self.max_num_batched_tokens, self.max_model_len, self.seed, self.torch_device, self._process_cpus(),
         )  # fmt: skip
         return self
+
+    def _process_cpus(self) -> tuple[list[int] | None, ...]:
+        """The cores of each process this engine spawns (tensor-parallel workers or data-parallel replicas)."""
+        from perfxlm.distributed.topology import plan_rank_cpus
+
+        processes = max(self.tensor_parallel_size, self.data_parallel_size)
+        if processes == 1 or self.distributed_executor_backend == "external_launcher":
+            return ()  # the launcher pins its own ranks
+        return tuple(plan_rank_cpus(processes))
 
     def _resolve_cpu_dtypes(self) -> str | None:
         """dtype, activation mode and KV format of a CPU engine: what the native kernels compute fastest."""

@@ -7,8 +7,10 @@ the executors and the model runners read this value instead of deciding again, a
 tensor-parallel workers as a value: a worker runs the CPU plan the engine chose (`cpu_plan.use`), not
 one it detects itself. It is printed once at start-up (`describe`, as vLLM's config log line).
 
-Not here: the engine's `max_model_len`, which the KV pool fits after the model is loaded (it knows the
-bytes per block only then); `max_model_len` below is the resolved request from the user or the model.
+`max_model_len` is resolved from the user or the model here; the KV pool fits it after the model is
+loaded (the bytes per block are known only then), and the engine core keeps that as its own frozen value,
+`EngineCore.resolved` (this one with the fitted `max_model_len`; a data-parallel front end: the smallest
+of its replicas'), which the scheduler and the input checks read. Nothing rewrites the user's config.
 """
 
 from __future__ import annotations
@@ -21,6 +23,13 @@ import torch
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _cores(cpus: list[int] | None) -> str:
+    if cpus is None:
+        return "all"
+    contiguous = cpus == list(range(cpus[0], cpus[-1] + 1))
+    return f"{cpus[0]}-{cpus[-1]}" if contiguous and len(cpus) > 1 else ",".join(map(str, cpus))
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,9 @@ class ResolvedConfig:
     max_model_len: int
     seed: int | None
     device: torch.device  # where weights, KV cache and sampling tensors live (cpu, or cuda: perfxlm/device.py)
+    # the cores of each spawned process (tensor-parallel rank or data-parallel replica; None: not pinned),
+    # planned once from the machine's NUMA nodes (distributed/topology.py); empty with one process
+    process_cpus: tuple[list[int] | None, ...] = ()
 
     @property
     def isa(self) -> str:
@@ -60,6 +72,6 @@ class ResolvedConfig:
             ("cpu_plan", self.cpu_plan.describe()), ("tensor_parallel_size", self.tensor_parallel_size),
             ("data_parallel_size", self.data_parallel_size), ("max_num_seqs", self.max_num_seqs),
             ("max_num_batched_tokens", self.max_num_batched_tokens), ("max_model_len", self.max_model_len),
-            ("seed", self.seed), ("device", self.device),
+            ("seed", self.seed), ("device", self.device), ("process_cpus", " | ".join(map(_cores, self.process_cpus)) or "n/a"),
         ]  # fmt: skip
         return ", ".join(f"{k}={v}" for k, v in fields)

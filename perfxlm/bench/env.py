@@ -153,7 +153,7 @@ def model_summary(llm: Any) -> dict[str, Any]:
         "weights_gib": weight_bytes / (1 << 30),
         "num_kv_blocks": getattr(engine, "num_kv_blocks", None),
         "block_size": config.block_size,
-        "max_model_len": config.max_model_len,
+        "max_model_len": getattr(engine, "resolved", config).max_model_len,  # a generate engine's is fitted to its pool
         "max_num_seqs": config.max_num_seqs,
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "enable_prefix_caching": config.enable_prefix_caching,

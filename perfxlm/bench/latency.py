@@ -108,8 +108,9 @@ def run_latency(
         raise ValueError(f"--num-iters-warmup must be >= 0, got {num_iters_warmup}.")
     engine = llm.llm_engine
     config = engine.config
-    if input_len + output_len > config.max_model_len:
-        raise ValueError(f"input ({input_len}) + output ({output_len}) tokens exceed max_model_len ({config.max_model_len}).")
+    max_len = engine.resolved.max_model_len  # fitted to the KV pool
+    if input_len + output_len > max_len:
+        raise ValueError(f"input ({input_len}) + output ({output_len}) tokens exceed max_model_len ({max_len}).")
     vocab = int(config.hf_config.vocab_size)
     params = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=output_len,
                             detokenize=not disable_detokenize)

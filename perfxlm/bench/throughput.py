@@ -72,7 +72,7 @@ def cmd_throughput(args: Any, engine_kwargs: dict[str, Any]) -> int:
         input_len=args.input_len, output_len=output_len if output_len is not None else 128, seed=args.seed,
         range_ratio=args.random_range_ratio, sharegpt_output_len=output_len, token_ids=name == "random",
     )
-    requests = fit_to_model(requests, config.max_model_len)
+    requests = fit_to_model(requests, llm.llm_engine.resolved.max_model_len)
     env = benv.collect_env(llm, command="bench throughput", dataset=name, dataset_path=path,
                            num_prompts=len(requests), input_len=args.input_len if name == "random" else None,
                            output_len=output_len if output_len is not None else (128 if name == "random" else None),

@@ -436,23 +436,24 @@ at::Tensor mlp_activation(const at::Tensor& gate_up, int64_t inter, int64_t acti
   return act.mul_(up);
 }
 
-std::vector<at::Tensor> decode_layer(
-    at::Tensor x, at::Tensor residual, bool first, const at::Tensor& in_norm, const at::Tensor& post_norm,
-    const c10::optional<at::Tensor>& pre_ff_norm, const c10::optional<at::Tensor>& post_ff_norm, double eps,
+// The layer's two halves, which tensor parallelism calls apart: each row-parallel projection's output (o,
+// down) is a partial sum that the ranks all-reduce between the calls. decode_layer runs them back to back,
+// so one process and one rank per half compute the same ops in the same order.
+// decode_attention: [residual +=] x, input norm, q|k|v, head norms, rotary, cache writes, attention, o.
+// -> {o (before any residual add), stream}: the residual (pre-norm) or the layer input (sandwich).
+std::vector<at::Tensor> decode_attention(
+    at::Tensor x, at::Tensor residual, bool first, bool sandwich, const at::Tensor& in_norm, double eps,
     const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double head_eps,
     at::TensorList w_qkv, const c10::optional<at::Tensor>& b_qkv, at::TensorList w_o,
-    const c10::optional<at::Tensor>& b_o, at::TensorList w_gate_up, const c10::optional<at::Tensor>& b_gate_up,
-    at::TensorList w_down, const c10::optional<at::Tensor>& b_down, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t intermediate, int64_t activation, const at::Tensor& cos, const at::Tensor& sin,
-    at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-    const at::Tensor& seq_lens, double scale, int64_t sliding_window, double soft_cap, int64_t max_rows,
-    bool bf16_gemm, at::TensorList lora, const c10::optional<at::Tensor>& key_scale, const c10::optional<at::Tensor>& value_scale,
-    bool int8_blocks, int64_t quant_max_rows, int64_t quant_block_max_rows,
-    const c10::optional<at::Tensor>& sinks) {
+    const c10::optional<at::Tensor>& b_o, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    const at::Tensor& cos, const at::Tensor& sin, at::Tensor key_cache, at::Tensor value_cache,
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+    int64_t sliding_window, double soft_cap, int64_t max_rows, bool bf16_gemm, at::TensorList lora,
+    const c10::optional<at::Tensor>& key_scale, const c10::optional<at::Tensor>& value_scale, bool int8_blocks,
+    int64_t quant_max_rows, int64_t quant_block_max_rows, const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x must be contiguous float32 [T, hidden]");
   const int64_t T = x.size(0), hidden = x.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  const bool sandwich = pre_ff_norm.has_value() && pre_ff_norm->defined();
   at::Tensor h;
   if (sandwich) {
     h = rms_norm(x, in_norm, eps);
@@ -484,27 +485,67 @@ std::vector<at::Tensor> decode_layer(
   const at::Tensor attn_rows = attn.view({T, q_size});
   at::Tensor o = project(attn_rows, w_o, hidden, b_o, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);
   perfxlm_lora::add(o, attn_rows, lora, 1);
+  return {o, sandwich ? x : residual};
+}
+
+// decode_mlp: from the attention output o (whole: summed over ranks) and the stream, the post-attention
+// norm (pre-norm: residual += o; sandwich: x += norm(o), then the pre-feedforward norm) and the MLP.
+// -> {down's output (before the post-feedforward norm of a sandwich layer), stream}; without MLP weights
+// (a mixture of experts, which the caller runs) {the normed input of the MLP, stream}.
+std::vector<at::Tensor> decode_mlp(
+    at::Tensor o, at::Tensor stream, bool sandwich, const at::Tensor& post_norm,
+    const c10::optional<at::Tensor>& pre_ff_norm, double eps, at::TensorList w_gate_up,
+    const c10::optional<at::Tensor>& b_gate_up, at::TensorList w_down, const c10::optional<at::Tensor>& b_down,
+    int64_t intermediate, int64_t activation, int64_t max_rows, bool bf16_gemm, at::TensorList lora,
+    bool int8_blocks, int64_t quant_max_rows, int64_t quant_block_max_rows) {
+  const int64_t hidden = o.size(1);
+  at::Tensor h;
   if (sandwich) {
-    x = x + rms_norm(o, post_norm, eps);
-    h = rms_norm(x, *pre_ff_norm, eps);
+    stream = stream + rms_norm(o, post_norm, eps);
+    h = rms_norm(stream, *pre_ff_norm, eps);
   } else {
-    fused_add_rms_norm(o, residual, post_norm, eps);
+    fused_add_rms_norm(o, stream, post_norm, eps);
     h = o;
   }
   if (w_gate_up.empty()) {  // the caller runs the layer's own MLP (a mixture of experts) on the normed h
     TORCH_CHECK(!sandwich, "decode_layer: a layer without its MLP must be pre-norm (no sandwich norms)");
-    return {h, residual};
+    return {h, stream};
   }
   at::Tensor gate_up = project(h, w_gate_up, 2 * intermediate, b_gate_up, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);
   perfxlm_lora::add(gate_up, h, lora, 2);
   const at::Tensor act = mlp_activation(gate_up, intermediate, activation);
   at::Tensor out = project(act, w_down, hidden, b_down, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);
   perfxlm_lora::add(out, act, lora, 3);
+  return {out, stream};
+}
+
+std::vector<at::Tensor> decode_layer(
+    at::Tensor x, at::Tensor residual, bool first, const at::Tensor& in_norm, const at::Tensor& post_norm,
+    const c10::optional<at::Tensor>& pre_ff_norm, const c10::optional<at::Tensor>& post_ff_norm, double eps,
+    const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double head_eps,
+    at::TensorList w_qkv, const c10::optional<at::Tensor>& b_qkv, at::TensorList w_o,
+    const c10::optional<at::Tensor>& b_o, at::TensorList w_gate_up, const c10::optional<at::Tensor>& b_gate_up,
+    at::TensorList w_down, const c10::optional<at::Tensor>& b_down, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t intermediate, int64_t activation, const at::Tensor& cos, const at::Tensor& sin,
+    at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+    const at::Tensor& seq_lens, double scale, int64_t sliding_window, double soft_cap, int64_t max_rows,
+    bool bf16_gemm, at::TensorList lora, const c10::optional<at::Tensor>& key_scale, const c10::optional<at::Tensor>& value_scale,
+    bool int8_blocks, int64_t quant_max_rows, int64_t quant_block_max_rows,
+    const c10::optional<at::Tensor>& sinks) {
+  const bool sandwich = pre_ff_norm.has_value() && pre_ff_norm->defined();
+  const std::vector<at::Tensor> a = decode_attention(
+      x, residual, first, sandwich, in_norm, eps, q_norm, k_norm, head_eps, w_qkv, b_qkv, w_o, b_o, num_heads,
+      num_kv_heads, head_dim, cos, sin, key_cache, value_cache, slot_mapping, block_tables, seq_lens, scale,
+      sliding_window, soft_cap, max_rows, bf16_gemm, lora, key_scale, value_scale, int8_blocks, quant_max_rows,
+      quant_block_max_rows, sinks);
+  std::vector<at::Tensor> m = decode_mlp(a[0], a[1], sandwich, post_norm, pre_ff_norm, eps, w_gate_up, b_gate_up,
+                                         w_down, b_down, intermediate, activation, max_rows, bf16_gemm, lora,
+                                         int8_blocks, quant_max_rows, quant_block_max_rows);
   if (sandwich) {
-    x = x + rms_norm(out, *post_ff_norm, eps);
-    return {x, x};
+    const at::Tensor out = m[1] + rms_norm(m[0], *post_ff_norm, eps);
+    return {out, out};
   }
-  return {out, residual};
+  return m;
 }
 
 
@@ -598,6 +639,19 @@ TORCH_LIBRARY(perfxlm, m) {
       "Tensor block_tables, Tensor seq_lens, float scale, int sliding_window, float soft_cap, int max_rows, "
       "bool bf16_gemm, Tensor[] lora, Tensor(e!)? key_scale=None, Tensor(f!)? value_scale=None, bool int8_blocks=False, int quant_max_rows=-1, int quant_block_max_rows=-1, Tensor? sinks=None) -> Tensor[]");
   m.def(
+      "decode_attention(Tensor(a!) x, Tensor(b!) residual, bool first, bool sandwich, Tensor in_norm, float eps, "
+      "Tensor? q_norm, Tensor? k_norm, float head_eps, Tensor[] w_qkv, Tensor? b_qkv, Tensor[] w_o, Tensor? b_o, "
+      "int num_heads, int num_kv_heads, int head_dim, Tensor cos, Tensor sin, Tensor(c!) key_cache, "
+      "Tensor(d!) value_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale, "
+      "int sliding_window, float soft_cap, int max_rows, bool bf16_gemm, Tensor[] lora, Tensor(e!)? key_scale, "
+      "Tensor(f!)? value_scale, bool int8_blocks, int quant_max_rows, int quant_block_max_rows, Tensor? sinks) "
+      "-> Tensor[]");
+  m.def(
+      "decode_mlp(Tensor(a!) o, Tensor(b!) stream, bool sandwich, Tensor post_norm, Tensor? pre_ff_norm, float eps, "
+      "Tensor[] w_gate_up, Tensor? b_gate_up, Tensor[] w_down, Tensor? b_down, int intermediate, int activation, "
+      "int max_rows, bool bf16_gemm, Tensor[] lora, bool int8_blocks, int quant_max_rows, "
+      "int quant_block_max_rows) -> Tensor[]");
+  m.def(
       "moe_experts(Tensor x, Tensor weights, Tensor expert_ids, Tensor[] w_gate_up, Tensor? b_gate_up, Tensor[] w_down, "
       "Tensor? b_down, int num_experts, int inter, int activation, float alpha, float limit, int max_rows, "
       "bool bf16_gemm, bool int8_blocks, int quant_max_rows, int quant_block_max_rows) -> Tensor");
@@ -611,5 +665,7 @@ TORCH_LIBRARY_IMPL(perfxlm, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("decode_layer", &decode_layer);
+  m.impl("decode_attention", &decode_attention);
+  m.impl("decode_mlp", &decode_mlp);
   m.impl("moe_experts", &moe_experts);
 }

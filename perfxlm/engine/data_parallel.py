@@ -9,11 +9,11 @@ stop strings go to the replica that holds the request. Replicas step on their ow
 cores allow, and send each step's EngineCoreOutputs back with their scheduler and KV-cache counts;
 `step()` returns whatever arrived (waiting a few ms at most, so new commands are applied promptly).
 
-Pipe protocol (pickled tuples). Front end -> replica: ("add", pickled Request, generation, id), ("finish", ids,
-status, stop_reason), ("invariants",), ("stop",). Replica -> front end: ("ready", info) once its model is
-loaded, then ("out", outputs, done, stats) after each step or command that ended requests (`done`: the
-(request id, generation) pairs no longer held, so their seats free), ("invariants", dict), and on a
-failure ("error", text) before it exits.
+Messages: `engine/replica_messages.py`'s dataclasses and the supervision module's Ready / Failed / Stop.
+Replicas are started, watched and stopped by `distributed/supervision.py`'s `Supervisor`, as
+tensor-parallel workers are, each pinned to the cores the resolved config planned for it
+(`ResolvedConfig.process_cpus`) and running the engine's CPU plan (`ResolvedConfig.cpu_plan`), not one it
+detects itself.
 
 Faults: a replica that dies or fails is noticed at once (its pipe and process sentinel are watched while
 stepping, and `check_health` looks at every process), and one that sends nothing for
@@ -27,25 +27,22 @@ stops the replicas, then terminates and kills what remains, like the tensor-para
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import pickle
-import signal
-import sys
-import tempfile
-import threading
 import time
-import traceback
-import weakref
-from multiprocessing.connection import wait
+from dataclasses import replace
 from typing import Any
 
-from perfxlm.distributed.topology import plan_rank_cpus
+from perfxlm.distributed.supervision import Channel, Ready, Stop, Supervisor, WorkerDiedError, encode
 from perfxlm.engine.engine_core import EngineCore
-from perfxlm.executor.multiproc import WorkerDiedError, _stop_workers, _without_main_module
+from perfxlm.engine.replica_messages import (
+    AddRequest, CheckInvariants, FinishRequests, InvariantCounts, StepOutputs,
+)  # fmt: skip
 from perfxlm.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger("perfxlm")
+
+__all__ = ["DataParallelCore", "WorkerDiedError"]
 
 SEP = "\x1e"  # sibling ids of n > 1 requests are "{id}\x1e{i}" (InputProcessor)
 _POLL_S = 0.005  # longest wait in step() before the front end applies newly queued commands
@@ -65,59 +62,51 @@ def _stats(core: Any) -> dict[str, int]:
             "spec_num_accepted_tokens": s.spec_stats.num_accepted_tokens}  # fmt: skip
 
 
-def replica_main(index: int, config: Any, conn: Any, cpus: list[int] | None, parent_pid: int) -> None:
+def replica_body(channel: Channel, index: int, config: Any, cpus: list[int] | None) -> None:
     """One replica: a whole EngineCore, stepping while it holds requests, applying commands between steps."""
-    from perfxlm.executor.worker import _watch_parent
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end handles Ctrl-C and stops us
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="perfxlm-parent-watch").start()
     core = None
-
-    def send(msg: tuple) -> None:
-        conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
-
     try:
         from perfxlm.distributed.topology import bind_current_process
-        from perfxlm.engine import kv_pool
         from perfxlm.engine.messages import EngineCoreOutput
+        from perfxlm.ops import cpu_plan
 
         threads = bind_current_process(cpus)
-        # A default pool (no size given) takes its share of the memory the replicas have between them.
-        kv_pool.DEFAULT_AVAILABLE_FRACTION /= config.data_parallel_size
-        core = EngineCore(config)
-        send(("ready", {"num_kv_blocks": core.num_kv_blocks, "max_model_len": config.max_model_len,
-                        "kv_bytes_per_block": core.kv_bytes_per_block, "pid": os.getpid(), "cpus": cpus,
-                        "threads": threads, "stats": _stats(core)}))  # fmt: skip
+        cpu_plan.use(config.resolved.cpu_plan)  # the engine's decisions (layout, GEMM, ISA tier), not this process's
+        core = EngineCore(config)  # a default KV pool takes its share of memory (resolved.data_parallel_size)
+        channel.send(Ready({"num_kv_blocks": core.num_kv_blocks, "max_model_len": core.resolved.max_model_len,
+                            "kv_bytes_per_block": core.kv_bytes_per_block, "pid": os.getpid(), "cpus": cpus,
+                            "threads": threads, "stats": _stats(core),
+                            "cpu_plan": cpu_plan.plan().describe()}))  # fmt: skip
         generation: dict[str, int] = {}  # base request id -> generation of the front end's add
         failed: list[Any] = []  # outputs of requests that could not be added
         ended: set[str] = set()  # base ids whose sequences may all have ended since the last report
 
-        def apply(msg: tuple) -> bool:
-            kind = msg[0]
-            if kind == "add":  # the request pickled on its own: one that cannot be rebuilt here fails alone
-                _, blob, gen, rid = msg
-                generation[_base(rid)] = gen
+        def apply(msg: Any) -> bool:
+            if isinstance(msg, AddRequest):  # the request pickled on its own: one that cannot be rebuilt fails alone
+                generation[_base(msg.request_id)] = msg.generation
                 try:
-                    core.add_request(pickle.loads(blob))
+                    core.add_request(pickle.loads(msg.blob))
                 except Exception as exc:
-                    failed.append(EngineCoreOutput(rid, [], "abort", error=f"{type(exc).__name__}: {exc}"))
-                    ended.add(_base(rid))
-            elif kind == "finish":
-                core.finish_requests(msg[1], msg[2], msg[3])
-                ended.update(_base(r) for r in msg[1])
-            elif kind == "invariants":
-                send(("invariants", core.check_invariants()))
-            elif kind == "stop":
+                    failed.append(EngineCoreOutput(msg.request_id, [], "abort", error=f"{type(exc).__name__}: {exc}"))
+                    ended.add(_base(msg.request_id))
+            elif isinstance(msg, FinishRequests):
+                core.finish_requests(msg.request_ids, msg.status, msg.stop_reason)
+                ended.update(_base(r) for r in msg.request_ids)
+            elif isinstance(msg, CheckInvariants):
+                channel.send(InvariantCounts(core.check_invariants()))
+            elif isinstance(msg, Stop):
                 return False
+            else:
+                raise TypeError(f"unexpected message {type(msg).__name__}")
             return True
 
         while True:
             if not core.has_unfinished_requests() and not ended:
-                if not apply(pickle.loads(conn.recv_bytes())):  # idle: sleep until a command comes
+                if not apply(channel.recv()):  # idle: sleep until a command comes
                     break
             running = True
-            while running and conn.poll():
-                running = apply(pickle.loads(conn.recv_bytes()))
+            while running and channel.poll():
+                running = apply(channel.recv())
             if not running:
                 break
             outputs = core.step() if core.has_unfinished_requests() else []
@@ -130,23 +119,13 @@ def replica_main(index: int, config: Any, conn: Any, cpus: list[int] | None, par
                 done = [(b, generation.pop(b)) for b in ended if b not in live and b in generation]
                 ended.clear()
             if outputs or done:
-                send(("out", outputs, done, _stats(core)))
-    except (EOFError, BrokenPipeError, KeyboardInterrupt):
-        pass  # the front end went away or stopped us
-    except BaseException as exc:
-        text = f"data-parallel replica {index}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-        try:
-            send(("error", text))
-        except Exception:
-            print(text, file=sys.stderr, flush=True)
-        os._exit(1)
+                channel.send(StepOutputs(outputs, done, _stats(core)))
     finally:
         if core is not None:
             try:
                 core.shutdown()
             except Exception:
                 pass
-    os._exit(0)
 
 
 class _SchedulerView:
@@ -220,7 +199,6 @@ class DataParallelCore:
     def __init__(self, config: Any) -> None:
         self.config = config
         self.size = m = config.data_parallel_size
-        self._dead: str | None = None
         self.step_timeout = float(os.environ.get("PERFXLM_STEP_TIMEOUT", "0")) or None
         self.inflight = [0] * m  # requests routed to each replica and not yet ended there
         self._owner: dict[str, tuple[int, int]] = {}  # base request id -> (replica, generation)
@@ -228,27 +206,16 @@ class DataParallelCore:
         self._stats: list[dict[str, int]] = [{} for _ in range(m)]
         self._last_heard = [time.monotonic()] * m
         self._outputs: list[Any] = []  # arrived while waiting for something else (invariants)
-        self._replies: dict[int, Any] = {}
+        self._replies: dict[tuple[int, type], Any] = {}
         self.model = self.runner = None  # the model lives in the replicas
         self.scheduler = _SchedulerView(self)
         self.kv_cache_manager = _KVView(self)
-        self.rank_cpus = plan_rank_cpus(m)
-        self.procs: list[Any] = []
-        self.conns: list[Any] = []
-        tmpdir = tempfile.mkdtemp(prefix="perfxlm-dp-")  # nothing in it; _stop_workers removes it
-        self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns, tmpdir)
-        ctx = mp.get_context("spawn")
-        for i in range(m):
-            parent, child = ctx.Pipe(duplex=True)
-            p = ctx.Process(target=replica_main, name=f"perfxlm-dp{i}", daemon=True,
-                            args=(i, config, child, self.rank_cpus[i], os.getpid()))
-            with _without_main_module():
-                p.start()
-            child.close()
-            self.procs.append(p)
-            self.conns.append(parent)
+        self.rank_cpus = list(config.resolved.process_cpus)
+        self.replicas = Supervisor("data-parallel replica", "perfxlm-dp", replica_body,
+                                   [(i, config, self.rank_cpus[i]) for i in range(m)])  # fmt: skip
+        self.procs = self.replicas.procs
         try:
-            self.infos = [self._recv_kind(i, "ready") for i in range(m)]
+            self.infos = [self._recv_kind(i, Ready).info for i in range(m)]
         except BaseException:
             self.shutdown()
             raise
@@ -257,7 +224,7 @@ class DataParallelCore:
         # The front end validates prompts against one replica's limits: they are all built alike.
         self.num_kv_blocks = min(i["num_kv_blocks"] for i in self.infos)
         self.kv_bytes_per_block = self.infos[0]["kv_bytes_per_block"]
-        config.max_model_len = min(i["max_model_len"] for i in self.infos)
+        self.resolved = replace(config.resolved, max_model_len=min(i["max_model_len"] for i in self.infos))
         logger.info("data parallel: %d replicas, cores %s", m,
                     " | ".join(str(i["cpus"] or "all") for i in self.infos))
 
@@ -271,14 +238,13 @@ class DataParallelCore:
         self._generation += 1
         try:
             blob = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
-            payload = pickle.dumps(("add", blob, self._generation, request.request_id),
-                                   protocol=pickle.HIGHEST_PROTOCOL)
+            payload = encode(AddRequest(blob, self._generation, request.request_id))
         except Exception as exc:  # e.g. a compiled grammar: an engine object that cannot cross processes
             raise ValueError(f"request {base!r} cannot be sent to a data-parallel replica: {exc} (it would run "
                              "with data_parallel_size 1).") from None
         if not self.inflight[r]:
             self._last_heard[r] = time.monotonic()  # an idle replica owes nothing until now
-        self._send(r, payload)
+        self.replicas.send_bytes(r, payload)
         self._owner[base] = (r, self._generation)
         self.inflight[r] += 1
 
@@ -289,7 +255,7 @@ class DataParallelCore:
             if owner is not None:
                 by_replica.setdefault(owner[0], []).append(rid)
         for r, ids in by_replica.items():
-            self._send(r, pickle.dumps(("finish", ids, status, stop_reason), protocol=pickle.HIGHEST_PROTOCOL))
+            self.replicas.send(r, FinishRequests(ids, status, stop_reason))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._owner) or bool(self._outputs)
@@ -302,23 +268,19 @@ class DataParallelCore:
         return out
 
     def check_health(self) -> None:
-        self._check()
-        for i, p in enumerate(self.procs):
-            if not p.is_alive():
-                self._fail(f"data-parallel replica {i} (pid {p.pid}) died with exit code {p.exitcode}")
+        self.replicas.check_health()
 
     def check_invariants(self) -> dict[str, int]:
         """Every replica's KV pool checked (by the replica, between its steps); the counts summed."""
-        for i in range(self.size):
-            self._send(i, pickle.dumps(("invariants",)))
+        self.replicas.broadcast(CheckInvariants())
         total: dict[str, int] = {}
         for i in range(self.size):
-            for k, v in self._recv_kind(i, "invariants").items():
+            for k, v in self._recv_kind(i, InvariantCounts).counts.items():
                 total[k] = total.get(k, 0) + v
         return total
 
     def shutdown(self) -> None:
-        self._finalizer()
+        self.replicas.shutdown()
 
     def describe(self) -> str:
         return f"{self.size} data-parallel replica processes"
@@ -333,72 +295,35 @@ class DataParallelCore:
 
     # ---- messages -----------------------------------------------------------------------
     def _check(self) -> None:
-        if self._dead is not None:
-            raise WorkerDiedError(self._dead)
+        self.replicas.check()
 
-    def _send(self, r: int, payload: bytes) -> None:
-        self._check()
-        try:
-            self.conns[r].send_bytes(payload)
-        except OSError as exc:
-            self._fail(f"sending to data-parallel replica {r} failed: {exc}")
-
-    def _recv_kind(self, r: int, kind: str) -> Any:
+    def _recv_kind(self, r: int, kind: type) -> Any:
         """Wait for replica r's next `kind` message, handling what else arrives meanwhile."""
         while (r, kind) not in self._replies:
             self._pump(1.0)
         return self._replies.pop((r, kind))
 
     def _pump(self, timeout: float) -> None:
-        self._check()
-        sentinels = {p.sentinel: i for i, p in enumerate(self.procs)}
-        ready = wait(list(self.conns) + list(sentinels), timeout=timeout)
+        got = self.replicas.receive(timeout)
         now = time.monotonic()
-        for i, conn in enumerate(self.conns):  # pipes first: a replica that failed said why before it exited
-            if conn not in ready:
-                continue
+        for i, msg in got:
             self._last_heard[i] = now
-            while conn.poll():
-                try:
-                    msg = pickle.loads(conn.recv_bytes())
-                except (EOFError, OSError):
-                    break  # closed: its sentinel tells the rest
-                self._handle(i, msg)
-        for obj in ready:
-            if obj in sentinels:
-                i = sentinels[obj]
-                self.procs[i].join(0.1)
-                self._fail(f"data-parallel replica {i} (pid {self.procs[i].pid}) died with exit code "
-                           f"{self.procs[i].exitcode}")
+            self._handle(i, msg)
         if self.step_timeout is not None:
             for i in range(self.size):
                 if self.inflight[i] and now - self._last_heard[i] > self.step_timeout:
-                    self._fail(f"data-parallel replica {i} sent nothing for {self.step_timeout} s")
+                    self.replicas.fail(f"data-parallel replica {i} sent nothing for {self.step_timeout} s")
 
-    def _handle(self, i: int, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "error":
-            self._fail(msg[1])
-        if kind == "out":
-            _, outputs, done, stats = msg
-            self._stats[i] = stats
-            for o in outputs:  # an aborted request's last outputs may still come: not the new owner's
+    def _handle(self, i: int, msg: Any) -> None:
+        if isinstance(msg, StepOutputs):
+            self._stats[i] = msg.stats
+            for o in msg.outputs:  # an aborted request's last outputs may still come: not the new owner's
                 owner = self._owner.get(_base(o.request_id))
                 if owner is not None and owner[0] == i:
                     self._outputs.append(o)
-            for base, gen in done:
+            for base, gen in msg.done:
                 if self._owner.get(base) == (i, gen):
                     del self._owner[base]
                     self.inflight[i] -= 1
         else:
-            self._replies[(i, kind)] = msg[1]
-
-    def _fail(self, why: str) -> None:
-        if self._dead is None:
-            self._dead = why
-            logger.error("data parallel: %s", why)
-            for p in self.procs:  # the engine is dead as a whole: no graceful stop for the others
-                if p.is_alive():
-                    p.kill()
-            self.shutdown()
-        raise WorkerDiedError(self._dead)
+            self._replies[(i, type(msg))] = msg

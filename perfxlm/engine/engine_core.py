@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from dataclasses import replace
 
 import torch
 
@@ -52,7 +53,7 @@ class EngineCore:
         self.runner = self.executor.runner
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
+            self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, self.resolved.max_model_len,
             config.lora_config.max_loras if config.lora_config is not None else None,
         )
         # what LoRA adapters are checked against when a request names one (enable_lora, one process)
@@ -78,7 +79,7 @@ class EngineCore:
             "perfxlm engine core: model=%s compute=%s weights=%s kv=%s kv_blocks=%d x %d tokens, max_model_len=%d, "
             "quantized-weight activations=%s, CPU plan: %s, model: %s",
             config.model, config.torch_dtype, config.weight_dtype, config.kv_cache_spec.name, self.num_kv_blocks,
-            config.block_size, config.max_model_len, config.quant_activation_mode, _plan_text(config),
+            config.block_size, self.resolved.max_model_len, config.quant_activation_mode, _plan_text(config),
             self.executor.describe(),
         )  # fmt: skip
         logger.info(
@@ -97,12 +98,13 @@ class EngineCore:
         num = plan_num_blocks(
             per_block, c.block_size, c.max_num_seqs, c.max_model_len, c.num_kv_blocks, c.kv_cache_gib,
             self.executor.kv_budget_bytes() if c.num_kv_blocks is None and c.kv_cache_gib is None else None,
+            replicas=c.resolved.data_parallel_size,
         )
         num = self.executor.agree_num_blocks(num)  # ranks on several machines: the smallest pool
-        # One sequence must fit the pool: the scheduler and the input checks see the fitted length.
-        c.max_model_len = fit_max_model_len(
-            c.max_model_len, c.max_model_len_explicit, num, c.block_size, per_block
-        )
+        # One sequence must fit the pool: the scheduler and the input checks see the fitted length, in the
+        # engine's own frozen value (the user's config keeps what was asked).
+        fitted = fit_max_model_len(c.resolved.max_model_len, c.max_model_len_explicit, num, c.block_size, per_block)
+        self.resolved = replace(c.resolved, max_model_len=fitted)
         return num
 
     def add_request(self, request: Request) -> None:

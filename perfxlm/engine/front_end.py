@@ -28,10 +28,12 @@ class EngineFrontEndParts:
         else:
             self.core = EngineCore(config)
         self.num_kv_blocks = self.core.num_kv_blocks
+        # the engine's decisions, max_model_len fitted to the KV pool: what requests are checked against
+        self.resolved = self.core.resolved
         self.loras = None  # enable_lora: the loaded adapters, shared by every caller thread
         if config.lora_config is not None:
             self.loras = LoRARegistry(self.core.lora_targets, config.lora_config)
-        self.input_processor = InputProcessor(config, self.tokenizer, self.num_kv_blocks, self.loras)
+        self.input_processor = InputProcessor(config, self.resolved, self.tokenizer, self.num_kv_blocks, self.loras)
         self.output_processor = OutputProcessor(self.tokenizer)
 
 

@@ -10,6 +10,7 @@ from typing import Any, Mapping
 from perfxlm.beam_search import check_beam_search
 from perfxlm.config import EngineConfig
 from perfxlm.engine.request import Request
+from perfxlm.resolved_config import ResolvedConfig
 from perfxlm.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, _Opaque
 
 PromptType = str | Mapping[str, Any]
@@ -37,13 +38,16 @@ def _sibling_seed(seed: int, index: int) -> int:
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig, tokenizer: Any, num_kv_blocks: int, loras: Any = None) -> None:
-        """`loras`: the engine's LoRARegistry (enable_lora), else None."""
+    def __init__(
+        self, config: EngineConfig, resolved: ResolvedConfig, tokenizer: Any, num_kv_blocks: int, loras: Any = None
+    ) -> None:
+        """`resolved`: the engine core's ResolvedConfig (max_model_len fitted to its KV pool); `loras`: the
+        engine's LoRARegistry (enable_lora), else None."""
         self.config = config
         self.loras = loras
         self.tokenizer = tokenizer
         self.vocab_size = int(config.hf_config.vocab_size)
-        self.max_model_len = int(config.max_model_len)
+        self.max_model_len = int(resolved.max_model_len)
         self.max_pool_tokens = num_kv_blocks * config.block_size
         self.max_num_seqs = int(config.max_num_seqs)
         self.max_logprobs = self.vocab_size if config.max_logprobs == -1 else int(config.max_logprobs)

@@ -74,8 +74,10 @@ def plan_num_blocks(
     num_kv_blocks: int | None = None,
     kv_cache_gib: float | None = None,
     device_budget: int | None = None,
+    replicas: int = 1,
 ) -> int:
-    """`device_budget`: bytes a GPU's pool may take (gpu_memory_utilization's share), or None on the CPU."""
+    """`device_budget`: bytes a GPU's pool may take (gpu_memory_utilization's share), or None on the CPU.
+    `replicas`: data-parallel replicas sharing the machine's memory; a default pool takes its share."""
     if num_kv_blocks is not None:
         return num_kv_blocks
     if kv_cache_gib is not None:
@@ -100,7 +102,7 @@ def plan_num_blocks(
     budget = DEFAULT_KV_CACHE_GIB * GIB
     avail = available_memory_bytes()
     if avail is not None:
-        budget = min(budget, avail * DEFAULT_AVAILABLE_FRACTION)
+        budget = min(budget, avail * DEFAULT_AVAILABLE_FRACTION / replicas)
     num = min(int(budget // bytes_per_block), ceiling)
     if num < 1:
         raise ValueError(

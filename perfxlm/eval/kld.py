@@ -189,7 +189,7 @@ def kl_divergence(
     if text is not None:
         check_same_text(base, llm, text)
     windows = base.windows
-    max_len = int(llm.llm_engine.config.max_model_len)
+    max_len = int(llm.llm_engine.resolved.max_model_len)
     if windows.n_ctx >= max_len:
         raise ValueError(f"the base file's windows are {windows.n_ctx} tokens; this engine's max_model_len is "
                          f"{max_len}: raise max_model_len above {windows.n_ctx}.")

@@ -53,7 +53,7 @@ def prepare_windows(
     llm, text_or_ids: str | Sequence[int], ctx_size: int, n_chunks: int | None, add_bos: bool | None
 ) -> Windows:
     """Tokenize (text) or take (token ids) the input and cut it into windows, checking every limit."""
-    max_len = int(llm.llm_engine.config.max_model_len)
+    max_len = int(llm.llm_engine.resolved.max_model_len)
     if isinstance(ctx_size, int) and not isinstance(ctx_size, bool) and ctx_size >= max_len:
         raise ValueError(
             f"ctx_size {ctx_size} is too large for this engine: max_model_len is {max_len}, and a window "

@@ -11,14 +11,17 @@ projection. A layer whose MLP is a mixture of experts (Qwen2/3-MoE,
 Mixtral, gpt-oss) fuses its attention half: the call stops after the post-attention norm and the layer's
 own MLP module runs on its output. A decoder layer kind joins by implementing `fused_decode_layer()`
 (FusableDecoderLayer), built from `fused_attention`, `fused_mlp` and `fused_layer`; no family is named
-here. Anything else (prefill chunks in the batch, MLA and OPT layers, no native kernels, bf16
-activations) takes the module path, which stays the reference the tests compare against.
+here. Under tensor parallelism each rank runs its shard's layer in two native calls
+(`decode_attention`, `decode_mlp`: `decode_layer`'s halves, the same ops) with the row-parallel
+projections' all-reduces between and after them (`FusedAttention.reduce`, `FusedMLP.reduce`). Anything
+else (prefill chunks in the batch, MLA and OPT layers, no native kernels, bf16 activations) takes the
+module path, which stays the reference the tests compare against.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -77,6 +80,8 @@ class FusedAttention:
     sinks: torch.Tensor | None = None  # float32 [num_heads] sink logits (gpt-oss)
     # the q|k|v and output projection modules: a step's LoRA adapters are looked up by module
     projections: tuple[nn.Module, ...] = field(default=(), compare=False)
+    # the output projection's all-reduce where it is row-parallel (its rank's product is a partial sum)
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,7 @@ class FusedMLP:
     intermediate: int
     activation: int  # activation_code()
     projections: tuple[nn.Module, ...] = field(default=(), compare=False)  # gate|up and down modules
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False)  # down's all-reduce
 
 
 @dataclass(frozen=True)
@@ -124,6 +130,39 @@ class FusedLayer:
         operands."""
         return (*self.attention.projections, *(self.mlp.projections if self.mlp is not None else ()))
 
+    def halves(self) -> "_Halves | None":
+        """The layer as two calls with all-reduces between them, where a projection's output is a rank's
+        partial sum (tensor parallelism); None where one `decode_layer` call does it all."""
+        a, m = self.attention, self.mlp
+        mlp_reduce = m.reduce if m is not None else None
+        if a.reduce is None and mlp_reduce is None:
+            return None
+        if m is None:
+            m = FusedMLP([], None, [], None, 0, 0)
+        in_norm, post_norm, pre_ff_norm, post_ff_norm = self.norms
+        sandwich = pre_ff_norm is not None
+        return _Halves(
+            (sandwich, in_norm, self.eps, a.q_norm, a.k_norm, a.head_eps, a.qkv, a.qkv_bias, a.o, a.o_bias,
+             a.num_heads, a.num_kv_heads, a.head_dim),
+            (sandwich, post_norm, pre_ff_norm, self.eps, m.gate_up, m.gate_up_bias, m.down, m.down_bias,
+             m.intermediate, m.activation),
+            a.reduce, mlp_reduce, post_ff_norm, self.eps,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Halves:
+    """`decode_attention`'s and `decode_mlp`'s layer arguments (before the per-step ones), the all-reduces
+    after each (None: that projection is whole on this rank), and a sandwich layer's post-feedforward
+    norm, applied once the MLP's output is whole."""
+
+    attention: tuple[Any, ...]
+    mlp: tuple[Any, ...]
+    reduce_attention: Callable[[torch.Tensor], torch.Tensor] | None
+    reduce_mlp: Callable[[torch.Tensor], torch.Tensor] | None
+    post_ff_norm: torch.Tensor | None
+    eps: float
+
 
 @runtime_checkable
 class FusableDecoderLayer(Protocol):
@@ -135,11 +174,8 @@ class FusableDecoderLayer(Protocol):
 
 def fused_attention(qkv_proj: nn.Module, o_proj: nn.Module, core: nn.Module,
                     q_norm: nn.Module | None = None, k_norm: nn.Module | None = None) -> FusedAttention | None:  # fmt: skip
-    """`core`: the block's `Attention` layer (heads, scale, window, soft cap). None where the output
-    projection sums the ranks' partial products (tensor parallelism): the call has no place for that
-    all-reduce, so the model takes the module path, where the row-parallel layer does it."""
-    if o_proj.reduces_output:
-        return None
+    """`core`: the block's `Attention` layer (heads, scale, window, soft cap). Where the output projection
+    sums the ranks' partial products (tensor parallelism) its all-reduce goes with it (`reduce`)."""
     qn = kn = None
     head_eps = 0.0
     if q_norm is not None:
@@ -151,16 +187,22 @@ def fused_attention(qkv_proj: nn.Module, o_proj: nn.Module, core: nn.Module,
     return FusedAttention(
         weight_parts(qkv_proj.weight), qkv_proj.bias, weight_parts(o_proj.weight), o_proj.bias, core.num_heads,
         core.num_kv_heads, core.head_dim, core.scale, core.sliding_window, core.logit_soft_cap, qn, kn, head_eps,
-        sinks, (qkv_proj, o_proj),
+        sinks, (qkv_proj, o_proj), _reduction(o_proj),
     )  # fmt: skip
+
+
+def _reduction(proj: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The all-reduce a row-parallel projection runs on its output, for the fused call to run instead."""
+    return proj.tp.all_reduce if proj.reduces_output else None
 
 
 def fused_mlp(gate_up_proj: nn.Module, down_proj: nn.Module, act: nn.Module) -> FusedMLP | None:
     code = activation_code(act)
-    if code is None or down_proj.reduces_output:  # an all-reduce after down: module path (as attention's)
+    if code is None:
         return None
     return FusedMLP(weight_parts(gate_up_proj.weight), gate_up_proj.bias, weight_parts(down_proj.weight),
-                    down_proj.bias, down_proj.in_features, code, (gate_up_proj, down_proj))  # fmt: skip
+                    down_proj.bias, down_proj.in_features, code, (gate_up_proj, down_proj),
+                    _reduction(down_proj))  # fmt: skip
 
 
 def fused_layer(
@@ -191,6 +233,7 @@ class _LayerCall:
     sinks: torch.Tensor | None
     module_mlp: nn.Module | None
     projections: tuple[nn.Module, ...]  # qkv, o[, gate_up, down]: where the step's LoRA products go
+    halves: _Halves | None  # the two calls and their all-reduces under tensor parallelism, else None
 
 
 def _layer_call(layer: nn.Module) -> _LayerCall | None:
@@ -199,7 +242,7 @@ def _layer_call(layer: nn.Module) -> _LayerCall | None:
     if fused is None:
         return None
     return _LayerCall(fused.before_rope(), fused.after_rope(), fused.attention.sinks, fused.module_mlp,
-                      fused.projections())
+                      fused.projections(), fused.halves())
 
 
 def _int8_blocks(quantized: list[Any]) -> bool | None:
@@ -224,6 +267,7 @@ class FusedDecode:
         self.eligible = len(layers) > 0
         self.quant_bf16_gemm = True
         self.int8_blocks = False  # whether the kernel rounds activations to int8 blocks (all weights alike)
+        self.steps = 0  # steps run fused (tests and workers' stats read it)
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         if not self.eligible or x.dtype != torch.float32 or meta.prefills or meta.num_decode_tokens != x.shape[0]:
@@ -283,16 +327,39 @@ class FusedDecode:
         bf16_gemm = plan.gemm == "bf16" and self.quant_bf16_gemm
         residual = x
         lora = meta.lora
+        self.steps += 1
         for i, (layer, call) in enumerate(zip(self.layers, self.args or [])):
             cos, sin = rope if layer_ropes is None else layer_ropes[i]
             adapters = [] if lora is None else lora.fused_operands(call.projections)
             cache = layer.self_attn.attn.kv_cache
-            x, residual = ops.decode_layer(
-                x, residual, i == 0, *call.before, cos, sin, cache.key, cache.value, meta.slot_mapping,
-                meta.decode_block_tables, meta.decode_seq_lens, *call.after, max_rows, bf16_gemm, adapters,
-                cache.key_scale, cache.value_scale, self.int8_blocks, plan.quant_max_rows, plan.quant_block_max_rows, call.sinks,
-            )  # fmt: skip
+            if call.halves is None:
+                x, residual = ops.decode_layer(
+                    x, residual, i == 0, *call.before, cos, sin, cache.key, cache.value, meta.slot_mapping,
+                    meta.decode_block_tables, meta.decode_seq_lens, *call.after, max_rows, bf16_gemm, adapters,
+                    cache.key_scale, cache.value_scale, self.int8_blocks, plan.quant_max_rows, plan.quant_block_max_rows, call.sinks,
+                )  # fmt: skip
+            else:  # a rank's shard: the halves, each row-parallel output all-reduced before it is used
+                h = call.halves
+                o, stream = ops.decode_attention(
+                    x, residual, i == 0, *h.attention, cos, sin, cache.key, cache.value, meta.slot_mapping,
+                    meta.decode_block_tables, meta.decode_seq_lens, *call.after, max_rows, bf16_gemm, adapters,
+                    cache.key_scale, cache.value_scale, self.int8_blocks, plan.quant_max_rows, plan.quant_block_max_rows, call.sinks,
+                )  # fmt: skip
+                if h.reduce_attention is not None:
+                    o = h.reduce_attention(o)
+                x, residual = ops.decode_mlp(o, stream, *h.mlp, max_rows, bf16_gemm, adapters, self.int8_blocks,
+                                             plan.quant_max_rows, plan.quant_block_max_rows)  # fmt: skip
+                if h.reduce_mlp is not None:
+                    x = h.reduce_mlp(x)
+                if h.post_ff_norm is not None:  # sandwich: the MLP's output normed once it is whole
+                    x = residual = residual + ops.rms_norm(x, h.post_ff_norm, h.eps)
             if call.module_mlp is not None:
                 x = call.module_mlp(x).contiguous()
         return x, residual
 
+
+
+def fused_decode_steps(model: nn.Module) -> int:
+    """Steps a model ran on its fused decode layers (0 where it has none): what tests and tensor-parallel
+    workers' `Stats` report to show the fused path was taken."""
+    return sum(v.steps for m in model.modules() for v in vars(m).values() if isinstance(v, FusedDecode))

@@ -35,9 +35,22 @@ def _replicas_gone(pids: list[int], timeout: float = 10.0) -> bool:
     return False
 
 
-def _generate(path: str, dp: int) -> tuple[list, list]:
-    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, data_parallel_size=dp, block_size=4, num_kv_blocks=64)
+def _generate(path: str, dp: int, **plan) -> tuple[list, list]:
+    from perfxlm.ops import cpu_plan
+
+    previous = cpu_plan.use(**plan) if plan else None  # a plan put in force here, as an override would
     try:
+        llm = LLM(path, dtype="float32", skip_tokenizer_init=True, data_parallel_size=dp, block_size=4,
+                  num_kv_blocks=64)
+    finally:
+        if previous is not None:
+            cpu_plan.use(previous)
+    try:
+        if dp > 1:  # each replica runs the engine's resolved plan, pinned to the cores resolved for it
+            core = llm.llm_engine.core
+            assert [i["cpus"] for i in core.infos] == list(core.config.resolved.process_cpus)
+            assert all(i["cpu_plan"] == core.config.resolved.cpu_plan.describe() for i in core.infos)
+            assert all(f"native_max_rows={plan['native_max_rows']} " in i["cpu_plan"] for i in core.infos)
         params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, detokenize=False, logprobs=2),
                   SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=6, ignore_eos=True, detokenize=False),
                   SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, detokenize=False)] * 2
@@ -51,7 +64,7 @@ def _generate(path: str, dp: int) -> tuple[list, list]:
 
 def test_offline_replicas_equal_one_engine(llama):
     ref, _ = _generate(llama, 1)
-    got, stats = _generate(llama, 2)
+    got, stats = _generate(llama, 2, native_max_rows=5)
     assert got == ref  # greedy and seeded rows alike, whichever replica ran them
     assert all(s["prefix_queries"] > 0 and s["inflight"] == 0 for s in stats)  # both served, both drained
     assert _replicas_gone([s["pid"] for s in stats])

@@ -72,17 +72,28 @@ def checkpoints(tmp_path_factory):
 
 
 
-def _run(path: str, tp: int, **kw) -> tuple[list[list[int]], list]:
-    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, tensor_parallel_size=tp, **kw)
+def _run(path: str, tp: int, dtype: str = "float32", **kw) -> tuple[list[list[int]], list]:
+    llm = LLM(path, dtype=dtype, skip_tokenizer_init=True, tensor_parallel_size=tp, **kw)
     try:
         params = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, detokenize=False, logprobs=2),
                   SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, detokenize=False, prompt_logprobs=1),
                   SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, detokenize=False)]
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         _run.preemptions = llm.llm_engine.scheduler.num_preemptions_total
+        _run.fused_steps = _fused_steps(llm)
         return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
     finally:
         llm.llm_engine.shutdown()
+
+
+def _fused_steps(llm) -> list[int]:
+    """Per rank, the steps that ran on the fused decode layer (a worker's `Stats`; one process: its model)."""
+    from perfxlm.model.fused_decode import fused_decode_steps
+
+    core = llm.llm_engine.core
+    if core.model is not None:
+        return [fused_decode_steps(core.model)]
+    return [s["fused_decode_steps"] for s in core.executor.stats()]
 
 
 def _children_gone(timeout: float = 10.0) -> bool:
@@ -103,6 +114,7 @@ def test_greedy_tp2_equals_one_process(checkpoints, case):
     ref_ids, ref_lps = _run(checkpoints[case], 1, **kw)
     ids, lps = _run(checkpoints[case], 2, **kw)
     assert ids == ref_ids
+    assert min(_run.fused_steps) > 0  # every family here decodes fused on each rank's shard
     if case == "llama":
         assert _run.preemptions > 0  # a preempted request's block table was sent again whole
     for a, b in zip(ref_lps[0], lps[0]):  # sampled logprobs agree to float32 rounding
@@ -140,8 +152,9 @@ def quantizable(tmp_path_factory):
 def test_quantized_weights_tp2_equal_one_process(quantizable, tmp_path, how):
     """Each rank's layers cut their shard of a GGUF file's Q4_0 blocks (rows of codes, columns as whole
     groups), or of the float checkpoint that `quantization=` then quantizes, and the shard runs on the
-    format's own kernels; greedy output is one process's. The GGUF case also keeps an fp8 KV cache,
-    split by KV heads like the rest."""
+    format's own kernels; greedy output is one process's. Decode steps run fused on every rank (the
+    layer's two native halves, all-reduced between), as in one process. The GGUF case also keeps an fp8
+    KV cache, split by KV heads like the rest."""
     import gguf
 
     from tests.model.test_gguf_vs_hf import write_converted
@@ -162,8 +175,24 @@ def test_quantized_weights_tp2_equal_one_process(quantizable, tmp_path, how):
         assert proj.method.quantized  # the format the ranks split, not a dequantized copy
     finally:
         one.llm_engine.shutdown()
-    assert _run(path, 2, **kw)[0] == _run(path, 1, **kw)[0]
+    ids = _run(path, 2, **kw)[0]
+    assert min(_run.fused_steps) > 0 and len(_run.fused_steps) == 2  # each rank's fused step on its shard
+    assert ids == _run(path, 1, **kw)[0]
+    assert _run.fused_steps[0] > 0
     assert _children_gone()
+
+
+def test_int8_bfloat16_tp2_decodes_fused_within_tolerance(quantizable):
+    """bf16 weights beside int8 ones, a bf16 KV cache: each rank's fused step on its shard; the first
+    tokens and their log-probabilities agree with one process within bf16 rounding."""
+    kw: dict = dict(block_size=4, num_kv_blocks=64, quantization="int8")
+    ids, lps = _run(quantizable[1], 2, dtype="bfloat16", **kw)
+    assert min(_run.fused_steps) > 0
+    ref_ids, ref_lps = _run(quantizable[1], 1, dtype="bfloat16", **kw)
+    assert [i[:3] for i in ids] == [i[:3] for i in ref_ids]
+    for a, b in zip(ref_lps[0][:3], lps[0][:3]):
+        for t in a.keys() & b.keys():
+            assert abs(a[t].logprob - b[t].logprob) < 0.05
 
 
 def test_awq_checkpoint_tp2_equals_one_process(quantizable, tmp_path):

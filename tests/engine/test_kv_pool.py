@@ -36,8 +36,9 @@ def test_long_context_model_is_clamped_and_serves_default_max_tokens(long_contex
     with caplog.at_level(logging.WARNING, logger="perfxlm"):
         llm = LLM(long_context_llama, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64)
     cfg = llm.llm_engine.config
-    assert cfg.max_model_len == llm.llm_engine.num_kv_blocks * cfg.block_size == 1024
+    assert llm.llm_engine.resolved.max_model_len == llm.llm_engine.num_kv_blocks * cfg.block_size == 1024
     assert "max_model_len lowered from the model's 131072 to 1024" in caplog.text
+    assert cfg.max_model_len == cfg.resolved.max_model_len == 131072  # the user's config is not rewritten
     # max_tokens=None fills the context, as the chat endpoint's default does: it must be accepted
     out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False)
     assert len(out[0].prompt_token_ids) + len(out[0].outputs[0].token_ids) == 1024
@@ -47,7 +48,7 @@ def test_long_context_model_is_clamped_and_serves_default_max_tokens(long_contex
 def test_long_context_model_with_default_settings_starts(long_context_llama):
     llm = LLM(long_context_llama, skip_tokenizer_init=True, dtype="float32")
     cfg = llm.llm_engine.config
-    assert 1 <= cfg.max_model_len <= llm.llm_engine.num_kv_blocks * cfg.block_size
+    assert 1 <= llm.llm_engine.resolved.max_model_len <= llm.llm_engine.num_kv_blocks * cfg.block_size
     out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
 

@@ -19,7 +19,7 @@ def test_chat_without_max_tokens_is_served_when_the_context_exceeds_the_pool():
     try:
         cfg = engine.engine.config
         pool_tokens = engine.engine.num_kv_blocks * cfg.block_size
-        assert cfg.max_model_len == pool_tokens < 8192  # lowered from the model's 8192
+        assert engine.engine.resolved.max_model_len == pool_tokens < 8192  # lowered from the model's 8192
         app = build_app(engine, "m")
 
         async def chat() -> httpx.Response:

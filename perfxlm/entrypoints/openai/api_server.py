@@ -48,7 +48,7 @@ def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None =
     metrics = ServerMetrics(engine.engine)
     renderer = ChatRenderer(engine.tokenizer, trust_request_chat_template,
                             max_rendered_chars=max(max_request_body_bytes, 1 << 20))
-    ctx = ServerContext(engine, served_model_name, int(engine.engine.config.max_model_len), metrics, renderer)
+    ctx = ServerContext(engine, served_model_name, int(engine.engine.resolved.max_model_len), metrics, renderer)
     if enable_auto_tool_choice and not tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or mistral).")
     if tool_call_parser:
@@ -309,7 +309,7 @@ def run_server(args: Any, engine_kwargs: dict) -> int:
     _warm_up_and_deprioritise_engine_threads(engine)
     cfg = engine.engine.config
     logger.info("model %s (served as %r), dtype %s, %d KV blocks of %d tokens, max_model_len %d",
-                cfg.model, name, cfg.torch_dtype, engine.engine.num_kv_blocks, cfg.block_size, cfg.max_model_len)
+                cfg.model, name, cfg.torch_dtype, engine.engine.num_kv_blocks, cfg.block_size, engine.engine.resolved.max_model_len)
     logger.info("serving on http://%s:%d (chat page at /)", args.host, args.port)
 
     class Server(uvicorn.Server):
