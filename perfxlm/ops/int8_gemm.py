@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from perfxlm.quant.reference import quantize_activations
 from perfxlm.quant.weight import QuantizedWeight
 
 
@@ -48,12 +47,22 @@ def int8_gemm_linear(
     rows = x.reshape(-1, x.shape[-1])
     if rows.dtype != torch.float32 or not rows.is_contiguous():
         rows = rows.float().contiguous()
-    qx, sx = quantize_activations(rows)
+    qx, sx = quantize_rows(rows)
     y = torch._int_mm(qx, qw.t()).float()
     y.mul_(scales).mul_(sx.unsqueeze(1))
     if bias is not None:
         y.add_(bias.float() if bias.dtype != torch.float32 else bias)
     return y.to(x.dtype).view(*x.shape[:-1], qw.shape[0])
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.quantize_activations`' values in fewer passes over x (at these sizes each elementwise
+    pass costs a fifth of the GEMM): max |x| as max(max x, -min x), two reductions that write nothing
+    (3x faster than |x| then its max; the max norm and aminmax measured slower still), and no clamp:
+    |x| / (max |x| / 127) cannot round past 127."""
+    scale = torch.maximum(x.amax(dim=-1), x.amin(dim=-1).neg_()) / 127.0
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return torch.div(x, safe.unsqueeze(-1)).round_().to(torch.int8), scale
 
 
 _INT_MM: list[bool] = []
