@@ -9,6 +9,11 @@ between the two engines' embeddings (a check that both computed the same thing).
     python benchmarks/embed_throughput.py --shape minilm --threads 2
     python benchmarks/embed_throughput.py --shape bge-base --num-texts 1024 --output-json embed.json
     python benchmarks/embed_throughput.py --model /path/to/sentence-transformers/folder
+    python benchmarks/embed_throughput.py --shape bge-base --quantization w8a8-token   # + the int8 fast path
+
+--quantization also times perfxlm with that quantization (a name, JSON, or "w8a8-token": W8A8 with one
+activation scale per token, the integer-GEMM path) in the same run, and reports its cosine to the
+float32 reference and how often each text's nearest other text stays the same.
 """
 
 from __future__ import annotations
@@ -64,6 +69,24 @@ def build_model(folder: str, shape: str, texts: list[str]) -> str:
     return out
 
 
+def quality(ours, ref) -> dict:
+    """Cosine of each embedding to the reference's, and retrieval stability: for each text, whether its
+    nearest other text (top 1) and its 10 nearest stay the same under `ours` as under `ref`."""
+    import numpy as np
+
+    a = ours / np.linalg.norm(ours, axis=1, keepdims=True)
+    b = ref / np.linalg.norm(ref, axis=1, keepdims=True)
+    cos = (a * b).sum(1)
+    sa, sb = a @ a.T, b @ b.T
+    np.fill_diagonal(sa, -2.0)
+    np.fill_diagonal(sb, -2.0)
+    k = min(10, len(a) - 1)
+    ta, tb = np.argsort(-sa, axis=1)[:, :k], np.argsort(-sb, axis=1)[:, :k]
+    overlap = np.mean([len(set(x) & set(y)) / k for x, y in zip(ta, tb)])
+    return {"q_min_cosine": float(cos.min()), "q_mean_cosine": float(cos.mean()),
+            "q_top1_same": float((ta[:, 0] == tb[:, 0]).mean()), "q_top10_overlap": float(overlap)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a sentence-transformers folder (default: a random --shape model)")
@@ -75,6 +98,8 @@ def main() -> int:
     ap.add_argument("--st-batch-size", type=int, default=32, help="sentence-transformers' encode batch size")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="perfxlm's tokens per forward pass")
     ap.add_argument("--skip-reference", action="store_true", help="time perfxlm only")
+    ap.add_argument("--quantization", default=None, help="also time perfxlm with this quantization "
+                    "(a name, JSON, or w8a8-token: one activation scale per token)")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
 
@@ -88,16 +113,29 @@ def main() -> int:
         from perfxlm import LLM, PoolingParams
 
         kwargs = {"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}
-        llm = LLM(folder, dtype="float32", **kwargs)
         params = PoolingParams(truncate_prompt_tokens=args.max_tokens)
-        llm.embed(texts[:8], pooling_params=params, use_tqdm=False)  # warm-up
-        start = time.perf_counter()
-        outs = llm.embed(texts, pooling_params=params, use_tqdm=False)
-        ours_s = time.perf_counter() - start
+
+        def run(**extra):
+            llm = LLM(folder, dtype="float32", **kwargs, **extra)
+            llm.embed(texts[:8], pooling_params=params, use_tqdm=False)  # warm-up
+            start = time.perf_counter()
+            outs = llm.embed(texts, pooling_params=params, use_tqdm=False)
+            return outs, time.perf_counter() - start
+
+        outs, ours_s = run()
+        quant_outs = None
+        if args.quantization:
+            q = args.quantization
+            q = {"method": "w8a8", "activation_group_size": -1} if q == "w8a8-token" else (
+                json.loads(q) if q.startswith("{") else q)
+            quant_outs, quant_s = run(quantization=q)
         tokens = sum(len(o.prompt_token_ids) for o in outs)
         result = {"model": args.model or args.shape, "num_texts": len(texts), "tokens": tokens,
                   "threads": args.threads, "perfxlm_texts_per_s": len(texts) / ours_s,
                   "perfxlm_tokens_per_s": tokens / ours_s}
+        if quant_outs is not None:
+            result.update(quantization=args.quantization, perfxlm_q_texts_per_s=len(texts) / quant_s,
+                          q_speedup_over_float=ours_s / quant_s)
         if not args.skip_reference:
             from sentence_transformers import SentenceTransformer
 
@@ -111,6 +149,9 @@ def main() -> int:
             cos = (ours * ref).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(ref, axis=1)
             result.update(st_texts_per_s=len(texts) / st_s, st_tokens_per_s=tokens / st_s, speedup=st_s / ours_s,
                           min_cosine=float(cos.min()))
+            if quant_outs is not None:
+                q = np.array([o.outputs.embedding for o in quant_outs])
+                result.update(q_speedup=st_s / quant_s, **quality(q, ref))
     for key, value in result.items():
         print(f"{key:>22}: {value:.4f}" if isinstance(value, float) else f"{key:>22}: {value}")
     if args.output_json:

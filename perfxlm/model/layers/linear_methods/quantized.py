@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from perfxlm.model.layers.linear_methods.base import LinearMethod, LinearPlan
-from perfxlm.ops import native
+from perfxlm.ops import cpu_plan, native
+from perfxlm.ops.int8_gemm import gemm_weight, int8_gemm_linear
 from perfxlm.ops.linear import native_int8_blocks, run_linear_q
 from perfxlm.quant.reference import reference_linear
 from perfxlm.quant.weight import ActivationMode, QuantizedWeight
@@ -36,6 +37,8 @@ class QuantizedLinearMethod(LinearMethod):
         self.int8_blocks = False
         self.round_in_torch = False
         self.ordered = False
+        # W8A8 per token: the int8 matrix and float32 scales torch's integer GEMM takes past the GEMV's rows
+        self.int_gemm: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def check(self, weight: Any, where: str) -> None:
         """ValueError where `weight` is not what this format produces (a loader bug, named)."""
@@ -55,6 +58,16 @@ class QuantizedLinearMethod(LinearMethod):
 
     def process_after_loading(self, layer: nn.Module, plan: LinearPlan) -> None:
         self.decide(layer.weight, plan, type(layer).__name__)
+        qw = gemm_weight(layer.weight)
+        if qw is not None:
+            self.int_gemm = (qw, layer.weight.scales.float().reshape(-1).contiguous())
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # many rows of a per-token W8A8 weight (an encoder's batch, a prefill): the integer GEMM, whose
+        # exact sums give the plain-torch definition's bits (the GEMV below it: to float rounding)
+        if self.int_gemm is not None and x.numel() > cpu_plan.plan().quant_max_rows * x.shape[-1]:
+            return int8_gemm_linear(x, *self.int_gemm, bias)
+        return super().apply(layer, x, bias)
 
     def decide(self, weight: QuantizedWeight, plan: LinearPlan, where: str) -> None:
         self.check(weight, where)

@@ -1,0 +1,81 @@
+"""W8A8 with one activation scale per token, many rows: an integer GEMM (torch's `_int_mm`, oneDNN's int8
+kernels: `vpdpbusd` with AVX512-VNNI / AVX-VNNI, `vpmaddubsw` + `vpmaddwd` on AVX2) instead of dequantizing
+the weight to float slabs for a float32 GEMM.
+
+An encoder embedding a batch multiplies thousands of rows per weight, so its products are bound by
+arithmetic, not by reading weights: int8 dot products do 4x the multiply-adds of float32 FMAs per
+instruction (2x on AVX2). The weight-only and block-activation formats cannot use a plain integer GEMM
+(one activation scale per 32 values means one GEMM per block); a weight with one scale per output channel
+and activations with one scale per row can: y[m, n] = sx[m] * sw[n] * sum_k qx[m, k] qw[n, k].
+
+The integer sums are exact, and the scaling is done in the order `perfxlm.quant.reference.w8a8_linear`
+does it (acc x sw, then x sx, then + bias), so this path gives the definition's bits, whatever the number
+of rows. Few rows (decode, a short query) stay on the native GEMV, which is faster there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from perfxlm.quant.weight import QuantizedWeight
+
+
+def gemm_weight(weight: object) -> torch.Tensor | None:
+    """The int8 matrix qw [N, K] (code - 128) of a W8A8 weight the integer GEMM takes: 8-bit symmetric codes,
+    one scale per output channel, per-token activations (`act="int8"`), no level table or input order; None
+    for any other weight, or where this torch build has no integer GEMM. Kept beside the codes (one more
+    byte per weight): the native GEMV reads the unsigned codes."""
+    if not isinstance(weight, QuantizedWeight) or weight.codes.dim() != 2:
+        return None
+    if weight.act != "int8" or weight.bits != 8 or weight.levels is not None or weight.input_order is not None:
+        return None
+    if weight.group != weight.in_features:
+        return None
+    offsets = weight.full_mins().float() + 128.0 * weight.scales.float()
+    if bool(offsets.any()):  # an asymmetric weight: its zero points would need the activations' row sums
+        return None
+    if not _has_int_mm():
+        return None
+    return (weight.codes.view(torch.int8) ^ torch.tensor(-128, dtype=torch.int8)).contiguous()
+
+
+def int8_gemm_linear(
+    x: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [..., K] -> [..., N] in x's dtype: rows quantized per token (the W8A8 rule), an exact int32 GEMM,
+    then acc x scales[n] x sx[m] + bias, in float32. `scales`: float32 [N]."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.dtype != torch.float32 or not rows.is_contiguous():
+        rows = rows.float().contiguous()
+    qx, sx = quantize_rows(rows)
+    y = torch._int_mm(qx, qw.t()).float()
+    y.mul_(scales).mul_(sx.unsqueeze(1))
+    if bias is not None:
+        y.add_(bias.float() if bias.dtype != torch.float32 else bias)
+    return y.to(x.dtype).view(*x.shape[:-1], qw.shape[0])
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.quantize_activations`' values in fewer passes over x (at these sizes each elementwise
+    pass costs a fifth of the GEMM): max |x| as max(max x, -min x), two reductions that write nothing
+    (3x faster than |x| then its max; the max norm and aminmax measured slower still), and no clamp:
+    |x| / (max |x| / 127) cannot round past 127."""
+    scale = torch.maximum(x.amax(dim=-1), x.amin(dim=-1).neg_()) / 127.0
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return torch.div(x, safe.unsqueeze(-1)).round_().to(torch.int8), scale
+
+
+_INT_MM: list[bool] = []
+
+
+def _has_int_mm() -> bool:
+    """Whether torch's integer GEMM runs here (odd sizes included), checked once against the exact product."""
+    if not _INT_MM:
+        try:
+            a = torch.randint(-127, 128, (17, 37), dtype=torch.int8)
+            b = torch.randint(-127, 128, (5, 37), dtype=torch.int8)
+            ok = torch.equal(torch._int_mm(a, b.t()), (a.long() @ b.long().t()).int())
+        except (RuntimeError, AttributeError):
+            ok = False
+        _INT_MM.append(ok)
+    return _INT_MM[0]
