@@ -34,9 +34,13 @@
 namespace perfxlm_lora {
 namespace {
 
-// Below this many multiply-adds a projection's products run on the calling thread (a 1-row step's
-// q|k|v at rank 16 on a 576-wide model is about 45 thousand).
-constexpr int64_t kParallelMacs = 1 << 14;
+// Below this many multiply-adds a projection's products run on the calling thread. A 1-row step's
+// products are a few tens of thousands (q|k|v at rank 16 on a 576-wide model: about 45 thousand, some
+// 10 us on one thread), and a parallel region per projection cost more than it saved: replaying one
+// batch-1 decode step of the 135M model's 30 fused layers on a loaded 2-core machine (best of 60), the
+// adapters added 1.2 ms on one thread and 19 ms with two, whose regions waited on a descheduled worker.
+// Batched steps (16 rows across 4 adapters: 0.3-1M per projection) and 1B-wide MLPs still split.
+constexpr int64_t kParallelMacs = 1 << 18;
 constexpr int kMaxTile = 8;
 #ifdef PERFXLM_SIMD16
 constexpr int kTile = simd16::kAvx512 ? 8 : 4;  // rows sharing one load of A or B

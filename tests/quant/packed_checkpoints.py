@@ -80,9 +80,10 @@ def awq_pack(values: torch.Tensor) -> torch.Tensor:
     return pack_int32(v.reshape(r, c), 4)
 
 
-def awq_parts(w, group):
-    """AWQ GEMM tensors of w [N, K]: qweight [K, N / 8], qzeros [K / G, N / 8], scales [K / G, N] float16."""
-    q, scales, zeros, dq = quantize_groups(w, 4, group, sym=False)
+def awq_parts(w, group, sym=False):
+    """AWQ GEMM tensors of w [N, K]: qweight [K, N / 8], qzeros [K / G, N / 8], scales [K / G, N] float16
+    (sym: every zero point 8, as a symmetric AWQ quantization stores them)."""
+    q, scales, zeros, dq = quantize_groups(w, 4, group, sym=sym)
     parts = {
         "qweight": awq_pack(q.t().contiguous()),
         "qzeros": awq_pack(zeros.t().contiguous()),

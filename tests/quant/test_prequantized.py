@@ -72,15 +72,19 @@ def make_gptq(bits, group, sym=True, act_order=False, v2=False, seed=1):
 
 
 AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
-# name -> (parts maker, quantization_config, expected form of the q|k|v weight: bits, act-order)
+# name -> (parts maker, quantization_config, expected form of the q|k|v weight: bits, act-order, centred
+# codes: a symmetric checkpoint keeps no mins)
 PACKED = {
-    "awq-g32": ((lambda name, w: awq_parts(w, 32)), AWQ_CONFIG, (4, False)),
-    "gptq-4bit-g32-asym": (*make_gptq(4, 32, sym=False), (4, False)),
-    "gptq-4bit-g32-sym-act-order": (*make_gptq(4, 32, act_order=True), (4, True)),
-    "gptq-8bit-g32-asym-act-order": (*make_gptq(8, 32, sym=False, act_order=True), (8, True)),
-    "gptq-4bit-g16-as-8bit-codes": (*make_gptq(4, 16, sym=False), (8, False)),
-    "gptq-4bit-per-channel-v2": (*make_gptq(4, -1, sym=False, v2=True), (4, False)),
-    "gptq-8bit-per-channel-sym": (*make_gptq(8, -1), (8, False)),
+    "awq-g32": ((lambda name, w: awq_parts(w, 32)), AWQ_CONFIG, (4, False, False)),
+    "awq-g32-sym": ((lambda name, w: awq_parts(w, 32, sym=True)), AWQ_CONFIG, (4, False, True)),
+    "gptq-4bit-g32-asym": (*make_gptq(4, 32, sym=False), (4, False, False)),
+    "gptq-4bit-g32-sym": (*make_gptq(4, 32), (4, False, True)),
+    "gptq-4bit-g32-sym-act-order": (*make_gptq(4, 32, act_order=True), (4, True, True)),
+    "gptq-8bit-g32-asym-act-order": (*make_gptq(8, 32, sym=False, act_order=True), (8, True, False)),
+    "gptq-4bit-g16-as-8bit-codes": (*make_gptq(4, 16, sym=False), (8, False, False)),
+    "gptq-4bit-g16-sym-as-8bit-codes": (*make_gptq(4, 16), (8, False, True)),
+    "gptq-4bit-per-channel-v2": (*make_gptq(4, -1, sym=False, v2=True), (4, False, False)),
+    "gptq-8bit-per-channel-sym": (*make_gptq(8, -1), (8, False, True)),
 }
 CT_SCHEMES = {
     # name -> (format, scheme kwargs, expected q|k|v form)
@@ -133,7 +137,7 @@ def projections(model) -> dict[str, object]:
 
 @pytest.mark.parametrize("name", list(PACKED))
 def test_awq_gptq_match_transformers_on_dequantized_weights(tmp_path, name):
-    make_parts, qconfig, (bits, act_order) = PACKED[name]
+    make_parts, qconfig, (bits, act_order, centred) = PACKED[name]
     hf = tiny_llama()
     path = str(tmp_path / name)
     write_packed(path, hf, make_parts, qconfig)
@@ -142,6 +146,7 @@ def test_awq_gptq_match_transformers_on_dequantized_weights(tmp_path, name):
     assert len(weights) == 8 and all(type(w) is QuantizedWeight for w in weights.values())  # kept packed
     qkv = weights["model.layers.0.self_attn.qkv_proj"]
     assert qkv.bits == bits and (qkv.input_order is not None) == act_order and qkv.levels is None
+    assert (qkv.mins is None) == centred and all((w.mins is None) == centred for w in weights.values())
     assert_matches(llm, hf)
     if native.kernels() is not None:  # act-order products gather their inputs: the module path
         assert fused_decode_of(llm).eligible == (not act_order)
@@ -162,6 +167,9 @@ def test_compressed_tensors_match_transformers_on_dequantized_weights(tmp_path, 
     qkv = projections(model_of(llm))["model.layers.0.self_attn.qkv_proj"]
     assert type(qkv) is QuantizedWeight and qkv.bits == bits and qkv.act == act
     assert (qkv.levels is not None) == (fmt == "float-quantized")
+    # symmetric weight-only codes keep no mins (W8A8's products take stored ones)
+    centred = scheme["weights"]["symmetric"] and act == "float" and fmt == "pack-quantized"
+    assert (qkv.mins is None) == centred
     if act == "float":
         assert_matches(llm, hf)
     else:
@@ -216,10 +224,11 @@ def test_every_family_gptq_act_order(tmp_path, case):
 
 def test_int4_awq_and_gptq_take_the_int4_kernel_path(tmp_path):
     """Without act-order an AWQ / GPTQ 4-bit weight is the engine's own int4 form (4-bit codes, a scale and
-    a min per group, no table, no input order): the same native products and the fused decode layer."""
+    a min per group, or a scale alone where symmetric: Q4_0's form; no table, no input order): the same
+    native products and the fused decode layer."""
     write_float(str(tmp_path / "float"))
     own = engine(str(tmp_path / "float"), quantization={"method": "int4", "calibration": False, "mixed_precision": False})
-    for name in ("awq-g32", "gptq-4bit-g32-asym"):
+    for name in ("awq-g32", "gptq-4bit-g32-asym", "gptq-4bit-g32-sym"):
         make_parts, qconfig, _ = PACKED[name]
         path = str(tmp_path / name)
         write_packed(path, tiny_llama(), make_parts, qconfig)

@@ -52,7 +52,8 @@ def _reference(y, x, row_slot, a, bt, scale, cols):
     (5, 53, [(0, 41)], 2),
     (7, 64, [(0, 96), (96, 101)], 1),  # two rows of a slot, widths a multiple of the paired blocks
     (70, 45, [(0, 13), (13, 150)], 2),  # more rows than a tile, many tiles
-    (33, 300, [(0, 250), (250, 333), (333, 419)], 2),  # big enough to split both passes across threads
+    # big enough to split both passes across threads (past 256K multiply-adds)
+    (65, 1031, [(0, 250), (250, 333), (333, 419)], 2),
 ])
 def test_lora_rows_match_reference(dtype, rows, K, parts, threads):
     ops = native.kernels()

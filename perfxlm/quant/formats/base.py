@@ -121,7 +121,10 @@ def affine_weight(
     codes uint8 [N, K] (0 .. 2^bits - 1), scales [N, groups] (any float dtype), zeros [N, groups] (the
     code whose value is 0). mins = -scales x zeros is exact in float32 for scales of at most 16 significant
     bits; float16 is kept where both fit it exactly, as the checkpoint's scales usually are. 4-bit codes
-    whose groups are not whole 32-value blocks (group 16) are kept as 8-bit codes: the same values."""
+    whose groups are not whole 32-value blocks (group 16) are kept as 8-bit codes: the same values.
+    A symmetric checkpoint (every zero point the middle code, 2^(bits - 1)) keeps no mins: its codes are
+    centred (Q4_0 / Q8_0's form, w = scale x (u - centre)), so a decode step streams no min per group
+    and the kernels take the implied one; the values are the same, each exact in float32."""
     n, k = codes.shape
     groups = scales.shape[-1]
     group = k // groups
@@ -133,12 +136,20 @@ def affine_weight(
             f"(4-bit codes: of {BLOCK4} stay 4-bit) or one group per row (-1)."
         )
     s = scales.float().contiguous()
+    four = bits == 4 and k % BLOCK4 == 0 and group % BLOCK4 == 0
+    stored = 4 if four else 8
+    if act == "float" and bool((zeros == 1 << (bits - 1)).all()):  # symmetric: centred codes, no mins
+        if not four and bits == 4:  # 4-bit values held as 8-bit codes: u - 8 == (u + 120) - 128
+            codes = codes + 120
+        if _fits_float16(s):
+            s = s.half()
+        packed = pack_nibbles(codes) if four else codes.contiguous()
+        return QuantizedWeight(packed, s, None, None, stored, group, act, n, k, input_order=input_order)
     m = (s * zeros.float()).neg_()
     if _fits_float16(s, m):
         s, m = s.half(), m.half()
-    four = bits == 4 and k % BLOCK4 == 0 and group % BLOCK4 == 0
     packed = pack_nibbles(codes) if four else codes.contiguous()
-    return QuantizedWeight(packed, s, m.contiguous(), None, 4 if four else 8, group, act, n, k, input_order=input_order)
+    return QuantizedWeight(packed, s, m.contiguous(), None, stored, group, act, n, k, input_order=input_order)
 
 
 def act_order(module: str, g_idx: torch.Tensor, groups: int, k: int, name: str) -> torch.Tensor | None:
