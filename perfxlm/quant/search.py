@@ -38,6 +38,18 @@ def element_weights(g: torch.Tensor, importance: torch.Tensor | None) -> torch.T
     return importance * (2.0 * sigma2 + g.square()).sqrt()
 
 
+def weighted_chunks(g: torch.Tensor, importance: torch.Tensor | None):
+    """Groups [R, G] in chunks of about CHUNK weights, each with its element weights (`importance`'s rows
+    tile the groups' rows): the searches' loop, so their temporaries stay in cache."""
+    rows = max(1, CHUNK // g.shape[-1])
+    for start in range(0, g.shape[0], rows):
+        chunk = g[start : start + rows]
+        imp = None
+        if importance is not None:
+            imp = importance[torch.arange(start, start + chunk.shape[0]) % importance.shape[0]]
+        yield chunk, element_weights(chunk, imp)
+
+
 def _sums(w: torch.Tensor, wx: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, ...]:
     wu = w * u
     return wu.sum(-1).double(), (wu * u).sum(-1).double(), (wx * u).sum(-1).double()
@@ -126,15 +138,10 @@ def search_affine(
         if bool(torch.isfinite(s).all() and torch.isfinite(m).all()):
             return u, s.half(), m.half()
         return search_affine(g, top, importance, half=False)  # a value beyond float16's range
-    rows = max(1, CHUNK // g.shape[-1])
     dtype = torch.float16 if half else torch.float32
     us, ss, ms = [], [], []
-    for start in range(0, g.shape[0], rows):
-        chunk = g[start : start + rows]
-        imp = None
-        if importance is not None:
-            imp = importance[torch.arange(start, start + chunk.shape[0]) % importance.shape[0]]
-        u, s, m = _search_chunk(chunk, element_weights(chunk, imp), top, dtype)
+    for chunk, weights in weighted_chunks(g, importance):
+        u, s, m = _search_chunk(chunk, weights, top, dtype)
         us.append(u)
         ss.append(s)
         ms.append(m)
@@ -217,14 +224,9 @@ def _native_levels():
 def _search_levels_torch(
     g: torch.Tensor, levels: torch.Tensor, importance: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = max(1, CHUNK // g.shape[-1])
     us, ss = [], []
-    for start in range(0, g.shape[0], rows):
-        chunk = g[start : start + rows]
-        imp = None
-        if importance is not None:
-            imp = importance[torch.arange(start, start + chunk.shape[0]) % importance.shape[0]]
-        u, s = _levels_chunk(chunk, element_weights(chunk, imp), levels)
+    for chunk, weights in weighted_chunks(g, importance):
+        u, s = _levels_chunk(chunk, weights, levels)
         us.append(u)
         ss.append(s)
     return torch.cat(us), torch.cat(ss)
@@ -258,7 +260,8 @@ def _centred_chunk(g: torch.Tensor, w: torch.Tensor, half: int, dtype: torch.dty
     wmax = w.amax(-1, keepdim=True)
     for frac in ANCHOR_FRACTIONS:
         kept = torch.where(w >= frac * wmax, g, torch.zeros_like(g))
-        anchors.append((torch.gather(kept, -1, kept.abs().argmax(-1, keepdim=True)).squeeze(-1), ANCHOR_FACTORS))
+        top_kept = torch.gather(kept, -1, kept.abs().argmax(-1, keepdim=True)).squeeze(-1)
+        anchors.append((top_kept, ANCHOR_FACTORS))
     candidates = [(anchor, sign * f) for sign in (-1.0, 1.0) for anchor, factors in anchors for f in factors]
     for anchor, f in candidates:  # sign -1: llama.cpp's orientation (the anchor at code -half)
         q = _centred_codes(g, anchor * (f / half), half)
@@ -304,15 +307,10 @@ def search_centred(
         if importance.dim() != 2 or importance.shape[1] != g.shape[1] or g.shape[0] % importance.shape[0]:
             raise ValueError(f"importance {tuple(importance.shape)} does not tile groups {tuple(g.shape)}")
     top = 1 << (bits - 1)
-    rows = max(1, CHUNK // g.shape[-1])
     dtype = torch.float16 if half else torch.float32
     qs, ds = [], []
-    for start in range(0, g.shape[0], rows):
-        chunk = g[start : start + rows]
-        imp = None
-        if importance is not None:
-            imp = importance[torch.arange(start, start + chunk.shape[0]) % importance.shape[0]]
-        q, d = _centred_chunk(chunk, element_weights(chunk, imp), top, dtype)
+    for chunk, weights in weighted_chunks(g, importance):
+        q, d = _centred_chunk(chunk, weights, top, dtype)
         qs.append(q)
         ds.append(d)
     d = torch.cat(ds)

@@ -83,7 +83,7 @@ def test_native_and_torch_searches_agree():
 @pytest.mark.parametrize("table", ["int5", "nf4"])
 @pytest.mark.parametrize("n,k,group", [(37, 96, 32), (5, 448, 64), (129, 160, 32)])
 def test_native_and_torch_level_searches_agree(n, k, group, table):
-    """The native level search (5-bit codes' 32 uniform levels, NF4's 16) follows the plain-torch definition:
+    """The native level search (a table of 32 uniform levels, NF4's 16) follows the plain-torch definition:
     the same codes and float16 scales but where a float sum's order tips a near tie (a candidate's error is
     a difference of sums close to each other, so float32 sums in another order can reorder two candidates
     within 0.1 %), and the same objective overall; zero groups and a group with one outlier included."""
@@ -91,7 +91,8 @@ def test_native_and_torch_level_searches_agree(n, k, group, table):
 
     if native.kernels() is None or not hasattr(native.kernels(), "search_levels"):
         pytest.skip("native kernels not built")
-    levels = quantizers._INT5_LEVELS if table == "int5" else NF4_LEVELS
+    uniform32 = (torch.arange(32, dtype=torch.float32) - 16) / 16  # a 5-bit table over [-1, 1)
+    levels = uniform32 if table == "int5" else NF4_LEVELS
     w = weights(n, k, seed=n * k)
     w[1, :group] = 0.0
     w[2, :group] = 1e-30  # below float16's range: the plain rule's scale rounds to 0
@@ -404,7 +405,7 @@ def _int5_table_search(w: torch.Tensor, group: int, imp: torch.Tensor | None) ->
     levels = (torch.arange(32, dtype=torch.float32) - 16) / 16
     layout = None if imp is None else imp.reshape(-1, group)
     u, s = search.search_levels(w.reshape(-1, group), levels, layout)
-    return (s.float().unsqueeze(-1) * levels[u]).reshape(w.shape)
+    return (s.float().unsqueeze(-1) * levels[u.long()]).reshape(w.shape)
 
 
 @pytest.mark.parametrize("with_importance", [False, True])
