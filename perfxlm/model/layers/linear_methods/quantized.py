@@ -23,6 +23,12 @@ from perfxlm.quant.reference import reference_linear
 from perfxlm.quant.weight import ActivationMode, QuantizedWeight
 
 
+# Below this many rows the integer GEMM's setup (quantizing rows, int32 -> float) outweighs its faster
+# multiply-adds, and decode steps keep the one kernel the fused layer also runs (a last-bit difference
+# between two kernels would otherwise move an int8 activation step between fused and module decode)
+INT_GEMM_MIN_ROWS = 32
+
+
 class QuantizedLinearMethod(LinearMethod):
     quantized = True
     # what the format's weights may hold: code widths, level tables, an input order, int8 activations
@@ -65,7 +71,8 @@ class QuantizedLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # many rows of a per-token W8A8 weight (an encoder's batch, a prefill): the integer GEMM, whose
         # exact sums give the plain-torch definition's bits (the GEMV below it: to float rounding)
-        if self.int_gemm is not None and x.numel() > cpu_plan.plan().quant_max_rows * x.shape[-1]:
+        rows = x.numel() // x.shape[-1]
+        if self.int_gemm is not None and rows > max(cpu_plan.plan().quant_max_rows, INT_GEMM_MIN_ROWS):
             return int8_gemm_linear(x, *self.int_gemm, bias)
         return super().apply(layer, x, bias)
 
