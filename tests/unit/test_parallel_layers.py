@@ -263,19 +263,23 @@ def test_bad_groups_and_heads_are_refused():
     assert tp_group() is SINGLE  # the context is left as it was
 
 
-def test_fused_decode_leaves_row_parallel_layers_to_the_module_path():
+def test_fused_decode_takes_row_parallel_layers_with_their_all_reduce():
+    """A rank's row-parallel output projection and down projection sum partial products: the fused layer
+    takes them with the group's all-reduce between its halves; one rank's layers carry none."""
     from perfxlm.model.fused_decode import fused_attention, fused_mlp
     from perfxlm.model.layers.activation import SiluAndMul
     from perfxlm.model.layers.attention import Attention
 
-    with building_for(TPGroup(0, 2, object())):
+    group = TPGroup(0, 2, object())
+    with building_for(group):
         qkv, o = QKVParallelLinear(16, 4, 4, 2), RowParallelLinear(16, 16, input_part=(0, 8))
         gate_up, down = MergedColumnParallelLinear(16, {"gate": 10, "up": 10}), RowParallelLinear(10, 16)
     attn = Attention(qkv.num_heads, qkv.num_kv_heads, 4, 0.5)
-    assert fused_attention(qkv, o, attn) is None
-    assert fused_mlp(gate_up, down, SiluAndMul()) is None
-    single_o = RowParallelLinear(8, 16)
-    assert fused_attention(QKVParallelLinear(16, 4, 2, 1), single_o, Attention(2, 1, 4, 0.5)) is not None
+    fa, fm = fused_attention(qkv, o, attn), fused_mlp(gate_up, down, SiluAndMul())
+    assert fa is not None and fa.reduce == group.all_reduce
+    assert fm is not None and fm.reduce == group.all_reduce
+    single = fused_attention(QKVParallelLinear(16, 4, 2, 1), RowParallelLinear(8, 16), Attention(2, 1, 4, 0.5))
+    assert single is not None and single.reduce is None
 
 
 def test_unsupported_family_is_refused_by_name():
