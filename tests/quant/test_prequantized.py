@@ -59,12 +59,13 @@ def gptq_config(bits, group, sym=True, desc_act=False, fmt=None):
 
 def make_gptq(bits, group, sym=True, act_order=False, v2=False, seed=1):
     g = torch.Generator().manual_seed(seed)
-    orders: dict[str, torch.Tensor] = {}
+    orders: dict[tuple[str, int], torch.Tensor] = {}
 
     def parts(name, w):
         order = None
         if act_order:  # one permutation per input, shared by the projections reading it
-            order = orders.setdefault(input_key(name), torch.randperm(w.shape[1], generator=g))
+            # keyed by width too: the maker outlives one model (PACKED is shared by tests of other shapes)
+            order = orders.setdefault((input_key(name), w.shape[1]), torch.randperm(w.shape[1], generator=g))
         return gptq_parts(w, bits, group, sym, order, v2)
 
     fmt = "gptq_v2" if v2 else None
