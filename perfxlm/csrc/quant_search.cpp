@@ -383,6 +383,152 @@ std::tuple<at::Tensor, at::Tensor> search_levels(const at::Tensor& groups, const
   return std::make_tuple(u, s);
 }
 
+// ---------------------------------------------------------------------------------------------
+// search_centred: centred integer codes (Q5_0's form, value = d * q, q in -half .. half - 1) and one
+// scale per group, as perfxlm.quant.search.search_centred defines it: candidates anchor x multiplier
+// (the caller's table, in its order: both signs, the group's extreme value and the extremes among its
+// weights counting at least a fraction of its heaviest), each refit by least squares on its codes
+// (double from float sums), the least error kept (strictly less); then the plain rule (extreme / -half)
+// and the best candidate stored (float16 or float32) and recoded, alternating code / scale refits, the
+// plain rule winning ties. torch runs ~60 elementwise passes per candidate over a chunk; here a group
+// stays in cache and each candidate is one pass.
+// ---------------------------------------------------------------------------------------------
+
+inline int64_t first_absmax(const float* v, int64_t G) {
+  int64_t idx = 0;
+  float best = -1.0f;
+  for (int64_t j = 0; j < G; ++j) {
+    const float a = std::fabs(v[j]);
+    if (a > best) best = a, idx = j;  // strictly greater: torch.argmax's first maximum
+  }
+  return idx;
+}
+
+// codes q = clamp(round-half-even(x / d), -half, half - 1), d = 0 read as 1; sums sum (w q) q, sum wx q
+inline void centred_codes(const float* x, int64_t G, float d, float half, float* q) {
+  const float safe = d != 0 ? d : 1.0f;
+#pragma omp simd
+  for (int64_t j = 0; j < G; ++j) q[j] = std::min(std::max(std::nearbyint(x[j] / safe), -half), half - 1.0f);
+}
+
+inline void centred_sums(const float* w, const float* wx, const float* q, int64_t G, float* swq2, float* swxq) {
+  float a = 0, b = 0;
+#pragma omp simd reduction(+ : a, b)
+  for (int64_t j = 0; j < G; ++j) {
+    a += (w[j] * q[j]) * q[j];
+    b += wx[j] * q[j];
+  }
+  *swq2 = a;
+  *swxq = b;
+}
+
+void search_centred_group(const float* x, const float* imp, int64_t G, float half, const int64_t* cand_anchor,
+                          const float* cand_mult, int64_t nc, const float* fracs, int64_t nfrac,
+                          int64_t refine, bool half_scale, float* q_out, float* d_out, float* buf) {
+  float* w = buf;  // 5 scratch rows of G floats
+  float* wx = buf + G;
+  float* q = buf + 2 * G;
+  float* cq = buf + 3 * G;
+  float* kept = buf + 4 * G;
+  element_weights(x, imp, G, w);
+  float fx2 = 0, wmax = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < G; ++j) {
+    wx[j] = w[j] * x[j];
+    fx2 += wx[j] * x[j];
+    wmax = std::max(wmax, w[j]);
+  }
+  const float extreme = x[first_absmax(x, G)];
+  std::vector<float> anchors(1 + nfrac);
+  anchors[0] = extreme;
+  for (int64_t a = 0; a < nfrac; ++a) {
+    const float bar = fracs[a] * wmax;
+    for (int64_t j = 0; j < G; ++j) kept[j] = w[j] >= bar ? x[j] : 0.0f;
+    anchors[1 + a] = kept[first_absmax(kept, G)];
+  }
+  const double swx2 = fx2;
+  double best_d = static_cast<double>(extreme / -half), best_err = std::numeric_limits<double>::infinity();
+  for (int64_t c = 0; c < nc; ++c) {
+    centred_codes(x, G, anchors[cand_anchor[c]] * cand_mult[c], half, q);
+    float a, b;
+    centred_sums(w, wx, q, G, &a, &b);
+    const double swq2 = a, swxq = b;
+    if (!(swq2 > 0)) continue;
+    const double err = swx2 - swxq * swxq / swq2;
+    if (err < best_err) best_err = err, best_d = swxq / swq2;
+  }
+  auto store = [&](float d) { return half_scale ? static_cast<float>(c10::Half(d)) : d; };
+  auto stored = [&](float d, float* codes) {  // the stored scale, its codes, their weighted error
+    d = store(d);
+    centred_codes(x, G, d, half, codes);
+    float err = 0;
+#pragma omp simd reduction(+ : err)
+    for (int64_t j = 0; j < G; ++j) {
+      const float diff = d * codes[j] - x[j];
+      err += w[j] * (diff * diff);
+    }
+    return std::make_pair(d, err);
+  };
+  auto [d, err] = stored(extreme / -half, q_out);  // the plain rule first: ties keep it
+  auto [cd, cerr] = stored(static_cast<float>(best_d), cq);
+  for (int64_t step = 0; step <= refine; ++step) {
+    if (cerr < err && std::isfinite(cd) && cd != 0) {
+      d = cd, err = cerr;
+      std::copy(cq, cq + G, q_out);
+    }
+    if (step == refine) break;
+    float a, b;
+    centred_sums(w, wx, cq, G, &a, &b);  // refit the scale to the candidate's codes
+    const float next = a > 0 ? b / a : cd;
+    std::tie(cd, cerr) = stored(next, cq);
+  }
+  *d_out = d;
+}
+
+std::tuple<at::Tensor, at::Tensor> search_centred(const at::Tensor& groups, const c10::optional<at::Tensor>& importance,
+                                                  int64_t half_range, const at::Tensor& cand_anchor,
+                                                  const at::Tensor& cand_mult, const at::Tensor& fracs,
+                                                  int64_t refine, bool half_scale) {
+  TORCH_CHECK(groups.dim() == 2 && groups.scalar_type() == at::kFloat && groups.is_contiguous(),
+              "search_centred: groups must be contiguous float32 [R, G]");
+  TORCH_CHECK(cand_anchor.dim() == 1 && cand_anchor.scalar_type() == at::kLong && cand_anchor.is_contiguous() &&
+                  cand_mult.dim() == 1 && cand_mult.scalar_type() == at::kFloat && cand_mult.is_contiguous() &&
+                  cand_mult.numel() == cand_anchor.numel(),
+              "search_centred: candidates must be contiguous int64 anchors and float32 multipliers of one length");
+  TORCH_CHECK(fracs.dim() == 1 && fracs.scalar_type() == at::kFloat && fracs.is_contiguous(),
+              "search_centred: fractions must be contiguous float32");
+  TORCH_CHECK(half_range >= 1 && half_range <= 128 && refine >= 0, "search_centred: bad half range or refine steps");
+  const int64_t nfrac = fracs.numel(), nc = cand_anchor.numel();
+  const int64_t* ca = cand_anchor.data_ptr<int64_t>();
+  for (int64_t c = 0; c < nc; ++c) TORCH_CHECK(ca[c] >= 0 && ca[c] <= nfrac, "search_centred: anchor index out of range");
+  const int64_t R = groups.size(0), G = groups.size(1);
+  const float* imp = nullptr;
+  int64_t P = 1;
+  if (importance.has_value() && importance->defined()) {
+    TORCH_CHECK(importance->dim() == 2 && importance->size(1) == G && importance->scalar_type() == at::kFloat &&
+                    importance->is_contiguous() && importance->size(0) > 0 && R % importance->size(0) == 0,
+                "search_centred: importance must be contiguous float32 [P, G] with P dividing R");
+    imp = importance->data_ptr<float>();
+    P = importance->size(0);
+  }
+  auto q = at::empty({R, G}, groups.options());
+  auto d = at::empty({R}, groups.options());
+  const float* x = groups.data_ptr<float>();
+  const float* cm = cand_mult.data_ptr<float>();
+  const float* fp = fracs.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  float* dp = d.data_ptr<float>();
+  const float half = static_cast<float>(half_range);
+  at::parallel_for(0, R, std::max<int64_t>(1, 16384 / std::max<int64_t>(G, 1)), [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(5 * G);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* ir = imp == nullptr ? nullptr : imp + (r % P) * G;
+      search_centred_group(x + r * G, ir, G, half, ca, cm, nc, fp, nfrac, refine, half_scale, qp + r * G, dp + r,
+                           buf.data());
+    }
+  });
+  return std::make_tuple(q, d);
+}
+
 }  // namespace
 }  // namespace perfxlm_search
 
@@ -390,9 +536,12 @@ TORCH_LIBRARY_FRAGMENT(perfxlm, m) {
   m.def("search_affine(Tensor groups, Tensor? importance, int top, int steps, float rmin, float rdelta, bool half) "
         "-> (Tensor, Tensor, Tensor)");
   m.def("search_levels(Tensor groups, Tensor levels, Tensor? importance, Tensor factors) -> (Tensor, Tensor)");
+  m.def("search_centred(Tensor groups, Tensor? importance, int half_range, Tensor cand_anchor, Tensor cand_mult, "
+        "Tensor fracs, int refine, bool half_scale) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(perfxlm, CPU, m) {
   m.impl("search_affine", &perfxlm_search::search_affine);
   m.impl("search_levels", &perfxlm_search::search_levels);
+  m.impl("search_centred", &perfxlm_search::search_centred);
 }

@@ -291,8 +291,23 @@ def _centred_chunk(g: torch.Tensor, w: torch.Tensor, half: int, dtype: torch.dty
     return q, d
 
 
+def _centred_candidates(top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_centred_chunk`'s candidates in its order, for the native search: the anchor of each (0: the group's
+    extreme value, 1 + i: the extreme among weights counting ANCHOR_FRACTIONS[i]) and its multiplier,
+    (sign x factor) / top rounded to float32 as torch rounds a Python float it multiplies a tensor by."""
+    anchors = [(0, CENTRED_FACTORS)] + [(1 + i, ANCHOR_FACTORS) for i in range(len(ANCHOR_FRACTIONS))]
+    pairs = [(a, sign * f / top) for sign in (-1.0, 1.0) for a, factors in anchors for f in factors]
+    return torch.tensor([a for a, _ in pairs]), torch.tensor([m for _, m in pairs], dtype=torch.float32)
+
+
+def _native_centred():
+    ops = _native()
+    return ops if ops is not None and hasattr(ops, "search_centred") else None
+
+
 def search_centred(
-    g: torch.Tensor, bits: int, importance: torch.Tensor | None = None, half: bool = True
+    g: torch.Tensor, bits: int, importance: torch.Tensor | None = None, half: bool = True,
+    use_native: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Groups float32 [R, G] -> centred codes q [R, G] (-2^(bits-1) .. 2^(bits-1) - 1, value d * q) and
     one scale d per group [R] (float16 where `half`; ValueError where one would not fit), searched for the
@@ -300,7 +315,8 @@ def search_centred(
     llama.cpp's Q5_0, which wins ties), then 45 scales from 1.06 down to 0.3 of it in either orientation,
     each refit by least squares on its codes, the best refined by alternating code / scale steps on the
     stored values. The same objective as `search_levels` on the integer table, in plain arithmetic (no
-    table look-ups), so a whole model's 5-bit weights take seconds. `importance` as in `search_affine`."""
+    table look-ups), so a whole model's 5-bit weights take seconds. `importance` as in `search_affine`. The
+    native kernel where built (`use_native`) and the weights are finite, else the same search in torch."""
     g = g.float().contiguous()
     if importance is not None:
         importance = importance.float().contiguous()
@@ -308,12 +324,18 @@ def search_centred(
             raise ValueError(f"importance {tuple(importance.shape)} does not tile groups {tuple(g.shape)}")
     top = 1 << (bits - 1)
     dtype = torch.float16 if half else torch.float32
-    qs, ds = [], []
-    for chunk, weights in weighted_chunks(g, importance):
-        q, d = _centred_chunk(chunk, weights, top, dtype)
-        qs.append(q)
-        ds.append(d)
-    d = torch.cat(ds)
+    ops = _native_centred() if use_native else None
+    if ops is not None and bool(torch.isfinite(g).all()):  # the same search, one pass per candidate
+        anchor, mult = _centred_candidates(top)
+        fracs = torch.tensor(ANCHOR_FRACTIONS, dtype=torch.float32)
+        q, d = ops.search_centred(g, importance, top, anchor, mult, fracs, REFINE_STEPS, half)
+    else:
+        qs, ds = [], []
+        for chunk, weights in weighted_chunks(g, importance):
+            q, d = _centred_chunk(chunk, weights, top, dtype)
+            qs.append(q)
+            ds.append(d)
+        q, d = torch.cat(qs), torch.cat(ds)
     if not bool(torch.isfinite(d).all()) or bool((d.abs() > 65504).any()):
         raise ValueError("a weight group whose scale is beyond float16's range")
-    return torch.cat(qs), d.to(dtype) if half else d
+    return q, d.to(dtype) if half else d
