@@ -344,6 +344,16 @@ void search_levels_group(const float* x, const float* imp, int64_t G, const Tabl
   *s_out = s;
 }
 
+// The importance rows of a search ([P, G], P dividing R: group r reads row r % P), or none; checked.
+inline std::pair<const float*, int64_t> importance_rows(const c10::optional<at::Tensor>& importance, int64_t R,
+                                                        int64_t G, const char* op) {
+  if (!importance.has_value() || !importance->defined()) return {nullptr, 1};
+  TORCH_CHECK(importance->dim() == 2 && importance->size(1) == G && importance->scalar_type() == at::kFloat &&
+                  importance->is_contiguous() && importance->size(0) > 0 && R % importance->size(0) == 0,
+              op, ": importance must be contiguous float32 [P, G] with P dividing R");
+  return {importance->data_ptr<float>(), importance->size(0)};
+}
+
 std::tuple<at::Tensor, at::Tensor> search_levels(const at::Tensor& groups, const at::Tensor& levels,
                                                  const c10::optional<at::Tensor>& importance,
                                                  const at::Tensor& factors) {
@@ -355,15 +365,9 @@ std::tuple<at::Tensor, at::Tensor> search_levels(const at::Tensor& groups, const
   TORCH_CHECK(factors.dim() == 1 && factors.scalar_type() == at::kFloat && factors.is_contiguous(),
               "search_levels: factors must be contiguous float32");
   const int64_t R = groups.size(0), G = groups.size(1);
-  const float* imp = nullptr;
-  int64_t P = 1;
-  if (importance.has_value() && importance->defined()) {
-    TORCH_CHECK(importance->dim() == 2 && importance->size(1) == G && importance->scalar_type() == at::kFloat &&
-                    importance->is_contiguous() && importance->size(0) > 0 && R % importance->size(0) == 0,
-                "search_levels: importance must be contiguous float32 [P, G] with P dividing R");
-    imp = importance->data_ptr<float>();
-    P = importance->size(0);
-  }
+  const std::pair<const float*, int64_t> rows = importance_rows(importance, R, G, "search_levels");
+  const float* imp = rows.first;  // plain names: a lambda below captures them
+  const int64_t P = rows.second;
   const Table table(levels.data_ptr<float>(), static_cast<int>(levels.numel()));
   for (int i = 0; i + 1 < table.L; ++i) TORCH_CHECK(table.levels[i] < table.levels[i + 1], "search_levels: levels must be sorted");
   auto u = at::empty({R, G}, groups.options().dtype(at::kByte));
@@ -501,15 +505,9 @@ std::tuple<at::Tensor, at::Tensor> search_centred(const at::Tensor& groups, cons
   const int64_t* ca = cand_anchor.data_ptr<int64_t>();
   for (int64_t c = 0; c < nc; ++c) TORCH_CHECK(ca[c] >= 0 && ca[c] <= nfrac, "search_centred: anchor index out of range");
   const int64_t R = groups.size(0), G = groups.size(1);
-  const float* imp = nullptr;
-  int64_t P = 1;
-  if (importance.has_value() && importance->defined()) {
-    TORCH_CHECK(importance->dim() == 2 && importance->size(1) == G && importance->scalar_type() == at::kFloat &&
-                    importance->is_contiguous() && importance->size(0) > 0 && R % importance->size(0) == 0,
-                "search_centred: importance must be contiguous float32 [P, G] with P dividing R");
-    imp = importance->data_ptr<float>();
-    P = importance->size(0);
-  }
+  const std::pair<const float*, int64_t> rows = importance_rows(importance, R, G, "search_centred");
+  const float* imp = rows.first;  // plain names: a lambda below captures them
+  const int64_t P = rows.second;
   auto q = at::empty({R, G}, groups.options());
   auto d = at::empty({R}, groups.options());
   const float* x = groups.data_ptr<float>();
