@@ -151,7 +151,8 @@ def test_drafts_equal_the_mtp_formula(tmp_path, own_embed_head):
     llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
                  use_tqdm=False)  # fmt: skip
     assert len(rec.calls) >= 2
-    for tokens, k, drafts in rec.calls[:4]:
+    assert any(k > 1 and len(d) == k for _, k, d in rec.calls)  # guesses past the first, on its own output
+    for tokens, k, drafts in rec.calls:
         assert drafts == ref.drafts(tokens, k), tokens
     assert_pool_whole(llm)
 
@@ -209,6 +210,45 @@ def test_stop_token(tmp_path):
     want = plain.generate(PROMPTS[0], stop, use_tqdm=False)[0].outputs[0]
     got = _llm(path).generate(PROMPTS[0], stop, use_tqdm=False)[0].outputs[0]
     assert got.token_ids == want.token_ids and got.stop_reason == want.stop_reason == free[6]
+
+
+def make_agreeing(path: str, seed: int = 0) -> None:
+    """Rewrite an MTP checkpoint so target and layer agree: every layer's output projections scaled down
+    (the final state is nearly the token's embedding), a head that maps each token's embedding to a fixed
+    successor (a permutation of the vocabulary), and an MTP layer passing the next token's embedding
+    through to that head: the layer then guesses the target's next-but-one token."""
+    file = os.path.join(path, "model.safetensors")
+    t = load_file(file)
+    with open(os.path.join(path, "config.json")) as f:
+        n_layers = json.load(f)["num_hidden_layers"]
+    p = f"model.layers.{n_layers}."
+    embed = t["model.embed_tokens.weight"]
+    vocab, hidden = embed.shape
+    successor = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
+    head = embed[torch.argsort(successor)].clone()  # head row successor[i] is token i's embedding
+    for name in t:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            t[name] = t[name] * 0.01
+    t["lm_head.weight"], t[p + "shared_head.head.weight"] = head, head.clone()
+    t[p + "embed_tokens.weight"] = embed.clone()
+    t[p + "eh_proj.weight"] = torch.cat((torch.eye(hidden), torch.zeros(hidden, hidden)), 1)
+    t[p + "enorm.weight"], t[p + "shared_head.norm.weight"] = torch.ones(hidden), torch.ones(hidden)
+    save_file(t, file, metadata={"format": "pt"})
+
+
+def test_agreeing_layer_is_accepted(tmp_path):
+    path = str(tmp_path)
+    build_mtp_checkpoint(path, seed=2)
+    make_agreeing(path)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(path, skip_tokenizer_init=True, dtype="float32", block_size=4, num_kv_blocks=64)
+    reference = plain.generate(PROMPTS[:2], params, use_tqdm=False)
+    llm = _llm(path, k=4)
+    _same(llm.generate(PROMPTS[:2], params, use_tqdm=False), reference)
+    stats = llm.llm_engine.scheduler.spec_stats
+    assert stats.acceptance_rate > 0.6 and stats.mean_acceptance_length > 3, stats.as_dict()
+    assert all(n > 0 for n in stats.accepted_per_position), stats.as_dict()
+    assert_pool_whole(llm)
 
 
 def test_bad_configurations_refused_before_weights(tmp_path, tiny_llama):
