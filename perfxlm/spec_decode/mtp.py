@@ -142,7 +142,9 @@ class MTPProposer(Proposer):
         rid = seq.slots.request_id
         return ScheduledRequest(rid, token_ids, seq.computed, self.kv.block_table(rid), True, _GREEDY, [], [])
 
-    def _forward(self, order: list[ScheduledRequest], previous: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    def _forward(
+        self, order: list[ScheduledRequest], previous: torch.Tensor
+    ) -> tuple[torch.Tensor, list[int]]:
         """The layer's outputs for `order`'s rows (single-token sequences first), each continuing its row of
         `previous`; and each sequence's first row."""
         input_ids, positions, meta, starts = self.runner.prepare_inputs(order)

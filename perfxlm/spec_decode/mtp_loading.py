@@ -49,7 +49,7 @@ def mtp_tensor_files(model_path: str, hf_config: Any) -> dict[str, str]:
     names: dict[str, str] = {}
     for path in safetensors_files(model_path):
         with safe_open(path, framework="pt") as f:
-            names.update((n, path) for n in f.keys() if mtp_layer_of(n, hf_config) == 0)
+            names.update((n, path) for n in f.keys() if mtp_layer_of(n, hf_config) == 0)  # noqa: SIM118
     return names
 
 
@@ -59,5 +59,7 @@ def _read(names: dict[str, str]):
         by_file.setdefault(path, []).append(name)
     for path, wanted in by_file.items():
         with safe_open(path, framework="pt") as f:
-            for name in sorted(wanted, key=lambda n: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", n)]):
+            for name in sorted(
+                wanted, key=lambda n: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", n)]
+            ):
                 yield name, f.get_tensor(name)

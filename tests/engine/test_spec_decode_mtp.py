@@ -1,7 +1,7 @@
 """Speculative decoding with a checkpoint's own multi-token-prediction layer (`method: "mtp"`): the
 proposer's guesses equal a plain-torch reference of DeepSeek-V3's MTP formula over transformers' hidden
 states, greedy outputs equal decoding without it (prefix caching, chunked prefill, preemption, n > 1,
-stop strings), the counters move, and bad configurations are refused before weights are read."""
+a stop string), the counters move, and bad configurations are refused before weights are read."""
 
 from __future__ import annotations
 
@@ -117,7 +117,8 @@ def mtp_checkpoint(tmp_path_factory):
 
 def _llm(path: str, k: int = 3, **kwargs) -> LLM:
     kwargs.setdefault("num_kv_blocks", 64)
-    return LLM(path, skip_tokenizer_init=True, dtype="float32", block_size=4,
+    kwargs.setdefault("skip_tokenizer_init", True)
+    return LLM(path, dtype="float32", block_size=4,
                speculative_config={"method": "mtp", "num_speculative_tokens": k}, **kwargs)  # fmt: skip
 
 
@@ -188,6 +189,9 @@ def test_greedy_output_equals_decoding_without_it(mtp_checkpoint):
     stats = llm.llm_engine.scheduler.spec_stats
     assert stats.num_drafts > 0 and stats.num_draft_tokens > stats.num_drafts
     assert len(stats.accepted_per_position) == 3
+    seeded = SamplingParams(temperature=0.8, seed=4, max_tokens=11, ignore_eos=True)
+    a, b = (llm.generate(PROMPTS[1], seeded, use_tqdm=False)[0].outputs[0].token_ids for _ in range(2))
+    assert a == b and len(a) == 11
     assert_pool_whole(llm)
     # again: prefix-cache hits (the layer starts where the target's computation does)
     _same(llm.generate(PROMPTS, PARAMS, use_tqdm=False), reference)
@@ -200,16 +204,33 @@ def test_greedy_output_equals_decoding_without_it(mtp_checkpoint):
     assert_pool_whole(small)
 
 
-def test_stop_token(tmp_path):
+def _word_tokenizer(path: str, vocab: int) -> None:
+    """A word-level tokenizer of the checkpoint's vocabulary ("w0" ... ), so text and stop strings work."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"w{i}": i for i in range(vocab)}
+    tok = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="w1", eos_token="w2", pad_token="w0").save_pretrained(path)
+
+
+def test_stop_string(tmp_path):
     path = str(tmp_path)
     build_mtp_checkpoint(path, seed=1)
-    plain = LLM(path, skip_tokenizer_init=True, dtype="float32", block_size=4, num_kv_blocks=64)
-    free = plain.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-                          use_tqdm=False)[0].outputs[0].token_ids  # fmt: skip
-    stop = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[free[6]])
-    want = plain.generate(PROMPTS[0], stop, use_tqdm=False)[0].outputs[0]
-    got = _llm(path).generate(PROMPTS[0], stop, use_tqdm=False)[0].outputs[0]
-    assert got.token_ids == want.token_ids and got.stop_reason == want.stop_reason == free[6]
+    make_agreeing(path)  # long accepted runs: the stop string falls inside a verified group of tokens
+    _word_tokenizer(path, 1000)
+    prompt = " ".join(f"w{t}" for t in PROMPTS[0]["prompt_token_ids"])
+    plain = LLM(path, dtype="float32", block_size=4, num_kv_blocks=64)
+    free = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True), use_tqdm=False)
+    words = free[0].outputs[0].text.split()
+    stop = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, stop=[f"{words[6]} {words[7]}"])
+    want = plain.generate(prompt, stop, use_tqdm=False)[0].outputs[0]
+    llm = _llm(path, k=4, skip_tokenizer_init=False)
+    got = llm.generate(prompt, stop, use_tqdm=False)[0].outputs[0]
+    assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, "stop")
+    assert llm.llm_engine.scheduler.spec_stats.num_accepted_tokens > 0
+    assert_pool_whole(llm)
 
 
 def make_agreeing(path: str, seed: int = 0) -> None:

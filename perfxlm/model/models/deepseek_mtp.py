@@ -14,7 +14,8 @@ output `x` for the guesses past the first.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -63,7 +64,9 @@ class DeepseekMTP(CheckpointModel):
     # the decoder layer's fused projections and expert stacks load as the target's do
     stacked_params = DeepseekV2ForCausalLM.stacked_params
 
-    def __init__(self, config: Any, own_embed: bool, own_head: bool, make_router: Callable[[Any], nn.Module]) -> None:
+    def __init__(
+        self, config: Any, own_embed: bool, own_head: bool, make_router: Callable[[Any], nn.Module]
+    ) -> None:
         """`make_router`: the target family's (V2's softmax or V3's sigmoid routing)."""
         super().__init__()
         self.config = config
@@ -77,8 +80,9 @@ class DeepseekMTP(CheckpointModel):
     def layer(self) -> DeepseekMTPLayer:
         return self.model.layers[str(self.index)]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, previous: torch.Tensor,
-                embed: nn.Module) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, previous: torch.Tensor, embed: nn.Module
+    ) -> torch.Tensor:
         """[n] next-token ids, [n] positions, [n, hidden] the hidden state each row continues (the target's
         before its final norm, or this layer's own output) -> [n, hidden] this layer's output (before the
         shared head's norm). `embed`: the layer's own embedding or the target's."""
@@ -94,4 +98,3 @@ class DeepseekMTP(CheckpointModel):
         """[rows, hidden] outputs -> [rows, vocab] float32, through the shared head's norm and `head` (the
         layer's own or the target's)."""
         return head(self.layer.shared_head.norm(hidden)).float()
-
