@@ -160,6 +160,11 @@ def check_mtp_target(hf_config: Any, model_path: str, load_format: str, tensor_p
         raise ValueError(f"speculative_config: method 'mtp' needs a checkpoint with multi-token-prediction "
                          f"layers, but its config has num_nextn_predict_layers={n!r} (>= 1 needed). Use 'ngram' "
                          "or a draft 'model'.")
+    packed = getattr(hf_config, "quantization_config", None)
+    if packed:
+        method = packed.get("quant_method") if isinstance(packed, dict) else getattr(packed, "quant_method", packed)
+        raise ValueError(f"speculative_config: method 'mtp' reads the MTP layer's float weights; this checkpoint is "
+                         f"stored quantized ({method!r}). Use a float (bf16 / fp16 / fp32) checkpoint, or 'ngram'.")
     if load_format != "safetensors":
         raise ValueError(f"speculative_config: method 'mtp' loads the MTP layer from a safetensors checkpoint; "
                          f"load_format {load_format!r} is not supported with it.")

@@ -292,3 +292,18 @@ def test_bad_configurations_refused_before_weights(tmp_path, tiny_llama):
     for k in (0, 17):
         with pytest.raises(ValueError, match=f"num_speculative_tokens must be in 1..16, got {k}"):
             _llm(path, k=k)
+
+
+def test_mtp_target_checks_from_the_config_alone(tmp_path):
+    from transformers import DeepseekV3Config
+
+    from perfxlm.spec_decode.config import check_mtp_target
+
+    config = DeepseekV3Config(architectures=["DeepseekV3ForCausalLM"], num_nextn_predict_layers=1)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be 1 \\(got 2\\)"):
+        check_mtp_target(config, str(tmp_path), "safetensors", 2, None)
+    with pytest.raises(ValueError, match="load_format 'gguf'"):
+        check_mtp_target(config, str(tmp_path), "gguf", 1, None)
+    config.quantization_config = {"quant_method": "fp8"}
+    with pytest.raises(ValueError, match="stored quantized \\('fp8'\\)"):
+        check_mtp_target(config, str(tmp_path), "safetensors", 1, None)
