@@ -45,12 +45,13 @@ class Reference:
         return seen[0]
 
     @torch.no_grad()
-    def drafts(self, tokens: list[int], k: int) -> list[int]:
+    def drafts(self, tokens: list[int], k: int, start: int = 0) -> list[int]:
         """k guesses after `tokens`: position t reads token t+1 and the target's state at t; past the
-        last known token, the layer's own output and its last guess."""
+        last known token, the layer's own output and its last guess. `start`: the first position the
+        layer saw (its positions counted from there)."""
         w = self.w
-        hidden = self.pre_norm(tokens)[:-1]  # positions whose next token is known
-        ids = list(tokens[1:])
+        hidden = self.pre_norm(tokens)[start:-1]  # positions whose next token is known
+        ids = list(tokens[start + 1 :])
         out = []
         for _ in range(k):
             n = len(ids)
@@ -137,7 +138,8 @@ class _Recorder:
 
     def propose(self, batch):
         out = self.proposer.propose(batch)
-        self.calls += [(list(r.token_ids), r.max_drafts, list(d)) for r, d in zip(batch, out)]
+        bases = [getattr(self.proposer.seqs.get(r.request_id), "base", None) for r in batch]
+        self.calls += [(list(r.token_ids), r.max_drafts, list(d), b) for r, d, b in zip(batch, out, bases)]
         return out
 
 
@@ -145,16 +147,18 @@ class _Recorder:
 def test_drafts_equal_the_mtp_formula(tmp_path, own_embed_head):
     path = str(tmp_path)
     ref = build_mtp_checkpoint(path, seed=3, own_embed_head=own_embed_head)
-    llm = _llm(path, k=3, enable_prefix_caching=False)
+    llm = _llm(path, k=3)
     core = llm.llm_engine.core
     core.proposer = rec = _Recorder(core.proposer)
-    prompt = [5, 17, 300, 42, 8, 99, 123]
-    llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
-                 use_tqdm=False)  # fmt: skip
-    assert len(rec.calls) >= 2
-    assert any(k > 1 and len(d) == k for _, k, d in rec.calls)  # guesses past the first, on its own output
-    for tokens, k, drafts in rec.calls:
-        assert drafts == ref.drafts(tokens, k), tokens
+    prompt = [5, 17, 300, 42, 8, 99, 123, 7, 1, 9, 500]
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    # again: 8 prompt tokens from the prefix cache, so the layer starts at position 8
+    llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    assert {b for *_, b in rec.calls} == {0, 8}
+    assert any(k > 1 and len(d) == k for _, k, d, _ in rec.calls)  # guesses past the first, on its own output
+    for tokens, k, drafts, base in rec.calls:
+        assert drafts == ref.drafts(tokens, k, base), tokens
     assert_pool_whole(llm)
 
 
