@@ -9,8 +9,8 @@ part of verifications) are run through the layer at once (`observe`), for every 
 speculating or not. What it computed for its own guesses is rolled back before that (the target's states
 replace its own even where a guess was accepted).
 
-A request's MTP sequence starts where its first rows do: after a prefix-cache hit or a fork (n > 1) the
-positions before were computed by another request, and the layer attends only to what it saw (its own
+A request's MTP sequence starts where its first rows do: after a prefix-cache hit the positions before
+were computed by another request, and the layer attends only to what it saw (its own
 positions count from 0 there: rotary angles are relative, so the attention is that of the same rows at
 their true positions). Preemption restarts it with the recomputed prompt. Guesses only cost or save
 time: the target's verification keeps outputs exact whatever the layer attends to.

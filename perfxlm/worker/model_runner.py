@@ -357,7 +357,12 @@ def _hand_over_hidden(order: list[ScheduledRequest], token_starts: list[int], pr
                        else s.output_token_ids[end - len(s.prompt_token_ids)])  # fmt: skip
         elif rid in out.sampled_token_ids:
             nxt.append(out.sampled_token_ids[rid])
-        out.hidden_states[rid] = HiddenRows(s.num_computed_tokens, pre_norm[start : start + len(nxt)], nxt)
+        rows = pre_norm[start : start + len(nxt)]
+        out.hidden_states[rid] = HiddenRows(s.num_computed_tokens, rows, nxt)
+        for child_id, _ in s.fork_children:  # n > 1: the same prompt rows, then the child's own first token
+            if child_id in out.sampled_token_ids and len(nxt) == n:
+                out.hidden_states[child_id] = HiddenRows(s.num_computed_tokens, rows,
+                                                         [*nxt[:-1], out.sampled_token_ids[child_id]])  # fmt: skip
 
 
 def _guided(rows: list[SampleRow]) -> list[tuple]:

@@ -155,7 +155,11 @@ def test_drafts_equal_the_mtp_formula(tmp_path, own_embed_head):
     llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
     # again: 8 prompt tokens from the prefix cache, so the layer starts at position 8
     llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    # n = 2: the second sample's layer sees the prompt as the first's does (both start at position 0)
+    two = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, n=2)
+    llm.generate({"prompt_token_ids": [600, 3, 44, 5, 61]}, two, use_tqdm=False)
     assert {b for *_, b in rec.calls} == {0, 8}
+    assert sum(1 for t, *_ in rec.calls if t[0] == 600 and len(t) == 6) == 2  # both samples guessed for
     assert any(k > 1 and len(d) == k for _, k, d, _ in rec.calls)  # guesses past the first, on its own output
     for tokens, k, drafts, base in rec.calls:
         assert drafts == ref.drafts(tokens, k, base), tokens
