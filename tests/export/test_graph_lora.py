@@ -1,0 +1,142 @@
+"""LoRA adapters on a `perfxlm`-flavor graph: bound at run time to the Linear nodes the export recorded
+as targets, through the module path's own wrappers and kernels. Greedy float32 output token-identical to
+the module path with the same adapters, in one batch of two adapters and none (prefills and fused
+decode steps); an int4 graph with an adapter equals the module path's int4 model with it; an adapter
+for a module the graph lacks, a graph without the record, and an ONNX Runtime flavor are refused by
+name; an adapter merged at export (`--lora`) equals peft's merged model."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+import pytest
+
+from perfxlm import LLM, LoRARequest, SamplingParams
+from perfxlm.export.lora_record import LORA_KEY
+from perfxlm.export.package import export_onnx
+from perfxlm.ops import native
+from tests.conftest import assert_pool_whole, make_llama_checkpoint
+from tests.lora.conftest import make_adapter
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
+PROMPTS = [list(range(7, 16)), [5], list(range(40, 71)), list(range(100, 113))]  # 9, 1, 31, 13 tokens
+# odd sizes: 5 heads of 18 over 1 KV head, 150 MLP channels, 2 layers
+SHAPE = dict(hidden_size=90, intermediate_size=150, num_attention_heads=5, num_key_value_heads=1)
+KW = dict(skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=24,
+          enable_lora=True, max_loras=2, max_lora_rank=8)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> str:
+    return make_llama_checkpoint(str(tmp_path_factory.mktemp("base")), seed=5, num_hidden_layers=2,
+                                 tie_word_embeddings=False, **SHAPE)
+
+
+@pytest.fixture(scope="module")
+def two_adapters(base, tmp_path_factory) -> tuple[LoRARequest, LoRARequest]:
+    """a: every projection, rank 4; b: q, v and down only, rank 7, rsLoRA, its own alpha for down."""
+    root = tmp_path_factory.mktemp("adapters")
+    a = make_adapter(base, str(root / "a"), seed=1)
+    b = make_adapter(base, str(root / "b"), seed=2, r=7, targets=("q_proj", "v_proj", "down_proj"),
+                     use_rslora=True, alpha_pattern={"down_proj": 3.0})
+    return LoRARequest("a", 1, a), LoRARequest("b", 2, b)
+
+
+@pytest.fixture(scope="module")
+def graph(base, tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("graph") / "out")
+    export_onnx(base, out, flavor="perfxlm", dtype="float32")
+    return out
+
+
+def _generate(llm, loras, prompts=PROMPTS):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False, lora_request=loras)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    logprobs = [lp[t].logprob for o in outs for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+    return tokens, logprobs
+
+
+def test_mixed_adapters_on_the_graph_are_the_module_path(base, graph, two_adapters):
+    a, b = two_adapters
+    loras = [a, b, None, a]
+    on_graph = LLM(graph, **KW)
+    got, got_lp = _generate(on_graph, loras)
+    want, want_lp = _generate(LLM(base, **KW), loras)
+    assert got == want
+    np.testing.assert_allclose(got_lp, want_lp, atol=1e-5, rtol=0)
+    plain, _ = _generate(on_graph, None)
+    assert got[0] != plain[0] and got[1] != plain[1] and got[2] == plain[2]  # each adapter changes its row only
+    executor = on_graph.llm_engine.core.executor
+    assert len(executor.lora_wrappers) == 2 * 4  # qkv, o, gate_up, down per layer
+    fused = executor.graph.fused_decode
+    if native.kernels() is not None:  # the all-decode steps with adapters took the fused layer's LoRA kernel
+        assert fused.steps > 0 and fused.lora_fits
+    assert on_graph.llm_engine.core.runner.lora_slots.num_repacks >= 1
+    assert_pool_whole(on_graph)
+
+
+def test_an_adapter_for_a_module_the_graph_lacks_is_refused_by_name(base, graph, two_adapters, tmp_path):
+    deeper = make_llama_checkpoint(str(tmp_path / "deeper"), seed=5, num_hidden_layers=3, **SHAPE)
+    stray = LoRARequest("stray", 9, make_adapter(deeper, str(tmp_path / "stray"), seed=4, targets=("o_proj",)))
+    llm = LLM(graph, **KW)
+    with pytest.raises(ValueError, match=r"targets 'model\.layers\.2\.self_attn\.o_proj', which is not a projection"):
+        llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False, lora_request=stray)
+    got, _ = _generate(llm, [two_adapters[0]] * 2, PROMPTS[:2])  # the engine goes on, its pool whole
+    assert len(got) == 2
+    assert_pool_whole(llm)
+
+
+def _edited(graph: str, dst, edit) -> str:
+    import shutil
+
+    shutil.copytree(graph, dst)
+    path = os.path.join(dst, "model.onnx")
+    model = onnx.load(path, load_external_data=False)
+    edit(model)
+    onnx.save(model, path)
+    return str(dst)
+
+
+def test_graphs_without_the_record_or_run_by_onnx_runtime_refuse_lora(base, graph, tmp_path):
+    def drop_record(model):
+        keep = [p for p in model.metadata_props if p.key != LORA_KEY]
+        del model.metadata_props[:]
+        model.metadata_props.extend(keep)
+
+    old = _edited(graph, tmp_path / "old", drop_record)
+    with pytest.raises(ValueError, match="records no LoRA targets .* export the model again"):
+        LLM(old, **KW)
+    LLM(old, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=16)  # without LoRA it still runs
+
+    def rename_node(model):
+        next(n for n in model.graph.node if n.name == "model.layers.1.mlp.down_proj").name = "renamed"
+
+    with pytest.raises(ValueError, match=r"name 'model\.layers\.1\.mlp\.down_proj', which is not a Linear node"):
+        LLM(_edited(graph, tmp_path / "renamed", rename_node), **KW)
+    ort = str(tmp_path / "ort")
+    export_onnx(base, ort, flavor="ort")
+    with pytest.raises(ValueError, match="'ort'-flavor ONNX export.*LoRA adapters run on perfxlm-flavor exports"):
+        LLM(ort, **KW)
+
+
+def test_int4_graph_with_an_adapter_is_the_int4_module_path(base, two_adapters, tmp_path):
+    q = {"method": "int4", "mixed_precision": False, "calibration": False}
+    out = str(tmp_path / "int4")
+    # (int4 groups of 32 need input widths that are multiples of 32: 96 / 160 here)
+    ckpt = make_llama_checkpoint(str(tmp_path / "ckpt"), seed=6, num_hidden_layers=2, hidden_size=96,
+                                 intermediate_size=160, num_attention_heads=6, num_key_value_heads=2)
+    adapter = LoRARequest("q", 3, make_adapter(ckpt, str(tmp_path / "adapter"), seed=7, r=5))
+    export_onnx(ckpt, out, flavor="perfxlm", quantization=q, dtype="float32")
+    kw = dict(KW, max_loras=1)
+    loras = [adapter, None, adapter]
+    got, got_lp = _generate(LLM(out, **kw), loras, PROMPTS[:3])
+    module = LLM(ckpt, quantization=q, quant_activations="float32", **kw)
+    want, want_lp = _generate(module, loras, PROMPTS[:3])
+    want_plain, _ = _generate(module, None, PROMPTS[:1])
+    assert got == want
+    np.testing.assert_allclose(got_lp, want_lp, atol=1e-4, rtol=0)
+    assert got[0] != want_plain[0]  # the adapter changes the text
