@@ -411,7 +411,8 @@ def _check_onnx(c: "EngineConfig") -> Any:
         # ONNX Runtime runs the graph's weights as written: no adapter can be added per request
         raise ValueError(f"enable_lora=True: {c.model!r} is a {manifest.get('flavor')!r}-flavor ONNX export, "
                          "which runs in ONNX Runtime with its weights fixed; LoRA adapters run on perfxlm-flavor "
-                         "exports (perfxlm export onnx --flavor perfxlm).")
+                         "exports (perfxlm export onnx --flavor perfxlm), or merge one adapter into the weights "
+                         "at export (perfxlm export onnx --lora PATH).")
     return read_engine_choices(c.model, manifest) if own_cache else None
 
 

@@ -140,3 +140,57 @@ def test_int4_graph_with_an_adapter_is_the_int4_module_path(base, two_adapters, 
     assert got == want
     np.testing.assert_allclose(got_lp, want_lp, atol=1e-4, rtol=0)
     assert got[0] != want_plain[0]  # the adapter changes the text
+
+
+def _peft_merged(base: str, adapter: str):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    import torch
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    return PeftModel.from_pretrained(model, adapter).merge_and_unload().eval()
+
+
+def test_an_adapter_merged_at_export_is_peft_s_merged_model(base, two_adapters, tmp_path):
+    """--lora: the perfxlm flavor's weights are peft's merge_and_unload() weights bit for bit (q, k, v rows
+    of the fused projection included), and the standard flavor's greedy text in ONNX Runtime is the merged
+    model's."""
+    import torch
+
+    from perfxlm.entrypoints.cli import main
+    from perfxlm.model.graph.weights import load_graph, read_initializers
+    from tests.export.onnx_helpers import ort_greedy
+
+    b = two_adapters[1]  # q, v and down; rsLoRA; its own alpha for down
+    merged = _peft_merged(base, b.lora_path)
+    own = str(tmp_path / "own")
+    export_onnx(base, own, flavor="perfxlm", dtype="float32", lora=b.lora_path)
+    weights = read_initializers(load_graph(os.path.join(own, "model.onnx")), own)
+    state = merged.state_dict()
+    attn = "model.layers.1.self_attn"
+    qkv = torch.cat([state[f"{attn}.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(weights[f"{attn}.qkv_proj.weight"], qkv)
+    assert torch.equal(weights["model.layers.0.mlp.down_proj.weight"], state["model.layers.0.mlp.down_proj.weight"])
+    from safetensors.torch import load_file
+
+    plain = load_file(os.path.join(base, "model.safetensors"))
+    assert not torch.equal(qkv, torch.cat([plain[f"{attn}.{p}_proj.weight"] for p in "qkv"]))  # the adapter moved it
+
+    # (ONNX Runtime's GroupQueryAttention takes head sizes in multiples of 8; these heads are 18: standard ops)
+    ort = str(tmp_path / "standard")
+    assert main(["export", "onnx", base, ort, "--flavor", "standard", "--lora", b.lora_path]) in (0, None)
+    prompt = PROMPTS[2]
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        want = merged.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                               do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert ort_greedy(ort, prompt, 8)[0] == want
+
+
+def test_merging_into_quantized_weights_is_refused_by_name(base, two_adapters, tmp_path):
+    out = tmp_path / "int8"
+    with pytest.raises(ValueError, match=r"--lora: model\.layers\.0\.mlp\.down_proj is .*cannot take the "
+                                         r"adapter's delta"):
+        export_onnx(base, str(out), flavor="ort", quantization="int8", lora=two_adapters[0].lora_path)
+    assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".perfxlm-export")]
