@@ -194,3 +194,48 @@ def test_merging_into_quantized_weights_is_refused_by_name(base, two_adapters, t
                                          r"adapter's delta"):
         export_onnx(base, str(out), flavor="ort", quantization="int8", lora=two_adapters[0].lora_path)
     assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".perfxlm-export")]
+
+
+def test_the_server_serves_adapters_on_a_graph(base, graph, two_adapters, tmp_path, monkeypatch):
+    """`perfxlm serve OUT_DIR --enable-lora --lora-modules a=PATH`, in process: the adapter by model name equals
+    the module path's output with it; an adapter for a module the graph lacks is a 400 naming it, and the
+    requests beside it go on."""
+    import asyncio
+
+    import httpx
+
+    from perfxlm import AsyncLLM, EngineConfig
+    from perfxlm.entrypoints.openai.api_server import build_app
+
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    a = two_adapters[0]
+    deeper = make_llama_checkpoint(str(tmp_path / "deeper"), seed=5, num_hidden_layers=3, **SHAPE)
+    stray = make_adapter(deeper, str(tmp_path / "stray"), seed=4, targets=("o_proj",))
+    kw = {k: v for k, v in KW.items() if k != "skip_tokenizer_init"}
+    engine = AsyncLLM(EngineConfig(model=graph, skip_tokenizer_init=True, **kw))
+    app = build_app(engine, "graph", lora_modules=[("a", a.lora_path, None)])
+
+    async def complete(client, model):
+        r = await client.post("/v1/completions", json={"model": model, "prompt": PROMPTS[0], "max_tokens": 8,
+                                                       "temperature": 0, "logprobs": 0, "ignore_eos": True})
+        return [int(t) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return await asyncio.gather(
+                complete(client, "a"), complete(client, "graph"),
+                client.post("/v1/load_lora_adapter", json={"lora_name": "stray", "lora_path": stray}))
+
+    try:
+        with_a, plain, load = asyncio.run(go())
+        assert engine.engine.core.check_invariants()["used"] == 0
+    finally:
+        engine.shutdown()
+    module = LLM(base, **dict(KW, max_num_batched_tokens=256))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = [list(module.generate({"prompt_token_ids": PROMPTS[0]}, params, use_tqdm=False, lora_request=r)[0]
+                 .outputs[0].token_ids) for r in (a, None)]
+    assert [with_a, plain] == want and with_a != plain
+    err = load.json()["error"]
+    assert load.status_code == 400 and err["type"] == "invalid_request_error"
+    assert "model.layers.2.self_attn.o_proj" in err["message"]
