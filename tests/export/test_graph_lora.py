@@ -1,7 +1,7 @@
 """LoRA adapters on a `perfxlm`-flavor graph: bound at run time to the Linear nodes the export recorded
 as targets, through the module path's own wrappers and kernels. Greedy float32 output token-identical to
 the module path with the same adapters, in one batch of two adapters and none (prefills and fused
-decode steps); an int4 graph with an adapter equals the module path's int4 model with it; an adapter
+decode steps); int4 and GGUF Q4_0 graphs with an adapter equal the module path's quantized model with it; an adapter
 for a module the graph lacks, a graph without the record, and an ONNX Runtime flavor are refused by
 name; an adapter merged at export (`--lora`) equals peft's merged model."""
 
@@ -65,6 +65,8 @@ def test_mixed_adapters_on_the_graph_are_the_module_path(base, graph, two_adapte
     loras = [a, b, None, a]
     on_graph = LLM(graph, **KW)
     got, got_lp = _generate(on_graph, loras)
+    fused = on_graph.llm_engine.core.executor.graph.fused_decode
+    fused_steps = fused.steps
     want, want_lp = _generate(LLM(base, **KW), loras)
     assert got == want
     np.testing.assert_allclose(got_lp, want_lp, atol=1e-5, rtol=0)
@@ -72,9 +74,8 @@ def test_mixed_adapters_on_the_graph_are_the_module_path(base, graph, two_adapte
     assert got[0] != plain[0] and got[1] != plain[1] and got[2] == plain[2]  # each adapter changes its row only
     executor = on_graph.llm_engine.core.executor
     assert len(executor.lora_wrappers) == 2 * 4  # qkv, o, gate_up, down per layer
-    fused = executor.graph.fused_decode
     if native.kernels() is not None:  # the all-decode steps with adapters took the fused layer's LoRA kernel
-        assert fused.steps > 0 and fused.lora_fits
+        assert fused_steps > 0 and fused.lora_fits
     assert on_graph.llm_engine.core.runner.lora_slots.num_repacks >= 1
     assert_pool_whole(on_graph)
 
@@ -123,14 +124,27 @@ def test_graphs_without_the_record_or_run_by_onnx_runtime_refuse_lora(base, grap
         LLM(ort, **KW)
 
 
-def test_int4_graph_with_an_adapter_is_the_int4_module_path(base, two_adapters, tmp_path):
-    q = {"method": "int4", "mixed_precision": False, "calibration": False}
-    out = str(tmp_path / "int4")
-    # (int4 groups of 32 need input widths that are multiples of 32: 96 / 160 here)
+@pytest.mark.parametrize("source", ["int4", "gguf-q4_0"])
+def test_quantized_graph_with_an_adapter_is_the_quantized_module_path(tmp_path, source):
+    q = {"method": "int4", "mixed_precision": False, "calibration": False} if source == "int4" else None
+    out = str(tmp_path / "graph")
+    # (4-bit groups of 32 need input widths that are multiples of 32: 96 / 160 here)
     ckpt = make_llama_checkpoint(str(tmp_path / "ckpt"), seed=6, num_hidden_layers=2, hidden_size=96,
                                  intermediate_size=160, num_attention_heads=6, num_key_value_heads=2)
     adapter = LoRARequest("q", 3, make_adapter(ckpt, str(tmp_path / "adapter"), seed=7, r=5))
+    if source != "int4":  # a GGUF file's Q4_0 blocks, kept as they are
+        import gguf
+
+        from tests.quant.test_quant_engine import write_quantized_llama_gguf
+
+        parts = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+        path = str(tmp_path / "llama.gguf")
+        write_quantized_llama_gguf(path, ckpt, {p: gguf.GGMLQuantizationType.Q4_0 for p in parts})
+        ckpt = path
     export_onnx(ckpt, out, flavor="perfxlm", quantization=q, dtype="float32")
+    model = onnx.load(os.path.join(out, "model.onnx"), load_external_data=False)
+    qkv = next(n for n in model.graph.node if n.name == "model.layers.0.self_attn.qkv_proj")
+    assert next(a.i for a in qkv.attribute if a.name == "bits") == 4  # the adapter's base stays packed
     kw = dict(KW, max_loras=1)
     loras = [adapter, None, adapter]
     got, got_lp = _generate(LLM(out, **kw), loras, PROMPTS[:3])
