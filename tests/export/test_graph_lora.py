@@ -1,9 +1,9 @@
 """LoRA adapters on a `perfxlm`-flavor graph: bound at run time to the Linear nodes the export recorded
 as targets, through the module path's own wrappers and kernels. Greedy float32 output token-identical to
 the module path with the same adapters, in one batch of two adapters and none (prefills and fused
-decode steps); int4 and GGUF Q4_0 graphs with an adapter equal the module path's quantized model with it; an adapter
-for a module the graph lacks, a graph without the record, and an ONNX Runtime flavor are refused by
-name; an adapter merged at export (`--lora`) equals peft's merged model."""
+decode steps); int4 and GGUF Q4_0 graphs with an adapter equal the module path's quantized model with
+it; an adapter for a module the graph lacks, a graph without the record, and an ONNX Runtime flavor are
+refused by name; an adapter merged at export (`--lora`) equals peft's merged model."""
 
 from __future__ import annotations
 
