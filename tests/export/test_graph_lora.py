@@ -253,3 +253,22 @@ def test_the_server_serves_adapters_on_a_graph(base, graph, two_adapters, tmp_pa
     err = load.json()["error"]
     assert load.status_code == 400 and err["type"] == "invalid_request_error"
     assert "model.layers.2.self_attn.o_proj" in err["message"]
+
+
+@pytest.mark.parametrize("family", ["phi3-longrope-partial-sliding", "qwen2moe-shared-dense-layer"])
+def test_other_families_adapters_land_as_on_the_module_path(tmp_path, family):
+    """Phi-3's checkpoint names are the fused projections (qkv_proj, gate_up_proj: whole targets); Qwen2-MoE's
+    shared expert's projections are targets beside the routed experts, its layers run node by node."""
+    from tests.model.test_architectures_vs_hf import build_checkpoint
+
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "graph")
+    build_checkpoint(ckpt, family)
+    targets = (("qkv_proj", "o_proj", "gate_up_proj", "down_proj") if family.startswith("phi3")
+               else ("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"))
+    adapter = LoRARequest("x", 4, make_adapter(ckpt, str(tmp_path / "adapter"), seed=8, r=3, targets=targets))
+    export_onnx(ckpt, out, flavor="perfxlm", dtype="float32")
+    loras = [adapter, None]
+    got, got_lp = _generate(LLM(out, **KW), loras, PROMPTS[:2])
+    want, want_lp = _generate(LLM(ckpt, **KW), loras, PROMPTS[:2])
+    assert got == want and got[0] != _generate(LLM(ckpt, **KW), None, PROMPTS[:1])[0][0]
+    np.testing.assert_allclose(got_lp, want_lp, atol=1e-5, rtol=0)
