@@ -118,6 +118,13 @@ def test_graphs_without_the_record_or_run_by_onnx_runtime_refuse_lora(base, grap
 
     with pytest.raises(ValueError, match=r"name 'model\.layers\.1\.mlp\.down_proj', which is not a Linear node"):
         LLM(_edited(graph, tmp_path / "renamed", rename_node), **KW)
+
+    def newer_record(model):
+        next(p for p in model.metadata_props if p.key == LORA_KEY).value = '{"version": 2}'
+
+    with pytest.raises(ValueError, match=r"LoRA target record \(perfxlm.lora_targets\) is not one this engine reads "
+                                         r"\(version 2, this engine reads 1\)"):
+        LLM(_edited(graph, tmp_path / "newer", newer_record), **KW)
     ort = str(tmp_path / "ort")
     export_onnx(base, ort, flavor="ort")
     with pytest.raises(ValueError, match="'ort'-flavor ONNX export.*LoRA adapters run on perfxlm-flavor exports"):
