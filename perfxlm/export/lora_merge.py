@@ -34,7 +34,7 @@ def merge_adapter(model: nn.Module, path: str, stored: torch.dtype | None) -> li
         module = modules[name]
         w = module.weight
         if not isinstance(w, torch.Tensor) or not w.is_floating_point():
-            describe = getattr(w, "describe", lambda: type(w).__name__)()
+            describe = w.describe() if hasattr(w, "describe") else type(w).__name__
             raise ValueError(f"--lora: {name} is {describe}, whose codes cannot take the adapter's delta "
                              "without quantizing again: export the float checkpoint with --lora and no "
                              "--quantization (or merge the adapter into the checkpoint before quantizing).")

@@ -164,10 +164,9 @@ def test_quantized_graph_with_an_adapter_is_the_quantized_module_path(tmp_path, 
 
 
 def _peft_merged(base: str, adapter: str):
+    import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-
-    import torch
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     return PeftModel.from_pretrained(model, adapter).merge_and_unload().eval()
