@@ -140,3 +140,16 @@ def test_transformers_own_fp8_loading_is_the_reference(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(theirs(ids).logits, ours(ids).logits, rtol=0, atol=0)
     assert_greedy_matches(path, theirs)
+
+
+def test_fp8_blocks_on_a_fused_qkv_family(tmp_path):
+    """Qwen3's FP8 checkpoints are the same format: q, k and v (and gate, up) arrive as separate fp8 blocks
+    and are fused into one weight, each part's rows keeping their own blocks' scales."""
+    from tests.model.test_architectures_vs_hf import build_checkpoint
+    from tests.quant.packed_checkpoints import PROJECTIONS
+
+    path = str(tmp_path / "qwen3")
+    hf = build_checkpoint(path, "qwen3-qknorm-headdim-bias")
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [16, 32]}
+    write_packed(path, hf, fp8_block_parts((16, 32)), qc, projections=PROJECTIONS)
+    assert_greedy_matches(path, hf)
