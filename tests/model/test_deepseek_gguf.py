@@ -58,6 +58,7 @@ def build(case: str, quantizable: bool = False, seed: int = 0):
 
 @pytest.mark.parametrize("case,split", [
     ("deepseekv2-lite-yarn", True),  # no query bottleneck, YaRN with mscale, softmax greedy, a dense layer
+    ("deepseekv2-grouped-qlora", True),  # the query bottleneck, group-limited softmax routing (3 groups)
     ("deepseekv3-noaux-grouped", False),  # sigmoid + correction bias, groups, renormalised; attn_kv_b whole
 ])  # fmt: skip
 def test_deepseek_gguf_matches_transformers(tmp_path, case, split):
@@ -83,15 +84,18 @@ def test_quantized_deepseek_gguf_kept_quantized(tmp_path, monkeypatch, case, qty
     assert_generate_matches_hf(llm, hf, _prompts(seed=3), atol=2e-4)
 
 
-def test_deepseek_gguf_config(tmp_path):
-    """The config read back: the heads' own sizes (not the MQA view), V3's routing, YaRN's mscale."""
+@pytest.mark.parametrize("case,arch", [("deepseekv3-noaux-grouped", "DeepseekV3ForCausalLM"),
+                                       ("deepseekv2-grouped-qlora", "DeepseekV2ForCausalLM")])
+def test_deepseek_gguf_config(tmp_path, case, arch):
+    """The config read back: the heads' own sizes (not the MQA view), the family and its routing."""
     from perfxlm.model.loader.gguf import load_gguf_config
 
-    hf = build("deepseekv3-noaux-grouped")
+    hf = build(case)
     path = str(tmp_path / "ds.gguf")
     _converter().write_deepseek2(path, hf, "F32")
     c, want = load_gguf_config(path), hf.config
-    assert c.architectures == ["DeepseekV3ForCausalLM"]
+    assert c.architectures == [arch]
+    assert c.topk_method == getattr(want, "topk_method", "noaux_tc")  # V3's config has no field: noaux_tc
     for key in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank", "q_lora_rank", "n_group",
                 "topk_group", "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "first_k_dense_replace",
                 "moe_intermediate_size", "norm_topk_prob", "num_attention_heads"):  # fmt: skip

@@ -124,8 +124,9 @@ def apply(meta: dict[str, Any], kwargs: dict[str, Any]) -> int:
     groups, used = int(get("expert_group_count", 1) or 1), int(get("expert_group_used_count", 1) or 1)
     kwargs["n_group"], kwargs["topk_group"] = groups, used
     norm = bool(get("expert_weights_norm", False))
+    kwargs["norm_topk_prob"] = norm
     if GATING[get("expert_gating_func", 1)] == "sigmoid":
-        kwargs["topk_method"], kwargs["norm_topk_prob"] = "noaux_tc", norm
+        kwargs["topk_method"] = "noaux_tc"
     else:
         if norm:  # DeepSeek-V2 never renormalises its softmax weights (transformers' V2 has no such option)
             raise ValueError("GGUF metadata deepseek2.expert_weights_norm=true with softmax gating is not "
