@@ -207,14 +207,16 @@ def _quantized_or_float(writer, name: str, value, qtype: str):
     return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(blocks, q), dtype=np.float32)).view(value.shape)
 
 
-def write_deepseek2(path: str, model, qtype: str = "F32", split_kv_b: bool = True) -> dict:
+def write_deepseek2(path: str, model, qtype: str = "F32", split_kv_b: bool = True, donor: str | None = None) -> dict:
     """A `deepseek2` GGUF file from a transformers DeepseekV2 / V3 model (float), laid out as llama.cpp's
     converter (DeepseekV2Model) writes it: head_count_kv 1 and key / value lengths as the latent's MQA view
     with the heads' own sizes as `*_mla`, kv_b_proj split into `attn_k_b` (each head's W_UK transposed) and
     `attn_v_b` (`split_kv_b`; older converters kept `attn_kv_b` whole), expert stacks `ffn_*_exps`, shared
     experts `ffn_*_shexp`, V3's correction bias `exp_probs_b.bias`, YaRN's mscale_all_dim as 0.1 x it in
-    `yarn_log_multiplier`; matrices in `qtype` where their rows are whole blocks. Returns the model's state
-    dict with the values the file holds (quantization included), to load back into transformers."""
+    `yarn_log_multiplier`; matrices in `qtype` where their rows are whole blocks; `donor`: a GGUF whose
+    tokenizer is copied (its vocabulary size must be the model's), so llama.cpp can run the file. Returns
+    the model's state dict with the values the file holds (quantization included), to load back into
+    transformers."""
     import gguf
     import torch
 
@@ -240,6 +242,8 @@ def write_deepseek2(path: str, model, qtype: str = "F32", split_kv_b: bool = Tru
     writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX)
     writer.add_leading_dense_block_count(cfg.first_k_dense_replace)
     writer.add_vocab_size(cfg.vocab_size)
+    for key, value, kind in donor_tokenizer(donor) if donor else []:
+        writer.add_array(key, value) if isinstance(value, list) else writer.add_key_value(key, value, kind)
     if cfg.q_lora_rank:
         writer.add_q_lora_rank(cfg.q_lora_rank)
     writer.add_kv_lora_rank(cfg.kv_lora_rank)
@@ -346,7 +350,8 @@ def main() -> None:
 
         model = transformers.AutoModelForCausalLM.from_pretrained(a.from_hf, dtype="float32")
         if model.config.model_type in ("deepseek_v2", "deepseek_v3"):
-            write_deepseek2(a.out, model, a.quant_type or a.float_type, split_kv_b=not a.whole_kv_b)
+            donor = a.donor if a.donor or model.config.vocab_size != 49152 else default_model_path()
+            write_deepseek2(a.out, model, a.quant_type or a.float_type, split_kv_b=not a.whole_kv_b, donor=donor)
         elif model.config.model_type == "gpt_oss":
             write_gpt_oss(a.out, model, a.float_type)
         else:
