@@ -14,7 +14,7 @@ import torch
 
 from perfxlm.ops import cpu_plan, isa, native
 from perfxlm.resolved_config import ResolvedConfig
-from perfxlm.spec_decode.config import SpeculativeConfig, check_draft_against_target
+from perfxlm.spec_decode.config import SpeculativeConfig, check_draft_against_target, check_mtp_target
 
 logger = logging.getLogger("perfxlm")
 
@@ -282,6 +282,9 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
         self.eos_token_ids = _eos_token_ids(self.model, self.hf_config)
         self._resolve_draft_model()
+        if self.speculative_config is not None and self.speculative_config.method == "mtp":
+            check_mtp_target(self.hf_config, self.model, self.load_format, self.tensor_parallel_size,
+                             self.distributed_executor_backend)  # fmt: skip
         self.resolved = ResolvedConfig(
             self.model, self.load_format, self.torch_dtype, self.weight_dtype, self.quant_config, source,
             self.quant_activation_mode, self.kv_cache_spec, self.block_size,
@@ -340,7 +343,7 @@ class EngineConfig:
                        "distributed_executor_backend": self.distributed_executor_backend == "external_launcher",
                        "enable_lora": bool(self.enable_lora),
                        "load_format": self.load_format == "onnx",
-                       "speculative_config": spec is not None and spec.method == "draft_model",
+                       "speculative_config": spec is not None and spec.method in ("draft_model", "mtp"),
                        "kv_cache_dtype": self.kv_cache_dtype.startswith("fp8")}  # fmt: skip
         for name, bad in on_cpu_only.items():
             if bad:

@@ -65,8 +65,10 @@ class EngineCore:
         # draft_tensor_parallel_size 1); under an external launcher only rank 0 proposes, and every rank
         # takes its drafts (`Executor.agree_draft_tokens`), so the ranks schedule the same steps.
         self.speculating = spec is not None
-        self.proposer = make_proposer(spec, config, self.num_kv_blocks) \
+        self.proposer = make_proposer(spec, config, self.num_kv_blocks, self.model) \
             if spec is not None and self.executor.proposes_drafts else None  # fmt: skip
+        if self.proposer is not None and self.proposer.needs_hidden_states:
+            self.runner.keep_hidden_states = True  # in-process: config refuses `mtp` with distributed ranks
         self.verify_row_budget = _verify_row_budget(config)
         if _freeze_gc_at_start:
             # The model and tokenizer are long-lived: take them out of the collector's view, so the GC
@@ -123,15 +125,19 @@ class EngineCore:
         mro = (self.runner or self.executor).execute(so)
         outputs = self.scheduler.update_from_output(so, mro)
         if self.speculating:
-            drafts = self._propose(so.finished_request_ids) if self.proposer is not None else {}
+            drafts = self._propose(so.finished_request_ids, mro.hidden_states) if self.proposer is not None else {}
             self.scheduler.set_draft_tokens(self.executor.agree_draft_tokens(drafts))
         return outputs
 
-    def _propose(self, finished_before: set[str]) -> dict[str, list[int]]:
-        """Draft tokens for the next step, by request id."""
+    def _propose(self, finished_before: set[str], hidden_states: dict) -> dict[str, list[int]]:
+        """Draft tokens for the next step, by request id. `hidden_states`: the step's HiddenRows, for a
+        proposer that reads them."""
         spec, sched = self.config.speculative_config, self.scheduler
         # requests that ended before this step's schedule (aborts, stop strings) and during it
-        self.proposer.drop(finished_before | sched.finished_request_ids)
+        finished = finished_before | sched.finished_request_ids
+        self.proposer.drop(finished)
+        if hidden_states:
+            self.proposer.observe({rid: h for rid, h in hidden_states.items() if rid not in finished})
         k = spec.num_speculative_tokens
         if spec.disable_by_batch_size is not None:  # vLLM's rule, when asked for
             if sched.num_running > spec.disable_by_batch_size:

@@ -57,6 +57,18 @@ LogprobEntry = tuple[list[int], list[float], int]
 
 
 @dataclass(slots=True)
+class HiddenRows:
+    """One request's rows of a step, as its target model left them before the final norm, for the
+    positions whose next token is known once the step is done (a prefill chunk's every row; a decode's
+    one; a verification's rows up to the last accepted draft). What speculative decoding's `mtp`
+    proposer reads; the runner hands them over only when `ModelRunner.keep_hidden_states` is set."""
+
+    first_position: int  # the position of the first row's token
+    states: Any  # torch.Tensor [rows, hidden]
+    next_token_ids: list[int]  # the token after each row's position (len == rows)
+
+
+@dataclass(slots=True)
 class ModelRunnerOutput:
     # request_id -> sampled token id, for every scheduled request with do_sample (and forked children)
     sampled_token_ids: dict[str, int]
@@ -70,6 +82,8 @@ class ModelRunnerOutput:
     # accepted, then one token it sampled), and those tokens' logprob entries when asked.
     verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
     verified_logprobs: dict[str, list[LogprobEntry]] = field(default_factory=dict)
+    # request_id -> its hidden rows (ModelRunner.keep_hidden_states only)
+    hidden_states: dict[str, HiddenRows] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -8,5 +8,7 @@ random: the same distribution).
   config names.
 - `ngram.py`: prompt lookup (the longest recent n-gram's earlier continuation).
 - `draft_model.py`: a small model of the same vocabulary, with its own paged KV cache.
+- `mtp.py`: the checkpoint's own multi-token-prediction layer (DeepSeek-V3), fed the target's hidden
+  states every step (`Proposer.observe`), with its own paged KV cache; `mtp_loading.py` reads its weights.
 - `stats.py`: vLLM's counters (drafts, draft tokens, accepted tokens, acceptance per position).
 """

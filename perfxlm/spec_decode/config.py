@@ -4,7 +4,7 @@ Accepted as vLLM spells it (a dict, or JSON text from the command line):
 
     {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     {"model": PATH, "num_speculative_tokens": 4}               (method "draft_model")
-    {"method": "mtp", ...}                                      (refused: MTP layers are not loaded yet)
+    {"method": "mtp", "num_speculative_tokens": 2}              (the checkpoint's MTP layer; "deepseek_mtp")
 
 Every check here runs when the engine's configuration is built, before any weights are read; the draft
 model's checks (`check_draft_against_target`) read only its config.
@@ -67,10 +67,6 @@ class SpeculativeConfig:
         if method not in METHODS:
             raise ValueError(f"speculative_config: method {value.get('method')!r} is not supported; use one of "
                              f"{', '.join(METHODS)}.")
-        if method == "mtp":
-            raise ValueError("speculative_config: method 'mtp' (a checkpoint's own multi-token-prediction layers, "
-                             "DeepSeek-V3's num_nextn_predict_layers) is not supported yet: this engine does not "
-                             "load those layers. Use 'ngram' or a draft 'model'.")
         k = _int(value, "num_speculative_tokens", None)
         if k is None:
             raise ValueError("speculative_config: num_speculative_tokens is required (1 to "
@@ -98,6 +94,8 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) must be <= prompt_lookup_max "
                                  f"({hi}).")
             return SpeculativeConfig("ngram", k, lo, hi, disable_by_batch_size=disable)
+        if method == "mtp":
+            return SpeculativeConfig("mtp", k, disable_by_batch_size=disable)
         if not isinstance(model, str) or not model or model in ("ngram", "[ngram]"):
             raise ValueError(f"speculative_config: method 'draft_model' needs 'model', the draft's folder or "
                              f".gguf file, got {model!r}.")
@@ -142,3 +140,41 @@ def check_draft_against_target(draft_config: Any, target_config: Any, draft_path
     if dp > tp:
         raise ValueError(f"speculative_config: the draft model {draft_path!r} (~{dp / 1e6:.1f}M weights) is larger "
                          f"than the target (~{tp / 1e6:.1f}M); use a smaller draft.")
+
+
+# the families whose checkpoints' multi-token-prediction layers the `mtp` method loads
+MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+
+
+def check_mtp_target(hf_config: Any, model_path: str, load_format: str, tensor_parallel_size: int,
+                     backend: Any) -> None:
+    """`mtp` needs a safetensors checkpoint of a family whose MTP layers this engine builds, with at least
+    one (`num_nextn_predict_layers`), and the target whole in the engine's process (the layer reads its
+    hidden states). ValueError naming what to change, from the config alone."""
+    arch = (getattr(hf_config, "architectures", None) or ["?"])[0]
+    if arch not in MTP_ARCHITECTURES:
+        raise ValueError(f"speculative_config: method 'mtp' needs a model with multi-token-prediction layers "
+                         f"({', '.join(MTP_ARCHITECTURES)}); this one is {arch}. Use 'ngram' or a draft 'model'.")
+    n = getattr(hf_config, "num_nextn_predict_layers", None)
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"speculative_config: method 'mtp' needs a checkpoint with multi-token-prediction "
+                         f"layers, but its config has num_nextn_predict_layers={n!r} (>= 1 needed). Use 'ngram' "
+                         "or a draft 'model'.")
+    packed = getattr(hf_config, "quantization_config", None)
+    if packed:
+        method = packed.get("quant_method") if isinstance(packed, dict) else getattr(packed, "quant_method", packed)
+        raise ValueError(f"speculative_config: method 'mtp' reads the MTP layer's float weights; this checkpoint is "
+                         f"stored quantized ({method!r}). Use a float (bf16 / fp16 / fp32) checkpoint, or 'ngram'.")
+    if load_format != "safetensors":
+        raise ValueError(f"speculative_config: method 'mtp' loads the MTP layer from a safetensors checkpoint; "
+                         f"load_format {load_format!r} is not supported with it.")
+    if tensor_parallel_size != 1 or backend == "external_launcher":
+        raise ValueError(f"speculative_config: method 'mtp' runs the MTP layer on the target's hidden states in "
+                         f"the engine's process: tensor_parallel_size must be 1 (got {tensor_parallel_size}) "
+                         "and distributed_executor_backend not 'external_launcher'.")
+    from perfxlm.spec_decode.mtp_loading import mtp_tensor_files
+
+    if not mtp_tensor_files(model_path, hf_config):  # names only: the files' headers
+        raise ValueError(f"speculative_config: method 'mtp': the checkpoint {model_path!r} has "
+                         f"num_nextn_predict_layers={n} but no tensors of its MTP layer "
+                         f"(model.layers.{hf_config.num_hidden_layers}.*).")

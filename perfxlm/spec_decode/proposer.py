@@ -13,6 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -24,6 +25,8 @@ class DraftRequest:
 
 class Proposer(ABC):
     name: str
+    # whether it reads the target's hidden states (the runner then hands them over every step: `observe`)
+    needs_hidden_states: bool = False
 
     @abstractmethod
     def propose(self, batch: list[DraftRequest]) -> list[list[int]]:
@@ -31,3 +34,7 @@ class Proposer(ABC):
 
     def drop(self, request_ids: Iterable[str]) -> None:
         """Forget per-request state of requests that finished or stopped speculating."""
+
+    def observe(self, hidden_states: dict[str, Any]) -> None:
+        """The step's `HiddenRows` by request id (engine/messages.py), after every step, before `propose`:
+        empty unless `needs_hidden_states`."""

@@ -19,9 +19,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from perfxlm.engine.messages import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from perfxlm.engine.messages import HiddenRows, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from perfxlm.lora.slots import LoRASlots, NoAdapters
-from perfxlm.model.forward_context import AttentionMetadata, PrefillSeq
+from perfxlm.model.forward_context import AttentionMetadata, PrefillSeq, set_forward_context
 from perfxlm.model.layers.attention import Attention
 from perfxlm.model.layers.rejection_sampler import RejectionSampler
 from perfxlm.model.layers.sampler import Sampler, compute_logprobs
@@ -57,6 +57,10 @@ class ModelRunner:
         # log-probabilities [rows, vocab] float32). Evaluations that need whole distributions (KL
         # divergence) set it; requests' own outputs keep only the top-k they asked for.
         self.prompt_logprobs_observer: Callable[[str, int, torch.Tensor], None] | None = None
+        # Hand over each request's hidden rows before the final norm (ModelRunnerOutput.hidden_states):
+        # set by the engine for a proposer that reads them (speculative decoding's `mtp`). Steps then run
+        # eagerly through the model's `forward_pre_norm`.
+        self.keep_hidden_states = False
         # captured steps pad their batch with rows whose K/V go to one block past the manager's pool
         sink_blocks = 1 if graphs is not None else 0
         for module in model.modules():
@@ -82,6 +86,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        out, kept = self._execute(so)
+        if kept is not None:
+            _hand_over_hidden(*kept, out)
+        return out
+
+    def _execute(self, so: SchedulerOutput) -> tuple[ModelRunnerOutput, tuple | None]:
+        """The step's output, and (the batch's requests in order, their first rows, the rows before the
+        final norm) when `keep_hidden_states` asks for them."""
         for rid in so.finished_request_ids:
             self.generators.pop(rid, None)
         if self.grammars is not None:
@@ -111,13 +123,18 @@ class ModelRunner:
                 hidden_rows.append(last)
         masks = self._start_grammar_masks(_guided(rows), len(rows))
         verify_masks = self._start_grammar_masks(verify.guided(), len(verify.rows))
-        hidden = self._forward(order, input_ids, positions, meta)
+        if self.keep_hidden_states:
+            with set_forward_context(meta):  # eager: the hidden rows before the norm are the model's to give
+                hidden, pre_norm = self.model.forward_pre_norm(input_ids, positions)
+            kept = (order, token_starts, pre_norm)
+        else:
+            hidden, kept = self._forward(order, input_ids, positions, meta), None
         out = ModelRunnerOutput(sampled_token_ids={})
         self._prompt_logprobs(order, token_starts, hidden, out)
         if verify.requests:
             self._verify(verify, hidden, verify_masks, out)
         if not rows:
-            return out
+            return out, kept
         grammar, failed = _grammar_masks(masks, out)
         if failed:
             keep = [i for i, r in enumerate(rows) if r.request_id not in failed]
@@ -127,7 +144,7 @@ class ModelRunner:
                 masked, bitmask = grammar
                 grammar = ([remap[i] for i in masked if i in remap], bitmask[keep].contiguous())
             if not rows:
-                return out
+                return out, kept
         logits = self.model.compute_logits(hidden[torch.tensor(hidden_rows)])  # [rows, vocab] fp32
         try:
             meta_s = build_sampling_metadata(rows, self.generators, logits.shape[1])
@@ -146,9 +163,9 @@ class ModelRunner:
                     out.failed[r.request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
                     continue
                 self._record_samples([r], one, out)
-            return out
+            return out, kept
         self._record_samples(rows, result, out)
-        return out
+        return out, kept
 
     def _forward(self, order: list[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
@@ -249,6 +266,17 @@ class ModelRunner:
             entries = list(zip(ids.tolist(), lps.tolist(), ranks.tolist()))
             out.prompt_logprobs[s.request_id] = (first, entries)
 
+    def prepare_inputs(
+        self, order: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """(input ids, positions, attention metadata over this runner's KV caches, each sequence's first
+        row) of `order`, its single-token sequences first: for a proposer that runs its own layers' forward
+        pass (speculative decoding's `mtp`)."""
+        num_decodes = 0
+        while num_decodes < len(order) and len(order[num_decodes].token_ids) == 1:
+            num_decodes += 1
+        return self._prepare(order, num_decodes)
+
     def _prepare(
         self, order: list[ScheduledRequest], num_decodes: int
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -303,6 +331,33 @@ def model_device(model: torch.nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
+
+
+def _hand_over_hidden(order: list[ScheduledRequest], token_starts: list[int], pre_norm: torch.Tensor,
+                      out: ModelRunnerOutput) -> None:
+    """Each request's rows whose next token is known now: a prefill chunk's all (the prompt's next token,
+    or the one sampled after its last), a decode's one, a verification's up to the last accepted draft."""
+    for s, start in zip(order, token_starts):
+        rid = s.request_id
+        if rid in out.failed:
+            continue
+        if s.draft_token_ids:
+            verified = out.verified_token_ids.get(rid)
+            if not verified:
+                continue
+            out.hidden_states[rid] = HiddenRows(s.num_computed_tokens, pre_norm[start : start + len(verified)],
+                                                list(verified))  # fmt: skip
+            continue
+        n = len(s.token_ids)
+        nxt = list(s.token_ids[1:])
+        end = s.num_computed_tokens + n  # the position after the chunk
+        known = len(s.prompt_token_ids) + len(s.output_token_ids)
+        if end < known:  # a chunk within the known tokens: the next one is the prompt's (or output's)
+            nxt.append(s.prompt_token_ids[end] if end < len(s.prompt_token_ids)
+                       else s.output_token_ids[end - len(s.prompt_token_ids)])  # fmt: skip
+        elif rid in out.sampled_token_ids:
+            nxt.append(out.sampled_token_ids[rid])
+        out.hidden_states[rid] = HiddenRows(s.num_computed_tokens, pre_norm[start : start + len(nxt)], nxt)
 
 
 def _guided(rows: list[SampleRow]) -> list[tuple]:

@@ -24,6 +24,8 @@ def test_config_as_vllm_spells_it():
     assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}').prompt_lookup_max == 5
     one = SpeculativeConfig.parse({"method": "[ngram]", "num_speculative_tokens": 1, "prompt_lookup_max": 3})
     assert (one.method, one.prompt_lookup_min, one.prompt_lookup_max) == ("ngram", 3, 3)
+    m = SpeculativeConfig.parse({"method": "deepseek_mtp", "num_speculative_tokens": 2})
+    assert (m.method, m.num_speculative_tokens) == ("mtp", 2)  # vLLM's other name
     d = SpeculativeConfig.parse({"model": "/some/draft", "num_speculative_tokens": 4})
     assert (d.method, d.model) == ("draft_model", "/some/draft")
     assert SpeculativeConfig.parse(None) is None
@@ -39,8 +41,8 @@ def test_config_as_vllm_spells_it():
      r"prompt_lookup_min \(5\) must be <= prompt_lookup_max \(2\)"),
     ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 0}, ">= 1"),
     ({"method": "ngram", "num_speculative_tokens": 3, "lookahead": 2}, "unknown key.*'lookahead'"),
-    ({"method": "mtp", "num_speculative_tokens": 1}, "multi-token-prediction"),
-    ({"method": "deepseek_mtp", "num_speculative_tokens": 1}, "num_nextn_predict_layers"),
+    ({"method": "mtp", "num_speculative_tokens": 17}, r"1\.\.16, got 17"),
+    ({"method": "deepseek_mtp", "num_speculative_tokens": 0}, r"1\.\.16, got 0"),
     ({"model": "/d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
      "draft_tensor_parallel_size must be 1 .*, got 2"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),

@@ -171,6 +171,11 @@ class CausalLM(CheckpointModel):
         """[num_tokens] ids and positions -> [num_tokens, hidden] final hidden states."""
         raise NotImplementedError
 
+    def forward_pre_norm(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward's final hidden states, the last decoder layer's output before the final norm): what a
+        checkpoint's multi-token-prediction layers read (speculative decoding's `mtp`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not expose its hidden states before the final norm.")
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> [num_rows, vocab] float32."""
         raise NotImplementedError

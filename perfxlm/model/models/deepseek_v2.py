@@ -3,7 +3,11 @@ the KV cache) with rotary on a split part of each head (YaRN with mscale where c
 `first_k_dense_replace` dense layers a mixture of experts: routed experts chosen by grouped top-k
 (layers/moe_router.py) plus always-on shared experts. Their rope rotates interleaved pairs (V3 unless
 `rope_interleave` is false): the rope rows of the q and kv-down projections are reordered at load so the
-rotate-half kernels apply it (rotary.interleaved_to_halves)."""
+rotate-half kernels apply it (rotary.interleaved_to_halves).
+
+A V3 checkpoint may carry multi-token-prediction layers after the decoder (`num_nextn_predict_layers`,
+stored as layers num_hidden_layers and up): the target skips them; speculative decoding's `mtp` method
+loads them (deepseek_mtp.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +26,29 @@ from perfxlm.model.models.qwen2_moe import MOE_STACKED_PARAMS
 
 _Q_ROWS = re.compile(r"\.self_attn\.(q_proj|q_b_proj)\.weight$")
 _KV_A_ROWS = re.compile(r"\.self_attn\.kv_a_proj_with_mqa\.(weight|bias)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def mtp_layer_of(name: str, config: Any) -> int | None:
+    """The index (0-based, among the MTP layers) of the multi-token-prediction layer a checkpoint tensor
+    belongs to, else None (a decoder tensor)."""
+    m = _LAYER.match(name)
+    if m is None or int(m.group(1)) < config.num_hidden_layers:
+        return None
+    return int(m.group(1)) - config.num_hidden_layers
+
+
+def halves_rope_rows(weights: Iterable[tuple[str, torch.Tensor]], config: Any) -> Iterable[tuple[str, torch.Tensor]]:
+    """The checkpoint's interleaved rope rows of the q and kv-down projections reordered into halves (the
+    rotate-half kernels' layout)."""
+    c = config
+    q_head, latent = c.qk_nope_head_dim + c.qk_rope_head_dim, c.kv_lora_rank + c.qk_rope_head_dim
+    for name, tensor in weights:
+        if _Q_ROWS.search(name):  # every head: [nope | rope]
+            tensor = interleaved_to_halves(tensor, q_head, c.qk_rope_head_dim, c.qk_nope_head_dim)
+        elif _KV_A_ROWS.search(name):  # one row block: [latent | rope]
+            tensor = interleaved_to_halves(tensor, latent, c.qk_rope_head_dim, c.kv_lora_rank)
+        yield name, tensor
 
 
 class DeepseekMoE(nn.Module):
@@ -61,21 +88,15 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         mlp = LlamaMLP(config, bias=False) if dense else DeepseekMoE(config, self.make_router(config))
         return LlamaDecoderLayer(config, MLAttention(config), mlp)
 
+    def forward_pre_norm(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.forward_states(input_ids, positions)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], sink: Any = None) -> None:
-        if not self.rope_interleaved(self.config):
-            return super().load_weights(weights, sink)
         c = self.config
-        q_head, latent = c.qk_nope_head_dim + c.qk_rope_head_dim, c.kv_lora_rank + c.qk_rope_head_dim
-
-        def reordered() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                if _Q_ROWS.search(name):  # every head: [nope | rope]
-                    tensor = interleaved_to_halves(tensor, q_head, c.qk_rope_head_dim, c.qk_nope_head_dim)
-                elif _KV_A_ROWS.search(name):  # one row block: [latent | rope]
-                    tensor = interleaved_to_halves(tensor, latent, c.qk_rope_head_dim, c.kv_lora_rank)
-                yield name, tensor
-
-        return super().load_weights(reordered(), sink)
+        decoder = ((n, t) for n, t in weights if mtp_layer_of(n, c) is None)  # MTP layers: not the target's
+        if self.rope_interleaved(c):
+            decoder = halves_rope_rows(decoder, c)
+        return super().load_weights(decoder, sink)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -161,6 +161,10 @@ class LlamaModel(nn.Module):
         self.fused_decode = FusedDecode(self.layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.forward_states(input_ids, positions)[0]
+
+    def forward_states(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(final hidden states, the last layer's output before the final norm)."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary_emb.cos_sin(positions, x.dtype)
         meta = get_forward_context()
@@ -170,8 +174,9 @@ class LlamaModel(nn.Module):
             residual = None
             for layer in self.layers:
                 x, residual = layer(rope, x, residual)
-        x, _ = self.norm(x, residual)
-        return x
+        # the norm adds the residual stream in place: `pre_norm` is the last layer's output
+        x, pre_norm = self.norm(x, residual)
+        return x, pre_norm
 
 
 LLAMA_STACKED_PARAMS = [
