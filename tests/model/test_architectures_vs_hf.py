@@ -360,6 +360,14 @@ def test_gguf_k_quants_match_transformers(tmp_path, arch, q4_k_m, exact_quantize
         assert got == want, f"prompt of {len(prompt)} tokens"
         np.testing.assert_allclose(got_lp, want_lp, atol=2e-4, rtol=0)
     assert len(set(tokens[-1])) > 4
+    if q4_k_m:  # the two-level weights are held as such and decode on the fused layer, not the module path
+        from perfxlm.model.fused_decode import fused_decode_steps
+        from perfxlm.quant import QuantizedWeight
+
+        model = llm.llm_engine.core.model
+        held = [m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), QuantizedWeight)]
+        assert sum(w.two_level for w in held) >= 3 * 2  # o, gate|up, down per layer (QKV mixes Q4_K with Q6_K)
+        assert fused_decode_steps(model) > 0
 
 
 # ---------------------------------------------------------------------------------------------------------
