@@ -67,7 +67,17 @@ struct QW {
   bool int_lut = false;
   alignas(16) uint8_t ulut[16] = {};
   float block_min_factor = 1.f;  // min_factor for the int8 block products
+  // Two-level scales (GGUF K-quants, perfxlm/quant/super_scales.py): `kbytes` bytes per row, a byte per
+  // group (int8 where ksigned) then a float16 factor per 256 inputs; stored mins alike, each min being
+  // -(byte x factor). Null for float scales. The kernels never read these: `over_rows` hands them a view
+  // whose float32 scales and mins were multiplied out for the rows they run (expanded_rows).
+  const uint8_t* kscales = nullptr;
+  const uint8_t* kmins = nullptr;
+  int64_t kbytes = 0;
+  bool ksigned = false;
 };
+
+constexpr int64_t kSuperBlock = 256;  // inputs per float16 factor of two-level scales
 
 // Whether `lv` (16 floats) is a table the int8 block products take, and its unsigned form and offset.
 inline bool integer_table(const float* lv, uint8_t* ulut, float* offset) {
@@ -120,10 +130,15 @@ inline float weight_at(const QW& w, int64_t n, int64_t k) {
   return std::fma(v, param(w, w.scales, g), param(w, w.mins, g) * w.min_factor);
 }
 
+QW describe_two_level(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                      const c10::optional<at::Tensor>& levels, int64_t K);
+
 QW describe(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins_arg,
             const c10::optional<at::Tensor>& levels, int64_t K) {
   const bool centred = !mins_arg.has_value() || !mins_arg->defined();
   const at::Tensor& mins = centred ? scales : *mins_arg;
+  if (scales.scalar_type() == at::kByte || scales.scalar_type() == at::kChar)
+    return describe_two_level(codes, scales, centred ? c10::optional<at::Tensor>() : mins_arg, levels, K);
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
               "linear_q: codes must be contiguous uint8 [N, K] or [N, K / 2]");
   const int64_t N = codes.size(0);
@@ -161,6 +176,102 @@ QW describe(const at::Tensor& codes, const at::Tensor& scales, const c10::option
     w.block_min_factor = -offset;  // w = scale * (lut[u] - offset): the min is -offset x the scale
   }
   return w;
+}
+
+// Two-level scales: codes as for float scales; scales (and mins) bytes [N, groups + 2 K / 256].
+QW describe_two_level(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                      const c10::optional<at::Tensor>& levels, int64_t K) {
+  TORCH_CHECK(!(levels.has_value() && levels->defined()), "linear_q: two-level scales take no level table");
+  TORCH_CHECK(K % kSuperBlock == 0, "linear_q: two-level scales need K % ", kSuperBlock, " == 0, got K = ", K);
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
+              "linear_q: codes must be contiguous uint8");
+  const int64_t N = codes.size(0), supers = K / kSuperBlock;
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.is_contiguous() && scales.size(1) > 2 * supers,
+              "linear_q: two-level scales must be contiguous [N, groups + 2 K / 256]");
+  const int64_t groups = scales.size(1) - 2 * supers;
+  TORCH_CHECK(K % groups == 0 && groups % supers == 0 && (K / groups) % 16 == 0, "linear_q: two-level scales of ",
+              scales.size(1), " bytes per row do not fit K = ", K);
+  const bool centred = !mins.has_value();
+  TORCH_CHECK(centred || (mins->scalar_type() == at::kByte && mins->sizes() == scales.sizes() && mins->is_contiguous()),
+              "linear_q: two-level mins must be contiguous uint8 shaped as the scales");
+  const bool bits5 = codes.size(1) * 8 == K * 5, bits4 = bits5 || codes.size(1) * 2 == K;
+  TORCH_CHECK(bits4 || codes.size(1) == K, "linear_q: codes hold ", codes.size(1), " bytes per row for ", K, " inputs");
+  TORCH_CHECK(!bits4 || (K / groups) % 32 == 0, "linear_q: 4-bit codes need groups of a multiple of 32");
+  const float centre = bits5 ? 16.f : (bits4 ? 8.f : 128.f);
+  QW w{codes.data_ptr<uint8_t>(), N, K, codes.size(1), K / groups, groups, bits4, bits5, nullptr, nullptr, false,
+       nullptr, centred, centred ? -centre : 1.f};
+  w.block_min_factor = w.min_factor;
+  w.kscales = static_cast<const uint8_t*>(scales.data_ptr());
+  w.kmins = centred ? nullptr : static_cast<const uint8_t*>(mins->data_ptr());
+  w.kbytes = scales.size(1);
+  w.ksigned = scales.scalar_type() == at::kChar;
+  return w;
+}
+
+// Rows [n0, n1) of a two-level weight's scales (and mins) multiplied out to float32, [rows][groups] each:
+// byte x factor in float32 (the product gguf-py forms), a min -(byte x factor).
+void expand_two_level(const QW& w, int64_t n0, int64_t n1, float* sc, float* mn) {
+  const int64_t per = w.groups / (w.K / kSuperBlock);
+  for (int64_t n = n0; n < n1; ++n) {
+    const int64_t o = (n - n0) * w.groups;
+    for (int pass = 0; pass < (w.kmins ? 2 : 1); ++pass) {
+      const uint8_t* row = (pass ? w.kmins : w.kscales) + n * w.kbytes;
+      float* out = (pass ? mn : sc) + o;
+      for (int64_t s = 0; s < w.groups / per; ++s) {
+        uint16_t h;
+        std::memcpy(&h, row + w.groups + 2 * s, 2);
+        const float factor = half_to_float(h);
+        for (int64_t g = s * per; g < (s + 1) * per; ++g) {
+          const float sub = w.ksigned && !pass ? static_cast<float>(static_cast<int8_t>(row[g])) : static_cast<float>(row[g]);
+          out[g] = pass ? -(sub * factor) : sub * factor;
+        }
+      }
+    }
+  }
+}
+
+// A view of w for rows [n0, n1) whose scales and mins are float32 (two-level ones multiplied out into
+// this thread's buffers, a few KB that stay in L1 while the kernel reads them): every kernel reads the
+// one float layout, and a decode step streams the bytes, not the floats.
+QW expanded_rows(const QW& w, int64_t n0, int64_t n1) {
+  if (!w.kscales) return w;
+  thread_local std::vector<float> sc_buf, mn_buf;
+  const size_t count = static_cast<size_t>((n1 - n0) * w.groups);
+  sc_buf.resize(count);
+  mn_buf.resize(w.kmins ? count : 0);
+  expand_two_level(w, n0, n1, sc_buf.data(), mn_buf.data());
+  QW v = w;
+  v.kscales = v.kmins = nullptr;
+  v.half = false;
+  // the kernels address row n's groups at n * groups: the buffers start at row n0
+  const auto from_n0 = [&](const float* p) {
+    return reinterpret_cast<const float*>(reinterpret_cast<uintptr_t>(p) - static_cast<uintptr_t>(n0 * w.groups) * sizeof(float));
+  };
+  v.scales = from_n0(sc_buf.data());
+  v.mins = w.kmins ? from_n0(mn_buf.data()) : v.scales;
+  return v;
+}
+
+// fn(view, r0, r1) over rows [n0, n1), in runs of at most 32 rows for two-level weights (each run's scales
+// expanded first), starting on multiples of `tile` where n0 is one.
+template <class Fn>
+inline void in_runs(const QW& w, int64_t n0, int64_t n1, int64_t tile, const Fn& fn) {
+  if (!w.kscales) return fn(w, n0, n1);
+  const int64_t run = std::max<int64_t>(tile, 32 / tile * tile);
+  for (int64_t r = n0; r < n1; r += run) {
+    const int64_t r1 = std::min(n1, r + run);
+    fn(expanded_rows(w, r, r1), r, r1);
+  }
+}
+
+// fn(view, r0, r1) over all rows, in parallel, in ranges that start on multiples of `tile` (the last one
+// ends at N): the tile kernels run whole tiles, the rows past the last whole tile one by one.
+template <class Fn>
+inline void over_rows(const QW& w, int64_t tile, int64_t grain_tiles, const Fn& fn) {
+  const int64_t tiles = (w.N + tile - 1) / tile;
+  at::parallel_for(0, tiles, grain_tiles, [&](int64_t begin, int64_t end) {
+    in_runs(w, begin * tile, std::min(w.N, end * tile), tile, fn);
+  });
 }
 
 #ifdef PERFXLM_SIMD16
@@ -243,16 +354,16 @@ inline void q_block(const float* x, int64_t M, const QW& w, int64_t n0, float* y
 template <bool BITS4, bool LUT, bool HALF, bool FIVE = false>
 void q_gemv_typed(const float* x, int64_t M, const QW& w, float* y, const float* bias) {
   const int64_t NT = M == 1 ? kTileOne : 4;
-  const int64_t tiles = w.N / NT;
-  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
+  over_rows(w, NT, 16, [&](const QW& v, int64_t n0, int64_t n1) {
+    int64_t n = n0;
+    for (; n + NT <= n1; n += NT) {
       if (NT == 8)
-        q_block<BITS4, LUT, HALF, 8, FIVE>(x, M, w, t * NT, y, bias);
+        q_block<BITS4, LUT, HALF, 8, FIVE>(x, M, v, n, y, bias);
       else
-        q_block<BITS4, LUT, HALF, 4, FIVE>(x, M, w, t * NT, y, bias);
+        q_block<BITS4, LUT, HALF, 4, FIVE>(x, M, v, n, y, bias);
     }
+    for (; n < n1; ++n) q_block<BITS4, LUT, HALF, 1, FIVE>(x, M, v, n, y, bias);
   });
-  for (int64_t n = tiles * NT; n < w.N; ++n) q_block<BITS4, LUT, HALF, 1, FIVE>(x, M, w, n, y, bias);
 }
 
 void q_gemv(const float* x, int64_t M, const QW& w, float* y, const float* bias) {
@@ -273,10 +384,11 @@ inline void store_out(uint16_t* p, V a, int64_t n = 16) { simd16::store_bf16(p, 
 
 // Rows [n0, n1) of W as float32 or bf16 (uint16_t), out [n1 - n0, K].
 template <typename T>
-void dequant_rows(const QW& w, int64_t n0, int64_t n1, T* out) {
+void dequant_rows(const QW& whole, int64_t n0, int64_t n1, T* out) {
   at::parallel_for(n0, n1, 8, [&](int64_t begin, int64_t end) {
+   in_runs(whole, begin, end, 1, [&](const QW& w, int64_t r0, int64_t r1) {
     const simd16::Table16 table(w.levels ? w.levels : kNoLevels);
-    for (int64_t n = begin; n < end; ++n) {
+    for (int64_t n = r0; n < r1; ++n) {
       const uint8_t* row = w.codes + n * w.row_bytes;
       T* o = out + (n - n0) * w.K;
       const int64_t step = w.bits4 ? 32 : 16;
@@ -299,11 +411,12 @@ void dequant_rows(const QW& w, int64_t n0, int64_t n1, T* out) {
         }
       }
     }
+   });
   });
 }
 #else
-void q_gemv(const float* x, int64_t M, const QW& w, float* y, const float* bias) {
-  at::parallel_for(0, w.N, 16, [&](int64_t begin, int64_t end) {
+void q_gemv(const float* x, int64_t M, const QW& whole, float* y, const float* bias) {
+  over_rows(whole, 1, 16, [&](const QW& w, int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
       for (int64_t m = 0; m < M; ++m) {
         float acc = 0.f;
@@ -321,10 +434,12 @@ inline void store_out(uint16_t* p, float v) {  // round to nearest even, as torc
 }
 
 template <typename T>
-void dequant_rows(const QW& w, int64_t n0, int64_t n1, T* out) {
+void dequant_rows(const QW& whole, int64_t n0, int64_t n1, T* out) {
   at::parallel_for(n0, n1, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      for (int64_t k = 0; k < w.K; ++k) store_out(out + (n - n0) * w.K + k, weight_at(w, n, k));
+    in_runs(whole, begin, end, 1, [&](const QW& w, int64_t r0, int64_t r1) {
+      for (int64_t n = r0; n < r1; ++n)
+        for (int64_t k = 0; k < w.K; ++k) store_out(out + (n - n0) * w.K + k, weight_at(w, n, k));
+    });
   });
 }
 #endif
@@ -972,11 +1087,11 @@ inline void block_rows(const BlockActs& a, int64_t M, const QW& w, int64_t n0, f
 
 template <bool BITS4, bool HALF, int SPC, bool FIVE>
 void block_gemv_typed(const BlockActs& a, int64_t M, const QW& w, float* y, const float* bias) {
-  const int64_t tiles = w.N / 4;
-  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) block_rows<BITS4, HALF, SPC, 4, FIVE>(a, M, w, t * 4, y, bias);
+  over_rows(w, 4, 16, [&](const QW& v, int64_t n0, int64_t n1) {
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) block_rows<BITS4, HALF, SPC, 4, FIVE>(a, M, v, n, y, bias);
+    for (; n < n1; ++n) block_rows<BITS4, HALF, SPC, 1, FIVE>(a, M, v, n, y, bias);
   });
-  for (int64_t n = tiles * 4; n < w.N; ++n) block_rows<BITS4, HALF, SPC, 1, FIVE>(a, M, w, n, y, bias);
 }
 
 // x with each block of 32 replaced by its int8 quantization times its scale: what the block GEMV
@@ -1090,6 +1205,7 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tens
     return float_product(xc, w, bp, max_rows, bf16_gemm);
   }
 
+  TORCH_CHECK(!w.kscales, "linear_q: two-level scales take float activations, not W8A8");
   // W8A8: each row to symmetric int8, scale = max |x| / 127 (an all-zero row stays zero).
   at::Tensor sx = xc.abs().amax(1).div_(127.f);
   at::Tensor xq = at::where(sx.unsqueeze(1) > 0, xc.div(sx.unsqueeze(1)), at::zeros_like(xc)).round_().clamp_(-127, 127);
