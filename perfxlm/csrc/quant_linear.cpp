@@ -537,7 +537,9 @@ inline float quantize_block(const float* src, int8_t* q) {
 struct BlockActs {
   const int8_t* q;       // int8 [M, K], in the codes' chunk order
   const float* lanes;    // float32 [M, K / 64, 16]: each int32 lane's activation scale
-  const float* bscale;   // float32 [M, K / 32]: each block's scale, in order (a chunk's pair is adjacent)
+  // float32 [M, K / 64, 8], 8-bit codes only: a chunk's two block scales as [A A B B A A B B], the lanes of
+  // the chunk's pairwise-summed int32 dots (chunk_dot8), so a weight row's scales multiply them as loaded
+  const float* pair8;
   const float* gsum;     // float32 [M, gstride]: per weight group, sum of scale * int8 values (0-padded)
   int64_t gstride;       // the weight's groups rounded up to 8, so 8-lane loads need no tail
 };
@@ -592,24 +594,25 @@ inline float quantize_block_simd(const float* src, int8_t* q) { return quantize_
 BlockActs quantize_blocks(const at::Tensor& x, const QW& w) {
   const int64_t M = x.size(0), K = w.K, chunks = K / 64, gstride = (w.groups + 7) / 8 * 8;
   thread_local std::vector<int8_t> q_buf;
-  thread_local std::vector<float> lanes_buf, bscale_buf, gsum_buf;
+  thread_local std::vector<float> lanes_buf, pair8_buf, gsum_buf;
   q_buf.resize(static_cast<size_t>(M * K));
   lanes_buf.resize(static_cast<size_t>(M * chunks * 16));
-  bscale_buf.resize(static_cast<size_t>(M * (K / 32)));
+  if (!w.bits4) pair8_buf.resize(static_cast<size_t>(M * chunks * 8));
   gsum_buf.assign(static_cast<size_t>(M * gstride), 0.f);
   const float* xp = x.data_ptr<float>();
   int8_t* qp = q_buf.data();
   float* lp = lanes_buf.data();
-  float* bp = bscale_buf.data();
+  float* pp = pair8_buf.data();
   float* gp = gsum_buf.data();
-  const BlockActs a{qp, lp, bp, gp, gstride};
-  // rows in parallel past a few (a prefill's thousands of blocks); a decode step's row stays on this thread
-  at::parallel_for(0, M, 8, [&](int64_t m_begin, int64_t m_end) {
+  const BlockActs a{qp, lp, pp, gp, gstride};
+  // Rows in parallel only past ~32K values (a prefill's thousands of blocks): a parallel decode step's
+  // 16-32 rows take a few microseconds here, less than waking the other threads for them costs, and one
+  // parallel region fewer per product (4 per layer) is one fork/join fewer to wait on.
+  at::parallel_for(0, M, std::max<int64_t>(8, 32768 / std::max<int64_t>(K, 1)), [&](int64_t m_begin, int64_t m_end) {
     for (int64_t m = m_begin; m < m_end; ++m) {
       for (int64_t b = 0; b < K / 32; ++b) {
         int8_t block[32];
         const float scale = quantize_block_simd(xp + m * K + b * 32, block);
-        bp[m * (K / 32) + b] = scale;
         int32_t total[2] = {0, 0};  // per 16 inputs: a block spans two groups when group == 16
         for (int j = 0; j < 32; ++j) total[j / 16] += block[j];
         const int64_t c = b / 2, half = b % 2;
@@ -624,6 +627,10 @@ BlockActs quantize_blocks(const at::Tensor& x, const QW& w) {
         for (int l = 0; l < 16; ++l) {
           const bool in_b = w.bits4 ? ((l / 4) % 2 == 1) : (l >= 8);
           if (in_b == (half == 1)) lanes[l] = scale;
+        }
+        if (!w.bits4) {
+          float* pair = pp + (m * chunks + c) * 8;
+          pair[2 * half] = pair[2 * half + 1] = pair[4 + 2 * half] = pair[5 + 2 * half] = scale;
         }
         for (int h = 0; h < 2; ++h) gp[m * gstride + (b * 32 + h * 16) / w.group] += scale * static_cast<float>(total[h]);
       }
@@ -872,29 +879,41 @@ inline void chunk_halves(const uint8_t* row, int64_t c, const QW& w, __m256i lut
   }
 }
 
-// A chunk's two block scales of one weight row as [A, B, ., .]: two per chunk (group 32), or one
-// repeated (a group of 64 or more).
-template <bool HALF, int SPC>
-inline __m128 block_scale_pair(const QW& w, int64_t g0) {
-  if constexpr (SPC == 1)
-    return _mm_set1_ps(param_at<HALF>(w.scales, g0));
-  else
-    return load_params_lo<HALF, 2>(w.scales, g0);
-}
-
 // acc + one 64-input chunk of 8-bit codes (lo, hi: its two blocks) against one activation row, each
 // block scaled by weight scale x activation scale. The two blocks' int32 lanes are summed pairwise into
 // one register ([A A B B | A A B B]: vphaddd) so one conversion and one FMA serve the chunk, and the
-// four scale products are one vector multiply instead of two scalar ones per block: the float work per
-// chunk was as much as the integer dot products (measured 1.2-1.3x per GEMV on this tier).
-inline __m256 chunk_dot8(__m256i lo, __m256i hi, const int8_t* xc, __m128 wscale_pair, const float* xscale_pair,
-                         __m256 acc) {
+// four scale products are one vector multiply of the weight row's scales (wscale8, spread to those lanes
+// once per chunk and shared by every activation row of a tile) by the activation row's, stored spread
+// (BlockActs::pair8): the float work per chunk was as much as the integer dot products (measured 1.2-1.3x
+// per GEMV on this tier), and spreading the products per activation row cost a shuffle each.
+inline __m256 chunk_dot8(__m256i lo, __m256i hi, const int8_t* xc, __m256 wscale8, const float* xscale8, __m256 acc) {
   const __m256i d0 = dot_u8(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)));
   const __m256i d1 = dot_u8(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32)));
-  const __m128 xs = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(xscale_pair)));
-  const __m256 ws = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_mul_ps(wscale_pair, xs)),
-                                             _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1));
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(d0, d1)), ws, acc);
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(d0, d1)), _mm256_mul_ps(wscale8, _mm256_loadu_ps(xscale8)),
+                         acc);
+}
+
+// A chunk's two block scales of one weight row spread as chunk_dot8's lanes: [A A B B A A B B].
+template <bool HALF, int SPC>
+inline __m256 block_scales8(const QW& w, int64_t g0) {
+  if constexpr (SPC == 1)
+    return _mm256_set1_ps(param_at<HALF>(w.scales, g0));
+  else
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(load_params_lo<HALF, 2>(w.scales, g0)),
+                                    _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1));
+}
+
+// The first of chunk c's weight groups, counted from the row's first: a multiply (or for groups of 64 or
+// more a division that is 1 at the usual 64) instead of a 64-bit idiv per chunk, which sat in every
+// chunk of every row (10-40 cycles' latency, more than the chunk's dot products at one row).
+template <int SPC>
+inline int64_t chunk_group(const QW& w, int64_t c) {
+  if constexpr (SPC == 1) {
+    const int64_t per = w.group / 64;  // chunks per group
+    return per == 1 ? c : c / per;
+  } else {
+    return c * SPC;
+  }
 }
 
 // NT weight rows, one after the other (a row of a small model is a few cache lines, and consecutive
@@ -920,7 +939,7 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
     #pragma GCC unroll 4
     for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t g0 = row_base + (c * 64) / w.group;
+      const int64_t g0 = row_base + chunk_group<SPC>(w, c);
       if constexpr (BITS4) {
         __m256i lo, hi;
         chunk_halves<FIVE>(row, c, w, lut, lo, hi);
@@ -954,10 +973,10 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
             acc[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(ws_hi, _mm256_broadcast_ss(xs + 8)), acc[i][1]);
           }
         } else {  // one scale per half (block): see chunk_dot8
-          const __m128 sp = block_scale_pair<HALF, SPC>(w, g0);
+          const __m256 ws8 = block_scales8<HALF, SPC>(w, g0);
           #pragma GCC unroll 4
           for (int i = 0; i < MT; ++i)
-            acc[i][0] = chunk_dot8(lo, hi, xq + i * K + c * 64, sp, a.bscale + (m0 + i) * (K / 32) + 2 * c, acc[i][0]);
+            acc[i][0] = chunk_dot8(lo, hi, xq + i * K + c * 64, ws8, a.pair8 + ((m0 + i) * chunks + c) * 8, acc[i][0]);
         }
       }
     }
@@ -1019,7 +1038,7 @@ inline void block_tile_m1x4(const BlockActs& a, int64_t m, const QW& w, int64_t 
   const FourRows r = four_rows(w, n0);
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t goff = (c * 64) / w.group;
+    const int64_t goff = chunk_group<SPC>(w, c);
     const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * 64));
     const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * 64 + 32));
     const float* xs = lanes + c * 16;
@@ -1047,16 +1066,16 @@ inline void block_tile_m1x4_q8(const BlockActs& a, int64_t m, const QW& w, int64
   static_assert(SPC <= 2, "four rows at once: one scale per 8-bit block");
   const int64_t K = w.K, chunks = K / 64;
   const int8_t* xq = a.q + m * K;
-  const float* bscale = a.bscale + m * (K / 32);
+  const float* pair8 = a.pair8 + m * chunks * 8;
   const FourRows r = four_rows(w, n0);
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t goff = (c * 64) / w.group;
+    const int64_t goff = chunk_group<SPC>(w, c);
     #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.row[j] + c * 64));
       const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.row[j] + c * 64 + 32));
-      acc[j] = chunk_dot8(lo, hi, xq + c * 64, block_scale_pair<HALF, SPC>(w, r.base[j] + goff), bscale + 2 * c, acc[j]);
+      acc[j] = chunk_dot8(lo, hi, xq + c * 64, block_scales8<HALF, SPC>(w, r.base[j] + goff), pair8 + c * 8, acc[j]);
     }
   }
   store_four<false, HALF>(acc, r, a, m, w, n0, y, bias);
