@@ -2,9 +2,12 @@
 alternating: prefill tok/s (512-token prompt) and batch-1 decode tok/s (512-token context, 128 new tokens).
 
     python benchmarks/graph_vs_module.py [--model PATH] [--folder OUT_DIR] [--dtype auto] [--repeats 3]
-                                         [--threads 2] [--prompt 512] [--new-tokens 128]
+                                         [--threads 2] [--prompt 512] [--new-tokens 128] [--lora-rank 16]
 
 Without --folder the model is exported (`--flavor perfxlm`, the run's dtype) into a temporary folder.
+With --lora-rank R both engines run with enable_lora and every request with one random adapter of rank R
+on every attention and MLP projection (lora_throughput.py's), so the figures are the graph's LoRA binding
+against the module path's.
 Prints each round and the medians with graph / module ratios. Not a test: timings belong here.
 """
 
@@ -26,15 +29,15 @@ def prompt(length: int, vocab: int, seed: int) -> list[dict]:
     return [{"prompt_token_ids": torch.randint(100, vocab, (length,), generator=g).tolist()}]
 
 
-def prefill_rate(llm: LLM, vocab: int, seed: int, length: int) -> float:
+def prefill_rate(llm: LLM, vocab: int, seed: int, length: int, lora=None) -> float:
     t = time.perf_counter()
-    llm.generate(prompt(length, vocab, seed), SamplingParams(max_tokens=1), use_tqdm=False)
+    llm.generate(prompt(length, vocab, seed), SamplingParams(max_tokens=1), use_tqdm=False, lora_request=lora)
     return length / (time.perf_counter() - t)
 
 
-def decode_rate(llm: LLM, vocab: int, seed: int, length: int, new: int) -> float:
+def decode_rate(llm: LLM, vocab: int, seed: int, length: int, new: int, lora=None) -> float:
     params = SamplingParams(max_tokens=new, ignore_eos=True)
-    out = llm.generate(prompt(length, vocab, seed), params, use_tqdm=False)[0]
+    out = llm.generate(prompt(length, vocab, seed), params, use_tqdm=False, lora_request=lora)[0]
     return (new - 1) / (out.metrics.finished_time - out.metrics.first_token_time)
 
 
@@ -47,6 +50,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompt", type=int, default=512, help="prompt tokens (prefill, and decode's context)")
     ap.add_argument("--new-tokens", type=int, default=128, help="tokens decoded per decode round")
+    ap.add_argument("--lora-rank", type=int, default=0, help="every request with an adapter of this rank (0: none)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -55,15 +59,26 @@ def main() -> None:
             folder = f"{tmp}/graph"
             export_onnx(args.model, folder, flavor="perfxlm", dtype=args.dtype)
         kw = dict(dtype=args.dtype, enable_prefix_caching=False, kv_cache_gib=1.0)
+        if args.lora_rank:
+            kw.update(enable_lora=True, max_lora_rank=args.lora_rank)
         engines = {"module": LLM(args.model, **kw), "graph": LLM(folder, **kw)}
-        vocab = engines["module"].llm_engine.config.hf_config.vocab_size
+        config = engines["module"].llm_engine.config.hf_config
+        vocab = config.vocab_size
+        lora = None
+        if args.lora_rank:
+            from lora_throughput import write_adapter  # (benchmarks/ is the script's own folder)
+
+            from perfxlm import LoRARequest
+
+            lora = LoRARequest("bench", 1, write_adapter(f"{tmp}/adapter", config, args.lora_rank, 0))
         for llm in engines.values():  # warm-up
-            llm.generate(prompt(64, vocab, 0), SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+            llm.generate(prompt(64, vocab, 0), SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False,
+                         lora_request=lora)
         rates: dict[str, dict[str, list[float]]] = {n: {"prefill": [], "decode": []} for n in engines}
         for r in range(args.repeats):
             for name, llm in engines.items():  # alternating: both see the same load
-                rates[name]["prefill"].append(prefill_rate(llm, vocab, 100 + r, args.prompt))
-                rates[name]["decode"].append(decode_rate(llm, vocab, 200 + r, args.prompt, args.new_tokens))
+                rates[name]["prefill"].append(prefill_rate(llm, vocab, 100 + r, args.prompt, lora))
+                rates[name]["decode"].append(decode_rate(llm, vocab, 200 + r, args.prompt, args.new_tokens, lora))
                 print(f"round {r} {name}: prefill {rates[name]['prefill'][-1]:.0f} tok/s, "
                       f"decode {rates[name]['decode'][-1]:.1f} tok/s", flush=True)
     med = {n: {k: statistics.median(v) for k, v in kinds.items()} for n, kinds in rates.items()}

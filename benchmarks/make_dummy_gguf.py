@@ -12,6 +12,11 @@ Speed depends on shapes, not on values, so a dummy file measures what a real one
 as llama.cpp's converter lays it out: expert stacks in MXFP4, the rest F32 (or `--float-type BF16`):
 
     python benchmarks/make_dummy_gguf.py tiny-gpt-oss.gguf --from-hf /tmp/tiny-gpt-oss
+
+or a DeepSeek-V2 / V3 one as llama.cpp's `deepseek2` (kv_b split into attn_k_b / attn_v_b unless
+`--whole-kv-b`; `--quant-type Q8_0` quantizes the matrices whose rows are whole blocks):
+
+    python benchmarks/make_dummy_gguf.py tiny-deepseek.gguf --from-hf /tmp/tiny-deepseek-v3 --quant-type Q8_0
 """
 
 from __future__ import annotations
@@ -186,6 +191,138 @@ def write_gpt_oss(path: str, model, float_type: str = "F32") -> dict:
     return held
 
 
+def _quantized_or_float(writer, name: str, value, qtype: str):
+    """A matrix written as `qtype` (gguf-py's quantizer: Q8_0, Q4_0, ...) where its rows are whole blocks,
+    else F32, as llama.cpp's converter falls back; 1-D tensors F32. Returns the values the file holds."""
+    import gguf
+    import torch
+
+    value = value.detach().float().contiguous()
+    q = getattr(gguf.GGMLQuantizationType, qtype)
+    block = gguf.GGML_QUANT_SIZES[q][0]
+    if qtype in ("F32", "BF16") or value.dim() < 2 or value.shape[-1] % block:
+        return _float_tensor(writer, name, value, "BF16" if qtype == "BF16" else "F32")
+    blocks = gguf.quants.quantize(value.numpy(), q)
+    writer.add_tensor(name, blocks, raw_dtype=q)
+    return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(blocks, q), dtype=np.float32)).view(value.shape)
+
+
+def write_deepseek2(path: str, model, qtype: str = "F32", split_kv_b: bool = True, donor: str | None = None) -> dict:
+    """A `deepseek2` GGUF file from a transformers DeepseekV2 / V3 model (float), laid out as llama.cpp's
+    converter (DeepseekV2Model) writes it: head_count_kv 1 and key / value lengths as the latent's MQA view
+    with the heads' own sizes as `*_mla`, kv_b_proj split into `attn_k_b` (each head's W_UK transposed) and
+    `attn_v_b` (`split_kv_b`; older converters kept `attn_kv_b` whole), expert stacks `ffn_*_exps`, shared
+    experts `ffn_*_shexp`, V3's correction bias `exp_probs_b.bias`, YaRN's mscale_all_dim as 0.1 x it in
+    `yarn_log_multiplier`; matrices in `qtype` where their rows are whole blocks; `donor`: a GGUF whose
+    tokenizer is copied (its vocabulary size must be the model's), so llama.cpp can run the file. Returns
+    the model's state dict with the values the file holds (quantization included), to load back into
+    transformers."""
+    import gguf
+    import torch
+
+    cfg = model.config
+    arch = "deepseek2"
+    v3 = cfg.model_type == "deepseek_v3"
+    rope = dict(cfg.rope_parameters)
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(1)
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    writer.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+    writer.add_expert_count(cfg.n_routed_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    if getattr(cfg, "n_group", None) is not None:
+        writer.add_expert_group_count(cfg.n_group)
+    if getattr(cfg, "topk_group", None) is not None:
+        writer.add_expert_group_used_count(cfg.topk_group)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX)
+    writer.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    writer.add_vocab_size(cfg.vocab_size)
+    for key, value, kind in donor_tokenizer(donor) if donor else []:
+        writer.add_array(key, value) if isinstance(value, list) else writer.add_key_value(key, value, kind)
+    if cfg.q_lora_rank:
+        writer.add_q_lora_rank(cfg.q_lora_rank)
+    writer.add_kv_lora_rank(cfg.kv_lora_rank)
+    writer.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    writer.add_value_length(cfg.kv_lora_rank)
+    writer.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    writer.add_value_length_mla(cfg.v_head_dim)
+    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    writer.add_expert_shared_count(cfg.n_shared_experts or 0)
+    writer.add_expert_weights_scale(float(cfg.routed_scaling_factor))
+    if getattr(cfg, "norm_topk_prob", False):
+        writer.add_expert_weights_norm(True)
+    writer.add_rope_dimension_count(cfg.qk_rope_head_dim)
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+        writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+        if rope.get("beta_fast") is not None:
+            writer.add_rope_scaling_yarn_beta_fast(float(rope["beta_fast"]))
+        if rope.get("beta_slow") is not None:
+            writer.add_rope_scaling_yarn_beta_slow(float(rope["beta_slow"]))
+        if rope.get("mscale_all_dim") is not None:
+            writer.add_rope_scaling_yarn_log_mul(0.1 * float(rope["mscale_all_dim"]))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    held = dict(state)
+
+    def put(hf: str, name: str, value=None) -> None:
+        held[hf] = _quantized_or_float(writer, name, state[hf] if value is None else value, qtype)
+
+    put("model.embed_tokens.weight", "token_embd.weight")
+    put("model.norm.weight", "output_norm.weight")
+    if not cfg.tie_word_embeddings:
+        put("lm_head.weight", "output.weight")
+    parts = {
+        "input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "ffn_norm",
+        "self_attn.q_proj.weight": "attn_q", "self_attn.q_a_proj.weight": "attn_q_a",
+        "self_attn.q_a_layernorm.weight": "attn_q_a_norm", "self_attn.q_b_proj.weight": "attn_q_b",
+        "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa", "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm",
+        "self_attn.o_proj.weight": "attn_output", "mlp.gate_proj.weight": "ffn_gate", "mlp.up_proj.weight": "ffn_up",
+        "mlp.down_proj.weight": "ffn_down", "mlp.gate.weight": "ffn_gate_inp",
+        "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp", "mlp.shared_experts.up_proj.weight": "ffn_up_shexp",
+        "mlp.shared_experts.down_proj.weight": "ffn_down_shexp",
+    }  # fmt: skip
+    heads, nope, v_dim = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+    for i in range(cfg.num_hidden_layers):
+        hf, blk = f"model.layers.{i}.", f"blk.{i}."
+        for part, gguf_part in parts.items():
+            if hf + part not in state:
+                continue
+            if part == "mlp.gate.weight":  # the router stays F32, as llama.cpp keeps ffn_gate_inp
+                held[hf + part] = _float_tensor(writer, blk + gguf_part + ".weight", state[hf + part], "F32")
+            else:
+                put(hf + part, blk + gguf_part + ".weight")
+        if hf + "mlp.gate.e_score_correction_bias" in state:
+            held[hf + "mlp.gate.e_score_correction_bias"] = _float_tensor(
+                writer, blk + "exp_probs_b.bias", state[hf + "mlp.gate.e_score_correction_bias"], "F32")
+        kv_b = state[hf + "self_attn.kv_b_proj.weight"]
+        if split_kv_b:
+            per_head = kv_b.view(heads, nope + v_dim, -1)
+            k_b = _quantized_or_float(writer, blk + "attn_k_b.weight", per_head[:, :nope].transpose(1, 2), qtype)
+            v_b = _quantized_or_float(writer, blk + "attn_v_b.weight", per_head[:, nope:], qtype)
+            held[hf + "self_attn.kv_b_proj.weight"] = torch.cat((k_b.transpose(1, 2), v_b), 1).reshape(kv_b.shape)
+        else:
+            put(hf + "self_attn.kv_b_proj.weight", blk + "attn_kv_b.weight")
+        experts = hf + "mlp.experts."
+        if experts + "gate_up_proj" in state:  # transformers 5's stacks: [E, 2I, H] (gate rows, then up), [E, H, I]
+            gate_up = state[experts + "gate_up_proj"]
+            inter = gate_up.shape[1] // 2
+            gate = _quantized_or_float(writer, blk + "ffn_gate_exps.weight", gate_up[:, :inter], qtype)
+            up = _quantized_or_float(writer, blk + "ffn_up_exps.weight", gate_up[:, inter:], qtype)
+            held[experts + "gate_up_proj"] = torch.cat((gate, up), dim=1)
+            put(experts + "down_proj", blk + "ffn_down_exps.weight")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return held
+
+
 def main() -> None:
     from perfxlm.config import default_model_path
 
@@ -203,14 +340,23 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--from-hf", default=None, help="convert this gpt-oss Hugging Face folder instead")
     p.add_argument("--float-type", default="F32", choices=("F32", "BF16"), help="with --from-hf: non-expert matrices")
+    p.add_argument("--quant-type", default=None, help="with --from-hf of DeepSeek: matrices in this GGML type "
+                   "(Q8_0, Q4_0, ...) where their rows are whole blocks")
+    p.add_argument("--whole-kv-b", action="store_true", help="with --from-hf of DeepSeek: attn_kv_b unsplit, "
+                   "as older llama.cpp converters wrote it")
     a = p.parse_args()
     if a.from_hf:
         import transformers
 
         model = transformers.AutoModelForCausalLM.from_pretrained(a.from_hf, dtype="float32")
-        if model.config.model_type != "gpt_oss":
-            p.error(f"--from-hf converts gpt-oss checkpoints; {a.from_hf} is {model.config.model_type!r}")
-        write_gpt_oss(a.out, model, a.float_type)
+        if model.config.model_type in ("deepseek_v2", "deepseek_v3"):
+            donor = a.donor if a.donor or model.config.vocab_size != 49152 else default_model_path()
+            write_deepseek2(a.out, model, a.quant_type or a.float_type, split_kv_b=not a.whole_kv_b, donor=donor)
+        elif model.config.model_type == "gpt_oss":
+            write_gpt_oss(a.out, model, a.float_type)
+        else:
+            p.error(f"--from-hf converts gpt-oss and DeepSeek-V2/V3 checkpoints; {a.from_hf} is "
+                    f"{model.config.model_type!r}")
         print(f"wrote {a.out}")
         return
     donor = a.donor or default_model_path()

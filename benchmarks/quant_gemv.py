@@ -2,6 +2,11 @@
 streamed per second, for the int8 block kernel and (past one row) the dequantize-and-GEMM path beside it.
 
     python benchmarks/quant_gemv.py --rows 1,64,512 --threads 2
+    python benchmarks/quant_gemv.py --rows 1 --shapes "1b qkv q4_k,1b gate_up q4_k,1b down q6_k"
+
+The GGUF K-quant shapes (a Llama-3.2-1B-shaped Q4_K_M file's) time the weight as held (two-level scales:
+a byte per group, float16 per 256) beside the same values with one float32 scale and min per group (the
+form they were held in before), one after the other in one run.
 
 Two builds compare by running this from each checkout in turn (alternating, several times: a shared
 machine's single runs move by 20 % or more); the native kernels are built per checkout.
@@ -25,7 +30,26 @@ SHAPES = {  # name: (N, K, bits), the default model's (SmolLM2-135M) projections
     "gate_up q8": (3072, 576, 8),
     "down q8": (576, 1536, 8),
     "head q8": (49152, 576, 8),
+    "1b qkv q4_k": (3072, 2048, "Q4_K"),
+    "1b gate_up q4_k": (16384, 2048, "Q4_K"),
+    "1b down q6_k": (2048, 8192, "Q6_K"),
 }
+
+
+def k_weight(n: int, k: int, qtype_name: str):
+    """Random GGUF K-quant blocks (finite float16 factors) repacked as the engine holds them."""
+    import gguf
+    import numpy as np
+
+    from perfxlm.quant.gguf_repack import repack
+
+    q = gguf.GGMLQuantizationType[qtype_name]
+    elems, nbytes = gguf.GGML_QUANT_SIZES[q]
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(n * k // elems, nbytes), dtype=np.uint8)
+    for at in (0, 2) if q != gguf.GGMLQuantizationType.Q6_K else (208,):
+        raw[:, at : at + 2] = (rng.uniform(0.5, 1.5, raw.shape[0]) * 1e-3).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return repack(raw, q, (n, k))
 
 
 def median_seconds(fn, reps: int) -> float:
@@ -55,22 +79,34 @@ def main() -> None:
     for rows in (int(r) for r in args.rows.split(",")):
         for name in args.shapes.split(","):
             n, k, bits = SHAPES[name]
-            w = torch.randn(n, k, generator=torch.Generator().manual_seed(0))
-            qw = quantizers.quantize_symmetric_int4(w, 32) if bits == 4 else quantizers.quantize_symmetric_int8(w, 32)
+            if isinstance(bits, str):
+                qw = k_weight(n, k, bits)
+                forms = [("held", qw), ("f32 scale+min", qw.flat().with_mins())]
+            else:
+                w = torch.randn(n, k, generator=torch.Generator().manual_seed(0))
+                qw = quantizers.quantize_symmetric_int4(w, 32) if bits == 4 else quantizers.quantize_symmetric_int8(w, 32)
+                forms = [("", qw)]
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
+            for label, qw in forms:
+                time_form(ops, f"{name} {label}".strip(), qw, x, rows, has_rows4)
 
-            def call(limit: int) -> torch.Tensor:
-                extra = (limit,) if has_rows4 else ()  # an older build has no 4-bit row limit
-                return ops.linear_q(x, qw.codes, qw.scales, qw.mins, qw.levels, None, False, limit, False, True,
-                                    *extra)  # fmt: skip
 
-            reps = max(5, min(200, int(2e8 / (rows * n * k))))
-            block = median_seconds(lambda: call(1 << 30), reps)
-            line = f"{name:11s} rows {rows:4d}: block {block * 1e6:9.1f} us {qw.nbytes / block / 1e9:6.2f} GB/s"
-            if rows > 1:
-                gemm = median_seconds(lambda: call(0), reps)
-                line += f" | dequantize + GEMM {gemm * 1e6:9.1f} us (block {gemm / block:.2f}x)"
-            print(line, flush=True)
+def time_form(ops, name: str, qw, x: torch.Tensor, rows: int, has_rows4: bool) -> None:
+    n, k = qw.out_features, qw.in_features
+
+    def call(limit: int) -> torch.Tensor:
+        extra = (limit,) if has_rows4 else ()  # an older build has no 4-bit row limit
+        return ops.linear_q(x, qw.codes, qw.scales, qw.mins, qw.levels, None, False, limit, False, True,
+                            *extra)  # fmt: skip
+
+    reps = max(5, min(200, int(2e8 / (rows * n * k))))
+    block = median_seconds(lambda: call(1 << 30), reps)
+    line = (f"{name:11s} rows {rows:4d}: block {block * 1e6:9.1f} us {qw.nbytes / block / 1e9:6.2f} GB/s "
+            f"({qw.nbytes * 8 / (n * k):.2f} bits/weight)")
+    if rows > 1:
+        gemm = median_seconds(lambda: call(0), reps)
+        line += f" | dequantize + GEMM {gemm * 1e6:9.1f} us (block {gemm / block:.2f}x)"
+    print(line, flush=True)
 
 
 if __name__ == "__main__":

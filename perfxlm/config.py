@@ -405,12 +405,17 @@ def _check_onnx(c: "EngineConfig") -> Any:
     fixed = {"quantization": c.quantization not in (None, "none"),
              "kv_cache_dtype": c.kv_cache_dtype != "auto" and not own_cache,
              "tensor_parallel_size": c.tensor_parallel_size != 1,
-             "distributed_executor_backend": c.distributed_executor_backend == "external_launcher",
-             "enable_lora": bool(c.enable_lora)}
+             "distributed_executor_backend": c.distributed_executor_backend == "external_launcher"}
     for name, bad in fixed.items():
         if bad:
             raise ValueError(f"{name}={getattr(c, name)!r} does not apply to an exported ONNX graph "
                              f"({c.model!r}): its weights and KV layout are fixed at export; supported: the defaults.")
+    if c.enable_lora and not own_cache:
+        # ONNX Runtime runs the graph's weights as written: no adapter can be added per request
+        raise ValueError(f"enable_lora=True: {c.model!r} is a {manifest.get('flavor')!r}-flavor ONNX export, "
+                         "which runs in ONNX Runtime with its weights fixed; LoRA adapters run on perfxlm-flavor "
+                         "exports (perfxlm export onnx --flavor perfxlm), or merge one adapter into the weights "
+                         "at export (perfxlm export onnx --lora PATH).")
     return read_engine_choices(c.model, manifest) if own_cache else None
 
 

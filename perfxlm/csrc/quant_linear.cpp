@@ -67,7 +67,17 @@ struct QW {
   bool int_lut = false;
   alignas(16) uint8_t ulut[16] = {};
   float block_min_factor = 1.f;  // min_factor for the int8 block products
+  // Two-level scales (GGUF K-quants, perfxlm/quant/super_scales.py): `kbytes` bytes per row, a byte per
+  // group (int8 where ksigned) then a float16 factor per 256 inputs; stored mins alike, each min being
+  // -(byte x factor). Null for float scales. The kernels never read these: `over_rows` hands them a view
+  // whose float32 scales and mins were multiplied out for the rows they run (expanded_rows).
+  const uint8_t* kscales = nullptr;
+  const uint8_t* kmins = nullptr;
+  int64_t kbytes = 0;
+  bool ksigned = false;
 };
+
+constexpr int64_t kSuperBlock = 256;  // inputs per float16 factor of two-level scales
 
 // Whether `lv` (16 floats) is a table the int8 block products take, and its unsigned form and offset.
 inline bool integer_table(const float* lv, uint8_t* ulut, float* offset) {
@@ -120,10 +130,15 @@ inline float weight_at(const QW& w, int64_t n, int64_t k) {
   return std::fma(v, param(w, w.scales, g), param(w, w.mins, g) * w.min_factor);
 }
 
+QW describe_two_level(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                      const c10::optional<at::Tensor>& levels, int64_t K);
+
 QW describe(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins_arg,
             const c10::optional<at::Tensor>& levels, int64_t K) {
   const bool centred = !mins_arg.has_value() || !mins_arg->defined();
   const at::Tensor& mins = centred ? scales : *mins_arg;
+  if (scales.scalar_type() == at::kByte || scales.scalar_type() == at::kChar)
+    return describe_two_level(codes, scales, centred ? c10::optional<at::Tensor>() : mins_arg, levels, K);
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
               "linear_q: codes must be contiguous uint8 [N, K] or [N, K / 2]");
   const int64_t N = codes.size(0);
@@ -161,6 +176,102 @@ QW describe(const at::Tensor& codes, const at::Tensor& scales, const c10::option
     w.block_min_factor = -offset;  // w = scale * (lut[u] - offset): the min is -offset x the scale
   }
   return w;
+}
+
+// Two-level scales: codes as for float scales; scales (and mins) bytes [N, groups + 2 K / 256].
+QW describe_two_level(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                      const c10::optional<at::Tensor>& levels, int64_t K) {
+  TORCH_CHECK(!(levels.has_value() && levels->defined()), "linear_q: two-level scales take no level table");
+  TORCH_CHECK(K % kSuperBlock == 0, "linear_q: two-level scales need K % ", kSuperBlock, " == 0, got K = ", K);
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
+              "linear_q: codes must be contiguous uint8");
+  const int64_t N = codes.size(0), supers = K / kSuperBlock;
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.is_contiguous() && scales.size(1) > 2 * supers,
+              "linear_q: two-level scales must be contiguous [N, groups + 2 K / 256]");
+  const int64_t groups = scales.size(1) - 2 * supers;
+  TORCH_CHECK(K % groups == 0 && groups % supers == 0 && (K / groups) % 16 == 0, "linear_q: two-level scales of ",
+              scales.size(1), " bytes per row do not fit K = ", K);
+  const bool centred = !mins.has_value();
+  TORCH_CHECK(centred || (mins->scalar_type() == at::kByte && mins->sizes() == scales.sizes() && mins->is_contiguous()),
+              "linear_q: two-level mins must be contiguous uint8 shaped as the scales");
+  const bool bits5 = codes.size(1) * 8 == K * 5, bits4 = bits5 || codes.size(1) * 2 == K;
+  TORCH_CHECK(bits4 || codes.size(1) == K, "linear_q: codes hold ", codes.size(1), " bytes per row for ", K, " inputs");
+  TORCH_CHECK(!bits4 || (K / groups) % 32 == 0, "linear_q: 4-bit codes need groups of a multiple of 32");
+  const float centre = bits5 ? 16.f : (bits4 ? 8.f : 128.f);
+  QW w{codes.data_ptr<uint8_t>(), N, K, codes.size(1), K / groups, groups, bits4, bits5, nullptr, nullptr, false,
+       nullptr, centred, centred ? -centre : 1.f};
+  w.block_min_factor = w.min_factor;
+  w.kscales = static_cast<const uint8_t*>(scales.data_ptr());
+  w.kmins = centred ? nullptr : static_cast<const uint8_t*>(mins->data_ptr());
+  w.kbytes = scales.size(1);
+  w.ksigned = scales.scalar_type() == at::kChar;
+  return w;
+}
+
+// Rows [n0, n1) of a two-level weight's scales (and mins) multiplied out to float32, [rows][groups] each:
+// byte x factor in float32 (the product gguf-py forms), a min -(byte x factor).
+void expand_two_level(const QW& w, int64_t n0, int64_t n1, float* sc, float* mn) {
+  const int64_t per = w.groups / (w.K / kSuperBlock);
+  for (int64_t n = n0; n < n1; ++n) {
+    const int64_t o = (n - n0) * w.groups;
+    for (int pass = 0; pass < (w.kmins ? 2 : 1); ++pass) {
+      const uint8_t* row = (pass ? w.kmins : w.kscales) + n * w.kbytes;
+      float* out = (pass ? mn : sc) + o;
+      for (int64_t s = 0; s < w.groups / per; ++s) {
+        uint16_t h;
+        std::memcpy(&h, row + w.groups + 2 * s, 2);
+        const float factor = half_to_float(h);
+        for (int64_t g = s * per; g < (s + 1) * per; ++g) {
+          const float sub = w.ksigned && !pass ? static_cast<float>(static_cast<int8_t>(row[g])) : static_cast<float>(row[g]);
+          out[g] = pass ? -(sub * factor) : sub * factor;
+        }
+      }
+    }
+  }
+}
+
+// A view of w for rows [n0, n1) whose scales and mins are float32 (two-level ones multiplied out into
+// this thread's buffers, a few KB that stay in L1 while the kernel reads them): every kernel reads the
+// one float layout, and a decode step streams the bytes, not the floats.
+QW expanded_rows(const QW& w, int64_t n0, int64_t n1) {
+  if (!w.kscales) return w;
+  thread_local std::vector<float> sc_buf, mn_buf;
+  const size_t count = static_cast<size_t>((n1 - n0) * w.groups);
+  sc_buf.resize(count);
+  mn_buf.resize(w.kmins ? count : 0);
+  expand_two_level(w, n0, n1, sc_buf.data(), mn_buf.data());
+  QW v = w;
+  v.kscales = v.kmins = nullptr;
+  v.half = false;
+  // the kernels address row n's groups at n * groups: the buffers start at row n0
+  const auto from_n0 = [&](const float* p) {
+    return reinterpret_cast<const float*>(reinterpret_cast<uintptr_t>(p) - static_cast<uintptr_t>(n0 * w.groups) * sizeof(float));
+  };
+  v.scales = from_n0(sc_buf.data());
+  v.mins = w.kmins ? from_n0(mn_buf.data()) : v.scales;
+  return v;
+}
+
+// fn(view, r0, r1) over rows [n0, n1), in runs of at most 32 rows for two-level weights (each run's scales
+// expanded first), starting on multiples of `tile` where n0 is one.
+template <class Fn>
+inline void in_runs(const QW& w, int64_t n0, int64_t n1, int64_t tile, const Fn& fn) {
+  if (!w.kscales) return fn(w, n0, n1);
+  const int64_t run = std::max<int64_t>(tile, 32 / tile * tile);
+  for (int64_t r = n0; r < n1; r += run) {
+    const int64_t r1 = std::min(n1, r + run);
+    fn(expanded_rows(w, r, r1), r, r1);
+  }
+}
+
+// fn(view, r0, r1) over all rows, in parallel, in ranges that start on multiples of `tile` (the last one
+// ends at N): the tile kernels run whole tiles, the rows past the last whole tile one by one.
+template <class Fn>
+inline void over_rows(const QW& w, int64_t tile, int64_t grain_tiles, const Fn& fn) {
+  const int64_t tiles = (w.N + tile - 1) / tile;
+  at::parallel_for(0, tiles, grain_tiles, [&](int64_t begin, int64_t end) {
+    in_runs(w, begin * tile, std::min(w.N, end * tile), tile, fn);
+  });
 }
 
 #ifdef PERFXLM_SIMD16
@@ -243,16 +354,16 @@ inline void q_block(const float* x, int64_t M, const QW& w, int64_t n0, float* y
 template <bool BITS4, bool LUT, bool HALF, bool FIVE = false>
 void q_gemv_typed(const float* x, int64_t M, const QW& w, float* y, const float* bias) {
   const int64_t NT = M == 1 ? kTileOne : 4;
-  const int64_t tiles = w.N / NT;
-  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
+  over_rows(w, NT, 16, [&](const QW& v, int64_t n0, int64_t n1) {
+    int64_t n = n0;
+    for (; n + NT <= n1; n += NT) {
       if (NT == 8)
-        q_block<BITS4, LUT, HALF, 8, FIVE>(x, M, w, t * NT, y, bias);
+        q_block<BITS4, LUT, HALF, 8, FIVE>(x, M, v, n, y, bias);
       else
-        q_block<BITS4, LUT, HALF, 4, FIVE>(x, M, w, t * NT, y, bias);
+        q_block<BITS4, LUT, HALF, 4, FIVE>(x, M, v, n, y, bias);
     }
+    for (; n < n1; ++n) q_block<BITS4, LUT, HALF, 1, FIVE>(x, M, v, n, y, bias);
   });
-  for (int64_t n = tiles * NT; n < w.N; ++n) q_block<BITS4, LUT, HALF, 1, FIVE>(x, M, w, n, y, bias);
 }
 
 void q_gemv(const float* x, int64_t M, const QW& w, float* y, const float* bias) {
@@ -273,10 +384,11 @@ inline void store_out(uint16_t* p, V a, int64_t n = 16) { simd16::store_bf16(p, 
 
 // Rows [n0, n1) of W as float32 or bf16 (uint16_t), out [n1 - n0, K].
 template <typename T>
-void dequant_rows(const QW& w, int64_t n0, int64_t n1, T* out) {
+void dequant_rows(const QW& whole, int64_t n0, int64_t n1, T* out) {
   at::parallel_for(n0, n1, 8, [&](int64_t begin, int64_t end) {
+   in_runs(whole, begin, end, 1, [&](const QW& w, int64_t r0, int64_t r1) {
     const simd16::Table16 table(w.levels ? w.levels : kNoLevels);
-    for (int64_t n = begin; n < end; ++n) {
+    for (int64_t n = r0; n < r1; ++n) {
       const uint8_t* row = w.codes + n * w.row_bytes;
       T* o = out + (n - n0) * w.K;
       const int64_t step = w.bits4 ? 32 : 16;
@@ -299,11 +411,12 @@ void dequant_rows(const QW& w, int64_t n0, int64_t n1, T* out) {
         }
       }
     }
+   });
   });
 }
 #else
-void q_gemv(const float* x, int64_t M, const QW& w, float* y, const float* bias) {
-  at::parallel_for(0, w.N, 16, [&](int64_t begin, int64_t end) {
+void q_gemv(const float* x, int64_t M, const QW& whole, float* y, const float* bias) {
+  over_rows(whole, 1, 16, [&](const QW& w, int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
       for (int64_t m = 0; m < M; ++m) {
         float acc = 0.f;
@@ -321,10 +434,12 @@ inline void store_out(uint16_t* p, float v) {  // round to nearest even, as torc
 }
 
 template <typename T>
-void dequant_rows(const QW& w, int64_t n0, int64_t n1, T* out) {
+void dequant_rows(const QW& whole, int64_t n0, int64_t n1, T* out) {
   at::parallel_for(n0, n1, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      for (int64_t k = 0; k < w.K; ++k) store_out(out + (n - n0) * w.K + k, weight_at(w, n, k));
+    in_runs(whole, begin, end, 1, [&](const QW& w, int64_t r0, int64_t r1) {
+      for (int64_t n = r0; n < r1; ++n)
+        for (int64_t k = 0; k < w.K; ++k) store_out(out + (n - n0) * w.K + k, weight_at(w, n, k));
+    });
   });
 }
 #endif
@@ -422,7 +537,9 @@ inline float quantize_block(const float* src, int8_t* q) {
 struct BlockActs {
   const int8_t* q;       // int8 [M, K], in the codes' chunk order
   const float* lanes;    // float32 [M, K / 64, 16]: each int32 lane's activation scale
-  const float* bscale;   // float32 [M, K / 32]: each block's scale, in order (a chunk's pair is adjacent)
+  // float32 [M, K / 64, 8], 8-bit codes only: a chunk's two block scales as [A A B B A A B B], the lanes of
+  // the chunk's pairwise-summed int32 dots (chunk_dot8), so a weight row's scales multiply them as loaded
+  const float* pair8;
   const float* gsum;     // float32 [M, gstride]: per weight group, sum of scale * int8 values (0-padded)
   int64_t gstride;       // the weight's groups rounded up to 8, so 8-lane loads need no tail
 };
@@ -477,24 +594,25 @@ inline float quantize_block_simd(const float* src, int8_t* q) { return quantize_
 BlockActs quantize_blocks(const at::Tensor& x, const QW& w) {
   const int64_t M = x.size(0), K = w.K, chunks = K / 64, gstride = (w.groups + 7) / 8 * 8;
   thread_local std::vector<int8_t> q_buf;
-  thread_local std::vector<float> lanes_buf, bscale_buf, gsum_buf;
+  thread_local std::vector<float> lanes_buf, pair8_buf, gsum_buf;
   q_buf.resize(static_cast<size_t>(M * K));
   lanes_buf.resize(static_cast<size_t>(M * chunks * 16));
-  bscale_buf.resize(static_cast<size_t>(M * (K / 32)));
+  if (!w.bits4) pair8_buf.resize(static_cast<size_t>(M * chunks * 8));
   gsum_buf.assign(static_cast<size_t>(M * gstride), 0.f);
   const float* xp = x.data_ptr<float>();
   int8_t* qp = q_buf.data();
   float* lp = lanes_buf.data();
-  float* bp = bscale_buf.data();
+  float* pp = pair8_buf.data();
   float* gp = gsum_buf.data();
-  const BlockActs a{qp, lp, bp, gp, gstride};
-  // rows in parallel past a few (a prefill's thousands of blocks); a decode step's row stays on this thread
-  at::parallel_for(0, M, 8, [&](int64_t m_begin, int64_t m_end) {
+  const BlockActs a{qp, lp, pp, gp, gstride};
+  // Rows in parallel only past ~32K values (a prefill's thousands of blocks): a parallel decode step's
+  // 16-32 rows take a few microseconds here, less than waking the other threads for them costs, and one
+  // parallel region fewer per product (4 per layer) is one fork/join fewer to wait on.
+  at::parallel_for(0, M, std::max<int64_t>(8, 32768 / std::max<int64_t>(K, 1)), [&](int64_t m_begin, int64_t m_end) {
     for (int64_t m = m_begin; m < m_end; ++m) {
       for (int64_t b = 0; b < K / 32; ++b) {
         int8_t block[32];
         const float scale = quantize_block_simd(xp + m * K + b * 32, block);
-        bp[m * (K / 32) + b] = scale;
         int32_t total[2] = {0, 0};  // per 16 inputs: a block spans two groups when group == 16
         for (int j = 0; j < 32; ++j) total[j / 16] += block[j];
         const int64_t c = b / 2, half = b % 2;
@@ -509,6 +627,10 @@ BlockActs quantize_blocks(const at::Tensor& x, const QW& w) {
         for (int l = 0; l < 16; ++l) {
           const bool in_b = w.bits4 ? ((l / 4) % 2 == 1) : (l >= 8);
           if (in_b == (half == 1)) lanes[l] = scale;
+        }
+        if (!w.bits4) {
+          float* pair = pp + (m * chunks + c) * 8;
+          pair[2 * half] = pair[2 * half + 1] = pair[4 + 2 * half] = pair[5 + 2 * half] = scale;
         }
         for (int h = 0; h < 2; ++h) gp[m * gstride + (b * 32 + h * 16) / w.group] += scale * static_cast<float>(total[h]);
       }
@@ -757,29 +879,41 @@ inline void chunk_halves(const uint8_t* row, int64_t c, const QW& w, __m256i lut
   }
 }
 
-// A chunk's two block scales of one weight row as [A, B, ., .]: two per chunk (group 32), or one
-// repeated (a group of 64 or more).
-template <bool HALF, int SPC>
-inline __m128 block_scale_pair(const QW& w, int64_t g0) {
-  if constexpr (SPC == 1)
-    return _mm_set1_ps(param_at<HALF>(w.scales, g0));
-  else
-    return load_params_lo<HALF, 2>(w.scales, g0);
-}
-
 // acc + one 64-input chunk of 8-bit codes (lo, hi: its two blocks) against one activation row, each
 // block scaled by weight scale x activation scale. The two blocks' int32 lanes are summed pairwise into
 // one register ([A A B B | A A B B]: vphaddd) so one conversion and one FMA serve the chunk, and the
-// four scale products are one vector multiply instead of two scalar ones per block: the float work per
-// chunk was as much as the integer dot products (measured 1.2-1.3x per GEMV on this tier).
-inline __m256 chunk_dot8(__m256i lo, __m256i hi, const int8_t* xc, __m128 wscale_pair, const float* xscale_pair,
-                         __m256 acc) {
+// four scale products are one vector multiply of the weight row's scales (wscale8, spread to those lanes
+// once per chunk and shared by every activation row of a tile) by the activation row's, stored spread
+// (BlockActs::pair8): the float work per chunk was as much as the integer dot products (measured 1.2-1.3x
+// per GEMV on this tier), and spreading the products per activation row cost a shuffle each.
+inline __m256 chunk_dot8(__m256i lo, __m256i hi, const int8_t* xc, __m256 wscale8, const float* xscale8, __m256 acc) {
   const __m256i d0 = dot_u8(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)));
   const __m256i d1 = dot_u8(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32)));
-  const __m128 xs = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(xscale_pair)));
-  const __m256 ws = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_mul_ps(wscale_pair, xs)),
-                                             _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1));
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(d0, d1)), ws, acc);
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(d0, d1)), _mm256_mul_ps(wscale8, _mm256_loadu_ps(xscale8)),
+                         acc);
+}
+
+// A chunk's two block scales of one weight row spread as chunk_dot8's lanes: [A A B B A A B B].
+template <bool HALF, int SPC>
+inline __m256 block_scales8(const QW& w, int64_t g0) {
+  if constexpr (SPC == 1)
+    return _mm256_set1_ps(param_at<HALF>(w.scales, g0));
+  else
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(load_params_lo<HALF, 2>(w.scales, g0)),
+                                    _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1));
+}
+
+// The first of chunk c's weight groups, counted from the row's first: a multiply (or for groups of 64 or
+// more a division that is 1 at the usual 64) instead of a 64-bit idiv per chunk, which sat in every
+// chunk of every row (10-40 cycles' latency, more than the chunk's dot products at one row).
+template <int SPC>
+inline int64_t chunk_group(const QW& w, int64_t c) {
+  if constexpr (SPC == 1) {
+    const int64_t per = w.group / 64;  // chunks per group
+    return per == 1 ? c : c / per;
+  } else {
+    return c * SPC;
+  }
 }
 
 // NT weight rows, one after the other (a row of a small model is a few cache lines, and consecutive
@@ -805,7 +939,7 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
     #pragma GCC unroll 4
     for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t g0 = row_base + (c * 64) / w.group;
+      const int64_t g0 = row_base + chunk_group<SPC>(w, c);
       if constexpr (BITS4) {
         __m256i lo, hi;
         chunk_halves<FIVE>(row, c, w, lut, lo, hi);
@@ -839,10 +973,10 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
             acc[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(ws_hi, _mm256_broadcast_ss(xs + 8)), acc[i][1]);
           }
         } else {  // one scale per half (block): see chunk_dot8
-          const __m128 sp = block_scale_pair<HALF, SPC>(w, g0);
+          const __m256 ws8 = block_scales8<HALF, SPC>(w, g0);
           #pragma GCC unroll 4
           for (int i = 0; i < MT; ++i)
-            acc[i][0] = chunk_dot8(lo, hi, xq + i * K + c * 64, sp, a.bscale + (m0 + i) * (K / 32) + 2 * c, acc[i][0]);
+            acc[i][0] = chunk_dot8(lo, hi, xq + i * K + c * 64, ws8, a.pair8 + ((m0 + i) * chunks + c) * 8, acc[i][0]);
         }
       }
     }
@@ -904,7 +1038,7 @@ inline void block_tile_m1x4(const BlockActs& a, int64_t m, const QW& w, int64_t 
   const FourRows r = four_rows(w, n0);
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t goff = (c * 64) / w.group;
+    const int64_t goff = chunk_group<SPC>(w, c);
     const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * 64));
     const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * 64 + 32));
     const float* xs = lanes + c * 16;
@@ -932,16 +1066,16 @@ inline void block_tile_m1x4_q8(const BlockActs& a, int64_t m, const QW& w, int64
   static_assert(SPC <= 2, "four rows at once: one scale per 8-bit block");
   const int64_t K = w.K, chunks = K / 64;
   const int8_t* xq = a.q + m * K;
-  const float* bscale = a.bscale + m * (K / 32);
+  const float* pair8 = a.pair8 + m * chunks * 8;
   const FourRows r = four_rows(w, n0);
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t goff = (c * 64) / w.group;
+    const int64_t goff = chunk_group<SPC>(w, c);
     #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.row[j] + c * 64));
       const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.row[j] + c * 64 + 32));
-      acc[j] = chunk_dot8(lo, hi, xq + c * 64, block_scale_pair<HALF, SPC>(w, r.base[j] + goff), bscale + 2 * c, acc[j]);
+      acc[j] = chunk_dot8(lo, hi, xq + c * 64, block_scales8<HALF, SPC>(w, r.base[j] + goff), pair8 + c * 8, acc[j]);
     }
   }
   store_four<false, HALF>(acc, r, a, m, w, n0, y, bias);
@@ -972,11 +1106,11 @@ inline void block_rows(const BlockActs& a, int64_t M, const QW& w, int64_t n0, f
 
 template <bool BITS4, bool HALF, int SPC, bool FIVE>
 void block_gemv_typed(const BlockActs& a, int64_t M, const QW& w, float* y, const float* bias) {
-  const int64_t tiles = w.N / 4;
-  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) block_rows<BITS4, HALF, SPC, 4, FIVE>(a, M, w, t * 4, y, bias);
+  over_rows(w, 4, 16, [&](const QW& v, int64_t n0, int64_t n1) {
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) block_rows<BITS4, HALF, SPC, 4, FIVE>(a, M, v, n, y, bias);
+    for (; n < n1; ++n) block_rows<BITS4, HALF, SPC, 1, FIVE>(a, M, v, n, y, bias);
   });
-  for (int64_t n = tiles * 4; n < w.N; ++n) block_rows<BITS4, HALF, SPC, 1, FIVE>(a, M, w, n, y, bias);
 }
 
 // x with each block of 32 replaced by its int8 quantization times its scale: what the block GEMV
@@ -1090,6 +1224,7 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tens
     return float_product(xc, w, bp, max_rows, bf16_gemm);
   }
 
+  TORCH_CHECK(!w.kscales, "linear_q: two-level scales take float activations, not W8A8");
   // W8A8: each row to symmetric int8, scale = max |x| / 127 (an all-zero row stays zero).
   at::Tensor sx = xc.abs().amax(1).div_(127.f);
   at::Tensor xq = at::where(sx.unsqueeze(1) > 0, xc.div(sx.unsqueeze(1)), at::zeros_like(xc)).round_().clamp_(-127, 127);

@@ -13,7 +13,8 @@ ModelRunnerOutput`, the interface in `executor/base.py`.
 - `OnnxExecutor` (load_format "onnx"): an exported graph run by ONNX Runtime in-process, under the same
   scheduler (`executor/onnx.py`, `worker/onnx_runner.py`).
 - `GraphExecutor` (load_format "onnx", a `perfxlm`-flavor folder): the graph's nodes on the engine's own
-  kernels, under the ordinary model runner (`executor/graph.py`, `model/graph/`).
+  kernels, under the ordinary model runner (`executor/graph.py`, `model/graph/`); with enable_lora, the
+  Linear nodes the export recorded as targets take the step's adapters (`model/graph/lora.py`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ import torch
 from perfxlm.executor.base import InProcessExecutor
 from perfxlm.export.engine_choices import EngineChoices, run_notes
 from perfxlm.export.manifest import GRAPH_FILE, read_manifest
+from perfxlm.lora.slots import LoRASlots
 from perfxlm.model.graph.kernels import AS_STORED, HeldAs
+from perfxlm.model.graph.lora import wrap_graph
 from perfxlm.model.graph.model import GraphModel
 from perfxlm.worker.model_runner import ModelRunner
 
@@ -20,13 +22,17 @@ logger = logging.getLogger(__name__)
 
 
 class GraphExecutor(InProcessExecutor):
-    # Executor.model stays None: there is no family module (LoRA wrappers and the fused decode layer need one)
+    # Executor.model stays None: there is no family module; the graph stands where it would
 
     def __init__(self, config: Any) -> None:
         self.config = config
         manifest = read_manifest(config.model)
         self.graph = GraphModel(config.model, manifest.get("graph", GRAPH_FILE), held_as(config))
         self.runner: ModelRunner | None = None
+        # enable_lora: the targeted Linear nodes wrapped once, as ModuleExecutor wraps a family's projections
+        self.lora_targets = self.lora_wrappers = None
+        if config.lora_config is not None:
+            self.lora_targets, self.lora_wrappers = wrap_graph(self.graph)
 
     def kv_bytes_per_block(self, block_size: int, spec: Any) -> int:
         return ModelRunner.kv_bytes_per_block(self.graph, block_size, spec)
@@ -37,7 +43,11 @@ class GraphExecutor(InProcessExecutor):
 
     def initialize_cache(self, num_blocks: int) -> None:
         c = self.config
-        self.runner = ModelRunner(self.graph, num_blocks, c.block_size, c.kv_cache_spec)
+        slots = None
+        if c.lora_config is not None:
+            slots = LoRASlots(self.lora_wrappers, c.lora_config.max_loras, c.torch_dtype,
+                              c.lora_config.storage_dtype(c.weight_dtype))
+        self.runner = ModelRunner(self.graph, num_blocks, c.block_size, c.kv_cache_spec, slots)
 
     def describe(self) -> str:
         return f"in-process, perfxlm-flavor ONNX graph ({len(self.graph.kernels)} nodes on the engine's kernels)"

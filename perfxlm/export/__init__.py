@@ -8,6 +8,9 @@
 - `perfxlm_ops.py`: the `perfxlm` flavor, the engine's own fused ops over a paged KV cache (the engine
   runs it: perfxlm/model/graph/). `flavors.py`: flavor names -> their GraphOps.
 - `matmul_nbits.py`: quantized weights packed the way ONNX Runtime's MatMulNBits reads them.
+- `lora_record.py`: what a LoRA adapter may target in a perfxlm-flavor graph, recorded in its metadata
+  (the engine binds adapters to those nodes at run time: perfxlm/model/graph/lora.py).
+- `lora_merge.py`: `--lora PATH`, one adapter merged into the float weights before they are written.
 - `decoder.py`: reads the engine's loaded model (any weight format it loads) into the graph.
 - `package.py`: the output folder (model.onnx + data, genai_config.json, config, tokenizer files),
   written beside it and moved in place whole, so a failed export leaves nothing behind.

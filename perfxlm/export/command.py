@@ -30,6 +30,10 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
     onnx.add_argument("--quantization-group-size", type=int, default=None, help="weights per scale")
     onnx.add_argument("--quantization-symmetric", action=argparse.BooleanOptionalAction, default=None,
                       help="symmetric codes, or a zero point per group")
+    onnx.add_argument("--lora", default=None, metavar="PATH",
+                      help="a PEFT LoRA adapter folder merged into the exported weights (W + scale * B A, as "
+                           "peft's merge_and_unload): how the ort and standard flavors run an adapter; float "
+                           "weights only (no --quantization)")
     onnx.add_argument("--tokenizer", default=None, help="tokenizer folder, if not the model's")
     onnx.add_argument("--overwrite", action="store_true", help="replace an output folder that holds files")
     onnx.add_argument("--revision", default=None, help="commit, branch or tag of a model id")
@@ -47,7 +51,7 @@ def _export_onnx(args: argparse.Namespace) -> int:
                          quantization_group_size=args.quantization_group_size,
                          quantization_symmetric=args.quantization_symmetric, tokenizer=args.tokenizer,
                          overwrite=args.overwrite, revision=args.revision, download_dir=args.download_dir,
-                         dtype=args.dtype)
+                         dtype=args.dtype, lora=args.lora)
     ops = ", ".join(f"{op} {n}" for op, n in sorted(result.op_census.items(), key=lambda kv: -kv[1]))
     print(f"wrote {result.out_dir} ({result.model_type}, {result.flavor} flavor; "
           f"{len(result.op_census)} op types: {ops})", file=sys.stderr)

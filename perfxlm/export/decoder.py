@@ -151,6 +151,7 @@ def build_decoder_graph(model: torch.nn.Module, flavor: str, stored: torch.dtype
     inner = model.model
     g = Graph("perfxlm_decoder")
     ops = graph_ops(flavor, g)
+    ops.record_model(model)
     rope = Rope(inner.rotary_emb.cos_cache.float().numpy(), inner.rotary_emb.sin_cache.float().numpy())
     x = ops.embedding(_matrix(inner.embed_tokens.weight, stored))
     residual = None

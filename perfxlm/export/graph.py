@@ -32,6 +32,7 @@ class Graph:
         self.domains: set[str] = set()
         self._counts: dict[str, int] = {}
         self._consts: dict[tuple, str] = {}  # small constants shared by value
+        self.metadata: dict[str, str] = {}  # the model's metadata_props: what a runtime reads beside the nodes
 
     def fresh(self, prefix: str) -> str:
         n = self._counts.get(prefix, 0)
@@ -101,6 +102,8 @@ class Graph:
         opsets = [helper.make_opsetid("", OPSET)] + [helper.make_opsetid(d, 1) for d in sorted(self.domains)]
         model = helper.make_model(graph, opset_imports=opsets, producer_name="perfxlm")
         model.ir_version = 8  # readable by every ONNX Runtime since 1.10
+        if self.metadata:
+            helper.set_model_props(model, self.metadata)
         onnx.save_model(model, path)
 
 

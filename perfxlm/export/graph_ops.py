@@ -155,6 +155,10 @@ class GraphOps:
         self.g.add_output("logits", TensorProto.FLOAT, ["batch_size", "sequence_length", vocab])
         self.g.outputs.insert(0, self.g.outputs.pop())  # logits first, as onnxruntime-genai's builder orders them
 
+    def record_model(self, model: Any) -> None:
+        """What the flavor records about the loaded model beside the nodes (the graph's metadata, for the
+        runtime that runs it); nothing here: ONNX Runtime needs only the nodes."""
+
     def _once(self, key: Any, build) -> Any:
         if key not in self._cache:
             self._cache[key] = build()

@@ -53,6 +53,7 @@ def pack_matmul_nbits(w: QuantizedWeight) -> PackedNBits | None:
     expert stack, a group no power-of-two block divides)."""
     if w.levels is not None or w.num_experts is not None or w.act != "float":
         return None
+    w = w.flat()  # GGUF K-quants' two-level scales: one float32 scale (and min) per group, as MatMulNBits holds
     block = block_size_for(w.group)
     if block is None:
         return None

@@ -46,12 +46,13 @@ def check_out_dir(out_dir: str, overwrite: bool) -> None:
 def export_onnx(model: str | None, out_dir: str, flavor: str = "ort", quantization: Any = None,
                 quantization_group_size: int | None = None, quantization_symmetric: bool | None = None,
                 tokenizer: str | None = None, overwrite: bool = False, revision: str | None = None,
-                download_dir: str | None = None, dtype: str | None = None) -> ExportResult:
+                download_dir: str | None = None, dtype: str | None = None, lora: str | None = None) -> ExportResult:
     """Load `model` as the engine does with `dtype` (None: the flavor's default, "auto" for the perfxlm
     flavor, float32 for the others) and quantized weights as `quantization` says (a GGUF file's kept), and
     write it to `out_dir` as an ONNX decoder graph of `flavor` ("ort", "standard" or "perfxlm"), its
     matrices as the engine holds them. A perfxlm-flavor folder records the engine's choices
-    (export/engine_choices.py), so the engine runs it as it runs `model` with that dtype."""
+    (export/engine_choices.py), so the engine runs it as it runs `model` with that dtype. `lora`: a PEFT
+    adapter folder merged into the float weights first (export/lora_merge.py)."""
     from perfxlm.config import EngineConfig
     from perfxlm.export.decoder import build_decoder_graph, genai_model_type
     from perfxlm.export.engine_choices import EngineChoices
@@ -78,6 +79,11 @@ def export_onnx(model: str | None, out_dir: str, flavor: str = "ort", quantizati
                          "perfxlm-flavor graph runs float32 activations: unset it for the export.")
     loaded, stored = load_for_export(config)  # no run-time copies; a bf16 checkpoint's values held in bf16
     model_type = genai_model_type(loaded, flavor)
+    merged = None
+    if lora is not None:
+        from perfxlm.export.lora_merge import describe_merge, merge_adapter
+
+        merged = describe_merge(lora, merge_adapter(loaded, lora, stored))
     graph = build_decoder_graph(loaded, flavor, stored)
     census: dict[str, int] = {}
     for node in graph.nodes:
@@ -88,7 +94,7 @@ def export_onnx(model: str | None, out_dir: str, flavor: str = "ort", quantizati
     try:
         graph.save(os.path.join(staging, GRAPH_FILE))
         del graph, loaded
-        _write_configs(staging, config, model_type, flavor, choices)
+        _write_configs(staging, config, model_type, flavor, choices, merged)
         _save_tokenizer(staging, config)
         if os.path.isdir(out_dir):
             shutil.rmtree(out_dir)  # checked above: empty, or overwrite asked for
@@ -98,7 +104,8 @@ def export_onnx(model: str | None, out_dir: str, flavor: str = "ort", quantizati
     return ExportResult(out_dir, flavor, model_type, census)
 
 
-def _write_configs(folder: str, config: Any, model_type: str, flavor: str, choices: Any) -> None:
+def _write_configs(folder: str, config: Any, model_type: str, flavor: str, choices: Any,
+                   merged_lora: dict[str, Any] | None = None) -> None:
     hf = config.hf_config
     hf_dict = {k: v for k, v in hf.to_dict().items()
                if not k.startswith("perfxlm_") and k != "quantization_config"}
@@ -112,6 +119,8 @@ def _write_configs(folder: str, config: Any, model_type: str, flavor: str, choic
                 "graph": GRAPH_FILE, "num_hidden_layers": hf.num_hidden_layers}
     if choices is not None:
         manifest[ENGINE_KEY] = choices.to_json()
+    if merged_lora is not None:  # the weights are the base model's with this adapter added
+        manifest["merged_lora"] = merged_lora
     with open(os.path.join(folder, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=2)
     if os.path.isdir(config.model):

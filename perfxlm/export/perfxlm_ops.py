@@ -52,6 +52,7 @@ from onnx import TensorProto
 
 from perfxlm.export.graph import Graph
 from perfxlm.export.graph_ops import AttentionSpec, GraphOps, HeadNorms, LinearWeight, Rope
+from perfxlm.export.lora_record import LORA_KEY, lora_record
 from perfxlm.export.manifest import PERFXLM_DOMAIN
 from perfxlm.quant.weight import QuantizedWeight
 
@@ -129,6 +130,11 @@ class PerfxlmOps(GraphOps):
         return tuple(self.g.add_input(f"{kind}_cache.{layer}", TensorProto.FLOAT,
                                       ["num_blocks", "block_size", kv_heads, head_dim])
                      for kind in ("key", "value"))
+
+    def record_model(self, model: Any) -> None:
+        """The projections a LoRA adapter may target and the checkpoint-name tables that place an adapter's
+        modules on them (export/lora_record.py): the engine binds adapters to the Linear nodes at run time."""
+        self.g.metadata[LORA_KEY] = lora_record(model)
 
     # ---- weights --------------------------------------------------------------------------------------
     def _weight(self, name: str, w: Any, lw_format: str | None = None) -> tuple[list[str], dict[str, Any]]:

@@ -18,7 +18,7 @@ Names (vLLM's `quantization` argument):
   with one scale per token, which `activation_group_size=-1` selects).
 - "gguf": accepted on a .gguf file (vLLM's spelling): its quantized tensors stay quantized, the default.
 - "none": no quantized weights; a GGUF file's quantized tensors are dequantized at load to `dtype`.
-- "awq", "gptq", "compressed-tensors", "mxfp4" (vLLM's names, "awq_marlin" / "gptq_marlin" too): accepted on a
+- "awq", "gptq", "compressed-tensors", "mxfp4", "fp8" (vLLM's names, "awq_marlin" / "gptq_marlin" too): accepted on a
   checkpoint whose config.json's quantization_config has that quant_method (perfxlm.quant.formats): its
   packed weights are kept packed, as they are with None.
 Options: `quantization_group_size` (weights per scale; -1 = one scale per output channel) and

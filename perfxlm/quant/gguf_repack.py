@@ -12,9 +12,12 @@ Each type maps onto the affine form w = scale * u + min without changing a value
   (the min -16 d implied): 5.5 bits per weight streamed, as the file holds them (8-bit codes with a
   stored min streamed 9).
 - Q5_1: as Q5_0, with its min m stored (float16): 6 bits per weight.
-- Q4_K: 4-bit u, group 32; scale d * sc, min -dmin * m (float32: products of two float16-sized values).
-- Q5_K: as Q4_K with 5-bit u (0..31).
-- Q6_K: 8-bit u = q (0..63), group 16; scale d * sc, min -32 d * sc (float32).
+- Q4_K: 4-bit u, group 32; two-level scales (`quant/super_scales.py`): the 6-bit sc and m as bytes, d and
+  dmin float16 per 256; scale d * sc, min -dmin * m, multiplied in float32 by the kernels as gguf-py does
+  (4.625 bits per weight streamed; one float32 scale and min per group streamed 6).
+- Q5_K: as Q4_K with 5-bit u (0..31): 5.625 bits per weight.
+- Q6_K: 8-bit u = q + 96, centred (u - 128 = q - 32, the min -32 d * sc implied), group 16; two-level
+  scales: sc int8, d float16 per 256 (8.56 bits per weight streamed; float32 scale and min per 16: 12).
 - MXFP4: 4-bit codes into the E2M1 level table, group 32, scale 2^(e - 128) (float32; `quant/mxfp4.py`).
 The 5-bit forms run the 4-bit kernels plus one masked add per 32 codes (int8 block products included).
 """
@@ -26,7 +29,7 @@ import numpy as np
 import torch
 
 from perfxlm.ops import gguf_dequant as gd
-from perfxlm.quant import mxfp4
+from perfxlm.quant import mxfp4, super_scales
 from perfxlm.quant.weight import QuantizedWeight, pack_fives, pack_nibbles
 
 Q = gguf.GGMLQuantizationType
@@ -102,22 +105,23 @@ def repack(raw: np.ndarray | torch.Tensor, qtype: Q, shape: tuple[int, ...]) -> 
         if qtype == Q.Q5_K:
             qh = b[:, 16:48].unsqueeze(1).bitwise_right_shift(gd._BIT_SHIFTS.view(1, 8, 1)).bitwise_and_(1)
             u = u.bitwise_or_(qh.bitwise_left_shift_(4))
-        sc, mn = gd._k_scales(b[:, 4:16])  # (n, 8, 1) float32, as the dequantizer computes them
-        scales = sc.mul_(gd._half(b, 0).unsqueeze(-1)).reshape(-1)
-        mins = mn.mul_(gd._half(b, 2).unsqueeze(-1)).neg_().reshape(-1)
-        group = 32
+        sc, mn = gd._k_scales(b[:, 4:16])  # (n_blocks, 8, 1) float32 holding 0..63
+        per_row = k // 256
+        scales = super_scales.join(sc.to(torch.uint8).reshape(n, -1), _f16(b, 0).reshape(n, per_row))
+        mins = super_scales.join(mn.to(torch.uint8).reshape(n, -1), _f16(b, 2).reshape(n, per_row))
         if qtype == Q.Q4_K:
             codes, bits = pack_nibbles(u.reshape(-1, 256)), 4
         else:
             codes, bits = pack_fives(u.reshape(n, k)), 5
-    else:  # Q6_K
+        return QuantizedWeight(codes.contiguous().reshape(n, k * bits // 8), scales, mins, None, bits, 32, "float", n, k)
+    if qtype == Q.Q6_K:
         nb = b.shape[0]
         low = gd._split_nibbles(b[:, :128], 64).reshape(nb, 8, 32)
         high = b[:, 128:192].reshape(nb, 2, 1, 32).bitwise_right_shift(gd._Q6_HIGH_SHIFTS).bitwise_and_(3)
-        codes = low.bitwise_or_(high.reshape(nb, 8, 32).bitwise_left_shift_(4)).reshape(nb, 256)
-        scales = b[:, 192:208].contiguous().view(torch.int8).float().mul_(gd._half(b, 208)).reshape(-1)
-        mins = scales * -32.0
-        group, bits = 16, 8
+        codes = low.bitwise_or_(high.reshape(nb, 8, 32).bitwise_left_shift_(4)).add_(96).reshape(n, k)
+        sub = b[:, 192:208].contiguous().view(torch.int8).reshape(n, -1)
+        scales = super_scales.join(sub, _f16(b, 208).reshape(n, k // 256))
+        return QuantizedWeight(codes, scales, None, None, 8, 16, "float", n, k)
     return QuantizedWeight(
         codes.contiguous().reshape(n, k * bits // 8), scales.contiguous().reshape(n, k // group),
         None if mins is None else mins.contiguous().reshape(n, k // group), None, bits, group, "float", n, k,

@@ -7,7 +7,9 @@ A weight matrix [N, K] (or a stack of expert matrices [E, N, K]) is stored as
   each row the 4-bit layout of the low four bits (K // 2 bytes) followed by a plane of the fifth bits
   (K // 8 bytes, bit i of byte b = element 8b + i: a 32-block's four bytes read as one little-endian
   word give its elements in order, as GGUF Q5_0's qh does), u = low + 16 x fifth (0..31);
-- `scales`, `mins`: both float32 or both float16, [N, K // group], contiguous; `mins` None for centred
+- `scales`, `mins`: both float32 or both float16, [N, K // group], contiguous; or GGUF K-quants'
+  two-level form (`perfxlm.quant.super_scales`): bytes [N, K // group + 2 K // 256], a small integer per
+  group then a float16 factor per 256 weights; `mins` None for centred
   codes (Q4_0, Q8_0, symmetric int4 / int8, NF4), whose min is implied: -8 x scale for 4-bit codes,
   -128 x scale for 8-bit ones, 0 with a level table. Not storing it is what lets a 4-bit decode stream
   4.5 bits per weight instead of 5;
@@ -38,6 +40,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+
+from perfxlm.quant import super_scales
 
 ACTS = ("float", "int8", "int8_block")
 ACT_BLOCK = 32  # activations per scale under act="int8_block"
@@ -165,6 +169,9 @@ class QuantizedWeight:
                 f"QuantizedWeight: codes {self.codes.dtype} {tuple(self.codes.shape)}, expected uint8 "
                 f"{(*lead, n, k * self.bits // 8)}."
             )
+        if super_scales.is_super(self.scales) or super_scales.is_super(self.mins):
+            self._check_super(lead)
+            return self._finish()
         want = (*lead, n, k // g)
         for name in ("scales", "mins"):
             t = getattr(self, name)
@@ -190,9 +197,29 @@ class QuantizedWeight:
             raise ValueError("QuantizedWeight: int8 activations need 8-bit affine codes (no levels).")
         if self.act == "int8_block" and k % ACT_BLOCK:
             raise ValueError(f"QuantizedWeight: int8 activation blocks need in_features ({k}) a multiple of {ACT_BLOCK}.")
+        self._finish()
+
+    def _finish(self) -> None:
         if not self.codes.is_contiguous():
             self.codes = self.codes.contiguous()
         self.activations = _format_activations(self.act, self.activations)
+
+    def _check_super(self, lead: tuple[int, ...]) -> None:
+        """Two-level (K-quant) scales: bytes of the one row layout, affine codes, float activations."""
+        k, g = self.in_features, self.group
+        if k % super_scales.SUPER_BLOCK or super_scales.SUPER_BLOCK % g:
+            raise ValueError(f"QuantizedWeight: two-level scales need in_features ({k}) a multiple of "
+                             f"{super_scales.SUPER_BLOCK} and a group ({g}) dividing it.")
+        want = (*lead, self.out_features, super_scales.row_bytes(k, g))
+        for name, dtypes in (("scales", super_scales.BYTE_DTYPES), ("mins", (torch.uint8,))):
+            t = getattr(self, name)
+            if t is None and name == "mins":
+                continue
+            if tuple(t.shape) != want or t.dtype not in dtypes or not t.is_contiguous():
+                raise ValueError(f"QuantizedWeight: two-level {name} {t.dtype} {tuple(t.shape)}, expected "
+                                 f"contiguous {' or '.join(map(str, dtypes))} {want}.")
+        if self.levels is not None or self.input_order is not None or self.act != "float":
+            raise ValueError("QuantizedWeight: two-level scales take affine codes, in order, float activations.")
 
     def use_activations(self, mode: ActivationMode, where: str = "a weight") -> None:
         """Take the model's activation mode (a W8A8 weight keeps the rounding its format names).
@@ -224,14 +251,38 @@ class QuantizedWeight:
         table."""
         return 0 if self.levels is not None else 1 << (self.bits - 1)
 
+    @property
+    def two_level(self) -> bool:
+        """Whether the scales are GGUF K-quants' two-level bytes (`super_scales`), not floats."""
+        return super_scales.is_super(self.scales)
+
+    @property
+    def groups(self) -> int:
+        return self.in_features // self.group
+
+    def float_scales(self) -> torch.Tensor:
+        """The scales as float32 [..., N, K // group]."""
+        if self.two_level:
+            return super_scales.expand(self.scales, self.groups)
+        return self.scales.float()
+
     def full_mins(self) -> torch.Tensor:
         """The mins as float32, stored or implied."""
         if self.mins is not None:
-            return self.mins.float()
-        return self.scales.float() * float(-self.centre)
+            return super_scales.expand(self.mins, self.groups).neg_() if self.two_level else self.mins.float()
+        return self.float_scales() * float(-self.centre)
+
+    def flat(self) -> "QuantizedWeight":
+        """The same values with one float32 scale (and min) per group: two-level scales multiplied out
+        (what the paths that do not read two-level scales take); any other weight as it is."""
+        if not self.two_level:
+            return self
+        return self._like(self.codes, self.float_scales(), None if self.mins is None else self.full_mins())
 
     def with_mins(self) -> "QuantizedWeight":
         """The same values with the mins stored (float32 scales too where -centre x scale leaves float16)."""
+        if self.two_level:
+            return self.flat().with_mins()
         if self.mins is not None:
             return self
         mins = self.scales * float(-self.centre)
@@ -286,7 +337,10 @@ class QuantizedWeight:
         act = {"float": "", "int8": " a8", "int8_block": " a8/32"}[self.act]
         if self.act == "float" and self.activations is not ActivationMode.FLOAT:
             act = " a8/32" if self.activations is ActivationMode.INT8 else " a8/32 where native"
-        return f"{fmt} {group} {str(self.scales.dtype).removeprefix('torch.')}{act}"
+        scales = str(self.scales.dtype).removeprefix('torch.')
+        if self.two_level:
+            scales += f" x float16/{super_scales.SUPER_BLOCK}"
+        return f"{fmt} {group} {scales}{act}"
 
     def __repr__(self) -> str:
         return f"QuantizedWeight({tuple(self.shape)}, {self.describe()}, {self.nbytes} bytes)"
@@ -310,6 +364,8 @@ class QuantizedWeight:
 
     def dequantize(self) -> torch.Tensor:
         """float32 [..., N, K]: scales * u (or levels[u]) + mins, the reference every kernel is held to."""
+        if self.two_level:
+            return self.flat().dequantize()
         u = self.unpacked_codes()
         lead = u.shape[:-1]
         if self.levels is not None:  # int32 indices: a third of the time of int64 ones (measured)
@@ -364,17 +420,26 @@ class QuantizedWeight:
         if start % self.group or length % self.group:
             raise ValueError(f"columns [{start}, {start + length}) of a weight with groups of {self.group} inputs: "
                              "a split must fall on group boundaries")
-        if self.bits == 5:  # two planes, nibbles then fifth bits: each narrowed (whole 32-blocks in both)
-            half = self.in_features // 2
-            codes = torch.cat([self.codes[..., :half].narrow(-1, start // 2, length // 2),
-                               self.codes[..., half:].narrow(-1, start // 8, length // 8)], dim=-1)
-        else:
-            codes = self.codes.narrow(-1, start * self.bits // 8, length * self.bits // 8)
+        if self.two_level:  # whole super-blocks keep the form; a finer cut takes the float scales
+            if start % super_scales.SUPER_BLOCK or length % super_scales.SUPER_BLOCK:
+                return self.flat().narrow_columns(start, length)
+            cut = lambda t: super_scales.narrow(t, self.groups, self.group, start, length)  # noqa: E731
+            codes = self._column_codes(start, length)
+            return self._like(codes, cut(self.scales), _pick(self.mins, cut), in_features=length)
+        codes = self._column_codes(start, length)
         g0, gn = start // self.group, length // self.group
         return self._like(
             codes.contiguous(), self.scales.narrow(-1, g0, gn),
             _pick(self.mins, lambda m: m.narrow(-1, g0, gn)), in_features=length,
         )  # fmt: skip
+
+    def _column_codes(self, start: int, length: int) -> torch.Tensor:
+        """The codes of input columns [start, start + length) (whole 32-blocks), contiguous."""
+        if self.bits == 5:  # two planes, nibbles then fifth bits: each narrowed (whole 32-blocks in both)
+            half = self.in_features // 2
+            return torch.cat([self.codes[..., :half].narrow(-1, start // 2, length // 2),
+                              self.codes[..., half:].narrow(-1, start // 8, length // 8)], dim=-1)
+        return self.codes.narrow(-1, start * self.bits // 8, length * self.bits // 8).contiguous()
 
     def zero_rows(self, rows: int) -> "QuantizedWeight":
         """`rows` rows of this form whose values are all zero (scales and mins 0): padding."""
@@ -396,6 +461,8 @@ class QuantizedWeight:
         """The same values with `bits`-bit codes (8, or 5 from 4)."""
         if self.bits == bits:
             return self
+        if self.two_level:
+            return self.flat().widened(bits)
         if bits < self.bits or bits not in BITS or (bits != 8 and self.levels is not None):
             raise ValueError(f"{self.bits}-bit codes cannot be widened to {bits} bits")
         u = self.unpacked_codes().contiguous()
@@ -407,6 +474,8 @@ class QuantizedWeight:
         """The same values with a smaller group that divides this one (scales and mins repeated)."""
         if group == self.group:
             return self
+        if self.two_level:
+            return self.flat().regrouped(group)
         if self.group % group:
             raise ValueError(f"group {group} does not divide {self.group}")
         r = self.group // group
@@ -420,6 +489,8 @@ class QuantizedWeight:
     def with_scale_dtype(self, dtype: torch.dtype) -> "QuantizedWeight":
         if self.scales.dtype == dtype:
             return self
+        if self.two_level:
+            return self.flat().with_scale_dtype(dtype)
         if dtype != torch.float32:
             raise ValueError("scales are only ever widened (float16 -> float32)")
         return self._like(self.codes, self.scales.float(), _pick(self.mins, torch.Tensor.float))
@@ -442,6 +513,9 @@ class QuantizedWeight:
             lv is not None and _same_levels(lv, levels[0]) for lv in levels
         ):
             raise ValueError("parts mix level tables and affine codes; no common form")
+        if all(p.two_level for p in parts) and len({(p.bits, p.group, p.scales.dtype, p.centred) for p in parts}) == 1:
+            return list(parts)  # one two-level form: rows concatenate as they are
+        parts = [p.flat() for p in parts]
         group = math.gcd(*(p.group for p in parts))
         bits = 8 if any(p.bits == 8 for p in parts) or group % BLOCK4 else max(p.bits for p in parts)
         if bits == 8 and levels[0] is not None and any(p.bits == 4 for p in parts):

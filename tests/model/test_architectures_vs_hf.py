@@ -253,6 +253,10 @@ GGUF_TENSORS = {
     "ffn_up": (gguf.GGMLQuantizationType.Q4_K, "mlp.up_proj"),
     "ffn_down": (gguf.GGMLQuantizationType.Q6_K, "mlp.down_proj"),
 }
+# llama.cpp's Q4_K_M allocation at widths of 256 multiples: Q4_K, with Q6_K for V, down and the tied
+# embedding / head (kept with two-level scales: a byte per group, float16 per 256)
+Q4_K_M_TENSORS = {part: (gguf.GGMLQuantizationType.Q6_K if part in ("attn_v", "ffn_down")
+                         else gguf.GGMLQuantizationType.Q4_K, hf) for part, (_, hf) in GGUF_TENSORS.items()}  # fmt: skip
 # fp16 super-scale per k-quant type giving weights of standard deviation about 0.12
 K_SCALE = {gguf.GGMLQuantizationType.Q4_K: 4e-4, gguf.GGMLQuantizationType.Q5_K: 2e-4,
            gguf.GGMLQuantizationType.Q6_K: 1e-4}  # fmt: skip
@@ -264,8 +268,9 @@ def _quantized(rng, qtype, shape, std=0.12) -> np.ndarray:
     return gguf.quants.quantize((rng.standard_normal(shape) * std).astype(np.float32), qtype)
 
 
-def write_gguf_decoder(path: str, arch: str, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A small qwen2/qwen3 GGUF file; returns its weights dequantized by gguf-py, under HF names."""
+def write_gguf_decoder(path: str, arch: str, seed: int = 0, q4_k_m: bool = False) -> dict[str, torch.Tensor]:
+    """A small qwen2/qwen3 GGUF file (mixed types, or Q4_K_M's); returns its weights dequantized by gguf-py,
+    under HF names."""
     Q = gguf.GGMLQuantizationType
     hidden, inter, layers, heads, kv_heads, head_dim, vocab = 256, 512, 2, 4, 2, 64, 1000
     rng = np.random.default_rng(seed)
@@ -290,8 +295,9 @@ def write_gguf_decoder(path: str, arch: str, seed: int = 0) -> dict[str, torch.T
     def vector(n: int, center: float) -> np.ndarray:
         return (center + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
-    emb = _quantized(rng, Q.Q8_0, (vocab, hidden), 0.15)
-    add("token_embd.weight", "model.embed_tokens.weight", emb, Q.Q8_0)
+    emb_type = Q.Q6_K if q4_k_m else Q.Q8_0
+    emb = random_k_blocks(rng, emb_type, (vocab, hidden), d=1.2e-4) if q4_k_m else _quantized(rng, Q.Q8_0, (vocab, hidden), 0.15)
+    add("token_embd.weight", "model.embed_tokens.weight", emb, emb_type)
     add("output_norm.weight", "model.norm.weight", vector(hidden, 1.0), Q.F32)
     q, kv = heads * head_dim, kv_heads * head_dim
     sizes = {"attn_q": (q, hidden), "attn_k": (kv, hidden), "attn_v": (kv, hidden),
@@ -299,7 +305,7 @@ def write_gguf_decoder(path: str, arch: str, seed: int = 0) -> dict[str, torch.T
              "ffn_down": (hidden, inter)}  # fmt: skip
     for i in range(layers):
         blk, hf_blk = f"blk.{i}", f"model.layers.{i}"
-        for part, (qtype, hf_part) in GGUF_TENSORS.items():
+        for part, (qtype, hf_part) in (Q4_K_M_TENSORS if q4_k_m else GGUF_TENSORS).items():
             weight = _quantized(rng, qtype, sizes[part])
             add(f"{blk}.{part}.weight", f"{hf_blk}.{hf_part}.weight", weight, qtype)
         if arch == "qwen2":  # q/k/v biases
@@ -324,10 +330,10 @@ def exact_quantized_products(monkeypatch):
     monkeypatch.setenv("PERFXLM_QUANT_ACTIVATIONS", "float32")
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_gguf_k_quants_match_transformers(tmp_path, arch, exact_quantized_products):
+@pytest.mark.parametrize("arch,q4_k_m", [("qwen2", False), ("qwen3", False), ("qwen2", True)])
+def test_gguf_k_quants_match_transformers(tmp_path, arch, q4_k_m, exact_quantized_products):
     path = str(tmp_path / f"{arch}.gguf")
-    weights = write_gguf_decoder(path, arch)
+    weights = write_gguf_decoder(path, arch, q4_k_m=q4_k_m)
     llm = LLM(path, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64)
     hf_config = getattr(transformers, "Qwen2Config" if arch == "qwen2" else "Qwen3Config")(
         vocab_size=1000,
@@ -354,6 +360,14 @@ def test_gguf_k_quants_match_transformers(tmp_path, arch, exact_quantized_produc
         assert got == want, f"prompt of {len(prompt)} tokens"
         np.testing.assert_allclose(got_lp, want_lp, atol=2e-4, rtol=0)
     assert len(set(tokens[-1])) > 4
+    if q4_k_m:  # the two-level weights are held as such and decode on the fused layer, not the module path
+        from perfxlm.model.fused_decode import fused_decode_steps
+        from perfxlm.quant import QuantizedWeight
+
+        model = llm.llm_engine.core.model
+        held = [m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), QuantizedWeight)]
+        assert sum(w.two_level for w in held) >= 3 * 2  # o, gate|up, down per layer (QKV mixes Q4_K with Q6_K)
+        assert fused_decode_steps(model) > 0
 
 
 # ---------------------------------------------------------------------------------------------------------

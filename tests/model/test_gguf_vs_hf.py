@@ -287,7 +287,7 @@ def test_unsupported_gguf_architecture_is_refused_with_a_clear_error(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"'gemma3n' is not supported \(supported: gemma2, gemma3, glm4, gpt-oss, llama"):
+    with pytest.raises(ValueError, match=r"'gemma3n' is not supported \(supported: deepseek2, gemma2, gemma3, glm4, gpt-oss, llama"):
         LLM(path, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=16)
 
 

@@ -130,16 +130,16 @@ def input_key(name: str) -> str:
         r"\.(gate_proj|up_proj|w1|w3)\.weight$", ".mlp_in", name))  # fmt: skip
 
 
-def write_packed(path: str, model, make_parts, quantization_config: dict) -> None:
-    """Save `model` to `path` with every projection replaced by `make_parts(name, weight) -> (parts,
-    dequantized)`; the model then holds the dequantized weights."""
+def write_packed(path: str, model, make_parts, quantization_config: dict, projections=PROJECTIONS) -> None:
+    """Save `model` to `path` with every projection (module names `projections` finds) replaced by
+    `make_parts(name, weight) -> (parts, dequantized)`; the model then holds the dequantized weights."""
     sd = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     _expert_weights(model, sd)
     for name in sorted(sd):
         module = name.removesuffix(".weight")
-        if name.endswith(".weight") and PROJECTIONS.search(module) and sd[name].dim() == 2:
+        if name.endswith(".weight") and projections.search(module) and sd[name].dim() == 2:
             parts, dq = make_parts(name, sd.pop(name).float())
             _set_reference(model, name, dq)
             sd.update({f"{module}.{p}": t.contiguous() for p, t in parts.items()})

@@ -50,7 +50,8 @@ def test_repacked_gguf_blocks_dequantize_bit_exactly(qtype, rows):
     assert w.act == "float" and (w.levels is None) == (qtype != Q.MXFP4) and w.codes.dtype == torch.uint8
     f16, f32 = torch.float16, torch.float32
     expected = {Q.Q4_0: (4, 32, f16), Q.Q4_1: (4, 32, f16), Q.Q8_0: (8, 32, f16), Q.Q5_0: (5, 32, f16),
-                Q.Q5_1: (5, 32, f16), Q.Q4_K: (4, 32, f32), Q.Q5_K: (5, 32, f32), Q.Q6_K: (8, 16, f32),
+                Q.Q5_1: (5, 32, f16), Q.Q4_K: (4, 32, torch.uint8), Q.Q5_K: (5, 32, torch.uint8),
+                Q.Q6_K: (8, 16, torch.int8),
                 Q.MXFP4: (4, 32, f32)}[qtype]
     assert (w.bits, w.group, w.scales.dtype) == expected
     torch.testing.assert_close(w.dequantize(), want, rtol=0, atol=0)
@@ -62,6 +63,12 @@ def test_repacked_gguf_blocks_dequantize_bit_exactly(qtype, rows):
         at = 2 if qtype == Q.Q5_0 else 4
         blocks = torch.from_numpy(raw.reshape(-1, at + 20))
         assert torch.equal(w.codes[:, : cols // 2].reshape(-1, 16), blocks[:, at + 4 :])
+    if qtype.name.endswith("_K"):  # two-level scales: bytes per group, float16 per 256, held as the file's
+        held = {Q.Q4_K: 4.625, Q.Q5_K: 5.625, Q.Q6_K: 8.5625}[qtype]
+        assert w.two_level and w.nbytes * 8 == held * rows * cols and w.centred == (qtype == Q.Q6_K)
+        flat = w.flat()  # multiplied out: the same values, one float32 scale per group
+        assert not flat.two_level and flat.scales.dtype == f32
+        torch.testing.assert_close(flat.dequantize(), want, rtol=0, atol=0)
 
 
 def test_q8_0_min_overflowing_float16_needs_no_float32():
@@ -180,7 +187,12 @@ def test_cat_rows_promotes_losslessly():
     whole = QuantizedWeight.cat_rows(parts)
     assert (whole.bits, whole.group, whole.scales.dtype, whole.out_features) == (8, 16, torch.float32, 14)
     want = torch.cat([p.dequantize() for p in parts])
-    torch.testing.assert_close(whole.dequantize(), want, rtol=0, atol=0)
+    got = whole.dequantize()
+    exact = torch.tensor([True] * 5 + [False] * 3 + [True] * 6)
+    torch.testing.assert_close(got[exact], want[exact], rtol=0, atol=0)
+    # Q6_K's centred codes (q + 96, exactly gguf-py's (q - 32) x scale) given a stored min -128 x scale:
+    # u x scale + min rounds twice (its codes reach 159)
+    torch.testing.assert_close(got[~exact], want[~exact], rtol=0, atol=1e-5 * want.abs().max().item())
     # same form: no promotion, 4-bit float16 stays so
     same = QuantizedWeight.cat_rows(parts[2:3] * 2)
     assert (same.bits, same.group, same.scales.dtype) == (4, 32, torch.float16)

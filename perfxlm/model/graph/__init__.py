@@ -7,4 +7,6 @@ of the family, the graph is the model.
   weight format); unknown ops and versions are refused by name.
 - `layers.py`: the decoder layers found again among the nodes, for the fused decode layer.
 - `model.py`: `GraphModel`, the nodes as a module the ordinary `ModelRunner` runs under the scheduler.
+- `lora.py`: LoRA adapters bound at run time to the Linear nodes the export recorded as targets, through
+  the module path's own LoRA wrapper.
 """

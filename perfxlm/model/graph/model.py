@@ -30,7 +30,7 @@ from perfxlm.model.loader.weight_arena import move_to_arena, release_freed_memor
 
 @dataclass
 class _Step:
-    kernel: Kernel | None  # None: the standard ops the interpreter does itself (Identity)
+    kernel: nn.Module | None  # None: the standard ops the interpreter does itself (Identity)
     inputs: list[str]  # value names passed to the kernel, in its order
     outputs: list[str]
     copy: list[bool]  # hand the kernel a copy (it writes that input in place and the value is read later)
@@ -47,6 +47,10 @@ class GraphModel(nn.Module):
         if held.weight_dtype is not None:
             _cast_float_matrices(proto.graph.node, weights, held.weight_dtype)
         self.held = held
+        self.path = path
+        # what the export recorded beside the nodes (export/lora_record.py's LoRA targets)
+        self.metadata = {p.key: p.value for p in proto.metadata_props}
+        self.named: dict[str, Kernel] = {}  # node name -> its kernel (LoRA binds adapters to Linear nodes by name)
         graph_inputs = {i.name for i in proto.graph.input}
         self.kernels = nn.ModuleList()
         tables: dict[tuple[str, str], RopeTable] = {}
@@ -118,7 +122,19 @@ class GraphModel(nn.Module):
         if isinstance(kernel, PagedAttention) and kernel.attn.num_heads % kernel.attn.num_kv_heads:
             raise ValueError(f"{path}: node {name!r}: num_heads is not a multiple of num_kv_heads.")
         self.kernels.append(kernel)
+        self.named[name] = kernel
         return kernel, [inputs[s] for s in value_slots], list(node.output)
+
+    def replace_kernel(self, old: Kernel, new: nn.Module) -> None:
+        """Run `new` wherever the graph ran `old` (its node's step, and the decoder layer the fused decode
+        layer reads): how a wrapper (a LoRA projection) takes a node's place. Before the first step."""
+        for step in (*self.body, *self.head):
+            if step.kernel is old:
+                step.kernel = new
+        for layer in self.decoder_layers:
+            for key, child in list(layer.named_children()):
+                if child is old:
+                    setattr(layer, key, new)
 
     # ---- the runner's seam ------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

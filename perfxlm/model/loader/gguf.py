@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import gguf
 import torch
 
-from perfxlm.model.loader import gguf_gemma2, gguf_gemma3, gguf_glm4, gguf_gpt_oss
+from perfxlm.model.loader import gguf_deepseek2, gguf_gemma2, gguf_gemma3, gguf_glm4, gguf_gpt_oss
 from perfxlm.model.loader.gguf_reader import GGUFFile, open_gguf
 from perfxlm.model.loader.gguf_metadata import (
     ROPE_SCALING_TYPES, check_attention_scale, check_metadata, head_dims, rope_freq_factors, uniform,
@@ -89,6 +89,11 @@ class _ArchSpec:
     # the family puts its expert tensors together itself (gpt-oss: fused, interleaved stacks): the stream of
     # (Hugging Face name, tensor) pairs passes through this instead of the per-expert split
     regroup: Callable[[Iterator[tuple[str, Any]]], Iterator[tuple[str, Any]]] | None = None
+    # the `*_exps` stacks go whole to `regroup` (gpt-oss), not split per expert first
+    experts_whole: bool = False
+    # one GGUF architecture for several families (deepseek2: V2 or V3): (model_type, architecture) by the
+    # file's metadata, else the two fields above
+    variant: Callable[[dict[str, Any]], tuple[str, str]] | None = None
     rope_types: tuple[str, ...] = ROPE_SCALING_TYPES  # the rope.scaling.type values the family reads
 
 
@@ -138,7 +143,13 @@ _ARCHS: dict[str, _ArchSpec] = {
     "gpt-oss": _ArchSpec(
         "gpt_oss", "GptOssForCausalLM", {**_DECODER_KEYS, **gguf_gpt_oss.KEYS}, gguf_gpt_oss.TENSORS,
         permute_qk=False, extra_config=gguf_gpt_oss.CONFIG_DEFAULTS, extra_keys=gguf_gpt_oss.EXTRA_KEYS, moe=True,
-        regroup=gguf_gpt_oss.regroup, rope_types=gguf_gpt_oss.ROPE_SCALING_TYPES,
+        regroup=gguf_gpt_oss.regroup, rope_types=gguf_gpt_oss.ROPE_SCALING_TYPES, experts_whole=True,
+    ),
+    "deepseek2": _ArchSpec(
+        "deepseek_v2", "DeepseekV2ForCausalLM", {**_DECODER_KEYS, **gguf_deepseek2.KEYS}, gguf_deepseek2.TENSORS,
+        permute_qk=False, extra_config=gguf_deepseek2.CONFIG_DEFAULTS, extra_keys=gguf_deepseek2.EXTRA_KEYS,
+        moe=True, regroup=gguf_deepseek2.regroup, rope_types=gguf_deepseek2.ROPE_SCALING_TYPES,
+        variant=gguf_deepseek2.variant,
     ),
 }
 
@@ -192,7 +203,7 @@ def load_gguf_config(path: str) -> "transformers.PretrainedConfig":
         meta, arch, spec.extra_keys | ({"attention.sliding_window"} if arch == "llama" else set()), spec.moe,
         spec.rope_types,
     )
-    model_type, hf_architecture = spec.model_type, spec.hf_architecture
+    model_type, hf_architecture = spec.variant(meta) if spec.variant else (spec.model_type, spec.hf_architecture)
     kwargs: dict[str, Any] = {**_CONFIG_DEFAULTS, **spec.extra_config}
     if window:
         model_type, hf_architecture = "mistral", "MistralForCausalLM"
@@ -210,15 +221,18 @@ def load_gguf_config(path: str) -> "transformers.PretrainedConfig":
         elif "token_embd.weight" in f.tensors:
             kwargs["vocab_size"] = f.tensors["token_embd.weight"].shape[0]
 
-    head_dim = head_dims(
-        meta, arch, int(kwargs["hidden_size"]), int(kwargs["num_attention_heads"]), partial_rotary=arch == "glm4"
-    )  # fmt: skip
+    if arch == "deepseek2":  # MLA: its key and value sizes are not one head size (gguf_deepseek2)
+        head_dim = gguf_deepseek2.apply(meta, kwargs)
+    else:
+        head_dim = head_dims(
+            meta, arch, int(kwargs["hidden_size"]), int(kwargs["num_attention_heads"]), partial_rotary=arch == "glm4"
+        )  # fmt: skip
     kwargs["head_dim"] = head_dim
     if arch == "glm4":
         gguf_glm4.apply(meta, kwargs, head_dim)  # its rope width is a part of the head
     if arch == "gemma2":
         gguf_gemma2.apply(meta, kwargs, head_dim)  # its attention scale is query_pre_attn_scalar
-    elif arch != "gemma3":  # (gemma3's is set with its rope, below)
+    elif arch not in ("gemma3", "deepseek2"):  # (gemma3's is set with its rope, below; MLA's from its config)
         check_attention_scale(meta, arch, head_dim)
     freq_factors = rope_freq_factors(f.tensors, f.tensor, head_dim)
 
@@ -233,6 +247,8 @@ def load_gguf_config(path: str) -> "transformers.PretrainedConfig":
         gguf_gemma3.apply(meta, kwargs, head_dim)  # local and global rope, the attention scale, the windows
     if arch == "gpt-oss":
         gguf_gpt_oss.apply(meta, kwargs)  # alternating sliding / full layers, untruncated YaRN
+    if arch == "deepseek2":
+        gguf_deepseek2.apply_rope(meta, kwargs)  # YaRN with DeepSeek's mscale
     if spec.extra_config.get("use_sliding_window") is False:  # as Qwen2Config: every layer full attention
         kwargs["layer_types"] = ["full_attention"] * int(kwargs["num_hidden_layers"])
         kwargs["max_window_layers"] = int(kwargs["num_hidden_layers"])
@@ -370,7 +386,7 @@ def _iter_weights(
         if hf_name is None:
             continue  # rope_freqs: read into the config by load_gguf_config (others refused up front)
         info = f.tensors[name]
-        if spec.moe and spec.regroup is None and _EXPERT_STACK.search(hf_name):
+        if spec.moe and not spec.experts_whole and _EXPERT_STACK.search(hf_name):
             yield from _expert_tensors(f, name, hf_name, keep_quantized)
             continue
         # the thread count is restored before each yield, so the consumer runs with its own setting

@@ -14,7 +14,8 @@ stacked experts) loads whole.
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar, Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -53,6 +54,25 @@ def _shard_key(param: str, shard: str, expert: int | None) -> str:
     return f"{param}:{shard}" if expert is None else f"{param}:{expert}.{shard}"
 
 
+@dataclass(frozen=True)
+class CheckpointNames:
+    """A model's checkpoint-name tables on their own, so names can be placed where no model module exists
+    (an exported graph records its model's tables; perfxlm/export/lora_record.py)."""
+
+    renames: Sequence[tuple[str, str]]
+    stacked_params: Sequence[tuple[str, str, str]]
+
+    def locate(self, name: str) -> tuple[str, str | None]:
+        """CheckpointModel.locate's answer for these tables."""
+        for pattern, replacement in self.renames:
+            name = re.sub(pattern, replacement, name)
+        for pattern, fused, shard in _compile_stacked(list(self.stacked_params)):
+            m = pattern.search(name)
+            if m is not None:  # a per-expert tensor has no projection of its own: returned as it is
+                return (name, None) if "expert" in pattern.groupindex else (name[: m.start()] + fused + name[m.end() :], shard)
+        return name, None
+
+
 class CheckpointModel(nn.Module):
     # (regex, replacement) applied to checkpoint names in order
     renames: ClassVar[list[tuple[str, str]]] = []
@@ -69,13 +89,7 @@ class CheckpointModel(nn.Module):
         """Where a checkpoint tensor name lands: (the model's parameter name, the shard of a fused
         parameter or None), by the same `renames` and `stacked_params` tables as load_weights. Used to
         place tensors named like the checkpoint's (a LoRA adapter's) without loading them."""
-        for pattern, replacement in self.renames:
-            name = re.sub(pattern, replacement, name)
-        for pattern, fused, shard in _compile_stacked(self.stacked_params):
-            m = pattern.search(name)
-            if m is not None:  # a per-expert tensor has no projection of its own: returned as it is
-                return (name, None) if "expert" in pattern.groupindex else (name[: m.start()] + fused + name[m.end() :], shard)
-        return name, None
+        return CheckpointNames(self.renames, self.stacked_params).locate(name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], sink: Any = None) -> None:
         """`sink` (perfxlm.quant.loading.QuantizedLoader): offered each tensor before it is copied into its

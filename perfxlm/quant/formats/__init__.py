@@ -1,4 +1,4 @@
-"""Pre-quantized Hugging Face checkpoints (AWQ, GPTQ, compressed-tensors) kept packed: one
+"""Pre-quantized Hugging Face checkpoints (AWQ, GPTQ, compressed-tensors, MXFP4, block FP8) kept packed: one
 `CheckpointFormat` per quant_method (base.py explains the seam), `PackedCheckpoint` to read one."""
 
 from perfxlm.quant.formats.base import CheckpointFormat

@@ -19,11 +19,12 @@ import torch
 from perfxlm.quant.formats.awq import AWQFormat
 from perfxlm.quant.formats.base import CheckpointFormat, TensorInfo
 from perfxlm.quant.formats.compressed_tensors import CompressedTensorsFormat
+from perfxlm.quant.formats.fp8_blocks import FP8BlockFormat
 from perfxlm.quant.formats.gptq import GPTQFormat
 from perfxlm.quant.formats.mxfp4 import MXFP4Format
 
 FORMATS: dict[str, type[CheckpointFormat]] = {
-    f.method: f for f in (AWQFormat, GPTQFormat, CompressedTensorsFormat, MXFP4Format)
+    f.method: f for f in (AWQFormat, GPTQFormat, CompressedTensorsFormat, MXFP4Format, FP8BlockFormat)
 }
 # vLLM's names for the same checkpoints (`quantization=` may name the method; the kernels are ours)
 ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq", "compressed_tensors": "compressed-tensors"}

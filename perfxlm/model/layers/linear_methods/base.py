@@ -28,7 +28,7 @@ class LinearPlan:
     `weight_dtype` / `compute_dtype`: how float weights are stored and what activations are (bf16
     weights under float32 compute take the `layout` the CPU plan names: "rows" or "panels");
     `quantized_format`: the registry name of the model's quantized weights ("gguf", "int8", "int4",
-    "nf4", "w8a8", "awq", "gptq", "compressed-tensors", "mxfp4"), or None where none stay quantized."""
+    "nf4", "w8a8", "awq", "gptq", "compressed-tensors", "mxfp4", "fp8"), or None where none stay quantized."""
 
     weight_dtype: torch.dtype
     compute_dtype: torch.dtype

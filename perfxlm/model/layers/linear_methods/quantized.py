@@ -176,7 +176,16 @@ class MXFP4Linear(QuantizedLinearMethod):
     levels = True
 
 
+class FP8BlockLinear(QuantizedLinearMethod):
+    """Block-quantized FP8 checkpoints (DeepSeek-V3's): e4m3 bytes as a 256-level table, each row scaled
+    per group of its block's columns (`quant/formats/fp8_blocks.py`); the plain-torch product takes them."""
+
+    name = "fp8"
+    bits = (8,)
+    levels = True
+
+
 QUANTIZED_METHODS: tuple[type[QuantizedLinearMethod], ...] = (
     GGUFLinear, Int8Linear, Int4Linear, NF4Linear, W8A8Linear, AWQLinear, GPTQLinear, CompressedTensorsLinear,
-    MXFP4Linear,
+    MXFP4Linear, FP8BlockLinear,
 )
