@@ -161,10 +161,12 @@ def check_mtp_target(hf_config: Any, model_path: str, load_format: str, tensor_p
                          f"layers, but its config has num_nextn_predict_layers={n!r} (>= 1 needed). Use 'ngram' "
                          "or a draft 'model'.")
     packed = getattr(hf_config, "quantization_config", None)
-    if packed:
-        method = packed.get("quant_method") if isinstance(packed, dict) else getattr(packed, "quant_method", packed)
-        raise ValueError(f"speculative_config: method 'mtp' reads the MTP layer's float weights; this checkpoint is "
-                         f"stored quantized ({method!r}). Use a float (bf16 / fp16 / fp32) checkpoint, or 'ngram'.")
+    method = (packed.get("quant_method") if isinstance(packed, dict) else getattr(packed, "quant_method", packed)) \
+        if packed else None  # fmt: skip
+    if method not in (None, "fp8"):
+        raise ValueError(f"speculative_config: method 'mtp' reads the MTP layer's float or fp8-block weights; this "
+                         f"checkpoint is stored quantized ({method!r}). Use a float (bf16 / fp16 / fp32) or "
+                         "DeepSeek's fp8 checkpoint, or 'ngram'.")
     if load_format != "safetensors":
         raise ValueError(f"speculative_config: method 'mtp' loads the MTP layer from a safetensors checkpoint; "
                          f"load_format {load_format!r} is not supported with it.")

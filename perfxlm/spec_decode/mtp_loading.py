@@ -1,5 +1,5 @@
 """The MTP layer's weights, read from the target's own safetensors checkpoint (the tensors the target
-skips): float, in the target's compute dtype. An embedding or head the checkpoint leaves out is the
+skips): float, in the target's compute dtype (fp8 blocks, DeepSeek-V3's own format, dequantized). An embedding or head the checkpoint leaves out is the
 target's."""
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ def load_mtp(target_config: Any, target: nn.Module) -> tuple[DeepseekMTP, nn.Mod
     try:
         with torch.no_grad():
             mtp = DeepseekMTP(hf, own_embed, own_head, target.make_router)
-            weights = _read(names)
+            qc = getattr(hf, "quantization_config", None) or {}
+            block = qc.get("weight_block_size") if isinstance(qc, dict) else None
+            weights = _read(names, tuple(block) if block else None)
             if target.rope_interleaved(hf):
                 weights = halves_rope_rows(weights, hf)
             mtp.load_weights(weights)
@@ -53,13 +55,32 @@ def mtp_tensor_files(model_path: str, hf_config: Any) -> dict[str, str]:
     return names
 
 
-def _read(names: dict[str, str]):
-    by_file: dict[str, list[str]] = {}
-    for name, path in names.items():
-        by_file.setdefault(path, []).append(name)
-    for path, wanted in by_file.items():
+def _read(names: dict[str, str], block: tuple[int, int] | None):
+    """The layer's tensors as floats: fp8-block weights (DeepSeek-V3's own checkpoints, `block` their
+    weight_block_size) dequantized as DeepSeek's `weight_dequant` does, w = fp8 x scale_inv per block."""
+    scales = {n.removesuffix("_scale_inv") for n in names if n.endswith(".weight_scale_inv")}
+    for path, wanted in _by_file(names).items():
         with safe_open(path, framework="pt") as f:
-            for name in sorted(
-                wanted, key=lambda n: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", n)]
-            ):
-                yield name, f.get_tensor(name)
+            for name in wanted:
+                if name.endswith(".weight_scale_inv"):
+                    continue
+                tensor = f.get_tensor(name)
+                if name in scales:
+                    if block is None:
+                        raise ValueError(f"{name}: fp8 blocks, but the config names no weight_block_size.")
+                    with safe_open(names[name + "_scale_inv"], framework="pt") as g:
+                        tensor = _dequantize_blocks(tensor, g.get_tensor(name + "_scale_inv"), *block)
+                yield name, tensor
+
+
+def _by_file(names: dict[str, str]) -> dict[str, list[str]]:
+    by_file: dict[str, list[str]] = {}
+    for name in sorted(names, key=lambda n: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", n)]):
+        by_file.setdefault(names[name], []).append(name)
+    return by_file
+
+
+def _dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    n, k = q.shape
+    full = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return q.float() * full

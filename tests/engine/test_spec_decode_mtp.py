@@ -312,6 +312,45 @@ def test_mtp_target_checks_from_the_config_alone(tmp_path):
         check_mtp_target(config, str(tmp_path), "safetensors", 2, None)
     with pytest.raises(ValueError, match="load_format 'gguf'"):
         check_mtp_target(config, str(tmp_path), "gguf", 1, None)
-    config.quantization_config = {"quant_method": "fp8"}
-    with pytest.raises(ValueError, match="stored quantized \\('fp8'\\)"):
+    config.quantization_config = {"quant_method": "awq"}
+    with pytest.raises(ValueError, match="stored quantized \\('awq'\\)"):
         check_mtp_target(config, str(tmp_path), "safetensors", 1, None)
+
+
+_PROJECTIONS = ("q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight", "kv_b_proj.weight",
+                "o_proj.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight", "eh_proj.weight")  # fmt: skip
+
+
+def test_fp8_block_checkpoint(tmp_path):
+    """DeepSeek-V3's own format: every projection (the MTP layer's too) fp8 blocks with weight_scale_inv;
+    the layer guesses as a float checkpoint of the dequantized values does."""
+    from tests.quant.test_fp8_blocks import fp8_block_parts
+
+    paths = [str(tmp_path / "float"), str(tmp_path / "fp8")]
+    for p in paths:
+        os.makedirs(p)
+        build_mtp_checkpoint(p, seed=5)
+    make = fp8_block_parts((16, 24))
+    floats, fp8 = (load_file(os.path.join(p, "model.safetensors")) for p in paths)
+    for name in list(floats):
+        if name.endswith(_PROJECTIONS) and ".mlp.gate." not in name:
+            parts, dequantized = make(name, floats[name])
+            floats[name] = dequantized
+            fp8[name], fp8[name + "_scale_inv"] = parts["weight"], parts["weight_scale_inv"]
+    for p, tensors in zip(paths, (floats, fp8)):
+        save_file(tensors, os.path.join(p, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(paths[1], "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [16, 24]}  # fmt: skip
+    with open(os.path.join(paths[1], "config.json"), "w") as f:
+        json.dump(cfg, f)
+    calls = []
+    for p in paths:
+        llm = _llm(p, k=3)
+        core = llm.llm_engine.core
+        core.proposer = rec = _Recorder(core.proposer)
+        out = llm.generate(PROMPTS[:2], PARAMS[:2], use_tqdm=False)
+        calls.append((rec.calls, [c.token_ids for o in out for c in o.outputs]))
+        assert_pool_whole(llm)
+    assert calls[0][0] and calls[0] == calls[1]
