@@ -291,3 +291,33 @@ def test_5bit_codes_take_the_int8_block_products(n, k, group, half, centred):
     for rows in (1, 2, 3, 5, 17):
         part = ops.linear_q(x[:rows], codes, scales, mins, None, b, False, 70, False, True)
         assert torch.equal(part, together[:rows]) if blocks_apply else torch.allclose(part, together[:rows])
+
+
+@pytest.mark.parametrize("bits,half,mins_stored", [(8, True, False), (8, False, False), (8, True, True), (4, True, False)])
+def test_parallel_decode_rows_match_reference_and_each_row_alone(bits, half, mins_stored):
+    """Parallel decode (1-70 rows) on the block kernel: tiles of 4 x 4 weight and activation rows and their
+    remainders, Q8_0's centred codes (no mins) and stored ones, fp16 and fp32 scales; 70 rows of K = 640
+    quantize on two threads, fewer on one. Every row is the fake-quantized reference's, and the same bits
+    as that row alone (a token's result does not depend on the rows decoded beside it)."""
+    ops = native.kernels()
+    n, k, group = 37, 640, 32
+    codes, scales, mins, _ = _weight(n, k, bits, group, half, False, bits + 3 * half + mins_stored)
+    if not mins_stored:  # centred codes: w = scale x (u - 2^(bits - 1))
+        mins = None
+    w = _dequant(codes, scales, mins, None, k)
+    b = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(2))
+    x[5, 64:96] = 0.0  # an all-zero block
+    if ops.int8_block_dots():
+        blocks = x.view(70, k // 32, 32)
+        sx = blocks.abs().amax(2, keepdim=True) / 127
+        x_used = (torch.where(sx > 0, blocks / sx, torch.zeros_like(blocks)).round().clamp(-127, 127) * sx).view(70, k)
+    else:
+        x_used = x
+    ref = torch.nn.functional.linear(x_used.double(), w.double(), b.double()).float()
+    alone = torch.cat([ops.linear_q(x[i : i + 1], codes, scales, mins, None, b, False, 128, False, True, 128)
+                       for i in range(70)])  # fmt: skip
+    torch.testing.assert_close(alone, ref, atol=1e-4 * (ref.abs().max().item() + 1), rtol=1e-4)
+    for rows in (2, 3, 5, 16, 37, 70):
+        together = ops.linear_q(x[:rows], codes, scales, mins, None, b, False, 128, False, True, 128)
+        assert torch.equal(together, alone[:rows]), rows
