@@ -164,6 +164,21 @@ def test_gguf_q4_0_export_matches_the_engine(tmp_path, llama96):
     _assert_quantized_matches(out, path, None)
 
 
+def test_gguf_k_quants_export_keeps_their_two_level_scales(tmp_path):
+    """A Q4_K_M-allocated file: its K-quants' byte scales travel as they are held (uint8 / int8
+    initializers) and the graph's Linear runs them as the engine does."""
+    from tests.model.test_architectures_vs_hf import write_gguf_decoder
+
+    path = str(tmp_path / "q4_k_m.gguf")
+    write_gguf_decoder(path, "qwen2", q4_k_m=True)
+    out = str(tmp_path / "graph")
+    export_onnx(path, out, flavor="perfxlm", dtype="float32")
+    model = onnx.load(os.path.join(out, "model.onnx"), load_external_data=False)
+    scales = {t.data_type for t in model.graph.initializer if t.name.endswith(".scales")}
+    assert {onnx.TensorProto.UINT8, onnx.TensorProto.INT8} <= scales
+    _assert_quantized_matches(out, path, None)
+
+
 def test_a_quantized_kv_cache_is_the_engine_s_own(exported, llama96):
     kwargs = dict(skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64, kv_cache_dtype="int8",
                   max_num_batched_tokens=24)

@@ -60,6 +60,15 @@ def _stacks(kind: str, num_experts: int, hidden: int, inter: int, seed: int):
         return quantize_symmetric_int8(gate_up, 32), quantize_symmetric_int8(down, 32)
     if kind == "int4":
         return quantize_symmetric_int4(gate_up, 32), quantize_symmetric_int4(down, 32)
+    if kind == "q4_k":  # a GGUF file's expert stacks, two-level scales: Q4_K gate|up, Q6_K down
+        import gguf
+
+        from perfxlm.quant.gguf_repack import repack
+        from tests.unit.test_kquant_ops import k_blocks
+
+        q = gguf.GGMLQuantizationType
+        return (repack(k_blocks(q.Q4_K, num_experts * 2 * inter, hidden, seed), q.Q4_K, (num_experts, 2 * inter, hidden)),
+                repack(k_blocks(q.Q6_K, num_experts * hidden, inter, seed), q.Q6_K, (num_experts, hidden, inter)))  # fmt: skip
     if kind == "mxfp4":  # gpt-oss's experts: E2M1 levels, power-of-two float32 scales
         from perfxlm.quant import mxfp4
 
@@ -68,7 +77,7 @@ def _stacks(kind: str, num_experts: int, hidden: int, inter: int, seed: int):
     return gate_up, down
 
 
-@pytest.mark.parametrize("kind", ["float32", "bf16", "transposed", "int8", "int4", "mxfp4"])
+@pytest.mark.parametrize("kind", ["float32", "bf16", "transposed", "int8", "int4", "mxfp4", "q4_k"])
 @pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh", "clamped-swiglu"])
 @pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 5, 2), (37, 7, 4)])
 def test_native_experts_equal_the_torch_loop(kind, activation, num_tokens, num_experts, top_k, monkeypatch):
@@ -79,7 +88,7 @@ def test_native_experts_equal_the_torch_loop(kind, activation, num_tokens, num_e
     from perfxlm.ops import fused_moe
 
     _native_or_skip()
-    hidden, inter = 64, 96  # 4-bit codes take in_features in multiples of 32
+    hidden, inter = (256, 256) if kind == "q4_k" else (64, 96)  # 4-bit codes: in_features in 32s (K-quants: 256s)
     gate_up, down = _stacks(kind, num_experts, hidden, inter, seed=num_tokens)
     act = ClampedSwiGLU(1.702, 1.3) if activation == "clamped-swiglu" else act_and_mul(activation)
     torch.manual_seed(num_experts)

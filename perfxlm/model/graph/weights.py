@@ -17,6 +17,7 @@ _ELEMENTS = {
     TensorProto.FLOAT16: (np.float16, torch.float16),
     TensorProto.BFLOAT16: (np.int16, torch.bfloat16),
     TensorProto.UINT8: (np.uint8, torch.uint8),
+    TensorProto.INT8: (np.int8, torch.int8),  # Q6_K's signed sub-scales (quant/super_scales.py)
     TensorProto.INT32: (np.int32, torch.int32),
     TensorProto.INT64: (np.int64, torch.int64),
 }
