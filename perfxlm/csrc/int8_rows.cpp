@@ -9,8 +9,8 @@
 //
 // Bits: the same float32 operations in the same order as the torch definition (`quantize_rows`,
 // `int8_gemm_linear`), each rounded once (built with -ffp-contract=off: no fused multiply-add), and
-// rounding to the nearest even as torch.round: the results are equal to the bit. Written as plain loops
-// over 16 independent lanes, which the compiler vectorizes for whatever tier the build targets.
+// rounding to the nearest even as torch.round: the results are equal to the bit. Written once over
+// 16-lane vector types, which the compiler lowers to whatever tier the build targets.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -19,43 +19,87 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 
 namespace perfxlm_int8_rows {
 namespace {
 
 constexpr int64_t kLanes = 16;
-// The epilogue writes float results over the int32 sums it reads: a float that may alias them.
-typedef float __attribute__((__may_alias__)) aliased_float;
 // Rows per parallel task: at least this many values, so a small batch stays on the calling thread.
 constexpr int64_t kGrainValues = 1 << 15;
 
 int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, kGrainValues / std::max<int64_t>(1, width)); }
 
+// 16 lanes as GCC / Clang vector types: the compiler lowers each elementwise operation to the build's
+// widest registers (one zmm, two ymm, four xmm on the scalar tier), the same per-lane operation whatever
+// the width, so every tier rounds alike. Loads and stores go through memcpy (any alignment, no aliasing).
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+// (an out-parameter, not a returned vector: that would change the calling convention between tiers)
+template <typename V, typename T>
+inline void load16(V& v, const T* p) { std::memcpy(&v, p, sizeof(v)); }
+
 // max |x| over a row as max(max x, -min x): the definition's two reductions (no |x| written).
-// `a > b ? a : b` is what the CPU's max instruction computes, so the lanes vectorize without fast-math.
+// `a > b ? a : b` is what the CPU's max instruction computes, so it needs no fast-math.
 float row_absmax(const float* x, int64_t k) {
-  float hi[kLanes], lo[kLanes];
-  for (int64_t j = 0; j < kLanes; ++j) hi[j] = lo[j] = k > 0 ? x[0] : 0.0f;
+  const float first = k > 0 ? x[0] : 0.0f;
+  f32x16 hi = first - f32x16{}, lo = hi;  // every lane = first
   int64_t i = 0;
   for (; i + kLanes <= k; i += kLanes) {
-    for (int64_t j = 0; j < kLanes; ++j) {
-      const float v = x[i + j];
-      hi[j] = v > hi[j] ? v : hi[j];
-      lo[j] = v < lo[j] ? v : lo[j];
-    }
+    f32x16 v;
+    load16(v, x + i);
+    hi = v > hi ? v : hi;
+    lo = v < lo ? v : lo;
   }
-  for (; i < k; ++i) {
-    hi[0] = x[i] > hi[0] ? x[i] : hi[0];
-    lo[0] = x[i] < lo[0] ? x[i] : lo[0];
-  }
-  float h = hi[0], l = lo[0];
-  for (int64_t j = 1; j < kLanes; ++j) {
+  float h = first, l = first;
+  for (int64_t j = 0; j < kLanes; ++j) {
     h = hi[j] > h ? hi[j] : h;
     l = lo[j] < l ? lo[j] : l;
   }
+  for (; i < k; ++i) {
+    h = x[i] > h ? x[i] : h;
+    l = x[i] < l ? x[i] : l;
+  }
   const float neg = -l;
   return h > neg ? h : neg;
+}
+
+// codes of one row: round_half_even(x / safe) (nearbyint under the default rounding mode: ties to even).
+// A function of its own with value bounds and restrict pointers, so the loop vectorizes.
+void quantize_row(const float* __restrict x, int8_t* __restrict q, int64_t k, float safe) {
+  for (int64_t i = 0; i < k; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] / safe));
+}
+
+// One row of the epilogue, over the int32 sums it overwrites: 16 results made in registers from 16 sums,
+// then stored over them.
+template <bool kBias, bool kResidual>
+void epilogue_row(int32_t* acc, const float* cs, float sx, const float* bias, const float* res, int64_t n) {
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    i32x16 sums;
+    f32x16 col, add;
+    load16(sums, acc + j);
+    load16(col, cs + j);
+    f32x16 y = __builtin_convertvector(sums, f32x16) * col;
+    y = y * sx;
+    if (kBias) {
+      load16(add, bias + j);
+      y = y + add;
+    }
+    if (kResidual) {
+      load16(add, res + j);
+      y = y + add;
+    }
+    std::memcpy(acc + j, &y, sizeof(y));
+  }
+  for (; j < n; ++j) {
+    float y = static_cast<float>(acc[j]) * cs[j] * sx;
+    if (kBias) y = y + bias[j];
+    if (kResidual) y = y + res[j];
+    std::memcpy(acc + j, &y, sizeof(y));
+  }
 }
 
 void check_rows(const at::Tensor& t, at::ScalarType dtype, const char* name) {
@@ -88,8 +132,7 @@ std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x) {
       const float scale = row_absmax(row, k) / 127.0f;
       sp[r] = scale;
       const float safe = scale == 0.0f ? 1.0f : scale;
-      int8_t* out = qp + r * k;
-      for (int64_t i = 0; i < k; ++i) out[i] = static_cast<int8_t>(std::nearbyint(row[i] / safe));
+      quantize_row(row, qp + r * k, k, safe);
     }
   });
   return {codes, scales};
@@ -112,27 +155,23 @@ void int8_gemm_epilogue(const at::Tensor& acc, const at::Tensor& col_scales, con
                 "], got ", residual->sizes());
   }
   // int32 and float32 have one size: each value is read then overwritten by its float result.
-  const int32_t* ap = acc.data_ptr<int32_t>();
-  aliased_float* yp = reinterpret_cast<aliased_float*>(acc.data_ptr());
+  int32_t* ap = acc.data_ptr<int32_t>();
   const float* cs = col_scales.data_ptr<float>();
   const float* rs = row_scales.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const float* res = residual.has_value() ? residual->data_ptr<float>() : nullptr;
   at::parallel_for(0, m, grain_rows(n), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const int32_t* a = ap + r * n;
-      aliased_float* y = yp + r * n;
-      const float sx = rs[r];
-      if (bp != nullptr && res != nullptr) {
-        const float* rr = res + r * n;
-        for (int64_t j = 0; j < n; ++j) y[j] = static_cast<float>(a[j]) * cs[j] * sx + bp[j] + rr[j];
+      int32_t* a = ap + r * n;
+      const float* rr = res == nullptr ? nullptr : res + r * n;
+      if (bp != nullptr && rr != nullptr) {
+        epilogue_row<true, true>(a, cs, rs[r], bp, rr, n);
       } else if (bp != nullptr) {
-        for (int64_t j = 0; j < n; ++j) y[j] = static_cast<float>(a[j]) * cs[j] * sx + bp[j];
-      } else if (res != nullptr) {
-        const float* rr = res + r * n;
-        for (int64_t j = 0; j < n; ++j) y[j] = static_cast<float>(a[j]) * cs[j] * sx + rr[j];
+        epilogue_row<true, false>(a, cs, rs[r], bp, rr, n);
+      } else if (rr != nullptr) {
+        epilogue_row<false, true>(a, cs, rs[r], bp, rr, n);
       } else {
-        for (int64_t j = 0; j < n; ++j) y[j] = static_cast<float>(a[j]) * cs[j] * sx;
+        epilogue_row<false, false>(a, cs, rs[r], bp, rr, n);
       }
     }
   });

@@ -128,3 +128,17 @@ def test_w8a8_encoder_whose_hidden_size_is_not_a_multiple_of_32(tmp_path):
     assert np.isfinite(outs[0]).all() and abs(np.linalg.norm(outs[0][1]) - 1) < 1e-5
     with pytest.raises(ValueError, match="activation_group_size=-1"):
         LLM(folder, dtype="float32", quantization={"method": "w8a8", "activation_group_size": 32})
+
+
+@pytest.mark.parametrize("rows", [3, 301])
+def test_forward_add_equals_the_product_then_the_sum(rows):
+    # the post-norm blocks' dense + residual: in the epilogue's pass past the GEMV's rows, after it below
+    layer = _layer("int8")
+    g = torch.Generator().manual_seed(rows)
+    x, residual = torch.randn(rows, 97, generator=g), torch.randn(rows, 53, generator=g)
+    assert torch.equal(layer.forward_add(x, residual), layer(x) + residual)
+    float_layer = Linear(97, 53, bias=True)
+    float_layer.weight.data.normal_(generator=g)
+    float_layer.bias.data.normal_(generator=g)
+    float_layer.bind_linear_method(LinearPlan(F32, F32))
+    assert torch.equal(float_layer.forward_add(x, residual), float_layer(x) + residual)
