@@ -12,7 +12,8 @@ between the two engines' embeddings (a check that both computed the same thing).
     python benchmarks/embed_throughput.py --shape bge-base --quantization w8a8-token   # + the int8 fast path
 
 --quantization also times perfxlm with that quantization (a name, JSON, or "w8a8-token": W8A8 with one
-activation scale per token, the integer-GEMM path) in the same run, and reports its cosine to the
+activation scale per token, the integer-GEMM path, which plain "w8a8" also means on the pooling runner)
+in the same run, and reports its cosine to the
 float32 reference and how often each text's nearest other text stays the same.
 """
 

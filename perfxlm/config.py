@@ -198,10 +198,11 @@ class EngineConfig:
                              "data_parallel_size=1, or merge the adapter into the weights.")
         return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras, self.lora_dtype)
 
-    def _resolve_quantization(self) -> Any:
+    def _resolve_quantization(self, runner_kind: str = "generate") -> Any:
         from perfxlm.quant.config import QuantizationConfig
 
-        return QuantizationConfig.resolve(self.quantization, self.quantization_group_size, self.quantization_symmetric)
+        quant = QuantizationConfig.resolve(self.quantization, self.quantization_group_size, self.quantization_symmetric)
+        return None if quant is None else quant.for_runner(runner_kind)
 
     def _weights_stay_quantized(self) -> bool:
         """A GGUF file kept quantized, or a float checkpoint quantized at load."""
@@ -222,7 +223,9 @@ class EngineConfig:
             return "gguf"
         return method if self.quant_config is not None and self.quant_config.quantizes else None
 
-    def resolve(self) -> "EngineConfig":
+    def resolve(self, runner_kind: str = "generate") -> "EngineConfig":
+        """`runner_kind`: the runner that will serve the model ("generate" or "pooling"; some defaults,
+        such as W8A8's activation scales, differ between them)."""
         from perfxlm.model.loader import load_hf_config  # late: loaders import transformers
         from perfxlm.ops.kv_quant import KVCacheSpec
 
@@ -244,7 +247,7 @@ class EngineConfig:
 
         from perfxlm.model.loader import packed_checkpoint
 
-        self.quant_config = self._resolve_quantization()
+        self.quant_config = self._resolve_quantization(runner_kind)
         # a pre-quantized folder (AWQ, GPTQ, compressed-tensors): its config and packed shapes checked here
         packed = packed_checkpoint(self.model, self.load_format)
         self.packed_source = None if packed is None else packed.format.activation_source
@@ -318,7 +321,8 @@ class EngineConfig:
             # dtype="float32" keeps them exact.
             self.torch_dtype = self.weight_dtype = torch.bfloat16
         source = self._quantized_source()
-        self.quant_activation_mode = resolve_activations(self.quant_activations, source, self.weight_dtype)
+        per_token = self.quant_config is not None and self.quant_config.per_token_activations
+        self.quant_activation_mode = resolve_activations(self.quant_activations, source, self.weight_dtype, per_token)
         self.kv_cache_spec = KVCacheSpec.resolve(self.kv_cache_dtype, self.torch_dtype, self.kv_cache_group_size)
         if self.torch_dtype == torch.bfloat16 and _bf16_compute() == "float32" and _native_kernels_usable():
             # Weights and KV cache in bf16 (half the bytes each decode step reads), activations in

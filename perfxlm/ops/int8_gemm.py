@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from perfxlm.ops import native
 from perfxlm.quant.weight import QuantizedWeight
 
 
@@ -40,19 +41,52 @@ def gemm_weight(weight: object) -> torch.Tensor | None:
 
 
 def int8_gemm_linear(
-    x: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., K] -> [..., N] in x's dtype: rows quantized per token (the W8A8 rule), an exact int32 GEMM,
-    then acc x scales[n] x sx[m] + bias, in float32. `scales`: float32 [N]."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.dtype != torch.float32 or not rows.is_contiguous():
-        rows = rows.float().contiguous()
-    qx, sx = quantize_rows(rows)
+    then acc x scales[n] x sx[m] + bias (+ residual [..., N]), in float32. `scales`: float32 [N].
+
+    The passes around the GEMM run natively where the kernels are built (perfxlm/csrc/int8_rows.cpp: one
+    pass each, the same bits); `int8_gemm_reference` is their torch definition and the fallback."""
+    ops = native.kernels_for(x)
+    if ops is None:
+        return int8_gemm_reference(x, qw, scales, bias, residual)
+    rows = _float_rows(x)
+    qx, sx = ops.int8_quantize_rows(rows)
+    acc = torch._int_mm(qx, qw.t())
+    res = None
+    if residual is not None:
+        res = residual.reshape(-1, qw.shape[0])
+        res = res if res.dtype == torch.float32 and res.is_contiguous() else res.float().contiguous()
+    ops.int8_gemm_epilogue(acc, scales, sx, _float_bias(bias), res)
+    return acc.view(torch.float32).to(x.dtype).view(*x.shape[:-1], qw.shape[0])
+
+
+def int8_gemm_reference(
+    x: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`int8_gemm_linear` in torch ops: the definition the native passes equal bit for bit."""
+    qx, sx = quantize_rows(_float_rows(x))
     y = torch._int_mm(qx, qw.t()).float()
     y.mul_(scales).mul_(sx.unsqueeze(1))
     if bias is not None:
-        y.add_(bias.float() if bias.dtype != torch.float32 else bias)
+        y.add_(_float_bias(bias))
+    if residual is not None:
+        y.add_(residual.reshape(y.shape).float())
     return y.to(x.dtype).view(*x.shape[:-1], qw.shape[0])
+
+
+def _float_rows(x: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.dtype == torch.float32 and rows.is_contiguous() else rows.float().contiguous()
+
+
+def _float_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+    if bias is None:
+        return None
+    return bias if bias.dtype == torch.float32 and bias.is_contiguous() else bias.float().contiguous()
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

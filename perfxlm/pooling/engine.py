@@ -38,7 +38,7 @@ class PoolingEngine:
     def __init__(self, config: EngineConfig) -> None:
         from perfxlm.model.loader import load_model
 
-        self.config = config.resolve()
+        self.config = config.resolve(runner_kind="pooling")
         _check_supported(config)
         self.tokenizer = None
         if not config.skip_tokenizer_init:

@@ -13,9 +13,14 @@ Names (vLLM's `quantization` argument):
   (`perfxlm.quant.nf4`), with Q4_K_M's mixed precision (below) by default; `double_quant: false` keeps
   the plain absmax in float16.
 - "w8a8": int8 weights per output channel, symmetric; activations quantized to int8 per token at run
-  time, with one scale per block of 32 activations of the token by default (llama.cpp's Q8
-  activations; measured on the default model: +0.6 % perplexity over the float model, against +3.3 %
-  with one scale per token, which `activation_group_size=-1` selects).
+  time. On the generate runner with one scale per block of 32 activations of the token by default
+  (llama.cpp's Q8 activations; measured on the default model: +0.6 % perplexity over the float model,
+  against +3.3 % with one scale per token, which `activation_group_size=-1` selects). On the pooling
+  runner with one scale per token by default (vLLM's W8A8 int8: dynamic per-token activations): a
+  pooling batch is thousands of rows, which only per-token scales let run as one integer GEMM
+  (`perfxlm.ops.int8_gemm`), and any hidden size takes it (blocks need multiples of 32); an embedding
+  is compared by cosine, where per-token rounding measured 0.998-0.999 on bge-shaped models.
+  `activation_group_size=32` keeps blocks there.
 - "gguf": accepted on a .gguf file (vLLM's spelling): its quantized tensors stay quantized, the default.
 - "none": no quantized weights; a GGUF file's quantized tensors are dequantized at load to `dtype`.
 - "awq", "gptq", "compressed-tensors", "mxfp4", "fp8" (vLLM's names, "awq_marlin" / "gptq_marlin" too): accepted on a
@@ -62,6 +67,7 @@ at "auto" (a knob for tests and benchmarks; an explicit option wins).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -137,14 +143,19 @@ def check_quant_activations(value: Any, name: str = "quant_activations") -> str:
     return choice
 
 
-def resolve_activations(option: Any, source: str | None, weight_dtype: torch.dtype) -> ActivationMode:
+def resolve_activations(
+    option: Any, source: str | None, weight_dtype: torch.dtype, per_token: bool = False
+) -> ActivationMode:
     """The `ActivationMode` of a model's quantized weights, decided once at configuration.
 
     `option`: the engine's quant_activations (auto: the environment's PERFXLM_QUANT_ACTIVATIONS, else the
     format's default); `source`: where the quantized weights come from (one of METHODS, "gguf" for a GGUF
     file's tensors kept quantized, None when no weight stays quantized); `weight_dtype`: the model's
-    weight dtype (under auto a float32 model keeps float32 activations, bfloat16 takes the table above).
-    ValueError where the option contradicts the format or has nothing to apply to."""
+    weight dtype (under auto a float32 model keeps float32 activations, bfloat16 takes the table above);
+    `per_token`: W8A8 with one scale per token, whose layers round whole rows themselves whatever the
+    mode, so the mode reaches only the 8-bit embedding table and LM head: weight-only there under auto,
+    as `QuantizationConfig.quantize_table` says (blocks of 32 would also refuse a hidden size that is
+    not a multiple of 32). ValueError where the option contradicts the format or has nothing to apply to."""
     option = check_quant_activations(option)
     explicit = option != "auto"
     if not explicit:  # the environment stands in for an option left at auto (tests, benchmarks)
@@ -162,6 +173,8 @@ def resolve_activations(option: Any, source: str | None, weight_dtype: torch.dty
                 "quant_activations='float32' with quantization='w8a8': w8a8 quantizes activations to int8 by "
                 "definition. For int8 weights with float32 activations use quantization='int8'."
             )
+        if per_token:
+            return ActivationMode(option) if option != "auto" else _AUTO_ACTIVATIONS["int8"]
         return ActivationMode.INT8
     if option != "auto":
         return ActivationMode(option)
@@ -175,6 +188,7 @@ class QuantizationConfig:
     symmetric: bool = True
     group_explicit: bool = False  # whether group_size came from the user
     activation_group_size: int = ACT_BLOCK  # w8a8 only: 32 per scale, or -1 (one scale per token)
+    activation_group_explicit: bool = False  # whether activation_group_size came from the user
     calibration: str | None = None  # "default" or a text file (int4 asymmetric, nf4 without double
     # quantization); None: calibration-free
     calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS
@@ -191,6 +205,18 @@ class QuantizationConfig:
     @property
     def bits(self) -> int:
         return 4 if self.method in ("int4", "nf4") else 8
+
+    @property
+    def per_token_activations(self) -> bool:
+        """W8A8 with one activation scale per token (the integer-GEMM form)."""
+        return self.method == "w8a8" and self.activation_group_size == PER_CHANNEL
+
+    def for_runner(self, runner_kind: str) -> "QuantizationConfig":
+        """This config as the runner serving the model takes it: W8A8 on the pooling runner quantizes
+        activations per token unless the user chose blocks (the module docstring says why)."""
+        if runner_kind == "pooling" and self.method == "w8a8" and not self.activation_group_explicit:
+            return dataclasses.replace(self, activation_group_size=PER_CHANNEL)
+        return self
 
     def describe(self) -> str:
         if not self.quantizes:
@@ -410,6 +436,7 @@ class QuantizationConfig:
             symmetric=symmetric,
             group_explicit=group is not None,
             activation_group_size=ACT_BLOCK if act_group is None else act_group,
+            activation_group_explicit=act_group is not None,
             **extras,
         )
 

@@ -87,3 +87,58 @@ def test_an_encoder_embeds_through_it_as_without_it(tmp_path, monkeypatch):
     np.testing.assert_allclose(fast, slow, rtol=0, atol=2e-5)
     cos = (fast * ref).sum(1) / np.linalg.norm(fast, axis=1) / np.linalg.norm(ref, axis=1)
     assert cos.min() > 0.9, cos
+
+
+def test_w8a8_means_per_token_on_the_pooling_runner_and_blocks_on_the_generate_runner():
+    from perfxlm.quant.config import QuantizationConfig, resolve_activations
+    from perfxlm.quant.weight import ActivationMode
+
+    plain = QuantizationConfig.resolve("w8a8")
+    assert plain.activation_group_size == 32 and plain.for_runner("generate") is plain
+    pooled = plain.for_runner("pooling")
+    assert pooled.per_token_activations and "one scale per token" in pooled.describe()
+    blocks = QuantizationConfig.resolve({"method": "w8a8", "activation_group_size": 32})
+    assert blocks.for_runner("pooling").activation_group_size == 32  # the user's choice stands
+    assert QuantizationConfig.resolve("int8").for_runner("pooling").activation_group_size == 32  # w8a8 only
+    # the per-token layers round rows themselves: the 8-bit table and head are weight-only under auto
+    assert resolve_activations("auto", "w8a8", F32, per_token=True) is ActivationMode.FLOAT
+    assert resolve_activations("auto", "w8a8", torch.bfloat16, per_token=True) is ActivationMode.FLOAT
+    assert resolve_activations("int8", "w8a8", F32, per_token=True) is ActivationMode.INT8
+    assert resolve_activations("auto", "w8a8", F32) is ActivationMode.INT8
+    with pytest.raises(ValueError, match="quantizes activations to int8 by definition"):
+        resolve_activations("float32", "w8a8", F32, per_token=True)
+
+
+def test_w8a8_encoder_whose_hidden_size_is_not_a_multiple_of_32(tmp_path):
+    """hidden 36: blocks of 32 fit none of its products, per-token scales fit all; the plain name and the
+    dict spelling load the same per-token model (integer GEMM on every layer), and blocks asked for
+    explicitly are refused naming what fits."""
+    from perfxlm import LLM
+    from tests.pooling.checkpoints import make_encoder
+
+    folder = make_encoder(str(tmp_path / "odd"), hidden_size=36, layers=2, heads=3, intermediate=52)
+    texts = ["a short one", "the quick brown fox jumps over the lazy dog " * 2]
+    outs = []
+    for quant in ("w8a8", {"method": "w8a8", "activation_group_size": -1}):
+        llm = LLM(folder, dtype="float32", quantization=quant)
+        linears = [m for m in llm.llm_engine.model.modules() if isinstance(m, Linear)]
+        assert linears and all(m.method.int_gemm is not None for m in linears)
+        outs.append(np.array([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)]))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    assert np.isfinite(outs[0]).all() and abs(np.linalg.norm(outs[0][1]) - 1) < 1e-5
+    with pytest.raises(ValueError, match="activation_group_size=-1"):
+        LLM(folder, dtype="float32", quantization={"method": "w8a8", "activation_group_size": 32})
+
+
+@pytest.mark.parametrize("rows", [3, 301])
+def test_forward_add_equals_the_product_then_the_sum(rows):
+    # the post-norm blocks' dense + residual: in the epilogue's pass past the GEMV's rows, after it below
+    layer = _layer("int8")
+    g = torch.Generator().manual_seed(rows)
+    x, residual = torch.randn(rows, 97, generator=g), torch.randn(rows, 53, generator=g)
+    assert torch.equal(layer.forward_add(x, residual), layer(x) + residual)
+    float_layer = Linear(97, 53, bias=True)
+    float_layer.weight.data.normal_(generator=g)
+    float_layer.bias.data.normal_(generator=g)
+    float_layer.bind_linear_method(LinearPlan(F32, F32))
+    assert torch.equal(float_layer.forward_add(x, residual), float_layer(x) + residual)

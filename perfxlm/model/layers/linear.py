@@ -30,6 +30,13 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x, self.bias)
 
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """self(x) + residual, the sum in the product's own last pass where the method has one (W8A8's
+        integer-GEMM epilogue). A subclass whose forward adds work (a collective, adapters) keeps it."""
+        if type(self).forward is not Linear.forward:
+            return self(x) + residual
+        return self.method.apply_add(self, x, self.bias, residual)
+
     def quantizable_weights(self) -> list[QuantizableWeight]:
         return [QuantizableWeight("weight", LINEAR, self.in_features, self.quantize_weight)]
 

@@ -118,7 +118,8 @@ def get_model(
         sink = quantized_loader(model, quantization, load_format, model_path, packed)
         if sink is not None:
             if activations is None:  # a caller loading without an EngineConfig: the weights' default
-                activations = resolve_activations("auto", sink.source, weight_dtype or dtype)
+                per_token = sink.config is not None and sink.config.per_token_activations
+                activations = resolve_activations("auto", sink.source, weight_dtype or dtype, per_token)
             sink.take_activations(activations)
         if sink is not None and load_format != "dummy":
             # activation statistics, where asked for: from the same checkpoint loaded as `weights` says

@@ -63,7 +63,7 @@ class AddNorm(nn.Module):
         self.LayerNorm = LayerNorm(hidden, eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(x) + residual)
+        return self.LayerNorm(self.dense.forward_add(x, residual))
 
 
 class BertAttention(nn.Module):

@@ -67,6 +67,13 @@ class LinearMethod(ABC):
         """x [..., K] -> [..., N] in x's dtype (LM heads widen their logits themselves)."""
         return self.multiply(x, layer.weight, bias, layer.out_features)
 
+    def apply_add(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor
+    ) -> torch.Tensor:
+        """x W^T + b + residual (a post-norm block's sum before its LayerNorm). Default: the product, then
+        the sum; a method whose product ends in a pass over its output adds the residual there."""
+        return self.apply(layer, x, bias) + residual
+
     @abstractmethod
     def multiply(
         self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None, out_features: int

@@ -71,10 +71,22 @@ class QuantizedLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # many rows of a per-token W8A8 weight (an encoder's batch, a prefill): the integer GEMM, whose
         # exact sums give the plain-torch definition's bits (the GEMV below it: to float rounding)
-        rows = x.numel() // x.shape[-1]
-        if self.int_gemm is not None and rows > max(cpu_plan.plan().quant_max_rows, INT_GEMM_MIN_ROWS):
+        if self._takes_int_gemm(x):
             return int8_gemm_linear(x, *self.int_gemm, bias)
         return super().apply(layer, x, bias)
+
+    def apply_add(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor
+    ) -> torch.Tensor:
+        # the sum in the epilogue's pass: the same bits as after it in float32 (a bf16 sum would round
+        # the product to bf16 first)
+        if self._takes_int_gemm(x) and x.dtype == torch.float32 and residual.dtype == torch.float32:
+            return int8_gemm_linear(x, *self.int_gemm, bias, residual)
+        return super().apply_add(layer, x, bias, residual)
+
+    def _takes_int_gemm(self, x: torch.Tensor) -> bool:
+        rows = x.numel() // x.shape[-1]
+        return self.int_gemm is not None and rows > max(cpu_plan.plan().quant_max_rows, INT_GEMM_MIN_ROWS)
 
     def decide(self, weight: QuantizedWeight, plan: LinearPlan, where: str) -> None:
         self.check(weight, where)
