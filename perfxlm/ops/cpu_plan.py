@@ -44,6 +44,15 @@ int8 dots, keeps int8 and nf4 weight-only, w8a8 always rounds), decided once at 
                                   slabs leave the cache); 8-bit projections lose past 32 (Zen 3, 2
                                   threads); elsewhere the limit above
 
+- PERFXLM_QUANT_GEMM = int8 | float32   what runs the rows past those limits for weights whose activations
+                                  are rounded to int8 blocks: the int8 GEMM (csrc/quant_gemm.cpp:
+                                  vpdpbusd on 16-column panels repacked per call; AVX512-VNNI builds
+                                  only) or torch's float32 GEMM on dequantized slabs. Default int8 on
+                                  AVX512-VNNI without fast bf16, where one 512-row product of the default
+                                  model's and a 1B model's shapes measured 1.4-4x the float32 path
+                                  (Q4_0 and Q8_0 codes, 2 threads, loaded machine); float32 elsewhere
+                                  (a CPU with fast bf16 runs its bf16 GEMM there)
+
 The instruction-set tier (perfxlm.ops.isa: PERFXLM_ISA=auto | scalar | avx2 | avx_vnni | avx512 |
 avx512_vnni | avx512_bf16 | amx) decides the native build and the flags every choice above sees.
 """
@@ -57,6 +66,7 @@ from perfxlm.ops import isa
 
 LAYOUTS = ("rows", "panels")
 GEMMS = ("bf16", "float32")
+QUANT_GEMMS = ("int8", "float32")
 COMPUTES = ("float32", "bfloat16")
 # Measured with 2 threads on the default model's shapes: AMX's bf16 GEMM overtakes the row kernel past
 # 4 rows; the panel kernel beats MKL's float32 GEMM up to 256 rows on AVX-512 without bf16.
@@ -72,11 +82,13 @@ class CpuPlan:
     quant_max_rows: int = 8  # up to this many rows quantized weights take the GEMV kernels
     isa: str = "scalar"  # the instruction-set tier the native kernels are built for
     quant_block_max_rows: int = -1  # the same for 4-bit codes and >4M-value weights; -1: quant_max_rows
+    quant_gemm: str = "float32"  # past those rows, int8-block weights: the int8 GEMM or the float32 one
 
     def describe(self) -> str:
         return (f"isa={self.isa} bf16 layout={self.layout} gemm={self.gemm} native_max_rows={self.native_max_rows} "
                 f"activations={self.bf16_compute} quantized: gemv_max_rows={self.quant_max_rows}"
-                + ("" if self.quant_block_max_rows < 0 else f" (4-bit and heads: {self.quant_block_max_rows})"))
+                + ("" if self.quant_block_max_rows < 0 else f" (4-bit and heads: {self.quant_block_max_rows})")
+                + f" gemm={self.quant_gemm}")
 
 
 def _choice(name: str, allowed: tuple[str, ...], default: str) -> str:
@@ -106,7 +118,19 @@ def detect() -> CpuPlan:
     tier = isa.selected()
     quant_rows = _rows("PERFXLM_QUANT_MAX_ROWS", 8 if fast_bf16 else 32)
     block_rows_limit = _rows("PERFXLM_QUANT_BLOCK_MAX_ROWS", -1 if fast_bf16 else 128)
-    return CpuPlan(layout, gemm, max_rows, compute, quant_rows, tier, block_rows_limit)
+    quant_gemm = _quant_gemm(fast_bf16)
+    return CpuPlan(layout, gemm, max_rows, compute, quant_rows, tier, block_rows_limit, quant_gemm)
+
+
+def _quant_gemm(fast_bf16: bool) -> str:
+    """int8 where the tier has AVX512-VNNI (the int8 GEMM's build) and no fast bf16 GEMM; forcing int8
+    on a tier without VNNI is an error, not a quiet fallback."""
+    vnni = "avx512_vnni" in isa.visible_flags()
+    choice = _choice("PERFXLM_QUANT_GEMM", QUANT_GEMMS, "int8" if vnni and not fast_bf16 else "float32")
+    if choice == "int8" and not vnni:
+        raise ValueError(f"PERFXLM_QUANT_GEMM=int8 needs AVX512-VNNI; the {isa.selected()} tier lacks it "
+                         "(set float32 or auto).")
+    return choice
 
 
 def _rows(name: str, default: int) -> int:

@@ -27,7 +27,7 @@ _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 # One extension: the layer kernels, the KV cache kernels and the quantized-weight products (the fused
 # layer calls all three), and the quantizers' group search (used at load).
 _SOURCES = [_CSRC / "cpu_kernels.cpp", _CSRC / "attention_kernels.cpp", _CSRC / "quant_linear.cpp",
-            _CSRC / "quant_search.cpp", _CSRC / "lora_kernels.cpp"]
+            _CSRC / "quant_search.cpp", _CSRC / "lora_kernels.cpp", _CSRC / "quant_gemm.cpp"]
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
