@@ -22,8 +22,12 @@
 // are the same integers and its float steps the same), but it is not bit-identical to the block GEMV's
 // (which adds 64-input chunks in another order): equal to float32 rounding.
 //
-// The plain-torch reference is perfxlm.quant.reference on fake-quantized activations; without AVX512-VNNI
-// this build has no GEMM (quant_block_gemm_rows() says so) and the engine keeps its float32 path.
+// AVX2 builds run the same scheme on ymm (8 columns per register, 4-row tiles: 16 registers hold the int32
+// sums, the float32 ones stay in L1), with vpdpbusd on ymm where the CPU has AVX-VNNI, else vpmaddubsw +
+// vpmaddwd (llama.cpp's AVX2 dot), whose int16 pair sums limit the codes to 128: 8-bit codes keep the
+// float32 path there. The scalar build has no GEMM (quant_block_gemm_max_code() is 0).
+//
+// The plain-torch reference is perfxlm.quant.reference on fake-quantized activations.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -36,19 +40,37 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PERFXLM_QGEMM_ZMM 1  // 16 columns per register, vpdpbusd
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PERFXLM_QGEMM_YMM 1  // 8 columns per register, vpdpbusd on ymm (AVX-VNNI) or vpmaddubsw + vpmaddwd
+#endif
+#if defined(PERFXLM_QGEMM_ZMM) || defined(PERFXLM_QGEMM_YMM)
 #include <immintrin.h>
-#define PERFXLM_QGEMM_VNNI 1
+#define PERFXLM_QGEMM 1
 #endif
 
 namespace perfxlm_qgemm {
 namespace {
 
-#ifdef PERFXLM_QGEMM_VNNI
+#ifdef PERFXLM_QGEMM
+#ifdef PERFXLM_QGEMM_ZMM
 constexpr int kLanes = 16;      // output columns per register (int32 lanes of a zmm)
-constexpr int kPanels = 2;      // panels per task: 32 columns
+constexpr int kRowTile = 6;     // rows per register tile: 12 int32 + 12 float32 accumulators of 32
+constexpr int kMaxCode = 255;   // vpdpbusd takes any unsigned byte
+#else
+constexpr int kLanes = 8;       // a ymm's int32 lanes
+constexpr int kRowTile = 4;     // 8 int32 accumulators of 16 ymm; the float32 ones live in L1
+#ifdef __AVXVNNI__
+constexpr int kMaxCode = 255;
+#else
+// vpmaddubsw saturates its int16 pair sums: codes up to 128 (x 127 x 2 = 32512) cannot reach it, 8-bit
+// codes can, so those keep the float32 path on this build (quant_block_gemm_max_code() says 128)
+constexpr int kMaxCode = 128;
+#endif
+#endif
+constexpr int kPanels = 2;      // panels per task: 32 (zmm) or 16 (ymm) columns
 constexpr int kCols = kLanes * kPanels;
-constexpr int kRowTile = 6;     // rows per register tile: 12 int32 + 12 float32 accumulators
 
 // The weight as raw pointers, and how its codes decode.
 struct Weight {
@@ -89,7 +111,17 @@ inline void block_codes(const Weight& w, int64_t n, int64_t b, uint8_t* out) {
     uint32_t fifth;
     std::memcpy(&fifth, row + w.K / 2 + b * 4, 4);
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(out));
+#ifdef PERFXLM_QGEMM_ZMM
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_mask_add_epi8(v, fifth, v, _mm256_set1_epi8(16)));
+#else
+    // byte j takes bit j: spread byte j / 8 of the word to byte j, keep bit j % 8, add 16 where set
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(static_cast<int>(fifth)),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+    const __m256i on = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_add_epi8(v, _mm256_and_si256(on, _mm256_set1_epi8(16))));
+#endif
   }
 }
 
@@ -126,6 +158,7 @@ struct Acts {
   std::vector<int32_t> total;
 };
 
+#ifdef PERFXLM_QGEMM_ZMM
 // quant_linear.cpp's quantize_block on zmm: max |x| / 127, each value divided by it and rounded half to
 // even, so the same bytes as the block GEMV's.
 inline float quantize_block(const float* src, int8_t* q) {
@@ -144,6 +177,36 @@ inline float quantize_block(const float* src, int8_t* q) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(rb)));
   return scale;
 }
+
+#else
+// quant_linear.cpp's quantize_block_simd (ymm): the same division and round-half-to-even per value.
+inline float quantize_block(const float* src, int8_t* q) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4], amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(src + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float scale = _mm_cvtss_f32(m) / 127.f;
+  if (!(scale > 0.f)) {
+    std::memset(q, 0, 32);
+    return scale;
+  }
+  const __m256 d = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  __m256i r[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 t = _mm256_round_ps(_mm256_div_ps(v[i], d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, t)));
+  }
+  const __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  return scale;
+}
+
+#endif
 
 void quantize(const float* x, int64_t M, int64_t K, Acts& a) {
   const int64_t blocks = K / 32;
@@ -165,6 +228,7 @@ void quantize(const float* x, int64_t M, int64_t K, Acts& a) {
   });
 }
 
+#ifdef PERFXLM_QGEMM_ZMM
 // Rows [m0, m0 + MT) x the task's 32 columns, all of K: int32 sums per block, scaled into float32.
 template <int MT, bool MINS>
 inline void tile(const Acts& a, int64_t m0, int64_t K, int centre, const Panels& p, int64_t n0, int64_t N, float* y,
@@ -224,6 +288,67 @@ inline void tile(const Acts& a, int64_t m0, int64_t K, int centre, const Panels&
   }
 }
 
+#else
+inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {  // acc + sums of 4 products u8 x s8, per lane
+#ifdef __AVXVNNI__
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+// Rows [m0, m0 + MT) x the task's 16 columns, all of K: int32 sums per block in registers, the float32
+// sums in an L1 buffer (16 ymm hold only the int32 ones).
+template <int MT, bool MINS>
+inline void tile(const Acts& a, int64_t m0, int64_t K, int centre, const Panels& p, int64_t n0, int64_t N, float* y,
+                 const float* bias) {
+  const int64_t blocks = K / 32;
+  alignas(32) float acc[MT][kCols] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i dot[MT][kPanels];
+    #pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i) {
+      const __m256i start = _mm256_set1_epi32(-centre * a.total[(m0 + i) * blocks + b]);
+      #pragma GCC unroll 2
+      for (int j = 0; j < kPanels; ++j) dot[i][j] = start;
+    }
+    const uint8_t* wb = p.codes.data() + b * 8 * kCols * 4;
+    const int8_t* xb = a.q.data() + m0 * K + b * 32;
+    #pragma GCC unroll 8
+    for (int q = 0; q < 8; ++q) {
+      __m256i wv[kPanels];
+      #pragma GCC unroll 2
+      for (int j = 0; j < kPanels; ++j) wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + (q * kCols + j * kLanes) * 4));
+      #pragma GCC unroll 8
+      for (int i = 0; i < MT; ++i) {
+        int32_t x4;
+        std::memcpy(&x4, xb + i * K + 4 * q, 4);
+        const __m256i xv = _mm256_set1_epi32(x4);
+        #pragma GCC unroll 2
+        for (int j = 0; j < kPanels; ++j) dot[i][j] = dot4(dot[i][j], wv[j], xv);
+      }
+    }
+    #pragma GCC unroll 2
+    for (int j = 0; j < kPanels; ++j) {
+      const __m256 sw = _mm256_loadu_ps(p.scales.data() + b * kCols + j * kLanes);
+      __m256 mw;
+      if constexpr (MINS) mw = _mm256_loadu_ps(p.mins.data() + b * kCols + j * kLanes);
+      #pragma GCC unroll 8
+      for (int i = 0; i < MT; ++i) {
+        const __m256 s = _mm256_mul_ps(sw, _mm256_set1_ps(a.scale[(m0 + i) * blocks + b]));
+        __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][j]), s, _mm256_load_ps(acc[i] + j * kLanes));
+        if constexpr (MINS) t = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.scaled_sum[(m0 + i) * blocks + b]), t);
+        _mm256_store_ps(acc[i] + j * kLanes, t);
+      }
+    }
+  }
+  const int64_t cols = std::min<int64_t>(kCols, N - n0);
+  for (int i = 0; i < MT; ++i)
+    for (int64_t c = 0; c < cols; ++c) y[(m0 + i) * N + n0 + c] = acc[i][c] + (bias ? bias[n0 + c] : 0.f);
+}
+
+#endif
+
 template <bool MINS>
 void run_task(const Acts& a, int64_t m_begin, int64_t m_end, const Weight& w, const Panels& p, int64_t n0, float* y,
               const float* bias) {
@@ -269,13 +394,16 @@ Weight describe(const at::Tensor& codes, const at::Tensor& scales, const c10::op
       lo = std::min(lo, lv[i]);
       hi = std::max(hi, lv[i]);
     }
-    TORCH_CHECK(hi - lo <= 255.f, "quant_block_gemm: a level table must span at most 255");
+    TORCH_CHECK(hi - lo <= static_cast<float>(kMaxCode), "quant_block_gemm: a level table must span at most ",
+                kMaxCode, " on this build");
     for (int i = 0; i < 16; ++i) w.ulut[i] = static_cast<uint8_t>(lv[i] - lo);
     w.lut = true;
     w.centre = static_cast<int>(-lo);  // levels[u] = ulut[u] - centre
   } else if (centred) {
     w.centre = bits == 8 ? 128 : bits == 5 ? 16 : 8;
   }
+  TORCH_CHECK(bits < 8 || kMaxCode >= 255, "quant_block_gemm: this build (AVX2 without AVX-VNNI) takes codes of at "
+              "most ", kMaxCode, ": 8-bit codes run linear_q");
   return w;
 }
 
@@ -326,23 +454,25 @@ at::Tensor quant_block_gemm(const at::Tensor& x, const at::Tensor& codes, const 
   return y;
 }
 
-#else  // no AVX512-VNNI: no GEMM; the engine keeps its float32 path (quant_block_gemm_built() is false)
+#else  // no AVX2: no GEMM; the engine keeps its float32 path (quant_block_gemm_max_code() is 0)
 
 }  // namespace
 
 at::Tensor quant_block_gemm(const at::Tensor& x, const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
                             const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&) {
-  TORCH_CHECK(false, "quant_block_gemm: this build of the kernels has no int8 GEMM (it needs AVX512-VNNI)");
+  TORCH_CHECK(false, "quant_block_gemm: this build of the kernels has no int8 GEMM (it needs AVX2)");
   return x;
 }
 
-#endif  // PERFXLM_QGEMM_VNNI
+#endif  // PERFXLM_QGEMM
 
-bool quant_block_gemm_built() {
-#ifdef PERFXLM_QGEMM_VNNI
-  return true;
+// The largest unsigned code (after a level table's offset) this build's GEMM takes: 255 with vpdpbusd, 128
+// with vpmaddubsw (AVX2 without AVX-VNNI), 0 where there is no GEMM.
+int64_t quant_block_gemm_max_code() {
+#ifdef PERFXLM_QGEMM
+  return kMaxCode;
 #else
-  return false;
+  return 0;
 #endif
 }
 
@@ -350,7 +480,7 @@ bool quant_block_gemm_built() {
 
 TORCH_LIBRARY_FRAGMENT(perfxlm, m) {
   m.def("quant_block_gemm(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? levels, Tensor? bias) -> Tensor");
-  m.def("quant_block_gemm_built() -> bool", &perfxlm_qgemm::quant_block_gemm_built);
+  m.def("quant_block_gemm_max_code() -> int", &perfxlm_qgemm::quant_block_gemm_max_code);
 }
 
 TORCH_LIBRARY_IMPL(perfxlm, CPU, m) { m.impl("quant_block_gemm", &perfxlm_qgemm::quant_block_gemm); }

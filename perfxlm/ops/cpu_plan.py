@@ -46,12 +46,14 @@ int8 dots, keeps int8 and nf4 weight-only, w8a8 always rounds), decided once at 
 
 - PERFXLM_QUANT_GEMM = int8 | float32   what runs the rows past those limits for weights whose activations
                                   are rounded to int8 blocks: the int8 GEMM (csrc/quant_gemm.cpp:
-                                  vpdpbusd on 16-column panels repacked per call; AVX512-VNNI builds
-                                  only) or torch's float32 GEMM on dequantized slabs. Default int8 on
+                                  vpdpbusd on 16-column panels repacked per call; on AVX2 builds
+                                  8-column panels, 4-bit and 5-bit codes only without AVX-VNNI) or
+                                  torch's float32 GEMM on dequantized slabs. Default int8 on
                                   AVX512-VNNI without fast bf16, where one 512-row product of the default
                                   model's and a 1B model's shapes measured 1.4-4x the float32 path
                                   (Q4_0 and Q8_0 codes, 2 threads, loaded machine); float32 elsewhere
-                                  (a CPU with fast bf16 runs its bf16 GEMM there)
+                                  (a CPU with fast bf16 runs its bf16 GEMM there; AVX2 is not measured
+                                  yet: PERFXLM_QUANT_GEMM=int8 runs it)
 
 The instruction-set tier (perfxlm.ops.isa: PERFXLM_ISA=auto | scalar | avx2 | avx_vnni | avx512 |
 avx512_vnni | avx512_bf16 | amx) decides the native build and the flags every choice above sees.
@@ -123,12 +125,12 @@ def detect() -> CpuPlan:
 
 
 def _quant_gemm(fast_bf16: bool) -> str:
-    """int8 where the tier has AVX512-VNNI (the int8 GEMM's build) and no fast bf16 GEMM; forcing int8
-    on a tier without VNNI is an error, not a quiet fallback."""
-    vnni = "avx512_vnni" in isa.visible_flags()
-    choice = _choice("PERFXLM_QUANT_GEMM", QUANT_GEMMS, "int8" if vnni and not fast_bf16 else "float32")
-    if choice == "int8" and not vnni:
-        raise ValueError(f"PERFXLM_QUANT_GEMM=int8 needs AVX512-VNNI; the {isa.selected()} tier lacks it "
+    """int8 by default where the tier has AVX512-VNNI and no fast bf16 GEMM (measured there); forcing
+    int8 on a tier without AVX2 (no GEMM in its build) is an error, not a quiet fallback."""
+    flags = isa.visible_flags()
+    choice = _choice("PERFXLM_QUANT_GEMM", QUANT_GEMMS, "int8" if "avx512_vnni" in flags and not fast_bf16 else "float32")
+    if choice == "int8" and not {"avx2", "fma"} <= flags:
+        raise ValueError(f"PERFXLM_QUANT_GEMM=int8 needs AVX2; the {isa.selected()} tier lacks it "
                          "(set float32 or auto).")
     return choice
 

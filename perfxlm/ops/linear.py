@@ -145,15 +145,25 @@ def gemv_rows(weight: QuantizedWeight, plan: cpu_plan.CpuPlan) -> int:
 
 def gemm_takes(weight: QuantizedWeight) -> bool:
     """Whether the int8 GEMM (csrc quant_gemm.cpp) takes an int8-block weight: groups of whole 32-blocks
-    (not 8-bit groups of 16), a level table only of integers (MXFP4's), and a build that has it; not W8A8
-    per token (one activation scale per row: its own integer GEMM)."""
-    return weight.act != "int8" and weight.group % 32 == 0 and (weight.levels is None or integer_levels(weight)) and _gemm_built()
+    (not 8-bit groups of 16), a level table only of integers (MXFP4's), codes within what the build's dot
+    instruction takes (AVX2 without AVX-VNNI: up to 128, so not 8-bit codes); not W8A8 per token (one
+    activation scale per row: its own integer GEMM)."""
+    if weight.act == "int8" or weight.group % 32 != 0:
+        return False
+    if weight.levels is None:
+        top = (1 << weight.bits) - 1
+    elif integer_levels(weight):
+        top = int(weight.levels.max() - weight.levels.min())
+    else:
+        return False
+    return top <= gemm_max_code()
 
 
 @functools.cache
-def _gemm_built() -> bool:  # a property of the native build, fixed for the process
+def gemm_max_code() -> int:
+    """The largest unsigned code the native build's int8 GEMM takes (0: no GEMM); fixed for the process."""
     ops = native.kernels()
-    return ops is not None and hasattr(ops, "quant_block_gemm_built") and bool(ops.quant_block_gemm_built())
+    return int(ops.quant_block_gemm_max_code()) if ops is not None and hasattr(ops, "quant_block_gemm_max_code") else 0
 
 
 def native_int8_blocks(weight: QuantizedWeight) -> bool:

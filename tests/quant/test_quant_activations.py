@@ -268,7 +268,7 @@ def test_a_long_prompt_reads_the_same_under_the_int8_gemm_and_the_float32_gemm(l
     prompt = [(7 * i + 3) % 250 + 1 for i in range(161)]
     params = SamplingParams(temperature=0, max_tokens=6)
     texts = []
-    for choice in ("float32", "int8" if linear_ops._gemm_built() else "float32"):
+    for choice in ("float32", "int8" if linear_ops.gemm_max_code() else "float32"):
         monkeypatch.setenv("PERFXLM_QUANT_GEMM", choice)
         cpu_plan.reset()
         llm = LLM(llama_gguf, skip_tokenizer_init=True, num_kv_blocks=32, dtype="bfloat16")

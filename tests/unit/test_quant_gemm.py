@@ -1,15 +1,16 @@
 """The int8 GEMM for many rows of int8-block weights (csrc/quant_gemm.cpp) against the plain definition:
 activations rounded to int8 per block of 32 (scale max|x| / 127, half to even), times the dequantized
 weight, in float64. Formats: 4-bit (centred and with mins), 5-bit, 8-bit, an integer level table (MXFP4's
-kind), float32 and float16 scales, groups of 32, 64 and whole rows; odd row and column counts. Built only
-for AVX512-VNNI: on other tiers (test_portable_kernels runs this file on each) the tests check that the op
-refuses with a clear error and is never picked, and the plan keeps the float32 GEMM there."""
+kind), float32 and float16 scales, groups of 32, 64 and whole rows; odd row and column counts. Built for
+AVX512-VNNI (zmm) and AVX2 (ymm; 8-bit codes only with AVX-VNNI); where a build has no GEMM or takes no
+codes this wide (test_portable_kernels runs this file on each tier) the tests check that the op refuses
+with a clear error and is never picked."""
 
 import pytest
 import torch
 
 from perfxlm.ops import cpu_plan, isa, native
-from perfxlm.ops.linear import gemm_takes, run_linear_q
+from perfxlm.ops.linear import gemm_max_code, gemm_takes, run_linear_q
 from perfxlm.quant.reference import fake_quantize_blocks
 from perfxlm.quant.weight import ActivationMode, QuantizedWeight, pack_codes
 
@@ -17,17 +18,17 @@ from test_quant_linear_ops import _centred, _dequant, _weight
 
 ops = native.kernels()
 pytestmark = pytest.mark.skipif(ops is None, reason="no compiler for the native kernels")
-built = ops is not None and bool(ops.quant_block_gemm_built())
 
 
-def _refused() -> bool:
-    """On a build without the GEMM (scalar, AVX2, AVX-VNNI tiers): the op says so, and is never picked."""
-    if built:
+def _refused(bits: int = 4) -> bool:
+    """Where the build has no GEMM (scalar) or takes no codes this wide (8-bit on AVX2 without AVX-VNNI):
+    the op says so, and the layer never picks it."""
+    if (1 << bits) - 1 <= gemm_max_code():
         return False
-    codes, scales, _, _ = _centred(5, 64, 4, 32, False, False, 0)
-    with pytest.raises(RuntimeError, match="no int8 GEMM"):
+    codes, scales, _, _ = _centred(5, 64, bits, 32, False, False, 0)
+    with pytest.raises(RuntimeError, match="no int8 GEMM" if gemm_max_code() == 0 else "8-bit codes run linear_q"):
         ops.quant_block_gemm(torch.randn(2, 64), codes, scales, None, None, None)
-    assert not gemm_takes(_qweight(4, 5, 64, 0))
+    assert not gemm_takes(_qweight(bits, 5, 64, 0))
     return True
 
 MXFP4_DOUBLED = torch.tensor([0.0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12])
@@ -57,7 +58,7 @@ def _case(bits, n, k, group, half, kind):
 @pytest.mark.parametrize("rows", [1, 7, 37, 130])
 @pytest.mark.parametrize("bits,n,k,group,half,kind", CASES)
 def test_gemm_matches_the_definition(bits, n, k, group, half, kind, rows):
-    if _refused():
+    if _refused(bits):
         return
     codes, scales, mins, levels = _case(bits, n, k, group, half, kind)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows * k))
@@ -74,7 +75,7 @@ def test_gemm_matches_the_definition(bits, n, k, group, half, kind, rows):
 def test_a_row_alone_is_bit_identical_to_the_row_in_a_batch(bits, n, k, group, half, kind):
     """A row's int32 block sums and its float steps do not depend on the rows beside it (nor on which
     thread or row tile takes it), so a prompt's token gets the same bits whatever its step held."""
-    if _refused():
+    if _refused(bits):
         return
     codes, scales, mins, levels = _case(bits, n, k, group, half, kind)
     x = torch.randn(131, k, generator=torch.Generator().manual_seed(k))
@@ -111,7 +112,7 @@ def _qweight(bits, n, k, seed, act="float"):
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_many_rows_of_a_layer_run_the_gemm_under_an_int8_plan_and_the_float_gemm_under_float32(bits):
-    if _refused():
+    if _refused(bits):
         return
     weight = _qweight(bits, 45, 192, bits)
     weight.activations = ActivationMode.INT8_NATIVE  # a weight-only format under quant_activations=int8
@@ -138,10 +139,10 @@ def test_the_plan_takes_the_int8_gemm_only_where_the_tier_has_it(monkeypatch):
     with pytest.raises(ValueError, match="PERFXLM_QUANT_GEMM='fast'"):
         cpu_plan.detect()
     monkeypatch.setenv("PERFXLM_QUANT_GEMM", "int8")
-    if "avx512_vnni" in isa.visible_flags():
+    if "avx2" in isa.visible_flags():
         assert cpu_plan.detect().quant_gemm == "int8"
     else:
-        with pytest.raises(ValueError, match="needs AVX512-VNNI"):
+        with pytest.raises(ValueError, match="needs AVX2"):
             cpu_plan.detect()
     monkeypatch.delenv("PERFXLM_QUANT_GEMM")
     vnni_without_bf16 = "avx512_vnni" in isa.visible_flags() and not isa.has_fast_bf16()
