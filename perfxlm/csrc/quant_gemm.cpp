@@ -231,8 +231,9 @@ void quantize(const float* x, int64_t M, int64_t K, Acts& a) {
 #ifdef PERFXLM_QGEMM_ZMM
 // Rows [m0, m0 + MT) x the task's 32 columns, all of K: int32 sums per block, scaled into float32.
 template <int MT, bool MINS>
-inline void tile(const Acts& a, int64_t m0, int64_t K, int centre, const Panels& p, int64_t n0, int64_t N, float* y,
-                 const float* bias) {
+inline void tile(const Acts& a, int64_t m0, int64_t K, int centre, bool nibbles, const Panels& p, int64_t n0,
+                 int64_t N, float* y, const float* bias) {
+  (void)nibbles;  // vpdpbusd takes any code width alike
   const int64_t blocks = K / 32;
   __m512 acc[MT][kPanels];
   #pragma GCC unroll 8
@@ -300,20 +301,52 @@ inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {  // acc + sums of 4 pro
 // Rows [m0, m0 + MT) x the task's 16 columns, all of K: int32 sums per block in registers, the float32
 // sums in an L1 buffer (16 ymm hold only the int32 ones).
 template <int MT, bool MINS>
-inline void tile(const Acts& a, int64_t m0, int64_t K, int centre, const Panels& p, int64_t n0, int64_t N, float* y,
-                 const float* bias) {
+inline void tile(const Acts& a, int64_t m0, int64_t K, int centre, bool nibbles, const Panels& p, int64_t n0,
+                 int64_t N, float* y, const float* bias) {
+  (void)nibbles;  // used without AVX-VNNI only
   const int64_t blocks = K / 32;
   alignas(32) float acc[MT][kCols] = {};
   for (int64_t b = 0; b < blocks; ++b) {
     __m256i dot[MT][kPanels];
+    const uint8_t* wb = p.codes.data() + b * 8 * kCols * 4;
+    const int8_t* xb = a.q.data() + m0 * K + b * 32;
+#ifndef __AVXVNNI__
+    if (nibbles) {
+      // codes <= 15: a block's 8 int16 pair sums stay within int16 (8 x 2 x 15 x 127 = 30480), so they add
+      // as int16 and widen once per block: 2 instructions per 4 x 8 products instead of 3
+      __m256i s16[MT][kPanels];
+      #pragma GCC unroll 8
+      for (int q = 0; q < 8; ++q) {
+        __m256i wv[kPanels];
+        #pragma GCC unroll 2
+        for (int j = 0; j < kPanels; ++j) wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + (q * kCols + j * kLanes) * 4));
+        #pragma GCC unroll 8
+        for (int i = 0; i < MT; ++i) {
+          int32_t x4;
+          std::memcpy(&x4, xb + i * K + 4 * q, 4);
+          const __m256i xv = _mm256_set1_epi32(x4);
+          #pragma GCC unroll 2
+          for (int j = 0; j < kPanels; ++j) {
+            const __m256i t = _mm256_maddubs_epi16(wv[j], xv);
+            s16[i][j] = q == 0 ? t : _mm256_add_epi16(s16[i][j], t);
+          }
+        }
+      }
+      #pragma GCC unroll 8
+      for (int i = 0; i < MT; ++i) {
+        const __m256i start = _mm256_set1_epi32(-centre * a.total[(m0 + i) * blocks + b]);
+        #pragma GCC unroll 2
+        for (int j = 0; j < kPanels; ++j) dot[i][j] = _mm256_add_epi32(start, _mm256_madd_epi16(s16[i][j], _mm256_set1_epi16(1)));
+      }
+    } else
+#endif
+    {
     #pragma GCC unroll 8
     for (int i = 0; i < MT; ++i) {
       const __m256i start = _mm256_set1_epi32(-centre * a.total[(m0 + i) * blocks + b]);
       #pragma GCC unroll 2
       for (int j = 0; j < kPanels; ++j) dot[i][j] = start;
     }
-    const uint8_t* wb = p.codes.data() + b * 8 * kCols * 4;
-    const int8_t* xb = a.q.data() + m0 * K + b * 32;
     #pragma GCC unroll 8
     for (int q = 0; q < 8; ++q) {
       __m256i wv[kPanels];
@@ -327,6 +360,7 @@ inline void tile(const Acts& a, int64_t m0, int64_t K, int centre, const Panels&
         #pragma GCC unroll 2
         for (int j = 0; j < kPanels; ++j) dot[i][j] = dot4(dot[i][j], wv[j], xv);
       }
+    }
     }
     #pragma GCC unroll 2
     for (int j = 0; j < kPanels; ++j) {
@@ -352,14 +386,15 @@ inline void tile(const Acts& a, int64_t m0, int64_t K, int centre, const Panels&
 template <bool MINS>
 void run_task(const Acts& a, int64_t m_begin, int64_t m_end, const Weight& w, const Panels& p, int64_t n0, float* y,
               const float* bias) {
+  const bool nibbles = w.bits == 4 && !w.lut;  // codes <= 15 (the ymm kernel's int16 sums)
   int64_t m = m_begin;
-  for (; m + kRowTile <= m_end; m += kRowTile) tile<kRowTile, MINS>(a, m, w.K, w.centre, p, n0, w.N, y, bias);
+  for (; m + kRowTile <= m_end; m += kRowTile) tile<kRowTile, MINS>(a, m, w.K, w.centre, nibbles, p, n0, w.N, y, bias);
   switch (m_end - m) {  // the last rows: a shorter tile
-    case 5: tile<5, MINS>(a, m, w.K, w.centre, p, n0, w.N, y, bias); break;
-    case 4: tile<4, MINS>(a, m, w.K, w.centre, p, n0, w.N, y, bias); break;
-    case 3: tile<3, MINS>(a, m, w.K, w.centre, p, n0, w.N, y, bias); break;
-    case 2: tile<2, MINS>(a, m, w.K, w.centre, p, n0, w.N, y, bias); break;
-    case 1: tile<1, MINS>(a, m, w.K, w.centre, p, n0, w.N, y, bias); break;
+    case 5: tile<5, MINS>(a, m, w.K, w.centre, nibbles, p, n0, w.N, y, bias); break;
+    case 4: tile<4, MINS>(a, m, w.K, w.centre, nibbles, p, n0, w.N, y, bias); break;
+    case 3: tile<3, MINS>(a, m, w.K, w.centre, nibbles, p, n0, w.N, y, bias); break;
+    case 2: tile<2, MINS>(a, m, w.K, w.centre, nibbles, p, n0, w.N, y, bias); break;
+    case 1: tile<1, MINS>(a, m, w.K, w.centre, nibbles, p, n0, w.N, y, bias); break;
     default: break;
   }
 }

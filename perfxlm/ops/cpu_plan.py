@@ -49,11 +49,12 @@ int8 dots, keeps int8 and nf4 weight-only, w8a8 always rounds), decided once at 
                                   vpdpbusd on 16-column panels repacked per call; on AVX2 builds
                                   8-column panels, 4-bit and 5-bit codes only without AVX-VNNI) or
                                   torch's float32 GEMM on dequantized slabs. Default int8 on
-                                  AVX512-VNNI without fast bf16, where one 512-row product of the default
-                                  model's and a 1B model's shapes measured 1.4-4x the float32 path
-                                  (Q4_0 and Q8_0 codes, 2 threads, loaded machine); float32 elsewhere
-                                  (a CPU with fast bf16 runs its bf16 GEMM there; AVX2 is not measured
-                                  yet: PERFXLM_QUANT_GEMM=int8 runs it)
+                                  AVX512-VNNI and on AVX2 / AVX-VNNI, without fast bf16: one 512-row
+                                  product (2 threads / one thread's CPU time, loaded machine) measured
+                                  1.4-4.4x the float32 path on AVX512-VNNI (Q4_0 and Q8_0, the default
+                                  model's and a 1B model's shapes), 1.5-1.8x forced to the avx2 tier
+                                  (Q4_0); float32 on AVX-512 without VNNI (its float32 GEMM is twice
+                                  AVX2's; not measured) and where the CPU has fast bf16 (its bf16 GEMM)
 
 The instruction-set tier (perfxlm.ops.isa: PERFXLM_ISA=auto | scalar | avx2 | avx_vnni | avx512 |
 avx512_vnni | avx512_bf16 | amx) decides the native build and the flags every choice above sees.
@@ -90,7 +91,7 @@ class CpuPlan:
         return (f"isa={self.isa} bf16 layout={self.layout} gemm={self.gemm} native_max_rows={self.native_max_rows} "
                 f"activations={self.bf16_compute} quantized: gemv_max_rows={self.quant_max_rows}"
                 + ("" if self.quant_block_max_rows < 0 else f" (4-bit and heads: {self.quant_block_max_rows})")
-                + f" gemm={self.quant_gemm}")
+                + f", then the {self.quant_gemm} GEMM")
 
 
 def _choice(name: str, allowed: tuple[str, ...], default: str) -> str:
@@ -125,10 +126,11 @@ def detect() -> CpuPlan:
 
 
 def _quant_gemm(fast_bf16: bool) -> str:
-    """int8 by default where the tier has AVX512-VNNI and no fast bf16 GEMM (measured there); forcing
-    int8 on a tier without AVX2 (no GEMM in its build) is an error, not a quiet fallback."""
+    """int8 by default where it was measured faster: AVX512-VNNI, and AVX2 without AVX-512, both without
+    fast bf16; forcing int8 on a tier without AVX2 (no GEMM in its build) is an error, not a quiet fallback."""
     flags = isa.visible_flags()
-    choice = _choice("PERFXLM_QUANT_GEMM", QUANT_GEMMS, "int8" if "avx512_vnni" in flags and not fast_bf16 else "float32")
+    measured = "avx512_vnni" in flags or ("avx2" in flags and "avx512f" not in flags)
+    choice = _choice("PERFXLM_QUANT_GEMM", QUANT_GEMMS, "int8" if measured and not fast_bf16 else "float32")
     if choice == "int8" and not {"avx2", "fma"} <= flags:
         raise ValueError(f"PERFXLM_QUANT_GEMM=int8 needs AVX2; the {isa.selected()} tier lacks it "
                          "(set float32 or auto).")
