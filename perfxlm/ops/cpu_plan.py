@@ -44,6 +44,18 @@ int8 dots, keeps int8 and nf4 weight-only, w8a8 always rounds), decided once at 
                                   slabs leave the cache); 8-bit projections lose past 32 (Zen 3, 2
                                   threads); elsewhere the limit above
 
+- PERFXLM_QUANT_GEMM = int8 | float32   what runs the rows past those limits for weights whose activations
+                                  are rounded to int8 blocks: the int8 GEMM (csrc/quant_gemm.cpp:
+                                  vpdpbusd on 16-column panels repacked per call; on AVX2 builds
+                                  8-column panels, 4-bit and 5-bit codes only without AVX-VNNI) or
+                                  torch's float32 GEMM on dequantized slabs. Default int8 on
+                                  AVX512-VNNI and on AVX2 / AVX-VNNI, without fast bf16: one 512-row
+                                  product (2 threads / one thread's CPU time, loaded machine) measured
+                                  1.4-4.4x the float32 path on AVX512-VNNI (Q4_0 and Q8_0, the default
+                                  model's and a 1B model's shapes), 1.5-1.8x forced to the avx2 tier
+                                  (Q4_0); float32 on AVX-512 without VNNI (its float32 GEMM is twice
+                                  AVX2's; not measured) and where the CPU has fast bf16 (its bf16 GEMM)
+
 The instruction-set tier (perfxlm.ops.isa: PERFXLM_ISA=auto | scalar | avx2 | avx_vnni | avx512 |
 avx512_vnni | avx512_bf16 | amx) decides the native build and the flags every choice above sees.
 """
@@ -57,6 +69,7 @@ from perfxlm.ops import isa
 
 LAYOUTS = ("rows", "panels")
 GEMMS = ("bf16", "float32")
+QUANT_GEMMS = ("int8", "float32")
 COMPUTES = ("float32", "bfloat16")
 # Measured with 2 threads on the default model's shapes: AMX's bf16 GEMM overtakes the row kernel past
 # 4 rows; the panel kernel beats MKL's float32 GEMM up to 256 rows on AVX-512 without bf16.
@@ -72,11 +85,13 @@ class CpuPlan:
     quant_max_rows: int = 8  # up to this many rows quantized weights take the GEMV kernels
     isa: str = "scalar"  # the instruction-set tier the native kernels are built for
     quant_block_max_rows: int = -1  # the same for 4-bit codes and >4M-value weights; -1: quant_max_rows
+    quant_gemm: str = "float32"  # past those rows, int8-block weights: the int8 GEMM or the float32 one
 
     def describe(self) -> str:
         return (f"isa={self.isa} bf16 layout={self.layout} gemm={self.gemm} native_max_rows={self.native_max_rows} "
                 f"activations={self.bf16_compute} quantized: gemv_max_rows={self.quant_max_rows}"
-                + ("" if self.quant_block_max_rows < 0 else f" (4-bit and heads: {self.quant_block_max_rows})"))
+                + ("" if self.quant_block_max_rows < 0 else f" (4-bit and heads: {self.quant_block_max_rows})")
+                + f", then the {self.quant_gemm} GEMM")
 
 
 def _choice(name: str, allowed: tuple[str, ...], default: str) -> str:
@@ -106,7 +121,20 @@ def detect() -> CpuPlan:
     tier = isa.selected()
     quant_rows = _rows("PERFXLM_QUANT_MAX_ROWS", 8 if fast_bf16 else 32)
     block_rows_limit = _rows("PERFXLM_QUANT_BLOCK_MAX_ROWS", -1 if fast_bf16 else 128)
-    return CpuPlan(layout, gemm, max_rows, compute, quant_rows, tier, block_rows_limit)
+    quant_gemm = _quant_gemm(fast_bf16)
+    return CpuPlan(layout, gemm, max_rows, compute, quant_rows, tier, block_rows_limit, quant_gemm)
+
+
+def _quant_gemm(fast_bf16: bool) -> str:
+    """int8 by default where it was measured faster: AVX512-VNNI, and AVX2 without AVX-512, both without
+    fast bf16; forcing int8 on a tier without AVX2 (no GEMM in its build) is an error, not a quiet fallback."""
+    flags = isa.visible_flags()
+    measured = "avx512_vnni" in flags or ("avx2" in flags and "avx512f" not in flags)
+    choice = _choice("PERFXLM_QUANT_GEMM", QUANT_GEMMS, "int8" if measured and not fast_bf16 else "float32")
+    if choice == "int8" and not {"avx2", "fma"} <= flags:
+        raise ValueError(f"PERFXLM_QUANT_GEMM=int8 needs AVX2; the {isa.selected()} tier lacks it "
+                         "(set float32 or auto).")
+    return choice
 
 
 def _rows(name: str, default: int) -> int:

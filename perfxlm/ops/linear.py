@@ -124,6 +124,9 @@ def run_linear_q(
         rows = rows.float().contiguous()
     b = bias if bias is None or bias.dtype == torch.float32 else bias.float()
     plan = cpu_plan.plan()
+    if int8_blocks and plan.quant_gemm == "int8" and rows.shape[0] > gemv_rows(weight, plan) and gemm_takes(weight):
+        y = ops.quant_block_gemm(rows, weight.codes, weight.scales, weight.mins, weight.levels, b)  # type: ignore[attr-defined]
+        return y.to(x.dtype).view(*x.shape[:-1], weight.out_features)
     if round_in_torch:
         rows = fake_quantize_blocks(rows)
     y = ops.linear_q(  # type: ignore[attr-defined]
@@ -131,6 +134,36 @@ def run_linear_q(
         plan.quant_max_rows, plan.gemm == "bf16" and bf16_gemm, int8_blocks, plan.quant_block_max_rows,
     )  # fmt: skip
     return y.to(x.dtype).view(*x.shape[:-1], weight.out_features)
+
+
+def gemv_rows(weight: QuantizedWeight, plan: cpu_plan.CpuPlan) -> int:
+    """Rows up to which `linear_q` runs this int8-block weight's GEMV (csrc quant_linear.cpp's rule: 4- and
+    5-bit codes and weights of more than 4M values keep it up to quant_block_max_rows where set)."""
+    block_wins = weight.bits in (4, 5) or weight.out_features * weight.in_features > (4 << 20)
+    return plan.quant_block_max_rows if block_wins and plan.quant_block_max_rows >= 0 else plan.quant_max_rows
+
+
+def gemm_takes(weight: QuantizedWeight) -> bool:
+    """Whether the int8 GEMM (csrc quant_gemm.cpp) takes an int8-block weight: groups of whole 32-blocks
+    (not 8-bit groups of 16), a level table only of integers (MXFP4's), codes within what the build's dot
+    instruction takes (AVX2 without AVX-VNNI: up to 128, so not 8-bit codes); not W8A8 per token (one
+    activation scale per row: its own integer GEMM)."""
+    if weight.act == "int8" or weight.group % 32 != 0:
+        return False
+    if weight.levels is None:
+        top = (1 << weight.bits) - 1
+    elif integer_levels(weight):
+        top = int(weight.levels.max() - weight.levels.min())
+    else:
+        return False
+    return top <= gemm_max_code()
+
+
+@functools.cache
+def gemm_max_code() -> int:
+    """The largest unsigned code the native build's int8 GEMM takes (0: no GEMM); fixed for the process."""
+    ops = native.kernels()
+    return int(ops.quant_block_gemm_max_code()) if ops is not None and hasattr(ops, "quant_block_gemm_max_code") else 0
 
 
 def native_int8_blocks(weight: QuantizedWeight) -> bool:

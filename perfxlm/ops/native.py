@@ -28,7 +28,8 @@ _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 # layer calls all three), the quantizers' group search (used at load), and the passes around W8A8's
 # integer GEMM (int8_rows.cpp).
 _SOURCES = [_CSRC / "cpu_kernels.cpp", _CSRC / "attention_kernels.cpp", _CSRC / "quant_linear.cpp",
-            _CSRC / "quant_search.cpp", _CSRC / "lora_kernels.cpp", _CSRC / "int8_rows.cpp"]
+            _CSRC / "quant_search.cpp", _CSRC / "lora_kernels.cpp", _CSRC / "int8_rows.cpp",
+            _CSRC / "quant_gemm.cpp"]
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 

@@ -255,3 +255,24 @@ def test_fused_layer_flag_per_mode(monkeypatch):
     assert fused_decode._int8_blocks([_weight(INT8)]) is True
     assert fused_decode._int8_blocks([_weight(INT8, nf4=True)]) is None  # rounded in torch by the module path
     assert fused_decode._int8_blocks([_weight(FLOAT), _weight(NATIVE)]) is None  # one flag cannot serve both
+
+
+@needs_native
+def test_a_long_prompt_reads_the_same_under_the_int8_gemm_and_the_float32_gemm(llama_gguf, monkeypatch):
+    """A 161-token prompt of a bfloat16 model with Q4_0 / Q8_0 weights (int8 activation blocks): its
+    prefill rows run the int8 GEMM under PERFXLM_QUANT_GEMM=int8 (where the build has it) and dequantized
+    slabs for the float32 GEMM otherwise, the same products to float rounding: the same greedy text."""
+    from perfxlm import SamplingParams
+    from perfxlm.ops import cpu_plan
+
+    prompt = [(7 * i + 3) % 250 + 1 for i in range(161)]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    texts = []
+    for choice in ("float32", "int8" if linear_ops.gemm_max_code() else "float32"):
+        monkeypatch.setenv("PERFXLM_QUANT_GEMM", choice)
+        cpu_plan.reset()
+        llm = LLM(llama_gguf, skip_tokenizer_init=True, num_kv_blocks=32, dtype="bfloat16")
+        assert cpu_plan.plan().quant_gemm == choice
+        texts.append(llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids)
+    cpu_plan.reset()
+    assert texts[0] == texts[1]

@@ -1,0 +1,521 @@
+// Many-row products of quantized weights as an int8 GEMM (prefill, large batches): y = x W^T (+ b) with W
+// in perfxlm.quant.QuantizedWeight's form (codes, scales, mins, levels; see quant_linear.h) and x rounded to
+// int8 per block of 32 inputs (the block GEMV's rounding, quant_linear.cpp's quantize_block: the same bytes).
+//
+// Why a GEMM and not the block GEMV at many rows: the GEMV dots one row of x with one row of W along K
+// (64 products per vpdpbusd, then a convert, a multiply and an FMA per 64 to apply the two block scales,
+// and a horizontal sum per output), about 16 products per instruction: the float32 GEMM's rate. Here a
+// register holds 16 output columns x 4 inputs of W, so one vpdpbusd with the 4 activation bytes of one row
+// broadcast does 64 products for 16 outputs at once, and the per-block scaling (convert, multiply, FMA) is
+// paid once per 32 inputs x 16 outputs: 8 dot instructions + 3 per 512 products, 2.5-3x the float32 FMA rate.
+//
+// W is repacked per call, not at load: a thread takes 32 output columns (two 16-column panels), widens
+// their codes to bytes in [K / 4][32][4] order (vpdpbusd's lanes) with their block scales beside them, in a
+// buffer that stays in its cache, and runs every row tile over it. Repacking costs about one pass over W's
+// codes per call (a few % of a 128+-row product) and no memory beyond the thread's buffer; decode keeps the
+// GEMV and its layout.
+//
+// Per block b of 32 inputs, for output n and row m (c: the codes' centre, u: unsigned codes):
+//   y[m, n] += sw[n, b] * sx[m, b] * (sum u * q - c * sum q) + min[n, b] * sx[m, b] * sum q
+// the first term exact in int32 (the accumulator starts at -c * sum q), the min term only for formats with
+// mins (Q4_1, Q5_1, asymmetric int4 / int8). A row's result does not depend on the other rows (its sums
+// are the same integers and its float steps the same), but it is not bit-identical to the block GEMV's
+// (which adds 64-input chunks in another order): equal to float32 rounding.
+//
+// AVX2 builds run the same scheme on ymm (8 columns per register, 4-row tiles: 16 registers hold the int32
+// sums, the float32 ones stay in L1), with vpdpbusd on ymm where the CPU has AVX-VNNI, else vpmaddubsw +
+// vpmaddwd (llama.cpp's AVX2 dot), whose int16 pair sums limit the codes to 128: 8-bit codes keep the
+// float32 path there. The scalar build has no GEMM (quant_block_gemm_max_code() is 0).
+//
+// The plain-torch reference is perfxlm.quant.reference on fake-quantized activations.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PERFXLM_QGEMM_ZMM 1  // 16 columns per register, vpdpbusd
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PERFXLM_QGEMM_YMM 1  // 8 columns per register, vpdpbusd on ymm (AVX-VNNI) or vpmaddubsw + vpmaddwd
+#endif
+#if defined(PERFXLM_QGEMM_ZMM) || defined(PERFXLM_QGEMM_YMM)
+#include <immintrin.h>
+#define PERFXLM_QGEMM 1
+#endif
+
+namespace perfxlm_qgemm {
+namespace {
+
+#ifdef PERFXLM_QGEMM
+#ifdef PERFXLM_QGEMM_ZMM
+constexpr int kLanes = 16;      // output columns per register (int32 lanes of a zmm)
+constexpr int kRowTile = 6;     // rows per register tile: 12 int32 + 12 float32 accumulators of 32
+constexpr int kMaxCode = 255;   // vpdpbusd takes any unsigned byte
+#else
+constexpr int kLanes = 8;       // a ymm's int32 lanes
+constexpr int kRowTile = 4;     // 8 int32 accumulators of 16 ymm; the float32 ones live in L1
+#ifdef __AVXVNNI__
+constexpr int kMaxCode = 255;
+#else
+// vpmaddubsw saturates its int16 pair sums: codes up to 128 (x 127 x 2 = 32512) cannot reach it, 8-bit
+// codes can, so those keep the float32 path on this build (quant_block_gemm_max_code() says 128)
+constexpr int kMaxCode = 128;
+#endif
+#endif
+constexpr int kPanels = 2;      // panels per task: 32 (zmm) or 16 (ymm) columns
+constexpr int kCols = kLanes * kPanels;
+
+// The weight as raw pointers, and how its codes decode.
+struct Weight {
+  const uint8_t* codes;
+  int64_t N, K, row_bytes, group, groups;
+  int bits;                 // 4, 5 or 8
+  const void* scales;
+  const void* mins;         // null: centred codes
+  bool half;
+  int centre;               // integer subtracted from each unsigned byte code (8, 16, 128; a table's offset)
+  bool lut;
+  uint8_t ulut[16];         // a level table as unsigned bytes: levels[u] + centre
+};
+
+inline float param(const Weight& w, const void* p, int64_t i) {
+  if (w.half) return static_cast<float>(static_cast<const c10::Half*>(p)[i]);
+  return static_cast<const float*>(p)[i];
+}
+
+// The 32 unsigned codes of block b of row n (the same decoding as quant_linear.cpp's code_at).
+inline void block_codes(const Weight& w, int64_t n, int64_t b, uint8_t* out) {
+  const uint8_t* row = w.codes + n * w.row_bytes;
+  if (w.bits == 8) {
+    std::memcpy(out, row + b * 32, 32);
+    return;
+  }
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  __m128i lo = _mm_and_si128(packed, mask), hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+  if (w.lut) {
+    const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.ulut));
+    lo = _mm_shuffle_epi8(table, lo);
+    hi = _mm_shuffle_epi8(table, hi);
+  }
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), lo);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), hi);
+  if (w.bits == 5) {  // the plane of fifth bits after the nibbles: bit j of the block's 4 bytes = element j
+    uint32_t fifth;
+    std::memcpy(&fifth, row + w.K / 2 + b * 4, 4);
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(out));
+#ifdef PERFXLM_QGEMM_ZMM
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_mask_add_epi8(v, fifth, v, _mm256_set1_epi8(16)));
+#else
+    // byte j takes bit j: spread byte j / 8 of the word to byte j, keep bit j % 8, add 16 where set
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(static_cast<int>(fifth)),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+    const __m256i on = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_add_epi8(v, _mm256_and_si256(on, _mm256_set1_epi8(16))));
+#endif
+  }
+}
+
+// A task's panels: codes [K / 4][kCols][4] bytes, and per block [K / 32][kCols] scales and mins (0 past N).
+struct Panels {
+  std::vector<uint8_t> codes;
+  std::vector<float> scales, mins;
+};
+
+void repack(const Weight& w, int64_t n0, Panels& p) {
+  const int64_t blocks = w.K / 32;
+  p.codes.assign(static_cast<size_t>(w.K * kCols), 0);
+  p.scales.assign(static_cast<size_t>(blocks * kCols), 0.f);
+  p.mins.assign(static_cast<size_t>(blocks * kCols), 0.f);
+  alignas(32) uint8_t u[32];
+  for (int c = 0; c < kCols && n0 + c < w.N; ++c) {
+    const int64_t n = n0 + c;
+    for (int64_t b = 0; b < blocks; ++b) {
+      block_codes(w, n, b, u);
+      uint8_t* dst = p.codes.data() + (b * 8 * kCols + c) * 4;
+      for (int q = 0; q < 8; ++q) std::memcpy(dst + q * kCols * 4, u + 4 * q, 4);
+      const int64_t g = n * w.groups + (b * 32) / w.group;
+      p.scales[b * kCols + c] = param(w, w.scales, g);
+      if (w.mins) p.mins[b * kCols + c] = param(w, w.mins, g);
+    }
+  }
+}
+
+// x rounded to int8 per block of 32: the bytes, each block's scale, the sum of its bytes (the int32
+// accumulator starts at -centre x it: sum (u - c) q = sum u q - c sum q), and scale x that sum (the mins').
+struct Acts {
+  std::vector<int8_t> q;
+  std::vector<float> scale, scaled_sum;
+  std::vector<int32_t> total;
+};
+
+#ifdef PERFXLM_QGEMM_ZMM
+// quant_linear.cpp's quantize_block on zmm: max |x| / 127, each value divided by it and rounded half to
+// even, so the same bytes as the block GEMV's.
+inline float quantize_block(const float* src, int8_t* q) {
+  const __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float scale = amax / 127.f;
+  if (!(scale > 0.f)) {
+    std::memset(q, 0, 32);
+    return scale;
+  }
+  const __m512 d = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512 ra = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_div_ps(a, d), kRound)));
+  const __m512 rb = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_div_ps(b, d), kRound)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(ra)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(rb)));
+  return scale;
+}
+
+#else
+// quant_linear.cpp's quantize_block_simd (ymm): the same division and round-half-to-even per value.
+inline float quantize_block(const float* src, int8_t* q) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4], amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(src + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float scale = _mm_cvtss_f32(m) / 127.f;
+  if (!(scale > 0.f)) {
+    std::memset(q, 0, 32);
+    return scale;
+  }
+  const __m256 d = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  __m256i r[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 t = _mm256_round_ps(_mm256_div_ps(v[i], d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, t)));
+  }
+  const __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  return scale;
+}
+
+#endif
+
+void quantize(const float* x, int64_t M, int64_t K, Acts& a) {
+  const int64_t blocks = K / 32;
+  a.q.resize(static_cast<size_t>(M * K));
+  a.scale.resize(static_cast<size_t>(M * blocks));
+  a.scaled_sum.resize(static_cast<size_t>(M * blocks));
+  a.total.resize(static_cast<size_t>(M * blocks));
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t b = 0; b < blocks; ++b) {
+        int8_t* q = a.q.data() + m * K + b * 32;
+        const float scale = quantize_block(x + m * K + b * 32, q);
+        int32_t total = 0;
+        for (int j = 0; j < 32; ++j) total += q[j];
+        a.scale[m * blocks + b] = scale;
+        a.total[m * blocks + b] = total;
+        a.scaled_sum[m * blocks + b] = scale * static_cast<float>(total);
+      }
+  });
+}
+
+#ifdef PERFXLM_QGEMM_ZMM
+// Rows [m0, m0 + MT) x the task's 32 columns, all of K: int32 sums per block, scaled into float32.
+template <int MT, bool MINS>
+inline void tile(const Acts& a, int64_t m0, int64_t K, int centre, bool nibbles, const Panels& p, int64_t n0,
+                 int64_t N, float* y, const float* bias) {
+  (void)nibbles;  // vpdpbusd takes any code width alike
+  const int64_t blocks = K / 32;
+  __m512 acc[MT][kPanels];
+  #pragma GCC unroll 8
+  for (int i = 0; i < MT; ++i)
+    #pragma GCC unroll 2
+    for (int j = 0; j < kPanels; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i dot[MT][kPanels];
+    #pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i) {
+      const __m512i start = _mm512_set1_epi32(-centre * a.total[(m0 + i) * blocks + b]);
+      #pragma GCC unroll 2
+      for (int j = 0; j < kPanels; ++j) dot[i][j] = start;
+    }
+    const uint8_t* wb = p.codes.data() + b * 8 * kCols * 4;
+    const int8_t* xb = a.q.data() + m0 * K + b * 32;
+    #pragma GCC unroll 8
+    for (int q = 0; q < 8; ++q) {
+      __m512i wv[kPanels];
+      #pragma GCC unroll 2
+      for (int j = 0; j < kPanels; ++j) wv[j] = _mm512_loadu_si512(wb + (q * kCols + j * kLanes) * 4);
+      #pragma GCC unroll 8
+      for (int i = 0; i < MT; ++i) {
+        int32_t x4;
+        std::memcpy(&x4, xb + i * K + 4 * q, 4);
+        const __m512i xv = _mm512_set1_epi32(x4);
+        #pragma GCC unroll 2
+        for (int j = 0; j < kPanels; ++j) dot[i][j] = _mm512_dpbusd_epi32(dot[i][j], wv[j], xv);
+      }
+    }
+    #pragma GCC unroll 2
+    for (int j = 0; j < kPanels; ++j) {
+      const __m512 sw = _mm512_loadu_ps(p.scales.data() + b * kCols + j * kLanes);
+      __m512 mw;
+      if constexpr (MINS) mw = _mm512_loadu_ps(p.mins.data() + b * kCols + j * kLanes);
+      #pragma GCC unroll 8
+      for (int i = 0; i < MT; ++i) {
+        const float sx = a.scale[(m0 + i) * blocks + b];
+        const __m512 s = _mm512_mul_ps(sw, _mm512_set1_ps(sx));
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][j]), s, acc[i][j]);
+        if constexpr (MINS) acc[i][j] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.scaled_sum[(m0 + i) * blocks + b]), acc[i][j]);
+      }
+    }
+  }
+  #pragma GCC unroll 2
+  for (int j = 0; j < kPanels; ++j) {
+    const int64_t n = n0 + j * kLanes;
+    if (n >= N) break;
+    const __mmask16 mask = N - n >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (N - n)) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+    #pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i) _mm512_mask_storeu_ps(y + (m0 + i) * N + n, mask, _mm512_add_ps(acc[i][j], bv));
+  }
+}
+
+#else
+inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {  // acc + sums of 4 products u8 x s8, per lane
+#ifdef __AVXVNNI__
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+// Rows [m0, m0 + MT) x the task's 16 columns, all of K: int32 sums per block in registers, the float32
+// sums in an L1 buffer (16 ymm hold only the int32 ones).
+template <int MT, bool MINS>
+inline void tile(const Acts& a, int64_t m0, int64_t K, int centre, bool nibbles, const Panels& p, int64_t n0,
+                 int64_t N, float* y, const float* bias) {
+  (void)nibbles;  // used without AVX-VNNI only
+  const int64_t blocks = K / 32;
+  alignas(32) float acc[MT][kCols] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i dot[MT][kPanels];
+    const uint8_t* wb = p.codes.data() + b * 8 * kCols * 4;
+    const int8_t* xb = a.q.data() + m0 * K + b * 32;
+#ifndef __AVXVNNI__
+    if (nibbles) {
+      // codes <= 15: a block's 8 int16 pair sums stay within int16 (8 x 2 x 15 x 127 = 30480), so they add
+      // as int16 and widen once per block: 2 instructions per 4 x 8 products instead of 3
+      __m256i s16[MT][kPanels];
+      #pragma GCC unroll 8
+      for (int q = 0; q < 8; ++q) {
+        __m256i wv[kPanels];
+        #pragma GCC unroll 2
+        for (int j = 0; j < kPanels; ++j) wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + (q * kCols + j * kLanes) * 4));
+        #pragma GCC unroll 8
+        for (int i = 0; i < MT; ++i) {
+          int32_t x4;
+          std::memcpy(&x4, xb + i * K + 4 * q, 4);
+          const __m256i xv = _mm256_set1_epi32(x4);
+          #pragma GCC unroll 2
+          for (int j = 0; j < kPanels; ++j) {
+            const __m256i t = _mm256_maddubs_epi16(wv[j], xv);
+            s16[i][j] = q == 0 ? t : _mm256_add_epi16(s16[i][j], t);
+          }
+        }
+      }
+      #pragma GCC unroll 8
+      for (int i = 0; i < MT; ++i) {
+        const __m256i start = _mm256_set1_epi32(-centre * a.total[(m0 + i) * blocks + b]);
+        #pragma GCC unroll 2
+        for (int j = 0; j < kPanels; ++j) dot[i][j] = _mm256_add_epi32(start, _mm256_madd_epi16(s16[i][j], _mm256_set1_epi16(1)));
+      }
+    } else
+#endif
+    {
+    #pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i) {
+      const __m256i start = _mm256_set1_epi32(-centre * a.total[(m0 + i) * blocks + b]);
+      #pragma GCC unroll 2
+      for (int j = 0; j < kPanels; ++j) dot[i][j] = start;
+    }
+    #pragma GCC unroll 8
+    for (int q = 0; q < 8; ++q) {
+      __m256i wv[kPanels];
+      #pragma GCC unroll 2
+      for (int j = 0; j < kPanels; ++j) wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + (q * kCols + j * kLanes) * 4));
+      #pragma GCC unroll 8
+      for (int i = 0; i < MT; ++i) {
+        int32_t x4;
+        std::memcpy(&x4, xb + i * K + 4 * q, 4);
+        const __m256i xv = _mm256_set1_epi32(x4);
+        #pragma GCC unroll 2
+        for (int j = 0; j < kPanels; ++j) dot[i][j] = dot4(dot[i][j], wv[j], xv);
+      }
+    }
+    }
+    #pragma GCC unroll 2
+    for (int j = 0; j < kPanels; ++j) {
+      const __m256 sw = _mm256_loadu_ps(p.scales.data() + b * kCols + j * kLanes);
+      __m256 mw;
+      if constexpr (MINS) mw = _mm256_loadu_ps(p.mins.data() + b * kCols + j * kLanes);
+      #pragma GCC unroll 8
+      for (int i = 0; i < MT; ++i) {
+        const __m256 s = _mm256_mul_ps(sw, _mm256_set1_ps(a.scale[(m0 + i) * blocks + b]));
+        __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][j]), s, _mm256_load_ps(acc[i] + j * kLanes));
+        if constexpr (MINS) t = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.scaled_sum[(m0 + i) * blocks + b]), t);
+        _mm256_store_ps(acc[i] + j * kLanes, t);
+      }
+    }
+  }
+  const int64_t cols = std::min<int64_t>(kCols, N - n0);
+  for (int i = 0; i < MT; ++i)
+    for (int64_t c = 0; c < cols; ++c) y[(m0 + i) * N + n0 + c] = acc[i][c] + (bias ? bias[n0 + c] : 0.f);
+}
+
+#endif
+
+template <bool MINS>
+void run_task(const Acts& a, int64_t m_begin, int64_t m_end, const Weight& w, const Panels& p, int64_t n0, float* y,
+              const float* bias) {
+  const bool nibbles = w.bits == 4 && !w.lut;  // codes <= 15 (the ymm kernel's int16 sums)
+  int64_t m = m_begin;
+  for (; m + kRowTile <= m_end; m += kRowTile) tile<kRowTile, MINS>(a, m, w.K, w.centre, nibbles, p, n0, w.N, y, bias);
+  switch (m_end - m) {  // the last rows: a shorter tile
+    case 5: tile<5, MINS>(a, m, w.K, w.centre, nibbles, p, n0, w.N, y, bias); break;
+    case 4: tile<4, MINS>(a, m, w.K, w.centre, nibbles, p, n0, w.N, y, bias); break;
+    case 3: tile<3, MINS>(a, m, w.K, w.centre, nibbles, p, n0, w.N, y, bias); break;
+    case 2: tile<2, MINS>(a, m, w.K, w.centre, nibbles, p, n0, w.N, y, bias); break;
+    case 1: tile<1, MINS>(a, m, w.K, w.centre, nibbles, p, n0, w.N, y, bias); break;
+    default: break;
+  }
+}
+
+Weight describe(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                const c10::optional<at::Tensor>& levels, int64_t K) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
+              "quant_block_gemm: codes must be contiguous uint8 [N, K], [N, K / 2] or [N, 5 K / 8]");
+  TORCH_CHECK(K % 32 == 0 && K > 0, "quant_block_gemm: K must be a positive multiple of 32, got ", K);
+  const int64_t N = codes.size(0), rb = codes.size(1);
+  const int bits = rb == K ? 8 : rb * 2 == K ? 4 : rb * 8 == K * 5 ? 5 : 0;
+  TORCH_CHECK(bits, "quant_block_gemm: codes hold ", rb, " bytes per row for ", K, " inputs (want K, 5 K / 8 or K / 2)");
+  const bool centred = !mins.has_value() || !mins->defined();
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.is_contiguous() &&
+                  (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
+              "quant_block_gemm: scales must be contiguous float32 or float16 [N, K / group]");
+  TORCH_CHECK(centred || (mins->sizes() == scales.sizes() && mins->is_contiguous() &&
+                          mins->scalar_type() == scales.scalar_type()),
+              "quant_block_gemm: mins must be contiguous, shaped and typed as the scales");
+  const int64_t groups = scales.size(1);
+  TORCH_CHECK(groups >= 1 && K % groups == 0 && (K / groups) % 32 == 0,
+              "quant_block_gemm: groups must be whole multiples of 32 inputs, got ", groups, " for K = ", K);
+  Weight w{codes.data_ptr<uint8_t>(), N, K, rb, K / groups, groups, bits, scales.data_ptr(),
+           centred ? nullptr : mins->data_ptr(), scales.scalar_type() == at::kHalf, 0, false, {}};
+  if (levels.has_value() && levels->defined()) {
+    TORCH_CHECK(bits == 4 && levels->scalar_type() == at::kFloat && levels->numel() == 16 && levels->is_contiguous(),
+                "quant_block_gemm: a level table must be float32 [16] over 4-bit codes");
+    const float* lv = levels->data_ptr<float>();
+    float lo = lv[0], hi = lv[0];
+    for (int i = 0; i < 16; ++i) {
+      TORCH_CHECK(lv[i] == std::nearbyint(lv[i]), "quant_block_gemm: a level table must hold integers");
+      lo = std::min(lo, lv[i]);
+      hi = std::max(hi, lv[i]);
+    }
+    TORCH_CHECK(hi - lo <= static_cast<float>(kMaxCode), "quant_block_gemm: a level table must span at most ",
+                kMaxCode, " on this build");
+    for (int i = 0; i < 16; ++i) w.ulut[i] = static_cast<uint8_t>(lv[i] - lo);
+    w.lut = true;
+    w.centre = static_cast<int>(-lo);  // levels[u] = ulut[u] - centre
+  } else if (centred) {
+    w.centre = bits == 8 ? 128 : bits == 5 ? 16 : 8;
+  }
+  TORCH_CHECK(bits < 8 || kMaxCode >= 255, "quant_block_gemm: this build (AVX2 without AVX-VNNI) takes codes of at "
+              "most ", kMaxCode, ": 8-bit codes run linear_q");
+  return w;
+}
+
+}  // namespace
+
+at::Tensor quant_block_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                            const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& levels,
+                            const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "quant_block_gemm: x must be 2-D float32");
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1);
+  const Weight w = describe(codes, scales, mins, levels, K);
+  at::Tensor bc;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == w.N, "quant_block_gemm: bias size ", bias->numel(), " != ", w.N);
+    bc = bias->to(at::kFloat).contiguous();
+  }
+  const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
+  at::Tensor y = at::empty({M, w.N}, xc.options());
+  if (M == 0 || w.N == 0) return y;
+  // reused call after call (a prefill makes seven of these per layer); named by reference, as a
+  // thread_local named inside the parallel region would be each worker's own, empty, one
+  thread_local Acts caller_acts;
+  Acts& acts = caller_acts;
+  quantize(xc.data_ptr<float>(), M, K, acts);
+  // Tasks: 32 columns each, and for few column groups, slices of rows too (each slice repacks its
+  // columns again: about 1/100 of a 512-row product per repack)
+  const int64_t col_tasks = (w.N + kCols - 1) / kCols;
+  const int64_t threads = at::get_num_threads();
+  int64_t row_slices = 1;
+  while (col_tasks * row_slices < 4 * threads && M / (row_slices * 2) >= 64) row_slices *= 2;
+  const int64_t slice = ((M + row_slices - 1) / row_slices + kRowTile - 1) / kRowTile * kRowTile;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, col_tasks * row_slices, 1, [&](int64_t t0, int64_t t1) {
+    thread_local Panels panels;
+    int64_t packed = -1;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t col = t / row_slices, m_begin = (t % row_slices) * slice, m_end = std::min(M, m_begin + slice);
+      if (col != packed) {
+        repack(w, col * kCols, panels);
+        packed = col;
+      }
+      if (m_begin >= m_end) continue;
+      if (w.mins) run_task<true>(acts, m_begin, m_end, w, panels, col * kCols, yp, bp);
+      else run_task<false>(acts, m_begin, m_end, w, panels, col * kCols, yp, bp);
+    }
+  });
+  return y;
+}
+
+#else  // no AVX2: no GEMM; the engine keeps its float32 path (quant_block_gemm_max_code() is 0)
+
+}  // namespace
+
+at::Tensor quant_block_gemm(const at::Tensor& x, const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                            const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "quant_block_gemm: this build of the kernels has no int8 GEMM (it needs AVX2)");
+  return x;
+}
+
+#endif  // PERFXLM_QGEMM
+
+// The largest unsigned code (after a level table's offset) this build's GEMM takes: 255 with vpdpbusd, 128
+// with vpmaddubsw (AVX2 without AVX-VNNI), 0 where there is no GEMM.
+int64_t quant_block_gemm_max_code() {
+#ifdef PERFXLM_QGEMM
+  return kMaxCode;
+#else
+  return 0;
+#endif
+}
+
+}  // namespace perfxlm_qgemm
+
+TORCH_LIBRARY_FRAGMENT(perfxlm, m) {
+  m.def("quant_block_gemm(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? levels, Tensor? bias) -> Tensor");
+  m.def("quant_block_gemm_max_code() -> int", &perfxlm_qgemm::quant_block_gemm_max_code);
+}
+
+TORCH_LIBRARY_IMPL(perfxlm, CPU, m) { m.impl("quant_block_gemm", &perfxlm_qgemm::quant_block_gemm); }

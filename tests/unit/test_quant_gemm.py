@@ -1,0 +1,155 @@
+"""The int8 GEMM for many rows of int8-block weights (csrc/quant_gemm.cpp) against the plain definition:
+activations rounded to int8 per block of 32 (scale max|x| / 127, half to even), times the dequantized
+weight, in float64. Formats: 4-bit (centred and with mins), 5-bit, 8-bit, an integer level table (MXFP4's
+kind), float32 and float16 scales, groups of 32, 64 and whole rows; odd row and column counts. Built for
+AVX512-VNNI (zmm) and AVX2 (ymm; 8-bit codes only with AVX-VNNI); where a build has no GEMM or takes no
+codes this wide (test_portable_kernels runs this file on each tier) the tests check that the op refuses
+with a clear error and is never picked."""
+
+import pytest
+import torch
+
+from perfxlm.ops import cpu_plan, isa, native
+from perfxlm.ops.linear import gemm_max_code, gemm_takes, run_linear_q
+from perfxlm.quant.reference import fake_quantize_blocks
+from perfxlm.quant.weight import ActivationMode, QuantizedWeight, pack_codes
+
+from test_quant_linear_ops import _centred, _dequant, _weight
+
+ops = native.kernels()
+pytestmark = pytest.mark.skipif(ops is None, reason="no compiler for the native kernels")
+
+
+def _refused(bits: int = 4) -> bool:
+    """Where the build has no GEMM (scalar) or takes no codes this wide (8-bit on AVX2 without AVX-VNNI):
+    the op says so, and the layer never picks it."""
+    if (1 << bits) - 1 <= gemm_max_code():
+        return False
+    codes, scales, _, _ = _centred(5, 64, bits, 32, False, False, 0)
+    with pytest.raises(RuntimeError, match="no int8 GEMM" if gemm_max_code() == 0 else "8-bit codes run linear_q"):
+        ops.quant_block_gemm(torch.randn(2, 64), codes, scales, None, None, None)
+    assert not gemm_takes(_qweight(bits, 5, 64, 0))
+    return True
+
+MXFP4_DOUBLED = torch.tensor([0.0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12])
+
+CASES = [  # bits, n, k, group, half, kind: centred codes, stored mins, or an integer table
+    (4, 13, 32, 32, False, "centred"),
+    (4, 33, 576, 32, True, "centred"),
+    (4, 47, 96, 32, False, "mins"),
+    (4, 1030, 64, 64, False, "mins"),
+    (4, 17, 160, 32, False, "table"),
+    (5, 33, 576, 32, True, "centred"),
+    (5, 9, 96, 32, False, "mins"),
+    (8, 33, 576, 32, True, "centred"),
+    (8, 70, 96, 96, False, "mins"),
+    (8, 21, 1536, 1536, False, "centred"),
+]
+
+
+def _case(bits, n, k, group, half, kind):
+    if kind == "mins":
+        codes, scales, mins, _ = _weight(n, k, bits, group, half, False, n + k)
+        return codes, scales, mins, None
+    codes, scales, _, _ = _centred(n, k, bits, group, half, False, n + k)
+    return codes, scales, None, (MXFP4_DOUBLED.clone() if kind == "table" else None)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 37, 130])
+@pytest.mark.parametrize("bits,n,k,group,half,kind", CASES)
+def test_gemm_matches_the_definition(bits, n, k, group, half, kind, rows):
+    if _refused(bits):
+        return
+    codes, scales, mins, levels = _case(bits, n, k, group, half, kind)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows * k))
+    x[0, :32] = 0.0  # an all-zero block
+    b = torch.randn(n)
+    w = _dequant(codes, scales, mins, levels, k)
+    ref = torch.nn.functional.linear(fake_quantize_blocks(x).double(), w.double(), b.double()).float()
+    out = ops.quant_block_gemm(x, codes, scales, mins, levels, b)
+    torch.testing.assert_close(out, ref, atol=1e-5 * (ref.abs().max().item() + 1), rtol=1e-5)
+    assert torch.equal(ops.quant_block_gemm(x, codes, scales, mins, levels, None) + b, out)  # bias added last
+
+
+@pytest.mark.parametrize("bits,n,k,group,half,kind", [CASES[1], CASES[2], CASES[5], CASES[7]])
+def test_a_row_alone_is_bit_identical_to_the_row_in_a_batch(bits, n, k, group, half, kind):
+    """A row's int32 block sums and its float steps do not depend on the rows beside it (nor on which
+    thread or row tile takes it), so a prompt's token gets the same bits whatever its step held."""
+    if _refused(bits):
+        return
+    codes, scales, mins, levels = _case(bits, n, k, group, half, kind)
+    x = torch.randn(131, k, generator=torch.Generator().manual_seed(k))
+    b = torch.randn(n)
+    together = ops.quant_block_gemm(x, codes, scales, mins, levels, b)
+    for i in (0, 5, 6, 64, 130):
+        assert torch.equal(ops.quant_block_gemm(x[i : i + 1], codes, scales, mins, levels, b)[0], together[i])
+    assert torch.equal(ops.quant_block_gemm(x[60:77], codes, scales, mins, levels, b), together[60:77])
+
+
+def test_bad_weights_are_errors_that_say_what_to_fix():
+    if _refused():
+        return
+    codes, scales, mins, _ = _weight(4, 64, 8, 16, False, False, 0)  # 8-bit groups of 16
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        ops.quant_block_gemm(torch.randn(3, 64), codes, scales, mins, None, None)
+    codes, scales, mins, _ = _weight(4, 64, 4, 32, False, False, 0)
+    with pytest.raises(RuntimeError, match="bytes per row"):
+        ops.quant_block_gemm(torch.randn(3, 96), codes, scales, mins, None, None)
+    with pytest.raises(RuntimeError, match="integers"):
+        ops.quant_block_gemm(torch.randn(3, 64), codes, scales, None, torch.linspace(-1, 1, 16), None)
+    with pytest.raises(RuntimeError, match="bias size"):
+        ops.quant_block_gemm(torch.randn(3, 64), codes, scales, mins, None, torch.randn(5))
+    with pytest.raises(RuntimeError, match="2-D float32"):
+        ops.quant_block_gemm(torch.randn(3, 64, dtype=torch.float64), codes, scales, mins, None, None)
+
+
+def _qweight(bits, n, k, seed, act="float"):
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.uint8)
+    scales = torch.rand(n, k // 32, generator=g) * 0.02 + 0.001
+    return QuantizedWeight(pack_codes(values, bits), scales, None, None, bits, 32, act, n, k)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_many_rows_of_a_layer_run_the_gemm_under_an_int8_plan_and_the_float_gemm_under_float32(bits):
+    if _refused(bits):
+        return
+    weight = _qweight(bits, 45, 192, bits)
+    weight.activations = ActivationMode.INT8_NATIVE  # a weight-only format under quant_activations=int8
+    assert gemm_takes(weight)
+    x = torch.randn(3, 67, 192, generator=torch.Generator().manual_seed(1))  # 201 rows: past every GEMV limit
+    b = torch.randn(45)
+    previous = cpu_plan.use(quant_gemm="int8", quant_max_rows=32, quant_block_max_rows=128)
+    try:
+        fast = run_linear_q(ops, x, weight, b, False, True, False)
+        cpu_plan.use(quant_gemm="float32")
+        slow = run_linear_q(ops, x, weight, b, False, True, False)
+    finally:
+        cpu_plan.use(previous)
+    assert fast.shape == (3, 67, 45)
+    direct = ops.quant_block_gemm(x.reshape(-1, 192), weight.codes, weight.scales, None, None, b)
+    assert torch.equal(fast.reshape(-1, 45), direct)
+    torch.testing.assert_close(fast, slow, atol=1e-4 * (slow.abs().max().item() + 1), rtol=1e-4)
+
+
+def test_the_plan_takes_the_int8_gemm_only_where_the_tier_has_it(monkeypatch):
+    monkeypatch.setenv("PERFXLM_QUANT_GEMM", "float32")
+    assert cpu_plan.detect().quant_gemm == "float32"
+    monkeypatch.setenv("PERFXLM_QUANT_GEMM", "fast")
+    with pytest.raises(ValueError, match="PERFXLM_QUANT_GEMM='fast'"):
+        cpu_plan.detect()
+    monkeypatch.setenv("PERFXLM_QUANT_GEMM", "int8")
+    if "avx2" in isa.visible_flags():
+        assert cpu_plan.detect().quant_gemm == "int8"
+    else:
+        with pytest.raises(ValueError, match="needs AVX2"):
+            cpu_plan.detect()
+    monkeypatch.delenv("PERFXLM_QUANT_GEMM")
+    flags = isa.visible_flags()
+    measured = "avx512_vnni" in flags or ("avx2" in flags and "avx512f" not in flags)
+    assert cpu_plan.detect().quant_gemm == ("int8" if measured and not isa.has_fast_bf16() else "float32")
+    assert cpu_plan.detect().describe().endswith(f"then the {cpu_plan.detect().quant_gemm} GEMM")
+
+
+def test_per_token_w8a8_and_groups_of_16_keep_their_own_paths():
+    assert not gemm_takes(_qweight(8, 8, 64, 0, act="int8"))
