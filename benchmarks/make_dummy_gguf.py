@@ -120,6 +120,19 @@ def _mxfp4_tensor(writer, name: str, value):
     return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(blocks, q), dtype=np.float32))
 
 
+def _hf_writer(path: str, arch: str, cfg):
+    """A GGUFWriter for `arch` holding the sizes every family's file carries, read off a transformers config."""
+    import gguf
+
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    return writer
+
+
 def write_gpt_oss(path: str, model, float_type: str = "F32") -> dict:
     """A gpt-oss GGUF file from a transformers `GptOssForCausalLM` (float), laid out as llama.cpp's
     converter writes it: gate|up columns split into `ffn_gate_exps` / `ffn_up_exps` (even / odd columns),
@@ -132,12 +145,7 @@ def write_gpt_oss(path: str, model, float_type: str = "F32") -> dict:
     cfg = model.config
     arch = "gpt-oss"
     rope = dict(cfg.rope_parameters)
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
+    writer = _hf_writer(path, arch, cfg)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
@@ -224,12 +232,7 @@ def write_deepseek2(path: str, model, qtype: str = "F32", split_kv_b: bool = Tru
     arch = "deepseek2"
     v3 = cfg.model_type == "deepseek_v3"
     rope = dict(cfg.rope_parameters)
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
+    writer = _hf_writer(path, arch, cfg)
     writer.add_head_count_kv(1)
     writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))

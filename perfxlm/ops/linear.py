@@ -147,8 +147,9 @@ def gemm_takes(weight: QuantizedWeight) -> bool:
     """Whether the int8 GEMM (csrc quant_gemm.cpp) takes an int8-block weight: groups of whole 32-blocks
     (not 8-bit groups of 16), a level table only of integers (MXFP4's), codes within what the build's dot
     instruction takes (AVX2 without AVX-VNNI: up to 128, so not 8-bit codes); not W8A8 per token (one
-    activation scale per row: its own integer GEMM)."""
-    if weight.act == "int8" or weight.group % 32 != 0:
+    activation scale per row: its own integer GEMM), not GGUF K-quants' two-level byte scales (the GEMM reads
+    float scales; those keep the block kernel's path, which expands them)."""
+    if weight.act == "int8" or weight.group % 32 != 0 or weight.two_level:
         return False
     if weight.levels is None:
         top = (1 << weight.bits) - 1

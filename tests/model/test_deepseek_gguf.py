@@ -5,9 +5,6 @@ attn_k_b / attn_v_b or whole; metadata the loader cannot honour refused by name.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import gguf
 import pytest
 import torch
@@ -15,19 +12,17 @@ import transformers
 
 from perfxlm import LLM
 from perfxlm.quant.weight import QuantizedWeight
-from tests.model.test_architectures_vs_hf import COMMON, _prompts, assert_generate_matches_hf, assert_greedy_matches
-from tests.model.test_recent_families_vs_hf import CASES
+from tests.model.dummy_gguf import converter
+from tests.model.test_architectures_vs_hf import (
+    COMMON,
+    _prompts,
+    assert_generate_matches_hf,
+    assert_greedy_matches,
+)
+from tests.model.test_recent_families_vs_hf import CASES, perturb
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _converter():
-    spec = importlib.util.spec_from_file_location("make_dummy_gguf", os.path.join(_ROOT, "benchmarks", "make_dummy_gguf.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # rows that are whole 32-value blocks where a test quantizes (hidden 64, kv_lora 32, q_lora 32), odd ones
@@ -46,13 +41,7 @@ def build(case: str, quantizable: bool = False, seed: int = 0):
     over = {**overrides, **(QUANTIZABLE[case] if quantizable else {})}
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**COMMON, **over})).eval()
     model.set_experts_implementation("eager")
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.ndim == 1:
-                param.add_(torch.randn_like(param) * 0.1)
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.randn_like(buffer) * 0.05)
+    perturb(model)
     return model
 
 
@@ -64,7 +53,7 @@ def build(case: str, quantizable: bool = False, seed: int = 0):
 def test_deepseek_gguf_matches_transformers(tmp_path, case, split):
     hf = build(case)
     path = str(tmp_path / "ds.gguf")
-    hf.load_state_dict(_converter().write_deepseek2(path, hf, "F32", split_kv_b=split))
+    hf.load_state_dict(converter().write_deepseek2(path, hf, "F32", split_kv_b=split))
     assert_greedy_matches(path, hf)
 
 
@@ -75,7 +64,7 @@ def test_quantized_deepseek_gguf_kept_quantized(tmp_path, monkeypatch, case, qty
     monkeypatch.setenv("PERFXLM_QUANT_ACTIVATIONS", "float32")
     hf = build(case, quantizable=True)
     path = str(tmp_path / "ds.gguf")
-    hf.load_state_dict(_converter().write_deepseek2(path, hf, qtype))
+    hf.load_state_dict(converter().write_deepseek2(path, hf, qtype))
     llm = LLM(path, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=48)
     layer = llm.llm_engine.core.model.model.layers[1]
     assert isinstance(layer.mlp.experts.gate_up_proj, QuantizedWeight)  # [E, 2 x 40, 64]: rows of 64
@@ -92,7 +81,7 @@ def test_deepseek_gguf_config(tmp_path, case, arch):
 
     hf = build(case)
     path = str(tmp_path / "ds.gguf")
-    _converter().write_deepseek2(path, hf, "F32")
+    converter().write_deepseek2(path, hf, "F32")
     c, want = load_gguf_config(path), hf.config
     assert c.architectures == [arch]
     assert c.topk_method == getattr(want, "topk_method", "noaux_tc")  # V3's config has no field: noaux_tc
@@ -111,7 +100,7 @@ def test_deepseek_gguf_unsupported_metadata_named(tmp_path, key, value, named):
     """A key the converter wrote, changed to a value the loader does not read."""
     hf = build("deepseekv2-lite-yarn")
     path = str(tmp_path / "ds.gguf")
-    conv = _converter()
+    conv = converter()
     original = gguf.GGUFWriter.write_kv_data_to_file
 
     def with_key(self):  # the converter's file, one key changed
@@ -134,6 +123,6 @@ def test_deepseek_gguf_softmax_renormalised_refused(tmp_path):
     hf = build("deepseekv2-lite-yarn")
     hf.config.norm_topk_prob = True
     path = str(tmp_path / "ds.gguf")
-    _converter().write_deepseek2(path, hf, "F32")
+    converter().write_deepseek2(path, hf, "F32")
     with pytest.raises(ValueError, match="expert_weights_norm=true with softmax gating is not supported"):
         LLM(path, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=16)

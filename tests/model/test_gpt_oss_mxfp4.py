@@ -6,7 +6,6 @@ must fail loudly: a tensor type the loader cannot read, a checkpoint whose packi
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import struct
 
@@ -18,18 +17,11 @@ import transformers
 
 from perfxlm import LLM
 from perfxlm.quant.weight import QuantizedWeight
+from tests.model.dummy_gguf import converter
 from tests.model.test_architectures_vs_hf import COMMON, _generate, _prompts, assert_generate_matches_hf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _converter():
-    spec = importlib.util.spec_from_file_location("make_dummy_gguf", os.path.join(_ROOT, "benchmarks", "make_dummy_gguf.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def build_gpt_oss(seed: int = 0) -> transformers.GptOssForCausalLM:
@@ -61,7 +53,7 @@ def test_gpt_oss_mxfp4_gguf_matches_transformers(tmp_path, monkeypatch, float_ty
     monkeypatch.setenv("PERFXLM_QUANT_ACTIVATIONS", "float32")  # the packed products equal float ones
     hf = build_gpt_oss()
     path = str(tmp_path / "gpt-oss.gguf")
-    hf.load_state_dict(_converter().write_gpt_oss(path, hf, float_type))  # the values the file holds
+    hf.load_state_dict(converter().write_gpt_oss(path, hf, float_type))  # the values the file holds
 
     llm = LLM(path, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=48)
     experts = llm.llm_engine.core.model.model.layers[1].mlp.experts
@@ -107,7 +99,7 @@ def _set_tensor_type(path: str, name: str, type_id: int) -> None:
 def test_unknown_or_unreadable_ggml_type_is_a_clear_error(tmp_path, type_id, named):
     hf = build_gpt_oss()
     path = str(tmp_path / "bad.gguf")
-    _converter().write_gpt_oss(path, hf)
+    converter().write_gpt_oss(path, hf)
     _set_tensor_type(path, "blk.0.attn_sinks.weight", type_id)
     with pytest.raises(ValueError, match=named):
         LLM(path, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=16)
@@ -182,7 +174,7 @@ def test_gpt_oss_gguf_int8_activations_in_the_kernel_equal_torch_rounding(tmp_pa
     from perfxlm.ops.linear import native_int8_blocks
 
     path = str(tmp_path / "gpt-oss.gguf")
-    _converter().write_gpt_oss(path, build_gpt_oss(seed=2))
+    converter().write_gpt_oss(path, build_gpt_oss(seed=2))
     prompts = _prompts(seed=5, vocab=997)[1:]
     runs = []
     for kernel_rounds in (True, False):

@@ -9,9 +9,10 @@ import torch
 import transformers
 
 from tests.model.test_architectures_vs_hf import (
-    COMMON, assert_bfloat16_logits_close, assert_greedy_matches,
+    COMMON,
+    assert_bfloat16_logits_close,
+    assert_greedy_matches,
 )  # fmt: skip
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -108,17 +109,22 @@ def build_checkpoint(path: str, case: str, seed: int = 0):
     model = getattr(transformers, model_cls)(config).eval()
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("eager")  # the grouped-GEMM one needs 16-byte aligned odd sizes
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("sinks"):  # gpt-oss: sink logits big enough to take much of the attention
-                param.copy_(torch.randn_like(param) * 2)
-            elif param.ndim == 1:  # norms and biases start at constants: perturb them so they count
-                param.add_(torch.randn_like(param) * 0.1)
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias, zero at first
-                buffer.copy_(torch.randn_like(buffer) * 0.05)
+    perturb(model)
     model.save_pretrained(path)
     return model
+
+
+@torch.no_grad()
+def perturb(model: torch.nn.Module) -> None:
+    """Random values where a fresh model holds constants, so every parameter counts in a comparison."""
+    for name, param in model.named_parameters():
+        if name.endswith("sinks"):  # gpt-oss: sink logits big enough to take much of the attention
+            param.copy_(torch.randn_like(param) * 2)
+        elif param.ndim == 1:  # norms and biases start at constants: perturb them so they count
+            param.add_(torch.randn_like(param) * 0.1)
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias, zero at first
+            buffer.copy_(torch.randn_like(buffer) * 0.05)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -15,6 +15,7 @@ import transformers
 
 from perfxlm import LLM
 from tests.model.test_architectures_vs_hf import COMMON, assert_greedy_matches
+from tests.model.test_recent_families_vs_hf import perturb
 from tests.quant.packed_checkpoints import write_packed
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -62,13 +63,7 @@ def build_fp8_checkpoint(path: str, block=(128, 128), skip: tuple[str, ...] = ()
     config = transformers.DeepseekV3Config(**{**COMMON, **CONFIG, **config_over})
     model = transformers.DeepseekV3ForCausalLM(config).eval()
     model.set_experts_implementation("eager")
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.ndim == 1:
-                param.add_(torch.randn_like(param) * 0.1)
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.randn_like(buffer) * 0.05)
+    perturb(model)
     qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
     if skip:
         qc["modules_to_not_convert"] = list(skip)

@@ -6,14 +6,17 @@ AVX512-VNNI (zmm) and AVX2 (ymm; 8-bit codes only with AVX-VNNI); where a build 
 codes this wide (test_portable_kernels runs this file on each tier) the tests check that the op refuses
 with a clear error and is never picked."""
 
+import gguf
 import pytest
 import torch
 
 from perfxlm.ops import cpu_plan, isa, native
 from perfxlm.ops.linear import gemm_max_code, gemm_takes, run_linear_q
+from perfxlm.quant.gguf_repack import repack
 from perfxlm.quant.reference import fake_quantize_blocks
 from perfxlm.quant.weight import ActivationMode, QuantizedWeight, pack_codes
 
+from test_kquant_ops import k_blocks
 from test_quant_linear_ops import _centred, _dequant, _weight
 
 ops = native.kernels()
@@ -153,3 +156,22 @@ def test_the_plan_takes_the_int8_gemm_only_where_the_tier_has_it(monkeypatch):
 
 def test_per_token_w8a8_and_groups_of_16_keep_their_own_paths():
     assert not gemm_takes(_qweight(8, 8, 64, 0, act="int8"))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K"])
+def test_k_quants_two_level_scales_keep_the_block_path_under_an_int8_plan(qtype):
+    """A GGUF K-quant weight holds byte scales the GEMM does not read: a prefill under the int8 plan keeps
+    it on the block kernel's path (no error), with the float plan's values."""
+    q = gguf.GGMLQuantizationType[qtype]
+    weight = repack(k_blocks(q, 21, 512, 3), q, (21, 512))
+    weight.activations = ActivationMode.INT8_NATIVE
+    assert weight.two_level and not gemm_takes(weight)
+    x = torch.randn(150, 512, generator=torch.Generator().manual_seed(2))  # past every GEMV limit
+    previous = cpu_plan.use(quant_gemm="int8", quant_max_rows=32, quant_block_max_rows=128)
+    try:
+        fast = run_linear_q(ops, x, weight, None, False, True, False)
+        cpu_plan.use(quant_gemm="float32")
+        slow = run_linear_q(ops, x, weight, None, False, True, False)
+    finally:
+        cpu_plan.use(previous)
+    assert torch.equal(fast, slow)

@@ -87,6 +87,13 @@ def expect(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def expect_known_fields(config: dict[str, Any], known: set[str], method: str) -> None:
+    """A ValueError naming the quantization_config fields of `method` this format does not read."""
+    unknown = sorted(set(config) - known)
+    expect(not unknown, f"quantization_config field(s) {', '.join(unknown)} for {method} are not supported; "
+           f"supported: {', '.join(sorted(known))}.")  # fmt: skip
+
+
 def check_tensor(module: str, part: str, info: TensorInfo | None, shape: tuple[int, ...], dtypes: tuple[str, ...],
                  why: str) -> None:  # fmt: skip
     """ValueError unless tensor `<module>.<part>` exists with `shape` and one of `dtypes`."""

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from perfxlm.quant.formats.base import CheckpointFormat, TensorInfo, check_tensor, expect
+from perfxlm.quant.formats.base import CheckpointFormat, TensorInfo, check_tensor, expect, expect_known_fields
 from perfxlm.quant.formats.compressed_tensors import fp8_e4m3_levels
 from perfxlm.quant.weight import QuantizedWeight
 
@@ -54,9 +54,7 @@ class FP8BlockFormat(CheckpointFormat):
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__(config)
-        unknown = sorted(set(config) - _KNOWN_FIELDS)
-        expect(not unknown, f"quantization_config field(s) {', '.join(unknown)} for fp8 are not supported; "
-               f"supported: {', '.join(sorted(_KNOWN_FIELDS))}.")  # fmt: skip
+        expect_known_fields(config, _KNOWN_FIELDS, self.method)
         fmt = config.get("fmt", "e4m3")
         expect(fmt == "e4m3", f"quantization_config.fmt={fmt!r} is not supported; supported: 'e4m3'.")
         scheme = config.get("activation_scheme", "dynamic")

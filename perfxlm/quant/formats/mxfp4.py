@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from perfxlm.quant import mxfp4
-from perfxlm.quant.formats.base import CheckpointFormat, TensorInfo, expect
+from perfxlm.quant.formats.base import CheckpointFormat, TensorInfo, expect, expect_known_fields
 from perfxlm.quant.weight import QuantizedWeight
 
 _KNOWN_FIELDS = {"quant_method", "modules_to_not_convert"}
@@ -30,9 +30,7 @@ class MXFP4Format(CheckpointFormat):
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__(config)
-        unknown = sorted(set(config) - _KNOWN_FIELDS)
-        expect(not unknown, f"quantization_config field(s) {', '.join(unknown)} for mxfp4 are not supported; "
-               f"supported: {', '.join(sorted(_KNOWN_FIELDS))}.")  # fmt: skip
+        expect_known_fields(config, _KNOWN_FIELDS, self.method)
 
     def split(self, name: str) -> tuple[str, str]:
         """`...experts.gate_up_proj_blocks` -> (`...experts.gate_up_proj`, "blocks"): the parts hang off
