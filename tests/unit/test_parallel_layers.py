@@ -284,14 +284,35 @@ def test_fused_decode_takes_row_parallel_layers_with_their_all_reduce():
 
 def test_unsupported_family_is_refused_by_name():
     from perfxlm.model.loader import check_tensor_parallel
-    from perfxlm.model.models.deepseek_v2 import DeepseekV2ForCausalLM
+    from perfxlm.model.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+    from perfxlm.model.models.gpt_oss import GptOssForCausalLM
     from perfxlm.model.models.opt import OPTForCausalLM
     from perfxlm.model.models.qwen3 import Qwen3ForCausalLM
 
-    for cls in (DeepseekV2ForCausalLM, OPTForCausalLM):
-        with pytest.raises(ValueError, match=f"not supported for {cls.__name__}"):
-            check_tensor_parallel(cls, None)
-    check_tensor_parallel(Qwen3ForCausalLM, None)
+    with pytest.raises(ValueError, match="not supported for OPTForCausalLM"):
+        check_tensor_parallel(OPTForCausalLM, None)
+    for cls in (Qwen3ForCausalLM, GptOssForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM):
+        check_tensor_parallel(cls, None)
+
+
+def test_mla_needs_a_head_per_rank():
+    """MLA splits its query heads (its one latent KV head is replicated): more ranks than heads is refused
+    by name; 3 heads over 2 ranks are 2 + 1, o_proj's columns following them."""
+    from types import SimpleNamespace
+
+    from perfxlm.model.layers.mla import MLAttention
+
+    config = SimpleNamespace(hidden_size=16, num_attention_heads=3, qk_nope_head_dim=4, qk_rope_head_dim=2,
+                             v_head_dim=5, kv_lora_rank=6, q_lora_rank=None, rope_scaling=None, rope_theta=1e4,
+                             max_position_embeddings=64)  # fmt: skip
+    with building_for(TPGroup(0, 4, object())), pytest.raises(ValueError, match="exceeds the model's 3 attention"):
+        MLAttention(config)
+    for rank, heads in ((0, 2), (1, 1)):
+        with building_for(TPGroup(rank, 2, object())):
+            mla = MLAttention(config)
+        assert mla.num_heads == heads and mla.attn.num_heads == heads and mla.attn.num_kv_heads == 1
+        assert mla.q_proj.weight.shape == (heads * 6, 16) and mla.kv_b_proj.weight.shape == (heads * 9, 6)
+        assert mla.o_proj.input_part == (rank * 2 * 5, heads * 5)
 
 
 @pytest.mark.parametrize("kind", ["int4_centred", "int4_mins", "int8", "stack"])
