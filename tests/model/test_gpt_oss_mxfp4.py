@@ -24,9 +24,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 
-def build_gpt_oss(seed: int = 0) -> transformers.GptOssForCausalLM:
+def build_gpt_oss(seed: int = 0, **overrides) -> transformers.GptOssForCausalLM:
     """Odd sizes where MXFP4 allows them (rows of the stacks are whole blocks of 32): 5 heads of 24 over
-    one KV head, 5 experts, 2 chosen, a window of 7, YaRN; swiglu_limit is the 7.0 the file implies."""
+    one KV head, 5 experts, 2 chosen, a window of 7, YaRN; swiglu_limit is the 7.0 the file implies.
+    `overrides`: config fields changed (the tensor-parallel test's heads)."""
     torch.manual_seed(seed)
     config = transformers.GptOssConfig(**{**COMMON, **dict(
         vocab_size=997, hidden_size=96, intermediate_size=64, num_hidden_layers=3, num_attention_heads=5,
@@ -34,7 +35,7 @@ def build_gpt_oss(seed: int = 0) -> transformers.GptOssForCausalLM:
         tie_word_embeddings=False, max_position_embeddings=4096,
         rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
                          "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 15000.0},
-    )})  # fmt: skip
+    ), **overrides})  # fmt: skip
     model = transformers.GptOssForCausalLM(config).eval()
     model.set_experts_implementation("eager")
     with torch.no_grad():

@@ -101,11 +101,12 @@ CASES = {
 # fmt: on
 
 
-def build_checkpoint(path: str, case: str, seed: int = 0):
-    """Save a random-weight transformers model for `case`; returns the model (float32, eval)."""
+def build_checkpoint(path: str, case: str, seed: int = 0, **changes):
+    """Save a random-weight transformers model for `case` (`changes`: config fields set otherwise);
+    returns the model (float32, eval)."""
     config_cls, model_cls, overrides, _ = CASES[case]
     torch.manual_seed(seed)
-    config = getattr(transformers, config_cls)(**{**COMMON, **overrides})
+    config = getattr(transformers, config_cls)(**{**COMMON, **overrides, **changes})
     model = getattr(transformers, model_cls)(config).eval()
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("eager")  # the grouped-GEMM one needs 16-byte aligned odd sizes

@@ -284,14 +284,35 @@ def test_fused_decode_takes_row_parallel_layers_with_their_all_reduce():
 
 def test_unsupported_family_is_refused_by_name():
     from perfxlm.model.loader import check_tensor_parallel
-    from perfxlm.model.models.deepseek_v2 import DeepseekV2ForCausalLM
+    from perfxlm.model.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+    from perfxlm.model.models.gpt_oss import GptOssForCausalLM
     from perfxlm.model.models.opt import OPTForCausalLM
     from perfxlm.model.models.qwen3 import Qwen3ForCausalLM
 
-    for cls in (DeepseekV2ForCausalLM, OPTForCausalLM):
-        with pytest.raises(ValueError, match=f"not supported for {cls.__name__}"):
-            check_tensor_parallel(cls, None)
-    check_tensor_parallel(Qwen3ForCausalLM, None)
+    with pytest.raises(ValueError, match="not supported for OPTForCausalLM"):
+        check_tensor_parallel(OPTForCausalLM, None)
+    for cls in (Qwen3ForCausalLM, GptOssForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM):
+        check_tensor_parallel(cls, None)
+
+
+def test_mla_needs_a_head_per_rank():
+    """MLA splits its query heads (its one latent KV head is replicated): more ranks than heads is refused
+    by name; 3 heads over 2 ranks are 2 + 1, o_proj's columns following them."""
+    from types import SimpleNamespace
+
+    from perfxlm.model.layers.mla import MLAttention
+
+    config = SimpleNamespace(hidden_size=16, num_attention_heads=3, qk_nope_head_dim=4, qk_rope_head_dim=2,
+                             v_head_dim=5, kv_lora_rank=6, q_lora_rank=None, rope_scaling=None, rope_theta=1e4,
+                             max_position_embeddings=64)  # fmt: skip
+    with building_for(TPGroup(0, 4, object())), pytest.raises(ValueError, match="exceeds the model's 3 attention"):
+        MLAttention(config)
+    for rank, heads in ((0, 2), (1, 1)):
+        with building_for(TPGroup(rank, 2, object())):
+            mla = MLAttention(config)
+        assert mla.num_heads == heads and mla.attn.num_heads == heads and mla.attn.num_kv_heads == 1
+        assert mla.q_proj.weight.shape == (heads * 6, 16) and mla.kv_b_proj.weight.shape == (heads * 9, 6)
+        assert mla.o_proj.input_part == (rank * 2 * 5, heads * 5)
 
 
 @pytest.mark.parametrize("kind", ["int4_centred", "int4_mins", "int8", "stack"])
@@ -371,3 +392,41 @@ def test_a_wrong_sized_checkpoint_tensor_is_refused_not_cut():
         with pytest.raises(ValueError, match="checkpoint shape .* the model expects"):
             layer.rank_part(name, tensor, shard, None if shard != "down" else 0)
     assert col.rank_part("weight", torch.randn(12, 10), None, None).shape == (6, 10)
+
+
+@pytest.mark.parametrize("kind", ["float32", "mxfp4"])
+def test_biased_interleaved_experts_split_by_intermediate_size(kind):
+    """gpt-oss's experts: gate and up rows interleaved, a bias on both products. Each rank keeps its run of
+    interleaved rows with their biases (MXFP4 stacks cut as codes, down's inputs on whole 32-blocks), and
+    only rank 0 keeps down's bias: the ranks' partial outputs sum to the whole layer's, the bias once."""
+    from perfxlm.model.layers.activation import ClampedSwiGLU
+    from perfxlm.model.layers.moe import grouped_experts
+    from perfxlm.quant import mxfp4
+
+    torch.manual_seed(8)
+    experts, top_k, hidden, inter = 5, 2, 64, 64  # 32 intermediate columns a rank: whole MXFP4 blocks
+    gate_up, down = torch.randn(experts, 2 * inter, hidden) * 0.2, torch.randn(experts, hidden, inter) * 0.2
+    biases = {"gate_up_proj_bias": torch.randn(experts, 2 * inter), "down_proj_bias": torch.randn(experts, hidden)}
+    stacks: dict[str, Any] = {"gate_up_proj": gate_up, "down_proj": down}
+    if kind == "mxfp4":
+        stacks = {name: mxfp4.from_checkpoint(*mxfp4.quantize_reference(t), name) for name, t in stacks.items()}
+    act = ClampedSwiGLU(1.702, 1.3)
+    x = torch.randn(9, hidden)
+    weights, ids = torch.softmax(torch.randn(9, experts), -1).topk(top_k, dim=-1)
+    ref = grouped_experts(x, weights, ids, stacks["gate_up_proj"], stacks["down_proj"], act, *biases.values())
+    total = torch.zeros_like(ref)
+    for r in range(2):
+        with building_for(TPGroup(r, 2, object())):
+            moe = FusedMoE(experts, top_k, hidden, inter, renormalize=False, bias=True, act=act, interleaved=True)
+        cut = {name: moe.rank_part(name, t, None, None) for name, t in {**stacks, **biases}.items()}
+        assert tuple(cut["gate_up_proj"].shape) == (experts, inter, hidden) and cut["down_proj"].shape[-1] == 32
+        assert cut["down_proj_bias"].any() == (r == 0)
+        total += grouped_experts(x, weights, ids, cut["gate_up_proj"], cut["down_proj"], act,
+                                 cut["gate_up_proj_bias"], cut["down_proj_bias"])  # fmt: skip
+    torch.testing.assert_close(total, ref, atol=1e-4, rtol=1e-4)
+    if kind == "mxfp4":  # 96 intermediate columns are 48 a rank: not whole blocks of 32, refused
+        with building_for(TPGroup(1, 2, object())):
+            moe = FusedMoE(experts, top_k, hidden, 96, renormalize=False, bias=True, act=act, interleaved=True)
+        wide = mxfp4.from_checkpoint(*mxfp4.quantize_reference(torch.randn(experts, hidden, 96)), "down_proj")
+        with pytest.raises(ValueError, match="group boundaries"):
+            moe.rank_part("down_proj", wide, None, None)

@@ -16,6 +16,7 @@ from torch import nn
 from perfxlm.model.forward_context import get_forward_context
 from perfxlm.model.layers import attention_backend
 from perfxlm.model.layers.attention_backend import AttentionBackend, AttentionOptions
+from perfxlm.model.layers.rank_sharded import narrow
 from perfxlm.ops.kv_quant import KVCache, KVCacheSpec
 
 
@@ -49,6 +50,8 @@ class Attention(nn.Module):
         causal: bool = True,  # False: bidirectional (an encoder; the pooling runner's cacheless backend)
         value_is_key: bool = False,  # callers pass v = k (MLA's latent): the cache stores it once
         sinks: bool = False,  # gpt-oss: a learned sink logit per head, `sinks` [num_heads]
+        # under tensor parallelism: (the first of this rank's heads, the model's heads), the sinks it keeps
+        heads_of: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -65,6 +68,7 @@ class Attention(nn.Module):
         self.options = AttentionOptions(scale, sliding_window, logit_soft_cap, causal)
         # a Parameter of this module, put into the options at each forward (loading may replace it)
         self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False) if sinks else None
+        self.heads_of = heads_of
         self.backend: AttentionBackend | None = None  # bound at the first forward pass, by its device
         # K and V blocks, each [num_blocks, block_size, num_kv_heads, head_dim], and their scales for an
         # int8 / fp8 cache (ops/kv_quant.py)
@@ -81,6 +85,13 @@ class Attention(nn.Module):
         options = self.options if self.sinks is None else dataclasses.replace(self.options, sinks=self.sinks)
         out = backend.forward(q, k, v, self.kv_cache, get_forward_context(), options)
         return out.view(out.shape[0], -1)
+
+    def rank_part(self, param_name: str, tensor: Any, shard: str | None, expert: int | None) -> Any:
+        """The sinks of this rank's query heads (the checkpoint holds one per head of the model)."""
+        if self.heads_of is None or param_name != "sinks":
+            return tensor
+        first, whole = self.heads_of
+        return narrow(tensor, 0, first, self.num_heads, whole=whole)
 
     def cache_bytes_per_token(self, spec: KVCacheSpec) -> int:
         return spec.bytes_per_token(self.num_kv_heads, self.head_dim, self.value_is_key)

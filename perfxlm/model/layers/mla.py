@@ -22,8 +22,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from perfxlm.distributed.parallel_state import tp_group
 from perfxlm.model.layers.attention import Attention
 from perfxlm.model.layers.linear import Linear
+from perfxlm.model.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from perfxlm.model.layers.norm import RMSNorm
 from perfxlm.model.layers.rotary import _rope_type, apply_rotary, rope_parameters, yarn_mscale
 
@@ -38,26 +40,45 @@ def mla_scale(config: Any) -> float:
     return scale
 
 
+def heads_of_rank(num_heads: int) -> tuple[int, int]:
+    """(first head, heads) of this rank's contiguous share of the query heads (all of them with one rank)."""
+    tp = tp_group()
+    if tp.world_size > num_heads:
+        raise ValueError(f"tensor_parallel_size={tp.world_size} exceeds the model's {num_heads} attention "
+                         "heads: each rank needs at least one head.")
+    return tp.part(num_heads)
+
+
 class MLAttention(nn.Module):
+    """Under tensor parallelism (as vLLM's MLA) the heads are split: q (or q_b) and kv_b are column-parallel
+    by whole heads, o_proj row-parallel over the same heads; the down projections (q_a, kv_a) and their
+    norms are replicated, so every rank computes and caches the whole latent (one KV head, which cannot be
+    split) and attends with its own heads."""
+
     def __init__(self, config: Any) -> None:
         super().__init__()
         hidden, bias = config.hidden_size, bool(getattr(config, "attention_bias", False))
-        self.num_heads = config.num_attention_heads
+        heads = config.num_attention_heads
+        first, self.num_heads = heads_of_rank(heads)
         self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.v_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank
-        q_out = self.num_heads * (self.nope_dim + self.rope_dim)
+        q_head, kv_b_head = self.nope_dim + self.rope_dim, self.nope_dim + self.v_dim
+
+        def by_heads(width: int) -> tuple[int, int]:  # this rank's rows (or columns) of a per-head weight
+            return first * width, self.num_heads * width
+
         self.q_lora_rank = getattr(config, "q_lora_rank", None)
         if self.q_lora_rank:  # the query through its own low-rank bottleneck (V2 full size, V3)
             self.q_a_proj = Linear(hidden, self.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank)  # transformers' default epsilon, not the config's
-            self.q_b_proj = Linear(self.q_lora_rank, q_out)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, heads * q_head, output_part=by_heads(q_head))
         else:
-            self.q_proj = Linear(hidden, q_out)
+            self.q_proj = ColumnParallelLinear(hidden, heads * q_head, output_part=by_heads(q_head))
         self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank)
-        self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim))
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads * kv_b_head, output_part=by_heads(kv_b_head))
         self.kv_b_proj.quantize_weight = False  # absorbed into per-head float matrices at the first step
-        self.o_proj = Linear(self.num_heads * self.v_dim, hidden, bias=bias)
+        self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias=bias, input_part=by_heads(self.v_dim))
         self.latent_dim = self.kv_lora_rank + self.rope_dim
         self.attn = Attention(self.num_heads, 1, self.latent_dim, mla_scale(config), value_is_key=True)
         self._absorbed: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}

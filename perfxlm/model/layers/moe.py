@@ -17,7 +17,7 @@ from perfxlm.distributed.parallel_state import tp_group
 from perfxlm.model.layers.activation import ClampedSwiGLU, GeluAndMul, SiluAndMul, act_and_mul
 from perfxlm.model.layers.linear_methods.base import LinearMethod, LinearPlan
 from perfxlm.model.layers.linear_methods.registry import method_for
-from perfxlm.model.layers.rank_sharded import COLUMNS, ROWS, narrow, take_parts
+from perfxlm.model.layers.rank_sharded import COLUMNS, ROWS, check_whole, narrow, take_parts
 from perfxlm.ops.fused_moe import ExpertActivation, experts_call
 from perfxlm.ops.linear import linear
 from perfxlm.quant.targets import EXPERTS, QuantizableWeight
@@ -131,6 +131,7 @@ class FusedMoE(nn.Module):
         reduce_results: bool = True,
         bias: bool = False,  # gpt-oss: a bias per expert on both products
         act: nn.Module | None = None,  # an activation no `hidden_act` names (gpt-oss's clamped SwiGLU)
+        interleaved: bool = False,  # gate and up rows alternate in gate_up_proj (gpt-oss), else gate then up
     ) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
@@ -140,6 +141,7 @@ class FusedMoE(nn.Module):
         self.full_intermediate_size = intermediate_size
         intermediate_size = self.inter_part[1]
         self.reduces_output = reduce_results and self.tp.parallel
+        self.interleaved = interleaved
         self.num_experts = num_experts
         self.top_k = top_k
         self.intermediate_size = intermediate_size
@@ -176,13 +178,22 @@ class FusedMoE(nn.Module):
         return [f"{e}.{p}" for e in range(self.num_experts) for p in parts]
 
     def rank_part(self, param_name: str, tensor: Any, shard: str | None, expert: int | None) -> Any:
-        """This rank's intermediate rows (gate, up) or columns (down), of one expert's tensor or a stack."""
+        """This rank's intermediate rows (gate, up) or columns (down), of one expert's tensor or a stack;
+        of the biases, gate|up's entries of those rows, and down's whole on rank 0 only (the ranks' partial
+        outputs are summed: the bias is added once)."""
         if not self.tp.parallel:
             return tensor
         start, size = self.inter_part
-        if shard is None and param_name == "gate_up_proj":  # [E, 2I, H] already fused in the checkpoint
-            whole = self.full_intermediate_size
-            return take_parts(tensor, ROWS, [(start, size), (whole + start, size)], whole=2 * whole)
+        whole = self.full_intermediate_size
+        if param_name == "down_proj_bias":  # [E, H]
+            check_whole(tensor, COLUMNS, self.down_proj.shape[-2])
+            return tensor if self.tp.rank == 0 else torch.zeros_like(tensor)
+        # gate|up already fused in the checkpoint: [E, 2I, H], its bias [E, 2I]
+        if shard is None and param_name in ("gate_up_proj", "gate_up_proj_bias"):
+            dim = ROWS if param_name == "gate_up_proj" else COLUMNS
+            if self.interleaved:  # gate row i at 2i, up row i at 2i + 1: this rank's rows are one run
+                return narrow(tensor, dim, 2 * start, 2 * size, whole=2 * whole)
+            return take_parts(tensor, dim, [(start, size), (whole + start, size)], whole=2 * whole)
         # one expert's [I, H] / [H, I], a stack of one part [E, I, H] (GGUF), or down's stack [E, H, I]
         dim = ROWS if shard in ("gate", "up") else COLUMNS
         return narrow(tensor, dim, start, size, whole=self.full_intermediate_size)
@@ -205,7 +216,11 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = route(router_logits, self.top_k, self.renormalize)
-        out = self.run_routed(x, weights, ids)
+        return self.reduce(self.run_routed(x, weights, ids))
+
+    def reduce(self, out: torch.Tensor) -> torch.Tensor:
+        """The ranks' partial outputs summed where this layer reduces its own (`reduce_results`): what a
+        family with a router of its own calls after `run_routed`."""
         return self.tp.all_reduce(out) if self.reduces_output else out
 
     def run_routed(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:

@@ -35,9 +35,15 @@ from perfxlm.model.layers.rank_sharded import COLUMNS, ROWS, check_whole, narrow
 class ColumnParallelLinear(Linear):
     """y[:, rank's rows] = x W[rank's rows]^T + b[rank's rows]."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        output_part: tuple[int, int] | None = None,  # the rows this rank holds, where whole heads decide it
+    ) -> None:
         tp = tp_group()
-        start, size = tp.part(out_features)
+        start, size = output_part if output_part is not None and tp.parallel else tp.part(out_features)
         super().__init__(in_features, size, bias)
         self.tp: TPGroup = tp
         self.output_part = (start, size)

@@ -17,6 +17,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from perfxlm.distributed.parallel_state import tp_group
 from perfxlm.model.layers.mla import MLAttention
 from perfxlm.model.layers.moe import FusedMoE
 from perfxlm.model.layers.moe_router import GroupedTopKRouter
@@ -52,23 +53,31 @@ def halves_rope_rows(weights: Iterable[tuple[str, torch.Tensor]], config: Any) -
 
 
 class DeepseekMoE(nn.Module):
+    """Routed experts plus always-on shared experts. Under tensor parallelism both are split by
+    intermediate size and the router is replicated: each rank adds its partial routed and shared outputs,
+    and one all-reduce sums them."""
+
     def __init__(self, config: Any, router: GroupedTopKRouter) -> None:
         super().__init__()
         self.gate = router
         self.experts = FusedMoE(
             config.n_routed_experts, config.num_experts_per_tok, config.hidden_size,
-            config.moe_intermediate_size, renormalize=False, activation=config.hidden_act,
+            config.moe_intermediate_size, renormalize=False, activation=config.hidden_act, reduce_results=False,
         )  # fmt: skip
         shared = (getattr(config, "n_shared_experts", None) or 0) * config.moe_intermediate_size
-        self.shared_experts = LlamaMLP(config, intermediate_size=shared, bias=False) if shared else None
+        self.shared_experts = (
+            LlamaMLP(config, intermediate_size=shared, bias=False, reduce_results=False) if shared else None
+        )
+        self.tp = tp_group()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts.run_routed(x, *self.gate(x))
-        return out + self.shared_experts(x) if self.shared_experts is not None else out
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return self.tp.all_reduce(out) if self.tp.parallel else out
 
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
-    supports_tensor_parallel = False  # its attention and experts are not parallel layers yet
     # the MLPs' gate|up only: MLA keeps its projections apart
     stacked_params = MOE_STACKED_PARAMS + [e for e in LLAMA_STACKED_PARAMS if e[0] == ".gate_up_proj"]
 

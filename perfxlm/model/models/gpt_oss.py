@@ -29,7 +29,7 @@ def gpt_oss_experts(config: Any) -> FusedMoE:
     (MXFP4 included) take the same linear methods and native kernel as the other families'."""
     return FusedMoE(
         config.num_local_experts, config.num_experts_per_tok, config.hidden_size, config.intermediate_size,
-        renormalize=False, bias=True, act=ClampedSwiGLU(config.swiglu_alpha, config.swiglu_limit),
+        renormalize=False, bias=True, act=ClampedSwiGLU(config.swiglu_alpha, config.swiglu_limit), interleaved=True,
     )  # fmt: skip
 
 
@@ -47,14 +47,13 @@ class GptOssMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top, ids = torch.topk(self.router(x), self.top_k, dim=-1)
-        return self.experts.run_routed(x, torch.softmax(top, dim=-1), ids)
+        return self.experts.reduce(self.experts.run_routed(x, torch.softmax(top, dim=-1), ids))
 
 
 _TRANSPOSED_STACKS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
-    supports_tensor_parallel = False  # its attention and experts are not parallel layers yet
     # the sinks are the attention layer's own parameter
     renames = [(r"\.self_attn\.sinks$", ".self_attn.attn.sinks")]
     stacked_params = [e for e in LLAMA_STACKED_PARAMS if e[0] == ".qkv_proj"]

@@ -69,6 +69,7 @@ class LlamaAttention(nn.Module):
             logit_soft_cap=logit_soft_cap,
             sinks=sinks,
             causal=causal,
+            heads_of=(self.qkv_proj.q_part[0] // self.head_dim, heads) if self.qkv_proj.tp.parallel else None,
         )
         self.qk_size = q_size + kv_size
 
