@@ -9,6 +9,7 @@ and run alternately (base, LoRA, base, ...), so drift on a shared machine hits b
 
     python benchmarks/lora_throughput.py                       # the embedded SmolLM2 GGUF
     python benchmarks/lora_throughput.py --model m.gguf --rank 16 --adapters 4 --rounds 3
+    python benchmarks/lora_throughput.py --lora-parallel-macs 0   # batch-1 adapter products split too
 """
 
 from __future__ import annotations
@@ -86,6 +87,43 @@ def decode_tok_s(llm: LLM, prompt: list[int], out_len: int, lora, clock=time.per
     return (len(out.outputs[0].token_ids) - 1) / (m.last_token_time - m.first_token_time)
 
 
+def replay_layers(llm: LLM, prompt: list[int], lora, steps: int, clock=time.perf_counter) -> tuple[list, list]:
+    """One batch-1 decode step of the fused decoder layers (`FusedDecode.run`, as the LoRA engine ran it)
+    replayed `steps` times with its adapter rows and without them, alternately: seconds per replay of
+    each. No scheduler, sampler or LM head around them, so what the adapters add to the layers shows
+    apart from the rest of a step."""
+    from perfxlm.model.fused_decode import FusedDecode
+
+    seen = []
+    run = FusedDecode.run
+
+    def spy(self, x, rope, meta, layer_ropes=None):
+        if not seen and meta.lora is not None:
+            seen.append((self, x.clone(), rope, meta, layer_ropes))
+        return run(self, x, rope, meta, layer_ropes)
+
+    FusedDecode.run = spy
+    try:
+        llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                     use_tqdm=False, lora_request=lora)
+    finally:
+        FusedDecode.run = run
+    if not seen:
+        raise RuntimeError("no decode step ran on the fused decode layer with the adapter")
+    fused, x, rope, meta, layer_ropes = seen[0]
+    batch = meta.lora
+    with_lora, without = [], []
+    with torch.inference_mode():
+        for i in range(steps + 3):  # the KV write goes to the same slot every time
+            for rows, adapters in ((without, None), (with_lora, batch)):
+                meta.lora = adapters
+                t0 = clock()
+                fused.run(x.clone(), rope, meta, layer_ropes)
+                if i >= 3:
+                    rows.append(clock() - t0)
+    return with_lora, without
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2 GGUF")
@@ -101,8 +139,16 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--clock", choices=tuple(CLOCK), default="wall",
                     help="cpu: this process's CPU time (one thread on a shared machine)")
+    ap.add_argument("--lora-parallel-macs", type=int, default=None,
+                    help="the LoRA kernel's bound for splitting a projection's products across threads "
+                         "(PERFXLM_LORA_PARALLEL_MACS; 0: always, batch-1 decode included; default: the kernel's)")
+    ap.add_argument("--replay-steps", type=int, default=0,
+                    help="also replay one batch-1 step of the fused layers this many times with and without "
+                         "the adapter (min and median ms: the layers alone, without the rest of a step)")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
+    if args.lora_parallel_macs is not None:  # read by the kernels once, when the first product runs
+        os.environ["PERFXLM_LORA_PARALLEL_MACS"] = str(args.lora_parallel_macs)
     if args.model is None:
         args.model = default_model_path()
     common = dict(dtype=args.dtype, quantization=args.quantization, enable_prefix_caching=False)
@@ -129,12 +175,23 @@ def main() -> int:
             rows["dec_lora"].append(decode_tok_s(lora, long_prompt, args.output_len, requests[0], clock))
             print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rows.items()), flush=True)
     med = {k: statistics.median(v) for k, v in rows.items()}
-    print(f"\nmodel {args.model}, {args.adapters} adapters of rank {args.rank} ({args.lora_dtype}), "
+    split = "" if args.lora_parallel_macs is None else f", split past {args.lora_parallel_macs} multiply-adds"
+    print(f"\nmodel {args.model}, {args.adapters} adapters of rank {args.rank} ({args.lora_dtype}{split}), "
           f"{torch.get_num_threads()} threads, {args.clock} clock, medians of {args.rounds} alternating rounds")
     print(f"{args.parallel} parallel {args.input_len}/{args.output_len}, generated tok/s: base {med['par_base']:.1f}, "
           f"across {args.adapters} adapters {med['par_lora']:.1f} -> {med['par_lora'] / med['par_base']:.2f}x")
     print(f"batch-1 decode after {args.decode_context}, tok/s: base {med['dec_base']:.1f}, with an adapter "
           f"{med['dec_lora']:.1f} -> {med['dec_lora'] / med['dec_base']:.2f}x")
+    if args.replay_steps:
+        with tempfile.TemporaryDirectory() as tmp:
+            one = LoRARequest("r0", 99, write_adapter(os.path.join(tmp, "r0"), cfg, args.rank, 0))
+            lora_s, base_s = replay_layers(lora, long_prompt, one, args.replay_steps, CLOCK[args.clock])
+        rows["replay_lora"], rows["replay_base"] = lora_s, base_s
+        lo, bo = min(lora_s), min(base_s)
+        print(f"fused layers, one batch-1 step after {args.decode_context} replayed {args.replay_steps} times, ms: "
+              f"base min {bo * 1e3:.2f} (median {statistics.median(base_s) * 1e3:.2f}), with the adapter min "
+              f"{lo * 1e3:.2f} (median {statistics.median(lora_s) * 1e3:.2f}): +{(lo - bo) * 1e3:.2f} ms, "
+              f"{bo / lo:.2f}x")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"args": vars(args), "rounds": rows, "medians": med}, f, indent=1)

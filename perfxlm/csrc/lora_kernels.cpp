@@ -7,12 +7,12 @@
 // bytes, the adapters' form next to bf16 or quantized base weights) or int8 codes with a scale per
 // packed row (a quarter, opt-in), widened in registers; sums are float32 always.
 //
-// Threads: the work is cut into units that write disjoint parts of y, so one parallel region per
-// projection needs no barrier between shrink and expand: a unit is one slot's rows over one part of the
-// projection (q, k or v; gate or up), whose output columns no other part covers, and a part whose
-// expand outweighs its shrink is cut further into output-column blocks, each redoing the part's small
-// shrink. Threads take units largest first from a shared counter. Work too small to pay for a parallel
-// region's fork and join stays on the calling thread.
+// Threads: the work is cut into shrink tasks (a block of one part's columns, for that slot's rows) and
+// expand tasks (a block of one part's output columns), and each thread takes shrinks, then expands, from
+// shared counters, an expand waiting only for its own part's shrinks: one parallel region per projection,
+// no barrier, each thread reading about its share of A and B (a batch-1 step's too, where one part, o's
+// or down's, used to be one thread's whole). Work too small to pay for a parallel region's fork and join
+// stays on the calling thread.
 //
 // Decode with adapters is bound by reading A and B (at rank 16 on every projection of a 135M model,
 // 1 MB of float32 per layer, 30 MB per step beside the 4-bit model's 98 MB), so bytes and the threads
@@ -25,7 +25,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -77,17 +79,12 @@ struct Group {
   std::vector<Segment> segments;
 };
 
-// One piece of work: a group's rows over one segment's columns, adding to output columns [n0, n1).
-struct Unit {
-  const Group* group;
-  const Segment* segment;
-  int64_t n0, n1, macs;
-};
-
-// h[i][j] = (x_i . A_{c0 + j}) * scale for MT rows and the segment's columns. One or two rows (batch-1
-// decode) keep two partial sums per row, so consecutive FMAs do not wait on each other.
+// h[i * ldh + j] = (x_i . A_{c0 + j}) * scale for MT rows and `cols` of the segment's columns. One or two
+// rows (batch-1 decode) keep two partial sums per row, so consecutive FMAs do not wait on each other.
+// Each column's sum is the same whichever columns a call takes.
 template <int MT, typename W>
-void shrink_tile(const float* const* xr, int64_t K, const W* a, const float* scale, int64_t cols, float* h) {
+void shrink_tile(const float* const* xr, int64_t K, const W* a, const float* scale, int64_t cols, float* h,
+                 int64_t ldh) {
   for (int64_t j = 0; j < cols; ++j) {
     const W* aj = a + j * K;
 #ifdef PERFXLM_SIMD16
@@ -108,7 +105,7 @@ void shrink_tile(const float* const* xr, int64_t K, const W* a, const float* sca
     for (int i = 0; i < MT; ++i) {
       simd16::V sum = acc[i][0];
       for (int u = 1; u < U; ++u) sum = simd16::add(sum, acc[i][u]);
-      h[i * cols + j] = simd16::reduce_add(sum) * scale[j];
+      h[i * ldh + j] = simd16::reduce_add(sum) * scale[j];
     }
 #else
     float acc[MT] = {};
@@ -116,7 +113,7 @@ void shrink_tile(const float* const* xr, int64_t K, const W* a, const float* sca
       const float av = widen(aj[k]);
       for (int i = 0; i < MT; ++i) acc[i] += xr[i][k] * av;
     }
-    for (int i = 0; i < MT; ++i) h[i * cols + j] = acc[i] * scale[j];
+    for (int i = 0; i < MT; ++i) h[i * ldh + j] = acc[i] * scale[j];
 #endif
   }
 }
@@ -186,63 +183,126 @@ struct Operands {
   const float* scale;
 };
 
+// One part (a slot's rows over one segment) of the step: its h = x A^T * scale, [rows, cols] row-major,
+// and how many of its shrink tasks are done (its expands wait for all of them).
+struct Part {
+  const Group* group;
+  const Segment* segment;
+  float* h;
+  int64_t shrinks;
+};
+
+// A shrink fills h's columns [j0, j1) for all of the part's rows; an expand adds h B^T to the output
+// columns [n0, n1).
+struct Task {
+  int64_t part, from, to;
+};
+
 template <typename W>
-void run_unit(const Unit& u, const Operands& o, const W* a, const W* bt, std::vector<float>& h) {
-  const Segment& s = *u.segment;
-  const std::vector<int64_t>& rows = u.group->rows;
-  const int64_t cols = s.c1 - s.c0, n = static_cast<int64_t>(rows.size());
-  h.resize(static_cast<size_t>(kTile * cols));
+void run_shrink(const Task& t, const Part& p, const Operands& o, const W* a) {
+  const Segment& s = *p.segment;
+  const std::vector<int64_t>& rows = p.group->rows;
+  const int64_t cols = s.c1 - s.c0, n = static_cast<int64_t>(rows.size()), c0 = s.c0 + t.from;
   for (int64_t i0 = 0; i0 < n; i0 += kTile) {
     const int64_t m = std::min<int64_t>(kTile, n - i0);
     const float* xr[kMaxTile];
-    float* yr[kMaxTile];
-    for (int64_t i = 0; i < m; ++i) {
-      xr[i] = o.x + rows[i0 + i] * o.x_stride;
-      yr[i] = o.y + rows[i0 + i] * o.y_stride;
-    }
+    for (int64_t i = 0; i < m; ++i) xr[i] = o.x + rows[i0 + i] * o.x_stride;
     with_tile(m, [&](auto mt) {
-      constexpr int MT = decltype(mt)::value;
-      shrink_tile<MT>(xr, o.K, a + s.c0 * o.K, o.scale + s.c0, cols, h.data());
-      expand_tile<MT>(yr, h.data(), bt + s.c0 * o.N, o.N, cols, u.n0, u.n1);
+      shrink_tile<decltype(mt)::value>(xr, o.K, a + c0 * o.K, o.scale + c0, t.to - t.from, p.h + i0 * cols + t.from, cols);
     });
   }
 }
 
 template <typename W>
+void run_expand(const Task& t, const Part& p, const Operands& o, const W* bt) {
+  const Segment& s = *p.segment;
+  const std::vector<int64_t>& rows = p.group->rows;
+  const int64_t cols = s.c1 - s.c0, n = static_cast<int64_t>(rows.size());
+  for (int64_t i0 = 0; i0 < n; i0 += kTile) {
+    const int64_t m = std::min<int64_t>(kTile, n - i0);
+    float* yr[kMaxTile];
+    for (int64_t i = 0; i < m; ++i) yr[i] = o.y + rows[i0 + i] * o.y_stride;
+    with_tile(m, [&](auto mt) {
+      expand_tile<decltype(mt)::value>(yr, p.h + i0 * cols, bt + s.c0 * o.N, o.N, cols, t.from, t.to);
+    });
+  }
+}
+
+// Below this many multiply-adds a projection's products run on the calling thread; PERFXLM_LORA_PARALLEL_MACS
+// sets another bound (0: every step splits across threads, batch-1 decode included), for measuring where
+// a machine's parallel region costs less than the half of the adapter bytes it saves one thread.
+int64_t parallel_macs() {
+  static const int64_t bound = [] {
+    const char* env = std::getenv("PERFXLM_LORA_PARALLEL_MACS");
+    return env != nullptr && *env != '\0' ? std::max<int64_t>(0, std::atoll(env)) : kParallelMacs;
+  }();
+  return bound;
+}
+
+// The step's work as tasks: shrinks (a block of one part's columns) and expands (a block of one part's
+// output columns, multiples of 32 so the paired 16-wide blocks stay whole). Every thread takes shrinks
+// until none is left, then expands; an expand waits only for its own part's shrinks, which threads finish
+// without waiting on anything, so no thread waits on work that nobody runs (one thread alone, or a
+// descheduled one, still completes). Each thread then reads about its share of A and of B, one parallel
+// region per projection and no barrier; which thread runs which task changes no sum (a column's shrink
+// and an output's expand are the same whatever the blocks).
+template <typename W>
 void apply(const Operands& o, const W* a, const W* bt, const std::vector<Group>& groups) {
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  int64_t pairs = 0;
-  for (const Group& g : groups) pairs += static_cast<int64_t>(g.segments.size());
-  std::vector<Unit> units;
-  int64_t total = 0;
-  for (const Group& g : groups) {
-    const int64_t rows = static_cast<int64_t>(g.rows.size());
+  std::vector<Part> parts;
+  int64_t total = 0, h_size = 0;
+  for (const Group& g : groups)
     for (const Segment& s : g.segments) {
-      const int64_t shrink = rows * (s.c1 - s.c0) * o.K, width = s.n1 - s.n0;
-      const int64_t expand = rows * (s.c1 - s.c0) * width;
-      // cut a part's outputs only while there are fewer parts than threads, and only as far as each
-      // piece's expand still outweighs the shrink it repeats
-      int64_t pieces = 1;
-      if (pairs < threads) pieces = std::clamp<int64_t>(expand / std::max<int64_t>(shrink, 1), 1, threads);
-      const int64_t step = ((width + pieces - 1) / pieces + 15) / 16 * 16;
-      for (int64_t n0 = s.n0; n0 < s.n1; n0 += step) {
-        const int64_t n1 = std::min(s.n1, n0 + step);
-        units.push_back({&g, &s, n0, n1, shrink + rows * (s.c1 - s.c0) * (n1 - n0)});
-        total += units.back().macs;
-      }
+      const int64_t rows = static_cast<int64_t>(g.rows.size()), cols = s.c1 - s.c0;
+      parts.push_back({&g, &s, nullptr, 0});
+      h_size += rows * cols;
+      total += rows * cols * (o.K + s.n1 - s.n0);
     }
+  std::vector<float> h(static_cast<size_t>(h_size));
+  int64_t offset = 0;
+  for (Part& p : parts) {
+    p.h = h.data() + offset;
+    offset += static_cast<int64_t>(p.group->rows.size()) * (p.segment->c1 - p.segment->c0);
   }
-  std::vector<float> h;
-  if (total < kParallelMacs || units.size() < 2 || threads < 2) {
-    for (const Unit& u : units) run_unit(u, o, a, bt, h);
+  const bool parallel = threads >= 2 && total >= parallel_macs();
+  // blocks: about 4 tasks per thread of each kind over the step, at least 4 columns / 32 outputs each
+  int64_t all_cols = 0, all_width = 0;
+  for (const Part& p : parts) {
+    all_cols += p.segment->c1 - p.segment->c0;
+    all_width += p.segment->n1 - p.segment->n0;
+  }
+  const int64_t want = parallel ? 4 * threads : 1;  // serial: one shrink and one expand per part
+  const int64_t col_block = std::max<int64_t>(parallel ? 4 : 1, (all_cols + want - 1) / want);
+  const int64_t out_block = std::max<int64_t>(32, ((all_width + want - 1) / want + 31) / 32 * 32);
+  std::vector<Task> shrinks, expands;
+  for (int64_t i = 0; i < static_cast<int64_t>(parts.size()); ++i) {
+    const Segment& s = *parts[i].segment;
+    for (int64_t j0 = 0; j0 < s.c1 - s.c0; j0 += col_block) {
+      shrinks.push_back({i, j0, std::min(s.c1 - s.c0, j0 + col_block)});
+      ++parts[i].shrinks;
+    }
+    for (int64_t n0 = s.n0; n0 < s.n1; n0 += out_block) expands.push_back({i, n0, std::min(s.n1, n0 + out_block)});
+  }
+  if (!parallel) {
+    for (const Task& t : shrinks) run_shrink(t, parts[t.part], o, a);
+    for (const Task& t : expands) run_expand(t, parts[t.part], o, bt);
     return;
   }
-  std::sort(units.begin(), units.end(), [](const Unit& p, const Unit& q) { return p.macs > q.macs; });
-  std::atomic<int64_t> next{0};
-  const int64_t n_units = static_cast<int64_t>(units.size());
-  at::parallel_for(0, std::min(threads, n_units), 1, [&](int64_t, int64_t) {
-    std::vector<float> local;
-    for (int64_t j = next.fetch_add(1); j < n_units; j = next.fetch_add(1)) run_unit(units[j], o, a, bt, local);
+  std::vector<std::atomic<int64_t>> done(parts.size());
+  for (auto& d : done) d.store(0, std::memory_order_relaxed);
+  std::atomic<int64_t> next_shrink{0}, next_expand{0};
+  const int64_t n_shrinks = static_cast<int64_t>(shrinks.size()), n_expands = static_cast<int64_t>(expands.size());
+  at::parallel_for(0, std::min(threads, std::max(n_shrinks, n_expands)), 1, [&](int64_t, int64_t) {
+    for (int64_t j = next_shrink.fetch_add(1); j < n_shrinks; j = next_shrink.fetch_add(1)) {
+      run_shrink(shrinks[j], parts[shrinks[j].part], o, a);
+      done[shrinks[j].part].fetch_add(1, std::memory_order_release);
+    }
+    for (int64_t j = next_expand.fetch_add(1); j < n_expands; j = next_expand.fetch_add(1)) {
+      const Task& t = expands[j];
+      for (int spins = 0; done[t.part].load(std::memory_order_acquire) < parts[t.part].shrinks; ++spins)
+        if (spins > 64) std::this_thread::yield();  // its last shrink runs on a thread that was descheduled
+      run_expand(t, parts[t.part], o, bt);
+    }
   });
 }
 

@@ -80,11 +80,13 @@ _SERIAL_MACS = 1 << 21
 class LoRABatch:
     """One step's adapters: each token row's slot (-1: none). `add` is what a LoRALinear calls."""
 
-    def __init__(self, row_slot: torch.Tensor, single_slot: int | None) -> None:
+    def __init__(self, row_slot: torch.Tensor, single_slot: int | None,
+                 kernel_operands: "KernelOperands | None" = None) -> None:
         self.row_slot = row_slot  # [rows] int64
         self.single_slot = single_slot  # the one slot every row uses, if so
         self._masks: dict[int, torch.Tensor] = {}  # id(layout) -> [rows, R] mask, for this step
-        self._row_slot32: torch.Tensor | None = None
+        self._row_slot32 = row_slot.to(torch.int32)
+        self._kernel_operands = kernel_operands if kernel_operands is not None else KernelOperands()
 
     @staticmethod
     def targets(module: Any) -> bool:
@@ -112,15 +114,9 @@ class LoRABatch:
 
     def fused_operands(self, projections: Sequence[Any]) -> list[torch.Tensor]:
         """The fused decode layer's `lora` list for one layer's projections (csrc/lora_kernels.h): the rows'
-        slots, then (A, B^T, scale, cols) per projection, empty tensors where no adapter targets it."""
-        if self._row_slot32 is None:
-            self._row_slot32 = self.row_slot.to(torch.int32)
-        ops = [self._row_slot32]
-        for m in projections:
-            packed: PackedLoRA | None = getattr(m, "packed", None)
-            ops += _NO_KERNEL_OPERANDS if packed is None else (packed.kernel_a, packed.kernel_bt,
-                                                               packed.kernel_scale, packed.kernel_cols)
-        return ops
+        slots, then (A, B^T, scale, cols) per projection, empty tensors where no adapter targets it. Only
+        the rows' slots change from step to step: the rest is the layer's list, kept until the next repack."""
+        return [self._row_slot32, *self._kernel_operands.of(projections)]
 
     def add(self, layer: Any, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         ops = self.operands(layer)
@@ -143,6 +139,27 @@ class LoRABatch:
 _NO_KERNEL_OPERANDS = (torch.empty(0),) * 4
 
 
+class KernelOperands:
+    """Each layer's (A, B^T, scale, cols) per projection for the fused kernel, as the slots hold them now:
+    built at a layer's first step after a repack, so a decode step does not look up 4 projections' packed
+    operands again in every layer (tens of attribute reads per layer, measurable at batch 1)."""
+
+    def __init__(self) -> None:
+        self._lists: dict[int, tuple[Sequence[Any], list[torch.Tensor]]] = {}  # id(projections) -> list
+
+    def of(self, projections: Sequence[Any]) -> list[torch.Tensor]:
+        hit = self._lists.get(id(projections))
+        if hit is not None and hit[0] is projections:
+            return hit[1]
+        ops: list[torch.Tensor] = []
+        for m in projections:
+            packed: PackedLoRA | None = getattr(m, "packed", None)
+            ops += _NO_KERNEL_OPERANDS if packed is None else (packed.kernel_a, packed.kernel_bt,
+                                                               packed.kernel_scale, packed.kernel_cols)
+        self._lists[id(projections)] = (projections, ops)
+        return ops
+
+
 @dataclass
 class _Slot:
     adapter: LoRAAdapter
@@ -160,6 +177,8 @@ class LoRASlots:
     slots: dict[int, _Slot] = field(default_factory=dict)  # slot index -> adapter
     step: int = 0
     num_repacks: int = 0  # how often the slots' contents changed (tests, metrics)
+    # the fused kernel's per-layer operand lists for the slots' current contents (replaced at each repack)
+    kernel_operands: KernelOperands = field(default_factory=KernelOperands)
 
     def batch(self, adapters: Sequence[LoRAAdapter | None], rows: Sequence[int]) -> LoRABatch | None:
         """The step's LoRABatch for requests using `adapters` over `rows` token rows each (the runner's
@@ -172,7 +191,8 @@ class LoRASlots:
                                   count=len(adapters))
         used = set(per_request.tolist())
         single = used.pop() if len(used) == 1 else None
-        return LoRABatch(torch.from_numpy(np.repeat(per_request, np.asarray(rows, dtype=np.int64))), single)
+        return LoRABatch(torch.from_numpy(np.repeat(per_request, np.asarray(rows, dtype=np.int64))), single,
+                         self.kernel_operands)
 
     def _assign(self, needed: dict[str, LoRAAdapter]) -> dict[str, int]:
         if len(needed) > self.max_loras:
@@ -198,6 +218,7 @@ class LoRASlots:
     def _repack(self) -> None:
         """Every wrapped projection's packed A and B for the adapters now in the slots."""
         self.num_repacks += 1
+        self.kernel_operands = KernelOperands()
         layouts: dict[tuple, ColumnLayout] = {}
         for wrapper in self.wrappers:
             a_parts, b_blocks, col_slot, col_scale, col_out, spans = [], [], [], [], [], {}

@@ -50,3 +50,23 @@ def test_grouped_product_per_row_and_lru_slots():
     assert slots.num_repacks == 2 and {s.adapter.lora_int_id for s in slots.slots.values()} == {2, 3}
     check([b, c], [4, 3])  # both in slots: nothing moves
     assert slots.num_repacks == 2
+
+
+def test_fused_kernel_operands_kept_per_layer_until_a_repack():
+    # each layer's operand list is built once for the slots' contents; a step only puts its rows' slots first
+    wrapper = _Wrapper("proj", 11)
+    slots = LoRASlots([wrapper], max_loras=2, dtype=torch.float32)
+    a, b, c = _adapter(1, 2), _adapter(2, 4), _adapter(3, 1)
+    layer = (wrapper,)
+    first = slots.batch([a, None], [1, 1])
+    ops = first.fused_operands(layer)
+    assert ops[0].tolist() == [next(i for i, s in slots.slots.items() if s.adapter is a), -1]
+    assert ops[0].dtype == torch.int32 and len(ops) == 5
+    assert ops[1] is wrapper.packed.kernel_a and ops[4] is wrapper.packed.kernel_cols
+    again = slots.batch([None, a, b], [1, 2, 1])  # b joins: a repack, so the layer's list is built again
+    fresh = again.fused_operands(layer)
+    assert fresh[1] is wrapper.packed.kernel_a and fresh[1] is not ops[1]
+    same = slots.batch([b, a], [1, 1]).fused_operands(layer)  # no repack: the very same tensors
+    assert all(x is y for x, y in zip(same[1:], fresh[1:])) and same[0].tolist() != fresh[0].tolist()
+    slots.batch([c], [2])  # c evicts the least recently used slot
+    assert slots.batch([c], [2]).fused_operands(layer)[1] is wrapper.packed.kernel_a

@@ -108,3 +108,54 @@ def test_lora_bad_operands_are_clear_errors():
     bad[0, 2] = 99
     with pytest.raises(RuntimeError, match="bad cols entry"):
         ops.lora_add(y, x, [row_slot, a, bt, scale, bad], 0)
+
+
+_SPLIT_SCRIPT = """
+import sys, torch
+from perfxlm.ops import native
+torch.set_num_threads(2)
+cases = torch.load(sys.argv[1])
+out = []
+for y, x, ops in cases:
+    y = y.clone()
+    native.kernels().lora_add(y, x, ops, 0)
+    out.append(y)
+torch.save(out, sys.argv[2])
+"""
+
+
+def test_small_steps_split_across_threads_give_the_serial_bits(tmp_path):
+    # PERFXLM_LORA_PARALLEL_MACS=0 splits even a batch-1 step's products across threads (shrink blocks,
+    # then output blocks): the same sums as the calling thread alone, bit for bit, for every part layout
+    import os
+    import subprocess
+    import sys
+
+    ops_ = native.kernels()
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16, torch.uint8):
+        for rows, K, parts in ((1, 77, [(0, 75)]), (1, 45, [(0, 40), (40, 53), (53, 66)]),
+                               (3, 101, [(0, 131), (131, 262)])):
+            slots = [(0, [5] * len(parts)), (2, [3] * len(parts))]
+            a, bt, scale, cols = _operands(K, parts, slots, seed=rows + K, dtype=dtype)
+            g = torch.Generator().manual_seed(K)
+            x, y = torch.randn(rows, K, generator=g), torch.randn(rows, parts[-1][1], generator=g)
+            row_slot = torch.tensor([(2, 0, -1)[i % 3] for i in range(rows)], dtype=torch.int32)
+            cases.append((y, x, [row_slot, a, bt, scale, cols]))
+    torch.save(cases, tmp_path / "in.pt")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PERFXLM_LORA_PARALLEL_MACS="0", PYTHONPATH=root)
+    run = subprocess.run([sys.executable, "-c", _SPLIT_SCRIPT, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+                         env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    split = torch.load(tmp_path / "out.pt")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for (y, x, operands), got in zip(cases, split):
+            want = y.clone()
+            ops_.lora_add(want, x, operands, 0)
+            assert not torch.equal(want, y)  # the adapters added something
+            assert torch.equal(got, want)
+    finally:
+        torch.set_num_threads(before)
