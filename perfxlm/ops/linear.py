@@ -125,7 +125,10 @@ def run_linear_q(
     b = bias if bias is None or bias.dtype == torch.float32 else bias.float()
     plan = cpu_plan.plan()
     if int8_blocks and plan.quant_gemm == "int8" and rows.shape[0] > gemv_rows(weight, plan) and gemm_takes(weight):
-        y = ops.quant_block_gemm(rows, weight.codes, weight.scales, weight.mins, weight.levels, b)  # type: ignore[attr-defined]
+        # the GEMM reads float scales: K-quants' two-level bytes are multiplied out for the call (the same
+        # values; a few MB against a GEMM of many rows)
+        w = weight.flat()
+        y = ops.quant_block_gemm(rows, w.codes, w.scales, w.mins, w.levels, b)  # type: ignore[attr-defined]
         return y.to(x.dtype).view(*x.shape[:-1], weight.out_features)
     if round_in_torch:
         rows = fake_quantize_blocks(rows)
@@ -147,9 +150,9 @@ def gemm_takes(weight: QuantizedWeight) -> bool:
     """Whether the int8 GEMM (csrc quant_gemm.cpp) takes an int8-block weight: groups of whole 32-blocks
     (not 8-bit groups of 16), a level table only of integers (MXFP4's), codes within what the build's dot
     instruction takes (AVX2 without AVX-VNNI: up to 128, so not 8-bit codes); not W8A8 per token (one
-    activation scale per row: its own integer GEMM), not GGUF K-quants' two-level byte scales (the GEMM reads
-    float scales; those keep the block kernel's path, which expands them)."""
-    if weight.act == "int8" or weight.group % 32 != 0 or weight.two_level:
+    activation scale per row: its own integer GEMM). GGUF K-quants' two-level byte scales are multiplied out
+    per call for it (`run_linear_q`)."""
+    if weight.act == "int8" or weight.group % 32 != 0:
         return False
     if weight.levels is None:
         top = (1 << weight.bits) - 1
