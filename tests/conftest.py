@@ -9,6 +9,11 @@ import pytest
 import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+if not torch.cuda.is_available():
+    # tests/gpu runs the Triton kernels in Triton's interpreter on CPU tensors. Triton settles interpreter
+    # or compiler once it is first used, and test modules collected before tests/gpu import libraries that
+    # use it (transformers' DeepSeek-V3 code imports triton), so the choice is made here, before any of them.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def default_model_or_skip() -> str:

@@ -11,7 +11,8 @@ import torch
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
-    # must be set before the first @triton.jit runs: the decorator picks the interpreter at definition time
+    # must be set before the first @triton.jit runs (the decorator picks the interpreter at definition
+    # time); tests/conftest.py sets it for the whole run, this keeps `pytest tests/gpu/...` alone right too
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 if importlib.util.find_spec("triton") is None:

@@ -179,11 +179,17 @@ def test_fused_layer_matches_module_path_with_quantized_weights(checkpoints, mon
         assert n_fused >= 8 and n_plain == 0
     # Quantizing activations is a step function: a last-bit difference upstream (the fused layer's norm
     # and the module's round alike only to float summation order) can move one int8 value by one step.
-    rounded = any(w.activations is not ActivationMode.FLOAT for w in weights)
+    # (W8A8's per-token weights round their activations themselves: act "int8", whatever the mode says)
+    rounded = any(w.activations is not ActivationMode.FLOAT or w.act == "int8" for w in weights)
     tol = 1e-2 if rounded else 1e-4
     for a, b in zip(fused, plain):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        same = next((i for i in range(len(ta)) if ta[i] != tb[i]), len(ta))
+        if same < len(ta):  # only a near-tie may resolve the other way, and only where activations round
+            at = a.outputs[0].logprobs[same]
+            assert rounded and tb[same] in at, (ta, tb)
+            assert at[ta[same]].logprob - at[tb[same]].logprob <= tol, (same, ta, tb)
+        for la, lb in zip(a.outputs[0].logprobs[:same], b.outputs[0].logprobs[:same]):
             for tok in la:
                 assert la[tok].logprob == pytest.approx(lb[tok].logprob, abs=tol)
 
