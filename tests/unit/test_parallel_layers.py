@@ -242,6 +242,9 @@ def test_one_rank_is_the_plain_layer_and_calls_no_collective():
     assert row.rank_part("weight", t, None, None) is t  # no copy, no narrowing
     emb = VocabParallelEmbedding(11, 3)
     assert emb.weight.shape == (11, 3)
+    with torch.no_grad():  # layers start from torch.empty: give them finite values to compare
+        row.weight.copy_(torch.randn(7, 13))
+        row.bias.copy_(torch.randn(7))
     plain = Linear(13, 7, bias=True)
     plain.load_state_dict(row.state_dict())
     x = torch.randn(2, 13)
