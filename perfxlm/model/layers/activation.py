@@ -4,6 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from perfxlm.ops.gpu import fused_elementwise
+
 # transformers' `hidden_act` names whose definitions torch has exactly
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -39,6 +41,10 @@ class SiluAndMul(nn.Module):
     """[..., 2 * d] (gate | up) -> [..., d]: silu(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_elementwise(x):
+            from perfxlm.ops.gpu.activation import silu_and_mul  # imports triton: only for a GPU's tensors
+
+            return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from perfxlm.ops import native
+from perfxlm.ops.gpu import fused_elementwise
 
 
 def rope_parameters(hf_config: Any, layer_type: str | None = None) -> tuple[float, dict[str, Any]]:
@@ -222,6 +223,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         if ops is not None:  # in place; with partial rotary the channels past rotary_dim pass through
             ops.rotary_embedding(x, cos, sin)
             return x
+    if fused_elementwise(x):
+        from perfxlm.ops.gpu.rotary import rotary_embedding  # imports triton: only for a GPU's tensors
+
+        return rotary_embedding(x, cos, sin)  # in place, partial rotary included
     if rotary_dim < x.shape[-1]:  # partial rotary: the remaining channels pass through
         return torch.cat((apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
     half = x.shape[-1] // 2

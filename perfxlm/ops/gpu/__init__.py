@@ -21,3 +21,12 @@ def triton_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def fused_elementwise(x) -> bool:
+    """The one-kernel rotary and activation products apply to x: 16-bit, unit stride in the last dim, on a
+    GPU. `PERFXLM_GPU_FUSED=0` keeps torch's ops (the A/B of benchmarks/gpu_sweep.py)."""
+    import torch
+
+    return (x.device.type == "cuda" and x.dtype in (torch.float16, torch.bfloat16) and x.stride(-1) == 1
+            and os.environ.get("PERFXLM_GPU_FUSED", "1") != "0")
