@@ -51,6 +51,7 @@ import numpy as np
 from onnx import TensorProto
 
 from perfxlm.export.graph import Graph
+from perfxlm.export.graph_moe import Experts, Routing
 from perfxlm.export.graph_ops import AttentionSpec, GraphOps, HeadNorms, LinearWeight, Rope
 from perfxlm.export.lora_record import LORA_KEY, lora_record
 from perfxlm.export.manifest import PERFXLM_DOMAIN
@@ -93,7 +94,10 @@ def _in_order(name: str, names: list[str]) -> None:
 class PerfxlmOps(GraphOps):
     flavor = "perfxlm"
     activations = ("SiluAndMul", "GeluAndMul")
-    mlps = ("LlamaMLP", "MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock")
+    # the engine's graph ops (model/graph/kernels.py) have kernels for these only: a family needing more
+    # (soft caps, sinks, LayerNorm, post-sublayer norms, latent attention, grouped routing) is refused by name
+    features = frozenset({"moe", "shared_expert"})
+    why_not = "the engine's graph ops have no kernel for it yet"
 
     # the engine's own choice for the model on this CPU (export/engine_choices.py), so the folder runs as
     # the module path does
@@ -181,13 +185,16 @@ class PerfxlmOps(GraphOps):
             return self._op("GeluAndMul", [gate_up], approximate=act.approximate)
         return self._op("SiluAndMul", [gate_up])
 
-    def moe(self, x: str, router: LinearWeight, gate_up: Any, down: Any, top_k: int, renormalize: bool, act: Any,
-            name: str, formats: tuple[str | None, str | None] = (None, None)) -> str:
-        """Softmax top-k routing over the router's logits, each expert a gated MLP (Mixtral); `formats`: the
-        quantized stacks' linear-method names."""
+    def moe(self, x: str, router: LinearWeight, experts: Experts, routing: Routing, name: str) -> str:
+        """Softmax top-k routing over the router's logits, each expert a gated MLP (Mixtral); the stacks as
+        the engine holds them (`experts.formats`: the quantized stacks' linear-method names)."""
+        if routing.scoring != "softmax" or routing.num_groups or routing.scale != 1.0:
+            raise ValueError(f"ONNX export (perfxlm flavor): {name} routes by {routing.scoring} scores in "
+                             "groups or scaled, which the MoE op does not.")
+        top_k, renormalize, act, formats = routing.top_k, routing.renormalize, experts.act, experts.formats
         logits = self.linear(x, router)
-        gu, gu_attrs = self._weight(f"{name}.gate_up_proj", gate_up, formats[0])
-        dn, dn_attrs = self._weight(f"{name}.down_proj", down, formats[1])
+        gu, gu_attrs = self._weight(f"{name}.gate_up_proj", experts.gate_up, formats[0])
+        dn, dn_attrs = self._weight(f"{name}.down_proj", experts.down, formats[1])
         _in_order(f"{name}.gate_up_proj", gu)
         _in_order(f"{name}.down_proj", dn)
         gu, dn = gu[:4], dn[:4]
@@ -222,7 +229,9 @@ class PerfxlmOps(GraphOps):
                         num_heads=h, num_kv_heads=kvh, head_dim=d, scale=spec.scale,
                         sliding_window=spec.sliding_window or 0, name=f"{name}.attn")
 
-    def logits(self, h: str, head: LinearWeight | None, vocab: int) -> None:
+    def logits(self, h: str, head: LinearWeight | None, vocab: int, soft_cap: float | None = None) -> None:
+        if soft_cap is not None:
+            raise ValueError(f"ONNX export (perfxlm flavor): soft-capped logits, {self.why_not}.")
         rows = self.g.op("Gather", [h, self.inputs.logits_indices], axis=0, name="logits_rows")
         if head is None:
             names, attrs = self._table
