@@ -21,11 +21,14 @@ from perfxlm.export.package import export_onnx
 from perfxlm.ops import native
 from tests.conftest import assert_pool_whole, make_llama_checkpoint
 from tests.model.test_architectures_vs_hf import build_checkpoint
+from tests.model import test_recent_families_vs_hf as recent
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
 PROMPTS = [[5], list(range(7, 16)), list(range(40, 77))]  # 1, 9, 37 tokens: chunked at 24, past the windows
 FAMILIES = ["llama", "llama-gelu", "qwen2-bias-tied-sliding", "qwen3-qknorm-headdim-bias", "mistral-sliding-mqa",
-            "phi3-longrope-partial-sliding", "mixtral-sliding", "qwen2moe-shared-dense-layer"]
+            "phi3-longrope-partial-sliding", "mixtral-sliding", "qwen2moe-shared-dense-layer",
+            "qwen3moe-normtopk-sparse-step", "glm-partial-interleaved"]
+MIXTURES = ("mixtral-sliding", "qwen2moe-shared-dense-layer", "qwen3moe-normtopk-sparse-step")
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -38,6 +41,9 @@ def _checkpoint(path: str, family: str) -> str:
     if family == "llama-gelu":  # GELU-tanh gating (the ort and standard flavors refuse it)
         return make_llama_checkpoint(path, hidden_size=80, intermediate_size=144, num_attention_heads=5,
                                      num_key_value_heads=5, num_hidden_layers=2, hidden_act="gelu_pytorch_tanh")
+    if family in recent.CASES:  # Qwen3-MoE, GLM
+        recent.build_checkpoint(path, family)
+        return path
     build_checkpoint(path, family)
     return path
 
@@ -98,7 +104,7 @@ def test_graph_run_by_the_engine_is_the_module_path(tmp_path, family):
     # again: the prompts' full blocks now come from the prefix cache
     fused = graph.llm_engine.core.executor.graph.fused_decode
     # all-decode steps: one native call per layer, as the module path (a mixture keeps the nodes)
-    if native.kernels() is not None and family not in ("mixtral-sliding", "qwen2moe-shared-dense-layer"):
+    if native.kernels() is not None and family not in MIXTURES:
         assert fused.args is not None and len(fused.args) == len(fused.layers) == len(graph_layers(ckpt))
     again, again_outs = _generate(graph)
     assert again == want and again_outs[2].num_cached_tokens >= 32
