@@ -107,12 +107,14 @@ def test_a_flavor_that_cannot_express_a_family_is_refused_by_name(tmp_path, case
     assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".perfxlm-export")]
 
 
-@pytest.mark.parametrize("case,changes,flavor", [("gptoss-sinks-alternating", {"head_dim": 16}, "ort"),
-                                                 ("deepseekv2-grouped-qlora", {}, "standard")],
-                         ids=["gptoss-ort", "deepseekv2-standard"])
+RUNNER = [("gptoss-sinks-alternating", {"head_dim": 16}, "ort"), ("deepseekv2-grouped-qlora", {}, "standard"),
+          ("gemma3-5to1-two-bases", {}, "standard"), ("opt-pre-ln", {}, "ort")]
+
+
+@pytest.mark.parametrize("case,changes,flavor", RUNNER, ids=[f"{c}-{f}" for c, _, f in RUNNER])
 def test_engine_runs_the_exported_graph_as_the_module_path(tmp_path, case, changes, flavor):
     """The engine's ONNX runner (decodes of three lengths in one padded call, a chunked prompt, the prefix
-    cache) on sinks, routed experts and the latent cache."""
+    cache) on sinks, routed experts, the latent cache, per-layer rotary tables and learned positions."""
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "onnx")
     checkpoint(ckpt, case, **changes)
     export_onnx(ckpt, out, flavor=flavor)
@@ -132,3 +134,24 @@ def test_engine_runs_the_exported_graph_as_the_module_path(tmp_path, case, chang
     np.testing.assert_allclose(got_lp, want_lp, atol=1e-4, rtol=0)
     assert run(graph)[0] == want  # the prompts' full blocks from the prefix cache
     assert_pool_whole(graph)
+
+
+def test_int4_mixture_keeps_each_expert_packed_and_matches_the_engine(tmp_path):
+    """Expert stacks quantized at load are written expert by expert as MatMulNBits (codes kept), greedy
+    output and logprobs equal to the engine's own quantized path."""
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "onnx")
+    # input sizes the int4 groups (32) divide
+    checkpoint(ckpt, "qwen3moe-unnormalised-sliding", hidden_size=64, intermediate_size=96, moe_intermediate_size=32)
+    quantization = {"method": "int4", "mixed_precision": False, "calibration": False}
+    export_onnx(ckpt, out, flavor="ort", quantization=quantization)
+    model = onnx.load(os.path.join(out, "model.onnx"), load_external_data=False)
+    packed = [n.name for n in model.graph.node if n.op_type == "MatMulNBits" and ".experts." in n.name]
+    assert len(packed) == 2 * 5 * 2  # two sparse layers, five experts, gate|up and down
+    tokens, logprobs, _ = ort_greedy(out, PROMPT, STEPS)
+    llm = LLM(ckpt, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=32, quantization=quantization,
+              quant_activations="float32")
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=0)
+    want = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0].outputs[0]
+    assert tokens == list(want.token_ids)
+    np.testing.assert_allclose(logprobs, [lp[t].logprob for lp, t in zip(want.logprobs, want.token_ids)],
+                               atol=1e-4, rtol=0)
