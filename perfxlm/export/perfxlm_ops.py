@@ -33,6 +33,8 @@ Ops (attributes in brackets):
         stacks' weight attributes]
     SigmoidGatedAdd(x, y, gate) -> x + sigmoid(gate) * y: a shared expert's output (y, an ordinary gated MLP
         of Linear nodes) added to the routed experts' (x) under its one-column gate's sigmoid (Qwen2-MoE)
+    Scale(x) [factor]: x * factor (Gemma's embeddings by sqrt(hidden))
+    SoftCap(x) [cap]: cap * tanh(x / cap) (Gemma's final logits)
     Gather (standard): the logits rows
 
 A weight is stored as the engine holds it: bits 0 is a float matrix W [N, K] (float32, or bfloat16 with
@@ -95,8 +97,10 @@ class PerfxlmOps(GraphOps):
     flavor = "perfxlm"
     activations = ("SiluAndMul", "GeluAndMul")
     # the engine's graph ops (model/graph/kernels.py) have kernels for these only: a family needing more
-    # (soft caps, sinks, LayerNorm, post-sublayer norms, latent attention, grouped routing) is refused by name
-    features = frozenset({"moe", "shared_expert"})
+    # (soft-capped attention, sinks, LayerNorm, learned positions, latent attention, grouped routing) is
+    # refused by name
+    features = frozenset({"moe", "shared_expert", "embedding_scale", "post_norms", "rope_per_layer",
+                          "logit_soft_cap"})
     why_not = "the engine's graph ops have no kernel for it yet"
 
     # the engine's own choice for the model on this CPU (export/engine_choices.py), so the folder runs as
@@ -221,7 +225,8 @@ class PerfxlmOps(GraphOps):
             qkv = self._op("HeadRMSNorm", [qkv, g.weight(f"{name}.q_norm.weight", qk_norms.q_weight),
                                            g.weight(f"{name}.k_norm.weight", qk_norms.k_weight)],
                            num_heads=h, num_kv_heads=kvh, head_dim=d, epsilon=qk_norms.eps, name=f"{name}.qk_norm")
-        cos, sin = self._once("rope", lambda: (g.weight("rope.cos", rope.cos), g.weight("rope.sin", rope.sin)))
+        cos, sin = self._once(("rope", rope.key), lambda: (g.weight(f"{rope.key}.cos", rope.cos),
+                                                           g.weight(f"{rope.key}.sin", rope.sin)))
         qkv = self._op("Rotary", [qkv, s.positions, cos, sin], num_heads=h + kvh, head_dim=d,
                        name=f"{name}.rotary")
         return self._op("PagedAttention", [qkv, cache[0], cache[1], s.block_tables, s.seq_lens, s.query_start_loc,
@@ -229,14 +234,17 @@ class PerfxlmOps(GraphOps):
                         num_heads=h, num_kv_heads=kvh, head_dim=d, scale=spec.scale,
                         sliding_window=spec.sliding_window or 0, name=f"{name}.attn")
 
+    def scaled(self, x: str, factor: float) -> str:
+        return self._op("Scale", [x], factor=factor, name="embed_scale")
+
     def logits(self, h: str, head: LinearWeight | None, vocab: int, soft_cap: float | None = None) -> None:
-        if soft_cap is not None:
-            raise ValueError(f"ONNX export (perfxlm flavor): soft-capped logits, {self.why_not}.")
         rows = self.g.op("Gather", [h, self.inputs.logits_indices], axis=0, name="logits_rows")
         if head is None:
             names, attrs = self._table
             logits = self._linear(rows, names, attrs, None, "lm_head")
         else:
             logits = self.linear(rows, head)
-        self.g.nodes[-1].output[0] = "logits"  # the head's own output, no Identity after it
+        if soft_cap is not None:  # Gemma 2 / 3
+            self._op("SoftCap", [logits], cap=soft_cap, name="logit_soft_cap")
+        self.g.nodes[-1].output[0] = "logits"  # the last node's own output, no Identity after it
         self.g.add_output("logits", TensorProto.FLOAT, ["num_logits", vocab])

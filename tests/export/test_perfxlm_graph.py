@@ -27,8 +27,10 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=
 PROMPTS = [[5], list(range(7, 16)), list(range(40, 77))]  # 1, 9, 37 tokens: chunked at 24, past the windows
 FAMILIES = ["llama", "llama-gelu", "qwen2-bias-tied-sliding", "qwen3-qknorm-headdim-bias", "mistral-sliding-mqa",
             "phi3-longrope-partial-sliding", "mixtral-sliding", "qwen2moe-shared-dense-layer",
-            "qwen3moe-normtopk-sparse-step", "glm-partial-interleaved"]
-MIXTURES = ("mixtral-sliding", "qwen2moe-shared-dense-layer", "qwen3moe-normtopk-sparse-step")
+            "qwen3moe-normtopk-sparse-step", "glm-partial-interleaved", "gemma3-softcaps-untied", "glm4-post-norms"]
+# a mixture keeps its MoE nodes; post-sublayer norms are not the fused decode layer's Llama wiring
+NOT_FUSED = ("mixtral-sliding", "qwen2moe-shared-dense-layer", "qwen3moe-normtopk-sparse-step",
+             "gemma3-softcaps-untied", "glm4-post-norms")
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -41,7 +43,7 @@ def _checkpoint(path: str, family: str) -> str:
     if family == "llama-gelu":  # GELU-tanh gating
         return make_llama_checkpoint(path, hidden_size=80, intermediate_size=144, num_attention_heads=5,
                                      num_key_value_heads=5, num_hidden_layers=2, hidden_act="gelu_pytorch_tanh")
-    if family in recent.CASES:  # Qwen3-MoE, GLM
+    if family in recent.CASES:  # Qwen3-MoE, GLM, GLM-4, Gemma 3
         recent.build_checkpoint(path, family)
         return path
     build_checkpoint(path, family)
@@ -104,7 +106,7 @@ def test_graph_run_by_the_engine_is_the_module_path(tmp_path, family):
     # again: the prompts' full blocks now come from the prefix cache
     fused = graph.llm_engine.core.executor.graph.fused_decode
     # all-decode steps: one native call per layer, as the module path (a mixture keeps the nodes)
-    if native.kernels() is not None and family not in MIXTURES:
+    if native.kernels() is not None and family not in NOT_FUSED:
         assert fused.args is not None and len(fused.args) == len(fused.layers) == len(graph_layers(ckpt))
     again, again_outs = _generate(graph)
     assert again == want and again_outs[2].num_cached_tokens >= 32
