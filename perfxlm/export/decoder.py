@@ -1,4 +1,4 @@
-"""The engine's loaded Llama-shaped model written as one ONNX decoder graph, onnxruntime-genai's layout:
+"""The engine's loaded model written as one ONNX decoder graph, onnxruntime-genai's layout:
 
     input_ids [batch, seq], attention_mask [batch, past + seq], position_ids [batch, seq],
     past_key_values.N.key / .value [batch, kv_heads, past, head_dim]
@@ -6,9 +6,10 @@
 
 Weights are read from the loaded model, so every format the engine loads (a float checkpoint, a GGUF
 file, a checkpoint quantized at load) exports as the engine holds it, quantized weights still packed
-where the flavor has a packed matmul. Only families whose every layer is the Llama block (pre-norm
-RMSNorm, rotary attention with optional biases, q/k head norms and sliding window, SiLU-gated MLP) export;
-anything else is refused by name before a node is written.
+where the flavor has a packed matmul. Every decoder family the engine runs exports: one walk over its
+modules (embeddings, each layer's norms, attention and MLP, final norm, head) written through the flavor's
+`GraphOps`. What a family needs beyond the Llama block is named first (export/features.py), and a flavor
+that cannot write it is refused by name before a node is written.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from perfxlm.export.features import BLOCKS, FEATURES, needed, stack_of
 from perfxlm.export.flavors import FLAVORS, graph_ops
 from perfxlm.export.graph import Graph
-from perfxlm.export.graph_ops import AttentionSpec, HeadNorms, LinearWeight, Rope
+from perfxlm.export.graph_mla import LatentWeights
+from perfxlm.export.graph_moe import Experts, Routing
+from perfxlm.export.graph_ops import AttentionSpec, GraphOps, HeadNorms, LinearWeight, Rope
 from perfxlm.export.perfxlm_ops import HeldBf16
 from perfxlm.quant.weight import QuantizedWeight
 
@@ -32,40 +36,47 @@ EXPORTABLE = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
-    "MixtralForCausalLM": "mixtral",  # the perfxlm flavor only (its MoE op)
-    "Qwen2MoeForCausalLM": "qwen2_moe",  # the perfxlm flavor only (MoE, a shared expert under SigmoidGatedAdd)
+    "GlmForCausalLM": "glm",
+    "Glm4ForCausalLM": "glm4",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "OPTForCausalLM": "opt",
+    "GptOssForCausalLM": "gpt_oss",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+}
+
+# decoder layer class -> its norms' attribute names: before attention, after it, before the MLP, after it
+SUBLAYER_NORMS = {
+    "LlamaDecoderLayer": ("input_layernorm", None, "post_attention_layernorm", None),
+    "Gemma2DecoderLayer": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                           "post_feedforward_layernorm"),
+    "Glm4DecoderLayer": ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm",
+                         "post_mlp_layernorm"),
 }
 
 
 def genai_model_type(model: torch.nn.Module, flavor: str = "ort") -> str:
-    """onnxruntime-genai's type name of an exportable model; ValueError naming what is not."""
-    from perfxlm.model.layers.norm import RMSNorm
-    from perfxlm.model.models.llama import LlamaAttention, LlamaDecoderLayer
-
+    """onnxruntime-genai's type name of an exportable model; ValueError naming what is not, or what the
+    flavor cannot express."""
     arch = type(model).__name__
     if arch not in EXPORTABLE:
         supported = ", ".join(sorted(EXPORTABLE))
         raise ValueError(f"ONNX export does not support {arch} yet (supported: {supported}).")
-    inner = model.model
-    if inner.embed_tokens.scale is not None or model.lm_head.logit_soft_cap is not None:
-        raise ValueError(f"ONNX export: this {arch} scales its embeddings or soft-caps its logits; "
-                         "not supported.")
-    for i, layer in enumerate(inner.layers):
-        what = None
-        if type(layer) is not LlamaDecoderLayer:
-            what = f"a {type(layer).__name__} block"
-        elif not isinstance(layer.self_attn, LlamaAttention):
-            what = f"attention {type(layer.self_attn).__name__}"
-        elif (type(layer.mlp).__name__ not in FLAVORS[flavor].mlps
-              or _mlp_act(layer.mlp) not in FLAVORS[flavor].activations):
-            what = f"an MLP {type(layer.mlp).__name__} ({_mlp_act(layer.mlp)})"
-        elif layer.self_attn.attn.logit_soft_cap is not None:
-            what = "soft-capped attention"
-        elif {type(layer.input_layernorm), type(layer.post_attention_layernorm)} != {RMSNorm}:
-            what = f"norm {type(layer.input_layernorm).__name__}"
-        if what is not None:
-            raise ValueError(f"ONNX export of {arch}: layer {i} has {what}, which the exporter cannot "
-                             f"express (flavor {flavor}).")
+    ops = FLAVORS[flavor]
+    for feature, where in needed(model).items():
+        if feature not in ops.features:
+            can = ", ".join(name for name, cls in FLAVORS.items() if feature in cls.features)
+            raise ValueError(f"ONNX export of {arch}: {where} has {FEATURES[feature]}, which the {flavor} flavor "
+                             f"cannot express ({ops.why_not}); flavors that can: {can}.")
+    for i, layer in enumerate(stack_of(model).layers):
+        act = _mlp_act(layer.mlp) if hasattr(layer, "mlp") else None
+        if act is not None and act not in ops.activations:
+            raise ValueError(f"ONNX export of {arch}: layer {i} has an MLP {type(layer.mlp).__name__} ({act}), "
+                             f"which the {flavor} flavor cannot express.")
     return EXPORTABLE[arch]
 
 
@@ -148,58 +159,215 @@ def build_decoder_graph(model: torch.nn.Module, flavor: str, stored: torch.dtype
     `stored` is float32 (the engine's weight dtype for a model the exporter holds in its checkpoint's bf16);
     flavors that take only float32 (ort, standard) are given a float32 model or that."""
     genai_model_type(model, flavor)  # refuses what cannot be expressed, before any node
-    inner = model.model
+    stack = stack_of(model)
     g = Graph("perfxlm_decoder")
     ops = graph_ops(flavor, g)
     ops.record_model(model)
-    rope = Rope(inner.rotary_emb.cos_cache.float().numpy(), inner.rotary_emb.sin_cache.float().numpy())
-    x = ops.embedding(_matrix(inner.embed_tokens.weight, stored))
+    w = _Writer(ops, stored)
+    ropes = _layer_ropes(stack)
+    x = ops.embedding(_matrix(stack.embed_tokens.weight, stored))
+    if getattr(stack.embed_tokens, "scale", None) is not None:  # Gemma: by sqrt(hidden), in float32
+        x = ops.scaled(x, float(torch.tensor(stack.embed_tokens.scale, dtype=torch.float32)))
+    if getattr(stack, "embed_positions", None) is not None:  # OPT
+        if stack.project_in is not None:
+            x = ops.linear(x, w.linear(stack.project_in, "model.decoder.project_in"))
+        positions = stack.embed_positions
+        x = ops.add(x, ops.learned_positions(_array(positions.weight), positions.offset))
     residual = None
-    for i, layer in enumerate(inner.layers):
-        attn = layer.self_attn
-        cache = ops.layer_cache(i, attn.num_kv_heads, attn.head_dim)
-        prefix = f"model.layers.{i}"
-        norm = layer.input_layernorm
-        if residual is None:
-            residual = x
-            h = ops.rms_norm(x, _array(norm.weight), norm.variance_epsilon, f"{prefix}.input_layernorm")
-        else:
-            h, residual = ops.add_rms_norm(x, residual, _array(norm.weight), norm.variance_epsilon,
-                                           f"{prefix}.input_layernorm")
-        qkv = ops.linear(h, _linear(attn.qkv_proj, f"{prefix}.self_attn.qkv_proj", stored))
-        norms = None
-        if attn.qk_norm:
-            norms = HeadNorms(_array(attn.q_norm.weight), _array(attn.k_norm.weight), attn.q_norm.variance_epsilon)
-        spec = AttentionSpec(attn.num_heads, attn.num_kv_heads, attn.head_dim, float(attn.attn.scale),
-                             attn.attn.sliding_window)
-        out = ops.self_attention(qkv, spec, norms, rope, cache, i, f"{prefix}.self_attn")
-        x = ops.linear(out, _linear(attn.o_proj, f"{prefix}.self_attn.o_proj", stored))
-        post = layer.post_attention_layernorm
-        h, residual = ops.add_rms_norm(x, residual, _array(post.weight), post.variance_epsilon,
-                                       f"{prefix}.post_attention_layernorm")
-        mlp = layer.mlp
-        if hasattr(mlp, "experts"):  # a mixture of experts (flavors whose `mlps` name it)
-            e = mlp.experts
-            x = ops.moe(h, _linear(mlp.gate, f"{prefix}.mlp.gate", stored), _matrix(e.gate_up_proj, stored),
-                        _matrix(e.down_proj, stored), e.top_k, e.renormalize, e.act, f"{prefix}.mlp.experts",
-                        (_method_name(e.gate_up_method, e.gate_up_proj), _method_name(e.down_method, e.down_proj)))
-            shared = getattr(mlp, "shared_expert", None)
-            if shared is not None:  # Qwen2-MoE
-                x = ops.shared_expert(
-                    h, x, _linear(shared.gate_up_proj, f"{prefix}.mlp.shared_expert.gate_up_proj", stored),
-                    _linear(shared.down_proj, f"{prefix}.mlp.shared_expert.down_proj", stored),
-                    shared.down_proj.in_features, shared.act,
-                    _linear(mlp.shared_expert_gate, f"{prefix}.mlp.shared_expert_gate", stored),
-                    f"{prefix}.mlp.shared_expert_add")
+    for i, layer in enumerate(stack.layers):
+        if BLOCKS[type(layer).__name__] == "opt":
+            x = w.opt_layer(x, layer, i)
             continue
-        gate_up = ops.linear(h, _linear(mlp.gate_up_proj, f"{prefix}.mlp.gate_up_proj", stored))
-        act = ops.act_and_mul(gate_up, mlp.down_proj.in_features, mlp.act)
-        x = ops.linear(act, _linear(mlp.down_proj, f"{prefix}.mlp.down_proj", stored))
-    final = inner.norm
-    h, _ = ops.add_rms_norm(x, residual, _array(final.weight), final.variance_epsilon, "model.norm")
+        prefix = f"model.layers.{i}"
+        pre_attn, post_attn, pre_mlp, post_mlp = SUBLAYER_NORMS[type(layer).__name__]
+        h, residual = w.normed(x, residual, layer, pre_attn, prefix)
+        x = w.attention(h, layer.self_attn, ropes[i], i, f"{prefix}.self_attn")
+        if post_attn is not None:  # Gemma 2/3, GLM-4: the sublayer's output normed before the residual add
+            x = w.norm(x, layer, post_attn, prefix)
+        h, residual = w.normed(x, residual, layer, pre_mlp, prefix)
+        x = w.mlp(h, layer.mlp, f"{prefix}.mlp")
+        if post_mlp is not None:
+            x = w.norm(x, layer, post_mlp, prefix)
+    if getattr(stack, "embed_positions", None) is not None:  # OPT: no residual beside the stream
+        if stack.final_layer_norm is not None:
+            x = w.layer_norm(x, stack.final_layer_norm, "model.decoder.final_layer_norm")
+        h = x if stack.project_out is None else ops.linear(x, w.linear(stack.project_out, "model.decoder.project_out"))
+    else:
+        h, _ = w.normed(x, residual, stack, "norm", "model")
     head = model.lm_head
     # (a tied head under bf16 panels holds its own packed copy of the table: tied all the same)
-    tied = head.weight is inner.embed_tokens.weight or getattr(model, "tie_word_embeddings", False)
+    tied = head.weight is stack.embed_tokens.weight or getattr(model, "tie_word_embeddings", False)
     ops.logits(h, None if tied else LinearWeight(_layer_matrix(head, stored), None, "lm_head",
-                                                     _method_name(getattr(head, "method", None), head.weight)), model.config.vocab_size)
+                                                     _method_name(getattr(head, "method", None), head.weight)),
+               model.config.vocab_size, getattr(head, "logit_soft_cap", None))
     return g
+
+
+def _layer_ropes(stack: Any) -> list[Rope | None]:
+    """Each layer's rotary table: the model's one, or its layer kind's (Gemma 3); None without rotary (OPT)."""
+    def rope(module: Any, key: str = "rope") -> Rope:
+        return Rope(module.cos_cache.float().numpy(), module.sin_cache.float().numpy(), key)
+
+    if hasattr(stack, "rope_kinds"):  # Gemma 2 / 3: a table per layer kind
+        tables = {kind: rope(r, "rope" if len(stack.rotary) == 1 else f"rope_{kind}")
+                  for kind, r in stack.rotary.items()}
+        return [tables[kind] for kind in stack.rope_kinds]
+    if hasattr(stack, "rotary_emb"):
+        table = rope(stack.rotary_emb)
+        return [table] * len(stack.layers)
+    return [None] * len(stack.layers)
+
+
+class _Writer:
+    """One layer's parts read from the engine's modules and written through the flavor's ops."""
+
+    def __init__(self, ops: GraphOps, stored: torch.dtype | None) -> None:
+        self.ops, self.stored = ops, stored
+
+    def linear(self, module: Any, name: str) -> LinearWeight:
+        return _linear(module, name, self.stored)
+
+    # ---- norms ------------------------------------------------------------------------------------------
+    def normed(self, x: str, residual: str | None, owner: Any, attr: str, prefix: str) -> tuple[str, str]:
+        """(norm(x + residual), x + residual): the residual add fused into the norm; the first layer's
+        input has no residual yet."""
+        weight, eps = _rms_weight(getattr(owner, attr))
+        name = f"{prefix}.{attr}"
+        if residual is None:
+            return self.ops.rms_norm(x, weight, eps, name), x
+        return self.ops.add_rms_norm(x, residual, weight, eps, name)
+
+    def norm(self, x: str, owner: Any, attr: str, prefix: str) -> str:
+        weight, eps = _rms_weight(getattr(owner, attr))
+        return self.ops.rms_norm(x, weight, eps, f"{prefix}.{attr}")
+
+    def layer_norm(self, x: str, norm: Any, name: str) -> str:
+        n = norm.normalized_shape[0]
+        weight = np.ones(n, np.float32) if norm.weight is None else _array(norm.weight)
+        bias = np.zeros(n, np.float32) if norm.bias is None else _array(norm.bias)
+        return self.ops.layer_norm(x, weight, bias, norm.eps, name)
+
+    # ---- attention --------------------------------------------------------------------------------------
+    def attention(self, h: str, attn: Any, rope: Rope | None, i: int, name: str) -> str:
+        ops = self.ops
+        if type(attn).__name__ == "MLAttention":
+            return ops.latent_attention(h, self.latent_weights(attn, name), rope,
+                                        ops.layer_cache(i, 1, attn.latent_dim), i, name)
+        cache = ops.layer_cache(i, attn.num_kv_heads, attn.head_dim)
+        qkv = ops.linear(h, self.linear(attn.qkv_proj, f"{name}.qkv_proj"))
+        norms = None
+        if attn.qk_norm:  # Qwen3; Gemma 3's (1 + w)
+            (q_w, eps), (k_w, _) = _rms_weight(attn.q_norm), _rms_weight(attn.k_norm)
+            norms = HeadNorms(q_w, k_w, eps)
+        core = attn.attn
+        sinks = None if getattr(core, "sinks", None) is None else _array(core.sinks)
+        spec = AttentionSpec(attn.num_heads, attn.num_kv_heads, attn.head_dim, float(core.scale),
+                             core.sliding_window, core.logit_soft_cap, sinks)
+        out = ops.self_attention(qkv, spec, norms, rope, cache, i, name)
+        return ops.linear(out, self.linear(attn.o_proj, f"{name}.o_proj"))
+
+    def latent_weights(self, attn: Any, name: str) -> LatentWeights:
+        w_uk, w_uv_t = attn.absorbed(torch.float32)
+        bottleneck = bool(attn.q_lora_rank)
+        return LatentWeights(
+            attn.num_heads, attn.nope_dim, attn.rope_dim, attn.v_dim, attn.kv_lora_rank, float(attn.attn.scale),
+            None if bottleneck else self.linear(attn.q_proj, f"{name}.q_proj"),
+            self.linear(attn.q_a_proj, f"{name}.q_a_proj") if bottleneck else None,
+            _rms_weight(attn.q_a_layernorm) if bottleneck else None,
+            self.linear(attn.q_b_proj, f"{name}.q_b_proj") if bottleneck else None,
+            self.linear(attn.kv_a_proj_with_mqa, f"{name}.kv_a_proj_with_mqa"), _rms_weight(attn.kv_a_layernorm),
+            _array(w_uk), _array(w_uv_t), self.linear(attn.o_proj, f"{name}.o_proj"),
+        )  # fmt: skip
+
+    # ---- MLPs -------------------------------------------------------------------------------------------
+    def gated_mlp(self, h: str, mlp: Any, name: str) -> str:
+        ops = self.ops
+        gate_up = ops.linear(h, self.linear(mlp.gate_up_proj, f"{name}.gate_up_proj"))
+        act = ops.act_and_mul(gate_up, mlp.down_proj.in_features, mlp.act)
+        return ops.linear(act, self.linear(mlp.down_proj, f"{name}.down_proj"))
+
+    def mlp(self, h: str, mlp: Any, name: str) -> str:
+        kind = type(mlp).__name__
+        if kind == "LlamaMLP":
+            return self.gated_mlp(h, mlp, name)
+        ops, e = self.ops, mlp.experts
+        if kind == "GptOssMLP":  # softmax over the top-k logits of a biased router
+            router = self.linear(mlp.router, f"{name}.router")
+            routing = Routing(e.top_k, False, "topk_softmax")
+        elif kind == "DeepseekMoE":  # grouped top-k of float32 scores, scaled
+            gate = mlp.gate
+            router = LinearWeight(_array(gate.weight), None, f"{name}.gate")
+            bias = gate.e_score_correction_bias
+            routing = Routing(gate.top_k, gate.renormalize, gate.scoring,
+                              gate.num_groups if gate.grouped else None, gate.topk_group if gate.grouped else None,
+                              None if bias is None else _array(bias), float(gate.routed_scaling_factor), 1e-20)
+        else:  # Mixtral, Qwen2-MoE, Qwen3-MoE: softmax top-k
+            router = self.linear(mlp.gate, f"{name}.gate")
+            routing = Routing(e.top_k, e.renormalize)
+        x = ops.moe(h, router, self.experts(e, f"{name}.experts"), routing, f"{name}.experts")
+        shared = getattr(mlp, "shared_expert", None)
+        if shared is not None:  # Qwen2-MoE: under a sigmoid gate
+            x = ops.shared_expert(
+                h, x, self.linear(shared.gate_up_proj, f"{name}.shared_expert.gate_up_proj"),
+                self.linear(shared.down_proj, f"{name}.shared_expert.down_proj"), shared.down_proj.in_features,
+                shared.act, self.linear(mlp.shared_expert_gate, f"{name}.shared_expert_gate"),
+                f"{name}.shared_expert_add")
+        shared = getattr(mlp, "shared_experts", None)
+        if shared is not None:  # DeepSeek: always on, no gate
+            x = ops.shared_expert(
+                h, x, self.linear(shared.gate_up_proj, f"{name}.shared_experts.gate_up_proj"),
+                self.linear(shared.down_proj, f"{name}.shared_experts.down_proj"), shared.down_proj.in_features,
+                shared.act, None, f"{name}.shared_experts_add")
+        return x
+
+    def experts(self, e: Any, name: str) -> Experts:
+        stored = self.stored
+
+        def expert(which: str, index: int) -> LinearWeight:
+            stack = e.gate_up_proj if which == "gate_up" else e.down_proj
+            bias = e.gate_up_proj_bias if which == "gate_up" else e.down_proj_bias
+            return LinearWeight(_matrix(stack[index], stored), None if bias is None else _array(bias[index]),
+                                f"{name}.{index}.{which}_proj")
+
+        return Experts(e.num_experts, e.down_proj.shape[-2], e.intermediate_size, e.act, expert,
+                       _matrix(e.gate_up_proj, stored), _matrix(e.down_proj, stored),
+                       (_method_name(e.gate_up_method, e.gate_up_proj), _method_name(e.down_method, e.down_proj)))
+
+    # ---- OPT --------------------------------------------------------------------------------------------
+    def opt_layer(self, x: str, layer: Any, i: int) -> str:
+        """LayerNorm before each sublayer (do_layer_norm_before) or after its residual add; ReLU MLP; no
+        rotary (positions were added to the embeddings)."""
+        ops, pre, prefix = self.ops, layer.do_layer_norm_before, f"model.decoder.layers.{i}"
+        attn = layer.self_attn
+        ln1, ln2 = f"{prefix}.self_attn_layer_norm", f"{prefix}.final_layer_norm"
+        h = self.layer_norm(x, layer.self_attn_layer_norm, ln1) if pre else x
+        cache = ops.layer_cache(i, attn.num_heads, attn.head_dim)
+        qkv = ops.linear(h, self.linear(attn.qkv_proj, f"{prefix}.self_attn.qkv_proj"))
+        spec = AttentionSpec(attn.num_heads, attn.num_heads, attn.head_dim, float(attn.scaling), None)
+        out = ops.self_attention(qkv, spec, None, None, cache, i, f"{prefix}.self_attn")
+        x = ops.add(x, ops.linear(out, self.linear(attn.out_proj, f"{prefix}.self_attn.out_proj")))
+        if not pre:
+            x = self.layer_norm(x, layer.self_attn_layer_norm, ln1)
+        h = self.layer_norm(x, layer.final_layer_norm, ln2) if pre else x
+        h = ops.activation(ops.linear(h, self.linear(layer.fc1, f"{prefix}.fc1")), _activation_name(layer.act))
+        x = ops.add(x, ops.linear(h, self.linear(layer.fc2, f"{prefix}.fc2")))
+        return x if pre else self.layer_norm(x, layer.final_layer_norm, ln2)
+
+
+def _rms_weight(norm: Any) -> tuple[np.ndarray, float]:
+    """An RMSNorm's scale as the product uses it, and its epsilon: Gemma's (1 + w), taken in float32 as the
+    engine takes it."""
+    w = norm.weight.detach().float()
+    if type(norm).__name__ == "GemmaRMSNorm":
+        w = 1.0 + w
+    return w.contiguous().numpy(), float(norm.variance_epsilon)
+
+
+def _activation_name(act: Any) -> str:
+    """The transformers name of an `Activation` module's function."""
+    from perfxlm.model.layers.activation import _ACTIVATIONS
+
+    for name, fn in _ACTIVATIONS.items():
+        if fn is act.fn:
+            return name
+    raise ValueError(f"ONNX export: activation {act.fn!r} is not one the exporter knows.")

@@ -33,6 +33,8 @@ class Graph:
         self._counts: dict[str, int] = {}
         self._consts: dict[tuple, str] = {}  # small constants shared by value
         self.metadata: dict[str, str] = {}  # the model's metadata_props: what a runtime reads beside the nodes
+        # (kv heads, head dim) of every layer's past: onnxruntime-genai's layout has one for all layers
+        self.kv_shape: tuple[int, int] | None = None
 
     def fresh(self, prefix: str) -> str:
         n = self._counts.get(prefix, 0)
@@ -92,7 +94,9 @@ class Graph:
                     tensors.append(_external(name, shape, elem or helper.np_dtype_to_tensor_dtype(dtype), data,
                                              blocks, location))
                     continue
-                array = np.ascontiguousarray(array() if callable(array) else array)
+                array = np.asarray(array() if callable(array) else array)
+                if not array.flags.c_contiguous:  # (np.ascontiguousarray would make a scalar 1-d)
+                    array = np.ascontiguousarray(array)
                 if array.nbytes < EXTERNAL_BYTES and elem is None:
                     tensors.append(numpy_helper.from_array(array, name))
                     continue

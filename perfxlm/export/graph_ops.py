@@ -14,80 +14,38 @@ ops take them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from onnx import TensorProto
 
+from perfxlm.export.features import ALL_FEATURES
 from perfxlm.export.graph import MS_DOMAIN, Graph
+from perfxlm.export.graph_mla import LatentAttentionOps
+from perfxlm.export.graph_moe import MoeOps
+from perfxlm.export.graph_values import AttentionSpec, DecoderInputs, HeadNorms, LinearWeight, Rope
+
 from perfxlm.export.matmul_nbits import pack_matmul_nbits
 from perfxlm.quant.weight import QuantizedWeight
 
+__all__ = ["AttentionSpec", "DecoderInputs", "HeadNorms", "LinearWeight", "Rope", "GraphOps", "OrtOps"]
+
 NEG_LARGE = float(np.finfo(np.float32).min)  # masked scores: exp() is exactly 0, a fully masked row no NaN
-
-
-@dataclass
-class Rope:
-    """Rotary tables of the model, [max_position, rotary_dim] in rotate-half layout (cos of each frequency
-    twice), as the engine's RotaryEmbedding holds them; rotary_dim <= head_dim (partial rotary)."""
-
-    cos: np.ndarray
-    sin: np.ndarray
-
-    @property
-    def rotary_dim(self) -> int:
-        return self.cos.shape[1]
-
-
-@dataclass
-class AttentionSpec:
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    scale: float
-    sliding_window: int | None  # a query at position p sees keys in (p - window, p]
-
-
-@dataclass
-class LinearWeight:
-    """A projection's weight as the engine holds it: float [N, K] or a QuantizedWeight; bias or None."""
-
-    weight: Any
-    bias: np.ndarray | None
-    name: str
-    method: str | None = None  # a quantized weight's linear-method name (its format: "int4", "gguf", ...)
-
-
-@dataclass
-class HeadNorms:
-    """Qwen3's RMSNorm over each q and k head, before rotary."""
-
-    q_weight: np.ndarray
-    k_weight: np.ndarray
-    eps: float
-
-
-@dataclass
-class DecoderInputs:
-    """The graph inputs every layer reads (onnxruntime-genai's names)."""
-
-    input_ids: str  # int64 [batch, seq]
-    attention_mask: str  # int64 [batch, past + seq]: 1 for tokens to attend to
-    position_ids: str  # int64 [batch, seq]
 
 
 def dequantized(weight: QuantizedWeight) -> np.ndarray:
     return weight.dequantize().float().numpy()
 
 
-class GraphOps:
+class GraphOps(MoeOps, LatentAttentionOps):
     """Standard ONNX ops (the `standard` flavor). Shared values (shapes, the attention mask, rotary
     tables gathered at the positions) are built once per graph, at their first use."""
 
     flavor = "standard"
-    activations: tuple[str, ...] = ("SiluAndMul",)  # the gated-MLP activations (layer class names) it writes
-    mlps: tuple[str, ...] = ("LlamaMLP",)  # the MLP blocks (layer class names) it writes
+    activations: tuple[str, ...] = ("SiluAndMul", "GeluAndMul", "ClampedSwiGLU")  # gated-MLP activations
+    # what of a family beyond the Llama block it writes (export/features.py names them)
+    features: frozenset[str] = ALL_FEATURES
+    why_not = ""  # why a feature it lacks cannot be written, as a refusal says it
 
     def __init__(self, g: Graph) -> None:
         self.g = g
@@ -118,6 +76,11 @@ class GraphOps:
 
     def layer_cache(self, layer: int, kv_heads: int, head_dim: int) -> tuple[str, str]:
         """Layer `layer`'s K/V as the graph holds them: here past inputs (with present outputs)."""
+        if self.g.kv_shape not in (None, (kv_heads, head_dim)):
+            raise ValueError(f"ONNX export: layer {layer}'s cache is {kv_heads} x {head_dim}, another layer's "
+                             f"{self.g.kv_shape[0]} x {self.g.kv_shape[1]}; the {self.flavor} flavor's layout has "
+                             "one shape for all.")
+        self.g.kv_shape = (kv_heads, head_dim)
         past = []
         for kind in ("key", "value"):
             past.append(self.g.add_input(f"past_key_values.{layer}.{kind}", TensorProto.FLOAT,
@@ -141,9 +104,9 @@ class GraphOps:
         g.rename(present_v, f"present.{layer}.value")
         return out
 
-    def logits(self, h: str, head: "LinearWeight | None", vocab: int) -> None:
+    def logits(self, h: str, head: "LinearWeight | None", vocab: int, soft_cap: float | None = None) -> None:
         """The LM head over the final hidden states, the graph's first output; `head` None: tied to the
-        embedding table."""
+        embedding table; `soft_cap`: logits bounded to (-cap, cap) (Gemma 2)."""
         if head is None:
             # shares the float table: no second copy, and a float GEMM (ONNX Runtime's 8-bit MatMulNBits
             # dequantizes the whole weight at every call: 30x slower on a 49k-row head, measured)
@@ -151,6 +114,8 @@ class GraphOps:
             logits = self.tied_head(h, name, table)
         else:
             logits = self.linear(h, head)
+        if soft_cap is not None:
+            logits = self.soft_cap(logits, soft_cap)
         self.g.rename(logits, "logits")
         self.g.add_output("logits", TensorProto.FLOAT, ["batch_size", "sequence_length", vocab])
         self.g.outputs.insert(0, self.g.outputs.pop())  # logits first, as onnxruntime-genai's builder orders them
@@ -182,6 +147,52 @@ class GraphOps:
         self._table = (w, table)
         return self.g.op("Gather", [w, self.inputs.input_ids], axis=0, name="embed_tokens")
 
+    def scaled(self, x: str, factor: float) -> str:
+        """x times a constant (Gemma's embeddings by sqrt(hidden))."""
+        return self.g.op("Mul", [x, self.g.const(factor, np.float32)])
+
+    def add(self, x: str, y: str) -> str:
+        return self.g.op("Add", [x, y])
+
+    def soft_cap(self, x: str, cap: float) -> str:
+        """cap * tanh(x / cap), as the engine's soft_cap computes it."""
+        g = self.g
+        return g.op("Mul", [g.op("Tanh", [g.op("Div", [x, g.const(cap, np.float32)])]), g.const(cap, np.float32)])
+
+    def learned_positions(self, table: np.ndarray, offset: int) -> str:
+        """Rows `offset` + position of a position table (OPT's starts two rows in)."""
+        g = self.g
+        rows = g.op("Add", [self.inputs.position_ids, g.const(offset)]) if offset else self.inputs.position_ids
+        return g.op("Gather", [g.weight("model.decoder.embed_positions.weight", table), rows], axis=0,
+                    name="embed_positions")
+
+    def layer_norm(self, x: str, weight: np.ndarray, bias: np.ndarray, eps: float, name: str) -> str:
+        g = self.g
+        return g.op("LayerNormalization", [x, g.weight(f"{name}.weight", weight), g.weight(f"{name}.bias", bias)],
+                    axis=-1, epsilon=eps, name=name)
+
+    def activation(self, x: str, name: str) -> str:
+        """An elementwise activation by its transformers name (OPT's ReLU)."""
+        if name == "relu":
+            return self.g.op("Relu", [x])
+        if name in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
+            return self.gelu(x, "none" if name == "gelu" else "tanh")
+        if name in ("silu", "swish"):
+            return self.g.op("Mul", [x, self.g.op("Sigmoid", [x])])
+        raise ValueError(f"ONNX export: activation {name!r} is not one the exporter writes.")
+
+    def gelu(self, x: str, approximate: str) -> str:
+        """torch's GELU: 0.5 x (1 + erf(x / sqrt 2)), or its tanh approximation."""
+        g = self.g
+        f32 = np.float32
+        if approximate == "tanh":
+            cube = g.op("Mul", [g.op("Mul", [g.op("Mul", [x, x]), x]), g.const(0.044715, f32)])
+            inner = g.op("Mul", [g.op("Add", [x, cube]), g.const(float(np.sqrt(2 / np.pi)), f32)])
+            core = g.op("Tanh", [inner])
+        else:
+            core = g.op("Erf", [g.op("Div", [x, g.const(float(np.sqrt(2.0)), f32)])])
+        return g.op("Mul", [g.op("Mul", [x, g.const(0.5, f32)]), g.op("Add", [core, g.const(1.0, f32)])])
+
     def rms_norm(self, x: str, weight: np.ndarray, eps: float, name: str) -> str:
         w = self.g.weight(f"{name}.weight", weight)
         g = self.g
@@ -202,29 +213,52 @@ class GraphOps:
         y = self.rms_norm(x4, weight, eps, name)
         return self.g.op("Reshape", [y, self.g.const([0, 0, heads * head_dim])])
 
-    def linear(self, x: str, lw: LinearWeight) -> str:
+    def linear(self, x: str, lw: LinearWeight, rows: bool = False) -> str:
+        """x [b, s, K] (`rows`: [n, K]) times the weight transposed, plus its bias."""
         w = lw.weight
         array = dequantized(w) if isinstance(w, QuantizedWeight) else w
-        return self._gemm(x, array, lw)
+        return self._gemm(x, array, lw, rows=rows)
 
-    def _gemm(self, x: str, array: np.ndarray, lw: LinearWeight, weight_name: str | None = None) -> str:
-        """x [b, s, K] times weight [N, K] transposed (kept as the checkpoint stores it, so a tied head
-        shares the embedding table)."""
+    def _gemm(self, x: str, array: np.ndarray, lw: LinearWeight, weight_name: str | None = None,
+              rows: bool = False) -> str:
+        """x [b, s, K] (`rows`: [n, K]) times weight [N, K] transposed (kept as the checkpoint stores it, so a
+        tied head shares the embedding table)."""
         g = self.g
         n, k = array.shape
         w = weight_name or g.weight(f"{lw.name}.weight", array)
-        args = [g.op("Reshape", [x, g.const([-1, k])]), w]
+        args = [x if rows else g.op("Reshape", [x, g.const([-1, k])]), w]
         if lw.bias is not None:
             args.append(g.weight(f"{lw.name}.bias", lw.bias))
         y = g.op("Gemm", args, transB=1, name=lw.name)
-        return g.op("Reshape", [y, self.with_last(n)])
+        return y if rows else g.op("Reshape", [y, self.with_last(n)])
 
     def tied_head(self, x: str, table_name: str, table: np.ndarray) -> str:
         return self._gemm(x, table, LinearWeight(table, None, "lm_head"), weight_name=table_name)
 
     def act_and_mul(self, gate_up: str, inter: int, act: Any) -> str:
-        """The gated MLP's activation of a [.., 2 * inter] gate | up value (one of `activations`)."""
+        """The gated MLP's activation of a [.., 2 * inter] gate | up value (one of `activations`); gpt-oss's
+        clamped SwiGLU reads gate and up interleaved (even, odd columns)."""
+        kind = type(act).__name__
+        if kind == "GeluAndMul":
+            g = self.g
+            gate, up = g.op("Split", [gate_up, g.const([inter, inter])], num_outputs=2, axis=-1)
+            return g.op("Mul", [self.gelu(gate, act.approximate), up])
+        if kind == "ClampedSwiGLU":
+            return self.clamped_swiglu(gate_up, inter, act.alpha, act.limit)
         return self.silu_and_mul(gate_up, inter)
+
+    def clamped_swiglu(self, gate_up: str, inter: int, alpha: float, limit: float) -> str:
+        """(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit); gate and up columns
+        alternate."""
+        g = self.g
+        f32 = np.float32
+        pairs = g.op("Reshape", [gate_up, g.const([0, inter, 2])])  # [n, inter, 2] (rows of experts' tokens)
+        gate, up = (g.op("Reshape", [t, g.const([0, inter])])
+                    for t in g.op("Split", [pairs, g.const([1, 1])], num_outputs=2, axis=-1))
+        gate = g.op("Min", [gate, g.const(limit, f32)])
+        up = g.op("Clip", [up, g.const(-limit, f32), g.const(limit, f32)])
+        glu = g.op("Mul", [gate, g.op("Sigmoid", [g.op("Mul", [gate, g.const(alpha, f32)])])])
+        return g.op("Mul", [g.op("Add", [up, g.const(1.0, f32)]), glu])
 
     def silu_and_mul(self, gate_up: str, inter: int) -> str:
         g = self.g
@@ -235,9 +269,9 @@ class GraphOps:
     def rotary(self, x: str, heads: int, head_dim: int, rope: Rope) -> str:
         """Rotate-half rotary on the first rotary_dim channels of each head of x [b, s, heads * head_dim]."""
         g = self.g
-        cos, sin = self._once("rope", lambda: tuple(
-            g.op("Unsqueeze", [g.op("Gather", [g.weight(f"{n}_table", t), self.inputs.position_ids], axis=0),
-                               g.const([2])])
+        cos, sin = self._once(("rope", rope.key), lambda: tuple(
+            g.op("Unsqueeze", [g.op("Gather", [g.weight(f"{_prefix(rope)}{n}_table", t), self.inputs.position_ids],
+                                    axis=0), g.const([2])])
             for n, t in (("cos", rope.cos), ("sin", rope.sin))))  # [b, s, 1, rotary_dim]
         rot = rope.rotary_dim
         x4 = g.op("Reshape", [x, g.const([0, 0, heads, head_dim])])
@@ -274,16 +308,17 @@ class GraphOps:
             return bias if groups == 1 else g.op("Tile", [bias, g.const([1, 1, groups, 1])])
         return self._once(("mask", window, groups), build)
 
-    def attention(self, q: str, k: str, v: str, past_k: str, past_v: str, spec: AttentionSpec, rope: Rope,
-                  name: str) -> tuple[str, str, str]:
-        """Causal attention of this call's queries over past + new keys, rotary applied here.
-        q [b, s, H*D], k / v [b, s, KV*D], past [b, KV, P, D] -> (out [b, s, H*D], present K, V
-        [b, KV, P + s, D]). The G query heads of a KV head are folded into its query rows
+    def attention(self, q: str, k: str, v: str, past_k: str, past_v: str, spec: AttentionSpec,
+                  rope: "Rope | None", name: str) -> tuple[str, str, str]:
+        """Causal attention of this call's queries over past + new keys, rotary applied here (`rope` None:
+        q and k come rotated). q [b, s, H*D], k / v [b, s, KV*D], past [b, KV, P, D] -> (out [b, s, H*D],
+        present K, V [b, KV, P + s, D]). The G query heads of a KV head are folded into its query rows
         ([b, KV, G*s, D]), so K/V are never repeated per head."""
         g = self.g
         h, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        q = self.rotary(q, h, d, rope)
-        k = self.rotary(k, kvh, d, rope)
+        if rope is not None:
+            q = self.rotary(q, h, d, rope)
+            k = self.rotary(k, kvh, d, rope)
 
         def heads_first(t: str, n: int) -> str:  # [b, s, n*D] -> [b, n, s, D]
             return g.op("Transpose", [g.op("Reshape", [t, g.const([0, 0, n, d])])], perm=[0, 2, 1, 3])
@@ -292,12 +327,34 @@ class GraphOps:
         present_v = g.op("Concat", [past_v, heads_first(v, kvh)], axis=2)
         qg = g.op("Reshape", [heads_first(q, h), g.const([0, kvh, -1, d])])  # [b, KV, G*s, D]
         scores = g.op("MatMul", [qg, g.op("Transpose", [present_k], perm=[0, 1, 3, 2])])
-        scores = g.op("Add", [g.op("Mul", [scores, g.const(spec.scale, np.float32)]),
-                              self._mask_bias(spec.sliding_window, h // kvh)])
-        probs = g.op("Softmax", [scores], axis=-1)
+        scores = g.op("Mul", [scores, g.const(spec.scale, np.float32)])
+        if spec.soft_cap is not None:
+            scores = self.soft_cap(scores, spec.soft_cap)
+        scores = g.op("Add", [scores, self._mask_bias(spec.sliding_window, h // kvh)])
+        if spec.sinks is None:
+            probs = g.op("Softmax", [scores], axis=-1)
+        else:  # each head's sink logit one more column of its softmax, dropped after it
+            probs = g.op("Softmax", [g.op("Concat", [scores, self._sink_column(spec, name)], axis=-1)], axis=-1)
+            probs = g.op("Slice", [probs, g.const([0]), g.const([-1]), g.const([-1])])
         out = g.op("MatMul", [probs, present_v])  # [b, KV, G*s, D]
         out = g.op("Transpose", [g.op("Reshape", [out, g.const([0, h, -1, d])])], perm=[0, 2, 1, 3])
         return g.op("Reshape", [out, g.const([0, 0, h * d])], name=name), present_k, present_v
+
+
+    def _sink_column(self, spec: AttentionSpec, name: str) -> str:
+        """float [b, KV, G*s, 1]: the sink logit of each query row's head, rows as `attention` folds them."""
+        g = self.g
+        kvh, groups = spec.num_kv_heads, spec.num_heads // spec.num_kv_heads
+        sinks = g.weight(f"{name}.sinks", np.asarray(spec.sinks, np.float32).reshape(1, kvh, groups, 1, 1))
+        bs = self.batch_seq_shape()
+        shape = g.op("Concat", [g.op("Slice", [bs, g.const([0]), g.const([1])]), g.const([kvh, groups]),
+                                g.op("Slice", [bs, g.const([1]), g.const([2])]), g.const([1])], axis=0)
+        return g.op("Reshape", [g.op("Expand", [sinks, shape]), g.const([0, kvh, -1, 1])])
+
+
+def _prefix(rope: Rope) -> str:
+    """Initializer names of a rotary table: the model's one unprefixed, others by their key."""
+    return "" if rope.key == "rope" else f"{rope.key}."
 
 
 class OrtOps(GraphOps):
@@ -318,13 +375,13 @@ class OrtOps(GraphOps):
                                    domain=MS_DOMAIN, epsilon=eps, name=name)
         return y, total
 
-    def linear(self, x: str, lw: LinearWeight) -> str:
+    def linear(self, x: str, lw: LinearWeight, rows: bool = False) -> str:
         w = lw.weight
         if not isinstance(w, QuantizedWeight):
-            return self._gemm(x, w, lw)
+            return self._gemm(x, w, lw, rows=rows)
         packed = pack_matmul_nbits(w)
         if packed is None:  # no power-of-two block fits its groups: float, as the standard flavor does
-            return self._gemm(x, dequantized(w), lw)
+            return self._gemm(x, dequantized(w), lw, rows=rows)
         g = self.g
         args = [x, g.weight(f"{lw.name}.weight_q", packed.codes),
                 g.weight(f"{lw.name}.scales", packed.scales),
@@ -333,7 +390,8 @@ class OrtOps(GraphOps):
                  block_size=packed.block_size, accuracy_level=0, name=lw.name)
         if packed.offsets is not None:  # + (sum of each block's activations) x offset
             blocks = w.in_features // packed.block_size
-            sums = g.op("ReduceSum", [g.op("Reshape", [x, g.const([0, 0, blocks, packed.block_size])]),
+            sums = g.op("ReduceSum", [g.op("Reshape", [x, g.const([0, blocks, packed.block_size] if rows else
+                                                                  [0, 0, blocks, packed.block_size])]),
                                       g.const([-1])], keepdims=0)
             offsets = g.weight(f"{lw.name}.block_offsets", np.ascontiguousarray(packed.offsets.T))
             y = g.op("Add", [y, g.op("MatMul", [sums, offsets])])
@@ -343,8 +401,9 @@ class OrtOps(GraphOps):
 
     def _rope_caches(self, rope: Rope) -> tuple[str, str]:
         half = rope.rotary_dim // 2  # the contrib ops take each frequency once
-        return self._once("rope_half", lambda: (self.g.weight("cos_cache", rope.cos[:, :half]),
-                                                self.g.weight("sin_cache", rope.sin[:, :half])))
+        return self._once(("rope_half", rope.key), lambda: (
+            self.g.weight(f"{_prefix(rope)}cos_cache", rope.cos[:, :half]),
+            self.g.weight(f"{_prefix(rope)}sin_cache", rope.sin[:, :half])))
 
     def rotary(self, x: str, heads: int, head_dim: int, rope: Rope) -> str:
         cos, sin = self._rope_caches(rope)
@@ -365,15 +424,24 @@ class OrtOps(GraphOps):
                   name: str) -> tuple[str, str, str]:
         # Rotary as its own op (not GroupQueryAttention's do_rotary): Qwen3 normalises q/k heads before it,
         # and partial rotary is the RotaryEmbedding op's attribute.
-        q = self.rotary(q, spec.num_heads, spec.head_dim, rope)
-        k = self.rotary(k, spec.num_kv_heads, spec.head_dim, rope)
+        if spec.head_dim % 8:
+            raise ValueError(f"ONNX export (ort flavor): {name} has heads of {spec.head_dim} channels, and ONNX "
+                             "Runtime's GroupQueryAttention takes multiples of 8 only; export with --flavor "
+                             "standard.")
+        if rope is not None:
+            q = self.rotary(q, spec.num_heads, spec.head_dim, rope)
+            k = self.rotary(k, spec.num_kv_heads, spec.head_dim, rope)
         seqlens, total = self._seqlens()
         # local_window_size W: a query at p sees keys in (p - W, p], the engine's window (tested)
         window = -1 if spec.sliding_window is None else spec.sliding_window
+        inputs = [q, k, v, past_k, past_v, seqlens, total]
+        if spec.sinks is not None:  # head_sink: one more term of each head's softmax sum, as a sink logit
+            sinks = self.g.weight(f"{name}.sinks", np.asarray(spec.sinks, np.float32))
+            inputs += ["", "", "", "", sinks]  # cos / sin caches, position ids, attention bias omitted
         out, present_k, present_v = self.g.op(
-            "GroupQueryAttention", [q, k, v, past_k, past_v, seqlens, total], num_outputs=3, domain=MS_DOMAIN,
+            "GroupQueryAttention", inputs, num_outputs=3, domain=MS_DOMAIN,
             num_heads=spec.num_heads, kv_num_heads=spec.num_kv_heads, scale=spec.scale,
-            local_window_size=window, name=name)
+            local_window_size=window, softcap=spec.soft_cap or 0.0, name=name)
         return out, present_k, present_v
 
 

@@ -21,10 +21,11 @@ PERFXLM_OPSET = 1
 
 # domain -> op types the exporter writes (graph_ops.py); the runner refuses any other
 KNOWN_OPS = {
-    "": {"Add", "And", "Cast", "Concat", "CumSum", "Gather", "Gemm", "Greater", "Identity", "LessOrEqual",
-         "MatMul", "Mul", "Neg", "Range", "Reciprocal", "ReduceMean", "ReduceSum", "Reshape", "Shape", "Sigmoid",
-         "SimplifiedLayerNormalization", "Softmax", "Split", "Sqrt", "Sub", "Tile", "Transpose", "Unsqueeze",
-         "Where"},
+    "": {"Add", "And", "Cast", "Clip", "Concat", "ConstantOfShape", "CumSum", "Div", "Erf", "Expand", "Gather",
+         "GatherElements", "Gemm", "Greater", "Identity", "LayerNormalization", "LessOrEqual", "MatMul", "Min",
+         "Mul", "Neg", "NonZero", "OneHot", "Range", "Reciprocal", "ReduceMax", "ReduceMean", "ReduceSum", "Relu",
+         "Reshape", "ScatterND", "Shape", "Sigmoid", "SimplifiedLayerNormalization", "Slice", "Softmax", "Split",
+         "Sqrt", "Sub", "Tanh", "Tile", "TopK", "Transpose", "Unsqueeze", "Where"},
     "com.microsoft": {"GroupQueryAttention", "MatMulNBits", "RotaryEmbedding",
                       "SkipSimplifiedLayerNormalization"},
 }

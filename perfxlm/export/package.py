@@ -93,8 +93,9 @@ def export_onnx(model: str | None, out_dir: str, flavor: str = "ort", quantizati
     staging = tempfile.mkdtemp(prefix=".perfxlm-export-", dir=parent)
     try:
         graph.save(os.path.join(staging, GRAPH_FILE))
+        kv_shape = graph.kv_shape
         del graph, loaded
-        _write_configs(staging, config, model_type, flavor, choices, merged)
+        _write_configs(staging, config, model_type, flavor, choices, merged, kv_shape)
         _save_tokenizer(staging, config)
         if os.path.isdir(out_dir):
             shutil.rmtree(out_dir)  # checked above: empty, or overwrite asked for
@@ -105,7 +106,7 @@ def export_onnx(model: str | None, out_dir: str, flavor: str = "ort", quantizati
 
 
 def _write_configs(folder: str, config: Any, model_type: str, flavor: str, choices: Any,
-                   merged_lora: dict[str, Any] | None = None) -> None:
+                   merged_lora: dict[str, Any] | None = None, kv_shape: tuple[int, int] | None = None) -> None:
     hf = config.hf_config
     hf_dict = {k: v for k, v in hf.to_dict().items()
                if not k.startswith("perfxlm_") and k != "quantization_config"}
@@ -114,7 +115,7 @@ def _write_configs(folder: str, config: Any, model_type: str, flavor: str, choic
         json.dump(hf_dict, f, indent=2)
     if flavor != "perfxlm":  # the engine's own graph: not onnxruntime-genai's layout
         with open(os.path.join(folder, GENAI_CONFIG), "w") as f:
-            json.dump(genai_config(hf, config, model_type), f, indent=4)
+            json.dump(genai_config(hf, config, model_type, kv_shape), f, indent=4)
     manifest = {"format_version": FORMAT_VERSION, "flavor": flavor, "model_type": model_type,
                 "graph": GRAPH_FILE, "num_hidden_layers": hf.num_hidden_layers}
     if choices is not None:
@@ -129,9 +130,13 @@ def _write_configs(folder: str, config: Any, model_type: str, flavor: str, choic
             shutil.copy(src, folder)
 
 
-def genai_config(hf: Any, config: Any, model_type: str) -> dict[str, Any]:
+def genai_config(hf: Any, config: Any, model_type: str, kv_shape: tuple[int, int] | None = None) -> dict[str, Any]:
+    """`kv_shape`: (kv heads, head size) of the graph's pasts (a latent cache's: 1 x its width); None: the
+    config's."""
     from perfxlm.model.models.llama import head_dim_of
 
+    kv_heads, head_size = kv_shape or (getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+                                       head_dim_of(hf))
     eos = sorted(config.eos_token_ids)
     context = config.max_model_len
     return {
@@ -141,7 +146,7 @@ def genai_config(hf: Any, config: Any, model_type: str) -> dict[str, Any]:
             "decoder": {
                 "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
                 "filename": GRAPH_FILE,
-                "head_size": head_dim_of(hf),
+                "head_size": head_size,
                 "hidden_size": hf.hidden_size,
                 "inputs": {
                     "input_ids": "input_ids",
@@ -157,7 +162,7 @@ def genai_config(hf: Any, config: Any, model_type: str) -> dict[str, Any]:
                 },
                 "num_attention_heads": hf.num_attention_heads,
                 "num_hidden_layers": hf.num_hidden_layers,
-                "num_key_value_heads": getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+                "num_key_value_heads": kv_heads,
             },
             "eos_token_id": eos[0] if len(eos) == 1 else eos,
             "pad_token_id": getattr(hf, "pad_token_id", None) or (eos[0] if eos else 0),

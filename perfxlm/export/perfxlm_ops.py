@@ -33,6 +33,8 @@ Ops (attributes in brackets):
         stacks' weight attributes]
     SigmoidGatedAdd(x, y, gate) -> x + sigmoid(gate) * y: a shared expert's output (y, an ordinary gated MLP
         of Linear nodes) added to the routed experts' (x) under its one-column gate's sigmoid (Qwen2-MoE)
+    Scale(x) [factor]: x * factor (Gemma's embeddings by sqrt(hidden))
+    SoftCap(x) [cap]: cap * tanh(x / cap) (Gemma's final logits)
     Gather (standard): the logits rows
 
 A weight is stored as the engine holds it: bits 0 is a float matrix W [N, K] (float32, or bfloat16 with
@@ -51,6 +53,7 @@ import numpy as np
 from onnx import TensorProto
 
 from perfxlm.export.graph import Graph
+from perfxlm.export.graph_moe import Experts, Routing
 from perfxlm.export.graph_ops import AttentionSpec, GraphOps, HeadNorms, LinearWeight, Rope
 from perfxlm.export.lora_record import LORA_KEY, lora_record
 from perfxlm.export.manifest import PERFXLM_DOMAIN
@@ -93,7 +96,12 @@ def _in_order(name: str, names: list[str]) -> None:
 class PerfxlmOps(GraphOps):
     flavor = "perfxlm"
     activations = ("SiluAndMul", "GeluAndMul")
-    mlps = ("LlamaMLP", "MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock")
+    # the engine's graph ops (model/graph/kernels.py) have kernels for these only: a family needing more
+    # (soft-capped attention, sinks, LayerNorm, learned positions, latent attention, grouped routing) is
+    # refused by name
+    features = frozenset({"moe", "shared_expert", "embedding_scale", "post_norms", "rope_per_layer",
+                          "logit_soft_cap"})
+    why_not = "the engine's graph ops have no kernel for it yet"
 
     # the engine's own choice for the model on this CPU (export/engine_choices.py), so the folder runs as
     # the module path does
@@ -181,13 +189,16 @@ class PerfxlmOps(GraphOps):
             return self._op("GeluAndMul", [gate_up], approximate=act.approximate)
         return self._op("SiluAndMul", [gate_up])
 
-    def moe(self, x: str, router: LinearWeight, gate_up: Any, down: Any, top_k: int, renormalize: bool, act: Any,
-            name: str, formats: tuple[str | None, str | None] = (None, None)) -> str:
-        """Softmax top-k routing over the router's logits, each expert a gated MLP (Mixtral); `formats`: the
-        quantized stacks' linear-method names."""
+    def moe(self, x: str, router: LinearWeight, experts: Experts, routing: Routing, name: str) -> str:
+        """Softmax top-k routing over the router's logits, each expert a gated MLP (Mixtral); the stacks as
+        the engine holds them (`experts.formats`: the quantized stacks' linear-method names)."""
+        if routing.scoring != "softmax" or routing.num_groups or routing.scale != 1.0:
+            raise ValueError(f"ONNX export (perfxlm flavor): {name} routes by {routing.scoring} scores in "
+                             "groups or scaled, which the MoE op does not.")
+        top_k, renormalize, act, formats = routing.top_k, routing.renormalize, experts.act, experts.formats
         logits = self.linear(x, router)
-        gu, gu_attrs = self._weight(f"{name}.gate_up_proj", gate_up, formats[0])
-        dn, dn_attrs = self._weight(f"{name}.down_proj", down, formats[1])
+        gu, gu_attrs = self._weight(f"{name}.gate_up_proj", experts.gate_up, formats[0])
+        dn, dn_attrs = self._weight(f"{name}.down_proj", experts.down, formats[1])
         _in_order(f"{name}.gate_up_proj", gu)
         _in_order(f"{name}.down_proj", dn)
         gu, dn = gu[:4], dn[:4]
@@ -214,7 +225,8 @@ class PerfxlmOps(GraphOps):
             qkv = self._op("HeadRMSNorm", [qkv, g.weight(f"{name}.q_norm.weight", qk_norms.q_weight),
                                            g.weight(f"{name}.k_norm.weight", qk_norms.k_weight)],
                            num_heads=h, num_kv_heads=kvh, head_dim=d, epsilon=qk_norms.eps, name=f"{name}.qk_norm")
-        cos, sin = self._once("rope", lambda: (g.weight("rope.cos", rope.cos), g.weight("rope.sin", rope.sin)))
+        cos, sin = self._once(("rope", rope.key), lambda: (g.weight(f"{rope.key}.cos", rope.cos),
+                                                           g.weight(f"{rope.key}.sin", rope.sin)))
         qkv = self._op("Rotary", [qkv, s.positions, cos, sin], num_heads=h + kvh, head_dim=d,
                        name=f"{name}.rotary")
         return self._op("PagedAttention", [qkv, cache[0], cache[1], s.block_tables, s.seq_lens, s.query_start_loc,
@@ -222,12 +234,17 @@ class PerfxlmOps(GraphOps):
                         num_heads=h, num_kv_heads=kvh, head_dim=d, scale=spec.scale,
                         sliding_window=spec.sliding_window or 0, name=f"{name}.attn")
 
-    def logits(self, h: str, head: LinearWeight | None, vocab: int) -> None:
+    def scaled(self, x: str, factor: float) -> str:
+        return self._op("Scale", [x], factor=factor, name="embed_scale")
+
+    def logits(self, h: str, head: LinearWeight | None, vocab: int, soft_cap: float | None = None) -> None:
         rows = self.g.op("Gather", [h, self.inputs.logits_indices], axis=0, name="logits_rows")
         if head is None:
             names, attrs = self._table
             logits = self._linear(rows, names, attrs, None, "lm_head")
         else:
             logits = self.linear(rows, head)
-        self.g.nodes[-1].output[0] = "logits"  # the head's own output, no Identity after it
+        if soft_cap is not None:  # Gemma 2 / 3
+            self._op("SoftCap", [logits], cap=soft_cap, name="logit_soft_cap")
+        self.g.nodes[-1].output[0] = "logits"  # the last node's own output, no Identity after it
         self.g.add_output("logits", TensorProto.FLOAT, ["num_logits", vocab])

@@ -139,14 +139,26 @@ def test_gguf_export_matches_the_engine(tmp_path, llama96, qtype):
     _assert_matches_engine(out, path, None)
 
 
-@pytest.mark.parametrize("case", ["opt-pre-ln", "gemma2-softcap-local-global", "mixtral-sliding"])
+# every decoder family exports in the ort and standard flavors (test_onnx_export_families.py); the perfxlm
+# flavor refuses those its ops cannot express
+@pytest.mark.parametrize("case", ["opt-pre-ln", "gemma2-softcap-local-global"])
 def test_unsupported_family_is_named_and_nothing_is_written(tmp_path, case):
     build_checkpoint(str(tmp_path / "ckpt"), case)
     out = tmp_path / "onnx"
     with pytest.raises(ValueError, match="ONNX export") as err:
-        export_onnx(str(tmp_path / "ckpt"), str(out))
+        export_onnx(str(tmp_path / "ckpt"), str(out), flavor="perfxlm")
     assert case.split("-")[0] in str(err.value).lower()
     assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".perfxlm-export")]
+
+
+def test_a_model_that_is_no_decoder_family_is_refused_by_name():
+    from perfxlm.export.decoder import genai_model_type
+
+    class BertModel(torch.nn.Module):
+        pass
+
+    with pytest.raises(ValueError, match="does not support BertModel yet \\(supported: .*OPTForCausalLM"):
+        genai_model_type(BertModel())
 
 
 def test_int8_activations_are_refused_by_name(tmp_path, llama96):

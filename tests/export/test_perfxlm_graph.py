@@ -21,11 +21,16 @@ from perfxlm.export.package import export_onnx
 from perfxlm.ops import native
 from tests.conftest import assert_pool_whole, make_llama_checkpoint
 from tests.model.test_architectures_vs_hf import build_checkpoint
+from tests.model import test_recent_families_vs_hf as recent
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
 PROMPTS = [[5], list(range(7, 16)), list(range(40, 77))]  # 1, 9, 37 tokens: chunked at 24, past the windows
 FAMILIES = ["llama", "llama-gelu", "qwen2-bias-tied-sliding", "qwen3-qknorm-headdim-bias", "mistral-sliding-mqa",
-            "phi3-longrope-partial-sliding", "mixtral-sliding", "qwen2moe-shared-dense-layer"]
+            "phi3-longrope-partial-sliding", "mixtral-sliding", "qwen2moe-shared-dense-layer",
+            "qwen3moe-normtopk-sparse-step", "glm-partial-interleaved", "gemma3-softcaps-untied", "glm4-post-norms"]
+# a mixture keeps its MoE nodes; post-sublayer norms are not the fused decode layer's Llama wiring
+NOT_FUSED = ("mixtral-sliding", "qwen2moe-shared-dense-layer", "qwen3moe-normtopk-sparse-step",
+             "gemma3-softcaps-untied", "glm4-post-norms")
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -35,9 +40,12 @@ def _checkpoint(path: str, family: str) -> str:
     if family == "llama":  # untied head, odd head count
         return make_llama_checkpoint(path, hidden_size=96, intermediate_size=160, num_attention_heads=6,
                                      num_key_value_heads=3, num_hidden_layers=2, tie_word_embeddings=False)
-    if family == "llama-gelu":  # GELU-tanh gating (the ort and standard flavors refuse it)
+    if family == "llama-gelu":  # GELU-tanh gating
         return make_llama_checkpoint(path, hidden_size=80, intermediate_size=144, num_attention_heads=5,
                                      num_key_value_heads=5, num_hidden_layers=2, hidden_act="gelu_pytorch_tanh")
+    if family in recent.CASES:  # Qwen3-MoE, GLM, GLM-4, Gemma 3
+        recent.build_checkpoint(path, family)
+        return path
     build_checkpoint(path, family)
     return path
 
@@ -98,7 +106,7 @@ def test_graph_run_by_the_engine_is_the_module_path(tmp_path, family):
     # again: the prompts' full blocks now come from the prefix cache
     fused = graph.llm_engine.core.executor.graph.fused_decode
     # all-decode steps: one native call per layer, as the module path (a mixture keeps the nodes)
-    if native.kernels() is not None and family not in ("mixtral-sliding", "qwen2moe-shared-dense-layer"):
+    if native.kernels() is not None and family not in NOT_FUSED:
         assert fused.args is not None and len(fused.args) == len(fused.layers) == len(graph_layers(ckpt))
     again, again_outs = _generate(graph)
     assert again == want and again_outs[2].num_cached_tokens >= 32
@@ -201,10 +209,6 @@ def test_bfloat16_weights_from_the_cli(tmp_path, llama96):
     _, got_outs = _generate(LLM(out, **kwargs), PROMPTS[1:], one)
     _, want_outs = _generate(LLM(llama96, **kwargs), PROMPTS[1:], one)
     np.testing.assert_allclose(_logprobs(got_outs), _logprobs(want_outs), atol=0.05, rtol=0)
-    gelu = _checkpoint(str(tmp_path / "gelu"), "llama-gelu")
-    with pytest.raises(ValueError, match=r"layer 0 has an MLP LlamaMLP \(GeluAndMul\), which the exporter cannot "
-                                         r"express \(flavor ort\)"):
-        export_onnx(gelu, str(tmp_path / "ort"), flavor="ort")
     with pytest.raises(ValueError, match="bfloat16 weights are the perfxlm flavor's"):
         export_onnx(llama96, str(tmp_path / "ort"), flavor="ort", dtype="bfloat16")
     assert not os.path.exists(tmp_path / "ort")

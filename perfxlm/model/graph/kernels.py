@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from perfxlm.model.layers.activation import GeluAndMul, SiluAndMul
+from perfxlm.model.layers.activation import GeluAndMul, SiluAndMul, soft_cap
 from perfxlm.model.layers.attention import Attention
 from perfxlm.model.layers.linear import Linear as EngineLinear
 from perfxlm.model.layers.moe import FusedMoE
@@ -273,6 +273,28 @@ class SigmoidGatedAdd(Kernel):
         return x + torch.sigmoid(gate) * y
 
 
+class Scale(Kernel):
+    """x times a constant, as the module path's embedding scales its rows (Gemma)."""
+
+    def __init__(self, node: str, attrs: dict[str, Any], held: HeldAs) -> None:
+        super().__init__()
+        self.factor = torch.tensor(attrs["factor"], dtype=torch.float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor.to(x.dtype)
+
+
+class SoftCap(Kernel):
+    """cap * tanh(x / cap): the LM head's soft cap (Gemma), the module path's own function."""
+
+    def __init__(self, node: str, attrs: dict[str, Any], held: HeldAs) -> None:
+        super().__init__()
+        self.cap = attrs["cap"]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return soft_cap(x, self.cap)
+
+
 # op type -> (builder(node name, attributes, HeldAs, weight inputs...), which inputs are weights (initializers),
 # which are step values). PagedAttention's cache and step-layout inputs are bound by the runner, not here.
 Builder = Callable[..., Kernel]
@@ -288,6 +310,8 @@ KERNELS: dict[str, tuple[Builder, tuple[int, ...], tuple[int, ...]]] = {
     "GeluAndMul": (lambda n, a, h: Activation(n, a, h, GeluAndMul(a.get("approximate", "none"))), (), (0,)),
     "MoE": (MoE, (2, 3, 4, 5, 6, 7, 8, 9), (0, 1)),
     "SigmoidGatedAdd": (SigmoidGatedAdd, (), (0, 1, 2)),
+    "Scale": (Scale, (), (0,)),
+    "SoftCap": (SoftCap, (), (0,)),
 }
 # the inputs of each op that must be the graph's own step inputs, by name (see export/perfxlm_ops.py)
 STEP_INPUTS = {"PagedAttention": {3: "block_tables", 4: "seq_lens", 5: "query_start_loc", 6: "slot_mapping"},
