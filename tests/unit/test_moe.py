@@ -110,7 +110,7 @@ def test_native_experts_equal_the_torch_loop(kind, activation, num_tokens, num_e
     assert again[0].abs().max() == 0 and torch.equal(again[1:], native[1:])
 
 
-@pytest.mark.parametrize("kind", ["bf16", "int8", "int8_blocks", "int4", "q4_k"])
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int8_blocks", "int4", "int4_blocks", "q4_k"])
 @pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 9, 3), (13, 11, 5), (90, 3, 2)])
 def test_native_experts_cut_into_runs_keep_the_bits(kind, num_tokens, num_experts, top_k):
     """Few rows per expert run as runs of columns over all experts in two parallel regions (more rows
@@ -122,11 +122,11 @@ def test_native_experts_cut_into_runs_keep_the_bits(kind, num_tokens, num_expert
     from perfxlm.quant.weight import ActivationMode
 
     _native_or_skip()
-    if kind == "int8_blocks" and num_tokens == 90:
+    if kind.endswith("_blocks") and num_tokens == 90:
         pytest.skip("many rows under int8 blocks: the torch loop takes the int8 GEMM, the kernel its GEMV's blocks")
     hidden, inter = {"bf16": (70, 99), "q4_k": (256, 256)}.get(kind, (128, 192))
     gate_up, down = _stacks(kind.removesuffix("_blocks"), num_experts, hidden, inter, seed=num_tokens)
-    if kind == "int8_blocks":  # a weight-only format under quant_activations=int8 (llama.cpp's Q8 products)
+    if kind.endswith("_blocks"):  # a weight-only format under quant_activations=int8 (llama.cpp's Q8 products)
         gate_up.activations = down.activations = ActivationMode.INT8_NATIVE
     g = torch.Generator().manual_seed(top_k)
     x = torch.randn(num_tokens, hidden, generator=g)
