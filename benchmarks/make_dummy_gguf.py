@@ -8,6 +8,12 @@ Speed depends on shapes, not on values, so a dummy file measures what a real one
     python benchmarks/make_dummy_gguf.py /tmp/llama-1b-shape.f16.gguf            # Llama-3.2-1B body
     python benchmarks/make_dummy_gguf.py out.gguf --hidden 4096 --layers 32 --intermediate 14336
 
+`--experts E` writes a Qwen3-MoE body instead (every layer E experts of --intermediate, --experts-used per
+token), e.g. Qwen3-30B-A3B's shapes with 4 of its 48 layers and 64 of its 128 experts:
+
+    python benchmarks/make_dummy_gguf.py moe.f16.gguf --hidden 2048 --layers 4 --heads 32 --kv-heads 4 \
+        --head-dim 128 --intermediate 768 --experts 64 --experts-used 8
+
 `--from-hf DIR` converts a gpt-oss Hugging Face checkpoint (random weights saved by transformers) instead,
 as llama.cpp's converter lays it out: expert stacks in MXFP4, the rest F32 (or `--float-type BF16`):
 
@@ -46,21 +52,32 @@ def donor_tokenizer(path: str) -> list[tuple[str, object, object]]:
 
 
 def write_dummy(path: str, donor: str, hidden: int, layers: int, intermediate: int, heads: int, kv_heads: int,
-                context: int, rope_theta: float, seed: int) -> None:
+                context: int, rope_theta: float, seed: int, experts: int = 0, experts_used: int = 0,
+                head_dim: int | None = None) -> None:
+    """A Llama body, or with `experts` a Qwen3-MoE one (`qwen3moe`: q/k norms, every layer a mixture of
+    `experts` gated MLPs of `intermediate` each, `experts_used` per token, no shared expert)."""
     import gguf
 
     rng = np.random.default_rng(seed)
     tokenizer = donor_tokenizer(donor)
     vocab = next(len(v) for k, v, _ in tokenizer if k == "tokenizer.ggml.tokens")
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_name(f"dummy-llama-{hidden}x{layers}")
+    arch = "qwen3moe" if experts else "llama"
+    head_dim = head_dim or hidden // heads
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_name(f"dummy-{arch}-{hidden}x{layers}")
     writer.add_context_length(context)
     writer.add_embedding_length(hidden)
     writer.add_block_count(layers)
     writer.add_feed_forward_length(intermediate)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(experts_used)
+        writer.add_expert_feed_forward_length(intermediate)
     writer.add_rope_freq_base(rope_theta)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab)
@@ -74,7 +91,6 @@ def write_dummy(path: str, donor: str, hidden: int, layers: int, intermediate: i
     def normal(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float16)
 
-    head_dim = hidden // heads
     writer.add_tensor("token_embd.weight", normal(vocab, hidden))  # tied: no output.weight
     writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
     for i in tqdm(range(layers), desc="layers", unit="layer"):
@@ -84,9 +100,18 @@ def write_dummy(path: str, donor: str, hidden: int, layers: int, intermediate: i
         writer.add_tensor(f"blk.{i}.attn_k.weight", normal(kv_heads * head_dim, hidden))
         writer.add_tensor(f"blk.{i}.attn_v.weight", normal(kv_heads * head_dim, hidden))
         writer.add_tensor(f"blk.{i}.attn_output.weight", normal(hidden, heads * head_dim))
-        writer.add_tensor(f"blk.{i}.ffn_gate.weight", normal(intermediate, hidden))
-        writer.add_tensor(f"blk.{i}.ffn_up.weight", normal(intermediate, hidden))
-        writer.add_tensor(f"blk.{i}.ffn_down.weight", normal(hidden, intermediate))
+        if not experts:
+            writer.add_tensor(f"blk.{i}.ffn_gate.weight", normal(intermediate, hidden))
+            writer.add_tensor(f"blk.{i}.ffn_up.weight", normal(intermediate, hidden))
+            writer.add_tensor(f"blk.{i}.ffn_down.weight", normal(hidden, intermediate))
+            continue
+        writer.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(head_dim, np.float32))
+        writer.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(head_dim, np.float32))
+        # the router in float32, as llama.cpp's converter keeps it; stacks [E, rows, cols]
+        writer.add_tensor(f"blk.{i}.ffn_gate_inp.weight", normal(experts, hidden).astype(np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_gate_exps.weight", normal(experts, intermediate, hidden))
+        writer.add_tensor(f"blk.{i}.ffn_up_exps.weight", normal(experts, intermediate, hidden))
+        writer.add_tensor(f"blk.{i}.ffn_down_exps.weight", normal(experts, hidden, intermediate))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file(progress=True)
@@ -341,6 +366,10 @@ def main() -> None:
     p.add_argument("--context", type=int, default=8192)
     p.add_argument("--rope-theta", type=float, default=500000.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--experts", type=int, default=0, help="write a Qwen3-MoE (qwen3moe) body with this many "
+                   "experts per layer, each of --intermediate")
+    p.add_argument("--experts-used", type=int, default=8, help="with --experts: experts per token")
+    p.add_argument("--head-dim", type=int, default=None, help="default hidden / heads (Qwen3-MoE: 128)")
     p.add_argument("--from-hf", default=None, help="convert this gpt-oss Hugging Face folder instead")
     p.add_argument("--float-type", default="F32", choices=("F32", "BF16"), help="with --from-hf: non-expert matrices")
     p.add_argument("--quant-type", default=None, help="with --from-hf of DeepSeek: matrices in this GGML type "
@@ -364,7 +393,7 @@ def main() -> None:
         return
     donor = a.donor or default_model_path()
     write_dummy(a.out, donor, a.hidden, a.layers, a.intermediate, a.heads, a.kv_heads, a.context, a.rope_theta,
-                a.seed)
+                a.seed, a.experts, a.experts_used, a.head_dim)
     print(f"wrote {a.out}")
 
 

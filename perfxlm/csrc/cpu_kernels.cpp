@@ -9,7 +9,8 @@
 //    call each (dispatch overhead, not arithmetic, is what they cost at small batch).
 // 3. decode_layer: a whole decoder layer (Llama family, Gemma 2) for an all-decode step, composed from
 //    the above and the KV cache kernels of attention_kernels.cpp.
-// 4. moe_experts: a mixture of experts' routed experts in one call (no Python loop over experts).
+// (moe_experts, a mixture of experts' routed experts in one call, is csrc/moe_kernels.cpp, built on
+// `project` and `mlp_activation` here: fused_project.h.)
 //
 // The plain-torch references are perfxlm/ops/reference.py; tests compare the two on random inputs.
 // Built at first use by torch.utils.cpp_extension (see perfxlm/ops/native.py) with -march=native:
@@ -27,6 +28,7 @@
 #include <vector>
 
 #include "attention_kernels.h"  // the fused layer's cache write and attention
+#include "fused_project.h"  // what this file lends csrc/moe_kernels.cpp
 #include "lora_kernels.h"  // the step's LoRA adapters after each projection
 #include "quant_linear.h"  // quantized weights in the fused layer's projections
 #include "simd16.h"  // the GEMV kernels' 16-lane vectors: AVX-512, or AVX2 + FMA
@@ -549,79 +551,23 @@ std::vector<at::Tensor> decode_layer(
 }
 
 
-// ---------------------------------------------------------------------------------------------
-// moe_experts: a mixture of experts' routed experts as one call, the ops of model/layers/moe.py's
-// grouped_experts_torch in the same order (so both give the same bits) without a Python loop over
-// experts. The (token, expert) pairs are sorted by expert once; each expert that got tokens runs its
-// gate|up and down projections (`project`: float, bf16 or quantized stacks) on its contiguous group, so
-// its weights are read once per step however many tokens chose it; the results, times their routing
-// weights, are added back in expert order (transformers' float32 sums).
-// ---------------------------------------------------------------------------------------------
-
-// act(gate) * up over [T, 2 * inter]; code 3 is gpt-oss's clamped SwiGLU over interleaved gate/up columns:
-// (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit), in ClampedSwiGLU's op order.
-at::Tensor expert_activation(const at::Tensor& gate_up, int64_t inter, int64_t activation, double alpha, double limit) {
-  if (activation != 3) return mlp_activation(gate_up, inter, activation);
-  const at::Tensor gate = gate_up.slice(1, 0, c10::nullopt, 2).clamp_max(limit);
-  const at::Tensor up = gate_up.slice(1, 1, c10::nullopt, 2).clamp(-limit, limit);
-  return (up + 1) * (gate * at::sigmoid(gate * alpha));
-}
-
-// One expert's weight parts out of a stack's: [w [E, N, K]] or [codes, scales, mins, levels, act_int8]
-// with the first three stacked.
-std::vector<at::Tensor> expert_parts(at::TensorList stack, int64_t e) {
-  std::vector<at::Tensor> parts;
-  for (size_t i = 0; i < stack.size(); ++i)  // codes, scales, mins per expert (empty mins: centred codes)
-    parts.push_back(i < 3 && stack[i].numel() ? stack[i].select(0, e) : stack[i]);
-  return parts;
-}
-
-c10::optional<at::Tensor> expert_bias(const c10::optional<at::Tensor>& bias, int64_t e) {
-  if (!bias.has_value() || !bias->defined()) return c10::nullopt;
-  return bias->select(0, e);
-}
-
-at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& expert_ids,
-                       at::TensorList w_gate_up, const c10::optional<at::Tensor>& b_gate_up, at::TensorList w_down,
-                       const c10::optional<at::Tensor>& b_down, int64_t num_experts, int64_t inter, int64_t activation,
-                       double alpha, double limit, int64_t max_rows, bool bf16_gemm, bool int8_blocks,
-                       int64_t quant_max_rows, int64_t quant_block_max_rows) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "moe_experts: x must be float32 [T, hidden]");
-  TORCH_CHECK(expert_ids.dim() == 2 && expert_ids.size(0) == x.size(0) && expert_ids.scalar_type() == at::kLong &&
-                  weights.sizes() == expert_ids.sizes(),
-              "moe_experts: weights and expert_ids must be [T, top_k], the ids int64");
-  TORCH_CHECK(w_gate_up.size() == 1 || w_gate_up.size() == 5, "moe_experts: a stack is [w] or [codes, scales, mins, levels, act_int8]");
-  TORCH_CHECK(w_down.size() == 1 || w_down.size() == 5, "moe_experts: a stack is [w] or [codes, scales, mins, levels, act_int8]");
-  TORCH_CHECK(w_gate_up[0].size(0) == num_experts && w_down[0].size(0) == num_experts, "moe_experts: stacks of ",
-              num_experts, " experts expected");
-  const int64_t top_k = expert_ids.size(1), hidden = x.size(1);
-  const at::Tensor flat = expert_ids.reshape(-1);
-  if (flat.numel()) {
-    TORCH_CHECK(flat.min().item<int64_t>() >= 0 && flat.max().item<int64_t>() < num_experts,
-                "moe_experts: expert ids must be in [0, ", num_experts, ")");
-  }
-  const at::Tensor order = at::argsort(flat, /*stable=*/true);
-  const at::Tensor token_of = at::floor_divide(order, top_k);  // the token each sorted pair belongs to
-  const at::Tensor counts = at::bincount(flat, {}, num_experts);
-  const at::Tensor xs = x.index_select(0, token_of);
-  const at::Tensor ws = weights.reshape(-1).index_select(0, order).to(x.scalar_type()).unsqueeze(1);
-  at::Tensor out_sorted = at::empty_like(xs);
-  const int64_t* count = counts.const_data_ptr<int64_t>();
-  for (int64_t e = 0, start = 0; e < num_experts; ++e) {
-    const int64_t n = count[e];
-    if (n == 0) continue;
-    at::Tensor h = project(xs.narrow(0, start, n), expert_parts(w_gate_up, e), 2 * inter, expert_bias(b_gate_up, e),
-                           max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);
-    h = expert_activation(h, inter, activation, alpha, limit);
-    const at::Tensor o = project(h, expert_parts(w_down, e), hidden, expert_bias(b_down, e), max_rows, bf16_gemm,
-                                 int8_blocks, quant_max_rows, quant_block_max_rows);
-    out_sorted.narrow(0, start, n).copy_(o * ws.narrow(0, start, n));
-    start += n;
-  }
-  return at::zeros_like(x).index_add_(0, token_of, out_sorted);
-}
-
 }  // namespace
+
+// What csrc/moe_kernels.cpp composes its experts from: the fused layer's product and gated activation.
+namespace perfxlm_fused {
+
+at::Tensor project(const at::Tensor& x, at::TensorList parts, int64_t n_out, const c10::optional<at::Tensor>& bias,
+                   int64_t max_rows, bool bf16_gemm, bool int8_blocks, int64_t quant_max_rows,
+                   int64_t quant_block_max_rows) {
+  return ::project(x, parts, n_out, bias, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);
+}
+
+at::Tensor mlp_activation(const at::Tensor& gate_up, int64_t inter, int64_t activation) {
+  return ::mlp_activation(gate_up, inter, activation);
+}
+
+}  // namespace perfxlm_fused
+
 
 TORCH_LIBRARY(perfxlm, m) {
   m.def("linear_bf16_packed(Tensor x, Tensor packed, int N, Tensor? bias) -> Tensor");
@@ -651,10 +597,6 @@ TORCH_LIBRARY(perfxlm, m) {
       "Tensor[] w_gate_up, Tensor? b_gate_up, Tensor[] w_down, Tensor? b_down, int intermediate, int activation, "
       "int max_rows, bool bf16_gemm, Tensor[] lora, bool int8_blocks, int quant_max_rows, "
       "int quant_block_max_rows) -> Tensor[]");
-  m.def(
-      "moe_experts(Tensor x, Tensor weights, Tensor expert_ids, Tensor[] w_gate_up, Tensor? b_gate_up, Tensor[] w_down, "
-      "Tensor? b_down, int num_experts, int inter, int activation, float alpha, float limit, int max_rows, "
-      "bool bf16_gemm, bool int8_blocks, int quant_max_rows, int quant_block_max_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(perfxlm, CPU, m) {
@@ -667,5 +609,4 @@ TORCH_LIBRARY_IMPL(perfxlm, CPU, m) {
   m.impl("decode_layer", &decode_layer);
   m.impl("decode_attention", &decode_attention);
   m.impl("decode_mlp", &decode_mlp);
-  m.impl("moe_experts", &moe_experts);
 }

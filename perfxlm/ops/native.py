@@ -29,7 +29,7 @@ _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 # integer GEMM (int8_rows.cpp), and the int8 GEMM of many rows over block-quantized codes (quant_gemm.cpp).
 _SOURCES = [_CSRC / "cpu_kernels.cpp", _CSRC / "attention_kernels.cpp", _CSRC / "quant_linear.cpp",
             _CSRC / "quant_search.cpp", _CSRC / "lora_kernels.cpp", _CSRC / "int8_rows.cpp",
-            _CSRC / "quant_gemm.cpp"]
+            _CSRC / "quant_gemm.cpp", _CSRC / "moe_kernels.cpp"]
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 

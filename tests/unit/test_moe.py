@@ -110,6 +110,39 @@ def test_native_experts_equal_the_torch_loop(kind, activation, num_tokens, num_e
     assert again[0].abs().max() == 0 and torch.equal(again[1:], native[1:])
 
 
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int8_blocks", "int4", "int4_blocks", "q4_k"])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 9, 3), (13, 11, 5), (90, 3, 2)])
+def test_native_experts_cut_into_runs_keep_the_bits(kind, num_tokens, num_experts, top_k):
+    """Few rows per expert run as runs of columns over all experts in two parallel regions (more rows
+    run expert by expert): the torch loop's bits either way, under inference mode (the engine's: the
+    regions' other threads must write into its inference tensors), on three threads (runs end mid-way),
+    with odd hidden / intermediate sizes where the format allows them and int8 activation blocks."""
+    from perfxlm.model.layers import moe as moe_module
+    from perfxlm.model.layers.activation import SiluAndMul
+    from perfxlm.quant.weight import ActivationMode
+
+    _native_or_skip()
+    if kind.endswith("_blocks") and num_tokens == 90:
+        pytest.skip("many rows under int8 blocks: the torch loop takes the int8 GEMM, the kernel its GEMV's blocks")
+    hidden, inter = {"bf16": (70, 99), "q4_k": (256, 256)}.get(kind, (128, 192))
+    gate_up, down = _stacks(kind.removesuffix("_blocks"), num_experts, hidden, inter, seed=num_tokens)
+    if kind.endswith("_blocks"):  # a weight-only format under quant_activations=int8 (llama.cpp's Q8 products)
+        gate_up.activations = down.activations = ActivationMode.INT8_NATIVE
+    g = torch.Generator().manual_seed(top_k)
+    x = torch.randn(num_tokens, hidden, generator=g)
+    weights, ids = torch.softmax(torch.randn(num_tokens, num_experts, generator=g), -1).topk(top_k, dim=-1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        with torch.inference_mode():
+            native = moe_module.grouped_experts(x, weights, ids, gate_up, down, SiluAndMul())
+            looped = moe_module.grouped_experts_torch(x, weights, ids, gate_up, down, SiluAndMul())
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(native, looped)
+    assert native.abs().sum() > 0
+
+
 def test_native_experts_refuse_bad_expert_ids():
     from perfxlm.model.layers.activation import SiluAndMul
     from perfxlm.model.layers.moe import grouped_experts

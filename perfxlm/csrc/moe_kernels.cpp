@@ -1,0 +1,203 @@
+// moe_experts: a mixture of experts' routed experts as one call, the ops of model/layers/moe.py's
+// grouped_experts_torch in the same order (so both give the same bits) without a Python loop over
+// experts. The (token, expert) pairs are sorted by expert once, so each expert's tokens form one
+// contiguous group and its weights are read once per step however many tokens chose it; the results,
+// times their routing weights, are added back in expert order (transformers' float32 sums).
+//
+// Two ways to run the groups:
+// - few rows per expert (decode, and batched decode: every group within the GEMV's row limit): two
+//   parallel regions for the whole layer. The first runs gate|up and the activation over tasks of
+//   (expert, run of intermediate columns), the second down over runs of output columns, each task looping
+//   over the active experts in expert order and adding into its own columns of the output. A decode step
+//   of k experts is then 2 thread hand-offs, not 2 k GEMV calls each parallel on its own (4 k
+//   hand-offs, with the activation and routing-weight ops between), and every thread streams a share
+//   of every expert. GEMV rows are computed independently of how a weight's rows are cut (runs start at
+//   multiples of 32 rows: whole two-level scale runs, whole vector steps of the activation), so the bits
+//   are those of the per-expert products.
+// - more rows: expert after expert, each product parallel over its own rows (a GEMM's work per expert is
+//   large enough to share out), as the torch loop does.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "fused_project.h"
+
+namespace {
+
+using perfxlm_fused::project;
+
+constexpr int64_t kRowRun = 32;  // weight rows a task's runs start at multiples of
+
+// act(gate) * up over [T, 2 * inter]; code 3 is gpt-oss's clamped SwiGLU over interleaved gate/up columns:
+// (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit), in ClampedSwiGLU's op order.
+at::Tensor expert_activation(const at::Tensor& gate_up, int64_t inter, int64_t activation, double alpha, double limit) {
+  if (activation != 3) return perfxlm_fused::mlp_activation(gate_up, inter, activation);
+  const at::Tensor gate = gate_up.slice(1, 0, c10::nullopt, 2).clamp_max(limit);
+  const at::Tensor up = gate_up.slice(1, 1, c10::nullopt, 2).clamp(-limit, limit);
+  return (up + 1) * (gate * at::sigmoid(gate * alpha));
+}
+
+// Rows [r0, r0 + n) of expert e's weight parts, out of a stack's: [w [E, N, K]] or
+// [codes, scales, mins, levels, act_int8] with the first three stacked (empty mins: centred codes).
+std::vector<at::Tensor> expert_rows(at::TensorList stack, int64_t e, int64_t r0 = 0, int64_t n = -1) {
+  std::vector<at::Tensor> parts;
+  for (size_t i = 0; i < stack.size(); ++i) {
+    if (i >= 3 || !stack[i].numel()) {
+      parts.push_back(stack[i]);
+      continue;
+    }
+    const at::Tensor w = stack[i].select(0, e);
+    parts.push_back(n < 0 ? w : w.narrow(0, r0, n));
+  }
+  return parts;
+}
+
+c10::optional<at::Tensor> expert_bias(const c10::optional<at::Tensor>& bias, int64_t e, int64_t r0 = 0, int64_t n = -1) {
+  if (!bias.has_value() || !bias->defined()) return c10::nullopt;
+  const at::Tensor b = bias->select(0, e);
+  return n < 0 ? b : b.narrow(0, r0, n);
+}
+
+// Whether `project` runs a stack's products row by row (GEMV kernels, whose rows do not depend on how the
+// weight is cut) for groups of up to `rows` rows: quantized stacks within the GEMV's row limit, bf16 rows
+// within the row kernel's; float32 stacks (torch's GEMM) and packed panels never.
+bool rows_independent(at::TensorList stack, int64_t rows, int64_t max_rows, int64_t quant_max_rows) {
+  if (stack.size() == 5) return rows <= (quant_max_rows >= 0 ? quant_max_rows : max_rows);
+  const at::Tensor& w = stack[0];
+  return w.dim() == 3 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && rows <= max_rows;
+}
+
+// Runs of `unit`-multiples of rows covering [0, total) so that about `tasks` of them exist (at least one
+// unit each).
+int64_t run_length(int64_t total, int64_t tasks, int64_t unit) {
+  const int64_t per = (total + std::max<int64_t>(tasks, 1) - 1) / std::max<int64_t>(tasks, 1);
+  return std::max(unit, (per + unit - 1) / unit * unit);
+}
+
+struct Group {
+  int64_t expert, start, rows;  // the sorted pairs [start, start + rows) chose `expert`
+};
+
+// The few-rows path (see the top of the file): h [P, inter] then out [T, hidden].
+at::Tensor experts_by_columns(const at::Tensor& xs, const at::Tensor& ws, const at::Tensor& token_of,
+                              const std::vector<Group>& groups, int64_t num_tokens, at::TensorList w_gate_up,
+                              const c10::optional<at::Tensor>& b_gate_up, at::TensorList w_down,
+                              const c10::optional<at::Tensor>& b_down, int64_t inter, int64_t activation,
+                              int64_t max_rows, bool bf16_gemm, bool int8_blocks, int64_t quant_max_rows,
+                              int64_t quant_block_max_rows) {
+  const int64_t hidden = xs.size(1), pairs = xs.size(0), active = static_cast<int64_t>(groups.size());
+  const int64_t threads = at::get_num_threads();
+  // gate|up: a task is one expert's run of intermediate columns (its gate rows and the matching up rows),
+  // about four tasks per thread over all experts
+  const int64_t cols = run_length(inter, (4 * threads + active - 1) / active, kRowRun);
+  const int64_t col_runs = (inter + cols - 1) / cols;
+  at::Tensor h = at::empty({pairs, inter}, xs.options());
+  // the caller's thread-local state (inference mode above all: writing into h and out, inference tensors
+  // under it, is refused on a thread without it) on every thread of the regions
+  const at::ThreadLocalState caller;
+  at::parallel_for(0, active * col_runs, 1, [&](int64_t begin, int64_t end) {
+    const at::ThreadLocalStateGuard same_state(caller);
+    for (int64_t task = begin; task < end; ++task) {
+      const Group& g = groups[task / col_runs];
+      const int64_t j0 = task % col_runs * cols, n = std::min(cols, inter - j0);
+      const at::Tensor x = xs.narrow(0, g.start, g.rows);
+      const at::Tensor gate = project(x, expert_rows(w_gate_up, g.expert, j0, n), n,
+                                      expert_bias(b_gate_up, g.expert, j0, n), max_rows, bf16_gemm, int8_blocks,
+                                      quant_max_rows, quant_block_max_rows);
+      const at::Tensor up = project(x, expert_rows(w_gate_up, g.expert, inter + j0, n), n,
+                                    expert_bias(b_gate_up, g.expert, inter + j0, n), max_rows, bf16_gemm,
+                                    int8_blocks, quant_max_rows, quant_block_max_rows);
+      // one row at a time: each row's elements take the vector and scalar steps of the whole row's op
+      for (int64_t r = 0; r < g.rows; ++r) {
+        const at::Tensor both = at::cat({gate.select(0, r), up.select(0, r)}).unsqueeze(0);
+        h.select(0, g.start + r).narrow(0, j0, n).copy_(perfxlm_fused::mlp_activation(both, n, activation).squeeze(0));
+      }
+    }
+  });
+  // down: a task is a run of output columns over every active expert, in expert order
+  const int64_t out_cols = run_length(hidden, 4 * threads, kRowRun);
+  const int64_t out_runs = (hidden + out_cols - 1) / out_cols;
+  at::Tensor out = at::zeros({num_tokens, hidden}, xs.options());
+  const int64_t* tok = token_of.const_data_ptr<int64_t>();
+  at::parallel_for(0, out_runs, 1, [&](int64_t begin, int64_t end) {
+    const at::ThreadLocalStateGuard same_state(caller);
+    for (int64_t run = begin; run < end; ++run) {
+      const int64_t c0 = run * out_cols, n = std::min(out_cols, hidden - c0);
+      for (const Group& g : groups) {
+        const at::Tensor o = project(h.narrow(0, g.start, g.rows), expert_rows(w_down, g.expert, c0, n), n,
+                                     expert_bias(b_down, g.expert, c0, n), max_rows, bf16_gemm, int8_blocks,
+                                     quant_max_rows, quant_block_max_rows)
+                                 .mul_(ws.narrow(0, g.start, g.rows));
+        for (int64_t r = 0; r < g.rows; ++r) out.select(0, tok[g.start + r]).narrow(0, c0, n).add_(o.select(0, r));
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& expert_ids,
+                       at::TensorList w_gate_up, const c10::optional<at::Tensor>& b_gate_up, at::TensorList w_down,
+                       const c10::optional<at::Tensor>& b_down, int64_t num_experts, int64_t inter, int64_t activation,
+                       double alpha, double limit, int64_t max_rows, bool bf16_gemm, bool int8_blocks,
+                       int64_t quant_max_rows, int64_t quant_block_max_rows) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "moe_experts: x must be float32 [T, hidden]");
+  TORCH_CHECK(expert_ids.dim() == 2 && expert_ids.size(0) == x.size(0) && expert_ids.scalar_type() == at::kLong &&
+                  weights.sizes() == expert_ids.sizes(),
+              "moe_experts: weights and expert_ids must be [T, top_k], the ids int64");
+  TORCH_CHECK(w_gate_up.size() == 1 || w_gate_up.size() == 5, "moe_experts: a stack is [w] or [codes, scales, mins, levels, act_int8]");
+  TORCH_CHECK(w_down.size() == 1 || w_down.size() == 5, "moe_experts: a stack is [w] or [codes, scales, mins, levels, act_int8]");
+  TORCH_CHECK(w_gate_up[0].size(0) == num_experts && w_down[0].size(0) == num_experts, "moe_experts: stacks of ",
+              num_experts, " experts expected");
+  const int64_t top_k = expert_ids.size(1), hidden = x.size(1);
+  const at::Tensor flat = expert_ids.reshape(-1);
+  if (flat.numel()) {
+    TORCH_CHECK(flat.min().item<int64_t>() >= 0 && flat.max().item<int64_t>() < num_experts,
+                "moe_experts: expert ids must be in [0, ", num_experts, ")");
+  }
+  const at::Tensor order = at::argsort(flat, /*stable=*/true);
+  const at::Tensor token_of = at::floor_divide(order, top_k);  // the token each sorted pair belongs to
+  const at::Tensor counts = at::bincount(flat, {}, num_experts);
+  const at::Tensor xs = x.index_select(0, token_of);
+  const at::Tensor ws = weights.reshape(-1).index_select(0, order).to(x.scalar_type()).unsqueeze(1);
+  const int64_t* count = counts.const_data_ptr<int64_t>();
+  std::vector<Group> groups;
+  int64_t most = 0;
+  for (int64_t e = 0, start = 0; e < num_experts; start += count[e], ++e) {
+    if (count[e]) groups.push_back({e, start, count[e]});
+    most = std::max(most, count[e]);
+  }
+  // gpt-oss's interleaved gate/up columns keep the per-expert path (a run would cut its pairs differently)
+  if (activation != 3 && rows_independent(w_gate_up, most, max_rows, quant_max_rows) &&
+      rows_independent(w_down, most, max_rows, quant_max_rows)) {
+    return experts_by_columns(xs, ws, token_of, groups, x.size(0), w_gate_up, b_gate_up, w_down, b_down, inter,
+                              activation, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);
+  }
+  at::Tensor out_sorted = at::empty_like(xs);
+  for (const Group& g : groups) {
+    at::Tensor h = project(xs.narrow(0, g.start, g.rows), expert_rows(w_gate_up, g.expert), 2 * inter,
+                           expert_bias(b_gate_up, g.expert), max_rows, bf16_gemm, int8_blocks, quant_max_rows,
+                           quant_block_max_rows);
+    h = expert_activation(h, inter, activation, alpha, limit);
+    const at::Tensor o = project(h, expert_rows(w_down, g.expert), hidden, expert_bias(b_down, g.expert), max_rows,
+                                 bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);
+    out_sorted.narrow(0, g.start, g.rows).copy_(o * ws.narrow(0, g.start, g.rows));
+  }
+  return at::zeros_like(x).index_add_(0, token_of, out_sorted);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(perfxlm, m) {
+  m.def(
+      "moe_experts(Tensor x, Tensor weights, Tensor expert_ids, Tensor[] w_gate_up, Tensor? b_gate_up, Tensor[] w_down, "
+      "Tensor? b_down, int num_experts, int inter, int activation, float alpha, float limit, int max_rows, "
+      "bool bf16_gemm, bool int8_blocks, int quant_max_rows, int quant_block_max_rows) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(perfxlm, CPU, m) { m.impl("moe_experts", &moe_experts); }
