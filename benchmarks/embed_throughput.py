@@ -101,7 +101,8 @@ def write_gguf(folder: str, tmp: str, ftype: str) -> str:
 
 
 def llamacpp_embed(path: str, token_ids: list[list[int]], threads: int, batch: int, flash_attn: bool):
-    """llama.cpp's pooled embeddings of `token_ids` (in their order) and the seconds its forward passes took:
+    """llama.cpp's pooled embeddings of `token_ids` (in their order), and the wall and CPU seconds its forward
+    passes took (its threads run in this process):
     llama-cpp-python's `Llama.embed` loop on ids instead of texts (so both engines embed the same tokens)."""
     import llama_cpp
     import numpy as np
@@ -137,9 +138,9 @@ def llamacpp_embed(path: str, token_ids: list[list[int]], threads: int, batch: i
 
     order = sorted(range(len(token_ids)), key=lambda i: -len(token_ids[i]))
     run(order[:8])  # warm-up
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     run(order)
-    return out, time.perf_counter() - start
+    return out, time.perf_counter() - start, time.process_time() - cpu
 
 
 def quality(ours, ref) -> dict:
@@ -196,10 +197,12 @@ def main() -> int:
         def run(**extra):
             llm = LLM(folder, dtype="float32", **kwargs, **extra)
             llm.embed(texts[:8], pooling_params=params, use_tqdm=False)  # warm-up
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             outs = llm.embed(texts, pooling_params=params, use_tqdm=False)
+            cpu_s[len(cpu_s)] = time.process_time() - cpu
             return outs, time.perf_counter() - start
 
+        cpu_s: dict[int, float] = {}  # CPU seconds of each timed run, in order: under load, steadier than wall
         outs, ours_s = run()
         quant_outs = None
         if args.quantization:
@@ -207,25 +210,27 @@ def main() -> int:
             q = {"method": "w8a8", "activation_group_size": -1} if q == "w8a8-token" else (
                 json.loads(q) if q.startswith("{") else q)
             quant_outs, quant_s = run(quantization=q)
+            result_cpu = {"perfxlm_q_cpu_s": cpu_s[1]}
         tokens = sum(len(o.prompt_token_ids) for o in outs)
         result = {"model": args.model or args.shape, "num_texts": len(texts), "tokens": tokens,
                   "threads": args.threads, "perfxlm_texts_per_s": len(texts) / ours_s,
-                  "perfxlm_tokens_per_s": tokens / ours_s}
+                  "perfxlm_tokens_per_s": tokens / ours_s, "perfxlm_cpu_s": cpu_s[0]}
         if quant_outs is not None:
             result.update(quantization=args.quantization, perfxlm_q_texts_per_s=len(texts) / quant_s,
-                          q_speedup_over_float=ours_s / quant_s)
+                          q_speedup_over_float=ours_s / quant_s, **result_cpu)
         if not args.skip_reference:
             from sentence_transformers import SentenceTransformer
 
             st = SentenceTransformer(folder, device="cpu")
             st.max_seq_length = args.max_tokens
             st.encode(texts[:8], batch_size=args.st_batch_size)
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             ref = st.encode(texts, batch_size=args.st_batch_size, convert_to_numpy=True)
-            st_s = time.perf_counter() - start
+            st_s, st_cpu = time.perf_counter() - start, time.process_time() - cpu
             ours = np.array([o.outputs.embedding for o in outs])
             cos = (ours * ref).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(ref, axis=1)
             result.update(st_texts_per_s=len(texts) / st_s, st_tokens_per_s=tokens / st_s, speedup=st_s / ours_s,
+                          st_cpu_s=st_cpu,
                           min_cosine=float(cos.min()))
             if quant_outs is not None:
                 q = np.array([o.outputs.embedding for o in quant_outs])
@@ -233,10 +238,10 @@ def main() -> int:
         if args.llamacpp:
             gguf_path = write_gguf(folder, tmp, args.llamacpp_type)
             ids = [o.prompt_token_ids for o in outs]
-            peer, peer_s = llamacpp_embed(gguf_path, ids, args.threads, args.llamacpp_batch, args.llamacpp_flash_attn)
+            peer, peer_s, peer_cpu = llamacpp_embed(gguf_path, ids, args.threads, args.llamacpp_batch, args.llamacpp_flash_attn)
             ours = np.array([o.outputs.embedding for o in outs])
             peer_cos = (ours * peer).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(peer, axis=1)
-            result.update(llamacpp_type=args.llamacpp_type, llamacpp_batch=args.llamacpp_batch,
+            result.update(llamacpp_type=args.llamacpp_type, llamacpp_cpu_s=peer_cpu, llamacpp_batch=args.llamacpp_batch,
                           llamacpp_texts_per_s=len(texts) / peer_s, llamacpp_tokens_per_s=tokens / peer_s,
                           speedup_over_llamacpp=peer_s / ours_s, llamacpp_min_cosine=float(peer_cos.min()))
             if quant_outs is not None:
