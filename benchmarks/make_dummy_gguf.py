@@ -23,6 +23,12 @@ or a DeepSeek-V2 / V3 one as llama.cpp's `deepseek2` (kv_b split into attn_k_b /
 `--whole-kv-b`; `--quant-type Q8_0` quantizes the matrices whose rows are whole blocks):
 
     python benchmarks/make_dummy_gguf.py tiny-deepseek.gguf --from-hf /tmp/tiny-deepseek-v3 --quant-type Q8_0
+
+or a BERT encoder (`BertModel`: bge, e5, all-MiniLM) as llama.cpp's `bert`, the WordPiece vocabulary from the
+folder's tokenizer, CLS or MEAN pooling as its sentence-transformers `1_Pooling` says (the embedding
+benchmark's llama.cpp peer; `--from-hf` also takes a sentence-transformers folder):
+
+    python benchmarks/make_dummy_gguf.py bge-base-shape.gguf --from-hf /tmp/st-folder
 """
 
 from __future__ import annotations
@@ -224,6 +230,69 @@ def write_gpt_oss(path: str, model, float_type: str = "F32") -> dict:
     return held
 
 
+def write_bert(path: str, folder: str, float_type: str = "F32") -> None:
+    """A llama.cpp `bert` GGUF from a BERT encoder folder (a transformers one, or a sentence-transformers one
+    whose transformer is at its root), laid out as llama.cpp's converter writes it: the tensors by gguf-py's
+    name map, WordPiece tokens in its phantom-space form (a word start prefixed with U+2581, `##` dropped),
+    [CLS] / [SEP] as BOS / EOS, the pooling of `1_Pooling/config.json` (CLS when there is none)."""
+    import json
+    import os
+
+    import gguf
+    import transformers
+
+    model = transformers.AutoModel.from_pretrained(folder, dtype="float32")
+    cfg = model.config
+    if cfg.model_type != "bert":
+        raise SystemExit(f"{folder}: write_bert converts BertModel checkpoints; this one is {cfg.model_type!r}")
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    writer = _hf_writer(path, "bert", cfg)
+    writer.add_layer_norm_eps(float(cfg.layer_norm_eps))
+    writer.add_causal_attention(False)
+    pooling = gguf.PoolingType.CLS
+    pooling_file = os.path.join(folder, "1_Pooling", "config.json")
+    if os.path.isfile(pooling_file):
+        with open(pooling_file) as f:
+            modes = json.load(f)
+        pooling = gguf.PoolingType.MEAN if modes.get("pooling_mode_mean_tokens") else gguf.PoolingType.CLS
+    writer.add_pooling_type(pooling)
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    special = set(tok.all_special_ids)
+    tokens, types = [], []
+    for text, i in vocab:
+        if i in special:
+            tokens.append(text)
+            types.append(gguf.TokenType.UNKNOWN if i == tok.unk_token_id else gguf.TokenType.CONTROL)
+        else:
+            tokens.append(text[2:] if text.startswith("##") else "\u2581" + text)
+            types.append(gguf.TokenType.NORMAL)
+    writer.add_token_type_count(int(getattr(cfg, "type_vocab_size", 1) or 1))
+    writer.add_tokenizer_model("bert")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(tok.cls_token_id)
+    writer.add_eos_token_id(tok.sep_token_id)
+    writer.add_sep_token_id(tok.sep_token_id)
+    writer.add_unk_token_id(tok.unk_token_id)
+    writer.add_pad_token_id(tok.pad_token_id)
+    writer.add_mask_token_id(tok.mask_token_id)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(True)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, cfg.num_hidden_layers)
+    for name, value in model.state_dict().items():
+        if name.startswith("pooler.") or name.endswith("position_ids"):
+            continue  # the [CLS] pooler's dense + tanh is not part of an embedding; ids are not weights
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise SystemExit(f"{folder}: no llama.cpp name for tensor {name!r}")
+        _float_tensor(writer, gguf_name, value, float_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def _quantized_or_float(writer, name: str, value, qtype: str):
     """A matrix written as `qtype` (gguf-py's quantizer: Q8_0, Q4_0, ...) where its rows are whole blocks,
     else F32, as llama.cpp's converter falls back; 1-D tensors F32. Returns the values the file holds."""
@@ -370,7 +439,8 @@ def main() -> None:
                    "experts per layer, each of --intermediate")
     p.add_argument("--experts-used", type=int, default=8, help="with --experts: experts per token")
     p.add_argument("--head-dim", type=int, default=None, help="default hidden / heads (Qwen3-MoE: 128)")
-    p.add_argument("--from-hf", default=None, help="convert this gpt-oss Hugging Face folder instead")
+    p.add_argument("--from-hf", default=None, help="convert this Hugging Face folder instead "
+                   "(gpt-oss, DeepSeek-V2/V3, BERT)")
     p.add_argument("--float-type", default="F32", choices=("F32", "BF16"), help="with --from-hf: non-expert matrices")
     p.add_argument("--quant-type", default=None, help="with --from-hf of DeepSeek: matrices in this GGML type "
                    "(Q8_0, Q4_0, ...) where their rows are whole blocks")
@@ -380,6 +450,10 @@ def main() -> None:
     if a.from_hf:
         import transformers
 
+        if transformers.AutoConfig.from_pretrained(a.from_hf).model_type == "bert":
+            write_bert(a.out, a.from_hf, a.float_type)
+            print(f"wrote {a.out}")
+            return
         model = transformers.AutoModelForCausalLM.from_pretrained(a.from_hf, dtype="float32")
         if model.config.model_type in ("deepseek_v2", "deepseek_v3"):
             donor = a.donor if a.donor or model.config.vocab_size != 49152 else default_model_path()
@@ -387,7 +461,7 @@ def main() -> None:
         elif model.config.model_type == "gpt_oss":
             write_gpt_oss(a.out, model, a.float_type)
         else:
-            p.error(f"--from-hf converts gpt-oss and DeepSeek-V2/V3 checkpoints; {a.from_hf} is "
+            p.error(f"--from-hf converts gpt-oss, DeepSeek-V2/V3 and BERT checkpoints; {a.from_hf} is "
                     f"{model.config.model_type!r}")
         print(f"wrote {a.out}")
         return

@@ -102,6 +102,76 @@ void epilogue_row(int32_t* acc, const float* cs, float sx, const float* bias, co
   }
 }
 
+// exp(x) for x <= 0 on 16 lanes (GELU's erf takes exp(-z^2)): 2^n x exp(r), n = round(x / ln 2), r = x - n ln 2
+// in two parts (Cody-Waite), exp(r) by Cephes' degree-6 polynomial on |r| <= ln 2 / 2 (relative error
+// about 1 ulp); x below -87.3 (exp under float's smallest normal) gives 0.
+inline f32x16 exp_nonpositive(f32x16 x) {
+  const f32x16 lowest = f32x16{} - 87.3f;
+  x = x < lowest ? lowest : x;
+  f32x16 n = x * 1.44269504088896341f;
+  // n to a nearest integer: n - 1/2 <= 0 truncates toward zero, up, to ceil(n - 1/2)
+  n = __builtin_convertvector(__builtin_convertvector(n - 0.5f, i32x16), f32x16);
+  f32x16 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  f32x16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  f32x16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// GELU(x) = x / 2 (1 + erf(x / sqrt 2)), erf by Abramowitz and Stegun 7.1.26 (1 - (a1 t + ... + a5 t^5)
+// exp(-z^2), t = 1 / (1 + p z); absolute error under 1.5e-7): within 1e-7 + 1.2e-7 |x| of the exact GELU
+// (torch's F.gelu is not bit-equal to it either, and measured further from exact).
+inline f32x16 gelu16(f32x16 x) {
+  const f32x16 z0 = x * 0.70710678118654752f;
+  const f32x16 z = z0 < 0.0f ? -z0 : z0;
+  const f32x16 t = 1.0f / (z * 0.3275911f + 1.0f);
+  f32x16 r = t * 1.061405429f + -1.453152027f;
+  r = r * t + 1.421413741f;
+  r = r * t + -0.284496736f;
+  r = r * t + 0.254829592f;
+  f32x16 erf_abs = 1.0f - r * t * exp_nonpositive(-(z * z));
+  f32x16 erf = z0 < 0.0f ? -erf_abs : erf_abs;
+  return x * 0.5f * (1.0f + erf);
+}
+
+// The epilogue with GELU after the bias (an encoder's up projection): its activation computed while the
+// row is in registers, instead of torch's pass over the whole [rows, N] output.
+void epilogue_gelu_row(int32_t* acc, const float* cs, float sx, const float* bias, int64_t n) {
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    i32x16 sums;
+    f32x16 col, add{};
+    load16(sums, acc + j);
+    load16(col, cs + j);
+    f32x16 y = __builtin_convertvector(sums, f32x16) * col;
+    y = y * sx;
+    if (bias != nullptr) {
+      load16(add, bias + j);
+      y = y + add;
+    }
+    y = gelu16(y);
+    std::memcpy(acc + j, &y, sizeof(y));
+  }
+  if (j < n) {  // the tail through one padded vector
+    float tail[kLanes] = {};
+    for (int64_t i = j; i < n; ++i) {
+      float y = static_cast<float>(acc[i]) * cs[i] * sx;
+      tail[i - j] = bias != nullptr ? y + bias[i] : y;
+    }
+    f32x16 y;
+    load16(y, tail);
+    y = gelu16(y);
+    std::memcpy(acc + j, &y, sizeof(float) * (n - j));
+  }
+}
+
 void check_rows(const at::Tensor& t, at::ScalarType dtype, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.is_contiguous() && t.scalar_type() == dtype, "int8 rows: ", name,
               " must be a contiguous 2-D ", c10::toString(dtype), " tensor, got ", t.sizes(), " ",
@@ -177,15 +247,35 @@ void int8_gemm_epilogue(const at::Tensor& acc, const at::Tensor& col_scales, con
   });
 }
 
+// int8_gemm_epilogue without a residual, then GELU (erf form) on each result, in the same pass. Not
+// F.gelu's bits: both approximate erf, each its own way (see gelu16).
+void int8_gemm_epilogue_gelu(const at::Tensor& acc, const at::Tensor& col_scales, const at::Tensor& row_scales,
+                             const c10::optional<at::Tensor>& bias) {
+  check_rows(acc, at::kInt, "acc");
+  const int64_t m = acc.size(0), n = acc.size(1);
+  check_vector(col_scales, n, "col_scales");
+  check_vector(row_scales, m, "row_scales");
+  check_vector(bias, n, "bias");
+  int32_t* ap = acc.data_ptr<int32_t>();
+  const float* cs = col_scales.data_ptr<float>();
+  const float* rs = row_scales.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  at::parallel_for(0, m, grain_rows(n), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) epilogue_gelu_row(ap + r * n, cs, rs[r], bp, n);
+  });
+}
+
 }  // namespace perfxlm_int8_rows
 
 TORCH_LIBRARY_FRAGMENT(perfxlm, m) {
   m.def("int8_quantize_rows(Tensor x) -> (Tensor, Tensor)");
   m.def("int8_gemm_epilogue(Tensor(a!) acc, Tensor col_scales, Tensor row_scales, Tensor? bias, "
         "Tensor? residual) -> ()");
+  m.def("int8_gemm_epilogue_gelu(Tensor(a!) acc, Tensor col_scales, Tensor row_scales, Tensor? bias) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(perfxlm, CPU, m) {
   m.impl("int8_quantize_rows", &perfxlm_int8_rows::int8_quantize_rows);
   m.impl("int8_gemm_epilogue", &perfxlm_int8_rows::int8_gemm_epilogue);
+  m.impl("int8_gemm_epilogue_gelu", &perfxlm_int8_rows::int8_gemm_epilogue_gelu);
 }

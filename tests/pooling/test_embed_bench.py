@@ -36,3 +36,27 @@ def test_bench_embed_sharegpt_on_an_encoder(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["num_texts"] == 9 and 9 * 3 <= data["total_input_tokens"] <= 9 * 40
     assert data["config"]["max_tokens"] == 40 and data["config"]["pooling_type"] == "CLS"
+
+
+def test_bert_gguf_writer_gives_llama_cpp_the_same_encoder(tmp_path):
+    """The embedding benchmark's llama.cpp peer runs a GGUF of the folder's weights: llama.cpp's CLS
+    embeddings of that file equal sentence-transformers' on the folder, and its WordPiece vocabulary
+    tokenizes as the folder's tokenizer does."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import numpy as np
+    from sentence_transformers import SentenceTransformer
+
+    from tests.model.dummy_gguf import converter
+    from tests.pooling.checkpoints import make_sentence_transformer
+
+    folder = make_sentence_transformer(str(tmp_path / "st"), "bert", pooling="cls", hidden_size=45, heads=3,
+                                       intermediate=71, layers=3)
+    path = str(tmp_path / "bert.gguf")
+    converter().write_bert(path, folder)
+    llm = llama_cpp.Llama(path, embedding=True, n_ctx=64, n_batch=64, n_ubatch=64, n_threads=1, verbose=False)
+    st = SentenceTransformer(folder, device="cpu")
+    texts = ["the cat sat on the mat", "what is paris?", "berlin, capital of germany. red blue green dog"]
+    assert [llm.tokenize(t.encode()) for t in texts] == st.tokenizer(texts)["input_ids"]
+    ours, ref = np.array(llm.embed(texts, normalize=True)), st.encode(texts)
+    cos = (ours * ref).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(ref, axis=1)
+    assert cos.min() >= 0.9999, cos

@@ -142,3 +142,28 @@ def test_forward_add_equals_the_product_then_the_sum(rows):
     float_layer.bias.data.normal_(generator=g)
     float_layer.bind_linear_method(LinearPlan(F32, F32))
     assert torch.equal(float_layer.forward_add(x, residual), float_layer(x) + residual)
+
+
+@pytest.mark.parametrize("rows", [3, 301])
+def test_forward_act_is_the_product_then_the_activation(rows):
+    # an encoder's up projection: GELU in the epilogue's pass past the GEMV's rows (within erf's
+    # approximation of the exact GELU, tests/unit/test_int8_rows.py), the product then F.gelu below them;
+    # an activation the epilogue lacks, and a float weight, take the product then the activation
+    from perfxlm.model.layers.activation import get_activation
+
+    layer = _layer("int8")
+    x = torch.randn(rows, 97, generator=torch.Generator().manual_seed(rows)) * 2
+    pre = layer(x)
+    got = layer.forward_act(x, "gelu")
+    exact = torch.nn.functional.gelu(pre.double())
+    assert bool(((got.double() - exact).abs() <= 1e-7 + 1.2e-7 * pre.double().abs()).all())
+    if rows == 3:
+        assert torch.equal(got, torch.nn.functional.gelu(pre))
+    assert torch.equal(layer.forward_act(x, "gelu_new"), get_activation("gelu_new")(pre))
+    float_layer = Linear(97, 53, bias=True)
+    float_layer.weight.data.normal_(generator=torch.Generator().manual_seed(9))
+    float_layer.bias.data.zero_()
+    float_layer.bind_linear_method(LinearPlan(F32, F32))
+    assert torch.equal(float_layer.forward_act(x, "gelu"), torch.nn.functional.gelu(float_layer(x)))
+    with pytest.raises(ValueError, match="activation 'swiglu' is not supported"):
+        float_layer.forward_act(x, "swiglu")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from perfxlm.model.layers.activation import get_activation
 from perfxlm.model.layers.linear_methods.base import LinearMethod, LinearPlan
 from perfxlm.model.layers.linear_methods.registry import method_for
 from perfxlm.model.layers.linear_methods.unquantized import UnquantizedLinear
@@ -36,6 +37,14 @@ class Linear(nn.Module):
         if type(self).forward is not Linear.forward:
             return self(x) + residual
         return self.method.apply_add(self, x, self.bias, residual)
+
+    def forward_act(self, x: torch.Tensor, act: str) -> torch.Tensor:
+        """act(self(x)) for a transformers `hidden_act` name, the activation in the product's own last pass
+        where the method has one (W8A8's integer-GEMM epilogue: GELU). A subclass whose forward adds work
+        keeps it."""
+        if type(self).forward is not Linear.forward:
+            return get_activation(act)(self(x))
+        return self.method.apply_act(self, x, self.bias, act)
 
     def quantizable_weights(self) -> list[QuantizableWeight]:
         return [QuantizableWeight("weight", LINEAR, self.in_features, self.quantize_weight)]

@@ -20,6 +20,8 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from perfxlm.model.layers.activation import get_activation
+
 
 @dataclass(frozen=True)
 class LinearPlan:
@@ -73,6 +75,12 @@ class LinearMethod(ABC):
         """x W^T + b + residual (a post-norm block's sum before its LayerNorm). Default: the product, then
         the sum; a method whose product ends in a pass over its output adds the residual there."""
         return self.apply(layer, x, bias) + residual
+
+    def apply_act(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
+        """act(x W^T + b), `act` a transformers `hidden_act` name (an encoder's up projection). Default: the
+        product, then the activation's pass; a method whose product ends in a pass over its output applies
+        the activation there."""
+        return get_activation(act)(self.apply(layer, x, bias))
 
     @abstractmethod
     def multiply(

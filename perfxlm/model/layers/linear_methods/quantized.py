@@ -17,7 +17,7 @@ from torch import nn
 
 from perfxlm.model.layers.linear_methods.base import LinearMethod, LinearPlan
 from perfxlm.ops import cpu_plan, native
-from perfxlm.ops.int8_gemm import gemm_weight, int8_gemm_linear
+from perfxlm.ops.int8_gemm import gemm_weight, int8_gemm_gelu, int8_gemm_linear
 from perfxlm.ops.linear import native_int8_blocks, run_linear_q
 from perfxlm.quant.reference import reference_linear
 from perfxlm.quant.weight import ActivationMode, QuantizedWeight
@@ -83,6 +83,12 @@ class QuantizedLinearMethod(LinearMethod):
         if self._takes_int_gemm(x) and x.dtype == torch.float32 and residual.dtype == torch.float32:
             return int8_gemm_linear(x, *self.int_gemm, bias, residual)
         return super().apply_add(layer, x, bias, residual)
+
+    def apply_act(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
+        # GELU in the epilogue's pass: the whole [rows, N] output is not read and written once more
+        if act == "gelu" and self._takes_int_gemm(x) and x.dtype == torch.float32:
+            return int8_gemm_gelu(x, *self.int_gemm, bias)
+        return super().apply_act(layer, x, bias, act)
 
     def _takes_int_gemm(self, x: torch.Tensor) -> bool:
         rows = x.numel() // x.shape[-1]
