@@ -40,7 +40,7 @@ def _shapes(cfg) -> dict[str, tuple[int, int]]:
             "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
 
 
-def write_adapter(path: str, cfg, rank: int, seed: int) -> str:
+def write_adapter(path: str, cfg, rank: int, seed: int, std: float = 0.02) -> str:
     g = torch.Generator().manual_seed(seed)
     shapes = _shapes(cfg)
     tensors = {}
@@ -49,8 +49,8 @@ def write_adapter(path: str, cfg, rank: int, seed: int) -> str:
             for name in names:
                 n_in, n_out = shapes[name]
                 prefix = f"base_model.model.model.layers.{layer}.{block}.{name}"
-                tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, n_in, generator=g) * 0.02
-                tensors[f"{prefix}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * 0.02
+                tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, n_in, generator=g) * std
+                tensors[f"{prefix}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * std
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0, "bias": "none",

@@ -128,8 +128,8 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
-    # vLLM's lora_dtype: "auto" (float32 adapters beside float32 weights, bfloat16 beside bf16 or quantized
-    # ones), "float32" or "bfloat16"
+    # vLLM's lora_dtype: "auto" (float32 adapters beside float32 weights, bfloat16 beside bf16 ones, int8
+    # beside quantized ones), "float32", "bfloat16" or "int8"
     lora_dtype: str = "auto"
     # vLLM's runner kinds: "auto" (pooling for an encoder, else generate), "generate", "pooling" (embeddings,
     # classification, scores: perfxlm/pooling/); convert "auto" | "none" | "embed" | "classify" | "reward"
@@ -203,6 +203,10 @@ class EngineConfig:
 
         quant = QuantizationConfig.resolve(self.quantization, self.quantization_group_size, self.quantization_symmetric)
         return None if quant is None else quant.for_runner(runner_kind)
+
+    def lora_storage_dtype(self) -> torch.dtype:
+        """What the LoRA slots store A and B in beside this engine's base weights (LoRAConfig.storage_dtype)."""
+        return self.lora_config.storage_dtype(self.weight_dtype, self._weights_stay_quantized())
 
     def _weights_stay_quantized(self) -> bool:
         """A GGUF file kept quantized, or a float checkpoint quantized at load."""

@@ -97,8 +97,8 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
     parser.add_argument("--max-cpu-loras", type=int, default=None,
                         help="LoRA adapters kept loaded (default: --max-loras)")
     parser.add_argument("--lora-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
-                        help="what LoRA A and B are stored in (auto: float32 beside float32 weights, else "
-                        "bfloat16; int8: codes and scales)")
+                        help="what LoRA A and B are stored in (auto: float32 beside float32 weights, "
+                        "bfloat16 beside bf16 ones, int8 beside quantized ones; int8: codes and scales)")
     # vLLM's GPU-only flags: accepted so launch lines run unchanged, with a notice of their effect here
     for flag, kind in (("--gpu-memory-utilization", float), ("--swap-space", float), ("--cpu-offload-gb", float)):
         parser.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)

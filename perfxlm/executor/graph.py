@@ -46,7 +46,7 @@ class GraphExecutor(InProcessExecutor):
         slots = None
         if c.lora_config is not None:
             slots = LoRASlots(self.lora_wrappers, c.lora_config.max_loras, c.torch_dtype,
-                              c.lora_config.storage_dtype(c.weight_dtype))
+                              c.lora_storage_dtype())
         self.runner = ModelRunner(self.graph, num_blocks, c.block_size, c.kv_cache_spec, slots)
 
     def describe(self) -> str:

@@ -45,7 +45,7 @@ class ModuleExecutor(InProcessExecutor):
         slots = None
         if c.lora_config is not None:
             slots = LoRASlots(self.lora_wrappers, c.lora_config.max_loras, c.torch_dtype,
-                              c.lora_config.storage_dtype(c.weight_dtype))
+                              c.lora_storage_dtype())
         r = c.resolved
         graphs = None
         if r.device.type == "cuda" and not c.enforce_eager:

@@ -18,9 +18,9 @@ rows by slot and reads only each used slot's A and the part of each B row its mo
 (`fused_operands`), so the zeros beside a fused projection's parts and the slots no row uses cost nothing.
 
 A and B are stored in the LoRA dtype (LoRAConfig.dtype; "auto": float32 beside float32 base weights, so
-a float32 engine matches peft exactly, bfloat16 beside bf16 or quantized ones, as vLLM keeps adapters in
-the model's dtype; "int8" on request: codes with a scale per packed row): decode with adapters is bound
-by reading them. Products always sum in float32 on the fused path; the module path widens the stored
+a float32 engine matches peft exactly, bfloat16 beside bf16 ones, as vLLM keeps adapters in the model's
+dtype, int8 beside quantized ones: codes with a scale per packed row): decode with adapters is bound by
+reading them. Products always sum in float32 on the fused path; the module path widens the stored
 values to the activations' dtype (int8: keeps the codes' values beside them), so both paths use the
 same adapter values.
 
