@@ -6,9 +6,11 @@ Names (vLLM's `quantization` argument):
   channel where 64 does not divide a weight's input size; measured below `_DEFAULT_GROUP`), or any
   multiple of 16, or -1 (per channel); symmetric by default, or asymmetric (uint8 with a zero point per
   group, DashInfer's InstantQuant form).
-- "int4": 4-bit weight-only, group 32 by default (32/64/128 ...), asymmetric: a float16 scale and min per
-  group, searched for the least (activation-weighted) squared error (llama.cpp's Q4_K search); or
-  symmetric (Q4_0's rule, `symmetric: true`).
+- "int4": 4-bit weight-only, group 32 by default (32/64/128 ...), asymmetric: a scale and min per
+  group, searched for the least (activation-weighted) squared error (llama.cpp's Q4_K search), held as
+  K-quants hold theirs where a weight's input size is a multiple of 256 (a byte per group for each, a
+  float16 factor of each per 256: 4.625 bits per weight, `perfxlm.quant.two_level`), else as float16
+  (5 bits); or symmetric (Q4_0's rule, `symmetric: true`).
 - "nf4": 4-bit NormalFloat as QLoRA defines it: absmax per group of 64, double-quantized
   (`perfxlm.quant.nf4`), with Q4_K_M's mixed precision (below) by default; `double_quant: false` keeps
   the plain absmax in float16.
@@ -43,6 +45,8 @@ Options: `quantization_group_size` (weights per scale; -1 = one scale per output
   8-bit form for the fused QKV of those layers where its V is such a weight (Q4_K_M's V: Q8_0 there),
   the method's 4-bit form elsewhere and for an embedding table untied from the LM head (instead of
   8-bit codes). On by default for int4 (not its symmetric Q4_0 form) and nf4.
+- `super_blocks` (int4 asymmetric): the two-level form above where the input size allows (default true);
+  false keeps a float16 scale and min per group everywhere.
 - `double_quant` (nf4): QLoRA's double-quantized absmax (default true); false keeps a float16 absmax
   per group, or with `calibration` a float16 scale per group searched like int4's (not QLoRA's values).
 - `lm_head` (every method; vLLM's GPTQ name): the embedding table and the LM head stored as 8-bit codes,
@@ -75,7 +79,7 @@ from typing import Any, Callable
 
 import torch
 
-from perfxlm.quant import quantizers
+from perfxlm.quant import quantizers, two_level
 from perfxlm.quant.formats.loading import ALIASES as CHECKPOINT_ALIASES
 from perfxlm.quant.formats.loading import FORMATS
 from perfxlm.quant.weight import ACT_BLOCK, BLOCK4, ActivationMode, QuantizedWeight
@@ -100,7 +104,7 @@ _DEFAULT_GROUP = {"int8": 64, "int4": 32, "nf4": 64, "w8a8": PER_CHANNEL}
 _DEFAULT_FALLS_BACK_PER_CHANNEL = ("int8",)
 _DICT_KEYS = (
     "method", "group_size", "symmetric", "activation_group_size", "calibration", "calibration_tokens",
-    "mixed_precision", "double_quant", "lm_head",
+    "mixed_precision", "double_quant", "lm_head", "super_blocks",
 )  # fmt: skip
 LARGE_TABLE_ROWS = 16384  # 5-bit codes for more rows than this, calibration-free: Q5_0's one-pass rule
 TABLE_GROUP = 64  # the 8-bit embedding table / LM head: weights per scale (32 where 64 does not divide)
@@ -195,6 +199,7 @@ class QuantizationConfig:
     calibration_explicit: bool = False  # whether `calibration` came from the user (else the default)
     mixed_precision: bool = False  # int4 / nf4: 8-bit down projections in half the layers (resolve: int4 on)
     double_quant: bool = True  # nf4: QLoRA's double-quantized absmax
+    super_blocks: bool = False  # int4 asymmetric: two-level scales on rows of whole 256s (resolve: on)
     lm_head: bool = True  # the embedding table and the LM head as 8-bit codes (else float)
 
     @property
@@ -227,6 +232,8 @@ class QuantizationConfig:
         kind = "" if self.method == "nf4" else (", symmetric" if self.symmetric else ", asymmetric")
         if self.method == "int4" and not self.symmetric:
             kind += ", searched scales"
+            if self.super_blocks:
+                kind += " (bytes x float16 per 256 where the input size is a multiple of 256)"
         if self.calibration is not None:
             text = "the built-in text" if self.calibration == DEFAULT_CALIBRATION else repr(self.calibration)
             kind += f", calibrated on {self.calibration_tokens} tokens of {text}"
@@ -259,6 +266,8 @@ class QuantizationConfig:
                 out["mixed_precision"] = self.mixed_precision
             if self.method == "nf4":
                 out["double_quant"] = self.double_quant
+            if self.method == "int4" and not self.symmetric:
+                out["super_blocks"] = self.super_blocks
             if not self.lm_head:
                 out["lm_head"] = False
         return out
@@ -342,6 +351,10 @@ class QuantizationConfig:
         if self.method == "int4":
             if self.symmetric:
                 return quantizers.quantize_symmetric_int4(w, group)
+            if self.super_blocks and two_level.fits(w.shape[-1], group):
+                q = two_level.quantize_int4(w, group, importance)
+                if q is not None:  # else a factor beyond float16: the float form below
+                    return q
             return quantizers.quantize_int4_search(w, group, importance)
         if self.calibration is not None and not self.double_quant:
             return quantizers.quantize_nf4_search(w, group, importance)
@@ -490,6 +503,13 @@ def _extras(method: str, options: dict[str, Any], symmetric: bool) -> dict[str, 
         out["mixed_precision"] = mixed
     elif options.get("mixed_precision"):
         raise ValueError(f"quantization mixed_precision with {method}: supported with int4 and nf4.")
+    supers = options.get("super_blocks")
+    if supers is not None and (method != "int4" or symmetric or not isinstance(supers, bool)):
+        raise ValueError(f"quantization super_blocks={supers!r} with {method}"
+                         f"{' (symmetric)' if symmetric and method == 'int4' else ''}: supported: true or false, "
+                         "asymmetric int4 only (its searched scales and mins as bytes x float16 per 256).")
+    if method == "int4" and not symmetric:
+        out["super_blocks"] = True if supers is None else supers
     double = options.get("double_quant")
     if double is not None:
         if method != "nf4" or not isinstance(double, bool):

@@ -6,8 +6,10 @@ first and last eighth of the layers, and every third one between), and falls bac
 Q4_K tensor and to Q8_0 (8.5) for a Q6_K one whose rows are not whole 256-value super-blocks (on the
 default model's architecture every projection but the FFN down one reads 576 inputs: most of its
 "Q4_K_M" is Q5_0, its widened V Q8_0). The engine's forms:
-- 4-bit codes, a float16 scale and min per group of 32 searched for the least activation-weighted error
-  (5 bits per weight) where Q4_K_M has Q4_K;
+- 4-bit codes, a scale and min per group of 32 searched for the least activation-weighted error where
+  Q4_K_M has Q4_K (which needs rows of whole 256s there too): held as Q4_K holds them, bytes x float16
+  per 256 (`perfxlm.quant.two_level`, 4.625 bits per weight), or float16 (5 bits) with `super_blocks`
+  off;
 - 5-bit codes, one float16 scale per group of 32 (llama.cpp's Q5_0 form, 5.5 bits per weight), the scale
   searched the same way (`perfxlm.quant.search.search_centred`), where Q4_K_M falls back to Q5_0 and for
   its widened down projections (Q6_K there);

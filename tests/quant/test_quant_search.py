@@ -522,3 +522,6 @@ def test_int4_allocation_within_q4_k_m_bits_on_the_default_models_shapes():
     assert round(q4km / weights, 3) == 6.044  # the file's own count (its tensors' bytes)
     assert bits["model.layers.0.self_attn.qkv_proj.weight"] == 8 and bits["model.embed_tokens.weight"] == 4
     assert total / weights <= q4km / weights
+    # the 4-bit down projections read 1536 = 6 x 256 inputs: Q4_K's two-level form (4.625), the 576-wide
+    # embedding float16 scales and mins (5)
+    assert stored(4, ffn) == 4.625 and stored(4, hidden) == 5.0
