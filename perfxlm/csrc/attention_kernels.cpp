@@ -434,11 +434,12 @@ void decode_attention_impl(const float* query, const T* key_cache, const T* valu
   const float scale_f = static_cast<float>(scale), cap = static_cast<float>(soft_cap);
   auto first_of = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, seq_lens[b] - window) : 0; };
 
-  // Range length: short enough that every thread gets several tasks, within [kMinRange, kMaxRange].
-  int64_t work = 0;
-  for (int64_t b = 0; b < B; ++b) work += (seq_lens[b] - first_of(b)) * KVH;
+  // Range length: short enough that every thread gets several tasks at batch 1, within [kMinRange,
+  // kMaxRange]. Taken from the sequence's own length, never the batch's: where the ranges fall decides
+  // how the softmax sums round, and a row must round the same whatever else is in its step (a
+  // speculative step's verification rows are the decode steps they stand for, bit for bit).
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t range = std::clamp<int64_t>(work / (4 * threads) + 1, kMinRange, kMaxRange);
+  auto range_of = [&](int64_t n) { return std::clamp<int64_t>(n * KVH / (4 * threads) + 1, kMinRange, kMaxRange); };
   std::vector<Task> tasks;
   std::vector<int64_t> merge;  // (b * KVH + h) of the heads cut into several ranges, then their first part
   int64_t parts = 0;
@@ -448,7 +449,7 @@ void decode_attention_impl(const float* query, const T* key_cache, const T* valu
       std::fill(out + b * H * D, out + (b + 1) * H * D, 0.f);
       continue;
     }
-    const int64_t splits = (n + range - 1) / range;
+    const int64_t range = range_of(n), splits = (n + range - 1) / range;
     for (int64_t h = 0; h < KVH; ++h) {
       if (splits > 1) merge.insert(merge.end(), {b * KVH + h, parts, splits});
       for (int64_t i = 0; i < splits; ++i)

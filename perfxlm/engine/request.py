@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from perfxlm.sampling_params import SamplingParams
+from perfxlm.spec_decode.draft_budget import DraftBudget
 
 
 class RequestStatus(enum.IntEnum):
@@ -67,10 +68,8 @@ class Request:
         self.draft_token_ids: list[int] = []
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-        # after verifications that accept nothing, this request sits out spec_skip proposals (doubling up
-        # to a limit, reset by any acceptance): guesses that keep missing stop costing rows
-        self.spec_backoff = 0
-        self.spec_skip = 0
+        # how many guesses it may carry next step, from how its last ones fared
+        self.draft_budget = DraftBudget()
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -37,10 +37,6 @@ from perfxlm.spec_decode.proposer import DraftRequest
 from perfxlm.spec_decode.stats import SpecDecodeStats
 
 
-# Most proposals a request sits out after its guesses keep missing (each miss doubles its pause).
-_MAX_SPEC_BACKOFF = 16
-
-
 class Scheduler:
     def __init__(
         self,
@@ -261,11 +257,7 @@ class Scheduler:
         request.num_draft_tokens += num_drafts
         request.num_accepted_tokens += num_accepted
         self.spec_stats.observe(num_drafts, num_accepted)
-        if num_accepted:
-            request.spec_backoff = 0
-        else:
-            request.spec_backoff = min(max(1, 2 * request.spec_backoff), _MAX_SPEC_BACKOFF)
-            request.spec_skip = request.spec_backoff
+        request.draft_budget.observe(num_drafts, num_accepted)
 
     # ---- speculative decoding ------------------------------------------------------------
     def draft_requests(self, max_drafts: int) -> list[DraftRequest]:
@@ -276,11 +268,11 @@ class Scheduler:
         for r in self.running:
             if r.num_tokens - r.num_computed_tokens != 1:
                 continue
-            if r.spec_skip:
-                r.spec_skip -= 1
+            allowed = r.draft_budget.take(max_drafts)
+            if not allowed:  # sitting out after guesses that missed
                 r.draft_token_ids = []
                 continue
-            room = min(max_drafts, r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens - 1)
+            room = min(allowed, r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens - 1)
             if room >= 1:
                 batch.append(DraftRequest(r.request_id, r.all_token_ids, room))
         return batch

@@ -10,5 +10,6 @@ random: the same distribution).
 - `draft_model.py`: a small model of the same vocabulary, with its own paged KV cache.
 - `mtp.py`: the checkpoint's own multi-token-prediction layer (DeepSeek-V3), fed the target's hidden
   states every step (`Proposer.observe`), with its own paged KV cache; `mtp_loading.py` reads its weights.
+- `draft_budget.py`: how many guesses each request carries next step, from its last verification.
 - `stats.py`: vLLM's counters (drafts, draft tokens, accepted tokens, acceptance per position).
 """

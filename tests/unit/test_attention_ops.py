@@ -208,6 +208,41 @@ def test_reference_window_semantics():
         assert [j for j in range(total) if row[j]] == list(range(max(0, p - window + 1), p + 1))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, "int8"])
+def test_native_decode_row_is_the_same_bits_in_any_batch(threads, cache_dtype):
+    """A row's output does not depend on the other rows of its step: a speculative step's verification
+    rows (one sequence at lengths n .. n + k) and a batch of long contexts give each row the bits it gets
+    decoded alone, however the kernel cuts long contexts into ranges."""
+    if native.kernels() is None:
+        pytest.skip("native kernels unavailable on this machine")
+    from perfxlm.ops.kv_quant import quantize
+
+    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 300
+    k_cache, v_cache = _setup(num_blocks, block_size, num_kv_heads, head_dim, torch.float32, seed=4)
+    k_scale = v_scale = None
+    if cache_dtype == "int8":
+        (k_cache, k_scale), (v_cache, v_scale) = quantize(k_cache, torch.int8), quantize(v_cache, torch.int8)
+    else:
+        k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    # verification rows of one sequence, then other sequences: short, past one range, past several
+    seq_lens = [1203, 1204, 1205, 1206, 1207, 1208, 131, 7, 517, 2049]
+    tables, bt = _random_tables([1208, 131, 7, 517, 2049], block_size, num_blocks)
+    bt = torch.cat([bt[:1].expand(6, -1), bt[1:]])
+    q = torch.randn(len(seq_lens), num_heads, head_dim)
+    n = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        lens = torch.tensor(seq_lens)
+        batch = paged_decode_attention(q, k_cache, v_cache, bt, lens, 0.125, key_scale=k_scale, value_scale=v_scale)
+        for i in range(len(seq_lens)):
+            alone = paged_decode_attention(q[i : i + 1], k_cache, v_cache, bt[i : i + 1], lens[i : i + 1], 0.125,
+                                           key_scale=k_scale, value_scale=v_scale)
+            assert torch.equal(batch[i : i + 1], alone), (i, seq_lens[i])
+    finally:
+        torch.set_num_threads(n)
+
+
 def test_native_decode_rejects_bad_metadata():
     """Lengths past the block table and block ids past the cache fail with a message, as the torch path's
     indexing does, instead of reading out of bounds."""

@@ -192,3 +192,28 @@ def test_bench_serve_reads_acceptance_from_metrics():
     d = spec_decode_delta(before, after)
     assert d["num_draft_tokens"] == 40 and d["acceptance_rate"] == 0.75 and d["mean_acceptance_length"] == 4.0
     assert spec_decode_delta(None, None) is None and spec_decode_delta(after, after) is None
+
+
+def test_draft_budget_follows_the_last_verification():
+    """Two more guesses after a full acceptance, one past the accepted ones after a partial one; after a
+    miss, proposals sat out (1, 2, 4 ... 16), then one guess; always within what the engine asks."""
+    from perfxlm.spec_decode.draft_budget import MAX_BACKOFF, DraftBudget
+
+    b = DraftBudget()
+    assert b.take(5) == 5 and b.take(3) == 3  # nothing seen yet: what is asked
+    b.observe(5, 2)
+    assert b.take(5) == 3 and b.take(2) == 2
+    b.observe(3, 3)
+    assert b.take(7) == 5 and b.take(5) == 5
+    sat_out = []
+    for _ in range(7):
+        b.observe(1, 0)
+        n = 0
+        while b.take(5) == 0:
+            n += 1
+        sat_out.append(n)
+    assert sat_out == [1, 2, 4, 8, 16, 16, 16] and MAX_BACKOFF == 16
+    b.observe(1, 1)  # any acceptance ends the pauses and grows the guesses again
+    assert b.take(9) == 3
+    b.observe(3, 0)
+    assert b.take(9) == 0 and b.take(9) == 1
