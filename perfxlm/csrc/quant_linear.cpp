@@ -846,6 +846,16 @@ inline __m256 add_mins(__m256 acc, const QW& w, int64_t row_base, const float* g
     if constexpr (shifted) mv = _mm256_fmadd_ps(load_params8<HALF>(w.scales, row_base + g), _mm256_set1_ps(128.f), mv);
     acc = _mm256_fmadd_ps(mv, _mm256_loadu_ps(gsum + g), acc);
   }
+  if (g < w.groups && w.groups >= 8) {
+    // the last few groups as one more step over the row's last 8, the lanes already added multiplied by
+    // a zeroed activation sum (a scalar loop here was a tenth of a batch-1 row of 576 inputs)
+    const int64_t last = w.groups - 8;
+    const __m256i done = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(g - last)),
+                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256 mv = _mm256_mul_ps(load_params8<HALF>(w.mins, row_base + last), factor);
+    if constexpr (shifted) mv = _mm256_fmadd_ps(load_params8<HALF>(w.scales, row_base + last), _mm256_set1_ps(128.f), mv);
+    return _mm256_fmadd_ps(mv, _mm256_andnot_ps(_mm256_castsi256_ps(done), _mm256_loadu_ps(gsum + last)), acc);
+  }
   float tail = 0.f;
   for (; g < w.groups; ++g) {
     float m = param_at<HALF>(w.mins, row_base + g) * w.block_min_factor;
@@ -871,12 +881,21 @@ inline void prefetch_row(const QW& w, int64_t n) {
   }
 }
 
-// 32 fifth bits -> 32 bytes, byte p 16 where bit p is set (llama.cpp's bytes_from_bits_32, times 16).
-inline __m256i fifths_to_bytes(uint32_t bits) {
-  const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL);
+// A chunk's 64 fifth bits (the plane's 8 bytes: block A's 32 bits, then B's, each in element order) in
+// every 64-bit lane, one broadcast load, and one half's 32 code bytes from them: byte p takes the plane
+// byte `spread` names and becomes 16 where its bit p % 8 is set (llama.cpp's bytes_from_bits_32, times
+// 16). The lo half's codes are A 0-15 | B 0-15 (plane bytes 0 1 | 4 5), the hi half's A 16-31 | B 16-31
+// (2 3 | 6 7): the spread does chunk_fifths' reordering, so no scalar bit shuffling per chunk and row.
+inline __m256i chunk_fifth_bits(const uint8_t* row, const QW& w, int64_t c) {
+  int64_t f;
+  std::memcpy(&f, row + w.K / 2 + c * 8, sizeof(f));
+  return _mm256_set1_epi64x(f);
+}
+
+inline __m256i fifths_to_bytes(__m256i bits, __m256i spread) {
   const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
-  const __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), spread);
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(b, bit), bit), _mm256_set1_epi8(16));
+  const __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(bits, spread), bit);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(b, bit), _mm256_set1_epi8(16));
 }
 
 // One chunk of 4-bit (or 5-bit) codes as two halves of 32 bytes: lo nibbles [A 0-15, B 0-15], hi
@@ -888,9 +907,11 @@ inline void chunk_halves(const uint8_t* row, int64_t c, const QW& w, __m256i lut
   lo = _mm256_and_si256(b, nibble);
   hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
   if constexpr (FIVE) {
-    const uint64_t f = chunk_fifths(row, w, c);
-    lo = _mm256_or_si256(lo, fifths_to_bytes(static_cast<uint32_t>(f)));
-    hi = _mm256_or_si256(hi, fifths_to_bytes(static_cast<uint32_t>(f >> 32)));
+    const __m256i f = chunk_fifth_bits(row, w, c);
+    lo = _mm256_or_si256(lo, fifths_to_bytes(f, _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0404040404040404LL,
+                                                                     0x0505050505050505LL)));
+    hi = _mm256_or_si256(hi, fifths_to_bytes(f, _mm256_setr_epi64x(0x0202020202020202LL, 0x0303030303030303LL,
+                                                                     0x0606060606060606LL, 0x0707070707070707LL)));
   } else if (w.int_lut) {
     lo = _mm256_shuffle_epi8(lut, lo);
     hi = _mm256_shuffle_epi8(lut, hi);
@@ -1055,23 +1076,44 @@ inline void block_tile_m1x4(const BlockActs& a, int64_t m, const QW& w, int64_t 
   const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(w.ulut)));
   const FourRows r = four_rows(w, n0);
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t goff = chunk_group<SPC>(w, c);
+  // chunk c of the four rows, row j's weight scales spread over the lanes as scales(j) returns them
+  const auto chunk = [&](int64_t c, const auto& scales) {
     const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * 64));
     const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * 64 + 32));
-    const float* xs = lanes + c * 16;
-    const __m256 xv = _mm256_loadu_ps(xs);
+    const __m256 xv = _mm256_loadu_ps(lanes + c * 16);
     #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       __m256i lo, hi;
       chunk_halves<FIVE>(r.row[j], c, w, lut, lo, hi);
-      __m256 ws;
-      if constexpr (SPC == 1)
-        ws = _mm256_set1_ps(param_at<HALF>(w.scales, r.base[j] + goff));
-      else
-        ws = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(load_params_lo<HALF, 2>(w.scales, r.base[j] + goff)), lo_idx);
-      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_pairs(lo, x0, hi, x1)), _mm256_mul_ps(ws, xv), acc[j]);
+      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_pairs(lo, x0, hi, x1)), _mm256_mul_ps(scales(j), xv), acc[j]);
     }
+  };
+  int64_t c = 0;
+  if constexpr (SPC == 2 && HALF) {
+    // Four chunks' 8 float16 scales per row in one load and conversion, each chunk's pair spread by one
+    // permute (a load, a conversion and a permute per chunk and row before): the same floats, the same
+    // bits. Float32 scales (GGUF K-quants multiplied out) keep their load and permute per chunk: no
+    // conversion to save, and the four-chunk form measured slower there.
+    for (; c + 4 <= chunks; c += 4) {
+      __m256 s8[4];
+      #pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) s8[j] = load_params8<HALF>(w.scales, r.base[j] + 2 * c);
+      #pragma GCC unroll 4
+      for (int q = 0; q < 4; ++q) {
+        const __m256i idx = _mm256_setr_epi32(2 * q, 2 * q, 2 * q, 2 * q, 2 * q + 1, 2 * q + 1, 2 * q + 1, 2 * q + 1);
+        chunk(c + q, [&](int j) { return _mm256_permutevar8x32_ps(s8[j], idx); });
+      }
+    }
+  }
+  for (; c < chunks; ++c) {
+    const int64_t goff = chunk_group<SPC>(w, c);
+    chunk(c, [&](int j) {
+      if constexpr (SPC == 1)
+        return _mm256_set1_ps(param_at<HALF>(w.scales, r.base[j] + goff));
+      else
+        return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(load_params_lo<HALF, 2>(w.scales, r.base[j] + goff)),
+                                        lo_idx);
+    });
   }
   store_four<BITS4, HALF>(acc, r, a, m, w, n0, y, bias);
 }

@@ -184,7 +184,10 @@ def test_int8_block_activations_match_reference(bits, n, k, group, half, lut, ro
 @pytest.mark.parametrize("bits,n,k,group,half,lut", [(4, 13, 192, 32, True, False), (4, 9, 128, 64, False, False),
                                                      (5, 13, 192, 32, True, False), (5, 9, 128, 64, False, False),
                                                      (8, 10, 128, 32, True, False), (8, 11, 192, 64, False, False),
-                                                     (8, 7, 128, 16, False, False)])
+                                                     (8, 7, 128, 16, False, False),
+                                                     # 18 groups per row: the mins' last step over 8 groups
+                                                     (4, 13, 576, 32, True, False), (5, 13, 576, 32, False, False),
+                                                     (8, 13, 576, 32, True, False)])
 def test_int8_block_rows_alone_equal_rows_together_and_the_4bit_row_limit(bits, n, k, group, half, lut):
     """Batch-1 decode runs four weight rows at once against one activation row (AVX2), more rows run
     tiles of activation rows: a token's result is the same bits either way. `block_max_rows` lets 4-bit codes
