@@ -140,13 +140,17 @@ def _layer_matrix(module: Any, stored: torch.dtype | None = None) -> Any:
 def _linear(module: Any, name: str, stored: torch.dtype | None = None) -> LinearWeight:
     bias = None if module.bias is None else _array(module.bias)
     weight = _layer_matrix(module, stored)
+    _check_weight_only(weight, name)
+    method = getattr(getattr(module, "method", None), "name", None) if isinstance(weight, QuantizedWeight) else None
+    return LinearWeight(weight, bias, name, method)
+
+
+def _check_weight_only(weight: Any, name: str) -> None:
     if isinstance(weight, QuantizedWeight) and weight.act != "float":
         # W8A8 rounds activations at run time; a graph of weight-only products would not be that model
         raise ValueError(f"ONNX export: {name} is {weight.describe()}, whose int8 activations the exporter "
                          "cannot express; export the float checkpoint, or quantize with int4 / int8 "
                          "(weight-only).")
-    method = getattr(getattr(module, "method", None), "name", None) if isinstance(weight, QuantizedWeight) else None
-    return LinearWeight(weight, bias, name, method)
 
 
 def _method_name(method: Any, weight: Any) -> str | None:
@@ -326,8 +330,9 @@ class _Writer:
         def expert(which: str, index: int) -> LinearWeight:
             stack = e.gate_up_proj if which == "gate_up" else e.down_proj
             bias = e.gate_up_proj_bias if which == "gate_up" else e.down_proj_bias
-            return LinearWeight(_matrix(stack[index], stored), None if bias is None else _array(bias[index]),
-                                f"{name}.{index}.{which}_proj")
+            weight = _matrix(stack[index], stored)
+            _check_weight_only(weight, f"{name}.{which}_proj")
+            return LinearWeight(weight, None if bias is None else _array(bias[index]), f"{name}.{index}.{which}_proj")
 
         return Experts(e.num_experts, e.down_proj.shape[-2], e.intermediate_size, e.act, expert,
                        _matrix(e.gate_up_proj, stored), _matrix(e.down_proj, stored),

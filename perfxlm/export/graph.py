@@ -30,6 +30,7 @@ class Graph:
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
         self.domains: set[str] = set()
+        self.versions: dict[str, int] = {}  # a custom domain's op-set version where it is not 1
         self._counts: dict[str, int] = {}
         self._consts: dict[tuple, str] = {}  # small constants shared by value
         self.metadata: dict[str, str] = {}  # the model's metadata_props: what a runtime reads beside the nodes
@@ -103,7 +104,8 @@ class Graph:
                 tensors.append(_external(name, array.shape, elem or helper.np_dtype_to_tensor_dtype(array.dtype),
                                          data, [array], location))
         graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, tensors)
-        opsets = [helper.make_opsetid("", OPSET)] + [helper.make_opsetid(d, 1) for d in sorted(self.domains)]
+        opsets = [helper.make_opsetid("", OPSET)] + [helper.make_opsetid(d, self.versions.get(d, 1))
+                                                         for d in sorted(self.domains)]
         model = helper.make_model(graph, opset_imports=opsets, producer_name="perfxlm")
         model.ir_version = 8  # readable by every ONNX Runtime since 1.10
         if self.metadata:

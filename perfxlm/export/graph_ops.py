@@ -1,5 +1,7 @@
-"""The `GraphOps` seam: the few ops a Llama-shaped decoder layer is made of, each flavor emitting them its
-own way. `decoder.py` writes a layer once against this interface.
+"""The `GraphOps` seam: the few ops a decoder layer is made of (norms, rotary, attention over a past with
+its window, soft cap and sinks, linear of each weight format, gated activations; a mixture of experts and
+latent attention from `graph_moe.py` / `graph_mla.py`), each flavor emitting them its own way. `decoder.py`
+writes every family once against this interface.
 
 Values are graph value names. Hidden states are [batch, seq, features]; a projection's heads stay
 folded in the feature axis ([batch, seq, heads * head_dim]) between ops, as ONNX Runtime's contrib

@@ -24,7 +24,8 @@ Ops (attributes in brackets):
         [max_position, rotary_dim], the channels past rotary_dim passed through  [num_heads, head_dim]
     PagedAttention(qkv, key_cache, value_cache, block_tables, seq_lens, query_start_loc, slot_mapping):
         writes each token's k, v at its slot, then causal attention of each sequence's queries over its
-        cached + new keys  [num_heads, num_kv_heads, head_dim, scale, sliding_window (0: none)]
+        cached + new keys  [num_heads, num_kv_heads, head_dim, scale, sliding_window (0: none),
+        logit_soft_cap (op-set version 2; absent: none)]
     SiluAndMul(x), GeluAndMul(x) [approximate]: [.., 2d] (gate | up) -> [.., d]
     MoE(x, router_logits, gate_up [E, 2I, H], down [E, H, I], gate_up's scales?, mins?, levels?, down's
         scales?, mins?, levels?): softmax top-k routing (weights renormalised if asked), each token through its
@@ -56,7 +57,7 @@ from perfxlm.export.graph import Graph
 from perfxlm.export.graph_moe import Experts, Routing
 from perfxlm.export.graph_ops import AttentionSpec, GraphOps, HeadNorms, LinearWeight, Rope
 from perfxlm.export.lora_record import LORA_KEY, lora_record
-from perfxlm.export.manifest import PERFXLM_DOMAIN
+from perfxlm.export.manifest import PERFXLM_DOMAIN, SOFT_CAP_OPSET
 from perfxlm.quant.weight import QuantizedWeight
 
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16")
@@ -100,7 +101,7 @@ class PerfxlmOps(GraphOps):
     # (soft-capped attention, sinks, LayerNorm, learned positions, latent attention, grouped routing) is
     # refused by name
     features = frozenset({"moe", "shared_expert", "embedding_scale", "post_norms", "rope_per_layer",
-                          "logit_soft_cap"})
+                          "logit_soft_cap", "attention_soft_cap"})
     why_not = "the engine's graph ops have no kernel for it yet"
 
     # the engine's own choice for the model on this CPU (export/engine_choices.py), so the folder runs as
@@ -229,10 +230,14 @@ class PerfxlmOps(GraphOps):
                                                            g.weight(f"{rope.key}.sin", rope.sin)))
         qkv = self._op("Rotary", [qkv, s.positions, cos, sin], num_heads=h + kvh, head_dim=d,
                        name=f"{name}.rotary")
+        capped = {}
+        if spec.soft_cap is not None:  # Gemma 2 (op-set version 2: an engine running 1 refuses the graph)
+            capped = {"logit_soft_cap": spec.soft_cap}
+            g.versions[PERFXLM_DOMAIN] = max(g.versions.get(PERFXLM_DOMAIN, 1), SOFT_CAP_OPSET)
         return self._op("PagedAttention", [qkv, cache[0], cache[1], s.block_tables, s.seq_lens, s.query_start_loc,
                                            s.slot_mapping],
                         num_heads=h, num_kv_heads=kvh, head_dim=d, scale=spec.scale,
-                        sliding_window=spec.sliding_window or 0, name=f"{name}.attn")
+                        sliding_window=spec.sliding_window or 0, name=f"{name}.attn", **capped)
 
     def scaled(self, x: str, factor: float) -> str:
         return self._op("Scale", [x], factor=factor, name="embed_scale")

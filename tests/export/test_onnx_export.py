@@ -141,7 +141,7 @@ def test_gguf_export_matches_the_engine(tmp_path, llama96, qtype):
 
 # every decoder family exports in the ort and standard flavors (test_onnx_export_families.py); the perfxlm
 # flavor refuses those its ops cannot express
-@pytest.mark.parametrize("case", ["opt-pre-ln", "gemma2-softcap-local-global"])
+@pytest.mark.parametrize("case", ["opt-pre-ln", "opt-post-ln-projected"])
 def test_unsupported_family_is_named_and_nothing_is_written(tmp_path, case):
     build_checkpoint(str(tmp_path / "ckpt"), case)
     out = tmp_path / "onnx"

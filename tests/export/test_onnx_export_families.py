@@ -85,7 +85,6 @@ def test_ort_flavor_matches_transformers(tmp_path, case, changes):
 
 # (case, config changes, flavor): what each flavor cannot write is named, with the flavors that can
 REFUSED = [
-    ("gemma2-softcap-local-global", {}, "perfxlm", "soft-capped attention scores"),
     ("opt-pre-ln", {}, "perfxlm", "learned absolute position embeddings"),
     ("gptoss-sinks-alternating", {}, "perfxlm", "attention sinks"),
     ("deepseekv3-noaux-grouped", {}, "perfxlm", "multi-head latent attention"),

@@ -27,10 +27,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=
 PROMPTS = [[5], list(range(7, 16)), list(range(40, 77))]  # 1, 9, 37 tokens: chunked at 24, past the windows
 FAMILIES = ["llama", "llama-gelu", "qwen2-bias-tied-sliding", "qwen3-qknorm-headdim-bias", "mistral-sliding-mqa",
             "phi3-longrope-partial-sliding", "mixtral-sliding", "qwen2moe-shared-dense-layer",
-            "qwen3moe-normtopk-sparse-step", "glm-partial-interleaved", "gemma3-softcaps-untied", "glm4-post-norms"]
+            "qwen3moe-normtopk-sparse-step", "glm-partial-interleaved", "gemma3-softcaps-untied", "glm4-post-norms",
+            "gemma2-softcap-local-global"]
 # a mixture keeps its MoE nodes; post-sublayer norms are not the fused decode layer's Llama wiring
 NOT_FUSED = ("mixtral-sliding", "qwen2moe-shared-dense-layer", "qwen3moe-normtopk-sparse-step",
-             "gemma3-softcaps-untied", "glm4-post-norms")
+             "gemma3-softcaps-untied", "glm4-post-norms", "gemma2-softcap-local-global")
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -241,9 +242,9 @@ def test_unknown_op_and_op_set_version_are_refused_by_name(exported, tmp_path):
         LLM(_edited(exported, tmp_path / "op", rename), skip_tokenizer_init=True, num_kv_blocks=16)
 
     def version(model):
-        next(o for o in model.opset_import if o.domain == "perfxlm").version = 2
+        next(o for o in model.opset_import if o.domain == "perfxlm").version = 3
 
-    with pytest.raises(ValueError, match="perfxlm op set at version 2; this engine runs version 1"):
+    with pytest.raises(ValueError, match="perfxlm op set at version 3; this engine runs versions 1 to 2"):
         LLM(_edited(exported, tmp_path / "v2", version), skip_tokenizer_init=True, num_kv_blocks=16)
 
     def attribute(model):

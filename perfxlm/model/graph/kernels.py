@@ -202,7 +202,7 @@ class PagedAttention(Kernel):
         super().__init__()
         window = attrs.get("sliding_window", 0)
         self.attn = Attention(attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"], attrs["scale"],
-                              sliding_window=window or None)
+                              sliding_window=window or None, logit_soft_cap=attrs.get("logit_soft_cap"))
 
     def forward(self, qkv: torch.Tensor) -> torch.Tensor:
         a = self.attn

@@ -188,10 +188,10 @@ def _cast_float_matrices(nodes: Any, weights: dict[str, torch.Tensor], dtype: to
 
 def _check_opsets(proto: onnx.ModelProto, path: str) -> None:
     versions = {o.domain: o.version for o in proto.opset_import}
-    if versions.get(PERFXLM_DOMAIN) != PERFXLM_OPSET:
+    if versions.get(PERFXLM_DOMAIN) not in range(1, PERFXLM_OPSET + 1):  # each version runs its predecessors' graphs
         raise ValueError(f"{path}: the graph imports the {PERFXLM_DOMAIN} op set at version "
-                         f"{versions.get(PERFXLM_DOMAIN)!r}; this engine runs version {PERFXLM_OPSET} (export the "
-                         "model again with this version of perfxlm).")
+                         f"{versions.get(PERFXLM_DOMAIN)!r}; this engine runs versions 1 to {PERFXLM_OPSET} (export "
+                         "the model again with this version of perfxlm).")
 
 
 def _head_split(nodes: list[onnx.NodeProto], path: str) -> int:
