@@ -60,3 +60,15 @@ def test_bert_gguf_writer_gives_llama_cpp_the_same_encoder(tmp_path):
     ours, ref = np.array(llm.embed(texts, normalize=True)), st.encode(texts)
     cos = (ours * ref).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(ref, axis=1)
     assert cos.min() >= 0.9999, cos
+    # the benchmark's own loop on token ids: longest first, packed 16 tokens a pass (12, then 8 + 6),
+    # each embedding back in its text's row
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("embed_throughput", os.path.join(
+        os.path.dirname(__file__), "..", "..", "benchmarks", "embed_throughput.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    ids = st.tokenizer(texts)["input_ids"]
+    got, wall, cpu = bench.llamacpp_embed(path, ids, 1, 16, False)
+    assert wall > 0 and cpu > 0 and sorted(len(t) for t in ids) == [6, 8, 12]
+    np.testing.assert_allclose(got / np.linalg.norm(got, axis=1, keepdims=True), ours, rtol=0, atol=1e-5)
