@@ -1,10 +1,12 @@
-"""Many-row products of quantized weights: the int8 GEMM (csrc/quant_gemm.cpp) against the path it
-replaces (activations rounded to int8 blocks, weights dequantized in slabs for torch's float32 GEMM), and
+"""Many-row products of quantized weights: the int8 GEMM (csrc/quant_gemm.cpp) against the paths it
+replaces (activations rounded to int8 blocks, weights dequantized in slabs for torch's float32 GEMM; and
+at 16-128 rows, parallel decode's, the block GEMV of csrc/quant_linear.cpp), and
 torch's own int8 GEMM (`_int_mm`, oneDNN) on plain int8 matrices of the same shape, which has no per-block
 scales and so only bounds what an integer GEMM can do here. The default model's and a Llama-3.2-1B's
 projections, Q4_0 and Q8_0 codes (fp16 scales per 32, centred), the paths alternating call by call.
 
     python benchmarks/quant_gemm.py --rows 512 --threads 2 --rounds 5
+    PERFXLM_ISA=avx2 python benchmarks/quant_gemm.py --rows 16,32,64,128 --shapes "135M qkv,135M gate_up,135M down"
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def main() -> None:
     top = int(ops.quant_block_gemm_max_code())
     print(f"isa={ops.compiled_isa()} threads={args.threads} rounds={args.rounds} (medians, ms)")
     for rows in (int(r) for r in args.rows.split(",")):
-        for bits in (4, 8) if top >= 255 else (4,):  # AVX2 without AVX-VNNI: 8-bit codes keep the float32 path
+        for bits in (4, 8) if top >= 255 else (4,):
             for name in args.shapes.split(","):
                 n, k = SHAPES[name]
                 codes, scales = centred_weight(n, k, bits)
@@ -64,6 +66,7 @@ def main() -> None:
                 paths = {  # max_rows 0: past the GEMV, the int8 blocks dequantized for the float32 GEMM
                     "float32": lambda: ops.linear_q(x, codes, scales, None, None, None, False, 0, False, True, 0),
                     "int8 gemm": lambda: ops.quant_block_gemm(x, codes, scales, None, None, None),
+                    "gemv": lambda: ops.linear_q(x, codes, scales, None, None, None, False, rows, False, True, rows),
                     "_int_mm": lambda: torch._int_mm(xq, wq.t()),
                 }
                 times: dict[str, list[float]] = {p: [] for p in paths}
@@ -74,7 +77,8 @@ def main() -> None:
                         times[p].append(timed(fn))
                 med = {p: statistics.median(t) * 1e3 for p, t in times.items()}
                 print(f"Q{bits}_0 {name:13s} rows={rows:4d}  float32 {med['float32']:8.2f}  int8 gemm "
-                      f"{med['int8 gemm']:8.2f} ({med['float32'] / med['int8 gemm']:4.2f}x)  _int_mm {med['_int_mm']:8.2f}",
+                      f"{med['int8 gemm']:8.2f} ({med['float32'] / med['int8 gemm']:4.2f}x)  block gemv {med['gemv']:8.2f} "
+                      f"({med['gemv'] / med['int8 gemm']:4.2f}x)  _int_mm {med['_int_mm']:8.2f}",
                       flush=True)
 
 

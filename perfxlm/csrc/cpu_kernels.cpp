@@ -391,13 +391,14 @@ void rotary_embedding(at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 // act_int8 (0-dim)], see
 // perfxlm/model/fused_decode.py; a plain one as [w].
 at::Tensor project(const at::Tensor& x, at::TensorList parts, int64_t n_out, const c10::optional<at::Tensor>& bias,
-                   int64_t max_rows, bool bf16_gemm, bool int8_blocks, int64_t quant_max_rows, int64_t quant_block_max_rows) {
+                   int64_t max_rows, bool bf16_gemm, bool int8_blocks, int64_t quant_max_rows, int64_t quant_block_max_rows,
+                   int64_t gemm_rows) {
   if (parts.size() == 5) {
     const c10::optional<at::Tensor> levels = parts[3].numel() ? c10::optional<at::Tensor>(parts[3]) : c10::nullopt;
     const c10::optional<at::Tensor> mins = parts[2].numel() ? c10::optional<at::Tensor>(parts[2]) : c10::nullopt;
     return perfxlm_quant::linear_q(x, parts[0], parts[1], mins, levels, bias, *parts[4].const_data_ptr<bool>(),
                                    quant_max_rows >= 0 ? quant_max_rows : max_rows, bf16_gemm, int8_blocks,
-                                   quant_block_max_rows);
+                                   quant_block_max_rows, gemm_rows);
   }
   TORCH_CHECK(parts.size() == 1, "decode_layer: a weight is [w] or [codes, scales, mins, levels, act_int8]");
   const at::Tensor& w = parts[0];
@@ -452,7 +453,7 @@ std::vector<at::Tensor> decode_attention(
     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
     int64_t sliding_window, double soft_cap, int64_t max_rows, bool bf16_gemm, at::TensorList lora,
     const c10::optional<at::Tensor>& key_scale, const c10::optional<at::Tensor>& value_scale, bool int8_blocks,
-    int64_t quant_max_rows, int64_t quant_block_max_rows, const c10::optional<at::Tensor>& sinks) {
+    int64_t quant_max_rows, int64_t quant_block_max_rows, const c10::optional<at::Tensor>& sinks, int64_t gemm_rows) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x must be contiguous float32 [T, hidden]");
   const int64_t T = x.size(0), hidden = x.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
@@ -466,7 +467,7 @@ std::vector<at::Tensor> decode_attention(
     fused_add_rms_norm(x, residual, in_norm, eps);
     h = x;
   }
-  at::Tensor qkv = project(h, w_qkv, q_size + 2 * kv_size, b_qkv, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);  // [T, q | k | v]
+  at::Tensor qkv = project(h, w_qkv, q_size + 2 * kv_size, b_qkv, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows, gemm_rows);  // [T, q | k | v]
   perfxlm_lora::add(qkv, h, lora, 0);
   const int64_t row = qkv.stride(0);
   float* qkv_p = qkv.data_ptr<float>();
@@ -485,7 +486,7 @@ std::vector<at::Tensor> decode_attention(
   at::Tensor attn = perfxlm_attn::paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale,
                                                          sliding_window, soft_cap, key_scale, value_scale, sinks);
   const at::Tensor attn_rows = attn.view({T, q_size});
-  at::Tensor o = project(attn_rows, w_o, hidden, b_o, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);
+  at::Tensor o = project(attn_rows, w_o, hidden, b_o, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows, gemm_rows);
   perfxlm_lora::add(o, attn_rows, lora, 1);
   return {o, sandwich ? x : residual};
 }
@@ -499,7 +500,7 @@ std::vector<at::Tensor> decode_mlp(
     const c10::optional<at::Tensor>& pre_ff_norm, double eps, at::TensorList w_gate_up,
     const c10::optional<at::Tensor>& b_gate_up, at::TensorList w_down, const c10::optional<at::Tensor>& b_down,
     int64_t intermediate, int64_t activation, int64_t max_rows, bool bf16_gemm, at::TensorList lora,
-    bool int8_blocks, int64_t quant_max_rows, int64_t quant_block_max_rows) {
+    bool int8_blocks, int64_t quant_max_rows, int64_t quant_block_max_rows, int64_t gemm_rows) {
   const int64_t hidden = o.size(1);
   at::Tensor h;
   if (sandwich) {
@@ -513,10 +514,10 @@ std::vector<at::Tensor> decode_mlp(
     TORCH_CHECK(!sandwich, "decode_layer: a layer without its MLP must be pre-norm (no sandwich norms)");
     return {h, stream};
   }
-  at::Tensor gate_up = project(h, w_gate_up, 2 * intermediate, b_gate_up, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);
+  at::Tensor gate_up = project(h, w_gate_up, 2 * intermediate, b_gate_up, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows, gemm_rows);
   perfxlm_lora::add(gate_up, h, lora, 2);
   const at::Tensor act = mlp_activation(gate_up, intermediate, activation);
-  at::Tensor out = project(act, w_down, hidden, b_down, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);
+  at::Tensor out = project(act, w_down, hidden, b_down, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows, gemm_rows);
   perfxlm_lora::add(out, act, lora, 3);
   return {out, stream};
 }
@@ -533,16 +534,16 @@ std::vector<at::Tensor> decode_layer(
     const at::Tensor& seq_lens, double scale, int64_t sliding_window, double soft_cap, int64_t max_rows,
     bool bf16_gemm, at::TensorList lora, const c10::optional<at::Tensor>& key_scale, const c10::optional<at::Tensor>& value_scale,
     bool int8_blocks, int64_t quant_max_rows, int64_t quant_block_max_rows,
-    const c10::optional<at::Tensor>& sinks) {
+    const c10::optional<at::Tensor>& sinks, int64_t gemm_rows) {
   const bool sandwich = pre_ff_norm.has_value() && pre_ff_norm->defined();
   const std::vector<at::Tensor> a = decode_attention(
       x, residual, first, sandwich, in_norm, eps, q_norm, k_norm, head_eps, w_qkv, b_qkv, w_o, b_o, num_heads,
       num_kv_heads, head_dim, cos, sin, key_cache, value_cache, slot_mapping, block_tables, seq_lens, scale,
       sliding_window, soft_cap, max_rows, bf16_gemm, lora, key_scale, value_scale, int8_blocks, quant_max_rows,
-      quant_block_max_rows, sinks);
+      quant_block_max_rows, sinks, gemm_rows);
   std::vector<at::Tensor> m = decode_mlp(a[0], a[1], sandwich, post_norm, pre_ff_norm, eps, w_gate_up, b_gate_up,
                                          w_down, b_down, intermediate, activation, max_rows, bf16_gemm, lora,
-                                         int8_blocks, quant_max_rows, quant_block_max_rows);
+                                         int8_blocks, quant_max_rows, quant_block_max_rows, gemm_rows);
   if (sandwich) {
     const at::Tensor out = m[1] + rms_norm(m[0], *post_ff_norm, eps);
     return {out, out};
@@ -559,7 +560,8 @@ namespace perfxlm_fused {
 at::Tensor project(const at::Tensor& x, at::TensorList parts, int64_t n_out, const c10::optional<at::Tensor>& bias,
                    int64_t max_rows, bool bf16_gemm, bool int8_blocks, int64_t quant_max_rows,
                    int64_t quant_block_max_rows) {
-  return ::project(x, parts, n_out, bias, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);
+  // experts stay on the block GEMV / float paths (gemm_rows -1): their row groups are small
+  return ::project(x, parts, n_out, bias, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows, -1);
 }
 
 at::Tensor mlp_activation(const at::Tensor& gate_up, int64_t inter, int64_t activation) {
@@ -583,20 +585,20 @@ TORCH_LIBRARY(perfxlm, m) {
       "Tensor? b_down, int num_heads, int num_kv_heads, int head_dim, int intermediate, int activation, "
       "Tensor cos, Tensor sin, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, "
       "Tensor block_tables, Tensor seq_lens, float scale, int sliding_window, float soft_cap, int max_rows, "
-      "bool bf16_gemm, Tensor[] lora, Tensor(e!)? key_scale=None, Tensor(f!)? value_scale=None, bool int8_blocks=False, int quant_max_rows=-1, int quant_block_max_rows=-1, Tensor? sinks=None) -> Tensor[]");
+      "bool bf16_gemm, Tensor[] lora, Tensor(e!)? key_scale=None, Tensor(f!)? value_scale=None, bool int8_blocks=False, int quant_max_rows=-1, int quant_block_max_rows=-1, Tensor? sinks=None, int gemm_rows=-1) -> Tensor[]");
   m.def(
       "decode_attention(Tensor(a!) x, Tensor(b!) residual, bool first, bool sandwich, Tensor in_norm, float eps, "
       "Tensor? q_norm, Tensor? k_norm, float head_eps, Tensor[] w_qkv, Tensor? b_qkv, Tensor[] w_o, Tensor? b_o, "
       "int num_heads, int num_kv_heads, int head_dim, Tensor cos, Tensor sin, Tensor(c!) key_cache, "
       "Tensor(d!) value_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale, "
       "int sliding_window, float soft_cap, int max_rows, bool bf16_gemm, Tensor[] lora, Tensor(e!)? key_scale, "
-      "Tensor(f!)? value_scale, bool int8_blocks, int quant_max_rows, int quant_block_max_rows, Tensor? sinks) "
-      "-> Tensor[]");
+      "Tensor(f!)? value_scale, bool int8_blocks, int quant_max_rows, int quant_block_max_rows, Tensor? sinks, "
+      "int gemm_rows=-1) -> Tensor[]");
   m.def(
       "decode_mlp(Tensor(a!) o, Tensor(b!) stream, bool sandwich, Tensor post_norm, Tensor? pre_ff_norm, float eps, "
       "Tensor[] w_gate_up, Tensor? b_gate_up, Tensor[] w_down, Tensor? b_down, int intermediate, int activation, "
       "int max_rows, bool bf16_gemm, Tensor[] lora, bool int8_blocks, int quant_max_rows, "
-      "int quant_block_max_rows) -> Tensor[]");
+      "int quant_block_max_rows, int gemm_rows=-1) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(perfxlm, CPU, m) {

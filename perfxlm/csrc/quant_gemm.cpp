@@ -1,6 +1,6 @@
 // Many-row products of quantized weights as an int8 GEMM (prefill, large batches): y = x W^T (+ b) with W
 // in perfxlm.quant.QuantizedWeight's form (codes, scales, mins, levels; see quant_linear.h) and x rounded to
-// int8 per block of 32 inputs (the block GEMV's rounding, quant_linear.cpp's quantize_block: the same bytes).
+// int8 per block of 32 inputs (the block GEMV's rounding, act_blocks.h, shared with quant_linear.cpp: the same bytes).
 //
 // Why a GEMM and not the block GEMV at many rows: the GEMV dots one row of x with one row of W along K
 // (64 products per vpdpbusd, then a convert, a multiply and an FMA per 64 to apply the two block scales,
@@ -24,8 +24,10 @@
 //
 // AVX2 builds run the same scheme on ymm (8 columns per register, 4-row tiles: 16 registers hold the int32
 // sums, the float32 ones stay in L1), with vpdpbusd on ymm where the CPU has AVX-VNNI, else vpmaddubsw +
-// vpmaddwd (llama.cpp's AVX2 dot), whose int16 pair sums limit the codes to 128: 8-bit codes keep the
-// float32 path there. The scalar build has no GEMM (quant_block_gemm_max_code() is 0).
+// vpmaddwd (llama.cpp's AVX2 dot), whose int16 pair sums limit unsigned codes to 128: 8-bit codes are
+// repacked signed there and multiplied with llama.cpp's vpsignb trick (see PERFXLM_QGEMM_SIGNED8: correct,
+// but no faster than the float32 GEMM, so the layers do not pick it), and a level table must span at most
+// 128. The scalar build has no GEMM (quant_block_gemm_max_code() is 0).
 //
 // The plain-torch reference is perfxlm.quant.reference on fake-quantized activations.
 
@@ -39,6 +41,9 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "act_blocks.h"
+#include "quant_gemm.h"
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PERFXLM_QGEMM_ZMM 1  // 16 columns per register, vpdpbusd
@@ -58,15 +63,24 @@ namespace {
 constexpr int kLanes = 16;      // output columns per register (int32 lanes of a zmm)
 constexpr int kRowTile = 6;     // rows per register tile: 12 int32 + 12 float32 accumulators of 32
 constexpr int kMaxCode = 255;   // vpdpbusd takes any unsigned byte
+constexpr int kMaxTableCode = 255;
 #else
 constexpr int kLanes = 8;       // a ymm's int32 lanes
 constexpr int kRowTile = 4;     // 8 int32 accumulators of 16 ymm; the float32 ones live in L1
-#ifdef __AVXVNNI__
-constexpr int kMaxCode = 255;
-#else
+#ifndef __AVXVNNI__
 // vpmaddubsw saturates its int16 pair sums: codes up to 128 (x 127 x 2 = 32512) cannot reach it, 8-bit
-// codes can, so those keep the float32 path on this build (quant_block_gemm_max_code() says 128)
+// codes can. Those are repacked signed (u - 128) and multiplied as |c| x sign(x, c) (llama.cpp's
+// vpsignb trick: |c| <= 128 fits the unsigned operand, and 2 x 128 x 127 the pair sums); the 128 x sum q
+// taken off comes back in the accumulator's start. That is 4 instructions per 32 products, a float32
+// FMA's rate: measured slower than the float32 GEMM on dequantized slabs (one thread's CPU time, the
+// default model's projections, 64-128 rows: 0.7-0.85x), so kMaxCode tells the layers 128 and they keep
+// 8-bit codes off this GEMM; the op still takes them (tested), for a faster kernel to build on.
+#define PERFXLM_QGEMM_SIGNED8 1
 constexpr int kMaxCode = 128;
+constexpr int kMaxTableCode = 128;  // a level table's codes stay unsigned: vpmaddubsw's limit
+#else
+constexpr int kMaxCode = 255;
+constexpr int kMaxTableCode = 255;
 #endif
 #endif
 constexpr int kPanels = 2;      // panels per task: 32 (zmm) or 16 (ymm) columns
@@ -83,6 +97,7 @@ struct Weight {
   int centre;               // integer subtracted from each unsigned byte code (8, 16, 128; a table's offset)
   bool lut;
   uint8_t ulut[16];         // a level table as unsigned bytes: levels[u] + centre
+  int shift;                // 128 where the panels hold 8-bit codes signed (u - 128), else 0
 };
 
 inline float param(const Weight& w, const void* p, int64_t i) {
@@ -94,7 +109,9 @@ inline float param(const Weight& w, const void* p, int64_t i) {
 inline void block_codes(const Weight& w, int64_t n, int64_t b, uint8_t* out) {
   const uint8_t* row = w.codes + n * w.row_bytes;
   if (w.bits == 8) {
-    std::memcpy(out, row + b * 32, 32);
+    const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                        w.shift ? _mm256_xor_si256(u, _mm256_set1_epi8(static_cast<char>(0x80))) : u);
     return;
   }
   const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
@@ -129,23 +146,74 @@ inline void block_codes(const Weight& w, int64_t n, int64_t b, uint8_t* out) {
 struct Panels {
   std::vector<uint8_t> codes;
   std::vector<float> scales, mins;
+  bool signed8 = false;  // codes stored as u - 128 (Weight::shift)
 };
 
+// The 32 codes of block b of row n as one register of bytes (block_codes' values): 4- and 8-bit codes in
+// registers, 5-bit ones through block_codes.
+inline __m256i block_register(const Weight& w, int64_t n, int64_t b) {
+  const uint8_t* row = w.codes + n * w.row_bytes;
+  if (w.bits == 8) {
+    const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32));
+    return w.shift ? _mm256_xor_si256(u, _mm256_set1_epi8(static_cast<char>(0x80))) : u;
+  }
+  if (w.bits == 4) {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    __m256i u = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(packed, mask)),
+                                        _mm_and_si128(_mm_srli_epi16(packed, 4), mask), 1);
+    if (w.lut) u = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.ulut))), u);
+    return u;
+  }
+  alignas(32) uint8_t u[32];
+  block_codes(w, n, b, u);
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(u));
+}
+
+// r[i]: row i's 8 groups of 4 bytes -> r[q]: group q of the 8 rows (an 8 x 8 transpose of 32-bit lanes).
+inline void transpose8x8(__m256i (&r)[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int h = 0; h < 8; h += 4) {
+    u[h] = _mm256_unpacklo_epi64(t[h], t[h + 2]);
+    u[h + 1] = _mm256_unpackhi_epi64(t[h], t[h + 2]);
+    u[h + 2] = _mm256_unpacklo_epi64(t[h + 1], t[h + 3]);
+    u[h + 3] = _mm256_unpackhi_epi64(t[h + 1], t[h + 3]);
+  }
+  for (int q = 0; q < 4; ++q) {
+    r[q] = _mm256_permute2x128_si256(u[q], u[q + 4], 0x20);
+    r[q + 4] = _mm256_permute2x128_si256(u[q], u[q + 4], 0x31);
+  }
+}
+
+// The task's panels, 8 columns at a time: each block's 8 x 32 codes loaded as 8 registers and transposed
+// into [q][8 columns][4] (one pass of loads, shuffles and stores; the column-by-column copy it replaces
+// cost as much as the products at 16 rows, where parallel decode runs).
 void repack(const Weight& w, int64_t n0, Panels& p) {
   const int64_t blocks = w.K / 32;
-  p.codes.assign(static_cast<size_t>(w.K * kCols), 0);
+  p.codes.resize(static_cast<size_t>(w.K * kCols));
   p.scales.assign(static_cast<size_t>(blocks * kCols), 0.f);
   p.mins.assign(static_cast<size_t>(blocks * kCols), 0.f);
-  alignas(32) uint8_t u[32];
-  for (int c = 0; c < kCols && n0 + c < w.N; ++c) {
-    const int64_t n = n0 + c;
+  p.signed8 = w.shift != 0;
+  for (int c0 = 0; c0 < kCols; c0 += 8) {
+    const int live = static_cast<int>(std::clamp<int64_t>(w.N - n0 - c0, 0, 8));  // columns past N stay 0
     for (int64_t b = 0; b < blocks; ++b) {
-      block_codes(w, n, b, u);
-      uint8_t* dst = p.codes.data() + (b * 8 * kCols + c) * 4;
-      for (int q = 0; q < 8; ++q) std::memcpy(dst + q * kCols * 4, u + 4 * q, 4);
-      const int64_t g = n * w.groups + (b * 32) / w.group;
-      p.scales[b * kCols + c] = param(w, w.scales, g);
-      if (w.mins) p.mins[b * kCols + c] = param(w, w.mins, g);
+      __m256i r[8];
+      for (int i = 0; i < 8; ++i) r[i] = i < live ? block_register(w, n0 + c0 + i, b) : _mm256_setzero_si256();
+      transpose8x8(r);
+      uint8_t* dst = p.codes.data() + (b * 8 * kCols + c0) * 4;
+      for (int q = 0; q < 8; ++q) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + q * kCols * 4), r[q]);
+    }
+    for (int i = 0; i < live; ++i) {
+      const int64_t n = n0 + c0 + i;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t g = n * w.groups + (b * 32) / w.group;
+        p.scales[b * kCols + c0 + i] = param(w, w.scales, g);
+        if (w.mins) p.mins[b * kCols + c0 + i] = param(w, w.mins, g);
+      }
     }
   }
 }
@@ -158,55 +226,8 @@ struct Acts {
   std::vector<int32_t> total;
 };
 
-#ifdef PERFXLM_QGEMM_ZMM
-// quant_linear.cpp's quantize_block on zmm: max |x| / 127, each value divided by it and rounded half to
-// even, so the same bytes as the block GEMV's.
-inline float quantize_block(const float* src, int8_t* q) {
-  const __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-  const float scale = amax / 127.f;
-  if (!(scale > 0.f)) {
-    std::memset(q, 0, 32);
-    return scale;
-  }
-  const __m512 d = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
-  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  const __m512 ra = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_div_ps(a, d), kRound)));
-  const __m512 rb = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_div_ps(b, d), kRound)));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(ra)));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(rb)));
-  return scale;
-}
-
-#else
-// quant_linear.cpp's quantize_block_simd (ymm): the same division and round-half-to-even per value.
-inline float quantize_block(const float* src, int8_t* q) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 v[4], amax = _mm256_setzero_ps();
-  for (int i = 0; i < 4; ++i) {
-    v[i] = _mm256_loadu_ps(src + 8 * i);
-    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-  }
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  const float scale = _mm_cvtss_f32(m) / 127.f;
-  if (!(scale > 0.f)) {
-    std::memset(q, 0, 32);
-    return scale;
-  }
-  const __m256 d = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
-  __m256i r[4];
-  for (int i = 0; i < 4; ++i) {
-    const __m256 t = _mm256_round_ps(_mm256_div_ps(v[i], d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    r[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, t)));
-  }
-  const __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-  return scale;
-}
-
-#endif
+// act_blocks.h's rounding: the block GEMV's bytes.
+using perfxlm_act::quantize_block_fast;
 
 void quantize(const float* x, int64_t M, int64_t K, Acts& a) {
   const int64_t blocks = K / 32;
@@ -218,7 +239,7 @@ void quantize(const float* x, int64_t M, int64_t K, Acts& a) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t b = 0; b < blocks; ++b) {
         int8_t* q = a.q.data() + m * K + b * 32;
-        const float scale = quantize_block(x + m * K + b * 32, q);
+        const float scale = quantize_block_fast(x + m * K + b * 32, q);
         int32_t total = 0;
         for (int j = 0; j < 32; ++j) total += q[j];
         a.scale[m * blocks + b] = scale;
@@ -299,7 +320,8 @@ inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {  // acc + sums of 4 pro
 }
 
 // Rows [m0, m0 + MT) x the task's 16 columns, all of K: int32 sums per block in registers, the float32
-// sums in an L1 buffer (16 ymm hold only the int32 ones).
+// sums in an L1 buffer (16 ymm hold only the int32 ones). `centre` here is the codes' centre less the
+// panels' shift (signed 8-bit panels: 0 for Q8_0's centred codes).
 template <int MT, bool MINS>
 inline void tile(const Acts& a, int64_t m0, int64_t K, int centre, bool nibbles, const Panels& p, int64_t n0,
                  int64_t N, float* y, const float* bias) {
@@ -310,6 +332,37 @@ inline void tile(const Acts& a, int64_t m0, int64_t K, int centre, bool nibbles,
     __m256i dot[MT][kPanels];
     const uint8_t* wb = p.codes.data() + b * 8 * kCols * 4;
     const int8_t* xb = a.q.data() + m0 * K + b * 32;
+#ifdef PERFXLM_QGEMM_SIGNED8
+    if (p.signed8) {
+      // signed codes c: |c| (shared by the rows) times the row's bytes with c's sign, 4 instructions per
+      // 4 x 8 products; the int16 pair sums can reach 32512, so each step widens to int32 at once
+      const __m256i ones = _mm256_set1_epi16(1);
+      #pragma GCC unroll 8
+      for (int i = 0; i < MT; ++i) {
+        const __m256i start = _mm256_set1_epi32(-centre * a.total[(m0 + i) * blocks + b]);
+        #pragma GCC unroll 2
+        for (int j = 0; j < kPanels; ++j) dot[i][j] = start;
+      }
+      #pragma GCC unroll 8
+      for (int q = 0; q < 8; ++q) {
+        __m256i wv[kPanels], av[kPanels];
+        #pragma GCC unroll 2
+        for (int j = 0; j < kPanels; ++j) {
+          wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + (q * kCols + j * kLanes) * 4));
+          av[j] = _mm256_sign_epi8(wv[j], wv[j]);  // |c|: -128 gives 0x80, read unsigned as 128
+        }
+        #pragma GCC unroll 8
+        for (int i = 0; i < MT; ++i) {
+          int32_t x4;
+          std::memcpy(&x4, xb + i * K + 4 * q, 4);
+          const __m256i xv = _mm256_set1_epi32(x4);
+          #pragma GCC unroll 2
+          for (int j = 0; j < kPanels; ++j)
+            dot[i][j] = _mm256_add_epi32(dot[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(av[j], _mm256_sign_epi8(xv, wv[j])), ones));
+        }
+      }
+    } else
+#endif
 #ifndef __AVXVNNI__
     if (nibbles) {
       // codes <= 15: a block's 8 int16 pair sums stay within int16 (8 x 2 x 15 x 127 = 30480), so they add
@@ -388,13 +441,14 @@ void run_task(const Acts& a, int64_t m_begin, int64_t m_end, const Weight& w, co
               const float* bias) {
   const bool nibbles = w.bits == 4 && !w.lut;  // codes <= 15 (the ymm kernel's int16 sums)
   int64_t m = m_begin;
-  for (; m + kRowTile <= m_end; m += kRowTile) tile<kRowTile, MINS>(a, m, w.K, w.centre, nibbles, p, n0, w.N, y, bias);
+  const int centre = w.centre - w.shift;  // the accumulators start at -centre x sum q
+  for (; m + kRowTile <= m_end; m += kRowTile) tile<kRowTile, MINS>(a, m, w.K, centre, nibbles, p, n0, w.N, y, bias);
   switch (m_end - m) {  // the last rows: a shorter tile
-    case 5: tile<5, MINS>(a, m, w.K, w.centre, nibbles, p, n0, w.N, y, bias); break;
-    case 4: tile<4, MINS>(a, m, w.K, w.centre, nibbles, p, n0, w.N, y, bias); break;
-    case 3: tile<3, MINS>(a, m, w.K, w.centre, nibbles, p, n0, w.N, y, bias); break;
-    case 2: tile<2, MINS>(a, m, w.K, w.centre, nibbles, p, n0, w.N, y, bias); break;
-    case 1: tile<1, MINS>(a, m, w.K, w.centre, nibbles, p, n0, w.N, y, bias); break;
+    case 5: tile<5, MINS>(a, m, w.K, centre, nibbles, p, n0, w.N, y, bias); break;
+    case 4: tile<4, MINS>(a, m, w.K, centre, nibbles, p, n0, w.N, y, bias); break;
+    case 3: tile<3, MINS>(a, m, w.K, centre, nibbles, p, n0, w.N, y, bias); break;
+    case 2: tile<2, MINS>(a, m, w.K, centre, nibbles, p, n0, w.N, y, bias); break;
+    case 1: tile<1, MINS>(a, m, w.K, centre, nibbles, p, n0, w.N, y, bias); break;
     default: break;
   }
 }
@@ -418,7 +472,7 @@ Weight describe(const at::Tensor& codes, const at::Tensor& scales, const c10::op
   TORCH_CHECK(groups >= 1 && K % groups == 0 && (K / groups) % 32 == 0,
               "quant_block_gemm: groups must be whole multiples of 32 inputs, got ", groups, " for K = ", K);
   Weight w{codes.data_ptr<uint8_t>(), N, K, rb, K / groups, groups, bits, scales.data_ptr(),
-           centred ? nullptr : mins->data_ptr(), scales.scalar_type() == at::kHalf, 0, false, {}};
+           centred ? nullptr : mins->data_ptr(), scales.scalar_type() == at::kHalf, 0, false, {}, 0};
   if (levels.has_value() && levels->defined()) {
     TORCH_CHECK(bits == 4 && levels->scalar_type() == at::kFloat && levels->numel() == 16 && levels->is_contiguous(),
                 "quant_block_gemm: a level table must be float32 [16] over 4-bit codes");
@@ -429,16 +483,17 @@ Weight describe(const at::Tensor& codes, const at::Tensor& scales, const c10::op
       lo = std::min(lo, lv[i]);
       hi = std::max(hi, lv[i]);
     }
-    TORCH_CHECK(hi - lo <= static_cast<float>(kMaxCode), "quant_block_gemm: a level table must span at most ",
-                kMaxCode, " on this build");
+    TORCH_CHECK(hi - lo <= static_cast<float>(kMaxTableCode), "quant_block_gemm: a level table must span at most ",
+                kMaxTableCode, " on this build");
     for (int i = 0; i < 16; ++i) w.ulut[i] = static_cast<uint8_t>(lv[i] - lo);
     w.lut = true;
     w.centre = static_cast<int>(-lo);  // levels[u] = ulut[u] - centre
   } else if (centred) {
     w.centre = bits == 8 ? 128 : bits == 5 ? 16 : 8;
   }
-  TORCH_CHECK(bits < 8 || kMaxCode >= 255, "quant_block_gemm: this build (AVX2 without AVX-VNNI) takes codes of at "
-              "most ", kMaxCode, ": 8-bit codes run linear_q");
+#ifdef PERFXLM_QGEMM_SIGNED8
+  if (bits == 8) w.shift = 128;
+#endif
   return w;
 }
 
@@ -501,8 +556,9 @@ at::Tensor quant_block_gemm(const at::Tensor& x, const at::Tensor&, const at::Te
 
 #endif  // PERFXLM_QGEMM
 
-// The largest unsigned code (after a level table's offset) this build's GEMM takes: 255 with vpdpbusd, 128
-// with vpmaddubsw (AVX2 without AVX-VNNI), 0 where there is no GEMM.
+// The largest code this build's GEMM runs at its int8 rate, what the layers consult: 255 with vpdpbusd, 128
+// on AVX2 without AVX-VNNI (whose 8-bit sign-trick path the op takes but the layers leave to the float32
+// GEMM; a level table's span there at most 128), 0 where there is no GEMM.
 int64_t quant_block_gemm_max_code() {
 #ifdef PERFXLM_QGEMM
   return kMaxCode;

@@ -29,6 +29,8 @@
 #include <string>
 #include <vector>
 
+#include "act_blocks.h"
+#include "quant_gemm.h"
 #include "simd16.h"
 
 #if defined(PERFXLM_SIMD16) && defined(__AVX512F__) && defined(__AVX512VNNI__)
@@ -536,18 +538,8 @@ void vnni_gemv(const int8_t* xq, const float* sx, const int32_t* xsum, int64_t M
 // so the activations are stored in that order too; 8-bit codes and activations keep their order.
 // ---------------------------------------------------------------------------------------------
 
-// One block of 32 activations to symmetric int8 (scale max|x| / 127, half to even; an all-zero block
-// stays zero): the rounding both the block GEMV and the many-row path use.
-inline float quantize_block(const float* src, int8_t* q) {
-  float amax = 0.f;
-  for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(src[j]));
-  const float scale = amax / 127.f;
-  for (int j = 0; j < 32; ++j) {
-    const float v = scale > 0.f ? std::nearbyint(src[j] / scale) : 0.f;
-    q[j] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
-  }
-  return scale;
-}
+// One block of 32 activations to symmetric int8: act_blocks.h's rounding, shared with the int8 GEMM.
+using perfxlm_act::quantize_block_fast;
 
 // The activations of one call, quantized, in the calling thread's scratch buffers (reused call after
 // call: a decode step makes 120 of these, and three tensor allocations each cost as much as the
@@ -574,41 +566,6 @@ inline uint64_t chunk_fifths(const uint8_t* row, const QW& w, int64_t c) {
   return (a & 0xFFFF) | ((b & 0xFFFF) << 16) | ((a >> 16) << 32) | ((b >> 16) << 48);
 }
 
-#ifdef PERFXLM_DOTS_AVX2
-// quantize_block on ymm: the same division and round-half-to-even per value, so the same bytes.
-inline float quantize_block_simd(const float* src, int8_t* q) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 v[4], amax = _mm256_setzero_ps();
-  for (int i = 0; i < 4; ++i) {
-    v[i] = _mm256_loadu_ps(src + 8 * i);
-    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-  }
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  const float scale = _mm_cvtss_f32(m) / 127.f;
-  if (!(scale > 0.f)) {
-    std::memset(q, 0, 32);
-    return scale;
-  }
-  const __m256 d = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
-  __m256i r[4];
-  for (int i = 0; i < 4; ++i) {
-    const __m256 t = _mm256_round_ps(_mm256_div_ps(v[i], d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    r[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, t)));
-  }
-  // packs work per 128-bit lane: [0..3 8..11 | 4..7 12..15] per pair, then [a b c d] bytes interleaved
-  // by lane; one dword permute puts the 32 values back in order
-  const __m256i p16a = _mm256_packs_epi32(r[0], r[1]), p16b = _mm256_packs_epi32(r[2], r[3]);
-  const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
-  const __m256i ordered = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), ordered);
-  return scale;
-}
-#else
-inline float quantize_block_simd(const float* src, int8_t* q) { return quantize_block(src, q); }
-#endif
-
 BlockActs quantize_blocks(const at::Tensor& x, const QW& w) {
   const int64_t M = x.size(0), K = w.K, chunks = K / 64, gstride = (w.groups + 7) / 8 * 8;
   thread_local std::vector<int8_t> q_buf;
@@ -630,7 +587,7 @@ BlockActs quantize_blocks(const at::Tensor& x, const QW& w) {
     for (int64_t m = m_begin; m < m_end; ++m) {
       for (int64_t b = 0; b < K / 32; ++b) {
         int8_t block[32];
-        const float scale = quantize_block_simd(xp + m * K + b * 32, block);
+        const float scale = quantize_block_fast(xp + m * K + b * 32, block);
         int32_t total[2] = {0, 0};  // per 16 inputs: a block spans two groups when group == 16
         for (int j = 0; j < 32; ++j) total[j / 16] += block[j];
         const int64_t c = b / 2, half = b % 2;
@@ -1184,7 +1141,7 @@ at::Tensor fake_quantize_blocks(const at::Tensor& x) {
     for (int64_t m = begin; m < end; ++m)
       for (int64_t b = 0; b < K / 32; ++b) {
         int8_t block[32];
-        const float scale = quantize_block_simd(xp + m * K + b * 32, block);
+        const float scale = quantize_block_fast(xp + m * K + b * 32, block);
         for (int j = 0; j < 32; ++j) op[m * K + b * 32 + j] = static_cast<float>(block[j]) * scale;
       }
   });
@@ -1205,6 +1162,13 @@ void block_gemv_spc(const BlockActs& a, int64_t M, const QW& w, float* y, const 
   if (spc == 1) block_gemv_typed<BITS4, HALF, 1, FIVE>(a, M, w, y, bias);
   else if (spc == 2) block_gemv_typed<BITS4, HALF, 2, FIVE>(a, M, w, y, bias);
   else if constexpr (!BITS4) block_gemv_typed<BITS4, HALF, 4, FIVE>(a, M, w, y, bias);
+}
+
+// Whether the int8 GEMM (quant_gemm.cpp) takes a weight the block GEMV takes: perfxlm/ops/linear.py's
+// gemm_takes, less the two-level scales it multiplies out in Python.
+bool gemm_takes(const QW& w) {
+  const int top = w.bits4 ? (w.bits5 ? 31 : 15) : 255;
+  return w.group % 32 == 0 && !w.kscales && (!w.levels || w.int_lut) && top <= perfxlm_qgemm::quant_block_gemm_max_code();
 }
 
 at::Tensor block_product(const at::Tensor& x, const QW& w, const float* bias, int spc) {
@@ -1259,7 +1223,7 @@ at::Tensor float_product(const at::Tensor& x, const QW& w, const float* bias, in
 
 at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                     const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& levels, const c10::optional<at::Tensor>& bias, bool act_int8,
-                    int64_t max_rows, bool bf16_gemm, bool int8_blocks, int64_t block_max_rows) {
+                    int64_t max_rows, bool bf16_gemm, bool int8_blocks, int64_t block_max_rows, int64_t gemm_rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_q: x must be 2-D float32");
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
@@ -1276,7 +1240,12 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tens
     // 4-bit codes, and weights too large for one dequantized slab (an LM head: the GEMM path's slabs
     // leave the cache), keep the block products up to block_max_rows where the plan sets it
     const bool block_wins = w.bits4 || w.N * w.K > kSlabValues;
-    if (spc && M <= (block_wins && block_max_rows >= 0 ? block_max_rows : max_rows)) return block_product(xc, w, bp, spc);
+    const int64_t gemv_rows = block_wins && block_max_rows >= 0 ? block_max_rows : max_rows;
+    // The int8 GEMM from gemm_rows rows where the plan says so and it takes the layout (groups of whole
+    // 32-blocks, float scales: K-quants' two-level bytes stay on the GEMV and the float path here)
+    if (spc && gemm_rows >= 0 && M >= (gemm_rows > 0 ? gemm_rows : gemv_rows + 1) && gemm_takes(w))
+      return perfxlm_qgemm::quant_block_gemm(xc, codes, scales, mins, levels, bias);
+    if (spc && M <= gemv_rows) return block_product(xc, w, bp, spc);
     // Many rows: the same int8 activation blocks (dequantized) go to the GEMM, so a token's result does
     // not depend on how many rows its step had (prefix-cache hits, chunking, batch size).
     if (spc) return float_product(fake_quantize_blocks(xc), w, bp, max_rows, bf16_gemm);
@@ -1348,7 +1317,7 @@ std::string compiled_isa() {
 TORCH_LIBRARY_FRAGMENT(perfxlm, m) {
   m.def(
       "linear_q(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? levels, Tensor? bias, bool act_int8, "
-      "int max_rows, bool bf16_gemm, bool int8_blocks=False, int block_max_rows=-1) -> Tensor");
+      "int max_rows, bool bf16_gemm, bool int8_blocks=False, int block_max_rows=-1, int gemm_rows=-1) -> Tensor");
   m.def("int8_block_dots() -> bool", &perfxlm_quant::int8_block_dots);  // no tensors: a catch-all kernel
   m.def("compiled_isa() -> str", &perfxlm_quant::compiled_isa);
   m.def("dequantize_q(Tensor codes, Tensor scales, Tensor? mins, Tensor? levels, int in_features) -> Tensor");

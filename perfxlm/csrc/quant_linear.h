@@ -16,8 +16,12 @@ namespace perfxlm_quant {
 // block_max_rows (>= 0): the GEMV limit, instead of max_rows, for 4-bit codes and for weights of more
 // than 4M values (an LM head) under int8_blocks (on AVX2 their
 // int8 block products beat dequantizing for a float32 GEMM up to a few hundred rows).
+// gemm_rows: int8-block weights the int8 GEMM takes (quant_gemm.h) run it from this many rows (0: past
+// the GEMV limits above; -1: never, the float32 GEMM on dequantized slabs does), the CPU plan's quant_gemm
+// and quant_gemm_rows.
 at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                     const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& levels, const c10::optional<at::Tensor>& bias, bool act_int8,
-                    int64_t max_rows, bool bf16_gemm, bool int8_blocks = false, int64_t block_max_rows = -1);
+                    int64_t max_rows, bool bf16_gemm, bool int8_blocks = false, int64_t block_max_rows = -1,
+                    int64_t gemm_rows = -1);
 
 }  // namespace perfxlm_quant

@@ -325,6 +325,8 @@ class FusedDecode:
         plan = cpu_plan.plan()
         max_rows = plan.native_max_rows
         bf16_gemm = plan.gemm == "bf16" and self.quant_bf16_gemm
+        # large batches of int8-block weights take the int8 GEMM where the module path does (run_linear_q)
+        gemm_rows = plan.quant_gemm_rows if self.int8_blocks and plan.quant_gemm == "int8" else -1
         residual = x
         lora = meta.lora
         self.steps += 1
@@ -337,6 +339,7 @@ class FusedDecode:
                     x, residual, i == 0, *call.before, cos, sin, cache.key, cache.value, meta.slot_mapping,
                     meta.decode_block_tables, meta.decode_seq_lens, *call.after, max_rows, bf16_gemm, adapters,
                     cache.key_scale, cache.value_scale, self.int8_blocks, plan.quant_max_rows, plan.quant_block_max_rows, call.sinks,
+                    gemm_rows,
                 )  # fmt: skip
             else:  # a rank's shard: the halves, each row-parallel output all-reduced before it is used
                 h = call.halves
@@ -344,11 +347,12 @@ class FusedDecode:
                     x, residual, i == 0, *h.attention, cos, sin, cache.key, cache.value, meta.slot_mapping,
                     meta.decode_block_tables, meta.decode_seq_lens, *call.after, max_rows, bf16_gemm, adapters,
                     cache.key_scale, cache.value_scale, self.int8_blocks, plan.quant_max_rows, plan.quant_block_max_rows, call.sinks,
+                    gemm_rows,
                 )  # fmt: skip
                 if h.reduce_attention is not None:
                     o = h.reduce_attention(o)
                 x, residual = ops.decode_mlp(o, stream, *h.mlp, max_rows, bf16_gemm, adapters, self.int8_blocks,
-                                             plan.quant_max_rows, plan.quant_block_max_rows)  # fmt: skip
+                                             plan.quant_max_rows, plan.quant_block_max_rows, gemm_rows)  # fmt: skip
                 if h.reduce_mlp is not None:
                     x = h.reduce_mlp(x)
                 if h.post_ff_norm is not None:  # sandwich: the MLP's output normed once it is whole

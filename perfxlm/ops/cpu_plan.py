@@ -47,7 +47,8 @@ int8 dots, keeps int8 and nf4 weight-only, w8a8 always rounds), decided once at 
 - PERFXLM_QUANT_GEMM = int8 | float32   what runs the rows past those limits for weights whose activations
                                   are rounded to int8 blocks: the int8 GEMM (csrc/quant_gemm.cpp:
                                   vpdpbusd on 16-column panels repacked per call; on AVX2 builds
-                                  8-column panels, 4-bit and 5-bit codes only without AVX-VNNI) or
+                                  8-column panels, 8-bit codes through the vpsignb trick without
+                                  AVX-VNNI) or
                                   torch's float32 GEMM on dequantized slabs. Default int8 on
                                   AVX512-VNNI and on AVX2 / AVX-VNNI, without fast bf16: one 512-row
                                   product (2 threads / one thread's CPU time, loaded machine) measured
@@ -55,6 +56,10 @@ int8 dots, keeps int8 and nf4 weight-only, w8a8 always rounds), decided once at 
                                   model's and a 1B model's shapes), 1.5-1.8x forced to the avx2 tier
                                   (Q4_0); float32 on AVX-512 without VNNI (its float32 GEMM is twice
                                   AVX2's; not measured) and where the CPU has fast bf16 (its bf16 GEMM)
+- PERFXLM_QUANT_GEMM_ROWS = N     under the int8 GEMM, the rows from which int8-block weights it takes
+                                  run it, before the GEMV limits above (parallel decode's 16-64 rows;
+                                  the fused decode layer follows it too); 0: only past those limits.
+                                  Default 16 without fast bf16 (_AUTO_GEMM_ROWS), 0 with it
 
 The instruction-set tier (perfxlm.ops.isa: PERFXLM_ISA=auto | scalar | avx2 | avx_vnni | avx512 |
 avx512_vnni | avx512_bf16 | amx) decides the native build and the flags every choice above sees.
@@ -74,6 +79,10 @@ COMPUTES = ("float32", "bfloat16")
 # Measured with 2 threads on the default model's shapes: AMX's bf16 GEMM overtakes the row kernel past
 # 4 rows; the panel kernel beats MKL's float32 GEMM up to 256 rows on AVX-512 without bf16.
 _AUTO_MAX_ROWS = {("rows", "bf16"): 4, ("rows", "float32"): 64, ("panels", "bf16"): 256, ("panels", "float32"): 256}
+# Rows from which int8-block weights run the int8 GEMM instead of the block GEMV, without fast bf16 (one
+# thread's CPU time per product, the default model's projections, Q4_0 and Q8_0, loaded Xeon forced to
+# the avx2 tier): the GEMM repacks each weight per call, which the GEMV's products overtake below ~16 rows.
+_AUTO_GEMM_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -86,12 +95,16 @@ class CpuPlan:
     isa: str = "scalar"  # the instruction-set tier the native kernels are built for
     quant_block_max_rows: int = -1  # the same for 4-bit codes and >4M-value weights; -1: quant_max_rows
     quant_gemm: str = "float32"  # past those rows, int8-block weights: the int8 GEMM or the float32 one
+    quant_gemm_rows: int = 0  # under the int8 GEMM, int8-block weights it takes run it from this many rows
+    # (0: past their GEMV limit above)
 
     def describe(self) -> str:
         return (f"isa={self.isa} bf16 layout={self.layout} gemm={self.gemm} native_max_rows={self.native_max_rows} "
                 f"activations={self.bf16_compute} quantized: gemv_max_rows={self.quant_max_rows}"
                 + ("" if self.quant_block_max_rows < 0 else f" (4-bit and heads: {self.quant_block_max_rows})")
-                + f", then the {self.quant_gemm} GEMM")
+                + f", then the {self.quant_gemm} GEMM"
+                + (f" (int8-block weights from {self.quant_gemm_rows} rows)"
+                   if self.quant_gemm == "int8" and self.quant_gemm_rows > 0 else ""))
 
 
 def _choice(name: str, allowed: tuple[str, ...], default: str) -> str:
@@ -122,7 +135,8 @@ def detect() -> CpuPlan:
     quant_rows = _rows("PERFXLM_QUANT_MAX_ROWS", 8 if fast_bf16 else 32)
     block_rows_limit = _rows("PERFXLM_QUANT_BLOCK_MAX_ROWS", -1 if fast_bf16 else 128)
     quant_gemm = _quant_gemm(fast_bf16)
-    return CpuPlan(layout, gemm, max_rows, compute, quant_rows, tier, block_rows_limit, quant_gemm)
+    gemm_rows = _rows("PERFXLM_QUANT_GEMM_ROWS", _AUTO_GEMM_ROWS if quant_gemm == "int8" and not fast_bf16 else 0)
+    return CpuPlan(layout, gemm, max_rows, compute, quant_rows, tier, block_rows_limit, quant_gemm, gemm_rows)
 
 
 def _quant_gemm(fast_bf16: bool) -> str:

@@ -124,7 +124,7 @@ def run_linear_q(
         rows = rows.float().contiguous()
     b = bias if bias is None or bias.dtype == torch.float32 else bias.float()
     plan = cpu_plan.plan()
-    if int8_blocks and plan.quant_gemm == "int8" and rows.shape[0] > gemv_rows(weight, plan) and gemm_takes(weight):
+    if int8_blocks and plan.quant_gemm == "int8" and rows.shape[0] >= gemm_rows(weight, plan) and gemm_takes(weight):
         # the GEMM reads float scales: K-quants' two-level bytes are multiplied out for the call (the same
         # values; a few MB against a GEMM of many rows)
         w = weight.flat()
@@ -146,10 +146,18 @@ def gemv_rows(weight: QuantizedWeight, plan: cpu_plan.CpuPlan) -> int:
     return plan.quant_block_max_rows if block_wins and plan.quant_block_max_rows >= 0 else plan.quant_max_rows
 
 
+def gemm_rows(weight: QuantizedWeight, plan: cpu_plan.CpuPlan) -> int:
+    """Rows from which an int8-block weight the int8 GEMM takes runs it under an int8 plan (csrc
+    quant_linear.cpp's rule, which the fused decode layer follows): the plan's quant_gemm_rows, or past the
+    GEMV's limit."""
+    return plan.quant_gemm_rows if plan.quant_gemm_rows > 0 else gemv_rows(weight, plan) + 1
+
+
 def gemm_takes(weight: QuantizedWeight) -> bool:
     """Whether the int8 GEMM (csrc quant_gemm.cpp) takes an int8-block weight: groups of whole 32-blocks
     (not 8-bit groups of 16), a level table only of integers (MXFP4's), codes within what the build's dot
-    instruction takes (AVX2 without AVX-VNNI: up to 128, so not 8-bit codes); not W8A8 per token (one
+    instruction runs at its int8 rate (AVX2 without AVX-VNNI: up to 128; its sign-trick path for 8-bit codes is
+    no faster than the float32 GEMM); not W8A8 per token (one
     activation scale per row: its own integer GEMM). GGUF K-quants' two-level byte scales are multiplied out
     per call for it (`run_linear_q`)."""
     if weight.act == "int8" or weight.group % 32 != 0:
@@ -165,7 +173,8 @@ def gemm_takes(weight: QuantizedWeight) -> bool:
 
 @functools.cache
 def gemm_max_code() -> int:
-    """The largest unsigned code the native build's int8 GEMM takes (0: no GEMM); fixed for the process."""
+    """The largest unsigned code the native build's int8 GEMM runs at its int8 rate (0: no GEMM); fixed for the
+    process."""
     ops = native.kernels()
     return int(ops.quant_block_gemm_max_code()) if ops is not None and hasattr(ops, "quant_block_gemm_max_code") else 0
 

@@ -2,9 +2,9 @@
 activations rounded to int8 per block of 32 (scale max|x| / 127, half to even), times the dequantized
 weight, in float64. Formats: 4-bit (centred and with mins), 5-bit, 8-bit, an integer level table (MXFP4's
 kind), float32 and float16 scales, groups of 32, 64 and whole rows; odd row and column counts. Built for
-AVX512-VNNI (zmm) and AVX2 (ymm; 8-bit codes only with AVX-VNNI); where a build has no GEMM or takes no
-codes this wide (test_portable_kernels runs this file on each tier) the tests check that the op refuses
-with a clear error and is never picked."""
+AVX512-VNNI (zmm) and AVX2 (ymm; 8-bit codes signed with vpsignb without AVX-VNNI); where a build has no
+GEMM (test_portable_kernels runs this file on each tier) the tests check that the op refuses with a clear
+error and is never picked."""
 
 import gguf
 import pytest
@@ -24,12 +24,14 @@ pytestmark = pytest.mark.skipif(ops is None, reason="no compiler for the native 
 
 
 def _refused(bits: int = 4) -> bool:
-    """Where the build has no GEMM (scalar) or takes no codes this wide (8-bit on AVX2 without AVX-VNNI):
-    the op says so, and the layer never picks it."""
-    if (1 << bits) - 1 <= gemm_max_code():
+    """Where the build has no GEMM (scalar): the op says so, and the layer never picks it. Every build with
+    one takes 8-bit codes (AVX2 without AVX-VNNI through the sign trick, which the layers leave to the
+    float32 GEMM: gemm_max_code() says 128 there)."""
+    if gemm_max_code() > 0:
+        assert gemm_takes(_qweight(bits, 5, 64, 0)) == ((1 << bits) - 1 <= gemm_max_code())
         return False
     codes, scales, _, _ = _centred(5, 64, bits, 32, False, False, 0)
-    with pytest.raises(RuntimeError, match="no int8 GEMM" if gemm_max_code() == 0 else "8-bit codes run linear_q"):
+    with pytest.raises(RuntimeError, match="no int8 GEMM"):
         ops.quant_block_gemm(torch.randn(2, 64), codes, scales, None, None, None)
     assert not gemm_takes(_qweight(bits, 5, 64, 0))
     return True
@@ -115,7 +117,7 @@ def _qweight(bits, n, k, seed, act="float"):
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_many_rows_of_a_layer_run_the_gemm_under_an_int8_plan_and_the_float_gemm_under_float32(bits):
-    if _refused(bits):
+    if _refused(bits) or (1 << bits) - 1 > gemm_max_code():
         return
     weight = _qweight(bits, 45, 192, bits)
     weight.activations = ActivationMode.INT8_NATIVE  # a weight-only format under quant_activations=int8
@@ -151,7 +153,10 @@ def test_the_plan_takes_the_int8_gemm_only_where_the_tier_has_it(monkeypatch):
     flags = isa.visible_flags()
     measured = "avx512_vnni" in flags or ("avx2" in flags and "avx512f" not in flags)
     assert cpu_plan.detect().quant_gemm == ("int8" if measured and not isa.has_fast_bf16() else "float32")
-    assert cpu_plan.detect().describe().endswith(f"then the {cpu_plan.detect().quant_gemm} GEMM")
+    plan = cpu_plan.detect()
+    assert f"then the {plan.quant_gemm} GEMM" in plan.describe()
+    # parallel decode's rows take the int8 GEMM from 16 rows where it is the default, else past the GEMV
+    assert plan.quant_gemm_rows == (16 if plan.quant_gemm == "int8" and not isa.has_fast_bf16() else 0)
 
 
 def test_per_token_w8a8_and_groups_of_16_keep_their_own_paths():
@@ -179,3 +184,65 @@ def test_k_quants_two_level_scales_run_the_gemm_multiplied_out(qtype):
     flat = weight.flat()
     assert torch.equal(fast, ops.quant_block_gemm(x, flat.codes, flat.scales, flat.mins, None, None))
     torch.testing.assert_close(fast, slow, atol=1e-4 * (slow.abs().max().item() + 1), rtol=1e-4)
+
+
+def test_extreme_8bit_codes_do_not_saturate_the_int16_pair_sums():
+    """Codes 0 and 255 (signed -128 and 127 on AVX2 without AVX-VNNI) against activations at +-127: the
+    largest pair sums the sign trick forms (2 x 128 x 127), which one unsigned code more would overflow."""
+    if _refused(8):
+        return
+    n, k = 19, 96
+    g = torch.Generator().manual_seed(3)
+    codes = torch.where(torch.rand(n, k, generator=g) < 0.5, 0, 255).to(torch.uint8)
+    codes[0] = 0  # a row of -128s: |c| = 128, whose negation int8 cannot hold
+    scales = torch.rand(n, k // 32, generator=g) * 0.02 + 0.001
+    x = torch.where(torch.rand(5, k, generator=g) < 0.5, -1.0, 1.0)
+    x[1] = 1.0
+    x[2] = -1.0
+    ref = torch.nn.functional.linear(x.double(), _dequant(codes, scales, None, None, k).double()).float()
+    out = ops.quant_block_gemm(x, codes, scales, None, None, None)
+    torch.testing.assert_close(out, ref, atol=1e-5 * (ref.abs().max().item() + 1), rtol=1e-5)
+
+
+@pytest.mark.parametrize("bits,n,k,group,half,kind", [CASES[1], CASES[3], CASES[5], CASES[7], (4, 17, 192, 32, False, "table")])
+def test_linear_q_runs_the_gemm_from_gemm_rows_and_the_gemv_below(bits, n, k, group, half, kind):
+    """linear_q's gemm_rows (the fused decode layer's way to the GEMM): from that many rows an int8-block
+    weight the GEMM takes gets the GEMM's bits, below it the block GEMV's; -1 never, 0 only past the GEMV
+    limits."""
+    if _refused(bits) or (1 << bits) - 1 > gemm_max_code():
+        return
+    codes, scales, mins, levels = _case(bits, n, k, group, half, kind)
+    b = torch.randn(n)
+    for rows in (5, 6, 17):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        gemm = ops.quant_block_gemm(x, codes, scales, mins, levels, b)
+        gemv = ops.linear_q(x, codes, scales, mins, levels, b, False, 32, False, True, 128, -1)
+        assert torch.equal(ops.linear_q(x, codes, scales, mins, levels, b, False, 32, False, True, 128, 6),
+                           gemm if rows >= 6 else gemv)
+        assert torch.equal(ops.linear_q(x, codes, scales, mins, levels, b, False, 32, False, True, 128, 0), gemv)
+        assert torch.equal(ops.linear_q(x, codes, scales, mins, levels, b, False, 4, False, True, 4, 0), gemm)
+        torch.testing.assert_close(gemm, gemv, atol=1e-4 * (gemv.abs().max().item() + 1), rtol=1e-4)
+
+
+def test_layers_take_the_gemm_from_the_plans_gemm_rows(monkeypatch):
+    if _refused(4):
+        return
+    weight = _qweight(4, 45, 192, 4)
+    weight.activations = ActivationMode.INT8_NATIVE
+    b = torch.randn(45)
+    previous = cpu_plan.use(quant_gemm="int8", quant_max_rows=32, quant_block_max_rows=128, quant_gemm_rows=7)
+    try:
+        for rows in (6, 7, 9):
+            x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows))
+            y = run_linear_q(ops, x, weight, b, False, True, False)
+            gemm = ops.quant_block_gemm(x, weight.codes, weight.scales, None, None, b)
+            assert torch.equal(y, gemm) == (rows >= 7)
+    finally:
+        cpu_plan.use(previous)
+    monkeypatch.setenv("PERFXLM_QUANT_GEMM", "int8")
+    monkeypatch.setenv("PERFXLM_QUANT_GEMM_ROWS", "24")
+    plan = cpu_plan.detect()
+    assert plan.quant_gemm_rows == 24 and "from 24 rows" in plan.describe()
+    monkeypatch.setenv("PERFXLM_QUANT_GEMM_ROWS", "-3")
+    with pytest.raises(ValueError, match="PERFXLM_QUANT_GEMM_ROWS"):
+        cpu_plan.detect()

@@ -1,0 +1,81 @@
+// Activations rounded to int8 per block of 32 (llama.cpp's Q8 activations): the one rounding the block
+// GEMV (quant_linear.cpp) and the int8 GEMM (quant_gemm.cpp) share, so a token's bytes are the same
+// whichever of the two multiplies them: scale max |x| / 127, each value divided by it and rounded half to
+// even, clamped to [-127, 127]; an all-zero block stays zero (scale 0).
+//
+// quantize_block is the scalar definition; quantize_block_fast the widest form this build has (zmm, ymm,
+// or the scalar loop), the same division and rounding per value, so the same bytes.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) || (defined(__AVX512F__) && defined(__AVX512BW__))
+#include <immintrin.h>
+#endif
+
+namespace perfxlm_act {
+
+inline float quantize_block(const float* src, int8_t* q) {
+  float amax = 0.f;
+  for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(src[j]));
+  const float scale = amax / 127.f;
+  for (int j = 0; j < 32; ++j) {
+    const float v = scale > 0.f ? std::nearbyint(src[j] / scale) : 0.f;
+    q[j] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+  }
+  return scale;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline float quantize_block_fast(const float* src, int8_t* q) {
+  const __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float scale = amax / 127.f;
+  if (!(scale > 0.f)) {
+    std::memset(q, 0, 32);
+    return scale;
+  }
+  const __m512 d = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512 ra = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_div_ps(a, d), kRound)));
+  const __m512 rb = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_div_ps(b, d), kRound)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(ra)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(rb)));
+  return scale;
+}
+#elif defined(__AVX2__)
+inline float quantize_block_fast(const float* src, int8_t* q) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4], amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(src + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float scale = _mm_cvtss_f32(m) / 127.f;
+  if (!(scale > 0.f)) {
+    std::memset(q, 0, 32);
+    return scale;
+  }
+  const __m256 d = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  __m256i r[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 t = _mm256_round_ps(_mm256_div_ps(v[i], d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, t)));
+  }
+  // packs work per 128-bit lane: [0..3 8..11 | 4..7 12..15] per pair, then [a b c d] bytes interleaved
+  // by lane; one dword permute puts the 32 values back in order
+  const __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  return scale;
+}
+#else
+inline float quantize_block_fast(const float* src, int8_t* q) { return quantize_block(src, q); }
+#endif
+
+}  // namespace perfxlm_act
