@@ -4,7 +4,8 @@ streamed per second, for the int8 block kernel and (past one row) the dequantize
     python benchmarks/quant_gemv.py --rows 1,64,512 --threads 2
     python benchmarks/quant_gemv.py --rows 1 --shapes "1b qkv q4_k,1b gate_up q4_k,1b down q6_k"
 
-The GGUF K-quant shapes (a Llama-3.2-1B-shaped Q4_K_M file's) time the weight as held (two-level scales:
+The int4 shapes time `quantization="int4"`'s two-level form (rows of whole 256s) beside its float16
+scales and mins. The GGUF K-quant shapes (a Llama-3.2-1B-shaped Q4_K_M file's) time the weight as held (two-level scales:
 a byte per group, float16 per 256) beside the same values with one float32 scale and min per group (the
 form they were held in before), one after the other in one run.
 
@@ -20,7 +21,7 @@ import time
 import torch
 
 from perfxlm.ops import cpu_plan, native
-from perfxlm.quant import quantizers
+from perfxlm.quant import quantizers, two_level
 
 SHAPES = {  # name: (N, K, bits), the default model's (SmolLM2-135M) projections and its head
     "qkv q4": (960, 576, 4),
@@ -33,6 +34,9 @@ SHAPES = {  # name: (N, K, bits), the default model's (SmolLM2-135M) projections
     "1b qkv q4_k": (3072, 2048, "Q4_K"),
     "1b gate_up q4_k": (16384, 2048, "Q4_K"),
     "1b down q6_k": (2048, 8192, "Q6_K"),
+    # int4 (quantization="int4") on rows of whole 256s: its two-level form beside its float16 form
+    "down int4": (576, 1536, "int4"),
+    "1b qkv int4": (3072, 2048, "int4"),
 }
 
 
@@ -79,7 +83,11 @@ def main() -> None:
     for rows in (int(r) for r in args.rows.split(",")):
         for name in args.shapes.split(","):
             n, k, bits = SHAPES[name]
-            if isinstance(bits, str):
+            if bits == "int4":
+                w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.05
+                forms = [("two-level", two_level.quantize_int4(w, 32)),
+                         ("float16", quantizers.quantize_int4_search(w, 32))]  # fmt: skip
+            elif isinstance(bits, str):
                 qw = k_weight(n, k, bits)
                 forms = [("held", qw), ("f32 scale+min", qw.flat().with_mins())]
             else:
@@ -101,7 +109,7 @@ def time_form(ops, name: str, qw, x: torch.Tensor, rows: int, has_rows4: bool) -
 
     reps = max(5, min(200, int(2e8 / (rows * n * k))))
     block = median_seconds(lambda: call(1 << 30), reps)
-    line = (f"{name:11s} rows {rows:4d}: block {block * 1e6:9.1f} us {qw.nbytes / block / 1e9:6.2f} GB/s "
+    line = (f"{name:21s} rows {rows:4d}: block {block * 1e6:9.1f} us {qw.nbytes / block / 1e9:6.2f} GB/s "
             f"({qw.nbytes * 8 / (n * k):.2f} bits/weight)")
     if rows > 1:
         gemm = median_seconds(lambda: call(0), reps)

@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from perfxlm import LLM
-from perfxlm.ops import native
+from perfxlm.ops import cpu_plan, native
+from perfxlm.ops.linear import gemm_max_code, gemm_takes, run_linear_q
 from perfxlm.quant import QuantizationConfig, QuantizedWeight, quantizers, super_scales, two_level
-from perfxlm.quant.weight import unpack_nibbles
+from perfxlm.quant.weight import ActivationMode, unpack_nibbles
 from tests.quant.test_quant_engine import assert_same_greedy, dequantized_twin, generate, model_of, quantized_weights
 from tests.quant.test_quant_search import importance, weighted_error, weights
 
@@ -86,20 +87,46 @@ def test_a_factor_beyond_float16_keeps_the_float_form():
     assert not q.two_level and q.scales.dtype == torch.float32
 
 
+def _block_rounded(x: torch.Tensor) -> torch.Tensor:
+    """Activations rounded to int8 per block of 32 (scale max|x| / 127), as the block kernels take them."""
+    blk = x.view(x.shape[0], -1, 32)
+    sx = blk.abs().amax(2, keepdim=True) / 127
+    return (torch.where(sx > 0, blk / sx, torch.zeros_like(blk)).round().clamp(-127, 127) * sx).view_as(x)
+
+
 def test_native_products_match_the_reference_and_the_flat_form():
+    """Sub-scales past Q4_K's 63 through every kernel path of this tier (test_portable_kernels runs it on
+    the others): GEMV, int8 block products, the slab GEMM and the int8 GEMM, each the bits of the weight
+    with its scales multiplied out, within float tolerance of the plain product."""
     ops = native.kernels()
     if ops is None:
         pytest.skip("no compiler for the native kernels")
     n, k = 37, 768
     q = two_level.quantize_int4(weights(n, k, seed=3), 32, importance(k, seed=3))
+    assert int(q.scales[:, : k // 32].max()) > 63 and int(q.mins[:, : k // 32].max()) > 63
+    flat = q.flat()
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(4))
-    ref = F.linear(x.double(), q.dequantize().double()).float()
-    for max_rows in (40, 3, 0):  # GEMV, block kernels, slab GEMM
-        out = ops.linear_q(x, q.codes, q.scales, q.mins, None, None, False, max_rows, False, False, -1)
-        flat = q.flat()
-        assert torch.equal(out, ops.linear_q(x, flat.codes, flat.scales, flat.mins, None, None, False, max_rows,
-                                             False, False, -1))  # fmt: skip
-        torch.testing.assert_close(out, ref, atol=1e-4 * (ref.abs().max().item() + 1), rtol=1e-4)
+    for blocks in (False, True):
+        x_used = _block_rounded(x) if blocks and ops.int8_block_dots() else x
+        ref = F.linear(x_used.double(), q.dequantize().double()).float()
+        for max_rows in (40, 3, 0):  # GEMV / block kernels, then the slab GEMM past max_rows
+            out = ops.linear_q(x, q.codes, q.scales, q.mins, None, None, False, max_rows, False, blocks, -1)
+            same = ops.linear_q(x, flat.codes, flat.scales, flat.mins, None, None, False, max_rows, False, blocks, -1)
+            assert torch.equal(out, same)
+            torch.testing.assert_close(out, ref, atol=1e-4 * (ref.abs().max().item() + 1), rtol=1e-4)
+    if gemm_max_code() < 15:
+        return  # this tier's build has no int8 GEMM for 4-bit codes (test_quant_gemm checks the refusal)
+    q.activations = ActivationMode.INT8_NATIVE
+    assert gemm_takes(q)
+    many = torch.randn(150, k, generator=torch.Generator().manual_seed(5))  # past every GEMV limit
+    previous = cpu_plan.use(quant_gemm="int8", quant_max_rows=32, quant_block_max_rows=128)
+    try:
+        fast = run_linear_q(ops, many, q, None, False, True, False)
+    finally:
+        cpu_plan.use(previous)
+    assert torch.equal(fast, ops.quant_block_gemm(many, flat.codes, flat.scales, flat.mins, None, None))
+    ref = F.linear(_block_rounded(many).double(), q.dequantize().double()).float()
+    torch.testing.assert_close(fast, ref, atol=1e-4 * (ref.abs().max().item() + 1), rtol=1e-4)
 
 
 def test_cuts_and_fusions_keep_the_values():

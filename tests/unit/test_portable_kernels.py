@@ -15,6 +15,7 @@ KERNEL_TESTS = ["tests/unit/test_linear_ops.py", "tests/unit/test_attention_ops.
                 "tests/unit/test_kv_quant.py", "tests/unit/test_quant_linear_ops.py", "tests/unit/test_kquant_ops.py",
                 "tests/unit/test_moe.py", "tests/unit/test_mxfp4.py", "tests/quant/test_quant_search.py",
                 "tests/unit/test_int8_rows.py", "tests/unit/test_quant_gemm.py",
+                "tests/quant/test_int4_two_level.py::test_native_products_match_the_reference_and_the_flat_form",
                 # the fused decode layer's LoRA rows against the module path
                 "tests/unit/test_lora_kernel.py",
                 "tests/lora/test_lora_vs_peft.py::test_fused_decode_adds_the_adapters"]
