@@ -55,9 +55,8 @@ def test_default_model_gguf(default_model):
     with open(ngram.__file__, encoding="utf-8") as f:
         code = f.read()[-700:]
     prompts = [f"Repeat this code exactly:\n{code}\nRepeated:\n",
-               "Count: one two three four five six seven, one two three four five six seven, one two three four "
-               "five six seven, one two three four five six seven, one two three four five six seven, one two",
-               ]  # fmt: skip
+               "Count: one two three four five six seven, one two three four five six seven, one two three four five "
+               + "six seven, one two three four five six seven, one two three four five six seven, one two"]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
     _identical(*_runs(default_model, prompts, params, dtype="bfloat16"))
 
