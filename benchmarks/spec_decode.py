@@ -10,6 +10,14 @@ chat prompts come from a ShareGPT file (`--dataset`; without one only the code p
     python benchmarks/spec_decode.py --dataset sharegpt_samples_1024.json
     python benchmarks/spec_decode.py --model m.gguf --quantization none \
         --speculative-config '{"model": "m.gguf", "num_speculative_tokens": 4}'   # its own quantized file
+    python benchmarks/spec_decode.py --dataset sharegpt_samples_1024.json --llama-cpp   # llama.cpp beside
+
+With --llama-cpp (a GGUF target and prompt lookup) llama.cpp runs the same file and the same prompt tokens
+through llama-cpp-python, plain and with its prompt lookup (`LlamaPromptLookupDecoding`: the same number
+of guesses, n-grams up to the same length; it takes the earliest match where perfxlm takes the latest),
+greedy, for as many tokens as perfxlm's plain output has, alternating with perfxlm's runs; the rows
+then show llama.cpp's decode tok/s with and without its lookup and perfxlm's speculative speed over
+llama.cpp's.
 """
 
 from __future__ import annotations
@@ -53,6 +61,42 @@ def make_prompts(tokenizer, dataset: str | None, per_kind: int, passage_tokens: 
     return kinds
 
 
+class LlamaCppPair:
+    """llama.cpp on the target's GGUF file (llama-cpp-python), plain and with its prompt lookup, both
+    greedy; each run decodes a given number of tokens after the same prompt tokens perfxlm was given."""
+
+    def __init__(self, plain: LLM, spec: dict, threads: int) -> None:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        path = plain.llm_engine.config.model
+        if not str(path).endswith(".gguf") or spec.get("method") != "ngram":
+            raise SystemExit("--llama-cpp compares prompt lookup on a GGUF target (--model FILE.gguf, method ngram)")
+        common = {"model_path": path, "n_ctx": 4096, "n_threads": threads, "n_threads_batch": threads,
+                  "verbose": False}
+        lookup = LlamaPromptLookupDecoding(max_ngram_size=spec.get("prompt_lookup_max", 4),
+                                           num_pred_tokens=spec.get("num_speculative_tokens", 5))
+        self.engines = {"llama.cpp": Llama(**common), "llama.cpp lookup": Llama(**common, draft_model=lookup)}
+
+    def run(self, prompt_ids: list[int], n: int) -> dict[str, float]:
+        """Decode tok/s of each (the tokens after the first over the time after it)."""
+        import time
+
+        speeds = {}
+        for name, llm in self.engines.items():
+            llm.reset()
+            llm._ctx.kv_cache_clear()  # no prefix reuse from the last run: both sides prefill the prompt
+            first, count = None, 0
+            for _ in llm.generate(prompt_ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
+                count += 1
+                if first is None:
+                    first = time.perf_counter()
+                if count >= n:
+                    break
+            speeds[name] = (count - 1) / (time.perf_counter() - first) if count > 1 else 0.0
+        return speeds
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="target model (default: the embedded SmolLM2 GGUF)")
@@ -68,6 +112,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="alternating runs of each prompt per engine")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--output-json", default=None)
+    ap.add_argument("--llama-cpp", action="store_true",
+                    help="also time llama.cpp (llama-cpp-python) on the same GGUF file and prompts, plain and with "
+                         "its prompt lookup")
     args = ap.parse_args()
     import torch
 
@@ -78,9 +125,10 @@ def main() -> int:
     tokenizer = plain.get_tokenizer()
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     stats = spec.llm_engine.scheduler.spec_stats
+    llama = LlamaCppPair(plain, json.loads(args.speculative_config), args.threads) if args.llama_cpp else None
     report = {}
     for kind, texts in make_prompts(tokenizer, args.dataset, args.prompts_per_kind, args.passage_tokens).items():
-        speeds: dict[str, list[float]] = {"plain": [], "spec": []}
+        speeds: dict[str, list[float]] = {"plain": [], "spec": [], "llama.cpp": [], "llama.cpp lookup": []}
         same = True
         before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
         for p, text in enumerate(texts):
@@ -91,19 +139,30 @@ def main() -> int:
                 for name, llm in (("plain", plain), ("spec", spec)):
                     result = measure_batch(llm.llm_engine, [prompt], params, tag=f"{kind}-{p}-{r}-{name}")
                     speeds[name].append(result["decode_tok_s"])
-                outs = {name: llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+                outs = {name: llm.generate(prompt, params, use_tqdm=False)[0]
                         for name, llm in (("plain", plain), ("spec", spec))}
-            same &= outs["plain"] == outs["spec"]
+                if llama is not None:
+                    for name, tok_s in llama.run(outs["plain"].prompt_token_ids,
+                                                 len(outs["plain"].outputs[0].token_ids)).items():
+                        speeds[name].append(tok_s)
+            same &= outs["plain"].outputs[0].token_ids == outs["spec"].outputs[0].token_ids
         drafts, draft_tokens, accepted = (a - b for a, b in zip(
             (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens), before))
         row = {"plain_tok_s": statistics.median(speeds["plain"]), "spec_tok_s": statistics.median(speeds["spec"]),
                "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
                "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0, "identical": same}
         row["speedup"] = row["spec_tok_s"] / row["plain_tok_s"]
+        line = ""
+        if llama is not None:
+            row["llama_cpp_tok_s"] = statistics.median(speeds["llama.cpp"])
+            row["llama_cpp_lookup_tok_s"] = statistics.median(speeds["llama.cpp lookup"])
+            line = (f"  | llama.cpp {row['llama_cpp_tok_s']:7.1f}, with lookup {row['llama_cpp_lookup_tok_s']:7.1f} "
+                    f"tok/s (x{row['llama_cpp_lookup_tok_s'] / row['llama_cpp_tok_s']:.2f}); perfxlm speculative / "
+                    f"llama.cpp lookup x{row['spec_tok_s'] / row['llama_cpp_lookup_tok_s']:.2f}")
         report[kind] = row
         print(f"{kind:12} plain {row['plain_tok_s']:7.1f} tok/s  speculative {row['spec_tok_s']:7.1f} tok/s  "
               f"x{row['speedup']:.2f}  acceptance {row['acceptance_rate']:.0%}  mean accepted length "
-              f"{row['mean_acceptance_length']:.2f}  outputs identical: {same}", flush=True)
+              f"{row['mean_acceptance_length']:.2f}  outputs identical: {same}{line}", flush=True)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"speculative_config": json.loads(args.speculative_config), "results": report}, f, indent=2)

@@ -20,7 +20,7 @@ MAX_BACKOFF = 16
 class DraftBudget:
     """One request's allowance of guesses (kept on the request, updated by the scheduler)."""
 
-    __slots__ = ("backoff", "skip", "length")
+    __slots__ = ("backoff", "length", "skip")
 
     def __init__(self) -> None:
         self.backoff = 0  # proposals to sit out after the next miss (doubling)

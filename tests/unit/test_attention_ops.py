@@ -227,7 +227,7 @@ def test_native_decode_row_is_the_same_bits_in_any_batch(threads, cache_dtype):
         k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     # verification rows of one sequence, then other sequences: short, past one range, past several
     seq_lens = [1203, 1204, 1205, 1206, 1207, 1208, 131, 7, 517, 2049]
-    tables, bt = _random_tables([1208, 131, 7, 517, 2049], block_size, num_blocks)
+    _, bt = _random_tables([1208, 131, 7, 517, 2049], block_size, num_blocks)
     bt = torch.cat([bt[:1].expand(6, -1), bt[1:]])
     q = torch.randn(len(seq_lens), num_heads, head_dim)
     n = torch.get_num_threads()
