@@ -60,9 +60,13 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=64)
     args = ap.parse_args()
     model = args.model or default_model_path()
-    engines = {d: LLM(model, dtype="float32", enable_lora=True, max_lora_rank=args.rank, lora_dtype=d,
-                      enable_prefix_caching=False) for d in ("float32", "bfloat16", "int8")}
-    cfg = engines["float32"].llm_engine.config.hf_config
+
+    def engine(lora_dtype: str) -> LLM:  # one at a time: three float32 copies of a model need not fit
+        return LLM(model, dtype="float32", enable_lora=True, max_lora_rank=args.rank, lora_dtype=lora_dtype,
+                   enable_prefix_caching=False, num_kv_blocks=args.prompts * (args.input_len + args.output_len) // 16 + 64)
+
+    llm = engine("float32")
+    cfg = llm.llm_engine.config.hf_config
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, cfg.vocab_size - 100, (args.input_len,), generator=g).tolist()
                for _ in range(args.prompts)]
@@ -70,13 +74,16 @@ def main() -> int:
         path = write_adapter(os.path.join(tmp, "a"), cfg, args.rank, seed=1, std=args.std)
         lora = LoRARequest("a", 1, path)
         greedy = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-        outs = engines["float32"].generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False,
-                                           lora_request=lora)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False, lora_request=lora)
         sequences = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
         starts = [len(p) for p in prompts]
-        ref = scored(engines["float32"], sequences, starts, lora)
-        rows = {d: scored(engines[d], sequences, starts, lora) for d in ("bfloat16", "int8")}
-        rows["no adapter"] = scored(engines["float32"], sequences, starts, None)
+        ref = scored(llm, sequences, starts, lora)
+        rows = {"no adapter": scored(llm, sequences, starts, None)}
+        del llm
+        for d in ("bfloat16", "int8"):
+            llm = engine(d)
+            rows[d] = scored(llm, sequences, starts, lora)
+            del llm
     print(f"model {model} (float32 activations), one adapter of rank {args.rank} on every projection "
           f"(A, B ~ N(0, {args.std}^2), alpha 2r), {args.prompts} prompts x {args.output_len} greedy tokens of "
           "the float32 adapter, scored teacher-forced; against float32 adapters (= peft):")

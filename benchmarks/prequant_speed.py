@@ -104,7 +104,8 @@ def main() -> int:
         if args.only:
             keep = {n.strip() for n in args.only.split(",")}
             folders = {k: v for k, v in folders.items() if k in keep or k == "int4"}
-        engines = {name: LLM(path, skip_tokenizer_init=True, enable_prefix_caching=False, **extra)
+        blocks = (args.parallel or 1) * (args.prompt_len + args.output_len) // 16 + 64  # five engines' KV pools
+        engines = {name: LLM(path, skip_tokenizer_init=True, enable_prefix_caching=False, num_kv_blocks=blocks, **extra)
                    for name, (path, extra) in folders.items()}
         g = torch.Generator().manual_seed(0)
         prompt = torch.randint(10, 1000, (args.prompt_len,), generator=g).tolist()
