@@ -62,7 +62,7 @@ def test_round_trip_near_the_float16_form_and_below_the_plain_rule(n, k, group, 
 def test_stacks_and_odd_widths():
     """An expert stack keeps its leading dimension; widths that are not whole super-blocks keep the float16
     form through the configuration (and the quantizer itself refuses them by name)."""
-    c = QuantizationConfig.resolve({"method": "int4", "calibration": False})
+    c = QuantizationConfig.resolve({"method": "int4", "calibration": False, "super_blocks": True})
     experts = torch.randn(3, 5, 512, generator=torch.Generator().manual_seed(0)) * 0.05
     stack = c.quantize_weight(experts)
     assert stack.two_level and stack.num_experts == 3 and tuple(stack.scales.shape) == (3, 5, 20)
@@ -71,7 +71,8 @@ def test_stacks_and_odd_widths():
     for k in (96, 288, 800):  # 3 / 9 / 25 groups of 32: no whole super-blocks
         q = c.quantize_weight(torch.randn(7, k) * 0.05)
         assert not q.two_level and q.scales.dtype == torch.float16
-    q = QuantizationConfig.resolve({"method": "int4", "group_size": 512}).quantize_weight(torch.randn(3, 1024))
+    c = QuantizationConfig.resolve({"method": "int4", "group_size": 512, "super_blocks": True})
+    q = c.quantize_weight(torch.randn(3, 1024))
     assert not q.two_level  # a group wider than a super-block
     with pytest.raises(ValueError, match="multiple of 256"):
         two_level.quantize_int4(torch.randn(4, 288), 32)
@@ -83,7 +84,7 @@ def test_a_factor_beyond_float16_keeps_the_float_form():
     w = torch.randn(2, 256)
     w[0, :32] *= 1e9
     assert two_level.quantize_int4(w, 32) is None
-    q = QuantizationConfig.resolve({"method": "int4", "calibration": False}).quantize_weight(w)
+    q = QuantizationConfig.resolve({"method": "int4", "calibration": False, "super_blocks": True}).quantize_weight(w)
     assert not q.two_level and q.scales.dtype == torch.float32
 
 
@@ -143,11 +144,12 @@ def test_cuts_and_fusions_keep_the_values():
 
 
 def test_options_and_errors():
-    c = QuantizationConfig.resolve("int4")
+    c = QuantizationConfig.resolve({"method": "int4", "super_blocks": True})
     assert c.super_blocks and "per 256" in c.describe()
     assert QuantizationConfig.resolve(c.as_dict()) == c
-    off = QuantizationConfig.resolve({"method": "int4", "super_blocks": False})
+    off = QuantizationConfig.resolve("int4")  # opt-in: the float16 form keeps its batch-1 speed
     assert not off.super_blocks and QuantizationConfig.resolve(off.as_dict()) == off
+    assert off == QuantizationConfig.resolve({"method": "int4", "super_blocks": False})
     assert not off.quantize_weight(torch.randn(3, 256)).two_level
     assert not QuantizationConfig.resolve({"method": "int4", "symmetric": True}).super_blocks
     for bad, match in [({"method": "int8", "super_blocks": True}, "asymmetric int4 only"),
@@ -169,7 +171,7 @@ def llama256(tmp_path_factory) -> str:
 def test_engine_greedy_equals_the_dequantized_twin(llama256, monkeypatch):
     monkeypatch.setenv("PERFXLM_QUANT_ACTIVATIONS", "float32")  # weight-only products: exact to summation order
     llm = LLM(llama256, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64,
-              quantization={"method": "int4", "calibration": False})  # fmt: skip
+              quantization={"method": "int4", "calibration": False, "super_blocks": True})  # fmt: skip
     ws = quantized_weights(model_of(llm))
     downs = {n: w for n, w in ws.items() if "down_proj" in n}
     # mixed precision widens layer 2's (use_more_bits) to 5 bits; the others are two-level 4-bit
