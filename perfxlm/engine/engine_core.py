@@ -178,4 +178,11 @@ def _verify_row_budget(config: EngineConfig) -> int:
     if config.torch_device.type != "cpu":
         return 32
     plan = cpu_plan.plan()
-    return max(2, plan.quant_max_rows if config._quantized_source() is not None else plan.native_max_rows)
+    if config._quantized_source() is None:
+        return max(2, plan.native_max_rows)
+    rows = plan.quant_max_rows
+    if plan.quant_gemm == "int8" and plan.quant_gemm_rows > 0:
+        # int8-block weights take the int8 GEMM from quant_gemm_rows rows: a verification step past it
+        # would round its rows other than a one-row decode does (speculation must not change the output)
+        rows = min(rows, plan.quant_gemm_rows - 1)
+    return max(2, rows)
