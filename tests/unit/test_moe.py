@@ -122,8 +122,10 @@ def test_native_experts_cut_into_runs_keep_the_bits(kind, num_tokens, num_expert
     from perfxlm.quant.weight import ActivationMode
 
     _native_or_skip()
-    if kind.endswith("_blocks") and num_tokens == 90:
-        pytest.skip("many rows under int8 blocks: the torch loop takes the int8 GEMM, the kernel its GEMV's blocks")
+    # many rows under int8 blocks: the torch loop takes the int8 GEMM, the kernel its GEMV's blocks, which
+    # sum in another order, so the down projection's inputs can round to other int8 codes: close, not the
+    # same bits (a wrong route or a lost expert is off by the size of an expert's output)
+    same_bits = not (kind.endswith("_blocks") and num_tokens == 90)
     hidden, inter = {"bf16": (70, 99), "q4_k": (256, 256)}.get(kind, (128, 192))
     gate_up, down = _stacks(kind.removesuffix("_blocks"), num_experts, hidden, inter, seed=num_tokens)
     if kind.endswith("_blocks"):  # a weight-only format under quant_activations=int8 (llama.cpp's Q8 products)
@@ -139,7 +141,10 @@ def test_native_experts_cut_into_runs_keep_the_bits(kind, num_tokens, num_expert
             looped = moe_module.grouped_experts_torch(x, weights, ids, gate_up, down, SiluAndMul())
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(native, looped)
+    if same_bits:
+        assert torch.equal(native, looped)
+    else:
+        torch.testing.assert_close(native, looped, rtol=0.05, atol=2e-3 * looped.abs().max().item())
     assert native.abs().sum() > 0
 
 
