@@ -28,5 +28,9 @@ def fused_elementwise(x) -> bool:
     GPU. `PERFXLM_GPU_FUSED=0` keeps torch's ops (the A/B of benchmarks/gpu_sweep.py)."""
     import torch
 
-    return (x.device.type == "cuda" and x.dtype in (torch.float16, torch.bfloat16) and x.stride(-1) == 1
-            and os.environ.get("PERFXLM_GPU_FUSED", "1") != "0")
+    return (_FUSED and x.device.type == "cuda" and x.dtype in (torch.float16, torch.bfloat16)
+            and x.stride(-1) == 1)
+
+
+# read once: the check runs for every rotary and activation call of an eager step
+_FUSED = os.environ.get("PERFXLM_GPU_FUSED", "1") != "0"
