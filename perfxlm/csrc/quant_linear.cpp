@@ -70,12 +70,15 @@ struct QW {
   alignas(16) uint8_t ulut[16] = {};
   float block_min_factor = 1.f;  // min_factor for the int8 block products
   // Two-level scales (GGUF K-quants, perfxlm/quant/super_scales.py): `kbytes` bytes per row, a byte per
-  // group (int8 where ksigned) then a float16 factor per 256 inputs; stored mins alike, each min being
-  // -(byte x factor). Null for float scales. The kernels never read these: `over_rows` hands them a view
-  // whose float32 scales and mins were multiplied out for the rows they run (expanded_rows).
+  // group (int8 where ksigned) then a float16 factor per 256 inputs (`kper` groups); stored mins alike,
+  // each min being -(byte x factor). Null for float scales. The int8 block products form the values from
+  // these bytes in their loops (kq_product) and the scalar reference per weight (weight_at); the float
+  // kernels get a view whose float32 scales and mins were multiplied out for the rows they run
+  // (expanded_rows, via over_rows).
   const uint8_t* kscales = nullptr;
   const uint8_t* kmins = nullptr;
   int64_t kbytes = 0;
+  int64_t kper = 0;
   bool ksigned = false;
 };
 
@@ -115,6 +118,42 @@ inline float param(const QW& w, const void* p, int64_t i) {
   return w.half ? param_at<true>(p, i) : param_at<false>(p, i);
 }
 
+// One row of two-level bytes: group g's sub-value at sub[g], super-block s's float16 factor at fac + 2 s.
+struct KBytes {
+  const uint8_t* sub;
+  const uint8_t* fac;
+};
+
+inline KBytes k_row(const uint8_t* bytes, const QW& w, int64_t n) {
+  const uint8_t* r = bytes + n * w.kbytes;
+  return {r, r + w.groups};
+}
+
+inline uint16_t k_half(const uint8_t* fac, int64_t s) {
+  uint16_t h;
+  std::memcpy(&h, fac + 2 * s, sizeof(h));
+  return h;
+}
+
+// Group g's value (per groups to a factor): float(sub) x factor, one rounding (the product gguf-py
+// forms); a min is its negation.
+inline float k_value(KBytes r, int64_t g, int64_t per, bool is_signed) {
+  const float sub = is_signed ? static_cast<float>(static_cast<int8_t>(r.sub[g])) : static_cast<float>(r.sub[g]);
+  return sub * half_to_float(k_half(r.fac, g / per));
+}
+
+// Row n's group g scale and min (min_factor applied) in either form.
+inline float scale_of(const QW& w, int64_t n, int64_t g) {
+  if (w.kscales) return k_value(k_row(w.kscales, w, n), g, w.kper, w.ksigned);
+  return param(w, w.scales, n * w.groups + g);
+}
+
+inline float min_of(const QW& w, int64_t n, int64_t g) {
+  if (w.kscales)
+    return (w.kmins ? -k_value(k_row(w.kmins, w, n), g, w.kper, false) : scale_of(w, n, g)) * w.min_factor;
+  return param(w, w.mins, n * w.groups + g) * w.min_factor;
+}
+
 // The code of weight (n, k): the scalar definition every vector path must agree with.
 inline int code_at(const QW& w, int64_t n, int64_t k) {
   const uint8_t* row = w.codes + n * w.row_bytes;
@@ -127,9 +166,9 @@ inline int code_at(const QW& w, int64_t n, int64_t k) {
 
 inline float weight_at(const QW& w, int64_t n, int64_t k) {
   const int u = code_at(w, n, k);
-  const int64_t g = n * w.groups + k / w.group;
+  const int64_t g = k / w.group;
   const float v = w.levels ? w.levels[u] : static_cast<float>(u);
-  return std::fma(v, param(w, w.scales, g), param(w, w.mins, g) * w.min_factor);
+  return std::fma(v, scale_of(w, n, g), min_of(w, n, g));
 }
 
 QW describe_two_level(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
@@ -206,6 +245,7 @@ QW describe_two_level(const at::Tensor& codes, const at::Tensor& scales, const c
   w.kscales = static_cast<const uint8_t*>(scales.data_ptr());
   w.kmins = centred ? nullptr : static_cast<const uint8_t*>(mins->data_ptr());
   w.kbytes = scales.size(1);
+  w.kper = groups / supers;
   w.ksigned = scales.scalar_type() == at::kChar;
   return w;
 }
@@ -435,8 +475,9 @@ void dequant_rows(const QW& whole, int64_t n0, int64_t n1, T* out) {
   });
 }
 #else
-void q_gemv(const float* x, int64_t M, const QW& whole, float* y, const float* bias) {
-  over_rows(whole, 1, 16, [&](const QW& w, int64_t begin, int64_t end) {
+// weight_at forms two-level scales from their bytes: the weight as given, no expanded runs.
+void q_gemv(const float* x, int64_t M, const QW& w, float* y, const float* bias) {
+  at::parallel_for(0, w.N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
       for (int64_t m = 0; m < M; ++m) {
         float acc = 0.f;
@@ -454,12 +495,10 @@ inline void store_out(uint16_t* p, float v) {  // round to nearest even, as torc
 }
 
 template <typename T>
-void dequant_rows(const QW& whole, int64_t n0, int64_t n1, T* out) {
+void dequant_rows(const QW& w, int64_t n0, int64_t n1, T* out) {
   at::parallel_for(n0, n1, 8, [&](int64_t begin, int64_t end) {
-    in_runs(whole, begin, end, 1, [&](const QW& w, int64_t r0, int64_t r1) {
-      for (int64_t n = r0; n < r1; ++n)
-        for (int64_t k = 0; k < w.K; ++k) store_out(out + (n - n0) * w.K + k, weight_at(w, n, k));
-    });
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t k = 0; k < w.K; ++k) store_out(out + (n - n0) * w.K + k, weight_at(w, n, k));
   });
 }
 #endif
@@ -1100,6 +1139,400 @@ inline void block_tile_m1x4_q8(const BlockActs& a, int64_t m, const QW& w, int64
 #define PERFXLM_BLOCK_M1X4 1
 #endif  // PERFXLM_VNNI / PERFXLM_DOTS_AVX2
 
+// ---------------------------------------------------------------------------------------------
+// Two-level scales in the int8 block products (GGUF K-quants, int4's super-block form): a group's scale
+// and min are formed where the kernel uses them, each byte widened to float32 times its super-block's
+// float16 factor, read from the row's packed bytes (llama.cpp's q4_K_q8_K dot forms d x sc per 32 in its
+// loop as well). Before, every run of 32 rows had its bytes multiplied out into a float buffer first
+// (expanded_rows): at batch 1 that pass cost a third as much as the products it fed. Here a row's 8 scales
+// of a super-block are one widening load, a conversion and a multiply by the factor, shared by its four
+// chunks; the mins go in once per row as before, 8 groups per step. The values are the expansion's (one
+// rounding: float(byte) x factor, the product gguf-py forms) and each row's sums run in the float-scale
+// kernels' order, so a two-level weight gives the bits of the same weight with its scales multiplied
+// out, and a row alone the bits of that row in a batch.
+// Layouts taken (kq_takes): 4-bit codes at groups of 32 (Q4_K, int4) or 64-256 (int4), 5-bit codes at
+// groups of 32 (Q5_K), centred 8-bit codes at groups of 16 with signed sub-scales (Q6_K). Other two-level layouts
+// keep the expansion (in_runs), as the float-activation kernel and the slab dequantization do.
+// ---------------------------------------------------------------------------------------------
+#ifdef PERFXLM_INT8_DOTS
+inline bool kq_takes(const QW& w, int spc) {
+  if (!w.kscales || w.levels) return false;
+  if (w.bits4) return !w.ksigned && (spc == 2 || (spc == 1 && !w.bits5));
+  return spc == 4 && w.ksigned && w.centred;
+}
+
+// Row n's scale bytes and the bytes its mins come from (centred codes: the scale bytes again, the min
+// being the scale x min_factor).
+inline KBytes kscale_bytes(const QW& w, int64_t n) { return k_row(w.kscales, w, n); }
+inline KBytes kmin_bytes(const QW& w, int64_t n) { return k_row(w.kmins ? w.kmins : w.kscales, w, n); }
+#endif
+
+#ifdef PERFXLM_DOTS_AVX2
+// 8 sub-values of a two-level row from group g, widened to float32 (exact).
+template <bool SIGNED>
+inline __m256 kbytes8(const uint8_t* sub, int64_t g) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + g));
+  return _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+}
+
+// The factors of groups g..g + 7 times sign, lane l holding factor (g + l) / per; g a multiple of 8 (per
+// >= 8: one factor, per being 8 or 16) or of per (per 1, 2, 4: 8 / per factors spread).
+inline __m256 kfactors8(const uint8_t* fac, int64_t g, int64_t per, float sign) {
+  const __m256 signs = _mm256_set1_ps(sign);
+  if (per >= 8)  // broadcast as float16, then converted: two instructions where a scalar conversion took four
+    return _mm256_mul_ps(_mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(k_half(fac, g / per)))), signs);
+  const uint8_t* f = fac + 2 * (g / per);
+  __m128i h;
+  __m256i idx;
+  if (per == 4) {
+    int32_t v;
+    std::memcpy(&v, f, sizeof(v));
+    h = _mm_cvtsi32_si128(v);
+    idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  } else if (per == 2) {
+    h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(f));
+    idx = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+  } else {
+    h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(f));
+    idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  }
+  return _mm256_mul_ps(_mm256_permutevar8x32_ps(_mm256_cvtph_ps(h), idx), signs);
+}
+
+// Groups g..g + 7 of a two-level row: sub x (factor x sign), expand_row's values.
+template <bool SIGNED>
+inline __m256 kvalues8(KBytes r, int64_t g, int64_t per, float sign) {
+  return _mm256_mul_ps(kbytes8<SIGNED>(r.sub, g), kfactors8(r.fac, g, per, sign));
+}
+
+// prefetch_row for two-level rows: the codes, then the scale and min bytes.
+inline void kprefetch_row(const QW& w, int64_t n) {
+  if (n >= w.N) return;
+  const char* codes = reinterpret_cast<const char*>(w.codes + n * w.row_bytes);
+  for (int64_t o = 0; o < w.row_bytes; o += 64) _mm_prefetch(codes + o, _MM_HINT_T0);
+  const char* sc = reinterpret_cast<const char*>(w.kscales + n * w.kbytes);
+  const char* mn = w.kmins ? reinterpret_cast<const char*>(w.kmins + n * w.kbytes) : nullptr;
+  for (int64_t o = 0; o < w.kbytes; o += 64) {
+    _mm_prefetch(sc + o, _MM_HINT_T0);
+    if (mn) _mm_prefetch(mn + o, _MM_HINT_T0);
+  }
+}
+
+// add_mins for two-level row n: the same steps (8 groups, the last few as one more masked step, or one
+// by one under 8 groups), each min formed from its bytes. A stored min is -(byte x factor): its bytes
+// times the factor, subtracted (fnmadd: the same single rounding as adding the negated product). Centred
+// codes (Q6_K's 8-bit ones; kq_takes) add scale x min_factor, the factor times it exactly (a power of
+// two), or nothing where the codes were shifted by 128 (AVX2 without AVX-VNNI: they are the signed values).
+template <bool BITS4, bool SIGNED>
+inline __m256 kadd_mins(__m256 acc, const QW& w, int64_t n, const float* gsum) {
+  if constexpr (!BITS4 && kShift8) return acc;
+  const bool stored = w.kmins != nullptr;
+  const KBytes src = stored ? kmin_bytes(w, n) : kscale_bytes(w, n);
+  const int64_t per = w.kper;
+  const float factor = stored ? 1.f : w.block_min_factor;
+  const auto step = [&](int64_t g, __m256 sums, __m256 a) {
+    if (stored) return _mm256_fnmadd_ps(kvalues8<false>(src, g, per, 1.f), sums, a);
+    return _mm256_fmadd_ps(kvalues8<SIGNED>(src, g, per, factor), sums, a);
+  };
+  int64_t g = 0;
+  for (; g + 8 <= w.groups; g += 8) acc = step(g, _mm256_loadu_ps(gsum + g), acc);
+  if (g < w.groups && w.groups >= 8) {  // per < 8 here, and groups - 8 a multiple of it
+    const int64_t last = w.groups - 8;
+    const __m256i done = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(g - last)),
+                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return step(last, _mm256_andnot_ps(_mm256_castsi256_ps(done), _mm256_loadu_ps(gsum + last)), acc);
+  }
+  float tail = 0.f;
+  for (; g < w.groups; ++g) {
+    const float m = (stored ? -k_value(src, g, per, false) : k_value(src, g, per, SIGNED)) * w.block_min_factor;
+    tail += m * gsum[g];
+  }
+  return _mm256_add_ps(acc, _mm256_setr_ps(tail, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f));
+}
+
+// block_tile_m1x4 on two-level 4- or 5-bit rows: four rows against the one activation row, each row's
+// 8 scales of a super-block formed once for its four chunks (groups of 32), or one scale per chunk
+// (groups of 64 or more).
+template <bool FIVE, int SPC>
+inline void kq_tile_m1x4(const BlockActs& a, const QW& w, int64_t n0, float* y, const float* bias) {
+  const int64_t K = w.K, chunks = K / 64;
+  const __m256i lut = _mm256_setzero_si256();  // two-level codes take no table
+  const uint8_t* row[4];
+  KBytes sc[4];
+  #pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) {
+    row[j] = w.codes + (n0 + j) * w.row_bytes;
+    sc[j] = kscale_bytes(w, n0 + j);
+    kprefetch_row(w, n0 + j + kPrefetchRows);
+  }
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  const auto chunk = [&](int64_t c, const auto& scales) {
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + c * 64));
+    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + c * 64 + 32));
+    const __m256 xv = _mm256_loadu_ps(a.lanes + c * 16);
+    #pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      __m256i lo, hi;
+      chunk_halves<FIVE>(row[j], c, w, lut, lo, hi);
+      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_pairs(lo, x0, hi, x1)), _mm256_mul_ps(scales(j), xv), acc[j]);
+    }
+  };
+  if constexpr (SPC == 2) {
+    for (int64_t s = 0; s < chunks / 4; ++s) {
+      __m256 s8[4];
+      #pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) s8[j] = kvalues8<false>(sc[j], 8 * s, 8, 1.f);
+      #pragma GCC unroll 4
+      for (int q = 0; q < 4; ++q) {
+        const __m256i idx = _mm256_setr_epi32(2 * q, 2 * q, 2 * q, 2 * q, 2 * q + 1, 2 * q + 1, 2 * q + 1, 2 * q + 1);
+        chunk(4 * s + q, [&](int j) { return _mm256_permutevar8x32_ps(s8[j], idx); });
+      }
+    }
+  } else {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t g = chunk_group<1>(w, c);
+      chunk(c, [&](int j) { return _mm256_set1_ps(k_value(sc[j], g, w.kper, false)); });
+    }
+  }
+  #pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) acc[j] = kadd_mins<true, false>(acc[j], w, n0 + j, a.gsum);
+  __m128 sum = hsum4x8(acc[0], acc[1], acc[2], acc[3]);
+  if (bias) sum = _mm_add_ps(sum, _mm_loadu_ps(bias + n0));
+  _mm_storeu_ps(y + n0, sum);
+}
+
+// block_tile's one weight row n against MT activation rows from m0, on two-level rows: 4- or 5-bit codes
+// (their super-block's 8 scales formed once for four chunks, or one per chunk), or 8-bit codes at groups
+// of 16 (a super-block's 16 scales formed once, as two registers, for its four chunks).
+template <bool BITS4, bool SIGNED, int SPC, int MT, bool FIVE>
+inline void kq_row(const BlockActs& a, int64_t m0, const QW& w, int64_t n, float* y, const float* bias) {
+  const int64_t K = w.K, N = w.N, chunks = K / 64;
+  const int8_t* xq = a.q + m0 * K;
+  const float* lanes = a.lanes + m0 * chunks * 16;
+  const uint8_t* row = w.codes + n * w.row_bytes;
+  const KBytes sc = kscale_bytes(w, n);
+  kprefetch_row(w, n + kPrefetchRows);
+  __m256 acc[MT][2];
+  #pragma GCC unroll 4
+  for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  if constexpr (BITS4) {
+    const __m256i lut = _mm256_setzero_si256();
+    const auto chunk = [&](int64_t c, __m256 ws) {
+      __m256i lo, hi;
+      chunk_halves<FIVE>(row, c, w, lut, lo, hi);
+      #pragma GCC unroll 4
+      for (int i = 0; i < MT; ++i) {
+        const int8_t* xc = xq + i * K + c * 64;
+        const __m256i d = dot_pairs(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)), hi,
+                                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32)));
+        const __m256 xs = _mm256_loadu_ps(lanes + (i * chunks + c) * 16);
+        acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(ws, xs), acc[i][0]);
+      }
+    };
+    if constexpr (SPC == 2) {
+      for (int64_t s = 0; s < chunks / 4; ++s) {
+        const __m256 s8 = kvalues8<false>(sc, 8 * s, 8, 1.f);
+        #pragma GCC unroll 4
+        for (int q = 0; q < 4; ++q)
+          chunk(4 * s + q, _mm256_permutevar8x32_ps(s8, _mm256_setr_epi32(2 * q, 2 * q, 2 * q, 2 * q, 2 * q + 1,
+                                                                           2 * q + 1, 2 * q + 1, 2 * q + 1)));
+      }
+    } else {
+      for (int64_t c = 0; c < chunks; ++c) chunk(c, _mm256_set1_ps(k_value(sc, chunk_group<1>(w, c), w.kper, false)));
+    }
+  } else {
+    static_assert(BITS4 || SPC == 4, "two-level 8-bit codes: groups of 16");
+    for (int64_t s = 0; s < chunks / 4; ++s) {
+      const __m256 s16[2] = {kvalues8<SIGNED>(sc, 16 * s, 16, 1.f), kvalues8<SIGNED>(sc, 16 * s + 8, 16, 1.f)};
+      #pragma GCC unroll 4
+      for (int q = 0; q < 4; ++q) {
+        const int64_t c = 4 * s + q;
+        const int b = 4 * (q % 2);  // chunk c's 4 groups: lanes b..b + 3 of s16[q / 2]
+        const __m256 ws_lo = _mm256_permutevar8x32_ps(s16[q / 2], _mm256_setr_epi32(b, b, b, b, b + 1, b + 1, b + 1, b + 1));
+        const __m256 ws_hi =
+            _mm256_permutevar8x32_ps(s16[q / 2], _mm256_setr_epi32(b + 2, b + 2, b + 2, b + 2, b + 3, b + 3, b + 3, b + 3));
+        const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 64));
+        const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 64 + 32));
+        #pragma GCC unroll 4
+        for (int i = 0; i < MT; ++i) {
+          const int8_t* xc = xq + i * K + c * 64;
+          const float* xs = lanes + (i * chunks + c) * 16;  // lanes 0-7: block A's scale, 8-15: B's
+          const __m256i d0 = dot_u8(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)));
+          const __m256i d1 = dot_u8(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32)));
+          acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(ws_lo, _mm256_broadcast_ss(xs)), acc[i][0]);
+          acc[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(ws_hi, _mm256_broadcast_ss(xs + 8)), acc[i][1]);
+        }
+      }
+    }
+  }
+  #pragma GCC unroll 4
+  for (int i = 0; i < MT; ++i) {
+    const __m256 sum = BITS4 ? acc[i][0] : _mm256_add_ps(acc[i][0], acc[i][1]);
+    const __m256 total = kadd_mins<BITS4, SIGNED>(sum, w, n, a.gsum + (m0 + i) * a.gstride);
+    y[(m0 + i) * N + n] = hsum8(total) + (bias ? bias[n] : 0.f);
+  }
+}
+
+// Rows n0..n0 + NT - 1 against the M activation rows, MT at a time, in block_rows' order.
+template <bool BITS4, bool SIGNED, int SPC, int NT, bool FIVE>
+inline void kq_rows(const BlockActs& a, int64_t M, const QW& w, int64_t n0, float* y, const float* bias) {
+  if constexpr (BITS4 && NT == 4) {
+    if (M == 1) return kq_tile_m1x4<FIVE, SPC>(a, w, n0, y, bias);
+  }
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4)
+    for (int j = 0; j < NT; ++j) kq_row<BITS4, SIGNED, SPC, 4, FIVE>(a, m, w, n0 + j, y, bias);
+  for (int j = 0; j < NT; ++j) {
+    switch (M - m) {
+      case 3: kq_row<BITS4, SIGNED, SPC, 3, FIVE>(a, m, w, n0 + j, y, bias); break;
+      case 2: kq_row<BITS4, SIGNED, SPC, 2, FIVE>(a, m, w, n0 + j, y, bias); break;
+      case 1: kq_row<BITS4, SIGNED, SPC, 1, FIVE>(a, m, w, n0 + j, y, bias); break;
+      default: break;
+    }
+  }
+}
+#endif  // PERFXLM_DOTS_AVX2
+
+#ifdef PERFXLM_VNNI
+// Up to 16 values of a two-level row from group g (a multiple of 16), the lanes past n zero: the bytes
+// widened, times the factors of their super-blocks spread over the lanes (pidx: lane l -> l / per), times
+// sign: expand_row's values, as load_params16 would read them from its buffer.
+template <bool SIGNED>
+inline __m512 kvalues16(KBytes r, int64_t g, int64_t n, int64_t per, int64_t supers, __m512i pidx, float sign) {
+  const __mmask16 mask = n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+  const __m128i b = _mm_maskz_loadu_epi8(mask, r.sub + g);
+  const __m512 v = _mm512_cvtepi32_ps(SIGNED ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+  const int64_t f0 = g / per, nf = std::min<int64_t>((std::min<int64_t>(n, 16) + per - 1) / per, supers - f0);
+  const __mmask16 fmask = static_cast<__mmask16>((1u << nf) - 1);
+  const __m512 f = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(fmask, r.fac + 2 * f0));
+  return _mm512_mul_ps(v, _mm512_mul_ps(_mm512_permutexvar_ps(pidx, f), _mm512_set1_ps(sign)));
+}
+
+// block_tile (AVX512-VNNI) on two-level rows: each chunk range's 16 scales formed from the bytes where
+// the float kernel loads them, the mins 16 groups per step.
+template <bool BITS4, bool SIGNED, int SPC, int MT, int NT, bool FIVE>
+inline void kq_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, float* y, const float* bias) {
+  const int64_t K = w.K, N = w.N, chunks = K / 64, groups = w.groups, per = w.kper, supers = K / kSuperBlock;
+  const int8_t* xq = a.q + m0 * K;
+  const float* lanes = a.lanes + m0 * chunks * 16;
+  const __m512i base_idx = SPC == 4 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
+                           : BITS4  ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
+                                    : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i pidx = _mm512_srlv_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(__builtin_ctzll(static_cast<unsigned long long>(per))));
+  constexpr int64_t per_load = SPC > 1 ? 16 / SPC : 1;
+  const __m512i lut = _mm512_setzero_si512();
+  KBytes sc[NT];
+  #pragma GCC unroll 16
+  for (int j = 0; j < NT; ++j) {
+    sc[j] = kscale_bytes(w, n0 + j);
+    if (n0 + NT + j < w.N) {  // the next tile's scale bytes (its codes are fetched in the loop)
+      _mm_prefetch(reinterpret_cast<const char*>(w.kscales + (n0 + NT + j) * w.kbytes), _MM_HINT_T0);
+      if (w.kmins) _mm_prefetch(reinterpret_cast<const char*>(w.kmins + (n0 + NT + j) * w.kbytes), _MM_HINT_T0);
+    }
+  }
+  __m512 acc[MT][NT];
+  #pragma GCC unroll 16
+  for (int i = 0; i < MT; ++i)
+    #pragma GCC unroll 16
+    for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t c0 = 0; c0 < chunks; c0 += per_load) {
+    const int64_t c1 = std::min(chunks, c0 + per_load);
+    __m512 S[NT];
+    if constexpr (SPC > 1) {
+      #pragma GCC unroll 16
+      for (int j = 0; j < NT; ++j) S[j] = kvalues16<SIGNED>(sc[j], c0 * SPC, (c1 - c0) * SPC, per, supers, pidx, 1.f);
+    }
+    for (int64_t c = c0; c < c1; ++c) {
+      __m512i xv[MT];
+      __m512 xs[MT];
+      #pragma GCC unroll 16
+      for (int i = 0; i < MT; ++i) {
+        xv[i] = _mm512_loadu_si512(xq + i * K + c * 64);
+        xs[i] = _mm512_loadu_ps(lanes + (i * chunks + c) * 16);
+      }
+      const __m512i idx = _mm512_add_epi32(base_idx, _mm512_set1_epi32(static_cast<int>(SPC * (c - c0))));
+      #pragma GCC unroll 16
+      for (int j = 0; j < NT; ++j) {
+        const int64_t n = n0 + j;
+        const uint8_t* row = w.codes + n * w.row_bytes;
+        if ((c & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + NT * w.row_bytes + c * (BITS4 ? 32 : 64)), _MM_HINT_T0);
+        const __m512i wv = chunk_codes<BITS4, FIVE>(row, c, w, lut);
+        __m512 ws;
+        if constexpr (SPC > 1)
+          ws = _mm512_permutexvar_ps(idx, S[j]);
+        else
+          ws = _mm512_set1_ps(k_value(sc[j], (c * 64) / w.group, per, SIGNED));
+        #pragma GCC unroll 16
+        for (int i = 0; i < MT; ++i) {
+          const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv[i]);
+          acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, xs[i]), acc[i][j]);
+        }
+      }
+    }
+  }
+  // the mins as kadd_mins adds them: stored ones subtracted, centred ones the scale x min_factor
+  const float* gsum = a.gsum + m0 * a.gstride;
+  const bool stored = w.kmins != nullptr;
+  for (int64_t g = 0; g < groups; g += 16) {
+    const int64_t left = groups - g;
+    const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    #pragma GCC unroll 16
+    for (int j = 0; j < NT; ++j) {
+      const __m512 mv = stored ? kvalues16<false>(kmin_bytes(w, n0 + j), g, left, per, supers, pidx, 1.f)
+                               : kvalues16<SIGNED>(sc[j], g, left, per, supers, pidx, w.block_min_factor);
+      #pragma GCC unroll 16
+      for (int i = 0; i < MT; ++i) {
+        const __m512 sums = _mm512_maskz_loadu_ps(mask, gsum + i * a.gstride + g);
+        acc[i][j] = stored ? _mm512_fnmadd_ps(mv, sums, acc[i][j]) : _mm512_fmadd_ps(mv, sums, acc[i][j]);
+      }
+    }
+  }
+  #pragma GCC unroll 16
+  for (int j = 0; j < NT; ++j)
+    #pragma GCC unroll 16
+    for (int i = 0; i < MT; ++i)
+      y[(m0 + i) * N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]) + (bias ? bias[n0 + j] : 0.f);
+}
+
+template <bool BITS4, bool SIGNED, int SPC, int NT, bool FIVE>
+inline void kq_rows(const BlockActs& a, int64_t M, const QW& w, int64_t n0, float* y, const float* bias) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) kq_tile<BITS4, SIGNED, SPC, 4, NT, FIVE>(a, m, w, n0, y, bias);
+  switch (M - m) {
+    case 3: kq_tile<BITS4, SIGNED, SPC, 3, NT, FIVE>(a, m, w, n0, y, bias); break;
+    case 2: kq_tile<BITS4, SIGNED, SPC, 2, NT, FIVE>(a, m, w, n0, y, bias); break;
+    case 1: kq_tile<BITS4, SIGNED, SPC, 1, NT, FIVE>(a, m, w, n0, y, bias); break;
+    default: break;
+  }
+}
+#endif  // PERFXLM_VNNI
+
+#ifdef PERFXLM_INT8_DOTS
+// All rows of a two-level weight, in parallel over tiles of four rows (over_rows' split, no expansion).
+template <bool BITS4, bool SIGNED, int SPC, bool FIVE>
+void kq_gemv_typed(const BlockActs& a, int64_t M, const QW& w, float* y, const float* bias) {
+  at::parallel_for(0, (w.N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
+    const int64_t n1 = std::min(w.N, end * 4);
+    int64_t n = begin * 4;
+    for (; n + 4 <= n1; n += 4) kq_rows<BITS4, SIGNED, SPC, 4, FIVE>(a, M, w, n, y, bias);
+    for (; n < n1; ++n) kq_rows<BITS4, SIGNED, SPC, 1, FIVE>(a, M, w, n, y, bias);
+  });
+}
+
+// The block product of a weight kq_takes.
+void kq_product(const BlockActs& a, int64_t M, const QW& w, float* y, const float* bias, int spc) {
+  if (!w.bits4)
+    kq_gemv_typed<false, true, 4, false>(a, M, w, y, bias);
+  else if (w.bits5)
+    kq_gemv_typed<true, false, 2, true>(a, M, w, y, bias);
+  else if (spc == 2)
+    kq_gemv_typed<true, false, 2, false>(a, M, w, y, bias);
+  else
+    kq_gemv_typed<true, false, 1, false>(a, M, w, y, bias);
+}
+#endif
+
 
 template <bool BITS4, bool HALF, int SPC, int NT, bool FIVE>
 inline void block_rows(const BlockActs& a, int64_t M, const QW& w, int64_t n0, float* y, const float* bias) {
@@ -1176,7 +1609,9 @@ at::Tensor block_product(const at::Tensor& x, const QW& w, const float* bias, in
   const BlockActs a = quantize_blocks(x, w);
   at::Tensor y = at::empty({M, w.N}, x.options());
   float* yp = y.data_ptr<float>();
-  if (w.bits5)
+  if (kq_takes(w, spc))
+    kq_product(a, M, w, yp, bias, spc);
+  else if (w.bits5)
     w.half ? block_gemv_spc<true, true, true>(a, M, w, yp, bias, spc)
            : block_gemv_spc<true, false, true>(a, M, w, yp, bias, spc);
   else if (w.bits4)

@@ -130,6 +130,33 @@ def test_native_products_match_the_reference_and_the_flat_form():
     torch.testing.assert_close(fast, ref, atol=1e-4 * (ref.abs().max().item() + 1), rtol=1e-4)
 
 
+@pytest.mark.parametrize("group", [32, 64, 128, 256])
+def test_every_group_through_the_block_kernels_alone_and_in_a_batch(group):
+    """The block kernels form each group's scale and min from the bytes (groups of 32 as 8 per super-block,
+    wider ones one per chunk; 24 / 12 / 6 / 3 groups per row: the mins' whole, masked and one-by-one
+    steps): the flat form's bits for 1-70 rows, a row alone the bits it has in a batch, near the plain
+    product. Odd rows (a tail past the four-row tiles)."""
+    ops = native.kernels()
+    if ops is None:
+        pytest.skip("no compiler for the native kernels")
+    n, k = 39, 768
+    q = two_level.quantize_int4(weights(n, k, seed=group), group, importance(k, seed=group))
+    flat = q.flat()
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(group)) * 2
+    x[3, 64:96] = 0.0  # an all-zero activation block
+    b = torch.randn(n, generator=torch.Generator().manual_seed(7))
+    blocks = ops.int8_block_dots()
+    ref = F.linear((_block_rounded(x) if blocks else x).double(), q.dequantize().double(), b.double()).float()
+    together = ops.linear_q(x, q.codes, q.scales, q.mins, None, b, False, 70, False, True, 70)
+    assert torch.equal(together, ops.linear_q(x, flat.codes, flat.scales, flat.mins, None, b, False, 70, False, True, 70))
+    torch.testing.assert_close(together, ref, atol=1e-4 * (ref.abs().max().item() + 1), rtol=1e-4)
+    for rows in (1, 2, 3, 4, 5, 17, 69):
+        part = ops.linear_q(x[:rows], q.codes, q.scales, q.mins, None, b, False, 70, False, True, 70)
+        assert torch.equal(part, together[:rows])
+    one = ops.linear_q(x[5:6], q.codes, q.scales, q.mins, None, b, False, 70, False, True, 70)
+    assert torch.equal(one, together[5:6])  # a later row alone, not only the batch's first
+
+
 def test_cuts_and_fusions_keep_the_values():
     a = two_level.quantize_int4(weights(6, 512, seed=1), 32)
     b = two_level.quantize_int4(weights(4, 512, seed=2), 32)
