@@ -5,6 +5,9 @@ alternating: prefill tok/s (512-token prompt) and batch-1 decode tok/s (512-toke
                                          [--threads 2] [--prompt 512] [--new-tokens 128] [--lora-rank 16]
 
 Without --folder the model is exported (`--flavor perfxlm`, the run's dtype) into a temporary folder.
+`--random FAMILY` (one of RANDOM's keys: gemma2, gemma3, glm4, opt, gpt-oss, deepseek-v2, deepseek-v3) builds
+a random-weight checkpoint of that family at a mid-size shape (a few hundred million parameters, a 32k
+vocabulary) instead of --model: speed depends on shapes, not values.
 With --lora-rank R both engines run with enable_lora and every request with one random adapter of rank R
 on every attention and MLP projection (lora_throughput.py's), so the figures are the graph's LoRA binding
 against the module path's.
@@ -22,6 +25,47 @@ import torch
 
 from perfxlm import LLM, SamplingParams
 from perfxlm.export.package import export_onnx
+
+
+# family -> (transformers config class, model class, config fields): mid-size shapes of each family's kind
+_SHARED = dict(vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False)
+RANDOM = {
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        hidden_size=1152, intermediate_size=6912, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, sliding_window=512)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        hidden_size=1152, intermediate_size=6912, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, sliding_window=512)),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(
+        hidden_size=1024, intermediate_size=4096, num_hidden_layers=8, num_attention_heads=16,
+        num_key_value_heads=2, head_dim=64)),
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(
+        hidden_size=1024, ffn_dim=4096, num_hidden_layers=8, num_attention_heads=16, word_embed_proj_dim=1024,
+        do_layer_norm_before=True)),
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        hidden_size=1024, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=16,
+        num_key_value_heads=4, head_dim=64, num_local_experts=16, num_experts_per_tok=4, sliding_window=128)),
+    "deepseek-v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=8, q_lora_rank=None, kv_lora_rank=256, qk_nope_head_dim=64,
+        qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,
+        first_k_dense_replace=1, topk_method="greedy")),
+    "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=8, q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64,
+        qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=4, topk_group=2)),
+}  # fmt: skip
+
+
+def random_checkpoint(family: str, path: str) -> str:
+    import transformers
+
+    config_cls, model_cls, fields = RANDOM[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**{**_SHARED, **fields})
+    getattr(transformers, model_cls)(config).save_pretrained(path)
+    return path
 
 
 def prompt(length: int, vocab: int, seed: int) -> list[dict]:
@@ -51,14 +95,19 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512, help="prompt tokens (prefill, and decode's context)")
     ap.add_argument("--new-tokens", type=int, default=128, help="tokens decoded per decode round")
     ap.add_argument("--lora-rank", type=int, default=0, help="every request with an adapter of this rank (0: none)")
+    ap.add_argument("--random", default=None, choices=sorted(RANDOM),
+                    help="a random-weight checkpoint of this family instead of --model")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
+        if args.random:
+            args.model = random_checkpoint(args.random, f"{tmp}/{args.random}")
         folder = args.folder
         if folder is None:
             folder = f"{tmp}/graph"
             export_onnx(args.model, folder, flavor="perfxlm", dtype=args.dtype)
-        kw = dict(dtype=args.dtype, enable_prefix_caching=False, kv_cache_gib=1.0)
+        kw = dict(dtype=args.dtype, enable_prefix_caching=False, kv_cache_gib=1.0,
+                  skip_tokenizer_init=bool(args.random))  # (a random checkpoint has no tokenizer)
         if args.lora_rank:
             kw.update(enable_lora=True, max_lora_rank=args.lora_rank)
         engines = {"module": LLM(args.model, **kw), "graph": LLM(folder, **kw)}

@@ -304,7 +304,7 @@ class _Writer:
             bias = gate.e_score_correction_bias
             routing = Routing(gate.top_k, gate.renormalize, gate.scoring,
                               gate.num_groups if gate.grouped else None, gate.topk_group if gate.grouped else None,
-                              None if bias is None else _array(bias), float(gate.routed_scaling_factor), 1e-20)
+                              None if bias is None else _array(bias), float(gate.routed_scaling_factor), 1e-20, True)
         else:  # Mixtral, Qwen2-MoE, Qwen3-MoE: softmax top-k
             router = self.linear(mlp.gate, f"{name}.gate")
             routing = Routing(e.top_k, e.renormalize)
@@ -334,9 +334,13 @@ class _Writer:
             _check_weight_only(weight, f"{name}.{which}_proj")
             return LinearWeight(weight, None if bias is None else _array(bias[index]), f"{name}.{index}.{which}_proj")
 
+        def bias(b: Any) -> Any:
+            return None if b is None else _array(b)
+
         return Experts(e.num_experts, e.down_proj.shape[-2], e.intermediate_size, e.act, expert,
                        _matrix(e.gate_up_proj, stored), _matrix(e.down_proj, stored),
-                       (_method_name(e.gate_up_method, e.gate_up_proj), _method_name(e.down_method, e.down_proj)))
+                       (_method_name(e.gate_up_method, e.gate_up_proj), _method_name(e.down_method, e.down_proj)),
+                       bias(e.gate_up_proj_bias), bias(e.down_proj_bias))
 
     # ---- OPT --------------------------------------------------------------------------------------------
     def opt_layer(self, x: str, layer: Any, i: int) -> str:
@@ -348,7 +352,8 @@ class _Writer:
         h = self.layer_norm(x, layer.self_attn_layer_norm, ln1) if pre else x
         cache = ops.layer_cache(i, attn.num_heads, attn.head_dim)
         qkv = ops.linear(h, self.linear(attn.qkv_proj, f"{prefix}.self_attn.qkv_proj"))
-        spec = AttentionSpec(attn.num_heads, attn.num_heads, attn.head_dim, float(attn.scaling), None)
+        spec = AttentionSpec(attn.num_heads, attn.num_heads, attn.head_dim, float(attn.scaling), None,
+                             query_scaled=True)
         out = ops.self_attention(qkv, spec, None, None, cache, i, f"{prefix}.self_attn")
         x = ops.add(x, ops.linear(out, self.linear(attn.out_proj, f"{prefix}.self_attn.out_proj")))
         if not pre:

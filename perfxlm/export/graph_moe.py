@@ -33,6 +33,9 @@ class Routing:
     correction_bias: np.ndarray | None = None  # [E] added to choose, not to weigh (sigmoid scoring)
     scale: float = 1.0  # routed_scaling_factor
     renormalize_eps: float = 0.0  # added to the sum the weights are divided by (DeepSeek's 1e-20)
+    # DeepSeek's router (moe_router.GroupedTopKRouter: float32 logits of its own float32 weight); False: the
+    # router is a Linear whose logits the routing reads
+    grouped_router: bool = False
 
 
 @dataclass
@@ -45,6 +48,8 @@ class Experts:
     gate_up: Any = None  # the stacks as the engine holds them (the perfxlm flavor's MoE op)
     down: Any = None
     formats: tuple[str | None, str | None] = (None, None)  # the stacks' linear-method names, if quantized
+    gate_up_bias: Any = None  # [E, 2I] and [E, H] float32 (gpt-oss's biased experts), or None
+    down_bias: Any = None
 
 
 class MoeOps:

@@ -32,6 +32,9 @@ class AttentionSpec:
     sliding_window: int | None  # a query at position p sees keys in (p - window, p]
     soft_cap: float | None = None  # scores -> cap * tanh(scores / cap) before the mask (Gemma 2)
     sinks: np.ndarray | None = None  # [num_heads] a learned logit per head in each softmax's sum (gpt-oss)
+    # the module multiplies the query by `scale` before attending at scale 1 (OPT, rounding as transformers
+    # does); the same product for a flavor that scales the scores instead, not the same rounding
+    query_scaled: bool = False
 
 
 @dataclass

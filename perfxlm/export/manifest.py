@@ -17,11 +17,15 @@ ENGINE_KEY = "engine"  # a perfxlm-flavor export's EngineChoices (export/engine_
 # The perfxlm flavor's custom ops (export/perfxlm_ops.py defines them, model/graph/ runs them): their domain
 # and its version, raised when an op's inputs, outputs or attributes change meaning.
 PERFXLM_DOMAIN = "perfxlm"
-PERFXLM_OPSET = 2
+PERFXLM_OPSET = 3
 # version 2: PagedAttention's logit_soft_cap attribute (Gemma 2). A graph is written at the lowest version
 # that holds it (one without a soft cap at 1), so engines that run version 1 still run those; this engine
 # runs every version up to PERFXLM_OPSET
 SOFT_CAP_OPSET = 2
+# version 3: OPT's, gpt-oss's and DeepSeek's pieces: the ops Add, PositionEmbedding, LayerNorm, Activation,
+# TopKSoftmax, GroupedTopK, Experts and LatentAttention, PagedAttention's sinks input and query_scale
+# attribute
+FAMILIES_OPSET = 3
 
 # domain -> op types the exporter writes (graph_ops.py); the runner refuses any other
 KNOWN_OPS = {

@@ -37,6 +37,27 @@ Ops (attributes in brackets):
     Scale(x) [factor]: x * factor (Gemma's embeddings by sqrt(hidden))
     SoftCap(x) [cap]: cap * tanh(x / cap) (Gemma's final logits)
     Gather (standard): the logits rows
+Op-set version 3 (written only where a graph needs one of them; `manifest.FAMILIES_OPSET`):
+    PagedAttention's optional input 7, sinks float [num_heads] (a learned logit per head in each softmax's
+        sum: gpt-oss), and attribute query_scale (the queries multiplied by it before attention, at scale 1:
+        OPT)
+    Add(x, y): x + y (OPT's residual adds, DeepSeek's shared experts added to the routed ones)
+    PositionEmbedding(positions, table) [offset]: rows offset + position of a learned position table (OPT)
+    LayerNorm(x, weight?, bias?) [epsilon]
+    Activation(x) [function]: an elementwise activation by its transformers name (OPT's relu)
+    TopKSoftmax(logits) -> (weights, ids) [top_k]: softmax of each row's top-k logits (gpt-oss's router)
+    GroupedTopK(x, weight, correction_bias?) -> (weights, ids) [top_k, scoring (softmax | sigmoid),
+        num_groups (0: top k of all experts), topk_group, renormalize, routed_scaling_factor]: DeepSeek's
+        router over float32 logits of its float32 weight [E, H]
+    Experts(x, weights [T, k], ids [T, k], gate_up, down, gate_up's scales?, mins?, levels?, down's scales?,
+        mins?, levels?, gate_up_bias? [E, 2I], down_bias? [E, H]): each token through its routed experts,
+        summed by weight; MoE's attributes less the routing ones, and the activation ClampedSwiGLU [alpha,
+        limit] (gate and up columns interleaved: gpt-oss)
+    LatentAttention(q, kv, key_cache, value_cache, block_tables, seq_lens, query_start_loc, slot_mapping,
+        positions, cos, sin, kv_norm, w_uk [H, nope, rank], w_uv_t [H, rank, v]): DeepSeek's multi-head
+        latent attention over the latent cache (value_cache is key_cache: the latent row is both), q the
+        query projection's output [n, H * (nope + rope)], kv kv_a_proj_with_mqa's [n, rank + rope]; out
+        [n, H * v] before o_proj  [num_heads, nope_dim, rope_dim, v_dim, kv_lora_rank, scale, epsilon]
 
 A weight is stored as the engine holds it: bits 0 is a float matrix W [N, K] (float32, or bfloat16 with
 `--dtype bfloat16`); bits 4 / 8 are its packed codes (4-bit in GGUF Q4_0's nibble order) with float16 or
@@ -53,11 +74,13 @@ from typing import Any, Callable
 import numpy as np
 from onnx import TensorProto
 
+from perfxlm.export.features import ALL_FEATURES
 from perfxlm.export.graph import Graph
+from perfxlm.export.graph_mla import LatentWeights
 from perfxlm.export.graph_moe import Experts, Routing
 from perfxlm.export.graph_ops import AttentionSpec, GraphOps, HeadNorms, LinearWeight, Rope
 from perfxlm.export.lora_record import LORA_KEY, lora_record
-from perfxlm.export.manifest import PERFXLM_DOMAIN, SOFT_CAP_OPSET
+from perfxlm.export.manifest import FAMILIES_OPSET, PERFXLM_DOMAIN, SOFT_CAP_OPSET
 from perfxlm.quant.weight import QuantizedWeight
 
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16")
@@ -96,12 +119,10 @@ def _in_order(name: str, names: list[str]) -> None:
 
 class PerfxlmOps(GraphOps):
     flavor = "perfxlm"
-    activations = ("SiluAndMul", "GeluAndMul")
-    # the engine's graph ops (model/graph/kernels.py) have kernels for these only: a family needing more
-    # (soft-capped attention, sinks, LayerNorm, learned positions, latent attention, grouped routing) is
-    # refused by name
-    features = frozenset({"moe", "shared_expert", "embedding_scale", "post_norms", "rope_per_layer",
-                          "logit_soft_cap", "attention_soft_cap"})
+    activations = ("SiluAndMul", "GeluAndMul", "ClampedSwiGLU")
+    # every family the engine runs (model/graph/kernels.py has a kernel for each piece); a feature named
+    # later is refused by name until it has one
+    features = ALL_FEATURES
     why_not = "the engine's graph ops have no kernel for it yet"
 
     # the engine's own choice for the model on this CPU (export/engine_choices.py), so the folder runs as
@@ -116,9 +137,13 @@ class PerfxlmOps(GraphOps):
                              f"(known: {', '.join(WEIGHT_DTYPES)}).")
         return dtype
 
-    def _op(self, op_type: str, inputs: list[str], num_outputs: int = 1, **attrs: Any) -> Any:
+    def _op(self, op_type: str, inputs: list[str], num_outputs: int = 1, since: int = 1, **attrs: Any) -> Any:
+        """A node of the perfxlm domain; `since`: the op-set version that holds it (the graph is written at
+        the lowest version holding all its nodes)."""
         while inputs and not inputs[-1]:  # trailing optional inputs left out
             inputs = inputs[:-1]
+        if since > 1:
+            self.g.versions[PERFXLM_DOMAIN] = max(self.g.versions.get(PERFXLM_DOMAIN, 1), since)
         return self.g.op(op_type, inputs, num_outputs, domain=PERFXLM_DOMAIN, **attrs)
 
     # ---- the graph's interface: the engine's step ---------------------------------------------------
@@ -186,36 +211,91 @@ class PerfxlmOps(GraphOps):
         return self._op("Linear", [x, names[0], b, *names[1:]], name=name, **attrs)
 
     def act_and_mul(self, gate_up: str, inter: int, act: Any) -> str:
-        if type(act).__name__ == "GeluAndMul":
+        kind = type(act).__name__
+        if kind == "GeluAndMul":
             return self._op("GeluAndMul", [gate_up], approximate=act.approximate)
+        if kind != "SiluAndMul":  # (gpt-oss's clamped SwiGLU gates its experts only: an Experts attribute)
+            raise ValueError(f"ONNX export (perfxlm flavor): a dense MLP with the activation {kind} has no op.")
         return self._op("SiluAndMul", [gate_up])
 
     def moe(self, x: str, router: LinearWeight, experts: Experts, routing: Routing, name: str) -> str:
-        """Softmax top-k routing over the router's logits, each expert a gated MLP (Mixtral); the stacks as
-        the engine holds them (`experts.formats`: the quantized stacks' linear-method names)."""
+        """A mixture as the module path routes it: softmax top-k over a Linear router's logits in one MoE
+        node (Mixtral, Qwen-MoE); gpt-oss's softmax of the top-k logits and DeepSeek's grouped router as
+        their own routing nodes feeding an Experts node. The stacks as the engine holds them
+        (`experts.formats`: the quantized stacks' linear-method names)."""
+        if routing.grouped_router:
+            bias = "" if routing.correction_bias is None else self.g.weight(f"{router.name}.e_score_correction_bias",
+                                                                             routing.correction_bias)
+            weights, ids = self._op("GroupedTopK", [x, self.g.weight(f"{router.name}.weight", router.weight), bias], 2,
+                                    since=FAMILIES_OPSET, top_k=routing.top_k, scoring=routing.scoring,
+                                    num_groups=routing.num_groups or 0, topk_group=routing.topk_group or 0,
+                                    renormalize=int(routing.renormalize),
+                                    routed_scaling_factor=routing.scale, name=f"{router.name}")
+            return self._experts(x, weights, ids, experts, name)
+        if routing.scoring == "topk_softmax":
+            weights, ids = self._op("TopKSoftmax", [self.linear(x, router)], 2, since=FAMILIES_OPSET,
+                                    top_k=routing.top_k, name=f"{router.name}.topk")
+            return self._experts(x, weights, ids, experts, name)
         if routing.scoring != "softmax" or routing.num_groups or routing.scale != 1.0:
             raise ValueError(f"ONNX export (perfxlm flavor): {name} routes by {routing.scoring} scores in "
-                             "groups or scaled, which the MoE op does not.")
-        top_k, renormalize, act, formats = routing.top_k, routing.renormalize, experts.act, experts.formats
-        logits = self.linear(x, router)
-        gu, gu_attrs = self._weight(f"{name}.gate_up_proj", experts.gate_up, formats[0])
-        dn, dn_attrs = self._weight(f"{name}.down_proj", experts.down, formats[1])
+                             "groups or scaled through a Linear router, which no routing op does.")
+        stacks, attrs = self._stacks(experts, name)
+        if experts.gate_up_bias is not None or type(experts.act).__name__ not in ("SiluAndMul", "GeluAndMul"):
+            raise ValueError(f"ONNX export (perfxlm flavor): {name} has biased experts or the activation "
+                             f"{type(experts.act).__name__} under softmax top-k routing, which the MoE op does not.")
+        return self._op("MoE", [x, self.linear(x, router), *stacks], top_k=routing.top_k,
+                        renormalize=int(routing.renormalize), name=name, **attrs)
+
+    def _stacks(self, experts: Experts, name: str) -> tuple[list[str], dict[str, Any]]:
+        """The expert stacks' inputs (gate_up, down, gate_up's scales, mins, levels, down's) and attributes
+        (each stack's weight attributes prefixed, the activation)."""
+        gu, gu_attrs = self._weight(f"{name}.gate_up_proj", experts.gate_up, experts.formats[0])
+        dn, dn_attrs = self._weight(f"{name}.down_proj", experts.down, experts.formats[1])
         _in_order(f"{name}.gate_up_proj", gu)
         _in_order(f"{name}.down_proj", dn)
-        gu, dn = gu[:4], dn[:4]
         attrs = {f"gate_up_{k}": v for k, v in gu_attrs.items()}
         attrs.update({f"down_{k}": v for k, v in dn_attrs.items()})
-        approximate = getattr(act, "approximate", "none")
-        return self._op("MoE", [x, logits, gu[0], dn[0], *gu[1:], *dn[1:]], top_k=top_k,
-                        renormalize=int(renormalize), activation=type(act).__name__, approximate=approximate,
-                        name=name, **attrs)
+        act = experts.act
+        attrs["activation"] = type(act).__name__
+        if attrs["activation"] == "ClampedSwiGLU":
+            attrs.update(alpha=float(act.alpha), limit=float(act.limit))
+        else:
+            attrs["approximate"] = getattr(act, "approximate", "none")
+        return [gu[0], dn[0], *gu[1:4], *dn[1:4]], attrs
+
+    def _experts(self, x: str, weights: str, ids: str, experts: Experts, name: str) -> str:
+        stacks, attrs = self._stacks(experts, name)
+        g = self.g
+        biases = ["" if b is None else g.weight(f"{name}.{part}_bias", b)
+                  for part, b in (("gate_up_proj", experts.gate_up_bias), ("down_proj", experts.down_bias))]
+        return self._op("Experts", [x, weights, ids, *stacks, *biases], since=FAMILIES_OPSET, name=name, **attrs)
 
     def shared_expert(self, x: str, routed: str, gate_up: LinearWeight, down: LinearWeight, inter: int, act: Any,
-                      gate: LinearWeight, name: str) -> str:
-        """routed + sigmoid(x gate^T) * mlp(x): the shared expert as Linear / activation nodes (any weight
-        format a Linear takes), added under its gate as the module path adds it."""
+                      gate: LinearWeight | None, name: str) -> str:
+        """routed + sigmoid(x gate^T) * mlp(x) (Qwen2-MoE), or routed + mlp(x) without a gate (DeepSeek): the
+        shared expert as Linear / activation nodes (any weight format a Linear takes), added as the module
+        path adds it."""
         shared = self.linear(self.act_and_mul(self.linear(x, gate_up), inter, act), down)
+        if gate is None:
+            return self.add(routed, shared, name)
         return self._op("SigmoidGatedAdd", [routed, shared, self.linear(x, gate)], name=name)
+
+    # ---- OPT's pieces -----------------------------------------------------------------------------------
+    def add(self, x: str, y: str, name: str | None = None) -> str:
+        return self._op("Add", [x, y], since=FAMILIES_OPSET, name=name)
+
+    def learned_positions(self, table: np.ndarray, offset: int) -> str:
+        return self._op("PositionEmbedding", [self.inputs.positions,
+                                              self.g.weight("model.decoder.embed_positions.weight", table)],
+                        since=FAMILIES_OPSET, offset=offset, name="embed_positions")
+
+    def layer_norm(self, x: str, weight: np.ndarray, bias: np.ndarray, eps: float, name: str) -> str:
+        g = self.g
+        return self._op("LayerNorm", [x, g.weight(f"{name}.weight", weight), g.weight(f"{name}.bias", bias)],
+                        since=FAMILIES_OPSET, epsilon=eps, name=name)
+
+    def activation(self, x: str, name: str) -> str:
+        return self._op("Activation", [x], since=FAMILIES_OPSET, function=name)
 
     # ---- attention ------------------------------------------------------------------------------------
     def self_attention(self, qkv: str, spec: AttentionSpec, qk_norms: HeadNorms | None, rope: Rope,
@@ -226,18 +306,51 @@ class PerfxlmOps(GraphOps):
             qkv = self._op("HeadRMSNorm", [qkv, g.weight(f"{name}.q_norm.weight", qk_norms.q_weight),
                                            g.weight(f"{name}.k_norm.weight", qk_norms.k_weight)],
                            num_heads=h, num_kv_heads=kvh, head_dim=d, epsilon=qk_norms.eps, name=f"{name}.qk_norm")
-        cos, sin = self._once(("rope", rope.key), lambda: (g.weight(f"{rope.key}.cos", rope.cos),
-                                                           g.weight(f"{rope.key}.sin", rope.sin)))
-        qkv = self._op("Rotary", [qkv, s.positions, cos, sin], num_heads=h + kvh, head_dim=d,
-                       name=f"{name}.rotary")
-        capped = {}
+        if rope is not None:  # (OPT: positions were added to the embeddings)
+            cos, sin = self._rope_tables(rope)
+            qkv = self._op("Rotary", [qkv, s.positions, cos, sin], num_heads=h + kvh, head_dim=d,
+                           name=f"{name}.rotary")
+        attrs: dict[str, Any] = {"scale": spec.scale}
+        since = 1
         if spec.soft_cap is not None:  # Gemma 2 (op-set version 2: an engine running 1 refuses the graph)
-            capped = {"logit_soft_cap": spec.soft_cap}
-            g.versions[PERFXLM_DOMAIN] = max(g.versions.get(PERFXLM_DOMAIN, 1), SOFT_CAP_OPSET)
+            attrs["logit_soft_cap"] = spec.soft_cap
+            since = SOFT_CAP_OPSET
+        if spec.query_scaled:  # OPT: q * scale, attended at scale 1, as the module path rounds it
+            attrs.update(scale=1.0, query_scale=spec.scale)
+            since = FAMILIES_OPSET
+        sinks = ""
+        if spec.sinks is not None:  # gpt-oss
+            sinks = g.weight(f"{name}.sinks", np.asarray(spec.sinks, np.float32))
+            since = FAMILIES_OPSET
         return self._op("PagedAttention", [qkv, cache[0], cache[1], s.block_tables, s.seq_lens, s.query_start_loc,
-                                           s.slot_mapping],
-                        num_heads=h, num_kv_heads=kvh, head_dim=d, scale=spec.scale,
-                        sliding_window=spec.sliding_window or 0, name=f"{name}.attn", **capped)
+                                           s.slot_mapping, sinks],
+                        since=since, num_heads=h, num_kv_heads=kvh, head_dim=d,
+                        sliding_window=spec.sliding_window or 0, name=f"{name}.attn", **attrs)
+
+    def _rope_tables(self, rope: Rope) -> tuple[str, str]:
+        g = self.g
+        return self._once(("rope", rope.key), lambda: (g.weight(f"{rope.key}.cos", rope.cos),
+                                                       g.weight(f"{rope.key}.sin", rope.sin)))
+
+    def latent_attention(self, h: str, w: LatentWeights, rope: Rope, cache: tuple[str, str], layer: int,
+                         name: str) -> str:
+        """The query and latent projections as Linear (and RMSNorm) nodes, then one LatentAttention node over
+        the layer's latent cache (kv_b_proj absorbed, as the module path folds it), then o_proj."""
+        g, s = self.g, self.inputs
+        if w.q is not None:
+            q = self.linear(h, w.q)
+        else:
+            q = self.linear(self.rms_norm(self.linear(h, w.q_a), *w.q_a_norm, f"{name}.q_a_layernorm"), w.q_b)
+        kv = self.linear(h, w.kv_a)
+        cos, sin = self._rope_tables(rope)
+        norm, eps = w.kv_a_norm
+        out = self._op("LatentAttention", [q, kv, cache[0], cache[1], s.block_tables, s.seq_lens, s.query_start_loc,
+                                           s.slot_mapping, s.positions, cos, sin,
+                                           g.weight(f"{name}.kv_a_layernorm.weight", norm),
+                                           g.weight(f"{name}.w_uk", w.w_uk), g.weight(f"{name}.w_uv_t", w.w_uv_t)],
+                       since=FAMILIES_OPSET, num_heads=w.num_heads, nope_dim=w.nope_dim, rope_dim=w.rope_dim,
+                       v_dim=w.v_dim, kv_lora_rank=w.kv_lora_rank, scale=w.scale, epsilon=eps, name=f"{name}.attn")
+        return self.linear(out, w.o)
 
     def scaled(self, x: str, factor: float) -> str:
         return self._op("Scale", [x], factor=factor, name="embed_scale")

@@ -28,10 +28,12 @@ PROMPTS = [[5], list(range(7, 16)), list(range(40, 77))]  # 1, 9, 37 tokens: chu
 FAMILIES = ["llama", "llama-gelu", "qwen2-bias-tied-sliding", "qwen3-qknorm-headdim-bias", "mistral-sliding-mqa",
             "phi3-longrope-partial-sliding", "mixtral-sliding", "qwen2moe-shared-dense-layer",
             "qwen3moe-normtopk-sparse-step", "glm-partial-interleaved", "gemma3-softcaps-untied", "glm4-post-norms",
-            "gemma2-softcap-local-global"]
-# a mixture keeps its MoE nodes; post-sublayer norms are not the fused decode layer's Llama wiring
-NOT_FUSED = ("mixtral-sliding", "qwen2moe-shared-dense-layer", "qwen3moe-normtopk-sparse-step",
-             "gemma3-softcaps-untied", "glm4-post-norms", "gemma2-softcap-local-global")
+            "gemma2-softcap-local-global", "opt-pre-ln", "opt-post-ln-projected", "gptoss-sinks-alternating",
+            "deepseekv2-lite-yarn", "deepseekv3-noaux-grouped"]
+# OPT's and latent attention's layers have no fused decode layer in the module path either (post-sublayer
+# norms, a rotary table per layer kind and a mixture's MLP run as a module after the fused call do: Gemma 2 /
+# 3, GLM-4, the mixtures)
+NOT_FUSED = ("opt-pre-ln", "opt-post-ln-projected", "deepseekv2-lite-yarn", "deepseekv3-noaux-grouped")
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -173,6 +175,41 @@ def test_gguf_q4_0_export_matches_the_engine(tmp_path, llama96):
     _assert_quantized_matches(out, path, None)
 
 
+def test_gguf_q4_0_deepseek_keeps_its_latent_and_expert_blocks(tmp_path, monkeypatch):
+    """A DeepSeek-V2 GGUF Q4_0 file: the query / latent projections and expert stacks kept as blocks (the
+    absorbed kv_b float, as the module path folds it), greedy-equal to the engine's quantized path."""
+    from tests.model.dummy_gguf import converter
+    from tests.model.test_deepseek_gguf import build
+
+    monkeypatch.setenv("PERFXLM_QUANT_ACTIVATIONS", "float32")
+    hf = build("deepseekv2-lite-yarn", quantizable=True)
+    path = str(tmp_path / "ds.gguf")
+    hf.load_state_dict(converter().write_deepseek2(path, hf, "Q4_0"))
+    out = str(tmp_path / "graph")
+    export_onnx(path, out, flavor="perfxlm", dtype="float32")
+    model = onnx.load(os.path.join(out, "model.onnx"), load_external_data=False)
+    experts = next(n for n in model.graph.node if n.op_type == "Experts")
+    assert {a.name: a.i for a in experts.attribute if a.name == "gate_up_bits"} == {"gate_up_bits": 4}
+    kv_a = next(n for n in model.graph.node if n.name == "model.layers.0.self_attn.kv_a_proj_with_mqa")
+    assert next(a.i for a in kv_a.attribute if a.name == "bits") == 4
+    _assert_quantized_matches(out, path, None)
+
+
+def test_int8_gpt_oss_keeps_its_biased_expert_stacks_packed(tmp_path):
+    q = {"method": "int8", "mixed_precision": False, "calibration": False}
+    ckpt, out = _checkpoint(str(tmp_path / "ckpt"), "gptoss-sinks-alternating"), str(tmp_path / "graph")
+    export_onnx(ckpt, out, flavor="perfxlm", quantization=q, dtype="float32")
+    model = onnx.load(os.path.join(out, "model.onnx"), load_external_data=False)
+    experts = next(n for n in model.graph.node if n.op_type == "Experts")
+    assert {a.name: a.i for a in experts.attribute if a.name.endswith("_bits")} == {"gate_up_bits": 8, "down_bits": 8}
+    assert experts.input[11].endswith("gate_up_proj_bias") and experts.input[12].endswith("down_proj_bias")
+    kwargs = dict(skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=24)
+    want, want_outs = _generate(LLM(ckpt, quantization=q, quant_activations="float32", **kwargs))
+    got, got_outs = _generate(LLM(out, **kwargs))
+    assert got == want
+    np.testing.assert_allclose(_logprobs(got_outs), _logprobs(want_outs), atol=1e-4, rtol=0)
+
+
 def test_gguf_k_quants_export_keeps_their_two_level_scales(tmp_path):
     """A Q4_K_M-allocated file: its K-quants' byte scales travel as they are held (uint8 / int8
     initializers) and the graph's Linear runs them as the engine does."""
@@ -242,10 +279,24 @@ def test_unknown_op_and_op_set_version_are_refused_by_name(exported, tmp_path):
         LLM(_edited(exported, tmp_path / "op", rename), skip_tokenizer_init=True, num_kv_blocks=16)
 
     def version(model):
-        next(o for o in model.opset_import if o.domain == "perfxlm").version = 3
+        next(o for o in model.opset_import if o.domain == "perfxlm").version = 4
 
-    with pytest.raises(ValueError, match="perfxlm op set at version 3; this engine runs versions 1 to 2"):
-        LLM(_edited(exported, tmp_path / "v2", version), skip_tokenizer_init=True, num_kv_blocks=16)
+    with pytest.raises(ValueError, match="perfxlm op set at version 4; this engine runs versions 1 to 3"):
+        LLM(_edited(exported, tmp_path / "v4", version), skip_tokenizer_init=True, num_kv_blocks=16)
+
+    def newer_op(function: str, version: int):
+        def edit(model):  # SiluAndMul's place taken by an op of version 3
+            node = next(n for n in model.graph.node if n.op_type == "SiluAndMul")
+            node.op_type = "Activation"
+            node.attribute.append(onnx.helper.make_attribute("function", function))
+            next(o for o in model.opset_import if o.domain == "perfxlm").version = version
+        return edit
+
+    with pytest.raises(ValueError, match=r"\(Activation\) needs the perfxlm op set at version 3 or later; the "
+                                         "graph imports version 1"):
+        LLM(_edited(exported, tmp_path / "v1", newer_op("relu", 1)), skip_tokenizer_init=True, num_kv_blocks=16)
+    with pytest.raises(ValueError, match="SiluAndMul.*activation 'mish' is not supported"):
+        LLM(_edited(exported, tmp_path / "fn", newer_op("mish", 3)), skip_tokenizer_init=True, num_kv_blocks=16)
 
     def attribute(model):
         node = next(n for n in model.graph.node if n.op_type == "PagedAttention")

@@ -20,10 +20,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from perfxlm.model.layers.activation import GeluAndMul, SiluAndMul, soft_cap
+from perfxlm.model.layers.activation import Activation as EngineActivation
+from perfxlm.model.layers.activation import ClampedSwiGLU, GeluAndMul, SiluAndMul, soft_cap
 from perfxlm.model.layers.attention import Attention
+from perfxlm.model.layers.embed_head import LearnedPositionalEmbedding
 from perfxlm.model.layers.linear import Linear as EngineLinear
+from perfxlm.model.layers.mla import attend_latent
 from perfxlm.model.layers.moe import FusedMoE
+from perfxlm.model.layers.moe_router import GroupedTopKRouter
+from perfxlm.model.layers.norm import LayerNorm as EngineLayerNorm
 from perfxlm.model.layers.norm import RMSNorm
 from perfxlm.model.layers.rotary import apply_rotary
 from perfxlm.quant.weight import ActivationMode, QuantizedWeight
@@ -198,11 +203,19 @@ class Rotary(Kernel):
 
 
 class PagedAttention(Kernel):
-    def __init__(self, node: str, attrs: dict[str, Any], held: HeldAs) -> None:
+    def __init__(self, node: str, attrs: dict[str, Any], held: HeldAs, sinks=None) -> None:
         super().__init__()
         window = attrs.get("sliding_window", 0)
-        self.attn = Attention(attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"], attrs["scale"],
-                              sliding_window=window or None, logit_soft_cap=attrs.get("logit_soft_cap"))
+        heads = attrs["num_heads"]
+        self.attn = Attention(heads, attrs["num_kv_heads"], attrs["head_dim"], attrs["scale"],
+                              sliding_window=window or None, logit_soft_cap=attrs.get("logit_soft_cap"),
+                              sinks=sinks is not None)
+        if sinks is not None:  # gpt-oss: the attention layer's own parameter, as the loader fills it
+            if tuple(sinks.shape) != (heads,):
+                raise ValueError(f"node {node!r}: sinks must be [num_heads] = [{heads}], not {tuple(sinks.shape)}.")
+            self.attn.sinks = nn.Parameter(sinks.float(), requires_grad=False)
+        # OPT: the queries scaled before attention (at scale 1), as its module path rounds them
+        self.query_scale = attrs.get("query_scale")
 
     def forward(self, qkv: torch.Tensor) -> torch.Tensor:
         a = self.attn
@@ -210,7 +223,34 @@ class PagedAttention(Kernel):
         qk_size = (a.num_heads + a.num_kv_heads) * d
         qk = qkv[:, :qk_size].view(n, -1, d)
         v = qkv[:, qk_size:].view(n, a.num_kv_heads, d)
-        return a(qk[:, : a.num_heads], qk[:, a.num_heads :], v)
+        q = qk[:, : a.num_heads]
+        if self.query_scale is not None:
+            q = q * self.query_scale
+        return a(q, qk[:, a.num_heads :], v)
+
+
+class LatentAttention(Kernel):
+    """DeepSeek's multi-head latent attention between its projections (`mla.attend_latent`, the module
+    path's own core) over an `Attention` layer whose cache holds the latent row once (value_is_key)."""
+
+    def __init__(self, node: str, attrs: dict[str, Any], held: HeldAs, table: "RopeTable", kv_norm, w_uk,
+                 w_uv_t) -> None:
+        super().__init__()
+        heads, nope, rank, v = attrs["num_heads"], attrs["nope_dim"], attrs["kv_lora_rank"], attrs["v_dim"]
+        rope_dim = attrs["rope_dim"]
+        shapes = {"w_uk": (tuple(w_uk.shape), (heads, nope, rank)), "w_uv_t": (tuple(w_uv_t.shape), (heads, rank, v)),
+                  "kv_norm": (tuple(kv_norm.shape), (rank,)), "cos": (tuple(table.cos.shape[1:]), (rope_dim,))}
+        for what, (got, want) in shapes.items():
+            if got != want:
+                raise ValueError(f"node {node!r}: {what} is {got}, the attributes make it {want}.")
+        self.table, self.nope_dim = table, nope
+        self.kv_norm = _norm(kv_norm, attrs["epsilon"])
+        self.w_uk, self.w_uv_t = w_uk.float(), w_uv_t.float()
+        self.attn = Attention(heads, 1, rank + rope_dim, attrs["scale"], value_is_key=True)
+
+    def forward(self, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return attend_latent(self.attn, self.kv_norm, self.w_uk.to(q.dtype), self.w_uv_t.to(q.dtype), self.nope_dim,
+                             self.table.at(positions), q, kv)
 
 
 class Activation(Kernel):
@@ -222,45 +262,165 @@ class Activation(Kernel):
         return self.fn(x)
 
 
+def _expert_act(node: str, attrs: dict[str, Any], allowed: tuple[str, ...]) -> nn.Module:
+    kind = attrs.get("activation", "SiluAndMul")
+    if kind not in allowed:
+        raise ValueError(f"node {node!r}: expert activation {kind!r} is not known ({', '.join(allowed)}).")
+    if kind == "ClampedSwiGLU":
+        return ClampedSwiGLU(attrs["alpha"], attrs["limit"])
+    return SiluAndMul() if kind == "SiluAndMul" else GeluAndMul(attrs.get("approximate", "none"))
+
+
+def _fused_moe(node: str, attrs: dict[str, Any], held: HeldAs, act: nn.Module, top_k: int, renormalize: bool,
+               gate_up, down, parts: tuple, biases: tuple = (None, None)) -> FusedMoE:
+    """The engine's own `FusedMoE` layer holding the node's expert stacks (and biases), their linear methods
+    bound as the loader binds them (bf16 rows, each quantized format's decisions)."""
+    from perfxlm.model.loader import linear_plan
+
+    if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
+        raise ValueError(f"node {node!r}: experts take stacks gate_up [E, 2I, H] and down [E, H, I].")
+    gu_attrs = {k[len("gate_up_"):]: v for k, v in attrs.items() if k.startswith("gate_up_")}
+    dn_attrs = {k[len("down_"):]: v for k, v in attrs.items() if k.startswith("down_")}
+    stacks = {"gate_up_proj": _weight(node, gu_attrs, held, gate_up, *parts[:3]),
+              "down_proj": _weight(node, dn_attrs, held, down, *parts[3:6])}
+    experts, two_inter, hidden = stacks["gate_up_proj"].shape
+    gate_up_bias, down_bias = biases
+    if (gate_up_bias is None) != (down_bias is None):
+        raise ValueError(f"node {node!r}: expert biases come in pairs (gate_up_bias and down_bias).")
+    if gate_up_bias is not None and (tuple(gate_up_bias.shape) != (experts, two_inter)
+                                     or tuple(down_bias.shape) != (experts, hidden)):
+        raise ValueError(f"node {node!r}: expert biases must be [{experts}, {two_inter}] and [{experts}, {hidden}].")
+    with torch.device("meta"):  # placeholders replaced below: no allocation
+        moe = FusedMoE(experts, top_k, hidden, two_inter // 2, renormalize, act=act, bias=gate_up_bias is not None)
+    quantized = None
+    for name, w in stacks.items():
+        delattr(moe, name)  # a QuantizedWeight is a plain attribute where the Parameter was
+        if isinstance(w, QuantizedWeight):
+            quantized = _format(w, gu_attrs if name == "gate_up_proj" else dn_attrs)
+            setattr(moe, name, w)
+        else:
+            setattr(moe, name, nn.Parameter(w, requires_grad=False))
+    if gate_up_bias is not None:
+        moe.gate_up_proj_bias = nn.Parameter(gate_up_bias.float(), requires_grad=False)
+        moe.down_proj_bias = nn.Parameter(down_bias.float(), requires_grad=False)
+    stored = (held.weight_dtype or torch.float32) if quantized else stacks["gate_up_proj"].dtype
+    try:
+        moe.bind_linear_method(linear_plan(stored, torch.float32, quantized))
+    except ValueError as exc:
+        raise ValueError(f"node {node!r}: {exc}") from None
+    return moe
+
+
 class MoE(Kernel):
-    """The engine's own `FusedMoE` layer holding the node's expert stacks, their linear methods bound as the
-    loader binds them (bf16 rows, each quantized format's decisions), so routing and experts are the
-    module path's."""
+    """The engine's own `FusedMoE` layer holding the node's expert stacks, so softmax top-k routing and
+    experts are the module path's (Mixtral, Qwen-MoE)."""
 
     def __init__(self, node: str, attrs: dict[str, Any], held: HeldAs, gate_up, down, *parts) -> None:
         super().__init__()
-        from perfxlm.model.loader import linear_plan
-
-        if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
-            raise ValueError(f"node {node!r}: MoE takes expert stacks gate_up [E, 2I, H] and down [E, H, I].")
-        gu_attrs = {k[len("gate_up_"):]: v for k, v in attrs.items() if k.startswith("gate_up_")}
-        dn_attrs = {k[len("down_"):]: v for k, v in attrs.items() if k.startswith("down_")}
-        stacks = {"gate_up_proj": _weight(node, gu_attrs, held, gate_up, *parts[:3]),
-                  "down_proj": _weight(node, dn_attrs, held, down, *parts[3:])}
-        kind = attrs.get("activation", "SiluAndMul")
-        if kind not in ("SiluAndMul", "GeluAndMul"):
-            raise ValueError(f"node {node!r}: MoE activation {kind!r} is not known (SiluAndMul, GeluAndMul).")
-        act = SiluAndMul() if kind == "SiluAndMul" else GeluAndMul(attrs.get("approximate", "none"))
-        experts, two_inter, hidden = stacks["gate_up_proj"].shape
-        top_k = attrs["top_k"]
-        with torch.device("meta"):  # placeholders replaced below: no allocation
-            self.experts = FusedMoE(experts, top_k, hidden, two_inter // 2, bool(attrs.get("renormalize", 0)), act=act)
-        quantized = None
-        for name, w in stacks.items():
-            delattr(self.experts, name)  # a QuantizedWeight is a plain attribute where the Parameter was
-            if isinstance(w, QuantizedWeight):
-                quantized = _format(w, gu_attrs if name == "gate_up_proj" else dn_attrs)
-                setattr(self.experts, name, w)
-            else:
-                setattr(self.experts, name, nn.Parameter(w, requires_grad=False))
-        stored = (held.weight_dtype or torch.float32) if quantized else stacks["gate_up_proj"].dtype
-        try:
-            self.experts.bind_linear_method(linear_plan(stored, torch.float32, quantized))
-        except ValueError as exc:
-            raise ValueError(f"node {node!r}: {exc}") from None
+        act = _expert_act(node, attrs, ("SiluAndMul", "GeluAndMul"))
+        self.experts = _fused_moe(node, attrs, held, act, attrs["top_k"], bool(attrs.get("renormalize", 0)),
+                                  gate_up, down, parts)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         return self.experts(x, router_logits)
+
+
+class Experts(Kernel):
+    """Routed experts after a routing node of the family's own (gpt-oss, DeepSeek): `FusedMoE.run_routed`,
+    what their MLP modules call."""
+
+    def __init__(self, node: str, attrs: dict[str, Any], held: HeldAs, gate_up, down, *parts) -> None:
+        super().__init__()
+        act = _expert_act(node, attrs, ("SiluAndMul", "GeluAndMul", "ClampedSwiGLU"))
+        # (top_k and renormalize are the routing node's: FusedMoE only checks k against the experts)
+        self.experts = _fused_moe(node, attrs, held, act, 1, False, gate_up, down, parts[:6], parts[6:8])
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.experts.run_routed(x, weights, ids)
+
+
+class TopKSoftmax(Kernel):
+    """gpt-oss's router after its Linear: the softmax of each row's top-k logits (GptOssMLP's)."""
+
+    def __init__(self, node: str, attrs: dict[str, Any], held: HeldAs) -> None:
+        super().__init__()
+        self.top_k = attrs["top_k"]
+
+    def forward(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        top, ids = torch.topk(logits, self.top_k, dim=-1)
+        return torch.softmax(top, dim=-1), ids
+
+
+class GroupedTopK(Kernel):
+    """DeepSeek's router: the engine's `GroupedTopKRouter` holding the node's float32 weight (and V3's
+    correction bias)."""
+
+    def __init__(self, node: str, attrs: dict[str, Any], held: HeldAs, weight, bias=None) -> None:
+        super().__init__()
+        groups = attrs.get("num_groups", 0)
+        experts, hidden = weight.shape
+        try:
+            with torch.device("meta"):
+                self.router = GroupedTopKRouter(
+                    hidden, experts, attrs["top_k"], attrs["scoring"], "group_limited_greedy" if groups else "greedy",
+                    groups or None, attrs.get("topk_group") or None, bool(attrs.get("renormalize", 0)),
+                    attrs.get("routed_scaling_factor", 1.0))  # fmt: skip
+        except ValueError as exc:
+            raise ValueError(f"node {node!r}: {exc}") from None
+        if (bias is not None) != (attrs["scoring"] == "sigmoid"):
+            raise ValueError(f"node {node!r}: a correction bias comes with sigmoid scoring, and only with it.")
+        self.router.weight = nn.Parameter(weight.float(), requires_grad=False)
+        if bias is not None:
+            self.router.e_score_correction_bias = nn.Parameter(bias.float(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.router(x)
+
+
+class Add(Kernel):
+    def __init__(self, node: str, attrs: dict[str, Any], held: HeldAs) -> None:
+        super().__init__()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x + y
+
+
+class PositionEmbedding(Kernel):
+    """The engine's `LearnedPositionalEmbedding` (OPT's table, `offset` rows in) holding the node's table."""
+
+    def __init__(self, node: str, attrs: dict[str, Any], held: HeldAs, table) -> None:
+        super().__init__()
+        offset = attrs.get("offset", 0)
+        if table is None or table.dim() != 2 or table.shape[0] <= offset:
+            raise ValueError(f"node {node!r}: the position table must be [positions + {offset}, hidden].")
+        with torch.device("meta"):
+            self.embed = LearnedPositionalEmbedding(table.shape[0] - offset, table.shape[1], offset)
+        self.embed.weight = nn.Parameter(table, requires_grad=False)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.embed(positions)
+
+
+class LayerNorm(Kernel):
+    def __init__(self, node: str, attrs: dict[str, Any], held: HeldAs, weight=None, bias=None) -> None:
+        super().__init__()
+        if weight is None or weight.dim() != 1:
+            raise ValueError(f"node {node!r}: LayerNorm takes its weight [hidden] as input 1.")
+        with torch.device("meta"):
+            self.norm = EngineLayerNorm(weight.shape[0], attrs["epsilon"], bias=bias is not None)
+        self.norm.weight = nn.Parameter(weight.float(), requires_grad=False)
+        if bias is not None:
+            self.norm.bias = nn.Parameter(bias.float(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x)
+
+
+def _activation(node: str, attrs: dict[str, Any], held: HeldAs) -> "Activation":
+    try:
+        return Activation(node, attrs, held, EngineActivation(attrs["function"]))
+    except ValueError as exc:
+        raise ValueError(f"node {node!r}: {exc}") from None
 
 
 class SigmoidGatedAdd(Kernel):
@@ -305,14 +465,32 @@ KERNELS: dict[str, tuple[Builder, tuple[int, ...], tuple[int, ...]]] = {
     "AddRMSNorm": (AddNorm, (2,), (0, 1)),
     "HeadRMSNorm": (HeadNorm, (1, 2), (0,)),
     "Rotary": (Rotary, (2, 3), (0, 1)),
-    "PagedAttention": (PagedAttention, (), (0,)),
+    "PagedAttention": (PagedAttention, (7,), (0,)),
     "SiluAndMul": (lambda n, a, h: Activation(n, a, h, SiluAndMul()), (), (0,)),
     "GeluAndMul": (lambda n, a, h: Activation(n, a, h, GeluAndMul(a.get("approximate", "none"))), (), (0,)),
     "MoE": (MoE, (2, 3, 4, 5, 6, 7, 8, 9), (0, 1)),
     "SigmoidGatedAdd": (SigmoidGatedAdd, (), (0, 1, 2)),
     "Scale": (Scale, (), (0,)),
     "SoftCap": (SoftCap, (), (0,)),
+    # op-set version 3 (OPT, gpt-oss, DeepSeek)
+    "Add": (Add, (), (0, 1)),
+    "PositionEmbedding": (PositionEmbedding, (1,), (0,)),
+    "LayerNorm": (LayerNorm, (1, 2), (0,)),
+    "Activation": (_activation, (), (0,)),
+    "TopKSoftmax": (TopKSoftmax, (), (0,)),
+    "GroupedTopK": (GroupedTopK, (1, 2), (0,)),
+    "Experts": (Experts, (3, 4, 5, 6, 7, 8, 9, 10, 11, 12), (0, 1, 2)),
+    "LatentAttention": (LatentAttention, (9, 10, 11, 12, 13), (0, 1, 8)),
 }
+# the op-set version that introduced each op (a graph importing an older one may not hold it)
+OP_SINCE = {op: 3 for op in ("Add", "PositionEmbedding", "LayerNorm", "Activation", "TopKSoftmax", "GroupedTopK",
+                             "Experts", "LatentAttention")}
 # the inputs of each op that must be the graph's own step inputs, by name (see export/perfxlm_ops.py)
 STEP_INPUTS = {"PagedAttention": {3: "block_tables", 4: "seq_lens", 5: "query_start_loc", 6: "slot_mapping"},
-               "Rotary": {1: "positions"}, "Embedding": {0: "input_ids"}}
+               "LatentAttention": {4: "block_tables", 5: "seq_lens", 6: "query_start_loc", 7: "slot_mapping",
+                                   8: "positions"},
+               "Rotary": {1: "positions"}, "Embedding": {0: "input_ids"}, "PositionEmbedding": {0: "positions"}}
+# the inputs of each attention op that are its layer's K and V caches (graph inputs the runner allocates)
+CACHE_INPUTS = {"PagedAttention": (1, 2), "LatentAttention": (2, 3)}
+# the cos / sin inputs of each op reading a rotary table (one RopeTable per pair, looked up once a step)
+ROPE_INPUTS = {"Rotary": (2, 3), "LatentAttention": (9, 10)}

@@ -11,7 +11,6 @@ the nodes after that Gather on the rows the runner picked, as a family model's L
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import onnx
@@ -22,19 +21,14 @@ from torch import nn
 from perfxlm.export.manifest import GRAPH_FILE, PERFXLM_DOMAIN, PERFXLM_OPSET
 from perfxlm.model.forward_context import get_forward_context
 from perfxlm.model.fused_decode import FusedDecode
-from perfxlm.model.graph.kernels import AS_STORED, KERNELS, STEP_INPUTS, HeldAs, Kernel, PagedAttention, RopeTable
+from perfxlm.model.graph.kernels import (
+    AS_STORED, CACHE_INPUTS, KERNELS, OP_SINCE, ROPE_INPUTS, STEP_INPUTS, HeldAs, Kernel, LatentAttention,
+    PagedAttention, RopeTable,
+)  # fmt: skip
 from perfxlm.model.graph.layers import LayerRun, find_layers
+from perfxlm.model.graph.steps import Step, run_steps, schedule
 from perfxlm.model.graph.weights import load_graph, read_initializers
 from perfxlm.model.loader.weight_arena import move_to_arena, release_freed_memory
-
-
-@dataclass
-class _Step:
-    kernel: nn.Module | None  # None: the standard ops the interpreter does itself (Identity)
-    inputs: list[str]  # value names passed to the kernel, in its order
-    outputs: list[str]
-    copy: list[bool]  # hand the kernel a copy (it writes that input in place and the value is read later)
-    drop: list[str]  # values whose last reader this is
 
 
 class GraphModel(nn.Module):
@@ -42,7 +36,7 @@ class GraphModel(nn.Module):
         super().__init__()
         path = os.path.join(folder, graph_file)
         proto = load_graph(path)
-        _check_opsets(proto, path)
+        self.opset = _check_opsets(proto, path)
         weights = read_initializers(proto, folder)
         if held.weight_dtype is not None:
             _cast_float_matrices(proto.graph.node, weights, held.weight_dtype)
@@ -63,15 +57,16 @@ class GraphModel(nn.Module):
             if index == split:
                 continue
             built.append(self._build(node, path, weights, graph_inputs, tables, caches))
-        self.body = _schedule(built[:split], keep={self.hidden_name})
-        self.head = _schedule(built[split:], keep={"logits"})
-        self.attention_layers = [k.attn for k in self.kernels if isinstance(k, PagedAttention)]
+        self.body = schedule(built[:split], keep={self.hidden_name})
+        self.head = schedule(built[split:], keep={"logits"})
+        self.attention_layers = [k.attn for k in self.kernels if isinstance(k, (PagedAttention, LatentAttention))]
         # all-decode steps: one native call per layer, as the module path (None: interpreted every step)
         self.layer_run: LayerRun | None = _self_contained(find_layers(self.body), self.body)
         self.decoder_layers = nn.ModuleList(self.layer_run.layers if self.layer_run else [])
         self.fused_decode = FusedDecode(self.decoder_layers)
         if not self.attention_layers:
-            raise ValueError(f"{path}: the graph has no perfxlm::PagedAttention node; it is not a decoder.")
+            raise ValueError(f"{path}: the graph has no perfxlm::PagedAttention (or LatentAttention) node; it is "
+                             "not a decoder.")
         # the loader's last step for a module model: the weights in one huge-page block, in the order a step
         # reads them, each cache-line aligned (read from the file they sat on 4 KiB pages at 16-byte offsets:
         # batch-1 decode measured 0.92-0.95x the module path's before)
@@ -97,6 +92,11 @@ class GraphModel(nn.Module):
                                  f"as input {slot}.")
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
+        since = _since(node.op_type, attrs, inputs)
+        if since > self.opset:
+            raise ValueError(f"{path}: node {name!r} ({node.op_type}) needs the {PERFXLM_DOMAIN} op set at version "
+                             f"{since} or later; the graph imports version {self.opset} (export the model again "
+                             "with this version of perfxlm).")
         args = []
         for slot in weight_slots:
             value = inputs[slot] if slot < len(inputs) else ""
@@ -104,13 +104,13 @@ class GraphModel(nn.Module):
                 raise ValueError(f"{path}: node {name!r} ({node.op_type}) input {slot} ({value!r}) must be a "
                                  "weight stored in the graph.")
             args.append(weights.get(value) if value else None)
-        if node.op_type == "Rotary":
-            key = (inputs[2], inputs[3])
+        if node.op_type in ROPE_INPUTS:  # its cos / sin: the first two weights, one table per pair
+            key = tuple(inputs[slot] for slot in ROPE_INPUTS[node.op_type])
             if key not in tables:
-                tables[key] = RopeTable(*args)
-            args = [tables[key]]
-        if node.op_type == "PagedAttention":
-            for slot in (1, 2):  # this layer's cache: a graph input of its own, allocated by the runner
+                tables[key] = RopeTable(*args[:2])
+            args = [tables[key], *args[2:]]
+        if node.op_type in CACHE_INPUTS:
+            for slot in CACHE_INPUTS[node.op_type]:  # this layer's cache: a graph input of its own, allocated by the runner
                 if inputs[slot] not in graph_inputs or inputs[slot] in caches:
                     raise ValueError(f"{path}: node {name!r} input {slot} ({inputs[slot]!r}) must be a KV cache "
                                      "graph input used by no other attention node.")
@@ -135,32 +135,37 @@ class GraphModel(nn.Module):
             for key, child in list(layer.named_children()):
                 if child is old:
                     setattr(layer, key, new)
+            if layer.mlp is not None:  # a mixture's module runs its steps (updated above): its kernels too
+                layer.mlp.kernels = nn.ModuleList(s.kernel for s in layer.mlp.steps if s.kernel is not None)
 
     # ---- the runner's seam ------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         values = {"input_ids": input_ids, "positions": positions}
         run = self.layer_run
         if run is None:
-            _run(self.body, values)
+            run_steps(self.body, values)
             return values[self.hidden_name]
-        _run(self.body[: run.first], values)
+        run_steps(self.body[: run.first], values)
         x = values[run.input_name]
         meta = get_forward_context()
         if self.fused_decode.applies(x, meta):
             rope = run.rotary.table.at(positions)
-            values[run.x_name], values[run.residual_name] = self.fused_decode.run(x.contiguous(), rope, meta)
+            out, residual = self.fused_decode.run(x.contiguous(), rope, meta, layer_ropes=run.ropes(positions))
+            if run.sandwich:  # the stream whole in `out`: the final AddRMSNorm adds a zero residual to it
+                residual = torch.zeros_like(out)
+            values[run.x_name], values[run.residual_name] = out, residual
         else:
-            _run(self.body[run.first : run.end], values)
-        _run(self.body[run.end :], values)
+            run_steps(self.body[run.first : run.end], values)
+        run_steps(self.body[run.end :], values)
         return values[self.hidden_name]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         values = {self.rows_name: hidden}
-        _run(self.head, values)
+        run_steps(self.head, values)
         return values["logits"].float()
 
 
-def _self_contained(run: LayerRun | None, steps: list[_Step]) -> LayerRun | None:
+def _self_contained(run: LayerRun | None, steps: list[Step]) -> LayerRun | None:
     """`run` where nothing after the layers reads a value made inside them but their output and residual."""
     if run is None:
         return None
@@ -171,7 +176,7 @@ def _self_contained(run: LayerRun | None, steps: list[_Step]) -> LayerRun | None
 
 # op type -> (input slot of a weight, the attribute saying its bits: 0 for a float matrix)
 _MATRICES = {"Linear": ((1, "bits"),), "Embedding": ((1, "bits"),),
-             "MoE": ((2, "gate_up_bits"), (3, "down_bits"))}
+             "MoE": ((2, "gate_up_bits"), (3, "down_bits")), "Experts": ((3, "gate_up_bits"), (4, "down_bits"))}
 
 
 def _cast_float_matrices(nodes: Any, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
@@ -186,12 +191,24 @@ def _cast_float_matrices(nodes: Any, weights: dict[str, torch.Tensor], dtype: to
                 weights[name] = w.to(dtype)
 
 
-def _check_opsets(proto: onnx.ModelProto, path: str) -> None:
+def _check_opsets(proto: onnx.ModelProto, path: str) -> int:
+    """The graph's perfxlm op-set version; ValueError where this engine does not run it."""
     versions = {o.domain: o.version for o in proto.opset_import}
     if versions.get(PERFXLM_DOMAIN) not in range(1, PERFXLM_OPSET + 1):  # each version runs its predecessors' graphs
         raise ValueError(f"{path}: the graph imports the {PERFXLM_DOMAIN} op set at version "
                          f"{versions.get(PERFXLM_DOMAIN)!r}; this engine runs versions 1 to {PERFXLM_OPSET} (export "
                          "the model again with this version of perfxlm).")
+    return versions[PERFXLM_DOMAIN]
+
+
+def _since(op_type: str, attrs: dict[str, Any], inputs: list[str]) -> int:
+    """The op-set version a node needs: its op's, or that of an attribute or input added to it later
+    (PagedAttention's logit_soft_cap at 2, its sinks and query_scale at 3)."""
+    if op_type == "PagedAttention":
+        if "query_scale" in attrs or (len(inputs) > 7 and inputs[7]):
+            return 3
+        return 2 if "logit_soft_cap" in attrs else 1
+    return OP_SINCE.get(op_type, 1)
 
 
 def _head_split(nodes: list[onnx.NodeProto], path: str) -> int:
@@ -206,33 +223,3 @@ def _head_split(nodes: list[onnx.NodeProto], path: str) -> int:
                                  f"hidden states; node {node.name!r} is {node.op_type}.")
             return i
     raise ValueError(f"{path}: no node reads logits_indices; the graph has no LM head the engine can find.")
-
-
-def _schedule(built: list[tuple[Kernel | None, list[str], list[str]]], keep: set[str]) -> list[_Step]:
-    last: dict[str, int] = {}
-    for i, (_, inputs, _) in enumerate(built):
-        for name in inputs:
-            last[name] = i
-    steps = []
-    for i, (kernel, inputs, outputs) in enumerate(built):
-        mutated = getattr(kernel, "mutates", ())
-        copy = [slot in mutated and (last[name] > i or name in keep or inputs.count(name) > 1)
-                for slot, name in enumerate(inputs)]
-        drop = sorted({n for n in inputs if last[n] == i and n not in keep})
-        steps.append(_Step(kernel, inputs, outputs, copy, drop))
-    return steps
-
-
-def _run(steps: list[_Step], values: dict[str, Any]) -> None:
-    for step in steps:
-        try:
-            args = [values[n].clone() if c else values[n] for n, c in zip(step.inputs, step.copy)]
-        except KeyError as exc:
-            raise ValueError(f"graph value {exc} is read before any node writes it.") from None
-        out = args[0] if step.kernel is None else step.kernel(*args)
-        if isinstance(out, tuple):
-            values.update(zip(step.outputs, out))
-        else:
-            values[step.outputs[0]] = out
-        for name in step.drop:
-            values.pop(name, None)

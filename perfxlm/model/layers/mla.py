@@ -95,17 +95,25 @@ class MLAttention(nn.Module):
         return self._absorbed[dtype]
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
-        q = q.view(n, self.num_heads, self.nope_dim + self.rope_dim)
         kv = self.kv_a_proj_with_mqa(x)
-        latent = self.kv_a_layernorm(kv[:, : self.kv_lora_rank].contiguous())
-        q_pe = apply_rotary(q[..., self.nope_dim :].contiguous(), *rope)
-        k_pe = apply_rotary(kv[:, self.kv_lora_rank :].contiguous().view(n, 1, self.rope_dim), *rope)
-        w_uk, w_uv_t = self.absorbed(x.dtype)
-        q_latent = torch.bmm(q[..., : self.nope_dim].transpose(0, 1), w_uk).transpose(0, 1)  # [n, H, kv_lora]
-        query = torch.cat((q_latent, q_pe), dim=-1)
-        key = torch.cat((latent.view(n, 1, self.kv_lora_rank), k_pe), dim=-1)  # [n, 1, latent_dim]
-        out = self.attn(query, key, key).view(n, self.num_heads, self.latent_dim)[..., : self.kv_lora_rank]
-        out = torch.bmm(out.transpose(0, 1), w_uv_t).transpose(0, 1)  # [n, H, v]
-        return self.o_proj(out.reshape(n, self.num_heads * self.v_dim))
+        return self.o_proj(attend_latent(self.attn, self.kv_a_layernorm, *self.absorbed(x.dtype), self.nope_dim,
+                                         rope, q, kv))
+
+
+def attend_latent(attn: Attention, kv_norm: RMSNorm, w_uk: torch.Tensor, w_uv_t: torch.Tensor, nope_dim: int,
+                  rope: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """Latent attention between the projections: q [n, H * (nope + rope)] and kv_a's output [n, kv_lora +
+    rope] in, the heads' values [n, H * v] out (o_proj's input); the latent row written to `attn`'s cache.
+    MLAttention's core, and the engine's graph op for it (model/graph/kernels.py), so both round alike."""
+    n, heads, rank = q.shape[0], attn.num_heads, w_uk.shape[-1]
+    q = q.view(n, heads, -1)
+    latent = kv_norm(kv[:, :rank].contiguous())
+    q_pe = apply_rotary(q[..., nope_dim:].contiguous(), *rope)
+    k_pe = apply_rotary(kv[:, rank:].contiguous().view(n, 1, -1), *rope)
+    q_latent = torch.bmm(q[..., :nope_dim].transpose(0, 1), w_uk).transpose(0, 1)  # [n, H, kv_lora]
+    query = torch.cat((q_latent, q_pe), dim=-1)
+    key = torch.cat((latent.view(n, 1, rank), k_pe), dim=-1)  # [n, 1, latent_dim]
+    out = attn(query, key, key).view(n, heads, attn.head_dim)[..., :rank]
+    out = torch.bmm(out.transpose(0, 1), w_uv_t).transpose(0, 1)  # [n, H, v]
+    return out.reshape(n, heads * w_uv_t.shape[-1])
