@@ -7,6 +7,12 @@ fewer experts so the stacks fit a small machine (routing stays uniform over thos
 
     python benchmarks/moe_experts.py                           # bf16 stacks, 1 / 16 / 128 tokens
     python benchmarks/moe_experts.py --weights int4 --experts 64 --tokens 1,4 --output-json moe.json
+    python benchmarks/moe_experts.py --weights int4 --int8-blocks --tokens 1,16,512  # llama.cpp's Q8 products
+    python benchmarks/moe_experts.py --weights mxfp4 --gpt-oss --experts 32 --top-k 4 --hidden 2880 --inter 2880
+
+--gpt-oss: biased experts with the clamped SwiGLU over interleaved gate/up rows. The same script run with
+another checkout on the path (PYTHONPATH) times that checkout's kernel on the same inputs: alternate the
+two for an A/B of a kernel change.
 """
 
 from __future__ import annotations
@@ -19,15 +25,25 @@ import time
 
 import torch
 
-from perfxlm.model.layers.activation import SiluAndMul
+from perfxlm.model.layers.activation import ClampedSwiGLU, SiluAndMul
 from perfxlm.model.layers.moe import grouped_experts, grouped_experts_torch
 from perfxlm.ops import native
 from perfxlm.quant.quantizers import quantize_symmetric_int4, quantize_symmetric_int8
+from perfxlm.quant.weight import ActivationMode
 
 
 def stacks(args: argparse.Namespace):
     g = torch.Generator().manual_seed(0)
     e, h, i = args.experts, args.hidden, args.inter
+    if args.weights == "mxfp4":  # random E2M1 codes, exponents about 0.02's (quantizing this many floats is slow)
+        from perfxlm.quant import mxfp4
+
+        def packed(n: int, k: int):
+            blocks = torch.randint(0, 256, (e, n, k // 32, 16), dtype=torch.uint8, generator=g)
+            exponents = torch.randint(119, 122, (e, n, k // 32), dtype=torch.uint8, generator=g)
+            return mxfp4.from_checkpoint(blocks, exponents, "w")
+
+        return packed(2 * i, h), packed(h, i)
     gate_up = torch.randn(e, 2 * i, h, generator=g) * 0.02
     down = torch.randn(e, h, i, generator=g) * 0.02
     if args.weights == "bf16":
@@ -51,7 +67,9 @@ def timed(fn, repeats: int) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--weights", choices=["float32", "bf16", "int8", "int4"], default="bf16")
+    ap.add_argument("--weights", choices=["float32", "bf16", "int8", "int4", "mxfp4"], default="bf16")
+    ap.add_argument("--int8-blocks", action="store_true", help="quantized stacks under int8 activation blocks")
+    ap.add_argument("--gpt-oss", action="store_true", help="biased experts, clamped SwiGLU (interleaved gate/up)")
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=2048)
@@ -66,26 +84,34 @@ def main(argv: list[str] | None = None) -> dict:
         sys.exit("the native kernels are not built on this machine: nothing to compare")
     torch.set_num_threads(args.threads)
     gate_up, down = stacks(args)
-    act = SiluAndMul()
+    if args.int8_blocks and args.weights in ("int8", "int4", "mxfp4"):
+        gate_up.activations = down.activations = ActivationMode.INT8_NATIVE
+    act, biases = SiluAndMul(), (None, None)
+    if args.gpt_oss:
+        act = ClampedSwiGLU(1.702, 7.0)
+        biases = (torch.randn(args.experts, 2 * args.inter) * 0.01, torch.randn(args.experts, args.hidden) * 0.01)
     results = []
     with torch.inference_mode():
         for n in (int(t) for t in args.tokens.split(",")):
             g = torch.Generator().manual_seed(n)
             x = torch.randn(n, args.hidden, generator=g)
             weights, ids = torch.softmax(torch.randn(n, args.experts, generator=g), -1).topk(args.top_k, dim=-1)
-            assert torch.equal(grouped_experts(x, weights, ids, gate_up, down, act),
-                               grouped_experts_torch(x, weights, ids, gate_up, down, act))  # fmt: skip
+            # said, not asserted: an older checkout's kernel may round otherwise and is still worth timing
+            same = torch.equal(grouped_experts(x, weights, ids, gate_up, down, act, *biases),
+                               grouped_experts_torch(x, weights, ids, gate_up, down, act, *biases))  # fmt: skip
             rounds = {"native": [], "torch": []}
             for _ in range(args.rounds):
-                rounds["native"].append(timed(lambda: grouped_experts(x, weights, ids, gate_up, down, act), args.repeats))
-                rounds["torch"].append(timed(lambda: grouped_experts_torch(x, weights, ids, gate_up, down, act), args.repeats))
+                rounds["native"].append(
+                    timed(lambda: grouped_experts(x, weights, ids, gate_up, down, act, *biases), args.repeats))
+                rounds["torch"].append(
+                    timed(lambda: grouped_experts_torch(x, weights, ids, gate_up, down, act, *biases), args.repeats))
             nat, tor = statistics.median(rounds["native"]), statistics.median(rounds["torch"])
             active = int(torch.unique(ids).numel())
             results.append({"tokens": n, "active_experts": active, "native_ms": nat * 1e3, "torch_ms": tor * 1e3,
-                            "speedup": tor / nat})  # fmt: skip
+                            "speedup": tor / nat, "same_bits": same})  # fmt: skip
             print(f"{n:4d} tokens ({active:3d} experts active): native {nat * 1e3:8.3f} ms  torch loop "
-                  f"{tor * 1e3:8.3f} ms  x{tor / nat:.2f}", flush=True)  # fmt: skip
-    report = {"weights": args.weights, "experts": args.experts, "top_k": args.top_k, "hidden": args.hidden,
+                  f"{tor * 1e3:8.3f} ms  x{tor / nat:.2f}  {'same bits' if same else 'BITS DIFFER'}", flush=True)  # fmt: skip
+    report = {"weights": args.weights, "int8_blocks": args.int8_blocks, "gpt_oss": args.gpt_oss, "experts": args.experts, "top_k": args.top_k, "hidden": args.hidden,
               "inter": args.inter, "threads": args.threads, "results": results}  # fmt: skip
     if args.output_json:
         with open(args.output_json, "w") as f:

@@ -559,9 +559,9 @@ namespace perfxlm_fused {
 
 at::Tensor project(const at::Tensor& x, at::TensorList parts, int64_t n_out, const c10::optional<at::Tensor>& bias,
                    int64_t max_rows, bool bf16_gemm, bool int8_blocks, int64_t quant_max_rows,
-                   int64_t quant_block_max_rows) {
-  // experts stay on the block GEMV / float paths (gemm_rows -1): their row groups are small
-  return ::project(x, parts, n_out, bias, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows, -1);
+                   int64_t quant_block_max_rows, int64_t gemm_rows) {
+  return ::project(x, parts, n_out, bias, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows,
+                   gemm_rows);
 }
 
 at::Tensor mlp_activation(const at::Tensor& gate_up, int64_t inter, int64_t activation) {

@@ -5,17 +5,22 @@
 // times their routing weights, are added back in expert order (transformers' float32 sums).
 //
 // Two ways to run the groups:
-// - few rows per expert (decode, and batched decode: every group within the GEMV's row limit): two
-//   parallel regions for the whole layer. The first runs gate|up and the activation over tasks of
-//   (expert, run of intermediate columns), the second down over runs of output columns, each task looping
-//   over the active experts in expert order and adding into its own columns of the output. A decode step
-//   of k experts is then 2 thread hand-offs, not 2 k GEMV calls each parallel on its own (4 k
-//   hand-offs, with the activation and routing-weight ops between), and every thread streams a share
-//   of every expert. GEMV rows are computed independently of how a weight's rows are cut (runs start at
-//   multiples of 32 rows: whole two-level scale runs, whole vector steps of the activation), so the bits
-//   are those of the per-expert products.
+// - few rows per expert (decode, and batched decode: every group within the GEMV's row limit and below
+//   the int8 GEMM's): two parallel regions for the whole layer. The first runs gate|up and the
+//   activation over tasks of (expert, run of intermediate columns); the second down, over runs of output
+//   columns each looping over the active experts in expert order and adding into its own columns of the
+//   output, or, with at least four active experts per thread, over experts (each expert's whole product
+//   in one call), added back per token in expert order. A decode step of k experts is then 2 thread
+//   hand-offs, not 2 k GEMV calls each parallel on its own (4 k hand-offs, with the activation and
+//   routing-weight ops between). GEMV rows are computed independently of how a weight's rows are cut
+//   (runs start at multiples of 32 rows: whole two-level scale runs, whole vector steps of the
+//   activation), so the bits are those of the per-expert products. gpt-oss's interleaved gate/up rows
+//   take it too (a run of intermediate columns is one run of 2 n rows, its biases alike); float32
+//   stacks do not (rows_independent).
 // - more rows: expert after expert, each product parallel over its own rows (a GEMM's work per expert is
-//   large enough to share out), as the torch loop does.
+//   large enough to share out), as the torch loop does: under int8 activation blocks from the plan's
+//   GEMM row count each expert's rows go to the int8 GEMM (quant_gemm.cpp, through linear_q), not to a
+//   float32 GEMM on dequantized slabs.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -64,11 +69,18 @@ c10::optional<at::Tensor> expert_bias(const c10::optional<at::Tensor>& bias, int
   return n < 0 ? b : b.narrow(0, r0, n);
 }
 
-// Whether `project` runs a stack's products row by row (GEMV kernels, whose rows do not depend on how the
-// weight is cut) for groups of up to `rows` rows: quantized stacks within the GEMV's row limit, bf16 rows
-// within the row kernel's; float32 stacks (torch's GEMM) and packed panels never.
-bool rows_independent(at::TensorList stack, int64_t rows, int64_t max_rows, int64_t quant_max_rows) {
-  if (stack.size() == 5) return rows <= (quant_max_rows >= 0 ? quant_max_rows : max_rows);
+// Whether `project` runs a stack's products row by row (kernels whose rows do not depend on how the weight
+// is cut, nor on the threads running them) for groups of up to `rows` rows: quantized stacks within the
+// GEMV's row limit and below the int8 GEMM's first row (`gemm_rows`: linear_q's rule; -1 none), bf16
+// rows within the row kernel's. Never float32 stacks: torch's float32 GEMM (MKL) sums in orders that
+// depend on its thread count and on how many rows the weight has, so a run of rows, or one thread's
+// product, would not give the torch loop's bits. Nor packed panels.
+bool rows_independent(at::TensorList stack, int64_t rows, int64_t max_rows, int64_t quant_max_rows,
+                      int64_t gemm_rows) {
+  if (stack.size() == 5) {
+    const int64_t gemv = quant_max_rows >= 0 ? quant_max_rows : max_rows;
+    return rows <= gemv && (gemm_rows <= 0 || rows < gemm_rows);
+  }
   const at::Tensor& w = stack[0];
   return w.dim() == 3 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && rows <= max_rows;
 }
@@ -84,13 +96,36 @@ struct Group {
   int64_t expert, start, rows;  // the sorted pairs [start, start + rows) chose `expert`
 };
 
+// How a step's products run, the plan's choices (`project`'s arguments past the weight).
+struct Products {
+  int64_t max_rows;
+  bool bf16_gemm, int8_blocks;
+  int64_t quant_max_rows, quant_block_max_rows, gemm_rows;
+
+  at::Tensor operator()(const at::Tensor& x, at::TensorList parts, int64_t n_out,
+                        const c10::optional<at::Tensor>& bias) const {
+    return project(x, parts, n_out, bias, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows,
+                   gemm_rows);
+  }
+};
+
+// The experts' gated activation, its codes and constants.
+struct Activation {
+  int64_t code;
+  double alpha, limit;
+
+  bool interleaved() const { return code == 3; }  // gpt-oss: gate and up rows alternate in gate|up
+  at::Tensor operator()(const at::Tensor& gate_up, int64_t inter) const {
+    return expert_activation(gate_up, inter, code, alpha, limit);
+  }
+};
+
 // The few-rows path (see the top of the file): h [P, inter] then out [T, hidden].
 at::Tensor experts_by_columns(const at::Tensor& xs, const at::Tensor& ws, const at::Tensor& token_of,
                               const std::vector<Group>& groups, int64_t num_tokens, at::TensorList w_gate_up,
                               const c10::optional<at::Tensor>& b_gate_up, at::TensorList w_down,
-                              const c10::optional<at::Tensor>& b_down, int64_t inter, int64_t activation,
-                              int64_t max_rows, bool bf16_gemm, bool int8_blocks, int64_t quant_max_rows,
-                              int64_t quant_block_max_rows) {
+                              const c10::optional<at::Tensor>& b_down, int64_t inter, const Activation& act,
+                              const Products& product, bool one_row_each) {
   const int64_t hidden = xs.size(1), pairs = xs.size(0), active = static_cast<int64_t>(groups.size());
   const int64_t threads = at::get_num_threads();
   // gate|up: a task is one expert's run of intermediate columns (its gate rows and the matching up rows),
@@ -98,6 +133,11 @@ at::Tensor experts_by_columns(const at::Tensor& xs, const at::Tensor& ws, const 
   const int64_t cols = run_length(inter, (4 * threads + active - 1) / active, kRowRun);
   const int64_t col_runs = (inter + cols - 1) / cols;
   at::Tensor h = at::empty({pairs, inter}, xs.options());
+  // gpt-oss's activation over a group of several rows runs after the region on the group's whole
+  // [rows, 2 inter] products, as the torch loop's: torch's elementwise ops see its rows as one flat run,
+  // whose vector steps a run of one row's columns would not keep. One row per expert (decode): per task.
+  const bool act_after = act.interleaved() && !one_row_each;
+  at::Tensor pre = act_after ? at::empty({pairs, 2 * inter}, xs.options()) : at::Tensor();
   // the caller's thread-local state (inference mode above all: writing into h and out, inference tensors
   // under it, is refused on a thread without it) on every thread of the regions
   const at::ThreadLocalState caller;
@@ -107,32 +147,57 @@ at::Tensor experts_by_columns(const at::Tensor& xs, const at::Tensor& ws, const 
       const Group& g = groups[task / col_runs];
       const int64_t j0 = task % col_runs * cols, n = std::min(cols, inter - j0);
       const at::Tensor x = xs.narrow(0, g.start, g.rows);
-      const at::Tensor gate = project(x, expert_rows(w_gate_up, g.expert, j0, n), n,
-                                      expert_bias(b_gate_up, g.expert, j0, n), max_rows, bf16_gemm, int8_blocks,
-                                      quant_max_rows, quant_block_max_rows);
-      const at::Tensor up = project(x, expert_rows(w_gate_up, g.expert, inter + j0, n), n,
-                                    expert_bias(b_gate_up, g.expert, inter + j0, n), max_rows, bf16_gemm,
-                                    int8_blocks, quant_max_rows, quant_block_max_rows);
+      if (act.interleaved()) {
+        // columns [j0, j0 + n) are gate|up rows [2 j0, 2 j0 + 2 n): one run (starting on a multiple of 64)
+        const at::Tensor both =
+            product(x, expert_rows(w_gate_up, g.expert, 2 * j0, 2 * n), 2 * n, expert_bias(b_gate_up, g.expert, 2 * j0, 2 * n));
+        if (act_after)
+          pre.narrow(0, g.start, g.rows).narrow(1, 2 * j0, 2 * n).copy_(both);
+        else
+          h.select(0, g.start).narrow(0, j0, n).copy_(act(both, n).squeeze(0));
+        continue;
+      }
+      const at::Tensor gate = product(x, expert_rows(w_gate_up, g.expert, j0, n), n, expert_bias(b_gate_up, g.expert, j0, n));
+      const at::Tensor up = product(x, expert_rows(w_gate_up, g.expert, inter + j0, n), n,
+                                    expert_bias(b_gate_up, g.expert, inter + j0, n));
       // one row at a time: each row's elements take the vector and scalar steps of the whole row's op
       for (int64_t r = 0; r < g.rows; ++r) {
         const at::Tensor both = at::cat({gate.select(0, r), up.select(0, r)}).unsqueeze(0);
-        h.select(0, g.start + r).narrow(0, j0, n).copy_(perfxlm_fused::mlp_activation(both, n, activation).squeeze(0));
+        h.select(0, g.start + r).narrow(0, j0, n).copy_(act(both, n).squeeze(0));
       }
     }
   });
-  // down: a task is a run of output columns over every active expert, in expert order
+  if (act_after)
+    for (const Group& g : groups) h.narrow(0, g.start, g.rows).copy_(act(pre.narrow(0, g.start, g.rows), inter));
+  const int64_t* tok = token_of.const_data_ptr<int64_t>();
+  if (active >= 4 * threads) {
+    // down, many experts (batched decode; a decode step's top-k on few threads): a task is one expert's
+    // whole product, the threads' shares within a quarter of a task of each other, and each expert's rows
+    // multiplied in one call (their activations rounded to int8 blocks once, not once per column run);
+    // added back per token in expert order, the sums the column runs make
+    at::Tensor out_sorted = at::empty({pairs, hidden}, xs.options());
+    at::parallel_for(0, active, 1, [&](int64_t begin, int64_t end) {
+      const at::ThreadLocalStateGuard same_state(caller);
+      for (int64_t i = begin; i < end; ++i) {
+        const Group& g = groups[i];
+        out_sorted.narrow(0, g.start, g.rows)
+            .copy_(product(h.narrow(0, g.start, g.rows), expert_rows(w_down, g.expert), hidden, expert_bias(b_down, g.expert))
+                       .mul_(ws.narrow(0, g.start, g.rows)));
+      }
+    });
+    return at::zeros({num_tokens, hidden}, xs.options()).index_add_(0, token_of, out_sorted);
+  }
+  // down, few experts: a task is a run of output columns over every active expert, in expert order
   const int64_t out_cols = run_length(hidden, 4 * threads, kRowRun);
   const int64_t out_runs = (hidden + out_cols - 1) / out_cols;
   at::Tensor out = at::zeros({num_tokens, hidden}, xs.options());
-  const int64_t* tok = token_of.const_data_ptr<int64_t>();
   at::parallel_for(0, out_runs, 1, [&](int64_t begin, int64_t end) {
     const at::ThreadLocalStateGuard same_state(caller);
     for (int64_t run = begin; run < end; ++run) {
       const int64_t c0 = run * out_cols, n = std::min(out_cols, hidden - c0);
       for (const Group& g : groups) {
-        const at::Tensor o = project(h.narrow(0, g.start, g.rows), expert_rows(w_down, g.expert, c0, n), n,
-                                     expert_bias(b_down, g.expert, c0, n), max_rows, bf16_gemm, int8_blocks,
-                                     quant_max_rows, quant_block_max_rows)
+        const at::Tensor o = product(h.narrow(0, g.start, g.rows), expert_rows(w_down, g.expert, c0, n), n,
+                                     expert_bias(b_down, g.expert, c0, n))
                                  .mul_(ws.narrow(0, g.start, g.rows));
         for (int64_t r = 0; r < g.rows; ++r) out.select(0, tok[g.start + r]).narrow(0, c0, n).add_(o.select(0, r));
       }
@@ -145,7 +210,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
                        at::TensorList w_gate_up, const c10::optional<at::Tensor>& b_gate_up, at::TensorList w_down,
                        const c10::optional<at::Tensor>& b_down, int64_t num_experts, int64_t inter, int64_t activation,
                        double alpha, double limit, int64_t max_rows, bool bf16_gemm, bool int8_blocks,
-                       int64_t quant_max_rows, int64_t quant_block_max_rows) {
+                       int64_t quant_max_rows, int64_t quant_block_max_rows, int64_t gemm_rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "moe_experts: x must be float32 [T, hidden]");
   TORCH_CHECK(expert_ids.dim() == 2 && expert_ids.size(0) == x.size(0) && expert_ids.scalar_type() == at::kLong &&
                   weights.sizes() == expert_ids.sizes(),
@@ -154,6 +219,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
   TORCH_CHECK(w_down.size() == 1 || w_down.size() == 5, "moe_experts: a stack is [w] or [codes, scales, mins, levels, act_int8]");
   TORCH_CHECK(w_gate_up[0].size(0) == num_experts && w_down[0].size(0) == num_experts, "moe_experts: stacks of ",
               num_experts, " experts expected");
+  TORCH_CHECK(activation >= 0 && activation <= 3, "moe_experts: unknown activation code ", activation);
   const int64_t top_k = expert_ids.size(1), hidden = x.size(1);
   const at::Tensor flat = expert_ids.reshape(-1);
   if (flat.numel()) {
@@ -172,20 +238,19 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
     if (count[e]) groups.push_back({e, start, count[e]});
     most = std::max(most, count[e]);
   }
-  // gpt-oss's interleaved gate/up columns keep the per-expert path (a run would cut its pairs differently)
-  if (activation != 3 && rows_independent(w_gate_up, most, max_rows, quant_max_rows) &&
-      rows_independent(w_down, most, max_rows, quant_max_rows)) {
-    return experts_by_columns(xs, ws, token_of, groups, x.size(0), w_gate_up, b_gate_up, w_down, b_down, inter,
-                              activation, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);
+  const Activation act{activation, alpha, limit};
+  const Products product{max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows, int8_blocks ? gemm_rows : -1};
+  if (rows_independent(w_gate_up, most, max_rows, quant_max_rows, product.gemm_rows) &&
+      rows_independent(w_down, most, max_rows, quant_max_rows, product.gemm_rows)) {
+    return experts_by_columns(xs, ws, token_of, groups, x.size(0), w_gate_up, b_gate_up, w_down, b_down, inter, act,
+                              product, most <= 1);
   }
   at::Tensor out_sorted = at::empty_like(xs);
   for (const Group& g : groups) {
-    at::Tensor h = project(xs.narrow(0, g.start, g.rows), expert_rows(w_gate_up, g.expert), 2 * inter,
-                           expert_bias(b_gate_up, g.expert), max_rows, bf16_gemm, int8_blocks, quant_max_rows,
-                           quant_block_max_rows);
-    h = expert_activation(h, inter, activation, alpha, limit);
-    const at::Tensor o = project(h, expert_rows(w_down, g.expert), hidden, expert_bias(b_down, g.expert), max_rows,
-                                 bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows);
+    const at::Tensor h = act(product(xs.narrow(0, g.start, g.rows), expert_rows(w_gate_up, g.expert), 2 * inter,
+                                     expert_bias(b_gate_up, g.expert)),
+                             inter);
+    const at::Tensor o = product(h, expert_rows(w_down, g.expert), hidden, expert_bias(b_down, g.expert));
     out_sorted.narrow(0, g.start, g.rows).copy_(o * ws.narrow(0, g.start, g.rows));
   }
   return at::zeros_like(x).index_add_(0, token_of, out_sorted);
@@ -197,7 +262,7 @@ TORCH_LIBRARY_FRAGMENT(perfxlm, m) {
   m.def(
       "moe_experts(Tensor x, Tensor weights, Tensor expert_ids, Tensor[] w_gate_up, Tensor? b_gate_up, Tensor[] w_down, "
       "Tensor? b_down, int num_experts, int inter, int activation, float alpha, float limit, int max_rows, "
-      "bool bf16_gemm, bool int8_blocks, int quant_max_rows, int quant_block_max_rows) -> Tensor");
+      "bool bf16_gemm, bool int8_blocks, int quant_max_rows, int quant_block_max_rows, int gemm_rows=-1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(perfxlm, CPU, m) { m.impl("moe_experts", &moe_experts); }

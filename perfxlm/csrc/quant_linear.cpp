@@ -80,6 +80,9 @@ struct QW {
   int64_t kbytes = 0;
   int64_t kper = 0;
   bool ksigned = false;
+  // E8M0 exponent bytes (MXFP4's scales as the format stores them, torch's float8_e8m0fnu): kscales holds
+  // one byte b per group, the scale 2^(b - 127), multiplied out per run as two-level bytes are.
+  bool kexp = false;
 };
 
 constexpr int64_t kSuperBlock = 256;  // inputs per float16 factor of two-level scales
@@ -191,8 +194,11 @@ QW describe(const at::Tensor& codes, const at::Tensor& scales, const c10::option
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.is_contiguous() && mins.sizes() == scales.sizes() &&
                   mins.is_contiguous() && mins.scalar_type() == scales.scalar_type(),
               "linear_q: scales and mins must be contiguous, same dtype, [N, K / group]");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf,
-              "linear_q: scales must be float32 or float16");
+  const bool exponents = scales.scalar_type() == at::kFloat8_e8m0fnu;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf || exponents,
+              "linear_q: scales must be float32, float16 or float8_e8m0fnu exponents");
+  TORCH_CHECK(!exponents || (centred && levels.has_value() && levels->defined()),
+              "linear_q: exponent scales take centred codes into a level table (MXFP4)");
   const int64_t groups = scales.size(1);
   TORCH_CHECK(groups >= 1 && K % groups == 0, "linear_q: ", groups, " groups do not divide K = ", K);
   const int64_t group = K / groups;
@@ -215,6 +221,13 @@ QW describe(const at::Tensor& codes, const at::Tensor& scales, const c10::option
   if (lv && centred && integer_table(lv, w.ulut, &offset)) {
     w.int_lut = true;
     w.block_min_factor = -offset;  // w = scale * (lut[u] - offset): the min is -offset x the scale
+  }
+  if (exponents) {  // read as bytes, expanded per run (expanded_rows)
+    w.kscales = static_cast<const uint8_t*>(scales.data_ptr());
+    w.kbytes = groups;
+    w.kexp = true;
+    w.scales = w.mins = nullptr;
+    w.half = false;
   }
   return w;
 }
@@ -277,8 +290,21 @@ inline void expand_row(const uint8_t* row, int64_t groups, int64_t per, float si
   }
 }
 
+// E8M0 bytes -> float32 2^(b - 127), the bits built directly (b = 0: the subnormal 2^-127), as torch's
+// float8_e8m0fnu reads them (b = 255, E8M0's NaN, never stored: quant/mxfp4.py keeps ggml's reading).
+void expand_exponents(const uint8_t* __restrict row, int64_t groups, float* __restrict out) {
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint32_t bits = row[g] ? static_cast<uint32_t>(row[g]) << 23 : 0x00400000u;
+    std::memcpy(out + g, &bits, 4);
+  }
+}
+
 // Rows [n0, n1) of a two-level weight's scales (and mins) multiplied out to float32, [rows][groups] each.
 void expand_two_level(const QW& w, int64_t n0, int64_t n1, float* sc, float* mn) {
+  if (w.kexp) {
+    for (int64_t n = n0; n < n1; ++n) expand_exponents(w.kscales + n * w.kbytes, w.groups, sc + (n - n0) * w.groups);
+    return;
+  }
   const int64_t per = w.groups / (w.K / kSuperBlock);
   for (int64_t n = n0; n < n1; ++n) {
     const int64_t o = (n - n0) * w.groups;
@@ -1601,7 +1627,8 @@ void block_gemv_spc(const BlockActs& a, int64_t M, const QW& w, float* y, const 
 // gemm_takes, less the two-level scales it multiplies out in Python.
 bool gemm_takes(const QW& w) {
   const int top = w.bits4 ? (w.bits5 ? 31 : 15) : 255;
-  return w.group % 32 == 0 && !w.kscales && (!w.levels || w.int_lut) && top <= perfxlm_qgemm::quant_block_gemm_max_code();
+  return w.group % 32 == 0 && (!w.kscales || w.kexp) && (!w.levels || w.int_lut) &&
+         top <= perfxlm_qgemm::quant_block_gemm_max_code();
 }
 
 at::Tensor block_product(const at::Tensor& x, const QW& w, const float* bias, int spc) {
@@ -1678,8 +1705,9 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tens
     const int64_t gemv_rows = block_wins && block_max_rows >= 0 ? block_max_rows : max_rows;
     // The int8 GEMM from gemm_rows rows where the plan says so and it takes the layout (groups of whole
     // 32-blocks, float scales: K-quants' two-level bytes stay on the GEMV and the float path here)
+    // (the GEMM reads float scales: exponent bytes widened for the call, as the module path's flat() does)
     if (spc && gemm_rows >= 0 && M >= (gemm_rows > 0 ? gemm_rows : gemv_rows + 1) && gemm_takes(w))
-      return perfxlm_qgemm::quant_block_gemm(xc, codes, scales, mins, levels, bias);
+      return perfxlm_qgemm::quant_block_gemm(xc, codes, w.kexp ? scales.to(at::kFloat) : scales, mins, levels, bias);
     if (spc && M <= gemv_rows) return block_product(xc, w, bp, spc);
     // Many rows: the same int8 activation blocks (dequantized) go to the GEMM, so a token's result does
     // not depend on how many rows its step had (prefix-cache hits, chunking, batch size).

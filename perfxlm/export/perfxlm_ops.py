@@ -179,6 +179,8 @@ class PerfxlmOps(GraphOps):
             return [g.weight(f"{name}.weight", w.bits, TensorProto.BFLOAT16), "", "", "", ""], {"bits": 0}
         if not isinstance(w, QuantizedWeight):
             return [g.weight(f"{name}.weight", w), "", "", "", ""], {"bits": 0}
+        if w.exponent_scales:  # MXFP4's E8M0 bytes: no numpy type; the same values as float32
+            w = w.flat()
         names = [g.weight(f"{name}.codes", w.codes.numpy()), g.weight(f"{name}.scales", w.scales.numpy()),
                  "" if w.mins is None else g.weight(f"{name}.mins", w.mins.numpy()),
                  "" if w.levels is None else g.weight(f"{name}.levels", w.levels.numpy()),

@@ -9,7 +9,10 @@ chose it.
 
 `experts_call` decides once per call whether the kernel takes the stacks (quantized weights only where
 the kernel would round activations as the torch path does) and returns None otherwise: the caller then
-runs the torch version.
+runs the torch version. Under int8 activation blocks and the plan's int8 GEMM, an expert's rows from the
+plan's GEMM row count run the int8 GEMM (`quant_block_gemm`, as `run_linear_q` does for the torch loop)
+instead of a float32 GEMM on dequantized experts; stacks the native GEMM does not read as the torch loop
+does (K-quants' two-level scales, which the loop multiplies out per call) leave such steps to the loop.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from perfxlm.ops import cpu_plan, native
-from perfxlm.ops.linear import native_int8_blocks
+from perfxlm.ops.linear import gemm_rows, gemm_takes, native_int8_blocks
 from perfxlm.quant.weight import ActivationMode, QuantizedWeight
 
 
@@ -67,10 +70,24 @@ def experts_call(
     if mode is ActivationMode.INT8 and not all(native_int8_blocks(w) for w in quantized):
         return None  # the torch version rounds these activations itself
     plan = cpu_plan.plan()
+    int8_blocks = mode is not ActivationMode.FLOAT
+    int8_gemm = int8_blocks and plan.quant_gemm == "int8"
+    if int8_gemm and any(_loop_only_gemm(w, x.shape[0], plan) for w in quantized):
+        return None
     bf16_gemm = plan.gemm == "bf16" and all(w.bf16_gemm for w in quantized)
     inter = gate_up.shape[-2] // 2
     return ops.moe_experts(
         x.contiguous(), weights, expert_ids, up_parts[0], gate_up_bias, down_parts[0], down_bias,
         gate_up.shape[0], inter, activation.code, activation.alpha, activation.limit, plan.native_max_rows,
-        bf16_gemm, mode is not ActivationMode.FLOAT, plan.quant_max_rows, plan.quant_block_max_rows,
+        bf16_gemm, int8_blocks, plan.quant_max_rows, plan.quant_block_max_rows,
+        plan.quant_gemm_rows if int8_gemm else -1,
     )  # fmt: skip
+
+
+def _loop_only_gemm(weight: QuantizedWeight, num_tokens: int, plan: cpu_plan.CpuPlan) -> bool:
+    """Whether an expert of `num_tokens` rows could reach the int8 GEMM in the torch loop but not in the
+    native `linear_q` (two-level scales; a layout its int8 block products do not take): the two would
+    round differently."""
+    if num_tokens < gemm_rows(weight, plan) or not gemm_takes(weight):  # the cheap test first: every decode step
+        return False
+    return weight.two_level or not native_int8_blocks(weight)

@@ -5,8 +5,12 @@ A block of 32 weights shares one E8M0 exponent byte e (the power of two 2^(e - 1
 4-bit E2M1 float (sign, two exponent bits, one mantissa bit: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their
 negatives). In the one affine form that is a 16-level table on 4-bit codes, group 32, centred (no
 mins): the levels are the E2M1 values doubled (small integers, as ggml keeps them, so that a kernel may
-take them as int8) and the scale is 2^(e - 128), a float32 power of two (subnormal for e < 2, which
-float16 could not hold), so every dequantized weight is ggml's product d x kvalue bit for bit.
+take them as int8) and the scale is 2^(e - 128), so every dequantized weight is ggml's product
+d x kvalue bit for bit. The scale stays one byte per block, as the format stores it: torch's
+float8_e8m0fnu byte e - 1, whose value is 2^(e - 1 - 127) = 2^(e - 128) exactly (`.float()` reads it;
+the native kernels multiply it out per run of rows, csrc quant_linear.cpp), so a weight streams 4.25
+bits, not 5 (`scale_bytes`: exponent 0, 2^-128, below that byte's range, where its block is not all
+zeros keeps the tensor's scales float32, subnormal for e < 2, which float16 could not hold).
 
 Byte layouts (both hold 16 bytes of codes per block of 32):
 - GGUF: 17-byte blocks [e, qs[16]], byte j holding element j in its low nibble and element j + 16 in its
@@ -38,10 +42,24 @@ def e8m0_half(exponents: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
+def scale_bytes(exponents: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """uint8 E8M0 exponents e [..., K / 32] of blocks of Q4_0-ordered `codes` [..., K / 2] -> the scales
+    2^(e - 128) as float8_e8m0fnu bytes e - 1 (the values `e8m0_half` gives). Exponent 0 (2^-128, which
+    no byte holds; ggml writes it for an all-zero block) takes byte 0 where its block is all zeros (codes
+    of +-0: zero at any scale); any other block of exponent 0 keeps the tensor's scales float32."""
+    low = exponents == 0
+    if bool(low.any()):
+        blocks = codes.reshape(*codes.shape[:-1], -1, MXFP4_BLOCK // 2)
+        zero = ((blocks & 0x77) == 0).all(-1)  # every nibble 0 or 8 (E2M1's +0 and -0)
+        if bool((low & ~zero).any()):
+            return e8m0_half(exponents).contiguous()
+    return torch.where(low, 0, exponents.int() - 1).to(torch.uint8).contiguous().view(torch.float8_e8m0fnu)
+
+
 def _weight(codes: torch.Tensor, exponents: torch.Tensor, out_features: int, in_features: int
             ) -> QuantizedWeight:
     return QuantizedWeight(
-        codes.contiguous(), e8m0_half(exponents).contiguous(), None, E2M1_DOUBLED.clone(), 4, MXFP4_BLOCK,
+        codes.contiguous(), scale_bytes(exponents, codes), None, E2M1_DOUBLED.clone(), 4, MXFP4_BLOCK,
         "float", out_features, in_features,
     )  # fmt: skip
 

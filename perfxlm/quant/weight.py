@@ -9,7 +9,8 @@ A weight matrix [N, K] (or a stack of expert matrices [E, N, K]) is stored as
   word give its elements in order, as GGUF Q5_0's qh does), u = low + 16 x fifth (0..31);
 - `scales`, `mins`: both float32 or both float16, [N, K // group], contiguous; or GGUF K-quants'
   two-level form (`perfxlm.quant.super_scales`): bytes [N, K // group + 2 K // 256], a small integer per
-  group then a float16 factor per 256 weights; `mins` None for centred
+  group then a float16 factor per 256 weights; or, for a level table (MXFP4), power-of-two bytes
+  (torch.float8_e8m0fnu [N, K // group], 2^(byte - 127)); `mins` None for centred
   codes (Q4_0, Q8_0, symmetric int4 / int8, NF4), whose min is implied: -8 x scale for 4-bit codes,
   -128 x scale for 8-bit ones, 0 with a level table. Not storing it is what lets a 4-bit decode stream
   4.5 bits per weight instead of 5;
@@ -47,6 +48,7 @@ ACTS = ("float", "int8", "int8_block")
 ACT_BLOCK = 32  # activations per scale under act="int8_block"
 BLOCK4 = 32  # elements per nibble block of 4-bit (and 5-bit) codes (GGUF Q4_0's)
 BITS = (4, 5, 8)  # code widths
+EXPONENT = torch.float8_e8m0fnu  # scales held as power-of-two bytes (MXFP4's E8M0), 2^(byte - 127)
 
 
 class ActivationMode(enum.Enum):
@@ -177,12 +179,14 @@ class QuantizedWeight:
             t = getattr(self, name)
             if t is None and name == "mins":
                 continue
-            ok = tuple(t.shape) == want and t.dtype in (torch.float32, torch.float16) and t.is_contiguous()
+            ok = tuple(t.shape) == want and t.dtype in (torch.float32, torch.float16, EXPONENT) and t.is_contiguous()
             if not ok:
                 raise ValueError(
                     f"QuantizedWeight: {name} {t.dtype} {tuple(t.shape)}, expected contiguous float32 or "
-                    f"float16 {want}."
+                    f"float16 {want} (or {EXPONENT} scales of a level table)."
                 )
+        if self.scales.dtype == EXPONENT and (self.mins is not None or self.levels is None or self.bits != 4):
+            raise ValueError(f"QuantizedWeight: {EXPONENT} scales take centred 4-bit codes into a level table (MXFP4).")
         if self.mins is not None and self.scales.dtype != self.mins.dtype:
             raise ValueError("QuantizedWeight: scales and mins must share one dtype.")
         lv = self.levels
@@ -252,6 +256,11 @@ class QuantizedWeight:
         return 0 if self.levels is not None else 1 << (self.bits - 1)
 
     @property
+    def exponent_scales(self) -> bool:
+        """Whether the scales are one power-of-two byte per group (MXFP4's E8M0, `quant/mxfp4.py`)."""
+        return self.scales.dtype == EXPONENT
+
+    @property
     def two_level(self) -> bool:
         """Whether the scales are GGUF K-quants' two-level bytes (`super_scales`), not floats."""
         return super_scales.is_super(self.scales)
@@ -273,15 +282,17 @@ class QuantizedWeight:
         return self.float_scales() * float(-self.centre)
 
     def flat(self) -> "QuantizedWeight":
-        """The same values with one float32 scale (and min) per group: two-level scales multiplied out
-        (what the paths that do not read two-level scales take); any other weight as it is."""
+        """The same values with one float32 scale (and min) per group: two-level scales multiplied out,
+        exponent bytes widened (what the paths that do not read them take); any other weight as it is."""
+        if self.exponent_scales:
+            return self._like(self.codes, self.float_scales(), None)
         if not self.two_level:
             return self
         return self._like(self.codes, self.float_scales(), None if self.mins is None else self.full_mins())
 
     def with_mins(self) -> "QuantizedWeight":
         """The same values with the mins stored (float32 scales too where -centre x scale leaves float16)."""
-        if self.two_level:
+        if self.two_level or self.exponent_scales:
             return self.flat().with_mins()
         if self.mins is not None:
             return self
@@ -489,7 +500,7 @@ class QuantizedWeight:
     def with_scale_dtype(self, dtype: torch.dtype) -> "QuantizedWeight":
         if self.scales.dtype == dtype:
             return self
-        if self.two_level:
+        if self.two_level or self.exponent_scales:
             return self.flat().with_scale_dtype(dtype)
         if dtype != torch.float32:
             raise ValueError("scales are only ever widened (float16 -> float32)")
@@ -513,8 +524,9 @@ class QuantizedWeight:
             lv is not None and _same_levels(lv, levels[0]) for lv in levels
         ):
             raise ValueError("parts mix level tables and affine codes; no common form")
-        if all(p.two_level for p in parts) and len({(p.bits, p.group, p.scales.dtype, p.centred) for p in parts}) == 1:
-            return list(parts)  # one two-level form: rows concatenate as they are
+        same_form = len({(p.bits, p.group, p.scales.dtype, p.centred) for p in parts}) == 1
+        if same_form and (all(p.two_level for p in parts) or all(p.exponent_scales for p in parts)):
+            return list(parts)  # one byte-scaled form: rows concatenate as they are
         parts = [p.flat() for p in parts]
         group = math.gcd(*(p.group for p in parts))
         bits = 8 if any(p.bits == 8 for p in parts) or group % BLOCK4 else max(p.bits for p in parts)

@@ -110,42 +110,116 @@ def test_native_experts_equal_the_torch_loop(kind, activation, num_tokens, num_e
     assert again[0].abs().max() == 0 and torch.equal(again[1:], native[1:])
 
 
-@pytest.mark.parametrize("kind", ["bf16", "int8", "int8_blocks", "int4", "int4_blocks", "q4_k"])
-@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 9, 3), (13, 11, 5), (90, 3, 2)])
-def test_native_experts_cut_into_runs_keep_the_bits(kind, num_tokens, num_experts, top_k):
-    """Few rows per expert run as runs of columns over all experts in two parallel regions (more rows
-    run expert by expert): the torch loop's bits either way, under inference mode (the engine's: the
-    regions' other threads must write into its inference tensors), on three threads (runs end mid-way),
-    with odd hidden / intermediate sizes where the format allows them and int8 activation blocks."""
-    from perfxlm.model.layers import moe as moe_module
-    from perfxlm.model.layers.activation import SiluAndMul
-    from perfxlm.quant.weight import ActivationMode
-
-    _native_or_skip()
-    # many rows under int8 blocks: the torch loop takes the int8 GEMM, the kernel its GEMV's blocks, which
-    # sum in another order, so the down projection's inputs can round to other int8 codes: close, not the
-    # same bits (a wrong route or a lost expert is off by the size of an expert's output)
-    same_bits = not (kind.endswith("_blocks") and num_tokens == 90)
-    hidden, inter = {"bf16": (70, 99), "q4_k": (256, 256)}.get(kind, (128, 192))
-    gate_up, down = _stacks(kind.removesuffix("_blocks"), num_experts, hidden, inter, seed=num_tokens)
-    if kind.endswith("_blocks"):  # a weight-only format under quant_activations=int8 (llama.cpp's Q8 products)
-        gate_up.activations = down.activations = ActivationMode.INT8_NATIVE
-    g = torch.Generator().manual_seed(top_k)
+def _routed(num_tokens: int, num_experts: int, top_k: int, hidden: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(num_tokens, hidden, generator=g)
     weights, ids = torch.softmax(torch.randn(num_tokens, num_experts, generator=g), -1).topk(top_k, dim=-1)
+    return x, weights, ids
+
+
+def _experts(kind: str, num_experts: int, hidden: int, inter: int, seed: int, gpt_oss: bool):
+    """Stacks of `kind` ("..._blocks": a weight-only format under quant_activations=int8, llama.cpp's Q8
+    products), the activation and the biases (gpt-oss's clamped SwiGLU over interleaved rows, biased)."""
+    from perfxlm.model.layers.activation import ClampedSwiGLU, SiluAndMul
+    from perfxlm.quant.weight import ActivationMode
+
+    gate_up, down = _stacks(kind.removesuffix("_blocks"), num_experts, hidden, inter, seed=seed)
+    if kind.endswith("_blocks"):
+        gate_up.activations = down.activations = ActivationMode.INT8_NATIVE
+    if not gpt_oss:
+        return gate_up, down, SiluAndMul(), (None, None)
+    g = torch.Generator().manual_seed(seed + 1)
+    biases = (torch.randn(num_experts, 2 * inter, generator=g) * 0.1, torch.randn(num_experts, hidden, generator=g) * 0.1)
+    return gate_up, down, ClampedSwiGLU(1.702, 1.3), biases
+
+
+def _on_three_threads(fn):
+    """fn() under inference mode (the engine's: the regions' other threads must write into its inference
+    tensors) on three threads (runs end mid-way)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(3)
     try:
         with torch.inference_mode():
-            native = moe_module.grouped_experts(x, weights, ids, gate_up, down, SiluAndMul())
-            looped = moe_module.grouped_experts_torch(x, weights, ids, gate_up, down, SiluAndMul())
+            return fn()
     finally:
         torch.set_num_threads(threads)
-    if same_bits:
-        assert torch.equal(native, looped)
-    else:
-        torch.testing.assert_close(native, looped, rtol=0.05, atol=2e-3 * looped.abs().max().item())
+
+
+_SIZES = {"bf16": (70, 99), "float32": (70, 99), "q4_k": (256, 256), "q4_k_blocks": (256, 256)}
+
+
+@pytest.mark.parametrize(
+    "kind,gpt_oss",
+    [("float32", False), ("bf16", False), ("int8", False), ("int8_blocks", False), ("int4", False),
+     ("int4_blocks", False), ("q4_k", False), ("q4_k_blocks", False), ("float32", True), ("bf16", True),
+     ("mxfp4", True), ("mxfp4_blocks", True)],
+)  # fmt: skip
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 9, 3), (13, 11, 5), (16, 31, 4), (90, 3, 2)])
+def test_native_experts_cut_into_runs_keep_the_bits(kind, gpt_oss, num_tokens, num_experts, top_k):
+    """Few rows per expert run as runs of columns over all experts in two parallel regions (float32, bf16
+    and quantized stacks; gpt-oss's interleaved gate|up rows with biases and its clamped SwiGLU), down
+    over experts where there are four per thread (16 tokens over 31 experts); more
+    rows run expert by expert, under int8 activation blocks through the int8 GEMM from the plan's row
+    count, as the torch loop's products do: the torch loop's bits every way, with odd hidden /
+    intermediate sizes where the format allows them."""
+    from perfxlm.model.layers import moe as moe_module
+
+    _native_or_skip()
+    hidden, inter = _SIZES.get(kind, (128, 192))
+    gate_up, down, act, biases = _experts(kind, num_experts, hidden, inter, num_tokens, gpt_oss)
+    x, weights, ids = _routed(num_tokens, num_experts, top_k, hidden, seed=top_k)
+    native, looped = _on_three_threads(lambda: (
+        moe_module.grouped_experts(x, weights, ids, gate_up, down, act, *biases),
+        moe_module.grouped_experts_torch(x, weights, ids, gate_up, down, act, *biases)))  # fmt: skip
+    assert torch.equal(native, looped)
     assert native.abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    "kind,gpt_oss",
+    [("bf16", False), ("int8_blocks", False), ("int4", False), ("q4_k", False), ("mxfp4_blocks", True)],
+)
+def test_a_row_alone_equals_the_same_row_in_a_batch(kind, gpt_oss):
+    """Batched decode (every expert within the GEMV's rows) computes each row as if it were alone: the
+    GEMV and row kernels do not mix rows, and the activation runs per row (gpt-oss's on intermediate
+    sizes in 32s, MXFP4's): 16 parallel requests each get what they would alone."""
+    from perfxlm.model.layers.moe import grouped_experts
+
+    _native_or_skip()
+    num_experts, top_k = 13, 5
+    hidden, inter = _SIZES.get(kind, (128, 192))
+    gate_up, down, act, biases = _experts(kind, num_experts, hidden, inter, 7, gpt_oss)
+    x, weights, ids = _routed(15, num_experts, top_k, hidden, seed=3)
+    batch = _on_three_threads(lambda: grouped_experts(x, weights, ids, gate_up, down, act, *biases))
+    for t in (0, 6, 14):
+        one = slice(t, t + 1)
+        alone = _on_three_threads(
+            lambda one=one: grouped_experts(x[one], weights[one], ids[one], gate_up, down, act, *biases))
+        assert torch.equal(alone[0], batch[t]), f"row {t}"
+
+
+def test_two_level_stacks_leave_int8_gemm_steps_to_the_torch_loop():
+    """K-quants' two-level scales are multiplied out per call for the torch loop's int8 GEMM, which the
+    native linear_q does not do: steps that could reach that GEMM are the loop's, decode steps the
+    kernel's (and every step the kernel's where the build has no int8 GEMM)."""
+    from perfxlm.model.layers.moe import expert_activation
+    from perfxlm.ops import cpu_plan, fused_moe
+    from perfxlm.ops.linear import gemm_takes, native_int8_blocks
+
+    _native_or_skip()
+    gate_up, down, act, _ = _experts("q4_k_blocks", 4, 256, 256, 0, False)
+    previous = cpu_plan.use(quant_gemm="int8", quant_gemm_rows=16)
+    try:
+        few, many = _routed(3, 4, 2, 256, 0), _routed(16, 4, 2, 256, 0)
+        assert fused_moe.experts_call(*few, gate_up, down, expert_activation(act)) is not None
+        loop_only = gemm_takes(gate_up)  # the loop's GEMM takes it; the native GEMV's blocks do or not
+        assert (fused_moe.experts_call(*many, gate_up, down, expert_activation(act)) is None) == loop_only
+        # a flat stack the native products take as the loop does stays the kernel's
+        flat_up, flat_down, _, _ = _experts("int4_blocks", 4, 256, 256, 0, False)
+        if native_int8_blocks(flat_up):
+            assert fused_moe.experts_call(*many, flat_up, flat_down, expert_activation(act)) is not None
+    finally:
+        cpu_plan.use(previous)
 
 
 def test_native_experts_refuse_bad_expert_ids():

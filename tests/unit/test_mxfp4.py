@@ -5,6 +5,8 @@ per-tier runs of tests/unit/test_portable_kernels.py cover the others) against t
 
 from __future__ import annotations
 
+import math
+
 import gguf
 import numpy as np
 import pytest
@@ -43,12 +45,57 @@ def test_gguf_blocks_dequantize_and_repack_exactly(shape):
     want = torch.from_numpy(np.asarray(gguf.quants.dequantize(blocks, Q.MXFP4), dtype=np.float32))
     assert torch.equal(dequantize(blocks, Q.MXFP4, shape), want)
     packed = repack(blocks, Q.MXFP4, shape)
-    assert packed.bits == 4 and packed.group == 32 and packed.mins is None and packed.scales.dtype == torch.float32
+    assert packed.bits == 4 and packed.group == 32 and packed.mins is None and packed.exponent_scales
+    # the file's 4.25 bits per weight: the exponent byte kept
+    assert packed.codes.nbytes + packed.scales.nbytes == math.prod(shape) * 17 // 32
     assert tuple(packed.shape) == shape and torch.equal(packed.dequantize(), want)
     assert packed.describe().startswith("mxfp4")
     if len(shape) == 3:  # a stack: each expert is the matrix alone
         alone = repack(gguf.quants.quantize(w[1], Q.MXFP4), Q.MXFP4, shape[1:])
-        assert torch.equal(packed[1].codes, alone.codes) and torch.equal(packed[1].scales, alone.scales)
+        assert torch.equal(packed[1].codes, alone.codes) and torch.equal(_bytes(packed[1].scales), _bytes(alone.scales))
+
+
+def _bytes(scales: torch.Tensor) -> torch.Tensor:
+    return scales.view(torch.uint8)  # (torch compares no float8_e8m0fnu tensors)
+
+
+def test_exponent_bytes_hold_the_scales_and_a_zero_exponent_keeps_float32():
+    """A block's scale 2^(e - 128) is the e8m0 byte e - 1 (2^(b - 127)), exactly, for every e ggml writes
+    (255 included, which ggml reads as 2^127); exponent 0 (2^-128) has no such byte: an all-zero block
+    (+0 / -0 codes) takes byte 0, any other keeps the tensor's scales float32."""
+    e = torch.arange(1, 256, dtype=torch.uint8)
+    held = mxfp4.scale_bytes(e, torch.full((255 * 16,), 0x35, dtype=torch.uint8))
+    assert held.dtype == torch.float8_e8m0fnu and torch.equal(held.float(), mxfp4.e8m0_half(e))
+    e = torch.tensor([0, 7, 130], dtype=torch.uint8)
+    codes = torch.full((3, 16), 0x21, dtype=torch.uint8)
+    codes[0] = torch.tensor([0x00, 0x08, 0x80, 0x88] * 4, dtype=torch.uint8)  # +0 and -0 only
+    zero_block = mxfp4.scale_bytes(e, codes.reshape(-1))
+    assert zero_block.dtype == torch.float8_e8m0fnu and zero_block.view(torch.uint8).tolist() == [0, 6, 129]
+    codes[0, 5] = 0x01  # a value of 2^-128 x 1
+    tiny = mxfp4.scale_bytes(e, codes.reshape(-1))
+    assert tiny.dtype == torch.float32 and tiny[0].item() == 2.0**-128
+    flat = repack(gguf.quants.quantize(_weights((3, 64), seed=5), Q.MXFP4), Q.MXFP4, (3, 64)).flat()
+    assert flat.scales.dtype == torch.float32 and not flat.exponent_scales
+
+
+@pytest.mark.parametrize("rows", [1, 3, 13, 40])
+@pytest.mark.parametrize("int8_blocks", [False, True])
+def test_native_products_read_the_exponent_bytes_as_the_float_scales(rows, int8_blocks):
+    """The kernels multiply the exponent bytes out per run of rows: the same bits as the float32 scales
+    of the same weight on every path (GEMV, the float GEMM on dequantized slabs, the int8 GEMM)."""
+    ops = native.kernels()
+    if ops is None:
+        pytest.skip("native kernels unavailable on this machine")
+    n, k = 67, 192
+    packed = repack(gguf.quants.quantize(_weights((n, k), seed=rows), Q.MXFP4), Q.MXFP4, (n, k))
+    flat = packed.flat()
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    b = torch.randn(n)
+    for gemm_rows in (-1, 0):
+        held = ops.linear_q(x, packed.codes, packed.scales, None, packed.levels, b, False, 8, False, int8_blocks, -1, gemm_rows)
+        widened = ops.linear_q(x, flat.codes, flat.scales, None, flat.levels, b, False, 8, False, int8_blocks, -1, gemm_rows)
+        assert torch.equal(held, widened), gemm_rows
+    assert torch.equal(ops.dequantize_q(packed.codes, packed.scales, None, packed.levels, k), packed.dequantize())
 
 
 @pytest.mark.parametrize("shape", [(5, 64), (2, 3, 96)])
@@ -60,7 +107,7 @@ def test_checkpoint_blocks_and_scales_equal_the_gguf_form(shape):
     assert blocks.shape == (*shape[:-1], shape[-1] // 32, 16) and scales.shape == (*shape[:-1], shape[-1] // 32)
     got = mxfp4.from_checkpoint(blocks, scales, "experts.down_proj")
     want = repack(gguf.quants.quantize(w, Q.MXFP4), Q.MXFP4, shape)
-    assert torch.equal(got.codes, want.codes) and torch.equal(got.scales, want.scales)
+    assert torch.equal(got.codes, want.codes) and torch.equal(_bytes(got.scales), _bytes(want.scales))
 
 
 def test_checkpoint_shapes_that_do_not_fit_are_named():
