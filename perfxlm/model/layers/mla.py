@@ -82,6 +82,7 @@ class MLAttention(nn.Module):
         self.latent_dim = self.kv_lora_rank + self.rope_dim
         self.attn = Attention(self.num_heads, 1, self.latent_dim, mla_scale(config), value_is_key=True)
         self._absorbed: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._decode_dtype: torch.dtype | None = None
 
     def absorbed(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [H, nope, kv_lora], W_UV^T [H, kv_lora, v]) from kv_b_proj, once per dtype (the weights
@@ -94,6 +95,14 @@ class MLAttention(nn.Module):
             self._absorbed[dtype] = (w_uk, w_uv_t)
         return self._absorbed[dtype]
 
+    def decode_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The absorbed matrices the latent decode kernel reads: bf16 where kv_b_proj's weight is (the same
+        values in half the bytes a step reads), else float32."""
+        if self._decode_dtype is None:
+            bf16 = self.kv_b_proj.weight_matrix().dtype == torch.bfloat16
+            self._decode_dtype = torch.bfloat16 if bf16 else torch.float32
+        return self.absorbed(self._decode_dtype)
+
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
@@ -102,10 +111,14 @@ class MLAttention(nn.Module):
         latent = self.kv_a_layernorm(kv[:, : self.kv_lora_rank].contiguous())
         q_pe = apply_rotary(q[..., self.nope_dim :].contiguous(), *rope)
         k_pe = apply_rotary(kv[:, self.kv_lora_rank :].contiguous().view(n, 1, self.rope_dim), *rope)
+        key = torch.cat((latent.view(n, 1, self.kv_lora_rank), k_pe), dim=-1)  # [n, 1, latent_dim]
+        # an all-decode step: one kernel from the query to W_UV (attention_backend.latent_decode)
+        out = self.attn.latent_decode(q[..., : self.nope_dim], q_pe, key, *self.decode_weights())
+        if out is not None:
+            return self.o_proj(out.reshape(n, self.num_heads * self.v_dim))
         w_uk, w_uv_t = self.absorbed(x.dtype)
         q_latent = torch.bmm(q[..., : self.nope_dim].transpose(0, 1), w_uk).transpose(0, 1)  # [n, H, kv_lora]
         query = torch.cat((q_latent, q_pe), dim=-1)
-        key = torch.cat((latent.view(n, 1, self.kv_lora_rank), k_pe), dim=-1)  # [n, 1, latent_dim]
         out = self.attn(query, key, key).view(n, self.num_heads, self.latent_dim)[..., : self.kv_lora_rank]
         out = torch.bmm(out.transpose(0, 1), w_uv_t).transpose(0, 1)  # [n, H, v]
         return self.o_proj(out.reshape(n, self.num_heads * self.v_dim))
