@@ -26,10 +26,11 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 # One extension: the layer kernels, the KV cache kernels and the quantized-weight products (the fused
 # layer calls all three), the quantizers' group search (used at load), and the passes around W8A8's
-# integer GEMM (int8_rows.cpp), and the int8 GEMM of many rows over block-quantized codes (quant_gemm.cpp).
+# integer GEMM (int8_rows.cpp), the int8 GEMM of many rows over block-quantized codes (quant_gemm.cpp), and
+# multi-head latent attention's decode step (mla_kernels.cpp).
 _SOURCES = [_CSRC / "cpu_kernels.cpp", _CSRC / "attention_kernels.cpp", _CSRC / "quant_linear.cpp",
             _CSRC / "quant_search.cpp", _CSRC / "lora_kernels.cpp", _CSRC / "int8_rows.cpp",
-            _CSRC / "quant_gemm.cpp", _CSRC / "moe_kernels.cpp"]
+            _CSRC / "quant_gemm.cpp", _CSRC / "moe_kernels.cpp", _CSRC / "mla_kernels.cpp"]
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 

@@ -209,12 +209,36 @@ def test_awq_checkpoint_tp2_equals_one_process(quantizable, tmp_path):
     assert _children_gone()
 
 
-def test_refusals_come_before_any_worker_starts(quantizable, tmp_path):
-    """A family without parallel layers, and an act-order checkpoint: ValueErrors naming what to change,
-    raised in the engine's process."""
+def test_opt_tp2_equals_one_process(tmp_path):
+    """OPT (the module path: learned positions, LayerNorm, biases everywhere, project_in/out around a wider
+    hidden size) with 6 heads, 190 fc1 rows and 1001 vocabulary rows split over two ranks."""
+    path = str(tmp_path / "opt")
+    torch.manual_seed(0)
+    model = transformers.OPTForCausalLM(transformers.OPTConfig(**{**COMMON, **dict(
+        vocab_size=1001, hidden_size=96, ffn_dim=190, num_hidden_layers=2, num_attention_heads=6,
+        word_embed_proj_dim=64, init_std=0.1)}))  # fmt: skip
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 1:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(path)
+    kw = dict(block_size=4, max_num_batched_tokens=16, num_kv_blocks=64)
+    ref_ids, ref_lps = _run(path, 1, **kw)
+    ids, lps = _run(path, 2, **kw)
+    assert ids == ref_ids
+    for a, b in zip(ref_lps[0], lps[0]):
+        assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    assert _children_gone()
+
+
+def test_refusals_come_before_any_worker_starts(quantizable, tmp_path, monkeypatch):
+    """A family without parallel layers (OPT marked so here: every family has them now), and an act-order
+    checkpoint: ValueErrors naming what to change, raised in the engine's process."""
+    from perfxlm.model.models.opt import OPTForCausalLM
     from tests.quant.packed_checkpoints import write_packed
     from tests.quant.test_prequantized import PACKED
 
+    monkeypatch.setattr(OPTForCausalLM, "supports_tensor_parallel", False)
     opt = str(tmp_path / "opt")
     torch.manual_seed(0)
     transformers.OPTForCausalLM(transformers.OPTConfig(

@@ -86,6 +86,14 @@ class Attention(nn.Module):
         out = backend.forward(q, k, v, self.kv_cache, get_forward_context(), options)
         return out.view(out.shape[0], -1)
 
+    def latent_decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, w_uk: torch.Tensor,
+                      w_uv_t: torch.Tensor) -> torch.Tensor | None:
+        """MLA's decode step in one kernel where the backend has one (`AttentionBackend.latent_decode`):
+        [num_tokens, num_heads, v_head_dim], or None (then `forward`)."""
+        backend = self.backend or self._bind_backend(q_nope.device)
+        meta = get_forward_context()
+        return backend.latent_decode(q_nope, q_pe, latent, self.kv_cache, meta, self.options, w_uk, w_uv_t)
+
     def rank_part(self, param_name: str, tensor: Any, shard: str | None, expert: int | None) -> Any:
         """The sinks of this rank's query heads (the checkpoint holds one per head of the model)."""
         if self.heads_of is None or param_name != "sinks":

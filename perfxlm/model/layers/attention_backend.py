@@ -24,6 +24,7 @@ from perfxlm.ops.attention import (
     paged_decode_attention, prefill_attention, write_kv_cache, write_kv_cache_torch,
 )  # fmt: skip
 from perfxlm.ops.kv_quant import KVCache
+from perfxlm.ops.mla import mla_decode_attention
 from perfxlm.ops.varlen_attention import varlen_attention
 
 BACKENDS = ("auto", "cpu", "triton")
@@ -66,6 +67,22 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write k/v at meta.slot_mapping, then attend: decode rows first, then each prefill sequence."""
 
+    def latent_decode(
+        self,
+        q_nope: torch.Tensor,  # [num_tokens, num_heads, nope]
+        q_pe: torch.Tensor,  # [num_tokens, num_heads, rope], rotated
+        latent: torch.Tensor,  # [num_tokens, 1, kv_lora_rank + rope]: the rows to cache
+        cache: KVCache,
+        meta: AttentionMetadata,
+        options: AttentionOptions,
+        w_uk: torch.Tensor,  # [num_heads, nope, kv_lora_rank]
+        w_uv_t: torch.Tensor,  # [num_heads, kv_lora_rank, v_head_dim]
+    ) -> torch.Tensor | None:  # [num_tokens, num_heads, v_head_dim]
+        """Multi-head latent attention's step in one kernel (ops/mla.py): write the latent rows, then the
+        absorbed query's attention and W_UV. None where this backend has no such kernel or the step is
+        not all decodes: the layer then composes it around `forward` (model/layers/mla.py)."""
+        return None
+
 
 class CpuAttentionBackend(AttentionBackend):
     name = "cpu"
@@ -97,6 +114,14 @@ class CpuAttentionBackend(AttentionBackend):
                 options.scale, bf16_model=cache.bf16_model, **kwargs,
             )  # fmt: skip
         return out
+
+    def latent_decode(self, q_nope, q_pe, latent, cache, meta, options, w_uk, w_uv_t):
+        if meta.prefills or meta.num_decode_tokens != q_nope.shape[0]:
+            return None
+        write_kv_cache(latent, latent, cache.key, cache.value, meta.slot_mapping, cache.key_scale, cache.value_scale)
+        return mla_decode_attention(
+            torch.cat((q_nope, q_pe), dim=-1), cache.key, cache.key_scale, meta.decode_block_tables, meta.decode_seq_lens, w_uk, w_uv_t, options.scale,
+        )  # fmt: skip
 
 
 class CachelessAttentionBackend(AttentionBackend):

@@ -82,6 +82,7 @@ class MLAttention(nn.Module):
         self.latent_dim = self.kv_lora_rank + self.rope_dim
         self.attn = Attention(self.num_heads, 1, self.latent_dim, mla_scale(config), value_is_key=True)
         self._absorbed: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._decode_dtype: torch.dtype | None = None
 
     def absorbed(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [H, nope, kv_lora], W_UV^T [H, kv_lora, v]) from kv_b_proj, once per dtype (the weights
@@ -94,26 +95,41 @@ class MLAttention(nn.Module):
             self._absorbed[dtype] = (w_uk, w_uv_t)
         return self._absorbed[dtype]
 
+    def decode_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The absorbed matrices the latent decode kernel reads: bf16 where kv_b_proj's weight is (the same
+        values in half the bytes a step reads), else float32."""
+        if self._decode_dtype is None:
+            bf16 = self.kv_b_proj.weight_matrix().dtype == torch.bfloat16
+            self._decode_dtype = torch.bfloat16 if bf16 else torch.float32
+        return self.absorbed(self._decode_dtype)
+
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
         kv = self.kv_a_proj_with_mqa(x)
         return self.o_proj(attend_latent(self.attn, self.kv_a_layernorm, *self.absorbed(x.dtype), self.nope_dim,
-                                         rope, q, kv))
+                                         rope, q, kv, self.decode_weights()))
 
 
 def attend_latent(attn: Attention, kv_norm: RMSNorm, w_uk: torch.Tensor, w_uv_t: torch.Tensor, nope_dim: int,
-                  rope: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+                  rope: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, kv: torch.Tensor,
+                  decode: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Latent attention between the projections: q [n, H * (nope + rope)] and kv_a's output [n, kv_lora +
     rope] in, the heads' values [n, H * v] out (o_proj's input); the latent row written to `attn`'s cache.
-    MLAttention's core, and the engine's graph op for it (model/graph/kernels.py), so both round alike."""
+    MLAttention's core, and the engine's graph op for it (model/graph/kernels.py), so both round alike.
+    `decode`: the absorbed matrices the latent decode kernel reads (MLAttention.decode_weights); an
+    all-decode step then runs as one kernel from the query to W_UV (attention_backend.latent_decode)."""
     n, heads, rank = q.shape[0], attn.num_heads, w_uk.shape[-1]
     q = q.view(n, heads, -1)
     latent = kv_norm(kv[:, :rank].contiguous())
     q_pe = apply_rotary(q[..., nope_dim:].contiguous(), *rope)
     k_pe = apply_rotary(kv[:, rank:].contiguous().view(n, 1, -1), *rope)
+    key = torch.cat((latent.view(n, 1, rank), k_pe), dim=-1)  # [n, 1, latent_dim]
+    if decode is not None:
+        out = attn.latent_decode(q[..., :nope_dim], q_pe, key, *decode)
+        if out is not None:
+            return out.reshape(n, heads * w_uv_t.shape[-1])
     q_latent = torch.bmm(q[..., :nope_dim].transpose(0, 1), w_uk).transpose(0, 1)  # [n, H, kv_lora]
     query = torch.cat((q_latent, q_pe), dim=-1)
-    key = torch.cat((latent.view(n, 1, rank), k_pe), dim=-1)  # [n, 1, latent_dim]
     out = attn(query, key, key).view(n, heads, attn.head_dim)[..., :rank]
     out = torch.bmm(out.transpose(0, 1), w_uv_t).transpose(0, 1)  # [n, H, v]
     return out.reshape(n, heads * w_uv_t.shape[-1])

@@ -1,6 +1,8 @@
 """OPT (facebook/opt-*): learned absolute positions (table offset 2), LayerNorm, ReLU MLP, biases
 everywhere; pre-LN (`do_layer_norm_before`, all sizes but 350m) or post-LN; project_in/out when the
-embedding width differs from the hidden size."""
+embedding width differs from the hidden size. Under tensor parallelism the heads, fc1's rows and the
+vocabulary are split as for Llama (model/layers/parallel_linear.py); the positions table, the norms and
+project_in/out are replicated."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ from torch import nn
 
 from perfxlm.model.layers.activation import Activation
 from perfxlm.model.layers.attention import Attention
-from perfxlm.model.layers.embed_head import LearnedPositionalEmbedding, LMHead, VocabEmbedding
-from perfxlm.model.layers.linear import Linear, MergedLinear
+from perfxlm.model.layers.embed_head import LearnedPositionalEmbedding, ParallelLMHead, VocabParallelEmbedding
+from perfxlm.model.layers.linear import Linear
+from perfxlm.model.layers.parallel_linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from perfxlm.model.layers.norm import LayerNorm
 from perfxlm.model.models.base import CausalLM
 
@@ -27,12 +30,13 @@ class OPTAttention(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.head_dim = hidden // self.num_heads
+        heads = config.num_attention_heads
+        self.head_dim = hidden // heads
         self.scaling = self.head_dim**-0.5
         bias = bool(getattr(config, "enable_bias", True))
-        self.qkv_proj = MergedLinear(hidden, {"q": hidden, "k": hidden, "v": hidden}, bias=bias)
-        self.out_proj = Linear(hidden, hidden, bias=bias)
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, heads, heads, bias=bias)
+        self.num_heads = self.qkv_proj.num_heads  # this rank's
+        self.out_proj = RowParallelLinear(hidden, hidden, bias=bias, input_part=self.qkv_proj.q_part)
         # transformers scales q after its projection and attends with scale 1: the same rounding here
         self.attn = Attention(self.num_heads, self.num_heads, self.head_dim, 1.0)
 
@@ -49,9 +53,9 @@ class OPTDecoderLayer(nn.Module):
         self.self_attn = OPTAttention(config)
         self.self_attn_layer_norm = _layer_norm(config)
         bias = bool(getattr(config, "enable_bias", True))
-        self.fc1 = Linear(config.hidden_size, config.ffn_dim, bias=bias)
+        self.fc1 = ColumnParallelLinear(config.hidden_size, config.ffn_dim, bias=bias)
         self.act = Activation(config.activation_function)
-        self.fc2 = Linear(config.ffn_dim, config.hidden_size, bias=bias)
+        self.fc2 = RowParallelLinear(config.ffn_dim, config.hidden_size, bias=bias)
         self.final_layer_norm = _layer_norm(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,7 +75,7 @@ class OPTDecoder(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         embed_dim = getattr(config, "word_embed_proj_dim", None) or config.hidden_size
-        self.embed_tokens = VocabEmbedding(config.vocab_size, embed_dim)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, embed_dim)
         self.embed_positions = LearnedPositionalEmbedding(
             config.max_position_embeddings, config.hidden_size, offset=2
         )
@@ -103,6 +107,7 @@ class OPTModel(nn.Module):
 
 
 class OPTForCausalLM(CausalLM):
+    supports_tensor_parallel = True
     # the original facebook/opt-* checkpoints name tensors without the leading "model."
     renames = [(r"^decoder\.", "model.decoder.")]
     stacked_params = [
@@ -118,7 +123,7 @@ class OPTForCausalLM(CausalLM):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         embed_dim = getattr(config, "word_embed_proj_dim", None) or config.hidden_size
         tied = self.model.decoder.embed_tokens if self.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, embed_dim, tied_to=tied)
+        self.lm_head = ParallelLMHead(config.vocab_size, embed_dim, tied_to=tied)
 
     def tied_param_names(self) -> set[str]:
         return {"lm_head.weight"} if self.tie_word_embeddings else set()
