@@ -20,8 +20,11 @@ dense model's K/V), active bytes per step, the median step times and their ratio
 kernel (csrc/mla_kernels.cpp) against the composition it replaced (absorption bmm, the paged attention
 kernel over the latent as one KV head, W_UV bmm), per cache dtype.
 --gguf OUT writes the deepseek model as llama.cpp's `deepseek2` GGUF (make_dummy_gguf.write_deepseek2:
-materialises the weights in float32: ~4.5 GB per MoE layer) and prints the compare_llamacpp.py command that runs
-llama.cpp and perfxlm on that file at the same context.
+materialises the weights in float32, ~4.5 GB per MoE layer) and prints the compare_llamacpp.py command that
+runs llama.cpp and perfxlm on that file at the same context. llama.cpp loads a deepseek2 file without a
+query bottleneck only at 27 layers (it recognises V2-Lite by its layer count): for fewer layers give
+--q-lora-rank 1536 (DeepSeek-V2's), which both models' active bytes then include. The file carries the
+embedded model's tokenizer, so with --gguf both models take its vocabulary (49152) instead of 102400.
 Not a test: timings on a shared machine are noise; take them on a quiet one.
 """
 
@@ -37,6 +40,7 @@ import time
 from pathlib import Path
 
 HIDDEN, HEADS, VOCAB = 2048, 16, 102400
+DONOR_VOCAB = 49152  # the embedded SmolLM2 model's, whose tokenizer a --gguf file carries
 LITE = dict(
     hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=HEADS, q_lora_rank=None, kv_lora_rank=512,
     qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, intermediate_size=10944, moe_intermediate_size=1408,
@@ -46,8 +50,9 @@ LITE = dict(
 )  # fmt: skip
 
 
-def deepseek_config(layers: int) -> dict:
-    return dict(LITE, num_hidden_layers=layers, architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2")
+def deepseek_config(layers: int, q_lora_rank: int | None = None) -> dict:
+    return dict(LITE, num_hidden_layers=layers, q_lora_rank=q_lora_rank, architectures=["DeepseekV2ForCausalLM"],
+                model_type="deepseek_v2")
 
 
 def active_params(c: dict) -> int:
@@ -56,7 +61,8 @@ def active_params(c: dict) -> int:
     h, layers = c["hidden_size"], c["num_hidden_layers"]
     if c["model_type"] == "deepseek_v2":
         H, n, r, v, rank = c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
-        attn = h * H * (n + r) + h * (rank + r) + rank * H * (n + v) + H * v * h
+        q = c["q_lora_rank"]
+        attn = (q * (h + H * (n + r)) if q else h * H * (n + r)) + h * (rank + r) + rank * H * (n + v) + H * v * h
         dense = 3 * h * c["intermediate_size"]
         moe = h * c["n_routed_experts"] + (c["num_experts_per_tok"] + c["n_shared_experts"]) * 3 * h * c["moe_intermediate_size"]
         first = c["first_k_dense_replace"]
@@ -178,6 +184,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--kernel-only", action="store_true", help="time the MLA attention alone, per layer")
     ap.add_argument("--gguf", default=None, help="also write the deepseek model as llama.cpp's deepseek2 GGUF here")
     ap.add_argument("--gguf-type", default="Q8_0", help="--gguf: GGML type of its matrices")
+    ap.add_argument("--q-lora-rank", type=int, default=None,
+                    help="a query bottleneck (DeepSeek-V2's 1536): llama.cpp takes a deepseek2 file without one only "
+                         "at 27 layers, V2-Lite's count (it tells Lite apart by the layer count)")
     ap.add_argument("--output-json", default=None)
     a = ap.parse_args(argv)
     if a.kernel_only:
@@ -186,7 +195,9 @@ def main(argv: list[str] | None = None) -> dict:
             Path(a.output_json).write_text(json.dumps(result, indent=2))
         return result
 
-    ds = deepseek_config(a.layers)
+    ds = deepseek_config(a.layers, a.q_lora_rank)
+    if a.gguf:  # llama.cpp needs a tokenizer: the embedded model's (a donor GGUF), so its vocabulary
+        ds["vocab_size"] = DONOR_VOCAB
     dense = dense_config(ds, a.dense_kv_heads)
     item = 4 if a.dtype == "float32" and a.kv == "auto" else (2 if a.kv == "auto" else 1)
     print(f"active weights per step: deepseek {active_params(ds) / 1e6:.1f} M, dense {active_params(dense) / 1e6:.1f} M "
@@ -225,11 +236,13 @@ def write_gguf(ds: dict, a: argparse.Namespace) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from make_dummy_gguf import write_deepseek2
 
+    from perfxlm.config import default_model_path
+
     config = transformers.DeepseekV2Config(**{k: v for k, v in ds.items() if k not in ("architectures", "model_type")})
     torch.manual_seed(0)
     with torch.device("cpu"):
         model = transformers.DeepseekV2ForCausalLM(config).eval()
-    write_deepseek2(a.gguf, model, a.gguf_type)
+    write_deepseek2(a.gguf, model, a.gguf_type, donor=default_model_path())
     print(f"wrote {a.gguf}; llama.cpp against perfxlm on it at the same context:\n"
           f"  python benchmarks/compare_llamacpp.py --gguf {a.gguf} --rows decode --prompt-tokens {a.context} "
           f"--decode-tokens {a.new_tokens} --threads {a.threads} --rounds {a.rounds}")  # fmt: skip
