@@ -28,7 +28,8 @@ from perfxlm.export.package import export_onnx
 
 
 # family -> (transformers config class, model class, config fields): mid-size shapes of each family's kind
-_SHARED = dict(vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False)
+_SHARED = dict(vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False, pad_token_id=0,
+               bos_token_id=1, eos_token_id=2)  # special ids inside the 32k vocabulary
 RANDOM = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
         hidden_size=1152, intermediate_size=6912, num_hidden_layers=8, num_attention_heads=4,
