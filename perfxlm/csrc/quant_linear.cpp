@@ -412,9 +412,19 @@ void dequant_rows(const QW& whole, int64_t n0, int64_t n1, T* out) {
       const uint8_t* row = w.codes + n * w.row_bytes;
       T* o = out + (n - n0) * w.K;
       const int64_t step = w.bits4 ? 32 : 16;
+      // the group's scale and min read when k enters it (g = k / group, counted up: a 64-bit division per
+      // 16 codes cost more than widening them, and slabs are dequantized afresh for every call)
+      int64_t g = n * w.groups - 1, g_end = 0;
+      V s = simd16::set1(0.f), m = s;
       for (int64_t k = 0; k < w.K; k += step) {
-        const int64_t g = n * w.groups + k / w.group;
-        const V s = simd16::set1(param(w, w.scales, g)), m = simd16::set1(param(w, w.mins, g) * w.min_factor);
+        if (k >= g_end) {
+          do {
+            ++g;
+            g_end += w.group;
+          } while (k >= g_end);
+          s = simd16::set1(param(w, w.scales, g));
+          m = simd16::set1(param(w, w.mins, g) * w.min_factor);
+        }
         if (w.bits4) {
           I lo, hi;
           simd16::load_nibbles(row + k / 2, lo, hi);
