@@ -25,9 +25,10 @@
 // AVX2 builds run the same scheme on ymm (8 columns per register, 4-row tiles: 16 registers hold the int32
 // sums, the float32 ones stay in L1), with vpdpbusd on ymm where the CPU has AVX-VNNI, else vpmaddubsw +
 // vpmaddwd (llama.cpp's AVX2 dot), whose int16 pair sums limit unsigned codes to 128: 8-bit codes are
-// repacked signed there and multiplied with llama.cpp's vpsignb trick (see PERFXLM_QGEMM_SIGNED8: correct,
-// but no faster than the float32 GEMM, so the layers do not pick it), and a level table must span at most
-// 128. The scalar build has no GEMM (quant_block_gemm_max_code() is 0).
+// repacked signed there and multiplied with llama.cpp's vpsignb trick (see PERFXLM_QGEMM_SIGNED8: faster
+// than the block GEMV and the float32 GEMM from 16 to a few hundred rows, slower than the float32 GEMM at
+// prompt sizes, so the layers give it 8-bit codes only up to quant_block_gemm_rows8() rows), and a level
+// table must span at most 128. The scalar build has no GEMM (quant_block_gemm_max_code() is 0).
 //
 // The plain-torch reference is perfxlm.quant.reference on fake-quantized activations.
 
@@ -72,11 +73,14 @@ constexpr int kRowTile = 4;     // 8 int32 accumulators of 16 ymm; the float32 o
 // codes can. Those are repacked signed (u - 128) and multiplied as |c| x sign(x, c) (llama.cpp's
 // vpsignb trick: |c| <= 128 fits the unsigned operand, and 2 x 128 x 127 the pair sums); the 128 x sum q
 // taken off comes back in the accumulator's start. That is 4 instructions per 32 products, a float32
-// FMA's rate: measured slower than the float32 GEMM on dequantized slabs (one thread's CPU time, the
-// default model's projections, 64-128 rows: 0.7-0.85x), so kMaxCode tells the layers 128 and they keep
-// 8-bit codes off this GEMM; the op still takes them (tested), for a faster kernel to build on.
+// FMA's rate: at prompt sizes MKL's float32 GEMM on dequantized slabs stays ahead, so kMaxCode tells the
+// layers 128, and 8-bit codes take this GEMM only up to kRows8 rows, where it wins (one thread, the
+// default model's projections, Q8_0-shaped codes, loaded shared Xeon forced to the avx2 tier, min of 30
+// calls, once the repack lost its division per scale: 16 rows 1.05-1.1x the block GEMV, 64 rows
+// 1.2-1.35x the float32 path; 512 rows 0.87-1.0x the float32 path).
 #define PERFXLM_QGEMM_SIGNED8 1
 constexpr int kMaxCode = 128;
+constexpr int kRows8 = 256;
 constexpr int kMaxTableCode = 128;  // a level table's codes stay unsigned: vpmaddubsw's limit
 #else
 constexpr int kMaxCode = 255;
@@ -575,11 +579,20 @@ int64_t quant_block_gemm_max_code() {
 #endif
 }
 
+int64_t quant_block_gemm_rows8() {
+#ifdef PERFXLM_QGEMM_SIGNED8
+  return kRows8;
+#else
+  return 0;
+#endif
+}
+
 }  // namespace perfxlm_qgemm
 
 TORCH_LIBRARY_FRAGMENT(perfxlm, m) {
   m.def("quant_block_gemm(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? levels, Tensor? bias) -> Tensor");
   m.def("quant_block_gemm_max_code() -> int", &perfxlm_qgemm::quant_block_gemm_max_code);
+  m.def("quant_block_gemm_rows8() -> int", &perfxlm_qgemm::quant_block_gemm_rows8);
 }
 
 TORCH_LIBRARY_IMPL(perfxlm, CPU, m) { m.impl("quant_block_gemm", &perfxlm_qgemm::quant_block_gemm); }

@@ -1175,10 +1175,13 @@ void block_gemv_spc(const BlockActs& a, int64_t M, const QW& w, float* y, const 
 }
 
 // Whether the int8 GEMM (quant_gemm.cpp) takes a weight the block GEMV takes: perfxlm/ops/linear.py's
-// gemm_takes, less the two-level scales it multiplies out in Python.
-bool gemm_takes(const QW& w) {
+// gemm_takes, less the two-level scales it multiplies out in Python. M rows: 8-bit codes past the build's
+// int8-rate code take it up to quant_block_gemm_rows8() rows.
+bool gemm_takes(const QW& w, int64_t M) {
   const int top = w.bits4 ? (w.bits5 ? 31 : 15) : 255;
-  return w.group % 32 == 0 && !w.kscales && (!w.levels || w.int_lut) && top <= perfxlm_qgemm::quant_block_gemm_max_code();
+  const bool rate = top <= perfxlm_qgemm::quant_block_gemm_max_code() ||
+                    (top == 255 && !w.levels && M <= perfxlm_qgemm::quant_block_gemm_rows8());
+  return w.group % 32 == 0 && !w.kscales && (!w.levels || w.int_lut) && rate;
 }
 
 at::Tensor block_product(const at::Tensor& x, const QW& w, const float* bias, int spc) {
@@ -1253,7 +1256,7 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tens
     const int64_t gemv_rows = block_wins && block_max_rows >= 0 ? block_max_rows : max_rows;
     // The int8 GEMM from gemm_rows rows where the plan says so and it takes the layout (groups of whole
     // 32-blocks, float scales: K-quants' two-level bytes stay on the GEMV and the float path here)
-    if (spc && gemm_rows >= 0 && M >= (gemm_rows > 0 ? gemm_rows : gemv_rows + 1) && gemm_takes(w))
+    if (spc && gemm_rows >= 0 && M >= (gemm_rows > 0 ? gemm_rows : gemv_rows + 1) && gemm_takes(w, M))
       return perfxlm_qgemm::quant_block_gemm(xc, codes, scales, mins, levels, bias);
     if (spc && M <= gemv_rows) return block_product(xc, w, bp, spc);
     // Many rows: the same int8 activation blocks (dequantized) go to the GEMM, so a token's result does
