@@ -25,9 +25,10 @@
 // AVX2 builds run the same scheme on ymm (8 columns per register, 4-row tiles: 16 registers hold the int32
 // sums, the float32 ones stay in L1), with vpdpbusd on ymm where the CPU has AVX-VNNI, else vpmaddubsw +
 // vpmaddwd (llama.cpp's AVX2 dot), whose int16 pair sums limit unsigned codes to 128: 8-bit codes are
-// repacked signed there and multiplied with llama.cpp's vpsignb trick (see PERFXLM_QGEMM_SIGNED8: correct,
-// but no faster than the float32 GEMM, so the layers do not pick it), and a level table must span at most
-// 128. The scalar build has no GEMM (quant_block_gemm_max_code() is 0).
+// repacked signed there and multiplied with llama.cpp's vpsignb trick (see PERFXLM_QGEMM_SIGNED8: faster
+// than the block GEMV and the float32 GEMM from 16 to a few hundred rows, slower than the float32 GEMM at
+// prompt sizes, so the layers give it 8-bit codes only up to quant_block_gemm_rows8() rows), and a level
+// table must span at most 128. The scalar build has no GEMM (quant_block_gemm_max_code() is 0).
 //
 // The plain-torch reference is perfxlm.quant.reference on fake-quantized activations.
 
@@ -72,11 +73,14 @@ constexpr int kRowTile = 4;     // 8 int32 accumulators of 16 ymm; the float32 o
 // codes can. Those are repacked signed (u - 128) and multiplied as |c| x sign(x, c) (llama.cpp's
 // vpsignb trick: |c| <= 128 fits the unsigned operand, and 2 x 128 x 127 the pair sums); the 128 x sum q
 // taken off comes back in the accumulator's start. That is 4 instructions per 32 products, a float32
-// FMA's rate: measured slower than the float32 GEMM on dequantized slabs (one thread's CPU time, the
-// default model's projections, 64-128 rows: 0.7-0.85x), so kMaxCode tells the layers 128 and they keep
-// 8-bit codes off this GEMM; the op still takes them (tested), for a faster kernel to build on.
+// FMA's rate: at prompt sizes MKL's float32 GEMM on dequantized slabs stays ahead, so kMaxCode tells the
+// layers 128, and 8-bit codes take this GEMM only up to kRows8 rows, where it wins (one thread, the
+// default model's projections, Q8_0-shaped codes, loaded shared Xeon forced to the avx2 tier, min of 30
+// calls, once the repack lost its division per scale: 16 rows 1.05-1.1x the block GEMV, 64 rows
+// 1.2-1.35x the float32 path; 512 rows 0.87-1.0x the float32 path).
 #define PERFXLM_QGEMM_SIGNED8 1
 constexpr int kMaxCode = 128;
+constexpr int kRows8 = 256;
 constexpr int kMaxTableCode = 128;  // a level table's codes stay unsigned: vpmaddubsw's limit
 #else
 constexpr int kMaxCode = 255;
@@ -101,7 +105,11 @@ struct Weight {
 };
 
 inline float param(const Weight& w, const void* p, int64_t i) {
+#ifdef __F16C__
+  if (w.half) return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);  // one instruction, not c10's bit steps
+#else
   if (w.half) return static_cast<float>(static_cast<const c10::Half*>(p)[i]);
+#endif
   return static_cast<const float*>(p)[i];
 }
 
@@ -207,34 +215,42 @@ void repack(const Weight& w, int64_t n0, Panels& p) {
       uint8_t* dst = p.codes.data() + (b * 8 * kCols + c0) * 4;
       for (int q = 0; q < 8; ++q) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + q * kCols * 4), r[q]);
     }
+    // group by group, each spread over its blocks: a 64-bit division per block and column (block to
+    // group) sat here, and at parallel decode's 16 rows it cost as much as the codes' transpose
+    const int64_t per = w.group / 32;  // blocks per group
     for (int i = 0; i < live; ++i) {
-      const int64_t n = n0 + c0 + i;
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t g = n * w.groups + (b * 32) / w.group;
-        p.scales[b * kCols + c0 + i] = param(w, w.scales, g);
-        if (w.mins) p.mins[b * kCols + c0 + i] = param(w, w.mins, g);
+      const int64_t row = (n0 + c0 + i) * w.groups;
+      float* sc = p.scales.data() + c0 + i;
+      float* mn = p.mins.data() + c0 + i;
+      for (int64_t g = 0, b = 0; g < w.groups; ++g) {
+        const float s = param(w, w.scales, row + g), m = w.mins ? param(w, w.mins, row + g) : 0.f;
+        for (int64_t e = b + per; b < e; ++b) {
+          sc[b * kCols] = s;
+          mn[b * kCols] = m;
+        }
       }
     }
   }
 }
 
-// x rounded to int8 per block of 32: the bytes, each block's scale, the sum of its bytes (the int32
-// accumulator starts at -centre x it: sum (u - c) q = sum u q - c sum q), and scale x that sum (the mins').
+// x rounded to int8 per block of 32: the bytes, each block's scale, where its int32 sums start (-centre x
+// the sum of its bytes: sum (u - c) q = sum u q - c sum q, c the panels' centre; one broadcast load per
+// row and block in the tiles), and scale x the sum of its bytes (the mins').
 struct Acts {
   std::vector<int8_t> q;
   std::vector<float> scale, scaled_sum;
-  std::vector<int32_t> total;
+  std::vector<int32_t> start;
 };
 
 // act_blocks.h's rounding: the block GEMV's bytes.
 using perfxlm_act::quantize_block_fast;
 
-void quantize(const float* x, int64_t M, int64_t K, Acts& a) {
+void quantize(const float* x, int64_t M, int64_t K, int centre, Acts& a) {
   const int64_t blocks = K / 32;
   a.q.resize(static_cast<size_t>(M * K));
   a.scale.resize(static_cast<size_t>(M * blocks));
   a.scaled_sum.resize(static_cast<size_t>(M * blocks));
-  a.total.resize(static_cast<size_t>(M * blocks));
+  a.start.resize(static_cast<size_t>(M * blocks));
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t b = 0; b < blocks; ++b) {
@@ -243,18 +259,20 @@ void quantize(const float* x, int64_t M, int64_t K, Acts& a) {
         int32_t total = 0;
         for (int j = 0; j < 32; ++j) total += q[j];
         a.scale[m * blocks + b] = scale;
-        a.total[m * blocks + b] = total;
+        a.start[m * blocks + b] = -centre * total;
         a.scaled_sum[m * blocks + b] = scale * static_cast<float>(total);
       }
   });
 }
 
 #ifdef PERFXLM_QGEMM_ZMM
+// The one code form of the zmm tile: vpdpbusd takes any byte code alike.
+struct ByteDots {};
+
 // Rows [m0, m0 + MT) x the task's 32 columns, all of K: int32 sums per block, scaled into float32.
-template <int MT, bool MINS>
-inline void tile(const Acts& a, int64_t m0, int64_t K, int centre, bool nibbles, const Panels& p, int64_t n0,
-                 int64_t N, float* y, const float* bias) {
-  (void)nibbles;  // vpdpbusd takes any code width alike
+template <int MT, bool MINS, class D>
+inline void tile(const Acts& a, int64_t m0, int64_t K, const Panels& p, int64_t n0, int64_t N, float* y,
+                 const float* bias) {
   const int64_t blocks = K / 32;
   __m512 acc[MT][kPanels];
   #pragma GCC unroll 8
@@ -265,7 +283,7 @@ inline void tile(const Acts& a, int64_t m0, int64_t K, int centre, bool nibbles,
     __m512i dot[MT][kPanels];
     #pragma GCC unroll 8
     for (int i = 0; i < MT; ++i) {
-      const __m512i start = _mm512_set1_epi32(-centre * a.total[(m0 + i) * blocks + b]);
+      const __m512i start = _mm512_set1_epi32(a.start[(m0 + i) * blocks + b]);
       #pragma GCC unroll 2
       for (int j = 0; j < kPanels; ++j) dot[i][j] = start;
     }
@@ -311,109 +329,90 @@ inline void tile(const Acts& a, int64_t m0, int64_t K, int centre, bool nibbles,
 }
 
 #else
-inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {  // acc + sums of 4 products u8 x s8, per lane
+// How one step (4 inputs of 8 columns, against one row's 4 bytes broadcast) enters a block's sums: the
+// AVX2 tile below is one loop nest for every code form, and these say what differs. `codes` is what a
+// step multiplies, made once per loaded register and shared by the tile's rows; `start` opens a block's
+// sums from the accumulator's -centre x sum q, `step` adds a step, `close` gives the block's int32 sums.
 #ifdef __AVXVNNI__
-  return _mm256_dpbusd_avx_epi32(acc, u, s);
+// Any byte code: vpdpbusd on ymm, one instruction per step.
+struct ByteDots {
+  using Sum = __m256i;
+  static __m256i codes(__m256i w) { return w; }
+  static Sum start(__m256i from) { return from; }
+  static Sum step(Sum s, __m256i w, __m256i, __m256i x) { return _mm256_dpbusd_avx_epi32(s, w, x); }
+  static __m256i close(Sum s, __m256i) { return s; }
+};
 #else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-#endif
-}
+// Codes up to 128 (a level table's): vpmaddubsw + vpmaddwd per step, whose int16 pair sums
+// (2 x 128 x 127) cannot saturate.
+struct ByteDots {
+  using Sum = __m256i;
+  static __m256i codes(__m256i w) { return w; }
+  static Sum start(__m256i from) { return from; }
+  static Sum step(Sum s, __m256i w, __m256i, __m256i x) {
+    return _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+  }
+  static __m256i close(Sum s, __m256i) { return s; }
+};
 
-// Rows [m0, m0 + MT) x the task's 16 columns, all of K: int32 sums per block in registers, the float32
-// sums in an L1 buffer (16 ymm hold only the int32 ones). `centre` here is the codes' centre less the
-// panels' shift (signed 8-bit panels: 0 for Q8_0's centred codes).
-template <int MT, bool MINS>
-inline void tile(const Acts& a, int64_t m0, int64_t K, int centre, bool nibbles, const Panels& p, int64_t n0,
-                 int64_t N, float* y, const float* bias) {
-  (void)nibbles;  // used without AVX-VNNI only
+// Codes <= 15: a block's 8 int16 pair sums stay within int16 (8 x 2 x 15 x 127 = 30480), so they add as
+// int16 and widen once per block: 2 instructions per step instead of 3.
+struct NibbleDots {
+  using Sum = __m256i;  // int16 pair sums
+  static __m256i codes(__m256i w) { return w; }
+  static Sum start(__m256i) { return _mm256_setzero_si256(); }
+  static Sum step(Sum s, __m256i w, __m256i, __m256i x) { return _mm256_add_epi16(s, _mm256_maddubs_epi16(w, x)); }
+  static __m256i close(Sum s, __m256i from) {
+    return _mm256_add_epi32(from, _mm256_madd_epi16(s, _mm256_set1_epi16(1)));
+  }
+};
+
+// 8-bit codes held signed (c = u - 128): |c| (made once per register, shared by the rows) times the row's
+// bytes with c's sign, 4 instructions per step; the int16 pair sums can reach 32512, so each step widens
+// to int32 at once. |-128| gives 0x80, which vpmaddubsw reads unsigned as 128.
+struct SignedDots {
+  using Sum = __m256i;
+  static __m256i codes(__m256i w) { return _mm256_sign_epi8(w, w); }
+  static Sum start(__m256i from) { return from; }
+  static Sum step(Sum s, __m256i w, __m256i mag, __m256i x) {
+    return _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1)));
+  }
+  static __m256i close(Sum s, __m256i) { return s; }
+};
+#endif
+
+// Rows [m0, m0 + MT) x the task's 16 columns, all of K: int32 sums per block in registers (the form D
+// says how), the float32 sums in an L1 buffer (16 ymm hold only the int32 ones).
+template <int MT, bool MINS, class D>
+inline void tile(const Acts& a, int64_t m0, int64_t K, const Panels& p, int64_t n0, int64_t N, float* y,
+                 const float* bias) {
   const int64_t blocks = K / 32;
   alignas(32) float acc[MT][kCols] = {};
   for (int64_t b = 0; b < blocks; ++b) {
-    __m256i dot[MT][kPanels];
+    const auto from = [&](int i) { return _mm256_set1_epi32(a.start[(m0 + i) * blocks + b]); };
+    typename D::Sum sum[MT][kPanels];
+    #pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i)
+      #pragma GCC unroll 2
+      for (int j = 0; j < kPanels; ++j) sum[i][j] = D::start(from(i));
     const uint8_t* wb = p.codes.data() + b * 8 * kCols * 4;
     const int8_t* xb = a.q.data() + m0 * K + b * 32;
-#ifdef PERFXLM_QGEMM_SIGNED8
-    if (p.signed8) {
-      // signed codes c: |c| (shared by the rows) times the row's bytes with c's sign, 4 instructions per
-      // 4 x 8 products; the int16 pair sums can reach 32512, so each step widens to int32 at once
-      const __m256i ones = _mm256_set1_epi16(1);
-      #pragma GCC unroll 8
-      for (int i = 0; i < MT; ++i) {
-        const __m256i start = _mm256_set1_epi32(-centre * a.total[(m0 + i) * blocks + b]);
-        #pragma GCC unroll 2
-        for (int j = 0; j < kPanels; ++j) dot[i][j] = start;
-      }
-      #pragma GCC unroll 8
-      for (int q = 0; q < 8; ++q) {
-        __m256i wv[kPanels], av[kPanels];
-        #pragma GCC unroll 2
-        for (int j = 0; j < kPanels; ++j) {
-          wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + (q * kCols + j * kLanes) * 4));
-          av[j] = _mm256_sign_epi8(wv[j], wv[j]);  // |c|: -128 gives 0x80, read unsigned as 128
-        }
-        #pragma GCC unroll 8
-        for (int i = 0; i < MT; ++i) {
-          int32_t x4;
-          std::memcpy(&x4, xb + i * K + 4 * q, 4);
-          const __m256i xv = _mm256_set1_epi32(x4);
-          #pragma GCC unroll 2
-          for (int j = 0; j < kPanels; ++j)
-            dot[i][j] = _mm256_add_epi32(dot[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(av[j], _mm256_sign_epi8(xv, wv[j])), ones));
-        }
-      }
-    } else
-#endif
-#ifndef __AVXVNNI__
-    if (nibbles) {
-      // codes <= 15: a block's 8 int16 pair sums stay within int16 (8 x 2 x 15 x 127 = 30480), so they add
-      // as int16 and widen once per block: 2 instructions per 4 x 8 products instead of 3
-      __m256i s16[MT][kPanels];
-      #pragma GCC unroll 8
-      for (int q = 0; q < 8; ++q) {
-        __m256i wv[kPanels];
-        #pragma GCC unroll 2
-        for (int j = 0; j < kPanels; ++j) wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + (q * kCols + j * kLanes) * 4));
-        #pragma GCC unroll 8
-        for (int i = 0; i < MT; ++i) {
-          int32_t x4;
-          std::memcpy(&x4, xb + i * K + 4 * q, 4);
-          const __m256i xv = _mm256_set1_epi32(x4);
-          #pragma GCC unroll 2
-          for (int j = 0; j < kPanels; ++j) {
-            const __m256i t = _mm256_maddubs_epi16(wv[j], xv);
-            s16[i][j] = q == 0 ? t : _mm256_add_epi16(s16[i][j], t);
-          }
-        }
-      }
-      #pragma GCC unroll 8
-      for (int i = 0; i < MT; ++i) {
-        const __m256i start = _mm256_set1_epi32(-centre * a.total[(m0 + i) * blocks + b]);
-        #pragma GCC unroll 2
-        for (int j = 0; j < kPanels; ++j) dot[i][j] = _mm256_add_epi32(start, _mm256_madd_epi16(s16[i][j], _mm256_set1_epi16(1)));
-      }
-    } else
-#endif
-    {
-    #pragma GCC unroll 8
-    for (int i = 0; i < MT; ++i) {
-      const __m256i start = _mm256_set1_epi32(-centre * a.total[(m0 + i) * blocks + b]);
-      #pragma GCC unroll 2
-      for (int j = 0; j < kPanels; ++j) dot[i][j] = start;
-    }
     #pragma GCC unroll 8
     for (int q = 0; q < 8; ++q) {
-      __m256i wv[kPanels];
+      __m256i wv[kPanels], wk[kPanels];
       #pragma GCC unroll 2
-      for (int j = 0; j < kPanels; ++j) wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + (q * kCols + j * kLanes) * 4));
+      for (int j = 0; j < kPanels; ++j) {
+        wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + (q * kCols + j * kLanes) * 4));
+        wk[j] = D::codes(wv[j]);
+      }
       #pragma GCC unroll 8
       for (int i = 0; i < MT; ++i) {
         int32_t x4;
         std::memcpy(&x4, xb + i * K + 4 * q, 4);
         const __m256i xv = _mm256_set1_epi32(x4);
         #pragma GCC unroll 2
-        for (int j = 0; j < kPanels; ++j) dot[i][j] = dot4(dot[i][j], wv[j], xv);
+        for (int j = 0; j < kPanels; ++j) sum[i][j] = D::step(sum[i][j], wv[j], wk[j], xv);
       }
-    }
     }
     #pragma GCC unroll 2
     for (int j = 0; j < kPanels; ++j) {
@@ -423,7 +422,8 @@ inline void tile(const Acts& a, int64_t m0, int64_t K, int centre, bool nibbles,
       #pragma GCC unroll 8
       for (int i = 0; i < MT; ++i) {
         const __m256 s = _mm256_mul_ps(sw, _mm256_set1_ps(a.scale[(m0 + i) * blocks + b]));
-        __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][j]), s, _mm256_load_ps(acc[i] + j * kLanes));
+        const __m256i dot = D::close(sum[i][j], from(i));
+        __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, _mm256_load_ps(acc[i] + j * kLanes));
         if constexpr (MINS) t = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.scaled_sum[(m0 + i) * blocks + b]), t);
         _mm256_store_ps(acc[i] + j * kLanes, t);
       }
@@ -436,21 +436,31 @@ inline void tile(const Acts& a, int64_t m0, int64_t K, int centre, bool nibbles,
 
 #endif
 
-template <bool MINS>
+template <bool MINS, class D>
 void run_task(const Acts& a, int64_t m_begin, int64_t m_end, const Weight& w, const Panels& p, int64_t n0, float* y,
               const float* bias) {
-  const bool nibbles = w.bits == 4 && !w.lut;  // codes <= 15 (the ymm kernel's int16 sums)
   int64_t m = m_begin;
-  const int centre = w.centre - w.shift;  // the accumulators start at -centre x sum q
-  for (; m + kRowTile <= m_end; m += kRowTile) tile<kRowTile, MINS>(a, m, w.K, centre, nibbles, p, n0, w.N, y, bias);
+  for (; m + kRowTile <= m_end; m += kRowTile) tile<kRowTile, MINS, D>(a, m, w.K, p, n0, w.N, y, bias);
   switch (m_end - m) {  // the last rows: a shorter tile
-    case 5: tile<5, MINS>(a, m, w.K, centre, nibbles, p, n0, w.N, y, bias); break;
-    case 4: tile<4, MINS>(a, m, w.K, centre, nibbles, p, n0, w.N, y, bias); break;
-    case 3: tile<3, MINS>(a, m, w.K, centre, nibbles, p, n0, w.N, y, bias); break;
-    case 2: tile<2, MINS>(a, m, w.K, centre, nibbles, p, n0, w.N, y, bias); break;
-    case 1: tile<1, MINS>(a, m, w.K, centre, nibbles, p, n0, w.N, y, bias); break;
+    case 5: tile<5, MINS, D>(a, m, w.K, p, n0, w.N, y, bias); break;
+    case 4: tile<4, MINS, D>(a, m, w.K, p, n0, w.N, y, bias); break;
+    case 3: tile<3, MINS, D>(a, m, w.K, p, n0, w.N, y, bias); break;
+    case 2: tile<2, MINS, D>(a, m, w.K, p, n0, w.N, y, bias); break;
+    case 1: tile<1, MINS, D>(a, m, w.K, p, n0, w.N, y, bias); break;
     default: break;
   }
+}
+
+// A task's rows in the code form its weight takes (on AVX2 without AVX-VNNI: signed 8-bit, nibbles, or
+// codes up to 128; with vpdpbusd: one form for every code).
+template <bool MINS>
+void run_rows(const Acts& a, int64_t m_begin, int64_t m_end, const Weight& w, const Panels& p, int64_t n0, float* y,
+              const float* bias) {
+#if defined(PERFXLM_QGEMM_YMM) && !defined(__AVXVNNI__)
+  if (p.signed8) return run_task<MINS, SignedDots>(a, m_begin, m_end, w, p, n0, y, bias);
+  if (w.bits == 4 && !w.lut) return run_task<MINS, NibbleDots>(a, m_begin, m_end, w, p, n0, y, bias);
+#endif
+  run_task<MINS, ByteDots>(a, m_begin, m_end, w, p, n0, y, bias);
 }
 
 Weight describe(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
@@ -518,7 +528,9 @@ at::Tensor quant_block_gemm(const at::Tensor& x, const at::Tensor& codes, const 
   // thread_local named inside the parallel region would be each worker's own, empty, one
   thread_local Acts caller_acts;
   Acts& acts = caller_acts;
-  quantize(xc.data_ptr<float>(), M, K, acts);
+  // the accumulators start at -centre x sum q, the centre less the panels' shift (signed 8-bit panels: 0
+  // for Q8_0's centred codes)
+  quantize(xc.data_ptr<float>(), M, K, w.centre - w.shift, acts);
   // Tasks: 32 columns each, and for few column groups, slices of rows too (each slice repacks its
   // columns again: about 1/100 of a 512-row product per repack)
   const int64_t col_tasks = (w.N + kCols - 1) / kCols;
@@ -537,8 +549,8 @@ at::Tensor quant_block_gemm(const at::Tensor& x, const at::Tensor& codes, const 
         packed = col;
       }
       if (m_begin >= m_end) continue;
-      if (w.mins) run_task<true>(acts, m_begin, m_end, w, panels, col * kCols, yp, bp);
-      else run_task<false>(acts, m_begin, m_end, w, panels, col * kCols, yp, bp);
+      if (w.mins) run_rows<true>(acts, m_begin, m_end, w, panels, col * kCols, yp, bp);
+      else run_rows<false>(acts, m_begin, m_end, w, panels, col * kCols, yp, bp);
     }
   });
   return y;
@@ -567,11 +579,20 @@ int64_t quant_block_gemm_max_code() {
 #endif
 }
 
+int64_t quant_block_gemm_rows8() {
+#ifdef PERFXLM_QGEMM_SIGNED8
+  return kRows8;
+#else
+  return 0;
+#endif
+}
+
 }  // namespace perfxlm_qgemm
 
 TORCH_LIBRARY_FRAGMENT(perfxlm, m) {
   m.def("quant_block_gemm(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? levels, Tensor? bias) -> Tensor");
   m.def("quant_block_gemm_max_code() -> int", &perfxlm_qgemm::quant_block_gemm_max_code);
+  m.def("quant_block_gemm_rows8() -> int", &perfxlm_qgemm::quant_block_gemm_rows8);
 }
 
 TORCH_LIBRARY_IMPL(perfxlm, CPU, m) { m.impl("quant_block_gemm", &perfxlm_qgemm::quant_block_gemm); }

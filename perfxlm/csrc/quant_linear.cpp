@@ -478,9 +478,19 @@ void dequant_rows(const QW& whole, int64_t n0, int64_t n1, T* out) {
       const uint8_t* row = w.codes + n * w.row_bytes;
       T* o = out + (n - n0) * w.K;
       const int64_t step = w.bits4 ? 32 : 16;
+      // the group's scale and min read when k enters it (g = k / group, counted up: a 64-bit division per
+      // 16 codes cost more than widening them, and slabs are dequantized afresh for every call)
+      int64_t g = n * w.groups - 1, g_end = 0;
+      V s = simd16::set1(0.f), m = s;
       for (int64_t k = 0; k < w.K; k += step) {
-        const int64_t g = n * w.groups + k / w.group;
-        const V s = simd16::set1(param(w, w.scales, g)), m = simd16::set1(param(w, w.mins, g) * w.min_factor);
+        if (k >= g_end) {
+          do {
+            ++g;
+            g_end += w.group;
+          } while (k >= g_end);
+          s = simd16::set1(param(w, w.scales, g));
+          m = simd16::set1(param(w, w.mins, g) * w.min_factor);
+        }
         if (w.bits4) {
           I lo, hi;
           simd16::load_nibbles(row + k / 2, lo, hi);
@@ -1624,11 +1634,13 @@ void block_gemv_spc(const BlockActs& a, int64_t M, const QW& w, float* y, const 
 }
 
 // Whether the int8 GEMM (quant_gemm.cpp) takes a weight the block GEMV takes: perfxlm/ops/linear.py's
-// gemm_takes, less the two-level scales it multiplies out in Python.
-bool gemm_takes(const QW& w) {
+// gemm_takes, less the two-level scales it multiplies out in Python. M rows: 8-bit codes past the build's
+// int8-rate code take it up to quant_block_gemm_rows8() rows.
+bool gemm_takes(const QW& w, int64_t M) {
   const int top = w.bits4 ? (w.bits5 ? 31 : 15) : 255;
-  return w.group % 32 == 0 && (!w.kscales || w.kexp) && (!w.levels || w.int_lut) &&
-         top <= perfxlm_qgemm::quant_block_gemm_max_code();
+  const bool rate = top <= perfxlm_qgemm::quant_block_gemm_max_code() ||
+                    (top == 255 && !w.levels && M <= perfxlm_qgemm::quant_block_gemm_rows8());
+  return w.group % 32 == 0 && (!w.kscales || w.kexp) && (!w.levels || w.int_lut) && rate;
 }
 
 at::Tensor block_product(const at::Tensor& x, const QW& w, const float* bias, int spc) {
@@ -1706,7 +1718,7 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tens
     // The int8 GEMM from gemm_rows rows where the plan says so and it takes the layout (groups of whole
     // 32-blocks, float scales: K-quants' two-level bytes stay on the GEMV and the float path here)
     // (the GEMM reads float scales: exponent bytes widened for the call, as the module path's flat() does)
-    if (spc && gemm_rows >= 0 && M >= (gemm_rows > 0 ? gemm_rows : gemv_rows + 1) && gemm_takes(w))
+    if (spc && gemm_rows >= 0 && M >= (gemm_rows > 0 ? gemm_rows : gemv_rows + 1) && gemm_takes(w, M))
       return perfxlm_qgemm::quant_block_gemm(xc, codes, w.kexp ? scales.to(at::kFloat) : scales, mins, levels, bias);
     if (spc && M <= gemv_rows) return block_product(xc, w, bp, spc);
     // Many rows: the same int8 activation blocks (dequantized) go to the GEMM, so a token's result does

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from perfxlm.ops import cpu_plan, isa, native
+from perfxlm.ops import linear as linear_ops
 from perfxlm.ops.linear import gemm_max_code, gemm_takes, run_linear_q
 from perfxlm.quant.gguf_repack import repack
 from perfxlm.quant.reference import fake_quantize_blocks
@@ -25,8 +26,8 @@ pytestmark = pytest.mark.skipif(ops is None, reason="no compiler for the native 
 
 def _refused(bits: int = 4) -> bool:
     """Where the build has no GEMM (scalar): the op says so, and the layer never picks it. Every build with
-    one takes 8-bit codes (AVX2 without AVX-VNNI through the sign trick, which the layers leave to the
-    float32 GEMM: gemm_max_code() says 128 there)."""
+    one takes 8-bit codes (AVX2 without AVX-VNNI through the sign trick, which the layers give them only up
+    to gemm_rows8() rows: gemm_max_code() says 128 there)."""
     if gemm_max_code() > 0:
         assert gemm_takes(_qweight(bits, 5, 64, 0)) == ((1 << bits) - 1 <= gemm_max_code())
         return False
@@ -135,6 +136,33 @@ def test_many_rows_of_a_layer_run_the_gemm_under_an_int8_plan_and_the_float_gemm
     direct = ops.quant_block_gemm(x.reshape(-1, 192), weight.codes, weight.scales, None, None, b)
     assert torch.equal(fast.reshape(-1, 45), direct)
     torch.testing.assert_close(fast, slow, atol=1e-4 * (slow.abs().max().item() + 1), rtol=1e-4)
+
+
+def test_8bit_codes_past_the_int8_rate_take_the_gemm_only_up_to_its_row_limit():
+    """AVX2 without AVX-VNNI: the sign-trick GEMM for 8-bit codes wins from 16 to a few hundred rows, the
+    float32 GEMM past them; the module path (run_linear_q) and the fused layer's linear_q route alike."""
+    if _refused(8):
+        return
+    weight = _qweight(8, 37, 192, 8)
+    limit = linear_ops.gemm_rows8()
+    if gemm_max_code() >= 255 or limit == 0:  # every row count takes it, or none does
+        assert gemm_takes(weight) == (gemm_max_code() >= 255) and gemm_takes(weight, 64) == gemm_takes(weight)
+        return
+    assert not gemm_takes(weight) and gemm_takes(weight, 16) and gemm_takes(weight, limit)
+    assert not gemm_takes(weight, limit + 1)
+    weight.activations = ActivationMode.INT8_NATIVE
+    b = torch.randn(37)
+    previous = cpu_plan.use(quant_gemm="int8", quant_gemm_rows=16, quant_max_rows=32, quant_block_max_rows=128)
+    try:
+        for rows, gemm in ((15, False), (16, True), (limit, True), (limit + 3, False)):
+            x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows))
+            module = run_linear_q(ops, x, weight, b, False, True, False)
+            fused = ops.linear_q(x, weight.codes, weight.scales, None, None, b, False, 32, False, True, 128, 16)
+            direct = ops.quant_block_gemm(x, weight.codes, weight.scales, None, None, b)
+            assert torch.equal(module, fused)
+            assert torch.equal(module, direct) == gemm, rows
+    finally:
+        cpu_plan.use(previous)
 
 
 def test_the_plan_takes_the_int8_gemm_only_where_the_tier_has_it(monkeypatch):
