@@ -12,7 +12,8 @@
 // shared counters, an expand waiting only for its own part's shrinks: one parallel region per projection,
 // no barrier, each thread reading about its share of A and B (a batch-1 step's too, where one part, o's
 // or down's, used to be one thread's whole). Work too small to pay for a parallel region's fork and join
-// stays on the calling thread.
+// stays on the calling thread. A quantized projection at few rows runs with its adapters instead
+// (project_add): one region for the base product and the adapters, each thread its range of outputs.
 //
 // Decode with adapters is bound by reading A and B (at rank 16 on every projection of a 135M model,
 // 1 MB of float32 per layer, 30 MB per step beside the 4-bit model's 98 MB), so bytes and the threads
@@ -239,6 +240,46 @@ int64_t parallel_macs() {
   return bound;
 }
 
+// The step's parts (a slot's rows over one segment) with room for their h, and how many columns and
+// output columns they span, multiply-adds in all.
+struct Parts {
+  std::vector<Part> list;
+  std::vector<float> h;
+  int64_t cols = 0, width = 0, macs = 0;
+
+  Parts(const Operands& o, const std::vector<Group>& groups) {
+    int64_t h_size = 0;
+    for (const Group& g : groups)
+      for (const Segment& s : g.segments) {
+        const int64_t rows = static_cast<int64_t>(g.rows.size()), c = s.c1 - s.c0;
+        list.push_back({&g, &s, nullptr, 0});
+        h_size += rows * c;
+        macs += rows * c * (o.K + s.n1 - s.n0);
+        cols += c;
+        width += s.n1 - s.n0;
+      }
+    h.resize(static_cast<size_t>(h_size));
+    int64_t offset = 0;
+    for (Part& p : list) {
+      p.h = h.data() + offset;
+      offset += static_cast<int64_t>(p.group->rows.size()) * (p.segment->c1 - p.segment->c0);
+    }
+  }
+
+  // shrink tasks of at most `block` columns of one part each (counted in each part's `shrinks`)
+  std::vector<Task> shrinks(int64_t block) {
+    std::vector<Task> tasks;
+    for (int64_t i = 0; i < static_cast<int64_t>(list.size()); ++i) {
+      const Segment& s = *list[i].segment;
+      for (int64_t j0 = 0; j0 < s.c1 - s.c0; j0 += block) {
+        tasks.push_back({i, j0, std::min(s.c1 - s.c0, j0 + block)});
+        ++list[i].shrinks;
+      }
+    }
+    return tasks;
+  }
+};
+
 // The step's work as tasks: shrinks (a block of one part's columns) and expands (a block of one part's
 // output columns, multiples of 32 so the paired 16-wide blocks stay whole). Every thread takes shrinks
 // until none is left, then expands; an expand waits only for its own part's shrinks, which threads finish
@@ -249,38 +290,17 @@ int64_t parallel_macs() {
 template <typename W>
 void apply(const Operands& o, const W* a, const W* bt, const std::vector<Group>& groups) {
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  std::vector<Part> parts;
-  int64_t total = 0, h_size = 0;
-  for (const Group& g : groups)
-    for (const Segment& s : g.segments) {
-      const int64_t rows = static_cast<int64_t>(g.rows.size()), cols = s.c1 - s.c0;
-      parts.push_back({&g, &s, nullptr, 0});
-      h_size += rows * cols;
-      total += rows * cols * (o.K + s.n1 - s.n0);
-    }
-  std::vector<float> h(static_cast<size_t>(h_size));
-  int64_t offset = 0;
-  for (Part& p : parts) {
-    p.h = h.data() + offset;
-    offset += static_cast<int64_t>(p.group->rows.size()) * (p.segment->c1 - p.segment->c0);
-  }
-  const bool parallel = threads >= 2 && total >= parallel_macs();
+  Parts ps(o, groups);
+  std::vector<Part>& parts = ps.list;
+  const bool parallel = threads >= 2 && ps.macs >= parallel_macs();
   // blocks: about 4 tasks per thread of each kind over the step, at least 4 columns / 32 outputs each
-  int64_t all_cols = 0, all_width = 0;
-  for (const Part& p : parts) {
-    all_cols += p.segment->c1 - p.segment->c0;
-    all_width += p.segment->n1 - p.segment->n0;
-  }
   const int64_t want = parallel ? 4 * threads : 1;  // serial: one shrink and one expand per part
-  const int64_t col_block = std::max<int64_t>(parallel ? 4 : 1, (all_cols + want - 1) / want);
-  const int64_t out_block = std::max<int64_t>(32, ((all_width + want - 1) / want + 31) / 32 * 32);
-  std::vector<Task> shrinks, expands;
+  const int64_t col_block = std::max<int64_t>(parallel ? 4 : 1, (ps.cols + want - 1) / want);
+  const int64_t out_block = std::max<int64_t>(32, ((ps.width + want - 1) / want + 31) / 32 * 32);
+  const std::vector<Task> shrinks = ps.shrinks(col_block);
+  std::vector<Task> expands;
   for (int64_t i = 0; i < static_cast<int64_t>(parts.size()); ++i) {
     const Segment& s = *parts[i].segment;
-    for (int64_t j0 = 0; j0 < s.c1 - s.c0; j0 += col_block) {
-      shrinks.push_back({i, j0, std::min(s.c1 - s.c0, j0 + col_block)});
-      ++parts[i].shrinks;
-    }
     for (int64_t n0 = s.n0; n0 < s.n1; n0 += out_block) expands.push_back({i, n0, std::min(s.n1, n0 + out_block)});
   }
   if (!parallel) {
@@ -306,14 +326,59 @@ void apply(const Operands& o, const W* a, const W* bt, const std::vector<Group>&
   });
 }
 
-}  // namespace
+// The base product and the adapters in the base product's own parallel region (project_add): the output
+// columns are cut into one range per thread (starting on multiples of 64, so the base kernels' row tiles
+// are the same as in one whole call); each thread takes shrink tasks from a shared counter, then runs the
+// base product of its range, then, once every shrink is done (by then, nearly always: the base range took
+// far longer), adds h B^T over its range. No region of its own, no barrier; each output's sums are those
+// of the base call then `apply` (same kernels, same order), so results do not change by a bit.
+template <typename W>
+void apply_with_base(const Operands& o, const W* a, const W* bt, const std::vector<Group>& groups, const BaseRange& base) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  Parts ps(o, groups);
+  std::vector<Part>& parts = ps.list;
+  const int64_t n_ranges = std::max<int64_t>(1, std::min(threads, (o.N + 63) / 64));
+  const auto bound = [&](int64_t r) { return r >= n_ranges ? o.N : std::min(o.N, (o.N * r / n_ranges + 63) / 64 * 64); };
+  const std::vector<Task> shrinks = ps.shrinks(std::max<int64_t>(1, (ps.cols + 2 * n_ranges - 1) / (2 * n_ranges)));
+  const int64_t n_shrinks = static_cast<int64_t>(shrinks.size());
+  std::atomic<int64_t> next_shrink{0}, shrunk{0};
+  at::parallel_for(0, n_ranges, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t j = next_shrink.fetch_add(1); j < n_shrinks; j = next_shrink.fetch_add(1)) {
+      run_shrink(shrinks[j], parts[shrinks[j].part], o, a);
+      shrunk.fetch_add(1, std::memory_order_release);
+    }
+    for (int64_t r = begin; r < end; ++r) base(bound(r), bound(r + 1));
+    for (int spins = 0; shrunk.load(std::memory_order_acquire) < n_shrinks; ++spins)
+      if (spins > 64) std::this_thread::yield();  // a shrink runs on a thread that was descheduled
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t n0 = bound(r), n1 = bound(r + 1);
+      for (int64_t i = 0; i < static_cast<int64_t>(parts.size()); ++i) {
+        const Segment& s = *parts[i].segment;
+        const int64_t from = std::max(n0, s.n0), to = std::min(n1, s.n1);
+        if (from < to) run_expand(Task{i, from, to}, parts[i], o, bt);
+      }
+    }
+  });
+}
 
-void add(at::Tensor& y, const at::Tensor& x, at::TensorList lora, int64_t index) {
-  if (lora.empty()) return;
+// The checked operands of one projection and its slots' row groups; empty `groups`: nothing to add (no
+// adapter in the step, none on this projection, or no row using one that has it).
+struct Step {
+  at::Tensor xc;  // x with unit column stride, kept alive
+  Operands o{};
+  std::vector<Group> groups;
+  at::ScalarType wt = at::kFloat;
+  const void* a = nullptr;
+  const void* bt = nullptr;
+};
+
+Step prepare(const at::Tensor& y, const at::Tensor& x, at::TensorList lora, int64_t index) {
+  Step st;
+  if (lora.empty()) return st;
   TORCH_CHECK(static_cast<int64_t>(lora.size()) >= 1 + 4 * (index + 1),
               "lora: expected row_slot then (A, B^T, scale, cols) per projection");
   const at::Tensor& a = lora[1 + 4 * index];
-  if (!a.numel()) return;
+  if (!a.numel()) return st;
   const at::Tensor& row_slot = lora[0];
   const at::Tensor& bt = lora[2 + 4 * index];
   const at::Tensor& scale = lora[3 + 4 * index];
@@ -333,18 +398,11 @@ void add(at::Tensor& y, const at::Tensor& x, at::TensorList lora, int64_t index)
                   cols.is_contiguous(), "lora: cols must be contiguous int32 [R, 3]");
   TORCH_CHECK(row_slot.scalar_type() == at::kInt && row_slot.numel() == T && row_slot.is_contiguous(),
               "lora: row_slot must be contiguous int32 [rows]");
-  if (y.stride(1) != 1) {  // not met by the fused layer's outputs; kept correct anyway
-    at::Tensor yc = y.contiguous();
-    add(yc, x, lora, index);
-    y.copy_(yc);
-    return;
-  }
-  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
 
   // each slot's parts: runs of its columns (contiguous, the slots are packed one after another) whose B
   // rows cover the same output columns
   const int32_t* info = cols.data_ptr<int32_t>();
-  std::vector<Group> groups;
+  std::vector<Group>& groups = st.groups;
   std::vector<int64_t> group_of_slot;
   for (int64_t c = 0; c < R; ++c) {
     const int32_t slot = info[3 * c], n0 = info[3 * c + 1], n1 = info[3 * c + 2];
@@ -371,16 +429,62 @@ void add(at::Tensor& y, const at::Tensor& x, at::TensorList lora, int64_t index)
   }
   groups.erase(std::remove_if(groups.begin(), groups.end(), [](const Group& g) { return g.rows.empty(); }),
                groups.end());
-  if (groups.empty()) return;
-  const Operands o{y.data_ptr<float>(), y.stride(0), xc.data_ptr<float>(), xc.stride(0), K, N, scale.data_ptr<float>()};
-  if (wt == at::kFloat) {
-    apply(o, a.data_ptr<float>(), bt.data_ptr<float>(), groups);
-  } else if (wt == at::kByte) {
-    apply(o, a.data_ptr<uint8_t>(), bt.data_ptr<uint8_t>(), groups);
-  } else {
-    apply(o, reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()),
-          reinterpret_cast<const uint16_t*>(bt.data_ptr<at::BFloat16>()), groups);
+  if (groups.empty()) return st;
+  st.xc = x.stride(1) == 1 ? x : x.contiguous();
+  st.o = Operands{y.data_ptr<float>(), y.stride(0), st.xc.data_ptr<float>(), st.xc.stride(0), K, N, scale.data_ptr<float>()};
+  st.wt = wt;
+  st.a = a.data_ptr();
+  st.bt = bt.data_ptr();
+  return st;
+}
+
+// fn(a, bt) with A and B^T as the element type they are stored in
+template <typename F>
+void with_weights(const Step& st, F&& f) {
+  if (st.wt == at::kFloat)
+    f(static_cast<const float*>(st.a), static_cast<const float*>(st.bt));
+  else if (st.wt == at::kByte)
+    f(static_cast<const uint8_t*>(st.a), static_cast<const uint8_t*>(st.bt));
+  else
+    f(static_cast<const uint16_t*>(st.a), static_cast<const uint16_t*>(st.bt));  // bfloat16 bits
+}
+
+}  // namespace
+
+void add(at::Tensor& y, const at::Tensor& x, at::TensorList lora, int64_t index) {
+  if (lora.empty()) return;
+  TORCH_CHECK(static_cast<int64_t>(lora.size()) >= 1 + 4 * (index + 1),
+              "lora: expected row_slot then (A, B^T, scale, cols) per projection");
+  if (!lora[1 + 4 * index].numel()) return;
+  if (y.stride(1) != 1) {  // not met by the fused layer's outputs; kept correct anyway
+    at::Tensor yc = y.contiguous();
+    add(yc, x, lora, index);
+    y.copy_(yc);
+    return;
   }
+  const Step st = prepare(y, x, lora, index);
+  if (st.groups.empty()) return;
+  with_weights(st, [&](auto a, auto bt) { apply(st.o, a, bt, st.groups); });
+}
+
+bool with_base() {
+  static const bool on = [] {
+    const char* env = std::getenv("PERFXLM_LORA_WITH_BASE");
+    return env == nullptr || *env != '0';
+  }();
+  return on;
+}
+
+bool project_add(at::Tensor& y, const at::Tensor& x, at::TensorList lora, int64_t index, const BaseRange& base) {
+  if (lora.empty()) return false;
+  TORCH_CHECK(static_cast<int64_t>(lora.size()) >= 1 + 4 * (index + 1),
+              "lora: expected row_slot then (A, B^T, scale, cols) per projection");
+  if (!lora[1 + 4 * index].numel()) return false;
+  TORCH_CHECK(y.dim() == 2 && y.is_contiguous(), "lora: project_add's y must be contiguous");
+  const Step st = prepare(y, x, lora, index);
+  if (st.groups.empty()) return false;
+  with_weights(st, [&](auto a, auto bt) { apply_with_base(st.o, a, bt, st.groups, base); });
+  return true;
 }
 
 namespace {

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 
 namespace perfxlm_lora {
 
@@ -13,5 +14,19 @@ namespace perfxlm_lora {
 // scale float32 [R], cols int32 [R, 3] (each packed column's slot and the output columns [n0, n1) its
 // B row covers)]. An empty list: no adapter in the step; an empty A: none on that projection.
 void add(at::Tensor& y, const at::Tensor& x, at::TensorList lora, int64_t index);
+
+// Writes the base product's output columns [n0, n1) of every row into y; called on a parallel region's
+// threads (each range once, ranges disjoint, starting on multiples of 64).
+using BaseRange = std::function<void(int64_t n0, int64_t n1)>;
+
+// y = base + the adapters of projection `index`, in one parallel region: each thread runs the base
+// product over its range of output columns and adds the adapters' products there, so a decode step's
+// adapters cost no fork and join of their own and their expand is split as the base product is.
+// Returns false, having done nothing, where no row of the step has an adapter on this projection.
+bool project_add(at::Tensor& y, const at::Tensor& x, at::TensorList lora, int64_t index, const BaseRange& base);
+
+// Whether the fused layer runs its quantized projections through project_add (PERFXLM_LORA_WITH_BASE=0:
+// no, the product then `add`, the way to compare both on one build).
+bool with_base();
 
 }  // namespace perfxlm_lora

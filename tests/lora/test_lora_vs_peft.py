@@ -172,3 +172,35 @@ def test_fused_decode_adapters_at_many_rows(lora_base, adapters):
     fused.eligible = False
     _assert_same(got, outputs(), "70 rows")
     assert_pool_whole(llm)
+
+
+def test_fused_decode_adapters_with_quantized_base_products(lora_base, adapters):
+    """int8 base weights: the fused layer runs each projection and its adapters in one parallel region (each
+    thread its output columns: q|k|v's 126 split at 64, so the ranges cut across q, k and v), at one row and
+    at several: what the module path gives, logprobs included."""
+    from perfxlm.ops import native
+
+    llm = LLM(lora_base, skip_tokenizer_init=True, dtype="float32", quantization="int8", num_kv_blocks=48,
+              enable_lora=True, max_loras=3, max_lora_rank=8)
+    a, b, c = (LoRARequest(k, i, adapters[k]) for i, k in ((1, "a"), (2, "b"), (3, "c")))
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=3)
+    cases = (([5], [a]), ([5, 12, 9, 3], [a, None, c, b]))
+
+    def outputs(lengths, loras):
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts_of(lengths, seed=8)], params, use_tqdm=False,
+                           lora_request=loras)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in got]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        fused_outputs = [outputs(*case) for case in cases]
+        fused = llm.llm_engine.core.model.model.fused_decode
+        if native.kernels() is not None:
+            assert fused.steps and fused.lora_fits
+        fused.eligible = False  # the module path: the reference
+        for (lengths, loras), got in zip(cases, fused_outputs):
+            _assert_same(got, outputs(lengths, loras), loras)
+    finally:
+        torch.set_num_threads(threads)
+    assert_pool_whole(llm)

@@ -159,3 +159,66 @@ def test_small_steps_split_across_threads_give_the_serial_bits(tmp_path):
             assert torch.equal(got, want)
     finally:
         torch.set_num_threads(before)
+
+
+def _quantized(kind, n, k, seed):
+    """A quantized weight's native parts in one of the engine's forms."""
+    from perfxlm.quant import quantizers, two_level
+
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    q = {
+        "q8_0": lambda: quantizers.quantize_symmetric_int8(w, 32, centred=True, half=True),
+        "int8": lambda: quantizers.quantize_asymmetric_int8(w, 64),
+        "q4_1": lambda: quantizers.quantize_int4_search(w, 32),
+        "q4_0": lambda: quantizers.quantize_symmetric_int4(w, 32),
+        "k_quant": lambda: two_level.quantize_int4(w, 32),
+        "w8a8": lambda: quantizers.quantize_symmetric_int8(w, k, act="int8"),
+    }[kind]()
+    assert q is not None
+    return q.native_parts()
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "int8", "q4_1", "q4_0", "k_quant", "w8a8"])
+@pytest.mark.parametrize("rows,n,int8_blocks,threads,gemm_rows", [
+    (1, 1000, True, 2, 16),  # batch-1 decode: the output split in two ranges, q|k|v-like parts across them
+    (1, 1000, False, 1, -1),
+    (3, 200, True, 2, -1),  # ranges not multiples of the parts' widths
+    (16, 1000, True, 2, 16),  # 16 rows over the slots and none: the int8 GEMM where the weight takes it
+    (21, 520, True, 2, -1),  # past the GEMM's threshold, on the GEMV
+    (5, 40, False, 2, -1),  # narrower than one 64-column range
+])
+def test_projection_with_its_adapters_in_one_region_gives_the_product_then_the_adapters(kind, rows, n, int8_blocks,
+                                                                                        threads, gemm_rows):
+    """A quantized projection at few rows (its GEMV, or the int8 GEMM) runs with the step's adapters in one parallel
+    region (each thread its range of outputs: base product, then adapters): the same bits as the product
+    alone followed by lora_add, for every weight form, with a bias, and rows of no adapter untouched."""
+    ops = native.kernels()
+    k = 256
+    parts = _quantized(kind, n, k, seed=n + rows)
+    q_parts = [(0, n // 2 + 3), (n // 2 + 3, 3 * n // 4 + 1), (3 * n // 4 + 1, n)]  # q | k | v of odd widths
+    slots = [(0, [3, 5, 2]), (2, [7, 1, 4]), (3, [0, 2, 6])]
+    lora_ops = [*_operands(k, q_parts, slots, seed=rows + 1, dtype=torch.uint8)]
+    lora_ops[0] = (lora_ops[0].int() // 9 + 114).to(torch.uint8)  # codes near 128: products of a sane size
+    lora_ops[1] = (lora_ops[1].int() // 9 + 114).to(torch.uint8)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    row_slot = torch.tensor([(-1, 0, 2, 3, 1)[(i + 1) % 5] for i in range(rows)], dtype=torch.int32)
+    lora = [row_slot, *lora_ops]
+    codes, scales, mins, levels, act = parts
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            want = ops.linear_q(x, codes, scales, mins if mins.numel() else None, levels if levels.numel() else None,
+                                bias, bool(act), 32, False, int8_blocks, 128, gemm_rows)
+            ops.lora_add(want, x, lora, 0)
+            got = ops.lora_project(x, parts, n, bias, 32, False, int8_blocks, 32, 128, gemm_rows, lora, 0)
+            base = ops.lora_project(x, parts, n, bias, 32, False, int8_blocks, 32, 128, gemm_rows, [], 0)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, want)
+    untouched = (row_slot == -1) | (row_slot == 1)
+    assert torch.equal(got[untouched], base[untouched])
+    if (~untouched).any():
+        assert not torch.equal(got[~untouched], base[~untouched])
