@@ -45,9 +45,9 @@ Options: `quantization_group_size` (weights per scale; -1 = one scale per output
   8-bit form for the fused QKV of those layers where its V is such a weight (Q4_K_M's V: Q8_0 there),
   the method's 4-bit form elsewhere and for an embedding table untied from the LM head (instead of
   8-bit codes). On by default for int4 (not its symmetric Q4_0 form) and nf4.
-- `super_blocks` (int4 asymmetric): the two-level form above where the input size allows (default false:
-  its batch-1 products cost 1.3-1.5x the float16 form's until the kernels form byte scales inside their
-  loops; true saves 0.375 bits per weight on those rows).
+- `super_blocks` (int4 asymmetric): the two-level form above where the input size allows (default true:
+  0.375 bits per weight fewer on those rows, its scales formed from their bytes inside the kernels' loops;
+  false keeps float16 scales and mins everywhere).
 - `double_quant` (nf4): QLoRA's double-quantized absmax (default true); false keeps a float16 absmax
   per group, or with `calibration` a float16 scale per group searched like int4's (not QLoRA's values).
 - `lm_head` (every method; vLLM's GPTQ name): the embedding table and the LM head stored as 8-bit codes,
@@ -200,7 +200,7 @@ class QuantizationConfig:
     calibration_explicit: bool = False  # whether `calibration` came from the user (else the default)
     mixed_precision: bool = False  # int4 / nf4: 8-bit down projections in half the layers (resolve: int4 on)
     double_quant: bool = True  # nf4: QLoRA's double-quantized absmax
-    super_blocks: bool = False  # int4 asymmetric: two-level scales on rows of whole 256s (opt-in)
+    super_blocks: bool = False  # int4 asymmetric: two-level scales on rows of whole 256s (resolve: on)
     lm_head: bool = True  # the embedding table and the LM head as 8-bit codes (else float)
 
     @property
@@ -510,7 +510,7 @@ def _extras(method: str, options: dict[str, Any], symmetric: bool) -> dict[str, 
                          f"{' (symmetric)' if symmetric and method == 'int4' else ''}: supported: true or false, "
                          "asymmetric int4 only (its searched scales and mins as bytes x float16 per 256).")
     if method == "int4" and not symmetric:
-        out["super_blocks"] = False if supers is None else supers
+        out["super_blocks"] = True if supers is None else supers
     double = options.get("double_quant")
     if double is not None:
         if method != "nf4" or not isinstance(double, bool):

@@ -171,13 +171,13 @@ def test_cuts_and_fusions_keep_the_values():
 
 
 def test_options_and_errors():
-    c = QuantizationConfig.resolve({"method": "int4", "super_blocks": True})
+    c = QuantizationConfig.resolve("int4")  # on by default: the kernels form its scales in their loops
     assert c.super_blocks and "per 256" in c.describe()
-    assert QuantizationConfig.resolve(c.as_dict()) == c
-    off = QuantizationConfig.resolve("int4")  # opt-in: the float16 form keeps its batch-1 speed
+    assert QuantizationConfig.resolve(c.as_dict()) == c == QuantizationConfig.resolve({"method": "int4", "super_blocks": True})
+    assert c.quantize_weight(torch.randn(3, 256), bits=4).two_level
+    off = QuantizationConfig.resolve({"method": "int4", "super_blocks": False})
     assert not off.super_blocks and QuantizationConfig.resolve(off.as_dict()) == off
-    assert off == QuantizationConfig.resolve({"method": "int4", "super_blocks": False})
-    assert not off.quantize_weight(torch.randn(3, 256)).two_level
+    assert not off.quantize_weight(torch.randn(3, 256), bits=4).two_level
     assert not QuantizationConfig.resolve({"method": "int4", "symmetric": True}).super_blocks
     for bad, match in [({"method": "int8", "super_blocks": True}, "asymmetric int4 only"),
                        ({"method": "int4", "symmetric": True, "super_blocks": True}, "symmetric"),

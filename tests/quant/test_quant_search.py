@@ -522,9 +522,9 @@ def test_int4_allocation_within_q4_k_m_bits_on_the_default_models_shapes():
     assert round(q4km / weights, 3) == 6.044  # the file's own count (its tensors' bytes)
     assert bits["model.layers.0.self_attn.qkv_proj.weight"] == 8 and bits["model.embed_tokens.weight"] == 4
     assert total / weights <= q4km / weights
-    # float16 scales and mins by default (5 bits); with `super_blocks` the 4-bit down projections, which
-    # read 1536 = 6 x 256 inputs, take Q4_K's two-level form (4.625) and the 576-wide ones stay at 5
-    assert stored(4, ffn) == 5.0 and stored(4, hidden) == 5.0
-    supers = QuantizationConfig.resolve({"method": "int4", "super_blocks": True})
-    for k, want in ((ffn, 4.625), (hidden, 5.0)):
-        assert 8 * supers.quantize_weight(torch.randn(4, k), bits=4).nbytes / (4 * k) == want
+    # the 4-bit down projections, which read 1536 = 6 x 256 inputs, take Q4_K's two-level form by default
+    # (4.625) and the 576-wide ones float16 scales and mins (5); `super_blocks: false` keeps 5 for both
+    assert stored(4, ffn) == 4.625 and stored(4, hidden) == 5.0
+    flat16 = QuantizationConfig.resolve({"method": "int4", "super_blocks": False})
+    for k in (ffn, hidden):
+        assert 8 * flat16.quantize_weight(torch.randn(4, k), bits=4).nbytes / (4 * k) == 5.0
