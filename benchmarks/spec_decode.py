@@ -8,9 +8,17 @@ ratio, the acceptance rate and mean accepted length, and whether every output wa
 chat prompts come from a ShareGPT file (`--dataset`; without one only the code prompts run).
 
     python benchmarks/spec_decode.py --dataset sharegpt_samples_1024.json
-    python benchmarks/spec_decode.py --model m.gguf --quantization none \
-        --speculative-config '{"model": "m.gguf", "num_speculative_tokens": 4}'   # its own quantized file
+    python benchmarks/spec_decode.py --model m.bf16.gguf --quantization none --dtype bfloat16 \
+        --speculative-config '{"model": "m.Q4_0.gguf", "num_speculative_tokens": 4}'   # its own quantized file
+
+(A bf16 target wants --dtype bfloat16: dtype "auto" is float32 on a CPU without native bf16 arithmetic, and
+a float32 target reads twice the bytes per step its bf16 file holds.)
     python benchmarks/spec_decode.py --dataset sharegpt_samples_1024.json --llama-cpp   # llama.cpp beside
+    python benchmarks/spec_decode.py --dataset sharegpt_samples_1024.json --parallel 16  # 16 requests at once
+
+With --parallel N the N prompts (every kind's, in turn) run as one batch instead, alternately with
+speculation off and on: whole-batch decode tok/s of each and their ratio (speculation should switch itself
+off where verifying the batch's drafts is no longer nearly free, so the ratio should not fall below 1).
 
 With --llama-cpp (a GGUF target and prompt lookup) llama.cpp runs the same file and the same prompt tokens
 through llama-cpp-python, plain and with its prompt lookup (`LlamaPromptLookupDecoding`: the same number
@@ -23,6 +31,7 @@ llama.cpp's.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -97,6 +106,29 @@ class LlamaCppPair:
         return speeds
 
 
+def run_parallel(plain: LLM, spec: LLM, tokenizer, params: SamplingParams, args) -> int:
+    """N requests in one batch, speculation off and on alternately: decode tok/s of the whole batch."""
+    kinds = make_prompts(tokenizer, args.dataset, max(args.prompts_per_kind, args.parallel), args.passage_tokens)
+    texts = [t for group in itertools.zip_longest(*kinds.values()) for t in group if t is not None][: args.parallel]
+    if len(texts) < args.parallel:
+        raise SystemExit(f"--parallel {args.parallel}: only {len(texts)} prompts (give --dataset)")
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                             add_generation_prompt=True) for t in texts]
+    speeds: dict[str, list[float]] = {"plain": [], "spec": []}
+    for r in range(args.rounds):
+        for name, llm in (("plain", plain), ("spec", spec)):
+            speeds[name].append(measure_batch(llm.llm_engine, prompts, params, tag=f"par-{r}-{name}")["decode_tok_s"])
+    row = {"plain_tok_s": statistics.median(speeds["plain"]), "spec_tok_s": statistics.median(speeds["spec"])}
+    row["speedup"] = row["spec_tok_s"] / row["plain_tok_s"]
+    print(f"{args.parallel} parallel requests: plain {row['plain_tok_s']:7.1f} tok/s  speculative "
+          f"{row['spec_tok_s']:7.1f} tok/s  x{row['speedup']:.2f}", flush=True)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"speculative_config": json.loads(args.speculative_config), "parallel": args.parallel,
+                       "results": row}, f, indent=2)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="target model (default: the embedded SmolLM2 GGUF)")
@@ -112,6 +144,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="alternating runs of each prompt per engine")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--output-json", default=None)
+    ap.add_argument("--parallel", type=int, default=0,
+                    help="run this many prompts at once (every kind's in turn) instead of one at a time")
     ap.add_argument("--llama-cpp", action="store_true",
                     help="also time llama.cpp (llama-cpp-python) on the same GGUF file and prompts, plain and with "
                          "its prompt lookup")
@@ -126,6 +160,8 @@ def main() -> int:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     stats = spec.llm_engine.scheduler.spec_stats
     llama = LlamaCppPair(plain, json.loads(args.speculative_config), args.threads) if args.llama_cpp else None
+    if args.parallel > 0:
+        return run_parallel(plain, spec, tokenizer, params, args)
     report = {}
     for kind, texts in make_prompts(tokenizer, args.dataset, args.prompts_per_kind, args.passage_tokens).items():
         speeds: dict[str, list[float]] = {"plain": [], "spec": [], "llama.cpp": [], "llama.cpp lookup": []}
