@@ -40,6 +40,14 @@ def random_blocks(rng: np.random.Generator, qtype: Q, rows: int, cols: int, scal
     return raw
 
 
+def _mxfp4_needs_float_scales(raw: np.ndarray) -> bool:
+    """Whether an MXFP4 tensor has a block with exponent byte 0 whose codes are not all zero (codes 0 and 8
+    are +0 and -0): its scale 2^-128 has no E8M0 byte, so the repack keeps float32 scales."""
+    blocks = raw.reshape(-1, 17)
+    codes = np.concatenate((blocks[:, 1:] & 0x0F, blocks[:, 1:] >> 4), axis=1)
+    return bool(((blocks[:, 0] == 0) & ((codes & 0x7) != 0).any(axis=1)).any())
+
+
 @pytest.mark.parametrize("qtype", sorted(REPACKED_TYPES, key=lambda t: t.name))
 @pytest.mark.parametrize("rows", [1, 7, 33])
 def test_repacked_gguf_blocks_dequantize_bit_exactly(qtype, rows):
@@ -52,7 +60,9 @@ def test_repacked_gguf_blocks_dequantize_bit_exactly(qtype, rows):
     expected = {Q.Q4_0: (4, 32, f16), Q.Q4_1: (4, 32, f16), Q.Q8_0: (8, 32, f16), Q.Q5_0: (5, 32, f16),
                 Q.Q5_1: (5, 32, f16), Q.Q4_K: (4, 32, torch.uint8), Q.Q5_K: (5, 32, torch.uint8),
                 Q.Q6_K: (8, 16, torch.int8),
-                Q.MXFP4: (4, 32, f32)}[qtype]
+                Q.MXFP4: (4, 32, torch.float8_e8m0fnu)}[qtype]
+    if qtype == Q.MXFP4 and _mxfp4_needs_float_scales(raw):
+        expected = (4, 32, f32)  # a nonzero block with exponent 0 (2^-128) has no E8M0 byte: float32 scales
     assert (w.bits, w.group, w.scales.dtype) == expected
     torch.testing.assert_close(w.dequantize(), want, rtol=0, atol=0)
     if qtype == Q.Q4_0:  # the nibble layout is Q4_0's, byte for byte, and d alone: 18 bytes per block

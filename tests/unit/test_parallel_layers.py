@@ -285,17 +285,19 @@ def test_fused_decode_takes_row_parallel_layers_with_their_all_reduce():
     assert single is not None and single.reduce is None
 
 
-def test_unsupported_family_is_refused_by_name():
+def test_unsupported_family_is_refused_by_name(monkeypatch):
     from perfxlm.model.loader import check_tensor_parallel
     from perfxlm.model.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
     from perfxlm.model.models.gpt_oss import GptOssForCausalLM
     from perfxlm.model.models.opt import OPTForCausalLM
     from perfxlm.model.models.qwen3 import Qwen3ForCausalLM
 
+    for cls in (Qwen3ForCausalLM, GptOssForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, OPTForCausalLM):
+        check_tensor_parallel(cls, None)
+    # every causal family splits now: a family without parallel layers is refused by its name
+    monkeypatch.setattr(OPTForCausalLM, "supports_tensor_parallel", False)
     with pytest.raises(ValueError, match="not supported for OPTForCausalLM"):
         check_tensor_parallel(OPTForCausalLM, None)
-    for cls in (Qwen3ForCausalLM, GptOssForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM):
-        check_tensor_parallel(cls, None)
 
 
 def test_mla_needs_a_head_per_rank():
