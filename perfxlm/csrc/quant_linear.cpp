@@ -145,8 +145,18 @@ inline float k_value(KBytes r, int64_t g, int64_t per, bool is_signed) {
   return sub * half_to_float(k_half(r.fac, g / per));
 }
 
-// Row n's group g scale and min (min_factor applied) in either form.
+// An E8M0 byte -> float32 2^(b - 127), the bits built directly (b = 0: the subnormal 2^-127), as torch's
+// float8_e8m0fnu reads it (b = 255, E8M0's NaN, never stored: quant/mxfp4.py keeps ggml's reading).
+inline float exponent_value(uint8_t b) {
+  const uint32_t bits = b ? static_cast<uint32_t>(b) << 23 : 0x00400000u;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Row n's group g scale and min (min_factor applied) in any form: float, two-level bytes, E8M0 bytes.
 inline float scale_of(const QW& w, int64_t n, int64_t g) {
+  if (w.kexp) return exponent_value(w.kscales[n * w.kbytes + g]);
   if (w.kscales) return k_value(k_row(w.kscales, w, n), g, w.kper, w.ksigned);
   return param(w, w.scales, n * w.groups + g);
 }
@@ -290,13 +300,9 @@ inline void expand_row(const uint8_t* row, int64_t groups, int64_t per, float si
   }
 }
 
-// E8M0 bytes -> float32 2^(b - 127), the bits built directly (b = 0: the subnormal 2^-127), as torch's
-// float8_e8m0fnu reads them (b = 255, E8M0's NaN, never stored: quant/mxfp4.py keeps ggml's reading).
+// A row of E8M0 bytes -> float32 scales (exponent_value each).
 void expand_exponents(const uint8_t* __restrict row, int64_t groups, float* __restrict out) {
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint32_t bits = row[g] ? static_cast<uint32_t>(row[g]) << 23 : 0x00400000u;
-    std::memcpy(out + g, &bits, 4);
-  }
+  for (int64_t g = 0; g < groups; ++g) out[g] = exponent_value(row[g]);
 }
 
 // Rows [n0, n1) of a two-level weight's scales (and mins) multiplied out to float32, [rows][groups] each.
