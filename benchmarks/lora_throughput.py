@@ -10,7 +10,7 @@ and run alternately (base, LoRA, base, ...), so drift on a shared machine hits b
     python benchmarks/lora_throughput.py                       # the embedded SmolLM2 GGUF
     python benchmarks/lora_throughput.py --model m.gguf --rank 16 --adapters 4 --rounds 3
     python benchmarks/lora_throughput.py --lora-parallel-macs 0   # batch-1 adapter products split too
-    python benchmarks/lora_throughput.py --lora-with-base 0       # adapters after each product, as before
+    python benchmarks/lora_throughput.py --lora-with-base 1       # adapters inside the base product's region
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def main() -> int:
                          "(PERFXLM_LORA_PARALLEL_MACS; 0: always, batch-1 decode included; default: the kernel's)")
     ap.add_argument("--lora-with-base", type=int, default=None,
                     help="0: the fused layer adds the adapters after each quantized projection instead of in its "
-                         "parallel region (PERFXLM_LORA_WITH_BASE; default 1), to compare both on one build")
+                         "parallel region (PERFXLM_LORA_WITH_BASE; default 0), to compare both on one build")
     ap.add_argument("--replay-steps", type=int, default=0,
                     help="also replay one batch-1 step of the fused layers this many times with and without "
                          "the adapter (min and median ms: the layers alone, without the rest of a step)")
