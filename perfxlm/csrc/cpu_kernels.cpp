@@ -421,15 +421,16 @@ at::Tensor project(const at::Tensor& x, at::TensorList parts, int64_t n_out, con
 // depend on how many outputs a call covers, and each of them sums an output the same whatever outputs
 // beside it (GEMV row tiles, the GEMM's 32-column tasks; its row slices start at 128 rows), so the
 // split changes no bit. Anything else: the product, then the adapters.
-at::Tensor project_lora(const at::Tensor& x, at::TensorList parts, int64_t n_out, const c10::optional<at::Tensor>& bias,
-                        int64_t max_rows, bool bf16_gemm, bool int8_blocks, int64_t quant_max_rows,
-                        int64_t quant_block_max_rows, int64_t gemm_rows, at::TensorList lora, int64_t index) {
+at::Tensor project_lora_in(const at::Tensor& x, at::TensorList parts, int64_t n_out, const c10::optional<at::Tensor>& bias,
+                           int64_t max_rows, bool bf16_gemm, bool int8_blocks, int64_t quant_max_rows,
+                           int64_t quant_block_max_rows, int64_t gemm_rows, at::TensorList lora, int64_t index,
+                           bool one_region) {
   const int64_t M = x.size(0);
   // one thread: nothing to split, and the ranges' views and copies would only add (measured: +0.9 ms per
   // batch-1 step of the 135M model's 30 layers)
   const bool split = parts.size() == 5 && M < 128 && M <= (quant_max_rows >= 0 ? quant_max_rows : max_rows) &&
                      (quant_block_max_rows < 0 || M <= quant_block_max_rows) && at::get_num_threads() >= 2 &&
-                     perfxlm_lora::with_base();
+                     one_region;
   if (split && !lora.empty()) {
     at::Tensor y = at::empty({M, n_out}, x.options());
     const bool has_bias = bias.has_value() && bias->defined();
@@ -451,6 +452,23 @@ at::Tensor project_lora(const at::Tensor& x, at::TensorList parts, int64_t n_out
                          gemm_rows);
   perfxlm_lora::add(y, x, lora, index);
   return y;
+}
+
+// The fused layer's projection: the one-region path where PERFXLM_LORA_WITH_BASE=1 (opt-in).
+at::Tensor project_lora(const at::Tensor& x, at::TensorList parts, int64_t n_out, const c10::optional<at::Tensor>& bias,
+                        int64_t max_rows, bool bf16_gemm, bool int8_blocks, int64_t quant_max_rows,
+                        int64_t quant_block_max_rows, int64_t gemm_rows, at::TensorList lora, int64_t index) {
+  return project_lora_in(x, parts, n_out, bias, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows,
+                         gemm_rows, lora, index, perfxlm_lora::with_base());
+}
+
+// The test op: always the one-region path where it applies, so its tests check it whatever the default.
+at::Tensor project_lora_one_region(const at::Tensor& x, at::TensorList parts, int64_t n_out,
+                                   const c10::optional<at::Tensor>& bias, int64_t max_rows, bool bf16_gemm,
+                                   bool int8_blocks, int64_t quant_max_rows, int64_t quant_block_max_rows,
+                                   int64_t gemm_rows, at::TensorList lora, int64_t index) {
+  return project_lora_in(x, parts, n_out, bias, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows,
+                         gemm_rows, lora, index, true);
 }
 
 // RMSNorm over each head of rows [T, heads * D] (row stride `stride`) in place (Qwen3's q/k norms).
@@ -651,5 +669,5 @@ TORCH_LIBRARY_IMPL(perfxlm, CPU, m) {
   m.impl("decode_layer", &decode_layer);
   m.impl("decode_attention", &decode_attention);
   m.impl("decode_mlp", &decode_mlp);
-  m.impl("lora_project", &project_lora);
+  m.impl("lora_project", &project_lora_one_region);
 }
