@@ -11,7 +11,8 @@ vocabulary) instead of --model: speed depends on shapes, not values.
 With --lora-rank R both engines run with enable_lora and every request with one random adapter of rank R
 on every attention and MLP projection (lora_throughput.py's), so the figures are the graph's LoRA binding
 against the module path's.
-Prints each round and the medians with graph / module ratios. Not a test: timings belong here.
+Prints each round and the medians with graph / module ratios (the engines take turns going first).
+Not a test: timings belong here.
 """
 
 from __future__ import annotations
@@ -126,7 +127,10 @@ def main() -> None:
                          lora_request=lora)
         rates: dict[str, dict[str, list[float]]] = {n: {"prefill": [], "decode": []} for n in engines}
         for r in range(args.repeats):
-            for name, llm in engines.items():  # alternating: both see the same load
+            # alternating, and each first in every other round: a load that grows or falls within a round
+            # (or one engine warming the caches for the next) does not always favour the same one
+            order = list(engines.items()) if r % 2 == 0 else list(engines.items())[::-1]
+            for name, llm in order:
                 rates[name]["prefill"].append(prefill_rate(llm, vocab, 100 + r, args.prompt, lora))
                 rates[name]["decode"].append(decode_rate(llm, vocab, 200 + r, args.prompt, args.new_tokens, lora))
                 print(f"round {r} {name}: prefill {rates[name]['prefill'][-1]:.0f} tok/s, "

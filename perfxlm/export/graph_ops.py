@@ -27,7 +27,7 @@ from perfxlm.export.graph_mla import LatentAttentionOps
 from perfxlm.export.graph_moe import MoeOps
 from perfxlm.export.graph_values import AttentionSpec, DecoderInputs, HeadNorms, LinearWeight, Rope
 
-from perfxlm.export.matmul_nbits import pack_matmul_nbits
+from perfxlm.export.matmul_nbits import matmul_nbits_parts, pack_matmul_nbits
 from perfxlm.quant.weight import QuantizedWeight
 
 __all__ = ["AttentionSpec", "DecoderInputs", "HeadNorms", "LinearWeight", "Rope", "GraphOps", "OrtOps"]
@@ -383,26 +383,35 @@ class OrtOps(GraphOps):
         w = lw.weight
         if not isinstance(w, QuantizedWeight):
             return self._gemm(x, w, lw, rows=rows)
-        packed = pack_matmul_nbits(w)
-        if packed is None:  # no power-of-two block fits its groups: float, as the standard flavor does
+        parts = matmul_nbits_parts(w)  # one, or two whose products add up (a level table's: MXFP4)
+        packed = [pack_matmul_nbits(p) for p in parts] if parts is not None else [None]
+        if any(p is None for p in packed):  # no power-of-two block fits its groups, or other levels: float
             return self._gemm(x, dequantized(w), lw, rows=rows)
         g = self.g
         if w.input_order is not None:  # GPTQ act-order: the codes' columns are these input channels
             x = g.op("Gather", [x, g.weight(f"{lw.name}.input_order", w.input_order.numpy())], axis=-1)
-        args = [x, g.weight(f"{lw.name}.weight_q", packed.codes),
-                g.weight(f"{lw.name}.scales", packed.scales),
-                g.weight(f"{lw.name}.zero_points", packed.zero_points)]
-        y = g.op("MatMulNBits", args, domain=MS_DOMAIN, K=w.in_features, N=w.out_features, bits=packed.bits,
-                 block_size=packed.block_size, accuracy_level=0, name=lw.name)
+        y = None
+        for i, part in enumerate(packed):
+            name = lw.name if i == 0 else f"{lw.name}.part{i}"
+            out = self._matmul_nbits(x, part, w.in_features, w.out_features, name, rows)
+            y = out if y is None else g.op("Add", [y, out])
+        if lw.bias is not None:
+            y = g.op("Add", [y, g.weight(f"{lw.name}.bias", lw.bias)])
+        return y
+
+    def _matmul_nbits(self, x: str, packed: Any, k: int, n: int, name: str, rows: bool) -> str:
+        g = self.g
+        args = [x, g.weight(f"{name}.weight_q", packed.codes), g.weight(f"{name}.scales", packed.scales),
+                g.weight(f"{name}.zero_points", packed.zero_points)]
+        y = g.op("MatMulNBits", args, domain=MS_DOMAIN, K=k, N=n, bits=packed.bits, block_size=packed.block_size,
+                 accuracy_level=0, name=name)
         if packed.offsets is not None:  # + (sum of each block's activations) x offset
-            blocks = w.in_features // packed.block_size
+            blocks = k // packed.block_size
             sums = g.op("ReduceSum", [g.op("Reshape", [x, g.const([0, blocks, packed.block_size] if rows else
                                                                   [0, 0, blocks, packed.block_size])]),
                                       g.const([-1])], keepdims=0)
-            offsets = g.weight(f"{lw.name}.block_offsets", np.ascontiguousarray(packed.offsets.T))
+            offsets = g.weight(f"{name}.block_offsets", np.ascontiguousarray(packed.offsets.T))
             y = g.op("Add", [y, g.op("MatMul", [sums, offsets])])
-        if lw.bias is not None:
-            y = g.op("Add", [y, g.weight(f"{lw.name}.bias", lw.bias)])
         return y
 
     def _rope_caches(self, rope: Rope) -> tuple[str, str]:

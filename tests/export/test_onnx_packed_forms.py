@@ -1,9 +1,9 @@
 """Quantized forms beyond the affine codes in the `ort` / `standard` flavors, run in ONNX Runtime against
 the engine on the same weights: gpt-oss with MXFP4 experts (E2M1 codes, an E8M0 exponent per 32 weights;
-the ort flavor writes them as 8-bit MatMulNBits codes, level + 128, the exponent as the block's scale: the
-same values), from OpenAI's checkpoint layout; and a GPTQ act-order checkpoint, whose
-codes' columns are input channels in another order (MatMulNBits after a Gather of the inputs; float
-matrices with the columns put back in the standard flavor). Float32 logits of a prompt and 16 decode steps
+the ort flavor writes each as two 4-bit MatMulNBits whose products add up, the E2M1 value doubled clamped
+to [-8, 7] and the rest, the exponent as the blocks' scale: the same values), from OpenAI's checkpoint
+layout; and a GPTQ act-order checkpoint, whose codes' columns are input channels in another order
+(MatMulNBits after a Gather of the inputs; float matrices with the columns put back in the standard flavor). Float32 logits of a prompt and 16 decode steps
 within 1e-4 of transformers' on the values the weights hold, greedy tokens and logprobs the engine's."""
 
 from __future__ import annotations
@@ -59,12 +59,14 @@ def test_gpt_oss_mxfp4_experts_run_in_onnx_runtime_as_the_engine(tmp_path, flavo
     hf.load_state_dict(_mxfp4_checkpoint(path, hf), strict=False)  # the values the checkpoint holds
     out = str(tmp_path / "onnx")
     export_onnx(path, out, flavor=flavor)
-    experts = [n for n in _nodes(out) if ".experts." in n.name and n.name.endswith("_proj")]
+    nodes = _nodes(out)
+    experts = [n for n in nodes if ".experts." in n.name and n.name.endswith("_proj")]
     assert len(experts) == 3 * 5 * 2  # three layers, five experts, gate|up and down
-    if flavor == "ort":  # kept as codes: 8-bit MatMulNBits over blocks of 32, one per E8M0 exponent
-        assert {n.op_type for n in experts} == {"MatMulNBits"}
-        attrs = {(a.name, a.i) for n in experts for a in n.attribute if a.name in ("bits", "block_size")}
-        assert attrs == {("bits", 8), ("block_size", 32)}
+    if flavor == "ort":  # codes: two 4-bit MatMulNBits (levels clamped to [-8, 7], the rest), blocks of 32
+        high = [n for n in nodes if ".experts." in n.name and n.name.endswith("_proj.part1")]
+        assert len(high) == len(experts) and {n.op_type for n in experts + high} == {"MatMulNBits"}
+        attrs = {(a.name, a.i) for n in experts + high for a in n.attribute if a.name in ("bits", "block_size")}
+        assert attrs == {("bits", 4), ("block_size", 32)}
     else:
         assert {n.op_type for n in experts} == {"Gemm"}
     _assert_runs_as_the_engine(out, path, hf)

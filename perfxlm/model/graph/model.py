@@ -73,6 +73,7 @@ class GraphModel(nn.Module):
         weights.clear()  # the kernels hold each weight now, so each original goes as it moves
         move_to_arena(self)
         release_freed_memory()
+        self.eval()  # an inference module, as the loader hands a family's model over
 
     def _build(self, node: onnx.NodeProto, path: str, weights: dict[str, torch.Tensor], graph_inputs: set[str],
                tables: dict, caches: set[str]) -> tuple[Kernel | None, list[str], list[str]]:
