@@ -249,7 +249,7 @@ class LatentAttention(Kernel):
         self.attn = Attention(heads, 1, rank + rope_dim, attrs["scale"], value_is_key=True)
 
     def forward(self, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # all-decode steps take the latent decode kernel with the float32 matrices, as the module path
+        # a step's decode rows take the latent decode kernel with the float32 matrices, as the module path
         # does for float32 weights
         return attend_latent(self.attn, self.kv_norm, self.w_uk.to(q.dtype), self.w_uv_t.to(q.dtype), self.nope_dim,
                              self.table.at(positions), q, kv, (self.w_uk, self.w_uv_t))
