@@ -27,7 +27,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from perfxlm.ops import cpu_plan, native
+from perfxlm.ops import cpu_plan, fp8_linear, native
 from perfxlm.quant.reference import fake_quantize_blocks, reference_linear
 from perfxlm.quant.weight import ActivationMode, QuantizedWeight
 
@@ -102,6 +102,8 @@ def quantized_linear(
     blocks as the weight's `activations` (decided at load from `quant_activations`) says, else the
     products are exact to float summation order. The fused decode layer does the same."""
     ops = native.kernels()
+    if ops is not None and not weight.kernel_levels and fp8_linear.takes(weight):  # e4m3 bytes
+        return fp8_linear.fp8_linear(ops, x, weight, bias)
     if ops is None or not hasattr(ops, "linear_q") or not weight.kernel_levels:
         return reference_linear(x, weight, bias)
     mode = weight.activations
