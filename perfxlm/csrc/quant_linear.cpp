@@ -1013,7 +1013,7 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
     // block_tile_m1x4(_q8) updates it (the same sums whether a row is decoded alone or with others);
     // 8-bit at group 16: one per half of the chunk, two FMA chains
     __m256 acc[MT][2];
-    #pragma GCC unroll 4
+    #pragma GCC unroll 8
     for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t g0 = row_base + chunk_group<SPC>(w, c);
@@ -1026,7 +1026,7 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
           ws = _mm256_set1_ps(param_at<HALF>(w.scales, g0));
         else
           ws = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(load_params_lo<HALF, 2>(w.scales, g0)), lo_idx);
-        #pragma GCC unroll 4
+        #pragma GCC unroll 8
         for (int i = 0; i < MT; ++i) {
           const int8_t* xc = xq + i * K + c * 64;
           const __m256i d = dot_pairs(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)), hi,
@@ -1040,7 +1040,7 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
         if constexpr (SPC == 4) {
           const __m256 s4 = _mm256_castps128_ps256(load_params_lo<HALF, 4>(w.scales, g0));
           const __m256 ws_lo = _mm256_permutevar8x32_ps(s4, lo_idx), ws_hi = _mm256_permutevar8x32_ps(s4, hi_idx);
-          #pragma GCC unroll 4
+          #pragma GCC unroll 8
           for (int i = 0; i < MT; ++i) {
             const int8_t* xc = xq + i * K + c * 64;
             const float* xs = lanes + (i * chunks + c) * 16;  // lanes 0-7: block A's scale, 8-15: B's
@@ -1051,13 +1051,13 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
           }
         } else {  // one scale per half (block): see chunk_dot8
           const __m256 ws8 = block_scales8<HALF, SPC>(w, g0);
-          #pragma GCC unroll 4
+          #pragma GCC unroll 8
           for (int i = 0; i < MT; ++i)
             acc[i][0] = chunk_dot8(lo, hi, xq + i * K + c * 64, ws8, a.pair8 + ((m0 + i) * chunks + c) * 8, acc[i][0]);
         }
       }
     }
-    #pragma GCC unroll 4
+    #pragma GCC unroll 8
     for (int i = 0; i < MT; ++i) {
       // 4-bit codes and 8-bit ones with a scale per block keep one accumulator (the one
       // block_tile_m1x4 keeps): adding the unused one would change nothing but the sign of a zero
@@ -1576,6 +1576,46 @@ void kq_product(const BlockActs& a, int64_t M, const QW& w, float* y, const floa
 #endif
 
 
+// Activation rows per pass over a tile of weight rows. A pass loads and unpacks each weight row's codes
+// once and multiplies them into every activation row it holds, so the unpacking is paid once per pass:
+// a verification step's 5-8 rows (a decode row and its guesses) ran as a pass of 4 and one of the rest,
+// every code unpacked twice (an extra row cost ~37 % of a one-row step). The widest pass whose
+// accumulators stay in registers: zmm (32 registers) keep MT x NT of them, so 5-8 rows take two weight
+// rows at a time (row_pass) and at most 4 rows the tile of four; ymm (16) run one weight row at a time with
+// MT accumulators, 2 MT for 8-bit codes at groups of 16 (two per chunk), which stay at 4 rows.
+// Each row's sums run in block_tile's order whatever the pass's width: a row alone gives the bits of the
+// same row in any batch (speculative verification's exactness rests on it).
+#ifdef PERFXLM_DOTS_AVX2
+template <bool BITS4, int SPC>
+constexpr int64_t kWideRows = (!BITS4 && SPC == 4) ? 4 : 8;
+#else
+template <bool BITS4, int SPC>
+constexpr int64_t kWideRows = 8;
+#endif
+
+// One pass of MT activation rows over the NT weight rows from n0 (see kWideRows).
+template <bool BITS4, bool HALF, int SPC, int MT, int NT, bool FIVE>
+inline void row_pass(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, float* y, const float* bias) {
+#ifdef PERFXLM_VNNI
+  if constexpr (MT > 4 && NT % 2 == 0) {
+    #pragma GCC unroll 4
+    for (int j = 0; j < NT; j += 2) block_tile<BITS4, HALF, SPC, MT, 2, FIVE>(a, m0, w, n0 + j, y, bias);
+    return;
+  }
+#endif
+  block_tile<BITS4, HALF, SPC, MT, NT, FIVE>(a, m0, w, n0, y, bias);
+}
+
+// The last `rows` (1..MT) activation rows from m0, as one pass.
+template <bool BITS4, bool HALF, int SPC, int MT, int NT, bool FIVE>
+inline void rows_left(const BlockActs& a, int64_t rows, int64_t m0, const QW& w, int64_t n0, float* y,
+                      const float* bias) {
+  if constexpr (MT >= 1) {
+    if (rows == MT) return row_pass<BITS4, HALF, SPC, MT, NT, FIVE>(a, m0, w, n0, y, bias);
+    rows_left<BITS4, HALF, SPC, MT - 1, NT, FIVE>(a, rows, m0, w, n0, y, bias);
+  }
+}
+
 template <bool BITS4, bool HALF, int SPC, int NT, bool FIVE>
 inline void block_rows(const BlockActs& a, int64_t M, const QW& w, int64_t n0, float* y, const float* bias) {
 #ifdef PERFXLM_BLOCK_M1X4
@@ -1586,14 +1626,10 @@ inline void block_rows(const BlockActs& a, int64_t M, const QW& w, int64_t n0, f
     if (M == 1) return block_tile_m1x4_q8<HALF, SPC>(a, 0, w, n0, y, bias);
   }
 #endif
+  constexpr int64_t wide = kWideRows<BITS4, SPC>;
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) block_tile<BITS4, HALF, SPC, 4, NT, FIVE>(a, m, w, n0, y, bias);
-  switch (M - m) {
-    case 3: block_tile<BITS4, HALF, SPC, 3, NT, FIVE>(a, m, w, n0, y, bias); break;
-    case 2: block_tile<BITS4, HALF, SPC, 2, NT, FIVE>(a, m, w, n0, y, bias); break;
-    case 1: block_tile<BITS4, HALF, SPC, 1, NT, FIVE>(a, m, w, n0, y, bias); break;
-    default: break;
-  }
+  for (; m + wide <= M; m += wide) row_pass<BITS4, HALF, SPC, wide, NT, FIVE>(a, m, w, n0, y, bias);
+  if (m < M) rows_left<BITS4, HALF, SPC, wide - 1, NT, FIVE>(a, M - m, m, w, n0, y, bias);
 }
 
 template <bool BITS4, bool HALF, int SPC, bool FIVE>

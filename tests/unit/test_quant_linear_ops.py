@@ -324,3 +324,37 @@ def test_parallel_decode_rows_match_reference_and_each_row_alone(bits, half, min
     for rows in (2, 3, 5, 16, 37, 70):
         together = ops.linear_q(x[:rows], codes, scales, mins, None, b, False, 128, False, True, 128)
         assert torch.equal(together, alone[:rows]), rows
+
+
+@pytest.mark.parametrize("bits,group,half,centred", [(4, 32, True, False), (4, 32, True, True), (5, 32, True, True),
+                                                     (8, 32, True, True), (4, 64, False, False), (8, 16, False, False),
+                                                     (8, 64, False, True)],
+                         ids=["q4_1", "q4_0", "q5_0", "q8_0", "int4_g64", "int8_g16", "int8_g64"])
+def test_every_row_count_of_a_verification_step_matches_each_row_alone(bits, group, half, centred):
+    """A verification step's 2-8 rows (a decode row and its guesses) run through the block kernel in one
+    pass over the weight rows, more rows in passes of up to 8 and the rest: every row count from 1 to 19
+    gives each row the bits it has alone (the exactness of speculative decoding rests on it) and the
+    fake-quantized reference's value. 23 weight rows: tiles of four and three rows left one by one."""
+    ops = native.kernels()
+    n, k = 23, 576
+    codes, scales, mins, _ = _weight(n, k, bits, group, half, False, 7 * bits + group + half)
+    if centred:
+        mins = None
+    w = _dequant(codes, scales, mins, None, k)
+    b = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(19, k, generator=torch.Generator().manual_seed(bits + group))
+    x[6, 128:160] = 0.0  # an all-zero block in the wide pass
+    blocks_apply = ops.int8_block_dots()
+    if blocks_apply:
+        blk = x.view(19, k // 32, 32)
+        sx = blk.abs().amax(2, keepdim=True) / 127
+        x_used = (torch.where(sx > 0, blk / sx, torch.zeros_like(blk)).round().clamp(-127, 127) * sx).view(19, k)
+    else:
+        x_used = x
+    ref = torch.nn.functional.linear(x_used.double(), w.double(), b.double()).float()
+    alone = torch.cat([ops.linear_q(x[i : i + 1], codes, scales, mins, None, b, False, 32, False, True, 32)
+                       for i in range(19)])  # fmt: skip
+    torch.testing.assert_close(alone, ref, atol=1e-4 * (ref.abs().max().item() + 1), rtol=1e-4)
+    for rows in range(2, 20):
+        together = ops.linear_q(x[:rows], codes, scales, mins, None, b, False, 32, False, True, 32)
+        assert torch.equal(together, alone[:rows]) if blocks_apply else torch.allclose(together, alone[:rows]), rows
