@@ -131,7 +131,7 @@ class GGUFLinear(QuantizedLinearMethod):
     """A GGUF file's blocks kept as they are (Q4_0, Q4_K, Q6_K, Q8_0, ...: affine codes, any group)."""
 
     name = "gguf"
-    bits = (4, 5, 8)  # 5-bit: Q5_0 / Q5_1 / Q5_K
+    bits = (4, 5, 6, 8)  # 5-bit: Q5_0 / Q5_1 / Q5_K; 6-bit: Q6_K
     levels = True  # MXFP4 (gpt-oss's experts): 4-bit codes into the E2M1 table
 
 
@@ -143,18 +143,18 @@ class Int8Linear(QuantizedLinearMethod):
 
 
 class Int4Linear(QuantizedLinearMethod):
-    """int4 at load: 4-bit codes (5-bit where mixed precision widened a weight; 8-bit tables)."""
+    """int4 at load: 4-bit codes (5-bit where mixed precision widened a weight; 6- or 8-bit tables)."""
 
     name = "int4"
-    bits = (4, 5, 8)
+    bits = (4, 5, 6, 8)
 
 
 class NF4Linear(QuantizedLinearMethod):
     """QLoRA's NF4: 4-bit codes into 16 NormalFloat levels (the table scaled per group)."""
 
     name = "nf4"
-    bits = (4, 5, 8)  # 5-bit affine codes where mixed precision widened a weight
-    levels = True  # 8-bit affine codes too: the embedding table and LM head
+    bits = (4, 5, 6, 8)  # 5-bit affine codes where mixed precision widened a weight
+    levels = True  # 6- or 8-bit affine codes too: the embedding table and LM head
 
 
 class W8A8Linear(QuantizedLinearMethod):
