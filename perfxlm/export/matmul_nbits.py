@@ -92,7 +92,7 @@ def pack_matmul_nbits(w: QuantizedWeight) -> PackedNBits | None:
     block = block_size_for(w.group)
     if block is None:
         return None
-    if w.bits == 5:  # (Q5_0's form, mixed precision's int4) MatMulNBits packs 4 or 8 bits: the same values as 8
+    if w.bits in (5, 6):  # (Q5_0 / Q6_K's forms, mixed precision's int4) MatMulNBits packs 4 or 8 bits: the same values as 8
         w = w.widened(8)
     n, k, bits = w.out_features, w.in_features, w.bits
     repeat = w.group // block

@@ -255,6 +255,8 @@ class LatentAttention(Kernel):
         self.attn = Attention(heads, 1, rank + rope_dim, attrs["scale"], value_is_key=True)
 
     def forward(self, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # a step's decode rows take the latent decode kernel (self.decode: the absorbed matrices as the
+        # module path holds them for this weight dtype); its prefill rows the composition
         return attend_latent(self.attn, self.kv_norm, self.w_uk.to(q.dtype), self.w_uv_t.to(q.dtype), self.nope_dim,
                              self.table.at(positions), q, kv, self.decode)
 
