@@ -32,6 +32,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -62,19 +63,35 @@ inline float widen(uint16_t v) {
   std::memcpy(&f, &u, sizeof(f));
   return f;
 }
-// int8 adapters arrive as unsigned codes q + 128 (their per-row scales folded into `scale`)
-inline float widen(uint8_t v) { return static_cast<float>(static_cast<int>(v) - 128); }
+// int8 adapters: the block holds the signed codes (their per-row scales folded into `scale`), widened
+// in one sign extension (the slots' codes + 128 took an extra add per 16 values)
+inline float widen(int8_t v) { return static_cast<float>(v); }
 #ifdef PERFXLM_SIMD16
 inline simd16::V load_w(const float* p, int64_t n) { return simd16::load(p, n); }
 inline simd16::V load_w(const uint16_t* p, int64_t n) { return simd16::load(p, n); }
-inline simd16::V load_w(const uint8_t* p, int64_t n) {
-  return simd16::add(simd16::to_float(simd16::load_u8(p, n)), simd16::set1(-128.0f));
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // simd16's AVX-512 V
+inline simd16::V load_w(const int8_t* p, int64_t n) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(simd16::mask(n), p)))};
 }
+#else  // simd16's AVX2 V: two halves of 8
+inline simd16::V load_w(const int8_t* p, int64_t n) {
+  __m128i b;
+  if (n >= 16) {
+    b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  } else {
+    int8_t buf[16] = {};
+    std::memcpy(buf, p, static_cast<size_t>(n > 0 ? n : 0));
+    b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(buf));
+  }
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+}
+#endif
 #endif
 
 // One checkpoint module of one slot (q, k or v of a fused q|k|v) as the layer's block holds it
-// (perfxlm/lora/pack.py): A [cols, K], B^T [cols, n1 - n0] over its own output columns only, and the
-// columns' scales.
+// (perfxlm/lora/pack.py): A [cols, K], B^T over its own output columns [n0, n1) only, in tiles of the
+// outputs between multiples of 32 (the first and last may be narrower), each tile [cols, width]
+// row-major at (tile start - n0) * cols, so an expand reads B front to back; the columns' scales.
 struct Segment {
   const void* a;
   const void* b;
@@ -127,49 +144,53 @@ void shrink_tile(const float* const* xr, int64_t K, const W* a, const float* sca
   }
 }
 
-// y_i[n0:n1] += sum over the segment's columns j of h_i[j] * B^T[j, n0:n1], for MT rows, B^T's rows
-// holding the outputs [col0, col0 + ldb); each y value is read and written once, each B value read once.
-// One or two rows take two blocks of 16 outputs at a time, for independent FMA chains.
+// y_i[n0:n1] += sum over the segment's columns j of h_i[j] * B^T[j, n0:n1], for MT rows, B^T in the
+// block's tiles (Segment), [n0, n1) a run of whole tiles; each y value is read and written once, each B
+// value read once, in the order stored. A whole tile is 32 outputs, two blocks of 16: independent FMA
+// chains for one or two rows. Each output's sum is y then j = 0, 1, ... whatever the tiling.
 template <int MT, typename W>
-void expand_tile(float* const* yr, const float* h, const W* b_rows, int64_t ldb, int64_t col0, int64_t cols, int64_t n0,
+void expand_tile(float* const* yr, const float* h, const W* tiles, int64_t seg_n0, int64_t cols, int64_t n0,
                  int64_t n1) {
-  const W* bt = b_rows - col0;  // bt[j * ldb + n]: output n's value of column j
+  for (int64_t ts = n0; ts < n1;) {
+    const int64_t te = std::min(n1, (ts / 32 + 1) * 32), w = te - ts;
+    const W* bt = tiles + (ts - seg_n0) * cols;  // [cols, w]
 #ifdef PERFXLM_SIMD16
-  constexpr int U = MT <= 2 ? 2 : 1;
-  int64_t n = n0;
-  for (; n + 16 * U <= n1; n += 16 * U) {
-    simd16::V acc[MT][U];
-    for (int i = 0; i < MT; ++i)
-      for (int u = 0; u < U; ++u) acc[i][u] = simd16::load(yr[i] + n + 16 * u, 16);
-    for (int64_t j = 0; j < cols; ++j)
-      for (int u = 0; u < U; ++u) {
-        const simd16::V b = load_w(bt + j * ldb + n + 16 * u, 16);
-        for (int i = 0; i < MT; ++i) acc[i][u] = simd16::fmadd(simd16::set1(h[i * cols + j]), b, acc[i][u]);
+    if (w == 32) {
+      simd16::V acc[MT][2];
+      for (int i = 0; i < MT; ++i)
+        for (int u = 0; u < 2; ++u) acc[i][u] = simd16::load(yr[i] + ts + 16 * u, 16);
+      for (int64_t j = 0; j < cols; ++j)
+        for (int u = 0; u < 2; ++u) {
+          const simd16::V b = load_w(bt + j * 32 + 16 * u, 16);
+          for (int i = 0; i < MT; ++i) acc[i][u] = simd16::fmadd(simd16::set1(h[i * cols + j]), b, acc[i][u]);
+        }
+      for (int i = 0; i < MT; ++i)
+        for (int u = 0; u < 2; ++u) simd16::store(yr[i] + ts + 16 * u, acc[i][u], 16);
+    } else {
+      for (int64_t n = 0; n < w; n += 16) {
+        const int64_t valid = std::min<int64_t>(16, w - n);
+        simd16::V acc[MT];
+        for (int i = 0; i < MT; ++i) acc[i] = simd16::load(yr[i] + ts + n, valid);
+        for (int64_t j = 0; j < cols; ++j) {
+          const simd16::V b = load_w(bt + j * w + n, valid);
+          for (int i = 0; i < MT; ++i) acc[i] = simd16::fmadd(simd16::set1(h[i * cols + j]), b, acc[i]);
+        }
+        for (int i = 0; i < MT; ++i) simd16::store(yr[i] + ts + n, acc[i], valid);
       }
-    for (int i = 0; i < MT; ++i)
-      for (int u = 0; u < U; ++u) simd16::store(yr[i] + n + 16 * u, acc[i][u], 16);
-  }
-  for (; n < n1; n += 16) {
-    const int64_t valid = n1 - n;
-    simd16::V acc[MT];
-    for (int i = 0; i < MT; ++i) acc[i] = simd16::load(yr[i] + n, valid);
-    for (int64_t j = 0; j < cols; ++j) {
-      const simd16::V b = load_w(bt + j * ldb + n, valid);
-      for (int i = 0; i < MT; ++i) acc[i] = simd16::fmadd(simd16::set1(h[i * cols + j]), b, acc[i]);
     }
-    for (int i = 0; i < MT; ++i) simd16::store(yr[i] + n, acc[i], valid);
-  }
 #else
-  for (int64_t n = n0; n < n1; ++n) {
-    float acc[MT];
-    for (int i = 0; i < MT; ++i) acc[i] = yr[i][n];
-    for (int64_t j = 0; j < cols; ++j) {
-      const float b = widen(bt[j * ldb + n]);
-      for (int i = 0; i < MT; ++i) acc[i] += h[i * cols + j] * b;
+    for (int64_t n = 0; n < w; ++n) {
+      float acc[MT];
+      for (int i = 0; i < MT; ++i) acc[i] = yr[i][ts + n];
+      for (int64_t j = 0; j < cols; ++j) {
+        const float b = widen(bt[j * w + n]);
+        for (int i = 0; i < MT; ++i) acc[i] += h[i * cols + j] * b;
+      }
+      for (int i = 0; i < MT; ++i) yr[i][ts + n] = acc[i];
     }
-    for (int i = 0; i < MT; ++i) yr[i][n] = acc[i];
-  }
 #endif
+    ts = te;
+  }
 }
 
 template <typename F>
@@ -235,7 +256,7 @@ void run_expand(const Task& t, const Part& p, const Operands& o) {
     float* yr[kMaxTile];
     for (int64_t i = 0; i < m; ++i) yr[i] = o.y + rows[i0 + i] * o.y_stride;
     with_tile(m, [&](auto mt) {
-      expand_tile<decltype(mt)::value>(yr, p.h + i0 * cols, b, s.n1 - s.n0, s.n0, cols, t.from, t.to);
+      expand_tile<decltype(mt)::value>(yr, p.h + i0 * cols, b, s.n0, cols, t.from, t.to);
     });
   }
 }
@@ -292,7 +313,7 @@ struct Parts {
 };
 
 // The step's work as tasks: shrinks (a block of one part's columns) and expands (a block of one part's
-// output columns, multiples of 32 so the paired 16-wide blocks stay whole). Every thread takes shrinks
+// output columns, cut at multiples of 32 so B's tiles stay whole). Every thread takes shrinks
 // until none is left, then expands; an expand waits only for its own part's shrinks, which threads finish
 // without waiting on anything, so no thread waits on work that nobody runs (one thread alone, or a
 // descheduled one, still completes). Each thread then reads about its share of A and of B, one parallel
@@ -310,9 +331,13 @@ void apply(const Operands& o, const std::vector<Group>& groups) {
   const int64_t out_block = std::max<int64_t>(32, ((ps.width + want - 1) / want + 31) / 32 * 32);
   const std::vector<Task> shrinks = ps.shrinks(col_block);
   std::vector<Task> expands;
-  for (int64_t i = 0; i < static_cast<int64_t>(parts.size()); ++i) {
+  for (int64_t i = 0; i < static_cast<int64_t>(parts.size()); ++i) {  // cut at multiples of out_block: whole tiles
     const Segment& s = *parts[i].segment;
-    for (int64_t n0 = s.n0; n0 < s.n1; n0 += out_block) expands.push_back({i, n0, std::min(s.n1, n0 + out_block)});
+    for (int64_t n0 = s.n0; n0 < s.n1;) {
+      const int64_t n1 = std::min(s.n1, (n0 / out_block + 1) * out_block);
+      expands.push_back({i, n0, n1});
+      n0 = n1;
+    }
   }
   if (!parallel) {
     for (const Task& t : shrinks) run_shrink<W>(t, parts[t.part], o);
@@ -376,7 +401,7 @@ void apply_with_base(const Operands& o, const std::vector<Group>& groups, const 
 // segments S; per projection K, N, first and end segment; per segment slot, rank, n0, n1, A, B and scale
 // byte offsets, 0), then the scales and the weights. Checked here once per projection call, a few
 // dozen integer reads: the offsets of every segment the step uses are bounds-checked.
-constexpr int64_t kMagic = 0x4C6F52410001;
+constexpr int64_t kMagic = 0x4C6F52410002;
 constexpr int64_t kSegmentInts = 8;
 
 struct Block {
@@ -480,17 +505,20 @@ void with_weights(const Step& st, F&& f) {
   if (st.wtype == 0)
     f(float{});
   else if (st.wtype == 2)
-    f(uint8_t{});
+    f(int8_t{});
   else
     f(uint16_t{});  // bfloat16 bits
 }
 
-bool prefetch_on() {
-  static const bool on = [] {
+// How many bytes of each used slot's region `prefetch` asks for: PERFXLM_LORA_PREFETCH=0 none, unset or
+// 1 all, a larger number that many from the region's start (the hardware prefetchers follow the rest).
+int64_t prefetch_bytes() {
+  static const int64_t bytes = [] {
     const char* env = std::getenv("PERFXLM_LORA_PREFETCH");
-    return env == nullptr || *env != '0';
+    const int64_t v = env != nullptr && *env != '\0' ? std::atoll(env) : 1;
+    return v == 1 ? std::numeric_limits<int64_t>::max() : std::max<int64_t>(0, v);
   }();
-  return on;
+  return bytes;
 }
 
 }  // namespace
@@ -511,12 +539,14 @@ void add(at::Tensor& y, const at::Tensor& x, at::TensorList lora, int64_t index)
 
 void prefetch(at::TensorList lora, int64_t index) {
   Block b;
-  if (!prefetch_on() || !read_block(lora, b) || index < 0 || index >= b.P) return;
+  const int64_t limit = prefetch_bytes();
+  if (limit == 0 || !read_block(lora, b) || index < 0 || index >= b.P) return;
   const at::Tensor& row_slot = lora[0];
   if (row_slot.scalar_type() != at::kInt || !row_slot.is_contiguous()) return;
   const int32_t* rs = row_slot.data_ptr<int32_t>();
   const int64_t T = row_slot.numel(), K = b.proj[4 * index], es = element_size(b.wtype);
   const int64_t s0 = b.proj[4 * index + 2], s1 = std::min(b.proj[4 * index + 3], b.S);
+  if (s0 < 0) return;  // a bad block: `add` says what is wrong with it
   uint64_t used = 0;  // slots below 64 that a row uses (more slots than that: nothing is prefetched for them)
   for (int64_t t = 0; t < T; ++t)
     if (rs[t] >= 0 && rs[t] < 64) used |= uint64_t{1} << rs[t];
@@ -531,7 +561,8 @@ void prefetch(at::TensorList lora, int64_t index) {
       hi = std::max({hi, e[4] + e[1] * K * es, e[5] + e[1] * (e[3] - e[2]) * es});
     }
     if (slot >= 0 && slot < 64 && (used >> slot & 1))
-      for (int64_t off = std::max<int64_t>(0, lo) / 64 * 64; off < std::min(hi, b.bytes); off += 64)
+      for (int64_t off = std::max<int64_t>(0, lo) / 64 * 64, end = std::min({hi, b.bytes, hi - lo > limit ? lo + limit : hi});
+           off < end; off += 64)
         __builtin_prefetch(b.base + off, 0, 2);
     i = j;
   }

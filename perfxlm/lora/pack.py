@@ -11,8 +11,11 @@ first step after a repack, see slots.KernelOperands):
   the output columns [n0, n1) only;
 - the segments' scales (float32, int8's row scales folded in);
 - the weights, slot after slot, and within a slot projection after projection in the order the fused
-  layer runs them (q|k|v, o, gate|up, down), each projection's A rows then its B^T rows over their own
-  output columns only (no zero blocks beside a fused projection's parts).
+  layer runs them (q|k|v, o, gate|up, down), each projection's A rows then its B^T over its segments' own
+  output columns only (no zero blocks beside a fused projection's parts), in tiles of the outputs
+  between multiples of 32 (the first and last of a segment may be narrower), each tile [rank, width]
+  row-major: the kernel's expand reads 32 outputs of every rank column at a time, so that is the order
+  they are stored in. int8 weights are stored as signed codes (the slots hold codes + 128).
 
 So a batch-1 step with one adapter reads one contiguous region per layer, front to back, which the
 hardware prefetchers follow, and the kernel can prefetch a projection's part while the base product runs.
@@ -25,7 +28,7 @@ from typing import Sequence
 
 import torch
 
-MAGIC = 0x4C6F52410001  # "LoRA", format 1: the kernel refuses any other block
+MAGIC = 0x4C6F52410002  # "LoRA", format 2: the kernel refuses any other block
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}  # uint8: int8 codes + 128
 _ALIGN = 64
 _SEGMENT_INTS = 8
@@ -47,6 +50,19 @@ def _segments(cols: torch.Tensor) -> list[tuple[int, int, int, int, int]]:
         elif n1 > n0:
             runs.append([slot, c, c + 1, n0, n1])
     return [tuple(r) for r in runs]  # type: ignore[misc]
+
+
+def _tiles(bt: torch.Tensor, n0: int) -> torch.Tensor:
+    """B^T [rank, width] of the outputs from n0 as its tiles (see above), flat."""
+    rank, width = bt.shape
+    head = min(width, (-n0) % 32)  # up to the first multiple of 32
+    body = (width - head) // 32 * 32
+    parts = [bt[:, :head].reshape(-1)] if head else []
+    if body:
+        parts.append(bt[:, head : head + body].reshape(rank, body // 32, 32).transpose(0, 1).reshape(-1))
+    if head + body < width:
+        parts.append(bt[:, head + body :].reshape(-1))
+    return torch.cat(parts)
 
 
 def _aligned(n: int) -> int:
@@ -86,7 +102,7 @@ def pack_layer(projections: Sequence[Operands | None]) -> torch.Tensor:
                 chunks.append((offset, block))
                 offset += block.numel() * block.element_size()
             for i, (_, c0, c1, n0, n1) in mine:
-                block = bt[c0:c1, n0:n1].contiguous()
+                block = _tiles(bt[c0:c1, n0:n1], n0)
                 b_off[p, i] = offset
                 chunks.append((offset, block))
                 offset += block.numel() * block.element_size()
@@ -110,6 +126,8 @@ def pack_layer(projections: Sequence[Operands | None]) -> torch.Tensor:
     out[: 8 * header_ints] = header.view(torch.uint8)
     out[scale_at : scale_at + 4 * n_scales] = scales.view(torch.uint8)
     for at, block in chunks:
+        if block.dtype == torch.uint8:  # codes + 128 -> the signed codes' bytes
+            block = block ^ 0x80
         flat = block.reshape(-1).view(torch.uint8)
         out[at : at + flat.numel()] = flat
     return out
