@@ -367,6 +367,7 @@ def test_gguf_k_quants_match_transformers(tmp_path, arch, q4_k_m, exact_quantize
         model = llm.llm_engine.core.model
         held = [m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), QuantizedWeight)]
         assert sum(w.two_level for w in held) >= 3 * 2  # o, gate|up, down per layer (QKV mixes Q4_K with Q6_K)
+        assert sum(w.bits == 6 and w.two_level for w in held) >= 2 + 1  # Q6_K's downs and the tied head: 6-bit codes
         assert fused_decode_steps(model) > 0
 
 

@@ -116,13 +116,16 @@ def test_format_end_to_end(fmt, checkpoint, request, monkeypatch):
     routers = [m for m in model.modules() if isinstance(m, Linear) and not m.quantize_weight]
     assert all(isinstance(m.weight, torch.nn.Parameter) for m in routers)  # routers stay float
     tables = [m for m in model.modules() if isinstance(m, VocabEmbedding)]
-    if not isinstance(FORMATS[fmt], dict) or FORMATS[fmt].get("lm_head", True):  # 8-bit tables by default
-        mixed = QuantizationConfig.resolve(FORMATS[fmt]).mixed_precision
+    if not isinstance(FORMATS[fmt], dict) or FORMATS[fmt].get("lm_head", True):  # quantized tables by default
+        config = QuantizationConfig.resolve(FORMATS[fmt])
+        mixed = config.mixed_precision
         untied = model.lm_head.weight is not tables[0].weight
+        # 8-bit codes per 64 (int4: 6-bit, a float16 scale per 32 on these widths, not whole 256s)
+        table_form = (8, 64) if config.head_bits == 8 else (6, 32)
         # mixed precision: a table only looked up takes 4-bit codes (Q4_K_M's token_embd: Q4_K)
-        assert tables and all((m.weight.bits == 4) if mixed and untied else (m.weight.bits, m.weight.group) == (8, 64)
+        assert tables and all((m.weight.bits == 4) if mixed and untied else (m.weight.bits, m.weight.group) == table_form
                               for m in tables)  # fmt: skip
-        assert model.lm_head.weight.bits == 8
+        assert model.lm_head.weight.bits == config.head_bits
     else:
         assert tables and all(isinstance(m.weight, torch.nn.Parameter) for m in tables)
     acts = {"w8a8": "int8_block", "w8a8-per-token": "int8"}
@@ -425,11 +428,11 @@ def test_dummy_weights_quantize_and_the_cli_flags_reach_the_engine(llama128):
     weights = quantized_weights(model_of(llm))
     # int4's mixed precision (on by default) gives 5-bit codes where Q4_K_M would not have Q4_K (input
     # sizes not multiples of 256, down in llama.cpp's layers), all in the given group, and Q8_0's form
-    # (group 32) to the QKV holding a V that Q4_K_M widens to Q8_0; the head 8-bit
+    # (group 32) to the QKV holding a V that Q4_K_M widens to Q8_0; the head 6-bit (Q6_K's codes)
     layers = {n: w for n, w in weights.items() if "layers" in n}
     wide = {n for n in layers if "qkv" in n and use_more_bits(layer_of(n), model_of(llm).config.num_hidden_layers)}
     assert wide and all((w.bits, w.group, w.centred) == (8, 32, True) for n, w in layers.items() if n in wide)
     assert all(w.bits in (4, 5) and w.group == 64 for n, w in layers.items() if n not in wide)
     assert {w.bits for n, w in layers.items() if "qkv" in n and n not in wide} == {5}  # 128 inputs
-    assert all(w.bits == 8 for n, w in weights.items() if "lm_head" in n)
+    assert all(w.bits == 6 for n, w in weights.items() if "lm_head" in n)
     assert len(generate(llm, PROMPTS[:1])[0][0]) == GREEDY.max_tokens

@@ -109,7 +109,7 @@ def test_a_loaded_model_has_its_methods_chosen_once(tiny_llama, monkeypatch):
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and {m.method.name for m in linears} == {"int4"}
     head = next(m for m in model.modules() if isinstance(m, LMHead))
-    assert head.method.name == "int4" and head.weight.bits == 8  # the table's 8-bit codes, by int4's method
+    assert head.method.name == "int4" and head.weight.bits == 6  # the table's 6-bit codes, by int4's method
     first = [m.method for m in linears]
     ids = torch.tensor([3, 17, 250])
     _no_dispatch(monkeypatch)
