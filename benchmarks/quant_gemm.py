@@ -56,8 +56,7 @@ def main() -> None:
     top = int(ops.quant_block_gemm_max_code())
     print(f"isa={ops.compiled_isa()} threads={args.threads} rounds={args.rounds} (medians, ms)")
     for rows in (int(r) for r in args.rows.split(",")):
-        # 8-bit codes where the GEMM runs them at full rate, or up to its row limit for them (AVX2's sign trick)
-        for bits in (4, 8) if top >= 255 or rows <= int(ops.quant_block_gemm_rows8()) else (4,):
+        for bits in (4, 8) if top >= 255 else (4,):  # 8-bit codes where the GEMM runs them at full rate
             for name in args.shapes.split(","):
                 n, k = SHAPES[name]
                 codes, scales = centred_weight(n, k, bits)

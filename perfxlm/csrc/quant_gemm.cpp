@@ -24,11 +24,11 @@
 //
 // AVX2 builds run the same scheme on ymm (8 columns per register, 4-row tiles: 16 registers hold the int32
 // sums, the float32 ones stay in L1), with vpdpbusd on ymm where the CPU has AVX-VNNI, else vpmaddubsw +
-// vpmaddwd (llama.cpp's AVX2 dot), whose int16 pair sums limit unsigned codes to 128: 8-bit codes are
-// repacked signed there and multiplied with llama.cpp's vpsignb trick (see PERFXLM_QGEMM_SIGNED8: faster
-// than the block GEMV and the float32 GEMM from 16 to a few hundred rows, slower than the float32 GEMM at
-// prompt sizes, so the layers give it 8-bit codes only up to quant_block_gemm_rows8() rows), and a level
-// table must span at most 128. The scalar build has no GEMM (quant_block_gemm_max_code() is 0).
+// vpmaddwd (llama.cpp's AVX2 dot), whose int16 pair sums limit unsigned codes to 128 (a level table must
+// span at most 128 there): 8-bit codes are repacked wide instead, as int16 (u - 128) pairs multiplied by
+// vpmaddwd alone in 6-row tiles (see WideDots), which beats the block GEMV from 16 rows and MKL's float32
+// GEMM on dequantized slabs at every row count measured (16-2048). The scalar build has no GEMM
+// (quant_block_gemm_max_code() is 0).
 //
 // The plain-torch reference is perfxlm.quant.reference on fake-quantized activations.
 
@@ -70,18 +70,16 @@ constexpr int kLanes = 8;       // a ymm's int32 lanes
 constexpr int kRowTile = 4;     // 8 int32 accumulators of 16 ymm; the float32 ones live in L1
 #ifndef __AVXVNNI__
 // vpmaddubsw saturates its int16 pair sums: codes up to 128 (x 127 x 2 = 32512) cannot reach it, 8-bit
-// codes can. Those are repacked signed (u - 128) and multiplied as |c| x sign(x, c) (llama.cpp's
-// vpsignb trick: |c| <= 128 fits the unsigned operand, and 2 x 128 x 127 the pair sums); the 128 x sum q
-// taken off comes back in the accumulator's start. That is 4 instructions per 32 products, a float32
-// FMA's rate: at prompt sizes MKL's float32 GEMM on dequantized slabs stays ahead, so kMaxCode tells the
-// layers 128, and 8-bit codes take this GEMM only up to kRows8 rows, where it wins (one thread, the
-// default model's projections, Q8_0-shaped codes, loaded shared Xeon forced to the avx2 tier, min of 30
-// calls, once the repack lost its division per scale: 16 rows 1.05-1.1x the block GEMV, 64 rows
-// 1.2-1.35x the float32 path; 512 rows 0.87-1.0x the float32 path).
-#define PERFXLM_QGEMM_SIGNED8 1
-constexpr int kMaxCode = 128;
-constexpr int kRows8 = 256;
-constexpr int kMaxTableCode = 128;  // a level table's codes stay unsigned: vpmaddubsw's limit
+// codes can. Those are repacked wide, as int16 u - 128 (the 128 x sum q taken off comes back in the
+// accumulator's start), and multiplied by vpmaddwd (WideDots): 2 instructions per 16 products, one of
+// them a multiply, where llama.cpp's vpsignb trick on bytes (|c| x sign(x, c), the path this replaced)
+// spends 4 per 32 with three multiply-port ones and lost to MKL's float32 GEMM at prompt sizes. One
+// thread's CPU time per call, the default model's projections, Q8_0-shaped codes, min of 3 calls on a
+// loaded shared Xeon forced to the avx2 tier: 1.3-1.9x the sign trick at 16 rows, 1.15-1.4x at 64, 1.3-1.4x
+// at 512; against the float32 path 1.5-2.4x at 64 rows, 1.3-1.4x at 512, 1.13-1.24x at 2048.
+#define PERFXLM_QGEMM_WIDE8 1
+constexpr int kMaxCode = 255;
+constexpr int kMaxTableCode = 128;  // a level table's codes stay unsigned bytes: vpmaddubsw's limit
 #else
 constexpr int kMaxCode = 255;
 constexpr int kMaxTableCode = 255;
@@ -151,10 +149,11 @@ inline void block_codes(const Weight& w, int64_t n, int64_t b, uint8_t* out) {
 }
 
 // A task's panels: codes [K / 4][kCols][4] bytes, and per block [K / 32][kCols] scales and mins (0 past N).
+// On AVX2 without AVX-VNNI 8-bit codes are held wide: int16 (u - 128) in [K / 2][kCols][2] (see WideDots).
 struct Panels {
   std::vector<uint8_t> codes;
   std::vector<float> scales, mins;
-  bool signed8 = false;  // codes stored as u - 128 (Weight::shift)
+  bool wide = false;  // codes stored as int16 pairs u - 128 (Weight::shift), not bytes
 };
 
 // The 32 codes of block b of row n as one register of bytes (block_codes' values): 4- and 8-bit codes in
@@ -197,39 +196,85 @@ inline void transpose8x8(__m256i (&r)[8]) {
   }
 }
 
+// 8 consecutive scales (or mins) of a table as float32.
+inline __m256 params8(const Weight& w, const void* table, int64_t i) {
+  if (w.half) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(table) + i)));
+  return _mm256_loadu_ps(static_cast<const float*>(table) + i);
+}
+
+// Columns [c0, c0 + live) of one table (scales or mins) into dst [blocks][kCols]. Where each group is one
+// block (a scale per 32: Q8_0, Q4_0) and all 8 columns are live, 8 columns x 8 groups at a time through
+// the codes' 8 x 8 transpose: one strided scalar store per column and block cost as much as the codes'
+// transpose at 16 rows. Else group by group, each spread over its blocks (no division per block).
+void spread(const Weight& w, const void* table, int64_t n0, int c0, int live, float* dst) {
+  const int64_t per = w.group / 32;  // blocks per group
+  int64_t g0 = 0;
+  if (per == 1 && live == 8) {
+    for (; g0 + 8 <= w.groups; g0 += 8) {
+      __m256i r[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_castps_si256(params8(w, table, (n0 + c0 + i) * w.groups + g0));
+      transpose8x8(r);
+      for (int q = 0; q < 8; ++q) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (g0 + q) * kCols + c0), r[q]);
+    }
+  }
+  for (int i = 0; i < live; ++i) {
+    const int64_t row = (n0 + c0 + i) * w.groups;
+    for (int64_t g = g0, b = g0 * per; g < w.groups; ++g) {
+      const float v = param(w, table, row + g);
+      for (int64_t e = b + per; b < e; ++b) dst[b * kCols + c0 + i] = v;
+    }
+  }
+}
+
 // The task's panels, 8 columns at a time: each block's 8 x 32 codes loaded as 8 registers and transposed
 // into [q][8 columns][4] (one pass of loads, shuffles and stores; the column-by-column copy it replaces
-// cost as much as the products at 16 rows, where parallel decode runs).
-void repack(const Weight& w, int64_t n0, Panels& p) {
+// cost as much as the products at 16 rows, where parallel decode runs). Wide panels (8-bit codes on AVX2
+// without AVX-VNNI) widen each column's block to 2 x 16 int16 first and transpose both halves into
+// [pair][8 columns][2 int16]. Meanwhile the next task's codes (the thread's next columns: parallel_for
+// hands each thread a run of tasks) are prefetched into L2, spread over the loop: its transposes touch 8
+// rows a few dozen bytes at a time, too little of each for the hardware prefetchers to follow.
+void repack(const Weight& w, int64_t n0, Panels& p, bool wide) {
   const int64_t blocks = w.K / 32;
-  p.codes.resize(static_cast<size_t>(w.K * kCols));
-  p.scales.assign(static_cast<size_t>(blocks * kCols), 0.f);
-  p.mins.assign(static_cast<size_t>(blocks * kCols), 0.f);
-  p.signed8 = w.shift != 0;
+  p.codes.resize(static_cast<size_t>(w.K * kCols * (wide ? 2 : 1)));
+  const bool full = w.N - n0 >= kCols;  // every column live: every scale below is written
+  const size_t table = static_cast<size_t>(blocks * kCols);
+  if (full) p.scales.resize(table);
+  else p.scales.assign(table, 0.f);
+  if (w.mins) {  // read only by the tiles for weights with mins
+    if (full) p.mins.resize(table);
+    else p.mins.assign(table, 0.f);
+  }
+  p.wide = wide;
+  const uint8_t* next = w.codes + std::min(w.N, n0 + kCols) * w.row_bytes;
+  const uint8_t* const next_end = w.codes + std::min(w.N, n0 + 2 * kCols) * w.row_bytes;
+  const int64_t ahead = ((next_end - next) / 64 / (2 * blocks) + 1) * 64;  // bytes per block step
   for (int c0 = 0; c0 < kCols; c0 += 8) {
     const int live = static_cast<int>(std::clamp<int64_t>(w.N - n0 - c0, 0, 8));  // columns past N stay 0
     for (int64_t b = 0; b < blocks; ++b) {
+      for (const uint8_t* e = std::min(next + ahead, next_end); next < e; next += 64) _mm_prefetch(reinterpret_cast<const char*>(next), _MM_HINT_T1);
       __m256i r[8];
       for (int i = 0; i < 8; ++i) r[i] = i < live ? block_register(w, n0 + c0 + i, b) : _mm256_setzero_si256();
+      if (!wide) {
+        transpose8x8(r);
+        uint8_t* dst = p.codes.data() + (b * 8 * kCols + c0) * 4;
+        for (int q = 0; q < 8; ++q) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + q * kCols * 4), r[q]);
+        continue;
+      }
+      __m256i hi[8];  // inputs 16-31 of each column as int16: pairs 8-15
+      for (int i = 0; i < 8; ++i) {
+        hi[i] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(r[i], 1));
+        r[i] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(r[i]));  // inputs 0-15: pairs 0-7
+      }
       transpose8x8(r);
-      uint8_t* dst = p.codes.data() + (b * 8 * kCols + c0) * 4;
-      for (int q = 0; q < 8; ++q) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + q * kCols * 4), r[q]);
-    }
-    // group by group, each spread over its blocks: a 64-bit division per block and column (block to
-    // group) sat here, and at parallel decode's 16 rows it cost as much as the codes' transpose
-    const int64_t per = w.group / 32;  // blocks per group
-    for (int i = 0; i < live; ++i) {
-      const int64_t row = (n0 + c0 + i) * w.groups;
-      float* sc = p.scales.data() + c0 + i;
-      float* mn = p.mins.data() + c0 + i;
-      for (int64_t g = 0, b = 0; g < w.groups; ++g) {
-        const float s = param(w, w.scales, row + g), m = w.mins ? param(w, w.mins, row + g) : 0.f;
-        for (int64_t e = b + per; b < e; ++b) {
-          sc[b * kCols] = s;
-          mn[b * kCols] = m;
-        }
+      transpose8x8(hi);
+      uint8_t* dst = p.codes.data() + (b * 16 * kCols + c0) * 4;
+      for (int q = 0; q < 8; ++q) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + q * kCols * 4), r[q]);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (q + 8) * kCols * 4), hi[q]);
       }
     }
+    spread(w, w.scales, n0, c0, live, p.scales.data());
+    if (w.mins) spread(w, w.mins, n0, c0, live, p.mins.data());
   }
 }
 
@@ -238,6 +283,7 @@ void repack(const Weight& w, int64_t n0, Panels& p) {
 // row and block in the tiles), and scale x the sum of its bytes (the mins').
 struct Acts {
   std::vector<int8_t> q;
+  std::vector<int16_t> q16;  // the same bytes as int16, for wide panels (one broadcast per pair of inputs)
   std::vector<float> scale, scaled_sum;
   std::vector<int32_t> start;
 };
@@ -245,9 +291,10 @@ struct Acts {
 // act_blocks.h's rounding: the block GEMV's bytes.
 using perfxlm_act::quantize_block_fast;
 
-void quantize(const float* x, int64_t M, int64_t K, int centre, Acts& a) {
+void quantize(const float* x, int64_t M, int64_t K, int centre, bool wide, Acts& a) {
   const int64_t blocks = K / 32;
   a.q.resize(static_cast<size_t>(M * K));
+  if (wide) a.q16.resize(static_cast<size_t>(M * K));
   a.scale.resize(static_cast<size_t>(M * blocks));
   a.scaled_sum.resize(static_cast<size_t>(M * blocks));
   a.start.resize(static_cast<size_t>(M * blocks));
@@ -261,13 +308,21 @@ void quantize(const float* x, int64_t M, int64_t K, int centre, Acts& a) {
         a.scale[m * blocks + b] = scale;
         a.start[m * blocks + b] = -centre * total;
         a.scaled_sum[m * blocks + b] = scale * static_cast<float>(total);
+        if (wide) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+          int16_t* q16 = a.q16.data() + m * K + b * 32;
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16), _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16 + 16), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1)));
+        }
       }
   });
 }
 
 #ifdef PERFXLM_QGEMM_ZMM
 // The one code form of the zmm tile: vpdpbusd takes any byte code alike.
-struct ByteDots {};
+struct ByteDots {
+  static constexpr int kRows = kRowTile;
+};
 
 // Rows [m0, m0 + MT) x the task's 32 columns, all of K: int32 sums per block, scaled into float32.
 template <int MT, bool MINS, class D>
@@ -337,6 +392,8 @@ inline void tile(const Acts& a, int64_t m0, int64_t K, const Panels& p, int64_t 
 // Any byte code: vpdpbusd on ymm, one instruction per step.
 struct ByteDots {
   using Sum = __m256i;
+  static constexpr int kRows = kRowTile, kSteps = 8;
+  static constexpr bool kWide = false;
   static __m256i codes(__m256i w) { return w; }
   static Sum start(__m256i from) { return from; }
   static Sum step(Sum s, __m256i w, __m256i, __m256i x) { return _mm256_dpbusd_avx_epi32(s, w, x); }
@@ -347,6 +404,8 @@ struct ByteDots {
 // (2 x 128 x 127) cannot saturate.
 struct ByteDots {
   using Sum = __m256i;
+  static constexpr int kRows = kRowTile, kSteps = 8;
+  static constexpr bool kWide = false;
   static __m256i codes(__m256i w) { return w; }
   static Sum start(__m256i from) { return from; }
   static Sum step(Sum s, __m256i w, __m256i, __m256i x) {
@@ -359,6 +418,8 @@ struct ByteDots {
 // int16 and widen once per block: 2 instructions per step instead of 3.
 struct NibbleDots {
   using Sum = __m256i;  // int16 pair sums
+  static constexpr int kRows = kRowTile, kSteps = 8;
+  static constexpr bool kWide = false;
   static __m256i codes(__m256i w) { return w; }
   static Sum start(__m256i) { return _mm256_setzero_si256(); }
   static Sum step(Sum s, __m256i w, __m256i, __m256i x) { return _mm256_add_epi16(s, _mm256_maddubs_epi16(w, x)); }
@@ -367,15 +428,24 @@ struct NibbleDots {
   }
 };
 
-// 8-bit codes held signed (c = u - 128): |c| (made once per register, shared by the rows) times the row's
-// bytes with c's sign, 4 instructions per step; the int16 pair sums can reach 32512, so each step widens
-// to int32 at once. |-128| gives 0x80, which vpmaddubsw reads unsigned as 128.
-struct SignedDots {
+// 8-bit codes held wide: int16 c = u - 128 in [K / 2][8 columns][2], against the activations' int16 copy
+// with a pair of inputs broadcast per row. vpmaddwd multiplies the pair for 8 columns and adds the two
+// products into int32 lanes (exact: 2 x 128 x 127), vpaddd accumulates: 2 instructions per 16 products,
+// one of them on the multiply ports. llama.cpp's vpsignb trick on bytes (|c| x sign(x, c)) takes 4 per 32,
+// three of them there (vpsignb, vpmaddubsw, vpmaddwd): those ports, not the instruction count, bound it.
+// With one register per step's weights the tile is 6 rows deep (12 int32 sums of 16 registers).
+struct WideDots {
   using Sum = __m256i;
-  static __m256i codes(__m256i w) { return _mm256_sign_epi8(w, w); }
+  static constexpr int kRows = 6, kSteps = 16;  // 16 steps of 2 inputs per block
+  static constexpr bool kWide = true;
+  static __m256i codes(__m256i w) { return w; }
   static Sum start(__m256i from) { return from; }
-  static Sum step(Sum s, __m256i w, __m256i mag, __m256i x) {
-    return _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1)));
+  static Sum step(Sum s, __m256i w, __m256i, __m256i x) {
+    Sum r = _mm256_add_epi32(s, _mm256_madd_epi16(w, x));
+    // integer adds reassociate freely: unrolled, GCC formed all 192 products of a block first and summed
+    // them as a tree, spilling most to the stack (1.5x slower); an empty asm keeps each chain in its register
+    asm("" : "+x"(r));
+    return r;
   }
   static __m256i close(Sum s, __m256i) { return s; }
 };
@@ -395,10 +465,13 @@ inline void tile(const Acts& a, int64_t m0, int64_t K, const Panels& p, int64_t 
     for (int i = 0; i < MT; ++i)
       #pragma GCC unroll 2
       for (int j = 0; j < kPanels; ++j) sum[i][j] = D::start(from(i));
-    const uint8_t* wb = p.codes.data() + b * 8 * kCols * 4;
-    const int8_t* xb = a.q.data() + m0 * K + b * 32;
-    #pragma GCC unroll 8
-    for (int q = 0; q < 8; ++q) {
+    // a step: 4 bytes of each row (4 inputs, or 2 as int16) against 8 columns' 4 bytes per panel register
+    constexpr int64_t width = D::kWide ? 2 : 1;
+    const uint8_t* wb = p.codes.data() + b * D::kSteps * kCols * 4;
+    const uint8_t* xb = (D::kWide ? reinterpret_cast<const uint8_t*>(a.q16.data())
+                                  : reinterpret_cast<const uint8_t*>(a.q.data())) + (m0 * K + b * 32) * width;
+    #pragma GCC unroll 16
+    for (int q = 0; q < D::kSteps; ++q) {
       __m256i wv[kPanels], wk[kPanels];
       #pragma GCC unroll 2
       for (int j = 0; j < kPanels; ++j) {
@@ -408,7 +481,7 @@ inline void tile(const Acts& a, int64_t m0, int64_t K, const Panels& p, int64_t 
       #pragma GCC unroll 8
       for (int i = 0; i < MT; ++i) {
         int32_t x4;
-        std::memcpy(&x4, xb + i * K + 4 * q, 4);
+        std::memcpy(&x4, xb + i * K * width + 4 * q, 4);
         const __m256i xv = _mm256_set1_epi32(x4);
         #pragma GCC unroll 2
         for (int j = 0; j < kPanels; ++j) sum[i][j] = D::step(sum[i][j], wv[j], wk[j], xv);
@@ -439,8 +512,9 @@ inline void tile(const Acts& a, int64_t m0, int64_t K, const Panels& p, int64_t 
 template <bool MINS, class D>
 void run_task(const Acts& a, int64_t m_begin, int64_t m_end, const Weight& w, const Panels& p, int64_t n0, float* y,
               const float* bias) {
+  constexpr int R = D::kRows;
   int64_t m = m_begin;
-  for (; m + kRowTile <= m_end; m += kRowTile) tile<kRowTile, MINS, D>(a, m, w.K, p, n0, w.N, y, bias);
+  for (; m + R <= m_end; m += R) tile<R, MINS, D>(a, m, w.K, p, n0, w.N, y, bias);
   switch (m_end - m) {  // the last rows: a shorter tile
     case 5: tile<5, MINS, D>(a, m, w.K, p, n0, w.N, y, bias); break;
     case 4: tile<4, MINS, D>(a, m, w.K, p, n0, w.N, y, bias); break;
@@ -457,7 +531,7 @@ template <bool MINS>
 void run_rows(const Acts& a, int64_t m_begin, int64_t m_end, const Weight& w, const Panels& p, int64_t n0, float* y,
               const float* bias) {
 #if defined(PERFXLM_QGEMM_YMM) && !defined(__AVXVNNI__)
-  if (p.signed8) return run_task<MINS, SignedDots>(a, m_begin, m_end, w, p, n0, y, bias);
+  if (p.wide) return run_task<MINS, WideDots>(a, m_begin, m_end, w, p, n0, y, bias);
   if (w.bits == 4 && !w.lut) return run_task<MINS, NibbleDots>(a, m_begin, m_end, w, p, n0, y, bias);
 #endif
   run_task<MINS, ByteDots>(a, m_begin, m_end, w, p, n0, y, bias);
@@ -501,8 +575,8 @@ Weight describe(const at::Tensor& codes, const at::Tensor& scales, const c10::op
   } else if (centred) {
     w.centre = bits == 8 ? 128 : bits == 5 ? 16 : 8;
   }
-#ifdef PERFXLM_QGEMM_SIGNED8
-  if (bits == 8) w.shift = 128;
+#ifdef PERFXLM_QGEMM_WIDE8
+  if (bits == 8) w.shift = 128;  // wide panels hold u - 128
 #endif
   return w;
 }
@@ -530,7 +604,8 @@ at::Tensor quant_block_gemm(const at::Tensor& x, const at::Tensor& codes, const 
   Acts& acts = caller_acts;
   // the accumulators start at -centre x sum q, the centre less the panels' shift (signed 8-bit panels: 0
   // for Q8_0's centred codes)
-  quantize(xc.data_ptr<float>(), M, K, w.centre - w.shift, acts);
+  const bool wide = w.shift != 0;  // 8-bit codes on AVX2 without AVX-VNNI: int16 panels (WideDots)
+  quantize(xc.data_ptr<float>(), M, K, w.centre - w.shift, wide, acts);
   // Tasks: 32 columns each, and for few column groups, slices of rows too (each slice repacks its
   // columns again: about 1/100 of a 512-row product per repack)
   const int64_t col_tasks = (w.N + kCols - 1) / kCols;
@@ -545,7 +620,7 @@ at::Tensor quant_block_gemm(const at::Tensor& x, const at::Tensor& codes, const 
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t col = t / row_slices, m_begin = (t % row_slices) * slice, m_end = std::min(M, m_begin + slice);
       if (col != packed) {
-        repack(w, col * kCols, panels);
+        repack(w, col * kCols, panels, wide);
         packed = col;
       }
       if (m_begin >= m_end) continue;
@@ -568,20 +643,12 @@ at::Tensor quant_block_gemm(const at::Tensor& x, const at::Tensor&, const at::Te
 
 #endif  // PERFXLM_QGEMM
 
-// The largest code this build's GEMM runs at its int8 rate, what the layers consult: 255 with vpdpbusd, 128
-// on AVX2 without AVX-VNNI (whose 8-bit sign-trick path the op takes but the layers leave to the float32
-// GEMM; a level table's span there at most 128), 0 where there is no GEMM.
+// The largest code this build's GEMM runs at its int8 rate, what the layers consult: 255 on every SIMD build
+// (vpdpbusd; AVX2 without AVX-VNNI through wide int16 panels, where a level table's span is at most 128),
+// 0 where there is no GEMM.
 int64_t quant_block_gemm_max_code() {
 #ifdef PERFXLM_QGEMM
   return kMaxCode;
-#else
-  return 0;
-#endif
-}
-
-int64_t quant_block_gemm_rows8() {
-#ifdef PERFXLM_QGEMM_SIGNED8
-  return kRows8;
 #else
   return 0;
 #endif
@@ -592,7 +659,6 @@ int64_t quant_block_gemm_rows8() {
 TORCH_LIBRARY_FRAGMENT(perfxlm, m) {
   m.def("quant_block_gemm(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? levels, Tensor? bias) -> Tensor");
   m.def("quant_block_gemm_max_code() -> int", &perfxlm_qgemm::quant_block_gemm_max_code);
-  m.def("quant_block_gemm_rows8() -> int", &perfxlm_qgemm::quant_block_gemm_rows8);
 }
 
 TORCH_LIBRARY_IMPL(perfxlm, CPU, m) { m.impl("quant_block_gemm", &perfxlm_qgemm::quant_block_gemm); }

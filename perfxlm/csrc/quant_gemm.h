@@ -12,13 +12,8 @@ at::Tensor quant_block_gemm(const at::Tensor& x, const at::Tensor& codes, const 
                             const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& levels,
                             const c10::optional<at::Tensor>& bias);
 
-// The largest code the build's GEMM runs at its int8 rate (255, or 128 on AVX2 without AVX-VNNI, whose
-// 8-bit path is no faster than the float32 GEMM), 0 where the build has none (no AVX2).
+// The largest code the build's GEMM runs at its int8 rate: 255 (on AVX2 without AVX-VNNI 8-bit codes run
+// as int16 pairs), 0 where the build has none (no AVX2).
 int64_t quant_block_gemm_max_code();
-
-// Rows up to which 8-bit codes take the GEMM where the largest code above is below 255 (AVX2 without
-// AVX-VNNI: the sign trick, faster than the block GEMV and than the float32 GEMM on dequantized slabs
-// from 16 to a few hundred rows, slower than the float32 GEMM at prompt sizes); 0 elsewhere.
-int64_t quant_block_gemm_rows8();
 
 }  // namespace perfxlm_qgemm

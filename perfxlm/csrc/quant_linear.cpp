@@ -1775,12 +1775,10 @@ void block_gemv_spc(const BlockActs& a, int64_t M, const QW& w, float* y, const 
 }
 
 // Whether the int8 GEMM (quant_gemm.cpp) takes a weight the block GEMV takes: perfxlm/ops/linear.py's
-// gemm_takes, less the two-level scales it multiplies out in Python. M rows: 8-bit codes past the build's
-// int8-rate code take it up to quant_block_gemm_rows8() rows.
-bool gemm_takes(const QW& w, int64_t M) {
+// gemm_takes, less the two-level scales it multiplies out in Python.
+bool gemm_takes(const QW& w) {
   const int top = w.bits4 ? (w.bits6 ? 63 : (w.bits5 ? 31 : 15)) : 255;
-  const bool rate = top <= perfxlm_qgemm::quant_block_gemm_max_code() ||
-                    (top == 255 && !w.levels && M <= perfxlm_qgemm::quant_block_gemm_rows8());
+  const bool rate = top <= perfxlm_qgemm::quant_block_gemm_max_code();
   return w.group % 32 == 0 && !w.bits6 && (!w.kscales || w.kexp) && (!w.levels || w.int_lut) && rate;
 }
 
@@ -1859,7 +1857,7 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tens
     // The int8 GEMM from gemm_rows rows where the plan says so and it takes the layout (groups of whole
     // 32-blocks, float scales: K-quants' two-level bytes stay on the GEMV and the float path here)
     // (the GEMM reads float scales: exponent bytes widened for the call, as the module path's flat() does)
-    if (spc && gemm_rows >= 0 && M >= (gemm_rows > 0 ? gemm_rows : gemv_rows + 1) && gemm_takes(w, M))
+    if (spc && gemm_rows >= 0 && M >= (gemm_rows > 0 ? gemm_rows : gemv_rows + 1) && gemm_takes(w))
       return perfxlm_qgemm::quant_block_gemm(xc, codes, w.kexp ? scales.to(at::kFloat) : scales, mins, levels, bias);
     if (spc && M <= gemv_rows) return block_product(xc, w, bp, spc);
     // Many rows: the same int8 activation blocks (dequantized) go to the GEMM, so a token's result does

@@ -47,8 +47,7 @@ int8 dots, keeps int8 and nf4 weight-only, w8a8 always rounds), decided once at 
 - PERFXLM_QUANT_GEMM = int8 | float32   what runs the rows past those limits for weights whose activations
                                   are rounded to int8 blocks: the int8 GEMM (csrc/quant_gemm.cpp:
                                   vpdpbusd on 16-column panels repacked per call; on AVX2 builds
-                                  8-column panels, 8-bit codes through the vpsignb trick without
-                                  AVX-VNNI) or
+                                  8-column panels, 8-bit codes as int16 pairs without AVX-VNNI) or
                                   torch's float32 GEMM on dequantized slabs. Default int8 on
                                   AVX512-VNNI and on AVX2 / AVX-VNNI, without fast bf16: one 512-row
                                   product (2 threads / one thread's CPU time, loaded machine) measured

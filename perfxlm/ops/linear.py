@@ -126,7 +126,7 @@ def run_linear_q(
         rows = rows.float().contiguous()
     b = bias if bias is None or bias.dtype == torch.float32 else bias.float()
     plan = cpu_plan.plan()
-    if int8_blocks and plan.quant_gemm == "int8" and rows.shape[0] >= gemm_rows(weight, plan) and gemm_takes(weight, rows.shape[0]):
+    if int8_blocks and plan.quant_gemm == "int8" and rows.shape[0] >= gemm_rows(weight, plan) and gemm_takes(weight):
         # the GEMM reads float scales: K-quants' two-level bytes are multiplied out for the call (the same
         # values; a few MB against a GEMM of many rows)
         w = weight.flat()
@@ -155,13 +155,12 @@ def gemm_rows(weight: QuantizedWeight, plan: cpu_plan.CpuPlan) -> int:
     return plan.quant_gemm_rows if plan.quant_gemm_rows > 0 else gemv_rows(weight, plan) + 1
 
 
-def gemm_takes(weight: QuantizedWeight, rows: int | None = None) -> bool:
+def gemm_takes(weight: QuantizedWeight) -> bool:
     """Whether the int8 GEMM (csrc quant_gemm.cpp) takes an int8-block weight: groups of whole 32-blocks
     (not 8-bit groups of 16), a level table only of integers (MXFP4's), codes within what the build's dot
-    instruction runs at its int8 rate (AVX2 without AVX-VNNI: up to 128; its sign-trick path for 8-bit codes
-    only up to gemm_rows8() rows, past which the float32 GEMM is faster); not W8A8 per token (one
-    activation scale per row: its own integer GEMM). GGUF K-quants' two-level byte scales are multiplied out
-    per call for it (`run_linear_q`)."""
+    instruction runs at its int8 rate (every SIMD build: 255; AVX2 without AVX-VNNI widens 8-bit codes to
+    int16 for it); not W8A8 per token (one activation scale per row: its own integer GEMM). GGUF K-quants'
+    two-level byte scales are multiplied out per call for it (`run_linear_q`)."""
     if weight.act == "int8" or weight.group % 32 != 0 or weight.bits == 6:  # no 6-bit GEMM tile yet
         return False
     if weight.levels is None:
@@ -170,16 +169,7 @@ def gemm_takes(weight: QuantizedWeight, rows: int | None = None) -> bool:
         top = int(weight.levels.max() - weight.levels.min())
     else:
         return False
-    # `rows` given: 8-bit codes past the int8-rate code still take it up to gemm_rows8() rows (AVX2 without
-    # AVX-VNNI: the sign trick, csrc quant_gemm.cpp's rule)
-    return top <= gemm_max_code() or (weight.levels is None and top == 255 and rows is not None and rows <= gemm_rows8())
-
-
-@functools.cache
-def gemm_rows8() -> int:
-    """Rows up to which 8-bit codes take the int8 GEMM where gemm_max_code() is below 255 (0: no such rows)."""
-    ops = native.kernels()
-    return int(ops.quant_block_gemm_rows8()) if ops is not None and hasattr(ops, "quant_block_gemm_rows8") else 0
+    return top <= gemm_max_code()
 
 
 @functools.cache

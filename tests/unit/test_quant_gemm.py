@@ -2,7 +2,7 @@
 activations rounded to int8 per block of 32 (scale max|x| / 127, half to even), times the dequantized
 weight, in float64. Formats: 4-bit (centred and with mins), 5-bit, 8-bit, an integer level table (MXFP4's
 kind), float32 and float16 scales, groups of 32, 64 and whole rows; odd row and column counts. Built for
-AVX512-VNNI (zmm) and AVX2 (ymm; 8-bit codes signed with vpsignb without AVX-VNNI); where a build has no
+AVX512-VNNI (zmm) and AVX2 (ymm; 8-bit codes as int16 pairs without AVX-VNNI); where a build has no
 GEMM (test_portable_kernels runs this file on each tier) the tests check that the op refuses with a clear
 error and is never picked."""
 
@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from perfxlm.ops import cpu_plan, isa, native
-from perfxlm.ops import linear as linear_ops
 from perfxlm.ops.linear import gemm_max_code, gemm_takes, run_linear_q
 from perfxlm.quant.gguf_repack import repack
 from perfxlm.quant.reference import fake_quantize_blocks
@@ -26,8 +25,7 @@ pytestmark = pytest.mark.skipif(ops is None, reason="no compiler for the native 
 
 def _refused(bits: int = 4) -> bool:
     """Where the build has no GEMM (scalar): the op says so, and the layer never picks it. Every build with
-    one takes 8-bit codes (AVX2 without AVX-VNNI through the sign trick, which the layers give them only up
-    to gemm_rows8() rows: gemm_max_code() says 128 there)."""
+    one takes 4-, 5- and 8-bit codes (AVX2 without AVX-VNNI: 8-bit ones widened to int16 pairs)."""
     if gemm_max_code() > 0:
         assert gemm_takes(_qweight(bits, 5, 64, 0)) == ((1 << bits) - 1 <= gemm_max_code())
         return False
@@ -138,23 +136,20 @@ def test_many_rows_of_a_layer_run_the_gemm_under_an_int8_plan_and_the_float_gemm
     torch.testing.assert_close(fast, slow, atol=1e-4 * (slow.abs().max().item() + 1), rtol=1e-4)
 
 
-def test_8bit_codes_past_the_int8_rate_take_the_gemm_only_up_to_its_row_limit():
-    """AVX2 without AVX-VNNI: the sign-trick GEMM for 8-bit codes wins from 16 to a few hundred rows, the
-    float32 GEMM past them; the module path (run_linear_q) and the fused layer's linear_q route alike."""
+def test_8bit_codes_take_the_gemm_at_every_row_count_the_plan_gives_it():
+    """8-bit codes run at the GEMM's full rate on every build with one (AVX2 without AVX-VNNI: int16 pairs),
+    so from quant_gemm_rows up, prompt sizes included, the module path (run_linear_q) and the fused layer's
+    linear_q route them to it alike; below it the block GEMV."""
     if _refused(8):
         return
+    assert gemm_max_code() == 255
     weight = _qweight(8, 37, 192, 8)
-    limit = linear_ops.gemm_rows8()
-    if gemm_max_code() >= 255 or limit == 0:  # every row count takes it, or none does
-        assert gemm_takes(weight) == (gemm_max_code() >= 255) and gemm_takes(weight, 64) == gemm_takes(weight)
-        return
-    assert not gemm_takes(weight) and gemm_takes(weight, 16) and gemm_takes(weight, limit)
-    assert not gemm_takes(weight, limit + 1)
+    assert gemm_takes(weight)
     weight.activations = ActivationMode.INT8_NATIVE
     b = torch.randn(37)
     previous = cpu_plan.use(quant_gemm="int8", quant_gemm_rows=16, quant_max_rows=32, quant_block_max_rows=128)
     try:
-        for rows, gemm in ((15, False), (16, True), (limit, True), (limit + 3, False)):
+        for rows, gemm in ((15, False), (16, True), (257, True), (603, True)):
             x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows))
             module = run_linear_q(ops, x, weight, b, False, True, False)
             fused = ops.linear_q(x, weight.codes, weight.scales, None, None, b, False, 32, False, True, 128, 16)
@@ -216,7 +211,8 @@ def test_k_quants_two_level_scales_run_the_gemm_multiplied_out(qtype):
 
 def test_extreme_8bit_codes_do_not_saturate_the_int16_pair_sums():
     """Codes 0 and 255 (signed -128 and 127 on AVX2 without AVX-VNNI) against activations at +-127: the
-    largest pair sums the sign trick forms (2 x 128 x 127), which one unsigned code more would overflow."""
+    largest pair sums the products form (2 x 128 x 127 in vpmaddwd's int32 lanes on AVX2; vpmaddubsw's int16
+    ones would saturate)."""
     if _refused(8):
         return
     n, k = 19, 96
