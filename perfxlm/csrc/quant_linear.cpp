@@ -841,6 +841,82 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
       y[(m0 + i) * N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]) + (bias ? bias[n0 + j] : 0.f);
 }
 
+// block_tile for 5-8 activation rows on zmm: two weight rows at a time, their codes unpacked and their
+// scales spread once per chunk and held while each activation row's codes and scales are loaded and
+// multiplied into both: MT x 2 accumulators and 4 registers for the two rows' codes and scales. (block_tile
+// holds every activation row's codes and scales instead, 2 MT registers: at 8 x 2 the compiler spilled
+// accumulators to the stack.) Each row's operations are block_tile's, in its order: the same bits.
+template <bool BITS4, bool HALF, int SPC, int MT, bool FIVE>
+inline void block_tile_wide(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, float* y, const float* bias) {
+  constexpr int NT = 2;
+  const int64_t K = w.K, N = w.N, chunks = K / 64, groups = w.groups;
+  const int8_t* xq = a.q + m0 * K;
+  const float* lanes = a.lanes + m0 * chunks * 16;
+  const __m512i base_idx = SPC == 4 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
+                           : BITS4  ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
+                                    : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  constexpr int64_t per_load = SPC > 1 ? 16 / SPC : 1;
+  const int64_t per_group = w.group / 64;  // chunks per group (SPC 1): no division per chunk at the usual 1
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(w.ulut)));
+  __m512 acc[MT][NT];
+  #pragma GCC unroll 16
+  for (int i = 0; i < MT; ++i)
+    #pragma GCC unroll 16
+    for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t c0 = 0; c0 < chunks; c0 += per_load) {
+    const int64_t c1 = std::min(chunks, c0 + per_load);
+    __m512 S[NT];
+    if constexpr (SPC > 1) {
+      #pragma GCC unroll 16
+      for (int j = 0; j < NT; ++j) S[j] = load_params16<HALF>(w.scales, (n0 + j) * groups + c0 * SPC, (c1 - c0) * SPC);
+    }
+    for (int64_t c = c0; c < c1; ++c) {
+      const __m512i idx = _mm512_add_epi32(base_idx, _mm512_set1_epi32(static_cast<int>(SPC * (c - c0))));
+      __m512i wv[NT];
+      __m512 ws[NT];
+      #pragma GCC unroll 16
+      for (int j = 0; j < NT; ++j) {
+        const int64_t n = n0 + j;
+        const uint8_t* row = w.codes + n * w.row_bytes;
+        if ((c & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + NT * w.row_bytes + c * (BITS4 ? 32 : 64)), _MM_HINT_T0);
+        wv[j] = chunk_codes<BITS4, FIVE>(row, c, w, lut);
+        if constexpr (SPC > 1)
+          ws[j] = _mm512_permutexvar_ps(idx, S[j]);
+        else
+          ws[j] = _mm512_set1_ps(param_at<HALF>(w.scales, n * groups + (per_group == 1 ? c : c / per_group)));
+      }
+      #pragma GCC unroll 16
+      for (int i = 0; i < MT; ++i) {
+        const __m512i xv = _mm512_loadu_si512(xq + i * K + c * 64);
+        const __m512 xs = _mm512_loadu_ps(lanes + (i * chunks + c) * 16);
+        #pragma GCC unroll 16
+        for (int j = 0; j < NT; ++j) {
+          const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[j], xv);
+          acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws[j], xs), acc[i][j]);
+        }
+      }
+    }
+  }
+  const float* gsum = a.gsum + m0 * a.gstride;
+  const __m512 factor = _mm512_set1_ps(w.block_min_factor);
+  for (int64_t g = 0; g < groups; g += 16) {
+    const int64_t left = groups - g;
+    const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    #pragma GCC unroll 16
+    for (int j = 0; j < NT; ++j) {
+      const __m512 mv = _mm512_mul_ps(load_params16<HALF>(w.mins, (n0 + j) * groups + g, left), factor);
+      #pragma GCC unroll 16
+      for (int i = 0; i < MT; ++i)
+        acc[i][j] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mask, gsum + i * a.gstride + g), acc[i][j]);
+    }
+  }
+  #pragma GCC unroll 16
+  for (int j = 0; j < NT; ++j)
+    #pragma GCC unroll 16
+    for (int i = 0; i < MT; ++i)
+      y[(m0 + i) * N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]) + (bias ? bias[n0 + j] : 0.f);
+}
+
 #else  // PERFXLM_DOTS_AVX2
 // ---------------------------------------------------------------------------------------------
 // The same products on AVX2 (16 ymm registers, 32 bytes per instruction): each 64-input chunk is two
@@ -1680,7 +1756,7 @@ void kq_product(const BlockActs& a, int64_t M, const QW& w, float* y, const floa
 // a verification step's 5-8 rows (a decode row and its guesses) ran as a pass of 4 and one of the rest,
 // every code unpacked twice (an extra row cost ~37 % of a one-row step). The widest pass whose
 // accumulators stay in registers: zmm (32 registers) keep MT x NT of them, so 5-8 rows take two weight
-// rows at a time (row_pass) and at most 4 rows the tile of four; ymm (16) run one weight row at a time with
+// rows at a time (block_tile_wide) and at most 4 rows the tile of four; ymm (16) run one weight row at a time with
 // MT accumulators, 2 MT for 8-bit codes at groups of 16 (two per chunk), which stay at 4 rows.
 // Each row's sums run in block_tile's order whatever the pass's width: a row alone gives the bits of the
 // same row in any batch (speculative verification's exactness rests on it).
@@ -1698,7 +1774,7 @@ inline void row_pass(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, fl
 #ifdef PERFXLM_VNNI
   if constexpr (MT > 4 && NT % 2 == 0) {
     #pragma GCC unroll 4
-    for (int j = 0; j < NT; j += 2) block_tile<BITS4, HALF, SPC, MT, 2, FIVE>(a, m0, w, n0 + j, y, bias);
+    for (int j = 0; j < NT; j += 2) block_tile_wide<BITS4, HALF, SPC, MT, FIVE>(a, m0, w, n0 + j, y, bias);
     return;
   }
 #endif
