@@ -11,6 +11,12 @@ and run alternately (base, LoRA, base, ...), so drift on a shared machine hits b
     python benchmarks/lora_throughput.py --model m.gguf --rank 16 --adapters 4 --rounds 3
     python benchmarks/lora_throughput.py --lora-parallel-macs 0   # batch-1 adapter products split too
     python benchmarks/lora_throughput.py --lora-with-base 1       # adapters inside the base product's region
+    python benchmarks/lora_throughput.py --shape 1b --rounds 3    # a random Llama-3.2-1B-shaped model, int4
+
+`--shape 1b` writes a random-weight Llama with Llama-3.2-1B's shapes (hidden 2048, MLP 8192, 16 layers, 32
+heads over 8 KV heads, 128256 tied vocabulary) in bf16 to a temporary folder and loads it with the engine's
+own 4-bit weights (`--quantization int4` unless another is given), so its adapters are int8 as beside the
+default GGUF; speed depends on shapes, not values.
 """
 
 from __future__ import annotations
@@ -28,6 +34,10 @@ from safetensors.torch import save_file
 from perfxlm import LLM, LoRARequest, SamplingParams
 from perfxlm.config import default_model_path
 
+SHAPES = {  # hidden, intermediate, layers, heads, KV heads, vocab
+    "1b": (2048, 8192, 16, 32, 8, 128256),
+}
+
 _TARGETS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
 
 
@@ -39,6 +49,25 @@ def _shapes(cfg) -> dict[str, tuple[int, int]]:
     inter = cfg.intermediate_size
     return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
             "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+
+
+def write_shaped_model(path: str, shape: str) -> str:
+    """A random-weight Llama of `shape` (SHAPES) saved in bf16, made in bf16 (a 1B model in float32 would
+    take 5 GB to build)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, inter, layers, heads, kv, vocab = SHAPES[shape]
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=True,
+                      max_position_embeddings=4096, initializer_range=0.02)
+    default = torch.get_default_dtype()
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    finally:
+        torch.set_default_dtype(default)
+    return path
 
 
 def write_adapter(path: str, cfg, rank: int, seed: int, std: float = 0.02) -> str:
@@ -128,6 +157,8 @@ def replay_layers(llm: LLM, prompt: list[int], lora, steps: int, clock=time.perf
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2 GGUF")
+    ap.add_argument("--shape", choices=tuple(SHAPES), default=None,
+                    help="instead of --model: a random-weight model of these shapes (quantization int4 by default)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--lora-dtype", default="auto", help="what A and B are stored in (auto, float32, bfloat16)")
@@ -155,9 +186,14 @@ def main() -> int:
         os.environ["PERFXLM_LORA_PARALLEL_MACS"] = str(args.lora_parallel_macs)
     if args.lora_with_base is not None:
         os.environ["PERFXLM_LORA_WITH_BASE"] = str(args.lora_with_base)
+    shaped = tempfile.TemporaryDirectory() if args.shape else None
+    if shaped is not None:
+        args.model = write_shaped_model(shaped.name, args.shape)
+        args.quantization = args.quantization or "int4"
     if args.model is None:
         args.model = default_model_path()
-    common = dict(dtype=args.dtype, quantization=args.quantization, enable_prefix_caching=False)
+    common = dict(dtype=args.dtype, quantization=args.quantization, enable_prefix_caching=False,
+                  skip_tokenizer_init=shaped is not None)
     base = LLM(args.model, **common)
     lora = LLM(args.model, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank,
                lora_dtype=args.lora_dtype, **common)
@@ -182,7 +218,8 @@ def main() -> int:
             print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rows.items()), flush=True)
     med = {k: statistics.median(v) for k, v in rows.items()}
     split = "" if args.lora_parallel_macs is None else f", split past {args.lora_parallel_macs} multiply-adds"
-    print(f"\nmodel {args.model}, {args.adapters} adapters of rank {args.rank} ({args.lora_dtype}{split}), "
+    model = f"random {args.shape}-shaped Llama ({args.quantization})" if args.shape else args.model
+    print(f"\nmodel {model}, {args.adapters} adapters of rank {args.rank} ({args.lora_dtype}{split}), "
           f"{torch.get_num_threads()} threads, {args.clock} clock, medians of {args.rounds} alternating rounds")
     print(f"{args.parallel} parallel {args.input_len}/{args.output_len}, generated tok/s: base {med['par_base']:.1f}, "
           f"across {args.adapters} adapters {med['par_lora']:.1f} -> {med['par_lora'] / med['par_base']:.2f}x")

@@ -15,6 +15,8 @@ dense model's K/V), active bytes per step, the median step times and their ratio
     python benchmarks/mla_decode.py --threads 2 --rounds 3              # the 4k-context comparison
     python benchmarks/mla_decode.py --kernel-only                       # the MLA attention alone, per layer
     python benchmarks/mla_decode.py --gguf /tmp/ds-lite.Q8_0.gguf       # and llama.cpp's deepseek2 file
+    python benchmarks/mla_decode.py --narrow --gguf /tmp/ds-narrow.Q8_0.gguf --gguf-only --context 1024
+                                                                        # the 27-layer file for llama.cpp
 
 --kernel-only times one layer's MLA attention at the context (4k, DeepSeek-V2-Lite's shapes): the one-call
 kernel (csrc/mla_kernels.cpp) against the composition it replaced (absorption bmm, the paged attention
@@ -25,6 +27,11 @@ runs llama.cpp and perfxlm on that file at the same context. llama.cpp loads a d
 query bottleneck only at 27 layers (it recognises V2-Lite by its layer count): for fewer layers give
 --q-lora-rank 1536 (DeepSeek-V2's), which both models' active bytes then include. The file carries the
 embedded model's tokenizer, so with --gguf both models take its vocabulary (49152) instead of 102400.
+--narrow keeps V2-Lite's 27 layers and its attention as it is (16 heads, kv_lora_rank 512, rope 64, nope
+128, v 128: what a decode at a long context spends its time in) but narrows the rest (hidden 1024, 16
+routed experts of 352, top-6 with 2 shared, the first layer dense of 2752), so llama.cpp takes it as V2-Lite
+and the file is ~0.9 GB in Q8_0 instead of ~15 GB; --gguf-only then writes it and prints the comparison's
+command without timing the dense model.
 Not a test: timings on a shared machine are noise; take them on a quiet one.
 """
 
@@ -50,9 +57,15 @@ LITE = dict(
 )  # fmt: skip
 
 
-def deepseek_config(layers: int, q_lora_rank: int | None = None) -> dict:
-    return dict(LITE, num_hidden_layers=layers, q_lora_rank=q_lora_rank, architectures=["DeepseekV2ForCausalLM"],
-                model_type="deepseek_v2")
+# V2-Lite's layer count (how llama.cpp recognises a deepseek2 file without a query bottleneck) and its
+# attention, the rest narrowed so the file fits a small machine (every width a whole number of 32-blocks)
+NARROW = dict(hidden_size=1024, intermediate_size=2752, moe_intermediate_size=352, n_routed_experts=16)
+LITE_LAYERS = 27
+
+
+def deepseek_config(layers: int, q_lora_rank: int | None = None, narrow: bool = False) -> dict:
+    return dict(LITE, **(NARROW if narrow else {}), num_hidden_layers=layers, q_lora_rank=q_lora_rank,
+                architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2")
 
 
 def active_params(c: dict) -> int:
@@ -187,17 +200,32 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--q-lora-rank", type=int, default=None,
                     help="a query bottleneck (DeepSeek-V2's 1536): llama.cpp takes a deepseek2 file without one only "
                          "at 27 layers, V2-Lite's count (it tells Lite apart by the layer count)")
+    ap.add_argument("--narrow", action="store_true",
+                    help=f"{LITE_LAYERS} layers of V2-Lite's attention, the rest narrowed (see above)")
+    ap.add_argument("--gguf-only", action="store_true", help="with --gguf: write the file, time nothing")
     ap.add_argument("--output-json", default=None)
     a = ap.parse_args(argv)
+    if a.narrow:
+        a.layers = LITE_LAYERS
+    if a.gguf_only and not a.gguf:
+        ap.error("--gguf-only needs --gguf OUT")
     if a.kernel_only:
         result = {"kernel": kernel_only(a)}
         if a.output_json:
             Path(a.output_json).write_text(json.dumps(result, indent=2))
         return result
 
-    ds = deepseek_config(a.layers, a.q_lora_rank)
+    ds = deepseek_config(a.layers, a.q_lora_rank, a.narrow)
     if a.gguf:  # llama.cpp needs a tokenizer: the embedded model's (a donor GGUF), so its vocabulary
         ds["vocab_size"] = DONOR_VOCAB
+    if a.gguf and not a.q_lora_rank and a.layers != LITE_LAYERS:
+        ap.error(f"llama.cpp loads a deepseek2 file without a query bottleneck only at {LITE_LAYERS} layers: "
+                 f"give --layers {LITE_LAYERS}, --narrow or --q-lora-rank 1536")
+    if a.gguf_only:
+        print(f"active weights per step: {active_params(ds) / 1e6:.1f} M; KV cache per token and layer: latent "
+              f"{kv_bytes(ds, 2)} B in bf16, expanded K/V would be {expanded_kv_bytes(ds, 2)} B")  # fmt: skip
+        write_gguf(ds, a)
+        return {"config": vars(a), "active_params": {"deepseek": active_params(ds)}}
     dense = dense_config(ds, a.dense_kv_heads)
     item = 4 if a.dtype == "float32" and a.kv == "auto" else (2 if a.kv == "auto" else 1)
     print(f"active weights per step: deepseek {active_params(ds) / 1e6:.1f} M, dense {active_params(dense) / 1e6:.1f} M "
@@ -244,7 +272,7 @@ def write_gguf(ds: dict, a: argparse.Namespace) -> None:
         model = transformers.DeepseekV2ForCausalLM(config).eval()
     write_deepseek2(a.gguf, model, a.gguf_type, donor=default_model_path())
     print(f"wrote {a.gguf}; llama.cpp against perfxlm on it at the same context:\n"
-          f"  python benchmarks/compare_llamacpp.py --gguf {a.gguf} --rows decode --prompt-tokens {a.context} "
+          f"  python benchmarks/compare_llamacpp.py --gguf {a.gguf} --rows prefill,decode --prompt-tokens {a.context} "
           f"--decode-tokens {a.new_tokens} --threads {a.threads} --rounds {a.rounds}")  # fmt: skip
 
 

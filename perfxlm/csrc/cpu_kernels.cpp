@@ -448,6 +448,7 @@ at::Tensor project_lora_in(const at::Tensor& x, at::TensorList parts, int64_t n_
     });
     if (fused) return y;
   }
+  perfxlm_lora::prefetch(lora, index);  // the adapters' bytes arrive while the base product runs
   at::Tensor y = project(x, parts, n_out, bias, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows,
                          gemm_rows);
   perfxlm_lora::add(y, x, lora, index);

@@ -17,7 +17,11 @@
 //
 // Decode with adapters is bound by reading A and B (at rank 16 on every projection of a 135M model,
 // 1 MB of float32 per layer, 30 MB per step beside the 4-bit model's 98 MB), so bytes and the threads
-// reading them are what this file is about.
+// reading them are what this file is about. A layer's adapters arrive as one block laid out for that
+// (perfxlm/lora/pack.py): built once per content of the slots, each slot's weights of the whole layer
+// one contiguous region in the order they are read, B^T without the zero blocks beside a fused
+// projection's parts, the segments already parsed; `prefetch` asks for a projection's part of it before
+// the base product runs, so the two overlap.
 
 #include "lora_kernels.h"
 
@@ -68,10 +72,14 @@ inline simd16::V load_w(const uint8_t* p, int64_t n) {
 }
 #endif
 
-// Consecutive packed columns of one slot whose B rows cover the same output columns: one checkpoint
-// module (q, k or v of a fused q|k|v).
+// One checkpoint module of one slot (q, k or v of a fused q|k|v) as the layer's block holds it
+// (perfxlm/lora/pack.py): A [cols, K], B^T [cols, n1 - n0] over its own output columns only, and the
+// columns' scales.
 struct Segment {
-  int64_t c0, c1, n0, n1;
+  const void* a;
+  const void* b;
+  const float* scale;
+  int64_t cols, n0, n1;
 };
 
 // The rows of the step that use one slot, with that slot's parts in this projection.
@@ -119,11 +127,13 @@ void shrink_tile(const float* const* xr, int64_t K, const W* a, const float* sca
   }
 }
 
-// y_i[n0:n1] += sum over the segment's columns j of h_i[j] * B^T[c0 + j, n0:n1], for MT rows; each y
-// value is read and written once, each B value read once. One or two rows take two blocks of 16 outputs
-// at a time, for independent FMA chains.
+// y_i[n0:n1] += sum over the segment's columns j of h_i[j] * B^T[j, n0:n1], for MT rows, B^T's rows
+// holding the outputs [col0, col0 + ldb); each y value is read and written once, each B value read once.
+// One or two rows take two blocks of 16 outputs at a time, for independent FMA chains.
 template <int MT, typename W>
-void expand_tile(float* const* yr, const float* h, const W* bt, int64_t N, int64_t cols, int64_t n0, int64_t n1) {
+void expand_tile(float* const* yr, const float* h, const W* b_rows, int64_t ldb, int64_t col0, int64_t cols, int64_t n0,
+                 int64_t n1) {
+  const W* bt = b_rows - col0;  // bt[j * ldb + n]: output n's value of column j
 #ifdef PERFXLM_SIMD16
   constexpr int U = MT <= 2 ? 2 : 1;
   int64_t n = n0;
@@ -133,7 +143,7 @@ void expand_tile(float* const* yr, const float* h, const W* bt, int64_t N, int64
       for (int u = 0; u < U; ++u) acc[i][u] = simd16::load(yr[i] + n + 16 * u, 16);
     for (int64_t j = 0; j < cols; ++j)
       for (int u = 0; u < U; ++u) {
-        const simd16::V b = load_w(bt + j * N + n + 16 * u, 16);
+        const simd16::V b = load_w(bt + j * ldb + n + 16 * u, 16);
         for (int i = 0; i < MT; ++i) acc[i][u] = simd16::fmadd(simd16::set1(h[i * cols + j]), b, acc[i][u]);
       }
     for (int i = 0; i < MT; ++i)
@@ -144,7 +154,7 @@ void expand_tile(float* const* yr, const float* h, const W* bt, int64_t N, int64
     simd16::V acc[MT];
     for (int i = 0; i < MT; ++i) acc[i] = simd16::load(yr[i] + n, valid);
     for (int64_t j = 0; j < cols; ++j) {
-      const simd16::V b = load_w(bt + j * N + n, valid);
+      const simd16::V b = load_w(bt + j * ldb + n, valid);
       for (int i = 0; i < MT; ++i) acc[i] = simd16::fmadd(simd16::set1(h[i * cols + j]), b, acc[i]);
     }
     for (int i = 0; i < MT; ++i) simd16::store(yr[i] + n, acc[i], valid);
@@ -154,7 +164,7 @@ void expand_tile(float* const* yr, const float* h, const W* bt, int64_t N, int64
     float acc[MT];
     for (int i = 0; i < MT; ++i) acc[i] = yr[i][n];
     for (int64_t j = 0; j < cols; ++j) {
-      const float b = widen(bt[j * N + n]);
+      const float b = widen(bt[j * ldb + n]);
       for (int i = 0; i < MT; ++i) acc[i] += h[i * cols + j] * b;
     }
     for (int i = 0; i < MT; ++i) yr[i][n] = acc[i];
@@ -181,7 +191,6 @@ struct Operands {
   int64_t y_stride;
   const float* x;
   int64_t x_stride, K, N;
-  const float* scale;
 };
 
 // One part (a slot's rows over one segment) of the step: its h = x A^T * scale, [rows, cols] row-major,
@@ -200,31 +209,33 @@ struct Task {
 };
 
 template <typename W>
-void run_shrink(const Task& t, const Part& p, const Operands& o, const W* a) {
+void run_shrink(const Task& t, const Part& p, const Operands& o) {
   const Segment& s = *p.segment;
   const std::vector<int64_t>& rows = p.group->rows;
-  const int64_t cols = s.c1 - s.c0, n = static_cast<int64_t>(rows.size()), c0 = s.c0 + t.from;
+  const int64_t cols = s.cols, n = static_cast<int64_t>(rows.size());
+  const W* a = static_cast<const W*>(s.a) + t.from * o.K;
   for (int64_t i0 = 0; i0 < n; i0 += kTile) {
     const int64_t m = std::min<int64_t>(kTile, n - i0);
     const float* xr[kMaxTile];
     for (int64_t i = 0; i < m; ++i) xr[i] = o.x + rows[i0 + i] * o.x_stride;
     with_tile(m, [&](auto mt) {
-      shrink_tile<decltype(mt)::value>(xr, o.K, a + c0 * o.K, o.scale + c0, t.to - t.from, p.h + i0 * cols + t.from, cols);
+      shrink_tile<decltype(mt)::value>(xr, o.K, a, s.scale + t.from, t.to - t.from, p.h + i0 * cols + t.from, cols);
     });
   }
 }
 
 template <typename W>
-void run_expand(const Task& t, const Part& p, const Operands& o, const W* bt) {
+void run_expand(const Task& t, const Part& p, const Operands& o) {
   const Segment& s = *p.segment;
   const std::vector<int64_t>& rows = p.group->rows;
-  const int64_t cols = s.c1 - s.c0, n = static_cast<int64_t>(rows.size());
+  const int64_t cols = s.cols, n = static_cast<int64_t>(rows.size());
+  const W* b = static_cast<const W*>(s.b);
   for (int64_t i0 = 0; i0 < n; i0 += kTile) {
     const int64_t m = std::min<int64_t>(kTile, n - i0);
     float* yr[kMaxTile];
     for (int64_t i = 0; i < m; ++i) yr[i] = o.y + rows[i0 + i] * o.y_stride;
     with_tile(m, [&](auto mt) {
-      expand_tile<decltype(mt)::value>(yr, p.h + i0 * cols, bt + s.c0 * o.N, o.N, cols, t.from, t.to);
+      expand_tile<decltype(mt)::value>(yr, p.h + i0 * cols, b, s.n1 - s.n0, s.n0, cols, t.from, t.to);
     });
   }
 }
@@ -251,7 +262,7 @@ struct Parts {
     int64_t h_size = 0;
     for (const Group& g : groups)
       for (const Segment& s : g.segments) {
-        const int64_t rows = static_cast<int64_t>(g.rows.size()), c = s.c1 - s.c0;
+        const int64_t rows = static_cast<int64_t>(g.rows.size()), c = s.cols;
         list.push_back({&g, &s, nullptr, 0});
         h_size += rows * c;
         macs += rows * c * (o.K + s.n1 - s.n0);
@@ -262,7 +273,7 @@ struct Parts {
     int64_t offset = 0;
     for (Part& p : list) {
       p.h = h.data() + offset;
-      offset += static_cast<int64_t>(p.group->rows.size()) * (p.segment->c1 - p.segment->c0);
+      offset += static_cast<int64_t>(p.group->rows.size()) * p.segment->cols;
     }
   }
 
@@ -271,8 +282,8 @@ struct Parts {
     std::vector<Task> tasks;
     for (int64_t i = 0; i < static_cast<int64_t>(list.size()); ++i) {
       const Segment& s = *list[i].segment;
-      for (int64_t j0 = 0; j0 < s.c1 - s.c0; j0 += block) {
-        tasks.push_back({i, j0, std::min(s.c1 - s.c0, j0 + block)});
+      for (int64_t j0 = 0; j0 < s.cols; j0 += block) {
+        tasks.push_back({i, j0, std::min(s.cols, j0 + block)});
         ++list[i].shrinks;
       }
     }
@@ -288,7 +299,7 @@ struct Parts {
 // region per projection and no barrier; which thread runs which task changes no sum (a column's shrink
 // and an output's expand are the same whatever the blocks).
 template <typename W>
-void apply(const Operands& o, const W* a, const W* bt, const std::vector<Group>& groups) {
+void apply(const Operands& o, const std::vector<Group>& groups) {
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   Parts ps(o, groups);
   std::vector<Part>& parts = ps.list;
@@ -304,8 +315,8 @@ void apply(const Operands& o, const W* a, const W* bt, const std::vector<Group>&
     for (int64_t n0 = s.n0; n0 < s.n1; n0 += out_block) expands.push_back({i, n0, std::min(s.n1, n0 + out_block)});
   }
   if (!parallel) {
-    for (const Task& t : shrinks) run_shrink(t, parts[t.part], o, a);
-    for (const Task& t : expands) run_expand(t, parts[t.part], o, bt);
+    for (const Task& t : shrinks) run_shrink<W>(t, parts[t.part], o);
+    for (const Task& t : expands) run_expand<W>(t, parts[t.part], o);
     return;
   }
   std::vector<std::atomic<int64_t>> done(parts.size());
@@ -314,14 +325,14 @@ void apply(const Operands& o, const W* a, const W* bt, const std::vector<Group>&
   const int64_t n_shrinks = static_cast<int64_t>(shrinks.size()), n_expands = static_cast<int64_t>(expands.size());
   at::parallel_for(0, std::min(threads, std::max(n_shrinks, n_expands)), 1, [&](int64_t, int64_t) {
     for (int64_t j = next_shrink.fetch_add(1); j < n_shrinks; j = next_shrink.fetch_add(1)) {
-      run_shrink(shrinks[j], parts[shrinks[j].part], o, a);
+      run_shrink<W>(shrinks[j], parts[shrinks[j].part], o);
       done[shrinks[j].part].fetch_add(1, std::memory_order_release);
     }
     for (int64_t j = next_expand.fetch_add(1); j < n_expands; j = next_expand.fetch_add(1)) {
       const Task& t = expands[j];
       for (int spins = 0; done[t.part].load(std::memory_order_acquire) < parts[t.part].shrinks; ++spins)
         if (spins > 64) std::this_thread::yield();  // its last shrink runs on a thread that was descheduled
-      run_expand(t, parts[t.part], o, bt);
+      run_expand<W>(t, parts[t.part], o);
     }
   });
 }
@@ -333,7 +344,7 @@ void apply(const Operands& o, const W* a, const W* bt, const std::vector<Group>&
 // far longer), adds h B^T over its range. No region of its own, no barrier; each output's sums are those
 // of the base call then `apply` (same kernels, same order), so results do not change by a bit.
 template <typename W>
-void apply_with_base(const Operands& o, const W* a, const W* bt, const std::vector<Group>& groups, const BaseRange& base) {
+void apply_with_base(const Operands& o, const std::vector<Group>& groups, const BaseRange& base) {
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   Parts ps(o, groups);
   std::vector<Part>& parts = ps.list;
@@ -344,7 +355,7 @@ void apply_with_base(const Operands& o, const W* a, const W* bt, const std::vect
   std::atomic<int64_t> next_shrink{0}, shrunk{0};
   at::parallel_for(0, n_ranges, 1, [&](int64_t begin, int64_t end) {
     for (int64_t j = next_shrink.fetch_add(1); j < n_shrinks; j = next_shrink.fetch_add(1)) {
-      run_shrink(shrinks[j], parts[shrinks[j].part], o, a);
+      run_shrink<W>(shrinks[j], parts[shrinks[j].part], o);
       shrunk.fetch_add(1, std::memory_order_release);
     }
     for (int64_t r = begin; r < end; ++r) base(bound(r), bound(r + 1));
@@ -355,10 +366,49 @@ void apply_with_base(const Operands& o, const W* a, const W* bt, const std::vect
       for (int64_t i = 0; i < static_cast<int64_t>(parts.size()); ++i) {
         const Segment& s = *parts[i].segment;
         const int64_t from = std::max(n0, s.n0), to = std::min(n1, s.n1);
-        if (from < to) run_expand(Task{i, from, to}, parts[i], o, bt);
+        if (from < to) run_expand<W>(Task{i, from, to}, parts[i], o);
       }
     }
   });
+}
+
+// The layer's adapter block (perfxlm/lora/pack.py): int64 header (magic, weight type, projections P,
+// segments S; per projection K, N, first and end segment; per segment slot, rank, n0, n1, A, B and scale
+// byte offsets, 0), then the scales and the weights. Checked here once per projection call, a few
+// dozen integer reads: the offsets of every segment the step uses are bounds-checked.
+constexpr int64_t kMagic = 0x4C6F52410001;
+constexpr int64_t kSegmentInts = 8;
+
+struct Block {
+  const uint8_t* base = nullptr;
+  int64_t bytes = 0, wtype = 0, P = 0, S = 0;
+  const int64_t* proj = nullptr;  // 4 per projection
+  const int64_t* seg = nullptr;   // kSegmentInts per segment
+};
+
+int64_t element_size(int64_t wtype) { return wtype == 0 ? 4 : wtype == 1 ? 2 : 1; }
+
+// lora = [row_slot int32 [T], block uint8]; false where the step has no adapter (an empty list or block)
+bool read_block(at::TensorList lora, Block& b) {
+  if (lora.empty()) return false;
+  TORCH_CHECK(lora.size() == 2, "lora: expected [row_slot, the layer's adapter block] (perfxlm/lora/pack.py)");
+  const at::Tensor& pack = lora[1];
+  if (!pack.numel()) return false;
+  TORCH_CHECK(pack.scalar_type() == at::kByte && pack.dim() == 1 && pack.is_contiguous() && pack.numel() >= 32,
+              "lora: the adapter block must be a contiguous uint8 vector");
+  b.base = pack.data_ptr<uint8_t>();
+  b.bytes = pack.numel();
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(b.base) % 8 == 0, "lora: the adapter block must start 8-byte aligned");
+  const int64_t* h = reinterpret_cast<const int64_t*>(b.base);
+  TORCH_CHECK(h[0] == kMagic, "lora: not an adapter block of this format (perfxlm/lora/pack.py)");
+  b.wtype = h[1];
+  b.P = h[2];
+  b.S = h[3];
+  TORCH_CHECK(b.wtype >= 0 && b.wtype <= 2 && b.P >= 0 && b.S >= 0 && 8 * (4 + 4 * b.P + kSegmentInts * b.S) <= b.bytes,
+              "lora: bad adapter block header");
+  b.proj = h + 4;
+  b.seg = h + 4 + 4 * b.P;
+  return true;
 }
 
 // The checked operands of one projection and its slots' row groups; empty `groups`: nothing to add (no
@@ -367,59 +417,47 @@ struct Step {
   at::Tensor xc;  // x with unit column stride, kept alive
   Operands o{};
   std::vector<Group> groups;
-  at::ScalarType wt = at::kFloat;
-  const void* a = nullptr;
-  const void* bt = nullptr;
+  int64_t wtype = 0;
 };
 
 Step prepare(const at::Tensor& y, const at::Tensor& x, at::TensorList lora, int64_t index) {
   Step st;
-  if (lora.empty()) return st;
-  TORCH_CHECK(static_cast<int64_t>(lora.size()) >= 1 + 4 * (index + 1),
-              "lora: expected row_slot then (A, B^T, scale, cols) per projection");
-  const at::Tensor& a = lora[1 + 4 * index];
-  if (!a.numel()) return st;
+  Block b;
+  if (!read_block(lora, b)) return st;
+  TORCH_CHECK(index >= 0 && index < b.P, "lora: projection ", index, " is not in the adapter block (", b.P, ")");
+  const int64_t K = b.proj[4 * index], N = b.proj[4 * index + 1], s0 = b.proj[4 * index + 2],
+                s1 = b.proj[4 * index + 3];
+  TORCH_CHECK(0 <= s0 && s0 <= s1 && s1 <= b.S, "lora: bad segment range of projection ", index);
+  if (s0 == s1) return st;
   const at::Tensor& row_slot = lora[0];
-  const at::Tensor& bt = lora[2 + 4 * index];
-  const at::Tensor& scale = lora[3 + 4 * index];
-  const at::Tensor& cols = lora[4 + 4 * index];
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat,
               "lora: x and y must be 2-D float32");
-  const int64_t T = x.size(0), K = x.size(1), R = a.size(0), N = y.size(1);
-  TORCH_CHECK(a.dim() == 2 && bt.dim() == 2 && a.size(1) == K && bt.size(0) == R && bt.size(1) == N && y.size(0) == T,
-              "lora: A must be [R, ", K, "] and B^T [R, ", N, "]");
-  const at::ScalarType wt = a.scalar_type();
-  TORCH_CHECK(wt == bt.scalar_type() && (wt == at::kFloat || wt == at::kBFloat16 || wt == at::kByte),
-              "lora: A and B^T must both be float32, both bfloat16 or both uint8 (int8 codes + 128)");
-  TORCH_CHECK(a.is_contiguous() && bt.is_contiguous(), "lora: A and B^T must be contiguous");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == R && scale.is_contiguous(),
-              "lora: scale must be contiguous float32 [R]");
-  TORCH_CHECK(cols.scalar_type() == at::kInt && cols.dim() == 2 && cols.size(0) == R && cols.size(1) == 3 &&
-                  cols.is_contiguous(), "lora: cols must be contiguous int32 [R, 3]");
+  const int64_t T = x.size(0);
+  TORCH_CHECK(x.size(1) == K && y.size(1) == N && y.size(0) == T, "lora: projection ", index, "'s adapters take [T, ",
+              K, "] to [T, ", N, "], got x ", x.sizes(), " and y ", y.sizes());
   TORCH_CHECK(row_slot.scalar_type() == at::kInt && row_slot.numel() == T && row_slot.is_contiguous(),
               "lora: row_slot must be contiguous int32 [rows]");
 
-  // each slot's parts: runs of its columns (contiguous, the slots are packed one after another) whose B
-  // rows cover the same output columns
-  const int32_t* info = cols.data_ptr<int32_t>();
+  // the projection's segments, a slot's together (the block lists them by slot), grouped by slot
+  const int64_t es = element_size(b.wtype);
   std::vector<Group>& groups = st.groups;
   std::vector<int64_t> group_of_slot;
-  for (int64_t c = 0; c < R; ++c) {
-    const int32_t slot = info[3 * c], n0 = info[3 * c + 1], n1 = info[3 * c + 2];
-    TORCH_CHECK(slot >= 0 && n0 >= 0 && n0 <= n1 && n1 <= N, "lora: bad cols entry at column ", c);
-    if (slot >= static_cast<int32_t>(group_of_slot.size())) group_of_slot.resize(slot + 1, -1);
+  for (int64_t i = s0; i < s1; ++i) {
+    const int64_t* e = b.seg + kSegmentInts * i;
+    const int64_t slot = e[0], cols = e[1], n0 = e[2], n1 = e[3], a_off = e[4], b_off = e[5], sc_off = e[6];
+    TORCH_CHECK(slot >= 0 && slot < 4096 && cols > 0 && 0 <= n0 && n0 < n1 && n1 <= N && a_off >= 0 && b_off >= 0 &&
+                    sc_off >= 0 && a_off + cols * K * es <= b.bytes && b_off + cols * (n1 - n0) * es <= b.bytes &&
+                    sc_off + 4 * cols <= b.bytes && sc_off % 4 == 0,
+                "lora: bad segment ", i, " in the adapter block");
+    if (slot >= static_cast<int64_t>(group_of_slot.size())) group_of_slot.resize(slot + 1, -1);
     if (group_of_slot[slot] < 0) {
       group_of_slot[slot] = static_cast<int64_t>(groups.size());
       groups.emplace_back();
     } else {
-      TORCH_CHECK(info[3 * (c - 1)] == slot, "lora: a slot's columns must be contiguous");
+      TORCH_CHECK(b.seg[kSegmentInts * (i - 1)] == slot, "lora: a slot's segments must be contiguous");
     }
-    std::vector<Segment>& segments = groups[group_of_slot[slot]].segments;
-    if (!segments.empty() && segments.back().c1 == c && segments.back().n0 == n0 && segments.back().n1 == n1) {
-      segments.back().c1 = c + 1;
-    } else if (n1 > n0) {
-      segments.push_back({c, c + 1, n0, n1});
-    }
+    groups[group_of_slot[slot]].segments.push_back(
+        {b.base + a_off, b.base + b_off, reinterpret_cast<const float*>(b.base + sc_off), cols, n0, n1});
   }
   const int32_t* rs = row_slot.data_ptr<int32_t>();
   for (int64_t t = 0; t < T; ++t) {
@@ -431,31 +469,35 @@ Step prepare(const at::Tensor& y, const at::Tensor& x, at::TensorList lora, int6
                groups.end());
   if (groups.empty()) return st;
   st.xc = x.stride(1) == 1 ? x : x.contiguous();
-  st.o = Operands{y.data_ptr<float>(), y.stride(0), st.xc.data_ptr<float>(), st.xc.stride(0), K, N, scale.data_ptr<float>()};
-  st.wt = wt;
-  st.a = a.data_ptr();
-  st.bt = bt.data_ptr();
+  st.o = Operands{y.data_ptr<float>(), y.stride(0), st.xc.data_ptr<float>(), st.xc.stride(0), K, N};
+  st.wtype = b.wtype;
   return st;
 }
 
-// fn(a, bt) with A and B^T as the element type they are stored in
+// fn(W{}) with W the element type A and B^T are stored in
 template <typename F>
 void with_weights(const Step& st, F&& f) {
-  if (st.wt == at::kFloat)
-    f(static_cast<const float*>(st.a), static_cast<const float*>(st.bt));
-  else if (st.wt == at::kByte)
-    f(static_cast<const uint8_t*>(st.a), static_cast<const uint8_t*>(st.bt));
+  if (st.wtype == 0)
+    f(float{});
+  else if (st.wtype == 2)
+    f(uint8_t{});
   else
-    f(static_cast<const uint16_t*>(st.a), static_cast<const uint16_t*>(st.bt));  // bfloat16 bits
+    f(uint16_t{});  // bfloat16 bits
+}
+
+bool prefetch_on() {
+  static const bool on = [] {
+    const char* env = std::getenv("PERFXLM_LORA_PREFETCH");
+    return env == nullptr || *env != '0';
+  }();
+  return on;
 }
 
 }  // namespace
 
 void add(at::Tensor& y, const at::Tensor& x, at::TensorList lora, int64_t index) {
-  if (lora.empty()) return;
-  TORCH_CHECK(static_cast<int64_t>(lora.size()) >= 1 + 4 * (index + 1),
-              "lora: expected row_slot then (A, B^T, scale, cols) per projection");
-  if (!lora[1 + 4 * index].numel()) return;
+  Block b;
+  if (!read_block(lora, b)) return;
   if (y.stride(1) != 1) {  // not met by the fused layer's outputs; kept correct anyway
     at::Tensor yc = y.contiguous();
     add(yc, x, lora, index);
@@ -464,7 +506,35 @@ void add(at::Tensor& y, const at::Tensor& x, at::TensorList lora, int64_t index)
   }
   const Step st = prepare(y, x, lora, index);
   if (st.groups.empty()) return;
-  with_weights(st, [&](auto a, auto bt) { apply(st.o, a, bt, st.groups); });
+  with_weights(st, [&](auto w) { apply<decltype(w)>(st.o, st.groups); });
+}
+
+void prefetch(at::TensorList lora, int64_t index) {
+  Block b;
+  if (!prefetch_on() || !read_block(lora, b) || index < 0 || index >= b.P) return;
+  const at::Tensor& row_slot = lora[0];
+  if (row_slot.scalar_type() != at::kInt || !row_slot.is_contiguous()) return;
+  const int32_t* rs = row_slot.data_ptr<int32_t>();
+  const int64_t T = row_slot.numel(), K = b.proj[4 * index], es = element_size(b.wtype);
+  const int64_t s0 = b.proj[4 * index + 2], s1 = std::min(b.proj[4 * index + 3], b.S);
+  uint64_t used = 0;  // slots below 64 that a row uses (more slots than that: nothing is prefetched for them)
+  for (int64_t t = 0; t < T; ++t)
+    if (rs[t] >= 0 && rs[t] < 64) used |= uint64_t{1} << rs[t];
+  // A then B of a slot's segments are one region (the block is laid out slot after slot, each slot's
+  // projections in the fused layer's order): the lines from the first A to the last B, into L2
+  for (int64_t i = s0; i < s1;) {
+    const int64_t slot = b.seg[kSegmentInts * i];
+    int64_t j = i, lo = b.bytes, hi = 0;
+    for (; j < s1 && b.seg[kSegmentInts * j] == slot; ++j) {
+      const int64_t* e = b.seg + kSegmentInts * j;
+      lo = std::min({lo, e[4], e[5]});
+      hi = std::max({hi, e[4] + e[1] * K * es, e[5] + e[1] * (e[3] - e[2]) * es});
+    }
+    if (slot >= 0 && slot < 64 && (used >> slot & 1))
+      for (int64_t off = std::max<int64_t>(0, lo) / 64 * 64; off < std::min(hi, b.bytes); off += 64)
+        __builtin_prefetch(b.base + off, 0, 2);
+    i = j;
+  }
 }
 
 bool with_base() {
@@ -478,14 +548,12 @@ bool with_base() {
 }
 
 bool project_add(at::Tensor& y, const at::Tensor& x, at::TensorList lora, int64_t index, const BaseRange& base) {
-  if (lora.empty()) return false;
-  TORCH_CHECK(static_cast<int64_t>(lora.size()) >= 1 + 4 * (index + 1),
-              "lora: expected row_slot then (A, B^T, scale, cols) per projection");
-  if (!lora[1 + 4 * index].numel()) return false;
+  Block b;
+  if (!read_block(lora, b)) return false;
   TORCH_CHECK(y.dim() == 2 && y.is_contiguous(), "lora: project_add's y must be contiguous");
   const Step st = prepare(y, x, lora, index);
   if (st.groups.empty()) return false;
-  with_weights(st, [&](auto a, auto bt) { apply_with_base(st.o, a, bt, st.groups, base); });
+  with_weights(st, [&](auto w) { apply_with_base<decltype(w)>(st.o, st.groups, base); });
   return true;
 }
 

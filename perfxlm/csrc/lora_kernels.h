@@ -9,11 +9,17 @@
 namespace perfxlm_lora {
 
 // y += each row's own adapter's (x A^T * scale) B^T, for projection `index` (0 qkv, 1 o, 2 gate_up,
-// 3 down) of the step's operand list `lora` (perfxlm/lora/slots.py's LoRABatch.fused_operands):
-// [row_slot int32 [T], then per projection A [R, in], B^T [R, out] (float32 or bfloat16, both alike),
-// scale float32 [R], cols int32 [R, 3] (each packed column's slot and the output columns [n0, n1) its
-// B row covers)]. An empty list: no adapter in the step; an empty A: none on that projection.
+// 3 down) of the step's `lora` (perfxlm/lora/slots.py's LoRABatch.fused_operands): [row_slot int32 [T],
+// the layer's adapter block (uint8, laid out by perfxlm/lora/pack.py: a header with every segment's slot,
+// rank, output columns and offsets, then the scales, then A and B^T, float32, bfloat16 or int8 codes +
+// 128, slot after slot)]. An empty list or block: no adapter in the step; a projection without segments:
+// none on it.
 void add(at::Tensor& y, const at::Tensor& x, at::TensorList lora, int64_t index);
+
+// Prefetches into L2 the block's bytes that `add` will read for projection `index` (the slots of the
+// step's rows), so the fetches overlap the base product the fused layer runs first. Off with
+// PERFXLM_LORA_PREFETCH=0.
+void prefetch(at::TensorList lora, int64_t index);
 
 // Writes the base product's output columns [n0, n1) of every row into y; called on a parallel region's
 // threads (each range once, ranges disjoint, starting on multiples of 64).

@@ -1,5 +1,5 @@
 // Quantized-weight products: y = x W^T (+ b) with W in perfxlm.quant.QuantizedWeight's one affine form
-// (uint8 codes, 8-bit, 5-bit or 4-bit, a scale and a min per group of inputs: w = scale * u + min, or
+// (uint8 codes, 8-bit, 6-bit, 5-bit or 4-bit, a scale and a min per group of inputs: w = scale * u + min, or
 // scale * levels[u] + min for NF4). Centred codes (Q4_0, Q5_0, Q8_0, symmetric int4 / int8) store no mins:
 // w = scale * (u - 8) for 4-bit codes, (u - 16) for 5-bit, (u - 128) for 8-bit, scale * levels[u] with a table,
 // so a decode step streams 4.5 bits per 4-bit weight instead of 5 (llama.cpp's Q4_0 rate). Every GGUF block type the engine runs, and its own int8 / int4 /
@@ -69,6 +69,11 @@ struct QW {
   bool int_lut = false;
   alignas(16) uint8_t ulut[16] = {};
   float block_min_factor = 1.f;  // min_factor for the int8 block products
+  // 6-bit codes (GGUF Q6_K's values): the 5-bit layout (bits5 is set too) followed by a second plane of
+  // sixth bits (K / 8 bytes, in the fifth plane's order), u = nibble + 16 x fifth + 32 x sixth (0..63):
+  // every 5-bit path plus one more masked add. Groups of 16 (Q6_K's) are each one nibble half of a
+  // 32-block, so the 4-bit paths' halves take one scale each.
+  bool bits6 = false;
   // Two-level scales (GGUF K-quants, perfxlm/quant/super_scales.py): `kbytes` bytes per row, a byte per
   // group (int8 where ksigned) then a float16 factor per 256 inputs (`kper` groups); stored mins alike,
   // each min being -(byte x factor). Null for float scales. The int8 block products form the values from
@@ -179,7 +184,9 @@ inline int code_at(const QW& w, int64_t n, int64_t k) {
   const int64_t block = k / 32, j = k % 32;
   const uint8_t b = row[block * 16 + (j & 15)];
   const int low = j < 16 ? (b & 0x0F) : (b >> 4);
-  return w.bits5 ? low + 16 * ((row[w.K / 2 + k / 8] >> (k % 8)) & 1) : low;
+  if (!w.bits5) return low;
+  const int fifth = (row[w.K / 2 + k / 8] >> (k % 8)) & 1;
+  return low + 16 * fifth + (w.bits6 ? 32 * ((row[w.K / 2 + w.K / 8 + k / 8] >> (k % 8)) & 1) : 0);
 }
 
 inline float weight_at(const QW& w, int64_t n, int64_t k) {
@@ -201,10 +208,11 @@ QW describe(const at::Tensor& codes, const at::Tensor& scales, const c10::option
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
               "linear_q: codes must be contiguous uint8 [N, K] or [N, K / 2]");
   const int64_t N = codes.size(0);
-  const bool bits5 = codes.size(1) * 8 == K * 5 && K % 32 == 0;
+  const bool bits6 = codes.size(1) * 4 == K * 3 && K % 32 == 0;
+  const bool bits5 = bits6 || (codes.size(1) * 8 == K * 5 && K % 32 == 0);
   const bool bits4 = bits5 || (codes.size(1) * 2 == K && codes.size(1) != K);
   TORCH_CHECK(bits4 || codes.size(1) == K, "linear_q: codes hold ", codes.size(1), " bytes per row for ", K,
-              " inputs (want K, 5 K / 8 or K / 2)");
+              " inputs (want K, 3 K / 4, 5 K / 8 or K / 2)");
   TORCH_CHECK(!bits4 || K % 32 == 0, "linear_q: 4-bit codes need K % 32 == 0, got K = ", K);
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.is_contiguous() && mins.sizes() == scales.sizes() &&
                   mins.is_contiguous() && mins.scalar_type() == scales.scalar_type(),
@@ -217,8 +225,9 @@ QW describe(const at::Tensor& codes, const at::Tensor& scales, const c10::option
   const int64_t groups = scales.size(1);
   TORCH_CHECK(groups >= 1 && K % groups == 0, "linear_q: ", groups, " groups do not divide K = ", K);
   const int64_t group = K / groups;
-  TORCH_CHECK(groups == 1 || group % (bits4 ? 32 : 16) == 0, "linear_q: group ", group, " must be a multiple of ",
-              bits4 ? 32 : 16, " (or the whole row)");
+  const int64_t min_group = bits4 && !bits6 ? 32 : 16;  // a 6-bit group may be one nibble half of a 32-block
+  TORCH_CHECK(groups == 1 || group % min_group == 0, "linear_q: group ", group, " must be a multiple of ",
+              min_group, " (or the whole row)");
   const float* lv = nullptr;
   if (levels.has_value() && levels->defined()) {
     TORCH_CHECK(levels->scalar_type() == at::kFloat && levels->numel() == 16 && levels->is_contiguous(),
@@ -227,10 +236,11 @@ QW describe(const at::Tensor& codes, const at::Tensor& scales, const c10::option
     lv = levels->data_ptr<float>();
   }
   // centred: w = scale * (u - centre), or scale * levels[u] with a table
-  const float centre = lv ? 0.f : (bits5 ? 16.f : (bits4 ? 8.f : 128.f));
+  const float centre = lv ? 0.f : (bits6 ? 32.f : (bits5 ? 16.f : (bits4 ? 8.f : 128.f)));
   QW w{codes.data_ptr<uint8_t>(), N, K, codes.size(1), group, groups, bits4, bits5,
        scales.data_ptr(), mins.data_ptr(), scales.scalar_type() == at::kHalf, lv,
        centred, centred ? -centre : 1.f};
+  w.bits6 = bits6;
   w.block_min_factor = w.min_factor;
   float offset = 0.f;
   if (lv && centred && integer_table(lv, w.ulut, &offset)) {
@@ -263,12 +273,15 @@ QW describe_two_level(const at::Tensor& codes, const at::Tensor& scales, const c
   const bool centred = !mins.has_value();
   TORCH_CHECK(centred || (mins->scalar_type() == at::kByte && mins->sizes() == scales.sizes() && mins->is_contiguous()),
               "linear_q: two-level mins must be contiguous uint8 shaped as the scales");
-  const bool bits5 = codes.size(1) * 8 == K * 5, bits4 = bits5 || codes.size(1) * 2 == K;
+  const bool bits6 = codes.size(1) * 4 == K * 3;
+  const bool bits5 = bits6 || codes.size(1) * 8 == K * 5, bits4 = bits5 || codes.size(1) * 2 == K;
   TORCH_CHECK(bits4 || codes.size(1) == K, "linear_q: codes hold ", codes.size(1), " bytes per row for ", K, " inputs");
-  TORCH_CHECK(!bits4 || (K / groups) % 32 == 0, "linear_q: 4-bit codes need groups of a multiple of 32");
-  const float centre = bits5 ? 16.f : (bits4 ? 8.f : 128.f);
+  TORCH_CHECK(!bits4 || (K / groups) % (bits6 ? 16 : 32) == 0, "linear_q: ", bits6 ? 6 : 4,
+              "-bit codes need groups of a multiple of ", bits6 ? 16 : 32);
+  const float centre = bits6 ? 32.f : (bits5 ? 16.f : (bits4 ? 8.f : 128.f));
   QW w{codes.data_ptr<uint8_t>(), N, K, codes.size(1), K / groups, groups, bits4, bits5, nullptr, nullptr, false,
        nullptr, centred, centred ? -centre : 1.f};
+  w.bits6 = bits6;
   w.block_min_factor = w.min_factor;
   w.kscales = static_cast<const uint8_t*>(scales.data_ptr());
   w.kmins = centred ? nullptr : static_cast<const uint8_t*>(mins->data_ptr());
@@ -410,14 +423,25 @@ inline void q_tile(const float* x, const QW& w, int64_t n0, float* y, const floa
       if constexpr (BITS4) {
         I lo, hi;
         simd16::load_nibbles(row + k / 2, lo, hi);
+        V s1 = s, m1 = m;  // the hi half's scale and min: the next group's at groups of 16 (6-bit codes)
         if constexpr (FIVE) {
           uint32_t fifth;
           std::memcpy(&fifth, row + K / 2 + k / 8, 4);
           lo = simd16::add_fifth_bits(lo, fifth & 0xFFFF);
           hi = simd16::add_fifth_bits(hi, fifth >> 16);
+          if (w.bits6) {
+            uint32_t sixth;
+            std::memcpy(&sixth, row + K / 2 + K / 8 + k / 8, 4);
+            lo = simd16::add_fifth_bits(lo, sixth & 0xFFFF, 32);
+            hi = simd16::add_fifth_bits(hi, sixth >> 16, 32);
+            if (w.group == 16) {
+              s1 = simd16::set1(param_at<HALF>(w.scales, n * w.groups + g + 1));
+              m1 = simd16::set1(param_at<HALF>(w.mins, n * w.groups + g + 1) * w.min_factor);
+            }
+          }
         }
         const V w0 = simd16::fmadd(LUT ? simd16::lookup(table, lo) : simd16::to_float(lo), s, m);
-        const V w1 = simd16::fmadd(LUT ? simd16::lookup(table, hi) : simd16::to_float(hi), s, m);
+        const V w1 = simd16::fmadd(LUT ? simd16::lookup(table, hi) : simd16::to_float(hi), s1, m1);
         #pragma GCC unroll 16
         for (int i = 0; i < MT; ++i) acc[i][j] = simd16::fmadd(x1[i], w1, simd16::fmadd(x0[i], w0, acc[i][j]));
       } else {
@@ -492,7 +516,7 @@ void dequant_rows(const QW& whole, int64_t n0, int64_t n1, T* out) {
       // the group's scale and min read when k enters it (g = k / group, counted up: a 64-bit division per
       // 16 codes cost more than widening them, and slabs are dequantized afresh for every call)
       int64_t g = n * w.groups - 1, g_end = 0;
-      V s = simd16::set1(0.f), m = s;
+      V s = simd16::set1(0.f), m = s, s1 = s, m1 = s;  // s1, m1: the hi half's (the next group's at 16)
       for (int64_t k = 0; k < w.K; k += step) {
         if (k >= g_end) {
           do {
@@ -501,6 +525,12 @@ void dequant_rows(const QW& whole, int64_t n0, int64_t n1, T* out) {
           } while (k >= g_end);
           s = simd16::set1(param(w, w.scales, g));
           m = simd16::set1(param(w, w.mins, g) * w.min_factor);
+          s1 = s;
+          m1 = m;
+          if (w.bits4 && w.group == 16) {  // 6-bit codes: a 32-step spans two groups
+            s1 = simd16::set1(param(w, w.scales, g + 1));
+            m1 = simd16::set1(param(w, w.mins, g + 1) * w.min_factor);
+          }
         }
         if (w.bits4) {
           I lo, hi;
@@ -511,8 +541,14 @@ void dequant_rows(const QW& whole, int64_t n0, int64_t n1, T* out) {
             lo = simd16::add_fifth_bits(lo, fifth & 0xFFFF);
             hi = simd16::add_fifth_bits(hi, fifth >> 16);
           }
+          if (w.bits6) {
+            uint32_t sixth;
+            std::memcpy(&sixth, row + w.K / 2 + w.K / 8 + k / 8, 4);
+            lo = simd16::add_fifth_bits(lo, sixth & 0xFFFF, 32);
+            hi = simd16::add_fifth_bits(hi, sixth >> 16, 32);
+          }
           store_out(o + k, simd16::fmadd(w.levels ? simd16::lookup(table, lo) : simd16::to_float(lo), s, m));
-          store_out(o + k + 16, simd16::fmadd(w.levels ? simd16::lookup(table, hi) : simd16::to_float(hi), s, m));
+          store_out(o + k + 16, simd16::fmadd(w.levels ? simd16::lookup(table, hi) : simd16::to_float(hi), s1, m1));
         } else {
           store_out(o + k, simd16::fmadd(simd16::to_float(simd16::load_u8(row + k, w.K - k)), s, m), w.K - k);
         }
@@ -708,11 +744,26 @@ inline __m512i chunk_codes(const uint8_t* row, int64_t c, const QW& w, __m512i l
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 32));
     const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(b), _mm256_srli_epi16(b, 4), 1);
     const __m512i u = _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
-    if constexpr (FIVE) return _mm512_mask_add_epi8(u, chunk_fifths(row, w, c), u, _mm512_set1_epi8(16));
+    if constexpr (FIVE) {
+      const __m512i v = _mm512_mask_add_epi8(u, chunk_fifths(row, w, c), u, _mm512_set1_epi8(16));
+      // 6-bit codes: the sixth plane follows the fifth, K / 8 bytes on, in its order
+      return w.bits6 ? _mm512_mask_add_epi8(v, chunk_fifths(row + w.K / 8, w, c), v, _mm512_set1_epi8(32)) : v;
+    }
     return w.int_lut ? _mm512_shuffle_epi8(lut, u) : u;
   } else {
     return _mm512_loadu_si512(row + c * 64);
   }
+}
+
+// Which of a chunk's SPC scales each int32 lane takes (lane l covers code bytes 4l..4l+3). 4-bit codes
+// unpack as [A 0-15, B 0-15, A 16-31, B 16-31]: at groups of 16 (6-bit codes) those quarters are groups
+// 0, 2, 1, 3 of the chunk.
+template <bool BITS4, int SPC>
+inline __m512i chunk_scale_lanes() {
+  if constexpr (SPC == 4 && BITS4) return _mm512_set_epi32(3, 3, 3, 3, 1, 1, 1, 1, 2, 2, 2, 2, 0, 0, 0, 0);
+  if constexpr (SPC == 4) return _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  if constexpr (BITS4) return _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+  return _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
 }
 
 // Up to 16 consecutive scales or mins of a row as float32 (the lanes past n are 0).
@@ -793,9 +844,7 @@ inline void vnni_block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t
   const float* lanes = a.lanes + m0 * chunks * 16;
   const Src src(w, n0, NT);
   // which of the 16 loaded scales each int32 lane of a chunk takes (lane l covers code bytes 4l..4l+3)
-  const __m512i base_idx = SPC == 4 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
-                           : BITS4  ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
-                                    : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i base_idx = chunk_scale_lanes<BITS4, SPC>();
   constexpr int64_t per_load = SPC > 1 ? 16 / SPC : 1;  // chunks whose scales one 16-lane load holds
   const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(w.ulut)));
   __m512 acc[MT][NT];
@@ -882,6 +931,7 @@ inline __m256i dot_pairs(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
   return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u0, s0), u1, s1);
 }
 inline __m256i dot_u8(__m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s); }
+inline __m256i dot_u6(__m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s); }
 #else
 constexpr bool kShift8 = true;
 // Two halves whose codes are 4-bit: the int16 pair sums of both fit (2 * 2 * 15 * 127), so they are
@@ -890,6 +940,9 @@ inline __m256i dot_pairs(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
   const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1));
   return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 }
+// One half whose codes are at most 6-bit (groups of 16 take a scale per half): the int16 pair sums fit
+// (2 * 63 * 127), no sign trick.
+inline __m256i dot_u6(__m256i u, __m256i s) { return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)); }
 inline __m256i dot_u8(__m256i u, __m256i s) {
   const __m256i c = _mm256_xor_si256(u, _mm256_set1_epi8(static_cast<char>(0x80)));  // code - 128
   return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(c, c), _mm256_sign_epi8(s, c)),
@@ -1048,10 +1101,17 @@ inline void chunk_halves(const uint8_t* row, int64_t c, const QW& w, __m256i lut
   hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
   if constexpr (FIVE) {
     const __m256i f = chunk_fifth_bits(row, w, c);
-    lo = _mm256_or_si256(lo, fifths_to_bytes(f, _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0404040404040404LL,
-                                                                     0x0505050505050505LL)));
-    hi = _mm256_or_si256(hi, fifths_to_bytes(f, _mm256_setr_epi64x(0x0202020202020202LL, 0x0303030303030303LL,
-                                                                     0x0606060606060606LL, 0x0707070707070707LL)));
+    const __m256i spread_lo = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0404040404040404LL, 0x0505050505050505LL);
+    const __m256i spread_hi = _mm256_setr_epi64x(0x0202020202020202LL, 0x0303030303030303LL, 0x0606060606060606LL,
+                                                 0x0707070707070707LL);
+    lo = _mm256_or_si256(lo, fifths_to_bytes(f, spread_lo));
+    hi = _mm256_or_si256(hi, fifths_to_bytes(f, spread_hi));
+    if (w.bits6) {  // the sixth plane, K / 8 bytes after the fifth, in its order: 16 doubled where set
+      const __m256i x = chunk_fifth_bits(row + w.K / 8, w, c);
+      const __m256i x_lo = fifths_to_bytes(x, spread_lo), x_hi = fifths_to_bytes(x, spread_hi);
+      lo = _mm256_or_si256(lo, _mm256_add_epi8(x_lo, x_lo));
+      hi = _mm256_or_si256(hi, _mm256_add_epi8(x_hi, x_hi));
+    }
   } else if (w.int_lut) {
     lo = _mm256_shuffle_epi8(lut, lo);
     hi = _mm256_shuffle_epi8(lut, hi);
@@ -1070,6 +1130,17 @@ inline __m256 chunk_dot8(__m256i lo, __m256i hi, const int8_t* xc, __m256 wscale
   const __m256i d1 = dot_u8(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32)));
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(d0, d1)), _mm256_mul_ps(wscale8, _mm256_loadu_ps(xscale8)),
                          acc);
+}
+
+// One 64-input chunk of 6-bit codes at groups of 16 (halves lo, hi as chunk_halves gives them) against one
+// activation row (xc; xs its 16 lane scales, [A x4, B x4] per half): each half's int32 sums times its weight
+// scales (ws_lo, ws_hi: block_tile's spread) x activation scales into its own accumulator, acc[0] and acc[1].
+inline void six_bit_chunk(__m256i lo, __m256i hi, const int8_t* xc, const float* xs, __m256 ws_lo, __m256 ws_hi,
+                          __m256 (&acc)[2]) {
+  const __m256i d0 = dot_u6(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)));
+  const __m256i d1 = dot_u6(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32)));
+  acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(ws_lo, _mm256_loadu_ps(xs)), acc[0]);
+  acc[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(ws_hi, _mm256_loadu_ps(xs + 8)), acc[1]);
 }
 
 // A chunk's two block scales of one weight row spread as chunk_dot8's lanes: [A A B B A A B B].
@@ -1115,11 +1186,21 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
     // block_tile_m1x4(_q8) updates it (the same sums whether a row is decoded alone or with others);
     // 8-bit at group 16: one per half of the chunk, two FMA chains
     __m256 acc[MT][2];
-    #pragma GCC unroll 4
+    #pragma GCC unroll 8
     for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t g0 = row_base + chunk_group<SPC>(w, c);
-      if constexpr (BITS4) {
+      if constexpr (BITS4 && SPC == 4) {
+        // groups of 16 (6-bit codes): the lo half [A 0-15, B 0-15] takes the chunk's groups 0 and 2, the
+        // hi half [A 16-31, B 16-31] groups 1 and 3, so the halves are dotted and scaled apart
+        __m256i lo, hi;
+        chunk_halves<FIVE>(row, c, w, lut, lo, hi);
+        const __m256 s4 = _mm256_castps128_ps256(load_params_lo<HALF, 4>(w.scales, g0));
+        const __m256 ws_lo = _mm256_permutevar8x32_ps(s4, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
+        const __m256 ws_hi = _mm256_permutevar8x32_ps(s4, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));
+        #pragma GCC unroll 4
+        for (int i = 0; i < MT; ++i) six_bit_chunk(lo, hi, xq + i * K + c * 64, lanes + (i * chunks + c) * 16, ws_lo, ws_hi, acc[i]);
+      } else if constexpr (BITS4) {
         __m256i lo, hi;
         chunk_halves<FIVE>(row, c, w, lut, lo, hi);
         // both halves carry [A x4, B x4] weight and activation scales, so their int32 sums add up
@@ -1128,7 +1209,7 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
           ws = _mm256_set1_ps(param_at<HALF>(w.scales, g0));
         else
           ws = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(load_params_lo<HALF, 2>(w.scales, g0)), lo_idx);
-        #pragma GCC unroll 4
+        #pragma GCC unroll 8
         for (int i = 0; i < MT; ++i) {
           const int8_t* xc = xq + i * K + c * 64;
           const __m256i d = dot_pairs(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)), hi,
@@ -1142,7 +1223,7 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
         if constexpr (SPC == 4) {
           const __m256 s4 = _mm256_castps128_ps256(load_params_lo<HALF, 4>(w.scales, g0));
           const __m256 ws_lo = _mm256_permutevar8x32_ps(s4, lo_idx), ws_hi = _mm256_permutevar8x32_ps(s4, hi_idx);
-          #pragma GCC unroll 4
+          #pragma GCC unroll 8
           for (int i = 0; i < MT; ++i) {
             const int8_t* xc = xq + i * K + c * 64;
             const float* xs = lanes + (i * chunks + c) * 16;  // lanes 0-7: block A's scale, 8-15: B's
@@ -1153,17 +1234,17 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
           }
         } else {  // one scale per half (block): see chunk_dot8
           const __m256 ws8 = block_scales8<HALF, SPC>(w, g0);
-          #pragma GCC unroll 4
+          #pragma GCC unroll 8
           for (int i = 0; i < MT; ++i)
             acc[i][0] = chunk_dot8(lo, hi, xq + i * K + c * 64, ws8, a.pair8 + ((m0 + i) * chunks + c) * 8, acc[i][0]);
         }
       }
     }
-    #pragma GCC unroll 4
+    #pragma GCC unroll 8
     for (int i = 0; i < MT; ++i) {
       // 4-bit codes and 8-bit ones with a scale per block keep one accumulator (the one
       // block_tile_m1x4 keeps): adding the unused one would change nothing but the sign of a zero
-      const __m256 sum = BITS4 || SPC <= 2 ? acc[i][0] : _mm256_add_ps(acc[i][0], acc[i][1]);
+      const __m256 sum = SPC <= 2 ? acc[i][0] : _mm256_add_ps(acc[i][0], acc[i][1]);
       const __m256 total = add_mins<BITS4, HALF>(sum, w, row_base, a.gsum + (m0 + i) * a.gstride);
       y[(m0 + i) * N + n] = hsum8(total) + (bias ? bias[n] : 0.f);
     }
@@ -1295,12 +1376,13 @@ inline void block_tile_m1x4_q8(const BlockActs& a, int64_t m, const QW& w, int64
 // kernels' order, so a two-level weight gives the bits of the same weight with its scales multiplied
 // out, and a row alone the bits of that row in a batch.
 // Layouts taken (kq_takes): 4-bit codes at groups of 32 (Q4_K, int4) or 64-256 (int4), 5-bit codes at
-// groups of 32 (Q5_K), centred 8-bit codes at groups of 16 with signed sub-scales (Q6_K). Other two-level layouts
+// groups of 32 (Q5_K), centred 6-bit codes at groups of 16 with signed sub-scales (Q6_K; 8-bit alike). Other two-level layouts
 // keep the expansion (in_runs), as the float-activation kernel and the slab dequantization do.
 // ---------------------------------------------------------------------------------------------
 #ifdef PERFXLM_INT8_DOTS
 inline bool kq_takes(const QW& w, int spc) {
   if (!w.kscales || w.levels) return false;
+  if (w.bits6) return spc == 4 && w.ksigned && w.centred;
   if (w.bits4) return !w.ksigned && (spc == 2 || (spc == 1 && !w.bits5));
   return spc == 4 && w.ksigned && w.centred;
 }
@@ -1488,7 +1570,24 @@ inline void kq_row(const BlockActs& a, int64_t m0, const QW& w, int64_t n, float
         acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(ws, xs), acc[i][0]);
       }
     };
-    if constexpr (SPC == 2) {
+    if constexpr (SPC == 4) {  // 6-bit codes at groups of 16: block_tile's halves apart, a super-block's
+      // 16 scales formed once, as two registers, for its four chunks (chunk q's 4 groups: lanes b..b + 3)
+      for (int64_t s = 0; s < chunks / 4; ++s) {
+        const __m256 s16[2] = {kvalues8<SIGNED>(sc, 16 * s, 16, 1.f), kvalues8<SIGNED>(sc, 16 * s + 8, 16, 1.f)};
+        #pragma GCC unroll 4
+        for (int q = 0; q < 4; ++q) {
+          const int64_t c = 4 * s + q;
+          const int b = 4 * (q % 2);
+          const __m256 ws_lo = _mm256_permutevar8x32_ps(s16[q / 2], _mm256_setr_epi32(b, b, b, b, b + 2, b + 2, b + 2, b + 2));
+          const __m256 ws_hi =
+              _mm256_permutevar8x32_ps(s16[q / 2], _mm256_setr_epi32(b + 1, b + 1, b + 1, b + 1, b + 3, b + 3, b + 3, b + 3));
+          __m256i lo, hi;
+          chunk_halves<FIVE>(row, c, w, lut, lo, hi);
+          #pragma GCC unroll 4
+          for (int i = 0; i < MT; ++i) six_bit_chunk(lo, hi, xq + i * K + c * 64, lanes + (i * chunks + c) * 16, ws_lo, ws_hi, acc[i]);
+        }
+      }
+    } else if constexpr (SPC == 2) {
       for (int64_t s = 0; s < chunks / 4; ++s) {
         const __m256 s8 = kvalues8<false>(sc, 8 * s, 8, 1.f);
         #pragma GCC unroll 4
@@ -1526,7 +1625,7 @@ inline void kq_row(const BlockActs& a, int64_t m0, const QW& w, int64_t n, float
   }
   #pragma GCC unroll 4
   for (int i = 0; i < MT; ++i) {
-    const __m256 sum = BITS4 ? acc[i][0] : _mm256_add_ps(acc[i][0], acc[i][1]);
+    const __m256 sum = BITS4 && SPC <= 2 ? acc[i][0] : _mm256_add_ps(acc[i][0], acc[i][1]);
     const __m256 total = kadd_mins<BITS4, SIGNED, SPC == 2 ? 8 : (SPC == 4 ? 16 : 0)>(sum, w, n, a.gsum + (m0 + i) * a.gstride);
     y[(m0 + i) * N + n] = hsum8(total) + (bias ? bias[n] : 0.f);
   }
@@ -1535,7 +1634,7 @@ inline void kq_row(const BlockActs& a, int64_t m0, const QW& w, int64_t n, float
 // Rows n0..n0 + NT - 1 against the M activation rows, MT at a time, in block_rows' order.
 template <bool BITS4, bool SIGNED, int SPC, int NT, bool FIVE>
 inline void kq_rows(const BlockActs& a, int64_t M, const QW& w, int64_t n0, float* y, const float* bias) {
-  if constexpr (BITS4 && NT == 4) {
+  if constexpr (BITS4 && NT == 4 && SPC <= 2) {
     if (M == 1) return kq_tile_m1x4<FIVE, SPC>(a, w, n0, y, bias);
   }
   int64_t m = 0;
@@ -1588,6 +1687,8 @@ void kq_gemv_typed(const BlockActs& a, int64_t M, const QW& w, float* y, const f
 void kq_product(const BlockActs& a, int64_t M, const QW& w, float* y, const float* bias, int spc) {
   if (!w.bits4)
     kq_gemv_typed<false, true, 4, false>(a, M, w, y, bias);
+  else if (w.bits6)
+    kq_gemv_typed<true, true, 4, true>(a, M, w, y, bias);
   else if (w.bits5)
     kq_gemv_typed<true, false, 2, true>(a, M, w, y, bias);
   else if (spc == 2)
@@ -1598,24 +1699,60 @@ void kq_product(const BlockActs& a, int64_t M, const QW& w, float* y, const floa
 #endif
 
 
+// Activation rows per pass over a tile of weight rows. A pass loads and unpacks each weight row's codes
+// once and multiplies them into every activation row it holds, so the unpacking is paid once per pass:
+// a verification step's 5-8 rows (a decode row and its guesses) ran as a pass of 4 and one of the rest,
+// every code unpacked twice (an extra row cost ~37 % of a one-row step). The widest pass whose
+// accumulators stay in registers: zmm (32 registers) keep MT x NT of them, so 5-8 rows take two weight
+// rows at a time (row_pass) and at most 4 rows the tile of four; ymm (16) run one weight row at a time with
+// MT accumulators, 2 MT for 8-bit codes at groups of 16 (two per chunk), which stay at 4 rows.
+// Each row's sums run in block_tile's order whatever the pass's width: a row alone gives the bits of the
+// same row in any batch (speculative verification's exactness rests on it).
+#ifdef PERFXLM_DOTS_AVX2
+template <bool BITS4, int SPC>
+constexpr int64_t kWideRows = (!BITS4 && SPC == 4) ? 4 : 8;
+#else
+template <bool BITS4, int SPC>
+constexpr int64_t kWideRows = 8;
+#endif
+
+// One pass of MT activation rows over the NT weight rows from n0 (see kWideRows).
+template <bool BITS4, bool HALF, int SPC, int MT, int NT, bool FIVE>
+inline void row_pass(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, float* y, const float* bias) {
+#ifdef PERFXLM_VNNI
+  if constexpr (MT > 4 && NT % 2 == 0) {
+    #pragma GCC unroll 4
+    for (int j = 0; j < NT; j += 2) block_tile<BITS4, HALF, SPC, MT, 2, FIVE>(a, m0, w, n0 + j, y, bias);
+    return;
+  }
+#endif
+  block_tile<BITS4, HALF, SPC, MT, NT, FIVE>(a, m0, w, n0, y, bias);
+}
+
+// The last `rows` (1..MT) activation rows from m0, as one pass.
+template <bool BITS4, bool HALF, int SPC, int MT, int NT, bool FIVE>
+inline void rows_left(const BlockActs& a, int64_t rows, int64_t m0, const QW& w, int64_t n0, float* y,
+                      const float* bias) {
+  if constexpr (MT >= 1) {
+    if (rows == MT) return row_pass<BITS4, HALF, SPC, MT, NT, FIVE>(a, m0, w, n0, y, bias);
+    rows_left<BITS4, HALF, SPC, MT - 1, NT, FIVE>(a, rows, m0, w, n0, y, bias);
+  }
+}
+
 template <bool BITS4, bool HALF, int SPC, int NT, bool FIVE>
 inline void block_rows(const BlockActs& a, int64_t M, const QW& w, int64_t n0, float* y, const float* bias) {
 #ifdef PERFXLM_BLOCK_M1X4
-  if constexpr (NT == 4 && BITS4) {
+  if constexpr (NT == 4 && BITS4 && SPC <= 2) {
     if (M == 1) return block_tile_m1x4<BITS4, HALF, SPC, FIVE>(a, 0, w, n0, y, bias);
   }
   if constexpr (NT == 4 && !BITS4 && SPC <= 2) {
     if (M == 1) return block_tile_m1x4_q8<HALF, SPC>(a, 0, w, n0, y, bias);
   }
 #endif
+  constexpr int64_t wide = kWideRows<BITS4, SPC>;
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) block_tile<BITS4, HALF, SPC, 4, NT, FIVE>(a, m, w, n0, y, bias);
-  switch (M - m) {
-    case 3: block_tile<BITS4, HALF, SPC, 3, NT, FIVE>(a, m, w, n0, y, bias); break;
-    case 2: block_tile<BITS4, HALF, SPC, 2, NT, FIVE>(a, m, w, n0, y, bias); break;
-    case 1: block_tile<BITS4, HALF, SPC, 1, NT, FIVE>(a, m, w, n0, y, bias); break;
-    default: break;
-  }
+  for (; m + wide <= M; m += wide) row_pass<BITS4, HALF, SPC, wide, NT, FIVE>(a, m, w, n0, y, bias);
+  if (m < M) rows_left<BITS4, HALF, SPC, wide - 1, NT, FIVE>(a, M - m, m, w, n0, y, bias);
 }
 
 template <bool BITS4, bool HALF, int SPC, bool FIVE>
@@ -1650,7 +1787,7 @@ int block_spc(const QW& w) {
   if ((w.levels && !w.int_lut) || w.K % 64 != 0) return 0;
   if (w.group % 64 == 0) return 1;
   if (w.group == 32) return 2;
-  if (w.group == 16 && !w.bits4) return 4;
+  if (w.group == 16 && (!w.bits4 || w.bits6)) return 4;
   return 0;
 }
 
@@ -1658,17 +1795,17 @@ template <bool BITS4, bool HALF, bool FIVE = false>
 void block_gemv_spc(const BlockActs& a, int64_t M, const QW& w, float* y, const float* bias, int spc) {
   if (spc == 1) block_gemv_typed<BITS4, HALF, 1, FIVE>(a, M, w, y, bias);
   else if (spc == 2) block_gemv_typed<BITS4, HALF, 2, FIVE>(a, M, w, y, bias);
-  else if constexpr (!BITS4) block_gemv_typed<BITS4, HALF, 4, FIVE>(a, M, w, y, bias);
+  else if constexpr (!BITS4 || FIVE) block_gemv_typed<BITS4, HALF, 4, FIVE>(a, M, w, y, bias);  // 8- or 6-bit
 }
 
 // Whether the int8 GEMM (quant_gemm.cpp) takes a weight the block GEMV takes: perfxlm/ops/linear.py's
 // gemm_takes, less the two-level scales it multiplies out in Python. M rows: 8-bit codes past the build's
 // int8-rate code take it up to quant_block_gemm_rows8() rows.
 bool gemm_takes(const QW& w, int64_t M) {
-  const int top = w.bits4 ? (w.bits5 ? 31 : 15) : 255;
+  const int top = w.bits4 ? (w.bits6 ? 63 : (w.bits5 ? 31 : 15)) : 255;
   const bool rate = top <= perfxlm_qgemm::quant_block_gemm_max_code() ||
                     (top == 255 && !w.levels && M <= perfxlm_qgemm::quant_block_gemm_rows8());
-  return w.group % 32 == 0 && (!w.kscales || w.kexp) && (!w.levels || w.int_lut) && rate;
+  return w.group % 32 == 0 && !w.bits6 && (!w.kscales || w.kexp) && (!w.levels || w.int_lut) && rate;
 }
 
 at::Tensor block_product(const at::Tensor& x, const QW& w, const float* bias, int spc) {

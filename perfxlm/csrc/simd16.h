@@ -55,9 +55,9 @@ inline void load_nibbles(const uint8_t* p, I& lo, I& hi) {
   hi = {_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), m))};
 }
 inline V to_float(I a) { return {_mm512_cvtepi32_ps(a.v)}; }
-// 5-bit codes: 16 added to the lanes whose bit is set in `bits` (bit i = lane i).
-inline I add_fifth_bits(I a, uint32_t bits) {
-  return {_mm512_mask_add_epi32(a.v, static_cast<__mmask16>(bits), a.v, _mm512_set1_epi32(16))};
+// 5-bit codes: 16 added to the lanes whose bit is set in `bits` (bit i = lane i); 6-bit codes' sixth bits: 32.
+inline I add_fifth_bits(I a, uint32_t bits, int value = 16) {
+  return {_mm512_mask_add_epi32(a.v, static_cast<__mmask16>(bits), a.v, _mm512_set1_epi32(value))};
 }
 // table[code] per lane, codes 0..15 (NF4's levels).
 struct Table16 {
@@ -171,10 +171,10 @@ inline void load_nibbles(const uint8_t* p, I& lo, I& hi) {
 }
 inline V to_float(I a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
 // 5-bit codes: 16 added to the lanes whose bit is set in `bits` (bit i = lane i): each lane tests its
-// own bit of the broadcast word.
-inline I add_fifth_bits(I a, uint32_t bits) {
+// own bit of the broadcast word. 6-bit codes' sixth bits: 32.
+inline I add_fifth_bits(I a, uint32_t bits, int value = 16) {
   const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-  const __m256i sixteen = _mm256_set1_epi32(16);
+  const __m256i sixteen = _mm256_set1_epi32(value);
   const __m256i b0 = _mm256_set1_epi32(static_cast<int>(bits & 0xFF));
   const __m256i b1 = _mm256_set1_epi32(static_cast<int>((bits >> 8) & 0xFF));
   const __m256i m0 = _mm256_cmpeq_epi32(_mm256_and_si256(b0, lane_bit), lane_bit);

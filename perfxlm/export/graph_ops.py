@@ -36,7 +36,9 @@ NEG_LARGE = float(np.finfo(np.float32).min)  # masked scores: exp() is exactly 0
 
 
 def dequantized(weight: QuantizedWeight) -> np.ndarray:
-    return weight.dequantize().float().numpy()
+    """The weight as the model multiplies by it, float32 [N, K]: an act-order weight's columns put back in
+    input order (`dense`)."""
+    return weight.dense().float().numpy()
 
 
 class GraphOps(MoeOps, LatentAttentionOps):
@@ -385,6 +387,8 @@ class OrtOps(GraphOps):
         if packed is None:  # no power-of-two block fits its groups: float, as the standard flavor does
             return self._gemm(x, dequantized(w), lw, rows=rows)
         g = self.g
+        if w.input_order is not None:  # GPTQ act-order: the codes' columns are these input channels
+            x = g.op("Gather", [x, g.weight(f"{lw.name}.input_order", w.input_order.numpy())], axis=-1)
         args = [x, g.weight(f"{lw.name}.weight_q", packed.codes),
                 g.weight(f"{lw.name}.scales", packed.scales),
                 g.weight(f"{lw.name}.zero_points", packed.zero_points)]

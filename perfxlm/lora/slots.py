@@ -14,8 +14,9 @@ columns against the projection's thousands. A step whose rows all use one adapte
 slot's columns (a view), so batch-1 decode with an adapter pays for its own rank alone.
 
 The fused decode layer does not take the dense products: its kernel (csrc/lora_kernels.cpp) groups the
-rows by slot and reads only each used slot's A and the part of each B row its module covers
-(`fused_operands`), so the zeros beside a fused projection's parts and the slots no row uses cost nothing.
+rows by slot and reads only each used slot's A and the part of each B row its module covers, from one
+block per layer (pack.py, `fused_operands`) that holds each slot's weights of the layer contiguously and
+without the zeros beside a fused projection's parts; the slots no row uses cost nothing.
 
 A and B are stored in the LoRA dtype (LoRAConfig.dtype; "auto": float32 beside float32 base weights, so
 a float32 engine matches peft exactly, bfloat16 beside bf16 ones, as vLLM keeps adapters in the model's
@@ -41,6 +42,7 @@ import torch
 
 from perfxlm.lora.adapter import LoRAAdapter
 from perfxlm.lora.layers import LoRALinear
+from perfxlm.lora.pack import pack_layer
 
 
 @dataclass(frozen=True)
@@ -114,9 +116,10 @@ class LoRABatch:
 
     def fused_operands(self, projections: Sequence[Any]) -> list[torch.Tensor]:
         """The fused decode layer's `lora` list for one layer's projections (csrc/lora_kernels.h): the rows'
-        slots, then (A, B^T, scale, cols) per projection, empty tensors where no adapter targets it. Only
-        the rows' slots change from step to step: the rest is the layer's list, kept until the next repack."""
-        return [self._row_slot32, *self._kernel_operands.of(projections)]
+        slots and the layer's adapter block (pack.py), or [] where no adapter in the slots targets the
+        layer. Only the rows' slots change from step to step: the block is kept until the next repack."""
+        block = self._kernel_operands.of(projections)
+        return [self._row_slot32, block] if block.numel() else []
 
     def add(self, layer: Any, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         ops = self.operands(layer)
@@ -136,28 +139,27 @@ class LoRABatch:
                 torch.set_num_threads(threads)
 
 
-_NO_KERNEL_OPERANDS = (torch.empty(0),) * 4
-
-
 class KernelOperands:
-    """Each layer's (A, B^T, scale, cols) per projection for the fused kernel, as the slots hold them now:
-    built at a layer's first step after a repack, so a decode step does not look up 4 projections' packed
-    operands again in every layer (tens of attribute reads per layer, measurable at batch 1)."""
+    """Each layer's adapter block for the fused kernel (pack.py), as the slots hold them now: built at a
+    layer's first step after a repack (a copy of the layer's adapters, laid out in the order the kernel
+    reads them), so a decode step passes one tensor per layer and the kernel parses no column tables. A
+    repack replaces the whole object: no step can see a block of adapters that have left the slots."""
 
     def __init__(self) -> None:
-        self._lists: dict[int, tuple[Sequence[Any], list[torch.Tensor]]] = {}  # id(projections) -> list
+        self._blocks: dict[int, tuple[Sequence[Any], torch.Tensor]] = {}  # id(projections) -> block
 
-    def of(self, projections: Sequence[Any]) -> list[torch.Tensor]:
-        hit = self._lists.get(id(projections))
+    def of(self, projections: Sequence[Any]) -> torch.Tensor:
+        hit = self._blocks.get(id(projections))
         if hit is not None and hit[0] is projections:
             return hit[1]
-        ops: list[torch.Tensor] = []
+        ops: list[Any] = []
         for m in projections:
             packed: PackedLoRA | None = getattr(m, "packed", None)
-            ops += _NO_KERNEL_OPERANDS if packed is None else (packed.kernel_a, packed.kernel_bt,
-                                                               packed.kernel_scale, packed.kernel_cols)
-        self._lists[id(projections)] = (projections, ops)
-        return ops
+            ops.append(None if packed is None else (packed.kernel_a, packed.kernel_bt, packed.kernel_scale,
+                                                    packed.kernel_cols))
+        block = pack_layer(ops)
+        self._blocks[id(projections)] = (projections, block)
+        return block
 
 
 @dataclass

@@ -43,6 +43,14 @@ class AttentionMetadata:
     # the fields above.
     prepared: Any = None
 
+    def prefill_part(self) -> AttentionMetadata:
+        """The step without its decode rows: the prefill sequences renumbered from row 0. A layer whose
+        decode rows took a kernel of their own (MLA's latent decode) attends the rest of the step with it."""
+        nd = self.num_decode_tokens
+        prefills = [PrefillSeq(p.start - nd, p.end - nd, p.num_context_tokens, p.block_table)
+                    for p in self.prefills]
+        return AttentionMetadata(self.slot_mapping[nd:], 0, None, None, None, prefills, self.lora)
+
 
 @dataclass(slots=True)
 class CachelessBatch:

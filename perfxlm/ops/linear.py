@@ -27,7 +27,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from perfxlm.ops import cpu_plan, native
+from perfxlm.ops import cpu_plan, fp8_linear, native
 from perfxlm.quant.reference import fake_quantize_blocks, reference_linear
 from perfxlm.quant.weight import ActivationMode, QuantizedWeight
 
@@ -102,6 +102,8 @@ def quantized_linear(
     blocks as the weight's `activations` (decided at load from `quant_activations`) says, else the
     products are exact to float summation order. The fused decode layer does the same."""
     ops = native.kernels()
+    if ops is not None and not weight.kernel_levels and fp8_linear.takes(weight):  # e4m3 bytes
+        return fp8_linear.fp8_linear(ops, x, weight, bias)
     if ops is None or not hasattr(ops, "linear_q") or not weight.kernel_levels:
         return reference_linear(x, weight, bias)
     mode = weight.activations
@@ -140,9 +142,9 @@ def run_linear_q(
 
 
 def gemv_rows(weight: QuantizedWeight, plan: cpu_plan.CpuPlan) -> int:
-    """Rows up to which `linear_q` runs this int8-block weight's GEMV (csrc quant_linear.cpp's rule: 4- and
-    5-bit codes and weights of more than 4M values keep it up to quant_block_max_rows where set)."""
-    block_wins = weight.bits in (4, 5) or weight.out_features * weight.in_features > (4 << 20)
+    """Rows up to which `linear_q` runs this int8-block weight's GEMV (csrc quant_linear.cpp's rule: 4-, 5-
+    and 6-bit codes and weights of more than 4M values keep it up to quant_block_max_rows where set)."""
+    block_wins = weight.bits in (4, 5, 6) or weight.out_features * weight.in_features > (4 << 20)
     return plan.quant_block_max_rows if block_wins and plan.quant_block_max_rows >= 0 else plan.quant_max_rows
 
 
@@ -160,7 +162,7 @@ def gemm_takes(weight: QuantizedWeight, rows: int | None = None) -> bool:
     only up to gemm_rows8() rows, past which the float32 GEMM is faster); not W8A8 per token (one
     activation scale per row: its own integer GEMM). GGUF K-quants' two-level byte scales are multiplied out
     per call for it (`run_linear_q`)."""
-    if weight.act == "int8" or weight.group % 32 != 0:
+    if weight.act == "int8" or weight.group % 32 != 0 or weight.bits == 6:  # no 6-bit GEMM tile yet
         return False
     if weight.levels is None:
         top = (1 << weight.bits) - 1
@@ -191,11 +193,12 @@ def gemm_max_code() -> int:
 def native_int8_blocks(weight: QuantizedWeight) -> bool:
     """Whether the native kernel quantizes activations to int8 blocks for this weight when asked (a VNNI
     build, and a layout its block GEMV takes: no level table, or a centred table of integers spanning at
-    most 64 (MXFP4's, looked up as int8), K a multiple of 64, groups of 16 / 32 / multiples of 64);
+    most 64 (MXFP4's, looked up as int8), K a multiple of 64, groups of 32 / multiples of 64, or of 16 with
+    6- or 8-bit codes);
     elsewhere it multiplies the activations as given."""
     g = weight.group
     layout_ok = (weight.levels is None or integer_levels(weight)) and weight.in_features % 64 == 0 and (
-        g % 64 == 0 or g == 32 or (g == 16 and weight.bits == 8)
+        g % 64 == 0 or g == 32 or (g == 16 and weight.bits in (6, 8))
     )
     return layout_ok and _int8_dots()
 

@@ -54,6 +54,11 @@ Options: `quantization_group_size` (weights per scale; -1 = one scale per output
   one symmetric float32 scale per 64 values, the min implied (Q8_0's form; 8.5 bits per weight), as every llama.cpp format stores
   them (default true). false keeps them in the model's float dtype: on the default model a float32
   head is 113 MB, more than all its int4 projections, and every decode step reads it whole.
+- `head_bits` (int4, nf4; with `lm_head`): 8 (the form above) or 6: llama.cpp's Q6_K, as Q4_K_M and
+  Q4_0 hold the LM head (`perfxlm.quant.six_bit`: 6-bit centred codes, a signed byte scale per 16 and a
+  float16 factor per 256, 6.56 bits per weight; a float16 scale per 32, 6.5 bits, on rows that are not
+  whole 256s). Default 6 for int4 (2 bits per weight fewer on the matrix a decode step reads most of),
+  8 for nf4.
 
 Activations (the engine's `quant_activations`, CLI `--quant-activations`; `resolve_activations`):
 - "auto" (default): on a bfloat16 model, a GGUF file's tensors and "int4" round the activations to int8
@@ -80,7 +85,7 @@ from typing import Any, Callable
 
 import torch
 
-from perfxlm.quant import quantizers, two_level
+from perfxlm.quant import quantizers, six_bit, two_level
 from perfxlm.quant.formats.loading import ALIASES as CHECKPOINT_ALIASES
 from perfxlm.quant.formats.loading import FORMATS
 from perfxlm.quant.weight import ACT_BLOCK, BLOCK4, ActivationMode, QuantizedWeight
@@ -105,8 +110,10 @@ _DEFAULT_GROUP = {"int8": 64, "int4": 32, "nf4": 64, "w8a8": PER_CHANNEL}
 _DEFAULT_FALLS_BACK_PER_CHANNEL = ("int8",)
 _DICT_KEYS = (
     "method", "group_size", "symmetric", "activation_group_size", "calibration", "calibration_tokens",
-    "mixed_precision", "double_quant", "lm_head", "super_blocks",
+    "mixed_precision", "double_quant", "lm_head", "super_blocks", "head_bits",
 )  # fmt: skip
+HEAD_BITS = (6, 8)  # code widths of the embedding table / LM head
+_DEFAULT_HEAD_BITS = {"int4": 6}  # else 8
 LARGE_TABLE_ROWS = 16384  # 5-bit codes for more rows than this, calibration-free: Q5_0's one-pass rule
 TABLE_GROUP = 64  # the 8-bit embedding table / LM head: weights per scale (32 where 64 does not divide)
 DEFAULT_CALIBRATION = "default"  # the built-in text (perfxlm/quant/calibration.txt)
@@ -202,6 +209,7 @@ class QuantizationConfig:
     double_quant: bool = True  # nf4: QLoRA's double-quantized absmax
     super_blocks: bool = False  # int4 asymmetric: two-level scales on rows of whole 256s (resolve: on)
     lm_head: bool = True  # the embedding table and the LM head as 8-bit codes (else float)
+    head_bits: int = 8  # their code width under lm_head: 8 (Q8_0's form) or 6 (Q6_K's; int4's default)
 
     @property
     def quantizes(self) -> bool:
@@ -243,7 +251,7 @@ class QuantizationConfig:
             kind += ", double-quantized absmax" if self.double_quant else plain
         if self.mixed_precision:
             kind += ", 5- and 8-bit codes where llama.cpp's Q4_K_M widens or falls back to Q5_0 / Q8_0"
-        kind += ", 8-bit embedding and LM head" if self.lm_head else ", float embedding and LM head"
+        kind += f", {self.head_bits}-bit embedding and LM head" if self.lm_head else ", float embedding and LM head"
         if self.method == "w8a8":
             per = "token" if self.activation_group_size == PER_CHANNEL else f"{self.activation_group_size} values"
             kind += f", activations: one scale per {per}"
@@ -271,6 +279,8 @@ class QuantizationConfig:
                 out["super_blocks"] = self.super_blocks
             if not self.lm_head:
                 out["lm_head"] = False
+            if self.head_bits != _DEFAULT_HEAD_BITS.get(self.method, 8):
+                out["head_bits"] = self.head_bits
         return out
 
     def group_for(self, in_features: int) -> int:
@@ -316,10 +326,13 @@ class QuantizationConfig:
 
     def quantize_table(self, w: torch.Tensor) -> QuantizedWeight:
         """An embedding table or LM head [V, K] -> 8-bit codes, one symmetric scale per TABLE_GROUP values
-        (per 32, or per row, where that does not divide K). Weight-only under every method: the head's
+        (per 32, or per row, where that does not divide K); under head_bits=6, 6-bit codes (`six_bit`) where
+        K is whole blocks of 32. Weight-only under every method: the head's
         activations are rounded only as the engine's `quant_activations` says for weight-only formats
         (W8A8's per-token rounding moved greedy picks on the head where the layers' did not)."""
         k = w.shape[-1]
+        if self.head_bits == 6 and w.dim() == 2 and k % BLOCK4 == 0:
+            return six_bit.quantize(w)
         group = next((g for g in (TABLE_GROUP, 32) if k % g == 0), k)
         return quantizers.quantize_symmetric_int8(w, group, centred=True)
 
@@ -522,4 +535,10 @@ def _extras(method: str, options: dict[str, Any], symmetric: bool) -> dict[str, 
     if not isinstance(lm_head, bool):
         raise ValueError(f"quantization lm_head={lm_head!r}: expected true (8-bit embedding and LM head) or false.")
     out["lm_head"] = lm_head
+    head_bits = options.get("head_bits")
+    if head_bits is not None and (isinstance(head_bits, bool) or head_bits not in HEAD_BITS
+                                  or method not in ("int4", "nf4")):  # fmt: skip
+        raise ValueError(f"quantization head_bits={head_bits!r} with {method}: supported: 6 (Q6_K's form) or 8 "
+                         "(Q8_0's), with int4 and nf4.")
+    out["head_bits"] = _DEFAULT_HEAD_BITS.get(method, 8) if head_bits is None else head_bits
     return out

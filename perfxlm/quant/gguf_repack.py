@@ -16,10 +16,12 @@ Each type maps onto the affine form w = scale * u + min without changing a value
   dmin float16 per 256; scale d * sc, min -dmin * m, multiplied in float32 by the kernels as gguf-py does
   (4.625 bits per weight streamed; one float32 scale and min per group streamed 6).
 - Q5_K: as Q4_K with 5-bit u (0..31): 5.625 bits per weight.
-- Q6_K: 8-bit u = q + 96, centred (u - 128 = q - 32, the min -32 d * sc implied), group 16; two-level
-  scales: sc int8, d float16 per 256 (8.56 bits per weight streamed; float32 scale and min per 16: 12).
+- Q6_K: 6-bit u = q (0..63: nibbles, then the fifth and sixth bit planes), centred (the min -32 d * sc
+  implied), group 16; two-level scales: sc int8, d float16 per 256: 6.56 bits per weight streamed, as the
+  file holds them (8-bit codes streamed 8.56; float32 scale and min per 16: 12).
 - MXFP4: 4-bit codes into the E2M1 level table, group 32, scale 2^(e - 128) (float32; `quant/mxfp4.py`).
-The 5-bit forms run the 4-bit kernels plus one masked add per 32 codes (int8 block products included).
+The 5- and 6-bit forms run the 4-bit kernels plus one or two masked adds per 32 codes (int8 block products
+included).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 
 from perfxlm.ops import gguf_dequant as gd
 from perfxlm.quant import mxfp4, super_scales
-from perfxlm.quant.weight import QuantizedWeight, pack_fives, pack_nibbles
+from perfxlm.quant.weight import QuantizedWeight, pack_fives, pack_nibbles, pack_sixes
 
 Q = gguf.GGMLQuantizationType
 
@@ -118,10 +120,10 @@ def repack(raw: np.ndarray | torch.Tensor, qtype: Q, shape: tuple[int, ...]) -> 
         nb = b.shape[0]
         low = gd._split_nibbles(b[:, :128], 64).reshape(nb, 8, 32)
         high = b[:, 128:192].reshape(nb, 2, 1, 32).bitwise_right_shift(gd._Q6_HIGH_SHIFTS).bitwise_and_(3)
-        codes = low.bitwise_or_(high.reshape(nb, 8, 32).bitwise_left_shift_(4)).add_(96).reshape(n, k)
+        u = low.bitwise_or_(high.reshape(nb, 8, 32).bitwise_left_shift_(4)).reshape(n, k)
         sub = b[:, 192:208].contiguous().view(torch.int8).reshape(n, -1)
         scales = super_scales.join(sub, _f16(b, 208).reshape(n, k // 256))
-        return QuantizedWeight(codes, scales, None, None, 8, 16, "float", n, k)
+        return QuantizedWeight(pack_sixes(u), scales, None, None, 6, 16, "float", n, k)
     return QuantizedWeight(
         codes.contiguous().reshape(n, k * bits // 8), scales.contiguous().reshape(n, k // group),
         None if mins is None else mins.contiguous().reshape(n, k // group), None, bits, group, "float", n, k,

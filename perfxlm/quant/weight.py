@@ -6,7 +6,10 @@ A weight matrix [N, K] (or a stack of expert matrices [E, N, K]) is stored as
   element 32b + j in its low nibble and element 32b + 16 + j in its high nibble; bits=5: [N, 5 K // 8],
   each row the 4-bit layout of the low four bits (K // 2 bytes) followed by a plane of the fifth bits
   (K // 8 bytes, bit i of byte b = element 8b + i: a 32-block's four bytes read as one little-endian
-  word give its elements in order, as GGUF Q5_0's qh does), u = low + 16 x fifth (0..31);
+  word give its elements in order, as GGUF Q5_0's qh does), u = low + 16 x fifth (0..31); bits=6: [N, 3 K // 4],
+  the 5-bit layout followed by a second plane of sixth bits (K // 8 bytes, in the fifth plane's order),
+  u = low + 16 x fifth + 32 x sixth (0..63): GGUF Q6_K's values, read by the 4- and 5-bit kernels plus one
+  more masked add;
 - `scales`, `mins`: both float32 or both float16, [N, K // group], contiguous; or GGUF K-quants'
   two-level form (`perfxlm.quant.super_scales`): bytes [N, K // group + 2 K // 256], a small integer per
   group then a float16 factor per 256 weights; or, for a level table (MXFP4), power-of-two bytes
@@ -47,7 +50,7 @@ from perfxlm.quant import super_scales
 ACTS = ("float", "int8", "int8_block")
 ACT_BLOCK = 32  # activations per scale under act="int8_block"
 BLOCK4 = 32  # elements per nibble block of 4-bit (and 5-bit) codes (GGUF Q4_0's)
-BITS = (4, 5, 8)  # code widths
+BITS = (4, 5, 6, 8)  # code widths
 EXPONENT = torch.float8_e8m0fnu  # scales held as power-of-two bytes (MXFP4's E8M0), 2^(byte - 127)
 
 
@@ -93,26 +96,46 @@ def pack_nibbles(values: torch.Tensor) -> torch.Tensor:
     return (v[..., 0, :] | (v[..., 1, :] << 4)).reshape(*lead, -1).contiguous()
 
 
-def pack_fives(values: torch.Tensor) -> torch.Tensor:
-    """[..., K] uint8 values 0..31 (K a multiple of 32) -> 5-bit codes [..., 5 K // 8]: the low four bits
-    in Q4_0's nibble layout, then the plane of fifth bits."""
+def _bit_plane(values: torch.Tensor, bit: int) -> torch.Tensor:
+    """[..., K] uint8 -> [..., K // 8]: bit `bit` of each value, element 8b + i at bit i of byte b."""
     lead, k = values.shape[:-1], values.shape[-1]
-    nibbles = pack_nibbles(values & 0x0F)
-    high = (values >> 4).reshape(*lead, k // 8, 8)
+    high = ((values >> bit) & 1).reshape(*lead, k // 8, 8)
     plane = high[..., 0].clone()
     for i in range(1, 8):  # uint8 shifts and ors: a fifth of the time of a weighted int32 sum (measured)
         plane.bitwise_or_(high[..., i] << i)
-    return torch.cat([nibbles, plane], dim=-1).contiguous()
+    return plane
+
+
+def _plane_bits(plane: torch.Tensor) -> torch.Tensor:
+    """A bit plane [..., K // 8] -> its bits, one uint8 (0 or 1) per element [..., K]."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    return torch.bitwise_and(torch.bitwise_right_shift(plane.unsqueeze(-1), shifts), 1).reshape(*plane.shape[:-1], -1)
+
+
+def pack_fives(values: torch.Tensor) -> torch.Tensor:
+    """[..., K] uint8 values 0..31 (K a multiple of 32) -> 5-bit codes [..., 5 K // 8]: the low four bits
+    in Q4_0's nibble layout, then the plane of fifth bits."""
+    return torch.cat([pack_nibbles(values & 0x0F), _bit_plane(values, 4)], dim=-1).contiguous()
+
+
+def pack_sixes(values: torch.Tensor) -> torch.Tensor:
+    """[..., K] uint8 values 0..63 (K a multiple of 32) -> 6-bit codes [..., 3 K // 4]: the 5-bit layout of
+    the low five bits, then the plane of sixth bits."""
+    return torch.cat([pack_fives(values & 0x1F), _bit_plane(values, 5)], dim=-1).contiguous()
 
 
 def unpack_fives(codes: torch.Tensor) -> torch.Tensor:
     """5-bit codes [..., 5 K // 8] -> one uint8 per element [..., K] (values 0..31)."""
-    lead, k = codes.shape[:-1], codes.shape[-1] * 8 // 5
+    k = codes.shape[-1] * 8 // 5
     low = unpack_nibbles(codes[..., : k // 2].contiguous())
-    plane = codes[..., k // 2 :].unsqueeze(-1)
-    shifts = torch.arange(8, dtype=torch.uint8)
-    high = torch.bitwise_and(torch.bitwise_right_shift(plane, shifts), 1).reshape(*lead, k)
-    return low | (high << 4)
+    return low | (_plane_bits(codes[..., k // 2 :]) << 4)
+
+
+def unpack_sixes(codes: torch.Tensor) -> torch.Tensor:
+    """6-bit codes [..., 3 K // 4] -> one uint8 per element [..., K] (values 0..63)."""
+    k = codes.shape[-1] * 4 // 3
+    low = unpack_fives(codes[..., : 5 * k // 8].contiguous())
+    return low | (_plane_bits(codes[..., 5 * k // 8 :]) << 5)
 
 
 def pack_codes(values: torch.Tensor, bits: int) -> torch.Tensor:
@@ -121,6 +144,8 @@ def pack_codes(values: torch.Tensor, bits: int) -> torch.Tensor:
         return pack_nibbles(values)
     if bits == 5:
         return pack_fives(values)
+    if bits == 6:
+        return pack_sixes(values)
     return values.contiguous()
 
 
@@ -159,9 +184,10 @@ class QuantizedWeight:
             raise ValueError(f"QuantizedWeight: act={self.act!r}; supported: {', '.join(ACTS)}.")
         if g < 1 or k % g:
             raise ValueError(f"QuantizedWeight: group {g} does not divide in_features {k}.")
-        if self.bits != 8 and (k % BLOCK4 or g % BLOCK4):
+        if self.bits != 8 and (k % BLOCK4 or g % self.min_group):
             raise ValueError(
-                f"QuantizedWeight: {self.bits}-bit codes need in_features ({k}) and group ({g}) multiples of {BLOCK4}."
+                f"QuantizedWeight: {self.bits}-bit codes need in_features ({k}) multiples of {BLOCK4} and group "
+                f"({g}) multiples of {self.min_group}."
             )
         lead = tuple(self.codes.shape[:-2])
         if len(lead) > 1:
@@ -190,8 +216,8 @@ class QuantizedWeight:
         if self.mins is not None and self.scales.dtype != self.mins.dtype:
             raise ValueError("QuantizedWeight: scales and mins must share one dtype.")
         lv = self.levels
-        if lv is not None and self.bits == 5:
-            raise ValueError("QuantizedWeight: 5-bit codes take no level table (affine codes only).")
+        if lv is not None and self.bits in (5, 6):
+            raise ValueError(f"QuantizedWeight: {self.bits}-bit codes take no level table (affine codes only).")
         if lv is not None and (lv.dtype != torch.float32 or tuple(lv.shape) != (1 << self.bits,)):
             raise ValueError(f"QuantizedWeight: levels must be float32 [{1 << self.bits}] for {self.bits}-bit codes.")
         order = self.input_order
@@ -244,6 +270,12 @@ class QuantizedWeight:
             )
 
     # ---- centred codes -------------------------------------------------------------------------------
+    @property
+    def min_group(self) -> int:
+        """The smallest group the code width takes: whole 32-blocks for 4- and 5-bit codes; 6-bit codes
+        (Q6_K's) a half block, each half of a 32-block being one nibble half the kernels unpack; 8-bit 1."""
+        return {4: BLOCK4, 5: BLOCK4, 6: BLOCK4 // 2}.get(self.bits, 1)
+
     @property
     def centred(self) -> bool:
         """Whether the mins are implied (-centre x scale) rather than stored."""
@@ -371,6 +403,8 @@ class QuantizedWeight:
         """One uint8 code per weight, [..., N, K]."""
         if self.bits == 4:
             return unpack_nibbles(self.codes)
+        if self.bits == 6:
+            return unpack_sixes(self.codes)
         return unpack_fives(self.codes) if self.bits == 5 else self.codes
 
     def dequantize(self) -> torch.Tensor:
@@ -446,10 +480,13 @@ class QuantizedWeight:
 
     def _column_codes(self, start: int, length: int) -> torch.Tensor:
         """The codes of input columns [start, start + length) (whole 32-blocks), contiguous."""
-        if self.bits == 5:  # two planes, nibbles then fifth bits: each narrowed (whole 32-blocks in both)
-            half = self.in_features // 2
-            return torch.cat([self.codes[..., :half].narrow(-1, start // 2, length // 2),
-                              self.codes[..., half:].narrow(-1, start // 8, length // 8)], dim=-1)
+        if self.bits in (5, 6):  # nibbles then one or two bit planes: each narrowed (whole 32-blocks in all)
+            k = self.in_features
+            parts = [self.codes[..., : k // 2].narrow(-1, start // 2, length // 2)]
+            for p in range(self.bits - 4):
+                at = k // 2 + p * (k // 8)
+                parts.append(self.codes[..., at : at + k // 8].narrow(-1, start // 8, length // 8))
+            return torch.cat(parts, dim=-1)
         return self.codes.narrow(-1, start * self.bits // 8, length * self.bits // 8).contiguous()
 
     def zero_rows(self, rows: int) -> "QuantizedWeight":
@@ -490,7 +527,7 @@ class QuantizedWeight:
         if self.group % group:
             raise ValueError(f"group {group} does not divide {self.group}")
         r = self.group // group
-        w = self if self.bits == 8 or group % BLOCK4 == 0 else self.widened()
+        w = self if group % self.min_group == 0 else self.widened()
         dim = w.scales.dim() - 1
         return w._like(
             w.codes, w.scales.repeat_interleave(r, dim=dim),
@@ -529,7 +566,12 @@ class QuantizedWeight:
             return list(parts)  # one byte-scaled form: rows concatenate as they are
         parts = [p.flat() for p in parts]
         group = math.gcd(*(p.group for p in parts))
-        bits = 8 if any(p.bits == 8 for p in parts) or group % BLOCK4 else max(p.bits for p in parts)
+        # 6-bit parts beside others take 8 (the form a fused Q6_K part had before 6-bit codes: its int8
+        # block GEMV at groups of 16); so do groups finer than whole 32-blocks
+        six_mixed = any(p.bits == 6 for p in parts) and any(p.bits != 6 for p in parts)
+        bits = 8 if any(p.bits == 8 for p in parts) or six_mixed else max(p.bits for p in parts)
+        if group % (BLOCK4 // 2 if bits == 6 else BLOCK4):
+            bits = 8
         if bits == 8 and levels[0] is not None and any(p.bits == 4 for p in parts):
             raise ValueError("level-table (NF4) parts cannot be widened to 8-bit codes; no common form")
         if len({p.centred for p in parts}) > 1:  # centred beside stored mins: store them all

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from perfxlm.lora.adapter import LoRAAdapter, LoRAPart
+from perfxlm.lora.pack import pack_layer
 from perfxlm.lora.request import LoRARequest
 from perfxlm.lora.slots import LoRASlots
 
@@ -52,21 +53,30 @@ def test_grouped_product_per_row_and_lru_slots():
     assert slots.num_repacks == 2
 
 
-def test_fused_kernel_operands_kept_per_layer_until_a_repack():
-    # each layer's operand list is built once for the slots' contents; a step only puts its rows' slots first
-    wrapper = _Wrapper("proj", 11)
-    slots = LoRASlots([wrapper], max_loras=2, dtype=torch.float32)
+def _block_now(wrapper) -> torch.Tensor:
+    p = wrapper.packed
+    return pack_layer([None if p is None else (p.kernel_a, p.kernel_bt, p.kernel_scale, p.kernel_cols)])
+
+
+def test_fused_kernel_block_kept_per_layer_until_a_repack():
+    # each layer's adapter block is built once for the slots' contents; a step only puts its rows' slots
+    # first, and after a repack (an adapter evicted, another loaded in its slot) no step sees the old block
+    wrapper, bare = _Wrapper("proj", 11), _Wrapper("other", 11)
+    slots = LoRASlots([wrapper, bare], max_loras=2, dtype=torch.float32)
     a, b, c = _adapter(1, 2), _adapter(2, 4), _adapter(3, 1)
     layer = (wrapper,)
     first = slots.batch([a, None], [1, 1])
     ops = first.fused_operands(layer)
     assert ops[0].tolist() == [next(i for i, s in slots.slots.items() if s.adapter is a), -1]
-    assert ops[0].dtype == torch.int32 and len(ops) == 5
-    assert ops[1] is wrapper.packed.kernel_a and ops[4] is wrapper.packed.kernel_cols
-    again = slots.batch([None, a, b], [1, 2, 1])  # b joins: a repack, so the layer's list is built again
+    assert ops[0].dtype == torch.int32 and len(ops) == 2 and ops[1].dtype == torch.uint8
+    assert torch.equal(ops[1], _block_now(wrapper))
+    assert first.fused_operands((bare,)) == []  # no adapter targets that layer: nothing to pass
+    again = slots.batch([None, a, b], [1, 2, 1])  # b joins: a repack, so the layer's block is built again
     fresh = again.fused_operands(layer)
-    assert fresh[1] is wrapper.packed.kernel_a and fresh[1] is not ops[1]
-    same = slots.batch([b, a], [1, 1]).fused_operands(layer)  # no repack: the very same tensors
-    assert all(x is y for x, y in zip(same[1:], fresh[1:])) and same[0].tolist() != fresh[0].tolist()
-    slots.batch([c], [2])  # c evicts the least recently used slot
-    assert slots.batch([c], [2]).fused_operands(layer)[1] is wrapper.packed.kernel_a
+    assert fresh[1] is not ops[1] and not torch.equal(fresh[1], ops[1]) and torch.equal(fresh[1], _block_now(wrapper))
+    same = slots.batch([b, a], [1, 1]).fused_operands(layer)  # no repack: the very same block
+    assert same[1] is fresh[1] and same[0].tolist() != fresh[0].tolist()
+    evicting = slots.batch([c], [2])  # c takes the least recently used slot (a's, used before b's)
+    block = evicting.fused_operands(layer)[1]
+    assert block is not fresh[1] and torch.equal(block, _block_now(wrapper))
+    assert {s.adapter.lora_int_id for s in slots.slots.values()} == {2, 3}

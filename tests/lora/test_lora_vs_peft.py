@@ -204,3 +204,47 @@ def test_fused_decode_adapters_with_quantized_base_products(lora_base, adapters)
     finally:
         torch.set_num_threads(threads)
     assert_pool_whole(llm)
+
+
+def test_adapter_replaced_under_its_name_while_requests_run(lora_base, adapters):
+    """An adapter unloaded and another folder loaded under its name and id while a request of the old one
+    is still decoding (as /v1/unload_lora_adapter then /v1/load_lora_adapter do), then a third adapter
+    taking a slot mid-flight: each request keeps its own adapter's weights to the end (the fused layer's
+    per-layer adapter blocks follow every repack; none is left stale), token for token peft's."""
+    llm = LLM(lora_base, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=96, enable_lora=True,
+              max_loras=2, max_lora_rank=8)
+    engine = llm.llm_engine
+    old, new = LoRARequest("a", 1, adapters["a"]), LoRARequest("a", 1, adapters["c"])
+    b = LoRARequest("b", 2, adapters["b"])
+    prompts = prompts_of((7, 11, 5), seed=9)
+    lengths = {"old": 20, "new": NEW, "b": 6}
+
+    def add(rid, prompt, lora):
+        engine.add_request(rid, {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=lengths[rid],
+                                                                             ignore_eos=True), lora_request=lora)
+
+    done = {}
+
+    def steps(n=None):
+        while engine.has_unfinished_requests() and (n is None or n > 0):
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+            n = None if n is None else n - 1
+
+    add("old", prompts[0], old)
+    steps(4)
+    assert engine.loras.remove(1)
+    add("new", prompts[1], new)
+    steps(4)
+    add("b", prompts[2], b)  # both slots busy: it waits for one, then evicts that adapter mid-flight
+    steps()
+    assert done["old"] == peft_greedy(lora_base, adapters["a"], prompts[0], lengths["old"])
+    assert done["new"] == peft_greedy(lora_base, adapters["c"], prompts[1], lengths["new"])
+    assert done["b"] == peft_greedy(lora_base, adapters["b"], prompts[2], lengths["b"])
+    from perfxlm.ops import native
+
+    if native.kernels() is not None:
+        assert llm.llm_engine.core.model.model.fused_decode.steps > 0
+    assert llm.llm_engine.core.runner.lora_slots.num_repacks >= 3
+    assert_pool_whole(llm)

@@ -148,3 +148,22 @@ def test_fp8_blocks_on_a_fused_qkv_family(tmp_path):
     qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [16, 32]}
     write_packed(path, hf, fp8_block_parts((16, 32)), qc, projections=PROJECTIONS)
     assert_greedy_matches(path, hf)
+
+
+def test_whole_16_column_groups_take_the_native_kernel(tmp_path, monkeypatch):
+    """Inputs whose groups are whole 16-column runs (gcd(128, K) a multiple of 16: every DeepSeek-V3
+    projection) multiply the e4m3 bytes in the native kernel (csrc/fp8_linear.cpp), experts included; the
+    rest (o_proj's 36 inputs here: groups of 4) keep the plain-torch product; greedy output unchanged."""
+    from perfxlm.ops import fp8_linear, native
+
+    if native.kernels() is None:
+        pytest.skip("no compiler for the native kernels")
+    widths = []
+    real = fp8_linear.fp8_linear
+    monkeypatch.setattr(fp8_linear, "fp8_linear", lambda *a: widths.append(a[2].in_features) or real(*a))
+    path = str(tmp_path / "fp8")
+    hf = build_fp8_checkpoint(path, (128, 128), hidden_size=192, intermediate_size=160, moe_intermediate_size=48,
+                              q_lora_rank=48)
+    assert_greedy_matches(path, hf)
+    # hidden-wide inputs (q_a, kv_a, gate / up), the dense MLP's down, q_b and the experts' down (48)
+    assert {192, 160, 48} <= set(widths) and 36 not in widths

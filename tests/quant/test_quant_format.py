@@ -59,7 +59,7 @@ def test_repacked_gguf_blocks_dequantize_bit_exactly(qtype, rows):
     f16, f32 = torch.float16, torch.float32
     expected = {Q.Q4_0: (4, 32, f16), Q.Q4_1: (4, 32, f16), Q.Q8_0: (8, 32, f16), Q.Q5_0: (5, 32, f16),
                 Q.Q5_1: (5, 32, f16), Q.Q4_K: (4, 32, torch.uint8), Q.Q5_K: (5, 32, torch.uint8),
-                Q.Q6_K: (8, 16, torch.int8),
+                Q.Q6_K: (6, 16, torch.int8),
                 Q.MXFP4: (4, 32, torch.float8_e8m0fnu)}[qtype]
     if qtype == Q.MXFP4 and _mxfp4_needs_float_scales(raw):
         expected = (4, 32, f32)  # a nonzero block with exponent 0 (2^-128) has no E8M0 byte: float32 scales
@@ -74,7 +74,7 @@ def test_repacked_gguf_blocks_dequantize_bit_exactly(qtype, rows):
         blocks = torch.from_numpy(raw.reshape(-1, at + 20))
         assert torch.equal(w.codes[:, : cols // 2].reshape(-1, 16), blocks[:, at + 4 :])
     if qtype.name.endswith("_K"):  # two-level scales: bytes per group, float16 per 256, held as the file's
-        held = {Q.Q4_K: 4.625, Q.Q5_K: 5.625, Q.Q6_K: 8.5625}[qtype]
+        held = {Q.Q4_K: 4.625, Q.Q5_K: 5.625, Q.Q6_K: 6.5625}[qtype]  # Q6_K: the file's 210 bytes per 256
         assert w.two_level and w.nbytes * 8 == held * rows * cols and w.centred == (qtype == Q.Q6_K)
         flat = w.flat()  # multiplied out: the same values, one float32 scale per group
         assert not flat.two_level and flat.scales.dtype == f32
@@ -190,7 +190,7 @@ def test_cat_rows_promotes_losslessly():
     rng = np.random.default_rng(3)
     parts = [
         repack(random_blocks(rng, Q.Q4_K, 5, 512), Q.Q4_K, (5, 512)),  # 4-bit, g32, float32
-        repack(random_blocks(rng, Q.Q6_K, 3, 512), Q.Q6_K, (3, 512)),  # 8-bit, g16, float32
+        repack(random_blocks(rng, Q.Q6_K, 3, 512), Q.Q6_K, (3, 512)),  # 6-bit, g16, two-level: widened to 8
         repack(random_blocks(rng, Q.Q4_0, 2, 512), Q.Q4_0, (2, 512)),  # 4-bit, g32, float16
         quantizers.quantize_symmetric_int8(torch.randn(4, 512), 512),  # 8-bit, per channel
     ]
@@ -200,7 +200,7 @@ def test_cat_rows_promotes_losslessly():
     got = whole.dequantize()
     exact = torch.tensor([True] * 5 + [False] * 3 + [True] * 6)
     torch.testing.assert_close(got[exact], want[exact], rtol=0, atol=0)
-    # Q6_K's centred codes (q + 96, exactly gguf-py's (q - 32) x scale) given a stored min -128 x scale:
+    # Q6_K's centred codes widened (q + 96, exactly gguf-py's (q - 32) x scale) given a stored min -128 x scale:
     # u x scale + min rounds twice (its codes reach 159)
     torch.testing.assert_close(got[~exact], want[~exact], rtol=0, atol=1e-5 * want.abs().max().item())
     # same form: no promotion, 4-bit float16 stays so
@@ -421,7 +421,8 @@ def test_w8a8_activation_group_option():
 
 @pytest.mark.skipif(not hasattr(native.kernels() or object(), "linear_q"), reason="no native kernels")
 @pytest.mark.parametrize("rows", [1, 3, 17])
-@pytest.mark.parametrize("fmt", ["q4_1", "q6_k", "int4-asym", "nf4", "w8a8", "table", "q8_0-form", "int5"])
+@pytest.mark.parametrize("fmt", ["q4_1", "q6_k", "int4-asym", "nf4", "w8a8", "table", "table-q6_k", "table8",
+                                 "q8_0-form", "int5"])
 def test_linear_dispatch_native_matches_reference(fmt, rows):
     g = torch.Generator().manual_seed(rows)
     rng = np.random.default_rng(rows)
@@ -431,8 +432,12 @@ def test_linear_dispatch_native_matches_reference(fmt, rows):
         "int4-asym": lambda: quantizers.quantize_asymmetric_int4(torch.randn(33, 96, generator=g), 32),
         "nf4": lambda: quantizers.quantize_nf4(torch.randn(33, 128, generator=g), 64),
         "w8a8": lambda: quantizers.quantize_symmetric_int8(torch.randn(33, 96, generator=g), 96, act="int8"),
-        # the 8-bit head (centred, float32 scale per 64) and mixed precision's Q8_0 and 5-bit forms
+        # int4's 6-bit head (float16 scale per 32; Q6_K's form on whole 256s), the 8-bit head (centred,
+        # float32 scale per 64) and mixed precision's Q8_0 and 5-bit forms
         "table": lambda: QuantizationConfig.resolve("int4").quantize_table(torch.randn(33, 192, generator=g)),
+        "table-q6_k": lambda: QuantizationConfig.resolve("int4").quantize_table(torch.randn(33, 512, generator=g)),
+        "table8": lambda: QuantizationConfig.resolve({"method": "int4", "head_bits": 8}).quantize_table(
+            torch.randn(33, 192, generator=g)),
         "q8_0-form": lambda: QuantizationConfig.resolve("int4").quantize_weight(torch.randn(33, 96, generator=g), bits=8),
         "int5": lambda: quantizers.quantize_int5_search(torch.randn(33, 160, generator=g), 32, torch.rand(160, generator=g)),
     }[fmt]()
@@ -500,7 +505,8 @@ def test_shape_checks_name_the_weight():
 
 
 def test_lm_head_option_quantizes_the_tables_by_default():
-    c = QuantizationConfig.resolve("int4")
+    assert "6-bit embedding and LM head" in QuantizationConfig.resolve("int4").describe()  # Q6_K's (test_six_bit)
+    c = QuantizationConfig.resolve({"method": "int4", "head_bits": 8})
     assert c.lm_head and "8-bit embedding and LM head" in c.describe()
     off = QuantizationConfig.resolve({"method": "int8", "lm_head": False})
     assert not off.lm_head and QuantizationConfig.resolve(off.as_dict()) == off

@@ -1,12 +1,14 @@
 """The fused decode layer's LoRA kernel (csrc/lora_kernels.cpp) against a plain-torch reference: rows of
 several slots and of none, a fused projection's parts (each B row adds only to its part's columns),
-float32, bfloat16 and int8 (codes + 128) adapters, strided rows, and steps big enough to split across threads."""
+float32, bfloat16 and int8 (codes + 128) adapters, strided rows, and steps big enough to split across threads.
+The operands reach the kernel as the layer's adapter block (perfxlm/lora/pack.py), as in the fused layer."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from perfxlm.lora.pack import pack_layer
 from perfxlm.ops import native
 
 pytestmark = pytest.mark.skipif(native.kernels() is None, reason="no compiler for the native kernels")
@@ -71,7 +73,7 @@ def test_lora_rows_match_reference(dtype, rows, K, parts, threads):
     torch.set_num_threads(threads)
     try:
         got = y.clone()
-        ops.lora_add(got, x, [row_slot, a, bt, scale, cols], 0)
+        ops.lora_add(got, x, [row_slot, pack_layer([(a, bt, scale, cols)])], 0)
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
@@ -85,13 +87,15 @@ def test_lora_second_projection_and_empty_operands():
     a, bt, scale, cols = _operands(19, [(0, 23)], [(1, [4])], seed=1, dtype=torch.float32)
     x, y = torch.randn(3, 19), torch.randn(3, 23)
     row_slot = torch.tensor([1, -1, 1], dtype=torch.int32)
-    empty = [torch.empty(0)] * 4
+    block = pack_layer([None, (a, bt, scale, cols), None])
     got = y.clone()
-    ops.lora_add(got, x, [row_slot, *empty, a, bt, scale, cols], 1)
+    ops.lora_add(got, x, [row_slot, block], 1)
     torch.testing.assert_close(got.double(), _reference(y, x, row_slot, a, bt, scale, cols), rtol=1e-5, atol=1e-5)
     same = y.clone()
-    ops.lora_add(same, x, [row_slot, *empty, a, bt, scale, cols], 0)  # no adapter on projection 0
+    ops.lora_add(same, x, [row_slot, block], 0)  # no adapter on projection 0
+    ops.lora_add(same, x, [row_slot, block], 2)
     ops.lora_add(same, x, [], 0)  # no adapter in the step
+    ops.lora_add(same, x, [row_slot, pack_layer([None, None])], 1)  # an empty block: none in the layer
     assert torch.equal(same, y)
 
 
@@ -100,14 +104,23 @@ def test_lora_bad_operands_are_clear_errors():
     a, bt, scale, cols = _operands(19, [(0, 23)], [(0, [4])], seed=2, dtype=torch.float32)
     x, y = torch.randn(2, 19), torch.randn(2, 23)
     row_slot = torch.zeros(2, dtype=torch.int32)
-    with pytest.raises(RuntimeError, match="must both be float32, both bfloat16 or both uint8"):
-        ops.lora_add(y, x, [row_slot, a, bt.bfloat16(), scale, cols], 0)
-    with pytest.raises(RuntimeError, match=r"B\^T \[R, 23\]"):
-        ops.lora_add(y, x, [row_slot, a, bt[:, :20].contiguous(), scale, cols], 0)
+    with pytest.raises(ValueError, match="must all be one of"):
+        pack_layer([(a, bt.bfloat16(), scale, cols)])
+    block = pack_layer([(a, bt, scale, cols)])
+    with pytest.raises(RuntimeError, match=r"take \[T, 19\] to \[T, 23\]"):
+        ops.lora_add(torch.randn(2, 20), x, [row_slot, block], 0)
+    with pytest.raises(RuntimeError, match="not in the adapter block"):
+        ops.lora_add(y, x, [row_slot, block], 1)
+    with pytest.raises(RuntimeError, match=r"expected \[row_slot, the layer's adapter block\]"):
+        ops.lora_add(y, x, [row_slot, a, bt, scale, cols], 0)  # the operand list this block replaced
+    with pytest.raises(RuntimeError, match="not an adapter block"):
+        ops.lora_add(y, x, [row_slot, torch.zeros(64, dtype=torch.uint8)], 0)
+    with pytest.raises(RuntimeError, match="bad adapter block header|bad segment"):
+        ops.lora_add(y, x, [row_slot, block[:48].clone()], 0)  # cut short: its segments lie past the end
     bad = cols.clone()
     bad[0, 2] = 99
-    with pytest.raises(RuntimeError, match="bad cols entry"):
-        ops.lora_add(y, x, [row_slot, a, bt, scale, bad], 0)
+    with pytest.raises(RuntimeError, match="bad segment"):
+        ops.lora_add(y, x, [row_slot, pack_layer([(a, bt, scale, bad)])], 0)
 
 
 _SPLIT_SCRIPT = """
@@ -141,7 +154,7 @@ def test_small_steps_split_across_threads_give_the_serial_bits(tmp_path):
             g = torch.Generator().manual_seed(K)
             x, y = torch.randn(rows, K, generator=g), torch.randn(rows, parts[-1][1], generator=g)
             row_slot = torch.tensor([(2, 0, -1)[i % 3] for i in range(rows)], dtype=torch.int32)
-            cases.append((y, x, [row_slot, a, bt, scale, cols]))
+            cases.append((y, x, [row_slot, pack_layer([(a, bt, scale, cols)])]))
     torch.save(cases, tmp_path / "in.pt")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PERFXLM_LORA_PARALLEL_MACS="0", PYTHONPATH=root)
@@ -204,7 +217,7 @@ def test_projection_with_its_adapters_in_one_region_gives_the_product_then_the_a
     x = torch.randn(rows, k, generator=g)
     bias = torch.randn(n, generator=g)
     row_slot = torch.tensor([(-1, 0, 2, 3, 1)[(i + 1) % 5] for i in range(rows)], dtype=torch.int32)
-    lora = [row_slot, *lora_ops]
+    lora = [row_slot, pack_layer([tuple(lora_ops)])]
     codes, scales, mins, levels, act = parts
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

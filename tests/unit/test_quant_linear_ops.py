@@ -1,7 +1,7 @@
 """The native quantized-weight products (csrc/quant_linear.cpp) against a plain-torch reference written
-here from the format's definition: codes (8-bit, 4-bit in GGUF's Q4 nibble order, or 5-bit: those nibbles
-then a plane of fifth bits), a scale and a min per group (or none: centred codes, w = scale * (u - 8, 16
-or 128), or scale * levels[u]), an optional 16-level
+here from the format's definition: codes (8-bit, 4-bit in GGUF's Q4 nibble order, 5-bit: those nibbles
+then a plane of fifth bits, or 6-bit: a second plane of sixth bits after it), a scale and a min per group
+(or none: centred codes, w = scale * (u - 8, 16, 32 or 128), or scale * levels[u]), an optional 16-level
 table; weight-only and W8A8; the GEMV path, the slab-GEMM path in float32 and bf16; odd sizes. Built for AVX2 and scalar too by test_portable_kernels."""
 
 import pytest
@@ -28,7 +28,18 @@ def _unpack5(codes: torch.Tensor, k: int) -> torch.Tensor:
     return low + 16 * fifth
 
 
+def _unpack6(codes: torch.Tensor, k: int) -> torch.Tensor:
+    low = _unpack5(codes[:, : 5 * k // 8].contiguous(), k)
+    plane = codes[:, 5 * k // 8 :].int().unsqueeze(-1)
+    return low + 32 * ((plane >> torch.arange(8)) & 1).reshape(codes.shape[0], k)
+
+
+CENTRE = {4: 8, 5: 16, 6: 32, 8: 128}
+
+
 def _bits(codes, k):
+    if codes.shape[1] * 4 == k * 3 and k % 32 == 0:
+        return 6
     if codes.shape[1] * 8 == k * 5 and k % 32 == 0:
         return 5
     return 4 if codes.shape[1] * 2 == k and codes.shape[1] != k else 8
@@ -37,12 +48,12 @@ def _bits(codes, k):
 def _dequant(codes, scales, mins, levels, k):
     bits = _bits(codes, k)
     bits4 = bits == 4
-    u = _unpack4(codes) if bits4 else (_unpack5(codes, k) if bits == 5 else codes.int())
+    u = _unpack4(codes) if bits4 else {5: _unpack5, 6: _unpack6}.get(bits, lambda c, _: c.int())(codes, k)
     v = levels[u.long()] if levels is not None else u.float()
     group = k // scales.shape[1]
     s = scales.float().repeat_interleave(group, 1)
     if mins is None:  # centred codes
-        return (v if levels is not None else v - {4: 8, 5: 16, 8: 128}[bits]) * s
+        return (v if levels is not None else v - CENTRE[bits]) * s
     m = mins.float().repeat_interleave(group, 1)
     return v * s + m
 
@@ -50,7 +61,7 @@ def _dequant(codes, scales, mins, levels, k):
 def _centred(n, k, bits, group, half, lut, seed):
     """A weight with centred codes (no mins), and the same weight with its implied mins stored."""
     codes, scales, _, levels = _weight(n, k, bits, group, half, lut, seed)
-    centre = 0 if lut else {4: 8, 5: 16, 8: 128}[bits]
+    centre = 0 if lut else CENTRE[bits]
     return codes, scales, levels, (scales.float() * -centre).to(scales.dtype)
 
 
@@ -68,6 +79,8 @@ CENTRED = [  # bits, n, k, group, half, lut: Q4_0 / symmetric int4, Q8_0 / symme
     (5, 33, 576, 32, True, False),  # 5-bit codes (Q5_0's form: mixed precision's widened weights)
     (5, 9, 96, 96, False, False),
     (5, 1030, 64, 32, True, False),
+    (6, 33, 576, 16, True, False),  # 6-bit codes (Q6_K's values, a float16 scale per 16 or 32)
+    (6, 1030, 64, 32, False, False),
 ]
 
 
@@ -97,6 +110,9 @@ CASES = [  # bits, n, k, group, half, lut
     (5, 33, 576, 32, True, False),
     (5, 1030, 64, 64, False, False),
     (5, 7, 160, 160, True, False),
+    (6, 13, 32, 16, False, False),
+    (6, 33, 576, 32, True, False),
+    (6, 7, 160, 160, True, False),
 ]
 
 
@@ -149,7 +165,7 @@ def test_bad_shapes_are_errors():
 
 
 def _block_applies(bits, k, group, lut):
-    return (not lut and k % 64 == 0 and (group % 64 == 0 or group == 32 or (group == 16 and bits == 8)))
+    return (not lut and k % 64 == 0 and (group % 64 == 0 or group == 32 or (group == 16 and bits in (6, 8))))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
@@ -324,3 +340,74 @@ def test_parallel_decode_rows_match_reference_and_each_row_alone(bits, half, min
     for rows in (2, 3, 5, 16, 37, 70):
         together = ops.linear_q(x[:rows], codes, scales, mins, None, b, False, 128, False, True, 128)
         assert torch.equal(together, alone[:rows]), rows
+
+
+@pytest.mark.parametrize("bits,group,half,centred", [(4, 32, True, False), (4, 32, True, True), (5, 32, True, True),
+                                                     (8, 32, True, True), (4, 64, False, False), (8, 16, False, False),
+                                                     (8, 64, False, True)],
+                         ids=["q4_1", "q4_0", "q5_0", "q8_0", "int4_g64", "int8_g16", "int8_g64"])
+def test_every_row_count_of_a_verification_step_matches_each_row_alone(bits, group, half, centred):
+    """A verification step's 2-8 rows (a decode row and its guesses) run through the block kernel in one
+    pass over the weight rows, more rows in passes of up to 8 and the rest: every row count from 1 to 19
+    gives each row the bits it has alone (the exactness of speculative decoding rests on it) and the
+    fake-quantized reference's value. 23 weight rows: tiles of four and three rows left one by one."""
+    ops = native.kernels()
+    n, k = 23, 576
+    codes, scales, mins, _ = _weight(n, k, bits, group, half, False, 7 * bits + group + half)
+    if centred:
+        mins = None
+    w = _dequant(codes, scales, mins, None, k)
+    b = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(19, k, generator=torch.Generator().manual_seed(bits + group))
+    x[6, 128:160] = 0.0  # an all-zero block in the wide pass
+    blocks_apply = ops.int8_block_dots()
+    if blocks_apply:
+        blk = x.view(19, k // 32, 32)
+        sx = blk.abs().amax(2, keepdim=True) / 127
+        x_used = (torch.where(sx > 0, blk / sx, torch.zeros_like(blk)).round().clamp(-127, 127) * sx).view(19, k)
+    else:
+        x_used = x
+    ref = torch.nn.functional.linear(x_used.double(), w.double(), b.double()).float()
+    alone = torch.cat([ops.linear_q(x[i : i + 1], codes, scales, mins, None, b, False, 32, False, True, 32)
+                       for i in range(19)])  # fmt: skip
+    torch.testing.assert_close(alone, ref, atol=1e-4 * (ref.abs().max().item() + 1), rtol=1e-4)
+    for rows in range(2, 20):
+        together = ops.linear_q(x[:rows], codes, scales, mins, None, b, False, 32, False, True, 32)
+        assert torch.equal(together, alone[:rows]) if blocks_apply else torch.allclose(together, alone[:rows]), rows
+
+
+@pytest.mark.parametrize("centred", [True, False], ids=["centred", "mins"])
+@pytest.mark.parametrize("n,k,group,half", [(13, 64, 16, True), (33, 192, 16, False), (31, 576, 32, True),
+                                            (7, 1536, 1536, False), (1031, 128, 16, True), (9, 96, 16, False)])
+def test_6bit_codes_take_the_int8_block_products(n, k, group, half, centred):
+    """6-bit codes (nibbles, the fifth then the sixth bit plane; Q6_K's values) in the int8 block products:
+    the exact product of the block-rounded activations with W, from 1 to 70 activation rows, centred (min
+    -32 x scale) or with stored mins, at groups of 16 (each nibble half of a 32-block its own scale),
+    32 and the whole row; one row alone gives the same bits as the row beside others, and so does the row
+    past the GEMV's row limit where the block limit keeps it. K = 96 keeps float activations."""
+    ops = native.kernels()
+    codes, scales, mins, _ = _weight(n, k, 6, group, half, False, n * k + 6)
+    if centred:
+        mins = None
+    w = _dequant(codes, scales, mins, None, k)
+    b = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(k)) * 2
+    x[1, 32:64] = 0.0  # an all-zero block
+    x[2, 5] = 40.0  # an outlier: its block's scale
+    blocks_apply = ops.int8_block_dots() and _block_applies(6, k, group, False)
+    if blocks_apply:
+        blk = x.view(70, k // 32, 32)
+        sx = blk.abs().amax(2, keepdim=True) / 127
+        x_used = (torch.where(sx > 0, blk / sx, torch.zeros_like(blk)).round().clamp(-127, 127) * sx).view(70, k)
+    else:
+        x_used = x
+    ref = torch.nn.functional.linear(x_used.double(), w.double(), b.double()).float()
+    together = ops.linear_q(x, codes, scales, mins, None, b, False, 70, False, True)
+    torch.testing.assert_close(together, ref, atol=1e-4 * (ref.abs().max().item() + 1), rtol=1e-4)
+    for rows in (1, 2, 3, 5, 17):
+        part = ops.linear_q(x[:rows], codes, scales, mins, None, b, False, 70, False, True)
+        assert torch.equal(part, together[:rows]) if blocks_apply else torch.allclose(part, together[:rows])
+    beyond = ops.linear_q(x[:9], codes, scales, mins, None, b, False, 2, False, True, 64)
+    if blocks_apply:
+        assert torch.equal(beyond, together[:9])
+    torch.testing.assert_close(ops.dequantize_q(codes, scales, mins, None, k), w, atol=1e-6, rtol=1e-6)

@@ -246,13 +246,23 @@ class LatentAttention(Kernel):
         self.table, self.nope_dim = table, nope
         self.kv_norm = _norm(kv_norm, attrs["epsilon"])
         self.w_uk, self.w_uv_t = w_uk.float(), w_uv_t.float()
+        # the latent decode kernel's matrices as the module path's `MLAttention.decode_weights` holds them:
+        # bf16 in a bf16 model whose kv_b_proj is a bf16 matrix (the stored float32 values are then bf16's:
+        # exact), else float32 (a float32 model; a quantized kv_b_proj, dequantized)
+        self.decode = (self.w_uk, self.w_uv_t)
+        if held.weight_dtype == torch.bfloat16 and all(_bf16_exact(w) for w in self.decode):
+            self.decode = (self.w_uk.bfloat16(), self.w_uv_t.bfloat16())
         self.attn = Attention(heads, 1, rank + rope_dim, attrs["scale"], value_is_key=True)
 
     def forward(self, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # all-decode steps take the latent decode kernel with the float32 matrices, as the module path
-        # does for float32 weights
+        # a step's decode rows take the latent decode kernel (self.decode: the absorbed matrices as the
+        # module path holds them for this weight dtype); its prefill rows the composition
         return attend_latent(self.attn, self.kv_norm, self.w_uk.to(q.dtype), self.w_uv_t.to(q.dtype), self.nope_dim,
-                             self.table.at(positions), q, kv, (self.w_uk, self.w_uv_t))
+                             self.table.at(positions), q, kv, self.decode)
+
+
+def _bf16_exact(w: torch.Tensor) -> bool:
+    return bool(torch.equal(w.bfloat16().float(), w))
 
 
 class Activation(Kernel):

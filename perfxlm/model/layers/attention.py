@@ -79,17 +79,20 @@ class Attention(nn.Module):
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,
+        prefills_only: bool = False,  # the rows are the step's prefill rows alone (its decodes done apart)
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         backend = self.backend or self._bind_backend(q.device)
         assert self.kv_cache is not None or not backend.uses_cache, "KV cache not bound"
         options = self.options if self.sinks is None else dataclasses.replace(self.options, sinks=self.sinks)
-        out = backend.forward(q, k, v, self.kv_cache, get_forward_context(), options)
+        meta = get_forward_context()
+        out = backend.forward(q, k, v, self.kv_cache, meta.prefill_part() if prefills_only else meta, options)
         return out.view(out.shape[0], -1)
 
     def latent_decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, w_uk: torch.Tensor,
                       w_uv_t: torch.Tensor) -> torch.Tensor | None:
-        """MLA's decode step in one kernel where the backend has one (`AttentionBackend.latent_decode`):
-        [num_tokens, num_heads, v_head_dim], or None (then `forward`)."""
+        """The step's decode rows of MLA in one kernel where the backend has one
+        (`AttentionBackend.latent_decode`): [num_decode_tokens, num_heads, v_head_dim], or None (then
+        `forward` for every row; for the prefill rows alone, `prefills_only`, where it returned them)."""
         backend = self.backend or self._bind_backend(q_nope.device)
         meta = get_forward_context()
         return backend.latent_decode(q_nope, q_pe, latent, self.kv_cache, meta, self.options, w_uk, w_uv_t)

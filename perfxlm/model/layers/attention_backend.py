@@ -77,10 +77,12 @@ class AttentionBackend(ABC):
         options: AttentionOptions,
         w_uk: torch.Tensor,  # [num_heads, nope, kv_lora_rank]
         w_uv_t: torch.Tensor,  # [num_heads, kv_lora_rank, v_head_dim]
-    ) -> torch.Tensor | None:  # [num_tokens, num_heads, v_head_dim]
-        """Multi-head latent attention's step in one kernel (ops/mla.py): write the latent rows, then the
-        absorbed query's attention and W_UV. None where this backend has no such kernel or the step is
-        not all decodes: the layer then composes it around `forward` (model/layers/mla.py)."""
+    ) -> torch.Tensor | None:  # [num_decode_tokens, num_heads, v_head_dim]
+        """Multi-head latent attention's decode rows (the step's first num_decode_tokens) in one kernel
+        (ops/mla.py): write their latent rows, then the absorbed query's attention and W_UV. None where
+        this backend has no such kernel or the step has no decode rows. The layer composes the rest around
+        `forward` (model/layers/mla.py): every row where this gave None, else the prefill rows alone, so a
+        step mixing decodes and a prefill chunk still decodes through the kernel."""
         return None
 
 
@@ -116,11 +118,15 @@ class CpuAttentionBackend(AttentionBackend):
         return out
 
     def latent_decode(self, q_nope, q_pe, latent, cache, meta, options, w_uk, w_uv_t):
-        if meta.prefills or meta.num_decode_tokens != q_nope.shape[0]:
+        nd = meta.num_decode_tokens
+        if not nd:
             return None
-        write_kv_cache(latent, latent, cache.key, cache.value, meta.slot_mapping, cache.key_scale, cache.value_scale)
+        rows = latent[:nd]
+        write_kv_cache(rows, rows, cache.key, cache.value, meta.slot_mapping[:nd], cache.key_scale,
+                       cache.value_scale)
         return mla_decode_attention(
-            torch.cat((q_nope, q_pe), dim=-1), cache.key, cache.key_scale, meta.decode_block_tables, meta.decode_seq_lens, w_uk, w_uv_t, options.scale,
+            torch.cat((q_nope[:nd], q_pe[:nd]), dim=-1), cache.key, cache.key_scale, meta.decode_block_tables,
+            meta.decode_seq_lens, w_uk, w_uv_t, options.scale,
         )  # fmt: skip
 
 

@@ -116,20 +116,25 @@ def attend_latent(attn: Attention, kv_norm: RMSNorm, w_uk: torch.Tensor, w_uv_t:
     """Latent attention between the projections: q [n, H * (nope + rope)] and kv_a's output [n, kv_lora +
     rope] in, the heads' values [n, H * v] out (o_proj's input); the latent row written to `attn`'s cache.
     MLAttention's core, and the engine's graph op for it (model/graph/kernels.py), so both round alike.
-    `decode`: the absorbed matrices the latent decode kernel reads (MLAttention.decode_weights); an
-    all-decode step then runs as one kernel from the query to W_UV (attention_backend.latent_decode)."""
+    `decode`: the absorbed matrices the latent decode kernel reads (MLAttention.decode_weights); the
+    step's decode rows then run as one kernel from the query to W_UV (attention_backend.latent_decode)
+    and only its prefill rows, if any, take the composition below: each row is computed as it would be
+    in a step of its own kind."""
     n, heads, rank = q.shape[0], attn.num_heads, w_uk.shape[-1]
     q = q.view(n, heads, -1)
     latent = kv_norm(kv[:, :rank].contiguous())
     q_pe = apply_rotary(q[..., nope_dim:].contiguous(), *rope)
     k_pe = apply_rotary(kv[:, rank:].contiguous().view(n, 1, -1), *rope)
     key = torch.cat((latent.view(n, 1, rank), k_pe), dim=-1)  # [n, 1, latent_dim]
-    if decode is not None:
-        out = attn.latent_decode(q[..., :nope_dim], q_pe, key, *decode)
-        if out is not None:
-            return out.reshape(n, heads * w_uv_t.shape[-1])
-    q_latent = torch.bmm(q[..., :nope_dim].transpose(0, 1), w_uk).transpose(0, 1)  # [n, H, kv_lora]
+    decoded = None if decode is None else attn.latent_decode(q[..., :nope_dim], q_pe, key, *decode)
+    done = 0 if decoded is None else decoded.shape[0]  # the leading decode rows the kernel answered
+    if decoded is not None and done == n:
+        return decoded.reshape(n, heads * w_uv_t.shape[-1])
+    q, q_pe, key = q[done:], q_pe[done:], key[done:]
+    q_latent = torch.bmm(q[..., :nope_dim].transpose(0, 1), w_uk).transpose(0, 1)  # [rows, H, kv_lora]
     query = torch.cat((q_latent, q_pe), dim=-1)
-    out = attn(query, key, key).view(n, heads, attn.head_dim)[..., :rank]
-    out = torch.bmm(out.transpose(0, 1), w_uv_t).transpose(0, 1)  # [n, H, v]
+    out = attn(query, key, key, prefills_only=done > 0).view(n - done, heads, attn.head_dim)[..., :rank]
+    out = torch.bmm(out.transpose(0, 1), w_uv_t).transpose(0, 1)  # [rows, H, v]
+    if decoded is not None:
+        out = torch.cat((decoded.to(out.dtype), out))
     return out.reshape(n, heads * w_uv_t.shape[-1])

@@ -14,8 +14,9 @@ as for compressed-tensors' FP8), and each row gets the scale of its block for ev
 K) columns, G = BK whenever K is whole blocks (every DeepSeek-V3 projection): one float32 per BK weights,
 4 / BK bytes per weight (3 % over the bytes themselves at BK = 128) where the blocks' own scales would
 cost 4 / (BN x BK); a per-row scale is what the engine's one storage form (and every product over it)
-takes. The values are exactly DeepSeek's (one float32 multiply each). Products dequantize per call in the
-plain-torch definition, as the 256-level table does for compressed-tensors; nothing is widened at load.
+takes. The values are exactly DeepSeek's (one float32 multiply each). Products run the native FP8 kernel
+(ops/fp8_linear.py: the bytes decoded in registers) where G is a multiple of 16, else the plain-torch
+definition over the 256-level table; nothing is widened at load.
 Static activation scales, other fp8 formats and UE8M0-only scale tensors are refused by name.
 """
 

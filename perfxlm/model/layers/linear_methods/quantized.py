@@ -2,7 +2,8 @@
 and the one native kernel (`linear_q`), or its plain-torch definition (`perfxlm.quant.reference`).
 
 `process_after_loading` checks the layer holds what its format produces and decides, once, how its
-product runs: the native kernel or the reference (a 256-level table: FP8 bytes), the activations'
+product runs: the native kernel, FP8 bytes' own kernel (a 256-level table, ops/fp8_linear.py) or the
+reference (FP8 bytes it does not take), the activations'
 input order (GPTQ act-order), whether activations are rounded to int8 blocks by the kernel or in torch
 first (a layout or build the block GEMV lacks), whether many rows may run the CPU's bf16 GEMM (a
 bfloat16 model). The fused decode layer reads the same decisions (`fusable`, `bf16_gemm`).
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from perfxlm.model.layers.linear_methods.base import LinearMethod, LinearPlan
-from perfxlm.ops import cpu_plan, native
+from perfxlm.ops import cpu_plan, fp8_linear, native
 from perfxlm.ops.int8_gemm import gemm_weight, int8_gemm_gelu, int8_gemm_linear
 from perfxlm.ops.linear import native_int8_blocks, run_linear_q
 from perfxlm.quant.reference import reference_linear
@@ -39,6 +40,7 @@ class QuantizedLinearMethod(LinearMethod):
 
     def __init__(self) -> None:
         self.native = True  # the native kernel takes the codes (else the plain-torch reference)
+        self.fp8 = False  # FP8 e4m3 bytes the native FP8 kernel takes (ops/fp8_linear.py)
         self.bf16_gemm = False
         self.int8_blocks = False
         self.round_in_torch = False
@@ -97,6 +99,7 @@ class QuantizedLinearMethod(LinearMethod):
     def decide(self, weight: QuantizedWeight, plan: LinearPlan, where: str) -> None:
         self.check(weight, where)
         self.native = weight.kernel_levels
+        self.fp8 = not self.native and fp8_linear.takes(weight)
         self.ordered = weight.input_order is not None  # act-order: the product gathers x's columns
         # bf16 storage under float32 activations (a bfloat16 model): many rows may run the bf16 GEMM
         self.bf16_gemm = plan.weight_dtype == torch.bfloat16 and plan.compute_dtype != torch.bfloat16
@@ -114,6 +117,8 @@ class QuantizedLinearMethod(LinearMethod):
         self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None, out_features: int
     ) -> torch.Tensor:
         ops = native.kernels()  # None where a caller turned them off: the definition runs
+        if ops is not None and self.fp8:
+            return fp8_linear.fp8_linear(ops, x, weight, bias)
         if ops is None or not self.native:
             return reference_linear(x, weight, bias)
         return run_linear_q(ops, x, weight, bias, self.bf16_gemm, self.int8_blocks, self.round_in_torch)
@@ -126,7 +131,7 @@ class GGUFLinear(QuantizedLinearMethod):
     """A GGUF file's blocks kept as they are (Q4_0, Q4_K, Q6_K, Q8_0, ...: affine codes, any group)."""
 
     name = "gguf"
-    bits = (4, 5, 8)  # 5-bit: Q5_0 / Q5_1 / Q5_K
+    bits = (4, 5, 6, 8)  # 5-bit: Q5_0 / Q5_1 / Q5_K; 6-bit: Q6_K
     levels = True  # MXFP4 (gpt-oss's experts): 4-bit codes into the E2M1 table
 
 
@@ -138,18 +143,18 @@ class Int8Linear(QuantizedLinearMethod):
 
 
 class Int4Linear(QuantizedLinearMethod):
-    """int4 at load: 4-bit codes (5-bit where mixed precision widened a weight; 8-bit tables)."""
+    """int4 at load: 4-bit codes (5-bit where mixed precision widened a weight; 6- or 8-bit tables)."""
 
     name = "int4"
-    bits = (4, 5, 8)
+    bits = (4, 5, 6, 8)
 
 
 class NF4Linear(QuantizedLinearMethod):
     """QLoRA's NF4: 4-bit codes into 16 NormalFloat levels (the table scaled per group)."""
 
     name = "nf4"
-    bits = (4, 5, 8)  # 5-bit affine codes where mixed precision widened a weight
-    levels = True  # 8-bit affine codes too: the embedding table and LM head
+    bits = (4, 5, 6, 8)  # 5-bit affine codes where mixed precision widened a weight
+    levels = True  # 6- or 8-bit affine codes too: the embedding table and LM head
 
 
 class W8A8Linear(QuantizedLinearMethod):
