@@ -137,6 +137,11 @@ inline KBytes k_row(const uint8_t* bytes, const QW& w, int64_t n) {
   return {r, r + w.groups};
 }
 
+// Row n's scale bytes and the bytes its mins come from (centred codes: the scale bytes again, the min
+// being the scale x min_factor).
+inline KBytes kscale_bytes(const QW& w, int64_t n) { return k_row(w.kscales, w, n); }
+inline KBytes kmin_bytes(const QW& w, int64_t n) { return k_row(w.kmins ? w.kmins : w.kscales, w, n); }
+
 inline uint16_t k_half(const uint8_t* fac, int64_t s) {
   uint16_t h;
   std::memcpy(&h, fac + 2 * s, sizeof(h));
@@ -771,11 +776,73 @@ inline __m512 load_params16(const void* p, int64_t i, int64_t n) {
     return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p) + i);
 }
 
-template <bool BITS4, bool HALF, int SPC, int MT, int NT, bool FIVE>
-inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, float* y, const float* bias) {
+// Up to 16 values of a two-level row from group g (a multiple of 16), the lanes past n zero: the bytes
+// widened, times the factors of their super-blocks spread over the lanes (pidx: lane l -> l / per), times
+// sign: expand_row's values, as load_params16 would read them from its buffer.
+template <bool SIGNED>
+inline __m512 kvalues16(KBytes r, int64_t g, int64_t n, int64_t per, int64_t supers, __m512i pidx, float sign) {
+  const __mmask16 mask = n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+  const __m128i b = _mm_maskz_loadu_epi8(mask, r.sub + g);
+  const __m512 v = _mm512_cvtepi32_ps(SIGNED ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+  const int64_t f0 = g / per, nf = std::min<int64_t>((std::min<int64_t>(n, 16) + per - 1) / per, supers - f0);
+  const __mmask16 fmask = static_cast<__mmask16>((1u << nf) - 1);
+  const __m512 f = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(fmask, r.fac + 2 * f0));
+  return _mm512_mul_ps(v, _mm512_mul_ps(_mm512_permutexvar_ps(pidx, f), _mm512_set1_ps(sign)));
+}
+
+// Where vnni_block_tile reads the scales and mins of its weight rows n0 + j: float ones here (float32 or
+// float16 per group, as held or multiplied out by expanded_rows), two-level bytes in KByteScales. Each
+// gives up to 16 consecutive scales from group g (lanes past n zero), one scale, and up to 16 mins as the
+// tile adds them: acc + min x (the activations' group sums).
+template <bool HALF>
+struct FloatScales {
+  const QW& w;
+  int64_t n0;
+  FloatScales(const QW& w_, int64_t n0_, int) : w(w_), n0(n0_) {}
+  __m512 scales16(int j, int64_t g, int64_t n) const { return load_params16<HALF>(w.scales, (n0 + j) * w.groups + g, n); }
+  float scale(int j, int64_t g) const { return param_at<HALF>(w.scales, (n0 + j) * w.groups + g); }
+  __m512 mins16(int j, int64_t g, int64_t n) const {
+    return _mm512_mul_ps(load_params16<HALF>(w.mins, (n0 + j) * w.groups + g, n), _mm512_set1_ps(w.block_min_factor));
+  }
+};
+
+// Two-level bytes (GGUF K-quants, int4's super-block form): each value formed from its bytes where the
+// float source loads it (kvalues16: expand_row's values). A stored min is -(byte x factor), formed as the
+// bytes times -factor: the negation is exact, so the tile's FMA rounds as it does with the expanded min.
+template <bool SIGNED>
+struct KByteScales {
+  const QW& w;
+  int64_t n0, per, supers;
+  __m512i pidx;
+  KByteScales(const QW& w_, int64_t n0_, int nt)
+      : w(w_), n0(n0_), per(w_.kper), supers(w_.K / kSuperBlock),
+        pidx(_mm512_srlv_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                               _mm512_set1_epi32(__builtin_ctzll(static_cast<unsigned long long>(w_.kper))))) {
+    for (int j = 0; j < nt; ++j)  // the next tile's scale bytes (its codes are fetched in the tile's loop)
+      if (n0 + nt + j < w.N) {
+        _mm_prefetch(reinterpret_cast<const char*>(w.kscales + (n0 + nt + j) * w.kbytes), _MM_HINT_T0);
+        if (w.kmins) _mm_prefetch(reinterpret_cast<const char*>(w.kmins + (n0 + nt + j) * w.kbytes), _MM_HINT_T0);
+      }
+  }
+  __m512 scales16(int j, int64_t g, int64_t n) const {
+    return kvalues16<SIGNED>(kscale_bytes(w, n0 + j), g, n, per, supers, pidx, 1.f);
+  }
+  float scale(int j, int64_t g) const { return k_value(kscale_bytes(w, n0 + j), g, per, SIGNED); }
+  __m512 mins16(int j, int64_t g, int64_t n) const {
+    return w.kmins ? kvalues16<false>(kmin_bytes(w, n0 + j), g, n, per, supers, pidx, -1.f)
+                   : kvalues16<SIGNED>(kscale_bytes(w, n0 + j), g, n, per, supers, pidx, w.block_min_factor);
+  }
+};
+
+// NT weight rows against MT activation rows, the scales and mins read through Src (FloatScales or
+// KByteScales): per 64-input chunk one vpdpbusd per weight and activation row, the weight scales (16 per
+// load) spread over the chunk's int32 lanes; the mins 16 groups per step at the end.
+template <class Src, bool BITS4, int SPC, int MT, int NT, bool FIVE>
+inline void vnni_block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, float* y, const float* bias) {
   const int64_t K = w.K, N = w.N, chunks = K / 64, groups = w.groups;
   const int8_t* xq = a.q + m0 * K;
   const float* lanes = a.lanes + m0 * chunks * 16;
+  const Src src(w, n0, NT);
   // which of the 16 loaded scales each int32 lane of a chunk takes (lane l covers code bytes 4l..4l+3)
   const __m512i base_idx = chunk_scale_lanes<BITS4, SPC>();
   constexpr int64_t per_load = SPC > 1 ? 16 / SPC : 1;  // chunks whose scales one 16-lane load holds
@@ -790,7 +857,7 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
     __m512 S[NT];
     if constexpr (SPC > 1) {
       #pragma GCC unroll 16
-      for (int j = 0; j < NT; ++j) S[j] = load_params16<HALF>(w.scales, (n0 + j) * groups + c0 * SPC, (c1 - c0) * SPC);
+      for (int j = 0; j < NT; ++j) S[j] = src.scales16(j, c0 * SPC, (c1 - c0) * SPC);
     }
     for (int64_t c = c0; c < c1; ++c) {
       __m512i xv[MT];
@@ -811,7 +878,7 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
         if constexpr (SPC > 1)
           ws = _mm512_permutexvar_ps(idx, S[j]);
         else
-          ws = _mm512_set1_ps(param_at<HALF>(w.scales, n * groups + (c * 64) / w.group));
+          ws = _mm512_set1_ps(src.scale(j, (c * 64) / w.group));
         #pragma GCC unroll 16
         for (int i = 0; i < MT; ++i) {
           const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv[i]);
@@ -822,13 +889,12 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
   }
   // the mins: sum over groups of min * (activation scale * sum of the group's int8 values)
   const float* gsum = a.gsum + m0 * a.gstride;
-  const __m512 factor = _mm512_set1_ps(w.block_min_factor);
   for (int64_t g = 0; g < groups; g += 16) {
     const int64_t left = groups - g;
     const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
     #pragma GCC unroll 16
     for (int j = 0; j < NT; ++j) {
-      const __m512 mv = _mm512_mul_ps(load_params16<HALF>(w.mins, (n0 + j) * groups + g, left), factor);
+      const __m512 mv = src.mins16(j, g, left);
       #pragma GCC unroll 16
       for (int i = 0; i < MT; ++i)
         acc[i][j] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mask, gsum + i * a.gstride + g), acc[i][j]);
@@ -852,9 +918,7 @@ inline void block_tile_wide(const BlockActs& a, int64_t m0, const QW& w, int64_t
   const int64_t K = w.K, N = w.N, chunks = K / 64, groups = w.groups;
   const int8_t* xq = a.q + m0 * K;
   const float* lanes = a.lanes + m0 * chunks * 16;
-  const __m512i base_idx = SPC == 4 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
-                           : BITS4  ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
-                                    : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i base_idx = chunk_scale_lanes<BITS4, SPC>();
   constexpr int64_t per_load = SPC > 1 ? 16 / SPC : 1;
   const int64_t per_group = w.group / 64;  // chunks per group (SPC 1): no division per chunk at the usual 1
   const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(w.ulut)));
@@ -915,6 +979,11 @@ inline void block_tile_wide(const BlockActs& a, int64_t m0, const QW& w, int64_t
     #pragma GCC unroll 16
     for (int i = 0; i < MT; ++i)
       y[(m0 + i) * N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]) + (bias ? bias[n0 + j] : 0.f);
+}
+
+template <bool BITS4, bool HALF, int SPC, int MT, int NT, bool FIVE>
+inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, float* y, const float* bias) {
+  vnni_block_tile<FloatScales<HALF>, BITS4, SPC, MT, NT, FIVE>(a, m0, w, n0, y, bias);
 }
 
 #else  // PERFXLM_DOTS_AVX2
@@ -1046,6 +1115,37 @@ inline void prefetch_row(const QW& w, int64_t n) {
     _mm_prefetch(sc + o, _MM_HINT_T0);
     if (!w.centred) _mm_prefetch(mn + o, _MM_HINT_T0);
   }
+}
+
+// Every cache line of [p, p + bytes), four requests per loop step.
+inline void prefetch_range(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  int64_t o = 0;
+  for (; o + 256 <= bytes; o += 256) {
+    _mm_prefetch(c + o, _MM_HINT_T0);
+    _mm_prefetch(c + o + 64, _MM_HINT_T0);
+    _mm_prefetch(c + o + 128, _MM_HINT_T0);
+    _mm_prefetch(c + o + 192, _MM_HINT_T0);
+  }
+  for (; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
+}
+
+// prefetch_row for `count` consecutive rows from n (float scales or two-level bytes): their codes, scales
+// and mins are each one contiguous range, requested as such. At batch 1 a four-row tile of a 576-wide
+// weight is ~250 instructions a row, and the per-row loops (a request, an add, a compare and a branch per
+// line) were a tenth of them.
+inline void prefetch_rows(const QW& w, int64_t n, int64_t count) {
+  count = std::min(count, w.N - n);
+  if (count <= 0) return;
+  prefetch_range(w.codes + n * w.row_bytes, count * w.row_bytes);
+  if (w.kscales) {
+    prefetch_range(w.kscales + n * w.kbytes, count * w.kbytes);
+    if (w.kmins) prefetch_range(w.kmins + n * w.kbytes, count * w.kbytes);
+    return;
+  }
+  const int64_t pbytes = w.groups * (w.half ? 2 : 4);
+  prefetch_range(static_cast<const char*>(w.scales) + n * pbytes, count * pbytes);
+  if (!w.centred) prefetch_range(static_cast<const char*>(w.mins) + n * pbytes, count * pbytes);
 }
 
 // A chunk's 64 fifth bits (the plane's 8 bytes: block A's 32 bits, then B's, each in element order) in
@@ -1237,8 +1337,8 @@ inline FourRows four_rows(const QW& w, int64_t n0) {
   for (int j = 0; j < 4; ++j) {
     r.row[j] = w.codes + (n0 + j) * w.row_bytes;
     r.base[j] = (n0 + j) * w.groups;
-    prefetch_row(w, n0 + j + kPrefetchRows);
   }
+  prefetch_rows(w, n0 + kPrefetchRows, 4);
   return r;
 }
 
@@ -1360,11 +1460,6 @@ inline bool kq_takes(const QW& w, int spc) {
   if (w.bits4) return !w.ksigned && (spc == 2 || (spc == 1 && !w.bits5));
   return spc == 4 && w.ksigned && w.centred;
 }
-
-// Row n's scale bytes and the bytes its mins come from (centred codes: the scale bytes again, the min
-// being the scale x min_factor).
-inline KBytes kscale_bytes(const QW& w, int64_t n) { return k_row(w.kscales, w, n); }
-inline KBytes kmin_bytes(const QW& w, int64_t n) { return k_row(w.kmins ? w.kmins : w.kscales, w, n); }
 #endif
 
 #ifdef PERFXLM_DOTS_AVX2
@@ -1423,9 +1518,29 @@ inline void kprefetch_row(const QW& w, int64_t n) {
 // times the factor, subtracted (fnmadd: the same single rounding as adding the negated product). Centred
 // codes (Q6_K's 8-bit ones; kq_takes) add scale x min_factor, the factor times it exactly (a power of
 // two), or nothing where the codes were shifted by 128 (AVX2 without AVX-VNNI: they are the signed values).
-template <bool BITS4, bool SIGNED>
+//
+// PER: the groups per factor where the layout fixes it (8: groups of 32; 16: Q6_K's groups of 16), 0 where
+// it does not (int4's groups of 64-256). With PER >= 8 every 8-group step lies in one super-block and the
+// row's groups are whole steps: one factor per step at a fixed place, no tail. At batch 1 the general
+// loop (the factor's place found by a division per step, a branch on the layout per step, the stored /
+// centred choice per step) was about a fifth of a Q4_K row's instructions; this one adds the same values
+// in the same order.
+template <bool BITS4, bool SIGNED, int PER = 0>
 inline __m256 kadd_mins(__m256 acc, const QW& w, int64_t n, const float* gsum) {
   if constexpr (!BITS4 && kShift8) return acc;
+  if constexpr (PER >= 8) {
+    if (w.kmins) {
+      const KBytes src = kmin_bytes(w, n);
+      for (int64_t g = 0; g < w.groups; g += 8)
+        acc = _mm256_fnmadd_ps(kvalues8<false>(src, g, PER, 1.f), _mm256_loadu_ps(gsum + g), acc);
+    } else {
+      const KBytes src = kscale_bytes(w, n);
+      const float factor = w.block_min_factor;
+      for (int64_t g = 0; g < w.groups; g += 8)
+        acc = _mm256_fmadd_ps(kvalues8<SIGNED>(src, g, PER, factor), _mm256_loadu_ps(gsum + g), acc);
+    }
+    return acc;
+  }
   const bool stored = w.kmins != nullptr;
   const KBytes src = stored ? kmin_bytes(w, n) : kscale_bytes(w, n);
   const int64_t per = w.kper;
@@ -1463,8 +1578,8 @@ inline void kq_tile_m1x4(const BlockActs& a, const QW& w, int64_t n0, float* y, 
   for (int j = 0; j < 4; ++j) {
     row[j] = w.codes + (n0 + j) * w.row_bytes;
     sc[j] = kscale_bytes(w, n0 + j);
-    kprefetch_row(w, n0 + j + kPrefetchRows);
   }
+  prefetch_rows(w, n0 + kPrefetchRows, 4);
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   const auto chunk = [&](int64_t c, const auto& scales) {
     const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + c * 64));
@@ -1495,7 +1610,7 @@ inline void kq_tile_m1x4(const BlockActs& a, const QW& w, int64_t n0, float* y, 
     }
   }
   #pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) acc[j] = kadd_mins<true, false>(acc[j], w, n0 + j, a.gsum);
+  for (int j = 0; j < 4; ++j) acc[j] = kadd_mins<true, false, SPC == 2 ? 8 : 0>(acc[j], w, n0 + j, a.gsum);
   __m128 sum = hsum4x8(acc[0], acc[1], acc[2], acc[3]);
   if (bias) sum = _mm_add_ps(sum, _mm_loadu_ps(bias + n0));
   _mm_storeu_ps(y + n0, sum);
@@ -1585,7 +1700,7 @@ inline void kq_row(const BlockActs& a, int64_t m0, const QW& w, int64_t n, float
   #pragma GCC unroll 4
   for (int i = 0; i < MT; ++i) {
     const __m256 sum = BITS4 && SPC <= 2 ? acc[i][0] : _mm256_add_ps(acc[i][0], acc[i][1]);
-    const __m256 total = kadd_mins<BITS4, SIGNED>(sum, w, n, a.gsum + (m0 + i) * a.gstride);
+    const __m256 total = kadd_mins<BITS4, SIGNED, SPC == 2 ? 8 : (SPC == 4 ? 16 : 0)>(sum, w, n, a.gsum + (m0 + i) * a.gstride);
     y[(m0 + i) * N + n] = hsum8(total) + (bias ? bias[n] : 0.f);
   }
 }
@@ -1611,103 +1726,10 @@ inline void kq_rows(const BlockActs& a, int64_t M, const QW& w, int64_t n0, floa
 #endif  // PERFXLM_DOTS_AVX2
 
 #ifdef PERFXLM_VNNI
-// Up to 16 values of a two-level row from group g (a multiple of 16), the lanes past n zero: the bytes
-// widened, times the factors of their super-blocks spread over the lanes (pidx: lane l -> l / per), times
-// sign: expand_row's values, as load_params16 would read them from its buffer.
-template <bool SIGNED>
-inline __m512 kvalues16(KBytes r, int64_t g, int64_t n, int64_t per, int64_t supers, __m512i pidx, float sign) {
-  const __mmask16 mask = n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
-  const __m128i b = _mm_maskz_loadu_epi8(mask, r.sub + g);
-  const __m512 v = _mm512_cvtepi32_ps(SIGNED ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
-  const int64_t f0 = g / per, nf = std::min<int64_t>((std::min<int64_t>(n, 16) + per - 1) / per, supers - f0);
-  const __mmask16 fmask = static_cast<__mmask16>((1u << nf) - 1);
-  const __m512 f = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(fmask, r.fac + 2 * f0));
-  return _mm512_mul_ps(v, _mm512_mul_ps(_mm512_permutexvar_ps(pidx, f), _mm512_set1_ps(sign)));
-}
-
-// block_tile (AVX512-VNNI) on two-level rows: each chunk range's 16 scales formed from the bytes where
-// the float kernel loads them, the mins 16 groups per step.
+// block_tile (AVX512-VNNI) on two-level rows: the one tile, reading the bytes.
 template <bool BITS4, bool SIGNED, int SPC, int MT, int NT, bool FIVE>
 inline void kq_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, float* y, const float* bias) {
-  const int64_t K = w.K, N = w.N, chunks = K / 64, groups = w.groups, per = w.kper, supers = K / kSuperBlock;
-  const int8_t* xq = a.q + m0 * K;
-  const float* lanes = a.lanes + m0 * chunks * 16;
-  const __m512i base_idx = chunk_scale_lanes<BITS4, SPC>();
-  const __m512i pidx = _mm512_srlv_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                         _mm512_set1_epi32(__builtin_ctzll(static_cast<unsigned long long>(per))));
-  constexpr int64_t per_load = SPC > 1 ? 16 / SPC : 1;
-  const __m512i lut = _mm512_setzero_si512();
-  KBytes sc[NT];
-  #pragma GCC unroll 16
-  for (int j = 0; j < NT; ++j) {
-    sc[j] = kscale_bytes(w, n0 + j);
-    if (n0 + NT + j < w.N) {  // the next tile's scale bytes (its codes are fetched in the loop)
-      _mm_prefetch(reinterpret_cast<const char*>(w.kscales + (n0 + NT + j) * w.kbytes), _MM_HINT_T0);
-      if (w.kmins) _mm_prefetch(reinterpret_cast<const char*>(w.kmins + (n0 + NT + j) * w.kbytes), _MM_HINT_T0);
-    }
-  }
-  __m512 acc[MT][NT];
-  #pragma GCC unroll 16
-  for (int i = 0; i < MT; ++i)
-    #pragma GCC unroll 16
-    for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t c0 = 0; c0 < chunks; c0 += per_load) {
-    const int64_t c1 = std::min(chunks, c0 + per_load);
-    __m512 S[NT];
-    if constexpr (SPC > 1) {
-      #pragma GCC unroll 16
-      for (int j = 0; j < NT; ++j) S[j] = kvalues16<SIGNED>(sc[j], c0 * SPC, (c1 - c0) * SPC, per, supers, pidx, 1.f);
-    }
-    for (int64_t c = c0; c < c1; ++c) {
-      __m512i xv[MT];
-      __m512 xs[MT];
-      #pragma GCC unroll 16
-      for (int i = 0; i < MT; ++i) {
-        xv[i] = _mm512_loadu_si512(xq + i * K + c * 64);
-        xs[i] = _mm512_loadu_ps(lanes + (i * chunks + c) * 16);
-      }
-      const __m512i idx = _mm512_add_epi32(base_idx, _mm512_set1_epi32(static_cast<int>(SPC * (c - c0))));
-      #pragma GCC unroll 16
-      for (int j = 0; j < NT; ++j) {
-        const int64_t n = n0 + j;
-        const uint8_t* row = w.codes + n * w.row_bytes;
-        if ((c & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + NT * w.row_bytes + c * (BITS4 ? 32 : 64)), _MM_HINT_T0);
-        const __m512i wv = chunk_codes<BITS4, FIVE>(row, c, w, lut);
-        __m512 ws;
-        if constexpr (SPC > 1)
-          ws = _mm512_permutexvar_ps(idx, S[j]);
-        else
-          ws = _mm512_set1_ps(k_value(sc[j], (c * 64) / w.group, per, SIGNED));
-        #pragma GCC unroll 16
-        for (int i = 0; i < MT; ++i) {
-          const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv[i]);
-          acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, xs[i]), acc[i][j]);
-        }
-      }
-    }
-  }
-  // the mins as kadd_mins adds them: stored ones subtracted, centred ones the scale x min_factor
-  const float* gsum = a.gsum + m0 * a.gstride;
-  const bool stored = w.kmins != nullptr;
-  for (int64_t g = 0; g < groups; g += 16) {
-    const int64_t left = groups - g;
-    const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-    #pragma GCC unroll 16
-    for (int j = 0; j < NT; ++j) {
-      const __m512 mv = stored ? kvalues16<false>(kmin_bytes(w, n0 + j), g, left, per, supers, pidx, 1.f)
-                               : kvalues16<SIGNED>(sc[j], g, left, per, supers, pidx, w.block_min_factor);
-      #pragma GCC unroll 16
-      for (int i = 0; i < MT; ++i) {
-        const __m512 sums = _mm512_maskz_loadu_ps(mask, gsum + i * a.gstride + g);
-        acc[i][j] = stored ? _mm512_fnmadd_ps(mv, sums, acc[i][j]) : _mm512_fmadd_ps(mv, sums, acc[i][j]);
-      }
-    }
-  }
-  #pragma GCC unroll 16
-  for (int j = 0; j < NT; ++j)
-    #pragma GCC unroll 16
-    for (int i = 0; i < MT; ++i)
-      y[(m0 + i) * N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]) + (bias ? bias[n0 + j] : 0.f);
+  vnni_block_tile<KByteScales<SIGNED>, BITS4, SPC, MT, NT, FIVE>(a, m0, w, n0, y, bias);
 }
 
 template <bool BITS4, bool SIGNED, int SPC, int NT, bool FIVE>
