@@ -837,9 +837,34 @@ struct KByteScales {
 // NT weight rows against MT activation rows, the scales and mins read through Src (FloatScales or
 // KByteScales): per 64-input chunk one vpdpbusd per weight and activation row, the weight scales (16 per
 // load) spread over the chunk's int32 lanes; the mins 16 groups per step at the end.
+// The end of a tile: acc + the mins' sum over groups of min x (activation scale x sum of the group's int8
+// values), 16 groups per step, then each accumulator reduced into y with the bias.
+template <class Src, int MT, int NT>
+inline void tile_mins_store(const Src& src, const BlockActs& a, int64_t m0, const QW& w, int64_t n0,
+                            __m512 (&acc)[MT][NT], float* y, const float* bias) {
+  const int64_t groups = w.groups;
+  const float* gsum = a.gsum + m0 * a.gstride;
+  for (int64_t g = 0; g < groups; g += 16) {
+    const int64_t left = groups - g;
+    const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    #pragma GCC unroll 16
+    for (int j = 0; j < NT; ++j) {
+      const __m512 mv = src.mins16(j, g, left);
+      #pragma GCC unroll 16
+      for (int i = 0; i < MT; ++i)
+        acc[i][j] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mask, gsum + i * a.gstride + g), acc[i][j]);
+    }
+  }
+  #pragma GCC unroll 16
+  for (int j = 0; j < NT; ++j)
+    #pragma GCC unroll 16
+    for (int i = 0; i < MT; ++i)
+      y[(m0 + i) * w.N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]) + (bias ? bias[n0 + j] : 0.f);
+}
+
 template <class Src, bool BITS4, int SPC, int MT, int NT, bool FIVE>
 inline void vnni_block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, float* y, const float* bias) {
-  const int64_t K = w.K, N = w.N, chunks = K / 64, groups = w.groups;
+  const int64_t K = w.K, chunks = K / 64;
   const int8_t* xq = a.q + m0 * K;
   const float* lanes = a.lanes + m0 * chunks * 16;
   const Src src(w, n0, NT);
@@ -887,24 +912,7 @@ inline void vnni_block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t
       }
     }
   }
-  // the mins: sum over groups of min * (activation scale * sum of the group's int8 values)
-  const float* gsum = a.gsum + m0 * a.gstride;
-  for (int64_t g = 0; g < groups; g += 16) {
-    const int64_t left = groups - g;
-    const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-    #pragma GCC unroll 16
-    for (int j = 0; j < NT; ++j) {
-      const __m512 mv = src.mins16(j, g, left);
-      #pragma GCC unroll 16
-      for (int i = 0; i < MT; ++i)
-        acc[i][j] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mask, gsum + i * a.gstride + g), acc[i][j]);
-    }
-  }
-  #pragma GCC unroll 16
-  for (int j = 0; j < NT; ++j)
-    #pragma GCC unroll 16
-    for (int i = 0; i < MT; ++i)
-      y[(m0 + i) * N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]) + (bias ? bias[n0 + j] : 0.f);
+  tile_mins_store<Src, MT, NT>(src, a, m0, w, n0, acc, y, bias);
 }
 
 // block_tile for 5-8 activation rows on zmm: two weight rows at a time, their codes unpacked and their
@@ -915,9 +923,10 @@ inline void vnni_block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t
 template <bool BITS4, bool HALF, int SPC, int MT, bool FIVE>
 inline void block_tile_wide(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, float* y, const float* bias) {
   constexpr int NT = 2;
-  const int64_t K = w.K, N = w.N, chunks = K / 64, groups = w.groups;
+  const int64_t K = w.K, chunks = K / 64;
   const int8_t* xq = a.q + m0 * K;
   const float* lanes = a.lanes + m0 * chunks * 16;
+  const FloatScales<HALF> src(w, n0, NT);
   const __m512i base_idx = chunk_scale_lanes<BITS4, SPC>();
   constexpr int64_t per_load = SPC > 1 ? 16 / SPC : 1;
   const int64_t per_group = w.group / 64;  // chunks per group (SPC 1): no division per chunk at the usual 1
@@ -932,7 +941,7 @@ inline void block_tile_wide(const BlockActs& a, int64_t m0, const QW& w, int64_t
     __m512 S[NT];
     if constexpr (SPC > 1) {
       #pragma GCC unroll 16
-      for (int j = 0; j < NT; ++j) S[j] = load_params16<HALF>(w.scales, (n0 + j) * groups + c0 * SPC, (c1 - c0) * SPC);
+      for (int j = 0; j < NT; ++j) S[j] = src.scales16(j, c0 * SPC, (c1 - c0) * SPC);
     }
     for (int64_t c = c0; c < c1; ++c) {
       const __m512i idx = _mm512_add_epi32(base_idx, _mm512_set1_epi32(static_cast<int>(SPC * (c - c0))));
@@ -947,7 +956,7 @@ inline void block_tile_wide(const BlockActs& a, int64_t m0, const QW& w, int64_t
         if constexpr (SPC > 1)
           ws[j] = _mm512_permutexvar_ps(idx, S[j]);
         else
-          ws[j] = _mm512_set1_ps(param_at<HALF>(w.scales, n * groups + (per_group == 1 ? c : c / per_group)));
+          ws[j] = _mm512_set1_ps(src.scale(j, per_group == 1 ? c : c / per_group));
       }
       #pragma GCC unroll 16
       for (int i = 0; i < MT; ++i) {
@@ -961,24 +970,7 @@ inline void block_tile_wide(const BlockActs& a, int64_t m0, const QW& w, int64_t
       }
     }
   }
-  const float* gsum = a.gsum + m0 * a.gstride;
-  const __m512 factor = _mm512_set1_ps(w.block_min_factor);
-  for (int64_t g = 0; g < groups; g += 16) {
-    const int64_t left = groups - g;
-    const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-    #pragma GCC unroll 16
-    for (int j = 0; j < NT; ++j) {
-      const __m512 mv = _mm512_mul_ps(load_params16<HALF>(w.mins, (n0 + j) * groups + g, left), factor);
-      #pragma GCC unroll 16
-      for (int i = 0; i < MT; ++i)
-        acc[i][j] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mask, gsum + i * a.gstride + g), acc[i][j]);
-    }
-  }
-  #pragma GCC unroll 16
-  for (int j = 0; j < NT; ++j)
-    #pragma GCC unroll 16
-    for (int i = 0; i < MT; ++i)
-      y[(m0 + i) * N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]) + (bias ? bias[n0 + j] : 0.f);
+  tile_mins_store<FloatScales<HALF>, MT, NT>(src, a, m0, w, n0, acc, y, bias);
 }
 
 template <bool BITS4, bool HALF, int SPC, int MT, int NT, bool FIVE>

@@ -168,6 +168,14 @@ def _block_applies(bits, k, group, lut):
     return (not lut and k % 64 == 0 and (group % 64 == 0 or group == 32 or (group == 16 and bits in (6, 8))))
 
 
+def _block_rounded(x):
+    """x as the int8 block kernels see it: each block of 32 rounded to int8 at scale max|x| / 127 (half to
+    even), times that scale."""
+    blocks = x.view(x.shape[0], x.shape[1] // 32, 32)
+    sx = blocks.abs().amax(2, keepdim=True) / 127
+    return (torch.where(sx > 0, blocks / sx, torch.zeros_like(blocks)).round().clamp(-127, 127) * sx).view(x.shape)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("bits,n,k,group,half,lut", CASES + [(8, 11, 128, 16, True, False), (4, 6, 192, 64, False, False),
                                                            (8, 21, 1536, 1536, False, False)])
@@ -182,10 +190,7 @@ def test_int8_block_activations_match_reference(bits, n, k, group, half, lut, ro
     b = torch.randn(n)
     w = _dequant(codes, scales, mins, levels, k)
     if ops.int8_block_dots() and _block_applies(bits, k, group, lut):
-        blocks = x.view(rows, k // 32, 32)
-        sx = blocks.abs().amax(2, keepdim=True) / 127
-        xq = torch.where(sx > 0, blocks / sx, torch.zeros_like(blocks)).round().clamp(-127, 127)
-        x_used = (xq * sx).view(rows, k)
+        x_used = _block_rounded(x)
     else:
         x_used = x
     ref = torch.nn.functional.linear(x_used.double(), w.double(), b.double()).float()
@@ -257,9 +262,7 @@ def test_centred_codes_match_reference_and_their_stored_mins(bits, n, k, group, 
     torch.testing.assert_close(w, _dequant(codes, scales, stored, levels, k), atol=1e-6, rtol=1e-6)
     x_used = x
     if blocks and ops.int8_block_dots() and _block_applies(bits, k, group, lut):
-        blk = x.view(rows, k // 32, 32)
-        sx = blk.abs().amax(2, keepdim=True) / 127
-        x_used = (torch.where(sx > 0, blk / sx, torch.zeros_like(blk)).round().clamp(-127, 127) * sx).view(rows, k)
+        x_used = _block_rounded(x)
     ref = torch.nn.functional.linear(x_used.double(), w.double(), b.double()).float()
     out = ops.linear_q(x, codes, scales, None, levels, b, False, max_rows, bf16, blocks)
     tol = 2e-2 if bf16 else 1e-4
@@ -280,38 +283,6 @@ def test_w8a8_centred_codes_match_their_stored_mins(n, k, rows, max_rows):
     assert torch.equal(out, ops.linear_q(x, codes, scales, stored, None, None, True, max_rows, False))
 
 
-@pytest.mark.parametrize("centred", [True, False], ids=["q5_0", "q5_1"])
-@pytest.mark.parametrize("n,k,group,half", [(13, 64, 32, True), (33, 192, 64, False), (31, 576, 32, True),
-                                            (7, 1536, 1536, False), (1031, 128, 32, True), (9, 96, 32, False)])
-def test_5bit_codes_take_the_int8_block_products(n, k, group, half, centred):
-    """5-bit codes (nibbles, then the plane of fifth bits) in the int8 block products, as 4-bit ones: the
-    exact product of the block-rounded activations with W, from 1 to 70 activation rows, centred (Q5_0's
-    form, min -16 x scale) or with stored mins (Q5_1's); one row alone gives the same bits as the row beside
-    others. K = 96 (not a multiple of 64) keeps float activations."""
-    ops = native.kernels()
-    codes, scales, mins, _ = _weight(n, k, 5, group, half, False, n * k)
-    if centred:
-        mins = None
-    w = _dequant(codes, scales, mins, None, k)
-    b = torch.randn(n, generator=torch.Generator().manual_seed(n))
-    x = torch.randn(70, k, generator=torch.Generator().manual_seed(k)) * 2
-    x[1, 32:64] = 0.0  # an all-zero block
-    x[2, 5] = 40.0  # an outlier: its block's scale
-    blocks_apply = ops.int8_block_dots() and _block_applies(5, k, group, False)
-    if blocks_apply:
-        blk = x.view(70, k // 32, 32)
-        sx = blk.abs().amax(2, keepdim=True) / 127
-        x_used = (torch.where(sx > 0, blk / sx, torch.zeros_like(blk)).round().clamp(-127, 127) * sx).view(70, k)
-    else:
-        x_used = x
-    ref = torch.nn.functional.linear(x_used.double(), w.double(), b.double()).float()
-    together = ops.linear_q(x, codes, scales, mins, None, b, False, 70, False, True)
-    torch.testing.assert_close(together, ref, atol=1e-4 * (ref.abs().max().item() + 1), rtol=1e-4)
-    for rows in (1, 2, 3, 5, 17):
-        part = ops.linear_q(x[:rows], codes, scales, mins, None, b, False, 70, False, True)
-        assert torch.equal(part, together[:rows]) if blocks_apply else torch.allclose(part, together[:rows])
-
-
 @pytest.mark.parametrize("bits,half,mins_stored", [(8, True, False), (8, False, False), (8, True, True), (4, True, False)])
 def test_parallel_decode_rows_match_reference_and_each_row_alone(bits, half, mins_stored):
     """Parallel decode (1-70 rows) on the block kernel: tiles of 4 x 4 weight and activation rows and their
@@ -328,9 +299,7 @@ def test_parallel_decode_rows_match_reference_and_each_row_alone(bits, half, min
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(2))
     x[5, 64:96] = 0.0  # an all-zero block
     if ops.int8_block_dots():
-        blocks = x.view(70, k // 32, 32)
-        sx = blocks.abs().amax(2, keepdim=True) / 127
-        x_used = (torch.where(sx > 0, blocks / sx, torch.zeros_like(blocks)).round().clamp(-127, 127) * sx).view(70, k)
+        x_used = _block_rounded(x)
     else:
         x_used = x
     ref = torch.nn.functional.linear(x_used.double(), w.double(), b.double()).float()
@@ -362,9 +331,7 @@ def test_every_row_count_of_a_verification_step_matches_each_row_alone(bits, gro
     x[6, 128:160] = 0.0  # an all-zero block in the wide pass
     blocks_apply = ops.int8_block_dots()
     if blocks_apply:
-        blk = x.view(19, k // 32, 32)
-        sx = blk.abs().amax(2, keepdim=True) / 127
-        x_used = (torch.where(sx > 0, blk / sx, torch.zeros_like(blk)).round().clamp(-127, 127) * sx).view(19, k)
+        x_used = _block_rounded(x)
     else:
         x_used = x
     ref = torch.nn.functional.linear(x_used.double(), w.double(), b.double()).float()
@@ -377,16 +344,19 @@ def test_every_row_count_of_a_verification_step_matches_each_row_alone(bits, gro
 
 
 @pytest.mark.parametrize("centred", [True, False], ids=["centred", "mins"])
-@pytest.mark.parametrize("n,k,group,half", [(13, 64, 16, True), (33, 192, 16, False), (31, 576, 32, True),
-                                            (7, 1536, 1536, False), (1031, 128, 16, True), (9, 96, 16, False)])
-def test_6bit_codes_take_the_int8_block_products(n, k, group, half, centred):
-    """6-bit codes (nibbles, the fifth then the sixth bit plane; Q6_K's values) in the int8 block products:
-    the exact product of the block-rounded activations with W, from 1 to 70 activation rows, centred (min
-    -32 x scale) or with stored mins, at groups of 16 (each nibble half of a 32-block its own scale),
-    32 and the whole row; one row alone gives the same bits as the row beside others, and so does the row
-    past the GEMV's row limit where the block limit keeps it. K = 96 keeps float activations."""
+@pytest.mark.parametrize("bits,n,k,group,half", [
+    (5, 13, 64, 32, True), (5, 33, 192, 64, False), (5, 31, 576, 32, True), (5, 7, 1536, 1536, False),
+    (5, 1031, 128, 32, True), (5, 9, 96, 32, False), (6, 13, 64, 16, True), (6, 33, 192, 16, False),
+    (6, 31, 576, 32, True), (6, 7, 1536, 1536, False), (6, 1031, 128, 16, True), (6, 9, 96, 16, False)])  # fmt: skip
+def test_5_and_6bit_codes_take_the_int8_block_products(bits, n, k, group, half, centred):
+    """5-bit codes (nibbles, then the plane of fifth bits; Q5_0 / Q5_1) and 6-bit codes (the sixth bit plane
+    after the fifth; Q6_K's values) in the int8 block products, as 4-bit ones: the exact product of the
+    block-rounded activations with W, from 1 to 70 activation rows, centred (min -2^(bits-1) x scale) or
+    with stored mins, 6-bit codes at groups of 16 too (each nibble half of a 32-block its own scale); one
+    row alone gives the same bits as the row beside others, and so does the row past the GEMV's row limit
+    where the block limit keeps it. K = 96 (not a multiple of 64) keeps float activations."""
     ops = native.kernels()
-    codes, scales, mins, _ = _weight(n, k, 6, group, half, False, n * k + 6)
+    codes, scales, mins, _ = _weight(n, k, bits, group, half, False, n * k + 6 * (bits == 6))
     if centred:
         mins = None
     w = _dequant(codes, scales, mins, None, k)
@@ -394,11 +364,9 @@ def test_6bit_codes_take_the_int8_block_products(n, k, group, half, centred):
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(k)) * 2
     x[1, 32:64] = 0.0  # an all-zero block
     x[2, 5] = 40.0  # an outlier: its block's scale
-    blocks_apply = ops.int8_block_dots() and _block_applies(6, k, group, False)
+    blocks_apply = ops.int8_block_dots() and _block_applies(bits, k, group, False)
     if blocks_apply:
-        blk = x.view(70, k // 32, 32)
-        sx = blk.abs().amax(2, keepdim=True) / 127
-        x_used = (torch.where(sx > 0, blk / sx, torch.zeros_like(blk)).round().clamp(-127, 127) * sx).view(70, k)
+        x_used = _block_rounded(x)
     else:
         x_used = x
     ref = torch.nn.functional.linear(x_used.double(), w.double(), b.double()).float()
