@@ -167,12 +167,15 @@ def test_engine_generates_with_calibration_and_mixed_precision(tiny, text_file):
                if isinstance(v, QuantizedWeight)}  # fmt: skip
     # Q4_K_M's allocation: the tiny model's input sizes are not multiples of 256, so every projection
     # takes Q5_0's 5-bit form but the QKV holding a V that Q4_K_M widens (Q8_0 there and here); the LM
-    # head stays 8-bit (`lm_head`'s default), and so does the embedding table where the head is tied to it
+    # head takes int4's head form (`head_bits` 6: Q6_K's codes), and so does the embedding table where the
+    # head is tied to it
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     layers = model.config.num_hidden_layers
     wide = {n for n in weights if "qkv" in n and use_more_bits(layer_of(n), layers)}
     eight = {n for n, w in weights.items() if w.bits == 8}
-    assert wide and eight == wide | ({"model.embed_tokens.weight", "lm_head.weight"} if tied else {"lm_head.weight"})
+    head = {"model.embed_tokens.weight", "lm_head.weight"} if tied else {"lm_head.weight"}
+    assert wide and eight == wide
+    assert {n for n, w in weights.items() if w.bits == 6} == head
     if not tied:  # a table only looked up: Q4_K_M's token_embd, 4-bit
         assert weights["model.embed_tokens.weight"].bits == 4
     assert all(w.bits == 5 and w.centred for n, w in weights.items() if "layers" in n and n not in wide)
