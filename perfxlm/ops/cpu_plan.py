@@ -31,13 +31,13 @@ int8 dots, keeps int8 and nf4 weight-only, w8a8 always rounds), decided once at 
 - PERFXLM_QUANT_ACTIVATIONS = auto | int8 | float32   stands in for quant_activations left at auto
                                                       (read with the engine's configuration, not here)
 - PERFXLM_QUANT_MAX_ROWS = N      rows up to which quantized weights take the GEMV kernels; more rows
-                                  dequantize slabs for torch's GEMM. Default 8 where the CPU has fast bf16
-                                  (measured crossover 12-16 on AMX); 32 without (AVX2, AVX-512 without
+                                  dequantize slabs for torch's GEMM. Default 8 with AMX (measured
+                                  crossover 12-16); 32 without (AVX2, AVX-512 with or without VNNI or
                                   BF16), where the GEMM is float32 and the int8 GEMV is 2.5x faster at
                                   16 rows, even at 32 (8-bit codes) and 1.3x faster at 64 (4-bit codes)
 - PERFXLM_QUANT_BLOCK_MAX_ROWS = N  the same limit for 4-bit codes (int4, Q4_0, Q4_1, Q4_K) and for
                                   weights of more than 4M values (an LM head) with int8 activation
-                                  blocks; default 128 without fast bf16, where their int8 block
+                                  blocks; default 128 without AMX, where their int8 block
                                   products beat dequantizing for the float32 GEMM: 4-bit FFN shapes
                                   1.2-1.4x at 64 rows, equal at 256, 0.85-1.1x at 512; the default
                                   model's Q8_0 head 1.7x at 48-64 rows, 1.25x at 128 (its dequantized
@@ -49,16 +49,17 @@ int8 dots, keeps int8 and nf4 weight-only, w8a8 always rounds), decided once at 
                                   vpdpbusd on 16-column panels repacked per call; on AVX2 builds
                                   8-column panels, 8-bit codes as int16 pairs without AVX-VNNI) or
                                   torch's float32 GEMM on dequantized slabs. Default int8 on
-                                  AVX512-VNNI and on AVX2 / AVX-VNNI, without fast bf16: one 512-row
+                                  AVX512-VNNI (AVX512-BF16 too: Zen 4's bf16 GEMM is no AMX, see detect)
+                                  and on AVX2 / AVX-VNNI, without AMX: one 512-row
                                   product (2 threads / one thread's CPU time, loaded machine) measured
                                   1.4-4.4x the float32 path on AVX512-VNNI (Q4_0 and Q8_0, the default
                                   model's and a 1B model's shapes), 1.5-1.8x forced to the avx2 tier
                                   (Q4_0); float32 on AVX-512 without VNNI (its float32 GEMM is twice
-                                  AVX2's; not measured) and where the CPU has fast bf16 (its bf16 GEMM)
+                                  AVX2's; not measured) and with AMX (its bf16 GEMM)
 - PERFXLM_QUANT_GEMM_ROWS = N     under the int8 GEMM, the rows from which int8-block weights it takes
                                   run it, before the GEMV limits above (parallel decode's 16-64 rows;
                                   the fused decode layer follows it too); 0: only past those limits.
-                                  Default 16 without fast bf16 (_AUTO_GEMM_ROWS), 0 with it
+                                  Default 16 without AMX (_AUTO_GEMM_ROWS), 0 with it
 
 The instruction-set tier (perfxlm.ops.isa: PERFXLM_ISA=auto | scalar | avx2 | avx_vnni | avx512 |
 avx512_vnni | avx512_bf16 | amx) decides the native build and the flags every choice above sees.
@@ -130,20 +131,26 @@ def detect() -> CpuPlan:
     # GEMM, which the int8-block products beat further: 16 parallel sequences of the default model on an
     # AVX512-VNNI Xeon (no BF16), 3 alternating rounds: Q8_0 209 -> 316 tok/s with 32 rows, Q4_0 208 ->
     # 334 with 4-bit codes up to 128 rows (AVX2 measured the same way on a Zen 3).
+    # Only AMX's bf16 GEMM beats the int8 products on quantized weights: on AVX512-BF16 without AMX (a
+    # 2-vCPU Zen 4, one thread per call, alternating, loaded) the int8 GEMM ran the default model's Q4_0
+    # and Q8_0 projections 2.3-6.5x faster than dequantized slabs into the bf16 GEMM at 16-64 rows and
+    # 1.2-1.8x at 512, so such a CPU takes the quantized limits of the CPUs without fast bf16.
     tier = isa.selected()
-    quant_rows = _rows("PERFXLM_QUANT_MAX_ROWS", 8 if fast_bf16 else 32)
-    block_rows_limit = _rows("PERFXLM_QUANT_BLOCK_MAX_ROWS", -1 if fast_bf16 else 128)
-    quant_gemm = _quant_gemm(fast_bf16)
-    gemm_rows = _rows("PERFXLM_QUANT_GEMM_ROWS", _AUTO_GEMM_ROWS if quant_gemm == "int8" and not fast_bf16 else 0)
+    quant_bf16 = fast_bf16 and isa.has_amx()
+    quant_rows = _rows("PERFXLM_QUANT_MAX_ROWS", 8 if quant_bf16 else 32)
+    block_rows_limit = _rows("PERFXLM_QUANT_BLOCK_MAX_ROWS", -1 if quant_bf16 else 128)
+    quant_gemm = _quant_gemm(quant_bf16)
+    gemm_rows = _rows("PERFXLM_QUANT_GEMM_ROWS", _AUTO_GEMM_ROWS if quant_gemm == "int8" and not quant_bf16 else 0)
     return CpuPlan(layout, gemm, max_rows, compute, quant_rows, tier, block_rows_limit, quant_gemm, gemm_rows)
 
 
-def _quant_gemm(fast_bf16: bool) -> str:
-    """int8 by default where it was measured faster: AVX512-VNNI, and AVX2 without AVX-512, both without
-    fast bf16; forcing int8 on a tier without AVX2 (no GEMM in its build) is an error, not a quiet fallback."""
+def _quant_gemm(amx_bf16: bool) -> str:
+    """int8 by default where it was measured faster: AVX512-VNNI (with or without AVX512-BF16), and AVX2
+    without AVX-512, all without AMX; forcing int8 on a tier without AVX2 (no GEMM in its build) is an
+    error, not a quiet fallback."""
     flags = isa.visible_flags()
     measured = "avx512_vnni" in flags or ("avx2" in flags and "avx512f" not in flags)
-    choice = _choice("PERFXLM_QUANT_GEMM", QUANT_GEMMS, "int8" if measured and not fast_bf16 else "float32")
+    choice = _choice("PERFXLM_QUANT_GEMM", QUANT_GEMMS, "int8" if measured and not amx_bf16 else "float32")
     if choice == "int8" and not {"avx2", "fma"} <= flags:
         raise ValueError(f"PERFXLM_QUANT_GEMM=int8 needs AVX2; the {isa.selected()} tier lacks it "
                          "(set float32 or auto).")

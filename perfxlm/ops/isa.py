@@ -125,6 +125,12 @@ def has_fast_bf16() -> bool:
     return bool(visible_flags() & {"avx512_bf16", "amx_bf16"})
 
 
+def has_amx() -> bool:
+    """Whether the CPU (as the plan may use it) has AMX tiles, whose bf16 GEMM outruns int8 products on
+    quantized weights dequantized in slabs; AVX512-BF16 alone (Zen 4/5) does not."""
+    return bool(visible_flags() & {"amx_bf16", "amx_int8"})
+
+
 def visible_flags() -> frozenset[str]:
     """The CPU's flags as the plan may use them: a forced tier hides the tier flags above it."""
     flags = raw_cpu_flags()
