@@ -55,6 +55,7 @@ def experts_call(
     activation: ExpertActivation,
     gate_up_bias: torch.Tensor | None = None,  # [E, 2 * inter]
     down_bias: torch.Tensor | None = None,  # [E, hidden]
+    bf16_gemm: bool = False,  # the quantized stacks' linear methods' decision (a bfloat16 model's)
 ) -> torch.Tensor | None:  # [T, hidden], or None: run the torch version
     ops = native.kernels()
     if ops is None or x.dtype != torch.float32 or x.dim() != 2:
@@ -74,7 +75,7 @@ def experts_call(
     int8_gemm = int8_blocks and plan.quant_gemm == "int8"
     if int8_gemm and any(_loop_only_gemm(w, x.shape[0], plan) for w in quantized):
         return None
-    bf16_gemm = plan.gemm == "bf16" and all(w.bf16_gemm for w in quantized)
+    bf16_gemm = plan.gemm == "bf16" and (bf16_gemm or not quantized)
     inter = gate_up.shape[-2] // 2
     return ops.moe_experts(
         x.contiguous(), weights, expert_ids, up_parts[0], gate_up_bias, down_parts[0], down_bias,

@@ -60,10 +60,11 @@ def grouped_experts(
     down_bias: torch.Tensor | None = None,  # [E, hidden]
     gate_up_multiply: Multiply = _any_weight,  # the stacks' linear methods' products (FusedMoE's)
     down_multiply: Multiply = _any_weight,
+    bf16_gemm: bool = False,  # quantized stacks' many rows may take the CPU's bf16 GEMM (their methods' decision)
 ) -> torch.Tensor:  # [T, hidden]
     activation = expert_activation(act)
     if activation is not None:
-        out = experts_call(x, weights, expert_ids, gate_up, down, activation, gate_up_bias, down_bias)
+        out = experts_call(x, weights, expert_ids, gate_up, down, activation, gate_up_bias, down_bias, bf16_gemm)
         if out is not None:
             return out
     return grouped_experts_torch(x, weights, expert_ids, gate_up, down, act, gate_up_bias, down_bias,
@@ -161,6 +162,8 @@ class FusedMoE(nn.Module):
         # the stacks' linear methods, chosen at load (until then: the weight's form read per call)
         self.gate_up_method: LinearMethod | None = None
         self.down_method: LinearMethod | None = None
+        # the quantized stacks' methods' decision (a bfloat16 model's many rows on the CPU's bf16 GEMM)
+        self.quant_bf16_gemm = False
 
     def quantizable_weights(self) -> list[QuantizableWeight]:
         return [QuantizableWeight(p, EXPERTS, getattr(self, p).shape[-1]) for p in ("gate_up_proj", "down_proj")]
@@ -172,6 +175,8 @@ class FusedMoE(nn.Module):
             if method.quantized:
                 method.decide(getattr(self, param), plan, f"FusedMoE.{param}")  # type: ignore[attr-defined]
             setattr(self, attr, method)
+        quantized = [m for m in (self.gate_up_method, self.down_method) if m is not None and m.quantized]
+        self.quant_bf16_gemm = bool(quantized) and all(m.bf16_gemm for m in quantized)  # type: ignore[attr-defined]
 
     def expected_shards(self, param_name: str) -> list[str]:
         parts = ("gate", "up") if param_name == "gate_up_proj" else ("down",)
@@ -228,4 +233,5 @@ class FusedMoE(nn.Module):
         gate_up = _any_weight if self.gate_up_method is None else self.gate_up_method.multiply
         down = _any_weight if self.down_method is None else self.down_method.multiply
         return grouped_experts(x, weights, expert_ids, self.gate_up_proj, self.down_proj, self.act,
-                               self.gate_up_proj_bias, self.down_proj_bias, gate_up, down)  # fmt: skip
+                               self.gate_up_proj_bias, self.down_proj_bias, gate_up, down,
+                               self.quant_bf16_gemm)  # fmt: skip
