@@ -279,10 +279,10 @@ def test_unknown_op_and_op_set_version_are_refused_by_name(exported, tmp_path):
         LLM(_edited(exported, tmp_path / "op", rename), skip_tokenizer_init=True, num_kv_blocks=16)
 
     def version(model):
-        next(o for o in model.opset_import if o.domain == "perfxlm").version = 4
+        next(o for o in model.opset_import if o.domain == "perfxlm").version = 5
 
-    with pytest.raises(ValueError, match="perfxlm op set at version 4; this engine runs versions 1 to 3"):
-        LLM(_edited(exported, tmp_path / "v4", version), skip_tokenizer_init=True, num_kv_blocks=16)
+    with pytest.raises(ValueError, match="perfxlm op set at version 5; this engine runs versions 1 to 4"):
+        LLM(_edited(exported, tmp_path / "v5", version), skip_tokenizer_init=True, num_kv_blocks=16)
 
     def newer_op(function: str, version: int):
         def edit(model):  # SiluAndMul's place taken by an op of version 3
