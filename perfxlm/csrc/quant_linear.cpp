@@ -703,29 +703,41 @@ BlockActs quantize_blocks(const at::Tensor& x, const QW& w) {
   // parallel region fewer per product (4 per layer) is one fork/join fewer to wait on.
   at::parallel_for(0, M, std::max<int64_t>(8, 32768 / std::max<int64_t>(K, 1)), [&](int64_t m_begin, int64_t m_end) {
     for (int64_t m = m_begin; m < m_end; ++m) {
-      for (int64_t b = 0; b < K / 32; ++b) {
-        int8_t block[32];
-        const float scale = quantize_block_fast(xp + m * K + b * 32, block);
-        int32_t total[2] = {0, 0};  // per 16 inputs: a block spans two groups when group == 16
-        for (int j = 0; j < 32; ++j) total[j / 16] += block[j];
-        const int64_t c = b / 2, half = b % 2;
+      float* gsum = gp + m * gstride;
+      // a chunk (two blocks, A and B) at a time: its lane scales written as whole vectors, and the group
+      // of each 16 inputs counted up (group a multiple of 16), not divided out twice per block
+      int64_t g = 0, g_end = w.group;
+      for (int64_t c = 0; c < chunks; ++c) {
+        int8_t block[2][32];
+        float scale[2];
+        for (int half = 0; half < 2; ++half) {
+          scale[half] = quantize_block_fast(xp + m * K + c * 64 + half * 32, block[half]);
+          int32_t total[2] = {0, 0};  // per 16 inputs: a block spans two groups when group == 16
+          for (int j = 0; j < 32; ++j) total[j / 16] += block[half][j];
+          for (int h = 0; h < 2; ++h) {
+            const int64_t at = c * 64 + half * 32 + h * 16;
+            if (at >= g_end) {
+              ++g;
+              g_end += w.group;
+            }
+            gsum[g] += scale[half] * static_cast<float>(total[h]);
+          }
+        }
         int8_t* dst = qp + m * K + c * 64;
-        if (w.bits4) {  // element j of block A goes to byte j (j < 16) or 32 + j - 16; of block B, 16 + ...
-          std::memcpy(dst + 16 * half, block, 16);
-          std::memcpy(dst + 32 + 16 * half, block + 16, 16);
-        } else {
-          std::memcpy(dst + 32 * half, block, 32);
-        }
         float* lanes = lp + (m * chunks + c) * 16;
-        for (int l = 0; l < 16; ++l) {
-          const bool in_b = w.bits4 ? ((l / 4) % 2 == 1) : (l >= 8);
-          if (in_b == (half == 1)) lanes[l] = scale;
+        if (w.bits4) {  // element j of block A goes to byte j (j < 16) or 32 + j - 16; of block B, 16 + ...
+          std::memcpy(dst, block[0], 16);
+          std::memcpy(dst + 16, block[1], 16);
+          std::memcpy(dst + 32, block[0] + 16, 16);
+          std::memcpy(dst + 48, block[1] + 16, 16);
+          for (int l = 0; l < 16; ++l) lanes[l] = scale[(l / 4) % 2];  // [A x4, B x4] per half
+        } else {
+          std::memcpy(dst, block[0], 32);
+          std::memcpy(dst + 32, block[1], 32);
+          for (int l = 0; l < 16; ++l) lanes[l] = scale[l / 8];
+          float* pair = pp + (m * chunks + c) * 8;  // [A A B B A A B B]
+          for (int l = 0; l < 8; ++l) pair[l] = scale[(l / 2) % 2];
         }
-        if (!w.bits4) {
-          float* pair = pp + (m * chunks + c) * 8;
-          pair[2 * half] = pair[2 * half + 1] = pair[4 + 2 * half] = pair[5 + 2 * half] = scale;
-        }
-        for (int h = 0; h < 2; ++h) gp[m * gstride + (b * 32 + h * 16) / w.group] += scale * static_cast<float>(total[h]);
       }
     }
   });
