@@ -3,6 +3,7 @@ streamed per second, for the int8 block kernel and (past one row) the dequantize
 
     python benchmarks/quant_gemv.py --rows 1,64,512 --threads 2
     python benchmarks/quant_gemv.py --rows 1 --shapes "1b qkv q4_k,1b gate_up q4_k,1b down q6_k"
+    PERFXLM_ISA=avx2 python benchmarks/quant_gemv.py --rows 1 --threads 1 --shapes "q q5_0,kv q5_0,gate q5_0,down q6_k"
 
 The int4 shapes time `quantization="int4"`'s two-level form (rows of whole 256s) beside its float16
 scales and mins. The GGUF K-quant shapes (a Llama-3.2-1B-shaped Q4_K_M file's) time the weight as held (two-level scales:
@@ -31,6 +32,14 @@ SHAPES = {  # name: (N, K, bits), the default model's (SmolLM2-135M) projections
     "gate_up q8": (3072, 576, 8),
     "down q8": (576, 1536, 8),
     "head q8": (49152, 576, 8),
+    # the default model's Q4_K_M file: its 576-wide matrices fall back to Q5_0 (Q8_0 where Q6_K was meant),
+    # the down projection (1536 inputs, whole 256s) is Q4_K or Q6_K
+    "q q5_0": (576, 576, "Q5_0"),
+    "kv q5_0": (192, 576, "Q5_0"),
+    "gate q5_0": (1536, 576, "Q5_0"),
+    "v q8_0": (192, 576, "Q8_0"),
+    "down q4_k": (576, 1536, "Q4_K"),
+    "down q6_k": (576, 1536, "Q6_K"),
     "1b qkv q4_k": (3072, 2048, "Q4_K"),
     "1b gate_up q4_k": (16384, 2048, "Q4_K"),
     "1b down q6_k": (2048, 8192, "Q6_K"),
@@ -41,7 +50,7 @@ SHAPES = {  # name: (N, K, bits), the default model's (SmolLM2-135M) projections
 
 
 def k_weight(n: int, k: int, qtype_name: str):
-    """Random GGUF K-quant blocks (finite float16 factors) repacked as the engine holds them."""
+    """Random GGUF blocks (finite float16 factors) repacked as the engine holds them."""
     import gguf
     import numpy as np
 
@@ -51,7 +60,8 @@ def k_weight(n: int, k: int, qtype_name: str):
     elems, nbytes = gguf.GGML_QUANT_SIZES[q]
     rng = np.random.default_rng(0)
     raw = rng.integers(0, 256, size=(n * k // elems, nbytes), dtype=np.uint8)
-    for at in (0, 2) if q != gguf.GGMLQuantizationType.Q6_K else (208,):
+    Q = gguf.GGMLQuantizationType
+    for at in {Q.Q6_K: (208,), Q.Q5_0: (0,), Q.Q8_0: (0,)}.get(q, (0, 2)):
         raw[:, at : at + 2] = (rng.uniform(0.5, 1.5, raw.shape[0]) * 1e-3).astype(np.float16).view(np.uint8).reshape(-1, 2)
     return repack(raw, q, (n, k))
 
@@ -89,7 +99,7 @@ def main() -> None:
                          ("float16", quantizers.quantize_int4_search(w, 32))]  # fmt: skip
             elif isinstance(bits, str):
                 qw = k_weight(n, k, bits)
-                forms = [("held", qw), ("f32 scale+min", qw.flat().with_mins())]
+                forms = [("held", qw)] + ([("f32 scale+min", qw.flat().with_mins())] if qw.two_level else [])
             else:
                 w = torch.randn(n, k, generator=torch.Generator().manual_seed(0))
                 qw = quantizers.quantize_symmetric_int4(w, 32) if bits == 4 else quantizers.quantize_symmetric_int8(w, 32)

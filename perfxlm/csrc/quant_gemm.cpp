@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "act_blocks.h"
+#include "code_planes.h"
 #include "quant_gemm.h"
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -130,21 +131,11 @@ inline void block_codes(const Weight& w, int64_t n, int64_t b, uint8_t* out) {
   }
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), lo);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), hi);
-  if (w.bits == 5) {  // the plane of fifth bits after the nibbles: bit j of the block's 4 bytes = element j
+  if (w.bits == 5) {  // the plane of fifth bits after the nibbles: the block's word (code_planes.h's order)
     uint32_t fifth;
     std::memcpy(&fifth, row + w.K / 2 + b * 4, 4);
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(out));
-#ifdef PERFXLM_QGEMM_ZMM
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_mask_add_epi8(v, fifth, v, _mm256_set1_epi8(16)));
-#else
-    // byte j takes bit j: spread byte j / 8 of the word to byte j, keep bit j % 8, add 16 where set
-    const __m256i spread = _mm256_shuffle_epi8(
-        _mm256_set1_epi32(static_cast<int>(fifth)),
-        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-    const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-    const __m256i on = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_add_epi8(v, _mm256_and_si256(on, _mm256_set1_epi8(16))));
-#endif
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_or_si256(v, perfxlm_planes::block_fifths(fifth)));
   }
 }
 

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "act_blocks.h"
+#include "code_planes.h"
 #include "quant_gemm.h"
 #include "simd16.h"
 
@@ -51,8 +52,9 @@ struct QW {
   const uint8_t* codes;
   int64_t N, K, row_bytes, group, groups;
   bool bits4;  // nibble codes: 4-bit, or the low four bits of 5-bit ones
-  // 5-bit codes: each row's nibbles (K / 2 bytes) are followed by a plane of fifth bits (K / 8 bytes,
-  // bit i of byte b = element 8b + i), u = nibble + 16 x fifth bit: the 4-bit paths plus one masked add
+  // 5-bit codes: each row's nibbles (K / 2 bytes) are followed by a plane of fifth bits (K / 8 bytes, a
+  // word per block of 32 in code_planes.h's order), u = nibble + 16 x fifth bit: the 4-bit paths plus
+  // the plane's unpack
   bool bits5;
   const void* scales;
   // A group's min is param(mins) * min_factor: the stored mins times 1, or for centred codes the scales
@@ -71,7 +73,7 @@ struct QW {
   float block_min_factor = 1.f;  // min_factor for the int8 block products
   // 6-bit codes (GGUF Q6_K's values): the 5-bit layout (bits5 is set too) followed by a second plane of
   // sixth bits (K / 8 bytes, in the fifth plane's order), u = nibble + 16 x fifth + 32 x sixth (0..63):
-  // every 5-bit path plus one more masked add. Groups of 16 (Q6_K's) are each one nibble half of a
+  // every 5-bit path plus one more plane's unpack. Groups of 16 (Q6_K's) are each one nibble half of a
   // 32-block, so the 4-bit paths' halves take one scale each.
   bool bits6 = false;
   // Two-level scales (GGUF K-quants, perfxlm/quant/super_scales.py): `kbytes` bytes per row, a byte per
@@ -185,8 +187,8 @@ inline int code_at(const QW& w, int64_t n, int64_t k) {
   const uint8_t b = row[block * 16 + (j & 15)];
   const int low = j < 16 ? (b & 0x0F) : (b >> 4);
   if (!w.bits5) return low;
-  const int fifth = (row[w.K / 2 + k / 8] >> (k % 8)) & 1;
-  return low + 16 * fifth + (w.bits6 ? 32 * ((row[w.K / 2 + w.K / 8 + k / 8] >> (k % 8)) & 1) : 0);
+  const int fifth = perfxlm_planes::plane_bit_at(row + w.K / 2, k);
+  return low + 16 * fifth + (w.bits6 ? 32 * perfxlm_planes::plane_bit_at(row + w.K / 2 + w.K / 8, k) : 0);
 }
 
 inline float weight_at(const QW& w, int64_t n, int64_t k) {
@@ -394,7 +396,7 @@ alignas(64) constexpr float kNoLevels[16] = {};
 
 // NT weight rows against MT x rows, 16 (8-bit) or 32 (4-bit) inputs per step: each code widened once,
 // scaled and offset with one FMA, then one FMA per x row.
-template <bool BITS4, bool LUT, bool HALF, int MT, int NT, bool FIVE = false>
+template <bool BITS4, bool LUT, bool HALF, int MT, int NT, int PLANES = 0>
 inline void q_tile(const float* x, const QW& w, int64_t n0, float* y, const float* bias) {
   const int64_t K = w.K, N = w.N;
   const simd16::Table16 table(LUT ? w.levels : kNoLevels);
@@ -424,16 +426,16 @@ inline void q_tile(const float* x, const QW& w, int64_t n0, float* y, const floa
         I lo, hi;
         simd16::load_nibbles(row + k / 2, lo, hi);
         V s1 = s, m1 = m;  // the hi half's scale and min: the next group's at groups of 16 (6-bit codes)
-        if constexpr (FIVE) {
+        if constexpr (PLANES > 0) {
           uint32_t fifth;
           std::memcpy(&fifth, row + K / 2 + k / 8, 4);
-          lo = simd16::add_fifth_bits(lo, fifth & 0xFFFF);
-          hi = simd16::add_fifth_bits(hi, fifth >> 16);
+          lo = simd16::add_plane_bits(lo, fifth, 0);
+          hi = simd16::add_plane_bits(hi, fifth, 1);
           if (w.bits6) {
             uint32_t sixth;
             std::memcpy(&sixth, row + K / 2 + K / 8 + k / 8, 4);
-            lo = simd16::add_fifth_bits(lo, sixth & 0xFFFF, 32);
-            hi = simd16::add_fifth_bits(hi, sixth >> 16, 32);
+            lo = simd16::add_plane_bits(lo, sixth, 0, 32);
+            hi = simd16::add_plane_bits(hi, sixth, 1, 32);
             if (w.group == 16) {
               s1 = simd16::set1(param_at<HALF>(w.scales, n * w.groups + g + 1));
               m1 = simd16::set1(param_at<HALF>(w.mins, n * w.groups + g + 1) * w.min_factor);
@@ -458,39 +460,40 @@ inline void q_tile(const float* x, const QW& w, int64_t n0, float* y, const floa
     for (int j = 0; j < NT; ++j) y[i * N + n0 + j] = simd16::reduce_add(acc[i][j]) + (bias ? bias[n0 + j] : 0.f);
 }
 
-template <bool BITS4, bool LUT, bool HALF, int NT, bool FIVE = false>
+template <bool BITS4, bool LUT, bool HALF, int NT, int PLANES = 0>
 inline void q_block(const float* x, int64_t M, const QW& w, int64_t n0, float* y, const float* bias) {
   constexpr int MT = kChunk;
   const int64_t K = w.K, N = w.N;
   int64_t m = 0;
-  for (; m + MT <= M; m += MT) q_tile<BITS4, LUT, HALF, MT, NT, FIVE>(x + m * K, w, n0, y + m * N, bias);
+  for (; m + MT <= M; m += MT) q_tile<BITS4, LUT, HALF, MT, NT, PLANES>(x + m * K, w, n0, y + m * N, bias);
   switch (M - m) {
-    case 3: q_tile<BITS4, LUT, HALF, 3, NT, FIVE>(x + m * K, w, n0, y + m * N, bias); break;
-    case 2: q_tile<BITS4, LUT, HALF, 2, NT, FIVE>(x + m * K, w, n0, y + m * N, bias); break;
-    case 1: q_tile<BITS4, LUT, HALF, 1, NT, FIVE>(x + m * K, w, n0, y + m * N, bias); break;
+    case 3: q_tile<BITS4, LUT, HALF, 3, NT, PLANES>(x + m * K, w, n0, y + m * N, bias); break;
+    case 2: q_tile<BITS4, LUT, HALF, 2, NT, PLANES>(x + m * K, w, n0, y + m * N, bias); break;
+    case 1: q_tile<BITS4, LUT, HALF, 1, NT, PLANES>(x + m * K, w, n0, y + m * N, bias); break;
     default: break;
   }
 }
 
-template <bool BITS4, bool LUT, bool HALF, bool FIVE = false>
+template <bool BITS4, bool LUT, bool HALF, int PLANES = 0>
 void q_gemv_typed(const float* x, int64_t M, const QW& w, float* y, const float* bias) {
   const int64_t NT = M == 1 ? kTileOne : 4;
   over_rows(w, NT, 16, [&](const QW& v, int64_t n0, int64_t n1) {
     int64_t n = n0;
     for (; n + NT <= n1; n += NT) {
       if (NT == 8)
-        q_block<BITS4, LUT, HALF, 8, FIVE>(x, M, v, n, y, bias);
+        q_block<BITS4, LUT, HALF, 8, PLANES>(x, M, v, n, y, bias);
       else
-        q_block<BITS4, LUT, HALF, 4, FIVE>(x, M, v, n, y, bias);
+        q_block<BITS4, LUT, HALF, 4, PLANES>(x, M, v, n, y, bias);
     }
-    for (; n < n1; ++n) q_block<BITS4, LUT, HALF, 1, FIVE>(x, M, v, n, y, bias);
+    for (; n < n1; ++n) q_block<BITS4, LUT, HALF, 1, PLANES>(x, M, v, n, y, bias);
   });
 }
 
 void q_gemv(const float* x, int64_t M, const QW& w, float* y, const float* bias) {
   if (w.bits5) {
-    w.half ? q_gemv_typed<true, false, true, true>(x, M, w, y, bias)
-           : q_gemv_typed<true, false, false, true>(x, M, w, y, bias);
+    // one plane as far as the template knows: q_tile reads the sixth where bits6 says (this float path
+    // is not the decode one where int8 blocks run)
+    w.half ? q_gemv_typed<true, false, true, 1>(x, M, w, y, bias) : q_gemv_typed<true, false, false, 1>(x, M, w, y, bias);
   } else if (w.bits4 && w.levels) {
     w.half ? q_gemv_typed<true, true, true>(x, M, w, y, bias) : q_gemv_typed<true, true, false>(x, M, w, y, bias);
   } else if (w.bits4) {
@@ -538,14 +541,14 @@ void dequant_rows(const QW& whole, int64_t n0, int64_t n1, T* out) {
           if (w.bits5) {
             uint32_t fifth;
             std::memcpy(&fifth, row + w.K / 2 + k / 8, 4);
-            lo = simd16::add_fifth_bits(lo, fifth & 0xFFFF);
-            hi = simd16::add_fifth_bits(hi, fifth >> 16);
+            lo = simd16::add_plane_bits(lo, fifth, 0);
+            hi = simd16::add_plane_bits(hi, fifth, 1);
           }
           if (w.bits6) {
             uint32_t sixth;
             std::memcpy(&sixth, row + w.K / 2 + w.K / 8 + k / 8, 4);
-            lo = simd16::add_fifth_bits(lo, sixth & 0xFFFF, 32);
-            hi = simd16::add_fifth_bits(hi, sixth >> 16, 32);
+            lo = simd16::add_plane_bits(lo, sixth, 0, 32);
+            hi = simd16::add_plane_bits(hi, sixth, 1, 32);
           }
           store_out(o + k, simd16::fmadd(w.levels ? simd16::lookup(table, lo) : simd16::to_float(lo), s, m));
           store_out(o + k + 16, simd16::fmadd(w.levels ? simd16::lookup(table, hi) : simd16::to_float(hi), s1, m1));
@@ -676,17 +679,10 @@ struct BlockActs {
   int64_t gstride;       // the weight's groups rounded up to 8, so 8-lane loads need no tail
 };
 
-// 5-bit codes: a chunk's 64 fifth bits (the plane's 8 bytes at K / 2 + 8 c: block A's 32 bits, then
-// block B's, each in element order) put in the order the chunk's nibbles unpack to (A 0-15, B 0-15,
-// A 16-31, B 16-31), so bit p says whether code byte p gains 16: one masked add per 64 codes (AVX-512),
-// two per 32 (AVX2), on the 4-bit paths. The codes stay within 0..31: vpmaddubsw's pair sums of two
-// halves (4 x 31 x 127) fit int16 as 4-bit ones do, and the min (-16 x scale) goes with the mins.
-inline uint64_t chunk_fifths(const uint8_t* row, const QW& w, int64_t c) {
-  uint64_t f;
-  std::memcpy(&f, row + w.K / 2 + c * 8, sizeof(f));
-  const uint64_t a = f & 0xFFFFFFFFu, b = f >> 32;
-  return (a & 0xFFFF) | ((b & 0xFFFF) << 16) | ((a >> 16) << 32) | ((b >> 16) << 48);
-}
+// 5-bit codes: a chunk's fifth bits are the plane's 8 bytes at K / 2 + 8 c (blocks A and B's words),
+// unpacked onto the 4-bit paths' nibble bytes (A 0-15, B 0-15, A 16-31, B 16-31) by code_planes.h's
+// shifts. The codes stay within 0..31: vpmaddubsw's pair sums of two halves (4 x 31 x 127) fit int16 as
+// 4-bit ones do, and the min (-16 x scale) goes with the mins.
 
 BlockActs quantize_blocks(const at::Tensor& x, const QW& w) {
   const int64_t M = x.size(0), K = w.K, chunks = K / 64, gstride = (w.groups + 7) / 8 * 8;
@@ -707,29 +703,41 @@ BlockActs quantize_blocks(const at::Tensor& x, const QW& w) {
   // parallel region fewer per product (4 per layer) is one fork/join fewer to wait on.
   at::parallel_for(0, M, std::max<int64_t>(8, 32768 / std::max<int64_t>(K, 1)), [&](int64_t m_begin, int64_t m_end) {
     for (int64_t m = m_begin; m < m_end; ++m) {
-      for (int64_t b = 0; b < K / 32; ++b) {
-        int8_t block[32];
-        const float scale = quantize_block_fast(xp + m * K + b * 32, block);
-        int32_t total[2] = {0, 0};  // per 16 inputs: a block spans two groups when group == 16
-        for (int j = 0; j < 32; ++j) total[j / 16] += block[j];
-        const int64_t c = b / 2, half = b % 2;
+      float* gsum = gp + m * gstride;
+      // a chunk (two blocks, A and B) at a time: its lane scales written as whole vectors, and the group
+      // of each 16 inputs counted up (group a multiple of 16), not divided out twice per block
+      int64_t g = 0, g_end = w.group;
+      for (int64_t c = 0; c < chunks; ++c) {
+        int8_t block[2][32];
+        float scale[2];
+        for (int half = 0; half < 2; ++half) {
+          scale[half] = quantize_block_fast(xp + m * K + c * 64 + half * 32, block[half]);
+          int32_t total[2] = {0, 0};  // per 16 inputs: a block spans two groups when group == 16
+          for (int j = 0; j < 32; ++j) total[j / 16] += block[half][j];
+          for (int h = 0; h < 2; ++h) {
+            const int64_t at = c * 64 + half * 32 + h * 16;
+            if (at >= g_end) {
+              ++g;
+              g_end += w.group;
+            }
+            gsum[g] += scale[half] * static_cast<float>(total[h]);
+          }
+        }
         int8_t* dst = qp + m * K + c * 64;
-        if (w.bits4) {  // element j of block A goes to byte j (j < 16) or 32 + j - 16; of block B, 16 + ...
-          std::memcpy(dst + 16 * half, block, 16);
-          std::memcpy(dst + 32 + 16 * half, block + 16, 16);
-        } else {
-          std::memcpy(dst + 32 * half, block, 32);
-        }
         float* lanes = lp + (m * chunks + c) * 16;
-        for (int l = 0; l < 16; ++l) {
-          const bool in_b = w.bits4 ? ((l / 4) % 2 == 1) : (l >= 8);
-          if (in_b == (half == 1)) lanes[l] = scale;
+        if (w.bits4) {  // element j of block A goes to byte j (j < 16) or 32 + j - 16; of block B, 16 + ...
+          std::memcpy(dst, block[0], 16);
+          std::memcpy(dst + 16, block[1], 16);
+          std::memcpy(dst + 32, block[0] + 16, 16);
+          std::memcpy(dst + 48, block[1] + 16, 16);
+          for (int l = 0; l < 16; ++l) lanes[l] = scale[(l / 4) % 2];  // [A x4, B x4] per half
+        } else {
+          std::memcpy(dst, block[0], 32);
+          std::memcpy(dst + 32, block[1], 32);
+          for (int l = 0; l < 16; ++l) lanes[l] = scale[l / 8];
+          float* pair = pp + (m * chunks + c) * 8;  // [A A B B A A B B]
+          for (int l = 0; l < 8; ++l) pair[l] = scale[(l / 2) % 2];
         }
-        if (!w.bits4) {
-          float* pair = pp + (m * chunks + c) * 8;
-          pair[2 * half] = pair[2 * half + 1] = pair[4 + 2 * half] = pair[5 + 2 * half] = scale;
-        }
-        for (int h = 0; h < 2; ++h) gp[m * gstride + (b * 32 + h * 16) / w.group] += scale * static_cast<float>(total[h]);
       }
     }
   });
@@ -737,17 +745,19 @@ BlockActs quantize_blocks(const at::Tensor& x, const QW& w) {
 }
 
 #ifdef PERFXLM_VNNI
-template <bool BITS4, bool FIVE>
+template <bool BITS4, int PLANES>
 inline __m512i chunk_codes(const uint8_t* row, int64_t c, const QW& w, __m512i lut) {
   if constexpr (BITS4) {
     // 32 bytes -> [bytes | bytes >> 4] & 0x0F: lo nibbles of A, of B, then hi nibbles of A, of B
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 32));
     const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(b), _mm256_srli_epi16(b, 4), 1);
     const __m512i u = _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
-    if constexpr (FIVE) {
-      const __m512i v = _mm512_mask_add_epi8(u, chunk_fifths(row, w, c), u, _mm512_set1_epi8(16));
+    if constexpr (PLANES > 0) {
+      const __m512i v = perfxlm_planes::or_fifths512(u, perfxlm_planes::chunk_words512(row + w.K / 2 + c * 8));
       // 6-bit codes: the sixth plane follows the fifth, K / 8 bytes on, in its order
-      return w.bits6 ? _mm512_mask_add_epi8(v, chunk_fifths(row + w.K / 8, w, c), v, _mm512_set1_epi8(32)) : v;
+      if constexpr (PLANES == 2)
+        return perfxlm_planes::or_sixths512(v, perfxlm_planes::chunk_words512(row + w.K / 2 + w.K / 8 + c * 8));
+      return v;
     }
     return w.int_lut ? _mm512_shuffle_epi8(lut, u) : u;
   } else {
@@ -862,7 +872,7 @@ inline void tile_mins_store(const Src& src, const BlockActs& a, int64_t m0, cons
       y[(m0 + i) * w.N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]) + (bias ? bias[n0 + j] : 0.f);
 }
 
-template <class Src, bool BITS4, int SPC, int MT, int NT, bool FIVE>
+template <class Src, bool BITS4, int SPC, int MT, int NT, int PLANES>
 inline void vnni_block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, float* y, const float* bias) {
   const int64_t K = w.K, chunks = K / 64;
   const int8_t* xq = a.q + m0 * K;
@@ -901,7 +911,7 @@ inline void vnni_block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t
         // per two chunks left every other line to the hardware prefetchers, which Zen 4 does not pair as
         // Intel's adjacent-line prefetcher does: its Q8_0 batch-1 decode ran 15-20 % slower for it).
         if (!BITS4 || (c & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + NT * w.row_bytes + c * (BITS4 ? 32 : 64)), _MM_HINT_T0);
-        const __m512i wv = chunk_codes<BITS4, FIVE>(row, c, w, lut);
+        const __m512i wv = chunk_codes<BITS4, PLANES>(row, c, w, lut);
         __m512 ws;
         if constexpr (SPC > 1)
           ws = _mm512_permutexvar_ps(idx, S[j]);
@@ -923,7 +933,7 @@ inline void vnni_block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t
 // multiplied into both: MT x 2 accumulators and 4 registers for the two rows' codes and scales. (block_tile
 // holds every activation row's codes and scales instead, 2 MT registers: at 8 x 2 the compiler spilled
 // accumulators to the stack.) Each row's operations are block_tile's, in its order: the same bits.
-template <bool BITS4, bool HALF, int SPC, int MT, bool FIVE>
+template <bool BITS4, bool HALF, int SPC, int MT, int PLANES>
 inline void block_tile_wide(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, float* y, const float* bias) {
   constexpr int NT = 2;
   const int64_t K = w.K, chunks = K / 64;
@@ -955,7 +965,7 @@ inline void block_tile_wide(const BlockActs& a, int64_t m0, const QW& w, int64_t
         const int64_t n = n0 + j;
         const uint8_t* row = w.codes + n * w.row_bytes;
         if (!BITS4 || (c & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + NT * w.row_bytes + c * (BITS4 ? 32 : 64)), _MM_HINT_T0);
-        wv[j] = chunk_codes<BITS4, FIVE>(row, c, w, lut);
+        wv[j] = chunk_codes<BITS4, PLANES>(row, c, w, lut);
         if constexpr (SPC > 1)
           ws[j] = _mm512_permutexvar_ps(idx, S[j]);
         else
@@ -976,9 +986,9 @@ inline void block_tile_wide(const BlockActs& a, int64_t m0, const QW& w, int64_t
   tile_mins_store<FloatScales<HALF>, MT, NT>(src, a, m0, w, n0, acc, y, bias);
 }
 
-template <bool BITS4, bool HALF, int SPC, int MT, int NT, bool FIVE>
+template <bool BITS4, bool HALF, int SPC, int MT, int NT, int PLANES>
 inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, float* y, const float* bias) {
-  vnni_block_tile<FloatScales<HALF>, BITS4, SPC, MT, NT, FIVE>(a, m0, w, n0, y, bias);
+  vnni_block_tile<FloatScales<HALF>, BITS4, SPC, MT, NT, PLANES>(a, m0, w, n0, y, bias);
 }
 
 #else  // PERFXLM_DOTS_AVX2
@@ -1143,43 +1153,25 @@ inline void prefetch_rows(const QW& w, int64_t n, int64_t count) {
   if (!w.centred) prefetch_range(static_cast<const char*>(w.mins) + n * pbytes, count * pbytes);
 }
 
-// A chunk's 64 fifth bits (the plane's 8 bytes: block A's 32 bits, then B's, each in element order) in
-// every 64-bit lane, one broadcast load, and one half's 32 code bytes from them: byte p takes the plane
-// byte `spread` names and becomes 16 where its bit p % 8 is set (llama.cpp's bytes_from_bits_32, times
-// 16). The lo half's codes are A 0-15 | B 0-15 (plane bytes 0 1 | 4 5), the hi half's A 16-31 | B 16-31
-// (2 3 | 6 7): the spread does chunk_fifths' reordering, so no scalar bit shuffling per chunk and row.
-inline __m256i chunk_fifth_bits(const uint8_t* row, const QW& w, int64_t c) {
-  int64_t f;
-  std::memcpy(&f, row + w.K / 2 + c * 8, sizeof(f));
-  return _mm256_set1_epi64x(f);
-}
-
-inline __m256i fifths_to_bytes(__m256i bits, __m256i spread) {
-  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
-  const __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(bits, spread), bit);
-  return _mm256_and_si256(_mm256_cmpeq_epi8(b, bit), _mm256_set1_epi8(16));
-}
-
-// One chunk of 4-bit (or 5-bit) codes as two halves of 32 bytes: lo nibbles [A 0-15, B 0-15], hi
-// nibbles [A 16-31, B 16-31], each plus its fifth bits or looked up in an integer table.
-template <bool FIVE>
+// One chunk of 4-bit (5-bit: PLANES 1, 6-bit: 2) codes as two halves of 32 bytes: lo nibbles [A 0-15,
+// B 0-15], hi nibbles [A 16-31, B 16-31], each plus its plane bits (the plane's two words of the chunk,
+// 8 bytes at K / 2 + 8 c, spread over the lanes once, then a shift, an and and an or per half:
+// code_planes.h), or looked up in an integer table. The planes are a template argument: a branch on
+// bits6 here sat in every chunk of every 5-bit row.
+template <int PLANES>
 inline void chunk_halves(const uint8_t* row, int64_t c, const QW& w, __m256i lut, __m256i& lo, __m256i& hi) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 32));
   lo = _mm256_and_si256(b, nibble);
   hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
-  if constexpr (FIVE) {
-    const __m256i f = chunk_fifth_bits(row, w, c);
-    const __m256i spread_lo = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0404040404040404LL, 0x0505050505050505LL);
-    const __m256i spread_hi = _mm256_setr_epi64x(0x0202020202020202LL, 0x0303030303030303LL, 0x0606060606060606LL,
-                                                 0x0707070707070707LL);
-    lo = _mm256_or_si256(lo, fifths_to_bytes(f, spread_lo));
-    hi = _mm256_or_si256(hi, fifths_to_bytes(f, spread_hi));
-    if (w.bits6) {  // the sixth plane, K / 8 bytes after the fifth, in its order: 16 doubled where set
-      const __m256i x = chunk_fifth_bits(row + w.K / 8, w, c);
-      const __m256i x_lo = fifths_to_bytes(x, spread_lo), x_hi = fifths_to_bytes(x, spread_hi);
-      lo = _mm256_or_si256(lo, _mm256_add_epi8(x_lo, x_lo));
-      hi = _mm256_or_si256(hi, _mm256_add_epi8(x_hi, x_hi));
+  if constexpr (PLANES > 0) {
+    const __m256i f = perfxlm_planes::chunk_words(row + w.K / 2 + c * 8);
+    lo = _mm256_or_si256(lo, perfxlm_planes::lo_fifths(f));
+    hi = _mm256_or_si256(hi, perfxlm_planes::hi_fifths(f));
+    if constexpr (PLANES == 2) {  // the sixth plane, K / 8 bytes after the fifth, in its order: 32 where set
+      const __m256i x = perfxlm_planes::chunk_words(row + w.K / 2 + w.K / 8 + c * 8);
+      lo = _mm256_or_si256(lo, perfxlm_planes::lo_sixths(x));
+      hi = _mm256_or_si256(hi, perfxlm_planes::hi_sixths(x));
     }
   } else if (w.int_lut) {
     lo = _mm256_shuffle_epi8(lut, lo);
@@ -1237,7 +1229,7 @@ inline int64_t chunk_group(const QW& w, int64_t c) {
 
 // NT weight rows, one after the other (a row of a small model is a few cache lines, and consecutive
 // rows are one stream), each against MT activation rows: MT accumulators, everything else transient.
-template <bool BITS4, bool HALF, int SPC, int MT, int NT, bool FIVE>
+template <bool BITS4, bool HALF, int SPC, int MT, int NT, int PLANES>
 inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, float* y, const float* bias) {
   const int64_t K = w.K, N = w.N, chunks = K / 64, groups = w.groups;
   const int8_t* xq = a.q + m0 * K;
@@ -1263,7 +1255,7 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
         // groups of 16 (6-bit codes): the lo half [A 0-15, B 0-15] takes the chunk's groups 0 and 2, the
         // hi half [A 16-31, B 16-31] groups 1 and 3, so the halves are dotted and scaled apart
         __m256i lo, hi;
-        chunk_halves<FIVE>(row, c, w, lut, lo, hi);
+        chunk_halves<PLANES>(row, c, w, lut, lo, hi);
         const __m256 s4 = _mm256_castps128_ps256(load_params_lo<HALF, 4>(w.scales, g0));
         const __m256 ws_lo = _mm256_permutevar8x32_ps(s4, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
         const __m256 ws_hi = _mm256_permutevar8x32_ps(s4, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));
@@ -1271,7 +1263,7 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
         for (int i = 0; i < MT; ++i) six_bit_chunk(lo, hi, xq + i * K + c * 64, lanes + (i * chunks + c) * 16, ws_lo, ws_hi, acc[i]);
       } else if constexpr (BITS4) {
         __m256i lo, hi;
-        chunk_halves<FIVE>(row, c, w, lut, lo, hi);
+        chunk_halves<PLANES>(row, c, w, lut, lo, hi);
         // both halves carry [A x4, B x4] weight and activation scales, so their int32 sums add up
         __m256 ws;
         if constexpr (SPC == 1)
@@ -1356,7 +1348,7 @@ inline void store_four(__m256 (&acc)[4], const FourRows& r, const BlockActs& a, 
 // per-row work of block_tile (its loads of the activations, reduction, store) was a quarter of the
 // time (measured 1.15-1.25x per GEMV on Zen 3). Each row's operations are block_tile's, in its order:
 // the results are the same bits. 4-bit (and 5-bit) codes here; 8-bit ones in block_tile_m1x4_q8 below.
-template <bool BITS4, bool HALF, int SPC, bool FIVE>
+template <bool BITS4, bool HALF, int SPC, int PLANES>
 inline void block_tile_m1x4(const BlockActs& a, int64_t m, const QW& w, int64_t n0, float* y, const float* bias) {
   static_assert(BITS4, "four rows at once: 4-bit codes only");
   const int64_t K = w.K, chunks = K / 64;
@@ -1374,7 +1366,7 @@ inline void block_tile_m1x4(const BlockActs& a, int64_t m, const QW& w, int64_t 
     #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       __m256i lo, hi;
-      chunk_halves<FIVE>(r.row[j], c, w, lut, lo, hi);
+      chunk_halves<PLANES>(r.row[j], c, w, lut, lo, hi);
       acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_pairs(lo, x0, hi, x1)), _mm256_mul_ps(scales(j), xv), acc[j]);
     }
   };
@@ -1563,7 +1555,7 @@ inline __m256 kadd_mins(__m256 acc, const QW& w, int64_t n, const float* gsum) {
 // block_tile_m1x4 on two-level 4- or 5-bit rows: four rows against the one activation row, each row's
 // 8 scales of a super-block formed once for its four chunks (groups of 32), or one scale per chunk
 // (groups of 64 or more).
-template <bool FIVE, int SPC>
+template <int PLANES, int SPC>
 inline void kq_tile_m1x4(const BlockActs& a, const QW& w, int64_t n0, float* y, const float* bias) {
   const int64_t K = w.K, chunks = K / 64;
   const __m256i lut = _mm256_setzero_si256();  // two-level codes take no table
@@ -1583,7 +1575,7 @@ inline void kq_tile_m1x4(const BlockActs& a, const QW& w, int64_t n0, float* y, 
     #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       __m256i lo, hi;
-      chunk_halves<FIVE>(row[j], c, w, lut, lo, hi);
+      chunk_halves<PLANES>(row[j], c, w, lut, lo, hi);
       acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_pairs(lo, x0, hi, x1)), _mm256_mul_ps(scales(j), xv), acc[j]);
     }
   };
@@ -1614,7 +1606,7 @@ inline void kq_tile_m1x4(const BlockActs& a, const QW& w, int64_t n0, float* y, 
 // block_tile's one weight row n against MT activation rows from m0, on two-level rows: 4- or 5-bit codes
 // (their super-block's 8 scales formed once for four chunks, or one per chunk), or 8-bit codes at groups
 // of 16 (a super-block's 16 scales formed once, as two registers, for its four chunks).
-template <bool BITS4, bool SIGNED, int SPC, int MT, bool FIVE>
+template <bool BITS4, bool SIGNED, int SPC, int MT, int PLANES>
 inline void kq_row(const BlockActs& a, int64_t m0, const QW& w, int64_t n, float* y, const float* bias) {
   const int64_t K = w.K, N = w.N, chunks = K / 64;
   const int8_t* xq = a.q + m0 * K;
@@ -1629,7 +1621,7 @@ inline void kq_row(const BlockActs& a, int64_t m0, const QW& w, int64_t n, float
     const __m256i lut = _mm256_setzero_si256();
     const auto chunk = [&](int64_t c, __m256 ws) {
       __m256i lo, hi;
-      chunk_halves<FIVE>(row, c, w, lut, lo, hi);
+      chunk_halves<PLANES>(row, c, w, lut, lo, hi);
       #pragma GCC unroll 4
       for (int i = 0; i < MT; ++i) {
         const int8_t* xc = xq + i * K + c * 64;
@@ -1651,7 +1643,7 @@ inline void kq_row(const BlockActs& a, int64_t m0, const QW& w, int64_t n, float
           const __m256 ws_hi =
               _mm256_permutevar8x32_ps(s16[q / 2], _mm256_setr_epi32(b + 1, b + 1, b + 1, b + 1, b + 3, b + 3, b + 3, b + 3));
           __m256i lo, hi;
-          chunk_halves<FIVE>(row, c, w, lut, lo, hi);
+          chunk_halves<PLANES>(row, c, w, lut, lo, hi);
           #pragma GCC unroll 4
           for (int i = 0; i < MT; ++i) six_bit_chunk(lo, hi, xq + i * K + c * 64, lanes + (i * chunks + c) * 16, ws_lo, ws_hi, acc[i]);
         }
@@ -1701,19 +1693,19 @@ inline void kq_row(const BlockActs& a, int64_t m0, const QW& w, int64_t n, float
 }
 
 // Rows n0..n0 + NT - 1 against the M activation rows, MT at a time, in block_rows' order.
-template <bool BITS4, bool SIGNED, int SPC, int NT, bool FIVE>
+template <bool BITS4, bool SIGNED, int SPC, int NT, int PLANES>
 inline void kq_rows(const BlockActs& a, int64_t M, const QW& w, int64_t n0, float* y, const float* bias) {
   if constexpr (BITS4 && NT == 4 && SPC <= 2) {
-    if (M == 1) return kq_tile_m1x4<FIVE, SPC>(a, w, n0, y, bias);
+    if (M == 1) return kq_tile_m1x4<PLANES, SPC>(a, w, n0, y, bias);
   }
   int64_t m = 0;
   for (; m + 4 <= M; m += 4)
-    for (int j = 0; j < NT; ++j) kq_row<BITS4, SIGNED, SPC, 4, FIVE>(a, m, w, n0 + j, y, bias);
+    for (int j = 0; j < NT; ++j) kq_row<BITS4, SIGNED, SPC, 4, PLANES>(a, m, w, n0 + j, y, bias);
   for (int j = 0; j < NT; ++j) {
     switch (M - m) {
-      case 3: kq_row<BITS4, SIGNED, SPC, 3, FIVE>(a, m, w, n0 + j, y, bias); break;
-      case 2: kq_row<BITS4, SIGNED, SPC, 2, FIVE>(a, m, w, n0 + j, y, bias); break;
-      case 1: kq_row<BITS4, SIGNED, SPC, 1, FIVE>(a, m, w, n0 + j, y, bias); break;
+      case 3: kq_row<BITS4, SIGNED, SPC, 3, PLANES>(a, m, w, n0 + j, y, bias); break;
+      case 2: kq_row<BITS4, SIGNED, SPC, 2, PLANES>(a, m, w, n0 + j, y, bias); break;
+      case 1: kq_row<BITS4, SIGNED, SPC, 1, PLANES>(a, m, w, n0 + j, y, bias); break;
       default: break;
     }
   }
@@ -1722,19 +1714,19 @@ inline void kq_rows(const BlockActs& a, int64_t M, const QW& w, int64_t n0, floa
 
 #ifdef PERFXLM_VNNI
 // block_tile (AVX512-VNNI) on two-level rows: the one tile, reading the bytes.
-template <bool BITS4, bool SIGNED, int SPC, int MT, int NT, bool FIVE>
+template <bool BITS4, bool SIGNED, int SPC, int MT, int NT, int PLANES>
 inline void kq_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, float* y, const float* bias) {
-  vnni_block_tile<KByteScales<SIGNED>, BITS4, SPC, MT, NT, FIVE>(a, m0, w, n0, y, bias);
+  vnni_block_tile<KByteScales<SIGNED>, BITS4, SPC, MT, NT, PLANES>(a, m0, w, n0, y, bias);
 }
 
-template <bool BITS4, bool SIGNED, int SPC, int NT, bool FIVE>
+template <bool BITS4, bool SIGNED, int SPC, int NT, int PLANES>
 inline void kq_rows(const BlockActs& a, int64_t M, const QW& w, int64_t n0, float* y, const float* bias) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) kq_tile<BITS4, SIGNED, SPC, 4, NT, FIVE>(a, m, w, n0, y, bias);
+  for (; m + 4 <= M; m += 4) kq_tile<BITS4, SIGNED, SPC, 4, NT, PLANES>(a, m, w, n0, y, bias);
   switch (M - m) {
-    case 3: kq_tile<BITS4, SIGNED, SPC, 3, NT, FIVE>(a, m, w, n0, y, bias); break;
-    case 2: kq_tile<BITS4, SIGNED, SPC, 2, NT, FIVE>(a, m, w, n0, y, bias); break;
-    case 1: kq_tile<BITS4, SIGNED, SPC, 1, NT, FIVE>(a, m, w, n0, y, bias); break;
+    case 3: kq_tile<BITS4, SIGNED, SPC, 3, NT, PLANES>(a, m, w, n0, y, bias); break;
+    case 2: kq_tile<BITS4, SIGNED, SPC, 2, NT, PLANES>(a, m, w, n0, y, bias); break;
+    case 1: kq_tile<BITS4, SIGNED, SPC, 1, NT, PLANES>(a, m, w, n0, y, bias); break;
     default: break;
   }
 }
@@ -1742,28 +1734,28 @@ inline void kq_rows(const BlockActs& a, int64_t M, const QW& w, int64_t n0, floa
 
 #ifdef PERFXLM_INT8_DOTS
 // All rows of a two-level weight, in parallel over tiles of four rows (over_rows' split, no expansion).
-template <bool BITS4, bool SIGNED, int SPC, bool FIVE>
+template <bool BITS4, bool SIGNED, int SPC, int PLANES>
 void kq_gemv_typed(const BlockActs& a, int64_t M, const QW& w, float* y, const float* bias) {
   at::parallel_for(0, (w.N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
     const int64_t n1 = std::min(w.N, end * 4);
     int64_t n = begin * 4;
-    for (; n + 4 <= n1; n += 4) kq_rows<BITS4, SIGNED, SPC, 4, FIVE>(a, M, w, n, y, bias);
-    for (; n < n1; ++n) kq_rows<BITS4, SIGNED, SPC, 1, FIVE>(a, M, w, n, y, bias);
+    for (; n + 4 <= n1; n += 4) kq_rows<BITS4, SIGNED, SPC, 4, PLANES>(a, M, w, n, y, bias);
+    for (; n < n1; ++n) kq_rows<BITS4, SIGNED, SPC, 1, PLANES>(a, M, w, n, y, bias);
   });
 }
 
 // The block product of a weight kq_takes.
 void kq_product(const BlockActs& a, int64_t M, const QW& w, float* y, const float* bias, int spc) {
   if (!w.bits4)
-    kq_gemv_typed<false, true, 4, false>(a, M, w, y, bias);
+    kq_gemv_typed<false, true, 4, 0>(a, M, w, y, bias);
   else if (w.bits6)
-    kq_gemv_typed<true, true, 4, true>(a, M, w, y, bias);
+    kq_gemv_typed<true, true, 4, 2>(a, M, w, y, bias);
   else if (w.bits5)
-    kq_gemv_typed<true, false, 2, true>(a, M, w, y, bias);
+    kq_gemv_typed<true, false, 2, 1>(a, M, w, y, bias);
   else if (spc == 2)
-    kq_gemv_typed<true, false, 2, false>(a, M, w, y, bias);
+    kq_gemv_typed<true, false, 2, 0>(a, M, w, y, bias);
   else
-    kq_gemv_typed<true, false, 1, false>(a, M, w, y, bias);
+    kq_gemv_typed<true, false, 1, 0>(a, M, w, y, bias);
 }
 #endif
 
@@ -1786,33 +1778,33 @@ constexpr int64_t kWideRows = 8;
 #endif
 
 // One pass of MT activation rows over the NT weight rows from n0 (see kWideRows).
-template <bool BITS4, bool HALF, int SPC, int MT, int NT, bool FIVE>
+template <bool BITS4, bool HALF, int SPC, int MT, int NT, int PLANES>
 inline void row_pass(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, float* y, const float* bias) {
 #ifdef PERFXLM_VNNI
   if constexpr (MT > 4 && NT % 2 == 0) {
     #pragma GCC unroll 4
-    for (int j = 0; j < NT; j += 2) block_tile_wide<BITS4, HALF, SPC, MT, FIVE>(a, m0, w, n0 + j, y, bias);
+    for (int j = 0; j < NT; j += 2) block_tile_wide<BITS4, HALF, SPC, MT, PLANES>(a, m0, w, n0 + j, y, bias);
     return;
   }
 #endif
-  block_tile<BITS4, HALF, SPC, MT, NT, FIVE>(a, m0, w, n0, y, bias);
+  block_tile<BITS4, HALF, SPC, MT, NT, PLANES>(a, m0, w, n0, y, bias);
 }
 
 // The last `rows` (1..MT) activation rows from m0, as one pass.
-template <bool BITS4, bool HALF, int SPC, int MT, int NT, bool FIVE>
+template <bool BITS4, bool HALF, int SPC, int MT, int NT, int PLANES>
 inline void rows_left(const BlockActs& a, int64_t rows, int64_t m0, const QW& w, int64_t n0, float* y,
                       const float* bias) {
   if constexpr (MT >= 1) {
-    if (rows == MT) return row_pass<BITS4, HALF, SPC, MT, NT, FIVE>(a, m0, w, n0, y, bias);
-    rows_left<BITS4, HALF, SPC, MT - 1, NT, FIVE>(a, rows, m0, w, n0, y, bias);
+    if (rows == MT) return row_pass<BITS4, HALF, SPC, MT, NT, PLANES>(a, m0, w, n0, y, bias);
+    rows_left<BITS4, HALF, SPC, MT - 1, NT, PLANES>(a, rows, m0, w, n0, y, bias);
   }
 }
 
-template <bool BITS4, bool HALF, int SPC, int NT, bool FIVE>
+template <bool BITS4, bool HALF, int SPC, int NT, int PLANES>
 inline void block_rows(const BlockActs& a, int64_t M, const QW& w, int64_t n0, float* y, const float* bias) {
 #ifdef PERFXLM_BLOCK_M1X4
   if constexpr (NT == 4 && BITS4 && SPC <= 2) {
-    if (M == 1) return block_tile_m1x4<BITS4, HALF, SPC, FIVE>(a, 0, w, n0, y, bias);
+    if (M == 1) return block_tile_m1x4<BITS4, HALF, SPC, PLANES>(a, 0, w, n0, y, bias);
   }
   if constexpr (NT == 4 && !BITS4 && SPC <= 2) {
     if (M == 1) return block_tile_m1x4_q8<HALF, SPC>(a, 0, w, n0, y, bias);
@@ -1820,16 +1812,16 @@ inline void block_rows(const BlockActs& a, int64_t M, const QW& w, int64_t n0, f
 #endif
   constexpr int64_t wide = kWideRows<BITS4, SPC>;
   int64_t m = 0;
-  for (; m + wide <= M; m += wide) row_pass<BITS4, HALF, SPC, wide, NT, FIVE>(a, m, w, n0, y, bias);
-  if (m < M) rows_left<BITS4, HALF, SPC, wide - 1, NT, FIVE>(a, M - m, m, w, n0, y, bias);
+  for (; m + wide <= M; m += wide) row_pass<BITS4, HALF, SPC, wide, NT, PLANES>(a, m, w, n0, y, bias);
+  if (m < M) rows_left<BITS4, HALF, SPC, wide - 1, NT, PLANES>(a, M - m, m, w, n0, y, bias);
 }
 
-template <bool BITS4, bool HALF, int SPC, bool FIVE>
+template <bool BITS4, bool HALF, int SPC, int PLANES>
 void block_gemv_typed(const BlockActs& a, int64_t M, const QW& w, float* y, const float* bias) {
   over_rows(w, 4, 16, [&](const QW& v, int64_t n0, int64_t n1) {
     int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) block_rows<BITS4, HALF, SPC, 4, FIVE>(a, M, v, n, y, bias);
-    for (; n < n1; ++n) block_rows<BITS4, HALF, SPC, 1, FIVE>(a, M, v, n, y, bias);
+    for (; n + 4 <= n1; n += 4) block_rows<BITS4, HALF, SPC, 4, PLANES>(a, M, v, n, y, bias);
+    for (; n < n1; ++n) block_rows<BITS4, HALF, SPC, 1, PLANES>(a, M, v, n, y, bias);
   });
 }
 
@@ -1860,11 +1852,11 @@ int block_spc(const QW& w) {
   return 0;
 }
 
-template <bool BITS4, bool HALF, bool FIVE = false>
+template <bool BITS4, bool HALF, int PLANES = 0>
 void block_gemv_spc(const BlockActs& a, int64_t M, const QW& w, float* y, const float* bias, int spc) {
-  if (spc == 1) block_gemv_typed<BITS4, HALF, 1, FIVE>(a, M, w, y, bias);
-  else if (spc == 2) block_gemv_typed<BITS4, HALF, 2, FIVE>(a, M, w, y, bias);
-  else if constexpr (!BITS4 || FIVE) block_gemv_typed<BITS4, HALF, 4, FIVE>(a, M, w, y, bias);  // 8- or 6-bit
+  if (spc == 1) block_gemv_typed<BITS4, HALF, 1, PLANES>(a, M, w, y, bias);
+  else if (spc == 2) block_gemv_typed<BITS4, HALF, 2, PLANES>(a, M, w, y, bias);
+  else if constexpr (!BITS4 || PLANES == 2) block_gemv_typed<BITS4, HALF, 4, PLANES>(a, M, w, y, bias);  // 8- or 6-bit
 }
 
 // Whether the int8 GEMM (quant_gemm.cpp) takes a weight the block GEMV takes: perfxlm/ops/linear.py's
@@ -1882,9 +1874,10 @@ at::Tensor block_product(const at::Tensor& x, const QW& w, const float* bias, in
   float* yp = y.data_ptr<float>();
   if (kq_takes(w, spc))
     kq_product(a, M, w, yp, bias, spc);
+  else if (w.bits6)  // the planes a template argument: no branch on them per chunk
+    w.half ? block_gemv_spc<true, true, 2>(a, M, w, yp, bias, spc) : block_gemv_spc<true, false, 2>(a, M, w, yp, bias, spc);
   else if (w.bits5)
-    w.half ? block_gemv_spc<true, true, true>(a, M, w, yp, bias, spc)
-           : block_gemv_spc<true, false, true>(a, M, w, yp, bias, spc);
+    w.half ? block_gemv_spc<true, true, 1>(a, M, w, yp, bias, spc) : block_gemv_spc<true, false, 1>(a, M, w, yp, bias, spc);
   else if (w.bits4)
     w.half ? block_gemv_spc<true, true>(a, M, w, yp, bias, spc) : block_gemv_spc<true, false>(a, M, w, yp, bias, spc);
   else

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "code_planes.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define PERFXLM_SIMD16 1
@@ -55,9 +57,12 @@ inline void load_nibbles(const uint8_t* p, I& lo, I& hi) {
   hi = {_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), m))};
 }
 inline V to_float(I a) { return {_mm512_cvtepi32_ps(a.v)}; }
-// 5-bit codes: 16 added to the lanes whose bit is set in `bits` (bit i = lane i); 6-bit codes' sixth bits: 32.
-inline I add_fifth_bits(I a, uint32_t bits, int value = 16) {
-  return {_mm512_mask_add_epi32(a.v, static_cast<__mmask16>(bits), a.v, _mm512_set1_epi32(value))};
+// 5-bit codes: 16 added to the lanes whose bit is set in a block's plane word (code_planes.h), the lanes
+// being the block's elements 16 half..16 half + 15; 6-bit codes' sixth bits: 32.
+inline I add_plane_bits(I a, uint32_t word, int half, int value = 16) {
+  const __m512i own = _mm512_load_si512(perfxlm_planes::kLaneBits.v + 16 * half);
+  const __mmask16 set = _mm512_test_epi32_mask(_mm512_set1_epi32(static_cast<int>(word)), own);
+  return {_mm512_mask_add_epi32(a.v, set, a.v, _mm512_set1_epi32(value))};
 }
 // table[code] per lane, codes 0..15 (NF4's levels).
 struct Table16 {
@@ -170,15 +175,17 @@ inline void load_nibbles(const uint8_t* p, I& lo, I& hi) {
   hi = {_mm256_cvtepu8_epi32(h), _mm256_cvtepu8_epi32(_mm_srli_si128(h, 8))};
 }
 inline V to_float(I a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
-// 5-bit codes: 16 added to the lanes whose bit is set in `bits` (bit i = lane i): each lane tests its
-// own bit of the broadcast word. 6-bit codes' sixth bits: 32.
-inline I add_fifth_bits(I a, uint32_t bits, int value = 16) {
-  const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+// 5-bit codes: 16 added to the lanes whose bit is set in a block's plane word (code_planes.h), the lanes
+// being the block's elements 16 half..16 half + 15: each lane tests its own bit of the broadcast word.
+// 6-bit codes' sixth bits: 32.
+inline I add_plane_bits(I a, uint32_t word, int half, int value = 16) {
+  const uint32_t* own = perfxlm_planes::kLaneBits.v + 16 * half;
+  const __m256i own0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(own));
+  const __m256i own1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(own + 8));
   const __m256i sixteen = _mm256_set1_epi32(value);
-  const __m256i b0 = _mm256_set1_epi32(static_cast<int>(bits & 0xFF));
-  const __m256i b1 = _mm256_set1_epi32(static_cast<int>((bits >> 8) & 0xFF));
-  const __m256i m0 = _mm256_cmpeq_epi32(_mm256_and_si256(b0, lane_bit), lane_bit);
-  const __m256i m1 = _mm256_cmpeq_epi32(_mm256_and_si256(b1, lane_bit), lane_bit);
+  const __m256i b = _mm256_set1_epi32(static_cast<int>(word));
+  const __m256i m0 = _mm256_cmpeq_epi32(_mm256_and_si256(b, own0), own0);
+  const __m256i m1 = _mm256_cmpeq_epi32(_mm256_and_si256(b, own1), own1);
   return {_mm256_add_epi32(a.lo, _mm256_and_si256(m0, sixteen)), _mm256_add_epi32(a.hi, _mm256_and_si256(m1, sixteen))};
 }
 struct Table16 {

@@ -17,7 +17,7 @@ ENGINE_KEY = "engine"  # a perfxlm-flavor export's EngineChoices (export/engine_
 # The perfxlm flavor's custom ops (export/perfxlm_ops.py defines them, model/graph/ runs them): their domain
 # and its version, raised when an op's inputs, outputs or attributes change meaning.
 PERFXLM_DOMAIN = "perfxlm"
-PERFXLM_OPSET = 3
+PERFXLM_OPSET = 4
 # version 2: PagedAttention's logit_soft_cap attribute (Gemma 2). A graph is written at the lowest version
 # that holds it (one without a soft cap at 1), so engines that run version 1 still run those; this engine
 # runs every version up to PERFXLM_OPSET
@@ -26,6 +26,10 @@ SOFT_CAP_OPSET = 2
 # TopKSoftmax, GroupedTopK, Experts and LatentAttention, PagedAttention's sinks input and query_scale
 # attribute
 FAMILIES_OPSET = 3
+# version 4: 5- and 6-bit codes (a weight's bits attribute 5 or 6) hold their bit planes in the order of
+# perfxlm/quant/code_layout.py's PLANE_BIT; graphs of version 3 and below held them in GGUF Q5_0's order
+# (element e at bit e of a block's word), which this engine no longer reads
+PLANES_OPSET = 4
 
 # domain -> op types the exporter writes (graph_ops.py); the runner refuses any other
 KNOWN_OPS = {

@@ -58,6 +58,8 @@ Op-set version 3 (written only where a graph needs one of them; `manifest.FAMILI
         latent attention over the latent cache (value_cache is key_cache: the latent row is both), q the
         query projection's output [n, H * (nope + rope)], kv kv_a_proj_with_mqa's [n, rank + rope]; out
         [n, H * v] before o_proj  [num_heads, nope_dim, rope_dim, v_dim, kv_lora_rank, scale, epsilon]
+Op-set version 4 (`manifest.PLANES_OPSET`): any op holding 5- or 6-bit codes (bits 5 / 6), whose bit
+    planes follow perfxlm/quant/code_layout.py's order (version 3's followed GGUF Q5_0's)
 
 A weight is stored as the engine holds it: bits 0 is a float matrix W [N, K] (float32, or bfloat16 with
 `--dtype bfloat16`); bits 4 / 8 are its packed codes (4-bit in GGUF Q4_0's nibble order) with float16 or
@@ -80,7 +82,7 @@ from perfxlm.export.graph_mla import LatentWeights
 from perfxlm.export.graph_moe import Experts, Routing
 from perfxlm.export.graph_ops import AttentionSpec, GraphOps, HeadNorms, LinearWeight, Rope
 from perfxlm.export.lora_record import LORA_KEY, lora_record
-from perfxlm.export.manifest import FAMILIES_OPSET, PERFXLM_DOMAIN, SOFT_CAP_OPSET
+from perfxlm.export.manifest import FAMILIES_OPSET, PERFXLM_DOMAIN, PLANES_OPSET, SOFT_CAP_OPSET
 from perfxlm.quant.weight import QuantizedWeight
 
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16")
@@ -186,6 +188,8 @@ class PerfxlmOps(GraphOps):
                  "" if w.levels is None else g.weight(f"{name}.levels", w.levels.numpy()),
                  "" if w.input_order is None else g.weight(f"{name}.input_order", w.input_order.numpy())]
         attrs = {"bits": w.bits, "group": w.group, "act": w.act, "activations": w.activations.value}
+        if w.bits in (5, 6):  # their bit planes' order is version 4's (manifest.PLANES_OPSET)
+            self.g.versions[PERFXLM_DOMAIN] = max(self.g.versions.get(PERFXLM_DOMAIN, 1), PLANES_OPSET)
         if lw_format is not None:  # the engine's linear method for it (model/layers/linear_methods/)
             attrs["format"] = lw_format
         return names, attrs

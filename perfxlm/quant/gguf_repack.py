@@ -8,7 +8,8 @@ Each type maps onto the affine form w = scale * u + min without changing a value
 - Q8_0: 8-bit u = q + 128, scale d (float16), centred codes: the min -128 d is implied (8.5 bits per
   weight streamed, not 9; AVX2's shifted int8 dots need no min correction at all).
 - Q5_0: 5-bit u = q (0..31), the file's bytes moved: each row's qs (Q4_0's nibble layout) then its qh
-  words, which are the fifth-bit plane as the 5-bit form defines it; scale d (float16), centred codes
+  words, their bits put in the fifth-bit plane's order (`code_layout.plane_from_words`: a permutation
+  within each word, which the kernels unpack with shifts); scale d (float16), centred codes
   (the min -16 d implied): 5.5 bits per weight streamed, as the file holds them (8-bit codes with a
   stored min streamed 9).
 - Q5_1: as Q5_0, with its min m stored (float16): 6 bits per weight.
@@ -20,8 +21,8 @@ Each type maps onto the affine form w = scale * u + min without changing a value
   implied), group 16; two-level scales: sc int8, d float16 per 256: 6.56 bits per weight streamed, as the
   file holds them (8-bit codes streamed 8.56; float32 scale and min per 16: 12).
 - MXFP4: 4-bit codes into the E2M1 level table, group 32, scale 2^(e - 128) (float32; `quant/mxfp4.py`).
-The 5- and 6-bit forms run the 4-bit kernels plus one or two masked adds per 32 codes (int8 block products
-included).
+The 5- and 6-bit forms run the 4-bit kernels plus a few more instructions per 32 codes for each bit plane
+(int8 block products included).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 
 from perfxlm.ops import gguf_dequant as gd
 from perfxlm.quant import mxfp4, super_scales
+from perfxlm.quant.code_layout import plane_from_words
 from perfxlm.quant.weight import QuantizedWeight, pack_fives, pack_nibbles, pack_sixes
 
 Q = gguf.GGMLQuantizationType
@@ -54,10 +56,10 @@ def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
 def _fives(b: torch.Tensor, qh_at: int, n: int) -> torch.Tensor:
     """Q5_0 / Q5_1 blocks (n_blocks, bytes), qh at `qh_at` and qs after it -> 5-bit codes [n, 5 K / 8]: each
     row's qs bytes (the nibbles in Q4_0's layout), then its qh words (bit i of a block's little-endian word
-    is element i's fifth bit: the plane's order)."""
+    is element i's fifth bit) permuted into the plane's order."""
     qs = b[:, qh_at + 4 : qh_at + 20].reshape(n, -1)
     qh = b[:, qh_at : qh_at + 4].reshape(n, -1)
-    return torch.cat([qs, qh], dim=1)
+    return torch.cat([qs, plane_from_words(qh)], dim=1)
 
 
 def repack(raw: np.ndarray | torch.Tensor, qtype: Q, shape: tuple[int, ...]) -> QuantizedWeight:

@@ -5,11 +5,11 @@ A weight matrix [N, K] (or a stack of expert matrices [E, N, K]) is stored as
   nibble layout: within each 32-element block b of a row, byte j (j < 16) of the block's 16 bytes holds
   element 32b + j in its low nibble and element 32b + 16 + j in its high nibble; bits=5: [N, 5 K // 8],
   each row the 4-bit layout of the low four bits (K // 2 bytes) followed by a plane of the fifth bits
-  (K // 8 bytes, bit i of byte b = element 8b + i: a 32-block's four bytes read as one little-endian
-  word give its elements in order, as GGUF Q5_0's qh does), u = low + 16 x fifth (0..31); bits=6: [N, 3 K // 4],
+  (K // 8 bytes, a 32-block's four bytes read as one little-endian word, its bits in the order
+  `code_layout.PLANE_BIT` gives, which AVX2 unpacks with shifts), u = low + 16 x fifth (0..31); bits=6: [N, 3 K // 4],
   the 5-bit layout followed by a second plane of sixth bits (K // 8 bytes, in the fifth plane's order),
   u = low + 16 x fifth + 32 x sixth (0..63): GGUF Q6_K's values, read by the 4- and 5-bit kernels plus one
-  more masked add;
+  more plane's unpack;
 - `scales`, `mins`: both float32 or both float16, [N, K // group], contiguous; or GGUF K-quants'
   two-level form (`perfxlm.quant.super_scales`): bytes [N, K // group + 2 K // 256], a small integer per
   group then a float16 factor per 256 weights; or, for a level table (MXFP4), power-of-two bytes

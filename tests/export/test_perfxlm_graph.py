@@ -279,10 +279,10 @@ def test_unknown_op_and_op_set_version_are_refused_by_name(exported, tmp_path):
         LLM(_edited(exported, tmp_path / "op", rename), skip_tokenizer_init=True, num_kv_blocks=16)
 
     def version(model):
-        next(o for o in model.opset_import if o.domain == "perfxlm").version = 4
+        next(o for o in model.opset_import if o.domain == "perfxlm").version = 5
 
-    with pytest.raises(ValueError, match="perfxlm op set at version 4; this engine runs versions 1 to 3"):
-        LLM(_edited(exported, tmp_path / "v4", version), skip_tokenizer_init=True, num_kv_blocks=16)
+    with pytest.raises(ValueError, match="perfxlm op set at version 5; this engine runs versions 1 to 4"):
+        LLM(_edited(exported, tmp_path / "v5", version), skip_tokenizer_init=True, num_kv_blocks=16)
 
     def newer_op(function: str, version: int):
         def edit(model):  # SiluAndMul's place taken by an op of version 3
@@ -395,3 +395,16 @@ def test_act_order_gptq_keeps_its_column_order(tmp_path, case):
     got, got_outs = _generate(LLM(out, **kwargs))
     assert got == want
     np.testing.assert_allclose(_logprobs(got_outs), _logprobs(want_outs), atol=1e-5, rtol=0)
+
+
+def test_5_and_6bit_codes_need_the_op_set_of_their_bit_planes():
+    """5- and 6-bit codes' bit planes changed order at op set 4 (manifest.PLANES_OPSET): an older graph
+    holding them is refused by name, not read in the old order; other widths keep their versions."""
+    from perfxlm.export.manifest import PERFXLM_OPSET, PLANES_OPSET
+    from perfxlm.model.graph.model import _since
+
+    assert PLANES_OPSET == 4 <= PERFXLM_OPSET
+    for op in ("Linear", "Embedding", "Experts"):
+        assert _since(op, {"bits": 5}, []) == _since(op, {"bits": 6}, []) == 4
+    assert _since("Linear", {"bits": 4}, []) == _since("Embedding", {"bits": 8}, []) == 1
+    assert _since("Experts", {"bits": 4}, []) == 3

@@ -15,6 +15,7 @@ from perfxlm.ops.linear import linear
 from perfxlm.quant import NF4_LEVELS, QuantizationConfig, QuantizedWeight, quantizers
 from perfxlm.quant.reference import fake_quantize_blocks, quantize_activations, reference_linear
 from perfxlm.quant.gguf_repack import REPACKED_TYPES, repack
+from perfxlm.quant.code_layout import plane_from_words
 from perfxlm.quant.weight import pack_nibbles, unpack_nibbles
 
 Q = gguf.GGMLQuantizationType
@@ -73,6 +74,8 @@ def test_repacked_gguf_blocks_dequantize_bit_exactly(qtype, rows):
         at = 2 if qtype == Q.Q5_0 else 4
         blocks = torch.from_numpy(raw.reshape(-1, at + 20))
         assert torch.equal(w.codes[:, : cols // 2].reshape(-1, 16), blocks[:, at + 4 :])
+        # qh's bits (element e at bit e of the block's word) permuted into the plane's order
+        assert torch.equal(w.codes[:, cols // 2 :], plane_from_words(blocks[:, at : at + 4].reshape(rows, -1)))
     if qtype.name.endswith("_K"):  # two-level scales: bytes per group, float16 per 256, held as the file's
         held = {Q.Q4_K: 4.625, Q.Q5_K: 5.625, Q.Q6_K: 6.5625}[qtype]  # Q6_K: the file's 210 bytes per 256
         assert w.two_level and w.nbytes * 8 == held * rows * cols and w.centred == (qtype == Q.Q6_K)
@@ -236,15 +239,19 @@ def test_centred_codes_keep_their_values_through_every_reshaping():
 
 def _five_bit_reference(codes: torch.Tensor, k: int) -> torch.Tensor:
     """5-bit codes [N, 5 K / 8] -> u [N, K] from the layout's definition: per row K / 2 bytes of Q4_0's
-    nibbles (block b, byte j: element 32b + j low, 32b + 16 + j high), then K / 8 bytes whose bit i of
-    byte c is element 8c + i's fifth bit."""
+    nibbles (block b, byte j: element 32b + j low, 32b + 16 + j high), then K / 8 bytes, 4 per block read
+    as a little-endian word whose bit 8i + 3 - j is element 4j + i's fifth bit and bit 8i + 4 + j element
+    16 + 4j + i's (j, i < 4)."""
     n = codes.shape[0]
     u = torch.zeros(n, k, dtype=torch.int64)
     for r in range(n):
         for e in range(k):
             byte = int(codes[r, (e // 32) * 16 + (e % 16)])
             low = byte & 15 if e % 32 < 16 else byte >> 4
-            u[r, e] = low + 16 * ((int(codes[r, k // 2 + e // 8]) >> (e % 8)) & 1)
+            j, i = (e % 16) // 4, e % 4
+            bit = 8 * i + (3 - j if e % 32 < 16 else 4 + j)
+            word = int.from_bytes(bytes(codes[r, k // 2 + 4 * (e // 32) : k // 2 + 4 * (e // 32) + 4].tolist()), "little")
+            u[r, e] = low + 16 * ((word >> bit) & 1)
     return u
 
 

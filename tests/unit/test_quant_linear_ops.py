@@ -21,17 +21,26 @@ def _unpack4(codes: torch.Tensor) -> torch.Tensor:
     return torch.cat([blocks & 15, blocks >> 4], dim=2).view(n, half * 2)
 
 
+# A bit plane: per block of 32 a little-endian word, element e at bit PLANE_BIT[e] (4j + b at 8b + 3 - j,
+# 16 + 4j + b at 8b + 4 + j), written out here from the layout's definition.
+PLANE_BIT = [8 * (e % 4) + (3 - e // 4 if e < 16 else 4 + (e - 16) // 4) for e in range(32)]
+
+
+def _plane(plane: torch.Tensor, k: int) -> torch.Tensor:
+    """A plane [N, K // 8] -> each element's bit [N, K]."""
+    words = plane.contiguous().view(plane.shape[0], k // 32, 4).long()
+    word = words[..., 0] | (words[..., 1] << 8) | (words[..., 2] << 16) | (words[..., 3] << 24)
+    return ((word.unsqueeze(-1) >> torch.tensor(PLANE_BIT)) & 1).reshape(plane.shape[0], k).int()
+
+
 def _unpack5(codes: torch.Tensor, k: int) -> torch.Tensor:
     low = _unpack4(codes[:, : k // 2].contiguous())
-    plane = codes[:, k // 2 :].int().unsqueeze(-1)
-    fifth = ((plane >> torch.arange(8)) & 1).reshape(codes.shape[0], k)  # bit i of byte b: element 8b + i
-    return low + 16 * fifth
+    return low + 16 * _plane(codes[:, k // 2 :], k)
 
 
 def _unpack6(codes: torch.Tensor, k: int) -> torch.Tensor:
     low = _unpack5(codes[:, : 5 * k // 8].contiguous(), k)
-    plane = codes[:, 5 * k // 8 :].int().unsqueeze(-1)
-    return low + 32 * ((plane >> torch.arange(8)) & 1).reshape(codes.shape[0], k)
+    return low + 32 * _plane(codes[:, 5 * k // 8 :], k)
 
 
 CENTRE = {4: 8, 5: 16, 6: 32, 8: 128}

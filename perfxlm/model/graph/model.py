@@ -18,7 +18,7 @@ import torch
 from onnx import helper
 from torch import nn
 
-from perfxlm.export.manifest import GRAPH_FILE, PERFXLM_DOMAIN, PERFXLM_OPSET
+from perfxlm.export.manifest import GRAPH_FILE, PERFXLM_DOMAIN, PERFXLM_OPSET, PLANES_OPSET
 from perfxlm.model.forward_context import get_forward_context
 from perfxlm.model.fused_decode import FusedDecode
 from perfxlm.model.graph.kernels import (
@@ -204,7 +204,10 @@ def _check_opsets(proto: onnx.ModelProto, path: str) -> int:
 
 def _since(op_type: str, attrs: dict[str, Any], inputs: list[str]) -> int:
     """The op-set version a node needs: its op's, or that of an attribute or input added to it later
-    (PagedAttention's logit_soft_cap at 2, its sinks and query_scale at 3)."""
+    (PagedAttention's logit_soft_cap at 2, its sinks and query_scale at 3; 5- and 6-bit codes at 4, the
+    version whose bit planes are in the order the kernels read)."""
+    if attrs.get("bits") in (5, 6):
+        return max(PLANES_OPSET, OP_SINCE.get(op_type, 1))
     if op_type == "PagedAttention":
         if "query_scale" in attrs or (len(inputs) > 7 and inputs[7]):
             return 3
