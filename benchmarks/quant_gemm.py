@@ -4,8 +4,8 @@ at 16-128 rows, parallel decode's, the block GEMV of csrc/quant_linear.cpp), and
 torch's own int8 GEMM (`_int_mm`, oneDNN) on plain int8 matrices of the same shape, which has no per-block
 scales and so only bounds what an integer GEMM can do here. The default model's and a Llama-3.2-1B's
 projections, Q4_0 and Q8_0 codes (fp16 scales per 32, centred) and Q6_K codes (a signed byte scale per 16
-and a float16 factor per 256, multiplied out per call as the layers do: that is timed with the GEMM), the
-paths alternating call by call. `--clock cpu` reports the process's CPU time per call (with --threads 1:
+and a float16 factor per 256, which both the GEMM and the float32 path read as stored), the paths
+alternating call by call. `--clock cpu` reports the process's CPU time per call (with --threads 1:
 the one thread's), which a loaded machine disturbs less than wall time.
 
     python benchmarks/quant_gemm.py --rows 512 --threads 2 --rounds 5
@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--formats", default="Q4_0,Q8_0", help="comma-separated, of " + ", ".join(FORMATS))
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="wall time, or the process's CPU time")
     ap.add_argument("--paths", default="float32,int8 gemm,gemv,_int_mm",
-                    help="comma-separated paths to time besides float32 and int8 gemm (gemv, _int_mm)")
+                    help="comma-separated paths to time besides float32 and int8 gemm (gemv, _int_mm, bf16)")
     args = ap.parse_args()
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
@@ -87,18 +87,18 @@ def main() -> None:
                 n, k = SHAPES[name]
                 if fmt == "Q6_K":
                     codes, scales = q6_k_weight(n, k)
-                    flat = lambda scales=scales, k=k: super_scales.expand(scales, k // 16)  # noqa: E731
                 else:
                     codes, scales = centred_weight(n, k, 4 if fmt == "Q4_0" else 8)
-                    flat = lambda scales=scales: scales  # noqa: E731
                 x = torch.randn(rows, k)
                 xq = torch.randint(-127, 128, (rows, k), dtype=torch.int8)
                 wq = torch.randint(-127, 128, (n, k), dtype=torch.int8)
                 paths = {  # max_rows 0: past the GEMV, the int8 blocks dequantized for the float32 GEMM
                     "float32": lambda: ops.linear_q(x, codes, scales, None, None, None, False, 0, False, True, 0),
-                    "int8 gemm": lambda: ops.quant_block_gemm(x, codes, flat(), None, None, None),
+                    "int8 gemm": lambda: ops.quant_block_gemm(x, codes, scales, None, None, None),
                     "gemv": lambda: ops.linear_q(x, codes, scales, None, None, None, False, rows, False, True, rows),
                     "_int_mm": lambda: torch._int_mm(xq, wq.t()),
+                    # the same slabs dequantized to bf16 for torch's bf16 GEMM (the plan's on CPUs with fast bf16)
+                    "bf16": lambda: ops.linear_q(x, codes, scales, None, None, None, False, 0, True, True, 0),
                 }
                 wanted = {"float32", "int8 gemm", *args.paths.split(",")}
                 paths = {p: fn for p, fn in paths.items() if p in wanted}
@@ -113,7 +113,8 @@ def main() -> None:
                 med.setdefault("_int_mm", float("nan"))
                 print(f"{fmt} {name:13s} rows={rows:4d}  float32 {med['float32']:8.2f}  int8 gemm "
                       f"{med['int8 gemm']:8.2f} ({med['float32'] / med['int8 gemm']:4.2f}x)  block gemv {med['gemv']:8.2f} "
-                      f"({med['gemv'] / med['int8 gemm']:4.2f}x)  _int_mm {med['_int_mm']:8.2f}",
+                      f"({med['gemv'] / med['int8 gemm']:4.2f}x)  _int_mm {med['_int_mm']:8.2f}"
+                      + (f"  bf16 {med['bf16']:8.2f} ({med['bf16'] / med['int8 gemm']:4.2f}x)" if "bf16" in med else ""),
                       flush=True)
 
 

@@ -24,7 +24,7 @@
 //
 // 6-bit codes (GGUF Q6_K's values, 0..63 about a centre of 32) unpack like 5-bit ones plus a second bit
 // plane and multiply as bytes. Q6_K's scale per 16 inputs (an int8 sub-scale times a float16 factor per
-// 256, multiplied out to float32 by the caller: exact) would break the one-scale-per-block step, so those
+// 256, formed in float32 as the panels are packed: exact) would break the one-scale-per-block step, so those
 // weights close their int32 sums per half block, each half starting at -32 x its own activation sum and
 // scaled by its own group scale (Weight::unit): the same integers per 16 as the 1-row kernels, two float
 // closes per 32 inputs instead of one. Before this they took the float32 GEMM over dequantized slabs.
@@ -112,14 +112,35 @@ struct Weight {
   // scaled by its own group scale (a Q6_K sub-scale times its float16 factor: exact in float32, 8 by 11
   // bits), so a 32-block costs two closes instead of one and nothing else changes.
   int unit;
+  // Two-level scales and mins (GGUF K-quants, perfxlm/quant/super_scales.py) read as stored: per row
+  // `kstride` bytes, a byte per group (int8 where ksigned) then a float16 factor per `kper` groups; a
+  // group's scale is byte x factor in float32 (exact, the value QuantizedWeight.flat() forms), its min the
+  // negation of that. kstride 0: float32 / float16 tables. Multiplying them out per call in Python cost a
+  // pass over a float32 table 2 bits per weight wide, next to a 16-row product's few passes over the codes.
+  int64_t kstride = 0, kper = 0;
+  bool ksigned = false;
 };
 
-inline float param(const Weight& w, const void* p, int64_t i) {
+inline float half_float(uint16_t h) {
 #ifdef __F16C__
-  if (w.half) return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);  // one instruction, not c10's bit steps
+  return _cvtsh_ss(h);  // one instruction, not c10's bit steps
 #else
-  if (w.half) return static_cast<float>(static_cast<const c10::Half*>(p)[i]);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
 #endif
+}
+
+// Group g of row n of a table (scales, or mins: `mins` negates two-level values, stored as negations).
+inline float param(const Weight& w, const void* p, int64_t n, int64_t g, bool mins) {
+  if (w.kstride) {
+    const uint8_t* row = static_cast<const uint8_t*>(p) + n * w.kstride;
+    const float sub = w.ksigned ? static_cast<float>(static_cast<int8_t>(row[g])) : static_cast<float>(row[g]);
+    uint16_t factor;
+    std::memcpy(&factor, row + w.groups + 2 * (g / w.kper), 2);
+    const float v = sub * half_float(factor);
+    return mins ? -v : v;
+  }
+  const int64_t i = n * w.groups + g;
+  if (w.half) return half_float(static_cast<const uint16_t*>(p)[i]);
   return static_cast<const float*>(p)[i];
 }
 
@@ -187,8 +208,18 @@ inline void transpose8x8(__m256i (&r)[8]) {
   }
 }
 
-// 8 consecutive scales (or mins) of a table as float32.
-inline __m256 params8(const Weight& w, const void* table, int64_t i) {
+// Groups [g0, g0 + 8) of row n of a table as float32 (two-level: the 8 share one factor, kper % 8 == 0).
+inline __m256 params8(const Weight& w, const void* table, int64_t n, int64_t g0, bool mins) {
+  if (w.kstride) {
+    const uint8_t* row = static_cast<const uint8_t*>(table) + n * w.kstride;
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + g0));
+    const __m256i sub = w.ksigned ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+    uint16_t factor;
+    std::memcpy(&factor, row + w.groups + 2 * (g0 / w.kper), 2);
+    const float f = half_float(factor);
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(sub), _mm256_set1_ps(mins ? -f : f));
+  }
+  const int64_t i = n * w.groups + g0;
   if (w.half) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(table) + i)));
   return _mm256_loadu_ps(static_cast<const float*>(table) + i);
 }
@@ -198,21 +229,21 @@ inline __m256 params8(const Weight& w, const void* table, int64_t i) {
 // x 8 groups at a time through the codes' 8 x 8 transpose: one strided scalar store per column and unit
 // cost as much as the codes' transpose at 16 rows. Else group by group, each spread over its units (no
 // division per unit).
-void spread(const Weight& w, const void* table, int64_t n0, int c0, int live, float* dst) {
+void spread(const Weight& w, const void* table, bool mins, int64_t n0, int c0, int live, float* dst) {
   const int64_t per = w.group / w.unit;  // units per group
   int64_t g0 = 0;
-  if (per == 1 && live == 8) {
+  if (per == 1 && live == 8 && (!w.kstride || w.kper % 8 == 0)) {
     for (; g0 + 8 <= w.groups; g0 += 8) {
       __m256i r[8];
-      for (int i = 0; i < 8; ++i) r[i] = _mm256_castps_si256(params8(w, table, (n0 + c0 + i) * w.groups + g0));
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_castps_si256(params8(w, table, n0 + c0 + i, g0, mins));
       transpose8x8(r);
       for (int q = 0; q < 8; ++q) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (g0 + q) * kCols + c0), r[q]);
     }
   }
   for (int i = 0; i < live; ++i) {
-    const int64_t row = (n0 + c0 + i) * w.groups;
+    const int64_t row = n0 + c0 + i;
     for (int64_t g = g0, b = g0 * per; g < w.groups; ++g) {
-      const float v = param(w, table, row + g);
+      const float v = param(w, table, row, g, mins);
       for (int64_t e = b + per; b < e; ++b) dst[b * kCols + c0 + i] = v;
     }
   }
@@ -265,8 +296,8 @@ void repack(const Weight& w, int64_t n0, Panels& p, bool wide) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (q + 8) * kCols * 4), hi[q]);
       }
     }
-    spread(w, w.scales, n0, c0, live, p.scales.data());
-    if (w.mins) spread(w, w.mins, n0, c0, live, p.mins.data());
+    spread(w, w.scales, false, n0, c0, live, p.scales.data());
+    if (w.mins) spread(w, w.mins, true, n0, c0, live, p.mins.data());
   }
 }
 
@@ -604,13 +635,20 @@ Weight describe(const at::Tensor& codes, const at::Tensor& scales, const c10::op
   TORCH_CHECK(bits, "quant_block_gemm: codes hold ", rb, " bytes per row for ", K,
               " inputs (want K, 3 K / 4, 5 K / 8 or K / 2)");
   const bool centred = !mins.has_value() || !mins->defined();
+  // two-level bytes: a byte per group, then a float16 factor (2 bytes) per 256 inputs
+  const bool two_level = scales.scalar_type() == at::kByte || scales.scalar_type() == at::kChar;
+  const int64_t supers = K / 256;
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.is_contiguous() &&
-                  (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
-              "quant_block_gemm: scales must be contiguous float32 or float16 [N, K / group]");
+                  (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf ||
+                   (two_level && K % 256 == 0 && scales.size(1) > 2 * supers)),
+              "quant_block_gemm: scales must be contiguous float32 or float16 [N, K / group], or two-level bytes "
+              "[N, K / group + 2 K / 256] on rows of whole 256s");
   TORCH_CHECK(centred || (mins->sizes() == scales.sizes() && mins->is_contiguous() &&
                           mins->scalar_type() == scales.scalar_type()),
               "quant_block_gemm: mins must be contiguous, shaped and typed as the scales");
-  const int64_t groups = scales.size(1);
+  const int64_t groups = two_level ? scales.size(1) - 2 * supers : scales.size(1);
+  TORCH_CHECK(!two_level || groups % supers == 0, "quant_block_gemm: two-level scales of ", groups,
+              " groups do not divide into ", supers, " super-blocks");
   // groups of 16: Q6_K's sub-blocks, whose halves of a 32-block close apart (Weight::unit); centred only,
   // as Q6_K's codes are (a min per 16 would need the activations' sums per 16 scaled too)
   const bool halves = groups >= 1 && K % groups == 0 && K / groups == 16 && bits == 6 && centred;
@@ -620,6 +658,11 @@ Weight describe(const at::Tensor& codes, const at::Tensor& scales, const c10::op
   Weight w{codes.data_ptr<uint8_t>(), N, K, rb, K / groups, groups, bits, scales.data_ptr(),
            centred ? nullptr : mins->data_ptr(), scales.scalar_type() == at::kHalf, 0, false, {}, 0,
            halves ? 16 : 32};
+  if (two_level) {
+    w.kstride = scales.size(1);
+    w.kper = groups / supers;
+    w.ksigned = scales.scalar_type() == at::kChar;
+  }
   if (levels.has_value() && levels->defined()) {
     TORCH_CHECK(bits == 4 && levels->scalar_type() == at::kFloat && levels->numel() == 16 && levels->is_contiguous(),
                 "quant_block_gemm: a level table must be float32 [16] over 4-bit codes");

@@ -13,6 +13,7 @@ import torch
 
 from perfxlm.ops import cpu_plan, isa, native
 from perfxlm.ops.linear import gemm_max_code, gemm_takes, run_linear_q
+from perfxlm.quant import super_scales
 from perfxlm.quant.gguf_repack import repack
 from perfxlm.quant.reference import fake_quantize_blocks
 from perfxlm.quant.weight import ActivationMode, QuantizedWeight, pack_codes
@@ -200,10 +201,10 @@ def test_per_token_w8a8_and_groups_of_16_keep_their_own_paths():
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
-def test_k_quants_two_level_scales_run_the_gemm_multiplied_out(qtype):
-    """A GGUF K-quant weight holds byte scales (a byte per group, float16 per 256) the GEMM does not read: a
-    prefill under the int8 plan multiplies them out for the call, the same values as the block kernel's.
-    Q6_K's are signed bytes per 16, each half block closing apart."""
+def test_k_quants_two_level_scales_run_the_gemm(qtype):
+    """A GGUF K-quant weight holds byte scales (a byte per group, float16 per 256): a prefill under the int8
+    plan hands them to the GEMM as stored, which forms the values of the multiplied-out form (the block
+    kernel's). Q6_K's are signed bytes per 16, each half block closing apart."""
     if _refused({"Q4_K": 4, "Q5_K": 5, "Q6_K": 6}[qtype]):
         return
     q = gguf.GGMLQuantizationType[qtype]
@@ -221,6 +222,39 @@ def test_k_quants_two_level_scales_run_the_gemm_multiplied_out(qtype):
     flat = weight.flat()
     assert torch.equal(fast, ops.quant_block_gemm(x, flat.codes, flat.scales, flat.mins, None, None))
     torch.testing.assert_close(fast, slow, atol=1e-4 * (slow.abs().max().item() + 1), rtol=1e-4)
+
+
+@pytest.mark.parametrize("bits,group,signed,with_mins,n", [
+    (4, 32, False, True, 21),  # Q4_K's form: 8 groups per factor, the panels' 8 x 8 path
+    (4, 64, False, True, 13),  # int4's wider groups: fewer than 8 per factor, group by group
+    (4, 128, False, True, 40),
+    (5, 32, False, True, 9),  # Q5_K's
+    (6, 16, True, False, 21),  # Q6_K's: signed bytes per 16, centred
+])
+def test_two_level_bytes_give_the_bits_of_their_float_form(bits, group, signed, with_mins, n):
+    """The GEMM reads K-quants' two-level scales (a byte per group, a float16 factor per 256) as stored,
+    forming each group's value as QuantizedWeight.flat() does: the same bits as the multiplied-out form."""
+    if _refused(bits):
+        return
+    k = 512
+    g = torch.Generator().manual_seed(bits * group + n)
+    codes = pack_codes(torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.uint8), bits)
+
+    def table(sign_ok):
+        sub = (torch.randint(-128, 128, (n, k // group), generator=g, dtype=torch.int8) if sign_ok
+               else torch.randint(0, 256, (n, k // group), generator=g, dtype=torch.uint8))
+        return super_scales.join(sub, (torch.rand(n, k // 256, generator=g) * 1e-3 + 1e-4).half())
+
+    scales = table(signed)
+    mins = table(False) if with_mins else None
+    weight = QuantizedWeight(codes, scales, mins, None, bits, group, "float", n, k)
+    flat = weight.flat()
+    x = torch.randn(37, k, generator=g)
+    b = torch.randn(n, generator=g)
+    raw = ops.quant_block_gemm(x, codes, scales, mins, None, b)
+    assert torch.equal(raw, ops.quant_block_gemm(x, flat.codes, flat.scales, flat.mins, None, b))
+    ref = torch.nn.functional.linear(fake_quantize_blocks(x).double(), weight.dequantize().double(), b.double()).float()
+    torch.testing.assert_close(raw, ref, atol=1e-5 * (ref.abs().max().item() + 1), rtol=1e-5)
 
 
 def test_extreme_6bit_codes_match_the_definition():
