@@ -22,6 +22,13 @@
 // are the same integers and its float steps the same), but it is not bit-identical to the block GEMV's
 // (which adds 64-input chunks in another order): equal to float32 rounding.
 //
+// 6-bit codes (GGUF Q6_K's values, 0..63 about a centre of 32) unpack like 5-bit ones plus a second bit
+// plane and multiply as bytes. Q6_K's scale per 16 inputs (an int8 sub-scale times a float16 factor per
+// 256, formed in float32 as the panels are packed: exact) would break the one-scale-per-block step, so those
+// weights close their int32 sums per half block, each half starting at -32 x its own activation sum and
+// scaled by its own group scale (Weight::unit): the same integers per 16 as the 1-row kernels, two float
+// closes per 32 inputs instead of one. Before this they took the float32 GEMM over dequantized slabs.
+//
 // AVX2 builds run the same scheme on ymm (8 columns per register, 4-row tiles: 16 registers hold the int32
 // sums, the float32 ones stay in L1), with vpdpbusd on ymm where the CPU has AVX-VNNI, else vpmaddubsw +
 // vpmaddwd (llama.cpp's AVX2 dot), whose int16 pair sums limit unsigned codes to 128 (a level table must
@@ -93,79 +100,87 @@ constexpr int kCols = kLanes * kPanels;
 struct Weight {
   const uint8_t* codes;
   int64_t N, K, row_bytes, group, groups;
-  int bits;                 // 4, 5 or 8
+  int bits;                 // 4, 5, 6 or 8
   const void* scales;
   const void* mins;         // null: centred codes
   bool half;
-  int centre;               // integer subtracted from each unsigned byte code (8, 16, 128; a table's offset)
+  int centre;               // integer subtracted from each unsigned byte code (8, 16, 32, 128; a table's offset)
   bool lut;
   uint8_t ulut[16];         // a level table as unsigned bytes: levels[u] + centre
   int shift;                // 128 where the panels hold 8-bit codes signed (u - 128), else 0
+  // Inputs per weight scale in the tiles: 32 (one scale per activation block), or 16 for 6-bit codes in
+  // groups of 16 (GGUF Q6_K's sub-blocks): each half of a 32-block closes its own int32 sums into float,
+  // scaled by its own group scale (a Q6_K sub-scale times its float16 factor: exact in float32, 8 by 11
+  // bits), so a 32-block costs two closes instead of one and nothing else changes.
+  int unit;
+  // Two-level scales and mins (GGUF K-quants, perfxlm/quant/super_scales.py) read as stored: per row
+  // `kstride` bytes, a byte per group (int8 where ksigned) then a float16 factor per `kper` groups; a
+  // group's scale is byte x factor in float32 (exact, the value QuantizedWeight.flat() forms), its min the
+  // negation of that. kstride 0: float32 / float16 tables. Multiplying them out per call in Python cost a
+  // pass over a float32 table 2 bits per weight wide, next to a 16-row product's few passes over the codes.
+  int64_t kstride = 0, kper = 0;
+  bool ksigned = false;
 };
 
-inline float param(const Weight& w, const void* p, int64_t i) {
+inline float half_float(uint16_t h) {
 #ifdef __F16C__
-  if (w.half) return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);  // one instruction, not c10's bit steps
+  return _cvtsh_ss(h);  // one instruction, not c10's bit steps
 #else
-  if (w.half) return static_cast<float>(static_cast<const c10::Half*>(p)[i]);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
 #endif
+}
+
+// Group g of row n of a table (scales, or mins: `mins` negates two-level values, stored as negations).
+inline float param(const Weight& w, const void* p, int64_t n, int64_t g, bool mins) {
+  if (w.kstride) {
+    const uint8_t* row = static_cast<const uint8_t*>(p) + n * w.kstride;
+    const float sub = w.ksigned ? static_cast<float>(static_cast<int8_t>(row[g])) : static_cast<float>(row[g]);
+    uint16_t factor;
+    std::memcpy(&factor, row + w.groups + 2 * (g / w.kper), 2);
+    const float v = sub * half_float(factor);
+    return mins ? -v : v;
+  }
+  const int64_t i = n * w.groups + g;
+  if (w.half) return half_float(static_cast<const uint16_t*>(p)[i]);
   return static_cast<const float*>(p)[i];
 }
 
-// The 32 unsigned codes of block b of row n (the same decoding as quant_linear.cpp's code_at).
-inline void block_codes(const Weight& w, int64_t n, int64_t b, uint8_t* out) {
-  const uint8_t* row = w.codes + n * w.row_bytes;
-  if (w.bits == 8) {
-    const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
-                        w.shift ? _mm256_xor_si256(u, _mm256_set1_epi8(static_cast<char>(0x80))) : u);
-    return;
-  }
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  __m128i lo = _mm_and_si128(packed, mask), hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
-  if (w.lut) {
-    const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.ulut));
-    lo = _mm_shuffle_epi8(table, lo);
-    hi = _mm_shuffle_epi8(table, hi);
-  }
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), lo);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), hi);
-  if (w.bits == 5) {  // the plane of fifth bits after the nibbles: the block's word (code_planes.h's order)
-    uint32_t fifth;
-    std::memcpy(&fifth, row + w.K / 2 + b * 4, 4);
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(out));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_or_si256(v, perfxlm_planes::block_fifths(fifth)));
-  }
+// `value` in byte j where element j's bit is set in a block's plane word (5- and 6-bit codes' upper bits,
+// code_planes.h's order), else 0.
+inline __m256i plane_bits(const uint8_t* plane, __m256i value) {
+  uint32_t word;
+  std::memcpy(&word, plane, 4);
+  const __m256i sixteen = _mm256_set1_epi8(16);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(perfxlm_planes::block_fifths(word), sixteen), value);
 }
 
-// A task's panels: codes [K / 4][kCols][4] bytes, and per block [K / 32][kCols] scales and mins (0 past N).
-// On AVX2 without AVX-VNNI 8-bit codes are held wide: int16 (u - 128) in [K / 2][kCols][2] (see WideDots).
+// A task's panels: codes [K / 4][kCols][4] bytes, and per unit of inputs (Weight::unit) [K / unit][kCols]
+// scales and mins (0 past N). On AVX2 without AVX-VNNI 8-bit codes are held wide: int16 (u - 128) in
+// [K / 2][kCols][2] (see WideDots).
 struct Panels {
   std::vector<uint8_t> codes;
   std::vector<float> scales, mins;
   bool wide = false;  // codes stored as int16 pairs u - 128 (Weight::shift), not bytes
 };
 
-// The 32 codes of block b of row n as one register of bytes (block_codes' values): 4- and 8-bit codes in
-// registers, 5-bit ones through block_codes.
+// The 32 unsigned codes of block b of row n as one register of bytes (the same decoding as
+// quant_linear.cpp's code_at): 8-bit codes as they are (or signed, Weight::shift); 4-bit ones from their
+// nibbles (through a level table where there is one); 5- and 6-bit ones the nibbles plus 16 where the
+// fifth plane's bit is set and 32 where the sixth's is (the planes follow the nibbles, K / 8 bytes each).
 inline __m256i block_register(const Weight& w, int64_t n, int64_t b) {
   const uint8_t* row = w.codes + n * w.row_bytes;
   if (w.bits == 8) {
     const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32));
     return w.shift ? _mm256_xor_si256(u, _mm256_set1_epi8(static_cast<char>(0x80))) : u;
   }
-  if (w.bits == 4) {
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    __m256i u = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(packed, mask)),
-                                        _mm_and_si128(_mm_srli_epi16(packed, 4), mask), 1);
-    if (w.lut) u = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.ulut))), u);
-    return u;
-  }
-  alignas(32) uint8_t u[32];
-  block_codes(w, n, b, u);
-  return _mm256_load_si256(reinterpret_cast<const __m256i*>(u));
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  __m256i u = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(packed, mask)),
+                                      _mm_and_si128(_mm_srli_epi16(packed, 4), mask), 1);
+  if (w.lut) u = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.ulut))), u);
+  if (w.bits >= 5) u = _mm256_add_epi8(u, plane_bits(row + w.K / 2 + b * 4, _mm256_set1_epi8(16)));
+  if (w.bits == 6) u = _mm256_add_epi8(u, plane_bits(row + w.K / 2 + w.K / 8 + b * 4, _mm256_set1_epi8(32)));
+  return u;
 }
 
 // r[i]: row i's 8 groups of 4 bytes -> r[q]: group q of the 8 rows (an 8 x 8 transpose of 32-bit lanes).
@@ -187,31 +202,42 @@ inline void transpose8x8(__m256i (&r)[8]) {
   }
 }
 
-// 8 consecutive scales (or mins) of a table as float32.
-inline __m256 params8(const Weight& w, const void* table, int64_t i) {
+// Groups [g0, g0 + 8) of row n of a table as float32 (two-level: the 8 share one factor, kper % 8 == 0).
+inline __m256 params8(const Weight& w, const void* table, int64_t n, int64_t g0, bool mins) {
+  if (w.kstride) {
+    const uint8_t* row = static_cast<const uint8_t*>(table) + n * w.kstride;
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + g0));
+    const __m256i sub = w.ksigned ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+    uint16_t factor;
+    std::memcpy(&factor, row + w.groups + 2 * (g0 / w.kper), 2);
+    const float f = half_float(factor);
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(sub), _mm256_set1_ps(mins ? -f : f));
+  }
+  const int64_t i = n * w.groups + g0;
   if (w.half) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(table) + i)));
   return _mm256_loadu_ps(static_cast<const float*>(table) + i);
 }
 
-// Columns [c0, c0 + live) of one table (scales or mins) into dst [blocks][kCols]. Where each group is one
-// block (a scale per 32: Q8_0, Q4_0) and all 8 columns are live, 8 columns x 8 groups at a time through
-// the codes' 8 x 8 transpose: one strided scalar store per column and block cost as much as the codes'
-// transpose at 16 rows. Else group by group, each spread over its blocks (no division per block).
-void spread(const Weight& w, const void* table, int64_t n0, int c0, int live, float* dst) {
-  const int64_t per = w.group / 32;  // blocks per group
+// Columns [c0, c0 + live) of one table (scales or mins) into dst [units][kCols] (Weight::unit). Where
+// each group is one unit (a scale per 32: Q8_0, Q4_0; per 16: Q6_K) and all 8 columns are live, 8 columns
+// x 8 groups at a time through the codes' 8 x 8 transpose: one strided scalar store per column and unit
+// cost as much as the codes' transpose at 16 rows. Else group by group, each spread over its units (no
+// division per unit).
+void spread(const Weight& w, const void* table, bool mins, int64_t n0, int c0, int live, float* dst) {
+  const int64_t per = w.group / w.unit;  // units per group
   int64_t g0 = 0;
-  if (per == 1 && live == 8) {
+  if (per == 1 && live == 8 && (!w.kstride || w.kper % 8 == 0)) {
     for (; g0 + 8 <= w.groups; g0 += 8) {
       __m256i r[8];
-      for (int i = 0; i < 8; ++i) r[i] = _mm256_castps_si256(params8(w, table, (n0 + c0 + i) * w.groups + g0));
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_castps_si256(params8(w, table, n0 + c0 + i, g0, mins));
       transpose8x8(r);
       for (int q = 0; q < 8; ++q) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (g0 + q) * kCols + c0), r[q]);
     }
   }
   for (int i = 0; i < live; ++i) {
-    const int64_t row = (n0 + c0 + i) * w.groups;
+    const int64_t row = n0 + c0 + i;
     for (int64_t g = g0, b = g0 * per; g < w.groups; ++g) {
-      const float v = param(w, table, row + g);
+      const float v = param(w, table, row, g, mins);
       for (int64_t e = b + per; b < e; ++b) dst[b * kCols + c0 + i] = v;
     }
   }
@@ -228,7 +254,7 @@ void repack(const Weight& w, int64_t n0, Panels& p, bool wide) {
   const int64_t blocks = w.K / 32;
   p.codes.resize(static_cast<size_t>(w.K * kCols * (wide ? 2 : 1)));
   const bool full = w.N - n0 >= kCols;  // every column live: every scale below is written
-  const size_t table = static_cast<size_t>(blocks * kCols);
+  const size_t table = static_cast<size_t>(w.K / w.unit * kCols);
   if (full) p.scales.resize(table);
   else p.scales.assign(table, 0.f);
   if (w.mins) {  // read only by the tiles for weights with mins
@@ -264,14 +290,15 @@ void repack(const Weight& w, int64_t n0, Panels& p, bool wide) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (q + 8) * kCols * 4), hi[q]);
       }
     }
-    spread(w, w.scales, n0, c0, live, p.scales.data());
-    if (w.mins) spread(w, w.mins, n0, c0, live, p.mins.data());
+    spread(w, w.scales, false, n0, c0, live, p.scales.data());
+    if (w.mins) spread(w, w.mins, true, n0, c0, live, p.mins.data());
   }
 }
 
 // x rounded to int8 per block of 32: the bytes, each block's scale, where its int32 sums start (-centre x
 // the sum of its bytes: sum (u - c) q = sum u q - c sum q, c the panels' centre; one broadcast load per
-// row and block in the tiles), and scale x the sum of its bytes (the mins').
+// row and block in the tiles; per half block where the weight's scales are per 16, Weight::unit), and
+// scale x the sum of its bytes (the mins').
 struct Acts {
   std::vector<int8_t> q;
   std::vector<int16_t> q16;  // the same bytes as int16, for wide panels (one broadcast per pair of inputs)
@@ -282,22 +309,26 @@ struct Acts {
 // act_blocks.h's rounding: the block GEMV's bytes.
 using perfxlm_act::quantize_block_fast;
 
-void quantize(const float* x, int64_t M, int64_t K, int centre, bool wide, Acts& a) {
-  const int64_t blocks = K / 32;
+void quantize(const float* x, int64_t M, int64_t K, int centre, bool wide, int unit, Acts& a) {
+  const int64_t blocks = K / 32, halves = 32 / unit;  // int32 sums per block: one, or one per 16 inputs
   a.q.resize(static_cast<size_t>(M * K));
   if (wide) a.q16.resize(static_cast<size_t>(M * K));
   a.scale.resize(static_cast<size_t>(M * blocks));
   a.scaled_sum.resize(static_cast<size_t>(M * blocks));
-  a.start.resize(static_cast<size_t>(M * blocks));
+  a.start.resize(static_cast<size_t>(M * blocks * halves));
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t b = 0; b < blocks; ++b) {
         int8_t* q = a.q.data() + m * K + b * 32;
         const float scale = quantize_block_fast(x + m * K + b * 32, q);
         int32_t total = 0;
-        for (int j = 0; j < 32; ++j) total += q[j];
+        for (int h = 0; h < halves; ++h) {
+          int32_t part = 0;
+          for (int j = h * unit; j < (h + 1) * unit; ++j) part += q[j];
+          a.start[(m * blocks + b) * halves + h] = -centre * part;
+          total += part;
+        }
         a.scale[m * blocks + b] = scale;
-        a.start[m * blocks + b] = -centre * total;
         a.scaled_sum[m * blocks + b] = scale * static_cast<float>(total);
         if (wide) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
@@ -315,51 +346,59 @@ struct ByteDots {
   static constexpr int kRows = kRowTile;
 };
 
-// Rows [m0, m0 + MT) x the task's 32 columns, all of K: int32 sums per block, scaled into float32.
-template <int MT, bool MINS, class D>
+// Rows [m0, m0 + MT) x the task's 32 columns, all of K: int32 sums per block (per half block for U = 2:
+// scales per 16 inputs), scaled into float32.
+template <int MT, bool MINS, class D, int U>
 inline void tile(const Acts& a, int64_t m0, int64_t K, const Panels& p, int64_t n0, int64_t N, float* y,
                  const float* bias) {
-  const int64_t blocks = K / 32;
+  static_assert(U == 1 || !MINS, "mins take one scale per 32-block");
+  const int64_t blocks = K / 32, units = blocks * U;
+  constexpr int kPer = 8 / U;  // steps of 4 inputs per unit
   __m512 acc[MT][kPanels];
   #pragma GCC unroll 8
   for (int i = 0; i < MT; ++i)
     #pragma GCC unroll 2
     for (int j = 0; j < kPanels; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512i dot[MT][kPanels];
-    #pragma GCC unroll 8
-    for (int i = 0; i < MT; ++i) {
-      const __m512i start = _mm512_set1_epi32(a.start[(m0 + i) * blocks + b]);
-      #pragma GCC unroll 2
-      for (int j = 0; j < kPanels; ++j) dot[i][j] = start;
-    }
     const uint8_t* wb = p.codes.data() + b * 8 * kCols * 4;
     const int8_t* xb = a.q.data() + m0 * K + b * 32;
-    #pragma GCC unroll 8
-    for (int q = 0; q < 8; ++q) {
-      __m512i wv[kPanels];
-      #pragma GCC unroll 2
-      for (int j = 0; j < kPanels; ++j) wv[j] = _mm512_loadu_si512(wb + (q * kCols + j * kLanes) * 4);
-      #pragma GCC unroll 8
-      for (int i = 0; i < MT; ++i) {
-        int32_t x4;
-        std::memcpy(&x4, xb + i * K + 4 * q, 4);
-        const __m512i xv = _mm512_set1_epi32(x4);
-        #pragma GCC unroll 2
-        for (int j = 0; j < kPanels; ++j) dot[i][j] = _mm512_dpbusd_epi32(dot[i][j], wv[j], xv);
-      }
-    }
     #pragma GCC unroll 2
-    for (int j = 0; j < kPanels; ++j) {
-      const __m512 sw = _mm512_loadu_ps(p.scales.data() + b * kCols + j * kLanes);
-      __m512 mw;
-      if constexpr (MINS) mw = _mm512_loadu_ps(p.mins.data() + b * kCols + j * kLanes);
+    for (int h = 0; h < U; ++h) {
+      const int64_t e = b * U + h;  // the unit: its sums' start and its weight scales
+      __m512i dot[MT][kPanels];
       #pragma GCC unroll 8
       for (int i = 0; i < MT; ++i) {
-        const float sx = a.scale[(m0 + i) * blocks + b];
-        const __m512 s = _mm512_mul_ps(sw, _mm512_set1_ps(sx));
-        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][j]), s, acc[i][j]);
-        if constexpr (MINS) acc[i][j] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.scaled_sum[(m0 + i) * blocks + b]), acc[i][j]);
+        const __m512i start = _mm512_set1_epi32(a.start[(m0 + i) * units + e]);
+        #pragma GCC unroll 2
+        for (int j = 0; j < kPanels; ++j) dot[i][j] = start;
+      }
+      #pragma GCC unroll 8
+      for (int s = 0; s < kPer; ++s) {
+        const int q = h * kPer + s;
+        __m512i wv[kPanels];
+        #pragma GCC unroll 2
+        for (int j = 0; j < kPanels; ++j) wv[j] = _mm512_loadu_si512(wb + (q * kCols + j * kLanes) * 4);
+        #pragma GCC unroll 8
+        for (int i = 0; i < MT; ++i) {
+          int32_t x4;
+          std::memcpy(&x4, xb + i * K + 4 * q, 4);
+          const __m512i xv = _mm512_set1_epi32(x4);
+          #pragma GCC unroll 2
+          for (int j = 0; j < kPanels; ++j) dot[i][j] = _mm512_dpbusd_epi32(dot[i][j], wv[j], xv);
+        }
+      }
+      #pragma GCC unroll 2
+      for (int j = 0; j < kPanels; ++j) {
+        const __m512 sw = _mm512_loadu_ps(p.scales.data() + e * kCols + j * kLanes);
+        __m512 mw;
+        if constexpr (MINS) mw = _mm512_loadu_ps(p.mins.data() + e * kCols + j * kLanes);
+        #pragma GCC unroll 8
+        for (int i = 0; i < MT; ++i) {
+          const float sx = a.scale[(m0 + i) * blocks + b];
+          const __m512 s = _mm512_mul_ps(sw, _mm512_set1_ps(sx));
+          acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][j]), s, acc[i][j]);
+          if constexpr (MINS) acc[i][j] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.scaled_sum[(m0 + i) * blocks + b]), acc[i][j]);
+        }
       }
     }
   }
@@ -378,7 +417,8 @@ inline void tile(const Acts& a, int64_t m0, int64_t K, const Panels& p, int64_t 
 // How one step (4 inputs of 8 columns, against one row's 4 bytes broadcast) enters a block's sums: the
 // AVX2 tile below is one loop nest for every code form, and these say what differs. `codes` is what a
 // step multiplies, made once per loaded register and shared by the tile's rows; `start` opens a block's
-// sums from the accumulator's -centre x sum q, `step` adds a step, `close` gives the block's int32 sums.
+// sums from the accumulator's -centre x sum q, `step` adds a step (or `step2` two steps, where kGroup is
+// 2), `close` gives the block's int32 sums.
 #ifdef __AVXVNNI__
 // Any byte code: vpdpbusd on ymm, one instruction per step.
 struct ByteDots {
@@ -387,6 +427,7 @@ struct ByteDots {
   static constexpr bool kWide = false;
   static __m256i codes(__m256i w) { return w; }
   static Sum start(__m256i from) { return from; }
+  static constexpr int kGroup = 1;
   static Sum step(Sum s, __m256i w, __m256i, __m256i x) { return _mm256_dpbusd_avx_epi32(s, w, x); }
   static __m256i close(Sum s, __m256i) { return s; }
 };
@@ -399,8 +440,28 @@ struct ByteDots {
   static constexpr bool kWide = false;
   static __m256i codes(__m256i w) { return w; }
   static Sum start(__m256i from) { return from; }
+  static constexpr int kGroup = 1;
   static Sum step(Sum s, __m256i w, __m256i, __m256i x) {
     return _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+  }
+  static __m256i close(Sum s, __m256i) { return s; }
+};
+
+// Codes <= 63 (6-bit, Q6_K's): two steps' int16 pair sums add as int16 (2 x 2 x 63 x 127 = 32004) before
+// one vpmaddwd widens them: 5 instructions per two steps, 3 of them multiplies, where ByteDots spends 6
+// and 4 (the multiply ports bound these loops).
+struct PairDots {
+  using Sum = __m256i;
+  static constexpr int kRows = kRowTile, kSteps = 8;
+  static constexpr bool kWide = false;
+  static constexpr int kGroup = 2;
+  static __m256i codes(__m256i w) { return w; }
+  static Sum start(__m256i from) { return from; }
+  static Sum step2(Sum s, __m256i w0, __m256i w1, __m256i x0, __m256i x1) {
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1));
+    Sum r = _mm256_add_epi32(s, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+    asm("" : "+x"(r));  // each row's chain in its register, as WideDots
+    return r;
   }
   static __m256i close(Sum s, __m256i) { return s; }
 };
@@ -412,6 +473,7 @@ struct NibbleDots {
   static constexpr int kRows = kRowTile, kSteps = 8;
   static constexpr bool kWide = false;
   static __m256i codes(__m256i w) { return w; }
+  static constexpr int kGroup = 1;
   static Sum start(__m256i) { return _mm256_setzero_si256(); }
   static Sum step(Sum s, __m256i w, __m256i, __m256i x) { return _mm256_add_epi16(s, _mm256_maddubs_epi16(w, x)); }
   static __m256i close(Sum s, __m256i from) {
@@ -429,6 +491,7 @@ struct WideDots {
   using Sum = __m256i;
   static constexpr int kRows = 6, kSteps = 16;  // 16 steps of 2 inputs per block
   static constexpr bool kWide = true;
+  static constexpr int kGroup = 1;
   static __m256i codes(__m256i w) { return w; }
   static Sum start(__m256i from) { return from; }
   static Sum step(Sum s, __m256i w, __m256i, __m256i x) {
@@ -442,54 +505,72 @@ struct WideDots {
 };
 #endif
 
-// Rows [m0, m0 + MT) x the task's 16 columns, all of K: int32 sums per block in registers (the form D
-// says how), the float32 sums in an L1 buffer (16 ymm hold only the int32 ones).
-template <int MT, bool MINS, class D>
+// Rows [m0, m0 + MT) x the task's 16 columns, all of K: int32 sums per block (per half block for U = 2:
+// scales per 16 inputs) in registers (the form D says how), the float32 sums in an L1 buffer (16 ymm hold
+// only the int32 ones).
+template <int MT, bool MINS, class D, int U>
 inline void tile(const Acts& a, int64_t m0, int64_t K, const Panels& p, int64_t n0, int64_t N, float* y,
                  const float* bias) {
-  const int64_t blocks = K / 32;
+  static_assert(U == 1 || !MINS, "mins take one scale per 32-block");
+  const int64_t blocks = K / 32, units = blocks * U;
+  constexpr int kPer = D::kSteps / U;  // steps per unit
   alignas(32) float acc[MT][kCols] = {};
   for (int64_t b = 0; b < blocks; ++b) {
-    const auto from = [&](int i) { return _mm256_set1_epi32(a.start[(m0 + i) * blocks + b]); };
-    typename D::Sum sum[MT][kPanels];
-    #pragma GCC unroll 8
-    for (int i = 0; i < MT; ++i)
-      #pragma GCC unroll 2
-      for (int j = 0; j < kPanels; ++j) sum[i][j] = D::start(from(i));
     // a step: 4 bytes of each row (4 inputs, or 2 as int16) against 8 columns' 4 bytes per panel register
     constexpr int64_t width = D::kWide ? 2 : 1;
     const uint8_t* wb = p.codes.data() + b * D::kSteps * kCols * 4;
     const uint8_t* xb = (D::kWide ? reinterpret_cast<const uint8_t*>(a.q16.data())
                                   : reinterpret_cast<const uint8_t*>(a.q.data())) + (m0 * K + b * 32) * width;
-    #pragma GCC unroll 16
-    for (int q = 0; q < D::kSteps; ++q) {
-      __m256i wv[kPanels], wk[kPanels];
+    #pragma GCC unroll 2
+    for (int h = 0; h < U; ++h) {
+      const int64_t e = b * U + h;  // the unit: its sums' start and its weight scales
+      const auto from = [&](int i) { return _mm256_set1_epi32(a.start[(m0 + i) * units + e]); };
+      typename D::Sum sum[MT][kPanels];
+      #pragma GCC unroll 8
+      for (int i = 0; i < MT; ++i)
+        #pragma GCC unroll 2
+        for (int j = 0; j < kPanels; ++j) sum[i][j] = D::start(from(i));
+      constexpr int G = D::kGroup;  // steps taken at once
+      #pragma GCC unroll 16
+      for (int s = 0; s < kPer; s += G) {
+        const int q = h * kPer + s;
+        __m256i wv[G][kPanels], wk[G][kPanels];
+        #pragma GCC unroll 2
+        for (int g = 0; g < G; ++g)
+          #pragma GCC unroll 2
+          for (int j = 0; j < kPanels; ++j) {
+            wv[g][j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + ((q + g) * kCols + j * kLanes) * 4));
+            wk[g][j] = D::codes(wv[g][j]);
+          }
+        #pragma GCC unroll 8
+        for (int i = 0; i < MT; ++i) {
+          __m256i xv[G];
+          #pragma GCC unroll 2
+          for (int g = 0; g < G; ++g) {
+            int32_t x4;
+            std::memcpy(&x4, xb + i * K * width + 4 * (q + g), 4);
+            xv[g] = _mm256_set1_epi32(x4);
+          }
+          #pragma GCC unroll 2
+          for (int j = 0; j < kPanels; ++j) {
+            if constexpr (G == 1) sum[i][j] = D::step(sum[i][j], wv[0][j], wk[0][j], xv[0]);
+            else sum[i][j] = D::step2(sum[i][j], wv[0][j], wv[1][j], xv[0], xv[1]);
+          }
+        }
+      }
       #pragma GCC unroll 2
       for (int j = 0; j < kPanels; ++j) {
-        wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + (q * kCols + j * kLanes) * 4));
-        wk[j] = D::codes(wv[j]);
-      }
-      #pragma GCC unroll 8
-      for (int i = 0; i < MT; ++i) {
-        int32_t x4;
-        std::memcpy(&x4, xb + i * K * width + 4 * q, 4);
-        const __m256i xv = _mm256_set1_epi32(x4);
-        #pragma GCC unroll 2
-        for (int j = 0; j < kPanels; ++j) sum[i][j] = D::step(sum[i][j], wv[j], wk[j], xv);
-      }
-    }
-    #pragma GCC unroll 2
-    for (int j = 0; j < kPanels; ++j) {
-      const __m256 sw = _mm256_loadu_ps(p.scales.data() + b * kCols + j * kLanes);
-      __m256 mw;
-      if constexpr (MINS) mw = _mm256_loadu_ps(p.mins.data() + b * kCols + j * kLanes);
-      #pragma GCC unroll 8
-      for (int i = 0; i < MT; ++i) {
-        const __m256 s = _mm256_mul_ps(sw, _mm256_set1_ps(a.scale[(m0 + i) * blocks + b]));
-        const __m256i dot = D::close(sum[i][j], from(i));
-        __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, _mm256_load_ps(acc[i] + j * kLanes));
-        if constexpr (MINS) t = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.scaled_sum[(m0 + i) * blocks + b]), t);
-        _mm256_store_ps(acc[i] + j * kLanes, t);
+        const __m256 sw = _mm256_loadu_ps(p.scales.data() + e * kCols + j * kLanes);
+        __m256 mw;
+        if constexpr (MINS) mw = _mm256_loadu_ps(p.mins.data() + e * kCols + j * kLanes);
+        #pragma GCC unroll 8
+        for (int i = 0; i < MT; ++i) {
+          const __m256 s = _mm256_mul_ps(sw, _mm256_set1_ps(a.scale[(m0 + i) * blocks + b]));
+          const __m256i dot = D::close(sum[i][j], from(i));
+          __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, _mm256_load_ps(acc[i] + j * kLanes));
+          if constexpr (MINS) t = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.scaled_sum[(m0 + i) * blocks + b]), t);
+          _mm256_store_ps(acc[i] + j * kLanes, t);
+        }
       }
     }
   }
@@ -500,27 +581,37 @@ inline void tile(const Acts& a, int64_t m0, int64_t K, const Panels& p, int64_t 
 
 #endif
 
-template <bool MINS, class D>
+template <bool MINS, class D, int U = 1>
 void run_task(const Acts& a, int64_t m_begin, int64_t m_end, const Weight& w, const Panels& p, int64_t n0, float* y,
               const float* bias) {
   constexpr int R = D::kRows;
   int64_t m = m_begin;
-  for (; m + R <= m_end; m += R) tile<R, MINS, D>(a, m, w.K, p, n0, w.N, y, bias);
+  for (; m + R <= m_end; m += R) tile<R, MINS, D, U>(a, m, w.K, p, n0, w.N, y, bias);
   switch (m_end - m) {  // the last rows: a shorter tile
-    case 5: tile<5, MINS, D>(a, m, w.K, p, n0, w.N, y, bias); break;
-    case 4: tile<4, MINS, D>(a, m, w.K, p, n0, w.N, y, bias); break;
-    case 3: tile<3, MINS, D>(a, m, w.K, p, n0, w.N, y, bias); break;
-    case 2: tile<2, MINS, D>(a, m, w.K, p, n0, w.N, y, bias); break;
-    case 1: tile<1, MINS, D>(a, m, w.K, p, n0, w.N, y, bias); break;
+    case 5: tile<5, MINS, D, U>(a, m, w.K, p, n0, w.N, y, bias); break;
+    case 4: tile<4, MINS, D, U>(a, m, w.K, p, n0, w.N, y, bias); break;
+    case 3: tile<3, MINS, D, U>(a, m, w.K, p, n0, w.N, y, bias); break;
+    case 2: tile<2, MINS, D, U>(a, m, w.K, p, n0, w.N, y, bias); break;
+    case 1: tile<1, MINS, D, U>(a, m, w.K, p, n0, w.N, y, bias); break;
     default: break;
   }
 }
 
-// A task's rows in the code form its weight takes (on AVX2 without AVX-VNNI: signed 8-bit, nibbles, or
-// codes up to 128; with vpdpbusd: one form for every code).
+// A task's rows in the code form its weight takes (on AVX2 without AVX-VNNI: signed 8-bit, nibbles, 6-bit
+// codes two steps at a time, or codes up to 128; with vpdpbusd: one form for every code). 6-bit codes in
+// groups of 16 close per half block (centred only: describe refuses mins there).
 template <bool MINS>
 void run_rows(const Acts& a, int64_t m_begin, int64_t m_end, const Weight& w, const Panels& p, int64_t n0, float* y,
               const float* bias) {
+#if defined(PERFXLM_QGEMM_YMM) && !defined(__AVXVNNI__)
+  using SixDots = PairDots;  // 6-bit codes: two steps per widening
+#else
+  using SixDots = ByteDots;
+#endif
+  if constexpr (!MINS) {
+    if (w.unit == 16) return run_task<false, SixDots, 2>(a, m_begin, m_end, w, p, n0, y, bias);
+  }
+  if (w.bits == 6) return run_task<MINS, SixDots>(a, m_begin, m_end, w, p, n0, y, bias);
 #if defined(PERFXLM_QGEMM_YMM) && !defined(__AVXVNNI__)
   if (p.wide) return run_task<MINS, WideDots>(a, m_begin, m_end, w, p, n0, y, bias);
   if (w.bits == 4 && !w.lut) return run_task<MINS, NibbleDots>(a, m_begin, m_end, w, p, n0, y, bias);
@@ -531,23 +622,41 @@ void run_rows(const Acts& a, int64_t m_begin, int64_t m_end, const Weight& w, co
 Weight describe(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                 const c10::optional<at::Tensor>& levels, int64_t K) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
-              "quant_block_gemm: codes must be contiguous uint8 [N, K], [N, K / 2] or [N, 5 K / 8]");
+              "quant_block_gemm: codes must be contiguous uint8 [N, K], [N, 3 K / 4], [N, 5 K / 8] or [N, K / 2]");
   TORCH_CHECK(K % 32 == 0 && K > 0, "quant_block_gemm: K must be a positive multiple of 32, got ", K);
   const int64_t N = codes.size(0), rb = codes.size(1);
-  const int bits = rb == K ? 8 : rb * 2 == K ? 4 : rb * 8 == K * 5 ? 5 : 0;
-  TORCH_CHECK(bits, "quant_block_gemm: codes hold ", rb, " bytes per row for ", K, " inputs (want K, 5 K / 8 or K / 2)");
+  const int bits = rb == K ? 8 : rb * 2 == K ? 4 : rb * 8 == K * 5 ? 5 : rb * 4 == K * 3 ? 6 : 0;
+  TORCH_CHECK(bits, "quant_block_gemm: codes hold ", rb, " bytes per row for ", K,
+              " inputs (want K, 3 K / 4, 5 K / 8 or K / 2)");
   const bool centred = !mins.has_value() || !mins->defined();
+  // two-level bytes: a byte per group, then a float16 factor (2 bytes) per 256 inputs
+  const bool two_level = scales.scalar_type() == at::kByte || scales.scalar_type() == at::kChar;
+  const int64_t supers = K / 256;
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.is_contiguous() &&
-                  (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
-              "quant_block_gemm: scales must be contiguous float32 or float16 [N, K / group]");
+                  (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf ||
+                   (two_level && K % 256 == 0 && scales.size(1) > 2 * supers)),
+              "quant_block_gemm: scales must be contiguous float32 or float16 [N, K / group], or two-level bytes "
+              "[N, K / group + 2 K / 256] on rows of whole 256s");
   TORCH_CHECK(centred || (mins->sizes() == scales.sizes() && mins->is_contiguous() &&
                           mins->scalar_type() == scales.scalar_type()),
               "quant_block_gemm: mins must be contiguous, shaped and typed as the scales");
-  const int64_t groups = scales.size(1);
-  TORCH_CHECK(groups >= 1 && K % groups == 0 && (K / groups) % 32 == 0,
-              "quant_block_gemm: groups must be whole multiples of 32 inputs, got ", groups, " for K = ", K);
+  const int64_t groups = two_level ? scales.size(1) - 2 * supers : scales.size(1);
+  TORCH_CHECK(!two_level || groups % supers == 0, "quant_block_gemm: two-level scales of ", groups,
+              " groups do not divide into ", supers, " super-blocks");
+  // groups of 16: Q6_K's sub-blocks, whose halves of a 32-block close apart (Weight::unit); centred only,
+  // as Q6_K's codes are (a min per 16 would need the activations' sums per 16 scaled too)
+  const bool halves = groups >= 1 && K % groups == 0 && K / groups == 16 && bits == 6 && centred;
+  TORCH_CHECK(groups >= 1 && K % groups == 0 && ((K / groups) % 32 == 0 || halves),
+              "quant_block_gemm: groups must be whole multiples of 32 inputs (or 16 for centred 6-bit codes), got ",
+              groups, " for K = ", K);
   Weight w{codes.data_ptr<uint8_t>(), N, K, rb, K / groups, groups, bits, scales.data_ptr(),
-           centred ? nullptr : mins->data_ptr(), scales.scalar_type() == at::kHalf, 0, false, {}, 0};
+           centred ? nullptr : mins->data_ptr(), scales.scalar_type() == at::kHalf, 0, false, {}, 0,
+           halves ? 16 : 32};
+  if (two_level) {
+    w.kstride = scales.size(1);
+    w.kper = groups / supers;
+    w.ksigned = scales.scalar_type() == at::kChar;
+  }
   if (levels.has_value() && levels->defined()) {
     TORCH_CHECK(bits == 4 && levels->scalar_type() == at::kFloat && levels->numel() == 16 && levels->is_contiguous(),
                 "quant_block_gemm: a level table must be float32 [16] over 4-bit codes");
@@ -564,7 +673,7 @@ Weight describe(const at::Tensor& codes, const at::Tensor& scales, const c10::op
     w.lut = true;
     w.centre = static_cast<int>(-lo);  // levels[u] = ulut[u] - centre
   } else if (centred) {
-    w.centre = bits == 8 ? 128 : bits == 5 ? 16 : 8;
+    w.centre = bits == 8 ? 128 : bits == 6 ? 32 : bits == 5 ? 16 : 8;
   }
 #ifdef PERFXLM_QGEMM_WIDE8
   if (bits == 8) w.shift = 128;  // wide panels hold u - 128
@@ -596,7 +705,7 @@ at::Tensor quant_block_gemm(const at::Tensor& x, const at::Tensor& codes, const 
   // the accumulators start at -centre x sum q, the centre less the panels' shift (signed 8-bit panels: 0
   // for Q8_0's centred codes)
   const bool wide = w.shift != 0;  // 8-bit codes on AVX2 without AVX-VNNI: int16 panels (WideDots)
-  quantize(xc.data_ptr<float>(), M, K, w.centre - w.shift, wide, acts);
+  quantize(xc.data_ptr<float>(), M, K, w.centre - w.shift, wide, w.unit, acts);
   // Tasks: 32 columns each, and for few column groups, slices of rows too (each slice repacks its
   // columns again: about 1/100 of a 512-row product per repack)
   const int64_t col_tasks = (w.N + kCols - 1) / kCols;

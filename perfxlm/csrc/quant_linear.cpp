@@ -1864,7 +1864,9 @@ void block_gemv_spc(const BlockActs& a, int64_t M, const QW& w, float* y, const 
 bool gemm_takes(const QW& w) {
   const int top = w.bits4 ? (w.bits6 ? 63 : (w.bits5 ? 31 : 15)) : 255;
   const bool rate = top <= perfxlm_qgemm::quant_block_gemm_max_code();
-  return w.group % 32 == 0 && !w.bits6 && (!w.kscales || w.kexp) && (!w.levels || w.int_lut) && rate;
+  // 6-bit codes in groups of 16 (centred: Q6_K's) close per half block there
+  const bool groups_ok = w.group % 32 == 0 || (w.group == 16 && w.bits6 && w.centred);
+  return groups_ok && (!w.kscales || w.kexp) && (!w.levels || w.int_lut) && rate;
 }
 
 at::Tensor block_product(const at::Tensor& x, const QW& w, const float* bias, int spc) {

@@ -127,9 +127,9 @@ def run_linear_q(
     b = bias if bias is None or bias.dtype == torch.float32 else bias.float()
     plan = cpu_plan.plan()
     if int8_blocks and plan.quant_gemm == "int8" and rows.shape[0] >= gemm_rows(weight, plan) and gemm_takes(weight):
-        # the GEMM reads float scales: K-quants' two-level bytes are multiplied out for the call (the same
-        # values; a few MB against a GEMM of many rows)
-        w = weight.flat()
+        # the GEMM reads float scales and K-quants' two-level bytes as they are (forming the values flat()
+        # would); exponent bytes (MXFP4's) are widened for the call
+        w = weight if weight.two_level else weight.flat()
         y = ops.quant_block_gemm(rows, w.codes, w.scales, w.mins, w.levels, b)  # type: ignore[attr-defined]
         return y.to(x.dtype).view(*x.shape[:-1], weight.out_features)
     if round_in_torch:
@@ -157,11 +157,13 @@ def gemm_rows(weight: QuantizedWeight, plan: cpu_plan.CpuPlan) -> int:
 
 def gemm_takes(weight: QuantizedWeight) -> bool:
     """Whether the int8 GEMM (csrc quant_gemm.cpp) takes an int8-block weight: groups of whole 32-blocks
-    (not 8-bit groups of 16), a level table only of integers (MXFP4's), codes within what the build's dot
-    instruction runs at its int8 rate (every SIMD build: 255; AVX2 without AVX-VNNI widens 8-bit codes to
-    int16 for it); not W8A8 per token (one activation scale per row: its own integer GEMM). GGUF K-quants'
-    two-level byte scales are multiplied out per call for it (`run_linear_q`)."""
-    if weight.act == "int8" or weight.group % 32 != 0 or weight.bits == 6:  # no 6-bit GEMM tile yet
+    (not 8-bit groups of 16), or centred 6-bit codes in groups of 16 (Q6_K's, closed per half block), a
+    level table only of integers (MXFP4's), codes within what the build's dot instruction runs at its int8
+    rate (every SIMD build: 255; AVX2 without AVX-VNNI widens 8-bit codes to int16 for it); not W8A8 per
+    token (one activation scale per row: its own integer GEMM). GGUF K-quants' two-level byte scales it
+    reads as stored."""
+    halves = weight.group == 16 and weight.bits == 6 and weight.mins is None
+    if weight.act == "int8" or (weight.group % 32 != 0 and not halves):
         return False
     if weight.levels is None:
         top = (1 << weight.bits) - 1

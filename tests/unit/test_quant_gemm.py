@@ -1,7 +1,8 @@
 """The int8 GEMM for many rows of int8-block weights (csrc/quant_gemm.cpp) against the plain definition:
 activations rounded to int8 per block of 32 (scale max|x| / 127, half to even), times the dequantized
-weight, in float64. Formats: 4-bit (centred and with mins), 5-bit, 8-bit, an integer level table (MXFP4's
-kind), float32 and float16 scales, groups of 32, 64 and whole rows; odd row and column counts. Built for
+weight, in float64. Formats: 4-bit (centred and with mins), 5-bit, 6-bit (Q6_K's values, scales per 16 or
+32), 8-bit, an integer level table (MXFP4's kind), float32 and float16 scales, groups of 16 (6-bit only), 32,
+64 and whole rows; odd row and column counts. Built for
 AVX512-VNNI (zmm) and AVX2 (ymm; 8-bit codes as int16 pairs without AVX-VNNI); where a build has no
 GEMM (test_portable_kernels runs this file on each tier) the tests check that the op refuses with a clear
 error and is never picked."""
@@ -12,6 +13,7 @@ import torch
 
 from perfxlm.ops import cpu_plan, isa, native
 from perfxlm.ops.linear import gemm_max_code, gemm_takes, run_linear_q
+from perfxlm.quant import super_scales
 from perfxlm.quant.gguf_repack import repack
 from perfxlm.quant.reference import fake_quantize_blocks
 from perfxlm.quant.weight import ActivationMode, QuantizedWeight, pack_codes
@@ -48,6 +50,9 @@ CASES = [  # bits, n, k, group, half, kind: centred codes, stored mins, or an in
     (8, 33, 576, 32, True, "centred"),
     (8, 70, 96, 96, False, "mins"),
     (8, 21, 1536, 1536, False, "centred"),
+    (6, 33, 576, 16, True, "centred"),  # Q6_K's groups of 16: each half block closes apart
+    (6, 21, 256, 16, False, "centred"),
+    (6, 9, 96, 32, False, "centred"),  # rows not whole super-blocks: a float16 scale per 32
 ]
 
 
@@ -75,7 +80,7 @@ def test_gemm_matches_the_definition(bits, n, k, group, half, kind, rows):
     assert torch.equal(ops.quant_block_gemm(x, codes, scales, mins, levels, None) + b, out)  # bias added last
 
 
-@pytest.mark.parametrize("bits,n,k,group,half,kind", [CASES[1], CASES[2], CASES[5], CASES[7]])
+@pytest.mark.parametrize("bits,n,k,group,half,kind", [CASES[1], CASES[2], CASES[5], CASES[7], CASES[10]])
 def test_a_row_alone_is_bit_identical_to_the_row_in_a_batch(bits, n, k, group, half, kind):
     """A row's int32 block sums and its float steps do not depend on the rows beside it (nor on which
     thread or row tile takes it), so a prompt's token gets the same bits whatever its step held."""
@@ -94,6 +99,9 @@ def test_bad_weights_are_errors_that_say_what_to_fix():
     if _refused():
         return
     codes, scales, mins, _ = _weight(4, 64, 8, 16, False, False, 0)  # 8-bit groups of 16
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        ops.quant_block_gemm(torch.randn(3, 64), codes, scales, mins, None, None)
+    codes, scales, mins, _ = _weight(4, 64, 6, 16, False, False, 0)  # 6-bit groups of 16 with mins
     with pytest.raises(RuntimeError, match="multiples of 32"):
         ops.quant_block_gemm(torch.randn(3, 64), codes, scales, mins, None, None)
     codes, scales, mins, _ = _weight(4, 64, 4, 32, False, False, 0)
@@ -185,13 +193,20 @@ def test_the_plan_takes_the_int8_gemm_only_where_the_tier_has_it(monkeypatch):
 
 def test_per_token_w8a8_and_groups_of_16_keep_their_own_paths():
     assert not gemm_takes(_qweight(8, 8, 64, 0, act="int8"))
+    codes, scales, mins, _ = _weight(8, 64, 8, 16, False, False, 0)
+    assert not gemm_takes(QuantizedWeight(codes, scales, None, None, 8, 16, "float", 8, 64))
+    codes, scales, mins, _ = _weight(8, 64, 6, 16, False, False, 0)
+    assert not gemm_takes(QuantizedWeight(codes, scales, mins, None, 6, 16, "float", 8, 64))
+    six = QuantizedWeight(codes, scales, None, None, 6, 16, "float", 8, 64)  # Q6_K's: centred
+    assert gemm_takes(six) == (63 <= gemm_max_code())
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K"])
-def test_k_quants_two_level_scales_run_the_gemm_multiplied_out(qtype):
-    """A GGUF K-quant weight holds byte scales (a byte per group, float16 per 256) the GEMM does not read: a
-    prefill under the int8 plan multiplies them out for the call, the same values as the block kernel's."""
-    if _refused(5 if qtype == "Q5_K" else 4):
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quants_two_level_scales_run_the_gemm(qtype):
+    """A GGUF K-quant weight holds byte scales (a byte per group, float16 per 256): a prefill under the int8
+    plan hands them to the GEMM as stored, which forms the values of the multiplied-out form (the block
+    kernel's). Q6_K's are signed bytes per 16, each half block closing apart."""
+    if _refused({"Q4_K": 4, "Q5_K": 5, "Q6_K": 6}[qtype]):
         return
     q = gguf.GGMLQuantizationType[qtype]
     weight = repack(k_blocks(q, 21, 512, 3), q, (21, 512))
@@ -208,6 +223,57 @@ def test_k_quants_two_level_scales_run_the_gemm_multiplied_out(qtype):
     flat = weight.flat()
     assert torch.equal(fast, ops.quant_block_gemm(x, flat.codes, flat.scales, flat.mins, None, None))
     torch.testing.assert_close(fast, slow, atol=1e-4 * (slow.abs().max().item() + 1), rtol=1e-4)
+
+
+@pytest.mark.parametrize("bits,group,signed,with_mins,n", [
+    (4, 32, False, True, 21),  # Q4_K's form: 8 groups per factor, the panels' 8 x 8 path
+    (4, 64, False, True, 13),  # int4's wider groups: fewer than 8 per factor, group by group
+    (4, 128, False, True, 40),
+    (5, 32, False, True, 9),  # Q5_K's
+    (6, 16, True, False, 21),  # Q6_K's: signed bytes per 16, centred
+])
+def test_two_level_bytes_give_the_bits_of_their_float_form(bits, group, signed, with_mins, n):
+    """The GEMM reads K-quants' two-level scales (a byte per group, a float16 factor per 256) as stored,
+    forming each group's value as QuantizedWeight.flat() does: the same bits as the multiplied-out form."""
+    if _refused(bits):
+        return
+    k = 512
+    g = torch.Generator().manual_seed(bits * group + n)
+    codes = pack_codes(torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.uint8), bits)
+
+    def table(sign_ok):
+        sub = (torch.randint(-128, 128, (n, k // group), generator=g, dtype=torch.int8) if sign_ok
+               else torch.randint(0, 256, (n, k // group), generator=g, dtype=torch.uint8))
+        return super_scales.join(sub, (torch.rand(n, k // 256, generator=g) * 1e-3 + 1e-4).half())
+
+    scales = table(signed)
+    mins = table(False) if with_mins else None
+    weight = QuantizedWeight(codes, scales, mins, None, bits, group, "float", n, k)
+    flat = weight.flat()
+    x = torch.randn(37, k, generator=g)
+    b = torch.randn(n, generator=g)
+    raw = ops.quant_block_gemm(x, codes, scales, mins, None, b)
+    assert torch.equal(raw, ops.quant_block_gemm(x, flat.codes, flat.scales, flat.mins, None, b))
+    ref = torch.nn.functional.linear(fake_quantize_blocks(x).double(), weight.dequantize().double(), b.double()).float()
+    torch.testing.assert_close(raw, ref, atol=1e-5 * (ref.abs().max().item() + 1), rtol=1e-5)
+
+
+def test_extreme_6bit_codes_match_the_definition():
+    """Codes 0 and 63 (-32 and 31 about the centre) against activations at +-127, scales per 16 of both
+    signs (Q6_K's sub-scales are signed): vpmaddubsw's pair sums stay far from int16's limit (2 x 63 x 127)."""
+    if _refused(6):
+        return
+    n, k = 11, 128
+    g = torch.Generator().manual_seed(6)
+    values = torch.where(torch.rand(n, k, generator=g) < 0.5, 0, 63).to(torch.uint8)
+    values[0] = 63
+    codes = pack_codes(values, 6)
+    scales = (torch.rand(n, k // 16, generator=g) - 0.5) * 0.04
+    x = torch.where(torch.rand(7, k, generator=g) < 0.5, -1.0, 1.0)
+    x[1] = 1.0
+    ref = torch.nn.functional.linear(x.double(), _dequant(codes, scales, None, None, k).double()).float()
+    out = ops.quant_block_gemm(x, codes, scales, None, None, None)
+    torch.testing.assert_close(out, ref, atol=1e-5 * (ref.abs().max().item() + 1), rtol=1e-5)
 
 
 def test_extreme_8bit_codes_do_not_saturate_the_int16_pair_sums():
@@ -229,7 +295,8 @@ def test_extreme_8bit_codes_do_not_saturate_the_int16_pair_sums():
     torch.testing.assert_close(out, ref, atol=1e-5 * (ref.abs().max().item() + 1), rtol=1e-5)
 
 
-@pytest.mark.parametrize("bits,n,k,group,half,kind", [CASES[1], CASES[3], CASES[5], CASES[7], (4, 17, 192, 32, False, "table")])
+@pytest.mark.parametrize(
+    "bits,n,k,group,half,kind", [CASES[1], CASES[3], CASES[5], CASES[7], CASES[10], (4, 17, 192, 32, False, "table")])
 def test_linear_q_runs_the_gemm_from_gemm_rows_and_the_gemv_below(bits, n, k, group, half, kind):
     """linear_q's gemm_rows (the fused decode layer's way to the GEMM): from that many rows an int8-block
     weight the GEMM takes gets the GEMM's bits, below it the block GEMV's; -1 never, 0 only past the GEMV
