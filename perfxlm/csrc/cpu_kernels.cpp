@@ -426,27 +426,23 @@ at::Tensor project_lora_in(const at::Tensor& x, at::TensorList parts, int64_t n_
                            int64_t quant_block_max_rows, int64_t gemm_rows, at::TensorList lora, int64_t index,
                            bool one_region) {
   const int64_t M = x.size(0);
-  // one thread: nothing to split, and the ranges' views and copies would only add (measured: +0.9 ms per
-  // batch-1 step of the 135M model's 30 layers)
+  // one thread: nothing to split
   const bool split = parts.size() == 5 && M < 128 && M <= (quant_max_rows >= 0 ? quant_max_rows : max_rows) &&
                      (quant_block_max_rows < 0 || M <= quant_block_max_rows) && at::get_num_threads() >= 2 &&
                      one_region;
   if (split && !lora.empty()) {
-    at::Tensor y = at::empty({M, n_out}, x.options());
-    const bool has_bias = bias.has_value() && bias->defined();
-    const bool fused = perfxlm_lora::project_add(y, x, lora, index, [&](int64_t n0, int64_t n1) {
-      c10::InferenceMode guard;  // a worker thread: the step's tensors are inference tensors
-      const int64_t n = n1 - n0;
-      const at::Tensor rows[5] = {parts[0].narrow(0, n0, n), parts[1].narrow(0, n0, n),
-                                  parts[2].numel() ? parts[2].narrow(0, n0, n) : parts[2], parts[3], parts[4]};
-      const c10::optional<at::Tensor> b = has_bias ? c10::optional<at::Tensor>(bias->narrow(0, n0, n)) : c10::nullopt;
-      const at::Tensor part = project(x, rows, n, b, max_rows, bf16_gemm, int8_blocks, quant_max_rows,
-                                      quant_block_max_rows, gemm_rows);
-      const float* src = part.data_ptr<float>();
-      float* dst = y.data_ptr<float>();
-      for (int64_t m = 0; m < M; ++m) std::memcpy(dst + m * n_out + n0, src + m * n, n * sizeof(float));
-    });
-    if (fused) return y;
+    // the GEMV linear_q would run, prepared once here (W described, x's int8 blocks quantized) and run by
+    // each thread over its range of outputs straight into y: no tensor call on the region's threads
+    const c10::optional<at::Tensor> levels = parts[3].numel() ? c10::optional<at::Tensor>(parts[3]) : c10::nullopt;
+    const c10::optional<at::Tensor> mins = parts[2].numel() ? c10::optional<at::Tensor>(parts[2]) : c10::nullopt;
+    const perfxlm_quant::RangeProduct ranges = perfxlm_quant::linear_q_ranges(
+        x, parts[0], parts[1], mins, levels, bias, *parts[4].const_data_ptr<bool>(),
+        quant_max_rows >= 0 ? quant_max_rows : max_rows, int8_blocks, quant_block_max_rows, gemm_rows);
+    if (ranges) {
+      at::Tensor y = at::empty({M, n_out}, x.options());
+      float* yp = y.data_ptr<float>();
+      if (perfxlm_lora::project_add(y, x, lora, index, [&](int64_t n0, int64_t n1) { ranges(yp, n0, n1); })) return y;
+    }
   }
   perfxlm_lora::prefetch(lora, index);  // the adapters' bytes arrive while the base product runs
   at::Tensor y = project(x, parts, n_out, bias, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows,

@@ -1869,11 +1869,8 @@ bool gemm_takes(const QW& w) {
   return groups_ok && (!w.kscales || w.kexp) && (!w.levels || w.int_lut) && rate;
 }
 
-at::Tensor block_product(const at::Tensor& x, const QW& w, const float* bias, int spc) {
-  const int64_t M = x.size(0);
-  const BlockActs a = quantize_blocks(x, w);
-  at::Tensor y = at::empty({M, w.N}, x.options());
-  float* yp = y.data_ptr<float>();
+// The block products of M quantized rows `a` with every row of w into y [M, w.N].
+void block_into(const BlockActs& a, int64_t M, const QW& w, float* yp, const float* bias, int spc) {
   if (kq_takes(w, spc))
     kq_product(a, M, w, yp, bias, spc);
   else if (w.bits6)  // the planes a template argument: no branch on them per chunk
@@ -1884,9 +1881,43 @@ at::Tensor block_product(const at::Tensor& x, const QW& w, const float* bias, in
     w.half ? block_gemv_spc<true, true>(a, M, w, yp, bias, spc) : block_gemv_spc<true, false>(a, M, w, yp, bias, spc);
   else
     w.half ? block_gemv_spc<false, true>(a, M, w, yp, bias, spc) : block_gemv_spc<false, false>(a, M, w, yp, bias, spc);
+}
+
+at::Tensor block_product(const at::Tensor& x, const QW& w, const float* bias, int spc) {
+  const int64_t M = x.size(0);
+  const BlockActs a = quantize_blocks(x, w);
+  at::Tensor y = at::empty({M, w.N}, x.options());
+  block_into(a, M, w, y.data_ptr<float>(), bias, spc);
   return y;
 }
 #endif
+
+// w's rows [n0, n1) as a weight of their own: the kernels address rows from the view's first one.
+QW rows_of(const QW& w, int64_t n0, int64_t n1) {
+  QW v = w;
+  v.N = n1 - n0;
+  v.codes += n0 * w.row_bytes;
+  const int64_t param_bytes = w.half ? 2 : 4;
+  if (w.scales) v.scales = static_cast<const uint8_t*>(w.scales) + n0 * w.groups * param_bytes;
+  if (w.mins) v.mins = static_cast<const uint8_t*>(w.mins) + n0 * w.groups * param_bytes;
+  if (w.kscales) v.kscales += n0 * w.kbytes;
+  if (w.kmins) v.kmins += n0 * w.kbytes;
+  return v;
+}
+
+// product(view, out, bias) for the output columns [n0, n1) of y [M, w.N]: one row writes in place, more
+// rows go through this thread's scratch, copied into their rows after.
+template <class Fn>
+void into_columns(const QW& w, int64_t M, int64_t n0, int64_t n1, float* y, const float* bias, const Fn& product) {
+  const QW v = rows_of(w, n0, n1);
+  const float* b = bias ? bias + n0 : nullptr;
+  if (M == 1) return product(v, y + n0, b);
+  thread_local std::vector<float> buf;
+  const int64_t n = n1 - n0;
+  buf.resize(static_cast<size_t>(M * n));
+  product(v, buf.data(), b);
+  for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * w.N + n0, buf.data() + m * n, static_cast<size_t>(n) * sizeof(float));
+}
 
 // Weight-only product on float32 rows (also W8A8's fallback, on rows holding integers).
 at::Tensor float_product(const at::Tensor& x, const QW& w, const float* bias, int64_t max_rows, bool bf16_gemm) {
@@ -1971,6 +2002,40 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   at::Tensor y = float_product(xq, w, nullptr, max_rows, bf16_gemm).mul_(sx.unsqueeze(1));
   if (bp) y.add_(bc);
   return y;
+}
+
+RangeProduct linear_q_ranges(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                             const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& levels,
+                             const c10::optional<at::Tensor>& bias, bool act_int8, int64_t max_rows,
+                             bool int8_blocks, int64_t block_max_rows, int64_t gemm_rows) {
+  if (act_int8 || x.dim() != 2 || x.scalar_type() != at::kFloat) return {};
+  at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1);
+  const QW w = describe(codes, scales, mins, levels, K);
+  at::Tensor bc;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == w.N, "linear_q: bias size ", bias->numel(), " != ", w.N);
+    bc = bias->to(at::kFloat).contiguous();
+  }
+  const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
+  (void)int8_blocks, (void)block_max_rows, (void)gemm_rows;  // the scalar build has no block products
+#ifdef PERFXLM_INT8_DOTS
+  const int spc = int8_blocks ? block_spc(w) : 0;
+  if (spc) {  // linear_q's choice, as there
+    const bool block_wins = w.bits4 || w.N * w.K > kSlabValues;
+    const int64_t gemv_rows = block_wins && block_max_rows >= 0 ? block_max_rows : max_rows;
+    if ((gemm_rows >= 0 && M >= (gemm_rows > 0 ? gemm_rows : gemv_rows + 1) && gemm_takes(w)) || M > gemv_rows) return {};
+    const BlockActs a = quantize_blocks(xc, w);  // this thread's scratch: unchanged until its next call
+    return [w, a, M, bp, spc, bc](float* y, int64_t n0, int64_t n1) {
+      into_columns(w, M, n0, n1, y, bp, [&](const QW& v, float* out, const float* b) { block_into(a, M, v, out, b, spc); });
+    };
+  }
+#endif
+  if (M > max_rows) return {};
+  const float* xp = xc.data_ptr<float>();
+  return [w, xp, xc, M, bp, bc](float* y, int64_t n0, int64_t n1) {
+    into_columns(w, M, n0, n1, y, bp, [&](const QW& v, float* out, const float* b) { q_gemv(xp, M, v, out, b); });
+  };
 }
 
 namespace {

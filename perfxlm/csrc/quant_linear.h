@@ -3,6 +3,8 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
+
 namespace perfxlm_quant {
 
 // y = x W^T (+ b), x float32 [M, K], W stored as perfxlm.quant.QuantizedWeight's tensors:
@@ -23,5 +25,18 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tens
                     const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& levels, const c10::optional<at::Tensor>& bias, bool act_int8,
                     int64_t max_rows, bool bf16_gemm, bool int8_blocks = false, int64_t block_max_rows = -1,
                     int64_t gemm_rows = -1);
+
+// The GEMV linear_q runs for these operands at few rows, prepared to be run over ranges of output columns
+// from the threads of a parallel region the caller opens (the fused layer's projection with its LoRA
+// adapters, lora_kernels.h's project_add): W is described and x's int8 blocks quantized once, here, on
+// the calling thread; the function then writes y[:, n0:n1) of a row-major [M, N] y on whichever thread
+// calls it, with no tensor made and no region of its own (the per-range tensor calls cost more than a
+// batch-1 step's adapters). Each output sums as in linear_q's own call where n0 is a multiple of 64.
+// Empty where linear_q would not run a GEMV (W8A8, many rows, the int8 GEMM): call linear_q then.
+using RangeProduct = std::function<void(float* y, int64_t n0, int64_t n1)>;
+RangeProduct linear_q_ranges(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                             const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& levels,
+                             const c10::optional<at::Tensor>& bias, bool act_int8, int64_t max_rows,
+                             bool int8_blocks, int64_t block_max_rows, int64_t gemm_rows);
 
 }  // namespace perfxlm_quant
