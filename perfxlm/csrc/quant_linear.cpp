@@ -1953,6 +1953,14 @@ at::Tensor float_product(const at::Tensor& x, const QW& w, const float* bias, in
 
 }  // namespace
 
+// The bias as float32 (kept alive in `keep`), or nullptr where there is none.
+inline const float* float_bias(const c10::optional<at::Tensor>& bias, int64_t N, at::Tensor& keep) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->numel() == N, "linear_q: bias size ", bias->numel(), " != ", N);
+  keep = bias->to(at::kFloat).contiguous();
+  return keep.data_ptr<float>();
+}
+
 at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                     const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& levels, const c10::optional<at::Tensor>& bias, bool act_int8,
                     int64_t max_rows, bool bf16_gemm, bool int8_blocks, int64_t block_max_rows, int64_t gemm_rows) {
@@ -1961,11 +1969,7 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   const int64_t M = xc.size(0), K = xc.size(1);
   const QW w = describe(codes, scales, mins, levels, K);
   at::Tensor bc;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == w.N, "linear_q: bias size ", bias->numel(), " != ", w.N);
-    bc = bias->to(at::kFloat).contiguous();
-  }
-  const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
+  const float* bp = float_bias(bias, w.N, bc);
   if (!act_int8) {
 #ifdef PERFXLM_INT8_DOTS
     const int spc = int8_blocks ? block_spc(w) : 0;
@@ -2013,11 +2017,7 @@ RangeProduct linear_q_ranges(const at::Tensor& x, const at::Tensor& codes, const
   const int64_t M = xc.size(0), K = xc.size(1);
   const QW w = describe(codes, scales, mins, levels, K);
   at::Tensor bc;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == w.N, "linear_q: bias size ", bias->numel(), " != ", w.N);
-    bc = bias->to(at::kFloat).contiguous();
-  }
-  const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
+  const float* bp = float_bias(bias, w.N, bc);
   (void)int8_blocks, (void)block_max_rows, (void)gemm_rows;  // the scalar build has no block products
 #ifdef PERFXLM_INT8_DOTS
   const int spc = int8_blocks ? block_spc(w) : 0;
