@@ -84,3 +84,17 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def full_verify_budget(monkeypatch):
+    """For speculative-decoding tests whose premise is every guess verified each step: a CPU with fast bf16
+    keeps its bf16 row kernel to 4 rows (cpu_plan), which also bounds a float model's verification rows
+    (engine_core._verify_row_budget) and so the guesses per step. Such a test gets the row budget the
+    other CPUs have, whatever CPU runs it."""
+    import dataclasses
+
+    from perfxlm.ops import cpu_plan
+
+    plan = cpu_plan.plan()
+    monkeypatch.setattr(cpu_plan, "_plan", dataclasses.replace(plan, native_max_rows=max(plan.native_max_rows, 16)))

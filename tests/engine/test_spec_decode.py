@@ -101,6 +101,7 @@ class _Oracle(Proposer):
         return out
 
 
+@pytest.mark.usefixtures("full_verify_budget")
 @pytest.mark.parametrize("wrong", [3, 1000])
 def test_accepted_runs_and_rejections_give_the_same_tokens(tiny_llama, reference, wrong):
     llm = _spec_llm(tiny_llama, num_kv_blocks=40)

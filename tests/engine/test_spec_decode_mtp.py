@@ -265,6 +265,7 @@ def make_agreeing(path: str, seed: int = 0) -> None:
     save_file(t, file, metadata={"format": "pt"})
 
 
+@pytest.mark.usefixtures("full_verify_budget")
 def test_agreeing_layer_is_accepted(tmp_path):
     path = str(tmp_path)
     build_mtp_checkpoint(path, seed=2)
@@ -321,6 +322,7 @@ _PROJECTIONS = ("q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight
                 "o_proj.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight", "eh_proj.weight")  # fmt: skip
 
 
+@pytest.mark.usefixtures("full_verify_budget")
 def test_fp8_block_checkpoint(tmp_path):
     """DeepSeek-V3's own format: every projection (the MTP layer's too) fp8 blocks with weight_scale_inv;
     the layer guesses as a float checkpoint of the dequantized values does."""
