@@ -106,9 +106,11 @@ def test_default_model_folder_is_the_module_path_under_auto(smollm_auto, caplog)
 
 
 def test_a_cpu_that_resolves_otherwise_runs_its_own_choices_and_says_so(smollm_auto, caplog, monkeypatch):
-    # without native kernels the engine keeps a GGUF model float32 (weight-only products, float32 KV)
+    # without native kernels (and without fast bf16, which would make it a bfloat16 model computed by torch's
+    # bf16 ops) the engine keeps a GGUF model float32 (weight-only products, float32 KV)
     model, out = smollm_auto
     monkeypatch.setattr("perfxlm.config._native_kernels_usable", lambda: False)
+    monkeypatch.setattr("perfxlm.config.cpu_has_fast_bf16", lambda: False)
     with caplog.at_level(logging.WARNING, logger="perfxlm"):
         graph = LLM(out, **KW)
     notes = _notes(caplog)
