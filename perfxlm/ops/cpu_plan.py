@@ -31,13 +31,13 @@ int8 dots, keeps int8 and nf4 weight-only, w8a8 always rounds), decided once at 
 - PERFXLM_QUANT_ACTIVATIONS = auto | int8 | float32   stands in for quant_activations left at auto
                                                       (read with the engine's configuration, not here)
 - PERFXLM_QUANT_MAX_ROWS = N      rows up to which quantized weights take the GEMV kernels; more rows
-                                  dequantize slabs for torch's GEMM. Default 8 with AMX (measured
-                                  crossover 12-16); 32 without (AVX2, AVX-512 with or without VNNI or
-                                  BF16), where the GEMM is float32 and the int8 GEMV is 2.5x faster at
+                                  dequantize slabs for torch's GEMM (or run the int8 GEMM, below). Default 8
+                                  with fast bf16 (AMX's measured crossover 12-16; kept on AVX512-BF16
+                                  alone, see detect); 32 without (AVX2, AVX-512 without BF16), where the GEMM is float32 and the int8 GEMV is 2.5x faster at
                                   16 rows, even at 32 (8-bit codes) and 1.3x faster at 64 (4-bit codes)
 - PERFXLM_QUANT_BLOCK_MAX_ROWS = N  the same limit for 4-bit codes (int4, Q4_0, Q4_1, Q4_K) and for
                                   weights of more than 4M values (an LM head) with int8 activation
-                                  blocks; default 128 without AMX, where their int8 block
+                                  blocks; default 128 without fast bf16, where their int8 block
                                   products beat dequantizing for the float32 GEMM: 4-bit FFN shapes
                                   1.2-1.4x at 64 rows, equal at 256, 0.85-1.1x at 512; the default
                                   model's Q8_0 head 1.7x at 48-64 rows, 1.25x at 128 (its dequantized
@@ -59,7 +59,7 @@ int8 dots, keeps int8 and nf4 weight-only, w8a8 always rounds), decided once at 
 - PERFXLM_QUANT_GEMM_ROWS = N     under the int8 GEMM, the rows from which int8-block weights it takes
                                   run it, before the GEMV limits above (parallel decode's 16-64 rows;
                                   the fused decode layer follows it too); 0: only past those limits.
-                                  Default 16 without AMX (_AUTO_GEMM_ROWS), 0 with it
+                                  Default 16 without fast bf16 (_AUTO_GEMM_ROWS), 0 with it
 
 The instruction-set tier (perfxlm.ops.isa: PERFXLM_ISA=auto | scalar | avx2 | avx_vnni | avx512 |
 avx512_vnni | avx512_bf16 | amx) decides the native build and the flags every choice above sees.
@@ -134,13 +134,14 @@ def detect() -> CpuPlan:
     # Only AMX's bf16 GEMM beats the int8 products on quantized weights: on AVX512-BF16 without AMX (a
     # 2-vCPU Zen 4, one thread per call, alternating, loaded) the int8 GEMM ran the default model's Q4_0
     # and Q8_0 projections 2.3-6.5x faster than dequantized slabs into the bf16 GEMM at 16-64 rows and
-    # 1.2-1.8x at 512, so such a CPU takes the quantized limits of the CPUs without fast bf16.
+    # 1.2-1.8x at 512, so past the GEMV's 8 rows such a CPU takes the int8 GEMM. The 8 stays (not the 32
+    # of the CPUs without fast bf16): there a bfloat16 model's prompt chunks and a preempted request's
+    # recomputed tail must land on the same kernel as the first prefill did, or its greedy text moves.
     tier = isa.selected()
-    quant_bf16 = fast_bf16 and isa.has_amx()
-    quant_rows = _rows("PERFXLM_QUANT_MAX_ROWS", 8 if quant_bf16 else 32)
-    block_rows_limit = _rows("PERFXLM_QUANT_BLOCK_MAX_ROWS", -1 if quant_bf16 else 128)
-    quant_gemm = _quant_gemm(quant_bf16)
-    gemm_rows = _rows("PERFXLM_QUANT_GEMM_ROWS", _AUTO_GEMM_ROWS if quant_gemm == "int8" and not quant_bf16 else 0)
+    quant_rows = _rows("PERFXLM_QUANT_MAX_ROWS", 8 if fast_bf16 else 32)
+    block_rows_limit = _rows("PERFXLM_QUANT_BLOCK_MAX_ROWS", -1 if fast_bf16 else 128)
+    quant_gemm = _quant_gemm(fast_bf16 and isa.has_amx())
+    gemm_rows = _rows("PERFXLM_QUANT_GEMM_ROWS", _AUTO_GEMM_ROWS if quant_gemm == "int8" and not fast_bf16 else 0)
     return CpuPlan(layout, gemm, max_rows, compute, quant_rows, tier, block_rows_limit, quant_gemm, gemm_rows)
 
 

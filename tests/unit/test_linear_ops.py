@@ -157,14 +157,18 @@ def test_plan_from_environment(monkeypatch):
     assert auto.layout in cpu_plan.LAYOUTS and auto.gemm in cpu_plan.GEMMS and auto.native_max_rows >= 0
 
 
-@pytest.mark.parametrize("fast_bf16, amx, rows, block_rows",
-                         [(False, False, 32, 128), (True, False, 32, 128), (True, True, 8, -1)])
-def test_quantized_row_limits_follow_amx(monkeypatch, fast_bf16, amx, rows, block_rows):
-    """Without AMX (AVX2, AVX-512 with or without BF16: Zen 4's bf16 GEMM is no AMX) the int8 products
-    keep more rows; with AMX, the crossover measured there. Either way, on any CPU."""
+@pytest.mark.parametrize("fast_bf16, amx, rows, block_rows, gemm",
+                         [(False, False, 32, 128, None), (True, False, 8, -1, "int8"), (True, True, 8, -1, "float32")])
+def test_quantized_row_limits_follow_fast_bf16_and_amx(monkeypatch, fast_bf16, amx, rows, block_rows, gemm):
+    """Without fast bf16 (AVX2, AVX-512 without BF16) the int8 products keep more rows; with it, 8 (a
+    bfloat16 model's chunks on one kernel), past which AVX512-BF16 alone (Zen 4) takes the int8 GEMM and
+    AMX its bf16 GEMM. Either way, on any CPU."""
     for name in ("PERFXLM_QUANT_MAX_ROWS", "PERFXLM_QUANT_BLOCK_MAX_ROWS"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(cpu_plan.isa, "has_fast_bf16", lambda: fast_bf16)
     monkeypatch.setattr(cpu_plan.isa, "has_amx", lambda: amx)
+    monkeypatch.delenv("PERFXLM_QUANT_GEMM", raising=False)
     plan = cpu_plan.detect()
     assert (plan.quant_max_rows, plan.quant_block_max_rows) == (rows, block_rows)
+    if gemm is not None and "avx512_vnni" in cpu_plan.isa.visible_flags():
+        assert plan.quant_gemm == gemm and plan.quant_gemm_rows == 0

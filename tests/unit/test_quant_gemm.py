@@ -188,7 +188,7 @@ def test_the_plan_takes_the_int8_gemm_only_where_the_tier_has_it(monkeypatch):
     plan = cpu_plan.detect()
     assert f"then the {plan.quant_gemm} GEMM" in plan.describe()
     # parallel decode's rows take the int8 GEMM from 16 rows where it is the default, else past the GEMV
-    assert plan.quant_gemm_rows == (16 if plan.quant_gemm == "int8" and not amx else 0)
+    assert plan.quant_gemm_rows == (16 if plan.quant_gemm == "int8" and not isa.has_fast_bf16() else 0)
 
 
 def test_per_token_w8a8_and_groups_of_16_keep_their_own_paths():
