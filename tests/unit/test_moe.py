@@ -191,9 +191,11 @@ def test_a_row_alone_equals_the_same_row_in_a_batch(kind, gpt_oss):
     hidden, inter = _SIZES.get(kind, (128, 192))
     gate_up, down, act, biases = _experts(kind, num_experts, hidden, inter, 7, gpt_oss)
     x, weights, ids = _routed(15, num_experts, top_k, hidden, seed=3)
-    # every expert's rows within the row kernel's limit, as the docstring's premise (a CPU with fast bf16
-    # sends bf16 stacks past 4 rows to its bf16 GEMM, which rounds the activations to bf16)
-    previous = cpu_plan.use(native_max_rows=max(cpu_plan.plan().native_max_rows, 16))
+    # every expert's rows (at most 15 here) within the row kernels' limits, as the docstring's premise (a CPU
+    # with fast bf16 sends bf16 stacks past 4 rows to its bf16 GEMM, quantized ones past 8 to a GEMM)
+    plan = cpu_plan.plan()
+    previous = cpu_plan.use(native_max_rows=max(plan.native_max_rows, 16), quant_max_rows=max(plan.quant_max_rows, 16),
+                            quant_block_max_rows=max(plan.quant_block_max_rows, 16) if plan.quant_block_max_rows >= 0 else -1)
     try:
         batch = _on_three_threads(lambda: grouped_experts(x, weights, ids, gate_up, down, act, *biases))
         for t in (0, 6, 14):
