@@ -10,6 +10,7 @@ import torch
 
 from perfxlm.model.layers.linear import Linear
 from perfxlm.model.layers.linear_methods.base import LinearPlan
+from perfxlm.model.layers.linear_methods.quantized import INT_GEMM_MIN_ROWS
 from perfxlm.ops import cpu_plan
 from perfxlm.ops.int8_gemm import gemm_weight
 from perfxlm.quant import quantizers
@@ -28,7 +29,8 @@ def _layer(act: str, k: int = 97, n: int = 53, group: int | None = None, seed: i
     return layer
 
 
-@pytest.mark.parametrize("rows", [cpu_plan.plan().quant_max_rows + 1, 37, 301])
+# the first row count the integer GEMM takes (past the GEMV, and never under INT_GEMM_MIN_ROWS + 1)
+@pytest.mark.parametrize("rows", [max(cpu_plan.plan().quant_max_rows, INT_GEMM_MIN_ROWS) + 1, 37, 301])
 def test_many_rows_equal_the_definition_bit_for_bit(rows):
     layer = _layer("int8")
     assert layer.method.int_gemm is not None
