@@ -240,3 +240,22 @@ def test_native_experts_refuse_bad_expert_ids():
     x = torch.randn(2, 8)
     with pytest.raises(RuntimeError, match=r"expert ids must be in \[0, 3\)"):
         grouped_experts(x, torch.ones(2, 1), torch.tensor([[0], [3]]), gate_up, down, SiluAndMul())
+
+
+def test_quantized_stacks_under_a_bf16_gemm_plan():
+    """The plan of a CPU with fast bf16 (many rows on its bf16 GEMM), on any CPU: the fused expert call
+    takes quantized stacks with their own bf16-GEMM decision passed in (it once read an attribute the stacks
+    do not have, and every such CPU failed here), and computes what the expert-by-expert loop does."""
+    from perfxlm.model.layers import moe as moe_module
+
+    _native_or_skip()
+    gate_up, down, act, biases = _experts("int8_blocks", 13, 128, 192, 7, False)
+    x, weights, ids = _routed(5, 13, 2, 128, seed=1)
+    previous = cpu_plan.use(gemm="bf16")
+    try:
+        fused, looped = _on_three_threads(lambda: (
+            moe_module.grouped_experts(x, weights, ids, gate_up, down, act, *biases),
+            moe_module.grouped_experts_torch(x, weights, ids, gate_up, down, act, *biases)))  # fmt: skip
+    finally:
+        cpu_plan.use(previous)
+    assert torch.equal(fused, looped) and fused.abs().sum() > 0
