@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from perfxlm import SamplingParams
 from perfxlm.model.fused_decode import FusedDecode
@@ -38,15 +39,29 @@ def _one_thread_plan_restored(monkeypatch):
     torch.set_num_threads(n)
 
 
+def llama_in_64s():
+    """Inputs of 128 and 192 (multiples of 64: every product takes int8 activation blocks natively, which
+    the fused layer needs under quant_activations='int8'), 4 heads on 2 KV."""
+    torch.manual_seed(2)
+    config = transformers.LlamaConfig(
+        vocab_size=1000, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.15,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config).eval()
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
+    """name -> (folder, transformers on the dequantized weights), for the odd-sized model and the one in 64s."""
     root = tmp_path_factory.mktemp("act-order")
     paths = {}
     for name, make in CHECKPOINTS.items():
-        parts, qconfig = make()
-        hf = tiny_llama()
-        write_packed(str(root / name), hf, parts, qconfig)
-        paths[name] = (str(root / name), hf)
+        for shape, build in (("", tiny_llama), ("-64s", llama_in_64s)):
+            parts, qconfig = make()
+            hf = build()
+            write_packed(str(root / (name + shape)), hf, parts, qconfig)
+            paths[name + shape] = (str(root / (name + shape)), hf)
     return paths
 
 
@@ -87,7 +102,7 @@ def test_fused_decode_takes_act_order_as_the_module_path_and_transformers(checkp
 def test_int8_blocks_and_the_int8_gemm_fused_as_module(checkpoints, name):
     """quant_activations='int8' with the int8 GEMM from 2 rows: the 41-token prefill and the batch's decode
     steps run the GEMM on gathered rows, one-row steps the block GEMV; fused and module decode the same."""
-    path, _ = checkpoints[name]
+    path, _ = checkpoints[name + "-64s"]
     cpu_plan.use(quant_gemm="int8", quant_gemm_rows=2, quant_max_rows=4, quant_block_max_rows=-1)
     llm = engine(path, quant_activations="int8")
     fused_tokens, fused_lp, steps = _run(llm, fused=True)

@@ -170,4 +170,5 @@ def test_w8a8_integer_gemm_takes_an_ordered_weight():
     rows = max(cpu_plan.plan().quant_max_rows, INT_GEMM_MIN_ROWS) + 5
     x = torch.randn(rows, k, generator=g) * 3
     assert torch.equal(layer(x), reference_linear(x, layer.weight, layer.bias))
-    torch.testing.assert_close(layer(x), x @ weight.dense().t() + layer.bias, rtol=0, atol=0.3)
+    dense = x @ weight.dense().t() + layer.bias  # per-token int8 activations: near it
+    assert (layer(x) - dense).abs().max() <= 3e-2 * dense.abs().max()
