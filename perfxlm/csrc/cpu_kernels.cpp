@@ -385,15 +385,42 @@ void rotary_embedding(at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 //   x += rmsnorm(attn block(rmsnorm(x)), post); x += rmsnorm(mlp(rmsnorm(x, pre_ff)), post_ff)
 // ---------------------------------------------------------------------------------------------
 
+// x's columns in `order` (int64 [K]): out[t, j] = x[t, order[j]], float32 [T, K] contiguous. An act-order
+// weight's codes column j multiplies input channel order[j] (GPTQ's act-order): its product runs on these
+// rows, as QuantizedWeight.ordered_rows gives them to the module path's linear_q.
+at::Tensor take_columns(const at::Tensor& x, const at::Tensor& order) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "take_columns: x must be float32 [T, K]");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(order.scalar_type() == at::kLong && order.dim() == 1 && order.numel() == K && order.is_contiguous(),
+              "take_columns: an input order must be contiguous int64 [", K, "]");
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  at::Tensor out = at::empty({x.size(0), K}, x.options());
+  const float* xp = xc.const_data_ptr<float>();
+  const int64_t* idx = order.const_data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t rs = xc.stride(0);
+  for (int64_t t = 0; t < x.size(0); ++t)
+    for (int64_t j = 0; j < K; ++j) op[t * K + j] = xp[t * rs + idx[j]];
+  return out;
+}
+
+// A quantized weight's parts past its own five: [input order] (see project) -> the rows its product takes.
+at::Tensor ordered_inputs(const at::Tensor& x, at::TensorList parts) {
+  return parts.size() == 6 ? take_columns(x, parts[5]) : x;
+}
+
 // y = x W^T + b as perfxlm/ops/linear.py dispatches it, so the fused layer and the module path agree:
 // packed panels -> the panel kernel; bf16 rows under float32 x -> the row kernel up to max_rows rows,
 // else torch's bf16 GEMM (bf16_gemm) or a float32 GEMM on the widened weight; same dtypes -> torch.
 // A quantized weight arrives as [codes, scales, mins (empty: centred codes), levels (empty: none),
-// act_int8 (0-dim)], see
-// perfxlm/model/fused_decode.py; a plain one as [w].
+// act_int8 (0-dim)], an act-order one with its input order sixth (int64 [K]: x's columns are taken in
+// that order first, ordered_inputs), see perfxlm/model/fused_decode.py; a plain one as [w].
 at::Tensor project(const at::Tensor& x, at::TensorList parts, int64_t n_out, const c10::optional<at::Tensor>& bias,
                    int64_t max_rows, bool bf16_gemm, bool int8_blocks, int64_t quant_max_rows, int64_t quant_block_max_rows,
                    int64_t gemm_rows) {
+  if (parts.size() == 6)
+    return project(ordered_inputs(x, parts), parts.slice(0, 5), n_out, bias, max_rows, bf16_gemm, int8_blocks,
+                   quant_max_rows, quant_block_max_rows, gemm_rows);
   if (parts.size() == 5) {
     const c10::optional<at::Tensor> levels = parts[3].numel() ? c10::optional<at::Tensor>(parts[3]) : c10::nullopt;
     const c10::optional<at::Tensor> mins = parts[2].numel() ? c10::optional<at::Tensor>(parts[2]) : c10::nullopt;
@@ -401,7 +428,7 @@ at::Tensor project(const at::Tensor& x, at::TensorList parts, int64_t n_out, con
                                    quant_max_rows >= 0 ? quant_max_rows : max_rows, bf16_gemm, int8_blocks,
                                    quant_block_max_rows, gemm_rows);
   }
-  TORCH_CHECK(parts.size() == 1, "decode_layer: a weight is [w] or [codes, scales, mins, levels, act_int8]");
+  TORCH_CHECK(parts.size() == 1, "decode_layer: a weight is [w] or [codes, scales, mins, levels, act_int8[, order]]");
   const at::Tensor& w = parts[0];
   if (w.dim() == 3) return linear_bf16_packed(x, w, n_out, bias);
   const bool has_bias = bias.has_value() && bias->defined();
@@ -414,17 +441,20 @@ at::Tensor project(const at::Tensor& x, at::TensorList parts, int64_t n_out, con
   return at::linear(x, w, has_bias ? *bias : at::Tensor());
 }
 
-// project() then the step's adapters on projection `index` of `lora`. A quantized weight at few rows runs
+// project() then the step's adapters on projection `index` of `lora` (which read x as it is: an act-order
+// weight's gathered rows are its base product's alone). A quantized weight at few rows runs
 // with the adapters in one parallel region (perfxlm_lora::project_add: each thread its range of outputs,
 // base product then adapters), so a decode step's adapters add no fork and join per projection. Within
 // both GEMV row limits, which kernel linear_q picks (a GEMV, or the int8 GEMM from gemm_rows) does not
 // depend on how many outputs a call covers, and each of them sums an output the same whatever outputs
 // beside it (GEMV row tiles, the GEMM's 32-column tasks; its row slices start at 128 rows), so the
 // split changes no bit. Anything else: the product, then the adapters.
-at::Tensor project_lora_in(const at::Tensor& x, at::TensorList parts, int64_t n_out, const c10::optional<at::Tensor>& bias,
+at::Tensor project_lora_in(const at::Tensor& x, at::TensorList weight, int64_t n_out, const c10::optional<at::Tensor>& bias,
                            int64_t max_rows, bool bf16_gemm, bool int8_blocks, int64_t quant_max_rows,
                            int64_t quant_block_max_rows, int64_t gemm_rows, at::TensorList lora, int64_t index,
                            bool one_region) {
+  const at::Tensor xw = ordered_inputs(x, weight);  // the base product's rows
+  const at::TensorList parts = weight.size() == 6 ? weight.slice(0, 5) : weight;
   const int64_t M = x.size(0);
   // one thread: nothing to split
   const bool split = parts.size() == 5 && M < 128 && M <= (quant_max_rows >= 0 ? quant_max_rows : max_rows) &&
@@ -436,7 +466,7 @@ at::Tensor project_lora_in(const at::Tensor& x, at::TensorList parts, int64_t n_
     const c10::optional<at::Tensor> levels = parts[3].numel() ? c10::optional<at::Tensor>(parts[3]) : c10::nullopt;
     const c10::optional<at::Tensor> mins = parts[2].numel() ? c10::optional<at::Tensor>(parts[2]) : c10::nullopt;
     const perfxlm_quant::RangeProduct ranges = perfxlm_quant::linear_q_ranges(
-        x, parts[0], parts[1], mins, levels, bias, *parts[4].const_data_ptr<bool>(),
+        xw, parts[0], parts[1], mins, levels, bias, *parts[4].const_data_ptr<bool>(),
         quant_max_rows >= 0 ? quant_max_rows : max_rows, int8_blocks, quant_block_max_rows, gemm_rows);
     if (ranges) {
       at::Tensor y = at::empty({M, n_out}, x.options());
@@ -445,7 +475,7 @@ at::Tensor project_lora_in(const at::Tensor& x, at::TensorList parts, int64_t n_
     }
   }
   perfxlm_lora::prefetch(lora, index);  // the adapters' bytes arrive while the base product runs
-  at::Tensor y = project(x, parts, n_out, bias, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows,
+  at::Tensor y = project(xw, parts, n_out, bias, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows,
                          gemm_rows);
   perfxlm_lora::add(y, x, lora, index);
   return y;
@@ -618,6 +648,8 @@ at::Tensor project(const at::Tensor& x, at::TensorList parts, int64_t n_out, con
 at::Tensor mlp_activation(const at::Tensor& gate_up, int64_t inter, int64_t activation) {
   return ::mlp_activation(gate_up, inter, activation);
 }
+
+at::Tensor take_columns(const at::Tensor& x, const at::Tensor& order) { return ::take_columns(x, order); }
 
 }  // namespace perfxlm_fused
 

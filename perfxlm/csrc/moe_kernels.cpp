@@ -21,6 +21,8 @@
 //   large enough to share out), as the torch loop does: under int8 activation blocks from the plan's
 //   GEMM row count each expert's rows go to the int8 GEMM (quant_gemm.cpp, through linear_q), not to a
 //   float32 GEMM on dequantized slabs.
+// An act-order stack (GPTQ: each expert's codes columns in its own input order) gathers each expert's
+// rows into that order once (`ordered_by_expert`, `project`), as the torch loop's run_linear_q does.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -49,10 +51,15 @@ at::Tensor expert_activation(const at::Tensor& gate_up, int64_t inter, int64_t a
 }
 
 // Rows [r0, r0 + n) of expert e's weight parts, out of a stack's: [w [E, N, K]] or
-// [codes, scales, mins, levels, act_int8] with the first three stacked (empty mins: centred codes).
+// [codes, scales, mins, levels, act_int8] with the first three stacked (empty mins: centred codes), and
+// an act-order stack's input orders [E, K] sixth (each expert its own: `project` gathers x by row e).
 std::vector<at::Tensor> expert_rows(at::TensorList stack, int64_t e, int64_t r0 = 0, int64_t n = -1) {
   std::vector<at::Tensor> parts;
   for (size_t i = 0; i < stack.size(); ++i) {
+    if (i == 5) {
+      parts.push_back(stack[i].select(0, e));
+      continue;
+    }
     if (i >= 3 || !stack[i].numel()) {
       parts.push_back(stack[i]);
       continue;
@@ -77,7 +84,7 @@ c10::optional<at::Tensor> expert_bias(const c10::optional<at::Tensor>& bias, int
 // product, would not give the torch loop's bits. Nor packed panels.
 bool rows_independent(at::TensorList stack, int64_t rows, int64_t max_rows, int64_t quant_max_rows,
                       int64_t gemm_rows) {
-  if (stack.size() == 5) {
+  if (stack.size() >= 5) {
     const int64_t gemv = quant_max_rows >= 0 ? quant_max_rows : max_rows;
     return rows <= gemv && (gemm_rows <= 0 || rows < gemm_rows);
   }
@@ -95,6 +102,21 @@ int64_t run_length(int64_t total, int64_t tasks, int64_t unit) {
 struct Group {
   int64_t expert, start, rows;  // the sorted pairs [start, start + rows) chose `expert`
 };
+
+// A stack's parts without an act-order stack's input orders.
+at::TensorList base_parts(at::TensorList stack) { return stack.size() == 6 ? stack.slice(0, 5) : stack; }
+
+// The sorted pairs' rows with each group's columns in its expert's input order (an act-order stack's sixth
+// part), gathered once per expert for the column runs that then take base_parts(stack); `rows` as they are
+// for any other stack.
+at::Tensor ordered_by_expert(const at::Tensor& rows, const std::vector<Group>& groups, at::TensorList stack) {
+  if (stack.size() != 6) return rows;
+  at::Tensor out = at::empty_like(rows, at::MemoryFormat::Contiguous);
+  for (const Group& g : groups)
+    out.narrow(0, g.start, g.rows)
+        .copy_(perfxlm_fused::take_columns(rows.narrow(0, g.start, g.rows), stack[5].select(0, g.expert)));
+  return out;
+}
 
 // How a step's products run, the plan's choices (`project`'s arguments past the weight).
 struct Products {
@@ -121,11 +143,14 @@ struct Activation {
 };
 
 // The few-rows path (see the top of the file): h [P, inter] then out [T, hidden].
-at::Tensor experts_by_columns(const at::Tensor& xs, const at::Tensor& ws, const at::Tensor& token_of,
-                              const std::vector<Group>& groups, int64_t num_tokens, at::TensorList w_gate_up,
-                              const c10::optional<at::Tensor>& b_gate_up, at::TensorList w_down,
+// An act-order stack's inputs are gathered once per expert here (ordered_by_expert), not per column run.
+at::Tensor experts_by_columns(const at::Tensor& x_sorted, const at::Tensor& ws, const at::Tensor& token_of,
+                              const std::vector<Group>& groups, int64_t num_tokens, at::TensorList up_stack,
+                              const c10::optional<at::Tensor>& b_gate_up, at::TensorList down_stack,
                               const c10::optional<at::Tensor>& b_down, int64_t inter, const Activation& act,
                               const Products& product, bool one_row_each) {
+  const at::Tensor xs = ordered_by_expert(x_sorted, groups, up_stack);
+  const at::TensorList w_gate_up = base_parts(up_stack), w_down = base_parts(down_stack);
   const int64_t hidden = xs.size(1), pairs = xs.size(0), active = static_cast<int64_t>(groups.size());
   const int64_t threads = at::get_num_threads();
   // gate|up: a task is one expert's run of intermediate columns (its gate rows and the matching up rows),
@@ -169,6 +194,7 @@ at::Tensor experts_by_columns(const at::Tensor& xs, const at::Tensor& ws, const 
   });
   if (act_after)
     for (const Group& g : groups) h.narrow(0, g.start, g.rows).copy_(act(pre.narrow(0, g.start, g.rows), inter));
+  h = ordered_by_expert(h, groups, down_stack);
   const int64_t* tok = token_of.const_data_ptr<int64_t>();
   if (active >= 4 * threads) {
     // down, many experts (batched decode; a decode step's top-k on few threads): a task is one expert's
@@ -215,8 +241,9 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
   TORCH_CHECK(expert_ids.dim() == 2 && expert_ids.size(0) == x.size(0) && expert_ids.scalar_type() == at::kLong &&
                   weights.sizes() == expert_ids.sizes(),
               "moe_experts: weights and expert_ids must be [T, top_k], the ids int64");
-  TORCH_CHECK(w_gate_up.size() == 1 || w_gate_up.size() == 5, "moe_experts: a stack is [w] or [codes, scales, mins, levels, act_int8]");
-  TORCH_CHECK(w_down.size() == 1 || w_down.size() == 5, "moe_experts: a stack is [w] or [codes, scales, mins, levels, act_int8]");
+  for (const at::TensorList stack : {w_gate_up, w_down})
+    TORCH_CHECK(stack.size() == 1 || stack.size() == 5 || stack.size() == 6,
+                "moe_experts: a stack is [w] or [codes, scales, mins, levels, act_int8[, input orders]]");
   TORCH_CHECK(w_gate_up[0].size(0) == num_experts && w_down[0].size(0) == num_experts, "moe_experts: stacks of ",
               num_experts, " experts expected");
   TORCH_CHECK(activation >= 0 && activation <= 3, "moe_experts: unknown activation code ", activation);

@@ -55,7 +55,8 @@ def norm_scale(norm: nn.Module) -> torch.Tensor | None:
 
 def weight_parts(weight: Any) -> list[torch.Tensor]:
     """A projection's weight as `decode_layer` takes it: [w], or a quantized weight's tensors
-    [codes, scales, mins (empty: centred codes), levels (empty: none), act_int8] (perfxlm.quant.QuantizedWeight)."""
+    [codes, scales, mins (empty: centred codes), levels (empty: none), act_int8], an act-order weight's
+    input order sixth (perfxlm.quant.QuantizedWeight.native_parts)."""
     return [weight] if isinstance(weight, torch.Tensor) else weight.native_parts()
 
 
@@ -287,7 +288,8 @@ class FusedDecode:
             # does (the layers' linear methods, decided at load), so both round alike.
             methods = [m.method for m in self.layers.modules() if isinstance(m, Linear) and m.method.quantized]
             if not all(m.fusable for m in methods):
-                # act-order inputs and FP8 byte tables: products the kernel does not take; module path
+                # FP8 byte tables: products the kernel does not take; module path (act-order weights it
+                # takes: their native_parts carry the input order, which `project` gathers x by)
                 self.eligible = False
                 return False
             quantized = [m.weight for m in self.layers.modules() if isinstance(m, Linear) and m.method.quantized]

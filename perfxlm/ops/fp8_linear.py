@@ -3,7 +3,7 @@ block-quantized checkpoints, quant/formats/fp8_blocks.py) through the native ker
 the bytes decoded in registers and times their scale, the same float32 weight values as the plain-torch
 definition (reference.weight_only_linear over the 256-level table), which dequantizes the whole matrix per
 call; only the summation order differs. Where the kernel does not take a weight (no native build, mins,
-act-order, W8A8, groups not a multiple of 16) the reference runs, as before."""
+W8A8, groups not a multiple of 16) the reference runs, as before."""
 
 from __future__ import annotations
 
@@ -22,18 +22,18 @@ MAX_ROWS = 128
 
 def takes(weight: QuantizedWeight) -> bool:
     """Whether the kernel runs this weight (a matrix, or each expert of a stack): e4m3 bytes (the shared
-    table itself: a weight built by the FP8 formats holds that one object), centred (no mins), columns in
-    order, float activations, one float32 scale per row and group of a multiple of 16 columns. Decided
-    once per layer at load (linear_methods/quantized.py)."""
+    table itself: a weight built by the FP8 formats holds that one object), centred (no mins), float
+    activations, one float32 scale per row and group of a multiple of 16 columns; an input order (act-order)
+    gathers the rows first. Decided once per layer at load (linear_methods/quantized.py)."""
     return (
-        weight.levels is fp8_e4m3_levels() and weight.mins is None and weight.input_order is None
+        weight.levels is fp8_e4m3_levels() and weight.mins is None
         and weight.act == "float" and weight.group % 16 == 0 and weight.scales.dtype == torch.float32
     )  # fmt: skip
 
 
 def fp8_linear(ops: object, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] -> [..., N] in x's dtype, computed in float32 (as the reference)."""
-    rows = x.reshape(-1, x.shape[-1])
+    rows = weight.ordered_rows(x.reshape(-1, x.shape[-1]))
     if rows.shape[0] > MAX_ROWS:  # a long prefill chunk: one dequantized matrix for all its rows
         return reference_linear(x, weight, bias)
     if rows.dtype != torch.float32 or not rows.is_contiguous():

@@ -37,11 +37,12 @@ class ExpertActivation:
 
 
 def _stack_parts(stack: torch.Tensor | QuantizedWeight) -> tuple[list[torch.Tensor], QuantizedWeight | None] | None:
-    """[w] for a float / bf16 stack [E, N, K], or a quantized stack's native_parts();
-    None where the kernel does not take it (act-order inputs, FP8 byte tables)."""
+    """[w] for a float / bf16 stack [E, N, K], or a quantized stack's native_parts() (an act-order stack's
+    input orders [E, K] with them: the kernel gathers each expert's rows once); None where the kernel does
+    not take it (FP8 byte tables)."""
     if isinstance(stack, torch.Tensor):
         return [stack], None
-    if stack.input_order is not None or not stack.kernel_levels:
+    if not stack.kernel_levels:
         return None
     return stack.native_parts(), stack
 

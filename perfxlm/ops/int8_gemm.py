@@ -23,12 +23,13 @@ from perfxlm.quant.weight import QuantizedWeight
 
 def gemm_weight(weight: object) -> torch.Tensor | None:
     """The int8 matrix qw [N, K] (code - 128) of a W8A8 weight the integer GEMM takes: 8-bit symmetric codes,
-    one scale per output channel, per-token activations (`act="int8"`), no level table or input order; None
-    for any other weight, or where this torch build has no integer GEMM. Kept beside the codes (one more
-    byte per weight): the native GEMV reads the unsigned codes."""
+    one scale per output channel, per-token activations (`act="int8"`), no level table; None for any other
+    weight, or where this torch build has no integer GEMM. Kept beside the codes (one more byte per weight):
+    the native GEMV reads the unsigned codes. Its columns are the codes' (an act-order weight's caller
+    passes `weight.ordered_rows(x)`: each row's scale is its absmax, the same in any column order)."""
     if not isinstance(weight, QuantizedWeight) or weight.codes.dim() != 2:
         return None
-    if weight.act != "int8" or weight.bits != 8 or weight.levels is not None or weight.input_order is not None:
+    if weight.act != "int8" or weight.bits != 8 or weight.levels is not None:
         return None
     if weight.group != weight.in_features:
         return None

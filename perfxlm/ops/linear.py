@@ -119,9 +119,7 @@ def run_linear_q(
 ) -> torch.Tensor:
     """The native `linear_q` call, with the choices made: whether many rows may run the bf16 GEMM,
     whether the kernel rounds activations to int8 blocks, or they are rounded here first."""
-    rows = x.reshape(-1, x.shape[-1])
-    if weight.input_order is not None:  # act-order: the codes' columns are the inputs in this order
-        rows = rows.index_select(1, weight.input_order)
+    rows = weight.ordered_rows(x.reshape(-1, x.shape[-1]))  # act-order: the codes' columns' inputs
     if rows.dtype != torch.float32 or not rows.is_contiguous():
         rows = rows.float().contiguous()
     b = bias if bias is None or bias.dtype == torch.float32 else bias.float()

@@ -99,9 +99,7 @@ def w8a8_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) 
 
 def reference_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (any float dtype) -> [..., N] in x's dtype; computed in float32."""
-    rows = x.reshape(-1, x.shape[-1]).float()
-    if w.input_order is not None:
-        rows = rows.index_select(1, w.input_order)
+    rows = w.ordered_rows(x.reshape(-1, x.shape[-1]).float())
     b = None if bias is None else bias.float()
     if w.activations is ActivationMode.INT8:  # W8A8 blocks, or quant_activations="int8" on any format
         rows = fake_quantize_blocks(rows)

@@ -267,10 +267,22 @@ class QuantizedWeight:
     # ---- shape ---------------------------------------------------------------------------------------
     def native_parts(self) -> list[torch.Tensor]:
         """The tensors the native products take (csrc `project`, `moe_experts`): [codes, scales, mins
-        (empty: centred codes), levels (empty: none), act_int8 (0-dim bool)]."""
+        (empty: centred codes), levels (empty: none), act_int8 (0-dim bool)], and an act-order weight's
+        `input_order` sixth (int64 [K], [E, K] for a stack): the product takes x's columns in that order."""
         empty = torch.empty(0)
-        return [self.codes, self.scales, self.mins if self.mins is not None else empty,
-                self.levels if self.levels is not None else empty, torch.tensor(self.act == "int8")]
+        parts = [self.codes, self.scales, self.mins if self.mins is not None else empty,
+                 self.levels if self.levels is not None else empty, torch.tensor(self.act == "int8")]
+        return parts if self.input_order is None else [*parts, self.input_order]
+
+    def ordered_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] with its columns in the codes' order: x[..., input_order] (GPTQ act-order), else x
+        itself. The one place a torch-side product meets an input order (csrc `project` is the native
+        one); a matrix's only, a stack's experts each take their own (`w[e]`)."""
+        if self.input_order is None:
+            return x
+        if self.input_order.dim() != 1:
+            raise ValueError("a stack's experts each have their own input order: take one (w[e]) first")
+        return x.index_select(-1, self.input_order)
 
     @property
     def kernel_levels(self) -> bool:

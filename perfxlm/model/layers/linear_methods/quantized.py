@@ -3,10 +3,11 @@ and the one native kernel (`linear_q`), or its plain-torch definition (`perfxlm.
 
 `process_after_loading` checks the layer holds what its format produces and decides, once, how its
 product runs: the native kernel, FP8 bytes' own kernel (a 256-level table, ops/fp8_linear.py) or the
-reference (FP8 bytes it does not take), the activations'
-input order (GPTQ act-order), whether activations are rounded to int8 blocks by the kernel or in torch
-first (a layout or build the block GEMV lacks), whether many rows may run the CPU's bf16 GEMM (a
-bfloat16 model). The fused decode layer reads the same decisions (`fusable`, `bf16_gemm`).
+reference (FP8 bytes it does not take), whether activations are rounded to int8 blocks by the kernel
+or in torch first (a layout or build the block GEMV lacks), whether many rows may run the CPU's bf16 GEMM
+(a bfloat16 model). An act-order weight's input order (GPTQ) goes with the weight: every product takes
+`weight.ordered_rows(x)` (csrc `project` the native side's). The fused decode layer reads the same
+decisions (`fusable`, `bf16_gemm`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ class QuantizedLinearMethod(LinearMethod):
         self.bf16_gemm = False
         self.int8_blocks = False
         self.round_in_torch = False
-        self.ordered = False
         # W8A8 per token: the int8 matrix and float32 scales torch's integer GEMM takes past the GEMV's rows
         self.int_gemm: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -74,7 +74,7 @@ class QuantizedLinearMethod(LinearMethod):
         # many rows of a per-token W8A8 weight (an encoder's batch, a prefill): the integer GEMM, whose
         # exact sums give the plain-torch definition's bits (the GEMV below it: to float rounding)
         if self._takes_int_gemm(x):
-            return int8_gemm_linear(x, *self.int_gemm, bias)
+            return int8_gemm_linear(layer.weight.ordered_rows(x), *self.int_gemm, bias)
         return super().apply(layer, x, bias)
 
     def apply_add(
@@ -83,13 +83,13 @@ class QuantizedLinearMethod(LinearMethod):
         # the sum in the epilogue's pass: the same bits as after it in float32 (a bf16 sum would round
         # the product to bf16 first)
         if self._takes_int_gemm(x) and x.dtype == torch.float32 and residual.dtype == torch.float32:
-            return int8_gemm_linear(x, *self.int_gemm, bias, residual)
+            return int8_gemm_linear(layer.weight.ordered_rows(x), *self.int_gemm, bias, residual)
         return super().apply_add(layer, x, bias, residual)
 
     def apply_act(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
         # GELU in the epilogue's pass: the whole [rows, N] output is not read and written once more
         if act == "gelu" and self._takes_int_gemm(x) and x.dtype == torch.float32:
-            return int8_gemm_gelu(x, *self.int_gemm, bias)
+            return int8_gemm_gelu(layer.weight.ordered_rows(x), *self.int_gemm, bias)
         return super().apply_act(layer, x, bias, act)
 
     def _takes_int_gemm(self, x: torch.Tensor) -> bool:
@@ -100,7 +100,6 @@ class QuantizedLinearMethod(LinearMethod):
         self.check(weight, where)
         self.native = weight.kernel_levels
         self.fp8 = not self.native and fp8_linear.takes(weight)
-        self.ordered = weight.input_order is not None  # act-order: the product gathers x's columns
         # bf16 storage under float32 activations (a bfloat16 model): many rows may run the bf16 GEMM
         self.bf16_gemm = plan.weight_dtype == torch.bfloat16 and plan.compute_dtype != torch.bfloat16
         mode = weight.activations  # taken at install, checked there against the weight's input size
@@ -110,8 +109,9 @@ class QuantizedLinearMethod(LinearMethod):
     @property
     def fusable(self) -> bool:
         """Whether the fused decode layer's kernel takes this weight as the module path runs it (not an
-        FP8 byte table, not act-order inputs)."""
-        return self.native and not self.ordered
+        FP8 byte table; act-order inputs it gathers as `run_linear_q` does, from the weight's
+        native_parts)."""
+        return self.native
 
     def multiply(
         self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None, out_features: int
@@ -172,8 +172,8 @@ class AWQLinear(QuantizedLinearMethod):
 
 
 class GPTQLinear(QuantizedLinearMethod):
-    """GPTQ checkpoints: 4- or 8-bit codes; with act-order the product gathers x's columns first (the
-    fused decode layer then leaves the model to the module path)."""
+    """GPTQ checkpoints: 4- or 8-bit codes; with act-order every product (module path, fused decode
+    layer, experts, int8 GEMMs) gathers x's columns into the codes' order first."""
 
     name = "gptq"
     input_order = True
