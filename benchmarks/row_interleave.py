@@ -5,6 +5,7 @@ one thread), in perfxlm's layout and in interleaved ones, on the default model's
     python benchmarks/row_interleave.py                       # check, then time (stream and resident)
     python benchmarks/row_interleave.py --callgrind           # and instructions per call (valgrind)
     python benchmarks/row_interleave.py --shapes 576x576 --formats q8 --rounds 31
+    python benchmarks/row_interleave.py --real-only   # perfxlm's linear_q against its linear_q_rows8
 
 The question (ik_llama.cpp's "_R4" / "_R8" types): perfxlm's batch-1 kernels hold a row's codes together,
 so per 64-code chunk and row they spread the row's scales over the int32 lanes (a permute) and convert
@@ -20,6 +21,10 @@ lanes. Kernels timed (names as printed):
   rR_vnni_ymm/zmm  R interleaved rows, vpdpbusd on ymm (AVX512-VL) or zmm; a vector holds W/32/R quads
                    per row (QV), the activations spread to match once per call where QV > 1
   rR_avx2          R interleaved rows with vpmaddubsw + vpmaddwd (4-bit: one vpmaddwd per block)
+
+--real (or --real-only) times the engine's own ops the same way, in the build this Python imports:
+linear_q on the plain layout against linear_q_rows8 on the same weights in row groups
+(perfxlm/quant/row_groups.py, csrc/row_groups.h: the R = 8 layout, ymm vpdpbusd or vpmaddubsw).
 
 Timing: per-call thread CPU time, the kernels alternated batch by batch in one process, the median over
 rounds; "stream" cycles through more than --stream-mb of distinct weights per kernel (a decode step's
@@ -77,10 +82,10 @@ def callgrind_per_call(exe: str, fmt: str, n: str, k: str, kernel: str, calls: i
     return (totals[1] - totals[0]) / calls
 
 
-def real_times(fmt: str, n: int, k: int, stream_mb: float, rounds: int, per_batch: int) -> float:
-    """perfxlm's own batch-1 call (torch.ops.perfxlm.linear_q, the build this Python imports, one thread,
-    int8 blocks), per-call thread CPU time, median over rounds: the plain kernel with its Python and
-    dispatch costs, beside the replica."""
+def real_times(fmt: str, n: int, k: int, stream_mb: float, rounds: int, per_batch: int) -> tuple[float, float]:
+    """perfxlm's own batch-1 calls (the build this Python imports, one thread, int8 blocks), alternated
+    batch by batch: linear_q on the plain layout and linear_q_rows8 on row groups (nan where the build has
+    none). Per-call thread CPU time, medians over rounds, dispatch included."""
     import time
 
     import gguf
@@ -88,38 +93,52 @@ def real_times(fmt: str, n: int, k: int, stream_mb: float, rounds: int, per_batc
     import torch
 
     from perfxlm.ops import native
+    from perfxlm.quant import row_groups
     from perfxlm.quant.gguf_repack import repack
 
     torch.set_num_threads(1)
     ops = native.kernels()
+    has_rows8 = hasattr(ops, "linear_q_rows8")
     qtype = gguf.GGMLQuantizationType.Q8_0 if fmt == "q8" else gguf.GGMLQuantizationType.Q4_0
+    bits = 8 if fmt == "q8" else 4
     elems, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(0)
     size = n * k // elems * nbytes
     copies = max(2, int(stream_mb * 1e6 / size) + 1) if stream_mb > 0 else 1
-    weights = []
+    weights, grouped = [], []
     for _ in range(copies):
         raw = rng.integers(0, 256, size=(n * k // elems, nbytes), dtype=np.uint8)
         raw[:, 0:2] = (rng.uniform(0.5, 1.5, raw.shape[0]) * 1e-3).astype(np.float16).view(np.uint8).reshape(-1, 2)
-        weights.append(repack(raw, qtype, (n, k)))
+        w = repack(raw, qtype, (n, k))
+        weights.append(w)
+        if has_rows8:
+            grouped.append(row_groups.pack(w.codes, w.scales, bits))
     x = torch.randn(1, k)
-    calls = [0]
+    calls = [0, 0]
 
-    def one() -> None:
+    def plain() -> None:
         w = weights[calls[0] % copies]
         calls[0] += 1
         ops.linear_q(x, w.codes, w.scales, w.mins, w.levels, None, False, 1 << 30, False, True, 1 << 30)
 
-    for _ in range(per_batch):
-        one()
-    times = []
-    for _ in range(rounds):
-        t = time.thread_time()
+    def rows8() -> None:
+        c, s = grouped[calls[1] % copies]
+        calls[1] += 1
+        ops.linear_q_rows8(x, c, s, bits, n, None)
+
+    fns = [plain, rows8] if has_rows8 else [plain]
+    times: list[list[float]] = [[] for _ in fns]
+    for fn in fns:
         for _ in range(per_batch):
-            one()
-        times.append((time.thread_time() - t) / per_batch)
-    times.sort()
-    return times[len(times) // 2]
+            fn()
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            t = time.thread_time()
+            for _ in range(per_batch):
+                fn()
+            times[i].append((time.thread_time() - t) / per_batch)
+    med = [sorted(t)[len(t) // 2] for t in times]
+    return med[0], med[1] if has_rows8 else float("nan")
 
 
 def main() -> None:
@@ -132,14 +151,16 @@ def main() -> None:
     ap.add_argument("--modes", default="stream,resident")
     ap.add_argument("--callgrind", action="store_true")
     ap.add_argument("--callgrind-calls", type=int, default=10)
-    ap.add_argument("--real", action="store_true", help="also time perfxlm's own linear_q call (plain layout)")
+    ap.add_argument("--real", action="store_true",
+                    help="also time perfxlm's own ops: linear_q (plain layout) against linear_q_rows8 (row groups)")
+    ap.add_argument("--real-only", action="store_true", help="only --real (no standalone kernels)")
     args = ap.parse_args()
     if shutil.which("g++") is None:
         raise SystemExit("needs g++")
     out_dir = tempfile.mkdtemp(prefix="row_interleave_")
     exe = build(out_dir, ["-march=native"], "proto_native")
     results: dict[tuple, float] = {}
-    for fmt in args.formats.split(","):
+    for fmt in args.formats.split(",") if not args.real_only else []:
         for shape in args.shapes.split(","):
             n, k = shape.split("x")
             sys.stdout.write(run([exe, "check", fmt, n, k]))
@@ -149,14 +170,15 @@ def main() -> None:
                 sys.stdout.write(text)
                 for m in re.finditer(r"^time (\S+) (\S+) (\S+) (\S+) ([\d.]+) us", text, re.M):
                     results[(m[1], m[3], m[4], m[2])] = float(m[5])
-    if args.real:
-        print("\nperfxlm's linear_q (plain layout, one thread, thread CPU time per call incl. dispatch):")
+    if args.real or args.real_only:
+        print("\nperfxlm's ops, one thread, thread CPU time per call incl. dispatch: linear_q (plain) / "
+              "linear_q_rows8 (row groups):")
         for fmt in args.formats.split(","):
             for shape in args.shapes.split(","):
                 n, k = (int(v) for v in shape.split("x"))
                 for mode in args.modes.split(","):
-                    t = real_times(fmt, n, k, args.stream_mb if mode == "stream" else 0, args.rounds, args.per_batch)
-                    print(f"  {fmt} {shape:>9} {mode:>8}: {t * 1e6:7.2f} us")
+                    t, t8 = real_times(fmt, n, k, args.stream_mb if mode == "stream" else 0, args.rounds, args.per_batch)
+                    print(f"  {fmt} {shape:>9} {mode:>8}: {t * 1e6:7.2f} us / {t8 * 1e6:7.2f} us  {t / t8:5.2f}x")
     print("\nplain / interleaved, per call (thread CPU time, medians):")
     for (fmt, shape, mode, kernel), t in results.items():
         if kernel.startswith("plain"):
