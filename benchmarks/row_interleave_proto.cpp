@@ -457,7 +457,10 @@ struct Vec<256> {
 template <>
 struct Vec<2562> : Vec<256> {};
 
-constexpr int kPrefetchBytes = 1024;  // how far ahead of its reads the stream is requested
+#ifndef PF_BYTES
+#define PF_BYTES 1024  // -DPF_BYTES=... to try other distances (512-4096 measured alike, loaded)
+#endif
+constexpr int kPrefetchBytes = PF_BYTES;  // how far ahead of its reads the stream is requested
 
 // One block of R rows (VNNI): code vectors dotted with their activations into two int32 chains, the
 // first starting at the centre's correction.
