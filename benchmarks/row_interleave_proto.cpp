@@ -677,6 +677,10 @@ int main(int argc, char** argv) {
   const std::string mode = argv[1];
   const bool bits4 = std::string(argv[2]) == "q4";
   const int64_t N = std::atoll(argv[3]), K = std::atoll(argv[4]);
+  if (N % 16 != 0 || K % 64 != 0) {  // whole groups of 16 rows and chunks of 64 only (no tails here)
+    std::fprintf(stderr, "N must be a multiple of 16 and K of 64\n");
+    return 2;
+  }
   const double stream_mb = argc > 5 ? std::atof(argv[5]) : 0;
   const int rounds = argc > 6 ? std::atoi(argv[6]) : 15;
   const int per_batch = argc > 7 ? std::atoi(argv[7]) : 20;
