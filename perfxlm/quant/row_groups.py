@@ -1,0 +1,70 @@
+"""Row groups: a Q8_0 / Q4_0 weight's codes stored with the blocks of 8 consecutive rows together, the
+layout the native `linear_q_rows8` GEMV reads (csrc/row_groups.h says why: one vpdpbusd's lanes are 8
+rows, so per block one conversion and one FMA serve 8 rows and nothing is reduced per row).
+
+For a `QuantizedWeight` of centred 8- or 4-bit codes with a float16 scale per 32 (`takes`):
+- codes uint8 [G, K / 32, 8 B], G = ceil(N / 8), B = 32 (8-bit) or 16 (4-bit) bytes per row and block:
+  per block the 8 rows' 4-byte quads as [quad][row][4 bytes] (a 4-bit quad's bytes are the plain
+  layout's, GGUF's nibble order: low nibbles codes 4q.., high nibbles codes 16 + 4q..);
+- scales float16 [G, K / 32, 8]; the last group's rows past N are zeros.
+`pack` and `unpack` move bytes only (each is the other's inverse); `reference_linear` is the product's
+plain-torch definition (the plain layout's, on activations rounded to int8 blocks).
+
+Not yet a layout a `QuantizedWeight` holds: the engine's consumers of codes (the GEMV and int8 GEMM, the
+fused decode layer, dequantization, MoE stacks, LoRA ranges, graph export) read the plain layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from perfxlm.quant.reference import fake_quantize_blocks
+from perfxlm.quant.weight import QuantizedWeight
+
+ROWS = 8
+BLOCK = 32
+
+
+def takes(w: QuantizedWeight) -> bool:
+    """Whether `w` has a row-group form: one 2-D matrix of centred 8- or 4-bit codes (Q8_0, Q4_0,
+    symmetric int8 / int4 at group 32), float16 scales, no table, columns in order."""
+    return (w.codes.dim() == 2 and w.bits in (8, 4) and w.group == BLOCK and w.mins is None and w.levels is None
+            and w.scales.dtype == torch.float16 and w.input_order is None and w.act == "float"
+            and w.in_features % BLOCK == 0)  # fmt: skip
+
+
+def _block_bytes(bits: int) -> int:
+    return BLOCK if bits == 8 else BLOCK // 2
+
+
+def pack(codes: torch.Tensor, scales: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain codes [N, K] (8-bit) or [N, K / 2] (4-bit) and float16 scales [N, K / 32] -> row groups."""
+    n = codes.shape[0]
+    blocks = scales.shape[1]
+    b = _block_bytes(bits)
+    groups = -(-n // ROWS)
+    pad = groups * ROWS - n
+    c = torch.nn.functional.pad(codes.reshape(n, blocks * b), (0, 0, 0, pad))
+    s = torch.nn.functional.pad(scales, (0, 0, 0, pad))
+    # [G, row, block, quad, 4] -> [G, block, quad, row, 4]
+    c = c.view(groups, ROWS, blocks, b // 4, 4).permute(0, 2, 3, 1, 4).reshape(groups, blocks, ROWS * b)
+    s = s.view(groups, ROWS, blocks).permute(0, 2, 1).contiguous()
+    return c.contiguous(), s
+
+
+def unpack(codes8: torch.Tensor, scales8: torch.Tensor, bits: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row groups -> the plain codes and scales of the first `n` rows (pack's inverse)."""
+    groups, blocks, _ = codes8.shape
+    b = _block_bytes(bits)
+    c = codes8.view(groups, blocks, b // 4, ROWS, 4).permute(0, 3, 1, 2, 4).reshape(groups * ROWS, blocks * b)
+    s = scales8.permute(0, 2, 1).reshape(groups * ROWS, blocks)
+    return c[:n].contiguous(), s[:n].contiguous()
+
+
+def reference_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What `linear_q_rows8` computes for `w` (in its plain layout): x rounded to int8 blocks of 32, times
+    the dequantized weight, in float64 then float32."""
+    y = torch.nn.functional.linear(fake_quantize_blocks(x.float()).double(), w.dequantize().double())
+    if bias is not None:
+        y = y + bias.double()
+    return y.float()
