@@ -23,8 +23,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -678,7 +680,24 @@ struct BlockActs {
   const float* pair8;
   const float* gsum;     // float32 [M, gstride]: per weight group, sum of scale * int8 values (0-padded)
   int64_t gstride;       // the weight's groups rounded up to 8, so 8-lane loads need no tail
+  // int32 [M, K / 64, 24]: the int32 starts of the 256-bit tiles' dot products, per chunk the lanes of its
+  // lo half (8), of its hi half (8) and of both halves' lanes added (8): -(centre x the lane's activation
+  // bytes' sum) for centred codes without a table where the build has vpdpbusd on ymm (fold_centre),
+  // else zero. vpdpbusd accumulates onto its start, so sum((u - centre) q) comes out of the dot product
+  // itself, exact, and the per-row mins pass (the groups' min x activation sums) has nothing left to add.
+  const int32_t* starts;
+  bool folded;           // the starts hold the centre (the tiles skip the mins)
 };
+
+// Whether quantize_blocks folds centred codes' centre into the dot products' starts (set_int8_centre_fold;
+// only builds with vpdpbusd on ymm: a start costs vpmaddubsw's path an add per dot, and its 8-bit codes are
+// shifted to signed ones instead).
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+constexpr bool kCanFold = true;
+#else
+constexpr bool kCanFold = false;
+#endif
+std::atomic<bool> g_fold_centre{true};
 
 // 5-bit codes: a chunk's fifth bits are the plane's 8 bytes at K / 2 + 8 c (blocks A and B's words),
 // unpacked onto the 4-bit paths' nibble bytes (A 0-15, B 0-15, A 16-31, B 16-31) by code_planes.h's
@@ -693,12 +712,17 @@ BlockActs quantize_blocks(const at::Tensor& x, const QW& w) {
   lanes_buf.resize(static_cast<size_t>(M * chunks * 16));
   if (!w.bits4) pair8_buf.resize(static_cast<size_t>(M * chunks * 8));
   gsum_buf.assign(static_cast<size_t>(M * gstride), 0.f);
+  thread_local std::vector<int32_t> starts_buf;
+  starts_buf.resize(static_cast<size_t>(M * chunks * 24));
+  const bool fold = kCanFold && w.centred && !w.levels && g_fold_centre.load(std::memory_order_relaxed);
+  const int centre = static_cast<int>(-w.min_factor);  // 8, 16, 32 or 128 where fold
+  int32_t* sp = starts_buf.data();
   const float* xp = x.data_ptr<float>();
   int8_t* qp = q_buf.data();
   float* lp = lanes_buf.data();
   float* pp = pair8_buf.data();
   float* gp = gsum_buf.data();
-  const BlockActs a{qp, lp, pp, gp, gstride};
+  const BlockActs a{qp, lp, pp, gp, gstride, sp, fold};
   // Rows in parallel only past ~32K values (a prefill's thousands of blocks): a parallel decode step's
   // 16-32 rows take a few microseconds here, less than waking the other threads for them costs, and one
   // parallel region fewer per product (4 per layer) is one fork/join fewer to wait on.
@@ -739,13 +763,67 @@ BlockActs quantize_blocks(const at::Tensor& x, const QW& w) {
           float* pair = pp + (m * chunks + c) * 8;  // [A A B B A A B B]
           for (int l = 0; l < 8; ++l) pair[l] = scale[(l / 2) % 2];
         }
+        int32_t* start = sp + (m * chunks + c) * 24;
+        for (int l = 0; l < 16; ++l)
+          start[l] = fold ? -centre * (dst[4 * l] + dst[4 * l + 1] + dst[4 * l + 2] + dst[4 * l + 3]) : 0;
+        for (int l = 0; l < 8; ++l) start[16 + l] = start[l] + start[8 + l];
       }
     }
   });
   return a;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Two-level scales in the int8 block products (GGUF K-quants, int4's super-block form): a group's scale
+// and min are formed where the kernel uses them, each byte widened to float32 times its super-block's
+// float16 factor, read from the row's packed bytes (llama.cpp's q4_K_q8_K dot forms d x sc per 32 in its
+// loop as well). Before, every run of 32 rows had its bytes multiplied out into a float buffer first
+// (expanded_rows): at batch 1 that pass cost a third as much as the products it fed. Here a row's 8 scales
+// of a super-block are one widening load, a conversion and a multiply by the factor, shared by its four
+// chunks; the mins go in once per row as before, 8 groups per step. The values are the expansion's (one
+// rounding: float(byte) x factor, the product gguf-py forms) and each row's sums run in the float-scale
+// kernels' order, so a two-level weight gives the bits of the same weight with its scales multiplied
+// out, and a row alone the bits of that row in a batch.
+// Layouts taken (kq_takes): 4-bit codes at groups of 32 (Q4_K, int4) or 64-256 (int4), 5-bit codes at
+// groups of 32 (Q5_K), centred 6-bit codes at groups of 16 with signed sub-scales (Q6_K; 8-bit alike). Other two-level layouts
+// keep the expansion (in_runs), as the float-activation kernel and the slab dequantization do.
+// ---------------------------------------------------------------------------------------------
+inline bool kq_takes(const QW& w, int spc) {
+  if (!w.kscales || w.levels) return false;
+  if (w.bits6) return spc == 4 && w.ksigned && w.centred;
+  if (w.bits4) return !w.ksigned && (spc == 2 || (spc == 1 && !w.bits5));
+  return spc == 4 && w.ksigned && w.centred;
+}
+
+// The int8 block GEMV's vector width, 512 or 256, in AVX512-VNNI builds (the others have only the 256-bit
+// tiles): the CPU plan's dot_width (perfxlm/ops/cpu_plan.py, PERFXLM_DOT_WIDTH, with the measurements
+// behind its default) sets it here (set_int8_dot_width); until it does, the same rule from the
+// environment. One process-wide setting read by block_into, which every consumer of the block GEMV
+// reaches (linear_q, the fused layer's projections, the experts, linear_q_ranges).
+std::atomic<int> g_dot_width{0};  // 0: not chosen yet
+
+int default_dot_width() {
 #ifdef PERFXLM_VNNI
+  const char* env = std::getenv("PERFXLM_DOT_WIDTH");
+  const std::string v = env ? env : "";
+  return v == "256" ? 256 : 512;
+#else
+  return 256;
+#endif
+}
+
+inline int dot_width_now() {
+  int v = g_dot_width.load(std::memory_order_relaxed);
+  if (v == 0) {
+    v = default_dot_width();
+    g_dot_width.store(v, std::memory_order_relaxed);
+  }
+  return v;
+}
+
+#ifdef PERFXLM_VNNI
+// The 512-bit tiles (zmm: 32 registers, 64 bytes per instruction) and their dispatch.
+namespace zmm {
 template <bool BITS4, int PLANES>
 inline __m512i chunk_codes(const uint8_t* row, int64_t c, const QW& w, __m512i lut) {
   if constexpr (BITS4) {
@@ -992,728 +1070,6 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
   vnni_block_tile<FloatScales<HALF>, BITS4, SPC, MT, NT, PLANES>(a, m0, w, n0, y, bias);
 }
 
-#else  // PERFXLM_DOTS_AVX2
-// ---------------------------------------------------------------------------------------------
-// The same products on AVX2 (16 ymm registers, 32 bytes per instruction): each 64-input chunk is two
-// 32-byte halves, and the 16 int32 lanes of the AVX-512 kernel are the two halves' 8, so the
-// activations keep the layout quantize_blocks writes. uint8 x int8 -> int32 sums of 4 products run as
-// vpmaddubsw + vpmaddwd (llama.cpp's AVX2 scheme), or vpdpbusd on ymm where the CPU has AVX-VNNI.
-// vpmaddubsw saturates its int16 pair sums: 4-bit codes (<= 15) cannot reach it, 8-bit codes (<= 255)
-// can, so without AVX-VNNI they enter as code - 128 (signed), multiplied as |c| x sign(c) x, and the
-// 128 * scale taken off is given back with the mins. The sign goes onto the activations, not the codes
-// (llama.cpp's other order, |x| stored once per call and sign(c, x) per code, would save one vpsignb per
-// 32 codes): a code u = 0 is c = -128, whose negation int8 cannot hold, and the code formats here
-// (asymmetric int8, a Q8_0 block holding -128) may have it.
-// ---------------------------------------------------------------------------------------------
-#if defined(__AVXVNNI__)
-constexpr bool kShift8 = false;
-inline __m256i dot_pairs(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
-  return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u0, s0), u1, s1);
-}
-inline __m256i dot_u8(__m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s); }
-inline __m256i dot_u6(__m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s); }
-#else
-constexpr bool kShift8 = true;
-// Two halves whose codes are 4-bit: the int16 pair sums of both fit (2 * 2 * 15 * 127), so they are
-// added before widening.
-inline __m256i dot_pairs(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
-  const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1));
-  return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
-}
-// One half whose codes are at most 6-bit (groups of 16 take a scale per half): the int16 pair sums fit
-// (2 * 63 * 127), no sign trick.
-inline __m256i dot_u6(__m256i u, __m256i s) { return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)); }
-inline __m256i dot_u8(__m256i u, __m256i s) {
-  const __m256i c = _mm256_xor_si256(u, _mm256_set1_epi8(static_cast<char>(0x80)));  // code - 128
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(c, c), _mm256_sign_epi8(s, c)),
-                           _mm256_set1_epi16(1));
-}
-#endif
-
-// 8 consecutive scales or mins of a row as float32.
-template <bool HALF>
-inline __m256 load_params8(const void* p, int64_t i) {
-  if constexpr (HALF)
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)));
-  else
-    return _mm256_loadu_ps(static_cast<const float*>(p) + i);
-}
-
-// Two or four consecutive scales as the low lanes of a register.
-template <bool HALF, int COUNT>
-inline __m128 load_params_lo(const void* p, int64_t i) {
-  if constexpr (HALF) {
-    const uint16_t* src = static_cast<const uint16_t*>(p) + i;
-    if constexpr (COUNT == 2) {
-      int32_t v;
-      std::memcpy(&v, src, sizeof(v));
-      return _mm_cvtph_ps(_mm_cvtsi32_si128(v));
-    } else {
-      return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
-    }
-  } else {
-    const float* src = static_cast<const float*>(p) + i;
-    if constexpr (COUNT == 2)
-      return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(src)));
-    else
-      return _mm_loadu_ps(src);
-  }
-}
-
-// The 8 lanes' sum as ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)): the order hsum4x8 adds in, so a
-// row's result does not depend on which kernel (one row, or four at once) computed it.
-inline float hsum8(__m256 s) {
-  const __m256 h = _mm256_hadd_ps(s, s);
-  const __m256 h2 = _mm256_hadd_ps(h, h);
-  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h2), _mm256_extractf128_ps(h2, 1)));
-}
-
-// Four rows' sums at once, each in hsum8's order: [sum a, sum b, sum c, sum d].
-inline __m128 hsum4x8(__m256 a, __m256 b, __m256 c, __m256 d) {
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-
-// Sum over the row's groups of min (plus 128 * scale for shifted 8-bit codes) times the activations'
-// group sums: 8 groups per step, the last few one by one (gsum is zero-padded, the weight's rows not).
-// Centred 8-bit codes shifted by 128 are exactly the signed values: nothing to add.
-template <bool BITS4, bool HALF>
-inline __m256 add_mins(__m256 acc, const QW& w, int64_t row_base, const float* gsum) {
-  constexpr bool shifted = !BITS4 && kShift8;
-  if (shifted && w.centred && !w.levels) return acc;
-  const __m256 factor = _mm256_set1_ps(w.block_min_factor);
-  int64_t g = 0;
-  for (; g + 8 <= w.groups; g += 8) {
-    __m256 mv = _mm256_mul_ps(load_params8<HALF>(w.mins, row_base + g), factor);
-    if constexpr (shifted) mv = _mm256_fmadd_ps(load_params8<HALF>(w.scales, row_base + g), _mm256_set1_ps(128.f), mv);
-    acc = _mm256_fmadd_ps(mv, _mm256_loadu_ps(gsum + g), acc);
-  }
-  if (g < w.groups && w.groups >= 8) {
-    // the last few groups as one more step over the row's last 8, the lanes already added multiplied by
-    // a zeroed activation sum (a scalar loop here was a tenth of a batch-1 row of 576 inputs)
-    const int64_t last = w.groups - 8;
-    const __m256i done = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(g - last)),
-                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    __m256 mv = _mm256_mul_ps(load_params8<HALF>(w.mins, row_base + last), factor);
-    if constexpr (shifted) mv = _mm256_fmadd_ps(load_params8<HALF>(w.scales, row_base + last), _mm256_set1_ps(128.f), mv);
-    return _mm256_fmadd_ps(mv, _mm256_andnot_ps(_mm256_castsi256_ps(done), _mm256_loadu_ps(gsum + last)), acc);
-  }
-  float tail = 0.f;
-  for (; g < w.groups; ++g) {
-    float m = param_at<HALF>(w.mins, row_base + g) * w.block_min_factor;
-    if constexpr (shifted) m += 128.f * param_at<HALF>(w.scales, row_base + g);
-    tail += m * gsum[g];
-  }
-  return _mm256_add_ps(acc, _mm256_setr_ps(tail, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f));
-}
-
-// Rows this far ahead are requested whole (codes, scales, mins) when a row starts: a row of a small
-// model is a few cache lines, too short for the hardware prefetchers to ramp up on.
-constexpr int64_t kPrefetchRows = 16;
-inline void prefetch_row(const QW& w, int64_t n) {
-  if (n >= w.N) return;
-  const char* codes = reinterpret_cast<const char*>(w.codes + n * w.row_bytes);
-  for (int64_t o = 0; o < w.row_bytes; o += 64) _mm_prefetch(codes + o, _MM_HINT_T0);
-  const int64_t pbytes = w.groups * (w.half ? 2 : 4);
-  const char* sc = static_cast<const char*>(w.scales) + n * pbytes;
-  const char* mn = static_cast<const char*>(w.mins) + n * pbytes;
-  for (int64_t o = 0; o < pbytes; o += 64) {
-    _mm_prefetch(sc + o, _MM_HINT_T0);
-    if (!w.centred) _mm_prefetch(mn + o, _MM_HINT_T0);
-  }
-}
-
-// Every cache line of [p, p + bytes), four requests per loop step.
-inline void prefetch_range(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  int64_t o = 0;
-  for (; o + 256 <= bytes; o += 256) {
-    _mm_prefetch(c + o, _MM_HINT_T0);
-    _mm_prefetch(c + o + 64, _MM_HINT_T0);
-    _mm_prefetch(c + o + 128, _MM_HINT_T0);
-    _mm_prefetch(c + o + 192, _MM_HINT_T0);
-  }
-  for (; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
-}
-
-// prefetch_row for `count` consecutive rows from n (float scales or two-level bytes): their codes, scales
-// and mins are each one contiguous range, requested as such. At batch 1 a four-row tile of a 576-wide
-// weight is ~250 instructions a row, and the per-row loops (a request, an add, a compare and a branch per
-// line) were a tenth of them.
-inline void prefetch_rows(const QW& w, int64_t n, int64_t count) {
-  count = std::min(count, w.N - n);
-  if (count <= 0) return;
-  prefetch_range(w.codes + n * w.row_bytes, count * w.row_bytes);
-  if (w.kscales) {
-    prefetch_range(w.kscales + n * w.kbytes, count * w.kbytes);
-    if (w.kmins) prefetch_range(w.kmins + n * w.kbytes, count * w.kbytes);
-    return;
-  }
-  const int64_t pbytes = w.groups * (w.half ? 2 : 4);
-  prefetch_range(static_cast<const char*>(w.scales) + n * pbytes, count * pbytes);
-  if (!w.centred) prefetch_range(static_cast<const char*>(w.mins) + n * pbytes, count * pbytes);
-}
-
-// One chunk of 4-bit (5-bit: PLANES 1, 6-bit: 2) codes as two halves of 32 bytes: lo nibbles [A 0-15,
-// B 0-15], hi nibbles [A 16-31, B 16-31], each plus its plane bits (the plane's two words of the chunk,
-// 8 bytes at K / 2 + 8 c, spread over the lanes once, then a shift, an and and an or per half:
-// code_planes.h), or looked up in an integer table. The planes are a template argument: a branch on
-// bits6 here sat in every chunk of every 5-bit row.
-template <int PLANES>
-inline void chunk_halves(const uint8_t* row, int64_t c, const QW& w, __m256i lut, __m256i& lo, __m256i& hi) {
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
-  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 32));
-  lo = _mm256_and_si256(b, nibble);
-  hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
-  if constexpr (PLANES > 0) {
-    const __m256i f = perfxlm_planes::chunk_words(row + w.K / 2 + c * 8);
-    lo = _mm256_or_si256(lo, perfxlm_planes::lo_fifths(f));
-    hi = _mm256_or_si256(hi, perfxlm_planes::hi_fifths(f));
-    if constexpr (PLANES == 2) {  // the sixth plane, K / 8 bytes after the fifth, in its order: 32 where set
-      const __m256i x = perfxlm_planes::chunk_words(row + w.K / 2 + w.K / 8 + c * 8);
-      lo = _mm256_or_si256(lo, perfxlm_planes::lo_sixths(x));
-      hi = _mm256_or_si256(hi, perfxlm_planes::hi_sixths(x));
-    }
-  } else if (w.int_lut) {
-    lo = _mm256_shuffle_epi8(lut, lo);
-    hi = _mm256_shuffle_epi8(lut, hi);
-  }
-}
-
-// acc + one 64-input chunk of 8-bit codes (lo, hi: its two blocks) against one activation row, each
-// block scaled by weight scale x activation scale. The two blocks' int32 lanes are summed pairwise into
-// one register ([A A B B | A A B B]: vphaddd) so one conversion and one FMA serve the chunk, and the
-// four scale products are one vector multiply of the weight row's scales (wscale8, spread to those lanes
-// once per chunk and shared by every activation row of a tile) by the activation row's, stored spread
-// (BlockActs::pair8): the float work per chunk was as much as the integer dot products (measured 1.2-1.3x
-// per GEMV on this tier), and spreading the products per activation row cost a shuffle each.
-inline __m256 chunk_dot8(__m256i lo, __m256i hi, const int8_t* xc, __m256 wscale8, const float* xscale8, __m256 acc) {
-  const __m256i d0 = dot_u8(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)));
-  const __m256i d1 = dot_u8(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32)));
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(d0, d1)), _mm256_mul_ps(wscale8, _mm256_loadu_ps(xscale8)),
-                         acc);
-}
-
-// One 64-input chunk of 6-bit codes at groups of 16 (halves lo, hi as chunk_halves gives them) against one
-// activation row (xc; xs its 16 lane scales, [A x4, B x4] per half): each half's int32 sums times its weight
-// scales (ws_lo, ws_hi: block_tile's spread) x activation scales into its own accumulator, acc[0] and acc[1].
-inline void six_bit_chunk(__m256i lo, __m256i hi, const int8_t* xc, const float* xs, __m256 ws_lo, __m256 ws_hi,
-                          __m256 (&acc)[2]) {
-  const __m256i d0 = dot_u6(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)));
-  const __m256i d1 = dot_u6(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32)));
-  acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(ws_lo, _mm256_loadu_ps(xs)), acc[0]);
-  acc[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(ws_hi, _mm256_loadu_ps(xs + 8)), acc[1]);
-}
-
-// A chunk's two block scales of one weight row spread as chunk_dot8's lanes: [A A B B A A B B].
-template <bool HALF, int SPC>
-inline __m256 block_scales8(const QW& w, int64_t g0) {
-  if constexpr (SPC == 1)
-    return _mm256_set1_ps(param_at<HALF>(w.scales, g0));
-  else
-    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(load_params_lo<HALF, 2>(w.scales, g0)),
-                                    _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1));
-}
-
-// The first of chunk c's weight groups, counted from the row's first: a multiply (or for groups of 64 or
-// more a division that is 1 at the usual 64) instead of a 64-bit idiv per chunk, which sat in every
-// chunk of every row (10-40 cycles' latency, more than the chunk's dot products at one row).
-template <int SPC>
-inline int64_t chunk_group(const QW& w, int64_t c) {
-  if constexpr (SPC == 1) {
-    const int64_t per = w.group / 64;  // chunks per group
-    return per == 1 ? c : c / per;
-  } else {
-    return c * SPC;
-  }
-}
-
-// NT weight rows, one after the other (a row of a small model is a few cache lines, and consecutive
-// rows are one stream), each against MT activation rows: MT accumulators, everything else transient.
-template <bool BITS4, bool HALF, int SPC, int MT, int NT, int PLANES>
-inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, float* y, const float* bias) {
-  const int64_t K = w.K, N = w.N, chunks = K / 64, groups = w.groups;
-  const int8_t* xq = a.q + m0 * K;
-  const float* lanes = a.lanes + m0 * chunks * 16;
-  // lane l of a half covers code bytes 4l..4l+3: 4-bit halves hold [block A x4 lanes, block B x4 lanes]
-  // of the chunk, 8-bit halves one block each (group 16: two groups of 4 lanes)
-  const __m256i lo_idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-  const __m256i hi_idx = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
-  const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(w.ulut)));
-  for (int j = 0; j < NT; ++j) {
-    const int64_t n = n0 + j, row_base = n * groups;
-    const uint8_t* row = w.codes + n * w.row_bytes;
-    prefetch_row(w, n + kPrefetchRows);
-    // 4-bit, and 8-bit with a scale per block: one accumulator per activation row, updated in the order
-    // block_tile_m1x4(_q8) updates it (the same sums whether a row is decoded alone or with others);
-    // 8-bit at group 16: one per half of the chunk, two FMA chains
-    __m256 acc[MT][2];
-    #pragma GCC unroll 8
-    for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t g0 = row_base + chunk_group<SPC>(w, c);
-      if constexpr (BITS4 && SPC == 4) {
-        // groups of 16 (6-bit codes): the lo half [A 0-15, B 0-15] takes the chunk's groups 0 and 2, the
-        // hi half [A 16-31, B 16-31] groups 1 and 3, so the halves are dotted and scaled apart
-        __m256i lo, hi;
-        chunk_halves<PLANES>(row, c, w, lut, lo, hi);
-        const __m256 s4 = _mm256_castps128_ps256(load_params_lo<HALF, 4>(w.scales, g0));
-        const __m256 ws_lo = _mm256_permutevar8x32_ps(s4, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
-        const __m256 ws_hi = _mm256_permutevar8x32_ps(s4, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));
-        #pragma GCC unroll 4
-        for (int i = 0; i < MT; ++i) six_bit_chunk(lo, hi, xq + i * K + c * 64, lanes + (i * chunks + c) * 16, ws_lo, ws_hi, acc[i]);
-      } else if constexpr (BITS4) {
-        __m256i lo, hi;
-        chunk_halves<PLANES>(row, c, w, lut, lo, hi);
-        // both halves carry [A x4, B x4] weight and activation scales, so their int32 sums add up
-        __m256 ws;
-        if constexpr (SPC == 1)
-          ws = _mm256_set1_ps(param_at<HALF>(w.scales, g0));
-        else
-          ws = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(load_params_lo<HALF, 2>(w.scales, g0)), lo_idx);
-        #pragma GCC unroll 8
-        for (int i = 0; i < MT; ++i) {
-          const int8_t* xc = xq + i * K + c * 64;
-          const __m256i d = dot_pairs(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)), hi,
-                                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32)));
-          const __m256 xs = _mm256_loadu_ps(lanes + (i * chunks + c) * 16);
-          acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(ws, xs), acc[i][0]);
-        }
-      } else {
-        const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 64));
-        const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 64 + 32));
-        if constexpr (SPC == 4) {
-          const __m256 s4 = _mm256_castps128_ps256(load_params_lo<HALF, 4>(w.scales, g0));
-          const __m256 ws_lo = _mm256_permutevar8x32_ps(s4, lo_idx), ws_hi = _mm256_permutevar8x32_ps(s4, hi_idx);
-          #pragma GCC unroll 8
-          for (int i = 0; i < MT; ++i) {
-            const int8_t* xc = xq + i * K + c * 64;
-            const float* xs = lanes + (i * chunks + c) * 16;  // lanes 0-7: block A's scale, 8-15: B's
-            const __m256i d0 = dot_u8(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)));
-            const __m256i d1 = dot_u8(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32)));
-            acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(ws_lo, _mm256_broadcast_ss(xs)), acc[i][0]);
-            acc[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(ws_hi, _mm256_broadcast_ss(xs + 8)), acc[i][1]);
-          }
-        } else {  // one scale per half (block): see chunk_dot8
-          const __m256 ws8 = block_scales8<HALF, SPC>(w, g0);
-          #pragma GCC unroll 8
-          for (int i = 0; i < MT; ++i)
-            acc[i][0] = chunk_dot8(lo, hi, xq + i * K + c * 64, ws8, a.pair8 + ((m0 + i) * chunks + c) * 8, acc[i][0]);
-        }
-      }
-    }
-    #pragma GCC unroll 8
-    for (int i = 0; i < MT; ++i) {
-      // 4-bit codes and 8-bit ones with a scale per block keep one accumulator (the one
-      // block_tile_m1x4 keeps): adding the unused one would change nothing but the sign of a zero
-      const __m256 sum = SPC <= 2 ? acc[i][0] : _mm256_add_ps(acc[i][0], acc[i][1]);
-      const __m256 total = add_mins<BITS4, HALF>(sum, w, row_base, a.gsum + (m0 + i) * a.gstride);
-      y[(m0 + i) * N + n] = hsum8(total) + (bias ? bias[n] : 0.f);
-    }
-  }
-}
-// The four weight rows a batch-1 tile reads from n0: where each one's codes and groups start, with the
-// rows kPrefetchRows further on requested (the setup both four-row kernels below share).
-struct FourRows {
-  const uint8_t* row[4];
-  int64_t base[4];
-};
-
-inline FourRows four_rows(const QW& w, int64_t n0) {
-  FourRows r;
-  #pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) {
-    r.row[j] = w.codes + (n0 + j) * w.row_bytes;
-    r.base[j] = (n0 + j) * w.groups;
-  }
-  prefetch_rows(w, n0 + kPrefetchRows, 4);
-  return r;
-}
-
-// The four rows' results: each accumulator plus its mins, reduced together (block_tile's order for each)
-// into one 4-float store at y[n0..n0 + 3] of activation row m.
-template <bool BITS4, bool HALF>
-inline void store_four(__m256 (&acc)[4], const FourRows& r, const BlockActs& a, int64_t m, const QW& w, int64_t n0,
-                       float* y, const float* bias) {
-  const float* gsum = a.gsum + m * a.gstride;
-  #pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) acc[j] = add_mins<BITS4, HALF>(acc[j], w, r.base[j], gsum);
-  __m128 sum = hsum4x8(acc[0], acc[1], acc[2], acc[3]);
-  if (bias) sum = _mm_add_ps(sum, _mm_loadu_ps(bias + n0));
-  _mm_storeu_ps(y + m * w.N + n0, sum);
-}
-
-// Batch-1 decode, four weight rows at once against the one activation row: the activation loads are
-// shared by the four rows, the four accumulators are four independent FMA chains, and the four sums are
-// reduced together into one 4-float store. At decode a row of a small model is 9-24 chunks, so the
-// per-row work of block_tile (its loads of the activations, reduction, store) was a quarter of the
-// time (measured 1.15-1.25x per GEMV on Zen 3). Each row's operations are block_tile's, in its order:
-// the results are the same bits. 4-bit (and 5-bit) codes here; 8-bit ones in block_tile_m1x4_q8 below.
-template <bool BITS4, bool HALF, int SPC, int PLANES>
-inline void block_tile_m1x4(const BlockActs& a, int64_t m, const QW& w, int64_t n0, float* y, const float* bias) {
-  static_assert(BITS4, "four rows at once: 4-bit codes only");
-  const int64_t K = w.K, chunks = K / 64;
-  const int8_t* xq = a.q + m * K;
-  const float* lanes = a.lanes + m * chunks * 16;
-  const __m256i lo_idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-  const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(w.ulut)));
-  const FourRows r = four_rows(w, n0);
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  // chunk c of the four rows, row j's weight scales spread over the lanes as scales(j) returns them
-  const auto chunk = [&](int64_t c, const auto& scales) {
-    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * 64));
-    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * 64 + 32));
-    const __m256 xv = _mm256_loadu_ps(lanes + c * 16);
-    #pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      __m256i lo, hi;
-      chunk_halves<PLANES>(r.row[j], c, w, lut, lo, hi);
-      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_pairs(lo, x0, hi, x1)), _mm256_mul_ps(scales(j), xv), acc[j]);
-    }
-  };
-  int64_t c = 0;
-  if constexpr (SPC == 2 && HALF) {
-    // Four chunks' 8 float16 scales per row in one load and conversion, each chunk's pair spread by one
-    // permute (a load, a conversion and a permute per chunk and row before): the same floats, the same
-    // bits. Float32 scales (GGUF K-quants multiplied out) keep their load and permute per chunk: no
-    // conversion to save, and the four-chunk form measured slower there.
-    for (; c + 4 <= chunks; c += 4) {
-      __m256 s8[4];
-      #pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) s8[j] = load_params8<HALF>(w.scales, r.base[j] + 2 * c);
-      #pragma GCC unroll 4
-      for (int q = 0; q < 4; ++q) {
-        const __m256i idx = _mm256_setr_epi32(2 * q, 2 * q, 2 * q, 2 * q, 2 * q + 1, 2 * q + 1, 2 * q + 1, 2 * q + 1);
-        chunk(c + q, [&](int j) { return _mm256_permutevar8x32_ps(s8[j], idx); });
-      }
-    }
-  }
-  for (; c < chunks; ++c) {
-    const int64_t goff = chunk_group<SPC>(w, c);
-    chunk(c, [&](int j) {
-      if constexpr (SPC == 1)
-        return _mm256_set1_ps(param_at<HALF>(w.scales, r.base[j] + goff));
-      else
-        return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(load_params_lo<HALF, 2>(w.scales, r.base[j] + goff)),
-                                        lo_idx);
-    });
-  }
-  store_four<BITS4, HALF>(acc, r, a, m, w, n0, y, bias);
-}
-
-// block_tile_m1x4 for 8-bit codes with a scale per block (Q8_0, symmetric int8 at group 32 or more):
-// the activation loads shared by four rows, four FMA chains, one reduction for the four. Each row's
-// operations are block_tile's (chunk_dot8, in its order): the same bits.
-template <bool HALF, int SPC>
-inline void block_tile_m1x4_q8(const BlockActs& a, int64_t m, const QW& w, int64_t n0, float* y, const float* bias) {
-  static_assert(SPC <= 2, "four rows at once: one scale per 8-bit block");
-  const int64_t K = w.K, chunks = K / 64;
-  const int8_t* xq = a.q + m * K;
-  const float* pair8 = a.pair8 + m * chunks * 8;
-  const FourRows r = four_rows(w, n0);
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t goff = chunk_group<SPC>(w, c);
-    #pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.row[j] + c * 64));
-      const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.row[j] + c * 64 + 32));
-      acc[j] = chunk_dot8(lo, hi, xq + c * 64, block_scales8<HALF, SPC>(w, r.base[j] + goff), pair8 + c * 8, acc[j]);
-    }
-  }
-  store_four<false, HALF>(acc, r, a, m, w, n0, y, bias);
-}
-#define PERFXLM_BLOCK_M1X4 1
-#endif  // PERFXLM_VNNI / PERFXLM_DOTS_AVX2
-
-// ---------------------------------------------------------------------------------------------
-// Two-level scales in the int8 block products (GGUF K-quants, int4's super-block form): a group's scale
-// and min are formed where the kernel uses them, each byte widened to float32 times its super-block's
-// float16 factor, read from the row's packed bytes (llama.cpp's q4_K_q8_K dot forms d x sc per 32 in its
-// loop as well). Before, every run of 32 rows had its bytes multiplied out into a float buffer first
-// (expanded_rows): at batch 1 that pass cost a third as much as the products it fed. Here a row's 8 scales
-// of a super-block are one widening load, a conversion and a multiply by the factor, shared by its four
-// chunks; the mins go in once per row as before, 8 groups per step. The values are the expansion's (one
-// rounding: float(byte) x factor, the product gguf-py forms) and each row's sums run in the float-scale
-// kernels' order, so a two-level weight gives the bits of the same weight with its scales multiplied
-// out, and a row alone the bits of that row in a batch.
-// Layouts taken (kq_takes): 4-bit codes at groups of 32 (Q4_K, int4) or 64-256 (int4), 5-bit codes at
-// groups of 32 (Q5_K), centred 6-bit codes at groups of 16 with signed sub-scales (Q6_K; 8-bit alike). Other two-level layouts
-// keep the expansion (in_runs), as the float-activation kernel and the slab dequantization do.
-// ---------------------------------------------------------------------------------------------
-#ifdef PERFXLM_INT8_DOTS
-inline bool kq_takes(const QW& w, int spc) {
-  if (!w.kscales || w.levels) return false;
-  if (w.bits6) return spc == 4 && w.ksigned && w.centred;
-  if (w.bits4) return !w.ksigned && (spc == 2 || (spc == 1 && !w.bits5));
-  return spc == 4 && w.ksigned && w.centred;
-}
-#endif
-
-#ifdef PERFXLM_DOTS_AVX2
-// 8 sub-values of a two-level row from group g, widened to float32 (exact).
-template <bool SIGNED>
-inline __m256 kbytes8(const uint8_t* sub, int64_t g) {
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + g));
-  return _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
-}
-
-// The factors of groups g..g + 7 times sign, lane l holding factor (g + l) / per; g a multiple of 8 (per
-// >= 8: one factor, per being 8 or 16) or of per (per 1, 2, 4: 8 / per factors spread).
-inline __m256 kfactors8(const uint8_t* fac, int64_t g, int64_t per, float sign) {
-  const __m256 signs = _mm256_set1_ps(sign);
-  if (per >= 8)  // broadcast as float16, then converted: two instructions where a scalar conversion took four
-    return _mm256_mul_ps(_mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(k_half(fac, g / per)))), signs);
-  const uint8_t* f = fac + 2 * (g / per);
-  __m128i h;
-  __m256i idx;
-  if (per == 4) {
-    int32_t v;
-    std::memcpy(&v, f, sizeof(v));
-    h = _mm_cvtsi32_si128(v);
-    idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-  } else if (per == 2) {
-    h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(f));
-    idx = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
-  } else {
-    h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(f));
-    idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  }
-  return _mm256_mul_ps(_mm256_permutevar8x32_ps(_mm256_cvtph_ps(h), idx), signs);
-}
-
-// Groups g..g + 7 of a two-level row: sub x (factor x sign), expand_row's values.
-template <bool SIGNED>
-inline __m256 kvalues8(KBytes r, int64_t g, int64_t per, float sign) {
-  return _mm256_mul_ps(kbytes8<SIGNED>(r.sub, g), kfactors8(r.fac, g, per, sign));
-}
-
-// prefetch_row for two-level rows: the codes, then the scale and min bytes.
-inline void kprefetch_row(const QW& w, int64_t n) {
-  if (n >= w.N) return;
-  const char* codes = reinterpret_cast<const char*>(w.codes + n * w.row_bytes);
-  for (int64_t o = 0; o < w.row_bytes; o += 64) _mm_prefetch(codes + o, _MM_HINT_T0);
-  const char* sc = reinterpret_cast<const char*>(w.kscales + n * w.kbytes);
-  const char* mn = w.kmins ? reinterpret_cast<const char*>(w.kmins + n * w.kbytes) : nullptr;
-  for (int64_t o = 0; o < w.kbytes; o += 64) {
-    _mm_prefetch(sc + o, _MM_HINT_T0);
-    if (mn) _mm_prefetch(mn + o, _MM_HINT_T0);
-  }
-}
-
-// add_mins for two-level row n: the same steps (8 groups, the last few as one more masked step, or one
-// by one under 8 groups), each min formed from its bytes. A stored min is -(byte x factor): its bytes
-// times the factor, subtracted (fnmadd: the same single rounding as adding the negated product). Centred
-// codes (Q6_K's 8-bit ones; kq_takes) add scale x min_factor, the factor times it exactly (a power of
-// two), or nothing where the codes were shifted by 128 (AVX2 without AVX-VNNI: they are the signed values).
-//
-// PER: the groups per factor where the layout fixes it (8: groups of 32; 16: Q6_K's groups of 16), 0 where
-// it does not (int4's groups of 64-256). With PER >= 8 every 8-group step lies in one super-block and the
-// row's groups are whole steps: one factor per step at a fixed place, no tail. At batch 1 the general
-// loop (the factor's place found by a division per step, a branch on the layout per step, the stored /
-// centred choice per step) was about a fifth of a Q4_K row's instructions; this one adds the same values
-// in the same order.
-template <bool BITS4, bool SIGNED, int PER = 0>
-inline __m256 kadd_mins(__m256 acc, const QW& w, int64_t n, const float* gsum) {
-  if constexpr (!BITS4 && kShift8) return acc;
-  if constexpr (PER >= 8) {
-    if (w.kmins) {
-      const KBytes src = kmin_bytes(w, n);
-      for (int64_t g = 0; g < w.groups; g += 8)
-        acc = _mm256_fnmadd_ps(kvalues8<false>(src, g, PER, 1.f), _mm256_loadu_ps(gsum + g), acc);
-    } else {
-      const KBytes src = kscale_bytes(w, n);
-      const float factor = w.block_min_factor;
-      for (int64_t g = 0; g < w.groups; g += 8)
-        acc = _mm256_fmadd_ps(kvalues8<SIGNED>(src, g, PER, factor), _mm256_loadu_ps(gsum + g), acc);
-    }
-    return acc;
-  }
-  const bool stored = w.kmins != nullptr;
-  const KBytes src = stored ? kmin_bytes(w, n) : kscale_bytes(w, n);
-  const int64_t per = w.kper;
-  const float factor = stored ? 1.f : w.block_min_factor;
-  const auto step = [&](int64_t g, __m256 sums, __m256 a) {
-    if (stored) return _mm256_fnmadd_ps(kvalues8<false>(src, g, per, 1.f), sums, a);
-    return _mm256_fmadd_ps(kvalues8<SIGNED>(src, g, per, factor), sums, a);
-  };
-  int64_t g = 0;
-  for (; g + 8 <= w.groups; g += 8) acc = step(g, _mm256_loadu_ps(gsum + g), acc);
-  if (g < w.groups && w.groups >= 8) {  // per < 8 here, and groups - 8 a multiple of it
-    const int64_t last = w.groups - 8;
-    const __m256i done = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(g - last)),
-                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    return step(last, _mm256_andnot_ps(_mm256_castsi256_ps(done), _mm256_loadu_ps(gsum + last)), acc);
-  }
-  float tail = 0.f;
-  for (; g < w.groups; ++g) {
-    const float m = (stored ? -k_value(src, g, per, false) : k_value(src, g, per, SIGNED)) * w.block_min_factor;
-    tail += m * gsum[g];
-  }
-  return _mm256_add_ps(acc, _mm256_setr_ps(tail, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f));
-}
-
-// block_tile_m1x4 on two-level 4- or 5-bit rows: four rows against the one activation row, each row's
-// 8 scales of a super-block formed once for its four chunks (groups of 32), or one scale per chunk
-// (groups of 64 or more).
-template <int PLANES, int SPC>
-inline void kq_tile_m1x4(const BlockActs& a, const QW& w, int64_t n0, float* y, const float* bias) {
-  const int64_t K = w.K, chunks = K / 64;
-  const __m256i lut = _mm256_setzero_si256();  // two-level codes take no table
-  const uint8_t* row[4];
-  KBytes sc[4];
-  #pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) {
-    row[j] = w.codes + (n0 + j) * w.row_bytes;
-    sc[j] = kscale_bytes(w, n0 + j);
-  }
-  prefetch_rows(w, n0 + kPrefetchRows, 4);
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  const auto chunk = [&](int64_t c, const auto& scales) {
-    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + c * 64));
-    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + c * 64 + 32));
-    const __m256 xv = _mm256_loadu_ps(a.lanes + c * 16);
-    #pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      __m256i lo, hi;
-      chunk_halves<PLANES>(row[j], c, w, lut, lo, hi);
-      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_pairs(lo, x0, hi, x1)), _mm256_mul_ps(scales(j), xv), acc[j]);
-    }
-  };
-  if constexpr (SPC == 2) {
-    for (int64_t s = 0; s < chunks / 4; ++s) {
-      __m256 s8[4];
-      #pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) s8[j] = kvalues8<false>(sc[j], 8 * s, 8, 1.f);
-      #pragma GCC unroll 4
-      for (int q = 0; q < 4; ++q) {
-        const __m256i idx = _mm256_setr_epi32(2 * q, 2 * q, 2 * q, 2 * q, 2 * q + 1, 2 * q + 1, 2 * q + 1, 2 * q + 1);
-        chunk(4 * s + q, [&](int j) { return _mm256_permutevar8x32_ps(s8[j], idx); });
-      }
-    }
-  } else {
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t g = chunk_group<1>(w, c);
-      chunk(c, [&](int j) { return _mm256_set1_ps(k_value(sc[j], g, w.kper, false)); });
-    }
-  }
-  #pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) acc[j] = kadd_mins<true, false, SPC == 2 ? 8 : 0>(acc[j], w, n0 + j, a.gsum);
-  __m128 sum = hsum4x8(acc[0], acc[1], acc[2], acc[3]);
-  if (bias) sum = _mm_add_ps(sum, _mm_loadu_ps(bias + n0));
-  _mm_storeu_ps(y + n0, sum);
-}
-
-// block_tile's one weight row n against MT activation rows from m0, on two-level rows: 4- or 5-bit codes
-// (their super-block's 8 scales formed once for four chunks, or one per chunk), or 8-bit codes at groups
-// of 16 (a super-block's 16 scales formed once, as two registers, for its four chunks).
-template <bool BITS4, bool SIGNED, int SPC, int MT, int PLANES>
-inline void kq_row(const BlockActs& a, int64_t m0, const QW& w, int64_t n, float* y, const float* bias) {
-  const int64_t K = w.K, N = w.N, chunks = K / 64;
-  const int8_t* xq = a.q + m0 * K;
-  const float* lanes = a.lanes + m0 * chunks * 16;
-  const uint8_t* row = w.codes + n * w.row_bytes;
-  const KBytes sc = kscale_bytes(w, n);
-  kprefetch_row(w, n + kPrefetchRows);
-  __m256 acc[MT][2];
-  #pragma GCC unroll 4
-  for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  if constexpr (BITS4) {
-    const __m256i lut = _mm256_setzero_si256();
-    const auto chunk = [&](int64_t c, __m256 ws) {
-      __m256i lo, hi;
-      chunk_halves<PLANES>(row, c, w, lut, lo, hi);
-      #pragma GCC unroll 4
-      for (int i = 0; i < MT; ++i) {
-        const int8_t* xc = xq + i * K + c * 64;
-        const __m256i d = dot_pairs(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)), hi,
-                                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32)));
-        const __m256 xs = _mm256_loadu_ps(lanes + (i * chunks + c) * 16);
-        acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(ws, xs), acc[i][0]);
-      }
-    };
-    if constexpr (SPC == 4) {  // 6-bit codes at groups of 16: block_tile's halves apart, a super-block's
-      // 16 scales formed once, as two registers, for its four chunks (chunk q's 4 groups: lanes b..b + 3)
-      for (int64_t s = 0; s < chunks / 4; ++s) {
-        const __m256 s16[2] = {kvalues8<SIGNED>(sc, 16 * s, 16, 1.f), kvalues8<SIGNED>(sc, 16 * s + 8, 16, 1.f)};
-        #pragma GCC unroll 4
-        for (int q = 0; q < 4; ++q) {
-          const int64_t c = 4 * s + q;
-          const int b = 4 * (q % 2);
-          const __m256 ws_lo = _mm256_permutevar8x32_ps(s16[q / 2], _mm256_setr_epi32(b, b, b, b, b + 2, b + 2, b + 2, b + 2));
-          const __m256 ws_hi =
-              _mm256_permutevar8x32_ps(s16[q / 2], _mm256_setr_epi32(b + 1, b + 1, b + 1, b + 1, b + 3, b + 3, b + 3, b + 3));
-          __m256i lo, hi;
-          chunk_halves<PLANES>(row, c, w, lut, lo, hi);
-          #pragma GCC unroll 4
-          for (int i = 0; i < MT; ++i) six_bit_chunk(lo, hi, xq + i * K + c * 64, lanes + (i * chunks + c) * 16, ws_lo, ws_hi, acc[i]);
-        }
-      }
-    } else if constexpr (SPC == 2) {
-      for (int64_t s = 0; s < chunks / 4; ++s) {
-        const __m256 s8 = kvalues8<false>(sc, 8 * s, 8, 1.f);
-        #pragma GCC unroll 4
-        for (int q = 0; q < 4; ++q)
-          chunk(4 * s + q, _mm256_permutevar8x32_ps(s8, _mm256_setr_epi32(2 * q, 2 * q, 2 * q, 2 * q, 2 * q + 1,
-                                                                           2 * q + 1, 2 * q + 1, 2 * q + 1)));
-      }
-    } else {
-      for (int64_t c = 0; c < chunks; ++c) chunk(c, _mm256_set1_ps(k_value(sc, chunk_group<1>(w, c), w.kper, false)));
-    }
-  } else {
-    static_assert(BITS4 || SPC == 4, "two-level 8-bit codes: groups of 16");
-    for (int64_t s = 0; s < chunks / 4; ++s) {
-      const __m256 s16[2] = {kvalues8<SIGNED>(sc, 16 * s, 16, 1.f), kvalues8<SIGNED>(sc, 16 * s + 8, 16, 1.f)};
-      #pragma GCC unroll 4
-      for (int q = 0; q < 4; ++q) {
-        const int64_t c = 4 * s + q;
-        const int b = 4 * (q % 2);  // chunk c's 4 groups: lanes b..b + 3 of s16[q / 2]
-        const __m256 ws_lo = _mm256_permutevar8x32_ps(s16[q / 2], _mm256_setr_epi32(b, b, b, b, b + 1, b + 1, b + 1, b + 1));
-        const __m256 ws_hi =
-            _mm256_permutevar8x32_ps(s16[q / 2], _mm256_setr_epi32(b + 2, b + 2, b + 2, b + 2, b + 3, b + 3, b + 3, b + 3));
-        const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 64));
-        const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 64 + 32));
-        #pragma GCC unroll 4
-        for (int i = 0; i < MT; ++i) {
-          const int8_t* xc = xq + i * K + c * 64;
-          const float* xs = lanes + (i * chunks + c) * 16;  // lanes 0-7: block A's scale, 8-15: B's
-          const __m256i d0 = dot_u8(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)));
-          const __m256i d1 = dot_u8(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32)));
-          acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(ws_lo, _mm256_broadcast_ss(xs)), acc[i][0]);
-          acc[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(ws_hi, _mm256_broadcast_ss(xs + 8)), acc[i][1]);
-        }
-      }
-    }
-  }
-  #pragma GCC unroll 4
-  for (int i = 0; i < MT; ++i) {
-    const __m256 sum = BITS4 && SPC <= 2 ? acc[i][0] : _mm256_add_ps(acc[i][0], acc[i][1]);
-    const __m256 total = kadd_mins<BITS4, SIGNED, SPC == 2 ? 8 : (SPC == 4 ? 16 : 0)>(sum, w, n, a.gsum + (m0 + i) * a.gstride);
-    y[(m0 + i) * N + n] = hsum8(total) + (bias ? bias[n] : 0.f);
-  }
-}
-
-// Rows n0..n0 + NT - 1 against the M activation rows, MT at a time, in block_rows' order.
-template <bool BITS4, bool SIGNED, int SPC, int NT, int PLANES>
-inline void kq_rows(const BlockActs& a, int64_t M, const QW& w, int64_t n0, float* y, const float* bias) {
-  if constexpr (BITS4 && NT == 4 && SPC <= 2) {
-    if (M == 1) return kq_tile_m1x4<PLANES, SPC>(a, w, n0, y, bias);
-  }
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4)
-    for (int j = 0; j < NT; ++j) kq_row<BITS4, SIGNED, SPC, 4, PLANES>(a, m, w, n0 + j, y, bias);
-  for (int j = 0; j < NT; ++j) {
-    switch (M - m) {
-      case 3: kq_row<BITS4, SIGNED, SPC, 3, PLANES>(a, m, w, n0 + j, y, bias); break;
-      case 2: kq_row<BITS4, SIGNED, SPC, 2, PLANES>(a, m, w, n0 + j, y, bias); break;
-      case 1: kq_row<BITS4, SIGNED, SPC, 1, PLANES>(a, m, w, n0 + j, y, bias); break;
-      default: break;
-    }
-  }
-}
-#endif  // PERFXLM_DOTS_AVX2
-
-#ifdef PERFXLM_VNNI
 // block_tile (AVX512-VNNI) on two-level rows: the one tile, reading the bytes.
 template <bool BITS4, bool SIGNED, int SPC, int MT, int NT, int PLANES>
 inline void kq_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, float* y, const float* bias) {
@@ -1731,100 +1087,21 @@ inline void kq_rows(const BlockActs& a, int64_t M, const QW& w, int64_t n0, floa
     default: break;
   }
 }
+
+#define PERFXLM_ZMM_TILES 1
+#include "block_dispatch.h"
+#undef PERFXLM_ZMM_TILES
+}  // namespace zmm
 #endif  // PERFXLM_VNNI
 
-#ifdef PERFXLM_INT8_DOTS
-// All rows of a two-level weight, in parallel over tiles of four rows (over_rows' split, no expansion).
-template <bool BITS4, bool SIGNED, int SPC, int PLANES>
-void kq_gemv_typed(const BlockActs& a, int64_t M, const QW& w, float* y, const float* bias) {
-  at::parallel_for(0, (w.N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
-    const int64_t n1 = std::min(w.N, end * 4);
-    int64_t n = begin * 4;
-    for (; n + 4 <= n1; n += 4) kq_rows<BITS4, SIGNED, SPC, 4, PLANES>(a, M, w, n, y, bias);
-    for (; n < n1; ++n) kq_rows<BITS4, SIGNED, SPC, 1, PLANES>(a, M, w, n, y, bias);
-  });
-}
-
-// The block product of a weight kq_takes.
-void kq_product(const BlockActs& a, int64_t M, const QW& w, float* y, const float* bias, int spc) {
-  if (!w.bits4)
-    kq_gemv_typed<false, true, 4, 0>(a, M, w, y, bias);
-  else if (w.bits6)
-    kq_gemv_typed<true, true, 4, 2>(a, M, w, y, bias);
-  else if (w.bits5)
-    kq_gemv_typed<true, false, 2, 1>(a, M, w, y, bias);
-  else if (spc == 2)
-    kq_gemv_typed<true, false, 2, 0>(a, M, w, y, bias);
-  else
-    kq_gemv_typed<true, false, 1, 0>(a, M, w, y, bias);
-}
-#endif
-
-
-// Activation rows per pass over a tile of weight rows. A pass loads and unpacks each weight row's codes
-// once and multiplies them into every activation row it holds, so the unpacking is paid once per pass:
-// a verification step's 5-8 rows (a decode row and its guesses) ran as a pass of 4 and one of the rest,
-// every code unpacked twice (an extra row cost ~37 % of a one-row step). The widest pass whose
-// accumulators stay in registers: zmm (32 registers) keep MT x NT of them, so 5-8 rows take two weight
-// rows at a time (block_tile_wide) and at most 4 rows the tile of four; ymm (16) run one weight row at a time with
-// MT accumulators, 2 MT for 8-bit codes at groups of 16 (two per chunk), which stay at 4 rows.
-// Each row's sums run in block_tile's order whatever the pass's width: a row alone gives the bits of the
-// same row in any batch (speculative verification's exactness rests on it).
-#ifdef PERFXLM_DOTS_AVX2
-template <bool BITS4, int SPC>
-constexpr int64_t kWideRows = (!BITS4 && SPC == 4) ? 4 : 8;
-#else
-template <bool BITS4, int SPC>
-constexpr int64_t kWideRows = 8;
-#endif
-
-// One pass of MT activation rows over the NT weight rows from n0 (see kWideRows).
-template <bool BITS4, bool HALF, int SPC, int MT, int NT, int PLANES>
-inline void row_pass(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, float* y, const float* bias) {
-#ifdef PERFXLM_VNNI
-  if constexpr (MT > 4 && NT % 2 == 0) {
-    #pragma GCC unroll 4
-    for (int j = 0; j < NT; j += 2) block_tile_wide<BITS4, HALF, SPC, MT, PLANES>(a, m0, w, n0 + j, y, bias);
-    return;
-  }
-#endif
-  block_tile<BITS4, HALF, SPC, MT, NT, PLANES>(a, m0, w, n0, y, bias);
-}
-
-// The last `rows` (1..MT) activation rows from m0, as one pass.
-template <bool BITS4, bool HALF, int SPC, int MT, int NT, int PLANES>
-inline void rows_left(const BlockActs& a, int64_t rows, int64_t m0, const QW& w, int64_t n0, float* y,
-                      const float* bias) {
-  if constexpr (MT >= 1) {
-    if (rows == MT) return row_pass<BITS4, HALF, SPC, MT, NT, PLANES>(a, m0, w, n0, y, bias);
-    rows_left<BITS4, HALF, SPC, MT - 1, NT, PLANES>(a, rows, m0, w, n0, y, bias);
-  }
-}
-
-template <bool BITS4, bool HALF, int SPC, int NT, int PLANES>
-inline void block_rows(const BlockActs& a, int64_t M, const QW& w, int64_t n0, float* y, const float* bias) {
-#ifdef PERFXLM_BLOCK_M1X4
-  if constexpr (NT == 4 && BITS4 && SPC <= 2) {
-    if (M == 1) return block_tile_m1x4<BITS4, HALF, SPC, PLANES>(a, 0, w, n0, y, bias);
-  }
-  if constexpr (NT == 4 && !BITS4 && SPC <= 2) {
-    if (M == 1) return block_tile_m1x4_q8<HALF, SPC>(a, 0, w, n0, y, bias);
-  }
-#endif
-  constexpr int64_t wide = kWideRows<BITS4, SPC>;
-  int64_t m = 0;
-  for (; m + wide <= M; m += wide) row_pass<BITS4, HALF, SPC, wide, NT, PLANES>(a, m, w, n0, y, bias);
-  if (m < M) rows_left<BITS4, HALF, SPC, wide - 1, NT, PLANES>(a, M - m, m, w, n0, y, bias);
-}
-
-template <bool BITS4, bool HALF, int SPC, int PLANES>
-void block_gemv_typed(const BlockActs& a, int64_t M, const QW& w, float* y, const float* bias) {
-  over_rows(w, 4, 16, [&](const QW& v, int64_t n0, int64_t n1) {
-    int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) block_rows<BITS4, HALF, SPC, 4, PLANES>(a, M, v, n, y, bias);
-    for (; n < n1; ++n) block_rows<BITS4, HALF, SPC, 1, PLANES>(a, M, v, n, y, bias);
-  });
-}
+// The 256-bit tiles (dots256.h) and their dispatch: every int8-dot build has them.
+namespace ymm {
+#include "dots256.h"
+#include "dots256_kbytes.h"
+#define PERFXLM_ZMM_TILES 0
+#include "block_dispatch.h"
+#undef PERFXLM_ZMM_TILES
+}  // namespace ymm
 
 // x with each block of 32 replaced by its int8 quantization times its scale: what the block GEMV
 // multiplies, rounded exactly as quantize_blocks rounds.
@@ -1853,12 +1130,6 @@ int block_spc(const QW& w) {
   return 0;
 }
 
-template <bool BITS4, bool HALF, int PLANES = 0>
-void block_gemv_spc(const BlockActs& a, int64_t M, const QW& w, float* y, const float* bias, int spc) {
-  if (spc == 1) block_gemv_typed<BITS4, HALF, 1, PLANES>(a, M, w, y, bias);
-  else if (spc == 2) block_gemv_typed<BITS4, HALF, 2, PLANES>(a, M, w, y, bias);
-  else if constexpr (!BITS4 || PLANES == 2) block_gemv_typed<BITS4, HALF, 4, PLANES>(a, M, w, y, bias);  // 8- or 6-bit
-}
 
 // Whether the int8 GEMM (quant_gemm.cpp) takes a weight the block GEMV takes: perfxlm/ops/linear.py's
 // gemm_takes, less the two-level scales it multiplies out in Python.
@@ -1870,18 +1141,13 @@ bool gemm_takes(const QW& w) {
   return groups_ok && (!w.kscales || w.kexp) && (!w.levels || w.int_lut) && rate;
 }
 
-// The block products of M quantized rows `a` with every row of w into y [M, w.N].
+// The block products of M quantized rows `a` with every row of w into y [M, w.N]: on zmm tiles, or on ymm
+// ones where the process's dot width (int8_dot_width) is 256.
 void block_into(const BlockActs& a, int64_t M, const QW& w, float* yp, const float* bias, int spc) {
-  if (kq_takes(w, spc))
-    kq_product(a, M, w, yp, bias, spc);
-  else if (w.bits6)  // the planes a template argument: no branch on them per chunk
-    w.half ? block_gemv_spc<true, true, 2>(a, M, w, yp, bias, spc) : block_gemv_spc<true, false, 2>(a, M, w, yp, bias, spc);
-  else if (w.bits5)
-    w.half ? block_gemv_spc<true, true, 1>(a, M, w, yp, bias, spc) : block_gemv_spc<true, false, 1>(a, M, w, yp, bias, spc);
-  else if (w.bits4)
-    w.half ? block_gemv_spc<true, true>(a, M, w, yp, bias, spc) : block_gemv_spc<true, false>(a, M, w, yp, bias, spc);
-  else
-    w.half ? block_gemv_spc<false, true>(a, M, w, yp, bias, spc) : block_gemv_spc<false, false>(a, M, w, yp, bias, spc);
+#ifdef PERFXLM_VNNI
+  if (dot_width_now() == 512) return zmm::products(a, M, w, yp, bias, spc);
+#endif
+  ymm::products(a, M, w, yp, bias, spc);
 }
 
 at::Tensor block_product(const at::Tensor& x, const QW& w, const float* bias, int spc) {
@@ -2051,6 +1317,35 @@ at::Tensor dequantize_q(const at::Tensor& codes, const at::Tensor& scales, const
 
 }  // namespace
 
+// The int8 block GEMV's vector width in force (256 or 512; 0 where the build has no block GEMV).
+int64_t int8_dot_width() {
+#ifdef PERFXLM_INT8_DOTS
+  return dot_width_now();
+#else
+  return 0;
+#endif
+}
+
+// Set it (256 or 512; 512 only takes where the build has zmm tiles); returns the width now in force.
+int64_t set_int8_dot_width(int64_t width) {
+  TORCH_CHECK(width == 256 || width == 512, "set_int8_dot_width: expected 256 or 512, got ", width);
+#ifdef PERFXLM_VNNI
+  g_dot_width.store(static_cast<int>(width), std::memory_order_relaxed);
+#endif
+  return int8_dot_width();
+}
+
+// Whether the 256-bit tiles fold centred codes' centre into their dot products (BlockActs::starts; on by
+// default where the build can); returns the previous setting. For tests and measurements of both forms.
+bool set_int8_centre_fold(bool on) {
+#ifdef PERFXLM_INT8_DOTS
+  return g_fold_centre.exchange(on);
+#else
+  (void)on;
+  return false;
+#endif
+}
+
 // Whether this build has the int8 block-dot GEMV (AVX512-VNNI, AVX2, AVX-VNNI); without it int8_blocks
 // is ignored.
 bool int8_block_dots() {
@@ -2087,6 +1382,9 @@ TORCH_LIBRARY_FRAGMENT(perfxlm, m) {
       "linear_q(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? levels, Tensor? bias, bool act_int8, "
       "int max_rows, bool bf16_gemm, bool int8_blocks=False, int block_max_rows=-1, int gemm_rows=-1) -> Tensor");
   m.def("int8_block_dots() -> bool", &perfxlm_quant::int8_block_dots);  // no tensors: a catch-all kernel
+  m.def("int8_dot_width() -> int", &perfxlm_quant::int8_dot_width);
+  m.def("set_int8_dot_width(int width) -> int", &perfxlm_quant::set_int8_dot_width);
+  m.def("set_int8_centre_fold(bool on) -> bool", &perfxlm_quant::set_int8_centre_fold);
   m.def("compiled_isa() -> str", &perfxlm_quant::compiled_isa);
   m.def("dequantize_q(Tensor codes, Tensor scales, Tensor? mins, Tensor? levels, int in_features) -> Tensor");
   // Q8_0 / Q4_0 codes in row groups (row_groups.h, perfxlm/quant/row_groups.py)

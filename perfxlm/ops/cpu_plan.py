@@ -61,6 +61,19 @@ int8 dots, keeps int8 and nf4 weight-only, w8a8 always rounds), decided once at 
                                   the fused decode layer follows it too); 0: only past those limits.
                                   Default 16 without fast bf16 (_AUTO_GEMM_ROWS), 0 with it
 
+- PERFXLM_DOT_WIDTH = 256 | 512   the vector width of the int8 block GEMV in AVX512-VNNI builds (the
+                                  other builds have only the 256-bit one): zmm tiles, or the AVX2 tiles
+                                  with vpdpbusd on ymm (AVX512-VL + VNNI) and the centre of centred codes
+                                  folded into the dot products. Default 512. Zen 4 splits each 512-bit
+                                  operation in two, yet the 256-bit tiles do not win there clearly (the
+                                  default model's decode-step weights, batch 1, streamed from memory, one
+                                  thread's CPU time per call, 7 alternating rounds, loaded 2-vCPU Zen 4):
+                                  per step 0.95x the zmm time on Q8_0, 1.04x on Q4_0, 1.06x on Q4_K_M;
+                                  3-9 % faster on every 576-input matrix and the Q8_0 head, 1.5x slower on
+                                  4-bit codes at 1536 inputs (Q4_0 / Q4_K down), cache-resident 4-bit
+                                  matrices 0.6-0.9x. Set in the native kernels by `use` / `reset` (they
+                                  read the same variable when they load)
+
 The instruction-set tier (perfxlm.ops.isa: PERFXLM_ISA=auto | scalar | avx2 | avx_vnni | avx512 |
 avx512_vnni | avx512_bf16 | amx) decides the native build and the flags every choice above sees.
 """
@@ -76,6 +89,7 @@ LAYOUTS = ("rows", "panels")
 GEMMS = ("bf16", "float32")
 QUANT_GEMMS = ("int8", "float32")
 COMPUTES = ("float32", "bfloat16")
+DOT_WIDTHS = ("256", "512")
 # Measured with 2 threads on the default model's shapes: AMX's bf16 GEMM overtakes the row kernel past
 # 4 rows; the panel kernel beats MKL's float32 GEMM up to 256 rows on AVX-512 without bf16.
 _AUTO_MAX_ROWS = {("rows", "bf16"): 4, ("rows", "float32"): 64, ("panels", "bf16"): 256, ("panels", "float32"): 256}
@@ -97,6 +111,7 @@ class CpuPlan:
     quant_gemm: str = "float32"  # past those rows, int8-block weights: the int8 GEMM or the float32 one
     quant_gemm_rows: int = 0  # under the int8 GEMM, int8-block weights it takes run it from this many rows
     # (0: past their GEMV limit above)
+    dot_width: int = 256  # the int8 block GEMV's vector width: 512 (zmm tiles) or 256
 
     def describe(self) -> str:
         return (f"isa={self.isa} bf16 layout={self.layout} gemm={self.gemm} native_max_rows={self.native_max_rows} "
@@ -104,7 +119,8 @@ class CpuPlan:
                 + ("" if self.quant_block_max_rows < 0 else f" (4-bit and heads: {self.quant_block_max_rows})")
                 + f", then the {self.quant_gemm} GEMM"
                 + (f" (int8-block weights from {self.quant_gemm_rows} rows)"
-                   if self.quant_gemm == "int8" and self.quant_gemm_rows > 0 else ""))
+                   if self.quant_gemm == "int8" and self.quant_gemm_rows > 0 else "")
+                + f", int8 dots {self.dot_width}-bit")
 
 
 def _choice(name: str, allowed: tuple[str, ...], default: str) -> str:
@@ -142,7 +158,19 @@ def detect() -> CpuPlan:
     block_rows_limit = _rows("PERFXLM_QUANT_BLOCK_MAX_ROWS", -1 if fast_bf16 else 128)
     quant_gemm = _quant_gemm(fast_bf16 and isa.has_amx())
     gemm_rows = _rows("PERFXLM_QUANT_GEMM_ROWS", _AUTO_GEMM_ROWS if quant_gemm == "int8" and not fast_bf16 else 0)
-    return CpuPlan(layout, gemm, max_rows, compute, quant_rows, tier, block_rows_limit, quant_gemm, gemm_rows)
+    return CpuPlan(layout, gemm, max_rows, compute, quant_rows, tier, block_rows_limit, quant_gemm, gemm_rows,
+                   _dot_width())
+
+
+def _dot_width() -> int:
+    """512 where the build has zmm int8 tiles (AVX512-VNNI), 256 on builds without them (AVX2, AVX-VNNI,
+    AVX-512 without VNNI). csrc/quant_linear.cpp's default_dot_width applies the same rule."""
+    zmm = "avx512_vnni" in isa.visible_flags()
+    value = _choice("PERFXLM_DOT_WIDTH", DOT_WIDTHS, "512" if zmm else "256")
+    if value == "512" and not zmm:
+        raise ValueError(f"PERFXLM_DOT_WIDTH=512 needs AVX512-VNNI; the {isa.selected()} tier lacks it "
+                         "(set 256 or auto).")
+    return int(value)
 
 
 def _quant_gemm(amx_bf16: bool) -> str:
@@ -195,6 +223,7 @@ def use(new: CpuPlan | None = None, **changes: object) -> CpuPlan:
     global _plan
     previous = plan()
     _plan = replace(new or previous, **changes)  # type: ignore[arg-type]
+    _set_kernels(_plan)
     return previous
 
 
@@ -202,3 +231,25 @@ def reset() -> None:
     """Forget the plan in force: the next `plan()` reads the CPU and the environment again."""
     global _plan
     _plan = None
+    _set_kernels(None)
+
+
+def _set_kernels(p: CpuPlan | None) -> None:
+    """Put the plan's choice that lives in the native kernels there: the int8 GEMV's dot width, read at
+    each product, so it holds for every caller (module path, fused layer, experts, LoRA ranges). Loaded
+    kernels are set at once (None: back to the environment's rule); kernels not loaded yet start from that
+    rule themselves (csrc default_dot_width), so they are loaded here only for a plan that departs from it."""
+    import torch
+
+    try:
+        loaded = hasattr(torch.ops.perfxlm, "set_int8_dot_width")
+        width = p.dot_width if p is not None else _dot_width()
+        if not loaded and width == _dot_width():
+            return
+    except ValueError:  # a bad PERFXLM_DOT_WIDTH: raised by the plan() that reads it, not here
+        return
+    from perfxlm.ops import native
+
+    ops = native.kernels()
+    if ops is not None and hasattr(ops, "set_int8_dot_width"):
+        ops.set_int8_dot_width(width)
