@@ -67,6 +67,16 @@ def assert_pool_whole(llm) -> None:
     assert counts["free"] + counts["cached"] == engine.num_kv_blocks
 
 
+@pytest.fixture(scope="session")
+def tier_kernel_cache(tmp_path_factory) -> str:
+    """One PERFXLM_CACHE_DIR for every build of a forced instruction-set tier in this session (the
+    kernel tests under each lower tier, the export run under a lower tier): a tier's build, minutes of
+    compiling, is made once per session however many tests run under it. Under pytest's base temp, not
+    the user's cache: pytest keeps only the last few, so the tier builds of each edit of the sources do
+    not pile up."""
+    return str(tmp_path_factory.mktemp("tier_kernels"))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def native_kernels_built():
     """Compile the CPU kernels once, up front: a server process started by a test then finds them

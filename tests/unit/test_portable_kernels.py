@@ -25,7 +25,7 @@ KERNEL_TESTS = ["tests/unit/test_linear_ops.py", "tests/unit/test_attention_ops.
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tier", isa.DISTINCT_PATHS)
-def test_each_lower_tier_matches_references(tmp_path, tier):
+def test_each_lower_tier_matches_references(tier_kernel_cache, tier):
     if native.kernels() is None:
         pytest.skip("no compiler for the native kernels on this machine")
     if tier not in isa.supported():
@@ -33,7 +33,7 @@ def test_each_lower_tier_matches_references(tmp_path, tier):
     if tier == isa.detect():
         pytest.skip(f"{tier} is this CPU's own tier: the rest of the suite runs its kernels")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PERFXLM_ISA=tier, PERFXLM_CACHE_DIR=str(tmp_path))
+    env = dict(os.environ, PERFXLM_ISA=tier, PERFXLM_CACHE_DIR=tier_kernel_cache)
     env.pop("PERFXLM_NATIVE_MARCH", None)
     check = subprocess.run(
         [sys.executable, "-c", "from perfxlm.ops import native, cpu_plan; print(native.kernels().compiled_isa(), "
