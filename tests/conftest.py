@@ -68,13 +68,16 @@ def assert_pool_whole(llm) -> None:
 
 
 @pytest.fixture(scope="session")
-def tier_kernel_cache(tmp_path_factory) -> str:
-    """One PERFXLM_CACHE_DIR for every build of a forced instruction-set tier in this session (the
-    kernel tests under each lower tier, the export run under a lower tier): a tier's build, minutes of
-    compiling, is made once per session however many tests run under it. Under pytest's base temp, not
-    the user's cache: pytest keeps only the last few, so the tier builds of each edit of the sources do
-    not pile up."""
-    return str(tmp_path_factory.mktemp("tier_kernels"))
+def tier_build_env(tmp_path_factory) -> dict[str, str]:
+    """The environment of every build of a forced instruction-set tier in this session (the kernel tests
+    under each lower tier, the export run under a lower tier), to add to PERFXLM_ISA:
+    - one PERFXLM_CACHE_DIR: a tier's build, minutes of compiling, is made once per session however many
+      tests run under it. Under pytest's base temp, not the user's cache: pytest keeps only the last few,
+      so the tier builds of each edit of the sources do not pile up;
+    - PERFXLM_NATIVE_OPT=-O1: these builds exist to check results, which do not depend on the level (the
+      kernels round through intrinsics, without contraction); at -O1 the extension compiles in
+      LEVEL_FIGURES of the CPU time at -O3. The CPU's own tier, which the rest of the suite runs, stays -O3."""
+    return {"PERFXLM_CACHE_DIR": str(tmp_path_factory.mktemp("tier_kernels")), "PERFXLM_NATIVE_OPT": "-O1"}
 
 
 @pytest.fixture(scope="session", autouse=True)
