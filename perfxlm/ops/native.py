@@ -5,6 +5,10 @@ CPU's flags and the instruction-set tier built for (perfxlm.ops.isa: -march=nati
 flags), then loaded as `torch.ops.perfxlm.*`. Where there is no compiler (or
 PERFXLM_NATIVE=0), `kernels()` returns None and every caller takes its plain-torch path: same results,
 slower.
+
+PERFXLM_NATIVE_OPT=-O1|-O2 compiles at that optimisation level instead of -O3 (part of the cache key): a
+knob for the test suite's builds of the lower tiers, which it compiles only to check their results (the
+sources round as torch does at any level: intrinsics, no contraction); the engine's builds stay -O3.
 """
 
 from __future__ import annotations
@@ -53,6 +57,16 @@ def _march() -> list[str]:
     return isa.compile_flags()
 
 
+_OPT_LEVELS = ("-O1", "-O2", "-O3")
+
+
+def _opt() -> str:
+    value = os.environ.get("PERFXLM_NATIVE_OPT", "").strip() or "-O3"
+    if value not in _OPT_LEVELS:
+        raise ValueError(f"PERFXLM_NATIVE_OPT={value!r}: expected one of {', '.join(_OPT_LEVELS)}.")
+    return value
+
+
 def _build_dir() -> Path:
     sources = b"".join(f.read_bytes() for f in sorted(_CSRC.glob("*.[ch]*")))  # the sources and their headers
     # The folder is part of the key: torch's builder writes the sources' absolute paths into build.ninja,
@@ -60,6 +74,8 @@ def _build_dir() -> Path:
     key = hashlib.sha256(
         sources + str(_CSRC.resolve()).encode() + torch.__version__.encode() + _cpu_flags().encode()
         + " ".join(_march()).encode()
+        # only a level other than the default joins the key, so the engine's builds keep their folders
+        + (b"" if _opt() == "-O3" else _opt().encode())
     ).hexdigest()[:16]
     root = Path(os.environ.get("PERFXLM_CACHE_DIR", Path.home() / ".cache" / "perfxlm"))
     path = root / "kernels" / key
@@ -101,6 +117,7 @@ def kernels() -> Any | None:
     from perfxlm.ops import isa
 
     isa.requested()  # a bad PERFXLM_ISA is the user's error to fix, not a reason to fall back quietly
+    _opt()  # as a bad PERFXLM_NATIVE_OPT
     with _lock:
         if "ops" in _state:
             return _state["ops"]
@@ -131,7 +148,7 @@ def _load() -> Any | None:
                 # -fopenmp: at::parallel_for is inline OpenMP; the runtime resolves to the libgomp.so.1
                 # torch has already loaded, so kernels share torch's thread pool.
                 # -ffp-contract=off: elementwise kernels round exactly as torch's ops (explicit FMAs stay).
-                extra_cflags=["-O3", *_march(), "-fopenmp", "-ffp-contract=off"],
+                extra_cflags=[_opt(), *_march(), "-fopenmp", "-ffp-contract=off"],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),
                 is_python_module=False,

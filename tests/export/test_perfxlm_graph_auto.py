@@ -194,13 +194,15 @@ print(json.dumps({"isa": cpu_plan.plan().isa, "int8_dots": cpu_plan.has_int8_dot
 
 
 @pytest.mark.slow
-def test_a_lower_tier_runs_its_own_choices_and_says_so(tmp_path, tiny_gguf):
-    """Exported on this CPU's tier, run under PERFXLM_ISA forcing a lower one (AVX-512 without VNNI on a
-    VNNI CPU; its kernels built once per machine): that tier's kernels and choices, the module path's tokens
-    under the same tier, and a warning naming the tier (and the int8 dot products, where that tier has none)."""
+def test_a_lower_tier_runs_its_own_choices_and_says_so(tmp_path, tiny_gguf, tier_build_env):
+    """Exported on this CPU's tier, run under PERFXLM_ISA forcing a lower one (AVX2 on an AVX-512 or
+    AVX-VNNI CPU, the scalar loops on an AVX2 one): that tier's kernels and choices, the module path's tokens
+    under the same tier, and a warning naming the tier (and the int8 dot products, where that tier has none).
+    Both tiers are ones the kernel tests build too (isa.DISTINCT_PATHS), so the session's one build of the
+    tier serves both (tier_build_env)."""
     if native.kernels() is None:
         pytest.skip("no native kernels: no tier to force")
-    lower = next((t for t in ("avx512", "avx2", "scalar") if t in isa.supported() and t != isa.detect()), None)
+    lower = next((t for t in ("avx2", "scalar") if t in isa.supported() and t != isa.detect()), None)
     if lower is None:
         pytest.skip("this CPU runs no tier below its own")
     out = str(tmp_path / "graph")
@@ -208,7 +210,7 @@ def test_a_lower_tier_runs_its_own_choices_and_says_so(tmp_path, tiny_gguf):
     recorded = _recorded(out)
     assert recorded["isa"] == isa.detect() and recorded["quant_activations"] == "int8_native"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PERFXLM_ISA=lower, PYTHONPATH=root)
+    env = dict(os.environ, PERFXLM_ISA=lower, PYTHONPATH=root, **tier_build_env)
     env.pop("PERFXLM_NATIVE_MARCH", None)
     run = subprocess.run([sys.executable, "-c", _RUN_BOTH, out, tiny_gguf], env=env, cwd=root,
                          capture_output=True, text=True, timeout=900)

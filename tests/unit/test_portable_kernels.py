@@ -25,7 +25,7 @@ KERNEL_TESTS = ["tests/unit/test_linear_ops.py", "tests/unit/test_attention_ops.
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tier", isa.DISTINCT_PATHS)
-def test_each_lower_tier_matches_references(tmp_path, tier):
+def test_each_lower_tier_matches_references(tier_build_env, tier):
     if native.kernels() is None:
         pytest.skip("no compiler for the native kernels on this machine")
     if tier not in isa.supported():
@@ -33,7 +33,7 @@ def test_each_lower_tier_matches_references(tmp_path, tier):
     if tier == isa.detect():
         pytest.skip(f"{tier} is this CPU's own tier: the rest of the suite runs its kernels")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PERFXLM_ISA=tier, PERFXLM_CACHE_DIR=str(tmp_path))
+    env = dict(os.environ, PERFXLM_ISA=tier, **tier_build_env)
     env.pop("PERFXLM_NATIVE_MARCH", None)
     check = subprocess.run(
         [sys.executable, "-c", "from perfxlm.ops import native, cpu_plan; print(native.kernels().compiled_isa(), "
@@ -58,3 +58,18 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_start(tmp_pa
     with native._build_guard(tmp_path):
         seen.append((tmp_path / "lock").exists())
     assert seen == [False]
+
+
+def test_a_lower_optimisation_level_builds_in_its_own_folder(tmp_path, monkeypatch):
+    # PERFXLM_NATIVE_OPT (the tier tests' -O1 builds) must never find or replace an -O3 build, and a level
+    # that could change results (-Ofast) is refused by name
+    monkeypatch.setenv("PERFXLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("PERFXLM_NATIVE_OPT", raising=False)
+    default = native._build_dir()
+    monkeypatch.setenv("PERFXLM_NATIVE_OPT", "-O3")
+    assert native._build_dir() == default
+    monkeypatch.setenv("PERFXLM_NATIVE_OPT", "-O1")
+    assert native._build_dir() != default
+    monkeypatch.setenv("PERFXLM_NATIVE_OPT", "-Ofast")
+    with pytest.raises(ValueError, match="PERFXLM_NATIVE_OPT='-Ofast'"):
+        native._build_dir()
