@@ -38,35 +38,9 @@
 static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
 static inline uint16_t f2h(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
 
-#ifdef __AVX512F__
-static inline float quantize_block(const float* src, int8_t* q) {
-  const __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-  const float scale = amax / 127.f;
-  if (!(scale > 0.f)) {
-    std::memset(q, 0, 32);
-    return scale;
-  }
-  const __m512 d = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
-  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  const __m512 ra = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_div_ps(a, d), kRound)));
-  const __m512 rb = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_div_ps(b, d), kRound)));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(ra)));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(rb)));
-  return scale;
-}
-#else  // the same rounding on AVX2 (act_blocks.h's other form)
-static inline float quantize_block(const float* src, int8_t* q) {
-  float amax = 0.f;
-  for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(src[j]));
-  const float scale = amax / 127.f;
-  for (int j = 0; j < 32; ++j) {
-    const float v = scale > 0.f ? std::nearbyint(src[j] / scale) : 0.f;
-    q[j] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
-  }
-  return scale;
-}
-#endif
+// act_blocks.h's rounding, the widest form this build has, as the engine quantizes activations
+#include "../perfxlm/csrc/act_blocks.h"
+static inline float quantize_block(const float* src, int8_t* q) { return perfxlm_act::quantize_block_fast(src, q); }
 
 // One weight in the plain layout: codes [N, K] (8-bit, u = q + 128) or [N, K / 2] (GGUF Q4 nibbles), scales
 // float16 [N, K / 32]; w = scale x (u - centre).
