@@ -251,6 +251,17 @@ inline void six_bit_chunk(__m256i lo, __m256i hi, const int8_t* xc, const int32_
   acc[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(ws_hi, _mm256_loadu_ps(xs + 8)), acc[1]);
 }
 
+// One chunk of 8-bit codes at groups of 16 against activation row i: each 32-byte half dotted onto its
+// int32 start, scaled by its two groups' scales (ws_lo, ws_hi) times its block's activation scale
+// (xs: lanes 0-7 block A's, 8-15 B's). The plain and the two-level scales' tiles share it.
+inline void eight_bit_chunk(__m256i lo, __m256i hi, const int8_t* xc, const int32_t* st, const float* xs,
+                            __m256 ws_lo, __m256 ws_hi, __m256 (&acc)[2]) {
+  const __m256i d0 = dot_u8(start8(st, 0), lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)));
+  const __m256i d1 = dot_u8(start8(st, 8), hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32)));
+  acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(ws_lo, _mm256_broadcast_ss(xs)), acc[0]);
+  acc[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(ws_hi, _mm256_broadcast_ss(xs + 8)), acc[1]);
+}
+
 // A chunk's two block scales of one weight row spread as chunk_dot8's lanes: [A A B B A A B B].
 template <bool HALF, int SPC>
 inline __m256 block_scales8(const QW& w, int64_t g0) {
@@ -335,15 +346,9 @@ inline void block_tile(const BlockActs& a, int64_t m0, const QW& w, int64_t n0, 
           const __m256 s4 = _mm256_castps128_ps256(load_params_lo<HALF, 4>(w.scales, g0));
           const __m256 ws_lo = _mm256_permutevar8x32_ps(s4, lo_idx), ws_hi = _mm256_permutevar8x32_ps(s4, hi_idx);
           #pragma GCC unroll 8
-          for (int i = 0; i < MT; ++i) {
-            const int8_t* xc = xq + i * K + c * 64;
-            const float* xs = lanes + (i * chunks + c) * 16;  // lanes 0-7: block A's scale, 8-15: B's
-            const int32_t* st = chunk_starts(a, m0 + i, chunks, c);
-            const __m256i d0 = dot_u8(start8(st, 0), lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)));
-            const __m256i d1 = dot_u8(start8(st, 8), hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32)));
-            acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(ws_lo, _mm256_broadcast_ss(xs)), acc[i][0]);
-            acc[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(ws_hi, _mm256_broadcast_ss(xs + 8)), acc[i][1]);
-          }
+          for (int i = 0; i < MT; ++i)
+            eight_bit_chunk(lo, hi, xq + i * K + c * 64, chunk_starts(a, m0 + i, chunks, c), lanes + (i * chunks + c) * 16,
+                            ws_lo, ws_hi, acc[i]);
         } else {  // one scale per half (block): see chunk_dot8
           const __m256 ws8 = block_scales8<HALF, SPC>(w, g0);
           #pragma GCC unroll 8

@@ -231,15 +231,9 @@ inline void kq_row(const BlockActs& a, int64_t m0, const QW& w, int64_t n, float
         const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 64));
         const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 64 + 32));
         #pragma GCC unroll 4
-        for (int i = 0; i < MT; ++i) {
-          const int8_t* xc = xq + i * K + c * 64;
-          const float* xs = lanes + (i * chunks + c) * 16;  // lanes 0-7: block A's scale, 8-15: B's
-          const int32_t* st = chunk_starts(a, m0 + i, chunks, c);
-          const __m256i d0 = dot_u8(start8(st, 0), lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)));
-          const __m256i d1 = dot_u8(start8(st, 8), hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32)));
-          acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(ws_lo, _mm256_broadcast_ss(xs)), acc[i][0]);
-          acc[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(ws_hi, _mm256_broadcast_ss(xs + 8)), acc[i][1]);
-        }
+        for (int i = 0; i < MT; ++i)
+          eight_bit_chunk(lo, hi, xq + i * K + c * 64, chunk_starts(a, m0 + i, chunks, c), lanes + (i * chunks + c) * 16,
+                          ws_lo, ws_hi, acc[i]);
       }
     }
   }
