@@ -416,7 +416,8 @@ struct PartsLayout {
 };
 PartsLayout parts_layout(at::TensorList parts) {
   if (parts.size() != 8) return {};
-  return {parts[6].item<int64_t>(), parts[7].item<int64_t>()};
+  // read in place: item() costs a dispatch, per projection and step
+  return {*parts[6].const_data_ptr<int64_t>(), *parts[7].const_data_ptr<int64_t>()};
 }
 
 // y = x W^T + b as perfxlm/ops/linear.py dispatches it, so the fused layer and the module path agree:

@@ -82,7 +82,7 @@ int8 dots, keeps int8 and nf4 weight-only, w8a8 always rounds), decided once at 
                                   shapes, one thread, loaded Zen 4; AVX2 build 1.4-2.7x) and the int8
                                   GEMM reads as its panels; 0 keeps rows. Default 8 on the SIMD tiers
                                   (AVX2 and up), 0 on the scalar build (its row-group GEMV is plain C++).
-                                  Chosen at load (`perfxlm.quant.layouts.choose_layouts`); expert stacks
+                                  Chosen at load (`perfxlm.quant.layout_choice.choose_layouts`); expert stacks
                                   keep rows
 
 The instruction-set tier (perfxlm.ops.isa: PERFXLM_ISA=auto | scalar | avx2 | avx_vnni | avx512 |

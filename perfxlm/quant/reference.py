@@ -98,6 +98,15 @@ def w8a8_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) 
     return y
 
 
+def block_reference_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The int8-block GEMVs' product for `w` (either code layout; what csrc/row_groups.h computes): x [M, K]
+    rounded to int8 blocks of 32, times the dequantized weight, in float64 then float32."""
+    y = F.linear(fake_quantize_blocks(x.float()).double(), w.dequantize().double())
+    if bias is not None:
+        y = y + bias.double()
+    return y.float()
+
+
 def reference_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (any float dtype) -> [..., N] in x's dtype; computed in float32."""
     rows = w.ordered_rows(x.reshape(-1, x.shape[-1]).float())

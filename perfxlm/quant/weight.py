@@ -332,7 +332,8 @@ class QuantizedWeight:
                  self.levels if self.levels is not None else empty, torch.tensor(self.act == "int8")]
         if self.layout is not CodeLayout.PLAIN:  # [..., order (empty: none), layout, out_features]
             order = empty.long() if self.input_order is None else self.input_order
-            return [*parts, order, torch.tensor(self.layout.value.native), torch.tensor(self.out_features)]
+            return [*parts, order, torch.tensor(self.layout.value.native, dtype=torch.int64),
+                    torch.tensor(self.out_features, dtype=torch.int64)]
         return parts if self.input_order is None else [*parts, self.input_order]
 
     def ordered_rows(self, x: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from perfxlm.ops import native
-from perfxlm.quant import row_groups
+from perfxlm.quant import reference, row_groups
 from perfxlm.quant.gguf_repack import repack
 
 Q = gguf.GGMLQuantizationType
@@ -67,7 +67,7 @@ def test_native_product_matches_the_reference(bits, n, k, rows):
     x[0, :32] = 0  # an all-zero activation block (scale 0)
     bias = torch.randn(n) if rows == 3 else None
     y = ops.linear_q_rows8(x, codes8, scales8, bits, n, bias)
-    ref = row_groups.reference_linear(x, w, bias)
+    ref = reference.block_reference_linear(x, w, bias)
     assert y.shape == (rows, n)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
@@ -154,7 +154,7 @@ def test_module_path_products_on_row_groups(bits, n, k, rows):
     try:
         got = run_linear_q(ops, x, r, bias, False, True, False)
         # within the GEMV's rows its own kernel; past them the plain rows on the same rounded activations
-        ref = row_groups.reference_linear(x, w, bias)
+        ref = reference.block_reference_linear(x, w, bias)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
         if rows > 8:  # past the GEMV: the plain layout's own product of the rounded rows, bit for bit
             plain = ops.linear_q(fake_quantize_blocks(x), w.codes, w.scales, None, None, bias, False, 8, False)
@@ -202,7 +202,7 @@ def test_the_fused_projection_and_its_lora_ranges_take_row_groups(bits):
     x = torch.randn(2, 192, generator=torch.Generator().manual_seed(1))
     bias = torch.randn(77)
     want = ops.linear_q(x, r.codes, r.scales, None, None, bias, False, 8, False, True, -1, -1, 1, 77)
-    ref = row_groups.reference_linear(x, w, bias)
+    ref = reference.block_reference_linear(x, w, bias)
     torch.testing.assert_close(want, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     got = ops.lora_project(x, r.native_parts(), 77, bias, 8, False, True, 8, -1, -1, [], 0)
     assert torch.equal(got, want)

@@ -21,7 +21,8 @@ from perfxlm.ops import cpu_plan
 from perfxlm.quant import calibration
 from perfxlm.quant.config import resolve_activations
 from perfxlm.quant.formats import PackedCheckpoint
-from perfxlm.quant.layouts import choose_layouts, for_plan
+from perfxlm.quant.layout_choice import choose_layouts
+from perfxlm.quant.layouts import for_plan
 from perfxlm.quant.loading import quantized_loader
 from perfxlm.quant.weight import ActivationMode
 
