@@ -406,7 +406,18 @@ at::Tensor take_columns(const at::Tensor& x, const at::Tensor& order) {
 
 // A quantized weight's parts past its own five: [input order] (see project) -> the rows its product takes.
 at::Tensor ordered_inputs(const at::Tensor& x, at::TensorList parts) {
-  return parts.size() == 6 ? take_columns(x, parts[5]) : x;
+  return parts.size() >= 6 && parts[5].numel() ? take_columns(x, parts[5]) : x;
+}
+
+// A quantized weight's code layout from its parts (QuantizedWeight.native_parts): said explicitly by the
+// eight-part form [.., order (empty: none), layout, out_features], 0 (plain) otherwise.
+struct PartsLayout {
+  int64_t layout = 0, out_features = -1;
+};
+PartsLayout parts_layout(at::TensorList parts) {
+  if (parts.size() != 8) return {};
+  // read in place: item() costs a dispatch, per projection and step
+  return {*parts[6].const_data_ptr<int64_t>(), *parts[7].const_data_ptr<int64_t>()};
 }
 
 // y = x W^T + b as perfxlm/ops/linear.py dispatches it, so the fused layer and the module path agree:
@@ -414,10 +425,20 @@ at::Tensor ordered_inputs(const at::Tensor& x, at::TensorList parts) {
 // else torch's bf16 GEMM (bf16_gemm) or a float32 GEMM on the widened weight; same dtypes -> torch.
 // A quantized weight arrives as [codes, scales, mins (empty: centred codes), levels (empty: none),
 // act_int8 (0-dim)], an act-order one with its input order sixth (int64 [K]: x's columns are taken in
-// that order first, ordered_inputs), see perfxlm/model/fused_decode.py; a plain one as [w].
+// that order first, ordered_inputs), see perfxlm/model/fused_decode.py; a plain one as [w]. A weight in
+// another code layout than the plain one has eight: its sixth the order (empty: none), then the layout
+// (0-dim int64, perfxlm/quant/layouts.py's native number) and its out_features (0-dim int64).
 at::Tensor project(const at::Tensor& x, at::TensorList parts, int64_t n_out, const c10::optional<at::Tensor>& bias,
                    int64_t max_rows, bool bf16_gemm, bool int8_blocks, int64_t quant_max_rows, int64_t quant_block_max_rows,
                    int64_t gemm_rows) {
+  if (parts.size() == 8) {
+    const PartsLayout pl = parts_layout(parts);
+    const c10::optional<at::Tensor> levels = parts[3].numel() ? c10::optional<at::Tensor>(parts[3]) : c10::nullopt;
+    const c10::optional<at::Tensor> mins = parts[2].numel() ? c10::optional<at::Tensor>(parts[2]) : c10::nullopt;
+    return perfxlm_quant::linear_q(ordered_inputs(x, parts), parts[0], parts[1], mins, levels, bias,
+                                   *parts[4].const_data_ptr<bool>(), quant_max_rows >= 0 ? quant_max_rows : max_rows,
+                                   bf16_gemm, int8_blocks, quant_block_max_rows, gemm_rows, pl.layout, pl.out_features);
+  }
   if (parts.size() == 6)
     return project(ordered_inputs(x, parts), parts.slice(0, 5), n_out, bias, max_rows, bf16_gemm, int8_blocks,
                    quant_max_rows, quant_block_max_rows, gemm_rows);
@@ -428,7 +449,8 @@ at::Tensor project(const at::Tensor& x, at::TensorList parts, int64_t n_out, con
                                    quant_max_rows >= 0 ? quant_max_rows : max_rows, bf16_gemm, int8_blocks,
                                    quant_block_max_rows, gemm_rows);
   }
-  TORCH_CHECK(parts.size() == 1, "decode_layer: a weight is [w] or [codes, scales, mins, levels, act_int8[, order]]");
+  TORCH_CHECK(parts.size() == 1, "decode_layer: a weight is [w] or [codes, scales, mins, levels, act_int8[, order[, "
+              "layout, out_features]]]");
   const at::Tensor& w = parts[0];
   if (w.dim() == 3) return linear_bf16_packed(x, w, n_out, bias);
   const bool has_bias = bias.has_value() && bias->defined();
@@ -454,7 +476,8 @@ at::Tensor project_lora_in(const at::Tensor& x, at::TensorList weight, int64_t n
                            int64_t quant_block_max_rows, int64_t gemm_rows, at::TensorList lora, int64_t index,
                            bool one_region) {
   const at::Tensor xw = ordered_inputs(x, weight);  // the base product's rows
-  const at::TensorList parts = weight.size() == 6 ? weight.slice(0, 5) : weight;
+  const at::TensorList parts = weight.size() >= 6 ? weight.slice(0, 5) : weight;
+  const PartsLayout pl = parts_layout(weight);
   const int64_t M = x.size(0);
   // one thread: nothing to split
   const bool split = parts.size() == 5 && M < 128 && M <= (quant_max_rows >= 0 ? quant_max_rows : max_rows) &&
@@ -467,7 +490,8 @@ at::Tensor project_lora_in(const at::Tensor& x, at::TensorList weight, int64_t n
     const c10::optional<at::Tensor> mins = parts[2].numel() ? c10::optional<at::Tensor>(parts[2]) : c10::nullopt;
     const perfxlm_quant::RangeProduct ranges = perfxlm_quant::linear_q_ranges(
         xw, parts[0], parts[1], mins, levels, bias, *parts[4].const_data_ptr<bool>(),
-        quant_max_rows >= 0 ? quant_max_rows : max_rows, int8_blocks, quant_block_max_rows, gemm_rows);
+        quant_max_rows >= 0 ? quant_max_rows : max_rows, int8_blocks, quant_block_max_rows, gemm_rows, pl.layout,
+        pl.out_features);
     if (ranges) {
       at::Tensor y = at::empty({M, n_out}, x.options());
       float* yp = y.data_ptr<float>();
@@ -475,7 +499,13 @@ at::Tensor project_lora_in(const at::Tensor& x, at::TensorList weight, int64_t n
     }
   }
   perfxlm_lora::prefetch(lora, index);  // the adapters' bytes arrive while the base product runs
-  at::Tensor y = project(xw, parts, n_out, bias, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows,
+  // the weight's layout parts kept (its order already taken: an empty one in its place)
+  std::vector<at::Tensor> held;
+  if (weight.size() == 8) {
+    held.assign(weight.begin(), weight.end());
+    held[5] = at::empty({0}, held[5].options());
+  }
+  at::Tensor y = project(xw, weight.size() == 8 ? at::TensorList(held) : parts, n_out, bias, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows,
                          gemm_rows);
   perfxlm_lora::add(y, x, lora, index);
   return y;

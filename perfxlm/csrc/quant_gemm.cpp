@@ -120,6 +120,10 @@ struct Weight {
   // pass over a float32 table 2 bits per weight wide, next to a 16-row product's few passes over the codes.
   int64_t kstride = 0, kper = 0;
   bool ksigned = false;
+  // Row groups (row_groups.h: codes [ceil(N / 8), K / 32, 8 B], float16 scales [.., 8]): a block's 8
+  // rows are already [quad][row][4 bytes], the panels' own order for 8 columns, so they are copied, not
+  // transposed (repack_group).
+  bool rows8 = false;
 };
 
 inline float half_float(uint16_t h) {
@@ -250,6 +254,34 @@ void spread(const Weight& w, const void* table, bool mins, int64_t n0, int c0, i
 // [pair][8 columns][2 int16]. Meanwhile the next task's codes (the thread's next columns: parallel_for
 // hands each thread a run of tasks) are prefetched into L2, spread over the loop: its transposes touch 8
 // rows a few dozen bytes at a time, too little of each for the hardware prefetchers to follow.
+// Block b of the row group holding columns [n, n + 8) as the panels' 8 quads q[0..7] ([row][4 bytes] each),
+// unsigned codes (signed where Weight::shift): 8-bit quads as stored; a 4-bit quad's low nibbles are codes
+// 4q.. of its rows and its high nibbles codes 16 + 4q.., quads q and q + 4 of the block.
+inline void group_quads(const Weight& w, int64_t n, int64_t b, __m256i (&q)[8]) {
+  const int64_t per = w.bits == 8 ? 32 : 16;
+  const uint8_t* blk = w.codes + ((n / 8) * (w.K / 32) + b) * 8 * per;
+  if (w.bits == 8) {
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int i = 0; i < 8; ++i) {
+      const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * i));
+      q[i] = w.shift ? _mm256_xor_si256(u, flip) : u;
+    }
+    return;
+  }
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  for (int i = 0; i < 4; ++i) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * i));
+    q[i] = _mm256_and_si256(raw, mask);
+    q[i + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+  }
+}
+
+// The float16 scales of block b of the group holding columns [n, n + 8), as float32.
+inline __m256 group_scales(const Weight& w, int64_t n, int64_t b) {
+  const uint16_t* s = static_cast<const uint16_t*>(w.scales) + ((n / 8) * (w.K / 32) + b) * 8;
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+}
+
 void repack(const Weight& w, int64_t n0, Panels& p, bool wide) {
   const int64_t blocks = w.K / 32;
   p.codes.resize(static_cast<size_t>(w.K * kCols * (wide ? 2 : 1)));
@@ -270,7 +302,18 @@ void repack(const Weight& w, int64_t n0, Panels& p, bool wide) {
     for (int64_t b = 0; b < blocks; ++b) {
       for (const uint8_t* e = std::min(next + ahead, next_end); next < e; next += 64) _mm_prefetch(reinterpret_cast<const char*>(next), _MM_HINT_T1);
       __m256i r[8];
-      for (int i = 0; i < 8; ++i) r[i] = i < live ? block_register(w, n0 + c0 + i, b) : _mm256_setzero_si256();
+      if (w.rows8 && live > 0) {  // the group's rows past N are zeros with scale 0
+        group_quads(w, n0 + c0, b, r);
+        _mm256_storeu_ps(p.scales.data() + b * kCols + c0, group_scales(w, n0 + c0, b));
+        if (!wide) {
+          uint8_t* dst = p.codes.data() + (b * 8 * kCols + c0) * 4;
+          for (int q = 0; q < 8; ++q) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + q * kCols * 4), r[q]);
+          continue;
+        }
+        transpose8x8(r);  // wide panels widen each row's block: the rows back first
+      } else {
+        for (int i = 0; i < 8; ++i) r[i] = i < live ? block_register(w, n0 + c0 + i, b) : _mm256_setzero_si256();
+      }
       if (!wide) {
         transpose8x8(r);
         uint8_t* dst = p.codes.data() + (b * 8 * kCols + c0) * 4;
@@ -290,6 +333,7 @@ void repack(const Weight& w, int64_t n0, Panels& p, bool wide) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (q + 8) * kCols * 4), hi[q]);
       }
     }
+    if (w.rows8) continue;  // scales written per block above; centred codes: no mins
     spread(w, w.scales, false, n0, c0, live, p.scales.data());
     if (w.mins) spread(w, w.mins, true, n0, c0, live, p.mins.data());
   }
@@ -619,6 +663,30 @@ void run_rows(const Acts& a, int64_t m_begin, int64_t m_end, const Weight& w, co
   run_task<MINS, ByteDots>(a, m_begin, m_end, w, p, n0, y, bias);
 }
 
+// Row groups of Q8_0 / Q4_0 codes (see Weight::rows8): N from the caller (the last group's padding rows
+// are not outputs); row_bytes as the plain rows', so a group's bytes are at codes + n0 x row_bytes.
+Weight describe_rows8(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                      const c10::optional<at::Tensor>& levels, int64_t K, int64_t N) {
+  TORCH_CHECK(!(mins.has_value() && mins->defined()) && !(levels.has_value() && levels->defined()),
+              "quant_block_gemm: row groups hold centred codes (no mins, no table)");
+  TORCH_CHECK(K % 32 == 0 && K > 0 && N > 0, "quant_block_gemm: row groups need K a positive multiple of 32, N > 0");
+  const int64_t groups = (N + 7) / 8, blocks = K / 32;
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(0) == groups &&
+                  codes.size(1) == blocks && (codes.size(2) == 8 * 32 || codes.size(2) == 8 * 16),
+              "quant_block_gemm: row-group codes must be contiguous uint8 [ceil(N / 8), K / 32, 8 x 32 or 8 x 16]");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3 &&
+                  scales.size(0) == groups && scales.size(1) == blocks && scales.size(2) == 8,
+              "quant_block_gemm: row-group scales must be contiguous float16 [ceil(N / 8), K / 32, 8]");
+  const int bits = codes.size(2) == 8 * 32 ? 8 : 4;
+  Weight w{codes.data_ptr<uint8_t>(), N, K, bits == 8 ? K : K / 2, 32, blocks, bits, scales.data_ptr(), nullptr,
+           true, bits == 8 ? 128 : 8, false, {}, 0, 32};
+  w.rows8 = true;
+#ifdef PERFXLM_QGEMM_WIDE8
+  if (bits == 8) w.shift = 128;
+#endif
+  return w;
+}
+
 Weight describe(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                 const c10::optional<at::Tensor>& levels, int64_t K) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
@@ -685,11 +753,13 @@ Weight describe(const at::Tensor& codes, const at::Tensor& scales, const c10::op
 
 at::Tensor quant_block_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                             const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& levels,
-                            const c10::optional<at::Tensor>& bias) {
+                            const c10::optional<at::Tensor>& bias, int64_t layout, int64_t out_features) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "quant_block_gemm: x must be 2-D float32");
+  TORCH_CHECK(layout == 0 || layout == 1, "quant_block_gemm: layout ", layout, " (0 plain, 1 row groups of 8)");
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
-  const Weight w = describe(codes, scales, mins, levels, K);
+  const Weight w = layout == 1 ? describe_rows8(codes, scales, mins, levels, K, out_features)
+                               : describe(codes, scales, mins, levels, K);
   at::Tensor bc;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == w.N, "quant_block_gemm: bias size ", bias->numel(), " != ", w.N);
@@ -736,7 +806,7 @@ at::Tensor quant_block_gemm(const at::Tensor& x, const at::Tensor& codes, const 
 }  // namespace
 
 at::Tensor quant_block_gemm(const at::Tensor& x, const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
-                            const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&) {
+                            const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, int64_t, int64_t) {
   TORCH_CHECK(false, "quant_block_gemm: this build of the kernels has no int8 GEMM (it needs AVX2)");
   return x;
 }
@@ -757,7 +827,8 @@ int64_t quant_block_gemm_max_code() {
 }  // namespace perfxlm_qgemm
 
 TORCH_LIBRARY_FRAGMENT(perfxlm, m) {
-  m.def("quant_block_gemm(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? levels, Tensor? bias) -> Tensor");
+  m.def("quant_block_gemm(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? levels, Tensor? bias, "
+        "int layout=0, int out_features=-1) -> Tensor");
   m.def("quant_block_gemm_max_code() -> int", &perfxlm_qgemm::quant_block_gemm_max_code);
 }
 

@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -1228,11 +1229,55 @@ inline const float* float_bias(const c10::optional<at::Tensor>& bias, int64_t N,
   return keep.data_ptr<float>();
 }
 
+namespace {
+
+// The GEMV's row limit for a weight of N x K values (linear_q's rule): 4-bit codes and weights too large
+// for one dequantized slab keep it up to block_max_rows where the plan sets it.
+int64_t gemv_limit(bool bits4, int64_t N, int64_t K, int64_t max_rows, int64_t block_max_rows) {
+  const bool block_wins = bits4 || N * K > kSlabValues;
+  return block_wins && block_max_rows >= 0 ? block_max_rows : max_rows;
+}
+
+void check_rows8(const at::Tensor& codes, const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& levels,
+                 bool act_int8, int64_t out_features) {
+  TORCH_CHECK(!act_int8 && !(mins.has_value() && mins->defined()) && !(levels.has_value() && levels->defined()),
+              "linear_q: row groups hold centred codes (no mins, no table, float activations)");
+  TORCH_CHECK(out_features > 0 && codes.dim() == 3 && (out_features + 7) / 8 == codes.size(0),
+              "linear_q: row groups need out_features (", out_features, ") filling ", codes.size(0), " groups of 8");
+}
+
+// linear_q on row groups (row_groups.h): always int8 activation blocks (the layout exists for that
+// GEMV, on every build). Few rows: its GEMV; from the int8 GEMM's first row: the GEMM, which reads the
+// groups as its panels; many rows without it: the plain layout unpacked for this call, on the rows
+// rounded as the GEMV rounds them (a token's result does not depend on its step's row count).
+at::Tensor rows8_product(const at::Tensor& xc, const at::Tensor& codes, const at::Tensor& scales,
+                         const c10::optional<at::Tensor>& bias, int64_t max_rows, bool bf16_gemm, int64_t block_max_rows,
+                         int64_t gemm_rows, int64_t N) {
+  const int64_t M = xc.size(0), K = xc.size(1);
+  const bool bits4 = codes.size(2) == 8 * 16;
+  const int64_t gemv_rows = gemv_limit(bits4, N, K, max_rows, block_max_rows);
+  const bool gemm = perfxlm_qgemm::quant_block_gemm_max_code() >= (bits4 ? 15 : 255);
+  if (gemm && gemm_rows >= 0 && M >= (gemm_rows > 0 ? gemm_rows : gemv_rows + 1))
+    return perfxlm_qgemm::quant_block_gemm(xc, codes, scales, c10::nullopt, c10::nullopt, bias, 1, N);
+  if (M <= gemv_rows) return perfxlm_rows8::linear(xc, codes, scales, bits4 ? 4 : 8, N, bias);
+  const auto plain = perfxlm_rows8::unpack(codes, scales, N);
+  return linear_q(perfxlm_rows8::rounded_blocks(xc), plain.first, plain.second, c10::nullopt, c10::nullopt, bias,
+                  false, max_rows, bf16_gemm, false, block_max_rows, -1);
+}
+
+}  // namespace
+
 at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                     const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& levels, const c10::optional<at::Tensor>& bias, bool act_int8,
-                    int64_t max_rows, bool bf16_gemm, bool int8_blocks, int64_t block_max_rows, int64_t gemm_rows) {
+                    int64_t max_rows, bool bf16_gemm, bool int8_blocks, int64_t block_max_rows, int64_t gemm_rows,
+                    int64_t layout, int64_t out_features) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_q: x must be 2-D float32");
+  TORCH_CHECK(layout == 0 || layout == 1, "linear_q: layout ", layout, " (0 plain, 1 row groups of 8)");
   const at::Tensor xc = x.contiguous();
+  if (layout == 1) {
+    check_rows8(codes, mins, levels, act_int8, out_features);
+    return rows8_product(xc, codes, scales, bias, max_rows, bf16_gemm, block_max_rows, gemm_rows, out_features);
+  }
   const int64_t M = xc.size(0), K = xc.size(1);
   const QW w = describe(codes, scales, mins, levels, K);
   at::Tensor bc;
@@ -1278,10 +1323,26 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tens
 RangeProduct linear_q_ranges(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                              const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& levels,
                              const c10::optional<at::Tensor>& bias, bool act_int8, int64_t max_rows,
-                             bool int8_blocks, int64_t block_max_rows, int64_t gemm_rows) {
+                             bool int8_blocks, int64_t block_max_rows, int64_t gemm_rows, int64_t layout,
+                             int64_t out_features) {
   if (act_int8 || x.dim() != 2 || x.scalar_type() != at::kFloat) return {};
   at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
+  if (layout == 1) {  // rows8_product's GEMV, over whole groups of 8 outputs
+    check_rows8(codes, mins, levels, act_int8, out_features);
+    const int64_t N = out_features;
+    const bool bits4 = codes.size(2) == 8 * 16;
+    const int64_t gemv_rows = gemv_limit(bits4, N, K, max_rows, block_max_rows);
+    const bool gemm = perfxlm_qgemm::quant_block_gemm_max_code() >= (bits4 ? 15 : 255);
+    if ((gemm && gemm_rows >= 0 && M >= (gemm_rows > 0 ? gemm_rows : gemv_rows + 1)) || M > gemv_rows) return {};
+    at::Tensor bc;
+    const float* bp = float_bias(bias, N, bc);
+    auto p = std::make_shared<perfxlm_rows8::Product>(perfxlm_rows8::prepare(xc, codes, scales, bits4 ? 4 : 8, N));
+    return [p, bp, bc, codes, scales, N](float* y, int64_t n0, int64_t n1) {
+      TORCH_CHECK(n0 % 8 == 0 && (n1 % 8 == 0 || n1 == N), "linear_q_ranges: row groups run whole groups of 8 outputs");
+      perfxlm_rows8::groups_into(*p, n0 / 8, (n1 + 7) / 8, y, N, bp);
+    };
+  }
   const QW w = describe(codes, scales, mins, levels, K);
   at::Tensor bc;
   const float* bp = float_bias(bias, w.N, bc);
@@ -1380,7 +1441,8 @@ std::string compiled_isa() {
 TORCH_LIBRARY_FRAGMENT(perfxlm, m) {
   m.def(
       "linear_q(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? levels, Tensor? bias, bool act_int8, "
-      "int max_rows, bool bf16_gemm, bool int8_blocks=False, int block_max_rows=-1, int gemm_rows=-1) -> Tensor");
+      "int max_rows, bool bf16_gemm, bool int8_blocks=False, int block_max_rows=-1, int gemm_rows=-1, int layout=0, "
+      "int out_features=-1) -> Tensor");
   m.def("int8_block_dots() -> bool", &perfxlm_quant::int8_block_dots);  // no tensors: a catch-all kernel
   m.def("int8_dot_width() -> int", &perfxlm_quant::int8_dot_width);
   m.def("set_int8_dot_width(int width) -> int", &perfxlm_quant::set_int8_dot_width);

@@ -24,6 +24,8 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cstring>
+#include <utility>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -183,28 +185,65 @@ inline void group_row(const uint8_t* codes, const uint16_t* scales, const Acts& 
 }
 #endif
 
-// y [M, N] = x [M, K] W^T (+ bias) for W in row groups (bits 8 or 4), over groups in parallel; each
-// thread runs every activation row over a group before the next (the group's codes stay in L1).
+// The checked operands of a product on row groups: the activation rows as int8 blocks, the weight's
+// pointers. Made once per call on the calling thread; `groups_into` then runs any range of groups on
+// any thread (linear below, and linear_q_ranges' column ranges for LoRA's one-region projection).
+struct Product {
+  std::vector<Acts> acts;
+  const uint8_t* codes = nullptr;
+  const uint16_t* scales = nullptr;
+  int64_t M = 0, K = 0, blocks = 0, groups = 0, n_out = 0;
+  bool bits4 = false;
+};
+
+inline Product prepare(const at::Tensor& xc, const at::Tensor& codes, const at::Tensor& scales, int64_t bits,
+                       int64_t n_out) {
+  TORCH_CHECK(xc.dim() == 2 && xc.scalar_type() == at::kFloat && xc.is_contiguous(),
+              "linear_q_rows8: x must be contiguous 2-D float32");
+  TORCH_CHECK(bits == 8 || bits == 4, "linear_q_rows8: 8- or 4-bit codes");
+  Product p;
+  p.bits4 = bits == 4;
+  p.M = xc.size(0), p.K = xc.size(1), p.blocks = p.K / 32, p.groups = (n_out + kRows - 1) / kRows, p.n_out = n_out;
+  TORCH_CHECK(p.K % 32 == 0, "linear_q_rows8: K must be a multiple of 32");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 3 && codes.size(0) == p.groups &&
+                  codes.size(1) == p.blocks && codes.size(2) == kRows * (p.bits4 ? 16 : 32),
+              "linear_q_rows8: codes must be uint8 [ceil(N / 8), K / 32, 8 x bytes per block]");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3 &&
+                  scales.size(0) == p.groups && scales.size(1) == p.blocks && scales.size(2) == kRows,
+              "linear_q_rows8: scales must be float16 [ceil(N / 8), K / 32, 8]");
+  p.acts.resize(static_cast<size_t>(p.M));
+  const int32_t centre = p.bits4 ? 8 : (kSignTrick ? 0 : 128);
+  const float* xp = xc.data_ptr<float>();
+  for (int64_t m = 0; m < p.M; ++m) quantize(xp + m * p.K, p.K, centre, p.acts[m]);
+  p.codes = codes.data_ptr<uint8_t>();
+  p.scales = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  return p;
+}
+
+// Groups [g0, g1) of the product into y (row stride ldy, output n at column n), bias added; each thread
+// runs every activation row over a group before the next (the group's codes stay in L1). A row's outputs
+// do not depend on which range computed them.
+inline void groups_into(const Product& p, int64_t g0, int64_t g1, float* y, int64_t ldy, const float* bias) {
+  const int64_t group_bytes = p.blocks * kRows * (p.bits4 ? 16 : 32);
+  for (int64_t g = g0; g < g1; ++g)
+    for (int64_t m = 0; m < p.M; ++m) {
+      float out[kRows];
+      if (p.bits4)
+        group_row<true>(p.codes + g * group_bytes, p.scales + g * p.blocks * kRows, p.acts[m], p.blocks, out);
+      else
+        group_row<false>(p.codes + g * group_bytes, p.scales + g * p.blocks * kRows, p.acts[m], p.blocks, out);
+      const int64_t n0 = g * kRows, rows = std::min<int64_t>(kRows, p.n_out - n0);
+      for (int64_t r = 0; r < rows; ++r) y[m * ldy + n0 + r] = out[r] + (bias ? bias[n0 + r] : 0.f);
+    }
+}
+
+// y [M, N] = x [M, K] W^T (+ bias) for W in row groups (bits 8 or 4), over groups in parallel.
 inline at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t bits,
                          int64_t n_out, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_q_rows8: x must be 2-D float32");
-  TORCH_CHECK(bits == 8 || bits == 4, "linear_q_rows8: 8- or 4-bit codes");
-  const bool bits4 = bits == 4;
   const at::Tensor xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), blocks = K / 32, groups = (n_out + kRows - 1) / kRows;
-  TORCH_CHECK(K % 32 == 0, "linear_q_rows8: K must be a multiple of 32");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 3 && codes.size(0) == groups &&
-                  codes.size(1) == blocks && codes.size(2) == kRows * (bits4 ? 16 : 32),
-              "linear_q_rows8: codes must be uint8 [ceil(N / 8), K / 32, 8 x bytes per block]");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3 &&
-                  scales.size(0) == groups && scales.size(1) == blocks && scales.size(2) == kRows,
-              "linear_q_rows8: scales must be float16 [ceil(N / 8), K / 32, 8]");
-  std::vector<Acts> acts(static_cast<size_t>(M));
-  const int32_t centre = bits4 ? 8 : (kSignTrick ? 0 : 128);
-  const float* xp = xc.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) quantize(xp + m * K, K, centre, acts[m]);
-  at::Tensor y = at::empty({M, n_out}, xc.options());
-  float* yp = y.data_ptr<float>();
+  const Product p = prepare(xc, codes, scales, bits, n_out);
+  at::Tensor y = at::empty({p.M, n_out}, xc.options());
   at::Tensor bc;
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -212,22 +251,36 @@ inline at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at:
     bc = bias->to(at::kFloat).contiguous();
     bp = bc.data_ptr<float>();
   }
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const int64_t group_bytes = blocks * kRows * (bits4 ? 16 : 32);
-  at::parallel_for(0, groups, 8, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t m = 0; m < M; ++m) {
-        float out[kRows];
-        if (bits4)
-          group_row<true>(cp + g * group_bytes, sp + g * blocks * kRows, acts[m], blocks, out);
-        else
-          group_row<false>(cp + g * group_bytes, sp + g * blocks * kRows, acts[m], blocks, out);
-        const int64_t n0 = g * kRows, rows = std::min<int64_t>(kRows, n_out - n0);
-        for (int64_t r = 0; r < rows; ++r) yp[m * n_out + n0 + r] = out[r] + (bp ? bp[n0 + r] : 0.f);
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, p.groups, 8, [&](int64_t g0, int64_t g1) { groups_into(p, g0, g1, yp, n_out, bp); });
+  return y;
+}
+
+// Row groups -> the plain layout's codes [N, K (8-bit) or K / 2] and float16 scales [N, K / 32]
+// (perfxlm/quant/row_groups.py's unpack): for the paths that read rows (many rows without the int8 GEMM).
+inline std::pair<at::Tensor, at::Tensor> unpack(const at::Tensor& codes, const at::Tensor& scales, int64_t n_out) {
+  const int64_t groups = codes.size(0), blocks = codes.size(1), per = codes.size(2) / kRows;
+  const at::Tensor c = codes.view({groups, blocks, per / 4, kRows, 4}).permute({0, 3, 1, 2, 4})
+                           .reshape({groups * kRows, blocks * per}).narrow(0, 0, n_out).contiguous();
+  const at::Tensor s = scales.permute({0, 2, 1}).reshape({groups * kRows, blocks}).narrow(0, 0, n_out).contiguous();
+  return {c, s};
+}
+
+// x with each block of 32 replaced by its int8 rounding times its scale (what the GEMV multiplies).
+inline at::Tensor rounded_blocks(const at::Tensor& xc) {
+  const int64_t M = xc.size(0), K = xc.size(1);
+  at::Tensor out = at::empty_like(xc);
+  const float* xp = xc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    int8_t q[32];
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t b = 0; b < K / 32; ++b) {
+        const float s = perfxlm_act::quantize_block_fast(xp + m * K + 32 * b, q);
+        for (int j = 0; j < 32; ++j) op[m * K + 32 * b + j] = static_cast<float>(q[j]) * s;
       }
   });
-  return y;
+  return out;
 }
 
 }  // namespace perfxlm_rows8

@@ -87,9 +87,10 @@ def _mlp_act(mlp: Any) -> str:
 
 
 def _array(t: Any) -> Any:
-    """A vector (norm, bias, rotary table) as float32 numpy; a QuantizedWeight as it is."""
+    """A vector (norm, bias, rotary table) as float32 numpy; a QuantizedWeight as it is, in the plain code
+    layout (row groups are the engine's run-time choice, not the file's)."""
     if isinstance(t, QuantizedWeight):
-        return t
+        return t.plain()
     return t.detach().float().contiguous().numpy()
 
 

@@ -74,6 +74,17 @@ int8 dots, keeps int8 and nf4 weight-only, w8a8 always rounds), decided once at 
                                   matrices 0.6-0.9x. Set in the native kernels by `use` / `reset` (they
                                   read the same variable when they load)
 
+- PERFXLM_ROW_INTERLEAVE = 0 | 8    the code layout of Q8_0 / Q4_0 matrices (centred 8- and 4-bit codes, a
+                                  float16 scale per 32) whose activations are rounded to int8 blocks:
+                                  8 keeps them in row groups (perfxlm/quant/row_groups.py: 8 rows'
+                                  blocks together, one vpdpbusd's lanes 8 rows), which the GEMV reads
+                                  1.3-2.3x faster per call than the plain rows (the default model's
+                                  shapes, one thread, loaded Zen 4; AVX2 build 1.4-2.7x) and the int8
+                                  GEMM reads as its panels; 0 keeps rows. Default 8 on the SIMD tiers
+                                  (AVX2 and up), 0 on the scalar build (its row-group GEMV is plain C++).
+                                  Chosen at load (`perfxlm.quant.layout_choice.choose_layouts`); expert stacks
+                                  keep rows
+
 The instruction-set tier (perfxlm.ops.isa: PERFXLM_ISA=auto | scalar | avx2 | avx_vnni | avx512 |
 avx512_vnni | avx512_bf16 | amx) decides the native build and the flags every choice above sees.
 """
@@ -90,6 +101,7 @@ GEMMS = ("bf16", "float32")
 QUANT_GEMMS = ("int8", "float32")
 COMPUTES = ("float32", "bfloat16")
 DOT_WIDTHS = ("256", "512")
+ROW_INTERLEAVES = ("0", "8")
 # Measured with 2 threads on the default model's shapes: AMX's bf16 GEMM overtakes the row kernel past
 # 4 rows; the panel kernel beats MKL's float32 GEMM up to 256 rows on AVX-512 without bf16.
 _AUTO_MAX_ROWS = {("rows", "bf16"): 4, ("rows", "float32"): 64, ("panels", "bf16"): 256, ("panels", "float32"): 256}
@@ -112,6 +124,7 @@ class CpuPlan:
     quant_gemm_rows: int = 0  # under the int8 GEMM, int8-block weights it takes run it from this many rows
     # (0: past their GEMV limit above)
     dot_width: int = 256  # the int8 block GEMV's vector width: 512 (zmm tiles) or 256
+    row_groups: int = 0  # Q8_0 / Q4_0 matrices with int8 activation blocks in row groups of 8 (0: rows)
 
     def describe(self) -> str:
         return (f"isa={self.isa} bf16 layout={self.layout} gemm={self.gemm} native_max_rows={self.native_max_rows} "
@@ -120,7 +133,8 @@ class CpuPlan:
                 + f", then the {self.quant_gemm} GEMM"
                 + (f" (int8-block weights from {self.quant_gemm_rows} rows)"
                    if self.quant_gemm == "int8" and self.quant_gemm_rows > 0 else "")
-                + f", int8 dots {self.dot_width}-bit")
+                + f", int8 dots {self.dot_width}-bit"
+                + (f", row groups of {self.row_groups}" if self.row_groups else ", code rows plain"))
 
 
 def _choice(name: str, allowed: tuple[str, ...], default: str) -> str:
@@ -159,7 +173,14 @@ def detect() -> CpuPlan:
     quant_gemm = _quant_gemm(fast_bf16 and isa.has_amx())
     gemm_rows = _rows("PERFXLM_QUANT_GEMM_ROWS", _AUTO_GEMM_ROWS if quant_gemm == "int8" and not fast_bf16 else 0)
     return CpuPlan(layout, gemm, max_rows, compute, quant_rows, tier, block_rows_limit, quant_gemm, gemm_rows,
-                   _dot_width())
+                   _dot_width(), _row_groups())
+
+
+def _row_groups() -> int:
+    """8 on the SIMD tiers (AVX2 and up: the row-group GEMV's vpdpbusd / vpmaddubsw form), 0 on the scalar
+    build; either forcible on any CPU (the scalar build runs row groups in plain C++: correct, slower)."""
+    simd = {"avx2", "fma", "f16c"} <= isa.visible_flags()
+    return int(_choice("PERFXLM_ROW_INTERLEAVE", ROW_INTERLEAVES, "8" if simd else "0"))
 
 
 def _dot_width() -> int:

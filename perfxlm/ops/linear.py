@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from perfxlm.ops import cpu_plan, fp8_linear, native
 from perfxlm.quant.reference import fake_quantize_blocks, reference_linear
+from perfxlm.quant.layouts import CodeLayout
 from perfxlm.quant.weight import ActivationMode, QuantizedWeight
 
 PANEL = 16
@@ -124,6 +125,14 @@ def run_linear_q(
         rows = rows.float().contiguous()
     b = bias if bias is None or bias.dtype == torch.float32 else bias.float()
     plan = cpu_plan.plan()
+    if weight.layout is not CodeLayout.PLAIN:  # the kernel picks GEMV or int8 GEMM (always int8 blocks)
+        y = ops.linear_q(  # type: ignore[attr-defined]
+            rows, weight.codes, weight.scales, None, None, b, False, plan.quant_max_rows,
+            plan.gemm == "bf16" and bf16_gemm, True, plan.quant_block_max_rows,
+            plan.quant_gemm_rows if plan.quant_gemm == "int8" else -1, weight.layout.value.native,
+            weight.out_features,
+        )  # fmt: skip
+        return y.to(x.dtype).view(*x.shape[:-1], weight.out_features)
     if int8_blocks and plan.quant_gemm == "int8" and rows.shape[0] >= gemm_rows(weight, plan) and gemm_takes(weight):
         # the GEMM reads float scales and K-quants' two-level bytes as they are (forming the values flat()
         # would); exponent bytes (MXFP4's) are widened for the call
@@ -185,7 +194,9 @@ def native_int8_blocks(weight: QuantizedWeight) -> bool:
     build, and a layout its block GEMV takes: no level table, or a centred table of integers spanning at
     most 64 (MXFP4's, looked up as int8), K a multiple of 64, groups of 32 / multiples of 64, or of 16 with
     6- or 8-bit codes);
-    elsewhere it multiplies the activations as given."""
+    elsewhere it multiplies the activations as given. Row groups: always (their GEMV's scheme on every build)."""
+    if weight.layout is not CodeLayout.PLAIN:
+        return True
     g = weight.group
     layout_ok = (weight.levels is None or integer_levels(weight)) and weight.in_features % 64 == 0 and (
         g % 64 == 0 or g == 32 or (g == 16 and weight.bits in (6, 8))

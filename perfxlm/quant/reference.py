@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from perfxlm.quant.layouts import CodeLayout
 from perfxlm.quant.weight import ACT_BLOCK, ActivationMode, QuantizedWeight
 
 # output rows dequantized per slab: at most this many float32 weights (16 MB) at once
@@ -97,11 +98,22 @@ def w8a8_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) 
     return y
 
 
+def block_reference_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The int8-block GEMVs' product for `w` (either code layout; what csrc/row_groups.h computes): x [M, K]
+    rounded to int8 blocks of 32, times the dequantized weight, in float64 then float32."""
+    y = F.linear(fake_quantize_blocks(x.float()).double(), w.dequantize().double())
+    if bias is not None:
+        y = y + bias.double()
+    return y.float()
+
+
 def reference_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (any float dtype) -> [..., N] in x's dtype; computed in float32."""
     rows = w.ordered_rows(x.reshape(-1, x.shape[-1]).float())
     b = None if bias is None else bias.float()
-    if w.activations is ActivationMode.INT8:  # W8A8 blocks, or quant_activations="int8" on any format
+    # W8A8 blocks, quant_activations="int8" on any format, or a layout whose products always round them
+    if w.activations is ActivationMode.INT8 or w.layout is not CodeLayout.PLAIN:
         rows = fake_quantize_blocks(rows)
+        w = w.plain()
     y = (w8a8_linear if w.act == "int8" else weight_only_linear)(rows, w, b)
     return y.to(x.dtype).view(*x.shape[:-1], w.out_features)

@@ -7,25 +7,30 @@ For a `QuantizedWeight` of centred 8- or 4-bit codes with a float16 scale per 32
   per block the 8 rows' 4-byte quads as [quad][row][4 bytes] (a 4-bit quad's bytes are the plain
   layout's, GGUF's nibble order: low nibbles codes 4q.., high nibbles codes 16 + 4q..);
 - scales float16 [G, K / 32, 8]; the last group's rows past N are zeros.
-`pack` and `unpack` move bytes only (each is the other's inverse); `reference_linear` is the product's
-plain-torch definition (the plain layout's, on activations rounded to int8 blocks).
+`pack` and `unpack` move bytes only (each is the other's inverse); the product's plain-torch definition
+is `perfxlm.quant.reference.block_reference_linear` (the plain layout's, on activations rounded to int8
+blocks).
 
-Not yet a layout a `QuantizedWeight` holds: the engine's consumers of codes (the GEMV and int8 GEMM, the
-fused decode layer, dequantization, MoE stacks, LoRA ranges, graph export) read the plain layout.
+A `QuantizedWeight` holds it as `CodeLayout.ROWS8` (perfxlm/quant/layouts.py; `w.in_row_groups()`,
+`w.plain()`), chosen at load by the CPU plan's `row_groups` (`layout_choice.choose_layouts`).
+Its products always round the activations to int8 blocks of 32 (the kernel's scheme on every build), so
+only weights whose activations are rounded (not `ActivationMode.FLOAT`) take it.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from perfxlm.quant.reference import fake_quantize_blocks
-from perfxlm.quant.weight import QuantizedWeight
+if TYPE_CHECKING:  # the weight imports this module (its layouts): no import at run time
+    from perfxlm.quant.weight import QuantizedWeight
 
 ROWS = 8
 BLOCK = 32
 
 
-def takes(w: QuantizedWeight) -> bool:
+def takes(w: "QuantizedWeight") -> bool:
     """Whether `w` has a row-group form: one 2-D matrix of centred 8- or 4-bit codes (Q8_0, Q4_0,
     symmetric int8 / int4 at group 32), float16 scales, no table, columns in order."""
     return (w.codes.dim() == 2 and w.bits in (8, 4) and w.group == BLOCK and w.mins is None and w.levels is None
@@ -59,12 +64,3 @@ def unpack(codes8: torch.Tensor, scales8: torch.Tensor, bits: int, n: int) -> tu
     c = codes8.view(groups, blocks, b // 4, ROWS, 4).permute(0, 3, 1, 2, 4).reshape(groups * ROWS, blocks * b)
     s = scales8.permute(0, 2, 1).reshape(groups * ROWS, blocks)
     return c[:n].contiguous(), s[:n].contiguous()
-
-
-def reference_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """What `linear_q_rows8` computes for `w` (in its plain layout): x rounded to int8 blocks of 32, times
-    the dequantized weight, in float64 then float32."""
-    y = torch.nn.functional.linear(fake_quantize_blocks(x.float()).double(), w.dequantize().double())
-    if bias is not None:
-        y = y + bias.double()
-    return y.float()

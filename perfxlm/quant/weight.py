@@ -34,6 +34,11 @@ still have its activations rounded to int8 blocks at run time, as llama.cpp does
 `activations` (an `ActivationMode`, put on it at load from the engine's `quant_activations`) says so.
 
 Stacks carry a leading expert dimension on codes, scales and mins; `w[e]` is one expert's weight.
+
+`layout` (a `perfxlm.quant.layouts.CodeLayout`) says how codes and scales sit in memory: PLAIN as above,
+or ROWS8 (row groups: perfxlm/quant/row_groups.py) for the int8-dot GEMV, chosen at load. `plain()` gives
+the same weight in the plain layout; methods that take only that layout say so (ValueError) rather than
+read row groups as rows.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from typing import Any, Sequence
 import torch
 
 from perfxlm.quant import super_scales
+from perfxlm.quant.layouts import CodeLayout
 from perfxlm.quant.code_layout import (  # noqa: F401  (the layout's names, as callers import them from here)
     BLOCK4, pack_codes, pack_fives, pack_nibbles, pack_sixes, unpack_fives, unpack_nibbles, unpack_sixes)
 
@@ -106,8 +112,12 @@ class QuantizedWeight:
     activations: ActivationMode = ActivationMode.FLOAT
     # Input channel of each codes column (GPTQ act-order), or None: the columns are the inputs in order.
     input_order: torch.Tensor | None = None
+    # How codes and scales are arranged (layouts.py): PLAIN as the module docstring says, or row groups.
+    layout: CodeLayout = CodeLayout.PLAIN
 
     def __post_init__(self) -> None:
+        if self.layout is not CodeLayout.PLAIN:
+            return self._check_layout()
         n, k, g = self.out_features, self.in_features, self.group
         if self.bits not in BITS:
             raise ValueError(f"QuantizedWeight: bits={self.bits}; supported: {', '.join(map(str, BITS))}.")
@@ -165,6 +175,48 @@ class QuantizedWeight:
             self.codes = self.codes.contiguous()
         self.activations = _format_activations(self.act, self.activations)
 
+    def _check_layout(self) -> None:
+        """A non-plain layout: the weight it was packed from must be one the layout takes (checked by
+        in_layout), and codes and scales must have the layout's shapes."""
+        want = self.layout.value.shapes(self)
+        got = (tuple(self.codes.shape), tuple(self.scales.shape))
+        if (self.codes.dtype != torch.uint8 or got != want or self.scales.dtype != torch.float16
+                or self.mins is not None or self.levels is not None or self.input_order is not None
+                or self.act != "float" or self.bits not in (4, 8)):  # fmt: skip
+            raise ValueError(f"QuantizedWeight: {self.layout} layout wants uint8 codes and float16 scales "
+                             f"{want}, centred {self.bits}-bit codes, no table or input order; got {got}.")
+        self._finish()
+        if self.activations is ActivationMode.FLOAT:
+            raise ValueError(f"QuantizedWeight: the {self.layout} layout's products round activations to int8 "
+                             "blocks; a weight whose activations stay float32 keeps the plain layout.")
+
+    def _plain_only(self, what: str) -> None:
+        """ValueError for a method that reads the plain layout, called on another."""
+        if self.layout is not CodeLayout.PLAIN:
+            raise ValueError(f"QuantizedWeight.{what} reads the plain layout; this weight is in {self.layout}: "
+                             "call plain() first.")
+
+    # ---- layouts -------------------------------------------------------------------------------------
+    def in_layout(self, layout: CodeLayout) -> "QuantizedWeight":
+        """The same weight with its codes and scales in `layout` (bytes moved only; self if already)."""
+        if layout is self.layout:
+            return self
+        w = self.plain()
+        if not layout.value.takes(w):
+            raise ValueError(f"the {layout} layout does not take {w!r}")
+        codes, scales = layout.value.pack(w)
+        return w._like(codes, scales, None, layout=layout, out_features=w.out_features)
+
+    def in_row_groups(self) -> "QuantizedWeight":
+        return self.in_layout(CodeLayout.ROWS8)
+
+    def plain(self) -> "QuantizedWeight":
+        """The same weight in the plain layout (self where it is)."""
+        if self.layout is CodeLayout.PLAIN:
+            return self
+        codes, scales = self.layout.value.unpack(self)
+        return self._like(codes, scales, None, layout=CodeLayout.PLAIN, out_features=self.out_features)
+
     def _check_super(self, lead: tuple[int, ...]) -> None:
         """Two-level (K-quant) scales: bytes of the one row layout, affine codes, float activations."""
         k, g = self.in_features, self.group
@@ -186,6 +238,9 @@ class QuantizedWeight:
         """Take the model's activation mode (a W8A8 weight keeps the rounding its format names).
         ValueError where int8 blocks of 32 do not fit the input size (`where` names the weight)."""
         mode = _format_activations(self.act, mode)
+        if mode is ActivationMode.FLOAT and self.layout is not CodeLayout.PLAIN:
+            raise ValueError(f"{where}: float32 activations on a {self.layout} weight (its products round them "
+                             "to int8 blocks): take plain() first.")
         if mode is ActivationMode.INT8:
             self.check_activation_blocks(self.in_features, where)
         self.activations = mode
@@ -234,12 +289,14 @@ class QuantizedWeight:
 
     def float_scales(self) -> torch.Tensor:
         """The scales as float32 [..., N, K // group]."""
+        self._plain_only("float_scales")
         if self.two_level:
             return super_scales.expand(self.scales, self.groups)
         return self.scales.float()
 
     def full_mins(self) -> torch.Tensor:
         """The mins as float32, stored or implied."""
+        self._plain_only("full_mins")
         if self.mins is not None:
             return super_scales.expand(self.mins, self.groups).neg_() if self.two_level else self.mins.float()
         return self.float_scales() * float(-self.centre)
@@ -255,6 +312,7 @@ class QuantizedWeight:
 
     def with_mins(self) -> "QuantizedWeight":
         """The same values with the mins stored (float32 scales too where -centre x scale leaves float16)."""
+        self._plain_only("with_mins")
         if self.two_level or self.exponent_scales:
             return self.flat().with_mins()
         if self.mins is not None:
@@ -272,6 +330,10 @@ class QuantizedWeight:
         empty = torch.empty(0)
         parts = [self.codes, self.scales, self.mins if self.mins is not None else empty,
                  self.levels if self.levels is not None else empty, torch.tensor(self.act == "int8")]
+        if self.layout is not CodeLayout.PLAIN:  # [..., order (empty: none), layout, out_features]
+            order = empty.long() if self.input_order is None else self.input_order
+            return [*parts, order, torch.tensor(self.layout.value.native, dtype=torch.int64),
+                    torch.tensor(self.out_features, dtype=torch.int64)]
         return parts if self.input_order is None else [*parts, self.input_order]
 
     def ordered_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -292,7 +354,7 @@ class QuantizedWeight:
 
     @property
     def num_experts(self) -> int | None:
-        return self.codes.shape[0] if self.codes.dim() == 3 else None
+        return self.codes.shape[0] if self.codes.dim() == 3 and self.layout is CodeLayout.PLAIN else None
 
     @property
     def shape(self) -> torch.Size:
@@ -326,7 +388,8 @@ class QuantizedWeight:
         scales = str(self.scales.dtype).removeprefix('torch.')
         if self.two_level:
             scales += f" x float16/{super_scales.SUPER_BLOCK}"
-        return f"{fmt} {group} {scales}{act}"
+        layout = "" if self.layout is CodeLayout.PLAIN else f" {self.layout}"
+        return f"{fmt} {group} {scales}{act}{layout}"
 
     def __repr__(self) -> str:
         return f"QuantizedWeight({tuple(self.shape)}, {self.describe()}, {self.nbytes} bytes)"
@@ -334,16 +397,18 @@ class QuantizedWeight:
     def _like(
         self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, **changes: Any
     ) -> "QuantizedWeight":
+        rows = codes.shape[-2] if self.layout is CodeLayout.PLAIN else self.out_features  # groups: not rows
         fields = dict(levels=self.levels, bits=self.bits, group=self.group, act=self.act,
-                      out_features=codes.shape[-2], in_features=self.in_features,
+                      out_features=rows, in_features=self.in_features,
                       activations=self.activations,
-                      input_order=self.input_order)  # fmt: skip
+                      input_order=self.input_order, layout=self.layout)  # fmt: skip
         fields.update(changes)
         return QuantizedWeight(codes, scales.contiguous(), None if mins is None else mins.contiguous(), **fields)
 
     # ---- values --------------------------------------------------------------------------------------
     def unpacked_codes(self) -> torch.Tensor:
         """One uint8 code per weight, [..., N, K]."""
+        self._plain_only("unpacked_codes")
         if self.bits == 4:
             return unpack_nibbles(self.codes)
         if self.bits == 6:
@@ -352,6 +417,8 @@ class QuantizedWeight:
 
     def dequantize(self) -> torch.Tensor:
         """float32 [..., N, K]: scales * u (or levels[u]) + mins, the reference every kernel is held to."""
+        if self.layout is not CodeLayout.PLAIN:
+            return self.plain().dequantize()
         if self.two_level:
             return self.flat().dequantize()
         u = self.unpacked_codes()
@@ -392,17 +459,29 @@ class QuantizedWeight:
                           input_order=order)
 
     def narrow_rows(self, start: int, length: int) -> "QuantizedWeight":
-        """Output rows [start, start + length) (views where the storage allows)."""
+        """Output rows [start, start + length) (views where the storage allows; row groups: whole groups,
+        the last one may end at out_features)."""
+        if self.layout is CodeLayout.ROWS8:
+            return self._narrow_groups(start, length)
         dim = self.codes.dim() - 2
         return self._like(
             self.codes.narrow(dim, start, length), self.scales.narrow(dim, start, length),
             _pick(self.mins, lambda m: m.narrow(dim, start, length)),
         )  # fmt: skip
 
+    def _narrow_groups(self, start: int, length: int) -> "QuantizedWeight":
+        end, n, rows = start + length, self.out_features, 8
+        if start % rows or (end % rows and end != n) or not 0 <= start <= end <= n:
+            raise ValueError(f"rows [{start}, {end}) of a row-group weight: whole groups of {rows} only "
+                             "(call plain() first)")
+        g0, g1 = start // rows, -(-end // rows)
+        return self._like(self.codes[g0:g1], self.scales[g0:g1], None, out_features=length)
+
     def narrow_columns(self, start: int, length: int) -> "QuantizedWeight":
         """Input columns [start, start + length): whole groups only (a tensor-parallel rank's share of a
         row-parallel weight). Codes move as bytes: a 4-bit group (a multiple of 32 values, GGUF's nibble
         order within each 32) is whole bytes."""
+        self._plain_only("narrow_columns")
         if self.input_order is not None:
             raise ValueError("act-order weights (input_order) cannot be split by input columns")
         if start % self.group or length % self.group:
@@ -434,24 +513,37 @@ class QuantizedWeight:
 
     def zero_rows(self, rows: int) -> "QuantizedWeight":
         """`rows` rows of this form whose values are all zero (scales and mins 0): padding."""
+        self._plain_only("zero_rows")
         lead = tuple(self.codes.shape[:-2])
         codes = torch.zeros((*lead, rows, self.codes.shape[-1]), dtype=torch.uint8)
         scales = torch.zeros((*lead, rows, self.scales.shape[-1]), dtype=self.scales.dtype)
         return self._like(codes, scales, None if self.mins is None else torch.zeros_like(scales))
 
     def index_rows(self, index: torch.Tensor) -> "QuantizedWeight":
-        """Output rows in the order `index` gives (a permutation, or a gather for lookups)."""
+        """Output rows in the order `index` gives (a permutation, or a gather for lookups); from row
+        groups the rows are gathered straight into a plain weight (an embedding lookup reads only them)."""
+        if self.layout is CodeLayout.ROWS8:
+            return self._gather_groups(index)
         dim = self.codes.dim() - 2
         return self._like(
             self.codes.index_select(dim, index), self.scales.index_select(dim, index),
             _pick(self.mins, lambda m: m.index_select(dim, index)),
         )  # fmt: skip
 
+    def _gather_groups(self, index: torch.Tensor) -> "QuantizedWeight":
+        groups, blocks, per = self.codes.shape
+        g, r = torch.div(index, 8, rounding_mode="floor"), index % 8
+        # [G, block, quad, row, 4 bytes] -> per index its row's [block, quad, 4]: the plain row's bytes
+        codes = self.codes.view(groups, blocks, per // 32, 8, 4)[g, :, :, r].reshape(len(index), blocks * per // 8)
+        scales = self.scales[g, :, r]
+        return self._like(codes, scales, None, layout=CodeLayout.PLAIN, out_features=len(index))
+
     # ---- promotion -----------------------------------------------------------------------------------
     def widened(self, bits: int = 8) -> "QuantizedWeight":
         """The same values with `bits`-bit codes (8, or 5 from 4)."""
         if self.bits == bits:
             return self
+        self._plain_only("widened")
         if self.two_level:
             return self.flat().widened(bits)
         if bits < self.bits or bits not in BITS or (bits != 8 and self.levels is not None):
@@ -465,6 +557,7 @@ class QuantizedWeight:
         """The same values with a smaller group that divides this one (scales and mins repeated)."""
         if group == self.group:
             return self
+        self._plain_only("regrouped")
         if self.two_level:
             return self.flat().regrouped(group)
         if self.group % group:
@@ -480,6 +573,7 @@ class QuantizedWeight:
     def with_scale_dtype(self, dtype: torch.dtype) -> "QuantizedWeight":
         if self.scales.dtype == dtype:
             return self
+        self._plain_only("with_scale_dtype")
         if self.two_level or self.exponent_scales:
             return self.flat().with_scale_dtype(dtype)
         if dtype != torch.float32:
@@ -493,6 +587,8 @@ class QuantizedWeight:
         group, float32 scales if any part has them."""
         if not parts:
             raise ValueError("no parts")
+        for p in parts:
+            p._plain_only("common_form (cat_rows, stack)")
         k = parts[0].in_features
         if any(p.in_features != k for p in parts):
             raise ValueError(f"parts differ in in_features: {[p.in_features for p in parts]}")

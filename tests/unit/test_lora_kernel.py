@@ -174,11 +174,16 @@ def test_small_steps_split_across_threads_give_the_serial_bits(tmp_path):
         torch.set_num_threads(before)
 
 
-def _quantized(kind, n, k, seed):
+def _quantized(kind, n, k, seed, parts=True):
     """A quantized weight's native parts in one of the engine's forms."""
     from perfxlm.quant import quantizers, two_level
+    from perfxlm.quant.weight import ActivationMode
 
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    if kind.endswith("_rows8"):  # the row-group layout (int8 activation blocks: its products' scheme)
+        q = _quantized(kind.removesuffix("_rows8"), n, k, seed, parts=False)
+        q.use_activations(ActivationMode.INT8_NATIVE)
+        return q.in_row_groups().native_parts()
     q = {
         "q8_0": lambda: quantizers.quantize_symmetric_int8(w, 32, centred=True, half=True),
         "int8": lambda: quantizers.quantize_asymmetric_int8(w, 64),
@@ -188,10 +193,10 @@ def _quantized(kind, n, k, seed):
         "w8a8": lambda: quantizers.quantize_symmetric_int8(w, k, act="int8"),
     }[kind]()
     assert q is not None
-    return q.native_parts()
+    return q.native_parts() if parts else q
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "int8", "q4_1", "q4_0", "k_quant", "w8a8"])
+@pytest.mark.parametrize("kind", ["q8_0", "int8", "q4_1", "q4_0", "k_quant", "w8a8", "q8_0_rows8", "q4_0_rows8"])
 @pytest.mark.parametrize("rows,n,int8_blocks,threads,gemm_rows", [
     (1, 1000, True, 2, 16),  # batch-1 decode: the output split in two ranges, q|k|v-like parts across them
     (1, 1000, False, 1, -1),
@@ -218,13 +223,14 @@ def test_projection_with_its_adapters_in_one_region_gives_the_product_then_the_a
     bias = torch.randn(n, generator=g)
     row_slot = torch.tensor([(-1, 0, 2, 3, 1)[(i + 1) % 5] for i in range(rows)], dtype=torch.int32)
     lora = [row_slot, pack_layer([tuple(lora_ops)])]
-    codes, scales, mins, levels, act = parts
+    codes, scales, mins, levels, act = parts[:5]
+    layout = [int(parts[6]), int(parts[7])] if len(parts) == 8 else []  # row groups: layout, out_features
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         with torch.inference_mode():
             want = ops.linear_q(x, codes, scales, mins if mins.numel() else None, levels if levels.numel() else None,
-                                bias, bool(act), 32, False, int8_blocks, 128, gemm_rows)
+                                bias, bool(act), 32, False, int8_blocks, 128, gemm_rows, *layout)
             ops.lora_add(want, x, lora, 0)
             got = ops.lora_project(x, parts, n, bias, 32, False, int8_blocks, 32, 128, gemm_rows, lora, 0)
             base = ops.lora_project(x, parts, n, bias, 32, False, int8_blocks, 32, 128, gemm_rows, [], 0)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from perfxlm.ops import native
-from perfxlm.quant import row_groups
+from perfxlm.quant import reference, row_groups
 from perfxlm.quant.gguf_repack import repack
 
 Q = gguf.GGMLQuantizationType
@@ -67,7 +67,7 @@ def test_native_product_matches_the_reference(bits, n, k, rows):
     x[0, :32] = 0  # an all-zero activation block (scale 0)
     bias = torch.randn(n) if rows == 3 else None
     y = ops.linear_q_rows8(x, codes8, scales8, bits, n, bias)
-    ref = row_groups.reference_linear(x, w, bias)
+    ref = reference.block_reference_linear(x, w, bias)
     assert y.shape == (rows, n)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
@@ -89,3 +89,120 @@ def test_the_op_refuses_a_layout_that_is_not_row_groups():
     w = gguf_weight(8, 16, 64)
     with pytest.raises(RuntimeError, match="row"):
         ops.linear_q_rows8(torch.randn(1, 64), w.codes, w.scales, 8, 16, None)
+
+
+# ---- the layout on QuantizedWeight, and the engine's consumers of it ------------------------------------
+
+from perfxlm.ops import cpu_plan  # noqa: E402
+from perfxlm.ops.linear import run_linear_q  # noqa: E402
+from perfxlm.quant.layouts import CodeLayout  # noqa: E402
+from perfxlm.quant.reference import fake_quantize_blocks  # noqa: E402
+from perfxlm.quant.weight import ActivationMode, QuantizedWeight  # noqa: E402
+
+
+def grouped(bits, n, k, seed=0):
+    """A plain GGUF weight with int8 activation blocks, and the same weight in row groups."""
+    w = gguf_weight(bits, n, k, seed)
+    w.use_activations(ActivationMode.INT8_NATIVE)
+    return w, w.in_row_groups()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_layout_moves_bytes_and_plain_gives_them_back(bits):
+    w, r = grouped(bits, 21, 96)
+    assert r.layout is CodeLayout.ROWS8 and r.shape == w.shape and r.num_experts is None and "rows8" in r.describe()
+    assert r.codes.shape == (3, 3, 8 * (32 if bits == 8 else 16)) and r.scales.shape == (3, 3, 8)
+    back = r.plain()
+    assert back.layout is CodeLayout.PLAIN and torch.equal(back.codes, w.codes) and torch.equal(back.scales, w.scales)
+    assert torch.equal(r.dequantize(), w.dequantize()) and torch.equal(r.dense(), w.dense())
+    assert r.in_row_groups() is r and w.plain() is w
+    # lookups gather the rows straight out of the groups (a tied embedding table)
+    ids = torch.tensor([[20, 0, 7], [8, 8, 15]])
+    assert torch.equal(r.embedding(ids), w.embedding(ids))
+    assert torch.equal(r.narrow_rows(8, 13).dequantize(), w.narrow_rows(8, 13).dequantize())
+    assert r.native_parts()[6].item() == CodeLayout.ROWS8.value.native and r.native_parts()[7].item() == 21
+
+
+def test_methods_that_read_rows_refuse_row_groups():
+    w, r = grouped(8, 16, 64)
+    for call in (lambda: r.narrow_columns(0, 32), lambda: r.zero_rows(3), lambda: r.widened(8) and r.regrouped(16),
+                 lambda: r.with_mins(), lambda: QuantizedWeight.cat_rows([r, w]), lambda: r.narrow_rows(3, 8),
+                 lambda: r.unpacked_codes(), lambda: r.use_activations(ActivationMode.FLOAT)):
+        with pytest.raises(ValueError, match="plain|whole groups"):
+            call()
+    with pytest.raises(ValueError, match="int8"):  # float activations keep the plain layout
+        gguf_weight(8, 16, 64).in_row_groups()
+    stack = QuantizedWeight.stack([w, w])
+    with pytest.raises(ValueError, match="does not take"):
+        stack.in_row_groups()
+
+
+def _plan_rows(**changes):
+    previous = cpu_plan.use(**changes)
+    return previous
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("n,k", [(13, 96), (40, 576), (45, 160)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16])
+def test_module_path_products_on_row_groups(bits, n, k, rows):
+    ops = ops_or_skip()
+    w, r = grouped(bits, n, k, seed=n * rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + n))
+    bias = torch.randn(n)
+    previous = cpu_plan.use(quant_max_rows=8, quant_block_max_rows=-1, quant_gemm="float32")
+    try:
+        got = run_linear_q(ops, x, r, bias, False, True, False)
+        # within the GEMV's rows its own kernel; past them the plain rows on the same rounded activations
+        ref = reference.block_reference_linear(x, w, bias)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        if rows > 8:  # past the GEMV: the plain layout's own product of the rounded rows, bit for bit
+            plain = ops.linear_q(fake_quantize_blocks(x), w.codes, w.scales, None, None, bias, False, 8, False)
+            assert torch.equal(got, plain)
+    finally:
+        cpu_plan.use(previous)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("n,k,rows", [(13, 96, 3), (37, 160, 40), (64, 576, 17), (100, 1536, 65)])
+def test_the_int8_gemm_reads_row_groups_as_its_panels(bits, n, k, rows):
+    ops = ops_or_skip()
+    if int(ops.quant_block_gemm_max_code()) < 255:
+        pytest.skip("no int8 GEMM in this build")
+    w, r = grouped(bits, n, k, seed=k + rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(n) if rows % 2 else None
+    plain = ops.quant_block_gemm(x, w.codes, w.scales, None, None, bias)
+    # the same panels, so the same bits
+    assert torch.equal(ops.quant_block_gemm(x, r.codes, r.scales, None, None, bias, 1, n), plain)
+    previous = cpu_plan.use(quant_gemm="int8", quant_gemm_rows=2)
+    try:  # and linear_q hands it many rows
+        assert torch.equal(run_linear_q(ops, x, r, bias, False, True, False), plain)
+    finally:
+        cpu_plan.use(previous)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_row_group_products_of_a_row_do_not_depend_on_the_batch(bits):
+    ops = ops_or_skip()
+    w, r = grouped(bits, 45, 320, seed=3)
+    x = torch.randn(8, 320, generator=torch.Generator().manual_seed(9))
+    batch = ops.linear_q(x, r.codes, r.scales, None, None, None, False, 8, False, True, -1, -1, 1, 45)
+    for m in range(8):
+        alone = ops.linear_q(x[m:m + 1], r.codes, r.scales, None, None, None, False, 8, False, True, -1, -1, 1, 45)
+        assert torch.equal(alone[0], batch[m])
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_fused_projection_and_its_lora_ranges_take_row_groups(bits):
+    ops = ops_or_skip()
+    if not hasattr(ops, "lora_project"):
+        pytest.skip("no fused projection op in this build")
+    w, r = grouped(bits, 77, 192, seed=4)
+    x = torch.randn(2, 192, generator=torch.Generator().manual_seed(1))
+    bias = torch.randn(77)
+    want = ops.linear_q(x, r.codes, r.scales, None, None, bias, False, 8, False, True, -1, -1, 1, 77)
+    ref = reference.block_reference_linear(x, w, bias)
+    torch.testing.assert_close(want, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    got = ops.lora_project(x, r.native_parts(), 77, bias, 8, False, True, 8, -1, -1, [], 0)
+    assert torch.equal(got, want)

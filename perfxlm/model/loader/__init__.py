@@ -17,9 +17,12 @@ from perfxlm.model.layers.linear_methods.registry import bind
 from perfxlm.model.loader.weight_arena import move_to_arena, release_freed_memory
 from perfxlm.model.models.base import CausalLM
 from perfxlm.model.registry import resolve_model_class
+from perfxlm.ops import cpu_plan
 from perfxlm.quant import calibration
 from perfxlm.quant.config import resolve_activations
 from perfxlm.quant.formats import PackedCheckpoint
+from perfxlm.quant.layout_choice import choose_layouts
+from perfxlm.quant.layouts import for_plan
 from perfxlm.quant.loading import quantized_loader
 from perfxlm.quant.weight import ActivationMode
 
@@ -146,6 +149,8 @@ def get_model(
     plan = linear_plan(stored, dtype, None if sink is None else sink.format_name, device)
     if not runs:  # the same values as rows, read as they were loaded
         plan = dataclasses.replace(plan, layout="rows")
+    if sink is not None and device.type == "cpu" and runs:  # the final code layouts, by the CPU plan
+        choose_layouts(model, for_plan(cpu_plan.plan().row_groups))
     bind_linear_methods(model, plan)
     if stored != dtype:
         cast_weights(model, stored, dtype)

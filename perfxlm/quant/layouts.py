@@ -1,0 +1,95 @@
+"""How a `QuantizedWeight` arranges its `codes` and `scales` in memory (`CodeLayout`), each layout one
+object that says its shapes, which weights it takes, and how to move a weight's bytes in and out of it.
+
+- PLAIN: row by row, as `perfxlm.quant.weight` describes (what every loader and quantizer produces, and
+  what every transform of a weight reads: fusing rows, splits, widening, export).
+- ROWS8: row groups (`perfxlm.quant.row_groups`, csrc/row_groups.h): 8 rows' blocks together for the
+  int8-dot GEMV, chosen once at load by the CPU plan (`row_groups`) for the weights it takes.
+
+A layout is a performance choice, never a format: `QuantizedWeight.plain()` gives the same values in the
+PLAIN layout, bytes moved only. The native kernels are told the layout explicitly (`native` below: the
+`layout` argument of linear_q / quant_block_gemm, the seventh native part), never from shapes.
+
+Adding a layout (say K-quant row groups): one more `CodeLayout` member whose value is a `Layout` object
+(its `takes`, `shapes`, `pack`, `unpack`, a new `native` number) and the kernels that read it, reached
+where csrc dispatches on that number; the weight's methods, the loader's choice and the tests go through
+the member.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from perfxlm.quant import row_groups
+
+if TYPE_CHECKING:
+    from perfxlm.quant.weight import QuantizedWeight
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The plain layout: the base every other layout derives from (its methods are the identity)."""
+
+    name: str
+    native: int  # the number csrc's kernels take for it (0: plain)
+
+    def takes(self, w: "QuantizedWeight") -> bool:
+        return True
+
+    def shapes(self, w: "QuantizedWeight") -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """The (codes, scales) shapes `w` must have in this layout; None: the plain rules
+        (`QuantizedWeight.__post_init__`)."""
+        return None
+
+    def pack(self, w: "QuantizedWeight") -> tuple[torch.Tensor, torch.Tensor]:
+        """Plain `w`'s (codes, scales) in this layout."""
+        return w.codes, w.scales
+
+    def unpack(self, w: "QuantizedWeight") -> tuple[torch.Tensor, torch.Tensor]:
+        """`w`'s (codes, scales), held in this layout, in the plain one."""
+        return w.codes, w.scales
+
+
+@dataclass(frozen=True)
+class RowGroups(Layout):
+    """Row groups of 8 (row_groups.py): matrices only (an expert stack keeps the plain layout)."""
+
+    def takes(self, w: "QuantizedWeight") -> bool:
+        return row_groups.takes(w)
+
+    def shapes(self, w: "QuantizedWeight") -> tuple[tuple[int, ...], tuple[int, ...]]:
+        groups, blocks = -(-w.out_features // row_groups.ROWS), w.in_features // row_groups.BLOCK
+        per = row_groups.ROWS * (row_groups.BLOCK if w.bits == 8 else row_groups.BLOCK // 2)
+        return (groups, blocks, per), (groups, blocks, row_groups.ROWS)
+
+    def pack(self, w: "QuantizedWeight") -> tuple[torch.Tensor, torch.Tensor]:
+        return row_groups.pack(w.codes, w.scales, w.bits)
+
+    def unpack(self, w: "QuantizedWeight") -> tuple[torch.Tensor, torch.Tensor]:
+        return row_groups.unpack(w.codes, w.scales, w.bits, w.out_features)
+
+
+class CodeLayout(enum.Enum):
+    PLAIN = Layout("plain", 0)
+    ROWS8 = RowGroups("rows8", 1)
+
+    def __str__(self) -> str:
+        return self.value.name
+
+
+def named(name: str) -> CodeLayout:
+    """The layout called `name` (its value's name)."""
+    for layout in CodeLayout:
+        if layout.value.name == name:
+            return layout
+    raise ValueError(f"no code layout {name!r}; known: {', '.join(str(x) for x in CodeLayout)}")
+
+
+def for_plan(row_groups: int) -> CodeLayout:
+    """The layout the CPU plan's `row_groups` (0 | 8) asks for."""
+    return CodeLayout.ROWS8 if row_groups == 8 else CodeLayout.PLAIN
+
