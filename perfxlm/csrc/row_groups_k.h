@@ -1,0 +1,341 @@
+// Row groups for GGUF K-quants (Q4_K, Q6_K): the batch-1 int8-dot GEMV over codes and two-level scales
+// stored with the blocks of 8 consecutive rows together (perfxlm/quant/row_groups_k.py makes the layout
+// and holds its plain-torch reference; row_groups.h is the same for Q8_0 / Q4_0).
+//
+// Layout (G = ceil(N / 8) groups of 8 rows, S = K / 256 super-blocks; rows past N are zero):
+//   codes  uint8 [G, K / 32, 8 x B]: per block of 32, the 8 rows' nibbles as [quad l][row][4 bytes] (byte j
+//          of quad l: code 4l + j low, 16 + 4l + j high: 128 bytes); Q6_K (B = 24) then the words H0, H1 of
+//          32 bytes: byte 4 r + j of H_h holds bits 4-5 of row r's code 16 h + 4l + j at bits 2l, 2l + 1;
+//   params uint8 [G, S, P]: Q4_K (160) sub-scales [block][row], sub-mins [block][row], d [row], dmin [row]
+//          (float16); Q6_K (144) int8 sub-scales [group of 16][row], d [row] (float16).
+// Why: as for Q4_0 (row_groups.h), one ymm of codes holds one quad of 8 rows, so vpdpbusd's int32 lanes
+// are the 8 rows, and everything after the dot products is per 8 rows at once, with no horizontal sums:
+// - the sub-scales apply in int32 (Q4_K: the block's sum x its byte scale; Q6_K: each half-block's sum x
+//   its int8 scale, the two added), exact, where the plain kernels convert and FMA per group and row;
+// - one conversion and FMA per block of 32 (where the activation scale changes) into a super-block sum,
+//   and one FMA by d per super-block;
+// - Q4_K's mins: the 8 rows' min bytes x (activation scale x the block's int8 sum), one FMA per block,
+//   times dmin per super-block;
+// - Q6_K's centre (32) comes off in the integer sums: each half-block's dot starts at -32 x its
+//   activations' sum (vpdpbusd builds); the vpmaddubsw build multiplies the int16 pair sums by the
+//   sub-scales in vpmaddwd (no vpmulld) and takes 32 x (the scales . the half sums) off after.
+// Each output row sums in one order on every path (per super-block: its blocks' float(int sum) x
+// activation scale FMAs in order, then x d; Q4_K's mins alike, subtracted after), so a row's result does
+// not depend on the other rows of the batch, and the scalar build rounds as the SIMD ones do.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "act_blocks.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PERFXLM_ROWS8K_SIMD 1
+#endif
+
+namespace perfxlm_rows8k {
+
+constexpr int kRows = 8;
+constexpr int64_t kSuper = 256;
+constexpr int64_t kQ4Params = 160, kQ6Params = 144;  // bytes per 8 rows and super-block
+constexpr int64_t kQ4Block = kRows * 16, kQ6Block = kRows * 24;  // code bytes per 8 rows and block of 32
+
+// One activation row as int8 blocks (act_blocks.h's rounding, the plain kernels' bytes) and what the
+// kernels add per block: its scale; Q4_K: scale x the block's int8 sum (the mins' factor); Q6_K: the
+// int8 sums of its two halves, as -32 x sum (vpdpbusd starts) and packed as two int16 (vpmaddwd).
+struct Acts {
+  std::vector<int8_t> q;
+  std::vector<float> dx, xsf;
+  std::vector<int32_t> start, pair;
+};
+
+inline void quantize(const float* x, int64_t K, Acts& a) {
+  const int64_t blocks = K / 32;
+  a.q.resize(K);
+  a.dx.resize(blocks);
+  a.xsf.resize(blocks);
+  a.start.resize(2 * blocks);
+  a.pair.resize(blocks);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int8_t* q = a.q.data() + 32 * b;
+    a.dx[b] = perfxlm_act::quantize_block_fast(x + 32 * b, a.q.data() + 32 * b);
+    int32_t half[2] = {0, 0};
+    for (int i = 0; i < 32; ++i) half[i / 16] += q[i];
+    a.xsf[b] = a.dx[b] * static_cast<float>(half[0] + half[1]);
+    a.start[2 * b] = -32 * half[0];
+    a.start[2 * b + 1] = -32 * half[1];
+    a.pair[b] = static_cast<int32_t>((static_cast<uint32_t>(half[0]) & 0xFFFFu) | (static_cast<uint32_t>(half[1]) << 16));
+  }
+}
+
+inline float half_at(const uint8_t* p, int r) {
+  uint16_t h;
+  std::memcpy(&h, p + 2 * r, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+#ifdef PERFXLM_ROWS8K_SIMD
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+constexpr bool kVnni = true;
+inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
+}
+#else
+constexpr bool kVnni = false;
+// The 4-product sums the vpdpbusd branches name (not taken in this build: they must still compile).
+inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+#endif
+
+inline __m256i quad(const int8_t* xq, int v) {
+  int32_t w;
+  std::memcpy(&w, xq + 4 * v, 4);
+  return _mm256_set1_epi32(w);
+}
+
+// 8 bytes (one per row) widened to int32 lanes.
+inline __m256i rows_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline __m256i rows_i8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 rows_f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+// int32 lanes of int16 range -> each lane's value in both of its int16 halves (a vpmaddwd multiplier).
+inline __m256i dup16(__m256i v) { return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16)); }
+
+// Q4_K: block b's int sums x sub-scales of 8 rows (codes: its 128 bytes).
+inline __m256i q4k_block(const uint8_t* blk, const int8_t* xq, const uint8_t* sc) {
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  if constexpr (kVnni) {
+    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+    #pragma GCC unroll 4
+    for (int l = 0; l < 4; ++l) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * l));
+      s0 = dot4(s0, _mm256_and_si256(raw, nib), quad(xq, l));
+      s1 = dot4(s1, _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib), quad(xq, l + 4));
+    }
+    return _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), rows_u8(sc));
+  } else {
+    // 8 vpmaddubsw pair sums of codes <= 15 fit int16 (8 x 2 x 15 x 127); vpmaddwd by the scale bytes
+    __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
+    #pragma GCC unroll 4
+    for (int l = 0; l < 4; ++l) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * l));
+      p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(_mm256_and_si256(raw, nib), quad(xq, l)));
+      p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nib), quad(xq, l + 4)));
+    }
+    return _mm256_madd_epi16(_mm256_add_epi16(p0, p1), dup16(rows_u8(sc)));
+  }
+}
+
+// Q6_K: bits 4-5 of quad l's codes from its high word h, at bits 4-5 of each byte.
+template <int L>
+inline __m256i high_bits(__m256i h) {
+  const __m256i m = _mm256_set1_epi8(0x30);
+  if constexpr (L == 0) return _mm256_and_si256(_mm256_slli_epi16(h, 4), m);
+  if constexpr (L == 1) return _mm256_and_si256(_mm256_slli_epi16(h, 2), m);
+  if constexpr (L == 2) return _mm256_and_si256(h, m);
+  return _mm256_and_si256(_mm256_srli_epi16(h, 2), m);
+}
+
+template <int L>
+inline void q6k_codes(const uint8_t* blk, __m256i h0, __m256i h1, __m256i& lo, __m256i& hi) {
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * L));
+  lo = _mm256_or_si256(_mm256_and_si256(raw, nib), high_bits<L>(h0));
+  hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nib), high_bits<L>(h1));
+}
+
+// Q6_K: block b's sum over its two halves of (int sum - 32 x activation sum) x sub-scale, 8 rows
+// (codes: its 192 bytes; sc: the sub-scales of its first half, the second's 8 bytes on).
+inline __m256i q6k_block(const uint8_t* blk, const int8_t* xq, const uint8_t* sc, const int32_t* start, int32_t pair) {
+  const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128));
+  const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 160));
+  __m256i lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3;
+  q6k_codes<0>(blk, h0, h1, lo0, hi0);
+  q6k_codes<1>(blk, h0, h1, lo1, hi1);
+  q6k_codes<2>(blk, h0, h1, lo2, hi2);
+  q6k_codes<3>(blk, h0, h1, lo3, hi3);
+  const __m256i sc0 = rows_i8(sc), sc1 = rows_i8(sc + 8);
+  if constexpr (kVnni) {
+    __m256i s0 = _mm256_set1_epi32(start[0]), s1 = _mm256_set1_epi32(start[1]);
+    s0 = dot4(s0, lo0, quad(xq, 0));
+    s1 = dot4(s1, hi0, quad(xq, 4));
+    s0 = dot4(s0, lo1, quad(xq, 1));
+    s1 = dot4(s1, hi1, quad(xq, 5));
+    s0 = dot4(s0, lo2, quad(xq, 2));
+    s1 = dot4(s1, hi2, quad(xq, 6));
+    s0 = dot4(s0, lo3, quad(xq, 3));
+    s1 = dot4(s1, hi3, quad(xq, 7));
+    return _mm256_add_epi32(_mm256_mullo_epi32(s0, sc0), _mm256_mullo_epi32(s1, sc1));
+  } else {
+    // two vpmaddubsw pair sums of codes <= 63 fit int16 (2 x 2 x 63 x 127); vpmaddwd by the scales
+    const __m256i a0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, quad(xq, 0)), _mm256_maddubs_epi16(lo1, quad(xq, 1)));
+    const __m256i a1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo2, quad(xq, 2)), _mm256_maddubs_epi16(lo3, quad(xq, 3)));
+    const __m256i b0 = _mm256_add_epi16(_mm256_maddubs_epi16(hi0, quad(xq, 4)), _mm256_maddubs_epi16(hi1, quad(xq, 5)));
+    const __m256i b1 = _mm256_add_epi16(_mm256_maddubs_epi16(hi2, quad(xq, 6)), _mm256_maddubs_epi16(hi3, quad(xq, 7)));
+    const __m256i d0 = dup16(sc0), d1 = dup16(sc1);
+    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(a0, d0), _mm256_madd_epi16(a1, d0)),
+                                       _mm256_add_epi32(_mm256_madd_epi16(b0, d1), _mm256_madd_epi16(b1, d1)));
+    // the centre: 32 x (sc0 x sum of the first half + sc1 x sum of the second), one vpmaddwd
+    const __m256i sp = _mm256_or_si256(_mm256_and_si256(sc0, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(sc1, 16));
+    return _mm256_sub_epi32(s, _mm256_slli_epi32(_mm256_madd_epi16(sp, _mm256_set1_epi32(pair)), 5));
+  }
+}
+
+inline void q4k_group_row(const uint8_t* codes, const uint8_t* params, const Acts& a, int64_t supers, float* out) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t s = 0; s < supers; ++s) {
+    const uint8_t* ps = params + s * kQ4Params;
+    __m256 as = _mm256_setzero_ps(), am = _mm256_setzero_ps();
+    for (int b = 0; b < 8; ++b) {
+      const int64_t blk = s * 8 + b;
+      const uint8_t* cb = codes + blk * kQ4Block;
+      // the stream ahead (row_groups.h: too short a time per block for the prefetchers to ramp up)
+      _mm_prefetch(reinterpret_cast<const char*>(cb + 1024), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(cb + 1024 + 64), _MM_HINT_T0);
+      const __m256i isum = q4k_block(cb, a.q.data() + 32 * blk, ps + 8 * b);
+      as = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(a.dx[blk]), as);
+      am = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rows_u8(ps + 64 + 8 * b)), _mm256_set1_ps(a.xsf[blk]), am);
+    }
+    acc = _mm256_fmadd_ps(as, rows_f16(ps + 128), acc);
+    acc = _mm256_fnmadd_ps(am, rows_f16(ps + 144), acc);
+  }
+  _mm256_storeu_ps(out, acc);
+}
+
+inline void q6k_group_row(const uint8_t* codes, const uint8_t* params, const Acts& a, int64_t supers, float* out) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t s = 0; s < supers; ++s) {
+    const uint8_t* ps = params + s * kQ6Params;
+    __m256 as = _mm256_setzero_ps();
+    for (int b = 0; b < 8; ++b) {
+      const int64_t blk = s * 8 + b;
+      const uint8_t* cb = codes + blk * kQ6Block;
+      _mm_prefetch(reinterpret_cast<const char*>(cb + 1536), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(cb + 1536 + 64), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(cb + 1536 + 128), _MM_HINT_T0);
+      const __m256i isum = q6k_block(cb, a.q.data() + 32 * blk, ps + 16 * b, a.start.data() + 2 * blk, a.pair[blk]);
+      as = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(a.dx[blk]), as);
+    }
+    acc = _mm256_fmadd_ps(as, rows_f16(ps + 128), acc);
+  }
+  _mm256_storeu_ps(out, acc);
+}
+#else
+// The scalar definition: the same integer sums and the same float operations in the same order.
+inline void q4k_group_row(const uint8_t* codes, const uint8_t* params, const Acts& a, int64_t supers, float* out) {
+  for (int r = 0; r < kRows; ++r) {
+    float acc = 0.f;
+    for (int64_t s = 0; s < supers; ++s) {
+      const uint8_t* ps = params + s * kQ4Params;
+      float as = 0.f, am = 0.f;
+      for (int b = 0; b < 8; ++b) {
+        const int64_t blk = s * 8 + b;
+        const uint8_t* cb = codes + blk * kQ4Block;
+        const int8_t* xq = a.q.data() + 32 * blk;
+        int32_t dot = 0;
+        for (int l = 0; l < 4; ++l)
+          for (int j = 0; j < 4; ++j) {
+            const uint8_t byte = cb[(l * kRows + r) * 4 + j];
+            dot += (byte & 15) * xq[4 * l + j] + (byte >> 4) * xq[16 + 4 * l + j];
+          }
+        as = std::fma(static_cast<float>(dot * ps[8 * b + r]), a.dx[blk], as);
+        am = std::fma(static_cast<float>(ps[64 + 8 * b + r]), a.xsf[blk], am);
+      }
+      acc = std::fma(as, half_at(ps + 128, r), acc);
+      acc = std::fma(-am, half_at(ps + 144, r), acc);
+    }
+    out[r] = acc;
+  }
+}
+
+inline void q6k_group_row(const uint8_t* codes, const uint8_t* params, const Acts& a, int64_t supers, float* out) {
+  for (int r = 0; r < kRows; ++r) {
+    float acc = 0.f;
+    for (int64_t s = 0; s < supers; ++s) {
+      const uint8_t* ps = params + s * kQ6Params;
+      float as = 0.f;
+      for (int b = 0; b < 8; ++b) {
+        const int64_t blk = s * 8 + b;
+        const uint8_t* cb = codes + blk * kQ6Block;
+        const int8_t* xq = a.q.data() + 32 * blk;
+        int32_t sum[2] = {a.start[2 * blk], a.start[2 * blk + 1]};
+        for (int h = 0; h < 2; ++h)
+          for (int l = 0; l < 4; ++l)
+            for (int j = 0; j < 4; ++j) {
+              const uint8_t byte = cb[(l * kRows + r) * 4 + j];
+              const int high = (cb[128 + 32 * h + 4 * r + j] >> (2 * l)) & 3;
+              const int u = (h ? byte >> 4 : byte & 15) | (high << 4);
+              sum[h] += u * xq[16 * h + 4 * l + j];
+            }
+        const int32_t isum = sum[0] * static_cast<int8_t>(ps[16 * b + r]) + sum[1] * static_cast<int8_t>(ps[16 * b + 8 + r]);
+        as = std::fma(static_cast<float>(isum), a.dx[blk], as);
+      }
+      acc = std::fma(as, half_at(ps + 128, r), acc);
+    }
+    out[r] = acc;
+  }
+}
+#endif
+
+// y [M, N] = x [M, K] W^T (+ bias) for W a Q4_K (bits 4) or Q6_K (bits 6) weight in row groups, over
+// groups in parallel; each thread runs every activation row over a group before the next (the group's
+// codes stay in L1).
+inline at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& params, int64_t bits,
+                         int64_t n_out, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_q_rows8_k: x must be 2-D float32");
+  TORCH_CHECK(bits == 4 || bits == 6, "linear_q_rows8_k: bits 4 (Q4_K) or 6 (Q6_K)");
+  const bool q4 = bits == 4;
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), blocks = K / 32, supers = K / kSuper;
+  const int64_t groups = (n_out + kRows - 1) / kRows;
+  const int64_t block_bytes = q4 ? kQ4Block : kQ6Block, param_bytes = q4 ? kQ4Params : kQ6Params;
+  TORCH_CHECK(K % kSuper == 0, "linear_q_rows8_k: K must be a multiple of 256");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 3 && codes.size(0) == groups &&
+                  codes.size(1) == blocks && codes.size(2) == block_bytes,
+              "linear_q_rows8_k: codes must be uint8 [ceil(N / 8), K / 32, ", block_bytes, "] (row groups)");
+  TORCH_CHECK(params.scalar_type() == at::kByte && params.is_contiguous() && params.dim() == 3 &&
+                  params.size(0) == groups && params.size(1) == supers && params.size(2) == param_bytes,
+              "linear_q_rows8_k: params must be uint8 [ceil(N / 8), K / 256, ", param_bytes, "] (row groups)");
+  std::vector<Acts> acts(static_cast<size_t>(M));
+  const float* xp = xc.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) quantize(xp + m * K, K, acts[m]);
+  at::Tensor y = at::empty({M, n_out}, xc.options());
+  float* yp = y.data_ptr<float>();
+  at::Tensor bc;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n_out, "linear_q_rows8_k: bias size ", bias->numel(), " != ", n_out);
+    bc = bias->to(at::kFloat).contiguous();
+    bp = bc.data_ptr<float>();
+  }
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint8_t* pp = params.data_ptr<uint8_t>();
+  const int64_t group_codes = blocks * block_bytes, group_params = supers * param_bytes;
+  at::parallel_for(0, groups, 8, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t m = 0; m < M; ++m) {
+        float out[kRows];
+        if (q4)
+          q4k_group_row(cp + g * group_codes, pp + g * group_params, acts[m], supers, out);
+        else
+          q6k_group_row(cp + g * group_codes, pp + g * group_params, acts[m], supers, out);
+        const int64_t n0 = g * kRows, rows = std::min<int64_t>(kRows, n_out - n0);
+        for (int64_t r = 0; r < rows; ++r) yp[m * n_out + n0 + r] = out[r] + (bp ? bp[n0 + r] : 0.f);
+      }
+  });
+  return y;
+}
+
+}  // namespace perfxlm_rows8k
