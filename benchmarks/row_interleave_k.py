@@ -1,4 +1,4 @@
-"""Row groups for K-quants (csrc/row_groups_k.h): perfxlm's batch-1 GEMV on Q4_K / Q6_K weights in the
+"""Row groups for K-quants (csrc/row_groups_k.h): perfxlm's batch-1 GEMV on Q4_K / Q5_K / Q6_K weights in the
 plain layout (linear_q, int8 blocks) against linear_q_rows8_k on the same weights in row groups, one
 thread, in the build this Python imports. The K-quant companion of row_interleave.py --real.
 
@@ -6,9 +6,11 @@ thread, in the build this Python imports. The K-quant companion of row_interleav
     python benchmarks/row_interleave_k.py --cases q6_k:49152x2048 --modes stream --rounds 9
     python benchmarks/row_interleave_k.py --rows 4                 # 4 activation rows per call
 
-Default shapes: Q4_K at the default model's q/o, gate/up, down (576x576, 1536x576, 576x1536) and a 2B
-model's 2048x2048; Q6_K at LM heads: the default model's 49152x576, Qwen3-MoE-like 49152x2048 and
-Qwen's 151936x2048 vocabulary.
+Default shapes (K-quant rows are whole super-blocks of 256: a 576-wide row, the default model's, is
+stored by llama.cpp in a fallback type, so its shapes with K = 576 do not occur): Q4_K at the default
+model's down projection (576x1536), 1536x768, and a 2B model's q/o, gate/up, down (2048x2048,
+6144x2048, 2048x6144); Q5_K at 2048x2048; Q6_K at LM heads: 49152x768 (the default model's vocabulary),
+49152x2048 (Qwen3-MoE-like) and 151936x2048 (Qwen's vocabulary).
 
 Timing: per-call thread CPU time, the two ops alternated batch by batch in one process, medians over
 rounds, activation rounding and dispatch included; "stream" cycles through more than --stream-mb of
@@ -31,10 +33,10 @@ from perfxlm.quant import QuantizedWeight, row_groups_k
 from perfxlm.quant.gguf_repack import repack
 
 Q = gguf.GGMLQuantizationType
-QTYPES = {"q4_k": Q.Q4_K, "q6_k": Q.Q6_K}
-_F16_AT = {Q.Q4_K: (0, 2), Q.Q6_K: (208,)}
-CASES = ["q4_k:576x576", "q4_k:1536x576", "q4_k:576x1536", "q4_k:2048x2048",
-         "q6_k:49152x576", "q6_k:49152x2048", "q6_k:151936x2048"]  # fmt: skip
+QTYPES = {"q4_k": Q.Q4_K, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K}
+_F16_AT = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+CASES = ["q4_k:576x1536", "q4_k:1536x768", "q4_k:2048x2048", "q4_k:6144x2048", "q4_k:2048x6144",
+         "q5_k:2048x2048", "q6_k:49152x768", "q6_k:49152x2048", "q6_k:151936x2048"]  # fmt: skip
 CHUNK_ROWS = 8192  # rows repacked and packed at a time: the repack's temporaries stay small
 
 
@@ -62,7 +64,7 @@ def times(fmt: str, n: int, k: int, m: int, stream_mb: float, rounds: int, per_b
     ops = native.kernels()
     rng = np.random.default_rng(0)
     bits = row_groups_k.FORMATS[fmt]
-    size = n * k * (4.625 if bits == 4 else 6.5625) / 8
+    size = n * k * {4: 4.625, 5: 5.625, 6: 6.5625}[bits] / 8
     copies = max(2, int(stream_mb * 1e6 / size) + 1) if stream_mb > 0 and size < stream_mb * 1e6 else 1
     made = [weight(fmt, n, k, rng) for _ in range(copies)]
     x = torch.randn(m, k)
@@ -95,7 +97,7 @@ def times(fmt: str, n: int, k: int, m: int, stream_mb: float, rounds: int, per_b
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated fmt:NxK (fmt q4_k or q6_k)")
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated fmt:NxK (fmt q4_k, q5_k or q6_k)")
     ap.add_argument("--modes", default="stream,resident")
     ap.add_argument("--stream-mb", type=float, default=128.0)
     ap.add_argument("--rows", type=int, default=1, help="activation rows per call")

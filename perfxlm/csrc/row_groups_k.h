@@ -1,20 +1,22 @@
-// Row groups for GGUF K-quants (Q4_K, Q6_K): the batch-1 int8-dot GEMV over codes and two-level scales
+// Row groups for GGUF K-quants (Q4_K, Q5_K, Q6_K): the batch-1 int8-dot GEMV over codes and two-level scales
 // stored with the blocks of 8 consecutive rows together (perfxlm/quant/row_groups_k.py makes the layout
 // and holds its plain-torch reference; row_groups.h is the same for Q8_0 / Q4_0).
 //
 // Layout (G = ceil(N / 8) groups of 8 rows, S = K / 256 super-blocks; rows past N are zero):
 //   codes  uint8 [G, K / 32, 8 x B]: per block of 32, the 8 rows' nibbles as [quad l][row][4 bytes] (byte j
-//          of quad l: code 4l + j low, 16 + 4l + j high: 128 bytes); Q6_K (B = 24) then the words H0, H1 of
-//          32 bytes: byte 4 r + j of H_h holds bits 4-5 of row r's code 16 h + 4l + j at bits 2l, 2l + 1;
-//   params uint8 [G, S, P]: Q4_K (160) sub-scales [block][row], sub-mins [block][row], d [row], dmin [row]
-//          (float16); Q6_K (144) int8 sub-scales [group of 16][row], d [row] (float16).
+//          of quad l: code 4l + j low, 16 + 4l + j high: 128 bytes); Q5_K (B = 20) then a 32-byte word of
+//          fifth bits (byte 4 r + j: row r's code 4l + j's at bit l, 16 + 4l + j's at bit 4 + l); Q6_K
+//          (B = 24) then the words H0, H1 of 32 bytes: byte 4 r + j of H_h holds bits 4-5 of row r's code
+//          16 h + 4l + j at bits 2l, 2l + 1;
+//   params uint8 [G, S, P]: Q4_K and Q5_K (160) sub-scales [block][row], sub-mins [block][row], d [row],
+//          dmin [row] (float16); Q6_K (144) int8 sub-scales [group of 16][row], d [row] (float16).
 // Why: as for Q4_0 (row_groups.h), one ymm of codes holds one quad of 8 rows, so vpdpbusd's int32 lanes
 // are the 8 rows, and everything after the dot products is per 8 rows at once, with no horizontal sums:
-// - the sub-scales apply in int32 (Q4_K: the block's sum x its byte scale; Q6_K: each half-block's sum x
+// - the sub-scales apply in int32 (Q4_K / Q5_K: the block's sum x its byte scale; Q6_K: each half-block's sum x
 //   its int8 scale, the two added), exact, where the plain kernels convert and FMA per group and row;
 // - one conversion and FMA per block of 32 (where the activation scale changes) into a super-block sum,
 //   and one FMA by d per super-block;
-// - Q4_K's mins: the 8 rows' min bytes x (activation scale x the block's int8 sum), one FMA per block,
+// - Q4_K / Q5_K's mins: the 8 rows' min bytes x (activation scale x the block's int8 sum), one FMA per block,
 //   times dmin per super-block;
 // - Q6_K's centre (32) comes off in the integer sums: each half-block's dot starts at -32 x its
 //   activations' sum (vpdpbusd builds); the vpmaddubsw build multiplies the int16 pair sums by the
@@ -45,8 +47,8 @@ namespace perfxlm_rows8k {
 
 constexpr int kRows = 8;
 constexpr int64_t kSuper = 256;
-constexpr int64_t kQ4Params = 160, kQ6Params = 144;  // bytes per 8 rows and super-block
-constexpr int64_t kQ4Block = kRows * 16, kQ6Block = kRows * 24;  // code bytes per 8 rows and block of 32
+constexpr int64_t kQ4Params = 160, kQ6Params = 144;  // bytes per 8 rows and super-block (Q5_K: Q4_K's)
+constexpr int64_t kQ4Block = kRows * 16, kQ5Block = kRows * 20, kQ6Block = kRows * 24;  // code bytes per 8 rows, block of 32
 
 // One activation row as int8 blocks (act_blocks.h's rounding, the plain kernels' bytes) and what the
 // kernels add per block: its scale; Q4_K: scale x the block's int8 sum (the mins' factor); Q6_K: the
@@ -113,28 +115,55 @@ inline __m256 rows_f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si12
 // int32 lanes of int16 range -> each lane's value in both of its int16 halves (a vpmaddwd multiplier).
 inline __m256i dup16(__m256i v) { return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16)); }
 
-// Q4_K: block b's int sums x sub-scales of 8 rows (codes: its 128 bytes).
-inline __m256i q4k_block(const uint8_t* blk, const int8_t* xq, const uint8_t* sc) {
+// Q5_K: bit 4 of quad l's codes (lo: codes 4l + j, hi: 16 + 4l + j) from the block's fifth-bit word.
+template <int L>
+inline __m256i fifth_lo(__m256i h) { return _mm256_and_si256(_mm256_slli_epi16(h, 4 - L), _mm256_set1_epi8(0x10)); }
+template <int L>
+inline __m256i fifth_hi(__m256i h) { return _mm256_and_si256(_mm256_srli_epi16(h, L), _mm256_set1_epi8(0x10)); }
+
+// Q4_K / Q5_K: quad l's codes of 8 rows, codes 4l + j (lo) and 16 + 4l + j (hi).
+template <bool FIVE, int L>
+inline void q45_codes(const uint8_t* blk, __m256i h, __m256i& lo, __m256i& hi) {
   const __m256i nib = _mm256_set1_epi8(0x0F);
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * L));
+  lo = _mm256_and_si256(raw, nib);
+  hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+  if constexpr (FIVE) {
+    lo = _mm256_or_si256(lo, fifth_lo<L>(h));
+    hi = _mm256_or_si256(hi, fifth_hi<L>(h));
+  }
+}
+
+// Q4_K / Q5_K: block b's int sums x sub-scales of 8 rows (codes: its 128 / 160 bytes).
+template <bool FIVE>
+inline __m256i q45_block(const uint8_t* blk, const int8_t* xq, const uint8_t* sc) {
+  const __m256i h = FIVE ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128)) : _mm256_setzero_si256();
+  __m256i lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3;
+  q45_codes<FIVE, 0>(blk, h, lo0, hi0);
+  q45_codes<FIVE, 1>(blk, h, lo1, hi1);
+  q45_codes<FIVE, 2>(blk, h, lo2, hi2);
+  q45_codes<FIVE, 3>(blk, h, lo3, hi3);
   if constexpr (kVnni) {
     __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-    #pragma GCC unroll 4
-    for (int l = 0; l < 4; ++l) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * l));
-      s0 = dot4(s0, _mm256_and_si256(raw, nib), quad(xq, l));
-      s1 = dot4(s1, _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib), quad(xq, l + 4));
-    }
+    s0 = dot4(s0, lo0, quad(xq, 0));
+    s1 = dot4(s1, hi0, quad(xq, 4));
+    s0 = dot4(s0, lo1, quad(xq, 1));
+    s1 = dot4(s1, hi1, quad(xq, 5));
+    s0 = dot4(s0, lo2, quad(xq, 2));
+    s1 = dot4(s1, hi2, quad(xq, 6));
+    s0 = dot4(s0, lo3, quad(xq, 3));
+    s1 = dot4(s1, hi3, quad(xq, 7));
     return _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), rows_u8(sc));
   } else {
-    // 8 vpmaddubsw pair sums of codes <= 15 fit int16 (8 x 2 x 15 x 127); vpmaddwd by the scale bytes
-    __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
-    #pragma GCC unroll 4
-    for (int l = 0; l < 4; ++l) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * l));
-      p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(_mm256_and_si256(raw, nib), quad(xq, l)));
-      p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nib), quad(xq, l + 4)));
-    }
-    return _mm256_madd_epi16(_mm256_add_epi16(p0, p1), dup16(rows_u8(sc)));
+    // vpmaddubsw pair sums in int16: 8 of codes <= 15 fit (8 x 2 x 15 x 127), 4 of codes <= 31; then
+    // vpmaddwd by the scale bytes
+    const __m256i p0 = _mm256_add_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo0, quad(xq, 0)), _mm256_maddubs_epi16(lo1, quad(xq, 1))),
+                                        _mm256_add_epi16(_mm256_maddubs_epi16(lo2, quad(xq, 2)), _mm256_maddubs_epi16(lo3, quad(xq, 3))));
+    const __m256i p1 = _mm256_add_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(hi0, quad(xq, 4)), _mm256_maddubs_epi16(hi1, quad(xq, 5))),
+                                        _mm256_add_epi16(_mm256_maddubs_epi16(hi2, quad(xq, 6)), _mm256_maddubs_epi16(hi3, quad(xq, 7))));
+    const __m256i d = dup16(rows_u8(sc));
+    if constexpr (FIVE) return _mm256_add_epi32(_mm256_madd_epi16(p0, d), _mm256_madd_epi16(p1, d));
+    return _mm256_madd_epi16(_mm256_add_epi16(p0, p1), d);
   }
 }
 
@@ -193,18 +222,21 @@ inline __m256i q6k_block(const uint8_t* blk, const int8_t* xq, const uint8_t* sc
   }
 }
 
-inline void q4k_group_row(const uint8_t* codes, const uint8_t* params, const Acts& a, int64_t supers, float* out) {
+template <bool FIVE>
+inline void q45_group_row(const uint8_t* codes, const uint8_t* params, const Acts& a, int64_t supers, float* out) {
+  constexpr int64_t block_bytes = FIVE ? kQ5Block : kQ4Block;
   __m256 acc = _mm256_setzero_ps();
   for (int64_t s = 0; s < supers; ++s) {
     const uint8_t* ps = params + s * kQ4Params;
     __m256 as = _mm256_setzero_ps(), am = _mm256_setzero_ps();
     for (int b = 0; b < 8; ++b) {
       const int64_t blk = s * 8 + b;
-      const uint8_t* cb = codes + blk * kQ4Block;
+      const uint8_t* cb = codes + blk * block_bytes;
       // the stream ahead (row_groups.h: too short a time per block for the prefetchers to ramp up)
-      _mm_prefetch(reinterpret_cast<const char*>(cb + 1024), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(cb + 1024 + 64), _MM_HINT_T0);
-      const __m256i isum = q4k_block(cb, a.q.data() + 32 * blk, ps + 8 * b);
+      _mm_prefetch(reinterpret_cast<const char*>(cb + 8 * block_bytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(cb + 8 * block_bytes + 64), _MM_HINT_T0);
+      if constexpr (FIVE) _mm_prefetch(reinterpret_cast<const char*>(cb + 8 * block_bytes + 128), _MM_HINT_T0);
+      const __m256i isum = q45_block<FIVE>(cb, a.q.data() + 32 * blk, ps + 8 * b);
       as = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(a.dx[blk]), as);
       am = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rows_u8(ps + 64 + 8 * b)), _mm256_set1_ps(a.xsf[blk]), am);
     }
@@ -234,7 +266,9 @@ inline void q6k_group_row(const uint8_t* codes, const uint8_t* params, const Act
 }
 #else
 // The scalar definition: the same integer sums and the same float operations in the same order.
-inline void q4k_group_row(const uint8_t* codes, const uint8_t* params, const Acts& a, int64_t supers, float* out) {
+template <bool FIVE>
+inline void q45_group_row(const uint8_t* codes, const uint8_t* params, const Acts& a, int64_t supers, float* out) {
+  constexpr int64_t block_bytes = FIVE ? kQ5Block : kQ4Block;
   for (int r = 0; r < kRows; ++r) {
     float acc = 0.f;
     for (int64_t s = 0; s < supers; ++s) {
@@ -242,13 +276,15 @@ inline void q4k_group_row(const uint8_t* codes, const uint8_t* params, const Act
       float as = 0.f, am = 0.f;
       for (int b = 0; b < 8; ++b) {
         const int64_t blk = s * 8 + b;
-        const uint8_t* cb = codes + blk * kQ4Block;
+        const uint8_t* cb = codes + blk * block_bytes;
         const int8_t* xq = a.q.data() + 32 * blk;
         int32_t dot = 0;
         for (int l = 0; l < 4; ++l)
           for (int j = 0; j < 4; ++j) {
             const uint8_t byte = cb[(l * kRows + r) * 4 + j];
-            dot += (byte & 15) * xq[4 * l + j] + (byte >> 4) * xq[16 + 4 * l + j];
+            const int fifth = FIVE ? cb[128 + 4 * r + j] : 0;
+            dot += ((byte & 15) | (((fifth >> l) & 1) << 4)) * xq[4 * l + j] +
+                   ((byte >> 4) | (((fifth >> (4 + l)) & 1) << 4)) * xq[16 + 4 * l + j];
           }
         as = std::fma(static_cast<float>(dot * ps[8 * b + r]), a.dx[blk], as);
         am = std::fma(static_cast<float>(ps[64 + 8 * b + r]), a.xsf[blk], am);
@@ -289,18 +325,18 @@ inline void q6k_group_row(const uint8_t* codes, const uint8_t* params, const Act
 }
 #endif
 
-// y [M, N] = x [M, K] W^T (+ bias) for W a Q4_K (bits 4) or Q6_K (bits 6) weight in row groups, over
+// y [M, N] = x [M, K] W^T (+ bias) for W a Q4_K (bits 4), Q5_K (5) or Q6_K (6) weight in row groups, over
 // groups in parallel; each thread runs every activation row over a group before the next (the group's
 // codes stay in L1).
 inline at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& params, int64_t bits,
                          int64_t n_out, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_q_rows8_k: x must be 2-D float32");
-  TORCH_CHECK(bits == 4 || bits == 6, "linear_q_rows8_k: bits 4 (Q4_K) or 6 (Q6_K)");
-  const bool q4 = bits == 4;
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6, "linear_q_rows8_k: bits 4 (Q4_K), 5 (Q5_K) or 6 (Q6_K)");
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), blocks = K / 32, supers = K / kSuper;
   const int64_t groups = (n_out + kRows - 1) / kRows;
-  const int64_t block_bytes = q4 ? kQ4Block : kQ6Block, param_bytes = q4 ? kQ4Params : kQ6Params;
+  const int64_t block_bytes = bits == 4 ? kQ4Block : bits == 5 ? kQ5Block : kQ6Block;
+  const int64_t param_bytes = bits == 6 ? kQ6Params : kQ4Params;
   TORCH_CHECK(K % kSuper == 0, "linear_q_rows8_k: K must be a multiple of 256");
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 3 && codes.size(0) == groups &&
                   codes.size(1) == blocks && codes.size(2) == block_bytes,
@@ -327,10 +363,14 @@ inline at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at:
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t m = 0; m < M; ++m) {
         float out[kRows];
-        if (q4)
-          q4k_group_row(cp + g * group_codes, pp + g * group_params, acts[m], supers, out);
+        const uint8_t* c = cp + g * group_codes;
+        const uint8_t* p = pp + g * group_params;
+        if (bits == 4)
+          q45_group_row<false>(c, p, acts[m], supers, out);
+        else if (bits == 5)
+          q45_group_row<true>(c, p, acts[m], supers, out);
         else
-          q6k_group_row(cp + g * group_codes, pp + g * group_params, acts[m], supers, out);
+          q6k_group_row(c, p, acts[m], supers, out);
         const int64_t n0 = g * kRows, rows = std::min<int64_t>(kRows, n_out - n0);
         for (int64_t r = 0; r < rows; ++r) yp[m * n_out + n0 + r] = out[r] + (bp ? bp[n0 + r] : 0.f);
       }

@@ -1,6 +1,6 @@
 """Row groups for K-quants (perfxlm/quant/row_groups_k.py, csrc/row_groups_k.h): the layout's bytes against
 the loaded form's, and the native GEMV on it against the plain-torch reference and the engine's plain
-linear_q, for GGUF Q4_K and Q6_K, at odd row counts (a last group of fewer than 8 rows) and K = 256 x odd,
+linear_q, for GGUF Q4_K, Q5_K and Q6_K, at odd row counts (a last group of fewer than 8 rows) and K = 256 x odd,
 one and several activation rows, on whichever ISA build runs (test_portable_kernels runs the lower tiers)."""
 
 import gguf
@@ -10,12 +10,12 @@ import torch
 
 from perfxlm.ops import native
 from perfxlm.quant import row_groups_k
-from perfxlm.quant.code_layout import unpack_sixes
+from perfxlm.quant.code_layout import unpack_fives, unpack_sixes
 from perfxlm.quant.gguf_repack import repack
 
 Q = gguf.GGMLQuantizationType
-FORMATS = {"q4_k": Q.Q4_K, "q6_k": Q.Q6_K}
-_F16_AT = {Q.Q4_K: (0, 2), Q.Q6_K: (208,)}
+FORMATS = {"q4_k": Q.Q4_K, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K}
+_F16_AT = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 
 
 def gguf_weight(fmt: str, n: int, k: int, seed: int = 0):
@@ -50,26 +50,31 @@ def test_pack_moves_bytes_and_unpack_inverts_it(fmt, n, k):
     bits = bits_of(fmt)
     assert codes.shape == (groups, blocks, 8 * row_groups_k.CODE_BYTES[bits]) and codes.dtype == torch.uint8
     assert params.shape == (groups, supers, row_groups_k.PARAM_BYTES[bits]) and params.dtype == torch.uint8
-    u = unpack_sixes(w.codes) if fmt == "q6_k" else None
+    u = {"q4_k": None, "q5_k": unpack_fives, "q6_k": unpack_sixes}[fmt]
+    u = u and u(w.codes)
     for r in {0, n - 1, n // 2}:
         g, i = r // 8, r % 8
         for b in {0, blocks - 1}:
             for q in (0, 3):  # quad q of the nibbles: the plain layout's 4 bytes
                 got = codes[g, b, (q * 8 + i) * 4 : (q * 8 + i) * 4 + 4]
-                assert torch.equal(got, w.codes[r, b * 16 + 4 * q : b * 16 + 4 * q + 4] if fmt == "q4_k"
+                assert torch.equal(got, w.codes[r, b * 16 + 4 * q : b * 16 + 4 * q + 4] if fmt != "q6_k"
                                    else (u[r, b * 32 + 4 * q : b * 32 + 4 * q + 4] & 15)
                                    | ((u[r, b * 32 + 16 + 4 * q : b * 32 + 20 + 4 * q] & 15) << 4))  # fmt: skip
+                if fmt == "q5_k":  # code 4 q + j's fifth bit at bit q of byte 4 i + j, 16 + 4 q + j's at 4 + q
+                    word = codes[g, b, 128 + 4 * i : 128 + 4 * i + 4]
+                    assert torch.equal((word >> q) & 1, u[r, b * 32 + 4 * q : b * 32 + 4 * q + 4] >> 4)
+                    assert torch.equal((word >> (4 + q)) & 1, u[r, b * 32 + 16 + 4 * q : b * 32 + 20 + 4 * q] >> 4)
                 if fmt == "q6_k":  # code 16 h + 4 q + j's bits 4-5 at bits 2q of byte 4 i + j of word h
                     for h in (0, 1):
                         word = codes[g, b, 128 + 32 * h + 4 * i : 128 + 32 * h + 4 * i + 4]
                         assert torch.equal((word >> (2 * q)) & 3, u[r, b * 32 + 16 * h + 4 * q : b * 32 + 16 * h + 4 * q + 4] >> 4)
         s = supers - 1  # the last super-block's parameters
         sub = w.scales.view(torch.uint8)
-        per = 8 if fmt == "q4_k" else 16
+        per = 16 if fmt == "q6_k" else 8
         assert torch.equal(params[g, s, i : per * 8 : 8], sub[r, s * per : (s + 1) * per])
         d_at = 128  # after the sub-scales (and Q4_K's sub-mins)
         assert torch.equal(params[g, s, d_at + 2 * i : d_at + 2 * i + 2], sub[r, k // (256 // per) + 2 * s : k // (256 // per) + 2 * s + 2])
-        if fmt == "q4_k":
+        if fmt != "q6_k":
             mins = w.mins.view(torch.uint8)
             assert torch.equal(params[g, s, 64 + i : 128 : 8], mins[r, s * 8 : (s + 1) * 8])
             assert torch.equal(params[g, s, 144 + 2 * i : 146 + 2 * i], mins[r, k // 32 + 2 * s : k // 32 + 2 * s + 2])
@@ -113,13 +118,13 @@ def test_a_row_alone_gives_the_bits_it_has_in_a_batch(fmt):
 
 
 def test_extreme_codes_and_scales_stay_exact():
-    """The int16 pair sums of the vpmaddubsw build at their largest (codes 15 / 63 against +-127, the
+    """The int16 pair sums of the vpmaddubsw build at their largest (codes 15 / 31 / 63 against +-127, the
     largest sub-scales) and the int32 products stay exact: the result matches the reference."""
     ops = ops_or_skip()
     for fmt in FORMATS:
         w = gguf_weight(fmt, 9, 512, seed=11)
-        if fmt == "q4_k":
-            w.codes.fill_(0xFF)
+        if fmt != "q6_k":
+            w.codes.fill_(0xFF)  # every code 15 (31)
             w.scales[:, : 512 // 32].fill_(63)
             w.mins[:, : 512 // 32].fill_(63)
         else:
@@ -136,10 +141,11 @@ def test_extreme_codes_and_scales_stay_exact():
 
 def test_takes_names_the_formats_and_refuses_others():
     assert row_groups_k.takes(gguf_weight("q4_k", 8, 256)) == "q4_k"
+    assert row_groups_k.takes(gguf_weight("q5_k", 8, 256)) == "q5_k"
     assert row_groups_k.takes(gguf_weight("q6_k", 8, 256)) == "q6_k"
     raw = np.zeros((8 * 256 // 32, 34), dtype=np.uint8)
     assert row_groups_k.takes(repack(raw, Q.Q8_0, (8, 256))) is None
-    with pytest.raises(ValueError, match="Q4_K or Q6_K"):
+    with pytest.raises(ValueError, match="Q4_K, Q5_K or Q6_K"):
         row_groups_k.pack(repack(raw, Q.Q8_0, (8, 256)))
 
 
