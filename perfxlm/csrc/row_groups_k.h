@@ -325,30 +325,74 @@ inline void q6k_group_row(const uint8_t* codes, const uint8_t* params, const Act
 }
 #endif
 
-// y [M, N] = x [M, K] W^T (+ bias) for W a Q4_K (bits 4), Q5_K (5) or Q6_K (6) weight in row groups, over
-// groups in parallel; each thread runs every activation row over a group before the next (the group's
-// codes stay in L1).
-inline at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& params, int64_t bits,
-                         int64_t n_out, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_q_rows8_k: x must be 2-D float32");
+// One call's activations, rounded, and the weight it multiplies (row_groups.h's Product, for K-quants):
+// prepare once, then groups_into over any ranges of groups.
+struct Product {
+  std::vector<Acts> acts;
+  const uint8_t* codes = nullptr;
+  const uint8_t* params = nullptr;
+  int64_t M = 0, K = 0, supers = 0, groups = 0, n_out = 0, bits = 0, group_codes = 0, group_params = 0;
+};
+
+inline int64_t block_bytes_of(int64_t bits) { return bits == 4 ? kQ4Block : bits == 5 ? kQ5Block : kQ6Block; }
+// The format of row-group codes from their shape (a dispatcher that gets no bits): 4, 5 or 6.
+inline int64_t bits_of(const at::Tensor& codes) { return codes.dim() == 3 ? codes.size(2) / (kRows * 4) : 0; }
+
+inline Product prepare(const at::Tensor& xc, const at::Tensor& codes, const at::Tensor& params, int64_t bits,
+                       int64_t n_out) {
+  TORCH_CHECK(xc.dim() == 2 && xc.scalar_type() == at::kFloat && xc.is_contiguous(),
+              "linear_q_rows8_k: x must be contiguous 2-D float32");
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 6, "linear_q_rows8_k: bits 4 (Q4_K), 5 (Q5_K) or 6 (Q6_K)");
-  const at::Tensor xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), blocks = K / 32, supers = K / kSuper;
-  const int64_t groups = (n_out + kRows - 1) / kRows;
-  const int64_t block_bytes = bits == 4 ? kQ4Block : bits == 5 ? kQ5Block : kQ6Block;
-  const int64_t param_bytes = bits == 6 ? kQ6Params : kQ4Params;
-  TORCH_CHECK(K % kSuper == 0, "linear_q_rows8_k: K must be a multiple of 256");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 3 && codes.size(0) == groups &&
+  Product p;
+  p.bits = bits;
+  p.M = xc.size(0), p.K = xc.size(1), p.supers = p.K / kSuper, p.n_out = n_out;
+  p.groups = (n_out + kRows - 1) / kRows;
+  const int64_t blocks = p.K / 32, block_bytes = block_bytes_of(bits), param_bytes = bits == 6 ? kQ6Params : kQ4Params;
+  TORCH_CHECK(p.K % kSuper == 0, "linear_q_rows8_k: K must be a multiple of 256");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 3 && codes.size(0) == p.groups &&
                   codes.size(1) == blocks && codes.size(2) == block_bytes,
               "linear_q_rows8_k: codes must be uint8 [ceil(N / 8), K / 32, ", block_bytes, "] (row groups)");
   TORCH_CHECK(params.scalar_type() == at::kByte && params.is_contiguous() && params.dim() == 3 &&
-                  params.size(0) == groups && params.size(1) == supers && params.size(2) == param_bytes,
+                  params.size(0) == p.groups && params.size(1) == p.supers && params.size(2) == param_bytes,
               "linear_q_rows8_k: params must be uint8 [ceil(N / 8), K / 256, ", param_bytes, "] (row groups)");
-  std::vector<Acts> acts(static_cast<size_t>(M));
+  p.acts.resize(static_cast<size_t>(p.M));
   const float* xp = xc.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) quantize(xp + m * K, K, acts[m]);
-  at::Tensor y = at::empty({M, n_out}, xc.options());
-  float* yp = y.data_ptr<float>();
+  for (int64_t m = 0; m < p.M; ++m) quantize(xp + m * p.K, p.K, p.acts[m]);
+  p.codes = codes.data_ptr<uint8_t>();
+  p.params = params.data_ptr<uint8_t>();
+  p.group_codes = blocks * block_bytes;
+  p.group_params = p.supers * param_bytes;
+  return p;
+}
+
+// Groups [g0, g1) of the product into y (row stride ldy, output n at column n), bias added; every
+// activation row runs over a group before the next group (its codes stay in L1). A row's outputs do not
+// depend on which range computed them.
+inline void groups_into(const Product& p, int64_t g0, int64_t g1, float* y, int64_t ldy, const float* bias) {
+  for (int64_t g = g0; g < g1; ++g)
+    for (int64_t m = 0; m < p.M; ++m) {
+      float out[kRows];
+      const uint8_t* c = p.codes + g * p.group_codes;
+      const uint8_t* w = p.params + g * p.group_params;
+      if (p.bits == 4)
+        q45_group_row<false>(c, w, p.acts[m], p.supers, out);
+      else if (p.bits == 5)
+        q45_group_row<true>(c, w, p.acts[m], p.supers, out);
+      else
+        q6k_group_row(c, w, p.acts[m], p.supers, out);
+      const int64_t n0 = g * kRows, rows = std::min<int64_t>(kRows, p.n_out - n0);
+      for (int64_t r = 0; r < rows; ++r) y[m * ldy + n0 + r] = out[r] + (bias ? bias[n0 + r] : 0.f);
+    }
+}
+
+// y [M, N] = x [M, K] W^T (+ bias) for W a Q4_K (bits 4), Q5_K (5) or Q6_K (6) weight in row groups, over
+// groups in parallel.
+inline at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& params, int64_t bits,
+                         int64_t n_out, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_q_rows8_k: x must be 2-D float32");
+  const at::Tensor xc = x.contiguous();
+  const Product p = prepare(xc, codes, params, bits, n_out);
+  at::Tensor y = at::empty({p.M, n_out}, xc.options());
   at::Tensor bc;
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -356,25 +400,8 @@ inline at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at:
     bc = bias->to(at::kFloat).contiguous();
     bp = bc.data_ptr<float>();
   }
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const uint8_t* pp = params.data_ptr<uint8_t>();
-  const int64_t group_codes = blocks * block_bytes, group_params = supers * param_bytes;
-  at::parallel_for(0, groups, 8, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t m = 0; m < M; ++m) {
-        float out[kRows];
-        const uint8_t* c = cp + g * group_codes;
-        const uint8_t* p = pp + g * group_params;
-        if (bits == 4)
-          q45_group_row<false>(c, p, acts[m], supers, out);
-        else if (bits == 5)
-          q45_group_row<true>(c, p, acts[m], supers, out);
-        else
-          q6k_group_row(c, p, acts[m], supers, out);
-        const int64_t n0 = g * kRows, rows = std::min<int64_t>(kRows, n_out - n0);
-        for (int64_t r = 0; r < rows; ++r) yp[m * n_out + n0 + r] = out[r] + (bp ? bp[n0 + r] : 0.f);
-      }
-  });
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, p.groups, 8, [&](int64_t g0, int64_t g1) { groups_into(p, g0, g1, yp, n_out, bp); });
   return y;
 }
 
