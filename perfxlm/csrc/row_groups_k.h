@@ -134,9 +134,10 @@ inline void q45_codes(const uint8_t* blk, __m256i h, __m256i& lo, __m256i& hi) {
   }
 }
 
-// Q4_K / Q5_K: block b's int sums x sub-scales of 8 rows (codes: its 128 / 160 bytes).
-template <bool FIVE>
-inline __m256i q45_block(const uint8_t* blk, const int8_t* xq, const uint8_t* sc) {
+// Q4_K / Q5_K: block b's int sums x sub-scales of 8 rows (codes: its 128 / 160 bytes), for MR activation
+// rows (their blocks at xq[i]) on one unpacking of the codes.
+template <bool FIVE, int MR>
+inline void q45_block(const uint8_t* blk, const int8_t* const* xq, const uint8_t* sc, __m256i* isum) {
   const __m256i h = FIVE ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128)) : _mm256_setzero_si256();
   __m256i lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3;
   q45_codes<FIVE, 0>(blk, h, lo0, hi0);
@@ -144,26 +145,34 @@ inline __m256i q45_block(const uint8_t* blk, const int8_t* xq, const uint8_t* sc
   q45_codes<FIVE, 2>(blk, h, lo2, hi2);
   q45_codes<FIVE, 3>(blk, h, lo3, hi3);
   if constexpr (kVnni) {
-    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-    s0 = dot4(s0, lo0, quad(xq, 0));
-    s1 = dot4(s1, hi0, quad(xq, 4));
-    s0 = dot4(s0, lo1, quad(xq, 1));
-    s1 = dot4(s1, hi1, quad(xq, 5));
-    s0 = dot4(s0, lo2, quad(xq, 2));
-    s1 = dot4(s1, hi2, quad(xq, 6));
-    s0 = dot4(s0, lo3, quad(xq, 3));
-    s1 = dot4(s1, hi3, quad(xq, 7));
-    return _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), rows_u8(sc));
+    const __m256i scale = rows_u8(sc);
+    #pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) {
+      __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+      s0 = dot4(s0, lo0, quad(xq[i], 0));
+      s1 = dot4(s1, hi0, quad(xq[i], 4));
+      s0 = dot4(s0, lo1, quad(xq[i], 1));
+      s1 = dot4(s1, hi1, quad(xq[i], 5));
+      s0 = dot4(s0, lo2, quad(xq[i], 2));
+      s1 = dot4(s1, hi2, quad(xq[i], 6));
+      s0 = dot4(s0, lo3, quad(xq[i], 3));
+      s1 = dot4(s1, hi3, quad(xq[i], 7));
+      isum[i] = _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), scale);
+    }
   } else {
     // vpmaddubsw pair sums in int16: 8 of codes <= 15 fit (8 x 2 x 15 x 127), 4 of codes <= 31; then
     // vpmaddwd by the scale bytes
-    const __m256i p0 = _mm256_add_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo0, quad(xq, 0)), _mm256_maddubs_epi16(lo1, quad(xq, 1))),
-                                        _mm256_add_epi16(_mm256_maddubs_epi16(lo2, quad(xq, 2)), _mm256_maddubs_epi16(lo3, quad(xq, 3))));
-    const __m256i p1 = _mm256_add_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(hi0, quad(xq, 4)), _mm256_maddubs_epi16(hi1, quad(xq, 5))),
-                                        _mm256_add_epi16(_mm256_maddubs_epi16(hi2, quad(xq, 6)), _mm256_maddubs_epi16(hi3, quad(xq, 7))));
     const __m256i d = dup16(rows_u8(sc));
-    if constexpr (FIVE) return _mm256_add_epi32(_mm256_madd_epi16(p0, d), _mm256_madd_epi16(p1, d));
-    return _mm256_madd_epi16(_mm256_add_epi16(p0, p1), d);
+    #pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) {
+      const int8_t* x = xq[i];
+      const __m256i p0 = _mm256_add_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo0, quad(x, 0)), _mm256_maddubs_epi16(lo1, quad(x, 1))),
+                                          _mm256_add_epi16(_mm256_maddubs_epi16(lo2, quad(x, 2)), _mm256_maddubs_epi16(lo3, quad(x, 3))));
+      const __m256i p1 = _mm256_add_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(hi0, quad(x, 4)), _mm256_maddubs_epi16(hi1, quad(x, 5))),
+                                          _mm256_add_epi16(_mm256_maddubs_epi16(hi2, quad(x, 6)), _mm256_maddubs_epi16(hi3, quad(x, 7))));
+      if constexpr (FIVE) isum[i] = _mm256_add_epi32(_mm256_madd_epi16(p0, d), _mm256_madd_epi16(p1, d));
+      else isum[i] = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), d);
+    }
   }
 }
 
@@ -186,8 +195,10 @@ inline void q6k_codes(const uint8_t* blk, __m256i h0, __m256i h1, __m256i& lo, _
 }
 
 // Q6_K: block b's sum over its two halves of (int sum - 32 x activation sum) x sub-scale, 8 rows
-// (codes: its 192 bytes; sc: the sub-scales of its first half, the second's 8 bytes on).
-inline __m256i q6k_block(const uint8_t* blk, const int8_t* xq, const uint8_t* sc, const int32_t* start, int32_t pair) {
+// (codes: its 192 bytes; sc: the sub-scales of its first half, the second's 8 bytes on), for MR
+// activation rows (a[i], block blk) on one unpacking of the codes.
+template <int MR>
+inline void q6k_block(const uint8_t* blk, const Acts* const* a, int64_t bi, const uint8_t* sc, __m256i* isum) {
   const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128));
   const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 160));
   __m256i lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3;
@@ -197,38 +208,49 @@ inline __m256i q6k_block(const uint8_t* blk, const int8_t* xq, const uint8_t* sc
   q6k_codes<3>(blk, h0, h1, lo3, hi3);
   const __m256i sc0 = rows_i8(sc), sc1 = rows_i8(sc + 8);
   if constexpr (kVnni) {
-    __m256i s0 = _mm256_set1_epi32(start[0]), s1 = _mm256_set1_epi32(start[1]);
-    s0 = dot4(s0, lo0, quad(xq, 0));
-    s1 = dot4(s1, hi0, quad(xq, 4));
-    s0 = dot4(s0, lo1, quad(xq, 1));
-    s1 = dot4(s1, hi1, quad(xq, 5));
-    s0 = dot4(s0, lo2, quad(xq, 2));
-    s1 = dot4(s1, hi2, quad(xq, 6));
-    s0 = dot4(s0, lo3, quad(xq, 3));
-    s1 = dot4(s1, hi3, quad(xq, 7));
-    return _mm256_add_epi32(_mm256_mullo_epi32(s0, sc0), _mm256_mullo_epi32(s1, sc1));
+    #pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) {
+      const int8_t* xq = a[i]->q.data() + 32 * bi;
+      __m256i s0 = _mm256_set1_epi32(a[i]->start[2 * bi]), s1 = _mm256_set1_epi32(a[i]->start[2 * bi + 1]);
+      s0 = dot4(s0, lo0, quad(xq, 0));
+      s1 = dot4(s1, hi0, quad(xq, 4));
+      s0 = dot4(s0, lo1, quad(xq, 1));
+      s1 = dot4(s1, hi1, quad(xq, 5));
+      s0 = dot4(s0, lo2, quad(xq, 2));
+      s1 = dot4(s1, hi2, quad(xq, 6));
+      s0 = dot4(s0, lo3, quad(xq, 3));
+      s1 = dot4(s1, hi3, quad(xq, 7));
+      isum[i] = _mm256_add_epi32(_mm256_mullo_epi32(s0, sc0), _mm256_mullo_epi32(s1, sc1));
+    }
   } else {
     // two vpmaddubsw pair sums of codes <= 63 fit int16 (2 x 2 x 63 x 127); vpmaddwd by the scales
-    const __m256i a0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, quad(xq, 0)), _mm256_maddubs_epi16(lo1, quad(xq, 1)));
-    const __m256i a1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo2, quad(xq, 2)), _mm256_maddubs_epi16(lo3, quad(xq, 3)));
-    const __m256i b0 = _mm256_add_epi16(_mm256_maddubs_epi16(hi0, quad(xq, 4)), _mm256_maddubs_epi16(hi1, quad(xq, 5)));
-    const __m256i b1 = _mm256_add_epi16(_mm256_maddubs_epi16(hi2, quad(xq, 6)), _mm256_maddubs_epi16(hi3, quad(xq, 7)));
     const __m256i d0 = dup16(sc0), d1 = dup16(sc1);
-    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(a0, d0), _mm256_madd_epi16(a1, d0)),
-                                       _mm256_add_epi32(_mm256_madd_epi16(b0, d1), _mm256_madd_epi16(b1, d1)));
     // the centre: 32 x (sc0 x sum of the first half + sc1 x sum of the second), one vpmaddwd
     const __m256i sp = _mm256_or_si256(_mm256_and_si256(sc0, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(sc1, 16));
-    return _mm256_sub_epi32(s, _mm256_slli_epi32(_mm256_madd_epi16(sp, _mm256_set1_epi32(pair)), 5));
+    #pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) {
+      const int8_t* xq = a[i]->q.data() + 32 * bi;
+      const __m256i a0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, quad(xq, 0)), _mm256_maddubs_epi16(lo1, quad(xq, 1)));
+      const __m256i a1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo2, quad(xq, 2)), _mm256_maddubs_epi16(lo3, quad(xq, 3)));
+      const __m256i b0 = _mm256_add_epi16(_mm256_maddubs_epi16(hi0, quad(xq, 4)), _mm256_maddubs_epi16(hi1, quad(xq, 5)));
+      const __m256i b1 = _mm256_add_epi16(_mm256_maddubs_epi16(hi2, quad(xq, 6)), _mm256_maddubs_epi16(hi3, quad(xq, 7)));
+      const __m256i s = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(a0, d0), _mm256_madd_epi16(a1, d0)),
+                                         _mm256_add_epi32(_mm256_madd_epi16(b0, d1), _mm256_madd_epi16(b1, d1)));
+      isum[i] = _mm256_sub_epi32(s, _mm256_slli_epi32(_mm256_madd_epi16(sp, _mm256_set1_epi32(a[i]->pair[bi])), 5));
+    }
   }
 }
 
-template <bool FIVE>
-inline void q45_group_row(const uint8_t* codes, const uint8_t* params, const Acts& a, int64_t supers, float* out) {
+// One group's 8 outputs for MR activation rows a[i] (out: MR x 8).
+template <bool FIVE, int MR>
+inline void q45_group_rows(const uint8_t* codes, const uint8_t* params, const Acts* const* a, int64_t supers, float* out) {
   constexpr int64_t block_bytes = FIVE ? kQ5Block : kQ4Block;
-  __m256 acc = _mm256_setzero_ps();
+  __m256 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t s = 0; s < supers; ++s) {
     const uint8_t* ps = params + s * kQ4Params;
-    __m256 as = _mm256_setzero_ps(), am = _mm256_setzero_ps();
+    __m256 as[MR], am[MR];
+    for (int i = 0; i < MR; ++i) as[i] = am[i] = _mm256_setzero_ps();
     for (int b = 0; b < 8; ++b) {
       const int64_t blk = s * 8 + b;
       const uint8_t* cb = codes + blk * block_bytes;
@@ -236,33 +258,45 @@ inline void q45_group_row(const uint8_t* codes, const uint8_t* params, const Act
       _mm_prefetch(reinterpret_cast<const char*>(cb + 8 * block_bytes), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(cb + 8 * block_bytes + 64), _MM_HINT_T0);
       if constexpr (FIVE) _mm_prefetch(reinterpret_cast<const char*>(cb + 8 * block_bytes + 128), _MM_HINT_T0);
-      const __m256i isum = q45_block<FIVE>(cb, a.q.data() + 32 * blk, ps + 8 * b);
-      as = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(a.dx[blk]), as);
-      am = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rows_u8(ps + 64 + 8 * b)), _mm256_set1_ps(a.xsf[blk]), am);
+      const int8_t* xq[MR];
+      for (int i = 0; i < MR; ++i) xq[i] = a[i]->q.data() + 32 * blk;
+      __m256i isum[MR];
+      q45_block<FIVE, MR>(cb, xq, ps + 8 * b, isum);
+      const __m256 mins = _mm256_cvtepi32_ps(rows_u8(ps + 64 + 8 * b));
+      for (int i = 0; i < MR; ++i) {
+        as[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_set1_ps(a[i]->dx[blk]), as[i]);
+        am[i] = _mm256_fmadd_ps(mins, _mm256_set1_ps(a[i]->xsf[blk]), am[i]);
+      }
     }
-    acc = _mm256_fmadd_ps(as, rows_f16(ps + 128), acc);
-    acc = _mm256_fnmadd_ps(am, rows_f16(ps + 144), acc);
+    const __m256 d = rows_f16(ps + 128), dmin = rows_f16(ps + 144);
+    for (int i = 0; i < MR; ++i) acc[i] = _mm256_fnmadd_ps(am[i], dmin, _mm256_fmadd_ps(as[i], d, acc[i]));
   }
-  _mm256_storeu_ps(out, acc);
+  for (int i = 0; i < MR; ++i) _mm256_storeu_ps(out + 8 * i, acc[i]);
 }
 
-inline void q6k_group_row(const uint8_t* codes, const uint8_t* params, const Acts& a, int64_t supers, float* out) {
-  __m256 acc = _mm256_setzero_ps();
+template <int MR>
+inline void q6k_group_rows(const uint8_t* codes, const uint8_t* params, const Acts* const* a, int64_t supers, float* out) {
+  __m256 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t s = 0; s < supers; ++s) {
     const uint8_t* ps = params + s * kQ6Params;
-    __m256 as = _mm256_setzero_ps();
+    __m256 as[MR];
+    for (int i = 0; i < MR; ++i) as[i] = _mm256_setzero_ps();
     for (int b = 0; b < 8; ++b) {
       const int64_t blk = s * 8 + b;
       const uint8_t* cb = codes + blk * kQ6Block;
       _mm_prefetch(reinterpret_cast<const char*>(cb + 1536), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(cb + 1536 + 64), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(cb + 1536 + 128), _MM_HINT_T0);
-      const __m256i isum = q6k_block(cb, a.q.data() + 32 * blk, ps + 16 * b, a.start.data() + 2 * blk, a.pair[blk]);
-      as = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(a.dx[blk]), as);
+      __m256i isum[MR];
+      q6k_block<MR>(cb, a, blk, ps + 16 * b, isum);
+      for (int i = 0; i < MR; ++i)
+        as[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_set1_ps(a[i]->dx[blk]), as[i]);
     }
-    acc = _mm256_fmadd_ps(as, rows_f16(ps + 128), acc);
+    const __m256 d = rows_f16(ps + 128);
+    for (int i = 0; i < MR; ++i) acc[i] = _mm256_fmadd_ps(as[i], d, acc[i]);
   }
-  _mm256_storeu_ps(out, acc);
+  for (int i = 0; i < MR; ++i) _mm256_storeu_ps(out + 8 * i, acc[i]);
 }
 #else
 // The scalar definition: the same integer sums and the same float operations in the same order.
@@ -323,6 +357,15 @@ inline void q6k_group_row(const uint8_t* codes, const uint8_t* params, const Act
     out[r] = acc;
   }
 }
+
+template <bool FIVE, int MR>
+inline void q45_group_rows(const uint8_t* codes, const uint8_t* params, const Acts* const* a, int64_t supers, float* out) {
+  for (int i = 0; i < MR; ++i) q45_group_row<FIVE>(codes, params, *a[i], supers, out + 8 * i);
+}
+template <int MR>
+inline void q6k_group_rows(const uint8_t* codes, const uint8_t* params, const Acts* const* a, int64_t supers, float* out) {
+  for (int i = 0; i < MR; ++i) q6k_group_row(codes, params, *a[i], supers, out + 8 * i);
+}
 #endif
 
 // One call's activations, rounded, and the weight it multiplies (row_groups.h's Product, for K-quants):
@@ -369,20 +412,30 @@ inline Product prepare(const at::Tensor& xc, const at::Tensor& codes, const at::
 // activation row runs over a group before the next group (its codes stay in L1). A row's outputs do not
 // depend on which range computed them.
 inline void groups_into(const Product& p, int64_t g0, int64_t g1, float* y, int64_t ldy, const float* bias) {
-  for (int64_t g = g0; g < g1; ++g)
-    for (int64_t m = 0; m < p.M; ++m) {
-      float out[kRows];
-      const uint8_t* c = p.codes + g * p.group_codes;
-      const uint8_t* w = p.params + g * p.group_params;
-      if (p.bits == 4)
-        q45_group_row<false>(c, w, p.acts[m], p.supers, out);
-      else if (p.bits == 5)
-        q45_group_row<true>(c, w, p.acts[m], p.supers, out);
-      else
-        q6k_group_row(c, w, p.acts[m], p.supers, out);
-      const int64_t n0 = g * kRows, rows = std::min<int64_t>(kRows, p.n_out - n0);
-      for (int64_t r = 0; r < rows; ++r) y[m * ldy + n0 + r] = out[r] + (bias ? bias[n0 + r] : 0.f);
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* c = p.codes + g * p.group_codes;
+    const uint8_t* w = p.params + g * p.group_params;
+    const int64_t n0 = g * kRows, rows = std::min<int64_t>(kRows, p.n_out - n0);
+    // two activation rows per pass where there are two: the codes are unpacked once for both (the
+    // sums of each row are the one-row pass's, in its order)
+    for (int64_t m = 0; m < p.M; m += 2) {
+      const Acts* a[2] = {&p.acts[m], m + 1 < p.M ? &p.acts[m + 1] : nullptr};
+      const int mr = a[1] ? 2 : 1;
+      float out[2 * kRows];
+      if (p.bits == 4) {
+        if (mr == 2) q45_group_rows<false, 2>(c, w, a, p.supers, out);
+        else q45_group_rows<false, 1>(c, w, a, p.supers, out);
+      } else if (p.bits == 5) {
+        if (mr == 2) q45_group_rows<true, 2>(c, w, a, p.supers, out);
+        else q45_group_rows<true, 1>(c, w, a, p.supers, out);
+      } else {
+        if (mr == 2) q6k_group_rows<2>(c, w, a, p.supers, out);
+        else q6k_group_rows<1>(c, w, a, p.supers, out);
+      }
+      for (int i = 0; i < mr; ++i)
+        for (int64_t r = 0; r < rows; ++r) y[(m + i) * ldy + n0 + r] = out[i * kRows + r] + (bias ? bias[n0 + r] : 0.f);
     }
+  }
 }
 
 // y [M, N] = x [M, K] W^T (+ bias) for W a Q4_K (bits 4), Q5_K (5) or Q6_K (6) weight in row groups, over
