@@ -36,6 +36,7 @@
 #include "code_planes.h"
 #include "quant_gemm.h"
 #include "row_groups.h"
+#include "row_groups_k.h"
 #include "simd16.h"
 
 #if defined(PERFXLM_SIMD16) && defined(__AVX512F__) && defined(__AVX512VNNI__)
@@ -1451,10 +1452,13 @@ TORCH_LIBRARY_FRAGMENT(perfxlm, m) {
   m.def("dequantize_q(Tensor codes, Tensor scales, Tensor? mins, Tensor? levels, int in_features) -> Tensor");
   // Q8_0 / Q4_0 codes in row groups (row_groups.h, perfxlm/quant/row_groups.py)
   m.def("linear_q_rows8(Tensor x, Tensor codes, Tensor scales, int bits, int out_features, Tensor? bias) -> Tensor");
+  // Q4_K / Q6_K in row groups (row_groups_k.h, perfxlm/quant/row_groups_k.py)
+  m.def("linear_q_rows8_k(Tensor x, Tensor codes, Tensor params, int bits, int out_features, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(perfxlm, CPU, m) {
   m.impl("linear_q", &perfxlm_quant::linear_q);
   m.impl("dequantize_q", &perfxlm_quant::dequantize_q);
   m.impl("linear_q_rows8", &perfxlm_rows8::linear);
+  m.impl("linear_q_rows8_k", &perfxlm_rows8k::linear);
 }
