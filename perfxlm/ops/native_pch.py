@@ -14,6 +14,10 @@ failed to build or does not match (-Winvalid-pch says which, in a verbose build)
 a build are the same whether the .gch exists or not, and torch's builder never sees a changed command.
 
 PERFXLM_NATIVE_PCH=0 builds without it (a separate build folder: native._build_dir keys it).
+
+Measured, cold builds, CPU time (user+sys of the whole build, the .gch's compile included), on a loaded
+2-core Zen 4: the avx2 tier at -O1 210 s without, 131 s with; the CPU's own tier (avx512_bf16) at -O3
+306 s without, 234 s with (more of an -O3 build is code generation, which the PCH does not share).
 """
 
 from __future__ import annotations
