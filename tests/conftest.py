@@ -67,18 +67,31 @@ def assert_pool_whole(llm) -> None:
     assert counts["free"] + counts["cached"] == engine.num_kv_blocks
 
 
+# The one tier whose session build is made without the precompiled torch headers (perfxlm.ops.native_pch):
+# its kernel tests then check that the extension built without them passes the same tests as the builds
+# with them (every other tier, and the CPU's own). The scalar loops: a tier every CPU builds.
+TIER_BUILT_WITHOUT_PCH = "scalar"
+
+
 @pytest.fixture(scope="session")
-def tier_build_env(tmp_path_factory) -> dict[str, str]:
-    """The environment of every build of a forced instruction-set tier in this session (the kernel tests
-    under each lower tier, the export run under a lower tier), to add to PERFXLM_ISA:
+def tier_build_env(tmp_path_factory):
+    """tier -> the environment of every build of that forced instruction-set tier in this session (the
+    kernel tests under each lower tier, the export run under a lower tier): PERFXLM_ISA and
     - one PERFXLM_CACHE_DIR: a tier's build, minutes of compiling, is made once per session however many
       tests run under it. Under pytest's base temp, not the user's cache: pytest keeps only the last few,
       so the tier builds of each edit of the sources do not pile up;
     - PERFXLM_NATIVE_OPT=-O1: these builds exist to check results, which do not depend on the level (the
       kernels round through intrinsics, without contraction). Measured for avx2 (CPU time, loaded): the
       build 179 s at -O1 against 287 s at -O3, the kernel tests then 143 s against 82 s: ~45 s less per
-      tier in all. The CPU's own tier, which the rest of the suite runs, stays -O3."""
-    return {"PERFXLM_CACHE_DIR": str(tmp_path_factory.mktemp("tier_kernels")), "PERFXLM_NATIVE_OPT": "-O1"}
+      tier in all. The CPU's own tier, which the rest of the suite runs, stays -O3;
+    - PERFXLM_NATIVE_PCH=0 for TIER_BUILT_WITHOUT_PCH alone."""
+    cache = str(tmp_path_factory.mktemp("tier_kernels"))
+
+    def env(tier: str) -> dict[str, str]:
+        return {"PERFXLM_ISA": tier, "PERFXLM_CACHE_DIR": cache, "PERFXLM_NATIVE_OPT": "-O1",
+                "PERFXLM_NATIVE_PCH": "0" if tier == TIER_BUILT_WITHOUT_PCH else "1"}  # fmt: skip
+
+    return env
 
 
 @pytest.fixture(scope="session", autouse=True)

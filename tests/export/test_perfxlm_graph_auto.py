@@ -210,7 +210,7 @@ def test_a_lower_tier_runs_its_own_choices_and_says_so(tmp_path, tiny_gguf, tier
     recorded = _recorded(out)
     assert recorded["isa"] == isa.detect() and recorded["quant_activations"] == "int8_native"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PERFXLM_ISA=lower, PYTHONPATH=root, **tier_build_env)
+    env = dict(os.environ, PYTHONPATH=root, **tier_build_env(lower))
     env.pop("PERFXLM_NATIVE_MARCH", None)
     run = subprocess.run([sys.executable, "-c", _RUN_BOTH, out, tiny_gguf], env=env, cwd=root,
                          capture_output=True, text=True, timeout=900)

@@ -1,9 +1,11 @@
-"""32 well-behaved greedy streaming clients while one hostile client sends a malformed or abusive request
-every second: every well-behaved stream completes with output identical to a quiet run, no hostile
-request gets a 5xx, and afterwards the KV pool is whole and the server healthy.
+"""32 well-behaved greedy streaming clients while one hostile client sends a malformed or abusive
+request every half second, each kind at least once: every well-behaved stream completes with output
+identical to a quiet run, no hostile request gets a 5xx, and afterwards the KV pool is whole and the
+server healthy.
 
 The server trusts request chat templates, so abusive templates are rendered (in the bounded sandbox)
-rather than refused at the door. Loopback only; about a minute in all (PERFXLM_HOSTILE_SOAK_SECONDS).
+rather than refused at the door. Loopback only; the soak lasts until every kind of hostile request was
+sent once, and at least PERFXLM_HOSTILE_SOAK_SECONDS (about 10 s at two a second).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import pytest
 
 from tests.server.conftest import ServerProcess
 
-SECONDS = float(os.environ.get("PERFXLM_HOSTILE_SOAK_SECONDS", "30"))
+SECONDS = float(os.environ.get("PERFXLM_HOSTILE_SOAK_SECONDS", "10"))
+HOSTILE_INTERVAL = 0.5  # seconds from one hostile request's start to the next's
 CLIENTS = 32
 MAX_TOKENS = 16
 
@@ -101,16 +104,20 @@ def test_hostile_client_does_not_disturb_32_streams(trusting_server):
 
     stats = {"rounds": 0, "hostile": [], "mismatch": []}
 
-    async def good(c: httpx.AsyncClient, i: int, deadline: float) -> None:
-        while time.monotonic() < deadline:
+    hostile_done = asyncio.Event()
+
+    async def good(c: httpx.AsyncClient, i: int) -> None:
+        while not hostile_done.is_set():  # streams for as long as the hostile client sends
             text = await _stream_text(c, server.url, i)
             stats["rounds"] += 1
             if text != reference[i]:
                 stats["mismatch"].append((i, reference[i], text))
 
     async def hostile(c: httpx.AsyncClient, deadline: float) -> None:
+        # every kind at least once, however slowly the served ones (huge top_k) finish on a busy machine,
+        # then on until the deadline
         k = 0
-        while time.monotonic() < deadline:
+        while k < len(HOSTILE) or time.monotonic() < deadline:
             path, body = HOSTILE[k % len(HOSTILE)]
             k += 1
             start = time.monotonic()
@@ -122,12 +129,13 @@ def test_hostile_client_does_not_disturb_32_streams(trusting_server):
                 stats["hostile"].append((path, str(body)[:60], r.status_code, round(time.monotonic() - start, 2)))
             except httpx.HTTPError as exc:
                 stats["hostile"].append((path, str(body)[:60], repr(exc), 0))
-            await asyncio.sleep(max(0.0, 1.0 - (time.monotonic() - start)))
+            await asyncio.sleep(max(0.0, HOSTILE_INTERVAL - (time.monotonic() - start)))
+        hostile_done.set()
 
     async def soak() -> None:
         async with httpx.AsyncClient(timeout=120, limits=limits) as c:
             deadline = time.monotonic() + SECONDS
-            await asyncio.gather(hostile(c, deadline), *(good(c, i, deadline) for i in range(CLIENTS)))
+            await asyncio.gather(hostile(c, deadline), *(good(c, i) for i in range(CLIENTS)))
 
     asyncio.run(soak())
     assert not stats["mismatch"], stats["mismatch"][:3]
@@ -135,6 +143,6 @@ def test_hostile_client_does_not_disturb_32_streams(trusting_server):
     # refused with a 4xx, or (huge top_k means "off") served: never a 5xx, never a dropped connection
     bad = [h for h in stats["hostile"] if not isinstance(h[2], int) or h[2] >= 500]
     assert not bad, bad
-    assert len(stats["hostile"]) >= min(len(HOSTILE), SECONDS * 0.7)
+    assert len(stats["hostile"]) >= len(HOSTILE)
     server.wait_idle(timeout=60)  # no running request, no KV block held, nothing in flight
     assert httpx.get(server.url + "/health", timeout=5).status_code == 200

@@ -34,7 +34,7 @@ def test_each_lower_tier_matches_references(tier_build_env, tier):
     if tier == isa.detect():
         pytest.skip(f"{tier} is this CPU's own tier: the rest of the suite runs its kernels")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PERFXLM_ISA=tier, **tier_build_env)
+    env = dict(os.environ, **tier_build_env(tier))
     env.pop("PERFXLM_NATIVE_MARCH", None)
     check = subprocess.run(
         [sys.executable, "-c", "from perfxlm.ops import native, cpu_plan; print(native.kernels().compiled_isa(), "
