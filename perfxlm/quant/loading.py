@@ -44,7 +44,11 @@ logger = logging.getLogger("perfxlm")
 
 # A pre-quantized checkpoint's float embedding table and LM head, by its codes' kind (the format's
 # `activation_source`), where neither quantization= nor PACKED_HEAD_ENV says: the head_bits they are
-# quantized to at load (absent: kept float). MEASURED-BELOW
+# quantized to at load (absent: kept float). Measured on the default model's real weights (turned off
+# their 4-bit grid by benchmarks/make_rotated_model.py, packed as AWQ group 64 the way the tests pack it;
+# 20 windows of 512 ShareGPT tokens against the bf16 model): mean KLD 0.5401 with the head bf16, 0.5443
+# with it 6-bit (perplexity 11.444 -> 11.449, same top token 69.37 -> 69.45 %): 1 % of the checkpoint's
+# own error, for a head 2.4x smaller that every decode step reads whole.
 PACKED_HEAD: dict[str, int] = {"int4": 6}
 # formats whose default keeps them float whatever their codes: MXFP4 checkpoints (gpt-oss) quantize only
 # the experts, their attention stays float as well
