@@ -6,9 +6,13 @@ The checkpoints are written with the layouts the test suite writes (tests/quant/
 AutoAWQ's GEMM packing with zero points, AutoGPTQ's v1 packing, symmetric and act-order), group 128 as
 most Hub checkpoints are (64 for the 135M shape, whose 576 wide inputs 128 does not divide). int4 is measured twice: its defaults (group 32, mixed 4/8-bit down
 projections) and group 128 without mixed precision, the same bytes per weight as the checkpoints.
+The checkpoints store the embedding and LM head in float, as real ones do; the engine quantizes them at
+load by default as int4 does (PERFXLM_PACKED_LM_HEAD / quantization's lm_head). `--float-heads` adds
+each checkpoint with them kept float (vLLM's way) and int4 with `lm_head: false`.
 
     python benchmarks/prequant_speed.py                  # SmolLM2-135M's shapes, 30 layers
     python benchmarks/prequant_speed.py --shape 1b --rounds 3
+    python benchmarks/prequant_speed.py --float-heads --parallel 0
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ SHAPES = {  # hidden, intermediate, layers, heads, KV heads, vocab
 GROUPS = {"135m": 64, "1b": 128}
 
 
-def build(root: str, shape: str, group: int) -> dict[str, tuple[str, dict]]:
+def build(root: str, shape: str, group: int, float_heads: bool = False) -> dict[str, tuple[str, dict]]:
     """{name: (folder, extra LLM arguments)} for the float checkpoint and each packed one."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -71,6 +75,10 @@ def build(root: str, shape: str, group: int) -> dict[str, tuple[str, dict]]:
     write_packed(act, model(), act_order,
                  {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": True, "desc_act": True})
     folders["gptq act-order"] = (act, {})
+    if float_heads:
+        folders["int4 float head"] = (base, {"quantization": {"method": "int4", "lm_head": False}})
+        for name, method in (("awq", "awq"), ("gptq", "gptq"), ("gptq act-order", "gptq")):
+            folders[f"{name} float head"] = (folders[name][0], {"quantization": {"method": method, "lm_head": False}})
     return folders
 
 
@@ -96,11 +104,13 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--parallel", type=int, default=16, help="0: batch-1 decode only")
+    ap.add_argument("--float-heads", action="store_true",
+                    help="also each engine with its embedding and LM head kept float")
     ap.add_argument("--only", default=None, help="comma-separated engine names (int4, 'int4 g128', awq, gptq, ...)")
     args = ap.parse_args()
     args.group = args.group or GROUPS[args.shape]
     with tempfile.TemporaryDirectory() as tmp:
-        folders = build(tmp, args.shape, args.group)
+        folders = build(tmp, args.shape, args.group, args.float_heads)
         if args.only:
             keep = {n.strip() for n in args.only.split(",")}
             folders = {k: v for k, v in folders.items() if k in keep or k == "int4"}
@@ -126,7 +136,7 @@ def main() -> int:
           + (f", {args.parallel} parallel {args.prompt_len}/{args.output_len}" if args.parallel else ""))
     for name in engines:
         d = statistics.median(dec[name])
-        line = f"  {name:>15}: decode {d:7.1f} tok/s {d / ref_d:5.2f}x int4"
+        line = f"  {name:>25}: decode {d:7.1f} tok/s {d / ref_d:5.2f}x int4"
         if args.parallel:
             p, ref_p = statistics.median(par[name]), statistics.median(par["int4"])
             line += f"; parallel {p:7.1f} tok/s {p / ref_p:5.2f}x"

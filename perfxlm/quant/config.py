@@ -54,6 +54,10 @@ Options: `quantization_group_size` (weights per scale; -1 = one scale per output
   one symmetric float32 scale per 64 values, the min implied (Q8_0's form; 8.5 bits per weight), as every llama.cpp format stores
   them (default true). false keeps them in the model's float dtype: on the default model a float32
   head is 113 MB, more than all its int4 projections, and every decode step reads it whole.
+  With a pre-quantized checkpoint's method (`{"method": "awq", "lm_head": true}`; the only options
+  those take, with `head_bits`) it says what becomes of the float embedding table and LM head the
+  checkpoint stores: quantized at load as int4 quantizes them (`head_bits` 6 by default) or kept float
+  (false, vLLM's way); left out, `perfxlm.quant.loading.packed_head`'s default for the checkpoint applies.
 - `head_bits` (int4, nf4; with `lm_head`): 8 (the form above) or 6: llama.cpp's Q6_K, as Q4_K_M and
   Q4_0 hold the LM head (`perfxlm.quant.six_bit`: 6-bit centred codes, a signed byte scale per 16 and a
   float16 factor per 256, 6.56 bits per weight; a float16 scale per 32, 6.5 bits, on rows that are not
@@ -210,6 +214,9 @@ class QuantizationConfig:
     super_blocks: bool = False  # int4 asymmetric: two-level scales on rows of whole 256s (resolve: on)
     lm_head: bool = True  # the embedding table and the LM head as 8-bit codes (else float)
     head_bits: int = 8  # their code width under lm_head: 8 (Q8_0's form) or 6 (Q6_K's; int4's default)
+    # a pre-quantized checkpoint's method: whether lm_head / head_bits came from the user (else the
+    # loader's default for the checkpoint's format, `perfxlm.quant.loading.packed_head`)
+    head_explicit: bool = False
 
     @property
     def quantizes(self) -> bool:
@@ -260,6 +267,10 @@ class QuantizationConfig:
     def as_dict(self) -> dict[str, Any]:
         """The dict form `resolve` reads back (plain values: it travels inside the model's config)."""
         out: dict[str, Any] = {"method": self.method}
+        if self.head_explicit:  # a pre-quantized checkpoint's float embedding and head, as the user chose
+            out["lm_head"] = self.lm_head
+            if self.lm_head:
+                out["head_bits"] = self.head_bits
         if self.quantizes:
             out["symmetric"] = self.symmetric
             if self.group_explicit:  # else left to the method's default, as the user did
@@ -412,7 +423,9 @@ class QuantizationConfig:
                 if key in options and options[key] != value:
                     raise ValueError(f"quantization {key} given twice with different values")
                 options[key] = value
-        if method in (GGUF, NONE, *CHECKPOINT_METHODS):
+        if method in CHECKPOINT_METHODS:
+            return _checkpoint_config(method, options)
+        if method in (GGUF, NONE):
             if options:
                 raise ValueError(f"quantization={method!r} takes no group size or symmetry options.")
             return QuantizationConfig(method)
@@ -466,6 +479,33 @@ class QuantizationConfig:
             activation_group_explicit=act_group is not None,
             **extras,
         )
+
+
+# options a pre-quantized checkpoint's method takes: what becomes of its float embedding table and LM head
+CHECKPOINT_OPTIONS = ("lm_head", "head_bits")
+
+
+def _checkpoint_config(method: str, options: dict[str, Any]) -> QuantizationConfig:
+    """`{"method": "awq", "lm_head": true, "head_bits": 6}`: a pre-quantized checkpoint's packed weights
+    stay as they are; `lm_head` true quantizes the embedding table and LM head it stores in float at load
+    as int4 does (`head_bits` 6: Q6_K's form, 8: Q8_0's), false keeps them float (vLLM's way). Without
+    either, the loader's default for the checkpoint's format applies (`perfxlm.quant.loading`)."""
+    unknown = sorted(set(options) - set(CHECKPOINT_OPTIONS))
+    if unknown:
+        raise ValueError(f"quantization={method!r} takes no {', '.join(unknown)} option; supported with a "
+                         f"pre-quantized checkpoint's method: {', '.join(CHECKPOINT_OPTIONS)}.")
+    if not options:
+        return QuantizationConfig(method)
+    lm_head = options.get("lm_head", True)
+    if not isinstance(lm_head, bool):
+        raise ValueError(f"quantization lm_head={lm_head!r} with {method}: expected true (quantize the "
+                         "checkpoint's float embedding and LM head at load) or false (keep them float).")
+    head_bits = options.get("head_bits")
+    if head_bits is not None and (isinstance(head_bits, bool) or head_bits not in HEAD_BITS or not lm_head):
+        raise ValueError(f"quantization head_bits={head_bits!r} with {method}: supported: "
+                         f"{' or '.join(map(str, HEAD_BITS))}, with lm_head true.")
+    bits = _DEFAULT_HEAD_BITS["int4"] if head_bits is None else head_bits
+    return QuantizationConfig(method, lm_head=lm_head, head_bits=bits, head_explicit=True)
 
 
 def _extras(method: str, options: dict[str, Any], symmetric: bool) -> dict[str, Any]:

@@ -18,11 +18,17 @@ until their weight is complete, then are concatenated (`QuantizedWeight.cat_rows
 module's Parameter, whose untouched float storage is freed.
 A tied LM head gets the embedding's `QuantizedWeight`. Each weight takes the
 model's `ActivationMode` as it is installed (`take_activations`, the engine's `quant_activations`).
+A pre-quantized checkpoint (AWQ, GPTQ, ...) stores its embedding table and LM head in float, as vLLM
+keeps them; they are quantized here as `quantize_table` does for int4 where `packed_head` says (the
+option `{"method": "awq", "lm_head": true, "head_bits": 6}`, else PERFXLM_PACKED_LM_HEAD, else
+PACKED_HEAD's default): every decode step reads the head whole, and in bfloat16 it can outweigh all
+the 4-bit projections of a small model.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
 from typing import Any
 
@@ -35,6 +41,22 @@ from perfxlm.quant.targets import TABLE, QuantizableLayer, QuantizableWeight
 from perfxlm.quant.weight import ActivationMode, QuantizedWeight
 
 logger = logging.getLogger("perfxlm")
+
+# A pre-quantized checkpoint's float embedding table and LM head, by its codes' kind (the format's
+# `activation_source`), where neither quantization= nor PACKED_HEAD_ENV says: the head_bits they are
+# quantized to at load (absent: kept float). Measured on the default model's real weights (turned off
+# their 4-bit grid by benchmarks/make_rotated_model.py, packed as AWQ group 64 the way the tests pack it;
+# 20 windows of 512 ShareGPT tokens against the bf16 model): mean KLD 0.5401 with the head bf16, 0.5443
+# with it 6-bit (perplexity 11.444 -> 11.449, same top token 69.37 -> 69.45 %): 1 % of the checkpoint's
+# own error, for a head 2.4x smaller that every decode step reads whole.
+PACKED_HEAD: dict[str, int] = {"int4": 6}
+# formats whose default keeps them float whatever their codes: MXFP4 checkpoints (gpt-oss) quantize only
+# the experts, their attention stays float as well
+PACKED_HEAD_FLOAT = ("mxfp4",)
+# stands in for the default above (a knob for tests and benchmarks; quantization='s lm_head wins):
+# "auto" (PACKED_HEAD), "float" (keep them float), "6" or "8" (head_bits for every pre-quantized format)
+PACKED_HEAD_ENV = "PERFXLM_PACKED_LM_HEAD"
+PACKED_HEAD_CHOICES = ("auto", "float", "6", "8")
 
 
 def install(module: nn.Module, name: str, weight: QuantizedWeight) -> Any:
@@ -92,14 +114,18 @@ def quantizable_tables(model: nn.Module) -> list[tuple[str, nn.Module, str, int]
 
 class QuantizedLoader:
     def __init__(
-        self, model: nn.Module, config: QuantizationConfig | None = None, packed: PackedCheckpoint | None = None
+        self, model: nn.Module, config: QuantizationConfig | None = None, packed: PackedCheckpoint | None = None,
+        head: QuantizationConfig | None = None,
     ) -> None:
         self.config = config if config is not None and config.quantizes else None
         self.packed = packed  # a pre-quantized checkpoint's weights arrive packed, kept like GGUF blocks
         self.quantize = self.config.quantizer() if self.config is not None else None
+        # what quantizes the float embedding table and LM head (`quantize_table`): the method's own config,
+        # or `head` for a pre-quantized checkpoint that stores them float (`packed_head`)
+        self.head = self.config if self.config is not None and self.config.lm_head else head
         # (id(module), parameter) -> qualified weight name, for every weight this loader quantizes
         targets = quantizable(model) if self.config is not None else []
-        tables = quantizable_tables(model) if self.config is not None and self.config.lm_head else []
+        tables = quantizable_tables(model) if self.head is not None else []
         self.tables = {(id(m), p) for _, m, p, _ in tables}
         lookups = lookup_tables(model) if self.config is not None and self.config.mixed_precision else set()
         # the projections, and a table that is only looked up: the weights mixed precision sizes
@@ -157,7 +183,7 @@ class QuantizedLoader:
     def _quantize(self, module: nn.Module, local: str, tensor: Any) -> QuantizedWeight:
         name = self.names[(id(module), local)]
         if (id(module), local) in self.tables and (id(module), local) not in self.lookups:
-            return self.config.quantize_table(tensor)  # type: ignore[union-attr]
+            return self.head.quantize_table(tensor)  # type: ignore[union-attr]
         importance = self.importance.get(name)
         if importance is not None and importance.shape[-1] != tensor.shape[-1]:
             # a tensor-parallel rank's row-parallel shard: its input columns of the whole model's statistics
@@ -176,7 +202,7 @@ class QuantizedLoader:
         quantized = isinstance(tensor, QuantizedWeight)
         key2 = (id(module), local)
         if not quantized:
-            if self.quantize is None or key2 not in self.targets:
+            if key2 not in self.targets:
                 if shard is not None:
                     self._spill_to_float(module, local, expert)  # a float shard: the fused weight is float
                     self.floats.add(key2)
@@ -315,7 +341,7 @@ def quantized_loader(
         config = QuantizationConfig.resolve(quantization)
     check_compatible(config, load_format, model_path, packed)
     if packed is not None:
-        return QuantizedLoader(model, packed=packed)
+        return QuantizedLoader(model, packed=packed, head=packed_head(config, packed))
     if load_format == "gguf" and (config is None or not config.quantizes):
         return QuantizedLoader(model) if config is None or config.method == GGUF else None
     if config is None or not config.quantizes:
@@ -323,6 +349,22 @@ def quantized_loader(
     loader = QuantizedLoader(model, config)
     loader.check()
     return loader
+
+
+def packed_head(config: QuantizationConfig | None, packed: PackedCheckpoint) -> QuantizationConfig | None:
+    """How a pre-quantized checkpoint's float embedding table and LM head are stored (their
+    `quantize_table`), None keeping them float: as `{"method": ..., "lm_head": ..., "head_bits": ...}`
+    says, else PACKED_HEAD's default for the checkpoint's kind of codes."""
+    if config is not None and config.head_explicit:
+        return config if config.lm_head else None
+    choice = (os.environ.get(PACKED_HEAD_ENV) or "auto").strip().lower()
+    if choice not in PACKED_HEAD_CHOICES:
+        raise ValueError(f"{PACKED_HEAD_ENV}={choice!r} is not supported; supported: {', '.join(PACKED_HEAD_CHOICES)}.")
+    if choice == "auto":
+        bits = None if packed.format.method in PACKED_HEAD_FLOAT else PACKED_HEAD.get(packed.format.activation_source)
+    else:
+        bits = None if choice == "float" else int(choice)
+    return None if bits is None else QuantizationConfig(packed.format.method, head_bits=bits)
 
 
 def gguf_quantized_types(path: str) -> list[str]:
@@ -346,6 +388,7 @@ def check_compatible(
                 f"weights are kept as they are packed, not quantized again or widened. Supported with it: "
                 f"quantization=None or {method!r}; for another format, start from its float checkpoint."
             )
+        packed_head(config, packed)  # a bad PERFXLM_PACKED_LM_HEAD fails here, at configuration
         return
     if config is None:
         return

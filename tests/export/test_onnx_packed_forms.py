@@ -25,6 +25,12 @@ PROMPT = [int(t) for t in np.random.RandomState(11).randint(3, 990, size=19)]  #
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@pytest.fixture(autouse=True)
+def _float_tables(monkeypatch):
+    """The checkpoints' float embedding and LM head kept float, as transformers' reference reads them."""
+    monkeypatch.setenv("PERFXLM_PACKED_LM_HEAD", "float")
+
+
 def _engine_greedy(source: str) -> tuple[list[int], list[float]]:
     llm = LLM(source, skip_tokenizer_init=True, dtype="float32", num_kv_blocks=32, quant_activations="float32")
     params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=0)

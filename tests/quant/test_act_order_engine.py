@@ -31,6 +31,7 @@ NEW_TOKENS = 10
 @pytest.fixture(autouse=True)
 def _one_thread_plan_restored(monkeypatch):
     monkeypatch.setenv("PERFXLM_QUANT_ACTIVATIONS", "float32")  # auto's choice, where a test does not name one
+    monkeypatch.setenv("PERFXLM_PACKED_LM_HEAD", "float")  # the float head transformers' reference reads
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     cpu_plan.reset()

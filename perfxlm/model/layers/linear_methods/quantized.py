@@ -169,6 +169,7 @@ class AWQLinear(QuantizedLinearMethod):
     """AWQ checkpoints: codes repacked into Q4_0's nibble order (or 8-bit codes), zero points as mins."""
 
     name = "awq"
+    bits = (4, 6, 8)  # 6 / 8: the embedding table and LM head quantized at load (quant/loading.packed_head)
 
 
 class GPTQLinear(QuantizedLinearMethod):
@@ -176,6 +177,7 @@ class GPTQLinear(QuantizedLinearMethod):
     layer, experts, int8 GEMMs) gathers x's columns into the codes' order first."""
 
     name = "gptq"
+    bits = (4, 6, 8)  # 6: the embedding table and LM head quantized at load (quant/loading.packed_head)
     input_order = True
 
 
@@ -185,6 +187,7 @@ class CompressedTensorsLinear(QuantizedLinearMethod):
     bytes as a 256-level table, which only the plain-torch product takes."""
 
     name = "compressed-tensors"
+    bits = (4, 6, 8)  # 6: the embedding table and LM head quantized at load (quant/loading.packed_head)
     levels = True
     input_order = True  # actorder "group"
     acts = ("float", "int8", "int8_block")
@@ -195,7 +198,7 @@ class MXFP4Linear(QuantizedLinearMethod):
     two per 32 weights (`quant/mxfp4.py`)."""
 
     name = "mxfp4"
-    bits = (4,)
+    bits = (4, 6, 8)  # 6 / 8: the embedding table and LM head, where quantization's lm_head asks
     levels = True
 
 
@@ -204,7 +207,7 @@ class FP8BlockLinear(QuantizedLinearMethod):
     per group of its block's columns (`quant/formats/fp8_blocks.py`); the plain-torch product takes them."""
 
     name = "fp8"
-    bits = (8,)
+    bits = (6, 8)  # 6: the embedding table and LM head, where quantization's lm_head asks
     levels = True
 
 
