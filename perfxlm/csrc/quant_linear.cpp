@@ -1266,6 +1266,14 @@ at::Tensor rows8_product(const at::Tensor& xc, const at::Tensor& codes, const at
                   false, max_rows, bf16_gemm, false, block_max_rows, -1);
 }
 
+void check_rows8_k(const at::Tensor& codes, const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& levels,
+                   bool act_int8, int64_t out_features) {
+  TORCH_CHECK(!act_int8 && !(mins.has_value() && mins->defined()) && !(levels.has_value() && levels->defined()),
+              "linear_q: K-quant row groups hold their params in scales (no mins, no table, float activations)");
+  TORCH_CHECK(out_features > 0 && codes.dim() == 3 && (out_features + 7) / 8 == codes.size(0),
+              "linear_q: row groups need out_features (", out_features, ") filling ", codes.size(0), " groups of 8");
+}
+
 }  // namespace
 
 at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
@@ -1273,11 +1281,19 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tens
                     int64_t max_rows, bool bf16_gemm, bool int8_blocks, int64_t block_max_rows, int64_t gemm_rows,
                     int64_t layout, int64_t out_features) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_q: x must be 2-D float32");
-  TORCH_CHECK(layout == 0 || layout == 1, "linear_q: layout ", layout, " (0 plain, 1 row groups of 8)");
+  TORCH_CHECK(layout >= 0 && layout <= 2, "linear_q: layout ", layout,
+              " (0 plain, 1 row groups of 8, 2 K-quant row groups of 8)");
   const at::Tensor xc = x.contiguous();
   if (layout == 1) {
     check_rows8(codes, mins, levels, act_int8, out_features);
     return rows8_product(xc, codes, scales, bias, max_rows, bf16_gemm, block_max_rows, gemm_rows, out_features);
+  }
+  // K-quant row groups: their GEMV at every row count (no GEMM reads them yet; the plan gives the layout to
+  // weights that take few rows, the LM head, whose many-row calls are prompt logprobs), so a row's result
+  // never depends on its step's row count
+  if (layout == 2) {
+    check_rows8_k(codes, mins, levels, act_int8, out_features);
+    return perfxlm_rows8k::linear(xc, codes, scales, perfxlm_rows8k::bits_of(codes), out_features, bias);
   }
   const int64_t M = xc.size(0), K = xc.size(1);
   const QW w = describe(codes, scales, mins, levels, K);
@@ -1342,6 +1358,18 @@ RangeProduct linear_q_ranges(const at::Tensor& x, const at::Tensor& codes, const
     return [p, bp, bc, codes, scales, N](float* y, int64_t n0, int64_t n1) {
       TORCH_CHECK(n0 % 8 == 0 && (n1 % 8 == 0 || n1 == N), "linear_q_ranges: row groups run whole groups of 8 outputs");
       perfxlm_rows8::groups_into(*p, n0 / 8, (n1 + 7) / 8, y, N, bp);
+    };
+  }
+  if (layout == 2) {  // linear_q's: the K-quant GEMV over any rows, whole groups of 8 outputs
+    check_rows8_k(codes, mins, levels, act_int8, out_features);
+    const int64_t N = out_features;
+    at::Tensor bc;
+    const float* bp = float_bias(bias, N, bc);
+    auto p = std::make_shared<perfxlm_rows8k::Product>(
+        perfxlm_rows8k::prepare(xc, codes, scales, perfxlm_rows8k::bits_of(codes), N));
+    return [p, bp, bc, codes, scales, N](float* y, int64_t n0, int64_t n1) {
+      TORCH_CHECK(n0 % 8 == 0 && (n1 % 8 == 0 || n1 == N), "linear_q_ranges: row groups run whole groups of 8 outputs");
+      perfxlm_rows8k::groups_into(*p, n0 / 8, (n1 + 7) / 8, y, N, bp);
     };
   }
   const QW w = describe(codes, scales, mins, levels, K);

@@ -24,7 +24,9 @@ namespace perfxlm_quant {
 // layout: how codes and scales are arranged (perfxlm/quant/layouts.py's `native` numbers): 0 plain (above),
 // 1 row groups of 8 (row_groups.h: codes [ceil(N / 8), K / 32, 8 B], float16 scales [ceil(N / 8), K / 32, 8],
 // centred Q8_0 / Q4_0 codes), whose products always round x to int8 blocks (int8_blocks is not read) and
-// which need out_features (N: the groups' padding rows are not outputs).
+// which need out_features (N: the groups' padding rows are not outputs); 2 K-quant row groups of 8
+// (row_groups_k.h: Q4_K / Q5_K / Q6_K codes [ceil(N / 8), K / 32, 8 B], the uint8 params in scales
+// [ceil(N / 8), K / 256, P], no mins), whose GEMV runs every row count (no GEMM reads them yet).
 at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                     const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& levels, const c10::optional<at::Tensor>& bias, bool act_int8,
                     int64_t max_rows, bool bf16_gemm, bool int8_blocks = false, int64_t block_max_rows = -1,

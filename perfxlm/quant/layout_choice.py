@@ -1,5 +1,10 @@
 """Which code layout (perfxlm/quant/layouts.py) a loaded model's quantized weights take: the CPU plan's
-`row_groups` names it, `choose_layouts` applies it once the weights are final."""
+`row_groups` names it, `row_groups_k` the one for weights that take few rows, `choose_layouts` applies
+them once the weights are final.
+
+Few rows: a module whose class sets `few_rows = True` (the LM head: only each sequence's last rows reach
+it in a step). A layout that only a GEMV reads (K-quant row groups, no many-row GEMM yet) goes there and
+nowhere else; the rule is the plan's, not a branch in the products."""
 
 from __future__ import annotations
 
@@ -9,21 +14,33 @@ from perfxlm.quant.layouts import CodeLayout
 from perfxlm.quant.weight import ActivationMode, QuantizedWeight
 
 
-def choose_layouts(model: torch.nn.Module, layout: CodeLayout) -> int:
+def choose_layouts(model: torch.nn.Module, layout: CodeLayout, few_rows: CodeLayout = CodeLayout.PLAIN) -> int:
     """Put every quantized weight of `model` that `layout` takes into it, once the weights are final (after
     fusing rows, act-order, tensor-parallel cuts: all read the plain layout); returns how many. A weight
     shared by modules (a tied LM head is the embedding table) is packed once and stays shared. Only
     weights whose activations are rounded to int8 blocks (not ActivationMode.FLOAT): the layouts past
     PLAIN are int8-block products."""
-    if layout is CodeLayout.PLAIN:
+    if layout is CodeLayout.PLAIN and few_rows is CodeLayout.PLAIN:
         return 0
+    # a weight shared with a few-row module (a tied head's table) is the head's: its layout serves lookups too
+    heads = {id(v) for m in model.modules() if getattr(m, "few_rows", False) for v in vars(m).values()
+             if isinstance(v, QuantizedWeight)}  # fmt: skip
     done: dict[int, QuantizedWeight] = {}
     for module in model.modules():
         for name, value in list(vars(module).items()):
             if not isinstance(value, QuantizedWeight):
                 continue
             if id(value) not in done:
-                ok = value.layout is CodeLayout.PLAIN and value.activations is not ActivationMode.FLOAT
-                done[id(value)] = value.in_layout(layout) if ok and layout.value.takes(value) else value
+                done[id(value)] = _chosen(value, [few_rows, layout] if id(value) in heads else [layout])
             setattr(module, name, done[id(value)])
-    return sum(1 for k, w in done.items() if w.layout is layout)
+    return sum(1 for k, w in done.items() if w.layout is not CodeLayout.PLAIN)
+
+
+def _chosen(w: QuantizedWeight, layouts: list[CodeLayout]) -> QuantizedWeight:
+    """`w` in the first of `layouts` that takes it (past PLAIN: int8-block products only), else as it is."""
+    if w.layout is not CodeLayout.PLAIN or w.activations is ActivationMode.FLOAT:
+        return w
+    for layout in layouts:
+        if layout is not CodeLayout.PLAIN and layout.value.takes(w):
+            return w.in_layout(layout)
+    return w

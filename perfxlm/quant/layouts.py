@@ -5,6 +5,9 @@ object that says its shapes, which weights it takes, and how to move a weight's 
   what every transform of a weight reads: fusing rows, splits, widening, export).
 - ROWS8: row groups (`perfxlm.quant.row_groups`, csrc/row_groups.h): 8 rows' blocks together for the
   int8-dot GEMV, chosen once at load by the CPU plan (`row_groups`) for the weights it takes.
+- ROWS8_K: K-quant row groups (`perfxlm.quant.row_groups_k`, csrc/row_groups_k.h): Q4_K / Q5_K / Q6_K
+  matrices, the params bytes held in `scales` (uint8 [groups, K / 256, P]), `mins` None. Only a GEMV
+  reads it (no GEMM yet), so the plan gives it to the weights that take few rows (`row_groups_k`).
 
 A layout is a performance choice, never a format: `QuantizedWeight.plain()` gives the same values in the
 PLAIN layout, bytes moved only. The native kernels are told the layout explicitly (`native` below: the
@@ -24,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from perfxlm.quant import row_groups
+from perfxlm.quant import row_groups, row_groups_k
 
 if TYPE_CHECKING:
     from perfxlm.quant.weight import QuantizedWeight
@@ -49,9 +52,15 @@ class Layout:
         """Plain `w`'s (codes, scales) in this layout."""
         return w.codes, w.scales
 
-    def unpack(self, w: "QuantizedWeight") -> tuple[torch.Tensor, torch.Tensor]:
-        """`w`'s (codes, scales), held in this layout, in the plain one."""
-        return w.codes, w.scales
+    def unpack(self, w: "QuantizedWeight") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`w`'s (codes, scales, mins), held in this layout, in the plain one."""
+        return w.codes, w.scales, w.mins
+
+    def holds(self, w: "QuantizedWeight") -> bool:
+        """Whether `w`'s fields past the shapes (scales dtype, bits, in_features) fit this layout's form;
+        QuantizedWeight's check asks it for every layout past PLAIN (uint8 codes, no mins, table or
+        input order, it checks itself)."""
+        return True
 
 
 @dataclass(frozen=True)
@@ -69,13 +78,40 @@ class RowGroups(Layout):
     def pack(self, w: "QuantizedWeight") -> tuple[torch.Tensor, torch.Tensor]:
         return row_groups.pack(w.codes, w.scales, w.bits)
 
-    def unpack(self, w: "QuantizedWeight") -> tuple[torch.Tensor, torch.Tensor]:
-        return row_groups.unpack(w.codes, w.scales, w.bits, w.out_features)
+    def unpack(self, w: "QuantizedWeight") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return (*row_groups.unpack(w.codes, w.scales, w.bits, w.out_features), None)
+
+    def holds(self, w: "QuantizedWeight") -> bool:
+        return w.scales.dtype == torch.float16 and w.bits in (4, 8)
+
+
+@dataclass(frozen=True)
+class RowGroupsK(Layout):
+    """K-quant row groups of 8 (row_groups_k.py): Q4_K, Q5_K, Q6_K matrices; the params bytes in `scales`."""
+
+    def takes(self, w: "QuantizedWeight") -> bool:
+        return row_groups_k.takes(w) is not None
+
+    def shapes(self, w: "QuantizedWeight") -> tuple[tuple[int, ...], tuple[int, ...]]:
+        groups = -(-w.out_features // row_groups_k.ROWS)
+        codes = (groups, w.in_features // row_groups_k.BLOCK, row_groups_k.ROWS * row_groups_k.CODE_BYTES.get(w.bits, 0))
+        return codes, (groups, w.in_features // row_groups_k.SB, row_groups_k.PARAM_BYTES.get(w.bits, 0))
+
+    def pack(self, w: "QuantizedWeight") -> tuple[torch.Tensor, torch.Tensor]:
+        return row_groups_k.pack(w)
+
+    def unpack(self, w: "QuantizedWeight") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return row_groups_k.unpack(w.codes, w.scales, row_groups_k.FORMAT_OF_BITS[w.bits], w.out_features)
+
+    def holds(self, w: "QuantizedWeight") -> bool:
+        return (w.scales.dtype == torch.uint8 and w.bits in row_groups_k.FORMAT_OF_BITS
+                and w.group == (16 if w.bits == 6 else 32) and w.in_features % row_groups_k.SB == 0)  # fmt: skip
 
 
 class CodeLayout(enum.Enum):
     PLAIN = Layout("plain", 0)
     ROWS8 = RowGroups("rows8", 1)
+    ROWS8_K = RowGroupsK("rows8_k", 2)
 
     def __str__(self) -> str:
         return self.value.name
@@ -92,4 +128,10 @@ def named(name: str) -> CodeLayout:
 def for_plan(row_groups: int) -> CodeLayout:
     """The layout the CPU plan's `row_groups` (0 | 8) asks for."""
     return CodeLayout.ROWS8 if row_groups == 8 else CodeLayout.PLAIN
+
+
+def few_rows_for_plan(row_groups_k: str) -> CodeLayout:
+    """The layout the CPU plan's `row_groups_k` ("head" | "off") gives weights that take few rows (the LM
+    head): ROWS8_K (its GEMV serves every row count: no K-quant GEMM reads the groups yet), else PLAIN."""
+    return CodeLayout.ROWS8_K if row_groups_k == "head" else CodeLayout.PLAIN
 

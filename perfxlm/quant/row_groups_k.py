@@ -16,27 +16,34 @@ are zeros.
   alike, then d and dmin, float16 [8 rows] each; Q6_K (P = 144) the int8 sub-scales [16 groups][8 rows],
   then d, float16 [8 rows].
 All are the loaded form's bytes moved (4.625, 5.625 and 6.5625 bits per weight, as held now); `pack` and
-`unpack` are each other's inverses. `reference_linear` is the product's plain-torch definition.
+`unpack` are each other's inverses. The product's plain-torch definition is
+`perfxlm.quant.reference.block_reference_linear` (x rounded to int8 blocks of 32, times the plain weight).
+A `QuantizedWeight` holds it as `CodeLayout.ROWS8_K` (perfxlm/quant/layouts.py; codes as above, `scales`
+the params bytes, `mins` None), so this module imports the weight's type for annotations only.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from perfxlm.quant import super_scales
 from perfxlm.quant.code_layout import pack_fives, pack_nibbles, pack_sixes, unpack_fives, unpack_nibbles, unpack_sixes
-from perfxlm.quant.reference import fake_quantize_blocks
-from perfxlm.quant.weight import QuantizedWeight
+
+if TYPE_CHECKING:  # the weight imports this module (its layouts): no import at run time
+    from perfxlm.quant.weight import QuantizedWeight
 
 ROWS = 8
 BLOCK = 32
 SB = super_scales.SUPER_BLOCK
 FORMATS = {"q4_k": 4, "q5_k": 5, "q6_k": 6}  # format -> the `bits` the native op takes
+FORMAT_OF_BITS = {b: f for f, b in FORMATS.items()}
 CODE_BYTES = {4: 16, 5: 20, 6: 24}  # per row and block of 32
 PARAM_BYTES = {4: 160, 5: 160, 6: 144}  # per 8 rows and super-block
 
 
-def takes(w: QuantizedWeight) -> str | None:
+def takes(w: "QuantizedWeight") -> str | None:
     """Which row-group form `w` has: "q4_k" / "q5_k" (4- / 5-bit codes, groups of 32, two-level uint8
     scales and mins), "q6_k" (centred 6-bit codes, groups of 16, two-level int8 scales), or None."""
     if (w.codes.dim() != 2 or w.levels is not None or w.input_order is not None or w.act != "float"
@@ -119,7 +126,7 @@ def _split_two_level(t: torch.Tensor, groups_per_row: int, supers: int) -> tuple
     return raw[:, :groups_per_row].reshape(r, supers, -1, 1), raw[:, groups_per_row:].reshape(r, supers, 1, 2)
 
 
-def pack(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+def pack(w: "QuantizedWeight") -> tuple[torch.Tensor, torch.Tensor]:
     """A Q4_K / Q5_K / Q6_K weight as loaded (`takes`) -> (codes [G, K / 32, 8 B], params [G, S, P]) uint8."""
     fmt = takes(w)
     if fmt is None:
@@ -154,8 +161,10 @@ def pack(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.contiguous(), params
 
 
-def unpack(codes: torch.Tensor, params: torch.Tensor, fmt: str, n: int) -> QuantizedWeight:
-    """`pack` undone: the loaded form's QuantizedWeight of the first `n` rows."""
+def unpack(codes: torch.Tensor, params: torch.Tensor, fmt: str, n: int
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`pack` undone: the loaded form's (codes, scales, mins) of the first `n` rows (the weight's `bits`
+    and `group` are the format's: 4 / 5 at 32, 6 at 16)."""
     groups, blocks, _ = codes.shape
     k = blocks * BLOCK
     nib = _deinterleave(codes[:, :, : ROWS * 16].reshape(groups, blocks, 4, ROWS, 4)).reshape(groups * ROWS, k // 2)[:n]
@@ -164,23 +173,14 @@ def unpack(codes: torch.Tensor, params: torch.Tensor, fmt: str, n: int) -> Quant
         scales = torch.cat([sc, d], dim=1).contiguous()
         mins = torch.cat([mn, dmin], dim=1).contiguous()
         if fmt == "q4_k":
-            return QuantizedWeight(nib.contiguous(), scales, mins, None, 4, 32, "float", n, k)
+            return nib.contiguous(), scales, mins
         fifth = _from_fifth_words(codes[:, :, ROWS * 16 :].reshape(groups, blocks, ROWS, 4))[:n]
         u = unpack_nibbles(nib.contiguous()) | fifth
-        return QuantizedWeight(pack_fives(u), scales, mins, None, 5, 32, "float", n, k)
+        return pack_fives(u), scales, mins
     if fmt != "q6_k":
         raise ValueError(f"row_groups_k.unpack: unknown format {fmt!r}")
     high = _from_high_words(codes[:, :, ROWS * 16 :].reshape(groups, blocks, 2, ROWS, 4))[:n]
     u = unpack_nibbles(nib.contiguous()) | high
     sc, d = (c[:n].reshape(n, -1) for c in _param_columns(params, [(16, 1), (1, 2)]))
     scales = torch.cat([sc, d], dim=1).contiguous().view(torch.int8)
-    return QuantizedWeight(pack_sixes(u), scales, None, None, 6, 16, "float", n, k)
-
-
-def reference_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """What `linear_q_rows8_k` computes for `w` (in its loaded form): x rounded to int8 blocks of 32, times
-    the dequantized weight, in float64 then float32."""
-    y = torch.nn.functional.linear(fake_quantize_blocks(x.float()).double(), w.dequantize().double())
-    if bias is not None:
-        y = y + bias.double()
-    return y.float()
+    return pack_sixes(u), scales, None

@@ -36,7 +36,8 @@ still have its activations rounded to int8 blocks at run time, as llama.cpp does
 Stacks carry a leading expert dimension on codes, scales and mins; `w[e]` is one expert's weight.
 
 `layout` (a `perfxlm.quant.layouts.CodeLayout`) says how codes and scales sit in memory: PLAIN as above,
-or ROWS8 (row groups: perfxlm/quant/row_groups.py) for the int8-dot GEMV, chosen at load. `plain()` gives
+or ROWS8 / ROWS8_K (row groups: perfxlm/quant/row_groups.py, row_groups_k.py) for the int8-dot GEMVs,
+chosen at load. `plain()` gives
 the same weight in the plain layout; methods that take only that layout say so (ValueError) rather than
 read row groups as rows.
 """
@@ -177,14 +178,16 @@ class QuantizedWeight:
 
     def _check_layout(self) -> None:
         """A non-plain layout: the weight it was packed from must be one the layout takes (checked by
-        in_layout), and codes and scales must have the layout's shapes."""
+        in_layout), codes and scales must have the layout's shapes, and the layout must hold the rest
+        (`Layout.holds`: scales dtype, bits, in_features)."""
         want = self.layout.value.shapes(self)
         got = (tuple(self.codes.shape), tuple(self.scales.shape))
-        if (self.codes.dtype != torch.uint8 or got != want or self.scales.dtype != torch.float16
+        if (self.codes.dtype != torch.uint8 or got != want or not self.layout.value.holds(self)
                 or self.mins is not None or self.levels is not None or self.input_order is not None
-                or self.act != "float" or self.bits not in (4, 8)):  # fmt: skip
-            raise ValueError(f"QuantizedWeight: {self.layout} layout wants uint8 codes and float16 scales "
-                             f"{want}, centred {self.bits}-bit codes, no table or input order; got {got}.")
+                or self.act != "float"):  # fmt: skip
+            raise ValueError(f"QuantizedWeight: {self.layout} layout wants uint8 codes and scales {want} in its "
+                             f"form ({self.bits}-bit codes, {self.scales.dtype} scales), no mins, table or input "
+                             f"order; got {got}.")
         self._finish()
         if self.activations is ActivationMode.FLOAT:
             raise ValueError(f"QuantizedWeight: the {self.layout} layout's products round activations to int8 "
@@ -214,8 +217,8 @@ class QuantizedWeight:
         """The same weight in the plain layout (self where it is)."""
         if self.layout is CodeLayout.PLAIN:
             return self
-        codes, scales = self.layout.value.unpack(self)
-        return self._like(codes, scales, None, layout=CodeLayout.PLAIN, out_features=self.out_features)
+        codes, scales, mins = self.layout.value.unpack(self)
+        return self._like(codes, scales, mins, layout=CodeLayout.PLAIN, out_features=self.out_features)
 
     def _check_super(self, lead: tuple[int, ...]) -> None:
         """Two-level (K-quant) scales: bytes of the one row layout, affine codes, float activations."""
@@ -280,8 +283,9 @@ class QuantizedWeight:
 
     @property
     def two_level(self) -> bool:
-        """Whether the scales are GGUF K-quants' two-level bytes (`super_scales`), not floats."""
-        return super_scales.is_super(self.scales)
+        """Whether the scales are GGUF K-quants' two-level bytes (`super_scales`), not floats (in the plain
+        layout: K-quant row groups hold other bytes, the layout's params)."""
+        return self.layout is CodeLayout.PLAIN and super_scales.is_super(self.scales)
 
     @property
     def groups(self) -> int:
@@ -461,7 +465,7 @@ class QuantizedWeight:
     def narrow_rows(self, start: int, length: int) -> "QuantizedWeight":
         """Output rows [start, start + length) (views where the storage allows; row groups: whole groups,
         the last one may end at out_features)."""
-        if self.layout is CodeLayout.ROWS8:
+        if self.layout is not CodeLayout.PLAIN:
             return self._narrow_groups(start, length)
         dim = self.codes.dim() - 2
         return self._like(
@@ -524,6 +528,12 @@ class QuantizedWeight:
         groups the rows are gathered straight into a plain weight (an embedding lookup reads only them)."""
         if self.layout is CodeLayout.ROWS8:
             return self._gather_groups(index)
+        if self.layout is not CodeLayout.PLAIN:  # only the groups the rows are in, unpacked
+            groups, at = torch.unique(torch.div(index, 8, rounding_mode="floor"), return_inverse=True)
+            rows = len(groups) * 8
+            some = self._like(self.codes.index_select(0, groups), self.scales.index_select(0, groups), None,
+                              out_features=rows)
+            return some.plain().index_rows(at * 8 + index % 8)
         dim = self.codes.dim() - 2
         return self._like(
             self.codes.index_select(dim, index), self.scales.index_select(dim, index),

@@ -12,6 +12,7 @@ from perfxlm.ops import native
 from perfxlm.quant import row_groups_k
 from perfxlm.quant.code_layout import unpack_fives, unpack_sixes
 from perfxlm.quant.gguf_repack import repack
+from perfxlm.quant.reference import block_reference_linear
 
 Q = gguf.GGMLQuantizationType
 FORMATS = {"q4_k": Q.Q4_K, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K}
@@ -81,9 +82,9 @@ def test_pack_moves_bytes_and_unpack_inverts_it(fmt, n, k):
     if n % 8:  # the padding rows are zeros
         rest = codes.view(groups, blocks, -1, 8, 4)[-1, :, :, n % 8 :]
         assert not rest.any()
-    back = row_groups_k.unpack(codes, params, fmt, n)
-    assert torch.equal(back.codes, w.codes) and torch.equal(back.scales, w.scales)
-    assert (back.mins is None and w.mins is None) or torch.equal(back.mins, w.mins)
+    back_codes, back_scales, back_mins = row_groups_k.unpack(codes, params, fmt, n)
+    assert torch.equal(back_codes, w.codes) and torch.equal(back_scales, w.scales)
+    assert (back_mins is None and w.mins is None) or torch.equal(back_mins, w.mins)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -97,7 +98,7 @@ def test_native_product_matches_the_reference_and_linear_q(fmt, n, k, rows):
     x[0, :32] = 0  # an all-zero activation block (scale 0)
     bias = torch.randn(n) if rows == 3 else None
     y = ops.linear_q_rows8_k(x, codes, params, bits_of(fmt), n, bias)
-    ref = row_groups_k.reference_linear(x, w, bias)
+    ref = block_reference_linear(x, w, bias)
     assert y.shape == (rows, n)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     # the engine's plain product on the same activation bytes (int8 blocks): other float orders only;
@@ -137,7 +138,7 @@ def test_extreme_codes_and_scales_stay_exact():
             x = torch.full((1, 512), sign)
             x[0, 1::7] = -sign * 0.5
             y = ops.linear_q_rows8_k(x, codes, params, bits_of(fmt), 9, None)
-            ref = row_groups_k.reference_linear(x, w)
+            ref = block_reference_linear(x, w)
             torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 

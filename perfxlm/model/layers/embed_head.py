@@ -60,6 +60,10 @@ class LMHead(nn.Module):
     """Projects hidden states to vocabulary logits; shares the embedding's weight when tied. Its product
     runs by a linear method chosen at load, as a Linear's (a tied head's weight is the table's)."""
 
+    # Only each sequence's last rows reach it in a step (prompt logprobs aside): the code layouts that only
+    # a GEMV reads go here (perfxlm/quant/layout_choice.py).
+    few_rows = True
+
     def __init__(
         self,
         vocab_size: int,

@@ -1,0 +1,77 @@
+"""K-quant row groups (CodeLayout.ROWS8_K) in the engine: the CPU plan gives them to the LM head only
+(PERFXLM_ROW_INTERLEAVE=8, PERFXLM_ROW_GROUPS_K), here a Q4_K_M file's tied Q6_K table (llama-quantize's
+choice, through llama.cpp's bindings), whose lookups unpack the groups they read. Greedy text is the plain
+layout's (float32 compute, int8 activation blocks), and prompt logprobs, which take every prompt row
+through the head's GEMV, are the plain head's to float rounding."""
+
+from __future__ import annotations
+
+import pytest
+
+from perfxlm import LLM, SamplingParams
+from perfxlm.ops import cpu_plan, native
+from perfxlm.quant.layouts import CodeLayout
+from perfxlm.quant.loading import unique_quantized_weights
+from tests.conftest import make_llama_checkpoint
+
+pytestmark = pytest.mark.skipif(native.kernels() is None, reason="no compiler for the native kernels")
+
+# K-quants need inputs in whole 256s: hidden 256, intermediate 512; a vocabulary not a multiple of 8
+CHECKPOINT = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=1,
+                  num_hidden_layers=2, vocab_size=1001)
+PROMPTS = [[11, 12, 13, 14, 15, 16, 17] * 9, [7, 300, 8, 301, 9] * 3, list(range(40, 97))]
+
+
+@pytest.fixture(scope="module")
+def q4_k_m(tmp_path_factory) -> str:
+    pytest.importorskip("llama_cpp")
+    from benchmarks.compare_llamacpp import requantize
+    from tests.quant.test_quant_engine import write_quantized_llama_gguf
+
+    root = tmp_path_factory.mktemp("rgk_gguf")
+    base = make_llama_checkpoint(str(root / "base"), seed=7, **CHECKPOINT)
+    f32 = str(root / "f32.gguf")
+    write_quantized_llama_gguf(f32, base, {})
+    return requantize(f32, "q4_k_m", 2, root / "q4_k_m.gguf")
+
+
+@pytest.fixture
+def interleave(monkeypatch):
+    def set_to(value: int) -> None:
+        monkeypatch.setenv("PERFXLM_ROW_INTERLEAVE", str(value))
+        cpu_plan.reset()
+
+    yield set_to
+    monkeypatch.delenv("PERFXLM_ROW_INTERLEAVE", raising=False)
+    cpu_plan.reset()
+
+
+def _run(llm, prompts):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids,
+             [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
+             [d[t].logprob for d, t in zip(o.prompt_logprobs[1:], p[1:])]) for o, p in zip(outs, prompts)]
+
+
+def test_a_q6_k_head_in_row_groups_gives_the_plain_layouts_text(q4_k_m, interleave):
+    runs = {}
+    for value in (0, 8):
+        interleave(value)
+        llm = LLM(q4_k_m, skip_tokenizer_init=True, dtype="float32", kv_cache_gib=0.05, quant_activations="int8")
+        model = llm.llm_engine.core.model
+        head = model.lm_head.weight
+        assert head.layout is (CodeLayout.ROWS8_K if value else CodeLayout.PLAIN) and head.bits == 6
+        # the projections' K-quants take many rows: plain until a K-quant GEMM reads the groups
+        assert CodeLayout.ROWS8_K not in {w.layout for w in unique_quantized_weights(model) if w is not head}
+        batch = _run(llm, PROMPTS)
+        alone = [_run(llm, [p])[0] for p in PROMPTS]
+        for (ta, la, pa), (tb, lb, pb) in zip(alone, batch):  # a request alone is what it is in the batch
+            assert ta == tb
+            assert la == pytest.approx(lb, abs=1e-4) and pa == pytest.approx(pb, abs=1e-4)
+        runs[value] = batch
+    # the same text; logprobs and prompt logprobs (every prompt row through the head's GEMV) to float
+    # rounding: the two heads sum a row's blocks in other orders
+    for (ta, la, pa), (tb, lb, pb) in zip(runs[0], runs[8]):
+        assert ta == tb
+        assert la == pytest.approx(lb, abs=1e-3) and pa == pytest.approx(pb, abs=1e-3)
