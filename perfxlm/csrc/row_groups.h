@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "act_blocks.h"
+#include "row_groups_run.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -242,18 +243,7 @@ inline at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at:
                          int64_t n_out, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_q_rows8: x must be 2-D float32");
   const at::Tensor xc = x.contiguous();
-  const Product p = prepare(xc, codes, scales, bits, n_out);
-  at::Tensor y = at::empty({p.M, n_out}, xc.options());
-  at::Tensor bc;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n_out, "linear_q_rows8: bias size ", bias->numel(), " != ", n_out);
-    bc = bias->to(at::kFloat).contiguous();
-    bp = bc.data_ptr<float>();
-  }
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, p.groups, 8, [&](int64_t g0, int64_t g1) { groups_into(p, g0, g1, yp, n_out, bp); });
-  return y;
+  return perfxlm_row_groups::run("linear_q_rows8", xc, prepare(xc, codes, scales, bits, n_out), n_out, bias, groups_into);
 }
 
 // Row groups -> the plain layout's codes [N, K (8-bit) or K / 2] and float16 scales [N, K / 32]
