@@ -31,12 +31,12 @@ def choose_layouts(model: torch.nn.Module, layout: CodeLayout, few_rows: CodeLay
             if not isinstance(value, QuantizedWeight):
                 continue
             if id(value) not in done:
-                done[id(value)] = _chosen(value, [few_rows, layout] if id(value) in heads else [layout])
+                done[id(value)] = chosen_layout(value, [few_rows, layout] if id(value) in heads else [layout])
             setattr(module, name, done[id(value)])
     return sum(1 for k, w in done.items() if w.layout is not CodeLayout.PLAIN)
 
 
-def _chosen(w: QuantizedWeight, layouts: list[CodeLayout]) -> QuantizedWeight:
+def chosen_layout(w: QuantizedWeight, layouts: list[CodeLayout]) -> QuantizedWeight:
     """`w` in the first of `layouts` that takes it (past PLAIN: int8-block products only), else as it is."""
     if w.layout is not CodeLayout.PLAIN or w.activations is ActivationMode.FLOAT:
         return w

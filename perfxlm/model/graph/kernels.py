@@ -31,6 +31,8 @@ from perfxlm.model.layers.moe_router import GroupedTopKRouter
 from perfxlm.model.layers.norm import LayerNorm as EngineLayerNorm
 from perfxlm.model.layers.norm import RMSNorm
 from perfxlm.model.layers.rotary import apply_rotary
+from perfxlm.quant.layout_choice import chosen_layout
+from perfxlm.quant.layouts import CodeLayout
 from perfxlm.quant.weight import ActivationMode, QuantizedWeight
 
 
@@ -45,6 +47,8 @@ class HeldAs:
 
     weight_dtype: torch.dtype | None = None  # float matrices (Linear, Embedding, MoE stacks)
     activations: ActivationMode | None = None  # quantized products' activation rounding
+    # the code layout the CPU plan gives quantized matrices (quant/layout_choice.py), as the loader does
+    layout: CodeLayout = CodeLayout.PLAIN
 
 
 AS_STORED = HeldAs()
@@ -71,7 +75,7 @@ def _weight(node: str, attrs: dict[str, Any], held: HeldAs, w: torch.Tensor, sca
         q.use_activations(held.activations or ActivationMode(attrs.get("activations", "float32")), node)
     except (KeyError, ValueError) as exc:
         raise ValueError(f"node {node!r}: its weight is not one the engine holds: {exc}") from None
-    return q
+    return chosen_layout(q, [held.layout]) if q.num_experts is None else q
 
 
 class Embedding(Kernel):
