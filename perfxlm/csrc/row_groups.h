@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "act_blocks.h"
+#include "row_group_dots.h"
 #include "row_groups_run.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -65,29 +66,12 @@ inline void quantize(const float* x, int64_t K, int32_t centre, Acts& a) {
 
 // The integer sums of block b of one group's 8 rows (codes: the block's 8 x B bytes), lane r = row r.
 #ifdef PERFXLM_ROWS8_SIMD
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-constexpr bool kSignTrick = false;
-inline __m256i dot4(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
-#elif defined(__AVXVNNI__)
-constexpr bool kSignTrick = false;
-inline __m256i dot4(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
-#else
-// vpmaddubsw + vpmaddwd: 4-bit codes' pair sums of a whole block fit int16 (8 x 2 x 15 x 127), so one
-// vpmaddwd per block; 8-bit codes would saturate, so they enter as code - 128 = q (signed), multiplied
-// as |q| x sign(x, q), which needs no centre correction (their start is 0).
-constexpr bool kSignTrick = true;
-// The 4-product sums block_sums' VNNI branch names (that branch is not taken in this build; exact for
-// codes below 128, where vpmaddubsw's pair sums cannot saturate).
-inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-}
-#endif
-
-inline __m256i quad(const int8_t* xq, int v) {
-  int32_t w;
-  std::memcpy(&w, xq + 4 * v, 4);
-  return _mm256_set1_epi32(w);
-}
+// vpmaddubsw + vpmaddwd (no VNNI): 4-bit codes' pair sums of a whole block fit int16 (8 x 2 x 15 x 127),
+// so one vpmaddwd per block; 8-bit codes would saturate, so they enter as code - 128 = q (signed),
+// multiplied as |q| x sign(x, q), which needs no centre correction (their start is 0).
+constexpr bool kSignTrick = !perfxlm_row_dots::kVnni;
+using perfxlm_row_dots::dot4;
+using perfxlm_row_dots::quad;
 
 template <bool BITS4>
 inline __m256i block_sums(const uint8_t* codes, const int8_t* xq, int32_t start) {

@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "act_blocks.h"
+#include "row_group_dots.h"
 #include "row_groups_run.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -86,28 +87,9 @@ inline float half_at(const uint8_t* p, int r) {
 }
 
 #ifdef PERFXLM_ROWS8K_SIMD
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-constexpr bool kVnni = true;
-inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, u, s);
-#else
-  return _mm256_dpbusd_avx_epi32(acc, u, s);
-#endif
-}
-#else
-constexpr bool kVnni = false;
-// The 4-product sums the vpdpbusd branches name (not taken in this build: they must still compile).
-inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-}
-#endif
-
-inline __m256i quad(const int8_t* xq, int v) {
-  int32_t w;
-  std::memcpy(&w, xq + 4 * v, 4);
-  return _mm256_set1_epi32(w);
-}
+using perfxlm_row_dots::dot4;
+using perfxlm_row_dots::kVnni;
+using perfxlm_row_dots::quad;
 
 // 8 bytes (one per row) widened to int32 lanes.
 inline __m256i rows_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
