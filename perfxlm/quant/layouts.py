@@ -62,9 +62,32 @@ class Layout:
         input order, it checks itself)."""
         return True
 
+    def narrow_rows(self, w: "QuantizedWeight", start: int, length: int) -> "QuantizedWeight":
+        """Output rows [start, start + length) of `w` held in this layout (the plain layout's own rule is
+        `QuantizedWeight.narrow_rows`'s; a grouped layout cuts whole groups)."""
+        raise NotImplementedError
+
+    def index_rows(self, w: "QuantizedWeight", index: torch.Tensor) -> "QuantizedWeight":
+        """Rows `index` of `w` held in this layout, as a plain weight (a lookup reads only them)."""
+        raise NotImplementedError
+
 
 @dataclass(frozen=True)
-class RowGroups(Layout):
+class GroupsOf8(Layout):
+    """What the row-group layouts share: codes and scales lead with groups of 8 output rows, the last
+    group padded past out_features."""
+
+    def narrow_rows(self, w: "QuantizedWeight", start: int, length: int) -> "QuantizedWeight":
+        end, n, rows = start + length, w.out_features, 8
+        if start % rows or (end % rows and end != n) or not 0 <= start <= end <= n:
+            raise ValueError(f"rows [{start}, {end}) of a row-group weight: whole groups of {rows} only "
+                             "(call plain() first)")
+        g0, g1 = start // rows, -(-end // rows)
+        return w._like(w.codes[g0:g1], w.scales[g0:g1], None, out_features=length)
+
+
+@dataclass(frozen=True)
+class RowGroups(GroupsOf8):
     """Row groups of 8 (row_groups.py): matrices only (an expert stack keeps the plain layout)."""
 
     def takes(self, w: "QuantizedWeight") -> bool:
@@ -84,9 +107,17 @@ class RowGroups(Layout):
     def holds(self, w: "QuantizedWeight") -> bool:
         return w.scales.dtype == torch.float16 and w.bits in (4, 8)
 
+    def index_rows(self, w: "QuantizedWeight", index: torch.Tensor) -> "QuantizedWeight":
+        """The rows gathered straight out of the groups into a plain weight."""
+        groups, blocks, per = w.codes.shape
+        g, r = torch.div(index, 8, rounding_mode="floor"), index % 8
+        # [G, block, quad, row, 4 bytes] -> per index its row's [block, quad, 4]: the plain row's bytes
+        codes = w.codes.view(groups, blocks, per // 32, 8, 4)[g, :, :, r].reshape(len(index), blocks * per // 8)
+        return w._like(codes, w.scales[g, :, r], None, layout=CodeLayout.PLAIN, out_features=len(index))
+
 
 @dataclass(frozen=True)
-class RowGroupsK(Layout):
+class RowGroupsK(GroupsOf8):
     """K-quant row groups of 8 (row_groups_k.py): Q4_K, Q5_K, Q6_K matrices; the params bytes in `scales`."""
 
     def takes(self, w: "QuantizedWeight") -> bool:
@@ -106,6 +137,13 @@ class RowGroupsK(Layout):
     def holds(self, w: "QuantizedWeight") -> bool:
         return (w.scales.dtype == torch.uint8 and w.bits in row_groups_k.FORMAT_OF_BITS
                 and w.group == (16 if w.bits == 6 else 32) and w.in_features % row_groups_k.SB == 0)  # fmt: skip
+
+    def index_rows(self, w: "QuantizedWeight", index: torch.Tensor) -> "QuantizedWeight":
+        """Only the groups the rows are in, unpacked, then the rows taken from them."""
+        groups, at = torch.unique(torch.div(index, 8, rounding_mode="floor"), return_inverse=True)
+        some = w._like(w.codes.index_select(0, groups), w.scales.index_select(0, groups), None,
+                       out_features=len(groups) * 8)
+        return some.plain().index_rows(at * 8 + index % 8)
 
 
 class CodeLayout(enum.Enum):

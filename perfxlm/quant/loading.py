@@ -14,7 +14,7 @@ llama.cpp's Q4_K_M allocates its bits, an embedding table that is only looked up
 once as int8 (`perfxlm.quant.calibration`, `QuantizedLoader.calibrate`), which weigh each weight's
 squared error in int4's search. Each piece is quantized as it arrives, so a model never exists whole in
 float: shards of a fused weight (q, k, v; gate, up; an expert's gate and up) wait as quantized pieces
-until their weight is complete, then are concatenated (`QuantizedWeight.cat_rows`) and replace the
+until their weight is complete, then are concatenated (`joining.cat_rows`) and replace the
 module's Parameter, whose untouched float storage is freed.
 A tied LM head gets the embedding's `QuantizedWeight`. Each weight takes the
 model's `ActivationMode` as it is installed (`take_activations`, the engine's `quant_activations`).
@@ -34,6 +34,7 @@ from typing import Any
 
 from torch import nn
 
+from perfxlm.quant import joining
 from perfxlm.quant import mixed
 from perfxlm.quant.config import CHECKPOINT_METHODS, GGUF, METHODS, QuantizationConfig
 from perfxlm.quant.formats import PackedCheckpoint
@@ -223,7 +224,7 @@ class QuantizedLoader:
         if all(s in parts for s in order):
             del self.pending[key]
             try:
-                whole = QuantizedWeight.cat_rows([parts[s] for s in order])
+                whole = joining.cat_rows([parts[s] for s in order])
             except ValueError as e:  # e.g. act-order shards of one input with different orders
                 where = next((n for n, m in self.model.named_modules() if m is module), type(module).__name__)
                 raise ValueError(f"checkpoint weights of {where}.{local} ({', '.join(order)}): {e}") from None
@@ -272,7 +273,7 @@ class QuantizedLoader:
         done[expert] = weight
         if len(done) == module.num_experts:
             del self.experts[(id(module), local)]
-            self._install(module, local, QuantizedWeight.stack([done[e] for e in range(module.num_experts)]))
+            self._install(module, local, joining.stack_experts([done[e] for e in range(module.num_experts)]))
 
     def _install(self, module: nn.Module, local: str, weight: QuantizedWeight) -> None:
         weight.use_activations(self.activations, f"{type(module).__name__}.{local}")

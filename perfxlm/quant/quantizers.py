@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from perfxlm.quant import joining
 from perfxlm.quant.nf4 import NF4_LEVELS, double_quantize_absmax, nf4_codes
 from perfxlm.quant.search import search_affine, search_centred, search_levels
 from perfxlm.quant.weight import QuantizedWeight, pack_codes
@@ -186,7 +187,7 @@ def quantize_nf4(w: torch.Tensor, group: int, double_quant: bool = False) -> Qua
     if double_quant:
         if w.dim() == 3:  # an expert stack: each expert is its own tensor, as bitsandbytes quantizes it
             parts = [quantize_nf4(e, group, True) for e in w]
-            return QuantizedWeight.stack(parts)
+            return joining.stack_experts(parts)
         g, _ = _groups(w, group)
         absmax = g.abs().amax(dim=-1)
         u = nf4_codes(g, absmax)

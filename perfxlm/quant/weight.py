@@ -45,9 +45,8 @@ read row groups as rows.
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -92,7 +91,7 @@ def _pick(mins: torch.Tensor | None, fn: Any) -> torch.Tensor | None:
     return None if mins is None else fn(mins)
 
 
-def _same_levels(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_levels(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal level tables (FP8's has NaN entries, for codes no weight uses)."""
     return a is b or (a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all()))
 
@@ -466,20 +465,12 @@ class QuantizedWeight:
         """Output rows [start, start + length) (views where the storage allows; row groups: whole groups,
         the last one may end at out_features)."""
         if self.layout is not CodeLayout.PLAIN:
-            return self._narrow_groups(start, length)
+            return self.layout.value.narrow_rows(self, start, length)
         dim = self.codes.dim() - 2
         return self._like(
             self.codes.narrow(dim, start, length), self.scales.narrow(dim, start, length),
             _pick(self.mins, lambda m: m.narrow(dim, start, length)),
         )  # fmt: skip
-
-    def _narrow_groups(self, start: int, length: int) -> "QuantizedWeight":
-        end, n, rows = start + length, self.out_features, 8
-        if start % rows or (end % rows and end != n) or not 0 <= start <= end <= n:
-            raise ValueError(f"rows [{start}, {end}) of a row-group weight: whole groups of {rows} only "
-                             "(call plain() first)")
-        g0, g1 = start // rows, -(-end // rows)
-        return self._like(self.codes[g0:g1], self.scales[g0:g1], None, out_features=length)
 
     def narrow_columns(self, start: int, length: int) -> "QuantizedWeight":
         """Input columns [start, start + length): whole groups only (a tensor-parallel rank's share of a
@@ -526,27 +517,13 @@ class QuantizedWeight:
     def index_rows(self, index: torch.Tensor) -> "QuantizedWeight":
         """Output rows in the order `index` gives (a permutation, or a gather for lookups); from row
         groups the rows are gathered straight into a plain weight (an embedding lookup reads only them)."""
-        if self.layout is CodeLayout.ROWS8:
-            return self._gather_groups(index)
-        if self.layout is not CodeLayout.PLAIN:  # only the groups the rows are in, unpacked
-            groups, at = torch.unique(torch.div(index, 8, rounding_mode="floor"), return_inverse=True)
-            rows = len(groups) * 8
-            some = self._like(self.codes.index_select(0, groups), self.scales.index_select(0, groups), None,
-                              out_features=rows)
-            return some.plain().index_rows(at * 8 + index % 8)
+        if self.layout is not CodeLayout.PLAIN:
+            return self.layout.value.index_rows(self, index)
         dim = self.codes.dim() - 2
         return self._like(
             self.codes.index_select(dim, index), self.scales.index_select(dim, index),
             _pick(self.mins, lambda m: m.index_select(dim, index)),
         )  # fmt: skip
-
-    def _gather_groups(self, index: torch.Tensor) -> "QuantizedWeight":
-        groups, blocks, per = self.codes.shape
-        g, r = torch.div(index, 8, rounding_mode="floor"), index % 8
-        # [G, block, quad, row, 4 bytes] -> per index its row's [block, quad, 4]: the plain row's bytes
-        codes = self.codes.view(groups, blocks, per // 32, 8, 4)[g, :, :, r].reshape(len(index), blocks * per // 8)
-        scales = self.scales[g, :, r]
-        return self._like(codes, scales, None, layout=CodeLayout.PLAIN, out_features=len(index))
 
     # ---- promotion -----------------------------------------------------------------------------------
     def widened(self, bits: int = 8) -> "QuantizedWeight":
@@ -589,84 +566,3 @@ class QuantizedWeight:
         if dtype != torch.float32:
             raise ValueError("scales are only ever widened (float16 -> float32)")
         return self._like(self.codes, self.scales.float(), _pick(self.mins, torch.Tensor.float))
-
-    @staticmethod
-    def common_form(parts: Sequence["QuantizedWeight"]) -> list["QuantizedWeight"]:
-        """`parts` promoted losslessly to one form: 8-bit codes if any part has 8 or the common group
-        cannot hold 4-bit blocks, else the widest of 4 and 5 bits the parts have; the greatest common
-        group, float32 scales if any part has them."""
-        if not parts:
-            raise ValueError("no parts")
-        for p in parts:
-            p._plain_only("common_form (cat_rows, stack)")
-        k = parts[0].in_features
-        if any(p.in_features != k for p in parts):
-            raise ValueError(f"parts differ in in_features: {[p.in_features for p in parts]}")
-        acts = {p.act for p in parts}
-        if len(acts) > 1:
-            raise ValueError(f"parts differ in activation handling: {sorted(acts)}")
-        levels = [p.levels for p in parts]
-        if any(lv is not None for lv in levels) and not all(
-            lv is not None and _same_levels(lv, levels[0]) for lv in levels
-        ):
-            raise ValueError("parts mix level tables and affine codes; no common form")
-        same_form = len({(p.bits, p.group, p.scales.dtype, p.centred) for p in parts}) == 1
-        if same_form and (all(p.two_level for p in parts) or all(p.exponent_scales for p in parts)):
-            return list(parts)  # one byte-scaled form: rows concatenate as they are
-        parts = [p.flat() for p in parts]
-        group = math.gcd(*(p.group for p in parts))
-        # 6-bit parts beside others take 8 (the form a fused Q6_K part had before 6-bit codes: its int8
-        # block GEMV at groups of 16); so do groups finer than whole 32-blocks
-        six_mixed = any(p.bits == 6 for p in parts) and any(p.bits != 6 for p in parts)
-        bits = 8 if any(p.bits == 8 for p in parts) or six_mixed else max(p.bits for p in parts)
-        if group % (BLOCK4 // 2 if bits == 6 else BLOCK4):
-            bits = 8
-        if bits == 8 and levels[0] is not None and any(p.bits == 4 for p in parts):
-            raise ValueError("level-table (NF4) parts cannot be widened to 8-bit codes; no common form")
-        if len({p.centred for p in parts}) > 1:  # centred beside stored mins: store them all
-            parts = [p.with_mins() for p in parts]
-        dtype = torch.float32 if any(p.scales.dtype == torch.float32 for p in parts) else torch.float16
-        out = []
-        for p in parts:
-            p = p.widened(bits)
-            out.append(p.regrouped(group).with_scale_dtype(dtype))
-        return out
-
-    @staticmethod
-    def cat_rows(parts: Sequence["QuantizedWeight"]) -> "QuantizedWeight":
-        """Rows of `parts` one after the other (fused QKV, gate|up), promoted to a common form first."""
-        orders = [p.input_order for p in parts]
-        if any(o is not None for o in orders) and not all(
-            o is not None and torch.equal(o, orders[0]) for o in orders
-        ):
-            raise ValueError(
-                "parts differ in input order (act-order permutations); they multiply one input, so a "
-                "fused weight needs one order for all of them"
-            )
-        parts = QuantizedWeight.common_form(parts)
-        if len(parts) == 1:
-            return parts[0]
-        dim = parts[0].codes.dim() - 2
-        first = parts[0]
-        return first._like(
-            torch.cat([p.codes for p in parts], dim), torch.cat([p.scales for p in parts], dim),
-            None if first.mins is None else torch.cat([p.mins for p in parts], dim),
-        )  # fmt: skip
-
-    @staticmethod
-    def stack(experts: Sequence["QuantizedWeight"]) -> "QuantizedWeight":
-        """Expert weights [N, K] each -> one stack [E, N, K], promoted to a common form first."""
-        experts = QuantizedWeight.common_form(experts)
-        if any(e.num_experts is not None for e in experts):
-            raise ValueError("only single matrices can be stacked")
-        if len({e.out_features for e in experts}) != 1:
-            raise ValueError("experts differ in out_features")
-        first = experts[0]
-        order = None  # each expert its own act-order (its own inputs' statistics), [E, K]
-        if any(e.input_order is not None for e in experts):
-            natural = torch.arange(first.in_features)
-            order = torch.stack([natural if e.input_order is None else e.input_order for e in experts])
-        return first._like(
-            torch.stack([e.codes for e in experts]), torch.stack([e.scales for e in experts]),
-            None if first.mins is None else torch.stack([e.mins for e in experts]), input_order=order,
-        )  # fmt: skip

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from perfxlm.quant import joining
 from perfxlm import LLM
 from perfxlm.ops import cpu_plan, native
 from perfxlm.ops.linear import gemm_max_code, gemm_takes, run_linear_q
@@ -160,7 +161,7 @@ def test_every_group_through_the_block_kernels_alone_and_in_a_batch(group):
 def test_cuts_and_fusions_keep_the_values():
     a = two_level.quantize_int4(weights(6, 512, seed=1), 32)
     b = two_level.quantize_int4(weights(4, 512, seed=2), 32)
-    fused = QuantizedWeight.cat_rows([a, b])
+    fused = joining.cat_rows([a, b])
     assert fused.two_level and torch.equal(fused.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
     half = a.narrow_columns(256, 256)  # a tensor-parallel rank's share: whole super-blocks
     assert half.two_level and torch.equal(half.dequantize(), a.dequantize()[:, 256:])

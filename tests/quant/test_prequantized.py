@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 
+from perfxlm.quant import joining
 from perfxlm import LLM, SamplingParams
 from perfxlm.config import EngineConfig
 from perfxlm.model.fused_decode import FusedDecode
@@ -260,11 +261,11 @@ def test_stacked_experts_keep_their_own_orders():
     orders = [torch.randperm(k) for _ in range(3)]
     experts = [QuantizedWeight(torch.randint(0, 256, (8, k), dtype=torch.uint8), torch.rand(8, 2), torch.rand(8, 2),
                                None, 8, 32, "float", 8, k, input_order=o) for o in orders]  # fmt: skip
-    stack = QuantizedWeight.stack(experts)
+    stack = joining.stack_experts(experts)
     for e, o in enumerate(orders):
         assert torch.equal(stack[e].input_order, o) and torch.equal(stack[e].dense(), experts[e].dense())
     with pytest.raises(ValueError, match="input order"):
-        QuantizedWeight.cat_rows(experts[:2])
+        joining.cat_rows(experts[:2])
 
 
 # ---- bad input: refused by name before the model is built ---------------------------------------------

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from perfxlm.quant import joining
 from perfxlm.ops import native
 from perfxlm.ops.linear import linear
 from perfxlm.quant import NF4_LEVELS, QuantizationConfig, QuantizedWeight, quantizers
@@ -197,7 +198,7 @@ def test_cat_rows_promotes_losslessly():
         repack(random_blocks(rng, Q.Q4_0, 2, 512), Q.Q4_0, (2, 512)),  # 4-bit, g32, float16
         quantizers.quantize_symmetric_int8(torch.randn(4, 512), 512),  # 8-bit, per channel
     ]
-    whole = QuantizedWeight.cat_rows(parts)
+    whole = joining.cat_rows(parts)
     assert (whole.bits, whole.group, whole.scales.dtype, whole.out_features) == (8, 16, torch.float32, 14)
     want = torch.cat([p.dequantize() for p in parts])
     got = whole.dequantize()
@@ -207,7 +208,7 @@ def test_cat_rows_promotes_losslessly():
     # u x scale + min rounds twice (its codes reach 159)
     torch.testing.assert_close(got[~exact], want[~exact], rtol=0, atol=1e-5 * want.abs().max().item())
     # same form: no promotion, 4-bit float16 stays so
-    same = QuantizedWeight.cat_rows(parts[2:3] * 2)
+    same = joining.cat_rows(parts[2:3] * 2)
     assert (same.bits, same.group, same.scales.dtype) == (4, 32, torch.float16)
 
 
@@ -220,14 +221,14 @@ def test_centred_codes_keep_their_values_through_every_reshaping():
     perm = torch.randperm(12, generator=torch.Generator().manual_seed(1))
     for part, want in [(w.narrow_rows(2, 7), full[2:9]), (w.index_rows(perm), full[perm]),
                        (w.regrouped(32), full), (w.widened(), full), (w.with_scale_dtype(torch.float32), full),
-                       (QuantizedWeight.cat_rows([w, w]), torch.cat([full, full]))]:
+                       (joining.cat_rows([w, w]), torch.cat([full, full]))]:
         assert part.centred
         torch.testing.assert_close(part.dequantize(), want, rtol=0, atol=0)
     assert w.widened().codes.min() >= 120 and w.widened().codes.max() <= 135  # u - 8 == (u + 120) - 128
-    stack = QuantizedWeight.stack([w, w.index_rows(perm)])
+    stack = joining.stack_experts([w, w.index_rows(perm)])
     assert stack.centred and torch.equal(stack[1].dequantize(), full[perm])
     asym = quantizers.quantize_asymmetric_int4(torch.randn(3, 128), 32)
-    mixed = QuantizedWeight.cat_rows([w, asym])
+    mixed = joining.cat_rows([w, asym])
     assert not mixed.centred and mixed.group == 32
     torch.testing.assert_close(mixed.dequantize(), torch.cat([full, asym.dequantize()]), rtol=0, atol=1e-6)
     # a min -8 d that float16 cannot hold moves both to float32
@@ -274,11 +275,11 @@ def test_five_bit_codes_round_trip_and_keep_values_through_every_reshaping():
                        (q.narrow_columns(32, 96), full[:, 32:128]),  # a row-parallel rank's share
                        (q.widened(), full), (q.with_scale_dtype(torch.float32), full),
                        (four.widened(5), four.dequantize()),
-                       (QuantizedWeight.cat_rows([four, q]), torch.cat([four.dequantize(), full]))]:
+                       (joining.cat_rows([four, q]), torch.cat([four.dequantize(), full]))]:
         assert part.centred
         torch.testing.assert_close(part.dequantize(), want, rtol=0, atol=0)
-    assert QuantizedWeight.cat_rows([four, q]).bits == 5 and q.widened().bits == 8
-    stack = QuantizedWeight.stack([q, q.index_rows(perm)])
+    assert joining.cat_rows([four, q]).bits == 5 and q.widened().bits == 8
+    stack = joining.stack_experts([q, q.index_rows(perm)])
     assert stack.bits == 5 and torch.equal(stack[1].dequantize(), full[perm])
     ids = torch.tensor([[12, 0], [3, 3]])
     assert torch.equal(q.embedding(ids), full[ids])
@@ -302,7 +303,7 @@ def test_rows_stacks_and_lookups_keep_values():
     ids = torch.tensor([[1, 11], [0, 1]])
     torch.testing.assert_close(w.embedding(ids), full[ids], rtol=0, atol=0)
     experts = [quantizers.quantize_nf4(torch.randn(6, 64), 32) for _ in range(3)]
-    stack = QuantizedWeight.stack(experts)
+    stack = joining.stack_experts(experts)
     assert stack.shape == (3, 6, 64) and stack.num_experts == 3
     for e in range(3):
         torch.testing.assert_close(stack[e].dequantize(), experts[e].dequantize(), rtol=0, atol=0)
@@ -320,7 +321,7 @@ def test_invalid_forms_are_refused():
         QuantizedWeight(w.codes, w.scales, w.mins, None, 8, 32, "int4", 4, 64)
     nf4 = quantizers.quantize_nf4(torch.randn(2, 64), 64)
     with pytest.raises(ValueError, match="level tables and affine codes"):
-        QuantizedWeight.cat_rows([nf4, w])
+        joining.cat_rows([nf4, w])
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from perfxlm.quant import joining
 from perfxlm.ops import native
 from perfxlm.quant import QuantizedWeight
 from perfxlm.quant.gguf_repack import repack
@@ -108,12 +109,12 @@ def test_cuts_stacks_and_fusions_keep_the_values():
     assert torch.equal(q4.index_rows(torch.tensor([8, 0, 3])).dequantize(), dense[[8, 0, 3]])
     assert torch.equal(q4.zero_rows(3).dequantize(), torch.zeros(3, k))
     # one form: rows concatenate as bytes; mixed forms: the common float form
-    same = QuantizedWeight.cat_rows([q4, q4b])
+    same = joining.cat_rows([q4, q4b])
     assert same.two_level and torch.equal(same.dequantize(), torch.cat([dense, q4b.dequantize()]))
-    mixed = QuantizedWeight.cat_rows([q4, q6])
+    mixed = joining.cat_rows([q4, q6])
     assert not mixed.two_level  # Q6_K's implied min stored beside Q4_K's: u x s + m, two roundings
     torch.testing.assert_close(mixed.dequantize(), torch.cat([dense, q6.dequantize()]), rtol=0, atol=1e-5)
-    stack = QuantizedWeight.stack([q4, repack(k_blocks(Q.Q4_K, n, k, 4), Q.Q4_K, (n, k))])
+    stack = joining.stack_experts([q4, repack(k_blocks(Q.Q4_K, n, k, 4), Q.Q4_K, (n, k))])
     assert stack.two_level and torch.equal(stack[0].dequantize(), dense)
     raw = k_blocks(Q.Q6_K, 2 * n, k, 6)
     experts = repack(raw, Q.Q6_K, (2, n, k))  # a GGUF expert stack

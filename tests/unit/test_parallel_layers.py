@@ -11,6 +11,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from perfxlm.quant import joining
 from perfxlm.distributed.parallel_state import SINGLE, TPGroup, building_for, split_sizes, tp_group
 from perfxlm.model.layers.embed_head import LMHead, ParallelLMHead, VocabEmbedding, VocabParallelEmbedding
 from perfxlm.model.layers.linear import Linear, MergedLinear
@@ -335,7 +336,7 @@ def test_quantized_weights_are_cut_in_their_own_form(kind):
     quantize = {"int4_centred": quantize_symmetric_int4, "int4_mins": quantize_asymmetric_int4,
                 "int8": quantize_symmetric_int8, "stack": quantize_symmetric_int8}[kind]  # fmt: skip
     if kind == "stack":
-        qw = QuantizedWeight.stack([quantize(e, 32) for e in w])
+        qw = joining.stack_experts([quantize(e, 32) for e in w])
     else:
         qw = quantize(w, 32)
     dense = qw.dense()

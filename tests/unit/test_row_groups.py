@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from perfxlm.quant import joining
 from perfxlm.ops import native
 from perfxlm.quant import reference, row_groups
 from perfxlm.quant.gguf_repack import repack
@@ -126,13 +127,13 @@ def test_the_layout_moves_bytes_and_plain_gives_them_back(bits):
 def test_methods_that_read_rows_refuse_row_groups():
     w, r = grouped(8, 16, 64)
     for call in (lambda: r.narrow_columns(0, 32), lambda: r.zero_rows(3), lambda: r.widened(8) and r.regrouped(16),
-                 lambda: r.with_mins(), lambda: QuantizedWeight.cat_rows([r, w]), lambda: r.narrow_rows(3, 8),
+                 lambda: r.with_mins(), lambda: joining.cat_rows([r, w]), lambda: r.narrow_rows(3, 8),
                  lambda: r.unpacked_codes(), lambda: r.use_activations(ActivationMode.FLOAT)):
         with pytest.raises(ValueError, match="plain|whole groups"):
             call()
     with pytest.raises(ValueError, match="int8"):  # float activations keep the plain layout
         gguf_weight(8, 16, 64).in_row_groups()
-    stack = QuantizedWeight.stack([w, w])
+    stack = joining.stack_experts([w, w])
     with pytest.raises(ValueError, match="does not take"):
         stack.in_row_groups()
 

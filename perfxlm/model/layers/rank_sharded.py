@@ -13,6 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from perfxlm.quant import joining
 from perfxlm.quant.weight import QuantizedWeight
 
 ROWS, COLUMNS = -2, -1
@@ -54,7 +55,7 @@ def take_parts(tensor: Any, dim: int, pieces: list[tuple[int, int]], whole: int 
         check_whole(tensor, dim, whole)
     parts = [narrow(tensor, dim, start, size) for start, size in pieces]
     if isinstance(tensor, QuantizedWeight):
-        return QuantizedWeight.cat_rows(parts)
+        return joining.cat_rows(parts)
     return torch.cat(parts, dim=0 if tensor.dim() == 1 else dim)
 
 
@@ -64,5 +65,5 @@ def pad_rows(tensor: Any, rows: int) -> Any:
     if missing <= 0:
         return tensor
     if isinstance(tensor, QuantizedWeight):
-        return QuantizedWeight.cat_rows([tensor, tensor.zero_rows(missing)])
+        return joining.cat_rows([tensor, tensor.zero_rows(missing)])
     return torch.cat([tensor, torch.zeros((missing, *tensor.shape[1:]), dtype=tensor.dtype)])

@@ -23,6 +23,7 @@ from typing import Any, Iterator
 
 import torch
 
+from perfxlm.quant import joining
 from perfxlm.quant.weight import QuantizedWeight
 
 TENSORS: dict[str, str] = {
@@ -99,7 +100,7 @@ def _interleave_rows(gate: Any, up: Any) -> Any:
         gate, up = (t.dense() if isinstance(t, QuantizedWeight) else t for t in (gate, up))
     if isinstance(gate, QuantizedWeight):
         inter = gate.out_features
-        both = QuantizedWeight.cat_rows([gate, up])  # [gate; up]
+        both = joining.cat_rows([gate, up])  # [gate; up]
         order = torch.stack((torch.arange(inter), torch.arange(inter) + inter), dim=1).reshape(-1)
         return both.index_rows(order)
     return torch.stack((gate, up), dim=2).reshape(gate.shape[0], 2 * gate.shape[1], *gate.shape[2:])
