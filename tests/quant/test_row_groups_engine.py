@@ -34,7 +34,7 @@ def files(base, tmp_path_factory) -> dict[str, str]:
 
     root = tmp_path_factory.mktemp("rg_gguf")
     out = {}
-    for name, qtype in (("q8_0", Q.Q8_0), ("q4_0", Q.Q4_0)):
+    for name, qtype in (("q8_0", Q.Q8_0), ("q4_0", Q.Q4_0), ("q4_1", Q.Q4_1)):
         out[name] = str(root / f"{name}.gguf")
         write_quantized_llama_gguf(out[name], base, {**{p: qtype for p in PARTS}, "token_embd": Q.Q8_0})
     return out
@@ -71,7 +71,11 @@ def _greedy(llm, prompts, **kw):
             for o in outs]
 
 
-@pytest.mark.parametrize("weights", ["q8_0", "q4_0"])
+# the layouts a file's matrices take under row groups (its Q8_0 token table: ROWS8)
+GROUPED = {"q8_0": {CodeLayout.ROWS8}, "q4_0": {CodeLayout.ROWS8}, "q4_1": {CodeLayout.ROWS8_M, CodeLayout.ROWS8}}
+
+
+@pytest.mark.parametrize("weights", ["q8_0", "q4_0", "q4_1"])
 def test_row_groups_give_the_plain_layouts_greedy_text(files, interleave, weights):
     runs = {}
     for value in (0, 8):
@@ -80,7 +84,7 @@ def test_row_groups_give_the_plain_layouts_greedy_text(files, interleave, weight
                   quant_activations="int8")
         assert cpu_plan.plan().row_groups == value and f"row groups of {value}" in cpu_plan.plan().describe() or not value
         layouts = _layouts(llm)
-        assert layouts == ({CodeLayout.ROWS8} if value else {CodeLayout.PLAIN}), layouts
+        assert layouts == (GROUPED[weights] if value else {CodeLayout.PLAIN}), layouts
         batch = _greedy(llm, PROMPTS)
         alone = [_greedy(llm, [p])[0] for p in PROMPTS]
         # a request alone is what it is in the batch (decode rows on the row-group GEMV, one row each)
@@ -156,3 +160,41 @@ def test_the_default_model_converted_gives_the_same_text(default_model, interlea
         assert a.logprobs[0][a.token_ids[0]].logprob == pytest.approx(b.logprobs[0][b.token_ids[0]].logprob, abs=1e-4)
         if ftype == "q8_0":
             assert a.token_ids == b.token_ids
+
+
+def test_the_default_models_own_file_in_affine_row_groups(default_model, interleave):
+    """The default model's Q4_1 file, float32 with int8 activation blocks: its matrices in affine row groups
+    (ROWS8_M) under PERFXLM_ROW_INTERLEAVE=8, the tied table's lookups gathered from its groups. The prompts'
+    prefill runs the int8 GEMM in both layouts (row groups read as its panels: the same bits), so prompt
+    logprobs agree to float rounding, and a request alone decodes what it decodes in the batch. Decode runs
+    each layout's GEMV, whose float sums differ in order: the first tokens are the same, then the text
+    until a near tie (the same text throughout, measured on these prompts)."""
+    from perfxlm.quant.weight import QuantizedWeight
+
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    runs = {}
+    for value in (0, 8):
+        interleave(value)
+        llm = LLM(default_model, kv_cache_gib=0.2, dtype="float32", quant_activations="int8")
+        model = llm.llm_engine.core.model
+        layouts = _layouts(llm)
+        assert (CodeLayout.ROWS8_M in layouts) == bool(value), layouts
+        if value:  # the tied table (Q8_0 in this file) is the head's weight: in groups, lookups gather from them
+            table = [v for m in model.modules() for v in vars(m).values()
+                     if isinstance(v, QuantizedWeight) and v.out_features > 40000]  # fmt: skip
+            assert table and all(w.layout in (CodeLayout.ROWS8, CodeLayout.ROWS8_M) for w in table)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        batch, prompt_lps = [o.outputs[0] for o in outs], [o.prompt_logprobs for o in outs]
+        alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in prompts]
+        for a, b in zip(alone, batch):
+            assert a.token_ids == b.token_ids
+        runs[value] = (batch, prompt_lps)
+    for a, b in zip(runs[0][0], runs[8][0]):
+        assert a.token_ids == b.token_ids
+        for lp_a, lp_b, t in zip(a.logprobs, b.logprobs, a.token_ids):
+            assert lp_a[t].logprob == pytest.approx(lp_b[t].logprob, abs=RELAXED)
+    for pa, pb in zip(runs[0][1], runs[8][1]):
+        for la, lb in zip(pa[1:], pb[1:]):
+            for t in la:
+                assert la[t].logprob == pytest.approx(lb[t].logprob, abs=1e-4)
