@@ -6,7 +6,7 @@ object that says its shapes, which weights it takes, and how to move a weight's 
 - ROWS8: row groups (`perfxlm.quant.row_groups`, csrc/row_groups.h): 8 rows' blocks together for the
   int8-dot GEMV, chosen once at load by the CPU plan (`row_groups`) for the weights it takes.
 - ROWS8_M: row groups of affine 4-bit codes (GGUF Q4_1: a float16 scale and min per 32), `mins` in the
-  same groups as the scales (`perfxlm.quant.row_groups.pack_affine`); the plan's ROWS8 stands for it on
+  same groups as the scales (`perfxlm.quant.row_groups.pack_params`); the plan's ROWS8 stands for it on
   such weights (`members`).
 - ROWS8_K: K-quant row groups (`perfxlm.quant.row_groups_k`, csrc/row_groups_k.h): Q4_K / Q5_K / Q6_K
   matrices, the params bytes held in `scales` (uint8 [groups, K / 256, P]), `mins` None. Only a GEMV
@@ -69,8 +69,8 @@ class Layout:
 
     def holds(self, w: "QuantizedWeight") -> bool:
         """Whether `w`'s fields past the shapes (scales dtype, bits, in_features) fit this layout's form;
-        QuantizedWeight's check asks it for every layout past PLAIN (uint8 codes, no mins, table or
-        input order, it checks itself)."""
+        QuantizedWeight's check asks it for every layout past PLAIN (uint8 codes, the mins' shape
+        (`mins_shape`), no table or input order, it checks itself)."""
         return True
 
     def narrow_rows(self, w: "QuantizedWeight", start: int, length: int) -> "QuantizedWeight":
@@ -94,7 +94,8 @@ class GroupsOf8(Layout):
             raise ValueError(f"rows [{start}, {end}) of a row-group weight: whole groups of {rows} only "
                              "(call plain() first)")
         g0, g1 = start // rows, -(-end // rows)
-        return w._like(w.codes[g0:g1], w.scales[g0:g1], None if w.mins is None else w.mins[g0:g1], out_features=length)
+        mins = None if w.mins is None else w.mins[g0:g1]
+        return w._like(w.codes[g0:g1], w.scales[g0:g1], mins, out_features=length)
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,8 @@ def test_each_row_group_layout_takes_its_own_codes():
         q4_1(16, 64).in_layout(CodeLayout.ROWS8_M)
     with pytest.raises(ValueError, match="rows8_m"):  # a weight in the layout needs its mins
         r._like(r.codes, r.scales, None)
-    assert members(for_plan(8)) == (CodeLayout.ROWS8, CodeLayout.ROWS8_M) and members(for_plan(0)) == (CodeLayout.PLAIN,)
+    assert members(for_plan(8)) == (CodeLayout.ROWS8, CodeLayout.ROWS8_M)
+    assert members(for_plan(0)) == (CodeLayout.PLAIN,)
 
 
 def test_the_plan_switch_gives_q4_1_its_groups():
