@@ -276,9 +276,9 @@ inline void group_quads(const Weight& w, int64_t n, int64_t b, __m256i (&q)[8]) 
   }
 }
 
-// The float16 scales of block b of the group holding columns [n, n + 8), as float32.
-inline __m256 group_scales(const Weight& w, int64_t n, int64_t b) {
-  const uint16_t* s = static_cast<const uint16_t*>(w.scales) + ((n / 8) * (w.K / 32) + b) * 8;
+// The float16 scales (or mins) of block b of the group holding columns [n, n + 8), as float32.
+inline __m256 group_scales(const Weight& w, int64_t n, int64_t b, const void* table) {
+  const uint16_t* s = static_cast<const uint16_t*>(table) + ((n / 8) * (w.K / 32) + b) * 8;
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
 }
 
@@ -304,7 +304,8 @@ void repack(const Weight& w, int64_t n0, Panels& p, bool wide) {
       __m256i r[8];
       if (w.rows8 && live > 0) {  // the group's rows past N are zeros with scale 0
         group_quads(w, n0 + c0, b, r);
-        _mm256_storeu_ps(p.scales.data() + b * kCols + c0, group_scales(w, n0 + c0, b));
+        _mm256_storeu_ps(p.scales.data() + b * kCols + c0, group_scales(w, n0 + c0, b, w.scales));
+        if (w.mins) _mm256_storeu_ps(p.mins.data() + b * kCols + c0, group_scales(w, n0 + c0, b, w.mins));
         if (!wide) {
           uint8_t* dst = p.codes.data() + (b * 8 * kCols + c0) * 4;
           for (int q = 0; q < 8; ++q) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + q * kCols * 4), r[q]);
@@ -333,7 +334,7 @@ void repack(const Weight& w, int64_t n0, Panels& p, bool wide) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (q + 8) * kCols * 4), hi[q]);
       }
     }
-    if (w.rows8) continue;  // scales written per block above; centred codes: no mins
+    if (w.rows8) continue;  // scales (and affine groups' mins) written per block above
     spread(w, w.scales, false, n0, c0, live, p.scales.data());
     if (w.mins) spread(w, w.mins, true, n0, c0, live, p.mins.data());
   }
@@ -663,12 +664,15 @@ void run_rows(const Acts& a, int64_t m_begin, int64_t m_end, const Weight& w, co
   run_task<MINS, ByteDots>(a, m_begin, m_end, w, p, n0, y, bias);
 }
 
-// Row groups of Q8_0 / Q4_0 codes (see Weight::rows8): N from the caller (the last group's padding rows
-// are not outputs); row_bytes as the plain rows', so a group's bytes are at codes + n0 x row_bytes.
+// Row groups of Q8_0 / Q4_0 codes (see Weight::rows8), or with `affine` Q4_1's (layout 3: float16 mins
+// shaped as the scales, uncentred codes): N from the caller (the last group's padding rows are not
+// outputs); row_bytes as the plain rows', so a group's bytes are at codes + n0 x row_bytes.
 Weight describe_rows8(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
-                      const c10::optional<at::Tensor>& levels, int64_t K, int64_t N) {
-  TORCH_CHECK(!(mins.has_value() && mins->defined()) && !(levels.has_value() && levels->defined()),
-              "quant_block_gemm: row groups hold centred codes (no mins, no table)");
+                      const c10::optional<at::Tensor>& levels, int64_t K, int64_t N, bool affine) {
+  const bool has_mins = mins.has_value() && mins->defined();
+  TORCH_CHECK(has_mins == affine && !(levels.has_value() && levels->defined()),
+              "quant_block_gemm: row groups hold centred codes (layout 1: no mins) or 4-bit ones with float16 mins "
+              "(layout 3), no table");
   TORCH_CHECK(K % 32 == 0 && K > 0 && N > 0, "quant_block_gemm: row groups need K a positive multiple of 32, N > 0");
   const int64_t groups = (N + 7) / 8, blocks = K / 32;
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(0) == groups &&
@@ -678,8 +682,11 @@ Weight describe_rows8(const at::Tensor& codes, const at::Tensor& scales, const c
                   scales.size(0) == groups && scales.size(1) == blocks && scales.size(2) == 8,
               "quant_block_gemm: row-group scales must be contiguous float16 [ceil(N / 8), K / 32, 8]");
   const int bits = codes.size(2) == 8 * 32 ? 8 : 4;
-  Weight w{codes.data_ptr<uint8_t>(), N, K, bits == 8 ? K : K / 2, 32, blocks, bits, scales.data_ptr(), nullptr,
-           true, bits == 8 ? 128 : 8, false, {}, 0, 32};
+  TORCH_CHECK(!affine || (bits == 4 && mins->sizes() == scales.sizes() && mins->scalar_type() == at::kHalf &&
+                          mins->is_contiguous()),
+              "quant_block_gemm: affine row groups take 4-bit codes and contiguous float16 mins shaped as the scales");
+  Weight w{codes.data_ptr<uint8_t>(), N, K, bits == 8 ? K : K / 2, 32, blocks, bits, scales.data_ptr(),
+           affine ? mins->data_ptr() : nullptr, true, affine ? 0 : (bits == 8 ? 128 : 8), false, {}, 0, 32};
   w.rows8 = true;
 #ifdef PERFXLM_QGEMM_WIDE8
   if (bits == 8) w.shift = 128;
@@ -755,11 +762,12 @@ at::Tensor quant_block_gemm(const at::Tensor& x, const at::Tensor& codes, const 
                             const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& levels,
                             const c10::optional<at::Tensor>& bias, int64_t layout, int64_t out_features) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "quant_block_gemm: x must be 2-D float32");
-  TORCH_CHECK(layout == 0 || layout == 1, "quant_block_gemm: layout ", layout, " (0 plain, 1 row groups of 8)");
+  TORCH_CHECK(layout == 0 || layout == 1 || layout == 3, "quant_block_gemm: layout ", layout,
+              " (0 plain, 1 row groups of 8, 3 affine row groups of 8)");
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
-  const Weight w = layout == 1 ? describe_rows8(codes, scales, mins, levels, K, out_features)
-                               : describe(codes, scales, mins, levels, K);
+  const Weight w = layout == 1 || layout == 3 ? describe_rows8(codes, scales, mins, levels, K, out_features, layout == 3)
+                                              : describe(codes, scales, mins, levels, K);
   at::Tensor bc;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == w.N, "quant_block_gemm: bias size ", bias->numel(), " != ", w.N);

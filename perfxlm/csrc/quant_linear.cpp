@@ -37,6 +37,7 @@
 #include "quant_gemm.h"
 #include "row_groups.h"
 #include "row_groups_k.h"
+#include "row_groups_m.h"
 #include "simd16.h"
 
 #if defined(PERFXLM_SIMD16) && defined(__AVX512F__) && defined(__AVX512VNNI__)
@@ -1266,6 +1267,30 @@ at::Tensor rows8_product(const at::Tensor& xc, const at::Tensor& codes, const at
                   false, max_rows, bf16_gemm, false, block_max_rows, -1);
 }
 
+void check_rows8_m(const at::Tensor& codes, const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& levels,
+                   bool act_int8, int64_t out_features) {
+  TORCH_CHECK(!act_int8 && mins.has_value() && mins->defined() && !(levels.has_value() && levels->defined()),
+              "linear_q: affine row groups hold their mins (no table, float activations)");
+  TORCH_CHECK(out_features > 0 && codes.dim() == 3 && (out_features + 7) / 8 == codes.size(0),
+              "linear_q: row groups need out_features (", out_features, ") filling ", codes.size(0), " groups of 8");
+}
+
+// rows8_product for affine 4-bit row groups (row_groups_m.h, layout 3): the same three ways, the GEMM told
+// the layout, the fallback unpacking the mins too.
+at::Tensor rows8_m_product(const at::Tensor& xc, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                           const c10::optional<at::Tensor>& bias, int64_t max_rows, bool bf16_gemm, int64_t block_max_rows,
+                           int64_t gemm_rows, int64_t N) {
+  const int64_t M = xc.size(0), K = xc.size(1);
+  const int64_t gemv_rows = gemv_limit(true, N, K, max_rows, block_max_rows);
+  const bool gemm = perfxlm_qgemm::quant_block_gemm_max_code() >= 15;
+  if (gemm && gemm_rows >= 0 && M >= (gemm_rows > 0 ? gemm_rows : gemv_rows + 1))
+    return perfxlm_qgemm::quant_block_gemm(xc, codes, scales, mins, c10::nullopt, bias, 3, N);
+  if (M <= gemv_rows) return perfxlm_rows8m::linear(xc, codes, scales, mins, N, bias);
+  const auto plain = perfxlm_rows8::unpack(codes, scales, N);
+  return linear_q(perfxlm_rows8::rounded_blocks(xc), plain.first, plain.second, perfxlm_rows8m::unpack_mins(mins, N),
+                  c10::nullopt, bias, false, max_rows, bf16_gemm, false, block_max_rows, -1);
+}
+
 void check_rows8_k(const at::Tensor& codes, const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& levels,
                    bool act_int8, int64_t out_features) {
   TORCH_CHECK(!act_int8 && !(mins.has_value() && mins->defined()) && !(levels.has_value() && levels->defined()),
@@ -1281,8 +1306,8 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tens
                     int64_t max_rows, bool bf16_gemm, bool int8_blocks, int64_t block_max_rows, int64_t gemm_rows,
                     int64_t layout, int64_t out_features) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_q: x must be 2-D float32");
-  TORCH_CHECK(layout >= 0 && layout <= 2, "linear_q: layout ", layout,
-              " (0 plain, 1 row groups of 8, 2 K-quant row groups of 8)");
+  TORCH_CHECK(layout >= 0 && layout <= 3, "linear_q: layout ", layout,
+              " (0 plain, 1 row groups of 8, 2 K-quant row groups of 8, 3 affine row groups of 8)");
   const at::Tensor xc = x.contiguous();
   if (layout == 1) {
     check_rows8(codes, mins, levels, act_int8, out_features);
@@ -1294,6 +1319,10 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   if (layout == 2) {
     check_rows8_k(codes, mins, levels, act_int8, out_features);
     return perfxlm_rows8k::linear(xc, codes, scales, perfxlm_rows8k::bits_of(codes), out_features, bias);
+  }
+  if (layout == 3) {
+    check_rows8_m(codes, mins, levels, act_int8, out_features);
+    return rows8_m_product(xc, codes, scales, *mins, bias, max_rows, bf16_gemm, block_max_rows, gemm_rows, out_features);
   }
   const int64_t M = xc.size(0), K = xc.size(1);
   const QW w = describe(codes, scales, mins, levels, K);
@@ -1358,6 +1387,21 @@ RangeProduct linear_q_ranges(const at::Tensor& x, const at::Tensor& codes, const
     return [p, bp, bc, codes, scales, N](float* y, int64_t n0, int64_t n1) {
       TORCH_CHECK(n0 % 8 == 0 && (n1 % 8 == 0 || n1 == N), "linear_q_ranges: row groups run whole groups of 8 outputs");
       perfxlm_rows8::groups_into(*p, n0 / 8, (n1 + 7) / 8, y, N, bp);
+    };
+  }
+  if (layout == 3) {  // rows8_m_product's GEMV, over whole groups of 8 outputs
+    check_rows8_m(codes, mins, levels, act_int8, out_features);
+    const int64_t N = out_features;
+    const int64_t gemv_rows = gemv_limit(true, N, K, max_rows, block_max_rows);
+    const bool gemm = perfxlm_qgemm::quant_block_gemm_max_code() >= 15;
+    if ((gemm && gemm_rows >= 0 && M >= (gemm_rows > 0 ? gemm_rows : gemv_rows + 1)) || M > gemv_rows) return {};
+    at::Tensor bc;
+    const float* bp = float_bias(bias, N, bc);
+    const at::Tensor mn = *mins;
+    auto p = std::make_shared<perfxlm_rows8m::Product>(perfxlm_rows8m::prepare(xc, codes, scales, mn, N));
+    return [p, bp, bc, codes, scales, mn, N](float* y, int64_t n0, int64_t n1) {
+      TORCH_CHECK(n0 % 8 == 0 && (n1 % 8 == 0 || n1 == N), "linear_q_ranges: row groups run whole groups of 8 outputs");
+      perfxlm_rows8m::groups_into(*p, n0 / 8, (n1 + 7) / 8, y, N, bp);
     };
   }
   if (layout == 2) {  // linear_q's: the K-quant GEMV over any rows, whole groups of 8 outputs
@@ -1482,6 +1526,8 @@ TORCH_LIBRARY_FRAGMENT(perfxlm, m) {
   m.def("linear_q_rows8(Tensor x, Tensor codes, Tensor scales, int bits, int out_features, Tensor? bias) -> Tensor");
   // Q4_K / Q6_K in row groups (row_groups_k.h, perfxlm/quant/row_groups_k.py)
   m.def("linear_q_rows8_k(Tensor x, Tensor codes, Tensor params, int bits, int out_features, Tensor? bias) -> Tensor");
+  // Q4_1 in row groups (row_groups_m.h, perfxlm/quant/row_groups.py)
+  m.def("linear_q_rows8_m(Tensor x, Tensor codes, Tensor scales, Tensor mins, int out_features, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(perfxlm, CPU, m) {
@@ -1489,4 +1535,5 @@ TORCH_LIBRARY_IMPL(perfxlm, CPU, m) {
   m.impl("dequantize_q", &perfxlm_quant::dequantize_q);
   m.impl("linear_q_rows8", &perfxlm_rows8::linear);
   m.impl("linear_q_rows8_k", &perfxlm_rows8k::linear);
+  m.impl("linear_q_rows8_m", &perfxlm_rows8m::linear);
 }

@@ -26,7 +26,9 @@ namespace perfxlm_quant {
 // centred Q8_0 / Q4_0 codes), whose products always round x to int8 blocks (int8_blocks is not read) and
 // which need out_features (N: the groups' padding rows are not outputs); 2 K-quant row groups of 8
 // (row_groups_k.h: Q4_K / Q5_K / Q6_K codes [ceil(N / 8), K / 32, 8 B], the uint8 params in scales
-// [ceil(N / 8), K / 256, P], no mins), whose GEMV runs every row count (no GEMM reads them yet).
+// [ceil(N / 8), K / 256, P], no mins), whose GEMV runs every row count (no GEMM reads them yet); 3 affine
+// row groups of 8 (row_groups_m.h: Q4_1's codes and scales as layout 1's 4-bit ones, the float16 mins shaped
+// as the scales), chosen as layout 1's are.
 at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                     const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& levels, const c10::optional<at::Tensor>& bias, bool act_int8,
                     int64_t max_rows, bool bf16_gemm, bool int8_blocks = false, int64_t block_max_rows = -1,

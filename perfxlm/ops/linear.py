@@ -127,7 +127,7 @@ def run_linear_q(
     plan = cpu_plan.plan()
     if weight.layout is not CodeLayout.PLAIN:  # the kernel picks GEMV or int8 GEMM (always int8 blocks)
         y = ops.linear_q(  # type: ignore[attr-defined]
-            rows, weight.codes, weight.scales, None, None, b, False, plan.quant_max_rows,
+            rows, weight.codes, weight.scales, weight.mins, None, b, False, plan.quant_max_rows,
             plan.gemm == "bf16" and bf16_gemm, True, plan.quant_block_max_rows,
             plan.quant_gemm_rows if plan.quant_gemm == "int8" else -1, weight.layout.value.native,
             weight.out_features,

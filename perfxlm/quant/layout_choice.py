@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from perfxlm.quant.layouts import CodeLayout
+from perfxlm.quant.layouts import CodeLayout, members
 from perfxlm.quant.weight import ActivationMode, QuantizedWeight
 
 
@@ -40,7 +40,7 @@ def chosen_layout(w: QuantizedWeight, layouts: list[CodeLayout]) -> QuantizedWei
     """`w` in the first of `layouts` that takes it (past PLAIN: int8-block products only), else as it is."""
     if w.layout is not CodeLayout.PLAIN or w.activations is ActivationMode.FLOAT:
         return w
-    for layout in layouts:
-        if layout is not CodeLayout.PLAIN and layout.value.takes(w):
-            return w.in_layout(layout)
+    for member in (m for layout in layouts for m in members(layout)):
+        if member is not CodeLayout.PLAIN and member.value.takes(w):
+            return w.in_layout(member)
     return w

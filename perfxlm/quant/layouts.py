@@ -5,6 +5,9 @@ object that says its shapes, which weights it takes, and how to move a weight's 
   what every transform of a weight reads: fusing rows, splits, widening, export).
 - ROWS8: row groups (`perfxlm.quant.row_groups`, csrc/row_groups.h): 8 rows' blocks together for the
   int8-dot GEMV, chosen once at load by the CPU plan (`row_groups`) for the weights it takes.
+- ROWS8_M: row groups of affine 4-bit codes (GGUF Q4_1: a float16 scale and min per 32), `mins` in the
+  same groups as the scales (`perfxlm.quant.row_groups.pack_params`); the plan's ROWS8 stands for it on
+  such weights (`members`).
 - ROWS8_K: K-quant row groups (`perfxlm.quant.row_groups_k`, csrc/row_groups_k.h): Q4_K / Q5_K / Q6_K
   matrices, the params bytes held in `scales` (uint8 [groups, K / 256, P]), `mins` None. Only a GEMV
   reads it (no GEMM yet), so the plan gives it to the weights that take few rows (`row_groups_k`).
@@ -56,10 +59,18 @@ class Layout:
         """`w`'s (codes, scales, mins), held in this layout, in the plain one."""
         return w.codes, w.scales, w.mins
 
+    def pack_mins(self, w: "QuantizedWeight") -> torch.Tensor | None:
+        """Plain `w`'s mins in this layout (None: the layout holds no mins)."""
+        return None
+
+    def mins_shape(self, w: "QuantizedWeight") -> tuple[int, ...] | None:
+        """The mins' shape `w` must have in this layout (None: no mins)."""
+        return None
+
     def holds(self, w: "QuantizedWeight") -> bool:
         """Whether `w`'s fields past the shapes (scales dtype, bits, in_features) fit this layout's form;
-        QuantizedWeight's check asks it for every layout past PLAIN (uint8 codes, no mins, table or
-        input order, it checks itself)."""
+        QuantizedWeight's check asks it for every layout past PLAIN (uint8 codes, the mins' shape
+        (`mins_shape`), no table or input order, it checks itself)."""
         return True
 
     def narrow_rows(self, w: "QuantizedWeight", start: int, length: int) -> "QuantizedWeight":
@@ -83,7 +94,8 @@ class GroupsOf8(Layout):
             raise ValueError(f"rows [{start}, {end}) of a row-group weight: whole groups of {rows} only "
                              "(call plain() first)")
         g0, g1 = start // rows, -(-end // rows)
-        return w._like(w.codes[g0:g1], w.scales[g0:g1], None, out_features=length)
+        mins = None if w.mins is None else w.mins[g0:g1]
+        return w._like(w.codes[g0:g1], w.scales[g0:g1], mins, out_features=length)
 
 
 @dataclass(frozen=True)
@@ -146,10 +158,38 @@ class RowGroupsK(GroupsOf8):
         return some.plain().index_rows(at * 8 + index % 8)
 
 
+@dataclass(frozen=True)
+class RowGroupsAffine(RowGroups):
+    """Row groups of affine 4-bit codes (GGUF Q4_1): codes and scales as ROWS8's 4-bit ones, the float16
+    mins [G, K / 32, 8] beside the scales (row_groups.py, csrc/row_groups_m.h); matrices only."""
+
+    def takes(self, w: "QuantizedWeight") -> bool:
+        return row_groups.takes_affine(w)
+
+    def pack_mins(self, w: "QuantizedWeight") -> torch.Tensor:
+        return row_groups.pack_params(w.mins)
+
+    def mins_shape(self, w: "QuantizedWeight") -> tuple[int, ...]:
+        return self.shapes(w)[1]
+
+    def unpack(self, w: "QuantizedWeight") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        codes, scales = row_groups.unpack(w.codes, w.scales, w.bits, w.out_features)
+        return codes, scales, row_groups.unpack_params(w.mins, w.out_features)
+
+    def holds(self, w: "QuantizedWeight") -> bool:
+        return w.scales.dtype == torch.float16 and w.mins is not None and w.mins.dtype == torch.float16 and w.bits == 4
+
+    def index_rows(self, w: "QuantizedWeight", index: torch.Tensor) -> "QuantizedWeight":
+        plain = RowGroups.index_rows(self, w, index)
+        g, r = torch.div(index, 8, rounding_mode="floor"), index % 8
+        return plain._like(plain.codes, plain.scales, w.mins[g, :, r])
+
+
 class CodeLayout(enum.Enum):
     PLAIN = Layout("plain", 0)
     ROWS8 = RowGroups("rows8", 1)
     ROWS8_K = RowGroupsK("rows8_k", 2)
+    ROWS8_M = RowGroupsAffine("rows8_m", 3)
 
     def __str__(self) -> str:
         return self.value.name
@@ -161,6 +201,12 @@ def named(name: str) -> CodeLayout:
         if layout.value.name == name:
             return layout
     raise ValueError(f"no code layout {name!r}; known: {', '.join(str(x) for x in CodeLayout)}")
+
+
+def members(layout: CodeLayout) -> tuple[CodeLayout, ...]:
+    """The layouts `layout` stands for where a plan names it: row groups of 8 (ROWS8) are ROWS8 for centred
+    codes and ROWS8_M for affine ones (one switch, PERFXLM_ROW_INTERLEAVE, for both); any other itself."""
+    return (CodeLayout.ROWS8, CodeLayout.ROWS8_M) if layout is CodeLayout.ROWS8 else (layout,)
 
 
 def for_plan(row_groups: int) -> CodeLayout:

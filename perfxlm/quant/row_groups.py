@@ -11,6 +11,10 @@ For a `QuantizedWeight` of centred 8- or 4-bit codes with a float16 scale per 32
 is `perfxlm.quant.reference.block_reference_linear` (the plain layout's, on activations rounded to int8
 blocks).
 
+Affine 4-bit codes (GGUF Q4_1: value = scale x u + min, u in 0..15; `takes_affine`) take the same codes and
+scales, and their float16 mins [G, K / 32, 8] as the scales are (`pack_params`): `CodeLayout.ROWS8_M`, the
+`linear_q` layout 3 (csrc/row_groups_m.h).
+
 A `QuantizedWeight` holds it as `CodeLayout.ROWS8` (perfxlm/quant/layouts.py; `w.in_row_groups()`,
 `w.plain()`), chosen at load by the CPU plan's `row_groups` (`layout_choice.choose_layouts`).
 Its products always round the activations to int8 blocks of 32 (the kernel's scheme on every build), so
@@ -38,6 +42,28 @@ def takes(w: "QuantizedWeight") -> bool:
             and w.in_features % BLOCK == 0)  # fmt: skip
 
 
+def takes_affine(w: "QuantizedWeight") -> bool:
+    """Whether `w` has the affine row-group form: one 2-D matrix of 4-bit codes with a float16 scale and min
+    per 32 (GGUF Q4_1, asymmetric int4 at group 32), no table, columns in order."""
+    return (w.codes.dim() == 2 and w.bits == 4 and w.group == BLOCK and w.mins is not None and w.levels is None
+            and w.scales.dtype == torch.float16 and w.mins.dtype == torch.float16 and w.input_order is None
+            and w.act == "float" and w.in_features % BLOCK == 0)  # fmt: skip
+
+
+def pack_params(params: torch.Tensor) -> torch.Tensor:
+    """Plain per-block params [N, K / 32] (scales or mins) -> [G, K / 32, 8], the padding rows zero."""
+    n, blocks = params.shape
+    groups = -(-n // ROWS)
+    p = torch.nn.functional.pad(params, (0, 0, 0, groups * ROWS - n))
+    return p.view(groups, ROWS, blocks).permute(0, 2, 1).contiguous()
+
+
+def unpack_params(params8: torch.Tensor, n: int) -> torch.Tensor:
+    """pack_params' inverse: the first `n` rows' params [n, K / 32]."""
+    groups, blocks, _ = params8.shape
+    return params8.permute(0, 2, 1).reshape(groups * ROWS, blocks)[:n].contiguous()
+
+
 def _block_bytes(bits: int) -> int:
     return BLOCK if bits == 8 else BLOCK // 2
 
@@ -50,11 +76,9 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, bits: int) -> tuple[torch.Te
     groups = -(-n // ROWS)
     pad = groups * ROWS - n
     c = torch.nn.functional.pad(codes.reshape(n, blocks * b), (0, 0, 0, pad))
-    s = torch.nn.functional.pad(scales, (0, 0, 0, pad))
     # [G, row, block, quad, 4] -> [G, block, quad, row, 4]
     c = c.view(groups, ROWS, blocks, b // 4, 4).permute(0, 2, 3, 1, 4).reshape(groups, blocks, ROWS * b)
-    s = s.view(groups, ROWS, blocks).permute(0, 2, 1).contiguous()
-    return c.contiguous(), s
+    return c.contiguous(), pack_params(scales)
 
 
 def unpack(codes8: torch.Tensor, scales8: torch.Tensor, bits: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,5 +86,4 @@ def unpack(codes8: torch.Tensor, scales8: torch.Tensor, bits: int, n: int) -> tu
     groups, blocks, _ = codes8.shape
     b = _block_bytes(bits)
     c = codes8.view(groups, blocks, b // 4, ROWS, 4).permute(0, 3, 1, 2, 4).reshape(groups * ROWS, blocks * b)
-    s = scales8.permute(0, 2, 1).reshape(groups * ROWS, blocks)
-    return c[:n].contiguous(), s[:n].contiguous()
+    return c[:n].contiguous(), unpack_params(scales8, n)

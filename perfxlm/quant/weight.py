@@ -36,7 +36,7 @@ still have its activations rounded to int8 blocks at run time, as llama.cpp does
 Stacks carry a leading expert dimension on codes, scales and mins; `w[e]` is one expert's weight.
 
 `layout` (a `perfxlm.quant.layouts.CodeLayout`) says how codes and scales sit in memory: PLAIN as above,
-or ROWS8 / ROWS8_K (row groups: perfxlm/quant/row_groups.py, row_groups_k.py) for the int8-dot GEMVs,
+or ROWS8 / ROWS8_M / ROWS8_K (row groups: perfxlm/quant/row_groups.py, row_groups_k.py) for the int8-dot GEMVs,
 chosen at load. `plain()` gives
 the same weight in the plain layout; methods that take only that layout say so (ValueError) rather than
 read row groups as rows.
@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from perfxlm.quant import super_scales
-from perfxlm.quant.layouts import CodeLayout
+from perfxlm.quant.layouts import CodeLayout, members
 from perfxlm.quant.code_layout import (  # noqa: F401  (the layout's names, as callers import them from here)
     BLOCK4, pack_codes, pack_fives, pack_nibbles, pack_sixes, unpack_fives, unpack_nibbles, unpack_sixes)
 
@@ -181,12 +181,13 @@ class QuantizedWeight:
         (`Layout.holds`: scales dtype, bits, in_features)."""
         want = self.layout.value.shapes(self)
         got = (tuple(self.codes.shape), tuple(self.scales.shape))
+        mins = None if self.mins is None else tuple(self.mins.shape)
         if (self.codes.dtype != torch.uint8 or got != want or not self.layout.value.holds(self)
-                or self.mins is not None or self.levels is not None or self.input_order is not None
-                or self.act != "float"):  # fmt: skip
+                or mins != self.layout.value.mins_shape(self) or self.levels is not None
+                or self.input_order is not None or self.act != "float"):  # fmt: skip
             raise ValueError(f"QuantizedWeight: {self.layout} layout wants uint8 codes and scales {want} in its "
-                             f"form ({self.bits}-bit codes, {self.scales.dtype} scales), no mins, table or input "
-                             f"order; got {got}.")
+                             f"form ({self.bits}-bit codes, {self.scales.dtype} scales), mins "
+                             f"{self.layout.value.mins_shape(self)}, no table or input order; got {got}, mins {mins}.")
         self._finish()
         if self.activations is ActivationMode.FLOAT:
             raise ValueError(f"QuantizedWeight: the {self.layout} layout's products round activations to int8 "
@@ -207,10 +208,12 @@ class QuantizedWeight:
         if not layout.value.takes(w):
             raise ValueError(f"the {layout} layout does not take {w!r}")
         codes, scales = layout.value.pack(w)
-        return w._like(codes, scales, None, layout=layout, out_features=w.out_features)
+        return w._like(codes, scales, layout.value.pack_mins(w), layout=layout, out_features=w.out_features)
 
     def in_row_groups(self) -> "QuantizedWeight":
-        return self.in_layout(CodeLayout.ROWS8)
+        """In row groups of 8: ROWS8 for centred codes, ROWS8_M for affine ones (Q4_1)."""
+        w = self.plain()
+        return self.in_layout(next((m for m in members(CodeLayout.ROWS8) if m.value.takes(w)), CodeLayout.ROWS8))
 
     def plain(self) -> "QuantizedWeight":
         """The same weight in the plain layout (self where it is)."""
