@@ -8,7 +8,8 @@ CPU time (over the threads) is the steadier figure.
     python benchmarks/row_groups_decode.py --gguf ~/.cache/perfxlm/compare/<file>.q8_0.gguf
     python benchmarks/row_groups_decode.py --gguf <file with a K-quant head> --knob head_k
 
-`--knob head_k` compares the K-quant head's layouts alone (PERFXLM_ROW_GROUPS_K=off / head, row groups on).
+`--knob head_k` compares the K-quant head's layouts alone (PERFXLM_ROW_GROUPS_K=off / head, row groups on),
+`--knob all_k` every K-quant matrix's (PERFXLM_ROW_GROUPS_K=off / all, row groups on).
 """
 
 from __future__ import annotations
@@ -31,14 +32,14 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--knob", choices=("interleave", "head_k"), default="interleave")
+    ap.add_argument("--knob", choices=("interleave", "head_k", "all_k"), default="interleave")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     engines = {}
     for value in (0, 8):
         os.environ["PERFXLM_ROW_INTERLEAVE"] = str(value if args.knob == "interleave" else 8)
-        if args.knob == "head_k":
-            os.environ["PERFXLM_ROW_GROUPS_K"] = "head" if value else "off"
+        if args.knob != "interleave":
+            os.environ["PERFXLM_ROW_GROUPS_K"] = (args.knob[:-2] if value else "off")
         cpu_plan.reset()
         engines[value] = LLM(args.gguf, kv_cache_gib=0.25, enable_prefix_caching=False)
         print(value, cpu_plan.plan().describe(), flush=True)
@@ -59,7 +60,8 @@ def main() -> None:
                 wall[value].append(args.new / (times[0][0] - times[1][0]))
                 cpu[value].append(args.new / (times[0][1] - times[1][1]))
     for value in (0, 8):
-        name = f"PERFXLM_ROW_INTERLEAVE={value}" if args.knob == "interleave" else f"K head {'head' if value else 'off'}"
+        name = (f"PERFXLM_ROW_INTERLEAVE={value}" if args.knob == "interleave"
+                else f"PERFXLM_ROW_GROUPS_K={args.knob[:-2] if value else 'off'}")
         print(f"{name}: decode {statistics.median(wall[value]):.1f} tok/s wall (loaded), "
               f"{statistics.median(cpu[value]):.1f} tok/s per CPU-second", flush=True)
     print(f"ratio 8/0: wall {statistics.median(wall[8]) / statistics.median(wall[0]):.3f}, "

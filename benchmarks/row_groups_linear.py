@@ -8,6 +8,7 @@ copies (--stream-mb) that each call streams them from memory, as a decode step d
 
     python benchmarks/row_groups_linear.py --rows 1 4 8 16 512
     python benchmarks/row_groups_linear.py --types q6_k --shapes head2048 --rows 1 4 64
+    python benchmarks/row_groups_linear.py --types q4_k q6_k --shapes down qkv1b down1b --rows 1 8 16 64
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from perfxlm.quant.weight import ActivationMode
 
 # SmolLM2-135M: q|k|v, o, gate|up, down, the tied head
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576),
-          "head2048": (49152, 2048)}
+          "head2048": (49152, 2048),
+          # Llama-3.2-1B's q|k|v, gate|up and down (K-quants need inputs in whole 256s)
+          "qkv1b": (3072, 2048), "gate_up1b": (16384, 2048), "down1b": (2048, 8192)}
 Q = gguf.GGMLQuantizationType
 TYPES = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_k": Q.Q4_K, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K}
 F16_AT = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # the blocks' float16 factors (d, dmin)

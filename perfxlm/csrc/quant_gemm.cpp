@@ -124,6 +124,12 @@ struct Weight {
   // rows are already [quad][row][4 bytes], the panels' own order for 8 columns, so they are copied, not
   // transposed (repack_group).
   bool rows8 = false;
+  // K-quant row groups (row_groups_k.h: codes [ceil(N / 8), K / 32, 8 B], params [.., K / 256, P] bytes):
+  // a block's nibbles are [quad][row][4 bytes] like Q4_0's groups, its upper bits in words beside them, and
+  // a super-block's sub-scales (and sub-mins) [sub-block][row] with the 8 rows' float16 factors after
+  // them, so the panels are built from them directly (repack_group_k) with the plain layout's values.
+  bool rows8_k = false;
+  int64_t param_bytes = 0;  // P: bytes per group and super-block
 };
 
 inline float half_float(uint16_t h) {
@@ -282,6 +288,60 @@ inline __m256 group_scales(const Weight& w, int64_t n, int64_t b, const void* ta
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
 }
 
+// Block b of the K-quant row group holding columns [n, n + 8) as the panels' 8 quads q[0..7] of unsigned
+// codes: each nibble quad's low nibbles codes 4q.. of its rows, its high ones 16 + 4q.. (quad q + 4);
+// Q5_K's word holds code 4q + j's fifth bit at bit q of byte 4 r + j (16 + 4q + j's at bit 4 + q), Q6_K's
+// two words (codes 0-15, 16-31) bits 4-5 of code 16 h + 4q + j at bits 2q, 2q + 1: the same u each
+// plain block_register forms, so the panels' bytes are the plain layout's.
+inline void group_quads_k(const Weight& w, int64_t n, int64_t b, __m256i (&q)[8]) {
+  const int64_t per = w.bits == 4 ? 16 : w.bits == 5 ? 20 : 24;
+  const uint8_t* blk = w.codes + ((n / 8) * (w.K / 32) + b) * 8 * per;
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  for (int i = 0; i < 4; ++i) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * i));
+    q[i] = _mm256_and_si256(raw, mask);
+    q[i + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+  }
+  if (w.bits == 5) {
+    const __m256i word = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128));
+    const __m256i one = _mm256_set1_epi8(1);
+    for (int i = 0; i < 8; ++i)  // bit i of each byte, moved to bit 4 (16-bit shifts: the masks keep bytes apart)
+      q[i] = _mm256_or_si256(q[i], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(word, i), one), 4));
+  } else if (w.bits == 6) {
+    const __m256i three = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i word = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+      for (int i = 0; i < 4; ++i)
+        q[4 * h + i] = _mm256_or_si256(
+            q[4 * h + i], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(word, 2 * i), three), 4));
+    }
+  }
+}
+
+// The scales (and mins, negated) of the K-quant row group holding columns [c, c + 8), for the panels'
+// columns c - n0..: sub-byte x float16 factor in float32 per unit (Weight::unit), as params8 forms them
+// from the plain rows (exact: 8 by 11 bits). Q4_K / Q5_K params per super-block: sub-scales [8][8 rows],
+// sub-mins alike, d and dmin float16 [8 rows]; Q6_K: int8 sub-scales [16][8 rows], d [8 rows].
+void group_params_k(const Weight& w, int64_t c, int64_t col, Panels& p) {
+  const int64_t supers = w.K / 256, units = 256 / w.unit;  // units per super-block: 8 (32s) or 16 (16s)
+  for (int64_t s = 0; s < supers; ++s) {
+    const uint8_t* par = static_cast<const uint8_t*>(w.scales) + ((c / 8) * supers + s) * w.param_bytes;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(par + units * 8 * (w.mins ? 2 : 1))));
+    for (int64_t i = 0; i < units; ++i) {
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(par + 8 * i));
+      const __m256i sub = w.bits == 6 ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+      _mm256_storeu_ps(p.scales.data() + (s * units + i) * kCols + col, _mm256_mul_ps(_mm256_cvtepi32_ps(sub), d));
+    }
+    if (!w.mins) continue;
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(par + 144)));
+    const __m256 neg = _mm256_xor_ps(dmin, _mm256_set1_ps(-0.f));  // -dmin, as params8 negates it
+    for (int64_t i = 0; i < 8; ++i) {
+      const __m256i sub = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(par + 64 + 8 * i)));
+      _mm256_storeu_ps(p.mins.data() + (s * 8 + i) * kCols + col, _mm256_mul_ps(_mm256_cvtepi32_ps(sub), neg));
+    }
+  }
+}
+
 void repack(const Weight& w, int64_t n0, Panels& p, bool wide) {
   const int64_t blocks = w.K / 32;
   p.codes.resize(static_cast<size_t>(w.K * kCols * (wide ? 2 : 1)));
@@ -302,6 +362,12 @@ void repack(const Weight& w, int64_t n0, Panels& p, bool wide) {
     for (int64_t b = 0; b < blocks; ++b) {
       for (const uint8_t* e = std::min(next + ahead, next_end); next < e; next += 64) _mm_prefetch(reinterpret_cast<const char*>(next), _MM_HINT_T1);
       __m256i r[8];
+      if (w.rows8_k && live > 0) {  // K groups: bytes, never wide (no 8-bit codes); params after the blocks
+        group_quads_k(w, n0 + c0, b, r);
+        uint8_t* dst = p.codes.data() + (b * 8 * kCols + c0) * 4;
+        for (int q = 0; q < 8; ++q) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + q * kCols * 4), r[q]);
+        continue;
+      }
       if (w.rows8 && live > 0) {  // the group's rows past N are zeros with scale 0
         group_quads(w, n0 + c0, b, r);
         _mm256_storeu_ps(p.scales.data() + b * kCols + c0, group_scales(w, n0 + c0, b, w.scales));
@@ -335,6 +401,10 @@ void repack(const Weight& w, int64_t n0, Panels& p, bool wide) {
       }
     }
     if (w.rows8) continue;  // scales (and affine groups' mins) written per block above
+    if (w.rows8_k) {  // the group's rows past N have zero params: scale and min 0, as the plain columns' past N
+      if (live > 0) group_params_k(w, n0 + c0, c0, p);
+      continue;
+    }
     spread(w, w.scales, false, n0, c0, live, p.scales.data());
     if (w.mins) spread(w, w.mins, true, n0, c0, live, p.mins.data());
   }
@@ -694,6 +764,33 @@ Weight describe_rows8(const at::Tensor& codes, const at::Tensor& scales, const c
   return w;
 }
 
+// K-quant row groups (see Weight::rows8_k): codes [ceil(N / 8), K / 32, 8 B] (B = 16, 20, 24 for Q4_K,
+// Q5_K, Q6_K), params uint8 [ceil(N / 8), K / 256, P]; the plain form's centre, unit and mins (Q4_K / Q5_K
+// carry mins: `mins` points at the params only to select the tiles that add them).
+Weight describe_rows8_k(const at::Tensor& codes, const at::Tensor& params, const c10::optional<at::Tensor>& mins,
+                        const c10::optional<at::Tensor>& levels, int64_t K, int64_t N) {
+  TORCH_CHECK(!(mins.has_value() && mins->defined()) && !(levels.has_value() && levels->defined()),
+              "quant_block_gemm: K-quant row groups hold their params in scales (no mins, no table)");
+  TORCH_CHECK(K % 256 == 0 && K > 0 && N > 0, "quant_block_gemm: K-quant row groups need K a positive multiple of 256, N > 0");
+  const int64_t groups = (N + 7) / 8, blocks = K / 32;
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(0) == groups &&
+                  codes.size(1) == blocks && codes.size(2) % 8 == 0,
+              "quant_block_gemm: K-quant row-group codes must be contiguous uint8 [ceil(N / 8), K / 32, 8 B]");
+  const int64_t per = codes.size(2) / 8;
+  const int bits = per == 16 ? 4 : per == 20 ? 5 : per == 24 ? 6 : 0;
+  TORCH_CHECK(bits, "quant_block_gemm: K-quant row groups hold 16, 20 or 24 bytes per row and block, got ", per);
+  const int64_t pb = bits == 6 ? 144 : 160;
+  TORCH_CHECK(params.scalar_type() == at::kByte && params.is_contiguous() && params.dim() == 3 &&
+                  params.size(0) == groups && params.size(1) == K / 256 && params.size(2) == pb,
+              "quant_block_gemm: K-quant row-group params must be contiguous uint8 [ceil(N / 8), K / 256, ", pb, "]");
+  Weight w{codes.data_ptr<uint8_t>(), N, K, blocks * per, bits == 6 ? 16 : 32, K / (bits == 6 ? 16 : 32), bits,
+           params.data_ptr(), bits == 6 ? nullptr : params.data_ptr(), false, bits == 6 ? 32 : 0, false, {}, 0,
+           bits == 6 ? 16 : 32};
+  w.rows8_k = true;
+  w.param_bytes = pb;
+  return w;
+}
+
 Weight describe(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                 const c10::optional<at::Tensor>& levels, int64_t K) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
@@ -762,11 +859,12 @@ at::Tensor quant_block_gemm(const at::Tensor& x, const at::Tensor& codes, const 
                             const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& levels,
                             const c10::optional<at::Tensor>& bias, int64_t layout, int64_t out_features) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "quant_block_gemm: x must be 2-D float32");
-  TORCH_CHECK(layout == 0 || layout == 1 || layout == 3, "quant_block_gemm: layout ", layout,
-              " (0 plain, 1 row groups of 8, 3 affine row groups of 8)");
+  TORCH_CHECK(layout >= 0 && layout <= 3, "quant_block_gemm: layout ", layout,
+              " (0 plain, 1 row groups of 8, 2 K-quant row groups of 8, 3 affine row groups of 8)");
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
   const Weight w = layout == 1 || layout == 3 ? describe_rows8(codes, scales, mins, levels, K, out_features, layout == 3)
+                   : layout == 2              ? describe_rows8_k(codes, scales, mins, levels, K, out_features)
                                               : describe(codes, scales, mins, levels, K);
   at::Tensor bc;
   if (bias.has_value() && bias->defined()) {

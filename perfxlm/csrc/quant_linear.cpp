@@ -1299,6 +1299,14 @@ void check_rows8_k(const at::Tensor& codes, const c10::optional<at::Tensor>& min
               "linear_q: row groups need out_features (", out_features, ") filling ", codes.size(0), " groups of 8");
 }
 
+// Whether linear_q runs K-quant row groups (4-, 5- or 6-bit codes: the GEMV's block row limit) on the int8
+// GEMM: from gemm_rows rows (0: past the GEMV's limit) where the plan asks for it (gemm_rows >= 0) and the
+// build has one.
+bool rows8_k_gemm(int64_t M, int64_t K, int64_t N, int64_t max_rows, int64_t block_max_rows, int64_t gemm_rows) {
+  if (gemm_rows < 0 || perfxlm_qgemm::quant_block_gemm_max_code() < 63) return false;
+  return M >= (gemm_rows > 0 ? gemm_rows : gemv_limit(true, N, K, max_rows, block_max_rows) + 1);
+}
+
 }  // namespace
 
 at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
@@ -1313,11 +1321,13 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tens
     check_rows8(codes, mins, levels, act_int8, out_features);
     return rows8_product(xc, codes, scales, bias, max_rows, bf16_gemm, block_max_rows, gemm_rows, out_features);
   }
-  // K-quant row groups: their GEMV at every row count (no GEMM reads them yet; the plan gives the layout to
-  // weights that take few rows, the LM head, whose many-row calls are prompt logprobs), so a row's result
-  // never depends on its step's row count
+  // K-quant row groups: their GEMV, and from the int8 GEMM's first row (the plain K-quants' rule in
+  // perfxlm/ops/linear.py) the GEMM, which builds its panels from the groups with the plain layout's bits;
+  // without a GEMM (the scalar build, a float32 plan) the GEMV at every row count
   if (layout == 2) {
     check_rows8_k(codes, mins, levels, act_int8, out_features);
+    if (rows8_k_gemm(xc.size(0), xc.size(1), out_features, max_rows, block_max_rows, gemm_rows))
+      return perfxlm_qgemm::quant_block_gemm(xc, codes, scales, c10::nullopt, c10::nullopt, bias, 2, out_features);
     return perfxlm_rows8k::linear(xc, codes, scales, perfxlm_rows8k::bits_of(codes), out_features, bias);
   }
   if (layout == 3) {
@@ -1404,9 +1414,10 @@ RangeProduct linear_q_ranges(const at::Tensor& x, const at::Tensor& codes, const
       perfxlm_rows8m::groups_into(*p, n0 / 8, (n1 + 7) / 8, y, N, bp);
     };
   }
-  if (layout == 2) {  // linear_q's: the K-quant GEMV over any rows, whole groups of 8 outputs
+  if (layout == 2) {  // linear_q's: the K-quant GEMV where it runs it, whole groups of 8 outputs
     check_rows8_k(codes, mins, levels, act_int8, out_features);
     const int64_t N = out_features;
+    if (rows8_k_gemm(M, K, N, max_rows, block_max_rows, gemm_rows)) return {};
     at::Tensor bc;
     const float* bp = float_bias(bias, N, bc);
     auto p = std::make_shared<perfxlm_rows8k::Product>(

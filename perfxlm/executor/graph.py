@@ -16,7 +16,7 @@ from perfxlm.lora.slots import LoRASlots
 from perfxlm.model.graph.kernels import AS_STORED, HeldAs
 from perfxlm.model.graph.lora import wrap_graph
 from perfxlm.ops import cpu_plan
-from perfxlm.quant.layouts import for_plan
+from perfxlm.quant.layouts import all_for_plan
 from perfxlm.model.graph.model import GraphModel
 from perfxlm.worker.model_runner import ModelRunner
 
@@ -68,5 +68,6 @@ def held_as(config: Any) -> HeldAs:
     for note in run_notes(recorded, EngineChoices.of(config)):
         logger.warning("%s: %s.", config.model, note)
     # the module path's code layouts too (a tied head's few-row layout is the module path's alone: a graph's
-    # head node does not say it is one, so a K-quant head stays plain here)
-    return HeldAs(config.weight_dtype, config.quant_activation_mode, for_plan(cpu_plan.plan().row_groups))
+    # head node does not say it is one, so under row_groups_k "head" a K-quant head stays plain here)
+    plan = cpu_plan.plan()
+    return HeldAs(config.weight_dtype, config.quant_activation_mode, all_for_plan(plan.row_groups, plan.row_groups_k))

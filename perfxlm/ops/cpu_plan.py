@@ -85,13 +85,13 @@ int8 dots, keeps int8 and nf4 weight-only, w8a8 always rounds), decided once at 
                                   Chosen at load (`perfxlm.quant.layout_choice.choose_layouts`); expert stacks
                                   keep rows
 
-- PERFXLM_ROW_GROUPS_K = head | off  which Q4_K / Q5_K / Q6_K matrices (with int8 activation blocks) take
-                                  K-quant row groups (perfxlm/quant/row_groups_k.py): "head" the LM head
-                                  only (Q6_K heads 2.2-2.9x per batch-1 call, loaded Zen 4), the one
-                                  weight whose steps reach it with few rows (the last of each sequence;
-                                  prompt logprobs run the same GEMV over every row), since nothing reads
-                                  K row groups as a many-row GEMM yet; "off" keeps rows. Default "head"
-                                  where row_groups is 8, else "off"
+- PERFXLM_ROW_GROUPS_K = all | head | off  which Q4_K / Q5_K / Q6_K matrices (with int8 activation
+                                  blocks) take K-quant row groups (perfxlm/quant/row_groups_k.py): "all"
+                                  every one (their GEMV at few rows, the int8 GEMM reading the groups
+                                  with the plain layout's bits from its first row), "head" the LM head
+                                  only (the layout's first use: Q6_K heads 2.2-2.9x per batch-1 call,
+                                  loaded Zen 4), "off" keeps rows. Default "all" where row_groups is 8,
+                                  else "off"
 
 The instruction-set tier (perfxlm.ops.isa: PERFXLM_ISA=auto | scalar | avx2 | avx_vnni | avx512 |
 avx512_vnni | avx512_bf16 | amx) decides the native build and the flags every choice above sees.
@@ -110,7 +110,7 @@ QUANT_GEMMS = ("int8", "float32")
 COMPUTES = ("float32", "bfloat16")
 DOT_WIDTHS = ("256", "512")
 ROW_INTERLEAVES = ("0", "8")
-ROW_GROUPS_K = ("head", "off")
+ROW_GROUPS_K = ("all", "head", "off")
 # Measured with 2 threads on the default model's shapes: AMX's bf16 GEMM overtakes the row kernel past
 # 4 rows; the panel kernel beats MKL's float32 GEMM up to 256 rows on AVX-512 without bf16.
 _AUTO_MAX_ROWS = {("rows", "bf16"): 4, ("rows", "float32"): 64, ("panels", "bf16"): 256, ("panels", "float32"): 256}
@@ -134,7 +134,7 @@ class CpuPlan:
     # (0: past their GEMV limit above)
     dot_width: int = 256  # the int8 block GEMV's vector width: 512 (zmm tiles) or 256
     row_groups: int = 0  # Q8_0 / Q4_0 matrices with int8 activation blocks in row groups of 8 (0: rows)
-    row_groups_k: str = "off"  # K-quant row groups for the few-row weights (the LM head): "head" | "off"
+    row_groups_k: str = "off"  # K-quant matrices in row groups: "all" | "head" (the LM head only) | "off"
 
     def describe(self) -> str:
         return (f"isa={self.isa} bf16 layout={self.layout} gemm={self.gemm} native_max_rows={self.native_max_rows} "
@@ -145,7 +145,7 @@ class CpuPlan:
                    if self.quant_gemm == "int8" and self.quant_gemm_rows > 0 else "")
                 + f", int8 dots {self.dot_width}-bit"
                 + (f", row groups of {self.row_groups}" if self.row_groups else ", code rows plain")
-                + (", K-quant head in row groups" if self.row_groups_k == "head" else ""))
+                + {"all": ", K-quants in row groups", "head": ", K-quant head in row groups"}.get(self.row_groups_k, ""))
 
 
 def _choice(name: str, allowed: tuple[str, ...], default: str) -> str:
@@ -190,10 +190,10 @@ def detect() -> CpuPlan:
 def _row_groups() -> tuple[int, str]:
     """(row_groups, row_groups_k): 8 on the SIMD tiers (AVX2 and up: the row-group GEMV's vpdpbusd /
     vpmaddubsw form), 0 on the scalar build; either forcible on any CPU (the scalar build runs row groups
-    in plain C++: correct, slower). K-quants follow it for the LM head unless PERFXLM_ROW_GROUPS_K says."""
+    in plain C++: correct, slower). K-quants follow it (every matrix) unless PERFXLM_ROW_GROUPS_K says."""
     simd = {"avx2", "fma", "f16c"} <= isa.visible_flags()
     groups = int(_choice("PERFXLM_ROW_INTERLEAVE", ROW_INTERLEAVES, "8" if simd else "0"))
-    return groups, _choice("PERFXLM_ROW_GROUPS_K", ROW_GROUPS_K, "head" if groups == 8 else "off")
+    return groups, _choice("PERFXLM_ROW_GROUPS_K", ROW_GROUPS_K, "all" if groups == 8 else "off")
 
 
 def _dot_width() -> int:

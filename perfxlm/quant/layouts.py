@@ -9,8 +9,9 @@ object that says its shapes, which weights it takes, and how to move a weight's 
   same groups as the scales (`perfxlm.quant.row_groups.pack_params`); the plan's ROWS8 stands for it on
   such weights (`members`).
 - ROWS8_K: K-quant row groups (`perfxlm.quant.row_groups_k`, csrc/row_groups_k.h): Q4_K / Q5_K / Q6_K
-  matrices, the params bytes held in `scales` (uint8 [groups, K / 256, P]), `mins` None. Only a GEMV
-  reads it (no GEMM yet), so the plan gives it to the weights that take few rows (`row_groups_k`).
+  matrices, the params bytes held in `scales` (uint8 [groups, K / 256, P]), `mins` None. Their GEMV reads
+  it at few rows and the int8 GEMM builds its panels from it (the plain layout's bits) at many; the plan's
+  `row_groups_k` says which weights take it (every K-quant matrix, or the LM head only).
 
 A layout is a performance choice, never a format: `QuantizedWeight.plain()` gives the same values in the
 PLAIN layout, bytes moved only. The native kernels are told the layout explicitly (`native` below: the
@@ -214,8 +215,14 @@ def for_plan(row_groups: int) -> CodeLayout:
     return CodeLayout.ROWS8 if row_groups == 8 else CodeLayout.PLAIN
 
 
+def all_for_plan(row_groups: int, row_groups_k: str) -> tuple[CodeLayout, ...]:
+    """The layouts the CPU plan gives every quantized matrix, the first that takes a weight winning (they
+    take disjoint formats): `row_groups`' (Q8_0 / Q4_0), and ROWS8_K where `row_groups_k` is "all"."""
+    return (for_plan(row_groups), *((CodeLayout.ROWS8_K,) if row_groups_k == "all" else ()))
+
+
 def few_rows_for_plan(row_groups_k: str) -> CodeLayout:
-    """The layout the CPU plan's `row_groups_k` ("head" | "off") gives weights that take few rows (the LM
-    head): ROWS8_K (its GEMV serves every row count: no K-quant GEMM reads the groups yet), else PLAIN."""
-    return CodeLayout.ROWS8_K if row_groups_k == "head" else CodeLayout.PLAIN
+    """The layout the CPU plan's `row_groups_k` ("all" | "head" | "off") gives weights that take few rows
+    (the LM head): ROWS8_K unless "off", else PLAIN."""
+    return CodeLayout.PLAIN if row_groups_k == "off" else CodeLayout.ROWS8_K
 

@@ -19,7 +19,9 @@ All are the loaded form's bytes moved (4.625, 5.625 and 6.5625 bits per weight, 
 `unpack` are each other's inverses. The product's plain-torch definition is
 `perfxlm.quant.reference.block_reference_linear` (x rounded to int8 blocks of 32, times the plain weight).
 A `QuantizedWeight` holds it as `CodeLayout.ROWS8_K` (perfxlm/quant/layouts.py; codes as above, `scales`
-the params bytes, `mins` None), so this module imports the weight's type for annotations only.
+the params bytes, `mins` None), so this module imports the weight's type for annotations only. Many-row
+products read it through the int8 GEMM (csrc/quant_gemm.cpp, layout 2), whose panels built from the groups
+are the plain layout's bytes.
 """
 
 from __future__ import annotations

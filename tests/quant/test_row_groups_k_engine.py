@@ -1,8 +1,10 @@
-"""K-quant row groups (CodeLayout.ROWS8_K) in the engine: the CPU plan gives them to the LM head only
-(PERFXLM_ROW_INTERLEAVE=8, PERFXLM_ROW_GROUPS_K), here a Q4_K_M file's tied Q6_K table (llama-quantize's
-choice, through llama.cpp's bindings), whose lookups unpack the groups they read. Greedy text is the plain
-layout's (float32 compute, int8 activation blocks), and prompt logprobs, which take every prompt row
-through the head's GEMV, are the plain head's to float rounding."""
+"""K-quant row groups (CodeLayout.ROWS8_K) in the engine, on a Q4_K_M file (llama-quantize's choice,
+through llama.cpp's bindings: Q4_K matrices, Q6_K for layer 0's V and down and the tied table, whose
+lookups unpack the groups they read). The CPU plan (PERFXLM_ROW_INTERLEAVE=8, PERFXLM_ROW_GROUPS_K) gives
+them to the LM head only ("head") or to every K-quant matrix ("all": layer 1's fused QKV, both layers' gate|up,
+o and down; layer 0's QKV fuses Q4_K beside Q6_K, widened to 8-bit codes: plain). Greedy text is the plain
+layout's (float32 compute, int8 activation blocks), a request alone what it is in a batch, and logprobs
+the plain layout's to float rounding (prompt rows through the int8 GEMM: the plain layout's bits there)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import pytest
 
 from perfxlm import LLM, SamplingParams
 from perfxlm.ops import cpu_plan, native
+from perfxlm.quant import row_groups_k
 from perfxlm.quant.layouts import CodeLayout
 from perfxlm.quant.loading import unique_quantized_weights
 from tests.conftest import make_llama_checkpoint
@@ -54,15 +57,16 @@ def _run(llm, prompts):
              [d[t].logprob for d, t in zip(o.prompt_logprobs[1:], p[1:])]) for o, p in zip(outs, prompts)]
 
 
-def test_a_q6_k_head_in_row_groups_gives_the_plain_layouts_text(q4_k_m, interleave):
+def test_a_q6_k_head_in_row_groups_gives_the_plain_layouts_text(q4_k_m, interleave, monkeypatch):
     runs = {}
     for value in (0, 8):
+        monkeypatch.setenv("PERFXLM_ROW_GROUPS_K", "head" if value else "off")
         interleave(value)
         llm = LLM(q4_k_m, skip_tokenizer_init=True, dtype="float32", kv_cache_gib=0.05, quant_activations="int8")
         model = llm.llm_engine.core.model
         head = model.lm_head.weight
         assert head.layout is (CodeLayout.ROWS8_K if value else CodeLayout.PLAIN) and head.bits == 6
-        # the projections' K-quants take many rows: plain until a K-quant GEMM reads the groups
+        # "head": the projections' K-quants stay plain
         assert CodeLayout.ROWS8_K not in {w.layout for w in unique_quantized_weights(model) if w is not head}
         batch = _run(llm, PROMPTS)
         alone = [_run(llm, [p])[0] for p in PROMPTS]
@@ -75,3 +79,33 @@ def test_a_q6_k_head_in_row_groups_gives_the_plain_layouts_text(q4_k_m, interlea
     for (ta, la, pa), (tb, lb, pb) in zip(runs[0], runs[8]):
         assert ta == tb
         assert la == pytest.approx(lb, abs=1e-3) and pa == pytest.approx(pb, abs=1e-3)
+
+
+def test_every_k_matrix_in_row_groups_gives_the_plain_layouts_text(q4_k_m, interleave, monkeypatch):
+    interleave(8)
+    runs = {}
+    for value in ("off", "all"):
+        monkeypatch.setenv("PERFXLM_ROW_GROUPS_K", value)
+        cpu_plan.reset()
+        llm = LLM(q4_k_m, skip_tokenizer_init=True, dtype="float32", kv_cache_gib=0.05, quant_activations="int8")
+        model = llm.llm_engine.core.model
+        k_quants = [w for w in unique_quantized_weights(model) if w.layout is CodeLayout.PLAIN and row_groups_k.takes(w)]
+        layouts = {w.layout for w in unique_quantized_weights(model)}
+        if value == "off":
+            assert CodeLayout.ROWS8_K not in layouts and len(k_quants) >= 6
+        else:  # every K-quant matrix (the tied head's table too); the mixed fused QKV stays plain 8-bit
+            assert not k_quants and model.lm_head.weight.layout is CodeLayout.ROWS8_K
+            assert sum(w.layout is CodeLayout.ROWS8_K for w in unique_quantized_weights(model)) >= 6
+            assert CodeLayout.PLAIN in layouts
+        batch = _run(llm, PROMPTS)
+        alone = [_run(llm, [p])[0] for p in PROMPTS]
+        for (ta, la, pa), (tb, lb, pb) in zip(alone, batch):  # a request alone is what it is in the batch
+            assert ta == tb
+            assert la == pytest.approx(lb, abs=1e-4) and pa == pytest.approx(pb, abs=1e-4)
+        runs[value] = batch
+    # the same text; logprobs to float rounding amplified: each projection's output is the next one's int8
+    # activation blocks, where a float-order difference can move a value across a rounding step (1/127 of
+    # its block's largest), layer after layer (the head alone, above, stays within 1e-3)
+    for (ta, la, pa), (tb, lb, pb) in zip(runs["off"], runs["all"]):
+        assert ta == tb
+        assert la == pytest.approx(lb, abs=5e-2) and pa == pytest.approx(pb, abs=5e-2)

@@ -1,8 +1,9 @@
 """K-quant row groups as a code layout (CodeLayout.ROWS8_K, perfxlm/quant/layouts.py): the weight's round
-trips and refusals, linear_q / its ranges told layout 2 against the plain weight (to float32 rounding; a
-row alone gives the bits it has in a batch, at any row count: the GEMV runs them all), and the plan's rule
-that gives the layout to the few-row weights (the LM head) only. On whichever ISA build runs
-(test_portable_kernels runs the lower tiers)."""
+trips and refusals, linear_q / its ranges told layout 2 against the plain weight (to float32 rounding
+through the GEMV, which a plan without the int8 GEMM runs at every row count, a row alone giving the bits it
+has in a batch; bit for bit through the int8 GEMM from the plan's GEMM row), and the plan's rule that gives
+the layout to every K-quant matrix ("all") or the few-row weights (the LM head) only ("head"). On whichever
+ISA build runs (test_portable_kernels runs the lower tiers)."""
 
 import gguf
 import numpy as np
@@ -10,10 +11,10 @@ import pytest
 import torch
 
 from perfxlm.ops import cpu_plan
-from perfxlm.ops.linear import run_linear_q
+from perfxlm.ops.linear import gemm_max_code, run_linear_q
 from perfxlm.quant.gguf_repack import repack
 from perfxlm.quant.layout_choice import choose_layouts
-from perfxlm.quant.layouts import CodeLayout, few_rows_for_plan
+from perfxlm.quant.layouts import CodeLayout, all_for_plan, few_rows_for_plan
 from perfxlm.quant.reference import block_reference_linear
 from perfxlm.quant.weight import ActivationMode, QuantizedWeight
 from tests.unit.test_row_groups_k import FORMATS, gguf_weight, ops_or_skip
@@ -77,8 +78,8 @@ def test_linear_q_takes_the_layout_at_every_row_count(fmt, n, k, rows):
     w, r = grouped(fmt, n, k, seed=n + rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + k))
     bias = torch.randn(n) if rows % 2 else None
-    previous = cpu_plan.use(quant_max_rows=8, quant_block_max_rows=-1)
-    try:  # past the GEMV's limit too (prompt logprobs through a head): the same kernel
+    previous = cpu_plan.use(quant_max_rows=8, quant_block_max_rows=-1, quant_gemm="float32")
+    try:  # past the GEMV's limit too, where the plan has no int8 GEMM: the same kernel
         got = run_linear_q(ops, x, r, bias, False, True, False)
     finally:
         cpu_plan.use(previous)
@@ -90,6 +91,26 @@ def test_linear_q_takes_the_layout_at_every_row_count(fmt, n, k, rows):
     for m in {0, rows - 1}:  # a row alone: the bits it has in the batch
         alone = ops.linear_q(x[m : m + 1], r.codes, r.scales, None, None, bias, False, 8, False, True, -1, -1, 2, n)
         assert torch.equal(alone[0], got[m])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_many_rows_under_an_int8_plan_give_the_plain_layouts_bits(fmt):
+    # the module path (run_linear_q) from the plan's GEMM row: the int8 GEMM on the groups and on the plain
+    # rows, the same panels; below it the groups' GEMV; a build without the GEMM (scalar) keeps the GEMV
+    ops = ops_or_skip()
+    w, r = grouped(fmt, 45, 768, seed=6)
+    bias = torch.randn(45)
+    previous = cpu_plan.use(quant_max_rows=8, quant_block_max_rows=8, quant_gemm="int8", quant_gemm_rows=16)
+    try:
+        for rows in (15, 16, 40):
+            x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows))
+            got = run_linear_q(ops, x, r, bias, False, True, False)
+            if rows >= 16 and gemm_max_code() >= 63:
+                assert torch.equal(got, run_linear_q(ops, x, w, bias, False, True, False))
+            else:
+                assert torch.equal(got, ops.linear_q_rows8_k(x, r.codes, r.scales, w.bits, 45, bias))
+    finally:
+        cpu_plan.use(previous)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -128,7 +149,7 @@ class _Layer(torch.nn.Module):
         self.weight = weight
 
 
-def test_the_plan_gives_k_row_groups_to_the_few_row_weights_only():
+def test_the_plan_gives_k_row_groups_to_every_k_matrix_or_the_few_row_weights_only():
     head, proj = grouped("q6_k", 24, 256)[0], grouped("q4_k", 16, 256, seed=1)[0]
     raw = np.zeros((16 * 256 // 32, 34), dtype=np.uint8)
     q8 = repack(raw, Q.Q8_0, (16, 256))
@@ -141,11 +162,23 @@ def test_the_plan_gives_k_row_groups_to_the_few_row_weights_only():
     model = torch.nn.ModuleList([_Layer(proj), _Head(head)])
     assert choose_layouts(model, CodeLayout.ROWS8, few_rows_for_plan("off")) == 0
     assert model[1].weight.layout is CodeLayout.PLAIN
+    # "all": every K-quant matrix, beside the Q8_0 / Q4_0 groups (each layout takes its own formats)
+    model = torch.nn.ModuleList([_Layer(head), _Layer(proj), _Layer(q8), _Head(head)])
+    assert all_for_plan(8, "all") == (CodeLayout.ROWS8, CodeLayout.ROWS8_K)
+    assert choose_layouts(model, all_for_plan(8, "all"), few_rows_for_plan("all")) == 3
+    assert [m.weight.layout for m in model] == [CodeLayout.ROWS8_K, CodeLayout.ROWS8_K, CodeLayout.ROWS8,
+                                                CodeLayout.ROWS8_K]
+    assert model[0].weight is model[3].weight
+    model = torch.nn.ModuleList([_Layer(proj), _Layer(q8)])
+    assert choose_layouts(model, all_for_plan(0, "all"), few_rows_for_plan("all")) == 1  # K groups alone
+    assert [m.weight.layout for m in model] == [CodeLayout.ROWS8_K, CodeLayout.PLAIN]
+    assert all_for_plan(8, "head") == (CodeLayout.ROWS8,) and all_for_plan(0, "off") == (CodeLayout.PLAIN,)
 
 
 def test_the_plan_rule_is_forcible(monkeypatch):
     try:
-        for groups, k, want in (("8", None, "head"), ("0", None, "off"), ("8", "off", "off"), ("0", "head", "head")):
+        for groups, k, want in (("8", None, "all"), ("0", None, "off"), ("8", "off", "off"), ("0", "head", "head"),
+                                ("8", "head", "head"), ("0", "all", "all")):
             monkeypatch.setenv("PERFXLM_ROW_INTERLEAVE", groups)
             if k is None:
                 monkeypatch.delenv("PERFXLM_ROW_GROUPS_K", raising=False)
@@ -153,7 +186,7 @@ def test_the_plan_rule_is_forcible(monkeypatch):
                 monkeypatch.setenv("PERFXLM_ROW_GROUPS_K", k)
             cpu_plan.reset()
             assert cpu_plan.plan().row_groups_k == want
-            assert few_rows_for_plan(want) is (CodeLayout.ROWS8_K if want == "head" else CodeLayout.PLAIN)
+            assert few_rows_for_plan(want) is (CodeLayout.PLAIN if want == "off" else CodeLayout.ROWS8_K)
     finally:
         monkeypatch.delenv("PERFXLM_ROW_INTERLEAVE", raising=False)
         monkeypatch.delenv("PERFXLM_ROW_GROUPS_K", raising=False)

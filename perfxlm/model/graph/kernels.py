@@ -47,8 +47,9 @@ class HeldAs:
 
     weight_dtype: torch.dtype | None = None  # float matrices (Linear, Embedding, MoE stacks)
     activations: ActivationMode | None = None  # quantized products' activation rounding
-    # the code layout the CPU plan gives quantized matrices (quant/layout_choice.py), as the loader does
-    layout: CodeLayout = CodeLayout.PLAIN
+    # the code layouts the CPU plan gives quantized matrices (layouts.all_for_plan: the first that takes a
+    # weight), as the loader does
+    layout: tuple[CodeLayout, ...] = (CodeLayout.PLAIN,)
 
 
 AS_STORED = HeldAs()
@@ -75,7 +76,7 @@ def _weight(node: str, attrs: dict[str, Any], held: HeldAs, w: torch.Tensor, sca
         q.use_activations(held.activations or ActivationMode(attrs.get("activations", "float32")), node)
     except (KeyError, ValueError) as exc:
         raise ValueError(f"node {node!r}: its weight is not one the engine holds: {exc}") from None
-    return chosen_layout(q, [held.layout]) if q.num_experts is None else q
+    return chosen_layout(q, list(held.layout)) if q.num_experts is None else q
 
 
 class Embedding(Kernel):

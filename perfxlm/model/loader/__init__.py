@@ -22,7 +22,7 @@ from perfxlm.quant import calibration
 from perfxlm.quant.config import resolve_activations
 from perfxlm.quant.formats import PackedCheckpoint
 from perfxlm.quant.layout_choice import choose_layouts
-from perfxlm.quant.layouts import few_rows_for_plan, for_plan
+from perfxlm.quant.layouts import all_for_plan, few_rows_for_plan
 from perfxlm.quant.loading import quantized_loader
 from perfxlm.quant.weight import ActivationMode
 
@@ -150,7 +150,8 @@ def get_model(
     if not runs:  # the same values as rows, read as they were loaded
         plan = dataclasses.replace(plan, layout="rows")
     if sink is not None and device.type == "cpu" and runs:  # the final code layouts, by the CPU plan
-        choose_layouts(model, for_plan(cpu_plan.plan().row_groups), few_rows_for_plan(cpu_plan.plan().row_groups_k))
+        cpu = cpu_plan.plan()
+        choose_layouts(model, all_for_plan(cpu.row_groups, cpu.row_groups_k), few_rows_for_plan(cpu.row_groups_k))
     bind_linear_methods(model, plan)
     if stored != dtype:
         cast_weights(model, stored, dtype)
