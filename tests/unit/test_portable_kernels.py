@@ -16,6 +16,7 @@ KERNEL_TESTS = ["tests/unit/test_linear_ops.py", "tests/unit/test_attention_ops.
                 "tests/unit/test_moe.py", "tests/unit/test_mxfp4.py", "tests/unit/test_mla_kernel.py",
                 "tests/unit/test_fp8_linear.py", "tests/quant/test_quant_search.py",
                 "tests/unit/test_int8_rows.py", "tests/unit/test_quant_gemm.py", "tests/unit/test_act_order_products.py", "tests/unit/test_row_groups.py",
+                "tests/unit/test_moe_row_groups.py",
                 "tests/unit/test_row_groups_k.py", "tests/unit/test_row_groups_k_layout.py",
                 "tests/quant/test_int4_two_level.py::test_native_products_match_the_reference_and_the_flat_form",
                 "tests/quant/test_int4_two_level.py::test_every_group_through_the_block_kernels_alone_and_in_a_batch",
