@@ -2,7 +2,7 @@
 its matrices and expert stacks in Q8_0 / Q4_0) loads with its stacks in row groups under
 PERFXLM_ROW_INTERLEAVE=8 and plain under 0, and both give the same greedy text (prefill experts on the
 int8 GEMM reading the groups, decode on the row-group GEMV over runs of an expert's rows; a request alone
-and in a batch)."""
+and in a batch); an export writes the stacks' plain layout."""
 
 from __future__ import annotations
 
@@ -71,6 +71,13 @@ def test_row_group_stacks_give_the_plain_stacks_greedy_text(files, interleave, q
         llm = LLM(files[qtype], skip_tokenizer_init=True, dtype="float32", kv_cache_gib=0.05,
                   quant_activations="int8")
         assert _stack_layouts(llm) == ({CodeLayout.ROWS8} if value else {CodeLayout.PLAIN})
+        if value:  # an export writes the stacks' plain layout, the same values
+            from perfxlm.export.decoder import _array
+
+            for m in llm.llm_engine.core.model.modules():
+                if isinstance(m, FusedMoE):
+                    written = _array(m.down_proj)
+                    assert written.layout is CodeLayout.PLAIN and written.dequantize().equal(m.down_proj.dequantize())
         batch = _greedy(llm, PROMPTS)
         alone = [_greedy(llm, [p])[0] for p in PROMPTS]
         for (ta, la), (tb, lb) in zip(alone, batch):  # a request alone is what it is in the batch

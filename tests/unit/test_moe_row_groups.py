@@ -166,3 +166,17 @@ def test_the_op_takes_a_row_group_stacks_eight_parts():
     with pytest.raises(RuntimeError, match="stacks of 3 experts"):
         ops.moe_experts(x, weights, ids, parts, None, down.native_parts(), None, 3, 32, 0, 0.0, 0.0, 8, False,
                         True, 8, 8, -1)
+
+
+def test_without_the_kernels_the_torch_loop_reads_the_plain_values(monkeypatch):
+    """No native kernels: the torch loop's experts (w[e], matrices in row groups) run the plain-torch
+    reference, which takes plain() and rounds the activations as the layout's products do: the plain
+    stacks' values under int8 activation blocks, bit for bit."""
+    (pg, pd), (gg, gd) = _moe(4, 5, 64, 96, seed=2)
+    for w in (pg, pd):
+        w.use_activations(ActivationMode.INT8)
+    x, weights, ids = _routed(6, 5, 2, 64, seed=1)
+    monkeypatch.setattr(native, "kernels", lambda: None)
+    grouped = grouped_experts(x, weights, ids, gg, gd, SiluAndMul())
+    plain = grouped_experts(x, weights, ids, pg, pd, SiluAndMul())
+    assert torch.equal(grouped, plain) and plain.abs().sum() > 0
