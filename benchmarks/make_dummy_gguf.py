@@ -59,9 +59,11 @@ def donor_tokenizer(path: str) -> list[tuple[str, object, object]]:
 
 def write_dummy(path: str, donor: str, hidden: int, layers: int, intermediate: int, heads: int, kv_heads: int,
                 context: int, rope_theta: float, seed: int, experts: int = 0, experts_used: int = 0,
-                head_dim: int | None = None) -> None:
+                head_dim: int | None = None, quant_type: str | None = None) -> None:
     """A Llama body, or with `experts` a Qwen3-MoE one (`qwen3moe`: q/k norms, every layer a mixture of
-    `experts` gated MLPs of `intermediate` each, `experts_used` per token, no shared expert)."""
+    `experts` gated MLPs of `intermediate` each, `experts_used` per token, no shared expert).
+    `quant_type` (a GGML type gguf-py quantizes, "Q8_0" / "Q4_0"): the layers' matrices and expert stacks
+    in it (the table and the router stay float), as a small quantized file for tests."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -97,27 +99,34 @@ def write_dummy(path: str, donor: str, hidden: int, layers: int, intermediate: i
     def normal(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float16)
 
+    qtype = None if quant_type is None else gguf.GGMLQuantizationType[quant_type]
+
+    def matrix(name: str, value: np.ndarray) -> None:
+        if qtype is None:
+            return writer.add_tensor(name, value)
+        writer.add_tensor(name, gguf.quants.quantize(value.astype(np.float32), qtype), raw_dtype=qtype)
+
     writer.add_tensor("token_embd.weight", normal(vocab, hidden))  # tied: no output.weight
     writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
     for i in tqdm(range(layers), desc="layers", unit="layer"):
         writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
-        writer.add_tensor(f"blk.{i}.attn_q.weight", normal(heads * head_dim, hidden))
-        writer.add_tensor(f"blk.{i}.attn_k.weight", normal(kv_heads * head_dim, hidden))
-        writer.add_tensor(f"blk.{i}.attn_v.weight", normal(kv_heads * head_dim, hidden))
-        writer.add_tensor(f"blk.{i}.attn_output.weight", normal(hidden, heads * head_dim))
+        matrix(f"blk.{i}.attn_q.weight", normal(heads * head_dim, hidden))
+        matrix(f"blk.{i}.attn_k.weight", normal(kv_heads * head_dim, hidden))
+        matrix(f"blk.{i}.attn_v.weight", normal(kv_heads * head_dim, hidden))
+        matrix(f"blk.{i}.attn_output.weight", normal(hidden, heads * head_dim))
         if not experts:
-            writer.add_tensor(f"blk.{i}.ffn_gate.weight", normal(intermediate, hidden))
-            writer.add_tensor(f"blk.{i}.ffn_up.weight", normal(intermediate, hidden))
-            writer.add_tensor(f"blk.{i}.ffn_down.weight", normal(hidden, intermediate))
+            matrix(f"blk.{i}.ffn_gate.weight", normal(intermediate, hidden))
+            matrix(f"blk.{i}.ffn_up.weight", normal(intermediate, hidden))
+            matrix(f"blk.{i}.ffn_down.weight", normal(hidden, intermediate))
             continue
         writer.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(head_dim, np.float32))
         writer.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(head_dim, np.float32))
         # the router in float32, as llama.cpp's converter keeps it; stacks [E, rows, cols]
         writer.add_tensor(f"blk.{i}.ffn_gate_inp.weight", normal(experts, hidden).astype(np.float32))
-        writer.add_tensor(f"blk.{i}.ffn_gate_exps.weight", normal(experts, intermediate, hidden))
-        writer.add_tensor(f"blk.{i}.ffn_up_exps.weight", normal(experts, intermediate, hidden))
-        writer.add_tensor(f"blk.{i}.ffn_down_exps.weight", normal(experts, hidden, intermediate))
+        matrix(f"blk.{i}.ffn_gate_exps.weight", normal(experts, intermediate, hidden))
+        matrix(f"blk.{i}.ffn_up_exps.weight", normal(experts, intermediate, hidden))
+        matrix(f"blk.{i}.ffn_down_exps.weight", normal(experts, hidden, intermediate))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file(progress=True)

@@ -14,13 +14,17 @@
 //   hand-offs, not 2 k GEMV calls each parallel on its own (4 k hand-offs, with the activation and
 //   routing-weight ops between). GEMV rows are computed independently of how a weight's rows are cut
 //   (runs start at multiples of 32 rows: whole two-level scale runs, whole vector steps of the
-//   activation), so the bits are those of the per-expert products. gpt-oss's interleaved gate/up rows
+//   activation; whole groups of 8 rows for a stack in row groups, QuantizedWeight's ROWS8 layout, whose
+//   GEMV runs on the expert's groups), so the bits are those of the per-expert products. A row-group
+//   gate|up with inter not a multiple of 8 (the up rows would not start a group) runs the loop below.
+//   gpt-oss's interleaved gate/up rows
 //   take it too (a run of intermediate columns is one run of 2 n rows, its biases alike); float32
 //   stacks do not (rows_independent).
 // - more rows: expert after expert, each product parallel over its own rows (a GEMM's work per expert is
 //   large enough to share out), as the torch loop does: under int8 activation blocks from the plan's
 //   GEMM row count each expert's rows go to the int8 GEMM (quant_gemm.cpp, through linear_q), not to a
-//   float32 GEMM on dequantized slabs.
+//   float32 GEMM on dequantized slabs; an expert in row groups goes there as its matrix in that layout
+//   (linear_q's layout 1: the GEMM reads the groups as its panels).
 // An act-order stack (GPTQ: each expert's codes columns in its own input order) gathers each expert's
 // rows into that order once (`ordered_by_expert`, `project`), as the torch loop's run_linear_q does.
 
@@ -50,10 +54,30 @@ at::Tensor expert_activation(const at::Tensor& gate_up, int64_t inter, int64_t a
   return (up + 1) * (gate * at::sigmoid(gate * alpha));
 }
 
+// Rows [r0, r0 + n) (all: n < 0) of expert e out of a stack in row groups (QuantizedWeight.native_parts'
+// eight parts: codes [E, G, K / 32, 8 B], scales [E, G, K / 32, 8], empty mins and levels, act_int8, an
+// empty input order, the layout, the experts' out_features): the expert's groups [r0 / 8, ceil((r0 + n) /
+// 8)) as a matrix in the same layout, its out_features n. A run must be whole groups (the last may end at
+// out_features): the callers' runs start at multiples of 8 rows.
+std::vector<at::Tensor> expert_groups(at::TensorList stack, int64_t e, int64_t r0, int64_t n) {
+  const int64_t rows = *stack[7].const_data_ptr<int64_t>();
+  std::vector<at::Tensor> parts(stack.begin(), stack.end());
+  if (n < 0) r0 = 0, n = rows;
+  TORCH_CHECK(r0 % 8 == 0 && ((r0 + n) % 8 == 0 || r0 + n == rows) && r0 + n <= rows,
+              "moe_experts: rows [", r0, ", ", r0 + n, ") of a stack in row groups: whole groups of 8 only");
+  const int64_t g0 = r0 / 8, g1 = (r0 + n + 7) / 8;
+  parts[0] = stack[0].select(0, e).narrow(0, g0, g1 - g0);
+  parts[1] = stack[1].select(0, e).narrow(0, g0, g1 - g0);
+  if (n != rows) parts[7] = at::scalar_tensor(n, stack[7].options());
+  return parts;
+}
+
 // Rows [r0, r0 + n) of expert e's weight parts, out of a stack's: [w [E, N, K]] or
 // [codes, scales, mins, levels, act_int8] with the first three stacked (empty mins: centred codes), and
-// an act-order stack's input orders [E, K] sixth (each expert its own: `project` gathers x by row e).
+// an act-order stack's input orders [E, K] sixth (each expert its own: `project` gathers x by row e);
+// a stack in row groups has eight (expert_groups).
 std::vector<at::Tensor> expert_rows(at::TensorList stack, int64_t e, int64_t r0 = 0, int64_t n = -1) {
+  if (stack.size() == 8) return expert_groups(stack, e, r0, n);
   std::vector<at::Tensor> parts;
   for (size_t i = 0; i < stack.size(); ++i) {
     if (i == 5) {
@@ -242,8 +266,9 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
                   weights.sizes() == expert_ids.sizes(),
               "moe_experts: weights and expert_ids must be [T, top_k], the ids int64");
   for (const at::TensorList stack : {w_gate_up, w_down})
-    TORCH_CHECK(stack.size() == 1 || stack.size() == 5 || stack.size() == 6,
-                "moe_experts: a stack is [w] or [codes, scales, mins, levels, act_int8[, input orders]]");
+    TORCH_CHECK(stack.size() == 1 || stack.size() == 5 || stack.size() == 6 || stack.size() == 8,
+                "moe_experts: a stack is [w] or [codes, scales, mins, levels, act_int8[, input orders[, layout, "
+                "out_features]]]");
   TORCH_CHECK(w_gate_up[0].size(0) == num_experts && w_down[0].size(0) == num_experts, "moe_experts: stacks of ",
               num_experts, " experts expected");
   TORCH_CHECK(activation >= 0 && activation <= 3, "moe_experts: unknown activation code ", activation);
@@ -267,7 +292,10 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
   }
   const Activation act{activation, alpha, limit};
   const Products product{max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows, int8_blocks ? gemm_rows : -1};
-  if (rows_independent(w_gate_up, most, max_rows, quant_max_rows, product.gemm_rows) &&
+  // gate|up in row groups splits into gate and up runs of whole groups only where inter is a multiple of 8
+  // (the up rows start at inter); gpt-oss's interleaved runs start at multiples of 64 and end at 2 inter
+  const bool whole_groups = w_gate_up.size() != 8 || act.interleaved() || inter % 8 == 0;
+  if (whole_groups && rows_independent(w_gate_up, most, max_rows, quant_max_rows, product.gemm_rows) &&
       rows_independent(w_down, most, max_rows, quant_max_rows, product.gemm_rows)) {
     return experts_by_columns(xs, ws, token_of, groups, x.size(0), w_gate_up, b_gate_up, w_down, b_down, inter, act,
                               product, most <= 1);

@@ -83,7 +83,8 @@ int8 dots, keeps int8 and nf4 weight-only, w8a8 always rounds), decided once at 
                                   GEMM reads as its panels; 0 keeps rows. Default 8 on the SIMD tiers
                                   (AVX2 and up), 0 on the scalar build (its row-group GEMV is plain C++).
                                   Chosen at load (`perfxlm.quant.layout_choice.choose_layouts`); expert stacks
-                                  keep rows
+                                  alike (each expert its own groups: csrc/moe_kernels.cpp's runs of
+                                  an expert's rows, the int8 GEMM per expert)
 
 - PERFXLM_ROW_GROUPS_K = all | head | off  which Q4_K / Q5_K / Q6_K matrices (with int8 activation
                                   blocks) take K-quant row groups (perfxlm/quant/row_groups_k.py): "all"

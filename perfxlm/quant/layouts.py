@@ -95,13 +95,15 @@ class GroupsOf8(Layout):
             raise ValueError(f"rows [{start}, {end}) of a row-group weight: whole groups of {rows} only "
                              "(call plain() first)")
         g0, g1 = start // rows, -(-end // rows)
-        mins = None if w.mins is None else w.mins[g0:g1]
-        return w._like(w.codes[g0:g1], w.scales[g0:g1], mins, out_features=length)
+        dim = w.codes.dim() - 3  # a stack's groups follow its expert dimension
+        cut = lambda t: t.narrow(dim, g0, g1 - g0)  # noqa: E731
+        return w._like(cut(w.codes), cut(w.scales), None if w.mins is None else cut(w.mins), out_features=length)
 
 
 @dataclass(frozen=True)
 class RowGroups(GroupsOf8):
-    """Row groups of 8 (row_groups.py): matrices only (an expert stack keeps the plain layout)."""
+    """Row groups of 8 (row_groups.py): matrices, and expert stacks (each expert its own groups, after a
+    leading expert dimension: `w[e]` is a matrix in row groups)."""
 
     def takes(self, w: "QuantizedWeight") -> bool:
         return row_groups.takes(w)
@@ -109,7 +111,8 @@ class RowGroups(GroupsOf8):
     def shapes(self, w: "QuantizedWeight") -> tuple[tuple[int, ...], tuple[int, ...]]:
         groups, blocks = -(-w.out_features // row_groups.ROWS), w.in_features // row_groups.BLOCK
         per = row_groups.ROWS * (row_groups.BLOCK if w.bits == 8 else row_groups.BLOCK // 2)
-        return (groups, blocks, per), (groups, blocks, row_groups.ROWS)
+        lead = tuple(w.codes.shape[:1]) if w.codes.dim() == 4 else ()  # a stack's experts
+        return (*lead, groups, blocks, per), (*lead, groups, blocks, row_groups.ROWS)
 
     def pack(self, w: "QuantizedWeight") -> tuple[torch.Tensor, torch.Tensor]:
         return row_groups.pack(w.codes, w.scales, w.bits)
@@ -121,7 +124,9 @@ class RowGroups(GroupsOf8):
         return w.scales.dtype == torch.float16 and w.bits in (4, 8)
 
     def index_rows(self, w: "QuantizedWeight", index: torch.Tensor) -> "QuantizedWeight":
-        """The rows gathered straight out of the groups into a plain weight."""
+        """The rows gathered straight out of the groups into a plain weight (a matrix's: a lookup table)."""
+        if w.codes.dim() != 3:
+            raise ValueError("index_rows of a stack in row groups: call plain() first")
         groups, blocks, per = w.codes.shape
         g, r = torch.div(index, 8, rounding_mode="floor"), index % 8
         # [G, block, quad, row, 4 bytes] -> per index its row's [block, quad, 4]: the plain row's bytes

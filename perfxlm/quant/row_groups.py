@@ -6,7 +6,10 @@ For a `QuantizedWeight` of centred 8- or 4-bit codes with a float16 scale per 32
 - codes uint8 [G, K / 32, 8 B], G = ceil(N / 8), B = 32 (8-bit) or 16 (4-bit) bytes per row and block:
   per block the 8 rows' 4-byte quads as [quad][row][4 bytes] (a 4-bit quad's bytes are the plain
   layout's, GGUF's nibble order: low nibbles codes 4q.., high nibbles codes 16 + 4q..);
-- scales float16 [G, K / 32, 8]; the last group's rows past N are zeros.
+- scales float16 [G, K / 32, 8]; the last group's rows past N are zeros;
+- an expert stack [E, N, K]: the same per expert, with the leading E (codes [E, G, K / 32, 8 B], scales
+  [E, G, K / 32, 8]), so one expert's slice, or a run of its groups, is a matrix in row groups
+  (csrc/moe_kernels.cpp runs the GEMV on runs of an expert's rows that start at multiples of 8).
 `pack` and `unpack` move bytes only (each is the other's inverse); the product's plain-torch definition
 is `perfxlm.quant.reference.block_reference_linear` (the plain layout's, on activations rounded to int8
 blocks).
@@ -35,11 +38,12 @@ BLOCK = 32
 
 
 def takes(w: "QuantizedWeight") -> bool:
-    """Whether `w` has a row-group form: one 2-D matrix of centred 8- or 4-bit codes (Q8_0, Q4_0,
-    symmetric int8 / int4 at group 32), float16 scales, no table, columns in order."""
-    return (w.codes.dim() == 2 and w.bits in (8, 4) and w.group == BLOCK and w.mins is None and w.levels is None
-            and w.scales.dtype == torch.float16 and w.input_order is None and w.act == "float"
-            and w.in_features % BLOCK == 0)  # fmt: skip
+    """Whether `w` has a row-group form: one 2-D matrix, or a stack of expert matrices [E, N, K] (each
+    expert its own groups), of centred 8- or 4-bit codes (Q8_0, Q4_0, symmetric int8 / int4 at group 32),
+    float16 scales, no table, columns in order."""
+    return (w.codes.dim() in (2, 3) and w.bits in (8, 4) and w.group == BLOCK and w.mins is None
+            and w.levels is None and w.scales.dtype == torch.float16 and w.input_order is None
+            and w.act == "float" and w.in_features % BLOCK == 0)  # fmt: skip
 
 
 def takes_affine(w: "QuantizedWeight") -> bool:
@@ -51,17 +55,19 @@ def takes_affine(w: "QuantizedWeight") -> bool:
 
 
 def pack_params(params: torch.Tensor) -> torch.Tensor:
-    """Plain per-block params [N, K / 32] (scales or mins) -> [G, K / 32, 8], the padding rows zero."""
-    n, blocks = params.shape
+    """Plain per-block params [..., N, K / 32] (scales or mins) -> [..., G, K / 32, 8], the padding rows zero
+    (a stack's leading expert dimension kept)."""
+    *lead, n, blocks = params.shape
     groups = -(-n // ROWS)
-    p = torch.nn.functional.pad(params, (0, 0, 0, groups * ROWS - n))
-    return p.view(groups, ROWS, blocks).permute(0, 2, 1).contiguous()
+    p = torch.nn.functional.pad(params.reshape(-1, n, blocks), (0, 0, 0, groups * ROWS - n))
+    return p.view(-1, groups, ROWS, blocks).permute(0, 1, 3, 2).reshape(*lead, groups, blocks, ROWS).contiguous()
 
 
 def unpack_params(params8: torch.Tensor, n: int) -> torch.Tensor:
-    """pack_params' inverse: the first `n` rows' params [n, K / 32]."""
-    groups, blocks, _ = params8.shape
-    return params8.permute(0, 2, 1).reshape(groups * ROWS, blocks)[:n].contiguous()
+    """pack_params' inverse: the first `n` rows' params [..., n, K / 32]."""
+    *lead, groups, blocks, _ = params8.shape
+    p = params8.reshape(-1, groups, blocks, ROWS).permute(0, 1, 3, 2).reshape(-1, groups * ROWS, blocks)
+    return p[:, :n].reshape(*lead, n, blocks).contiguous()
 
 
 def _block_bytes(bits: int) -> int:
@@ -69,21 +75,21 @@ def _block_bytes(bits: int) -> int:
 
 
 def pack(codes: torch.Tensor, scales: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain codes [N, K] (8-bit) or [N, K / 2] (4-bit) and float16 scales [N, K / 32] -> row groups."""
-    n = codes.shape[0]
-    blocks = scales.shape[1]
+    """Plain codes [..., N, K] (8-bit) or [..., N, K / 2] (4-bit) and float16 scales [..., N, K / 32] -> row
+    groups [..., G, K / 32, 8 B] and [..., G, K / 32, 8] (a stack's leading expert dimension kept)."""
+    lead, n, blocks = codes.shape[:-2], codes.shape[-2], scales.shape[-1]
     b = _block_bytes(bits)
     groups = -(-n // ROWS)
     pad = groups * ROWS - n
-    c = torch.nn.functional.pad(codes.reshape(n, blocks * b), (0, 0, 0, pad))
-    # [G, row, block, quad, 4] -> [G, block, quad, row, 4]
-    c = c.view(groups, ROWS, blocks, b // 4, 4).permute(0, 2, 3, 1, 4).reshape(groups, blocks, ROWS * b)
+    c = torch.nn.functional.pad(codes.reshape(-1, n, blocks * b), (0, 0, 0, pad))
+    # [lead, G, row, block, quad, 4] -> [lead, G, block, quad, row, 4]
+    c = c.view(-1, groups, ROWS, blocks, b // 4, 4).permute(0, 1, 3, 4, 2, 5).reshape(*lead, groups, blocks, ROWS * b)
     return c.contiguous(), pack_params(scales)
 
 
 def unpack(codes8: torch.Tensor, scales8: torch.Tensor, bits: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row groups -> the plain codes and scales of the first `n` rows (pack's inverse)."""
-    groups, blocks, _ = codes8.shape
+    """Row groups -> the plain codes and scales of the first `n` rows (pack's inverse, stacks alike)."""
+    lead, (groups, blocks, _) = codes8.shape[:-3], codes8.shape[-3:]
     b = _block_bytes(bits)
-    c = codes8.view(groups, blocks, b // 4, ROWS, 4).permute(0, 3, 1, 2, 4).reshape(groups * ROWS, blocks * b)
-    return c[:n].contiguous(), unpack_params(scales8, n)
+    c = codes8.reshape(-1, groups, blocks, b // 4, ROWS, 4).permute(0, 1, 4, 2, 3, 5).reshape(-1, groups * ROWS, blocks * b)
+    return c[:, :n].reshape(*lead, n, blocks * b).contiguous(), unpack_params(scales8, n)

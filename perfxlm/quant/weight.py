@@ -360,7 +360,9 @@ class QuantizedWeight:
 
     @property
     def num_experts(self) -> int | None:
-        return self.codes.shape[0] if self.codes.dim() == 3 and self.layout is CodeLayout.PLAIN else None
+        # codes: [(E,) N, bytes] plain; [(E,) groups, blocks, bytes] in a row-group layout
+        matrix_dims = 2 if self.layout is CodeLayout.PLAIN else 3
+        return self.codes.shape[0] if self.codes.dim() == matrix_dims + 1 else None
 
     @property
     def shape(self) -> torch.Size:
@@ -461,6 +463,7 @@ class QuantizedWeight:
         if self.num_experts is None:
             raise TypeError("only a stack of expert weights can be indexed")
         order = None if self.input_order is None else self.input_order[expert]
+        # (a stack in row groups: the expert's groups, a matrix in the same layout)
         return self._like(self.codes[expert], self.scales[expert], _pick(self.mins, lambda m: m[expert]),
                           input_order=order)
 

@@ -133,9 +133,10 @@ def test_methods_that_read_rows_refuse_row_groups():
             call()
     with pytest.raises(ValueError, match="int8"):  # float activations keep the plain layout
         gguf_weight(8, 16, 64).in_row_groups()
-    stack = joining.stack_experts([w, w])
-    with pytest.raises(ValueError, match="does not take"):
-        stack.in_row_groups()
+    stack = joining.stack_experts([w, w]).in_row_groups()  # a stack takes them (each expert its groups) ...
+    for call in (lambda: stack.index_rows(torch.tensor([0])), lambda: joining.stack_experts([stack[0], stack[1]])):
+        with pytest.raises(ValueError, match="plain"):  # ... and what reads its rows refuses them
+            call()
 
 
 def _plan_rows(**changes):

@@ -76,7 +76,7 @@ def _weight(node: str, attrs: dict[str, Any], held: HeldAs, w: torch.Tensor, sca
         q.use_activations(held.activations or ActivationMode(attrs.get("activations", "float32")), node)
     except (KeyError, ValueError) as exc:
         raise ValueError(f"node {node!r}: its weight is not one the engine holds: {exc}") from None
-    return chosen_layout(q, list(held.layout)) if q.num_experts is None else q
+    return chosen_layout(q, list(held.layout))  # expert stacks too: the module path's FusedMoE holds them so
 
 
 class Embedding(Kernel):
