@@ -22,10 +22,10 @@ off where verifying the batch's drafts is no longer nearly free, so the ratio sh
 
 With --llama-cpp (a GGUF target and prompt lookup) llama.cpp runs the same file and the same prompt tokens
 through llama-cpp-python, plain and with its prompt lookup (`LlamaPromptLookupDecoding`: the same number
-of guesses, n-grams up to the same length; it takes the earliest match where perfxlm takes the latest),
-greedy, for as many tokens as perfxlm's plain output has, alternating with perfxlm's runs; the rows
-then show llama.cpp's decode tok/s with and without its lookup and perfxlm's speculative speed over
-llama.cpp's.
+of guesses, n-grams up to the same length; it takes the earliest match and its full number of guesses,
+where perfxlm takes the match reaching furthest back and fewer guesses for a short one), greedy, for as
+many tokens as perfxlm's plain output has, alternating with perfxlm's runs; the rows then show
+llama.cpp's decode tok/s with and without its lookup and perfxlm's speculative speed over llama.cpp's.
 """
 
 from __future__ import annotations

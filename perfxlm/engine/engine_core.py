@@ -148,7 +148,7 @@ class EngineCore:
             k = min(k, self.verify_row_budget // max(sched.num_running, 1) - 1)
             if k < 1:
                 return {}
-        batch = sched.draft_requests(k)
+        batch = sched.draft_requests(k, budget=self.proposer.follows_budget)
         if not batch:
             return {}
         return {r.request_id: list(d[: r.max_drafts]) for r, d in zip(batch, self.proposer.propose(batch)) if d}

@@ -260,15 +260,17 @@ class Scheduler:
         request.draft_budget.observe(num_drafts, num_accepted)
 
     # ---- speculative decoding ------------------------------------------------------------
-    def draft_requests(self, max_drafts: int) -> list[DraftRequest]:
+    def draft_requests(self, max_drafts: int, budget: bool = True) -> list[DraftRequest]:
         """Running requests that decode next step and may carry draft tokens: caught up with their tokens,
         below max_tokens and max_model_len by at least two tokens, not sitting out after guesses that
-        missed. Guided requests speculate too: the runner masks each verification row by the grammar."""
+        missed (with `budget`: each request's DraftBudget bounds its guesses; without, a proposer that
+        bounds its own gets up to `max_drafts`). Guided requests speculate too: the runner masks each
+        verification row by the grammar."""
         batch = []
         for r in self.running:
             if r.num_tokens - r.num_computed_tokens != 1:
                 continue
-            allowed = r.draft_budget.take(max_drafts)
+            allowed = r.draft_budget.take(max_drafts) if budget else max_drafts
             if not allowed:  # sitting out after guesses that missed
                 r.draft_token_ids = []
                 continue

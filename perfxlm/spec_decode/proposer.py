@@ -27,6 +27,9 @@ class Proposer(ABC):
     name: str
     # whether it reads the target's hidden states (the runner then hands them over every step: `observe`)
     needs_hidden_states: bool = False
+    # whether the scheduler bounds its guesses per request by the last verification (draft_budget.py);
+    # a proposer that bounds them by its own confidence (prompt lookup's match length) says False
+    follows_budget: bool = True
 
     @abstractmethod
     def propose(self, batch: list[DraftRequest]) -> list[list[int]]:

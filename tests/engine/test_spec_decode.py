@@ -249,8 +249,8 @@ def test_guesses_shrink_and_stop_as_the_batch_grows(tiny_llama):
     seen = []
     draft_requests = core.scheduler.draft_requests
 
-    def spy(max_drafts):
-        batch = draft_requests(max_drafts)
+    def spy(max_drafts, **kwargs):
+        batch = draft_requests(max_drafts, **kwargs)
         seen.append((core.scheduler.num_running, max((r.max_drafts for r in batch), default=0)))
         return batch
 

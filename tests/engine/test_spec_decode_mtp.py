@@ -129,6 +129,7 @@ class _Recorder:
     def __init__(self, proposer) -> None:
         self.proposer, self.calls = proposer, []
         self.name, self.needs_hidden_states = proposer.name, proposer.needs_hidden_states
+        self.follows_budget = proposer.follows_budget
 
     def observe(self, hidden_states) -> None:
         self.proposer.observe(hidden_states)

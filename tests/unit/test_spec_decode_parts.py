@@ -12,7 +12,7 @@ from perfxlm.model.layers.rejection_sampler import RejectionSampler
 from perfxlm.model.layers.sampler import Sampler, SamplingMetadata
 from perfxlm.sampling_params import SamplingParams
 from perfxlm.spec_decode.config import SpeculativeConfig, check_draft_against_target
-from perfxlm.spec_decode.ngram import NgramProposer, propose_ngram
+from perfxlm.spec_decode.ngram import NgramProposer, draft_rule, propose_by_match, propose_ngram
 from perfxlm.spec_decode.proposer import DraftRequest
 from perfxlm.spec_decode.stats import SpecDecodeStats
 
@@ -86,8 +86,40 @@ def test_prompt_lookup_takes_longest_most_recent_match():
     assert propose_ngram(np.array([3]), 1, 3, 4) == []
 
 
-def test_ngram_proposer_follows_a_growing_request():
+def test_prompt_lookup_by_match_takes_the_furthest_reaching_match_and_half_its_length():
+    t = np.array([1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8, 1, 2, 3, 4])
+    # [2, 3, 4] occurs at 1 and 6; at 1 the token before (1) agrees with the suffix's too: 4 tokens agree,
+    # so it proposes 4 // 2 = 2 of what followed it (the most recent occurrence agrees over 3 only)
+    assert propose_by_match(t, 1, 3, 10) == [5, 9]
+    assert propose_by_match(t, 1, 3, 1) == [7]  # one allowed: a 3-token reach already binds, the most recent
+    # equal reach: the most recent occurrence; a 2-token match proposes one token
+    assert propose_by_match(np.array([8, 5, 6, 1, 9, 5, 6, 2, 7, 5, 6]), 2, 3, 5) == [2]
+    # a long copied span: the whole allowance (its reach stops counting at twice the allowance)
+    span = list(range(100, 130))
+    assert propose_by_match(np.array([1, *span, 2, *span[:20]]), 2, 4, 6) == span[20:26]
+    assert propose_by_match(np.array([5, 6, 7, 8]), 1, 3, 4) == []  # nothing repeats
+    assert propose_by_match(np.array([5, 6, 7, 6]), 2, 3, 4) == []  # below the minimum
+    assert propose_by_match(np.array([3]), 1, 3, 4) == []
+    assert propose_by_match(np.array([3, 3]), 1, 3, 4) == [3]
+    assert propose_by_match(np.array([3, 3, 3, 3, 3]), 1, 3, 4) == [3]  # agrees back to the start: 4 // 2 tokens left
+    # reaching back to the first token stops there (no wrap-around)
+    assert propose_by_match(np.array([4, 5, 4, 5]), 2, 2, 8) == [4]
+
+
+def test_ngram_draft_rule_is_forcible(monkeypatch):
+    monkeypatch.delenv("PERFXLM_NGRAM_DRAFTS", raising=False)
+    assert draft_rule() == "match"
+    assert NgramProposer(1, 2).follows_budget is False  # its match length bounds the guesses
+    monkeypatch.setenv("PERFXLM_NGRAM_DRAFTS", "budget")
     p = NgramProposer(1, 2)
+    assert p.follows_budget is True and not p.by_match
+    monkeypatch.setenv("PERFXLM_NGRAM_DRAFTS", "longest")
+    with pytest.raises(ValueError, match="PERFXLM_NGRAM_DRAFTS='longest'.*match, budget"):
+        draft_rule()
+
+
+def test_ngram_proposer_follows_a_growing_request():
+    p = NgramProposer(1, 2, rule="budget")
     tokens = [1, 2, 3, 1]
     assert p.propose([DraftRequest("a", tokens, 2)]) == [[2, 3]]
     tokens += [2, 3, 9] + list(range(100, 190))  # grows past the first buffer

@@ -1,0 +1,100 @@
+"""What prompt lookup can win on benchmarks/spec_decode.py's prompts, without timing anything twice: the
+plain engine's greedy outputs are replayed through the n-gram rules (greedy verification accepts a guess
+exactly where it equals the output), and each step is charged what a step of that many rows costs
+(benchmarks/verify_rows.py's ratios to one row). Per prompt kind it prints the modelled speed-up over plain
+decoding and the acceptance of each rule, and of an oracle that guesses exactly the tokens that will be
+accepted (the bound for prompt lookup at that row cost).
+
+    python benchmarks/spec_replay.py --dataset sharegpt_samples_1024.json
+    python benchmarks/spec_replay.py --dataset sharegpt_samples_1024.json --row-costs 1,1.13,1.31,1.61,1.94,2.38,2.64,2.79
+
+The default row costs are verify_rows.py's on a 2-vCPU Zen 4 (loaded, one thread, CPU time per step: 2 to
+8 rows cost 1.13x to 2.79x one row); past the list's end each row adds the last step's increment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import numpy as np
+from spec_decode import make_prompts
+
+from perfxlm import LLM, SamplingParams
+from perfxlm.spec_decode.draft_budget import DraftBudget
+from perfxlm.spec_decode.ngram import propose_by_match, propose_ngram
+
+DEFAULT_COSTS = "1,1.13,1.31,1.61,1.94,2.38,2.64,2.79"
+
+
+def replay(prompt: list[int], output: list[int], rule: str, k: int, lookup: tuple[int, int],
+           cost) -> tuple[float, int, int]:
+    """(modelled speed-up, draft tokens, accepted ones) of one request's decode under `rule`."""
+    tokens, pos, spent, drafted, accepted = [*prompt, output[0]], 1, 0.0, 0, 0
+    budget = DraftBudget()
+    while pos < len(output):
+        room = min(budget.take(k) if rule == "budget" else k, len(output) - pos - 1)
+        arr = np.asarray(tokens, dtype=np.int64)
+        if room < 1:
+            drafts = []
+        elif rule == "budget":
+            drafts = propose_ngram(arr, *lookup, room)
+        else:
+            drafts = propose_by_match(arr, *lookup, room)
+        if rule == "oracle":  # the most recent match's continuation, cut where it will be rejected
+            drafts = propose_ngram(arr, *lookup, room)
+            n = next((j for j, t in enumerate(drafts) if output[pos + j] != t), len(drafts))
+            drafts = drafts[:n]
+        good = next((j for j, t in enumerate(drafts) if output[pos + j] != t), len(drafts))
+        if drafts:
+            budget.observe(len(drafts), good)
+            drafted, accepted = drafted + len(drafts), accepted + good
+        spent += cost(1 + len(drafts))
+        step = min(good + 1, len(output) - pos)
+        tokens.extend(output[pos : pos + step])
+        pos += step
+    return (len(output) - 1) / spent if spent else 1.0, drafted, accepted
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dataset", default=None)
+    ap.add_argument("--prompts-per-kind", type=int, default=3)
+    ap.add_argument("--passage-tokens", type=int, default=300)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--num-speculative-tokens", type=int, default=5)
+    ap.add_argument("--lookup", default="2,4", help="prompt_lookup_min,prompt_lookup_max")
+    ap.add_argument("--row-costs", default=DEFAULT_COSTS, help="a step's cost by rows (1, 2, ...) over one row's")
+    args = ap.parse_args()
+    costs = [float(c) for c in args.row_costs.split(",")]
+    step_up = costs[-1] - costs[-2] if len(costs) > 1 else 0.0
+
+    def cost(rows: int) -> float:
+        return costs[rows - 1] if rows <= len(costs) else costs[-1] + step_up * (rows - len(costs))
+
+    lookup = tuple(int(v) for v in args.lookup.split(","))
+    llm = LLM(args.model, kv_cache_gib=0.5, enable_prefix_caching=False)
+    tokenizer = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    for kind, texts in make_prompts(tokenizer, args.dataset, args.prompts_per_kind, args.passage_tokens).items():
+        runs = []
+        for text in texts:
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                   add_generation_prompt=True)
+            out = llm.generate(prompt, params, use_tqdm=False)[0]  # one at a time, as spec_decode.py runs them
+            runs.append((list(out.prompt_token_ids), list(out.outputs[0].token_ids)))
+        line = f"{kind:12}"
+        for rule in ("budget", "match", "oracle"):
+            results = [replay(p, o, rule, args.num_speculative_tokens, lookup, cost) for p, o in runs if len(o) > 1]
+            drafted, accepted = sum(r[1] for r in results), sum(r[2] for r in results)
+            speedups = [r[0] for r in results]
+            line += (f"  {rule}: x{statistics.median(speedups):.2f} median [{' '.join(f'{s:.2f}' for s in speedups)}]"
+                     f" acceptance {accepted / drafted if drafted else 0:.0%}")
+        print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
