@@ -10,7 +10,7 @@ import pytest
 
 from perfxlm import LLM, SamplingParams
 from perfxlm.model.layers.moe import FusedMoE
-from perfxlm.ops import cpu_plan, native
+from perfxlm.ops import native
 from perfxlm.quant.layouts import CodeLayout
 from tests.conftest import default_model_or_skip
 from tests.model.dummy_gguf import converter
@@ -35,19 +35,6 @@ def files(tmp_path_factory) -> dict[str, str]:
         out[qtype] = str(root / f"moe.{qtype.lower()}.gguf")
         converter().write_dummy(out[qtype], donor, seed=3, quant_type=qtype, **SHAPES)
     return out
-
-
-@pytest.fixture
-def interleave(monkeypatch):
-    """Set PERFXLM_ROW_INTERLEAVE for the engines made after it (the plan is read again)."""
-
-    def set_to(value: int) -> None:
-        monkeypatch.setenv("PERFXLM_ROW_INTERLEAVE", str(value))
-        cpu_plan.reset()
-
-    yield set_to
-    monkeypatch.delenv("PERFXLM_ROW_INTERLEAVE", raising=False)
-    cpu_plan.reset()
 
 
 def _stack_layouts(llm) -> set[CodeLayout]:

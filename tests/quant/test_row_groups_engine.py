@@ -40,19 +40,6 @@ def files(base, tmp_path_factory) -> dict[str, str]:
     return out
 
 
-@pytest.fixture
-def interleave(monkeypatch):
-    """Set PERFXLM_ROW_INTERLEAVE for the engines made after it (the plan is read again)."""
-
-    def set_to(value: int) -> None:
-        monkeypatch.setenv("PERFXLM_ROW_INTERLEAVE", str(value))
-        cpu_plan.reset()
-
-    yield set_to
-    monkeypatch.delenv("PERFXLM_ROW_INTERLEAVE", raising=False)
-    cpu_plan.reset()
-
-
 # Between the layouts a product differs in its last bits; where that moves an activation of a later layer
 # across an int8 rounding boundary, that block's value moves by a step of its scale (measured: 0.01 in one
 # logprob of 24 with the LoRA adapter below).

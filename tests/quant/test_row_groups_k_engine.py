@@ -38,17 +38,6 @@ def q4_k_m(tmp_path_factory) -> str:
     return requantize(f32, "q4_k_m", 2, root / "q4_k_m.gguf")
 
 
-@pytest.fixture
-def interleave(monkeypatch):
-    def set_to(value: int) -> None:
-        monkeypatch.setenv("PERFXLM_ROW_INTERLEAVE", str(value))
-        cpu_plan.reset()
-
-    yield set_to
-    monkeypatch.delenv("PERFXLM_ROW_INTERLEAVE", raising=False)
-    cpu_plan.reset()
-
-
 def _run(llm, prompts):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1, prompt_logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
