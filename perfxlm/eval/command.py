@@ -9,6 +9,7 @@ import os
 from typing import Callable
 
 from perfxlm.eval.inputs import read_text, tqdm_disabled
+from perfxlm.eval.windows import check_ctx_size
 
 
 def add_eval_parser(sub: argparse._SubParsersAction, add_engine_args: Callable, engine_kwargs: Callable) -> None:
@@ -64,6 +65,7 @@ def _threads() -> int:
 
 def cmd_perplexity(args: argparse.Namespace, kwargs: dict) -> int:
     text = read_text(args.file)  # before the model loads: a bad file fails fast
+    check_ctx_size(args.ctx_size)  # as a ctx_size no model could take
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}.")

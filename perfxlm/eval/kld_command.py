@@ -101,6 +101,10 @@ def cmd_kld(args: argparse.Namespace, kwargs: dict) -> int:
     if args.base is None and args.base_logits is None:
         raise ValueError("name a base: --base MODEL (with -f TEXT), or --base-logits FILE saved by an earlier run.")
     runs = candidates(args, kwargs)
+    if args.base is None:
+        from perfxlm.eval.kld_base import open_base
+
+        open_base(args.base_logits)  # as the text: a missing or foreign base file fails before a model loads
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}.")

@@ -62,14 +62,18 @@ def tokenize_text(text: str, tokenizer: Any, add_bos: bool) -> list[int]:
     return ids
 
 
-def make_windows(
-    tokens: Sequence[int], n_ctx: int, n_chunks: int | None, bos_token_id: int | None
-) -> Windows:
+def check_ctx_size(n_ctx: int) -> None:
     if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < MIN_CTX:
         raise ValueError(
             f"ctx_size must be an integer >= {MIN_CTX} (each window is scored on the tokens after its "
             f"first half), got {n_ctx!r}."
         )
+
+
+def make_windows(
+    tokens: Sequence[int], n_ctx: int, n_chunks: int | None, bos_token_id: int | None
+) -> Windows:
+    check_ctx_size(n_ctx)
     tokens = [int(t) for t in tokens]
     if not tokens:
         raise ValueError("the text is empty: perplexity needs a text to score.")

@@ -16,6 +16,7 @@ from perfxlm.eval import kld_base
 from perfxlm.eval.kld import kl_divergence, save_base_logprobs
 from perfxlm.eval.kld_stats import KldAccumulator, summarize, token_stats
 from perfxlm.eval.perplexity import perplexity
+from tests.cli_cases import run_cli_cases
 from tests.conftest import default_model_or_skip, make_llama_checkpoint
 
 CTX = 64
@@ -219,11 +220,11 @@ def test_cli_end_to_end_on_the_default_model(tmp_path):
 
 def test_cli_bad_input(tmp_path):
     model = default_model_or_skip()
-    r = run_cli("--model", model)
-    assert r.returncode == 2 and "--base" in r.stderr
-    r = run_cli("--base", model)
-    assert r.returncode == 2 and "-f" in r.stderr
-    r = run_cli("--base-logits", str(tmp_path / "missing.kld"), "--model", model)
-    assert r.returncode == 2 and "does not exist" in r.stderr
-    r = run_cli("--base-logits", str(tmp_path / "x"), "--model", model, "--kv-cache-dtypes", "int3")
-    assert r.returncode == 2 and "int3" in r.stderr
+    no_base, no_file, missing, bad_kv = run_cli_cases(
+        ["eval", "kld", "--model", model], ["eval", "kld", "--base", model],
+        ["eval", "kld", "--base-logits", str(tmp_path / "missing.kld"), "--model", model],
+        ["eval", "kld", "--base-logits", str(tmp_path / "x"), "--model", model, "--kv-cache-dtypes", "int3"])
+    assert no_base.returncode == 2 and "--base" in no_base.stderr
+    assert no_file.returncode == 2 and "-f" in no_file.stderr
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    assert bad_kv.returncode == 2 and "int3" in bad_kv.stderr

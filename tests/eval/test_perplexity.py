@@ -14,6 +14,7 @@ import torch
 from perfxlm.eval import final_estimate, perplexity
 from perfxlm.eval.stats import NllAccumulator, format_chunk_estimates, format_final
 from perfxlm.eval.windows import make_windows
+from tests.cli_cases import run_cli_cases
 from tests.conftest import default_model_or_skip
 
 CTX = 64
@@ -195,15 +196,17 @@ def test_cli_reports_bad_input(tmp_path):
     model = default_model_or_skip()
     empty = tmp_path / "empty.txt"
     empty.write_text("  \n")
-    r = run_cli(model, "-f", str(empty))
-    assert r.returncode == 2 and "empty" in r.stderr
-    r = run_cli(model, "-f", str(tmp_path / "missing.txt"))
-    assert r.returncode == 2 and "does not exist" in r.stderr
     short = tmp_path / "short.txt"
     short.write_text("A short text.")
-    r = run_cli(model, "-f", str(short), "-c", "128", "--dtype", "float32")
-    assert r.returncode == 2 and "too short" in r.stderr and "ctx_size 128" in r.stderr
-    r = run_cli(model, "-f", str(short), "-c", "1", "--dtype", "float32")
-    assert r.returncode == 2 and "ctx_size" in r.stderr
-    r = run_cli(model, "-f", str(short), "-c", "600", "--max-model-len", "512", "--dtype", "float32")
-    assert r.returncode == 2 and "max_model_len" in r.stderr
+    cmd = ("eval", "perplexity", model, "-f")
+    empty_r, missing, too_short, tiny_ctx, over_len = run_cli_cases(
+        [*cmd, str(empty)], [*cmd, str(tmp_path / "missing.txt")],
+        [*cmd, str(short), "-c", "128", "--dtype", "float32"],
+        [*cmd, str(short), "-c", "1", "--dtype", "float32"],
+        [*cmd, str(short), "-c", "600", "--max-model-len", "512", "--dtype", "float32"])  # fmt: skip
+    assert empty_r.returncode == 2 and "empty" in empty_r.stderr
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    assert too_short.returncode == 2 and "too short" in too_short.stderr
+    assert "ctx_size 128" in too_short.stderr
+    assert tiny_ctx.returncode == 2 and "ctx_size" in tiny_ctx.stderr
+    assert over_len.returncode == 2 and "max_model_len" in over_len.stderr
