@@ -73,8 +73,22 @@ def assert_pool_whole(llm) -> None:
 TIER_BUILT_WITHOUT_PCH = "scalar"
 
 
+def export_lower_tier() -> str | None:
+    """The lower tier that tests/export runs a graph under: AVX2 on an AVX-512 or AVX-VNNI CPU, the scalar
+    loops on an AVX2 one (a tier the kernel tests build too, so one build serves both); None on a CPU
+    with no tier below its own."""
+    from perfxlm.ops import isa
+
+    return next((t for t in ("avx2", "scalar") if t in isa.supported() and t != isa.detect()), None)
+
+
 @pytest.fixture(scope="session")
-def tier_build_env(tmp_path_factory):
+def tier_cache_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("tier_kernels"))
+
+
+@pytest.fixture(scope="session")
+def tier_build_env(tier_cache_dir, tier_prebuild):
     """tier -> the environment of every build of that forced instruction-set tier in this session (the
     kernel tests under each lower tier, the export run under a lower tier): PERFXLM_ISA and
     - one PERFXLM_CACHE_DIR: a tier's build, minutes of compiling, is made once per session however many
@@ -85,19 +99,56 @@ def tier_build_env(tmp_path_factory):
       build 179 s at -O1 against 287 s at -O3, the kernel tests then 143 s against 82 s: ~45 s less per
       tier in all. The CPU's own tier, which the rest of the suite runs, stays -O3;
     - PERFXLM_NATIVE_PCH=0 for TIER_BUILT_WITHOUT_PCH alone."""
-    cache = str(tmp_path_factory.mktemp("tier_kernels"))
+    from tests import tier_prebuild as prebuild
 
     def env(tier: str) -> dict[str, str]:
-        return {"PERFXLM_ISA": tier, "PERFXLM_CACHE_DIR": cache, "PERFXLM_NATIVE_OPT": "-O1",
-                "PERFXLM_NATIVE_PCH": "0" if tier == TIER_BUILT_WITHOUT_PCH else "1"}  # fmt: skip
+        prebuild.hurry(tier_prebuild)  # the test that asks is about to build the tier or wait for it
+        return tier_env(tier_cache_dir, tier)
 
     return env
 
 
+def tier_env(cache: str, tier: str) -> dict[str, str]:
+    return {"PERFXLM_ISA": tier, "PERFXLM_CACHE_DIR": cache, "PERFXLM_NATIVE_OPT": "-O1",
+            "PERFXLM_NATIVE_PCH": "0" if tier == TIER_BUILT_WITHOUT_PCH else "1"}  # fmt: skip
+
+
+def _tiers_in_use_order(items) -> list[str]:
+    """The forced tiers this session's tests build, in the order its tests first need them."""
+    from perfxlm.ops import isa
+
+    tiers: list[str] = []
+    for item in items:
+        if "tier_build_env" not in getattr(item, "fixturenames", ()):
+            continue
+        callspec = getattr(item, "callspec", None)
+        tier = callspec.params["tier"] if callspec and "tier" in callspec.params else export_lower_tier()
+        if tier and tier not in tiers and tier in isa.supported() and tier != isa.detect():
+            tiers.append(tier)
+    return tiers
+
+
+@pytest.fixture(scope="session")
+def tier_prebuild(request, tier_cache_dir):
+    """The native builds of later tests (the shared-memory collectives where tests/distributed runs, the
+    lower tiers), in the background from the session's start (tests/tier_prebuild.py)."""
+    from tests import tier_prebuild as prebuild
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    distributed = os.path.join(root, "tests", "distributed")
+    shm = any(str(item.path).startswith(distributed + os.sep) for item in request.session.items)
+    tiers = _tiers_in_use_order(request.session.items)
+    proc = prebuild.start(shm, tiers, lambda tier: tier_env(tier_cache_dir, tier), root)
+    yield proc
+    prebuild.stop(proc)
+
+
 @pytest.fixture(scope="session", autouse=True)
-def native_kernels_built():
+def native_kernels_built(tier_prebuild):
     """Compile the CPU kernels once, up front: a server process started by a test then finds them
-    cached instead of spending its start-up timeout on the compiler."""
+    cached instead of spending its start-up timeout on the compiler. (The lower tiers' builds start
+    first, at the lowest priority: they take the core this build leaves idle while it compiles its
+    precompiled header, and whatever the suite leaves idle after it.)"""
     from perfxlm.ops import native
 
     native.kernels()

@@ -63,14 +63,18 @@ def _build() -> Any | None:
         root = Path(os.environ.get("PERFXLM_CACHE_DIR", Path.home() / ".cache" / "perfxlm"))
         build_dir = root / "kernels" / f"shm-{key}"
         build_dir.mkdir(parents=True, exist_ok=True)
-        return load(
-            name="perfxlm_shm_allreduce",
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            verbose=False,
-        )
+        from perfxlm.ops.native import _build_guard
+
+        # as the layer kernels' build: a `lock` left by a build that was killed is cleared, not waited on
+        with _build_guard(build_dir):
+            return load(
+                name="perfxlm_shm_allreduce",
+                sources=[str(_SOURCE)],
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                verbose=False,
+            )
     except Exception as exc:
         logger.warning("perfxlm: shared-memory all-reduce unavailable (%s); using gloo.", exc)
         return None

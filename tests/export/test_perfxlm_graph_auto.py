@@ -26,7 +26,7 @@ from perfxlm.export.package import export_onnx
 from perfxlm.model.layers.embed_head import LMHead
 from perfxlm.model.layers.linear import Linear
 from perfxlm.ops import cpu_plan, isa, native
-from tests.conftest import assert_pool_whole, default_model_or_skip, make_llama_checkpoint
+from tests.conftest import assert_pool_whole, default_model_or_skip, export_lower_tier, make_llama_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
 # 1, 13 and 150 tokens; chunks of up to 144 rows: past the 4-bit GEMV row limit (128) without fast bf16,
@@ -202,7 +202,7 @@ def test_a_lower_tier_runs_its_own_choices_and_says_so(tmp_path, tiny_gguf, tier
     tier serves both (tier_build_env)."""
     if native.kernels() is None:
         pytest.skip("no native kernels: no tier to force")
-    lower = next((t for t in ("avx2", "scalar") if t in isa.supported() and t != isa.detect()), None)
+    lower = export_lower_tier()
     if lower is None:
         pytest.skip("this CPU runs no tier below its own")
     out = str(tmp_path / "graph")
