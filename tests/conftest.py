@@ -99,10 +99,9 @@ def tier_build_env(tier_cache_dir, tier_prebuild):
       build 179 s at -O1 against 287 s at -O3, the kernel tests then 143 s against 82 s: ~45 s less per
       tier in all. The CPU's own tier, which the rest of the suite runs, stays -O3;
     - PERFXLM_NATIVE_PCH=0 for TIER_BUILT_WITHOUT_PCH alone."""
-    from tests import tier_prebuild as prebuild
-
     def env(tier: str) -> dict[str, str]:
-        prebuild.hurry(tier_prebuild)  # the test that asks is about to build the tier or wait for it
+        if tier_prebuild is not None:
+            tier_prebuild.hurry(tier)  # the test that asks is about to build the tier or wait for it
         return tier_env(tier_cache_dir, tier)
 
     return env
@@ -129,7 +128,7 @@ def _tiers_in_use_order(items) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def tier_prebuild(request, tier_cache_dir):
+def tier_prebuild(request, tier_cache_dir, tmp_path_factory):
     """The native builds of later tests (the shared-memory collectives where tests/distributed runs, the
     lower tiers), in the background from the session's start (tests/tier_prebuild.py)."""
     from tests import tier_prebuild as prebuild
@@ -138,9 +137,11 @@ def tier_prebuild(request, tier_cache_dir):
     distributed = os.path.join(root, "tests", "distributed")
     shm = any(str(item.path).startswith(distributed + os.sep) for item in request.session.items)
     tiers = _tiers_in_use_order(request.session.items)
-    proc = prebuild.start(shm, tiers, lambda tier: tier_env(tier_cache_dir, tier), root)
-    yield proc
-    prebuild.stop(proc)
+    status = tmp_path_factory.getbasetemp() / "prebuild_status"
+    background = prebuild.start(shm, tiers, lambda tier: tier_env(tier_cache_dir, tier), root, status)
+    yield background
+    if background is not None:
+        background.stop()
 
 
 @pytest.fixture(scope="session", autouse=True)

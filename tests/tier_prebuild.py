@@ -13,71 +13,93 @@ where the background has not reached it yet. What each tier test runs and checks
 builds, with the same flags, in the same folder.
 
 The shared-memory extension is built as the ranks build it (same key, same folder), so the first test
-that starts ranks finds it built, or waits on torch's own build lock for it.
+that starts ranks finds it built, or waits on its build lock.
 
 PERFXLM_TEST_TIER_PREBUILD=0 turns it off (each build is then made by the first test that needs it).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 ENV = "PERFXLM_TEST_TIER_PREBUILD"
-_BUILD = "from perfxlm.ops import native; import sys; sys.exit(native.kernels() is None)"
-_BUILD_SHM = "from perfxlm.distributed import comm; import sys; sys.exit(comm.shm_native() is None)"
+SHM = "shm"
+_BUILD = {
+    "kernels": "from perfxlm.ops import native; import sys; sys.exit(native.kernels() is None)",
+    SHM: "from perfxlm.distributed import comm; import sys; sys.exit(comm.shm_native() is None)",
+}
 
 
 def enabled() -> bool:
     return os.environ.get(ENV, "1") not in ("0", "false", "no")
 
 
-def start(shm: bool, tiers: list[str], env_of, root: str) -> subprocess.Popen | None:
-    """Builds the shared-memory extension (with `shm`), then `tiers` in that order, in one background
-    process at nice 19 (its own process group, so stop() ends its compilers too). `env_of(tier)` is the
+class Prebuild:
+    """The background process (its own process group, so stop() ends its compilers too) and the file it
+    names its current build in."""
+
+    def __init__(self, proc: subprocess.Popen, status: Path) -> None:
+        self.proc, self.status = proc, status
+
+    def hurry(self, name: str) -> None:
+        """A test is about to need build `name` (SHM or a tier): if it is the one in progress, it runs at
+        normal priority from now on (on a machine busy with other work, a nice-19 build that a test waits
+        on would crawl). Lowering a nice value needs the privilege to; without it the build goes on as
+        it was. Each next build starts at nice 19 again."""
+        if self.proc.poll() is not None:
+            return
+        try:
+            if self.status.read_text() != name:
+                return
+            os.setpriority(os.PRIO_PGRP, self.proc.pid, 0)
+        except OSError:
+            pass
+
+    def stop(self) -> None:
+        """Ends a build still running when the session ends (a session that stopped before the tests that
+        needed it); the build's lock is cleared by the next build of that folder."""
+        if self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+
+
+def start(shm: bool, tiers: list[str], env_of, root: str, status: Path) -> Prebuild | None:
+    """Builds the shared-memory extension (with `shm`), then `tiers` in that order; `env_of(tier)` is the
     tier's build environment."""
     if not (shm or tiers) or not enabled():
         return None
-    builds = ([(_BUILD_SHM, {})] if shm else []) + [(_BUILD, env_of(t)) for t in tiers]
-    # each build starts at nice 19 again: hurry() raises only the one a test is waiting for
-    script = "; ".join(
-        f"os.setpriority(os.PRIO_PROCESS, 0, 19); subprocess.run([sys.executable, '-c', {code!r}], "
-        f"env=dict(os.environ, **{env!r}), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)"
-        for code, env in builds
-    )
+    builds = ([(SHM, "shm", {})] if shm else []) + [(t, "kernels", env_of(t)) for t in tiers]
     env = dict(os.environ, **{ENV: "0"})  # a pytest started under it (none is) must not start another
     env.pop("PERFXLM_NATIVE_MARCH", None)  # as the tier tests: the tier's flags, not a raw -march
-    return subprocess.Popen(
-        [sys.executable, "-c", f"import os, subprocess, sys; {script}"],
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.tier_prebuild", str(status), json.dumps(builds)],
         env=env, cwd=root, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,
     )  # fmt: skip
+    return Prebuild(proc, status)
 
 
-def hurry(proc: subprocess.Popen | None) -> None:
-    """A test is about to need a build: the build in progress runs at normal priority from now on (on a
-    machine busy with other work a nice-19 build the test waits on would crawl). Lowering a nice value
-    needs the privilege to; without it the build goes on as it was."""
-    if proc is None or proc.poll() is not None:
-        return
-    try:
-        os.setpriority(os.PRIO_PGRP, proc.pid, 0)
-    except OSError:
-        pass
+def _main(status: str, builds: str) -> None:
+    for name, kind, env in json.loads(builds):
+        os.setpriority(os.PRIO_PROCESS, 0, 19)  # back to the lowest after a hurried build
+        Path(status).write_text(name)
+        subprocess.run([sys.executable, "-c", _BUILD[kind]], env=dict(os.environ, **env),
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    Path(status).write_text("")
 
 
-def stop(proc: subprocess.Popen | None) -> None:
-    """Ends a build still running when the session ends (a session that stopped before its tier tests);
-    the builds' lock files are cleared by the next build of that folder."""
-    if proc is None or proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+if __name__ == "__main__":
+    _main(*sys.argv[1:3])
