@@ -220,11 +220,15 @@ def test_cli_end_to_end_on_the_default_model(tmp_path):
 
 def test_cli_bad_input(tmp_path):
     model = default_model_or_skip()
-    no_base, no_file, missing, bad_kv = run_cli_cases(
+    no_base, no_file, missing, bad_kv, first = run_cli_cases(
         ["eval", "kld", "--model", model], ["eval", "kld", "--base", model],
         ["eval", "kld", "--base-logits", str(tmp_path / "missing.kld"), "--model", model],
-        ["eval", "kld", "--base-logits", str(tmp_path / "x"), "--model", model, "--kv-cache-dtypes", "int3"])
+        ["eval", "kld", "--base-logits", str(tmp_path / "x"), "--model", model, "--kv-cache-dtypes", "int3"],
+        # the base file is checked before any model loads: a model that is not there is never reached
+        ["eval", "kld", "--base-logits", str(tmp_path / "missing.kld"), "--model",
+         str(tmp_path / "no-model")])
     assert no_base.returncode == 2 and "--base" in no_base.stderr
     assert no_file.returncode == 2 and "-f" in no_file.stderr
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     assert bad_kv.returncode == 2 and "int3" in bad_kv.stderr
+    assert first.returncode == 2 and "missing.kld' does not exist" in first.stderr

@@ -199,14 +199,17 @@ def test_cli_reports_bad_input(tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("A short text.")
     cmd = ("eval", "perplexity", model, "-f")
-    empty_r, missing, too_short, tiny_ctx, over_len = run_cli_cases(
+    empty_r, missing, too_short, tiny_ctx, over_len, first = run_cli_cases(
         [*cmd, str(empty)], [*cmd, str(tmp_path / "missing.txt")],
         [*cmd, str(short), "-c", "128", "--dtype", "float32"],
         [*cmd, str(short), "-c", "1", "--dtype", "float32"],
-        [*cmd, str(short), "-c", "600", "--max-model-len", "512", "--dtype", "float32"])  # fmt: skip
+        [*cmd, str(short), "-c", "600", "--max-model-len", "512", "--dtype", "float32"],
+        # a ctx_size no model takes is refused before the model loads: one that is not there is never reached
+        ["eval", "perplexity", str(tmp_path / "no-model"), "-f", str(short), "-c", "1"])  # fmt: skip
     assert empty_r.returncode == 2 and "empty" in empty_r.stderr
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     assert too_short.returncode == 2 and "too short" in too_short.stderr
     assert "ctx_size 128" in too_short.stderr
     assert tiny_ctx.returncode == 2 and "ctx_size" in tiny_ctx.stderr
     assert over_len.returncode == 2 and "max_model_len" in over_len.stderr
+    assert first.returncode == 2 and "ctx_size must be an integer" in first.stderr
