@@ -207,6 +207,15 @@ at::Tensor experts_by_columns(const at::Tensor& x_sorted, const at::Tensor& ws, 
           h.select(0, g.start).narrow(0, j0, n).copy_(act(both, n).squeeze(0));
         continue;
       }
+      if (n == inter) {
+        // the task is the expert's whole gate|up: one product over its 2 inter rows (rows are computed
+        // independently of how the weight is cut: the same bits as gate and up apart) rounds the
+        // activations once and makes one call, not two and a concatenation per row
+        const at::Tensor both = product(x, expert_rows(w_gate_up, g.expert), 2 * inter, expert_bias(b_gate_up, g.expert));
+        for (int64_t r = 0; r < g.rows; ++r)
+          h.select(0, g.start + r).copy_(act(both.narrow(0, r, 1), inter).squeeze(0));
+        continue;
+      }
       const at::Tensor gate = product(x, expert_rows(w_gate_up, g.expert, j0, n), n, expert_bias(b_gate_up, g.expert, j0, n));
       const at::Tensor up = product(x, expert_rows(w_gate_up, g.expert, inter + j0, n), n,
                                     expert_bias(b_gate_up, g.expert, inter + j0, n));
