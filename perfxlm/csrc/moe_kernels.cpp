@@ -35,6 +35,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 #include "fused_project.h"
@@ -206,6 +207,15 @@ at::Tensor experts_by_columns(const at::Tensor& x_sorted, const at::Tensor& ws, 
           h.select(0, g.start).narrow(0, j0, n).copy_(act(both, n).squeeze(0));
         continue;
       }
+      if (n == inter) {
+        // the task is the expert's whole gate|up: one product over its 2 inter rows (rows are computed
+        // independently of how the weight is cut: the same bits as gate and up apart) rounds the
+        // activations once and makes one call, not two and a concatenation per row
+        const at::Tensor both = product(x, expert_rows(w_gate_up, g.expert), 2 * inter, expert_bias(b_gate_up, g.expert));
+        for (int64_t r = 0; r < g.rows; ++r)
+          h.select(0, g.start + r).copy_(act(both.narrow(0, r, 1), inter).squeeze(0));
+        continue;
+      }
       const at::Tensor gate = product(x, expert_rows(w_gate_up, g.expert, j0, n), n, expert_bias(b_gate_up, g.expert, j0, n));
       const at::Tensor up = product(x, expert_rows(w_gate_up, g.expert, inter + j0, n), n,
                                     expert_bias(b_gate_up, g.expert, inter + j0, n));
@@ -256,11 +266,13 @@ at::Tensor experts_by_columns(const at::Tensor& x_sorted, const at::Tensor& ws, 
   return out;
 }
 
-at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& expert_ids,
-                       at::TensorList w_gate_up, const c10::optional<at::Tensor>& b_gate_up, at::TensorList w_down,
-                       const c10::optional<at::Tensor>& b_down, int64_t num_experts, int64_t inter, int64_t activation,
-                       double alpha, double limit, int64_t max_rows, bool bf16_gemm, bool int8_blocks,
-                       int64_t quant_max_rows, int64_t quant_block_max_rows, int64_t gemm_rows) {
+// check_ids: whether the ids come from the caller (checked to be in range: two reductions and two reads
+// back per call), not from this file's own top-k.
+at::Tensor experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& expert_ids,
+                   at::TensorList w_gate_up, const c10::optional<at::Tensor>& b_gate_up, at::TensorList w_down,
+                   const c10::optional<at::Tensor>& b_down, int64_t num_experts, int64_t inter, int64_t activation,
+                   double alpha, double limit, int64_t max_rows, bool bf16_gemm, bool int8_blocks,
+                   int64_t quant_max_rows, int64_t quant_block_max_rows, int64_t gemm_rows, bool check_ids) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "moe_experts: x must be float32 [T, hidden]");
   TORCH_CHECK(expert_ids.dim() == 2 && expert_ids.size(0) == x.size(0) && expert_ids.scalar_type() == at::kLong &&
                   weights.sizes() == expert_ids.sizes(),
@@ -274,7 +286,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
   TORCH_CHECK(activation >= 0 && activation <= 3, "moe_experts: unknown activation code ", activation);
   const int64_t top_k = expert_ids.size(1), hidden = x.size(1);
   const at::Tensor flat = expert_ids.reshape(-1);
-  if (flat.numel()) {
+  if (check_ids && flat.numel()) {
     TORCH_CHECK(flat.min().item<int64_t>() >= 0 && flat.max().item<int64_t>() < num_experts,
                 "moe_experts: expert ids must be in [0, ", num_experts, ")");
   }
@@ -311,6 +323,44 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
   return at::zeros_like(x).index_add_(0, token_of, out_sorted);
 }
 
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& expert_ids,
+                       at::TensorList w_gate_up, const c10::optional<at::Tensor>& b_gate_up, at::TensorList w_down,
+                       const c10::optional<at::Tensor>& b_down, int64_t num_experts, int64_t inter, int64_t activation,
+                       double alpha, double limit, int64_t max_rows, bool bf16_gemm, bool int8_blocks,
+                       int64_t quant_max_rows, int64_t quant_block_max_rows, int64_t gemm_rows) {
+  return experts(x, weights, expert_ids, w_gate_up, b_gate_up, w_down, b_down, num_experts, inter, activation, alpha,
+                 limit, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows, gemm_rows, true);
+}
+
+// moe_routed_experts: a few-row step's router, softmax top-k routing and experts in one call. The router
+// product is `project`'s ([w], float32 or bf16 rows or packed panels, within the row kernels' max_rows:
+// the kernels the router's Linear runs at that many rows), then model/layers/moe.py's route() in the same
+// ATen ops (float32 softmax, top-k, the renormalising division), then moe_experts: the same bits as the
+// module path, without the Python between them (the router module, route's ops, experts_call's checks),
+// which at batch 1 costs a sizeable share of the experts' own time.
+at::Tensor moe_routed_experts(const at::Tensor& x, const at::Tensor& router_w, const c10::optional<at::Tensor>& router_b,
+                              int64_t top_k, bool renormalize, at::TensorList w_gate_up,
+                              const c10::optional<at::Tensor>& b_gate_up, at::TensorList w_down,
+                              const c10::optional<at::Tensor>& b_down, int64_t num_experts, int64_t inter,
+                              int64_t activation, double alpha, double limit, int64_t max_rows, bool bf16_gemm,
+                              bool int8_blocks, int64_t quant_max_rows, int64_t quant_block_max_rows, int64_t gemm_rows) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(0) <= max_rows,
+              "moe_routed_experts: x must be float32 [T, hidden], T within the row kernels' max_rows");
+  TORCH_CHECK(router_w.dim() == 3 || router_w.scalar_type() == at::kFloat ||
+                  (router_w.scalar_type() == at::kBFloat16 && router_w.is_contiguous()),
+              "moe_routed_experts: the router weight must be float32, contiguous bf16 rows or bf16 panels");
+  TORCH_CHECK(top_k > 0 && top_k <= num_experts, "moe_routed_experts: top_k must be in [1, ", num_experts, "]");
+  const at::Tensor logits = project(x, at::TensorList(&router_w, 1), num_experts, router_b, max_rows, false, false, -1,
+                                    -1, -1);
+  const at::Tensor probs = at::softmax(logits, -1, at::kFloat);
+  auto chosen = at::topk(probs, top_k, -1);
+  at::Tensor weights = std::get<0>(chosen);
+  if (renormalize) weights = weights / weights.sum(-1, /*keepdim=*/true);
+  return experts(x, weights, std::get<1>(chosen), w_gate_up, b_gate_up, w_down, b_down, num_experts, inter,
+                 activation, alpha, limit, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows,
+                 gemm_rows, false);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(perfxlm, m) {
@@ -318,6 +368,14 @@ TORCH_LIBRARY_FRAGMENT(perfxlm, m) {
       "moe_experts(Tensor x, Tensor weights, Tensor expert_ids, Tensor[] w_gate_up, Tensor? b_gate_up, Tensor[] w_down, "
       "Tensor? b_down, int num_experts, int inter, int activation, float alpha, float limit, int max_rows, "
       "bool bf16_gemm, bool int8_blocks, int quant_max_rows, int quant_block_max_rows, int gemm_rows=-1) -> Tensor");
+  m.def(
+      "moe_routed_experts(Tensor x, Tensor router_w, Tensor? router_b, int top_k, bool renormalize, Tensor[] w_gate_up, "
+      "Tensor? b_gate_up, Tensor[] w_down, Tensor? b_down, int num_experts, int inter, int activation, float alpha, "
+      "float limit, int max_rows, bool bf16_gemm, bool int8_blocks, int quant_max_rows, int quant_block_max_rows, "
+      "int gemm_rows=-1) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(perfxlm, CPU, m) { m.impl("moe_experts", &moe_experts); }
+TORCH_LIBRARY_IMPL(perfxlm, CPU, m) {
+  m.impl("moe_experts", &moe_experts);
+  m.impl("moe_routed_experts", &moe_routed_experts);
+}

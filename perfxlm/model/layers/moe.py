@@ -15,10 +15,12 @@ from torch import nn
 
 from perfxlm.distributed.parallel_state import tp_group
 from perfxlm.model.layers.activation import ClampedSwiGLU, GeluAndMul, SiluAndMul, act_and_mul
+from perfxlm.model.layers.linear import Linear
 from perfxlm.model.layers.linear_methods.base import LinearMethod, LinearPlan
 from perfxlm.model.layers.linear_methods.registry import method_for
 from perfxlm.model.layers.rank_sharded import COLUMNS, ROWS, check_whole, narrow, take_parts
-from perfxlm.ops.fused_moe import ExpertActivation, experts_call
+from perfxlm.ops import cpu_plan
+from perfxlm.ops.fused_moe import ExpertActivation, ExpertsCall, experts_call, prepare
 from perfxlm.ops.linear import linear
 from perfxlm.quant.targets import EXPERTS, QuantizableWeight
 
@@ -164,6 +166,8 @@ class FusedMoE(nn.Module):
         self.down_method: LinearMethod | None = None
         # the quantized stacks' methods' decision (a bfloat16 model's many rows on the CPU's bf16 GEMM)
         self.quant_bf16_gemm = False
+        # the native call's arguments for the plan and stacks they were prepared under (`native_call`)
+        self._native: tuple[Any, ...] | None = None
 
     def quantizable_weights(self) -> list[QuantizableWeight]:
         return [QuantizableWeight(p, EXPERTS, getattr(self, p).shape[-1]) for p in ("gate_up_proj", "down_proj")]
@@ -223,6 +227,31 @@ class FusedMoE(nn.Module):
         weights, ids = route(router_logits, self.top_k, self.renormalize)
         return self.reduce(self.run_routed(x, weights, ids))
 
+    def forward_with_router(self, x: torch.Tensor, router: nn.Module) -> torch.Tensor:
+        """forward(x, router(x)) for a plain float router `Linear` (no adapters): at few rows (decode) the
+        router's product, the routing and the experts in one native call (`ExpertsCall.run_routed`, the
+        same ops), which saves the Python between them; else the modules."""
+        call = self.native_call()
+        if call is not None and type(router) is Linear and not router.method.quantized:
+            out = call.run_routed(x, router.weight, router.bias, self.top_k, self.renormalize)
+            if out is not None:
+                return self.reduce(out)
+        return self(x, router(x))
+
+    def native_call(self) -> ExpertsCall | None:
+        """The native experts call's prepared arguments (None: the torch loop), made once per plan and
+        stacks (a plan reset, or stacks replaced, prepares them again)."""
+        activation = expert_activation(self.act)
+        if activation is None:
+            return None
+        plan, gate_up, down = cpu_plan.plan(), self.gate_up_proj, self.down_proj
+        held = self._native
+        if held is None or held[0] is not plan or held[1] is not gate_up or held[2] is not down:
+            call = prepare(gate_up, down, activation, self.gate_up_proj_bias, self.down_proj_bias,
+                           self.quant_bf16_gemm)  # fmt: skip
+            held = self._native = (plan, gate_up, down, call)
+        return held[3]
+
     def reduce(self, out: torch.Tensor) -> torch.Tensor:
         """The ranks' partial outputs summed where this layer reduces its own (`reduce_results`): what a
         family with a router of its own calls after `run_routed`."""
@@ -230,8 +259,12 @@ class FusedMoE(nn.Module):
 
     def run_routed(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """Experts chosen by a router of the family's own (DeepSeek's grouped top-k): [T, k] each."""
+        call = self.native_call()
+        out = None if call is None else call.run(x, weights, expert_ids)
+        if out is not None:
+            return out
         gate_up = _any_weight if self.gate_up_method is None else self.gate_up_method.multiply
         down = _any_weight if self.down_method is None else self.down_method.multiply
-        return grouped_experts(x, weights, expert_ids, self.gate_up_proj, self.down_proj, self.act,
-                               self.gate_up_proj_bias, self.down_proj_bias, gate_up, down,
-                               self.quant_bf16_gemm)  # fmt: skip
+        return grouped_experts_torch(
+            x, weights, expert_ids, self.gate_up_proj, self.down_proj, self.act, self.gate_up_proj_bias,
+            self.down_proj_bias, gate_up, down)  # fmt: skip

@@ -33,7 +33,7 @@ class MixtralSparseMoeBlock(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, self.gate(x))
+        return self.experts.forward_with_router(x, self.gate)
 
 
 class MixtralForCausalLM(LlamaForCausalLM):

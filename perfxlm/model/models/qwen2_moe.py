@@ -64,7 +64,7 @@ class Qwen2MoeSparseMoeBlock(nn.Module):
             self.shared_expert_gate.quantize_weight = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x))
+        out = self.experts.forward_with_router(x, self.gate)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.tp.all_reduce(out) if self.tp.parallel else out
