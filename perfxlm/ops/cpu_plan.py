@@ -21,9 +21,12 @@ Every choice can be forced from the environment, so the tests run each path on w
                                           kernel (csrc/bf16_dots.cpp: the same bf16-rounded activations,
                                           vdpbf16ps on the plain rows, each output independent of the
                                           batch) instead of torch's bf16 GEMM. Default 1 on AVX512-BF16
-                                          without AMX (Zen 4: oneDNN reorders the weight on every call
-                                          there, see _AUTO_DOTS), 0 with AMX (its tiles) and without
-                                          AVX512-BF16 (the kernel is emulated in C++ there: correct, slow)
+                                          without AMX: the default model's projections, one thread's CPU
+                                          time per call, alternating, loaded 2-vCPU Zen 4: 0.4-0.67x
+                                          oneDNN's at 16 rows, 0.77-0.87x at 64, 0.82-1.0x at 512, 0.94-0.99x
+                                          at 2048 (prefill chunks); the 16-row LM head 0.76-0.89x. 0 with
+                                          AMX (its tiles, not measured against) and without AVX512-BF16 (the
+                                          kernel is emulated in C++ there: correct, slow)
 - PERFXLM_NATIVE_MAX_ROWS = N             rows up to which the native kernels run
 - PERFXLM_BF16_COMPUTE = float32 | bfloat16   activations of a bfloat16 model (bfloat16: torch's bf16
                                               ops throughout, no native linear kernels)
