@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "attention_kernels.h"  // the fused layer's cache write and attention
+#include "bf16_dots.h"  // many rows against bf16 rows: vdpbf16ps
 #include "fused_project.h"  // what this file lends csrc/moe_kernels.cpp
 #include "lora_kernels.h"  // the step's LoRA adapters after each projection
 #include "quant_linear.h"  // quantized weights in the fused layer's projections
@@ -422,7 +423,7 @@ PartsLayout parts_layout(at::TensorList parts) {
 
 // y = x W^T + b as perfxlm/ops/linear.py dispatches it, so the fused layer and the module path agree:
 // packed panels -> the panel kernel; bf16 rows under float32 x -> the row kernel up to max_rows rows,
-// else torch's bf16 GEMM (bf16_gemm) or a float32 GEMM on the widened weight; same dtypes -> torch.
+// else the bf16 dot-product kernel or torch's bf16 GEMM (bf16_gemm: csrc/bf16_dots.cpp's setting says which) or a float32 GEMM on the widened weight; same dtypes -> torch.
 // A quantized weight arrives as [codes, scales, mins (empty: centred codes), levels (empty: none),
 // act_int8 (0-dim)], an act-order one with its input order sixth (int64 [K]: x's columns are taken in
 // that order first, ordered_inputs), see perfxlm/model/fused_decode.py; a plain one as [w]. A weight in
@@ -456,6 +457,7 @@ at::Tensor project(const at::Tensor& x, at::TensorList parts, int64_t n_out, con
   const bool has_bias = bias.has_value() && bias->defined();
   if (w.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kFloat) {
     if (x.size(0) <= max_rows && w.is_contiguous()) return linear_bf16_rows(x, w, bias);
+    if (bf16_gemm && perfxlm_bf16dots::dots_now() && w.is_contiguous()) return perfxlm_bf16dots::linear_bf16_dots(x, w, bias);
     at::Tensor y = bf16_gemm ? at::linear(x.to(at::kBFloat16), w).to(at::kFloat) : at::linear(x, w.to(at::kFloat));
     if (has_bias) y.add_(bias->to(at::kFloat));
     return y;

@@ -17,6 +17,16 @@ Every choice can be forced from the environment, so the tests run each path on w
 (a path the CPU lacks is emulated by torch: correct, slow):
 - PERFXLM_BF16_LAYOUT = rows | panels
 - PERFXLM_BF16_GEMM = bf16 | float32      many-row products on the rows layout
+- PERFXLM_BF16_DOTS = 1 | 0               under gemm=bf16, those rows take perfxlm's own bf16 dot-product
+                                          kernel (csrc/bf16_dots.cpp: the same bf16-rounded activations,
+                                          vdpbf16ps on the plain rows, each output independent of the
+                                          batch) instead of torch's bf16 GEMM. Default 1 on AVX512-BF16
+                                          without AMX: the default model's projections, one thread's CPU
+                                          time per call, alternating, loaded 2-vCPU Zen 4: 0.4-0.67x
+                                          oneDNN's at 16 rows, 0.77-0.87x at 64, 0.82-1.0x at 512, 0.94-0.99x
+                                          at 2048 (prefill chunks); the 16-row LM head 0.76-0.89x. 0 with
+                                          AMX (its tiles, not measured against) and without AVX512-BF16 (the
+                                          kernel is emulated in C++ there: correct, slow)
 - PERFXLM_NATIVE_MAX_ROWS = N             rows up to which the native kernels run
 - PERFXLM_BF16_COMPUTE = float32 | bfloat16   activations of a bfloat16 model (bfloat16: torch's bf16
                                               ops throughout, no native linear kernels)
@@ -112,6 +122,7 @@ COMPUTES = ("float32", "bfloat16")
 DOT_WIDTHS = ("256", "512")
 ROW_INTERLEAVES = ("0", "8")
 ROW_GROUPS_K = ("all", "head", "off")
+BF16_DOTS = ("0", "1")
 # Measured with 2 threads on the default model's shapes: AMX's bf16 GEMM overtakes the row kernel past
 # 4 rows; the panel kernel beats MKL's float32 GEMM up to 256 rows on AVX-512 without bf16.
 _AUTO_MAX_ROWS = {("rows", "bf16"): 4, ("rows", "float32"): 64, ("panels", "bf16"): 256, ("panels", "float32"): 256}
@@ -136,9 +147,11 @@ class CpuPlan:
     dot_width: int = 256  # the int8 block GEMV's vector width: 512 (zmm tiles) or 256
     row_groups: int = 0  # Q8_0 / Q4_0 matrices with int8 activation blocks in row groups of 8 (0: rows)
     row_groups_k: str = "off"  # K-quant matrices in row groups: "all" | "head" (the LM head only) | "off"
+    bf16_dots: bool = False  # under gemm="bf16": csrc/bf16_dots.cpp's kernel instead of torch's bf16 GEMM
 
     def describe(self) -> str:
-        return (f"isa={self.isa} bf16 layout={self.layout} gemm={self.gemm} native_max_rows={self.native_max_rows} "
+        gemm = "bf16 (dots)" if self.gemm == "bf16" and self.bf16_dots else self.gemm
+        return (f"isa={self.isa} bf16 layout={self.layout} gemm={gemm} native_max_rows={self.native_max_rows} "
                 f"activations={self.bf16_compute} quantized: gemv_max_rows={self.quant_max_rows}"
                 + ("" if self.quant_block_max_rows < 0 else f" (4-bit and heads: {self.quant_block_max_rows})")
                 + f", then the {self.quant_gemm} GEMM"
@@ -184,8 +197,9 @@ def detect() -> CpuPlan:
     block_rows_limit = _rows("PERFXLM_QUANT_BLOCK_MAX_ROWS", -1 if fast_bf16 else 128)
     quant_gemm = _quant_gemm(fast_bf16 and isa.has_amx())
     gemm_rows = _rows("PERFXLM_QUANT_GEMM_ROWS", _AUTO_GEMM_ROWS if quant_gemm == "int8" and not fast_bf16 else 0)
+    dots = _choice("PERFXLM_BF16_DOTS", BF16_DOTS, "1" if "avx512_bf16" in isa.visible_flags() and not isa.has_amx() else "0")
     return CpuPlan(layout, gemm, max_rows, compute, quant_rows, tier, block_rows_limit, quant_gemm, gemm_rows,
-                   _dot_width(), *_row_groups())
+                   _dot_width(), *_row_groups(), bf16_dots=dots == "1")
 
 
 def _row_groups() -> tuple[int, str]:
@@ -270,16 +284,18 @@ def reset() -> None:
 
 
 def _set_kernels(p: CpuPlan | None) -> None:
-    """Put the plan's choice that lives in the native kernels there: the int8 GEMV's dot width, read at
-    each product, so it holds for every caller (module path, fused layer, experts, LoRA ranges). Loaded
-    kernels are set at once (None: back to the environment's rule); kernels not loaded yet start from that
-    rule themselves (csrc default_dot_width), so they are loaded here only for a plan that departs from it."""
+    """Put the plan's choices that live in the native kernels there: the int8 GEMV's dot width and
+    whether bf16 rows past the row kernel take the bf16 dot-product kernel, read at each product, so they
+    hold for every caller (module path, fused layer, experts, LoRA ranges). Loaded kernels are set at once
+    (None: back to the environment's rule); kernels not loaded yet start from that rule themselves (csrc
+    default_dot_width, default_dots), so they are loaded here only for a plan that departs from it."""
     import torch
 
     try:
         loaded = hasattr(torch.ops.perfxlm, "set_int8_dot_width")
         width = p.dot_width if p is not None else _dot_width()
-        if not loaded and width == _dot_width():
+        dots = p.bf16_dots if p is not None else _default_dots()
+        if not loaded and width == _dot_width() and dots == _default_dots():
             return
     except ValueError:  # a bad PERFXLM_DOT_WIDTH: raised by the plan() that reads it, not here
         return
@@ -288,3 +304,11 @@ def _set_kernels(p: CpuPlan | None) -> None:
     ops = native.kernels()
     if ops is not None and hasattr(ops, "set_int8_dot_width"):
         ops.set_int8_dot_width(width)
+    if ops is not None and hasattr(ops, "set_bf16_dots"):
+        ops.set_bf16_dots(dots)
+
+
+def _default_dots() -> bool:
+    """The rule csrc/bf16_dots.cpp's default_dots applies from the environment when it loads (a build
+    for AVX512-BF16 without AMX, unless PERFXLM_BF16_DOTS says)."""
+    return detect().bf16_dots

@@ -5,8 +5,9 @@ for which form a CPU gets).
 - W in x's dtype ([N, K]): torch's own linear (MKL / oneDNN).
 - W bf16 rows [N, K] under float32 x (CPUs with AVX512-BF16 / AMX, and MoE expert stacks everywhere): up
   to `native_max_rows` rows (decode) go to the native row kernel, which widens the weights in registers;
-  more rows round x to bf16 and run torch's bf16 GEMM on the same tensor (`gemm="bf16"`: AMX /
-  AVX512-BF16 through oneDNN), or widen W in slabs for MKL's float32 GEMM (`gemm="float32"`).
+  more rows round x to bf16 and run bf16 dot products on the same tensor (`gemm="bf16"`: the native
+  vdpbf16ps kernel where the plan's `bf16_dots` says, else torch's bf16 GEMM, AMX / AVX512-BF16 through
+  oneDNN), or widen W in slabs for MKL's float32 GEMM (`gemm="float32"`).
 - W packed bf16 panels [ceil(N/16), K, 16] under float32 x (`pack_bf16`, AVX-512 without bf16
   arithmetic): few rows go to the native panel kernel; many rows widen a slab of panels into a reused
   float32 buffer that stays in cache and run MKL's float32 GEMM on it, which beats the kernel there.
@@ -225,6 +226,8 @@ def bf16_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if ops is not None and x.shape[0] <= plan.native_max_rows and weight.is_contiguous():
         return ops.linear_bf16_rows(x, weight, bias)
     if plan.gemm == "bf16":
+        if plan.bf16_dots and ops is not None and hasattr(ops, "linear_bf16_dots") and weight.is_contiguous():
+            return ops.linear_bf16_dots(x, weight, bias)
         y = F.linear(x.to(torch.bfloat16), weight).float()
     else:
         y = _widened_rows_mm(x, weight)

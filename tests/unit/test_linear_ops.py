@@ -88,9 +88,10 @@ def test_bad_shapes_raise_clear_errors(ops):
         ops.linear_bf16_packed(torch.randn(2, 9), pack_bf16(torch.randn(4, 9).bfloat16()), 4, torch.randn(3))
 
 
-# rows layout: (gemm, native_max_rows) -> every row count below takes the native kernel, torch's bf16
-# GEMM or the widened float32 GEMM
-ROWS_PATHS = {"native": ("bf16", 1 << 30), "bf16-gemm": ("bf16", 0), "fp32-gemm": ("float32", 0), "auto-split": ("bf16", 4)}
+# rows layout: (gemm, native_max_rows, bf16_dots) -> every row count below takes the native kernel, torch's
+# bf16 GEMM, the bf16 dot-product kernel or the widened float32 GEMM
+ROWS_PATHS = {"native": ("bf16", 1 << 30, False), "bf16-gemm": ("bf16", 0, False), "dots": ("bf16", 0, True),
+              "fp32-gemm": ("float32", 0, False), "auto-split": ("bf16", 4, True)}
 
 
 @pytest.mark.parametrize("path", list(ROWS_PATHS))
@@ -98,8 +99,8 @@ ROWS_PATHS = {"native": ("bf16", 1 << 30), "bf16-gemm": ("bf16", 0), "fp32-gemm"
 @pytest.mark.parametrize("n_out,k", [(13, 37), (64, 576), (1030, 48), (7, 16), (9, 1)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_rows_every_path(path, rows, n_out, k, bias):
-    gemm, max_rows = ROWS_PATHS[path]
-    cpu_plan.use(layout="rows", gemm=gemm, native_max_rows=max_rows)
+    gemm, max_rows, dots = ROWS_PATHS[path]
+    cpu_plan.use(layout="rows", gemm=gemm, native_max_rows=max_rows, bf16_dots=dots)
     x, w, b, ref = _case(rows, n_out, k, bias, rows * 7 + n_out + k)
     out = linear(x, w, b)
     assert out.shape == ref.shape and out.dtype == torch.float32

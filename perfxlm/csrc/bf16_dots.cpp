@@ -1,0 +1,282 @@
+// linear_bf16_dots: y = bf16(x) W^T (+ b) for many rows of float32 x against plain bf16 rows W [N, K]
+// (the `rows` layout, perfxlm/ops/cpu_plan.py): the rows a bfloat16 model sends past the row kernel
+// (parallel decode, prefill). The activations are rounded to bfloat16 once per call (to nearest even,
+// as torch's cast does), then pairs of products are summed into float32 lanes by vdpbf16ps, 32
+// multiply-adds per zmm instruction, on AVX512-BF16 builds. It stands where torch's bf16 GEMM (oneDNN)
+// stood on CPUs with AVX512-BF16 but no AMX, which reorders the weight on every call: that costs more
+// than the products at 16-64 rows.
+//
+// Register tile: MT x rows by NT = 4 weight rows, one zmm of 16 partial sums per (x row, weight row),
+// K walked 32 at a time; the 4 sums of one x row are reduced together at the end in one fixed tree.
+// An output therefore does not depend on how many rows came with it nor where in a tile it fell: a
+// request's logits are the same alone and in any batch that takes this kernel.
+//
+// Other builds run the same lanes, pair order and tree in plain C++ (correct, slow): the path can be
+// forced on any CPU (PERFXLM_BF16_DOTS=1), so the tests check it everywhere.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "bf16_dots.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define PERFXLM_BF16_DOTS_NATIVE 1
+#endif
+
+namespace perfxlm_bf16dots {
+namespace {
+
+constexpr int NT = 4;  // weight rows per tile: their 4 sums of one x row reduce in one tree
+constexpr int MT = 6;  // x rows per tile: 24 accumulators, 4 weight and 1 x register of 32
+constexpr int64_t TG = 4;  // tiles per group: 16 weight rows that MT x rows at a time pass over (in L1)
+
+inline uint16_t round_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN stays NaN
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// x [M, K] float32 -> [M, Kp] bf16, the columns past K zero (Kp a multiple of 32: whole loads).
+void round_rows(const float* x, int64_t M, int64_t K, int64_t Kp, uint16_t* out) {
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* src = x + m * K;
+      uint16_t* dst = out + m * Kp;
+      for (int64_t k = 0; k < K; ++k) dst[k] = round_bf16(src[k]);
+      for (int64_t k = K; k < Kp; ++k) dst[k] = 0;
+    }
+  });
+}
+
+#ifdef PERFXLM_BF16_DOTS_NATIVE
+// 4 accumulators' sums: lane j of the result is the sum of a_j's 16 lanes, in the tree
+// ((l0+l2)+(l1+l3)) within each 128-bit quarter, then quarters (q0+q2)+(q1+q3).
+inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  const __m512d d0 = _mm512_castps_pd(t0), d1 = _mm512_castps_pd(t1);
+  const __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(d0, d1)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(d0, d1)));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+inline __m512 dot(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh&>(a), reinterpret_cast<__m512bh&>(b));
+}
+
+// R x rows (bf16, stride Kp) by NW <= 4 weight rows (bf16, stride K) -> y rows (stride N) at column n0.
+template <int R, int NW>
+inline void tile(const uint16_t* xb, int64_t Kp, const uint16_t* w, int64_t K, float* y, int64_t N, int64_t n0,
+                 const float* bias, bool fetch) {
+  __m512 acc[R][NT];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t kfull = K & ~int64_t{31};
+  for (int64_t k = 0; k < kfull; k += 32) {
+    __m512i wv[NW];
+#pragma GCC unroll 4
+    for (int j = 0; j < NW; ++j) {
+      // the rows of the tile a group ahead (TG * NT * K weights on, contiguous), one line a step per read
+      // stream; only while the first x rows pass (the later ones find the rows in L1)
+      if (fetch) _mm_prefetch(reinterpret_cast<const char*>(w + (TG * NT + j) * K + k), _MM_HINT_T0);
+      wv[j] = _mm512_loadu_si512(w + j * K + k);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m512i xv = _mm512_loadu_si512(xb + i * Kp + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < NW; ++j) acc[i][j] = dot(acc[i][j], xv, wv[j]);
+    }
+  }
+  if (kfull < K) {  // the weights' tail masked; x's padding is zero
+    const __mmask32 m = static_cast<__mmask32>((uint64_t{1} << (K - kfull)) - 1);
+    __m512i wv[NW];
+#pragma GCC unroll 4
+    for (int j = 0; j < NW; ++j) wv[j] = _mm512_maskz_loadu_epi16(m, w + j * K + kfull);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m512i xv = _mm512_loadu_si512(xb + i * Kp + kfull);
+#pragma GCC unroll 4
+      for (int j = 0; j < NW; ++j) acc[i][j] = dot(acc[i][j], xv, wv[j]);
+    }
+  }
+  const __mmask8 out = static_cast<__mmask8>((1u << NW) - 1);
+  const __m128 bv = bias ? _mm_maskz_loadu_ps(out, bias + n0) : _mm_setzero_ps();
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i)
+    _mm_mask_storeu_ps(y + i * N + n0, out, _mm_add_ps(reduce4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]), bv));
+}
+#else
+// The same arithmetic in plain C++: lane l of a 32-value step sums the pair (2l + 1, 2l) in that order
+// (vdpbf16ps's), float32 multiply-adds (the products of bf16 values are exact), the same reduction tree.
+inline float widen(uint16_t v) {
+  const uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+inline float reduce16(const float* a) {
+  float q[4];
+  for (int g = 0; g < 4; ++g) q[g] = (a[4 * g] + a[4 * g + 2]) + (a[4 * g + 1] + a[4 * g + 3]);
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+template <int R, int NW>
+inline void tile(const uint16_t* xb, int64_t Kp, const uint16_t* w, int64_t K, float* y, int64_t N, int64_t n0,
+                 const float* bias, bool fetch) {
+  (void)fetch;  // no prefetch here
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NW; ++j) {
+      float acc[16] = {};
+      const uint16_t* xr = xb + i * Kp;
+      const uint16_t* wr = w + j * K;
+      for (int64_t k = 0; k < K; k += 32)
+        for (int l = 0; l < 16; ++l) {
+          const int64_t k1 = k + 2 * l + 1, k0 = k + 2 * l;
+          if (k1 < K) acc[l] = std::fma(widen(xr[k1]), widen(wr[k1]), acc[l]);
+          if (k0 < K) acc[l] = std::fma(widen(xr[k0]), widen(wr[k0]), acc[l]);
+        }
+      y[i * N + n0 + j] = reduce16(acc) + (bias ? bias[n0 + j] : 0.f);
+    }
+}
+#endif
+
+template <int NW>
+inline void tile_rows(int64_t r, const uint16_t* xb, int64_t Kp, const uint16_t* w, int64_t K, float* y, int64_t N,
+                      int64_t n0, const float* bias, bool fetch) {
+  switch (r) {
+    case 6: tile<6, NW>(xb, Kp, w, K, y, N, n0, bias, fetch); break;
+    case 5: tile<5, NW>(xb, Kp, w, K, y, N, n0, bias, fetch); break;
+    case 4: tile<4, NW>(xb, Kp, w, K, y, N, n0, bias, fetch); break;
+    case 3: tile<3, NW>(xb, Kp, w, K, y, N, n0, bias, fetch); break;
+    case 2: tile<2, NW>(xb, Kp, w, K, y, N, n0, bias, fetch); break;
+    default: tile<1, NW>(xb, Kp, w, K, y, N, n0, bias, fetch); break;
+  }
+}
+
+// r <= MT x rows against weight rows [n0, n0 + 4): the tile for however many of them there are.
+inline void one_tile(int64_t r, const uint16_t* xb, int64_t Kp, const uint16_t* wp, int64_t K, float* y, int64_t N,
+                     int64_t n0, const float* bias, bool fetch) {
+  const uint16_t* w = wp + n0 * K;
+  switch (std::min<int64_t>(NT, N - n0)) {
+    case 4: tile_rows<4>(r, xb, Kp, w, K, y, N, n0, bias, fetch); break;
+    case 3: tile_rows<3>(r, xb, Kp, w, K, y, N, n0, bias, fetch); break;
+    case 2: tile_rows<2>(r, xb, Kp, w, K, y, N, n0, bias, fetch); break;
+    default: tile_rows<1>(r, xb, Kp, w, K, y, N, n0, bias, fetch); break;
+  }
+}
+
+std::atomic<int> g_dots{-1};  // -1: not chosen yet
+
+bool default_dots() {
+  const char* env = std::getenv("PERFXLM_BF16_DOTS");
+  const std::string v = env ? env : "";
+  if (v == "0") return false;
+  if (v == "1") return true;
+#if defined(PERFXLM_BF16_DOTS_NATIVE) && !defined(__AMX_BF16__)
+  return true;  // AVX512-BF16 without AMX (AMX's oneDNN GEMM outruns these dot products)
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+bool dots_now() {
+  int v = g_dots.load(std::memory_order_relaxed);
+  if (v < 0) {
+    v = default_dots() ? 1 : 0;
+    g_dots.store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
+}
+
+// Returns the previous setting.
+bool set_bf16_dots(bool on) {
+  const bool previous = dots_now();
+  g_dots.store(on ? 1 : 0, std::memory_order_relaxed);
+  return previous;
+}
+
+bool bf16_dots_native() {
+#ifdef PERFXLM_BF16_DOTS_NATIVE
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor linear_bf16_dots(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_bf16_dots: x must be 2-D float32");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(),
+              "linear_bf16_dots: weight must be contiguous bf16 [N, K]");
+  TORCH_CHECK(weight.size(1) == x.size(1), "linear_bf16_dots: x has ", x.size(1), " features, weight expects ",
+              weight.size(1));
+  const int64_t N = weight.size(0), M = x.size(0), K = x.size(1);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor bc;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "linear_bf16_dots: bias size ", bias->numel(), " != ", N);
+    bc = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor y = at::empty({M, N}, xc.options());
+  if (M == 0 || N == 0) return y;
+  if (K == 0) return bc.defined() ? bc.expand({M, N}).contiguous() : y.zero_();
+  const int64_t Kp = (K + 31) & ~int64_t{31};
+  at::Tensor xb = at::empty({M, Kp}, xc.options().dtype(at::kBFloat16));
+  uint16_t* xbp = reinterpret_cast<uint16_t*>(xb.data_ptr<at::BFloat16>());
+  round_rows(xc.data_ptr<float>(), M, K, Kp, xbp);
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t tiles = (N + NT - 1) / NT;
+  // a task's work ~ its tiles' weights times the rows: keep tasks above ~64K multiply-adds
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, M * K * NT));
+  // Each thread walks its weight tiles once per block of x rows that stays in L2 (192 KB): past it
+  // (prefill chunks of 2048 rows) every tile would stream all of x from L3. Within a block, MT x rows
+  // at a time pass over a group of TG tiles (16 weight rows, in L1), so each row's outputs are written a
+  // whole 64-byte line at once: tile by tile down the block, rows 12 KB apart (3072 outputs) fell into
+  // one cache set, 1.35x slower than oneDNN at 2048 rows. A row's arithmetic is the same in any block.
+  const int64_t block = std::max<int64_t>(MT, (int64_t{192} << 10) / (2 * Kp) / MT * MT);
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < M; m0 += block) {
+      const int64_t m1 = std::min(M, m0 + block);
+      for (int64_t g = begin; g < end; g += TG) {
+        const int64_t g1 = std::min(end, g + TG);
+        for (int64_t m = m0; m < m1; m += MT) {
+          const int64_t r = std::min<int64_t>(MT, m1 - m);
+          for (int64_t t = g; t < g1; ++t)
+            one_tile(r, xbp + m * Kp, Kp, wp, K, yp + m * N, N, t * NT, bp, m == m0);
+        }
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace perfxlm_bf16dots
+
+TORCH_LIBRARY_FRAGMENT(perfxlm, m) {
+  m.def("linear_bf16_dots(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("set_bf16_dots(bool on) -> bool", &perfxlm_bf16dots::set_bf16_dots);  // no tensors: catch-all kernels
+  m.def("bf16_dots() -> bool", &perfxlm_bf16dots::dots_now);
+  m.def("bf16_dots_native() -> bool", &perfxlm_bf16dots::bf16_dots_native);
+}
+
+TORCH_LIBRARY_IMPL(perfxlm, CPU, m) { m.impl("linear_bf16_dots", &perfxlm_bf16dots::linear_bf16_dots); }
