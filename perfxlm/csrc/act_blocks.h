@@ -46,6 +46,29 @@ inline float quantize_block_fast(const float* src, int8_t* q) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(rb)));
   return scale;
 }
+
+// quantize_block_fast, and the int8 sums of the block's two halves (values 0-15, 16-31), which the
+// row-group GEMVs need per block: taken from the rounded vectors (integers below 2^11: exact in float).
+inline float quantize_block_sums(const float* src, int8_t* q, int32_t half[2]) {
+  const __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float scale = amax / 127.f;
+  if (!(scale > 0.f)) {
+    std::memset(q, 0, 32);
+    half[0] = half[1] = 0;
+    return scale;
+  }
+  const __m512 d = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512 ra = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_div_ps(a, d), kRound)));
+  const __m512 rb = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_div_ps(b, d), kRound)));
+  const __m512i ia = _mm512_cvtps_epi32(ra), ib = _mm512_cvtps_epi32(rb);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(ia));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(ib));
+  half[0] = _mm512_reduce_add_epi32(ia);
+  half[1] = _mm512_reduce_add_epi32(ib);
+  return scale;
+}
 #elif defined(__AVX2__)
 inline float quantize_block_fast(const float* src, int8_t* q) {
   const __m256 sign = _mm256_set1_ps(-0.f);
@@ -74,8 +97,33 @@ inline float quantize_block_fast(const float* src, int8_t* q) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
   return scale;
 }
+
+// quantize_block_fast, and the int8 sums of the block's two halves (values 0-15, 16-31).
+inline float quantize_block_sums(const float* src, int8_t* q, int32_t half[2]) {
+  const float scale = quantize_block_fast(src, q);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+  // |q| <= 127: vpmaddubsw of ones (unsigned) with q (signed) sums pairs, vpmaddwd of ones the pairs
+  const __m256i pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), v), _mm256_set1_epi16(1));
+  const __m128i h0 = _mm256_castsi256_si128(pairs), h1 = _mm256_extracti128_si256(pairs, 1);
+  auto sum4 = [](__m128i x) {
+    x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(x, _mm_shuffle_epi32(x, 0xB1)));
+  };
+  half[0] = sum4(h0);
+  half[1] = sum4(h1);
+  return scale;
+}
 #else
 inline float quantize_block_fast(const float* src, int8_t* q) { return quantize_block(src, q); }
+#endif
+
+#if !defined(__AVX2__) && !(defined(__AVX512F__) && defined(__AVX512BW__))
+inline float quantize_block_sums(const float* src, int8_t* q, int32_t half[2]) {
+  const float scale = quantize_block(src, q);
+  half[0] = half[1] = 0;
+  for (int i = 0; i < 32; ++i) half[i / 16] += q[i];
+  return scale;
+}
 #endif
 
 }  // namespace perfxlm_act

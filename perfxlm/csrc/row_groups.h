@@ -56,11 +56,11 @@ inline void quantize(const float* x, int64_t K, int32_t centre, Acts& a) {
   a.q.resize(K);
   a.dx.resize(blocks);
   a.start.resize(blocks);
+  int8_t* q = a.q.data();
   for (int64_t b = 0; b < blocks; ++b) {
-    a.dx[b] = perfxlm_act::quantize_block_fast(x + 32 * b, a.q.data() + 32 * b);
-    int32_t sum = 0;
-    for (int i = 0; i < 32; ++i) sum += a.q[32 * b + i];
-    a.start[b] = -centre * sum;
+    int32_t half[2];
+    a.dx[b] = perfxlm_act::quantize_block_sums(x + 32 * b, q + 32 * b, half);
+    a.start[b] = -centre * (half[0] + half[1]);
   }
 }
 
@@ -73,23 +73,51 @@ constexpr bool kSignTrick = !perfxlm_row_dots::kVnni;
 using perfxlm_row_dots::dot4;
 using perfxlm_row_dots::quad;
 
+// A block of one group's 8 rows, loaded once for every activation row of the step: 4-bit codes unpacked
+// (c[l] codes 4l.. of the block, c[4 + l] codes 16 + 4l..), 8-bit ones as stored (the sign trick's flipped
+// to signed, c[v] quad v). Unpacking is most of a 4-bit block's instructions besides the dot products,
+// so a verification step's rows share it (group_rows) instead of each row redoing it.
+struct Codes {
+  __m256i c[8];
+};
+
 template <bool BITS4>
-inline __m256i block_sums(const uint8_t* codes, const int8_t* xq, int32_t start) {
-  const __m256i nib = _mm256_set1_epi8(0x0F);
+inline Codes load_codes(const uint8_t* codes) {
+  Codes k;
+  if constexpr (BITS4) {
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    #pragma GCC unroll 4
+    for (int l = 0; l < 4; ++l) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * l));
+      k.c[l] = _mm256_and_si256(raw, nib);
+      k.c[4 + l] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+    }
+  } else {
+    #pragma GCC unroll 8
+    for (int v = 0; v < 8; ++v) {
+      k.c[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * v));
+      if constexpr (kSignTrick) k.c[v] = _mm256_xor_si256(k.c[v], _mm256_set1_epi8(static_cast<char>(0x80)));
+    }
+  }
+  return k;
+}
+
+// The integer sums of a loaded block with one activation row's int8 block xq, lane r = row r.
+template <bool BITS4>
+inline __m256i code_sums(const Codes& k, const int8_t* xq, int32_t start) {
   if constexpr (!kSignTrick) {
     __m256i s0 = _mm256_set1_epi32(start), s1 = _mm256_setzero_si256();
     if constexpr (BITS4) {
       #pragma GCC unroll 4
       for (int l = 0; l < 4; ++l) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * l));
-        s0 = dot4(s0, _mm256_and_si256(raw, nib), quad(xq, l));
-        s1 = dot4(s1, _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib), quad(xq, l + 4));
+        s0 = dot4(s0, k.c[l], quad(xq, l));
+        s1 = dot4(s1, k.c[4 + l], quad(xq, l + 4));
       }
     } else {
       #pragma GCC unroll 8
       for (int v = 0; v < 8; v += 2) {
-        s0 = dot4(s0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * v)), quad(xq, v));
-        s1 = dot4(s1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * v + 32)), quad(xq, v + 1));
+        s0 = dot4(s0, k.c[v], quad(xq, v));
+        s1 = dot4(s1, k.c[v + 1], quad(xq, v + 1));
       }
     }
     return _mm256_add_epi32(s0, s1);
@@ -99,17 +127,15 @@ inline __m256i block_sums(const uint8_t* codes, const int8_t* xq, int32_t start)
       __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
       #pragma GCC unroll 4
       for (int l = 0; l < 4; ++l) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * l));
-        p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(_mm256_and_si256(raw, nib), quad(xq, l)));
-        p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nib), quad(xq, l + 4)));
+        p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(k.c[l], quad(xq, l)));
+        p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(k.c[4 + l], quad(xq, l + 4)));
       }
       return _mm256_add_epi32(_mm256_set1_epi32(start), _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones));
     } else {
       __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-      const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
       #pragma GCC unroll 8
       for (int v = 0; v < 8; ++v) {
-        const __m256i c = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * v)), flip);
+        const __m256i c = k.c[v];
         const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(c, c), _mm256_sign_epi8(quad(xq, v), c)), ones);
         if (v % 2 == 0) s0 = _mm256_add_epi32(s0, d);
         else s1 = _mm256_add_epi32(s1, d);
@@ -119,12 +145,21 @@ inline __m256i block_sums(const uint8_t* codes, const int8_t* xq, int32_t start)
   }
 }
 
-// One group's 8 outputs for one activation row.
 template <bool BITS4>
-inline void group_row(const uint8_t* codes, const uint16_t* scales, const Acts& a, int64_t blocks, float* out) {
+inline __m256i block_sums(const uint8_t* codes, const int8_t* xq, int32_t start) {
+  return code_sums<BITS4>(load_codes<BITS4>(codes), xq, start);
+}
+
+// One group's 8 outputs for each of R activation rows (out: R x 8), the block's codes loaded once for
+// all R. Each row's sums run exactly as alone (its even blocks into one chain, odd ones into another), so
+// a row's result does not depend on the tile it shares.
+template <bool BITS4, int R>
+inline void group_rows(const uint8_t* codes, const uint16_t* scales, const Acts* const* a, int64_t blocks, float* out) {
   constexpr int64_t bytes = kRows * (BITS4 ? 16 : 32);
-  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-  for (int64_t b = 0; b < blocks; ++b) {
+  __m256 even[R], odd[R];
+  #pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+  auto step = [&](int64_t b, __m256* acc) __attribute__((always_inline)) {
     const uint8_t* blk = codes + b * bytes;
     // the stream ahead: a block of 8 rows is a few cycles of dot products, too short a time for the
     // hardware prefetchers to ramp up at the start of a small weight
@@ -134,12 +169,22 @@ inline void group_row(const uint8_t* codes, const uint16_t* scales, const Acts& 
       _mm_prefetch(reinterpret_cast<const char*>(blk + 1024 + 128), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(blk + 1024 + 192), _MM_HINT_T0);
     }
-    const __m256i isum = block_sums<BITS4>(blk, a.q.data() + 32 * b, a.start[b]);
-    const __m256 s = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * kRows))),
-                                   _mm256_set1_ps(a.dx[b]));
-    acc[b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, acc[b & 1]);
+    const Codes k = load_codes<BITS4>(blk);
+    const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * kRows)));
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256i isum = code_sums<BITS4>(k, a[r]->q.data() + 32 * b, a[r]->start[b]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(sc, _mm256_set1_ps(a[r]->dx[b])), acc[r]);
+    }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {
+    step(b, even);
+    step(b + 1, odd);
   }
-  _mm256_storeu_ps(out, _mm256_add_ps(acc[0], acc[1]));
+  if (b < blocks) step(b, even);
+  #pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kRows, _mm256_add_ps(even[r], odd[r]));
 }
 #else
 constexpr bool kSignTrick = false;
@@ -167,6 +212,11 @@ inline void group_row(const uint8_t* codes, const uint16_t* scales, const Acts& 
     }
   }
   for (int r = 0; r < kRows; ++r) out[r] = acc[0][r] + acc[1][r];
+}
+
+template <bool BITS4, int R>
+inline void group_rows(const uint8_t* codes, const uint16_t* scales, const Acts* const* a, int64_t blocks, float* out) {
+  for (int r = 0; r < R; ++r) group_row<BITS4>(codes, scales, *a[r], blocks, out + r * kRows);
 }
 #endif
 
@@ -211,15 +261,19 @@ inline Product prepare(const at::Tensor& xc, const at::Tensor& codes, const at::
 inline void groups_into(const Product& p, int64_t g0, int64_t g1, float* y, int64_t ldy, const float* bias) {
   const int64_t group_bytes = p.blocks * kRows * (p.bits4 ? 16 : 32);
   for (int64_t g = g0; g < g1; ++g)
-    for (int64_t m = 0; m < p.M; ++m) {
-      float out[kRows];
+    perfxlm_row_groups::row_tiles(p.M, [&](auto tile, int64_t m0) {
+      constexpr int R = decltype(tile)::value;
+      const Acts* rows[R];
+      for (int r = 0; r < R; ++r) rows[r] = &p.acts[m0 + r];
+      float out[R * kRows];
       if (p.bits4)
-        group_row<true>(p.codes + g * group_bytes, p.scales + g * p.blocks * kRows, p.acts[m], p.blocks, out);
+        group_rows<true, R>(p.codes + g * group_bytes, p.scales + g * p.blocks * kRows, rows, p.blocks, out);
       else
-        group_row<false>(p.codes + g * group_bytes, p.scales + g * p.blocks * kRows, p.acts[m], p.blocks, out);
-      const int64_t n0 = g * kRows, rows = std::min<int64_t>(kRows, p.n_out - n0);
-      for (int64_t r = 0; r < rows; ++r) y[m * ldy + n0 + r] = out[r] + (bias ? bias[n0 + r] : 0.f);
-    }
+        group_rows<false, R>(p.codes + g * group_bytes, p.scales + g * p.blocks * kRows, rows, p.blocks, out);
+      const int64_t n0 = g * kRows, n = std::min<int64_t>(kRows, p.n_out - n0);
+      for (int r = 0; r < R; ++r)
+        for (int64_t i = 0; i < n; ++i) y[(m0 + r) * ldy + n0 + i] = out[r * kRows + i] + (bias ? bias[n0 + i] : 0.f);
+    });
 }
 
 // y [M, N] = x [M, K] W^T (+ bias) for W in row groups (bits 8 or 4), over groups in parallel.

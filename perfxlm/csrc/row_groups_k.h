@@ -68,11 +68,10 @@ inline void quantize(const float* x, int64_t K, Acts& a) {
   a.xsf.resize(blocks);
   a.start.resize(2 * blocks);
   a.pair.resize(blocks);
+  int8_t* q = a.q.data();
   for (int64_t b = 0; b < blocks; ++b) {
-    const int8_t* q = a.q.data() + 32 * b;
-    a.dx[b] = perfxlm_act::quantize_block_fast(x + 32 * b, a.q.data() + 32 * b);
-    int32_t half[2] = {0, 0};
-    for (int i = 0; i < 32; ++i) half[i / 16] += q[i];
+    int32_t half[2];
+    a.dx[b] = perfxlm_act::quantize_block_sums(x + 32 * b, q + 32 * b, half);
     a.xsf[b] = a.dx[b] * static_cast<float>(half[0] + half[1]);
     a.start[2 * b] = -32 * half[0];
     a.start[2 * b + 1] = -32 * half[1];

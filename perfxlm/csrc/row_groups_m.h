@@ -42,33 +42,48 @@ inline void quantize(const float* x, int64_t K, Acts& a) {
   a.q.resize(K);
   a.dx.resize(blocks);
   a.xsum.resize(blocks);
+  int8_t* q = a.q.data();
   for (int64_t b = 0; b < blocks; ++b) {
-    a.dx[b] = perfxlm_act::quantize_block_fast(x + 32 * b, a.q.data() + 32 * b);
-    int32_t sum = 0;
-    for (int i = 0; i < 32; ++i) sum += a.q[32 * b + i];
-    a.xsum[b] = a.dx[b] * static_cast<float>(sum);
+    int32_t half[2];
+    const float dx = perfxlm_act::quantize_block_sums(x + 32 * b, q + 32 * b, half);
+    a.dx[b] = dx;
+    a.xsum[b] = dx * static_cast<float>(half[0] + half[1]);
   }
 }
 
-// One group's 8 outputs for one activation row.
+// One group's 8 outputs for each of R activation rows (out: R x 8): each block's codes unpacked, and its
+// scales and mins widened, once for all R (row_groups.h's group_rows); each row's sums in its own order.
 #ifdef PERFXLM_ROWS8_SIMD
-inline void group_row(const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, const Acts& a,
-                      int64_t blocks, float* out) {
-  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-  __m256 macc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-  for (int64_t b = 0; b < blocks; ++b) {
+template <int R>
+inline void group_rows(const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, const Acts* const* a,
+                       int64_t blocks, float* out) {
+  __m256 acc[2][R], macc[2][R];  // [block parity][row]
+  #pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = macc[0][r] = macc[1][r] = _mm256_setzero_ps();
+  auto step = [&](int64_t b, __m256* dots, __m256* mterm) __attribute__((always_inline)) {
     const uint8_t* blk = codes + b * kBlockBytes;
     // the stream ahead (row_groups.h says why)
     _mm_prefetch(reinterpret_cast<const char*>(blk + 1024), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(blk + 1024 + 64), _MM_HINT_T0);
-    const __m256i isum = perfxlm_rows8::block_sums<true>(blk, a.q.data() + 32 * b, 0);
-    const __m256 s = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * kRows))),
-                                   _mm256_set1_ps(a.dx[b]));
+    const perfxlm_rows8::Codes k = perfxlm_rows8::load_codes<true>(blk);
+    const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * kRows)));
     const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + b * kRows)));
-    acc[b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, acc[b & 1]);
-    macc[b & 1] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.xsum[b]), macc[b & 1]);
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256i isum = perfxlm_rows8::code_sums<true>(k, a[r]->q.data() + 32 * b, 0);
+      dots[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(sc, _mm256_set1_ps(a[r]->dx[b])), dots[r]);
+      mterm[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a[r]->xsum[b]), mterm[r]);
+    }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {
+    step(b, acc[0], macc[0]);
+    step(b + 1, acc[1], macc[1]);
   }
-  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(macc[0], macc[1])));
+  if (b < blocks) step(b, acc[0], macc[0]);
+  #pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+    _mm256_storeu_ps(out + r * kRows, _mm256_add_ps(_mm256_add_ps(acc[0][r], acc[1][r]), _mm256_add_ps(macc[0][r], macc[1][r])));
 }
 #else
 inline void group_row(const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, const Acts& a,
@@ -91,6 +106,12 @@ inline void group_row(const uint8_t* codes, const uint16_t* scales, const uint16
     }
   }
   for (int r = 0; r < kRows; ++r) out[r] = (acc[0][r] + acc[1][r]) + (macc[0][r] + macc[1][r]);
+}
+
+template <int R>
+inline void group_rows(const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, const Acts* const* a,
+                       int64_t blocks, float* out) {
+  for (int r = 0; r < R; ++r) group_row(codes, scales, mins, *a[r], blocks, out + r * kRows);
 }
 #endif
 
@@ -129,13 +150,17 @@ inline Product prepare(const at::Tensor& xc, const at::Tensor& codes, const at::
 // Groups [g0, g1) into y (row stride ldy), bias added; each group's codes stay in L1 over the batch's rows.
 inline void groups_into(const Product& p, int64_t g0, int64_t g1, float* y, int64_t ldy, const float* bias) {
   for (int64_t g = g0; g < g1; ++g)
-    for (int64_t m = 0; m < p.M; ++m) {
-      float out[kRows];
+    perfxlm_row_groups::row_tiles(p.M, [&](auto tile, int64_t m0) {
+      constexpr int R = decltype(tile)::value;
+      const Acts* rows[R];
+      for (int r = 0; r < R; ++r) rows[r] = &p.acts[m0 + r];
+      float out[R * kRows];
       const int64_t params = g * p.blocks * kRows;
-      group_row(p.codes + g * p.blocks * kBlockBytes, p.scales + params, p.mins + params, p.acts[m], p.blocks, out);
-      const int64_t n0 = g * kRows, rows = std::min<int64_t>(kRows, p.n_out - n0);
-      for (int64_t r = 0; r < rows; ++r) y[m * ldy + n0 + r] = out[r] + (bias ? bias[n0 + r] : 0.f);
-    }
+      group_rows<R>(p.codes + g * p.blocks * kBlockBytes, p.scales + params, p.mins + params, rows, p.blocks, out);
+      const int64_t n0 = g * kRows, n = std::min<int64_t>(kRows, p.n_out - n0);
+      for (int r = 0; r < R; ++r)
+        for (int64_t i = 0; i < n; ++i) y[(m0 + r) * ldy + n0 + i] = out[r * kRows + i] + (bias ? bias[n0 + i] : 0.f);
+    });
 }
 
 // y [M, N] = x [M, K] W^T (+ bias) for W in affine row groups, over groups in parallel.

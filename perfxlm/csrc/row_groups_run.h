@@ -7,8 +7,38 @@
 #include <ATen/Parallel.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace perfxlm_row_groups {
+
+// Activation rows per pass over a group's blocks: each block's codes are loaded (and 4-bit ones unpacked)
+// once per tile of rows, then every row of the tile takes its dot products from the registers. With 32
+// vector registers (AVX-512VL) 4 rows' accumulators fit beside a block's 8 code vectors; AVX2 has 16.
+#if defined(__AVX512VL__)
+constexpr int kRowTile = 4;
+#else
+constexpr int kRowTile = 2;
+#endif
+
+// fn(std::integral_constant<int, R>{}, m0) over rows [0, M) in as few tiles of at most kRowTile rows as
+// there can be, their sizes as even as possible (5 rows as 2 + 3, 6 as 3 + 3): a tile of one row pays a
+// block's whole loading and unpacking for one row's dots.
+template <class Fn>
+inline void row_tiles(int64_t M, Fn&& fn) {
+  const int64_t tiles = (M + kRowTile - 1) / kRowTile;
+  int64_t m = 0;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t size = t + 1 == tiles ? M - m : (M - m) / (tiles - t);
+    switch (size) {
+      case 1: fn(std::integral_constant<int, 1>{}, m); break;
+      case 2: fn(std::integral_constant<int, 2>{}, m); break;
+      case 3: if constexpr (kRowTile >= 3) fn(std::integral_constant<int, 3>{}, m); break;
+      case 4: if constexpr (kRowTile >= 4) fn(std::integral_constant<int, 4>{}, m); break;
+      default: break;
+    }
+    m += size;
+  }
+}
 
 template <class Product, class Into>
 inline at::Tensor run(const char* op, const at::Tensor& xc, const Product& p, int64_t n_out,

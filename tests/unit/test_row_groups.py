@@ -74,14 +74,19 @@ def test_native_product_matches_the_reference(bits, n, k, rows):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_a_row_alone_gives_the_bits_it_has_in_a_batch(bits):
+@pytest.mark.parametrize("rows,k", [(2, 224), (3, 160), (5, 224), (6, 320), (7, 96)])
+def test_a_row_alone_gives_the_bits_it_has_in_a_batch(bits, rows, k):
+    # the GEMV runs rows in tiles that share each block's codes (row_groups_run.h): every tile size and
+    # remainder, odd and even block counts
     ops = ops_or_skip()
-    n, k = 21, 224
+    n = 21
     w = gguf_weight(bits, n, k, seed=5)
     codes8, scales8 = row_groups.pack(w.codes, w.scales, bits)
-    x = torch.randn(5, k, generator=torch.Generator().manual_seed(7))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7))
     batch = ops.linear_q_rows8(x, codes8, scales8, bits, n, None)
-    for m in range(5):
+    torch.testing.assert_close(batch, reference.block_reference_linear(x, w, None), rtol=1e-5,
+                               atol=1e-5 * batch.abs().max().item())
+    for m in range(rows):
         assert torch.equal(ops.linear_q_rows8(x[m:m + 1], codes8, scales8, bits, n, None)[0], batch[m])
 
 

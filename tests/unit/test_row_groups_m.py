@@ -123,12 +123,16 @@ def test_native_product_matches_the_reference_and_the_plain_block_gemv(n, k, row
         close(y, ops.linear_q(x, w.codes, w.scales, w.mins, None, bias, False, 8, False, True))
 
 
-def test_a_row_alone_gives_the_bits_it_has_in_a_batch():
+@pytest.mark.parametrize("rows,k", [(8, 320), (2, 352), (3, 96), (5, 320), (6, 352), (7, 160)])
+def test_a_row_alone_gives_the_bits_it_has_in_a_batch(rows, k):
+    # the GEMV runs rows in tiles that share each block's unpacked codes (row_groups_run.h): every tile
+    # size and remainder, odd and even block counts
     ops = ops_or_skip()
-    w, r = grouped(45, 320, seed=3)
-    x = torch.randn(8, 320, generator=torch.Generator().manual_seed(9))
+    w, r = grouped(45, k, seed=3)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(9))
     batch = ops.linear_q(x, r.codes, r.scales, r.mins, None, None, False, 8, False, True, -1, -1, 3, 45)
-    for m in range(8):
+    close(batch, reference.block_reference_linear(x, w, None))
+    for m in range(rows):
         alone = ops.linear_q(x[m:m + 1], r.codes, r.scales, r.mins, None, None, False, 8, False, True, -1, -1, 3, 45)
         assert torch.equal(alone[0], batch[m])
         assert torch.equal(ops.linear_q_rows8_m(x[m:m + 1], r.codes, r.scales, r.mins, 45, None)[0], batch[m])
