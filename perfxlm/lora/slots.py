@@ -33,6 +33,7 @@ not all already in a slot.
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -72,6 +73,20 @@ class PackedLoRA:
     kernel_cols: torch.Tensor
 
 
+# From this many rows a step whose rows use several adapters takes each adapter's own rows and columns
+# (`LoRABatch._add_grouped`) instead of the masked product over every slot's columns: a prefill of 16
+# prompts over 4 rank-16 adapters then does a quarter of the masked product's multiply-adds. Below it (a
+# few decode rows on the module path) the masked product's two operations cost less than a product pair
+# per slot. PERFXLM_LORA_GROUPED_ROWS sets another bound (0: always grouped; a large number: never).
+_GROUPED_ROWS = 64
+_RUN_ROWS = 8  # a run of one slot's rows this long takes its products on views in place; shorter: gathered
+
+
+def grouped_rows() -> int:
+    env = os.environ.get("PERFXLM_LORA_GROUPED_ROWS", "")
+    return max(0, int(env)) if env.strip() else _GROUPED_ROWS
+
+
 # Below this many multiply-adds an adapter product runs on the calling thread. The products are small
 # (rank columns), and a parallel region's fork and join cost more than such work: on a loaded 2-core
 # machine, [1, 576] x [576, 48] then x [48, 3072] took a median 11 us on one thread and, on two, 10 us or
@@ -89,6 +104,7 @@ class LoRABatch:
         self._masks: dict[int, torch.Tensor] = {}  # id(layout) -> [rows, R] mask, for this step
         self._row_slot32 = row_slot.to(torch.int32)
         self._kernel_operands = kernel_operands if kernel_operands is not None else KernelOperands()
+        self._groups: list[tuple[int, slice | torch.Tensor]] | None = None  # _slot_rows(), once per step
 
     @staticmethod
     def targets(module: Any) -> bool:
@@ -122,21 +138,53 @@ class LoRABatch:
         return [self._row_slot32, block] if block.numel() else []
 
     def add(self, layer: Any, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if self.single_slot is None and x.shape[0] >= grouped_rows():
+            packed: PackedLoRA | None = getattr(layer, "packed", None)
+            if packed is not None:
+                self._add_grouped(packed, x, out)
+            return out
         ops = self.operands(layer)
         if ops is None:
             return out
         a, bt, scale = ops
-        if a.dtype != x.dtype:  # bf16 adapters beside float32 activations: the fused kernel's values
-            a, bt = a.to(x.dtype), bt.to(x.dtype)
-        threads = torch.get_num_threads()
-        serial = threads > 1 and x.shape[0] * a.shape[0] * (a.shape[1] + bt.shape[1]) < _SERIAL_MACS
-        if serial:
-            torch.set_num_threads(1)
-        try:
-            return out.addmm_((x @ a.T).mul_(scale), bt)
-        finally:
-            if serial:
-                torch.set_num_threads(threads)
+        _add_product(x, a, bt, scale, out)
+        return out
+
+    def _add_grouped(self, packed: PackedLoRA, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out += each slot's rows' x A^T * scale B^T over that slot's columns only (see _GROUPED_ROWS)."""
+        layout = packed.layout
+        for slot, rows in self._slot_rows():
+            span = layout.spans.get(slot)
+            if span is None:  # this adapter has no part on this projection
+                continue
+            s, e = span
+            a, bt, scale = packed.a[s:e], packed.bt[s:e], layout.col_scale[s:e]
+            if isinstance(rows, slice):  # one run of rows: views, added in place
+                _add_product(x[rows], a, bt, scale, out[rows])
+            else:
+                part = _add_product(x.index_select(0, rows), a, bt, scale, None)
+                out.index_add_(0, rows, part)
+
+    def _slot_rows(self) -> list[tuple[int, slice | torch.Tensor]]:
+        """The used slots' rows as the grouped product takes them: each run of one slot's rows at least
+        _RUN_ROWS long (a prompt's tokens) as a slice, viewed in place; a slot's rows in shorter runs (decode
+        rows beside a prefill) gathered together."""
+        if self._groups is None:
+            slots = self.row_slot.numpy()
+            self._groups = []
+            short: dict[int, list[np.ndarray]] = {}
+            bounds = np.flatnonzero(np.diff(slots)) + 1
+            for start, end in zip([0, *bounds.tolist()], [*bounds.tolist(), slots.size]):
+                slot = int(slots[start])
+                if slot < 0:
+                    continue
+                if end - start >= _RUN_ROWS:
+                    self._groups.append((slot, slice(start, end)))
+                else:
+                    short.setdefault(slot, []).append(np.arange(start, end))
+            for slot, idx in short.items():
+                self._groups.append((slot, torch.from_numpy(np.concatenate(idx))))
+        return self._groups
 
 
 class KernelOperands:
@@ -259,6 +307,23 @@ class LoRASlots:
                                                      torch.tensor(col_scale, dtype=self.dtype), spans)
             wrapper.packed = PackedLoRA(a, bt, layout, kernel_a, kernel_bt, kernel_scale,
                                         torch.tensor(col_out, dtype=torch.int32))
+
+
+def _add_product(x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, scale: torch.Tensor,
+                 out: torch.Tensor | None) -> torch.Tensor:
+    """out += (x A^T * scale) B^T in place (None: the product alone); small products on one thread."""
+    if a.dtype != x.dtype:  # bf16 adapters beside float32 activations: the fused kernel's values
+        a, bt = a.to(x.dtype), bt.to(x.dtype)
+    threads = torch.get_num_threads()
+    serial = threads > 1 and x.shape[0] * a.shape[0] * (a.shape[1] + bt.shape[1]) < _SERIAL_MACS
+    if serial:
+        torch.set_num_threads(1)
+    try:
+        h = (x @ a.T).mul_(scale)
+        return h @ bt if out is None else out.addmm_(h, bt)
+    finally:
+        if serial:
+            torch.set_num_threads(threads)
 
 
 def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -3,6 +3,7 @@ row's result equal to its own adapter's B A x times scale, alone or mixed with o
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from perfxlm.lora.adapter import LoRAAdapter, LoRAPart
@@ -51,6 +52,26 @@ def test_grouped_product_per_row_and_lru_slots():
     assert slots.num_repacks == 2 and {s.adapter.lora_int_id for s in slots.slots.values()} == {2, 3}
     check([b, c], [4, 3])  # both in slots: nothing moves
     assert slots.num_repacks == 2
+
+
+@pytest.mark.parametrize("grouped_from", ["0", "100000"])  # every step per slot's rows / every step masked
+def test_grouped_and_masked_products_agree(monkeypatch, grouped_from):
+    # the per-slot form (a prefill's rows: each slot's rows, viewed where one run, gathered elsewhere, over
+    # its own columns) and the masked one give every row its own adapter's product, rows without one and
+    # adapters without a part on the projection left alone
+    monkeypatch.setenv("PERFXLM_LORA_GROUPED_ROWS", grouped_from)
+    wrapper = _Wrapper("proj", 11)
+    slots = LoRASlots([wrapper], max_loras=3, dtype=torch.float32)
+    a, b = _adapter(1, 2), _adapter(2, 4, parts=((3, 8),))
+    none = LoRAAdapter(LoRARequest("l9", 9, "/adapters/9"), {}, 1)  # targets another module only
+    x = torch.randn(23, 13, generator=torch.Generator().manual_seed(5))
+    for adapters, rows in (([a, None, b, a], [5, 3, 6, 9]), ([b, none, None], [20, 2, 1]), ([a, b], [22, 1])):
+        base = torch.randn(23, 11, generator=torch.Generator().manual_seed(6))
+        got = slots.batch(adapters, rows).add(wrapper, x, base.clone())
+        per_row = [ad for ad, n in zip(adapters, rows) for _ in range(n)]
+        want = base + torch.cat([_expected(ad if ad is not none else None, x[i : i + 1])
+                                 for i, ad in enumerate(per_row)])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def _block_now(wrapper) -> torch.Tensor:
