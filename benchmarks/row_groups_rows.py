@@ -21,9 +21,9 @@ import gguf
 import numpy as np
 import torch
 
+from row_groups_q4_1 import weights as plain_and_grouped
+
 from perfxlm.ops import native
-from perfxlm.quant.gguf_repack import repack
-from perfxlm.quant.weight import ActivationMode
 
 Q = gguf.GGMLQuantizationType
 # q|k|v, o, gate|up, down of one layer (x30), the tied head (Q8_0)
@@ -31,18 +31,8 @@ SHAPES = ["960x576:q4_1", "576x576:q4_1", "3072x576:q4_1", "576x1536:q4_1", "491
 
 
 def weights(qtype: Q, n: int, k: int, copies: int, rng: np.random.Generator) -> list:
-    elems, nbytes = gguf.GGML_QUANT_SIZES[qtype]
-    out = []
-    for _ in range(copies):
-        raw = rng.integers(0, 256, size=(n * k // elems, nbytes), dtype=np.uint8)
-        d = rng.uniform(0.5, 1.5, raw.shape[0]) * 1e-3
-        raw[:, 0:2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
-        if qtype == Q.Q4_1:
-            raw[:, 2:4] = (-8 * d).astype(np.float16).view(np.uint8).reshape(-1, 2)
-        w = repack(raw, qtype, (n, k))
-        w.use_activations(ActivationMode.INT8_NATIVE)
-        out.append(w.in_row_groups())
-    return out
+    """Random codes of `qtype` in row groups (the grouped halves of row_groups_q4_1's pairs)."""
+    return [grouped for _, grouped in plain_and_grouped(qtype, n, k, copies, rng)]
 
 
 def main() -> int:
