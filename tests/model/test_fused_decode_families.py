@@ -35,6 +35,13 @@ PLANS = {
 }
 
 
+# The two paths sum some float32 values in another order (1e-5 apart in log-probability here with torch's
+# bf16 GEMM). Where rows past native_max_rows round the activations to bf16, such a difference can move
+# one activation across a bf16 rounding boundary (one bf16 ulp, 0.4 %), which the next layers carry:
+# measured up to 2e-4 on the Gemma 3 case with the bf16 dot-product kernel. Tokens must still agree.
+_LOGPROB_TOL = {"float32": 1e-4, "bf16-rows-native": 1e-3, "bf16-rows-gemm": 1e-4, "bf16-panels": 1e-4}
+
+
 @pytest.fixture(autouse=True)
 def _one_thread_and_plan_restored():
     n = torch.get_num_threads()
@@ -89,7 +96,7 @@ def test_fused_layer_matches_module_path(checkpoints, monkeypatch, case, plan):
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert la.keys() == lb.keys()
             for tok in la:
-                assert la[tok].logprob == pytest.approx(lb[tok].logprob, abs=1e-4)
+                assert la[tok].logprob == pytest.approx(lb[tok].logprob, abs=_LOGPROB_TOL[plan])
 
 
 @pytest.mark.parametrize("case", MODULE_ONLY)
