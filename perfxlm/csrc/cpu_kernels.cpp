@@ -157,14 +157,14 @@ at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed, int
 // ---------------------------------------------------------------------------------------------
 // linear_bf16_rows: the same product with W kept as plain bf16 rows [N, K] (the layout torch's own
 // bf16 GEMM reads, so CPUs with AMX / AVX512-BF16 run many-row products through oneDNN on the very
-// same tensor). Few rows only: each task streams NT weight rows and dots them with every x row,
+// same tensor). Few rows only: batch 1 dots two far-apart weight rows at a time (rows_pairs); more rows: each task
+// streams NT weight rows and dots them with every x row,
 // accumulating 16 lanes per pair and reducing once at the end (K / 16 FMAs per reduction). The NT
 // rows of a tile stay in L1 while chunks of up to MT x rows pass over them.
 // ---------------------------------------------------------------------------------------------
 
 #ifdef PERFXLM_SIMD16
-// Weight rows per tile at batch 1 (read streams) and x rows per chunk, by register count.
-constexpr int kRowsTileOne = simd16::kAvx512 ? 8 : 4;
+// x rows per chunk, by register count.
 constexpr int kRowsChunk = simd16::kAvx512 ? 4 : 2;
 
 template <int MT, int NT>
@@ -195,6 +195,36 @@ inline void rows_tile(const float* x, int64_t K, const uint16_t* w, float* y, in
   for (int i = 0; i < MT; ++i)
     #pragma GCC unroll 16
     for (int j = 0; j < NT; ++j) y[i * N + n0 + j] = simd16::reduce_add(acc[i][j]) + (bias ? bias[n0 + j] : 0.f);
+}
+
+// Batch 1: a task's rows split in two halves walked side by side, row a of the first half with row a of the
+// second, each pair dotted with one pass over x. A thread then reads two sequential streams far apart,
+// which the hardware prefetchers follow at the DRAM rate: NT interleaved rows (the tile above) read 10-14
+// GB/s from DRAM on Zen 4, one row after another 16-19, two far-apart rows 20-24 (2 threads, model-shaped
+// matrices cycled past the L3); a software prefetch a tile or a few lines ahead did not close the gap.
+inline void rows_pairs(const float* x, int64_t K, const uint16_t* w, float* y, int64_t n, const float* bias) {
+  const int64_t half = (n + 1) / 2;
+  for (int64_t r = 0; r < half; ++r) {
+    const bool two = r + half < n;
+    const uint16_t* wa = w + r * K;
+    const uint16_t* wb = two ? w + (r + half) * K : wa;
+    V a0 = simd16::zero(), a1 = a0, b0 = a0, b1 = a0;
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+      const V x0 = simd16::load(x + k), x1 = simd16::load(x + k + 16);
+      a0 = simd16::fmadd(x0, simd16::load(wa + k), a0);
+      a1 = simd16::fmadd(x1, simd16::load(wa + k + 16), a1);
+      b0 = simd16::fmadd(x0, simd16::load(wb + k), b0);
+      b1 = simd16::fmadd(x1, simd16::load(wb + k + 16), b1);
+    }
+    for (; k < K; k += 16) {
+      const V x0 = simd16::load(x + k, K - k);
+      a0 = simd16::fmadd(x0, simd16::load(wa + k, K - k), a0);
+      b0 = simd16::fmadd(x0, simd16::load(wb + k, K - k), b0);
+    }
+    y[r] = simd16::reduce_add(simd16::add(a0, a1)) + (bias ? bias[r] : 0.f);
+    if (two) y[r + half] = simd16::reduce_add(simd16::add(b0, b1)) + (bias ? bias[r + half] : 0.f);
+  }
 }
 
 template <int NT>
@@ -232,16 +262,19 @@ at::Tensor linear_bf16_rows(const at::Tensor& x, const at::Tensor& weight, const
   const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
 #ifdef PERFXLM_SIMD16
-  // One weight row per accumulator: more rows (read streams) at batch 1, 4 with several x rows.
-  const int64_t NT = M == 1 ? kRowsTileOne : 4;
+  if (M == 1) {
+    at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+      rows_pairs(xp, K, wp + begin * K, yp + begin, end - begin, bp ? bp + begin : nullptr);
+    });
+    return y;
+  }
+  // Several x rows: 4 weight rows per tile, each loaded once for every x row of a chunk.
+  const int64_t NT = 4;
   const int64_t tiles = N / NT;
   at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * NT;
-      if (NT == 8)
-        rows_block<8>(xp, M, K, wp + n0 * K, yp, N, n0, bp);
-      else
-        rows_block<4>(xp, M, K, wp + n0 * K, yp, N, n0, bp);
+      rows_block<4>(xp, M, K, wp + n0 * K, yp, N, n0, bp);
     }
   });
   for (int64_t n0 = tiles * NT; n0 < N; ++n0) rows_block<1>(xp, M, K, wp + n0 * K, yp, N, n0, bp);
