@@ -6,10 +6,14 @@ decoding and the acceptance of each rule, and of an oracle that guesses exactly 
 accepted (the bound for prompt lookup at that row cost).
 
     python benchmarks/spec_replay.py --dataset sharegpt_samples_1024.json
-    python benchmarks/spec_replay.py --dataset sharegpt_samples_1024.json --row-costs 1,1.13,1.31,1.61,1.94,2.38,2.64,2.79
+    python benchmarks/spec_replay.py --dataset sharegpt_samples_1024.json --row-costs 1,1.13,1.31,1.61,1.94,2.38
 
-The default row costs are verify_rows.py's on a 2-vCPU Zen 4 (loaded, one thread, CPU time per step: 2 to
-8 rows cost 1.13x to 2.79x one row); past the list's end each row adds the last step's increment.
+The default row costs are verify_rows.py's on a 2-vCPU Zen 4 after the row-group GEMVs took a step's rows
+in tiles of 4 (loaded, one thread, CPU time per step: 2 to 6 rows cost 1.06x, 1.21x, 1.39x, 1.82x, 1.87x one
+row; a fifth row starts a second tile); past the list's end each row adds the last step's increment.
+Rules: "budget" (the most recent occurrence within the per-request budget), "half" (the match reaching
+furthest back, a guess per two matched tokens), "match" (the same, a guess per matched token: the
+engine's default), "oracle" (the most recent occurrence cut where it will be rejected).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from perfxlm import LLM, SamplingParams
 from perfxlm.spec_decode.draft_budget import DraftBudget
 from perfxlm.spec_decode.ngram import propose_by_match, propose_ngram
 
-DEFAULT_COSTS = "1,1.13,1.31,1.61,1.94,2.38,2.64,2.79"
+DEFAULT_COSTS = "1,1.06,1.21,1.39,1.82,1.87"
 
 
 def replay(prompt: list[int], output: list[int], rule: str, k: int, lookup: tuple[int, int],
@@ -41,7 +45,7 @@ def replay(prompt: list[int], output: list[int], rule: str, k: int, lookup: tupl
         elif rule == "budget":
             drafts = propose_ngram(arr, *lookup, room)
         else:
-            drafts = propose_by_match(arr, *lookup, room)
+            drafts = propose_by_match(arr, *lookup, room, 2 if rule == "half" else 1)
         if rule == "oracle":  # the most recent match's continuation, cut where it will be rejected
             drafts = propose_ngram(arr, *lookup, room)
             n = next((j for j, t in enumerate(drafts) if output[pos + j] != t), len(drafts))
@@ -86,7 +90,7 @@ def main() -> int:
             out = llm.generate(prompt, params, use_tqdm=False)[0]  # one at a time, as spec_decode.py runs them
             runs.append((list(out.prompt_token_ids), list(out.outputs[0].token_ids)))
         line = f"{kind:12}"
-        for rule in ("budget", "match", "oracle"):
+        for rule in ("budget", "half", "match", "oracle"):
             results = [replay(p, o, rule, args.num_speculative_tokens, lookup, cost) for p, o in runs if len(o) > 1]
             drafted, accepted = sum(r[1] for r in results), sum(r[2] for r in results)
             speedups = [r[0] for r in results]

@@ -3,18 +3,23 @@ occurred earlier in the request's tokens, prompt or output, proposes the tokens 
 compute and right whenever the output copies its input (code edits, quotes, summaries, structured output
 over given data).
 
-Which occurrence, and how many of its tokens: a verification row is not free on a CPU (on the default
-model a row costs ~15-25 % of a one-row step), so a guess that is likely wrong costs more than it can
-win. How far the match reaches back predicts how long the copy goes on: a 2-gram seen once ("self .")
-is followed by the same token about half the time, the tail of a 20-token copied span nearly always. So,
-by default (`PERFXLM_NGRAM_DRAFTS=match`), among the occurrences of that n-gram the one whose agreement
-with the request's suffix reaches furthest back proposes (the most recent of equals), and a match of L
-tokens proposes at most L // 2 (a 2-gram one token, a 10-token match five). That bound replaces the
-per-request budget (draft_budget.py) for this proposer. Replayed over the greedy outputs of
-benchmarks/spec_decode.py's prompts with the measured cost of a k-row step, it raised the modelled
-speed-up on code edits from 1.55x to 1.91x, quotes 1.43x to 1.52x, summaries 1.38x to 1.48x, chat
-1.29x to 1.32x. `PERFXLM_NGRAM_DRAFTS=budget`: the most recent occurrence, as many tokens as the budget
-allows (the rule before).
+Which occurrence, and how many of its tokens: a verification row is not free on a CPU, so a guess that
+is likely wrong costs more than it can win. How far the match reaches back predicts how long the copy
+goes on: a 2-gram seen once ("self .") is followed by the same token about half the time, the tail of a
+20-token copied span nearly always. So, by default (`PERFXLM_NGRAM_DRAFTS=match`), among the occurrences
+of that n-gram the one whose agreement with the request's suffix reaches furthest back proposes (the most
+recent of equals), and a match of L tokens proposes at most L tokens (a 2-gram two, a 5-token match
+five). That bound replaces the per-request budget (draft_budget.py) for this proposer.
+
+How many per matched token follows the row cost. When a row cost ~25 % of a one-row step, half as many
+as matched (`PERFXLM_NGRAM_DRAFTS=half`) did best: replayed over the greedy outputs of
+benchmarks/spec_decode.py's prompts it raised the modelled speed-up on code edits from 1.55x to 1.91x
+over the most recent occurrence with the budget. Since the row-group GEMVs take a step's rows in tiles
+of 4, a step of 2-4 rows costs only 1.06x, 1.21x, 1.39x one row (one thread, CPU time per step), and the
+same replay at those costs (5 guesses, 3 prompts per kind, mean modelled speed-up) favours one guess per
+matched token: code edit 1.70x -> 1.76x, quote 1.79x -> 1.82x, summary 1.72x -> 1.74x, chat 1.41x ->
+1.44x. `PERFXLM_NGRAM_DRAFTS=budget`: the most recent occurrence, as many tokens as the budget allows
+(the first rule).
 """
 
 from __future__ import annotations
@@ -26,11 +31,14 @@ import numpy as np
 
 from perfxlm.spec_decode.proposer import DraftRequest, Proposer
 
-DRAFT_RULES = ("match", "budget")
+DRAFT_RULES = ("match", "half", "budget")
+# matched tokens per guess under each rule that bounds its guesses by the match
+_PER_GUESS = {"match": 1, "half": 2}
 
 
 def draft_rule() -> str:
-    """PERFXLM_NGRAM_DRAFTS: "match" (default: the match's length bounds the guesses) or "budget"."""
+    """PERFXLM_NGRAM_DRAFTS: "match" (default: a guess per matched token), "half" (one per two) or
+    "budget" (the per-request budget bounds them)."""
     value = os.environ.get("PERFXLM_NGRAM_DRAFTS", "match").strip().lower() or "match"
     if value not in DRAFT_RULES:
         raise ValueError(f"PERFXLM_NGRAM_DRAFTS={value!r}: expected one of {', '.join(DRAFT_RULES)}.")
@@ -43,7 +51,9 @@ class NgramProposer(Proposer):
     def __init__(self, lookup_min: int, lookup_max: int, rule: str | None = None) -> None:
         self.lookup_min = lookup_min
         self.lookup_max = lookup_max
-        self.by_match = (rule or draft_rule()) == "match"
+        rule = rule or draft_rule()
+        self.by_match = rule in _PER_GUESS
+        self.per_guess = _PER_GUESS.get(rule, 1)
         # the match's length bounds each guess run, so the per-request budget would only cut it shorter
         self.follows_budget = not self.by_match
         # request id -> (its tokens as int64, grown by doubling; how many are filled): a request's tokens
@@ -74,7 +84,7 @@ class NgramProposer(Proposer):
     def _propose_one(self, r: DraftRequest) -> list[int]:
         tokens = self._array(r)
         if self.by_match:
-            return propose_by_match(tokens, self.lookup_min, self.lookup_max, r.max_drafts)
+            return propose_by_match(tokens, self.lookup_min, self.lookup_max, r.max_drafts, self.per_guess)
         return propose_ngram(tokens, self.lookup_min, self.lookup_max, r.max_drafts)
 
 
@@ -110,18 +120,22 @@ def propose_ngram(tokens: np.ndarray, lookup_min: int, lookup_max: int, max_draf
     return tokens[begin : begin + max_drafts].tolist()
 
 
-def propose_by_match(tokens: np.ndarray, lookup_min: int, lookup_max: int, max_drafts: int) -> list[int]:
+def propose_by_match(tokens: np.ndarray, lookup_min: int, lookup_max: int, max_drafts: int,
+                     per_guess: int = 1) -> list[int]:
     """The tokens after the occurrence of the longest matching suffix n-gram whose agreement with the
-    tokens before the suffix reaches furthest back (the most recent of equals), at most half as many as
-    the tokens that agree (at least one)."""
+    tokens before the suffix reaches furthest back (the most recent of equals), one per `per_guess`
+    tokens that agree (at least one)."""
     n, starts = _longest_suffix(tokens, lookup_min, lookup_max)
     if not n:
         return []
     total = tokens.shape[0]
-    # Grow the match backwards one token at a time over the occurrences that still agree; past
-    # 2 * max_drafts tokens the bound no longer binds, so the reach stops there.
+    # Grow the match backwards one token at a time over the occurrences that still agree. Past
+    # per_guess * max_drafts tokens the bound no longer binds, but while several occurrences are left,
+    # reaching on (up to four times the allowance) still tells them apart: the one reaching further is
+    # the span being copied (on the quote prompts, 3x instead of 2x took acceptance 76 % -> 78 %).
+    bound = per_guess * max_drafts
     length, alive = n, starts
-    while length < 2 * max_drafts and length < total - 1:
+    while length < 4 * max_drafts and length < total - 1 and (length < bound or alive.size > 1):
         back = alive - (length - n) - 1  # the token before each occurrence's agreeing run
         keep = back >= 0
         keep[keep] = tokens[back[keep]] == tokens[total - length - 1]
@@ -129,4 +143,4 @@ def propose_by_match(tokens: np.ndarray, lookup_min: int, lookup_max: int, max_d
             break
         alive, length = alive[keep], length + 1
     begin = int(alive[-1]) + n
-    return tokens[begin : begin + min(max_drafts, max(1, length // 2))].tolist()
+    return tokens[begin : begin + min(max_drafts, max(1, length // per_guess))].tolist()

@@ -90,31 +90,54 @@ def test_prompt_lookup_by_match_takes_the_furthest_reaching_match_and_half_its_l
     t = np.array([1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8, 1, 2, 3, 4])
     # [2, 3, 4] occurs at 1 and 6; at 1 the token before (1) agrees with the suffix's too: 4 tokens agree,
     # so it proposes 4 // 2 = 2 of what followed it (the most recent occurrence agrees over 3 only)
-    assert propose_by_match(t, 1, 3, 10) == [5, 9]
-    assert propose_by_match(t, 1, 3, 1) == [7]  # one allowed: a 3-token reach already binds, the most recent
+    assert propose_by_match(t, 1, 3, 10, 2) == [5, 9]
+    # one allowed: a 3-token reach already binds, but two occurrences are left: the one reaching further
+    assert propose_by_match(t, 1, 3, 1, 2) == [5]
     # equal reach: the most recent occurrence; a 2-token match proposes one token
-    assert propose_by_match(np.array([8, 5, 6, 1, 9, 5, 6, 2, 7, 5, 6]), 2, 3, 5) == [2]
+    assert propose_by_match(np.array([8, 5, 6, 1, 9, 5, 6, 2, 7, 5, 6]), 2, 3, 5, 2) == [2]
     # a long copied span: the whole allowance (its reach stops counting at twice the allowance)
     span = list(range(100, 130))
-    assert propose_by_match(np.array([1, *span, 2, *span[:20]]), 2, 4, 6) == span[20:26]
+    assert propose_by_match(np.array([1, *span, 2, *span[:20]]), 2, 4, 6, 2) == span[20:26]
     assert propose_by_match(np.array([5, 6, 7, 8]), 1, 3, 4) == []  # nothing repeats
     assert propose_by_match(np.array([5, 6, 7, 6]), 2, 3, 4) == []  # below the minimum
     assert propose_by_match(np.array([3]), 1, 3, 4) == []
-    assert propose_by_match(np.array([3, 3]), 1, 3, 4) == [3]
-    assert propose_by_match(np.array([3, 3, 3, 3, 3]), 1, 3, 4) == [3]  # agrees back to the start: 4 // 2 tokens left
+    assert propose_by_match(np.array([3, 3]), 1, 3, 4, 2) == [3]
+    assert propose_by_match(np.array([3, 3, 3, 3, 3]), 1, 3, 4, 2) == [3]  # agrees back to the start: 4 // 2 tokens left
     # reaching back to the first token stops there (no wrap-around)
-    assert propose_by_match(np.array([4, 5, 4, 5]), 2, 2, 8) == [4]
+    assert propose_by_match(np.array([4, 5, 4, 5]), 2, 2, 8, 2) == [4]
+
+
+
+def test_prompt_lookup_by_match_one_guess_per_matched_token():
+    t = np.array([1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8, 1, 2, 3, 4])
+    # the occurrence at 1 agrees over 4 tokens: up to 4 guesses (the request's own suffix ends the run)
+    assert propose_by_match(t, 1, 3, 10) == [5, 9, 2, 3]
+    assert propose_by_match(t, 1, 3, 3) == [5, 9, 2]
+    # a 2-token match proposes two; equal reach: the most recent occurrence
+    assert propose_by_match(np.array([8, 5, 6, 1, 9, 5, 6, 2, 7, 5, 6]), 2, 3, 5) == [2, 7]
+    # past the allowance the reach goes on while occurrences are left to tell apart: the one agreeing
+    # furthest back wins though the most recent agrees over the whole allowance too
+    span = list(range(100, 112))
+    t = np.array([*span, 50, *span[6:], 60, *span[:10]])
+    assert propose_by_match(t, 2, 4, 2) == span[10:12]
+    assert propose_by_match(np.array([5, 6, 7, 8]), 1, 3, 4) == []
+    assert propose_by_match(np.array([3, 3, 3, 3, 3]), 1, 3, 4) == [3]  # 4 agree, one token left to copy
 
 
 def test_ngram_draft_rule_is_forcible(monkeypatch):
     monkeypatch.delenv("PERFXLM_NGRAM_DRAFTS", raising=False)
     assert draft_rule() == "match"
     assert NgramProposer(1, 2).follows_budget is False  # its match length bounds the guesses
+    assert NgramProposer(1, 2).per_guess == 1
+    monkeypatch.setenv("PERFXLM_NGRAM_DRAFTS", "half")
+    p = NgramProposer(1, 2)
+    assert p.by_match and p.per_guess == 2 and p.follows_budget is False
+    assert p.propose([DraftRequest("a", [1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8, 1, 2, 3, 4], 10)]) == [[5, 9]]
     monkeypatch.setenv("PERFXLM_NGRAM_DRAFTS", "budget")
     p = NgramProposer(1, 2)
     assert p.follows_budget is True and not p.by_match
     monkeypatch.setenv("PERFXLM_NGRAM_DRAFTS", "longest")
-    with pytest.raises(ValueError, match="PERFXLM_NGRAM_DRAFTS='longest'.*match, budget"):
+    with pytest.raises(ValueError, match="PERFXLM_NGRAM_DRAFTS='longest'.*match, half, budget"):
         draft_rule()
 
 
