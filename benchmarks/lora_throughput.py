@@ -11,6 +11,7 @@ and run alternately (base, LoRA, base, ...), so drift on a shared machine hits b
     python benchmarks/lora_throughput.py --model m.gguf --rank 16 --adapters 4 --rounds 3
     python benchmarks/lora_throughput.py --lora-parallel-macs 0   # batch-1 adapter products split too
     python benchmarks/lora_throughput.py --lora-with-base 1       # adapters inside the base product's region
+    python benchmarks/lora_throughput.py --lora-prefetch 1        # adapters prefetched in 1-row steps too
     python benchmarks/lora_throughput.py --shape 1b --rounds 3    # a random Llama-3.2-1B-shaped model, int4
 
 `--shape 1b` writes a random-weight Llama with Llama-3.2-1B's shapes (hidden 2048, MLP 8192, 16 layers, 32
@@ -177,6 +178,10 @@ def main() -> int:
     ap.add_argument("--lora-with-base", type=int, default=None,
                     help="0: the fused layer adds the adapters after each quantized projection instead of in its "
                          "parallel region (PERFXLM_LORA_WITH_BASE; default 0), to compare both on one build")
+    ap.add_argument("--lora-prefetch", type=int, default=None,
+                    help="1: the fused layer prefetches a projection's adapters before its base product in "
+                         "every step, 1-row steps included; 0: never (PERFXLM_LORA_PREFETCH; default: in "
+                         "steps of two rows or more only), to compare on one build")
     ap.add_argument("--replay-steps", type=int, default=0,
                     help="also replay one batch-1 step of the fused layers this many times with and without "
                          "the adapter (min and median ms: the layers alone, without the rest of a step)")
@@ -186,6 +191,8 @@ def main() -> int:
         os.environ["PERFXLM_LORA_PARALLEL_MACS"] = str(args.lora_parallel_macs)
     if args.lora_with_base is not None:
         os.environ["PERFXLM_LORA_WITH_BASE"] = str(args.lora_with_base)
+    if args.lora_prefetch is not None:
+        os.environ["PERFXLM_LORA_PREFETCH"] = str(args.lora_prefetch)
     shaped = tempfile.TemporaryDirectory() if args.shape else None
     if shaped is not None:
         args.model = write_shaped_model(shaped.name, args.shape)
@@ -218,6 +225,7 @@ def main() -> int:
             print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rows.items()), flush=True)
     med = {k: statistics.median(v) for k, v in rows.items()}
     split = "" if args.lora_parallel_macs is None else f", split past {args.lora_parallel_macs} multiply-adds"
+    split += "" if args.lora_prefetch is None else f", prefetch {args.lora_prefetch}"
     model = f"random {args.shape}-shaped Llama ({args.quantization})" if args.shape else args.model
     print(f"\nmodel {model}, {args.adapters} adapters of rank {args.rank} ({args.lora_dtype}{split}), "
           f"{torch.get_num_threads()} threads, {args.clock} clock, medians of {args.rounds} alternating rounds")

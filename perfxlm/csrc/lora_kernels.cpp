@@ -20,8 +20,8 @@
 // reading them are what this file is about. A layer's adapters arrive as one block laid out for that
 // (perfxlm/lora/pack.py): built once per content of the slots, each slot's weights of the whole layer
 // one contiguous region in the order they are read, B^T without the zero blocks beside a fused
-// projection's parts, the segments already parsed; `prefetch` asks for a projection's part of it before
-// the base product runs, so the two overlap.
+// projection's parts, the segments already parsed; in a batched step `prefetch` asks for a projection's
+// part of it before the base product runs, so the two overlap (not in a 1-row step: see prefetch_bytes).
 
 #include "lora_kernels.h"
 
@@ -510,15 +510,30 @@ void with_weights(const Step& st, F&& f) {
     f(uint16_t{});  // bfloat16 bits
 }
 
-// How many bytes of each used slot's region `prefetch` asks for: PERFXLM_LORA_PREFETCH=0 none, unset or
-// 1 all, a larger number that many from the region's start (the hardware prefetchers follow the rest).
-int64_t prefetch_bytes() {
-  static const int64_t bytes = [] {
+// How many bytes of each used slot's region `prefetch` asks for in a step of `rows` rows:
+// PERFXLM_LORA_PREFETCH=0 none, 1 all, a larger number that many from the region's start (the hardware
+// prefetchers follow the rest), in every step. Unset: all of it in steps of two rows or more, none in a
+// 1-row step. A 1-row step's base product is a GEMV bound by reading its weights, and a burst of
+// prefetches issued just before it competes with those reads (and the lines may be evicted by its
+// stream before the adapters use them): replaying one batch-1 step of the default model's 30 fused
+// layers (one thread, process CPU time, int8 rank-16 adapters on every projection, a loaded 2-vCPU Zen
+// 4, alternating processes), the adapters added 1.08 and 1.10 ms with the prefetch, 0.66 and 0.75 ms
+// without, 0.80 and 0.83 ms with its first 4 KB. A batched step's base product does more arithmetic per
+// byte, and there the prefetch measured faster (README: 0.9-1.8 ms per 16-row step without it).
+constexpr int64_t kUnset = -1;
+int64_t prefetch_setting() {
+  static const int64_t v = [] {
     const char* env = std::getenv("PERFXLM_LORA_PREFETCH");
-    const int64_t v = env != nullptr && *env != '\0' ? std::atoll(env) : 1;
-    return v == 1 ? std::numeric_limits<int64_t>::max() : std::max<int64_t>(0, v);
+    if (env == nullptr || *env == '\0') return kUnset;
+    const int64_t n = std::atoll(env);
+    return n == 1 ? std::numeric_limits<int64_t>::max() : std::max<int64_t>(0, n);
   }();
-  return bytes;
+  return v;
+}
+int64_t prefetch_bytes(int64_t rows) {
+  const int64_t v = prefetch_setting();
+  if (v != kUnset) return v;
+  return rows >= 2 ? std::numeric_limits<int64_t>::max() : 0;
 }
 
 }  // namespace
@@ -539,9 +554,10 @@ void add(at::Tensor& y, const at::Tensor& x, at::TensorList lora, int64_t index)
 
 void prefetch(at::TensorList lora, int64_t index) {
   Block b;
-  const int64_t limit = prefetch_bytes();
-  if (limit == 0 || !read_block(lora, b) || index < 0 || index >= b.P) return;
+  if (lora.size() != 2) return;  // none in the step (a malformed list: `add` says what is wrong with it)
   const at::Tensor& row_slot = lora[0];
+  const int64_t limit = prefetch_bytes(row_slot.numel());
+  if (limit == 0 || !read_block(lora, b) || index < 0 || index >= b.P) return;
   if (row_slot.scalar_type() != at::kInt || !row_slot.is_contiguous()) return;
   const int32_t* rs = row_slot.data_ptr<int32_t>();
   const int64_t T = row_slot.numel(), K = b.proj[4 * index], es = element_size(b.wtype);

@@ -17,8 +17,9 @@ namespace perfxlm_lora {
 void add(at::Tensor& y, const at::Tensor& x, at::TensorList lora, int64_t index);
 
 // Prefetches into L2 the block's bytes that `add` will read for projection `index` (the slots of the
-// step's rows), so the fetches overlap the base product the fused layer runs first. Off with
-// PERFXLM_LORA_PREFETCH=0.
+// step's rows), so the fetches overlap the base product the fused layer runs first. By default in steps
+// of two rows or more only (a 1-row step's GEMV measured slower beside the burst); PERFXLM_LORA_PREFETCH
+// =0 never, =1 in every step, =N the first N bytes of each region in every step.
 void prefetch(at::TensorList lora, int64_t index);
 
 // Writes the base product's output columns [n0, n1) of every row into y; called on a parallel region's

@@ -241,3 +241,51 @@ def test_projection_with_its_adapters_in_one_region_gives_the_product_then_the_a
     assert torch.equal(got[untouched], base[untouched])
     if (~untouched).any():
         assert not torch.equal(got[~untouched], base[~untouched])
+
+
+_PREFETCH_SCRIPT = """
+import sys, torch
+from perfxlm.ops import native
+torch.set_num_threads(1)
+cases = torch.load(sys.argv[1])
+with torch.inference_mode():
+    out = [native.kernels().lora_project(x, parts, n, None, 32, False, True, 32, 128, -1, lora, 0)
+           for x, parts, n, lora in cases]
+torch.save(out, sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("prefetch", ["1", "0", "4096"])
+def test_prefetch_setting_changes_no_output(tmp_path, prefetch):
+    """PERFXLM_LORA_PREFETCH (default: prefetch the adapters before the base product in steps of two rows
+    or more only; 1 every step, 0 never, N the first N bytes) moves bytes into cache and nothing else: a
+    1-row and a 5-row projection with its adapters give the same bits under each setting as by default."""
+    import os
+    import subprocess
+    import sys
+
+    ops = native.kernels()
+    cases = []
+    for rows, n in ((1, 300), (5, 200)):
+        parts = _quantized("q4_1", n, 128, seed=n)
+        q_parts = [(0, n // 2), (n // 2, n)]
+        a, bt, scale, cols = _operands(128, q_parts, [(0, [4, 3]), (2, [2, 5])], seed=rows, dtype=torch.bfloat16)
+        x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
+        row_slot = torch.tensor([(2, 0, -1)[i % 3] for i in range(rows)], dtype=torch.int32)
+        cases.append((x, list(parts), n, [row_slot, pack_layer([(a, bt, scale, cols)])]))
+    torch.save(cases, tmp_path / "in.pt")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PERFXLM_LORA_PREFETCH=prefetch, PYTHONPATH=root)
+    run = subprocess.run([sys.executable, "-c", _PREFETCH_SCRIPT, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+                         env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            for (x, parts, n, lora), got in zip(cases, torch.load(tmp_path / "out.pt")):
+                want = ops.lora_project(x, parts, n, None, 32, False, True, 32, 128, -1, lora, 0)
+                assert torch.equal(got, want)
+                assert not torch.equal(want, ops.lora_project(x, parts, n, None, 32, False, True, 32, 128, -1, [], 0))
+    finally:
+        torch.set_num_threads(before)
