@@ -124,6 +124,17 @@ def test_rows_kernel_called_directly_and_bad_input(ops):
         ops.linear_bf16_rows(torch.randn(2, 9), torch.randn(9, 4).bfloat16().t(), None)
 
 
+@pytest.mark.parametrize("n_out", [1, 2, 7, 333])
+@pytest.mark.parametrize("k", [16, 200])
+def test_rows_kernel_row_alone_equals_the_row_in_a_batch(ops, n_out, k):
+    # batch 1 walks a task's rows in two halves side by side; each row keeps the batch path's summation
+    # order, so a bfloat16 model's greedy text does not depend on the batch
+    x, w, b, _ = _case(6, n_out, k, True, n_out + k)
+    batch = ops.linear_bf16_rows(x, w, b)
+    for i in range(x.shape[0]):
+        assert torch.equal(ops.linear_bf16_rows(x[i : i + 1], w, b)[0], batch[i])
+
+
 def test_plan_from_environment(monkeypatch):
     monkeypatch.setenv("PERFXLM_BF16_LAYOUT", "panels")
     monkeypatch.setenv("PERFXLM_BF16_GEMM", "bf16")
