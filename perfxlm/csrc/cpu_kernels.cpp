@@ -131,7 +131,7 @@ at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed, int
   float* yp = y.data_ptr<float>();
   const int64_t panel_stride = K * 16;
 #ifdef PERFXLM_SIMD16
-  if (M == 1 && perfxlm_streams::streams_now() == 2) {
+  if (M == 1 && perfxlm_streams::two_streams(false)) {
     // batch 1: a task's panels in two halves walked side by side, panel i of the first half with panel i
     // of the second (two sequential read streams far apart, read_streams.h); each column's sum as below
     at::parallel_for(0, panels, 2, [&](int64_t begin, int64_t end) {

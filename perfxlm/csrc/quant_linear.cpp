@@ -1481,9 +1481,9 @@ int64_t set_int8_dot_width(int64_t width) {
 }
 
 // The order batch-1 GEMVs read their weights in (read_streams.h: 1 one stream per thread, 2 two far-apart
-// halves side by side); returns the setting now in force. For tests and measurements of both orders.
+// halves side by side, 0 each kernel's measured default); returns the setting now in force.
 int64_t set_gemv_streams(int64_t streams) {
-  TORCH_CHECK(streams == 1 || streams == 2, "set_gemv_streams: expected 1 or 2, got ", streams);
+  TORCH_CHECK(streams >= 0 && streams <= 2, "set_gemv_streams: expected 0, 1 or 2, got ", streams);
   perfxlm_streams::g_streams.store(static_cast<int>(streams), std::memory_order_relaxed);
   return perfxlm_streams::streams_now();
 }

@@ -301,7 +301,7 @@ inline void groups_into(const Product& p, int64_t g0, int64_t g1, float* y, int6
     const int64_t n0 = g * kRows, n = std::min<int64_t>(kRows, p.n_out - n0);
     for (int64_t i = 0; i < n; ++i) y[n0 + i] = out[i] + (bias ? bias[n0 + i] : 0.f);
   };
-  if (p.M == 1 && perfxlm_streams::streams_now() == 2 && g1 - g0 >= 2) {
+  if (p.M == 1 && perfxlm_streams::two_streams(true) && g1 - g0 >= 2) {
     // batch 1, two streams: the range's halves a block at a time (group_pair)
     const int64_t half = (g1 - g0 + 1) / 2;
     for (int64_t i = 0; i < half; ++i) {

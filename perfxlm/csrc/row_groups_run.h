@@ -17,7 +17,7 @@ namespace perfxlm_row_groups {
 // halves side by side. Each group's sums are the same either way.
 template <class Fn>
 inline void each_group(int64_t g0, int64_t g1, Fn&& fn) {
-  perfxlm_streams::each_in_order(g0, g1, fn);
+  perfxlm_streams::each_in_order(g0, g1, false, fn);  // a group at a time: no gain measured
 }
 
 // Activation rows per pass over a group's blocks: each block's codes are loaded (and 4-bit ones unpacked)

@@ -48,11 +48,13 @@ def ops():
     torch.set_num_threads(threads)
 
 
-def test_the_setting_takes_one_or_two(ops):
+def test_the_setting_takes_each_kernels_default_one_or_two(ops):
     assert ops.set_gemv_streams(2) == 2 and ops.gemv_streams() == 2
     assert ops.set_gemv_streams(1) == 1
-    with pytest.raises(RuntimeError):
-        ops.set_gemv_streams(3)
+    assert ops.set_gemv_streams(0) == 0
+    for bad in (3, -1):
+        with pytest.raises(RuntimeError):
+            ops.set_gemv_streams(bad)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -69,8 +71,10 @@ def test_both_orders_give_the_same_bits(ops, fmt, n, rows, threads):
     one = run_linear_q(ops, x, r, bias, False, True, False)
     ops.set_gemv_streams(2)
     two = run_linear_q(ops, x, r, bias, False, True, False)
+    ops.set_gemv_streams(0)
+    default = run_linear_q(ops, x, r, bias, False, True, False)
     assert torch.isfinite(one).all()
-    assert torch.equal(one, two)
+    assert torch.equal(one, two) and torch.equal(one, default)
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q4_k"])
