@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=None,
                     help="default: the default model's for 32-blocks, Llama-3.2-1B's for all")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--streams", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 2], help="0: each kernel's default")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--stream-mb", type=int, default=160)
     args = ap.parse_args()
@@ -68,7 +68,8 @@ def main() -> None:
                 continue
             if qtype is None:  # bf16 panels
                 def make(seed):
-                    return pack_bf16(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).bfloat16())
+                    g = torch.Generator().manual_seed(seed)
+                    return pack_bf16(torch.randn(n, k, generator=g).bfloat16())
 
                 def call(w):
                     return ops.linear_bf16_packed(x, w, n, None)
@@ -98,7 +99,8 @@ def main() -> None:
                         if ref is None:
                             ref = out
                         elif not torch.equal(out, ref):
-                            raise SystemExit(f"{t} {name}: streams={s} differs from streams={args.streams[0]}")
+                            first = args.streams[0]
+                            raise SystemExit(f"{t} {name}: streams={s} differs from streams={first}")
                         t0, c0 = time.perf_counter(), time.process_time()
                         for w in ws:
                             call(w)
@@ -106,10 +108,11 @@ def main() -> None:
                             times[s].append((time.perf_counter() - t0) / copies)
                             cpu[s].append((time.process_time() - c0) / copies / threads)
                 cells = "  ".join(f"streams={s} {per / statistics.median(times[s]) / 1e9:5.1f} GB/s wall "
-                                  f"{per / statistics.median(cpu[s]) / 1e9:5.1f} per CPU" for s in args.streams)
+                                  f"{per / statistics.median(cpu[s]) / 1e9:5.1f} per CPU"
+                                  for s in args.streams)
                 print(f"{t} {name:9s} {n}x{k} ({per / 2**20:.1f} MiB x {copies}) threads={threads}: {cells}",
                       flush=True)
-    ops.set_gemv_streams(1)
+    ops.set_gemv_streams(0)  # each kernel's default again
 
 
 if __name__ == "__main__":

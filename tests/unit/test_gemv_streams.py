@@ -29,7 +29,8 @@ def grouped(fmt: str, n: int, k: int, seed: int):
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(n * k // elems, nbytes), dtype=np.uint8)
     for at in f16_at:
-        raw[:, at : at + 2] = (rng.uniform(0.5, 1.5, raw.shape[0]) * 1e-2).astype(np.float16).view(np.uint8).reshape(-1, 2)
+        scales = (rng.uniform(0.5, 1.5, raw.shape[0]) * 1e-2).astype(np.float16)
+        raw[:, at : at + 2] = scales.view(np.uint8).reshape(-1, 2)
     w = repack(raw, qtype, (n, k))
     w.use_activations(ActivationMode.INT8_NATIVE)
     r = w.in_layout(layout)
