@@ -33,6 +33,7 @@
 #include "fused_project.h"  // what this file lends csrc/moe_kernels.cpp
 #include "lora_kernels.h"  // the step's LoRA adapters after each projection
 #include "quant_linear.h"  // quantized weights in the fused layer's projections
+#include "read_streams.h"  // the order batch-1 GEMVs read their weights in
 #include "simd16.h"  // the GEMV kernels' 16-lane vectors: AVX-512, or AVX2 + FMA
 
 
@@ -57,9 +58,10 @@ using simd16::V;
 // Row tile heights: AVX-512 has 32 vector registers, AVX2 16 (and a V is two of them there).
 constexpr int kPackedRows = simd16::kAvx512 ? 8 : 4;
 
+// Panel j of the tile is panels + j * panel_stride, its 16 outputs from column n0 + j * col_step.
 template <int MT, int NP>
 inline void packed_tile(const float* x, int64_t K, const uint16_t* panels, int64_t panel_stride, float* y,
-                        int64_t N, int64_t n0, const float* bias) {
+                        int64_t N, int64_t n0, const float* bias, int64_t col_step = 16) {
   V acc[MT][NP];
   #pragma GCC unroll 16
   for (int i = 0; i < MT; ++i)
@@ -81,7 +83,7 @@ inline void packed_tile(const float* x, int64_t K, const uint16_t* panels, int64
   }
   #pragma GCC unroll 16
   for (int j = 0; j < NP; ++j) {
-    const int64_t n = n0 + 16 * j;
+    const int64_t n = n0 + col_step * j;
     const V bv = bias ? simd16::load(bias + n, N - n) : simd16::zero();
     #pragma GCC unroll 16
     for (int i = 0; i < MT; ++i) simd16::store(y + i * N + n, simd16::add(simd16::panel_order(acc[i][j]), bv), N - n);
@@ -129,6 +131,21 @@ at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed, int
   float* yp = y.data_ptr<float>();
   const int64_t panel_stride = K * 16;
 #ifdef PERFXLM_SIMD16
+  if (M == 1 && perfxlm_streams::two_streams(false)) {
+    // batch 1: a task's panels in two halves walked side by side, panel i of the first half with panel i
+    // of the second (two sequential read streams far apart, read_streams.h); each column's sum as below
+    at::parallel_for(0, panels, 2, [&](int64_t begin, int64_t end) {
+      const int64_t half = (end - begin + 1) / 2;
+      for (int64_t i = 0; i < half; ++i) {
+        const int64_t p = begin + i;
+        if (p + half < end)
+          packed_tile<1, 2>(xp, K, pp + p * panel_stride, half * panel_stride, yp, N, p * 16, bp, half * 16);
+        else
+          packed_tile<1, 1>(xp, K, pp + p * panel_stride, panel_stride, yp, N, p * 16, bp);
+      }
+    });
+    return y;
+  }
   const int64_t groups = (panels + 1) / 2;  // two panels (32 columns) per task
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {

@@ -1480,6 +1480,16 @@ int64_t set_int8_dot_width(int64_t width) {
   return int8_dot_width();
 }
 
+// The order batch-1 GEMVs read their weights in (read_streams.h: 1 one stream per thread, 2 two far-apart
+// halves side by side, 0 each kernel's measured default); returns the setting now in force.
+int64_t set_gemv_streams(int64_t streams) {
+  TORCH_CHECK(streams >= 0 && streams <= 2, "set_gemv_streams: expected 0, 1 or 2, got ", streams);
+  perfxlm_streams::g_streams.store(static_cast<int>(streams), std::memory_order_relaxed);
+  return perfxlm_streams::streams_now();
+}
+
+int64_t gemv_streams() { return perfxlm_streams::streams_now(); }
+
 // Whether the 256-bit tiles fold centred codes' centre into their dot products (BlockActs::starts; on by
 // default where the build can); returns the previous setting. For tests and measurements of both forms.
 bool set_int8_centre_fold(bool on) {
@@ -1531,6 +1541,8 @@ TORCH_LIBRARY_FRAGMENT(perfxlm, m) {
   m.def("int8_dot_width() -> int", &perfxlm_quant::int8_dot_width);
   m.def("set_int8_dot_width(int width) -> int", &perfxlm_quant::set_int8_dot_width);
   m.def("set_int8_centre_fold(bool on) -> bool", &perfxlm_quant::set_int8_centre_fold);
+  m.def("set_gemv_streams(int streams) -> int", &perfxlm_quant::set_gemv_streams);
+  m.def("gemv_streams() -> int", &perfxlm_quant::gemv_streams);
   m.def("compiled_isa() -> str", &perfxlm_quant::compiled_isa);
   m.def("dequantize_q(Tensor codes, Tensor scales, Tensor? mins, Tensor? levels, int in_features) -> Tensor");
   // Q8_0 / Q4_0 codes in row groups (row_groups.h, perfxlm/quant/row_groups.py)

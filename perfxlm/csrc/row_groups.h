@@ -186,8 +186,45 @@ inline void group_rows(const uint8_t* codes, const uint16_t* scales, const Acts*
   #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kRows, _mm256_add_ps(even[r], odd[r]));
 }
+
+// Batch 1, two groups at once (A and B far apart: the two halves of a thread's range), block b of A then
+// block b of B: two read streams interleaved a block at a time. Each group's sums run exactly as in
+// group_rows<BITS4, 1> (its even blocks into one chain, odd ones into another), so the bits are the same.
+template <bool BITS4>
+inline void group_pair(const uint8_t* codes_a, const uint16_t* scales_a, const uint8_t* codes_b,
+                       const uint16_t* scales_b, const Acts& a, int64_t blocks, float* out_a, float* out_b) {
+  constexpr int64_t bytes = kRows * (BITS4 ? 16 : 32);
+  __m256 even_a = _mm256_setzero_ps(), odd_a = even_a, even_b = even_a, odd_b = even_a;
+  auto step = [&](const uint8_t* codes, const uint16_t* scales, int64_t b, __m256& acc) __attribute__((always_inline)) {
+    const uint8_t* blk = codes + b * bytes;
+    const Codes k = load_codes<BITS4>(blk);
+    const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * kRows)));
+    const __m256i isum = code_sums<BITS4>(k, a.q.data() + 32 * b, a.start[b]);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(sc, _mm256_set1_ps(a.dx[b])), acc);
+  };
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {
+    step(codes_a, scales_a, b, even_a);
+    step(codes_b, scales_b, b, even_b);
+    step(codes_a, scales_a, b + 1, odd_a);
+    step(codes_b, scales_b, b + 1, odd_b);
+  }
+  if (b < blocks) {
+    step(codes_a, scales_a, b, even_a);
+    step(codes_b, scales_b, b, even_b);
+  }
+  _mm256_storeu_ps(out_a, _mm256_add_ps(even_a, odd_a));
+  _mm256_storeu_ps(out_b, _mm256_add_ps(even_b, odd_b));
+}
 #else
 constexpr bool kSignTrick = false;
+
+template <bool BITS4>
+inline void group_pair(const uint8_t* codes_a, const uint16_t* scales_a, const uint8_t* codes_b,
+                       const uint16_t* scales_b, const Acts& a, int64_t blocks, float* out_a, float* out_b) {
+  group_row<BITS4>(codes_a, scales_a, a, blocks, out_a);
+  group_row<BITS4>(codes_b, scales_b, a, blocks, out_b);
+}
 
 template <bool BITS4>
 inline void group_row(const uint8_t* codes, const uint16_t* scales, const Acts& a, int64_t blocks, float* out) {
@@ -260,7 +297,34 @@ inline Product prepare(const at::Tensor& xc, const at::Tensor& codes, const at::
 // do not depend on which range computed them.
 inline void groups_into(const Product& p, int64_t g0, int64_t g1, float* y, int64_t ldy, const float* bias) {
   const int64_t group_bytes = p.blocks * kRows * (p.bits4 ? 16 : 32);
-  for (int64_t g = g0; g < g1; ++g)
+  auto store = [&](int64_t g, const float* out) {
+    const int64_t n0 = g * kRows, n = std::min<int64_t>(kRows, p.n_out - n0);
+    for (int64_t i = 0; i < n; ++i) y[n0 + i] = out[i] + (bias ? bias[n0 + i] : 0.f);
+  };
+  if (p.M == 1 && perfxlm_streams::two_streams(true) && g1 - g0 >= 2) {
+    // batch 1, two streams: the range's halves a block at a time (group_pair)
+    const int64_t half = (g1 - g0 + 1) / 2;
+    for (int64_t i = 0; i < half; ++i) {
+      const int64_t ga = g0 + i, gb = g0 + half + i;
+      float out_a[kRows], out_b[kRows];
+      const uint8_t* ca = p.codes + ga * group_bytes;
+      const uint16_t* sa = p.scales + ga * p.blocks * kRows;
+      if (gb < g1) {
+        if (p.bits4)
+          group_pair<true>(ca, sa, p.codes + gb * group_bytes, p.scales + gb * p.blocks * kRows, p.acts[0], p.blocks, out_a, out_b);
+        else
+          group_pair<false>(ca, sa, p.codes + gb * group_bytes, p.scales + gb * p.blocks * kRows, p.acts[0], p.blocks, out_a, out_b);
+        store(gb, out_b);
+      } else {
+        const Acts* row = &p.acts[0];
+        if (p.bits4) group_rows<true, 1>(ca, sa, &row, p.blocks, out_a);
+        else group_rows<false, 1>(ca, sa, &row, p.blocks, out_a);
+      }
+      store(ga, out_a);
+    }
+    return;
+  }
+  perfxlm_row_groups::each_group(g0, g1, [&](int64_t g) {
     perfxlm_row_groups::row_tiles(p.M, [&](auto tile, int64_t m0) {
       constexpr int R = decltype(tile)::value;
       const Acts* rows[R];
@@ -274,6 +338,7 @@ inline void groups_into(const Product& p, int64_t g0, int64_t g1, float* y, int6
       for (int r = 0; r < R; ++r)
         for (int64_t i = 0; i < n; ++i) y[(m0 + r) * ldy + n0 + i] = out[r * kRows + i] + (bias ? bias[n0 + i] : 0.f);
     });
+  });
 }
 
 // y [M, N] = x [M, K] W^T (+ bias) for W in row groups (bits 8 or 4), over groups in parallel.

@@ -394,7 +394,7 @@ inline Product prepare(const at::Tensor& xc, const at::Tensor& codes, const at::
 // activation row runs over a group before the next group (its codes stay in L1). A row's outputs do not
 // depend on which range computed them.
 inline void groups_into(const Product& p, int64_t g0, int64_t g1, float* y, int64_t ldy, const float* bias) {
-  for (int64_t g = g0; g < g1; ++g) {
+  perfxlm_row_groups::each_group(g0, g1, [&](int64_t g) {
     const uint8_t* c = p.codes + g * p.group_codes;
     const uint8_t* w = p.params + g * p.group_params;
     const int64_t n0 = g * kRows, rows = std::min<int64_t>(kRows, p.n_out - n0);
@@ -417,7 +417,7 @@ inline void groups_into(const Product& p, int64_t g0, int64_t g1, float* y, int6
       for (int i = 0; i < mr; ++i)
         for (int64_t r = 0; r < rows; ++r) y[(m + i) * ldy + n0 + r] = out[i * kRows + r] + (bias ? bias[n0 + r] : 0.f);
     }
-  }
+  });
 }
 
 // y [M, N] = x [M, K] W^T (+ bias) for W a Q4_K (bits 4), Q5_K (5) or Q6_K (6) weight in row groups, over

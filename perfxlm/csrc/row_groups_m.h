@@ -149,7 +149,7 @@ inline Product prepare(const at::Tensor& xc, const at::Tensor& codes, const at::
 
 // Groups [g0, g1) into y (row stride ldy), bias added; each group's codes stay in L1 over the batch's rows.
 inline void groups_into(const Product& p, int64_t g0, int64_t g1, float* y, int64_t ldy, const float* bias) {
-  for (int64_t g = g0; g < g1; ++g)
+  perfxlm_row_groups::each_group(g0, g1, [&](int64_t g) {
     perfxlm_row_groups::row_tiles(p.M, [&](auto tile, int64_t m0) {
       constexpr int R = decltype(tile)::value;
       const Acts* rows[R];
@@ -161,6 +161,7 @@ inline void groups_into(const Product& p, int64_t g0, int64_t g1, float* y, int6
       for (int r = 0; r < R; ++r)
         for (int64_t i = 0; i < n; ++i) y[(m0 + r) * ldy + n0 + i] = out[r * kRows + i] + (bias ? bias[n0 + i] : 0.f);
     });
+  });
 }
 
 // y [M, N] = x [M, K] W^T (+ bias) for W in affine row groups, over groups in parallel.

@@ -9,7 +9,16 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "read_streams.h"
+
 namespace perfxlm_row_groups {
+
+// The order a thread walks its range of groups in (read_streams.h): one after another, or the range's two
+// halves side by side. Each group's sums are the same either way.
+template <class Fn>
+inline void each_group(int64_t g0, int64_t g1, Fn&& fn) {
+  perfxlm_streams::each_in_order(g0, g1, false, fn);  // a group at a time: no gain measured
+}
 
 // Activation rows per pass over a group's blocks: each block's codes are loaded (and 4-bit ones unpacked)
 // once per tile of rows, then every row of the tile takes its dot products from the registers. With 32
