@@ -37,7 +37,7 @@ def _case(rows, n_out, k, bias, seed):
     return x, w, b, ref
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 16, 64, 67])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8, 13, 15, 16, 64, 67])  # 8-row tiles: one whole, 8 + 7, tails
 @pytest.mark.parametrize("n_out,k", [(13, 37), (64, 576), (1030, 48), (7, 16), (9, 1), (5, 33), (4, 95)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_the_bf16_reference(ops, rows, n_out, k, bias):
