@@ -38,16 +38,16 @@ def _axes(item) -> list[tuple[str, ...]]:
         names = tuple(n.strip() for n in names.split(",")) if isinstance(names, str) else tuple(names)
         axes.append(names)
     named = {n for axis in axes for n in axis}
-    axes += [(n,) for n in item.callspec.indices if n not in named]  # parametrized fixtures
+    axes += [(n,) for n in item.callspec.params if n not in named]  # parametrized fixtures
     return axes
 
 
-def _pairs(point: tuple[int, ...]) -> set[tuple[int, int, int, int]]:
+def _pairs(point: tuple) -> set[tuple]:
     return {(a, point[a], b, point[b]) for a, b in itertools.combinations(range(len(point)), 2)}
 
 
-def pairwise_cover(points: list[tuple[int, ...]]) -> list[int]:
-    """Indices of a subset of `points` (each a value index per axis) in which every pair of values of two
+def pairwise_cover(points: list[tuple]) -> list[int]:
+    """Indices of a subset of `points` (each a value per axis, hashable) in which every pair of values of two
     axes that some point has appears at least once: greedy, the point covering most uncovered pairs
     first, ties to the earlier point, so the choice is the same in every run."""
     pairs = [_pairs(p) for p in points]
@@ -75,7 +75,9 @@ def select(items) -> tuple[list, list]:
         if len(axes) < 3:
             continue
         key = (item.path, item.cls, item.originalname, tuple(axes))
-        groups.setdefault(key, []).append((i, tuple(callspec.indices[axis[0]] for axis in axes)))
+        # an axis's value by its arguments' values (callspec.indices is not a per-decorator index)
+        point = tuple(repr(tuple(callspec.params[n] for n in axis)) for axis in axes)
+        groups.setdefault(key, []).append((i, point))
     for members in groups.values():
         keep = {members[j][0] for j in pairwise_cover([point for _, point in members])}
         drop |= {i for i, _ in members if i not in keep}
