@@ -14,7 +14,11 @@ that runner alone) two reductions apply, and nothing else changes:
 - a case marked `tier_independent` (a plain-torch variant of a native-against-reference test, whose
   kernel calls, if any, its native twin in the same run makes too) is left to the CPU's own tier.
 
-The dropped cases are deselected, not skipped, and the runner still refuses any skip."""
+The dropped cases are deselected, not skipped, and the runner still refuses any skip. Measured on an
+AVX-512 CPU: 1,092 of the 2,614 kernel cases left out of each lower tier's run (test_bf16_rows_every_path
+450 of 500, test_weight_only_matches_reference 136 of 272, ...); those cases took 73 s of CPU time at the
+CPU's own -O3 tier (loaded machine), more in each -O1 tier build's run (the AVX2 tier's kernel tests ran
+1.75x slower at -O1), so about 100+ s less per tier, three tiers a session there."""
 
 from __future__ import annotations
 
