@@ -16,6 +16,24 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_configure(config):
+    from tests import tier_cases
+
+    config.addinivalue_line("markers", tier_cases.MARKER)
+
+
+def pytest_collection_modifyitems(config, items):
+    """A lower tier's kernel run (tests/tier_cases.py): fewer repeated cases, each code path still hit."""
+    from tests import tier_cases
+
+    if not tier_cases.active():
+        return
+    kept, dropped = tier_cases.select(items)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 def default_model_or_skip() -> str:
     from perfxlm.config import default_model_path
 

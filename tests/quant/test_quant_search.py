@@ -42,7 +42,11 @@ def plain(w: torch.Tensor, group: int):
     return quantizers.quantize_asymmetric_int4(w, group)
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+# the torch variant runs no kernel: the lower tiers' runs leave it to the CPU's own (tests/tier_cases.py)
+TORCH_ONLY = pytest.param(False, id="torch", marks=pytest.mark.tier_independent)
+
+
+@pytest.mark.parametrize("native", [pytest.param(True, id="native"), TORCH_ONLY])
 @pytest.mark.parametrize("with_importance", [False, True])
 @pytest.mark.parametrize("n,k,group", SHAPES)
 def test_search_never_worse_than_the_plain_rule(n, k, group, with_importance, native, monkeypatch):
@@ -163,7 +167,7 @@ def test_int5_search_loads_native_and_torch_to_the_same_objective(monkeypatch):
                                rtol=2e-4, atol=0)
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+@pytest.mark.parametrize("native", [pytest.param(True, id="native"), TORCH_ONLY])
 def test_zero_and_constant_groups_are_exact(native, monkeypatch):
     """A group of zeros dequantizes to zeros and a constant group to its constant (the min carries it:
     scale 0), with no nan from a zero range or from all-zero importance."""
