@@ -220,13 +220,6 @@ inline void group_pair(const uint8_t* codes_a, const uint16_t* scales_a, const u
 constexpr bool kSignTrick = false;
 
 template <bool BITS4>
-inline void group_pair(const uint8_t* codes_a, const uint16_t* scales_a, const uint8_t* codes_b,
-                       const uint16_t* scales_b, const Acts& a, int64_t blocks, float* out_a, float* out_b) {
-  group_row<BITS4>(codes_a, scales_a, a, blocks, out_a);
-  group_row<BITS4>(codes_b, scales_b, a, blocks, out_b);
-}
-
-template <bool BITS4>
 inline void group_row(const uint8_t* codes, const uint16_t* scales, const Acts& a, int64_t blocks, float* out) {
   constexpr int64_t bytes = kRows * (BITS4 ? 16 : 32);
   float acc[2][kRows] = {};
@@ -254,6 +247,14 @@ inline void group_row(const uint8_t* codes, const uint16_t* scales, const Acts& 
 template <bool BITS4, int R>
 inline void group_rows(const uint8_t* codes, const uint16_t* scales, const Acts* const* a, int64_t blocks, float* out) {
   for (int r = 0; r < R; ++r) group_row<BITS4>(codes, scales, *a[r], blocks, out + r * kRows);
+}
+
+// Without SIMD: the two groups one after the other (the same bits as group_row on each).
+template <bool BITS4>
+inline void group_pair(const uint8_t* codes_a, const uint16_t* scales_a, const uint8_t* codes_b,
+                       const uint16_t* scales_b, const Acts& a, int64_t blocks, float* out_a, float* out_b) {
+  group_row<BITS4>(codes_a, scales_a, a, blocks, out_a);
+  group_row<BITS4>(codes_b, scales_b, a, blocks, out_b);
 }
 #endif
 
