@@ -29,9 +29,19 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from perfxlm.spec_decode.ngram_reanchor import reanchor
 from perfxlm.spec_decode.proposer import DraftRequest, Proposer
 
 DRAFT_RULES = ("match", "half", "budget")
+# Re-anchoring across an edit (ngram_reanchor.py): tokens after the edit up to which it is tried when
+# switched on, tokens that must agree before it, and how much further than plain lookup's match it must
+# reach to propose. Off by default: replayed over the greedy outputs of benchmarks/spec_decode.py's
+# prompts it lowered the modelled speed-up of every kind and every setting tried (anchors 2-12 tokens,
+# margins 0-6, 1-5 tokens after the edit): the default model does not copy across edits, it leaves the
+# source there (code edit 1.76x -> 1.56-1.71x, acceptance 61 % -> 43 % at the settings below).
+REANCHOR_AFTER = 3
+REANCHOR_ANCHOR = 2
+REANCHOR_MARGIN = 0
 # matched tokens per guess under each rule that bounds its guesses by the match
 _PER_GUESS = {"match": 1, "half": 2}
 
@@ -45,6 +55,15 @@ def draft_rule() -> str:
     return value
 
 
+def reanchor_after() -> int:
+    """PERFXLM_NGRAM_REANCHOR: tokens after an edit up to which lookup re-anchors across it (0, the
+    default: never)."""
+    value = os.environ.get("PERFXLM_NGRAM_REANCHOR", "0").strip() or "0"
+    if not value.isdigit() or int(value) > 16:
+        raise ValueError(f"PERFXLM_NGRAM_REANCHOR={value!r}: expected a number of tokens, 0..16.")
+    return int(value)
+
+
 class NgramProposer(Proposer):
     name = "ngram"
 
@@ -54,6 +73,7 @@ class NgramProposer(Proposer):
         rule = rule or draft_rule()
         self.by_match = rule in _PER_GUESS
         self.per_guess = _PER_GUESS.get(rule, 1)
+        self.reanchor_after = reanchor_after() if self.by_match else 0
         # the match's length bounds each guess run, so the per-request budget would only cut it shorter
         self.follows_budget = not self.by_match
         # request id -> (its tokens as int64, grown by doubling; how many are filled): a request's tokens
@@ -84,7 +104,8 @@ class NgramProposer(Proposer):
     def _propose_one(self, r: DraftRequest) -> list[int]:
         tokens = self._array(r)
         if self.by_match:
-            return propose_by_match(tokens, self.lookup_min, self.lookup_max, r.max_drafts, self.per_guess)
+            return propose_by_match(tokens, self.lookup_min, self.lookup_max, r.max_drafts, self.per_guess,
+                                    self.reanchor_after)
         return propose_ngram(tokens, self.lookup_min, self.lookup_max, r.max_drafts)
 
 
@@ -121,13 +142,25 @@ def propose_ngram(tokens: np.ndarray, lookup_min: int, lookup_max: int, max_draf
 
 
 def propose_by_match(tokens: np.ndarray, lookup_min: int, lookup_max: int, max_drafts: int,
-                     per_guess: int = 1) -> list[int]:
+                     per_guess: int = 1, reanchor_after: int = 0) -> list[int]:
     """The tokens after the occurrence of the longest matching suffix n-gram whose agreement with the
     tokens before the suffix reaches furthest back (the most recent of equals), one per `per_guess`
-    tokens that agree (at least one)."""
+    tokens that agree (at least one). With `reanchor_after` > 0, a span agreeing across one edit
+    (ngram_reanchor.py, up to that many tokens after the edit) proposes instead where it reaches further."""
     n, starts = _longest_suffix(tokens, lookup_min, lookup_max)
-    if not n:
+    length, begin = _reach(tokens, n, starts, max_drafts, per_guess) if n else (0, -1)
+    if reanchor_after and length < per_guess * max_drafts:
+        reach, at = reanchor(tokens, REANCHOR_ANCHOR, reanchor_after, 4 * max_drafts)
+        if reach > length + REANCHOR_MARGIN:
+            length, begin = reach - REANCHOR_MARGIN, at
+    if not length:
         return []
+    return tokens[begin : begin + min(max_drafts, max(1, length // per_guess))].tolist()
+
+
+def _reach(tokens: np.ndarray, n: int, starts: np.ndarray, max_drafts: int,
+           per_guess: int) -> tuple[int, int]:
+    """(how far the chosen occurrence agrees back, the index of the token after it)."""
     total = tokens.shape[0]
     # Grow the match backwards one token at a time over the occurrences that still agree. Past
     # per_guess * max_drafts tokens the bound no longer binds, but while several occurrences are left,
@@ -142,5 +175,4 @@ def propose_by_match(tokens: np.ndarray, lookup_min: int, lookup_max: int, max_d
         if not keep.any():
             break
         alive, length = alive[keep], length + 1
-    begin = int(alive[-1]) + n
-    return tokens[begin : begin + min(max_drafts, max(1, length // per_guess))].tolist()
+    return length, int(alive[-1]) + n

@@ -12,7 +12,9 @@ from perfxlm.model.layers.rejection_sampler import RejectionSampler
 from perfxlm.model.layers.sampler import Sampler, SamplingMetadata
 from perfxlm.sampling_params import SamplingParams
 from perfxlm.spec_decode.config import SpeculativeConfig, check_draft_against_target
-from perfxlm.spec_decode.ngram import NgramProposer, draft_rule, propose_by_match, propose_ngram
+from perfxlm.spec_decode.ngram import (NgramProposer, draft_rule, propose_by_match, propose_ngram,
+                                       reanchor_after)
+from perfxlm.spec_decode.ngram_reanchor import reanchor
 from perfxlm.spec_decode.proposer import DraftRequest
 from perfxlm.spec_decode.stats import SpecDecodeStats
 
@@ -122,6 +124,42 @@ def test_prompt_lookup_by_match_one_guess_per_matched_token():
     assert propose_by_match(t, 2, 4, 2) == span[10:12]
     assert propose_by_match(np.array([5, 6, 7, 8]), 1, 3, 4) == []
     assert propose_by_match(np.array([3, 3, 3, 3, 3]), 1, 3, 4) == [3]  # 4 agree, one token left to copy
+
+
+def test_prompt_lookup_reanchoring_is_forcible(monkeypatch):
+    src = list(range(100, 130))
+    tokens = [1, *src, 2, *src[:10], 7]
+    monkeypatch.delenv("PERFXLM_NGRAM_REANCHOR", raising=False)
+    assert reanchor_after() == 0  # off by default
+    assert NgramProposer(2, 4).propose([DraftRequest("a", tokens, 5)]) == [[]]
+    monkeypatch.setenv("PERFXLM_NGRAM_REANCHOR", "3")
+    assert NgramProposer(2, 4).propose([DraftRequest("a", tokens, 5)]) == [src[11:16]]
+    monkeypatch.setenv("PERFXLM_NGRAM_REANCHOR", "many")
+    with pytest.raises(ValueError, match="PERFXLM_NGRAM_REANCHOR='many'"):
+        reanchor_after()
+
+
+def test_prompt_lookup_reanchors_across_one_edit():
+    src = list(range(100, 130))
+    # the output copies src but wrote 7 where src has 110: plain lookup has no n-gram ending in 7
+    t = np.array([1, *src, 2, *src[:10], 7])
+    assert propose_by_match(t, 2, 4, 5) == []
+    assert reanchor(t, 2, 3, 20) == (10, 12)  # 10 tokens agree before the edit; src[11] is at index 12
+    assert propose_by_match(t, 2, 4, 5, reanchor_after=3) == src[11:16]
+    # two tokens past the edit: plain lookup's 2-gram match proposes two, the re-anchored span five
+    t = np.array([1, *src, 2, *src[:10], 7, *src[11:13]])
+    assert propose_by_match(t, 2, 4, 5) == src[13:15]
+    assert propose_by_match(t, 2, 4, 5, reanchor_after=3) == src[13:18]
+    # an inserted token (src's 110 follows it) and a dropped one (src's 110 skipped)
+    assert propose_by_match(np.array([1, *src, 2, *src[:10], 7, 110]), 2, 4, 5, reanchor_after=3) == src[11:16]
+    assert propose_by_match(np.array([1, *src, 2, *src[:10], 111]), 2, 4, 5, reanchor_after=3) == src[12:17]
+    # the reach counts the agreement on both sides, so it is bounded as plain lookup's: 2 before + 1 after
+    t = np.array([5, 6, 9, 8, 40, 41, 42, 5, 6, 7, 8])
+    assert reanchor(t, 2, 3, 20) == (3, 4)
+    assert propose_by_match(t, 2, 4, 5, reanchor_after=3) == [40, 41, 42]
+    # nothing agrees with the anchor before any gap: nothing proposed
+    assert reanchor(np.array([1, 2, 3, 4, 5, 6]), 2, 3, 20) == (0, -1)
+    assert propose_by_match(np.array([1, 2, 3, 4, 5, 6]), 2, 4, 5, reanchor_after=3) == []
 
 
 def test_ngram_draft_rule_is_forcible(monkeypatch):
