@@ -109,27 +109,25 @@ class NgramProposer(Proposer):
         return propose_ngram(tokens, self.lookup_min, self.lookup_max, r.max_drafts)
 
 
-def _occurrences(tokens: np.ndarray, n: int) -> np.ndarray:
-    """Starts i < total - n of the earlier occurrences of the last n tokens (each followed by a token)."""
-    total = tokens.shape[0]
-    suffix = tokens[total - n :]
-    starts = np.flatnonzero(tokens[: total - n] == suffix[0])
-    for j in range(1, n):
-        if starts.size == 0:
-            break
-        starts = starts[tokens[starts + j] == suffix[j]]
-    return starts
-
-
 def _longest_suffix(tokens: np.ndarray, lookup_min: int, lookup_max: int) -> tuple[int, np.ndarray]:
-    """(n, the starts of its earlier occurrences) for the longest suffix n-gram that occurred before; (0,
-    empty) when none of lookup_min..lookup_max tokens did."""
+    """(n, the starts of its earlier occurrences, ascending) for the longest suffix n-gram that occurred
+    before, each followed by a token; (0, empty) when none of lookup_min..lookup_max tokens did. One scan
+    of the tokens: the earlier positions holding the last token, narrowed one token back at a time (each
+    n-gram's occurrences are those agreeing over n), instead of a scan per n-gram length."""
     total = tokens.shape[0]
-    for n in range(min(lookup_max, total - 1), lookup_min - 1, -1):
-        starts = _occurrences(tokens, n)
-        if starts.size:
-            return n, starts
-    return 0, np.empty(0, dtype=np.int64)
+    none = (0, np.empty(0, dtype=np.int64))
+    if total < 2:
+        return none
+    ends = np.flatnonzero(tokens[: total - 1] == tokens[total - 1])  # where an occurrence would end
+    n, found = (1, ends) if lookup_min <= 1 and ends.size else none
+    for back in range(1, min(lookup_max, total - 1)):
+        ends = ends[ends >= back]
+        ends = ends[tokens[ends - back] == tokens[total - 1 - back]]
+        if ends.size == 0:
+            break
+        if back + 1 >= lookup_min:
+            n, found = back + 1, ends
+    return (n, found - (n - 1)) if n else none
 
 
 def propose_ngram(tokens: np.ndarray, lookup_min: int, lookup_max: int, max_drafts: int) -> list[int]:
