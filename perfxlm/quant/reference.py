@@ -71,7 +71,9 @@ def fake_quantize_blocks(x: torch.Tensor) -> torch.Tensor:
     if act_blocks.mode() == "ggml":  # ggml's q8_0 / q8_1 blocks
         scale = scale.half().float()  # round to nearest even, as F16C
         live = scale > 0
-        factor = torch.where(live, 127.0 / torch.where(live, amax, torch.ones_like(amax)), torch.zeros_like(amax))
+        # a true division, as the kernels' 127.f / amax (torch's `127.0 / t` is 127 x reciprocal(t): an ulp off)
+        factor = torch.where(live, torch.full_like(amax, 127.0) / torch.where(live, amax, torch.ones_like(amax)),
+                             torch.zeros_like(amax))
         q = torch.round(blocks * factor).clamp_(-127, 127)
         return q.mul_(scale).view(x.shape)
     safe = torch.where(scale == 0, torch.ones_like(scale), scale)

@@ -63,7 +63,7 @@ def test_ggml_scales_are_fp16_values_and_values_are_multiplied_by_the_reciprocal
         assert not got[0, 1].any()  # the block whose fp16 scale is 0
         amax = x.view(3, -1, 32).abs().amax(-1, keepdim=True)
         live = scale.unsqueeze(-1) > 0
-        q = torch.round(x.view(3, -1, 32) * (127.0 / torch.where(live, amax, torch.ones_like(amax))))
+        q = torch.round(x.view(3, -1, 32) * (torch.full_like(amax, 127.0) / torch.where(live, amax, torch.ones_like(amax))))
         assert torch.equal(torch.where(live, q, torch.zeros_like(q)) * scale.unsqueeze(-1), got)
         assert act_blocks.set_mode("float") == "ggml"
         f = fake_quantize_blocks(x).view(3, -1, 32)
