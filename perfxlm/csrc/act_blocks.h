@@ -5,46 +5,94 @@
 //
 // quantize_block is the scalar definition; quantize_block_fast the widest form this build has (zmm, ymm,
 // or the scalar loop), the same division and rounding per value, so the same bytes.
+//
+// Two arithmetics (set_act_blocks; perfxlm.quant.act_blocks names them, the torch references follow):
+//   kFloat: the above, the scale kept in float32.
+//   kGgml:  what a GGUF file's q8_0 / q8_1 activation blocks hold (ggml's x86 quantize_row_q8_0/q8_1):
+//           each value times 127 / max |x| (one float division per block, then multiplies), rounded half
+//           to even, and the scale max |x| / 127 rounded to fp16, as the block stores it; a block whose
+//           fp16 scale is 0 stays zero (its products would be). llama.cpp multiplies these fp16 scales,
+//           so the same file gives the same products; it costs one conversion per 32 values.
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX2__) || (defined(__AVX512F__) && defined(__AVX512BW__))
+#if defined(__AVX2__) || (defined(__AVX512F__) && defined(__AVX512BW__)) || defined(__F16C__)
 #include <immintrin.h>
+#endif
+#if !defined(__F16C__)
+#include <c10/util/Half.h>
 #endif
 
 namespace perfxlm_act {
 
+enum Arith : int { kFloat = 0, kGgml = 1 };
+
+// The arithmetic every block below uses: one setting for the process (a row alone and in a batch, the
+// GEMV and the GEMM round alike). An inline function's static: one object across the translation units.
+inline std::atomic<int>& arith() {
+  static std::atomic<int> mode{kGgml};
+  return mode;
+}
+
+// float -> fp16 -> float, round to nearest even (ggml's GGML_FP32_TO_FP16 on x86).
+inline float fp16_round(float v) {
+#if defined(__F16C__)
+  return _cvtsh_ss(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+  return static_cast<float>(c10::Half(v));
+#endif
+}
+
+// The block's scale, and what each value is multiplied by (mul, ggml: 127 / max) or divided by (the
+// float scale) before rounding; scale 0: the block is written as zeros.
+struct BlockScale {
+  float scale, factor;
+  bool mul;
+};
+
+inline BlockScale block_scale(float amax) {
+  const float scale = amax / 127.f;
+  if (arith().load(std::memory_order_relaxed) == kGgml) {
+    const float s16 = fp16_round(scale);
+    return {s16, s16 > 0.f ? 127.f / amax : 0.f, true};
+  }
+  return {scale, scale, false};
+}
+
 inline float quantize_block(const float* src, int8_t* q) {
   float amax = 0.f;
   for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(src[j]));
-  const float scale = amax / 127.f;
+  const BlockScale s = block_scale(amax);
   for (int j = 0; j < 32; ++j) {
-    const float v = scale > 0.f ? std::nearbyint(src[j] / scale) : 0.f;
+    const float v = s.scale > 0.f ? std::nearbyint(s.mul ? src[j] * s.factor : src[j] / s.factor) : 0.f;
     q[j] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
   }
-  return scale;
+  return s.scale;
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 inline float quantize_block_fast(const float* src, int8_t* q) {
   const __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-  const float scale = amax / 127.f;
-  if (!(scale > 0.f)) {
+  const BlockScale s = block_scale(amax);
+  if (!(s.scale > 0.f)) {
     std::memset(q, 0, 32);
-    return scale;
+    return 0.f;
   }
-  const __m512 d = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  const __m512 d = _mm512_set1_ps(s.factor), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
   constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  const __m512 ra = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_div_ps(a, d), kRound)));
-  const __m512 rb = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_div_ps(b, d), kRound)));
+  const __m512 ta = s.mul ? _mm512_mul_ps(a, d) : _mm512_div_ps(a, d);
+  const __m512 tb = s.mul ? _mm512_mul_ps(b, d) : _mm512_div_ps(b, d);
+  const __m512 ra = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(ta, kRound)));
+  const __m512 rb = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(tb, kRound)));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(ra)));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(rb)));
-  return scale;
+  return s.scale;
 }
 
 // quantize_block_fast, and the int8 sums of the block's two halves (values 0-15, 16-31), which the
@@ -52,22 +100,24 @@ inline float quantize_block_fast(const float* src, int8_t* q) {
 inline float quantize_block_sums(const float* src, int8_t* q, int32_t half[2]) {
   const __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-  const float scale = amax / 127.f;
-  if (!(scale > 0.f)) {
+  const BlockScale s = block_scale(amax);
+  if (!(s.scale > 0.f)) {
     std::memset(q, 0, 32);
     half[0] = half[1] = 0;
-    return scale;
+    return 0.f;
   }
-  const __m512 d = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  const __m512 d = _mm512_set1_ps(s.factor), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
   constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  const __m512 ra = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_div_ps(a, d), kRound)));
-  const __m512 rb = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_div_ps(b, d), kRound)));
+  const __m512 ta = s.mul ? _mm512_mul_ps(a, d) : _mm512_div_ps(a, d);
+  const __m512 tb = s.mul ? _mm512_mul_ps(b, d) : _mm512_div_ps(b, d);
+  const __m512 ra = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(ta, kRound)));
+  const __m512 rb = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(tb, kRound)));
   const __m512i ia = _mm512_cvtps_epi32(ra), ib = _mm512_cvtps_epi32(rb);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(ia));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(ib));
   half[0] = _mm512_reduce_add_epi32(ia);
   half[1] = _mm512_reduce_add_epi32(ib);
-  return scale;
+  return s.scale;
 }
 #elif defined(__AVX2__)
 inline float quantize_block_fast(const float* src, int8_t* q) {
@@ -80,22 +130,23 @@ inline float quantize_block_fast(const float* src, int8_t* q) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  const float scale = _mm_cvtss_f32(m) / 127.f;
-  if (!(scale > 0.f)) {
+  const BlockScale s = block_scale(_mm_cvtss_f32(m));
+  if (!(s.scale > 0.f)) {
     std::memset(q, 0, 32);
-    return scale;
+    return 0.f;
   }
-  const __m256 d = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  const __m256 d = _mm256_set1_ps(s.factor), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
   __m256i r[4];
   for (int i = 0; i < 4; ++i) {
-    const __m256 t = _mm256_round_ps(_mm256_div_ps(v[i], d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 x = s.mul ? _mm256_mul_ps(v[i], d) : _mm256_div_ps(v[i], d);
+    const __m256 t = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     r[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, t)));
   }
   // packs work per 128-bit lane: [0..3 8..11 | 4..7 12..15] per pair, then [a b c d] bytes interleaved
   // by lane; one dword permute puts the 32 values back in order
   const __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-  return scale;
+  return s.scale;
 }
 
 // quantize_block_fast, and the int8 sums of the block's two halves (values 0-15, 16-31).

@@ -1501,6 +1501,13 @@ bool set_int8_centre_fold(bool on) {
 #endif
 }
 
+// The arithmetic of every int8 activation block (act_blocks.h: 0 float scales, 1 ggml's fp16 scales);
+// returns the previous one. perfxlm.quant.act_blocks sets it at load and keeps the references in step.
+int64_t set_act_blocks(int64_t mode) {
+  TORCH_CHECK(mode == perfxlm_act::kFloat || mode == perfxlm_act::kGgml, "set_act_blocks: mode 0 or 1, got ", mode);
+  return perfxlm_act::arith().exchange(static_cast<int>(mode));
+}
+
 // Whether this build has the int8 block-dot GEMV (AVX512-VNNI, AVX2, AVX-VNNI); without it int8_blocks
 // is ignored.
 bool int8_block_dots() {
@@ -1541,6 +1548,7 @@ TORCH_LIBRARY_FRAGMENT(perfxlm, m) {
   m.def("int8_dot_width() -> int", &perfxlm_quant::int8_dot_width);
   m.def("set_int8_dot_width(int width) -> int", &perfxlm_quant::set_int8_dot_width);
   m.def("set_int8_centre_fold(bool on) -> bool", &perfxlm_quant::set_int8_centre_fold);
+  m.def("set_act_blocks(int mode) -> int", &perfxlm_quant::set_act_blocks);
   m.def("set_gemv_streams(int streams) -> int", &perfxlm_quant::set_gemv_streams);
   m.def("gemv_streams() -> int", &perfxlm_quant::gemv_streams);
   m.def("compiled_isa() -> str", &perfxlm_quant::compiled_isa);

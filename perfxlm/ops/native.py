@@ -128,6 +128,9 @@ def kernels() -> Any | None:
 
     isa.requested()  # a bad PERFXLM_ISA is the user's error to fix, not a reason to fall back quietly
     _opt()  # as a bad PERFXLM_NATIVE_OPT
+    from perfxlm.quant import act_blocks  # late: the quant package imports the ops package
+
+    act_blocks.mode()  # as a bad PERFXLM_ACT_BLOCKS
     with _lock:
         if "ops" in _state:
             return _state["ops"]
@@ -170,6 +173,9 @@ def _load() -> Any | None:
             )
         if fresh:
             print(f"perfxlm: CPU kernels ready ({time.perf_counter() - t0:.0f} s)", flush=True)
+        from perfxlm.quant import act_blocks  # late: the quant package imports the ops package
+
+        act_blocks.applied_by(torch.ops.perfxlm.set_act_blocks)  # PERFXLM_ACT_BLOCKS, checked before use
         return torch.ops.perfxlm
     except Exception as exc:  # no compiler, no ninja, read-only home...: fall back, say so once
         logger.warning("perfxlm: native CPU kernels unavailable (%s); using plain PyTorch ops.", exc)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from perfxlm.quant import act_blocks
 from perfxlm.quant.layouts import CodeLayout
 from perfxlm.quant.weight import ACT_BLOCK, ActivationMode, QuantizedWeight
 
@@ -61,9 +62,20 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fake_quantize_blocks(x: torch.Tensor) -> torch.Tensor:
     """float32 [M, K] (K a multiple of 32) -> each block of 32 replaced by its symmetric int8 values
-    times the block's scale (absmax / 127; an all-zero block stays zero)."""
+    times the block's scale (absmax / 127; an all-zero block stays zero), in the arithmetic that
+    perfxlm.quant.act_blocks names: ggml's (values times 127 / absmax, the scale rounded to fp16) or
+    float's (values divided by the float32 scale)."""
     blocks = x.reshape(x.shape[0], -1, ACT_BLOCK)
-    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    scale = amax / 127.0
+    if act_blocks.mode() == "ggml":  # ggml's q8_0 / q8_1 blocks
+        scale = scale.half().float()  # round to nearest even, as F16C
+        live = scale > 0
+        # a true division, as the kernels' 127.f / amax (torch's `127.0 / t` is 127 x reciprocal(t): an ulp off)
+        factor = torch.where(live, torch.full_like(amax, 127.0) / torch.where(live, amax, torch.ones_like(amax)),
+                             torch.zeros_like(amax))
+        q = torch.round(blocks * factor).clamp_(-127, 127)
+        return q.mul_(scale).view(x.shape)
     safe = torch.where(scale == 0, torch.ones_like(scale), scale)
     q = torch.round(blocks / safe).clamp_(-127, 127)
     return q.mul_(scale).view(x.shape)

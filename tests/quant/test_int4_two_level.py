@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from perfxlm.quant.reference import fake_quantize_blocks
 from perfxlm.quant import joining
 from perfxlm import LLM
 from perfxlm.ops import cpu_plan, native
@@ -90,10 +91,8 @@ def test_a_factor_beyond_float16_keeps_the_float_form():
 
 
 def _block_rounded(x: torch.Tensor) -> torch.Tensor:
-    """Activations rounded to int8 per block of 32 (scale max|x| / 127), as the block kernels take them."""
-    blk = x.view(x.shape[0], -1, 32)
-    sx = blk.abs().amax(2, keepdim=True) / 127
-    return (torch.where(sx > 0, blk / sx, torch.zeros_like(blk)).round().clamp(-127, 127) * sx).view_as(x)
+    """x as the int8 block kernels see it (perfxlm.quant.act_blocks' arithmetic, ggml's by default)."""
+    return fake_quantize_blocks(x.float().contiguous())
 
 
 def test_native_products_match_the_reference_and_the_flat_form():

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from perfxlm.quant.reference import fake_quantize_blocks
 from perfxlm.quant import joining
 from perfxlm.ops import native
 from perfxlm.quant import QuantizedWeight
@@ -41,9 +42,8 @@ def _call(ops, x, w: QuantizedWeight, bias, max_rows, blocks, block_max_rows=-1)
 
 
 def _block_rounded(x: torch.Tensor) -> torch.Tensor:
-    blk = x.view(x.shape[0], -1, 32)
-    sx = blk.abs().amax(2, keepdim=True) / 127
-    return (torch.where(sx > 0, blk / sx, torch.zeros_like(blk)).round().clamp(-127, 127) * sx).view_as(x)
+    """x as the int8 block kernels see it (perfxlm.quant.act_blocks' arithmetic, ggml's by default)."""
+    return fake_quantize_blocks(x.float().contiguous())
 
 
 @pytest.mark.parametrize("qtype", KQUANTS, ids=lambda q: q.name)

@@ -271,7 +271,7 @@ def test_extreme_6bit_codes_match_the_definition():
     scales = (torch.rand(n, k // 16, generator=g) - 0.5) * 0.04
     x = torch.where(torch.rand(7, k, generator=g) < 0.5, -1.0, 1.0)
     x[1] = 1.0
-    ref = torch.nn.functional.linear(x.double(), _dequant(codes, scales, None, None, k).double()).float()
+    ref = torch.nn.functional.linear(fake_quantize_blocks(x).double(), _dequant(codes, scales, None, None, k).double()).float()
     out = ops.quant_block_gemm(x, codes, scales, None, None, None)
     torch.testing.assert_close(out, ref, atol=1e-5 * (ref.abs().max().item() + 1), rtol=1e-5)
 
@@ -290,7 +290,7 @@ def test_extreme_8bit_codes_do_not_saturate_the_int16_pair_sums():
     x = torch.where(torch.rand(5, k, generator=g) < 0.5, -1.0, 1.0)
     x[1] = 1.0
     x[2] = -1.0
-    ref = torch.nn.functional.linear(x.double(), _dequant(codes, scales, None, None, k).double()).float()
+    ref = torch.nn.functional.linear(fake_quantize_blocks(x).double(), _dequant(codes, scales, None, None, k).double()).float()
     out = ops.quant_block_gemm(x, codes, scales, None, None, None)
     torch.testing.assert_close(out, ref, atol=1e-5 * (ref.abs().max().item() + 1), rtol=1e-5)
 

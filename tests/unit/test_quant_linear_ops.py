@@ -7,6 +7,7 @@ table; weight-only and W8A8; the GEMV path, the slab-GEMM path in float32 and bf
 import pytest
 import torch
 
+from perfxlm.quant.reference import fake_quantize_blocks
 from perfxlm.ops import native
 
 pytestmark = pytest.mark.skipif(native.kernels() is None, reason="no compiler for the native kernels")
@@ -178,11 +179,8 @@ def _block_applies(bits, k, group, lut):
 
 
 def _block_rounded(x):
-    """x as the int8 block kernels see it: each block of 32 rounded to int8 at scale max|x| / 127 (half to
-    even), times that scale."""
-    blocks = x.view(x.shape[0], x.shape[1] // 32, 32)
-    sx = blocks.abs().amax(2, keepdim=True) / 127
-    return (torch.where(sx > 0, blocks / sx, torch.zeros_like(blocks)).round().clamp(-127, 127) * sx).view(x.shape)
+    """x as the int8 block kernels see it (perfxlm.quant.act_blocks' arithmetic, ggml's by default)."""
+    return fake_quantize_blocks(x.float().contiguous())
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
