@@ -7,8 +7,9 @@
 // measurements); until then PERFXLM_GEMV_STREAMS (1 or 2), else 0: each kernel's measured choice
 // (two_streams' argument). Measured per call, one thread, loaded (per CPU-second, weights cycled past the
 // L3): Q8_0 row groups at one row 1.25-1.37x with two block-interleaved streams, Q4_0 1.10-1.13x; the
-// group-at-a-time order of the Q4_1 / K-quant groups (0.86-1.10x) and the bf16 panels' pairs (0.88-1.23x)
-// no clear gain, so those stay one stream unless forced.
+// Q4_1 / K-quant groups 1.14-1.22x once interleaved a block at a time too (their group-at-a-time order
+// gave 0.86-1.10x), so all row groups read two streams at batch 1 by default; the bf16 panels' pairs
+// (0.88-1.23x) no clear gain, so those stay one stream unless forced.
 #pragma once
 
 #include <atomic>

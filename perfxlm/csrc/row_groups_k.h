@@ -280,6 +280,68 @@ inline void q6k_group_rows(const uint8_t* codes, const uint8_t* params, const Ac
   }
   for (int i = 0; i < MR; ++i) _mm256_storeu_ps(out + 8 * i, acc[i]);
 }
+
+// Batch 1, two groups at once (A and B far apart: the two halves of a thread's range), block b of A then
+// block b of B: two read streams interleaved a block at a time, as row_groups.h's group_pair. Each group's
+// sums are exactly those of q45_group_rows / q6k_group_rows at one row (its own accumulators, the same
+// operations in the same order), so the bits are the same. No software prefetch: two streams are what
+// the hardware prefetchers keep in flight (read_streams.h).
+template <bool FIVE>
+inline void q45_group_pair(const uint8_t* codes_a, const uint8_t* params_a, const uint8_t* codes_b,
+                           const uint8_t* params_b, const Acts& a, int64_t supers, float* out_a, float* out_b) {
+  constexpr int64_t block_bytes = FIVE ? kQ5Block : kQ4Block;
+  const int8_t* const xq0 = a.q.data();
+  __m256 acc_a = _mm256_setzero_ps(), acc_b = acc_a;
+  for (int64_t s = 0; s < supers; ++s) {
+    const uint8_t* pa = params_a + s * kQ4Params;
+    const uint8_t* pb = params_b + s * kQ4Params;
+    __m256 as_a = _mm256_setzero_ps(), am_a = as_a, as_b = as_a, am_b = as_a;
+    auto step = [&](const uint8_t* codes, const uint8_t* ps, int b, __m256& as, __m256& am) __attribute__((always_inline)) {
+      const int64_t blk = s * 8 + b;
+      const int8_t* xq = xq0 + 32 * blk;
+      __m256i isum;
+      q45_block<FIVE, 1>(codes + blk * block_bytes, &xq, ps + 8 * b, &isum);
+      const __m256 mins = _mm256_cvtepi32_ps(rows_u8(ps + 64 + 8 * b));
+      as = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(a.dx[blk]), as);
+      am = _mm256_fmadd_ps(mins, _mm256_set1_ps(a.xsf[blk]), am);
+    };
+    #pragma GCC unroll 2
+    for (int b = 0; b < 8; ++b) {
+      step(codes_a, pa, b, as_a, am_a);
+      step(codes_b, pb, b, as_b, am_b);
+    }
+    acc_a = _mm256_fnmadd_ps(am_a, rows_f16(pa + 144), _mm256_fmadd_ps(as_a, rows_f16(pa + 128), acc_a));
+    acc_b = _mm256_fnmadd_ps(am_b, rows_f16(pb + 144), _mm256_fmadd_ps(as_b, rows_f16(pb + 128), acc_b));
+  }
+  _mm256_storeu_ps(out_a, acc_a);
+  _mm256_storeu_ps(out_b, acc_b);
+}
+
+inline void q6k_group_pair(const uint8_t* codes_a, const uint8_t* params_a, const uint8_t* codes_b,
+                           const uint8_t* params_b, const Acts& a, int64_t supers, float* out_a, float* out_b) {
+  const Acts* const rows[1] = {&a};
+  __m256 acc_a = _mm256_setzero_ps(), acc_b = acc_a;
+  for (int64_t s = 0; s < supers; ++s) {
+    const uint8_t* pa = params_a + s * kQ6Params;
+    const uint8_t* pb = params_b + s * kQ6Params;
+    __m256 as_a = _mm256_setzero_ps(), as_b = as_a;
+    auto step = [&](const uint8_t* codes, const uint8_t* ps, int b, __m256& as) __attribute__((always_inline)) {
+      const int64_t blk = s * 8 + b;
+      __m256i isum;
+      q6k_block<1>(codes + blk * kQ6Block, rows, blk, ps + 16 * b, &isum);
+      as = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(a.dx[blk]), as);
+    };
+    #pragma GCC unroll 2
+    for (int b = 0; b < 8; ++b) {
+      step(codes_a, pa, b, as_a);
+      step(codes_b, pb, b, as_b);
+    }
+    acc_a = _mm256_fmadd_ps(as_a, rows_f16(pa + 128), acc_a);
+    acc_b = _mm256_fmadd_ps(as_b, rows_f16(pb + 128), acc_b);
+  }
+  _mm256_storeu_ps(out_a, acc_a);
+  _mm256_storeu_ps(out_b, acc_b);
+}
 #else
 // The scalar definition: the same integer sums and the same float operations in the same order.
 template <bool FIVE>
@@ -348,6 +410,19 @@ template <int MR>
 inline void q6k_group_rows(const uint8_t* codes, const uint8_t* params, const Acts* const* a, int64_t supers, float* out) {
   for (int i = 0; i < MR; ++i) q6k_group_row(codes, params, *a[i], supers, out + 8 * i);
 }
+
+// Without SIMD: the two groups one after the other (the same bits as the one-group kernels on each).
+template <bool FIVE>
+inline void q45_group_pair(const uint8_t* codes_a, const uint8_t* params_a, const uint8_t* codes_b,
+                           const uint8_t* params_b, const Acts& a, int64_t supers, float* out_a, float* out_b) {
+  q45_group_row<FIVE>(codes_a, params_a, a, supers, out_a);
+  q45_group_row<FIVE>(codes_b, params_b, a, supers, out_b);
+}
+inline void q6k_group_pair(const uint8_t* codes_a, const uint8_t* params_a, const uint8_t* codes_b,
+                           const uint8_t* params_b, const Acts& a, int64_t supers, float* out_a, float* out_b) {
+  q6k_group_row(codes_a, params_a, a, supers, out_a);
+  q6k_group_row(codes_b, params_b, a, supers, out_b);
+}
 #endif
 
 // One call's activations, rounded, and the weight it multiplies (row_groups.h's Product, for K-quants):
@@ -358,6 +433,12 @@ struct Product {
   const uint8_t* params = nullptr;
   int64_t M = 0, K = 0, supers = 0, groups = 0, n_out = 0, bits = 0, group_codes = 0, group_params = 0;
 };
+
+// Measured per call in a 1B-shaped model's decode order (every matrix once, one thread, thread CPU time,
+// loaded): two block-interleaved streams 1.14-1.22x one stream on the Q4_K / Q6_K matrices and the Q6_K
+// head. Whether batch 1 reads a thread's groups as two block-interleaved streams (the pair kernels) unless
+// PERFXLM_GEMV_STREAMS / set_gemv_streams says otherwise (read_streams.h).
+constexpr bool kPairByDefault = true;
 
 inline int64_t block_bytes_of(int64_t bits) { return bits == 4 ? kQ4Block : bits == 5 ? kQ5Block : kQ6Block; }
 // The format of row-group codes from their shape (a dispatcher that gets no bits): 4, 5 or 6.
@@ -394,6 +475,35 @@ inline Product prepare(const at::Tensor& xc, const at::Tensor& codes, const at::
 // activation row runs over a group before the next group (its codes stay in L1). A row's outputs do not
 // depend on which range computed them.
 inline void groups_into(const Product& p, int64_t g0, int64_t g1, float* y, int64_t ldy, const float* bias) {
+  if (p.M == 1 && perfxlm_streams::two_streams(kPairByDefault) && g1 - g0 >= 2) {
+    // batch 1, two streams: the range's halves a block at a time (q45_group_pair / q6k_group_pair)
+    const int64_t half = (g1 - g0 + 1) / 2;
+    auto store = [&](int64_t g, const float* out) {
+      const int64_t n0 = g * kRows, rows = std::min<int64_t>(kRows, p.n_out - n0);
+      for (int64_t r = 0; r < rows; ++r) y[n0 + r] = out[r] + (bias ? bias[n0 + r] : 0.f);
+    };
+    const Acts* row = &p.acts[0];
+    for (int64_t i = 0; i < half; ++i) {
+      const int64_t ga = g0 + i, gb = g0 + half + i;
+      const uint8_t* ca = p.codes + ga * p.group_codes;
+      const uint8_t* wa = p.params + ga * p.group_params;
+      float out_a[kRows], out_b[kRows];
+      if (gb < g1) {
+        const uint8_t* cb = p.codes + gb * p.group_codes;
+        const uint8_t* wb = p.params + gb * p.group_params;
+        if (p.bits == 4) q45_group_pair<false>(ca, wa, cb, wb, *row, p.supers, out_a, out_b);
+        else if (p.bits == 5) q45_group_pair<true>(ca, wa, cb, wb, *row, p.supers, out_a, out_b);
+        else q6k_group_pair(ca, wa, cb, wb, *row, p.supers, out_a, out_b);
+        store(gb, out_b);
+      } else {
+        if (p.bits == 4) q45_group_rows<false, 1>(ca, wa, &row, p.supers, out_a);
+        else if (p.bits == 5) q45_group_rows<true, 1>(ca, wa, &row, p.supers, out_a);
+        else q6k_group_rows<1>(ca, wa, &row, p.supers, out_a);
+      }
+      store(ga, out_a);
+    }
+    return;
+  }
   perfxlm_row_groups::each_group(g0, g1, [&](int64_t g) {
     const uint8_t* c = p.codes + g * p.group_codes;
     const uint8_t* w = p.params + g * p.group_params;

@@ -85,6 +85,30 @@ inline void group_rows(const uint8_t* codes, const uint16_t* scales, const uint1
   for (int r = 0; r < R; ++r)
     _mm256_storeu_ps(out + r * kRows, _mm256_add_ps(_mm256_add_ps(acc[0][r], acc[1][r]), _mm256_add_ps(macc[0][r], macc[1][r])));
 }
+
+// Batch 1, two groups at once (A and B far apart: the two halves of a thread's range), block b of A then
+// block b of B (row_groups.h's group_pair): each group's sums exactly group_rows<1>'s, so the same bits.
+inline void group_pair(const uint8_t* codes_a, const uint16_t* scales_a, const uint16_t* mins_a, const uint8_t* codes_b,
+                       const uint16_t* scales_b, const uint16_t* mins_b, const Acts& a, int64_t blocks, float* out_a,
+                       float* out_b) {
+  __m256 acc[2][2], macc[2][2];  // [group][block parity]
+  for (int g = 0; g < 2; ++g) acc[g][0] = acc[g][1] = macc[g][0] = macc[g][1] = _mm256_setzero_ps();
+  auto step = [&](const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, int64_t b, __m256& dots,
+                  __m256& mterm) __attribute__((always_inline)) {
+    const perfxlm_rows8::Codes k = perfxlm_rows8::load_codes<true>(codes + b * kBlockBytes);
+    const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * kRows)));
+    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + b * kRows)));
+    const __m256i isum = perfxlm_rows8::code_sums<true>(k, a.q.data() + 32 * b, 0);
+    dots = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(sc, _mm256_set1_ps(a.dx[b])), dots);
+    mterm = _mm256_fmadd_ps(m, _mm256_set1_ps(a.xsum[b]), mterm);
+  };
+  for (int64_t b = 0; b < blocks; ++b) {
+    step(codes_a, scales_a, mins_a, b, acc[0][b & 1], macc[0][b & 1]);
+    step(codes_b, scales_b, mins_b, b, acc[1][b & 1], macc[1][b & 1]);
+  }
+  _mm256_storeu_ps(out_a, _mm256_add_ps(_mm256_add_ps(acc[0][0], acc[0][1]), _mm256_add_ps(macc[0][0], macc[0][1])));
+  _mm256_storeu_ps(out_b, _mm256_add_ps(_mm256_add_ps(acc[1][0], acc[1][1]), _mm256_add_ps(macc[1][0], macc[1][1])));
+}
 #else
 inline void group_row(const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, const Acts& a,
                       int64_t blocks, float* out) {
@@ -113,7 +137,21 @@ inline void group_rows(const uint8_t* codes, const uint16_t* scales, const uint1
                        int64_t blocks, float* out) {
   for (int r = 0; r < R; ++r) group_row(codes, scales, mins, *a[r], blocks, out + r * kRows);
 }
+
+// Without SIMD: the two groups one after the other (group_row's bits on each).
+inline void group_pair(const uint8_t* codes_a, const uint16_t* scales_a, const uint16_t* mins_a, const uint8_t* codes_b,
+                       const uint16_t* scales_b, const uint16_t* mins_b, const Acts& a, int64_t blocks, float* out_a,
+                       float* out_b) {
+  group_row(codes_a, scales_a, mins_a, a, blocks, out_a);
+  group_row(codes_b, scales_b, mins_b, a, blocks, out_b);
+}
 #endif
+
+// Measured per call on Llama-3.2-1B's shapes cycled past the L3 (benchmarks/gemv_streams.py, one thread,
+// per CPU-second, loaded): two block-interleaved streams 1.05-1.11x one stream (q|k|v, gate|up, down).
+// Whether batch 1 reads a thread's groups as two block-interleaved streams (group_pair) unless
+// PERFXLM_GEMV_STREAMS / set_gemv_streams says otherwise (read_streams.h).
+constexpr bool kPairByDefault = true;
 
 // The checked operands of a product (row_groups.h's Product, with the mins).
 struct Product {
@@ -149,6 +187,29 @@ inline Product prepare(const at::Tensor& xc, const at::Tensor& codes, const at::
 
 // Groups [g0, g1) into y (row stride ldy), bias added; each group's codes stay in L1 over the batch's rows.
 inline void groups_into(const Product& p, int64_t g0, int64_t g1, float* y, int64_t ldy, const float* bias) {
+  if (p.M == 1 && perfxlm_streams::two_streams(kPairByDefault) && g1 - g0 >= 2) {
+    // batch 1, two streams: the range's halves a block at a time (group_pair)
+    const int64_t half = (g1 - g0 + 1) / 2;
+    auto store = [&](int64_t g, const float* out) {
+      const int64_t n0 = g * kRows, n = std::min<int64_t>(kRows, p.n_out - n0);
+      for (int64_t i = 0; i < n; ++i) y[n0 + i] = out[i] + (bias ? bias[n0 + i] : 0.f);
+    };
+    const Acts* row = &p.acts[0];
+    for (int64_t i = 0; i < half; ++i) {
+      const int64_t ga = g0 + i, gb = g0 + half + i, pa = ga * p.blocks * kRows;
+      float out_a[kRows], out_b[kRows];
+      if (gb < g1) {
+        const int64_t pb = gb * p.blocks * kRows;
+        group_pair(p.codes + ga * p.blocks * kBlockBytes, p.scales + pa, p.mins + pa, p.codes + gb * p.blocks * kBlockBytes,
+                   p.scales + pb, p.mins + pb, *row, p.blocks, out_a, out_b);
+        store(gb, out_b);
+      } else {
+        group_rows<1>(p.codes + ga * p.blocks * kBlockBytes, p.scales + pa, p.mins + pa, &row, p.blocks, out_a);
+      }
+      store(ga, out_a);
+    }
+    return;
+  }
   perfxlm_row_groups::each_group(g0, g1, [&](int64_t g) {
     perfxlm_row_groups::row_tiles(p.M, [&](auto tile, int64_t m0) {
       constexpr int R = decltype(tile)::value;
