@@ -169,8 +169,11 @@ def native_kernels_built(tier_prebuild):
     first, at the lowest priority: they take the core this build leaves idle while it compiles its
     precompiled header, and whatever the suite leaves idle after it.)"""
     from perfxlm.ops import native
+    from tests import tier_cases
 
-    native.kernels()
+    ops = native.kernels()
+    if tier_cases.active():
+        tier_cases.check_build(ops)
 
 
 @pytest.fixture

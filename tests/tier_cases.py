@@ -34,6 +34,18 @@ def active() -> bool:
     return os.environ.get(TIER_RUN_ENV, "") == "1"
 
 
+def check_build(ops) -> None:
+    """A lower tier's run must test the kernels built for the tier it forces (PERFXLM_ISA), under a CPU
+    plan that knows it: checked once at that run's session start (conftest), where it was a process of
+    its own before the run (an import of torch and the engine, ~3 s of CPU per tier)."""
+    from perfxlm.ops import cpu_plan
+
+    tier = os.environ.get("PERFXLM_ISA")
+    built = ops.compiled_isa() if ops is not None else None
+    assert [built, cpu_plan.plan().isa] == [tier, tier], (
+        f"the {tier} tier's run got kernels built for {built} under a plan for {cpu_plan.plan().isa}")
+
+
 def _axes(item) -> list[tuple[str, ...]]:
     """The item's parametrize axes, each the argument names one decorator (or one fixture) sets."""
     axes: list[tuple[str, ...]] = []
