@@ -210,13 +210,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 def _generate(args: argparse.Namespace) -> int:
     from perfxlm import LLM, SamplingParams
 
-    kwargs = engine_kwargs(args)
-    model = kwargs.pop("model")
-    llm = LLM(model, **kwargs)
+    # the sampling options first: a bad one is refused before seconds of model loading
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
         seed=args.sampling_seed,
     )
+    kwargs = engine_kwargs(args)
+    model = kwargs.pop("model")
+    llm = LLM(model, **kwargs)
     if args.chat:
         outputs = llm.chat([{"role": "user", "content": p} for p in args.prompt][:1], params, use_tqdm=False)
     else:

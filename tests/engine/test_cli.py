@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+from tests.cli_cases import run_cli_cases
 from tests.conftest import default_model_or_skip
 
 
@@ -18,10 +19,12 @@ def test_generate_prints_a_completion():
     assert "Paris" in r.stdout
 
 
-def test_generate_reports_bad_input_clearly():
+def test_generate_reports_bad_input_clearly(tmp_path):
     default_model_or_skip()
-    r = run_cli("generate", "hi", "--max-tokens", "0")
-    assert r.returncode == 2 and "max_tokens" in r.stderr
+    # the second is refused before any model loads: a model that is not there is never reached
+    for r in run_cli_cases(["generate", "hi", "--max-tokens", "0"],
+                           ["generate", "hi", "--max-tokens", "0", "--model", str(tmp_path / "no-model")]):
+        assert r.returncode == 2 and "max_tokens" in r.stderr
 
 
 def test_interactive_chat_streams_replies():

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -182,21 +179,28 @@ TEXT = (
 ) * 8
 
 
-def run_cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "perfxlm.entrypoints.cli", "eval", "kld", *args],
-                          capture_output=True, text=True, timeout=timeout, env={"TQDM_DISABLE": "1", **os.environ})
-
-
 def test_cli_end_to_end_on_the_default_model(tmp_path):
     model = default_model_or_skip()
     text = tmp_path / "text.txt"
     text.write_text(TEXT)
     base = tmp_path / "base.kld"
     out = tmp_path / "kld.json"
+    other = tmp_path / "other.txt"
+    other.write_text("A different text entirely. " * 80)
     common = ("-c", "128", "--max-num-batched-tokens", "256", "--threads", "2")
-    # a float32 base; bfloat16 models under test, as stored and dequantized
-    r = run_cli("--base", model, "--base-dtype", "float32", "--dtype", "bfloat16", "-q", "gguf,none", "-f",
-                str(text), "--base-logits", str(base), "--output-json", str(out), *common)
+    # The three command lines in one process, in order (tests/cli_cases.py): each one's exit status and
+    # output are its own; a process per line spent ~3 s of CPU each importing torch and the engine.
+    made, reused, foreign = run_cli_cases(
+        # a float32 base; bfloat16 models under test, as stored and dequantized
+        ["eval", "kld", "--base", model, "--base-dtype", "float32", "--dtype", "bfloat16", "-q", "gguf,none",
+         "-f", str(text), "--base-logits", str(base), "--output-json", str(out), *common],
+        # the saved base is reused without --base; --json prints only JSON; the base's own setup diverges by 0
+        ["eval", "kld", "--model", model, "--dtype", "float32", "--base-logits", str(base), "--json", "-f",
+         str(text), *common],
+        # another text than the base's is named as such
+        ["eval", "kld", "--model", model, "--base-logits", str(base), "-f", str(other), *common],
+        timeout=1800)  # fmt: skip
+    r = made
     assert r.returncode == 0, r.stderr[-3000:]
     data = json.loads(out.read_text())
     assert [d["label"] for d in data] == ["gguf", "none"]
@@ -205,16 +209,11 @@ def test_cli_end_to_end_on_the_default_model(tmp_path):
         assert 0 < s["kld_mean"]["value"] < 0.05 and 0.8 < s["same_top"]["value"] <= 1.0, s
     assert "Mean    KLD:" in r.stdout and "Same top p:" in r.stdout
     assert (tmp_path / "kld.png").stat().st_size > 10_000  # several models: the plot beside the JSON
-    # the saved base is reused without --base; --json prints only JSON; the base's own setup diverges by 0
-    r = run_cli("--model", model, "--dtype", "float32", "--base-logits", str(base), "--json", "-f", str(text),
-                *common)
+    r = reused
     assert r.returncode == 0, r.stderr[-3000:]
     again = json.loads(r.stdout)[0]["statistics"]
     assert abs(again["kld_mean"]["value"]) < 1e-5 and again["same_top"]["value"] == 1.0
-    # another text than the base's is named as such
-    other = tmp_path / "other.txt"
-    other.write_text("A different text entirely. " * 80)
-    r = run_cli("--model", model, "--base-logits", str(base), "-f", str(other), *common)
+    r = foreign
     assert r.returncode == 2 and "differs from the one the base file was made from" in r.stderr
 
 
