@@ -55,8 +55,11 @@ inline float bf16_to_float(uint16_t v) {
 
 #ifdef PERFXLM_SIMD16
 using simd16::V;
-// Row tile heights: AVX-512 has 32 vector registers, AVX2 16 (and a V is two of them there).
-constexpr int kPackedRows = simd16::kAvx512 ? 8 : 4;
+// Row tiles by register count. AVX-512 (32 zmm): 8 rows x 2 panels, 16 accumulators. AVX2 (16 ymm, a V
+// two of them): 6 rows x 1 panel, 12 accumulators + the panel's 2 + a broadcast; the 4 x 2 tile it had
+// needed 16 + 4 + 1 and spilled accumulators every k step.
+constexpr int kPackedRows = simd16::kAvx512 ? 8 : 6;
+constexpr int kPackedPanels = simd16::kAvx512 ? 2 : 1;
 
 // Panel j of the tile is panels + j * panel_stride, its 16 outputs from column n0 + j * col_step.
 template <int MT, int NP>
@@ -146,15 +149,28 @@ at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed, int
     });
     return y;
   }
+  // Many rows: each task's panels are walked once per block of x rows that stays in L2 (512 prefill rows
+  // of 576 floats are 1.2 MB), tile by tile within it. Every column is one float32 FMA chain over k in
+  // order, whatever the tile: a row gives the same bits alone (the batch-1 path above) and in any batch.
   const int64_t groups = (panels + 1) / 2;  // two panels (32 columns) per task
+  const int64_t most = std::max<int64_t>(kPackedRows, (int64_t{512} << 10) / (4 * std::max<int64_t>(1, K)));  // half of Zen 4's L2
+  const int64_t blocks = (M + most - 1) / most;  // equal blocks, whole tiles
+  const int64_t block = ((M + blocks - 1) / blocks + kPackedRows - 1) / kPackedRows * kPackedRows;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t p = 2 * g;
-      const uint16_t* src = pp + p * panel_stride;
-      if (p + 1 < panels)
-        packed_rows<2>(xp, M, K, src, panel_stride, yp, N, p * 16, bp);
-      else
-        packed_rows<1>(xp, M, K, src, panel_stride, yp, N, p * 16, bp);
+    for (int64_t m0 = 0; m0 < M; m0 += block) {
+      const int64_t rows = std::min(block, M - m0);
+      const float* xs = xp + m0 * K;
+      float* ys = yp + m0 * N;
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t p = 2 * g;
+        const uint16_t* src = pp + p * panel_stride;
+        if (p + 1 < panels && kPackedPanels == 2) {
+          packed_rows<2>(xs, rows, K, src, panel_stride, ys, N, p * 16, bp);
+        } else {
+          packed_rows<1>(xs, rows, K, src, panel_stride, ys, N, p * 16, bp);
+          if (p + 1 < panels) packed_rows<1>(xs, rows, K, src + panel_stride, panel_stride, ys, N, p * 16 + 16, bp);
+        }
+      }
     }
   });
 #else

@@ -10,8 +10,8 @@ products with many rows (prefill, large decode batches):
   run torch's bf16 GEMM on the same tensor (oneDNN: AMX tiles or AVX512-BF16 dot products, 5-10x the
   float32 GEMM rate there). A tied LM head shares the embedding table.
 - `panels` layout (AVX-512 without bf16 arithmetic, AVX2): [N/16, K, 16] panels for the native panel
-  kernel up to 256 rows (it beats MKL's float32 GEMM there); past that, panels are widened into a
-  reused float32 buffer for MKL.
+  kernel up to 256 rows (it beats MKL's float32 GEMM there); past that, `panel_gemm` says: the same
+  kernel (AVX2 builds) or panels widened into a reused float32 buffer for MKL (AVX-512 builds).
 
 Every choice can be forced from the environment, so the tests run each path on whatever CPU they meet
 (a path the CPU lacks is emulated by torch: correct, slow):
@@ -27,6 +27,15 @@ Every choice can be forced from the environment, so the tests run each path on w
                                           at 2048 (prefill chunks); the 16-row LM head 0.76-0.89x. 0 with
                                           AMX (its tiles, not measured against) and without AVX512-BF16 (the
                                           kernel is emulated in C++ there: correct, slow)
+- PERFXLM_BF16_PANEL_GEMM = kernel | float32   rows past native_max_rows on the panels layout (prefill):
+                                          the native panel kernel (6 x 16 register tiles on AVX2, each
+                                          column one float32 FMA chain, as at few rows) or widened slabs
+                                          under MKL's float32 GEMM. Default kernel on AVX2 builds: the
+                                          default model's projections at 512 rows, one thread's CPU time
+                                          per call, alternating, loaded 2-vCPU Zen 4 forced to the avx2
+                                          tier (MKL_ENABLE_INSTRUCTIONS=AVX2): 1.17-1.30x MKL's, 1.03-1.26x
+                                          at 2048. float32 on AVX-512 builds (8 x 32 tiles against MKL's
+                                          AVX-512 GEMM: not measured)
 - PERFXLM_NATIVE_MAX_ROWS = N             rows up to which the native kernels run
 - PERFXLM_BF16_COMPUTE = float32 | bfloat16   activations of a bfloat16 model (bfloat16: torch's bf16
                                               ops throughout, no native linear kernels)
@@ -123,6 +132,7 @@ DOT_WIDTHS = ("256", "512")
 ROW_INTERLEAVES = ("0", "8")
 ROW_GROUPS_K = ("all", "head", "off")
 BF16_DOTS = ("0", "1")
+PANEL_GEMMS = ("kernel", "float32")
 # Measured with 2 threads on the default model's shapes: AMX's bf16 GEMM overtakes the row kernel past
 # 4 rows; the panel kernel beats MKL's float32 GEMM up to 256 rows on AVX-512 without bf16.
 _AUTO_MAX_ROWS = {("rows", "bf16"): 4, ("rows", "float32"): 64, ("panels", "bf16"): 256, ("panels", "float32"): 256}
@@ -148,9 +158,12 @@ class CpuPlan:
     row_groups: int = 0  # Q8_0 / Q4_0 matrices with int8 activation blocks in row groups of 8 (0: rows)
     row_groups_k: str = "off"  # K-quant matrices in row groups: "all" | "head" (the LM head only) | "off"
     bf16_dots: bool = False  # under gemm="bf16": csrc/bf16_dots.cpp's kernel instead of torch's bf16 GEMM
+    panel_gemm: str = "float32"  # panels layout past native_max_rows: the panel kernel or MKL on widened slabs
 
     def describe(self) -> str:
         gemm = "bf16 (dots)" if self.gemm == "bf16" and self.bf16_dots else self.gemm
+        if self.layout == "panels":
+            gemm = f"{gemm} (panels past {self.native_max_rows} rows: {self.panel_gemm})"
         return (f"isa={self.isa} bf16 layout={self.layout} gemm={gemm} native_max_rows={self.native_max_rows} "
                 f"activations={self.bf16_compute} quantized: gemv_max_rows={self.quant_max_rows}"
                 + ("" if self.quant_block_max_rows < 0 else f" (4-bit and heads: {self.quant_block_max_rows})")
@@ -198,8 +211,11 @@ def detect() -> CpuPlan:
     quant_gemm = _quant_gemm(fast_bf16 and isa.has_amx())
     gemm_rows = _rows("PERFXLM_QUANT_GEMM_ROWS", _AUTO_GEMM_ROWS if quant_gemm == "int8" and not fast_bf16 else 0)
     dots = _choice("PERFXLM_BF16_DOTS", BF16_DOTS, "1" if "avx512_bf16" in isa.visible_flags() and not isa.has_amx() else "0")
+    # the panel kernel's many-row tiles were measured against MKL on AVX2 builds only (see the docstring)
+    panel_gemm = _choice("PERFXLM_BF16_PANEL_GEMM", PANEL_GEMMS,
+                         "kernel" if "avx512f" not in isa.visible_flags() else "float32")
     return CpuPlan(layout, gemm, max_rows, compute, quant_rows, tier, block_rows_limit, quant_gemm, gemm_rows,
-                   _dot_width(), *_row_groups(), bf16_dots=dots == "1")
+                   _dot_width(), *_row_groups(), bf16_dots=dots == "1", panel_gemm=panel_gemm)
 
 
 def _row_groups() -> tuple[int, str]:

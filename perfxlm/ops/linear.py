@@ -8,9 +8,9 @@ for which form a CPU gets).
   more rows round x to bf16 and run bf16 dot products on the same tensor (`gemm="bf16"`: the native
   vdpbf16ps kernel where the plan's `bf16_dots` says, else torch's bf16 GEMM, AMX / AVX512-BF16 through
   oneDNN), or widen W in slabs for MKL's float32 GEMM (`gemm="float32"`).
-- W packed bf16 panels [ceil(N/16), K, 16] under float32 x (`pack_bf16`, AVX-512 without bf16
-  arithmetic): few rows go to the native panel kernel; many rows widen a slab of panels into a reused
-  float32 buffer that stays in cache and run MKL's float32 GEMM on it, which beats the kernel there.
+- W packed bf16 panels [ceil(N/16), K, 16] under float32 x (`pack_bf16`, AVX2 and AVX-512 without bf16
+  arithmetic): few rows go to the native panel kernel; many rows (`panel_gemm`) too, or they widen a
+  slab of panels into a reused float32 buffer that stays in cache and run MKL's float32 GEMM on it.
 - Without native kernels: W widened per call, correct and slow.
 - W a `perfxlm.quant.QuantizedWeight` (GGUF blocks kept quantized, `quantization=`): the native
   `linear_q` kernel (codes widened in registers, or int8 dot products on activations rounded to int8
@@ -85,10 +85,12 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def packed_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
-    """x [..., K] float32 times packed bf16 panels: the native panel kernel for few rows, else widened slabs."""
+    """x [..., K] float32 times packed bf16 panels: the native panel kernel for few rows, and for many where
+    the plan's `panel_gemm` says so, else widened slabs."""
     rows = x.reshape(-1, x.shape[-1])
     ops = native.kernels()
-    if ops is not None and rows.shape[0] <= cpu_plan.plan().native_max_rows:
+    plan = cpu_plan.plan()
+    if ops is not None and (rows.shape[0] <= plan.native_max_rows or plan.panel_gemm == "kernel"):
         y = ops.linear_bf16_packed(rows, weight, out_features, bias)
     else:
         y = _slab_linear(rows, weight, out_features, bias)

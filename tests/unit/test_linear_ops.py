@@ -41,12 +41,14 @@ def test_pack_round_trip(n_out, k):
     assert torch.equal(unpack_bf16(packed, n_out), w)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16, 17, 32, 33, 70, 130, 300])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 8, 9, 13, 16, 17, 32, 33, 70, 130, 300])
 @pytest.mark.parametrize("n_out,k", [(13, 37), (64, 576), (1030, 48), (7, 16)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_bf16_matches_widened_reference(rows, n_out, k, bias):
-    """Rows up to native_max_rows (256) take the native kernel, more take widened slabs + float32 GEMM."""
-    cpu_plan.use(layout="panels", gemm="float32", native_max_rows=256)
+@pytest.mark.parametrize("panel_gemm", ["kernel", "float32"])
+def test_packed_bf16_matches_widened_reference(rows, n_out, k, bias, panel_gemm):
+    """Rows up to native_max_rows (256) take the native kernel, more take it too (panel_gemm="kernel")
+    or widened slabs + float32 GEMM."""
+    cpu_plan.use(layout="panels", gemm="float32", native_max_rows=256, panel_gemm=panel_gemm)
     x, w, b, ref = _case(rows, n_out, k, bias, rows * 1000 + n_out + k)
     out = linear(x, pack_bf16(w), b, n_out)
     assert out.shape == ref.shape and out.dtype == torch.float32 and out.is_contiguous()
@@ -77,6 +79,20 @@ def test_leading_dims_and_plain_weights():
     # plain bf16 rows: the row kernel where compiled, else widened per call
     cpu_plan.use(layout="rows", native_max_rows=8)
     torch.testing.assert_close(linear(x, w.bfloat16()), F.linear(x, w.bfloat16().float()), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [2, 5, 6, 7, 16, 64, 131])
+@pytest.mark.parametrize("n_out,k", [(7, 16), (40, 33), (333, 200), (50, 2000)])
+def test_packed_kernel_row_alone_equals_the_row_in_a_batch(ops, rows, n_out, k):
+    # every column is one float32 FMA chain over k whatever the row tile, the block of rows (k = 2000:
+    # 131 rows in blocks of 48) or batch 1's two-stream walk: a bfloat16 model's greedy text does not depend on
+    # the batch
+    x, w, b, _ = _case(rows, n_out, k, True, rows + n_out + k)
+    packed = pack_bf16(w)
+    batch = ops.linear_bf16_packed(x, packed, n_out, b)
+    for i in range(rows):
+        assert torch.equal(ops.linear_bf16_packed(x[i : i + 1], packed, n_out, b)[0], batch[i]), i
+    assert torch.equal(ops.linear_bf16_packed(x[1:], packed, n_out, b), batch[1:])
 
 
 def test_bad_shapes_raise_clear_errors(ops):
@@ -163,10 +179,18 @@ def test_plan_from_environment(monkeypatch):
     with pytest.raises(ValueError, match="PERFXLM_NATIVE_MAX_ROWS"):
         cpu_plan.detect()
     monkeypatch.delenv("PERFXLM_NATIVE_MAX_ROWS")
+    for value in cpu_plan.PANEL_GEMMS:
+        monkeypatch.setenv("PERFXLM_BF16_PANEL_GEMM", value)
+        assert cpu_plan.detect().panel_gemm == value
+    monkeypatch.setenv("PERFXLM_BF16_PANEL_GEMM", "mkl")
+    with pytest.raises(ValueError, match="PERFXLM_BF16_PANEL_GEMM.*kernel, float32"):
+        cpu_plan.detect()
+    monkeypatch.delenv("PERFXLM_BF16_PANEL_GEMM")
     for name in ("PERFXLM_BF16_LAYOUT", "PERFXLM_BF16_GEMM", "PERFXLM_BF16_COMPUTE"):
         monkeypatch.delenv(name)
     auto = cpu_plan.detect()  # whatever this CPU gets, it is one of the known paths
     assert auto.layout in cpu_plan.LAYOUTS and auto.gemm in cpu_plan.GEMMS and auto.native_max_rows >= 0
+    assert auto.panel_gemm in cpu_plan.PANEL_GEMMS
 
 
 @pytest.mark.parametrize("fast_bf16, amx, rows, block_rows, gemm",
