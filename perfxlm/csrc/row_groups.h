@@ -298,31 +298,20 @@ inline Product prepare(const at::Tensor& xc, const at::Tensor& codes, const at::
 // do not depend on which range computed them.
 inline void groups_into(const Product& p, int64_t g0, int64_t g1, float* y, int64_t ldy, const float* bias) {
   const int64_t group_bytes = p.blocks * kRows * (p.bits4 ? 16 : 32);
-  auto store = [&](int64_t g, const float* out) {
-    const int64_t n0 = g * kRows, n = std::min<int64_t>(kRows, p.n_out - n0);
-    for (int64_t i = 0; i < n; ++i) y[n0 + i] = out[i] + (bias ? bias[n0 + i] : 0.f);
-  };
   if (p.M == 1 && perfxlm_streams::two_streams(true) && g1 - g0 >= 2) {
     // batch 1, two streams: the range's halves a block at a time (group_pair)
-    const int64_t half = (g1 - g0 + 1) / 2;
-    for (int64_t i = 0; i < half; ++i) {
-      const int64_t ga = g0 + i, gb = g0 + half + i;
-      float out_a[kRows], out_b[kRows];
-      const uint8_t* ca = p.codes + ga * group_bytes;
-      const uint16_t* sa = p.scales + ga * p.blocks * kRows;
-      if (gb < g1) {
-        if (p.bits4)
-          group_pair<true>(ca, sa, p.codes + gb * group_bytes, p.scales + gb * p.blocks * kRows, p.acts[0], p.blocks, out_a, out_b);
-        else
-          group_pair<false>(ca, sa, p.codes + gb * group_bytes, p.scales + gb * p.blocks * kRows, p.acts[0], p.blocks, out_a, out_b);
-        store(gb, out_b);
-      } else {
-        const Acts* row = &p.acts[0];
-        if (p.bits4) group_rows<true, 1>(ca, sa, &row, p.blocks, out_a);
-        else group_rows<false, 1>(ca, sa, &row, p.blocks, out_a);
-      }
-      store(ga, out_a);
-    }
+    const Acts* row = &p.acts[0];
+    auto codes = [&](int64_t g) { return p.codes + g * group_bytes; };
+    auto scales = [&](int64_t g) { return p.scales + g * p.blocks * kRows; };
+    perfxlm_row_groups::halves_in_pairs(g0, g1, p.n_out, y, bias,
+      [&](int64_t ga, int64_t gb, float* out_a, float* out_b) {
+        if (p.bits4) group_pair<true>(codes(ga), scales(ga), codes(gb), scales(gb), *row, p.blocks, out_a, out_b);
+        else group_pair<false>(codes(ga), scales(ga), codes(gb), scales(gb), *row, p.blocks, out_a, out_b);
+      },
+      [&](int64_t g, float* out) {
+        if (p.bits4) group_rows<true, 1>(codes(g), scales(g), &row, p.blocks, out);
+        else group_rows<false, 1>(codes(g), scales(g), &row, p.blocks, out);
+      });
     return;
   }
   perfxlm_row_groups::each_group(g0, g1, [&](int64_t g) {

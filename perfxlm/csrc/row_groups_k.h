@@ -477,31 +477,20 @@ inline Product prepare(const at::Tensor& xc, const at::Tensor& codes, const at::
 inline void groups_into(const Product& p, int64_t g0, int64_t g1, float* y, int64_t ldy, const float* bias) {
   if (p.M == 1 && perfxlm_streams::two_streams(kPairByDefault) && g1 - g0 >= 2) {
     // batch 1, two streams: the range's halves a block at a time (q45_group_pair / q6k_group_pair)
-    const int64_t half = (g1 - g0 + 1) / 2;
-    auto store = [&](int64_t g, const float* out) {
-      const int64_t n0 = g * kRows, rows = std::min<int64_t>(kRows, p.n_out - n0);
-      for (int64_t r = 0; r < rows; ++r) y[n0 + r] = out[r] + (bias ? bias[n0 + r] : 0.f);
-    };
     const Acts* row = &p.acts[0];
-    for (int64_t i = 0; i < half; ++i) {
-      const int64_t ga = g0 + i, gb = g0 + half + i;
-      const uint8_t* ca = p.codes + ga * p.group_codes;
-      const uint8_t* wa = p.params + ga * p.group_params;
-      float out_a[kRows], out_b[kRows];
-      if (gb < g1) {
-        const uint8_t* cb = p.codes + gb * p.group_codes;
-        const uint8_t* wb = p.params + gb * p.group_params;
-        if (p.bits == 4) q45_group_pair<false>(ca, wa, cb, wb, *row, p.supers, out_a, out_b);
-        else if (p.bits == 5) q45_group_pair<true>(ca, wa, cb, wb, *row, p.supers, out_a, out_b);
-        else q6k_group_pair(ca, wa, cb, wb, *row, p.supers, out_a, out_b);
-        store(gb, out_b);
-      } else {
-        if (p.bits == 4) q45_group_rows<false, 1>(ca, wa, &row, p.supers, out_a);
-        else if (p.bits == 5) q45_group_rows<true, 1>(ca, wa, &row, p.supers, out_a);
-        else q6k_group_rows<1>(ca, wa, &row, p.supers, out_a);
-      }
-      store(ga, out_a);
-    }
+    auto codes = [&](int64_t g) { return p.codes + g * p.group_codes; };
+    auto params = [&](int64_t g) { return p.params + g * p.group_params; };
+    perfxlm_row_groups::halves_in_pairs(g0, g1, p.n_out, y, bias,
+      [&](int64_t ga, int64_t gb, float* out_a, float* out_b) {
+        if (p.bits == 4) q45_group_pair<false>(codes(ga), params(ga), codes(gb), params(gb), *row, p.supers, out_a, out_b);
+        else if (p.bits == 5) q45_group_pair<true>(codes(ga), params(ga), codes(gb), params(gb), *row, p.supers, out_a, out_b);
+        else q6k_group_pair(codes(ga), params(ga), codes(gb), params(gb), *row, p.supers, out_a, out_b);
+      },
+      [&](int64_t g, float* out) {
+        if (p.bits == 4) q45_group_rows<false, 1>(codes(g), params(g), &row, p.supers, out);
+        else if (p.bits == 5) q45_group_rows<true, 1>(codes(g), params(g), &row, p.supers, out);
+        else q6k_group_rows<1>(codes(g), params(g), &row, p.supers, out);
+      });
     return;
   }
   perfxlm_row_groups::each_group(g0, g1, [&](int64_t g) {

@@ -189,25 +189,15 @@ inline Product prepare(const at::Tensor& xc, const at::Tensor& codes, const at::
 inline void groups_into(const Product& p, int64_t g0, int64_t g1, float* y, int64_t ldy, const float* bias) {
   if (p.M == 1 && perfxlm_streams::two_streams(kPairByDefault) && g1 - g0 >= 2) {
     // batch 1, two streams: the range's halves a block at a time (group_pair)
-    const int64_t half = (g1 - g0 + 1) / 2;
-    auto store = [&](int64_t g, const float* out) {
-      const int64_t n0 = g * kRows, n = std::min<int64_t>(kRows, p.n_out - n0);
-      for (int64_t i = 0; i < n; ++i) y[n0 + i] = out[i] + (bias ? bias[n0 + i] : 0.f);
-    };
     const Acts* row = &p.acts[0];
-    for (int64_t i = 0; i < half; ++i) {
-      const int64_t ga = g0 + i, gb = g0 + half + i, pa = ga * p.blocks * kRows;
-      float out_a[kRows], out_b[kRows];
-      if (gb < g1) {
-        const int64_t pb = gb * p.blocks * kRows;
-        group_pair(p.codes + ga * p.blocks * kBlockBytes, p.scales + pa, p.mins + pa, p.codes + gb * p.blocks * kBlockBytes,
-                   p.scales + pb, p.mins + pb, *row, p.blocks, out_a, out_b);
-        store(gb, out_b);
-      } else {
-        group_rows<1>(p.codes + ga * p.blocks * kBlockBytes, p.scales + pa, p.mins + pa, &row, p.blocks, out_a);
-      }
-      store(ga, out_a);
-    }
+    auto codes = [&](int64_t g) { return p.codes + g * p.blocks * kBlockBytes; };
+    auto params = [&](int64_t g) { return g * p.blocks * kRows; };
+    perfxlm_row_groups::halves_in_pairs(g0, g1, p.n_out, y, bias,
+      [&](int64_t ga, int64_t gb, float* out_a, float* out_b) {
+        group_pair(codes(ga), p.scales + params(ga), p.mins + params(ga), codes(gb), p.scales + params(gb),
+                   p.mins + params(gb), *row, p.blocks, out_a, out_b);
+      },
+      [&](int64_t g, float* out) { group_rows<1>(codes(g), p.scales + params(g), p.mins + params(g), &row, p.blocks, out); });
     return;
   }
   perfxlm_row_groups::each_group(g0, g1, [&](int64_t g) {

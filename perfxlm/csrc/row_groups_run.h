@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -46,6 +47,32 @@ inline void row_tiles(int64_t M, Fn&& fn) {
       default: break;
     }
     m += size;
+  }
+}
+
+// Batch 1 in two read streams (read_streams.h): groups [g0, g1) walked as the range's two halves side by
+// side, pair(ga, gb, out_a, out_b) on a group of each half (block b of one, then block b of the other),
+// one(g, out) on the group left over when the range is odd; each group's 8 outputs stored at its columns
+// of the one output row, bias added. The kernels behind pair and one sum each group in its one-row order.
+template <class Pair, class One>
+inline void halves_in_pairs(int64_t g0, int64_t g1, int64_t n_out, float* y, const float* bias, Pair&& pair,
+                            One&& one) {
+  constexpr int64_t kRows = 8;
+  auto store = [&](int64_t g, const float* out) {
+    const int64_t n0 = g * kRows, n = std::min<int64_t>(kRows, n_out - n0);
+    for (int64_t i = 0; i < n; ++i) y[n0 + i] = out[i] + (bias ? bias[n0 + i] : 0.f);
+  };
+  const int64_t half = (g1 - g0 + 1) / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const int64_t ga = g0 + i, gb = g0 + half + i;
+    float out_a[kRows], out_b[kRows];
+    if (gb < g1) {
+      pair(ga, gb, out_a, out_b);
+      store(gb, out_b);
+    } else {
+      one(ga, out_a);
+    }
+    store(ga, out_a);
   }
 }
 

@@ -149,17 +149,20 @@ def test_the_default_model_converted_gives_the_same_text(default_model, interlea
     activation blocks. Prefill of the batch runs the int8 GEMM in both layouts, which reads row groups as
     its panels (the same bits), and the head its GEMV on the prompts' last rows: the same first tokens,
     logprobs to float rounding (1-3e-6 measured). Decode runs each layout's GEMV, whose float sums differ
-    in order: on Q8_0 the same text throughout (measured); on Q4_0 one of these prompts takes another token
-    at a near tie (its 2nd), so only the first token is compared there. (A bfloat16 model
-    carries such differences on through bf16 activations and KV cache: measured, Q8_0's text differed
-    at one prompt's 7th token.) A prompt alone is not compared with the batch: its few prefill rows run
-    the GEMV, the batch's the GEMM, in the plain layout too."""
+    in order; a sum a rounding apart can move an activation block's int8 rounding, and over the layers a
+    token's log-probability moves by up to ~0.25 nats between the layouts (measured, either activation
+    arithmetic; the same redraw as two engines' per-token differences, README's perplexity section). So
+    the texts agree up to a step where the two layouts' top two tokens are a near tie in both (each
+    layout's top token the other's second, within 0.3 nats of each other), and from there may part:
+    Q4_0 parts at one prompt's 2nd token, Q8_0 at one prompt's 8th with ggml's activation blocks. A
+    prompt alone is not compared with the batch: its few prefill rows run the GEMV, the batch's the GEMM,
+    in the plain layout too."""
     pytest.importorskip("llama_cpp")
     from benchmarks.compare_llamacpp import requantize
 
     path = requantize(default_model, ftype, 2, tmp_path / f"smollm2.{ftype}.gguf")
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     runs = {}
     for value in (0, 8):
         interleave(value)
@@ -169,8 +172,12 @@ def test_the_default_model_converted_gives_the_same_text(default_model, interlea
     for a, b in zip(runs[0], runs[8]):
         assert a.token_ids[0] == b.token_ids[0]
         assert a.logprobs[0][a.token_ids[0]].logprob == pytest.approx(b.logprobs[0][b.token_ids[0]].logprob, abs=1e-4)
-        if ftype == "q8_0":
-            assert a.token_ids == b.token_ids
+        parted = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        if parted is not None:  # a near tie in both layouts
+            x, y = a.token_ids[parted], b.token_ids[parted]
+            for lp in (a.logprobs[parted], b.logprobs[parted]):
+                assert x in lp and y in lp, (parted, x, y, lp)
+                assert abs(lp[x].logprob - lp[y].logprob) < 0.3, (parted, x, y, lp)
 
 
 def test_the_default_models_own_file_in_affine_row_groups(default_model, interleave):

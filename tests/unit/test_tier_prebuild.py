@@ -4,8 +4,13 @@ and a run is made once, by whichever of the background and the test claims it fi
 import os
 import sys
 import time
+from pathlib import Path
 
 from tests import tier_prebuild
+
+# the background process runs `python -m tests.tier_prebuild` from the repository's root (as the suite
+# starts it): from a test's tmp_path the module would not be found
+ROOT = str(Path(tier_prebuild.__file__).resolve().parents[1])
 
 
 def _runs(*tiers: str) -> list[tuple[str, list[str], dict]]:
@@ -17,7 +22,7 @@ def _runs(*tiers: str) -> list[tuple[str, list[str], dict]]:
 
 def test_a_run_made_in_the_background_reaches_its_test(tmp_path):
     status = tmp_path / "status"
-    background = tier_prebuild.start(False, [], None, str(tmp_path), status, _runs("ab", "abc"))
+    background = tier_prebuild.start(False, [], None, ROOT, status, _runs("ab", "abc"))
     try:
         # the tests come when the background has claimed their runs (a test that comes first runs its own)
         deadline = time.monotonic() + 120
@@ -34,7 +39,7 @@ def test_a_run_its_test_claimed_first_is_left_to_the_test(tmp_path):
     status = tmp_path / "status"
     result, claim = tier_prebuild._run_paths(status, "ab")
     assert tier_prebuild._claim(claim)  # the test got there first
-    background = tier_prebuild.start(False, [], None, str(tmp_path), status, _runs("ab", "abc"))
+    background = tier_prebuild.start(False, [], None, ROOT, status, _runs("ab", "abc"))
     try:
         assert background.run_result("ab") is None  # the caller runs it itself
         assert background.run_result("abc")["returncode"] == 1  # the next one was still made
