@@ -145,37 +145,18 @@ def _tiers_in_use_order(items) -> list[str]:
     return tiers
 
 
-def _tier_runs(items, tiers: list[str]) -> list[tuple[str, list[str]]]:
-    """(tier, its kernel test files) of each lower tier's kernel run this session has (the tier tests of
-    a module that names its KERNEL_TESTS: tests/unit/test_portable_kernels.py), in the tests' order."""
-    runs: list[tuple[str, list[str]]] = []
-    for item in items:
-        callspec = getattr(item, "callspec", None)
-        kernel_tests = getattr(getattr(item, "module", None), "KERNEL_TESTS", None)
-        tier = callspec.params.get("tier") if callspec else None
-        if kernel_tests and tier in tiers and tier not in [t for t, _ in runs]:
-            runs.append((tier, list(kernel_tests)))
-    return runs
-
-
 @pytest.fixture(scope="session")
 def tier_prebuild(request, tier_cache_dir, tmp_path_factory):
     """The native builds of later tests (the shared-memory collectives where tests/distributed runs, the
-    lower tiers), in the background from the session's start, then the lower tiers' kernel runs
-    (tests/tier_prebuild.py)."""
-    from tests import tier_cases
+    lower tiers), in the background from the session's start (tests/tier_prebuild.py)."""
     from tests import tier_prebuild as prebuild
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     distributed = os.path.join(root, "tests", "distributed")
     shm = any(str(item.path).startswith(distributed + os.sep) for item in request.session.items)
     tiers = _tiers_in_use_order(request.session.items)
-    runs = []
-    for tier, files in _tier_runs(request.session.items, tiers):
-        env = tier_cases.run_env(dict(os.environ), tier_env(tier_cache_dir, tier))
-        runs.append((tier, tier_cases.run_argv(files), env))
     status = tmp_path_factory.getbasetemp() / "prebuild_status"
-    background = prebuild.start(shm, tiers, lambda tier: tier_env(tier_cache_dir, tier), root, status, runs)
+    background = prebuild.start(shm, tiers, lambda tier: tier_env(tier_cache_dir, tier), root, status)
     yield background
     if background is not None:
         background.stop()

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import sys
 
 TIER_RUN_ENV = "PERFXLM_TEST_TIER_RUN"
 MARKER = ("tier_independent: a plain-torch variant whose kernel calls, if any, its native twin makes too; "
@@ -33,26 +32,6 @@ MARKER = ("tier_independent: a plain-torch variant whose kernel calls, if any, i
 
 def active() -> bool:
     return os.environ.get(TIER_RUN_ENV, "") == "1"
-
-
-def run_argv(kernel_tests: list[str]) -> list[str]:
-    """The command of a lower tier's kernel run (tests/unit/test_portable_kernels.py), in the test itself
-    or ahead of it in the background (tests/tier_prebuild.py). Of the plugins installed beside pytest only
-    pytest-timeout is loaded (PYTEST_DISABLE_PLUGIN_AUTOLOAD in run_env), for the ini's timeout: no kernel
-    test uses the others (schemathesis, hypothesis, anyio, benchmark), and importing them cost each
-    tier's run ~3 s of CPU."""
-    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "pytest_timeout",
-            *kernel_tests]
-
-
-def run_env(base: dict[str, str], build_env: dict[str, str]) -> dict[str, str]:
-    """That run's environment: `base` with the tier's build environment (conftest's tier_env), the tier's
-    flags rather than a raw -march, and TIER_RUN_ENV (the case selection below, check_build)."""
-    env = dict(base, **build_env)
-    env.pop("PERFXLM_NATIVE_MARCH", None)
-    env[TIER_RUN_ENV] = "1"
-    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-    return env
 
 
 def check_build(ops) -> None:

@@ -12,13 +12,6 @@ or waits on the build's lock (perfxlm.ops.native._build_guard) while it finishes
 where the background has not reached it yet. What each tier test runs and checks is unchanged: the same
 builds, with the same flags, in the same folder.
 
-Once every tier is built, the same process runs each tier's kernel tests (the inner pytest of
-tests/unit/test_portable_kernels.py, its command and environment from tests/tier_cases.py), still at the
-lowest priority, and keeps each run's exit status and output for the test, which then only checks them:
-in a quiet 2-core CI run those three runs (31-41 s each) no longer hold the suite. A run is claimed by
-whichever of the background and the test gets to it first (an O_EXCL file), so none runs twice; the test
-that finds its run in progress raises it to normal priority and waits for it.
-
 The shared-memory extension is built as the ranks build it (same key, same folder), so the first test
 that starts ranks finds it built, or waits on its build lock.
 
@@ -32,7 +25,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ENV = "PERFXLM_TEST_TIER_PREBUILD"
@@ -68,22 +60,6 @@ class Prebuild:
         except OSError:
             pass
 
-    def run_result(self, tier: str) -> dict | None:
-        """The result of `tier`'s kernel run ({returncode, stdout, stderr}) made in the background, waited
-        for if it is in progress; None where the caller is to run it itself (the background had not
-        reached it: the caller's claim keeps the background from starting it too; or it ended without
-        one)."""
-        result, claim = _run_paths(self.status, tier)
-        while True:
-            if result.exists():
-                return json.loads(result.read_text())
-            if _claim(claim):
-                return None
-            if self.proc.poll() is not None and not result.exists():
-                return None
-            self.hurry(_run_name(tier))
-            time.sleep(0.2)
-
     def stop(self) -> None:
         """Ends a build still running when the session ends (a session that stopped before the tests that
         needed it); the build's lock is cleared by the next build of that folder."""
@@ -100,32 +76,12 @@ class Prebuild:
             self.proc.wait()
 
 
-def _run_name(tier: str) -> str:
-    return f"run:{tier}"
-
-
-def _run_paths(status: Path, tier: str) -> tuple[Path, Path]:
-    """(the run's result file, its claim file), beside the status file."""
-    return status.with_name(f"tier_run_{tier}.json"), status.with_name(f"tier_run_{tier}.claimed")
-
-
-def _claim(path: Path) -> bool:
-    try:
-        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        return True
-    except FileExistsError:
-        return False
-
-
-def start(shm: bool, tiers: list[str], env_of, root: str, status: Path,
-          runs: list[tuple[str, list[str], dict]] = ()) -> Prebuild | None:  # fmt: skip
+def start(shm: bool, tiers: list[str], env_of, root: str, status: Path) -> Prebuild | None:
     """Builds the shared-memory extension (with `shm`), then `tiers` in that order; `env_of(tier)` is the
-    tier's build environment. Then each of `runs`, (tier, command, environment) of a tier's kernel run
-    (tests/tier_cases.py), in that order."""
-    if not (shm or tiers or runs) or not enabled():
+    tier's build environment."""
+    if not (shm or tiers) or not enabled():
         return None
     builds = ([(SHM, "shm", {})] if shm else []) + [(t, "kernels", env_of(t)) for t in tiers]
-    builds += [(_run_name(t), "run", env, argv) for t, argv, env in runs]
     env = dict(os.environ, **{ENV: "0"})  # a pytest started under it (none is) must not start another
     env.pop("PERFXLM_NATIVE_MARCH", None)  # as the tier tests: the tier's flags, not a raw -march
     proc = subprocess.Popen(
@@ -137,23 +93,8 @@ def start(shm: bool, tiers: list[str], env_of, root: str, status: Path,
 
 
 def _main(status: str, builds: str) -> None:
-    for name, kind, env, *argv in json.loads(builds):
+    for name, kind, env in json.loads(builds):
         os.setpriority(os.PRIO_PROCESS, 0, 19)  # back to the lowest after a hurried build
-        if kind == "run":
-            tier = name.split(":", 1)[1]
-            result, claim = _run_paths(Path(status), tier)
-            if not _claim(claim):
-                continue  # its test got there first and runs it
-            Path(status).write_text(name)
-            try:  # the whole environment, as the test passes it (tier_cases.run_env)
-                run = subprocess.run(argv[0], env=env, capture_output=True, text=True, timeout=1200)
-                out = {"returncode": run.returncode, "stdout": run.stdout, "stderr": run.stderr}
-            except subprocess.TimeoutExpired as exc:
-                out = {"returncode": -1, "stdout": str(exc.stdout or ""), "stderr": f"timed out: {exc}"}
-            partial = result.with_suffix(".part")
-            partial.write_text(json.dumps(out))
-            partial.rename(result)  # whole or not there
-            continue
         Path(status).write_text(name)
         subprocess.run([sys.executable, "-c", _BUILD[kind]], env=dict(os.environ, **env),
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip

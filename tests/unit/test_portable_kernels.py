@@ -29,28 +29,28 @@ KERNEL_TESTS = ["tests/unit/test_linear_ops.py", "tests/unit/test_bf16_dots.py",
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tier", isa.DISTINCT_PATHS)
-def test_each_lower_tier_matches_references(tier_build_env, tier_prebuild, tier):
+def test_each_lower_tier_matches_references(tier_build_env, tier):
     if native.kernels() is None:
         pytest.skip("no compiler for the native kernels on this machine")
     if tier not in isa.supported():
         pytest.skip(f"this CPU cannot run the {tier} tier (it runs {', '.join(isa.supported())})")
     if tier == isa.detect():
         pytest.skip(f"{tier} is this CPU's own tier: the rest of the suite runs its kernels")
-    # The run: KERNEL_TESTS under the tier's build, the cross products pairwise and the torch-only variants
-    # left out (tests/tier_cases.py); its session start checks that the build is the tier's and that the
-    # CPU plan knows it (tier_cases.check_build: a failure there errors every test). The background
-    # builder (tests/tier_prebuild.py) runs it ahead, on the core the suite leaves idle, once the tier is
-    # built: the same command in the same environment, its result taken here; else it runs here.
-    result = tier_prebuild.run_result(tier) if tier_prebuild is not None else None
-    if result is None:
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = tier_cases.run_env(os.environ, tier_build_env(tier))
-        run = subprocess.run(tier_cases.run_argv(KERNEL_TESTS), env=env, cwd=root, capture_output=True,
-                             text=True, timeout=1200)  # fmt: skip
-        result = {"returncode": run.returncode, "stdout": run.stdout, "stderr": run.stderr}
-    stdout = result["stdout"]
-    assert result["returncode"] == 0, stdout[-3000:] + result["stderr"][-2000:]
-    assert " passed" in stdout and "skipped" not in stdout.splitlines()[-1]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, **tier_build_env(tier))
+    env.pop("PERFXLM_NATIVE_MARCH", None)
+    env[tier_cases.TIER_RUN_ENV] = "1"  # the cross products pairwise, the torch-only variants left out
+    # That run's session start also checks that the build is the tier's and the CPU plan knows it
+    # (tier_cases.check_build: a failure there errors every test). The plugins installed beside pytest
+    # (schemathesis, hypothesis, anyio, benchmark) are not loaded: no kernel test uses them, and importing
+    # them cost each tier's run ~3 s of CPU; pytest-timeout is, for the ini's timeout.
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "pytest_timeout", *KERNEL_TESTS],
+        env=env, cwd=root, capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1]
 
 
 def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_start(tmp_path, monkeypatch):
