@@ -11,7 +11,7 @@ products with many rows (prefill, large decode batches):
   float32 GEMM rate there). A tied LM head shares the embedding table.
 - `panels` layout (AVX-512 without bf16 arithmetic, AVX2): [N/16, K, 16] panels for the native panel
   kernel up to 256 rows (it beats MKL's float32 GEMM there); past that, `panel_gemm` says: the same
-  kernel (AVX2 builds) or panels widened into a reused float32 buffer for MKL (AVX-512 builds).
+  kernel (AVX2 builds) or panels widened into a reused float32 buffer for MKL (AVX-512 and scalar builds).
 
 Every choice can be forced from the environment, so the tests run each path on whatever CPU they meet
 (a path the CPU lacks is emulated by torch: correct, slow):
@@ -35,7 +35,7 @@ Every choice can be forced from the environment, so the tests run each path on w
                                           per call, alternating, loaded 2-vCPU Zen 4 forced to the avx2
                                           tier (MKL_ENABLE_INSTRUCTIONS=AVX2): 1.17-1.30x MKL's, 1.03-1.26x
                                           at 2048. float32 on AVX-512 builds (8 x 32 tiles against MKL's
-                                          AVX-512 GEMM: not measured)
+                                          AVX-512 GEMM: not measured) and scalar ones (no SIMD tile)
 - PERFXLM_NATIVE_MAX_ROWS = N             rows up to which the native kernels run
 - PERFXLM_BF16_COMPUTE = float32 | bfloat16   activations of a bfloat16 model (bfloat16: torch's bf16
                                               ops throughout, no native linear kernels)
@@ -211,9 +211,11 @@ def detect() -> CpuPlan:
     quant_gemm = _quant_gemm(fast_bf16 and isa.has_amx())
     gemm_rows = _rows("PERFXLM_QUANT_GEMM_ROWS", _AUTO_GEMM_ROWS if quant_gemm == "int8" and not fast_bf16 else 0)
     dots = _choice("PERFXLM_BF16_DOTS", BF16_DOTS, "1" if "avx512_bf16" in isa.visible_flags() and not isa.has_amx() else "0")
-    # the panel kernel's many-row tiles were measured against MKL on AVX2 builds only (see the docstring)
+    # the panel kernel's many-row tiles were measured against MKL on AVX2 builds only (see the docstring);
+    # a build without AVX2 has only its scalar loop, which MKL outruns at prefill sizes
+    flags = isa.visible_flags()
     panel_gemm = _choice("PERFXLM_BF16_PANEL_GEMM", PANEL_GEMMS,
-                         "kernel" if "avx512f" not in isa.visible_flags() else "float32")
+                         "kernel" if "avx2" in flags and "avx512f" not in flags else "float32")
     return CpuPlan(layout, gemm, max_rows, compute, quant_rows, tier, block_rows_limit, quant_gemm, gemm_rows,
                    _dot_width(), *_row_groups(), bf16_dots=dots == "1", panel_gemm=panel_gemm)
 

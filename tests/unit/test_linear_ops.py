@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from perfxlm.ops import linear as linear_ops
-from perfxlm.ops import cpu_plan, native
+from perfxlm.ops import cpu_plan, isa, native
 from perfxlm.ops.linear import linear, pack_bf16, unpack_bf16
 
 
@@ -186,6 +186,13 @@ def test_plan_from_environment(monkeypatch):
     with pytest.raises(ValueError, match="PERFXLM_BF16_PANEL_GEMM.*kernel, float32"):
         cpu_plan.detect()
     monkeypatch.delenv("PERFXLM_BF16_PANEL_GEMM")
+    # the default per forced tier (a tier this CPU lacks is skipped): the kernel only where its AVX2 tile is
+    # the build's, MKL on widened slabs on the scalar build (its loop) and AVX-512 builds (not measured)
+    for tier, want in (("scalar", "float32"), ("avx2", "kernel"), ("avx512_vnni", "float32")):
+        if tier in isa.supported():
+            monkeypatch.setenv("PERFXLM_ISA", tier)
+            assert cpu_plan.detect().panel_gemm == want, tier
+    monkeypatch.delenv("PERFXLM_ISA", raising=False)
     for name in ("PERFXLM_BF16_LAYOUT", "PERFXLM_BF16_GEMM", "PERFXLM_BF16_COMPUTE"):
         monkeypatch.delenv(name)
     auto = cpu_plan.detect()  # whatever this CPU gets, it is one of the known paths
