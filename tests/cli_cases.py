@@ -17,16 +17,20 @@ import sys
 from dataclasses import dataclass
 
 _DRIVER = """
-import contextlib, io, json, sys
+import contextlib, io, json, sys, traceback
 from perfxlm.entrypoints.cli import main
 results = []
-for argv in json.loads(sys.argv[1]):
+for argv, stdin in json.loads(sys.argv[1]):
     out, err = io.StringIO(), io.StringIO()
+    sys.stdin = io.StringIO(stdin or "")  # what a user types (the chat), else an empty input
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             code = main(argv)
         except SystemExit as exc:  # argparse's refusals
             code = exc.code
+        except Exception:  # a crash fails its own command line, not the ones after it
+            traceback.print_exc()
+            code = 1
     results.append([code, out.getvalue(), err.getvalue()])
 sys.__stdout__.write("\\n" + json.dumps(results) + "\\n")
 """
@@ -39,9 +43,13 @@ class Result:
     stderr: str
 
 
-def run_cli_cases(*argvs: list[str], timeout: float = 300) -> list[Result]:
-    """One Result per command line (the arguments after `perfxlm`), in order."""
-    run = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps([list(a) for a in argvs])],
+def run_cli_cases(
+    *argvs: list[str], timeout: float = 300, stdin: dict[int, str] | None = None
+) -> list[Result]:
+    """One Result per command line (the arguments after `perfxlm`), in order; `stdin` maps a command
+    line's index to the text it reads as typed input."""
+    cases = [[list(a), (stdin or {}).get(i)] for i, a in enumerate(argvs)]
+    run = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(cases)],
                          capture_output=True, text=True, timeout=timeout,
                          env={"TQDM_DISABLE": "1", **os.environ})  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]

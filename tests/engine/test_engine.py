@@ -36,8 +36,11 @@ def test_greedy_capital_of_france(smollm_fp32):
 
 
 def test_batch_invariance_32_prompts(smollm_fp32):
+    # 8 tokens: each of the 32 batch-1 runs (the cost: 32 x a step's weight reads) ends past the prompt's
+    # KV block, as 16 did; every decode step of the batch is the same 32-row step, so steps 9-16 checked
+    # no row path that steps 1-8 do not
     prompts = _prompts(32)
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     together = smollm_fp32.generate(prompts, params, use_tqdm=False)
     smollm_fp32.llm_engine.kv_cache_manager.reset_prefix_cache()
     for prompt, out in zip(prompts, together):
@@ -47,16 +50,19 @@ def test_batch_invariance_32_prompts(smollm_fp32):
 
 
 def test_tiny_kv_pool_preempts_and_still_matches(default_model, smollm_fp32):
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    # 16 tokens (32 before): prompts of 24-31 tokens take 2 KV blocks and grow into a 3rd, so two running
+    # requests still outgrow the pool (5 blocks) and each pair preempts one, which is recomputed from its
+    # prompt and the tokens it had: the same paths at half the decode steps of both engines
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = [p + " Once upon a time, in a land far away, there lived" for p in _prompts(16)]
     ref = smollm_fp32.generate(prompts, params, use_tqdm=False)
-    longest = max(len(o.prompt_token_ids) for o in ref) + 32
+    longest = max(len(o.prompt_token_ids) for o in ref) + params.max_tokens
     num_blocks = -(-longest // 16) + 2  # just above one request's need
     llm = LLM(default_model, dtype="float32", num_kv_blocks=num_blocks)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.llm_engine.scheduler.num_preemptions_total > 0
     for r, o in zip(ref, outs):
-        assert len(o.outputs[0].token_ids) == 32
+        assert len(o.outputs[0].token_ids) == params.max_tokens
         assert o.outputs[0].token_ids == r.outputs[0].token_ids
     assert_pool_whole(llm)
 

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -166,18 +163,33 @@ TEXT = (
 ) * 12
 
 
-def run_cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "perfxlm.entrypoints.cli", "eval", "perplexity", *args],
-                          capture_output=True, text=True, timeout=timeout, env={"TQDM_DISABLE": "1", **os.environ})
-
-
-def test_cli_end_to_end_on_the_default_model(tmp_path):
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory):
+    """This file's command lines in one fresh process (tests/cli_cases.py), each with its own exit status
+    and output, as in a process of its own: the end-to-end run, then the refusals (a second process spent
+    ~2.5 s of CPU starting Python and importing torch and the engine)."""
     model = default_model_or_skip()
-    text = tmp_path / "text.txt"
+    tmp = tmp_path_factory.mktemp("ppl_cli")
+    text, empty, short = tmp / "text.txt", tmp / "empty.txt", tmp / "short.txt"
     text.write_text(TEXT)
-    out_json = tmp_path / "ppl.json"
-    r = run_cli(model, "-f", str(text), "-c", "128", "--dtype", "float32", "--threads", "2",
-                "--max-num-batched-tokens", "256", "--output-json", str(out_json))
+    empty.write_text("  \n")
+    short.write_text("A short text.")
+    out_json = tmp / "ppl.json"
+    cmd = ("eval", "perplexity", model, "-f")
+    runs = run_cli_cases(
+        [*cmd, str(text), "-c", "128", "--dtype", "float32", "--threads", "2",
+         "--max-num-batched-tokens", "256", "--output-json", str(out_json)],
+        [*cmd, str(empty)], [*cmd, str(tmp / "missing.txt")],
+        [*cmd, str(short), "-c", "128", "--dtype", "float32"],
+        [*cmd, str(short), "-c", "1", "--dtype", "float32"],
+        [*cmd, str(short), "-c", "600", "--max-model-len", "512", "--dtype", "float32"],
+        # a ctx_size no model takes is refused before the model loads: one that is not there is never reached
+        ["eval", "perplexity", str(tmp / "no-model"), "-f", str(short), "-c", "1"], timeout=600)  # fmt: skip
+    return runs, out_json
+
+
+def test_cli_end_to_end_on_the_default_model(cli_runs):
+    (r, *_), out_json = cli_runs
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.splitlines()
     for key in ("model:", "dtype: float32", "compute_dtype: float32", "cpu_plan: isa="):
@@ -192,20 +204,8 @@ def test_cli_end_to_end_on_the_default_model(tmp_path):
     assert data["config"]["dtype"] == "float32" and "layout=" in data["config"]["cpu_plan"]
 
 
-def test_cli_reports_bad_input(tmp_path):
-    model = default_model_or_skip()
-    empty = tmp_path / "empty.txt"
-    empty.write_text("  \n")
-    short = tmp_path / "short.txt"
-    short.write_text("A short text.")
-    cmd = ("eval", "perplexity", model, "-f")
-    empty_r, missing, too_short, tiny_ctx, over_len, first = run_cli_cases(
-        [*cmd, str(empty)], [*cmd, str(tmp_path / "missing.txt")],
-        [*cmd, str(short), "-c", "128", "--dtype", "float32"],
-        [*cmd, str(short), "-c", "1", "--dtype", "float32"],
-        [*cmd, str(short), "-c", "600", "--max-model-len", "512", "--dtype", "float32"],
-        # a ctx_size no model takes is refused before the model loads: one that is not there is never reached
-        ["eval", "perplexity", str(tmp_path / "no-model"), "-f", str(short), "-c", "1"])  # fmt: skip
+def test_cli_reports_bad_input(cli_runs):
+    (_, empty_r, missing, too_short, tiny_ctx, over_len, first), _ = cli_runs
     assert empty_r.returncode == 2 and "empty" in empty_r.stderr
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     assert too_short.returncode == 2 and "too short" in too_short.stderr

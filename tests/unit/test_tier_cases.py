@@ -26,23 +26,38 @@ def test_a_pairwise_cover_keeps_every_pair_and_is_smaller():
     assert _all_pairs([points[i] for i in chosen]) == _all_pairs(points)
 
 
+_SESSION_MARK = "=== collection ===\n"
+# Collects the files twice, without and then with a lower tier's trimming; each session's exit status 0.
+_COLLECT_TWICE = f"""
+import os, sys, pytest
+for flag in ("", "1"):
+    os.environ["{tier_cases.TIER_RUN_ENV}"] = flag
+    print({_SESSION_MARK!r}, end="", flush=True)
+    args = ["-q", "--collect-only", "-p", "no:cacheprovider", "-p", "pytest_timeout", *sys.argv[1:]]
+    code = pytest.main(args)
+    sys.stdout.flush()
+    if code != 0:
+        sys.exit(int(code))
+"""
+
+
 def test_a_lower_tier_run_keeps_every_pair_of_a_three_axis_test_and_drops_torch_variants():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     files = ["tests/unit/test_quant_linear_ops.py::test_weight_only_matches_reference",
              "tests/unit/test_quant_linear_ops.py::test_centred_codes_match_reference_and_their_stored_mins",
              "tests/quant/test_quant_search.py::test_search_never_worse_than_the_plain_rule"]
 
-    def collect(tier_run: bool) -> list[str]:
-        env = dict(os.environ)
-        env.pop(tier_cases.TIER_RUN_ENV, None)
-        if tier_run:
-            env[tier_cases.TIER_RUN_ENV] = "1"
-        command = [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", *files]
-        out = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stdout[-2000:]
-        return [line for line in out.stdout.splitlines() if "::" in line]
-
-    full, trimmed = collect(False), collect(True)
+    # Both collections in one process, as two pytest sessions one after the other (the trimming is read from
+    # the environment at each session's collection), and without the installed plugins, as the tier runs
+    # themselves (tests/unit/test_portable_kernels.py): a process each with every plugin cost ~9 s of CPU
+    # more (loaded) and collected the same node ids.
+    env = {k: v for k, v in os.environ.items() if k != tier_cases.TIER_RUN_ENV}
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    out = subprocess.run([sys.executable, "-c", _COLLECT_TWICE, *files], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    _, full, trimmed = out.stdout.split(_SESSION_MARK)
+    full, trimmed = ([line for line in part.splitlines() if "::" in line] for part in (full, trimmed))
     assert set(trimmed) < set(full)
 
     def cases(ids, name):
