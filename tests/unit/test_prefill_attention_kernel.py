@@ -54,7 +54,9 @@ def test_kernel_matches_reference(kernel, num_heads, num_kv_heads, head_dim, blo
     v = gather_sequence_kv(v_cache, table.tolist(), total).float()
     ref = attention_reference(q.double(), k.double(), v.double(), scale).float()
     assert out.dtype == torch.float32 and out.shape == q.shape
-    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    # over bf16 keys an AVX512-BF16 build rounds the queries and the softmax's weights to bf16 (vdpbf16ps)
+    tol = 2e-5 if cache_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
