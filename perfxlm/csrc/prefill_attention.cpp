@@ -306,7 +306,8 @@ at::Tensor run(const at::Tensor& query, const KVSource<C, N>& keys, const KVSour
 }
 
 #ifdef PERFXLM_PREFILL_BF16
-// bf16 keys and values on AVX512-BF16: the products by vdpbf16ps, pairs of bf16 products summed into
+// bf16 keys and values on AVX512-BF16 where the caller asks for bf16 products (the CPU plan's bf16
+// attention; a float32 plan keeps float32 queries exact): the products by vdpbf16ps, pairs of bf16 products summed into
 // float32 lanes, half the instructions of float32 FMAs. The queries (times the scale) and the softmax's
 // weights are rounded to bf16 (to nearest even), as torch's bf16 SDPA rounds them; maxima, exponentials
 // and sums stay float32. Each lane's pairs are summed in one fixed order, so the invariance above holds.
@@ -472,10 +473,10 @@ KVSource<C, N> source(const c10::optional<at::Tensor>& cache, const c10::optiona
 template <typename C>
 at::Tensor with_cache(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& kc,
                       const c10::optional<at::Tensor>& vc, const c10::optional<at::Tensor>& table, int64_t context,
-                      double scale) {
+                      double scale, bool bf16_products) {
   if (k.scalar_type() == at::kBFloat16) {
 #ifdef PERFXLM_PREFILL_BF16
-    if (std::is_same<C, uint16_t>::value || context == 0)
+    if (bf16_products && (std::is_same<C, uint16_t>::value || context == 0))
       return run_bf16(q, source<C, uint16_t>(kc, table, k, context), source<C, uint16_t>(vc, table, v, context), k.size(1),
                       scale);
 #endif
@@ -487,7 +488,8 @@ at::Tensor with_cache(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 at::Tensor prefill_attention_causal(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                     const c10::optional<at::Tensor>& key_cache,
                                     const c10::optional<at::Tensor>& value_cache,
-                                    const c10::optional<at::Tensor>& block_table, int64_t num_context, double scale) {
+                                    const c10::optional<at::Tensor>& block_table, int64_t num_context, double scale,
+                                    bool bf16_products) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, "query, key, value: [T, heads, head_dim]");
   TORCH_CHECK(query.scalar_type() == at::kFloat, "query: float32");
   TORCH_CHECK(key.scalar_type() == value.scalar_type() &&
@@ -498,7 +500,7 @@ at::Tensor prefill_attention_causal(const at::Tensor& query, const at::Tensor& k
   TORCH_CHECK(query.size(1) % key.size(1) == 0, "query heads: a multiple of the KV heads");
   TORCH_CHECK(query.size(0) == key.size(0) && query.size(2) == key.size(2), "query, key: the same tokens and head_dim");
   if (num_context == 0 || !key_cache.has_value())
-    return with_cache<float>(query, key, value, c10::nullopt, c10::nullopt, c10::nullopt, 0, scale);
+    return with_cache<float>(query, key, value, c10::nullopt, c10::nullopt, c10::nullopt, 0, scale, bf16_products);
   TORCH_CHECK(value_cache.has_value() && block_table.has_value(), "context: caches and block table");
   TORCH_CHECK(key_cache->scalar_type() == value_cache->scalar_type(), "caches: one dtype");
   TORCH_CHECK(key_cache->stride(3) == 1 && key_cache->stride(2) == key_cache->size(3) &&
@@ -506,9 +508,9 @@ at::Tensor prefill_attention_causal(const at::Tensor& query, const at::Tensor& k
               "caches: [blocks, block_size, kv_heads, head_dim], rows packed, the same layout");
   TORCH_CHECK(block_table->scalar_type() == at::kLong && block_table->is_contiguous(), "block table: int64");
   if (key_cache->scalar_type() == at::kBFloat16)
-    return with_cache<uint16_t>(query, key, value, key_cache, value_cache, block_table, num_context, scale);
+    return with_cache<uint16_t>(query, key, value, key_cache, value_cache, block_table, num_context, scale, bf16_products);
   TORCH_CHECK(key_cache->scalar_type() == at::kFloat, "cache: float32 or bfloat16");
-  return with_cache<float>(query, key, value, key_cache, value_cache, block_table, num_context, scale);
+  return with_cache<float>(query, key, value, key_cache, value_cache, block_table, num_context, scale, bf16_products);
 }
 
 }  // namespace
@@ -517,7 +519,7 @@ at::Tensor prefill_attention_causal(const at::Tensor& query, const at::Tensor& k
 TORCH_LIBRARY_FRAGMENT(perfxlm, m) {
   m.def(
       "prefill_attention_causal(Tensor query, Tensor key, Tensor value, Tensor? key_cache, Tensor? value_cache, "
-      "Tensor? block_table, int num_context, float scale) -> Tensor");
+      "Tensor? block_table, int num_context, float scale, bool bf16_products) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(perfxlm, CPU, m) {

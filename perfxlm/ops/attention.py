@@ -190,10 +190,13 @@ def prefill_attention(
         ops = native.kernels()
         if ops is not None:
             context = num_context_tokens > 0
+            # bf16 products (queries and softmax weights rounded) where the plan attends in bf16
+            bf16_products = _prefill_compute_dtype(query.dtype, key_cache.dtype, bf16_model) == torch.bfloat16
             # new keys rounded as the cache holds them: the same rows as a later chunk reading them back
             return ops.prefill_attention_causal(
                 query, key.to(key_cache.dtype), value.to(key_cache.dtype), key_cache if context else None,
                 value_cache if context else None, block_table if context else None, num_context_tokens, scale,
+                bf16_products,
             )  # fmt: skip
     compute = _prefill_compute_dtype(query.dtype, key_cache.dtype, bf16_model)
     if compute != query.dtype:  # bf16 attention on bf16 hardware, float32 result

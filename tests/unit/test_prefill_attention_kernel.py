@@ -6,7 +6,7 @@ whatever else runs with it (a longer prompt, a prompt split into chunks over the
 import pytest
 import torch
 
-from perfxlm.ops import native, prefill_kernel
+from perfxlm.ops import cpu_plan, native, prefill_kernel
 from perfxlm.ops.attention import prefill_attention, write_kv_cache
 from perfxlm.ops.reference import attention_reference, gather_sequence_kv
 
@@ -101,3 +101,20 @@ def test_kernel_and_sdpa_agree_through_the_dispatch(kernel, monkeypatch):
     monkeypatch.setenv("PERFXLM_PREFILL_ATTENTION", "torch")
     sdpa = prefill_attention(q, k_new, v_new, k_cache, v_cache, table, 21, 0.125)
     torch.testing.assert_close(out, sdpa, atol=2e-2, rtol=2e-2)  # SDPA runs bf16 products on bf16 plans
+
+
+@pytest.mark.parametrize("num_context", [0, 37])
+def test_a_float32_plan_keeps_float32_products_over_a_bf16_cache(kernel, num_context):
+    # the plan's float32 attention (AVX2 / AVX-512 without bf16 arithmetic, or forced): no rounding of the
+    # queries or the softmax's weights, whatever the build
+    q, k_new, v_new, k_cache, v_cache, table = _sequence(num_context, 70, 6, 2, 64, 16, torch.bfloat16, seed=7)
+    previous = cpu_plan.use(gemm="float32")
+    try:
+        out = prefill_attention(q, k_new, v_new, k_cache, v_cache, table, num_context, 0.125)
+    finally:
+        cpu_plan.use(previous)
+    total = num_context + 70
+    k = gather_sequence_kv(k_cache, table.tolist(), total).double()
+    v = gather_sequence_kv(v_cache, table.tolist(), total).double()
+    ref = attention_reference(q.double(), k, v, 0.125).float()
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
