@@ -14,7 +14,7 @@ PERFXLM_PREFILL_ATTENTION = auto | kernel | torch
     SDPA it replaces: avx512_bf16 build (vdpbf16ps over a bf16 cache) 2.31x at 512 tokens, 1.90x at
     128; float32 FMAs (the kernel's first form, which float32 caches take) 1.57x / 1.29x; avx2 build
     against torch's AVX2 SDPA 1.26x / 1.28x. The whole 512-token prefill, one thread's CPU time,
-    alternating in one process, loaded: 1.13x with the float32-FMA form.
+    alternating in one process, loaded: 1.23x (the float32-FMA form 1.13x).
     kernel: the kernel wherever it applies (any tier, any length); torch: SDPA always.
 """
 
