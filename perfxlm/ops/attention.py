@@ -18,7 +18,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from perfxlm.ops import cpu_plan, native
+from perfxlm.ops import cpu_plan, native, prefill_kernel
 from perfxlm.ops.kv_quant import as_bits, cache_is_quantized, gather_blocks, quantize
 from perfxlm.ops.prefill_tiles import apply_sinks, attention_tile, fits_one_tile, gather_tile, tiled_prefill_attention
 
@@ -182,8 +182,22 @@ def prefill_attention(
     tiled: bool = True,  # False: prefill_attention_reference
     sinks: torch.Tensor | None = None,  # [num_heads] sink logits (gpt-oss)
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
-    """Causal attention of a sequence's new tokens. With cached context before them, the cache is read
-    tile by tile (`ops/prefill_tiles.py`): no copy of the whole context."""
+    """Causal attention of a sequence's new tokens: the native kernel where `prefill_kernel.applies`,
+    else SDPA. With cached context before them, the cache is read tile by tile (`ops/prefill_tiles.py`):
+    no copy of the whole context."""
+    options_set = sliding_window is not None or soft_cap is not None or sinks is not None or key_scale is not None
+    if tiled and prefill_kernel.applies(query, key_cache, num_context_tokens, options_set):
+        ops = native.kernels()
+        if ops is not None:
+            context = num_context_tokens > 0
+            # bf16 products (queries and softmax weights rounded) where the plan attends in bf16
+            bf16_products = _prefill_compute_dtype(query.dtype, key_cache.dtype, bf16_model) == torch.bfloat16
+            # new keys rounded as the cache holds them: the same rows as a later chunk reading them back
+            return ops.prefill_attention_causal(
+                query, key.to(key_cache.dtype), value.to(key_cache.dtype), key_cache if context else None,
+                value_cache if context else None, block_table if context else None, num_context_tokens, scale,
+                bf16_products,
+            )  # fmt: skip
     compute = _prefill_compute_dtype(query.dtype, key_cache.dtype, bf16_model)
     if compute != query.dtype:  # bf16 attention on bf16 hardware, float32 result
         out = prefill_attention(

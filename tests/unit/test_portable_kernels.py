@@ -12,7 +12,7 @@ import pytest
 from perfxlm.ops import isa, native
 from tests import tier_cases
 
-KERNEL_TESTS = ["tests/unit/test_linear_ops.py", "tests/unit/test_bf16_dots.py", "tests/unit/test_attention_ops.py", "tests/unit/test_fused_ops.py",
+KERNEL_TESTS = ["tests/unit/test_linear_ops.py", "tests/unit/test_bf16_dots.py", "tests/unit/test_attention_ops.py", "tests/unit/test_prefill_attention_kernel.py", "tests/unit/test_fused_ops.py",
                 "tests/unit/test_kv_quant.py", "tests/unit/test_quant_linear_ops.py", "tests/unit/test_kquant_ops.py",
                 "tests/unit/test_moe.py", "tests/unit/test_mxfp4.py", "tests/unit/test_mla_kernel.py",
                 "tests/unit/test_fp8_linear.py", "tests/quant/test_quant_search.py",

@@ -45,7 +45,9 @@ def _setup(name, group, shape, num_context, num_new, query_dtype, seed=0):
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    """Tiles of TILE tokens (whole blocks of them), so short contexts span several tiles."""
+    """Tiles of TILE tokens (whole blocks of them), so short contexts span several tiles; SDPA's paths
+    (the native prefill kernel has its own tests)."""
+    monkeypatch.setenv("PERFXLM_PREFILL_ATTENTION", "torch")
     monkeypatch.setattr(prefill_tiles, "TILE_TOKENS", TILE)
     monkeypatch.setattr(prefill_tiles, "SOFTCAP_TILE_TOKENS", TILE)
 
