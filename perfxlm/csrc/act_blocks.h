@@ -13,6 +13,11 @@
 //           to even, and the scale max |x| / 127 rounded to fp16, as the block stores it; a block whose
 //           fp16 scale is 0 stays zero (its products would be). llama.cpp multiplies these fp16 scales,
 //           so the same file gives the same products; it costs one conversion per 32 values.
+//           K-quant weights (two-level scales: GGUF Q4_K / Q5_K / Q6_K, int4's super-block form) take
+//           ggml's q8_K instead, the activations llama.cpp gives them: one float32 scale per 256 values
+//           (BlockScales below), each block of 32 of the 256 rounded with it.
+//   kFine:  kGgml's blocks of 32 for every weight, K-quants too (the rule before q8_K: finer, so
+//           slightly closer to float, and not what llama.cpp computes).
 #pragma once
 
 #include <algorithm>
@@ -30,7 +35,7 @@
 
 namespace perfxlm_act {
 
-enum Arith : int { kFloat = 0, kGgml = 1 };
+enum Arith : int { kFloat = 0, kGgml = 1, kFine = 2 };
 
 // The arithmetic every block below uses: one setting for the process (a row alone and in a batch, the
 // GEMV and the GEMM round alike). An inline function's static: one object across the translation units.
@@ -57,17 +62,34 @@ struct BlockScale {
 
 inline BlockScale block_scale(float amax) {
   const float scale = amax / 127.f;
-  if (arith().load(std::memory_order_relaxed) == kGgml) {
+  if (arith().load(std::memory_order_relaxed) != kFloat) {
     const float s16 = fp16_round(scale);
     return {s16, s16 > 0.f ? 127.f / amax : 0.f, true};
   }
   return {scale, scale, false};
 }
 
-inline float quantize_block(const float* src, int8_t* q) {
+// ggml's q8_K scale for 256 values whose largest |x| is amax (quantize_row_q8_K): iscale = -127 / max,
+// each value nearest_int(iscale x) (round half to even), d = 1 / iscale, kept in float32; all zero: d 0.
+// Here the sign is the other way: iscale = 127 / |max| and d = 1 / iscale, both exactly the negations of
+// ggml's (IEEE division and rounding to nearest even are symmetric in sign), so every value is exactly
+// the negation of ggml's and every product d x q is ggml's bit for bit; a positive scale keeps the
+// kernels' "scale 0 means a zero block" test. ggml caps q at +127 only: |iscale x| <= 127 (1 + 2^-24)
+// rounds to at most 127 here, so neither cap ever binds.
+inline BlockScale super_scale(float amax) {
+  const float iscale = amax > 0.f ? 127.f / amax : 0.f;
+  const float d = iscale > 0.f && std::isfinite(iscale) ? 1.f / iscale : 0.f;
+  return {d, d > 0.f ? iscale : 0.f, true};
+}
+
+inline float amax_scalar(const float* src) {
   float amax = 0.f;
   for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(src[j]));
-  const BlockScale s = block_scale(amax);
+  return amax;
+}
+
+// One block of 32 with a given scale (its own, or its super-block's).
+inline float quantize_with(const float* src, int8_t* q, const BlockScale s) {
   for (int j = 0; j < 32; ++j) {
     const float v = s.scale > 0.f ? std::nearbyint(s.mul ? src[j] * s.factor : src[j] / s.factor) : 0.f;
     q[j] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
@@ -75,11 +97,16 @@ inline float quantize_block(const float* src, int8_t* q) {
   return s.scale;
 }
 
+inline float quantize_block(const float* src, int8_t* q) { return quantize_with(src, q, block_scale(amax_scalar(src))); }
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-inline float quantize_block_fast(const float* src, int8_t* q) {
+inline float block_amax(const float* src) {
   const __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-  const BlockScale s = block_scale(amax);
+  return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+}
+
+inline float quantize_with_fast(const float* src, int8_t* q, const BlockScale s) {
+  const __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
   if (!(s.scale > 0.f)) {
     std::memset(q, 0, 32);
     return 0.f;
@@ -97,10 +124,8 @@ inline float quantize_block_fast(const float* src, int8_t* q) {
 
 // quantize_block_fast, and the int8 sums of the block's two halves (values 0-15, 16-31), which the
 // row-group GEMVs need per block: taken from the rounded vectors (integers below 2^11: exact in float).
-inline float quantize_block_sums(const float* src, int8_t* q, int32_t half[2]) {
+inline float quantize_with_sums(const float* src, int8_t* q, int32_t half[2], const BlockScale s) {
   const __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-  const BlockScale s = block_scale(amax);
   if (!(s.scale > 0.f)) {
     std::memset(q, 0, 32);
     half[0] = half[1] = 0;
@@ -120,17 +145,19 @@ inline float quantize_block_sums(const float* src, int8_t* q, int32_t half[2]) {
   return s.scale;
 }
 #elif defined(__AVX2__)
-inline float quantize_block_fast(const float* src, int8_t* q) {
+inline float block_amax(const float* src) {
   const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 v[4], amax = _mm256_setzero_ps();
-  for (int i = 0; i < 4; ++i) {
-    v[i] = _mm256_loadu_ps(src + 8 * i);
-    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-  }
+  __m256 amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(src + 8 * i)));
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  const BlockScale s = block_scale(_mm_cvtss_f32(m));
+  return _mm_cvtss_f32(m);
+}
+
+inline float quantize_with_fast(const float* src, int8_t* q, const BlockScale s) {
+  __m256 v[4];
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(src + 8 * i);
   if (!(s.scale > 0.f)) {
     std::memset(q, 0, 32);
     return 0.f;
@@ -149,9 +176,9 @@ inline float quantize_block_fast(const float* src, int8_t* q) {
   return s.scale;
 }
 
-// quantize_block_fast, and the int8 sums of the block's two halves (values 0-15, 16-31).
-inline float quantize_block_sums(const float* src, int8_t* q, int32_t half[2]) {
-  const float scale = quantize_block_fast(src, q);
+// quantize_with_fast, and the int8 sums of the block's two halves (values 0-15, 16-31).
+inline float quantize_with_sums(const float* src, int8_t* q, int32_t half[2], const BlockScale s) {
+  const float scale = quantize_with_fast(src, q, s);
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
   // |q| <= 127: vpmaddubsw of ones (unsigned) with q (signed) sums pairs, vpmaddwd of ones the pairs
   const __m256i pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), v), _mm256_set1_epi16(1));
@@ -165,16 +192,56 @@ inline float quantize_block_sums(const float* src, int8_t* q, int32_t half[2]) {
   return scale;
 }
 #else
-inline float quantize_block_fast(const float* src, int8_t* q) { return quantize_block(src, q); }
-#endif
-
-#if !defined(__AVX2__) && !(defined(__AVX512F__) && defined(__AVX512BW__))
-inline float quantize_block_sums(const float* src, int8_t* q, int32_t half[2]) {
-  const float scale = quantize_block(src, q);
+inline float block_amax(const float* src) { return amax_scalar(src); }
+inline float quantize_with_fast(const float* src, int8_t* q, const BlockScale s) { return quantize_with(src, q, s); }
+inline float quantize_with_sums(const float* src, int8_t* q, int32_t half[2], const BlockScale s) {
+  const float scale = quantize_with(src, q, s);
   half[0] = half[1] = 0;
   for (int i = 0; i < 32; ++i) half[i / 16] += q[i];
   return scale;
 }
 #endif
+
+// One block of 32 with its own scale (q8_0 / q8_1 or the float rule), in the widest form this build has.
+inline float quantize_block_fast(const float* src, int8_t* q) {
+  return quantize_with_fast(src, q, block_scale(block_amax(src)));
+}
+
+// quantize_block_fast, and the int8 sums of the block's two halves (values 0-15, 16-31), which the
+// row-group GEMVs need per block.
+inline float quantize_block_sums(const float* src, int8_t* q, int32_t half[2]) {
+  return quantize_with_sums(src, q, half, block_scale(block_amax(src)));
+}
+
+// Whether activations for a K-quant weight round as q8_K (one scale per 256) in the arithmetic in force.
+inline bool super_blocks() { return arith().load(std::memory_order_relaxed) == kGgml; }
+
+// The scales of one activation row's blocks of 32, in order: each block's own, or, for a K-quant weight
+// under kGgml, its 256-value super-block's q8_K scale (computed once, at the super-block's first block;
+// a row's last super-block may be short). Blocks are asked for in increasing order within a super-block.
+class BlockScales {
+ public:
+  BlockScales(const float* row, int64_t K, bool kquant) : row_(row), blocks_(K / 32), super_(kquant && super_blocks()) {}
+  BlockScale at(int64_t b) {
+    if (!super_) return block_scale(block_amax(row_ + 32 * b));
+    if (b / 8 != cached_) {
+      cached_ = b / 8;
+      float amax = 0.f;
+      for (int64_t j = 8 * cached_; j < std::min<int64_t>(8 * cached_ + 8, blocks_); ++j)
+        amax = std::max(amax, block_amax(row_ + 32 * j));
+      scale_ = super_scale(amax);
+    }
+    return scale_;
+  }
+  float quantize(int64_t b, int8_t* q) { return quantize_with_fast(row_ + 32 * b, q, at(b)); }
+  float quantize_sums(int64_t b, int8_t* q, int32_t half[2]) { return quantize_with_sums(row_ + 32 * b, q, half, at(b)); }
+
+ private:
+  const float* row_;
+  int64_t blocks_;
+  bool super_;
+  int64_t cached_ = -1;
+  BlockScale scale_{0.f, 0.f, true};
+};
 
 }  // namespace perfxlm_act

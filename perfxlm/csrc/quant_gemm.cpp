@@ -424,7 +424,8 @@ struct Acts {
 // act_blocks.h's rounding: the block GEMV's bytes.
 using perfxlm_act::quantize_block_fast;
 
-void quantize(const float* x, int64_t M, int64_t K, int centre, bool wide, int unit, Acts& a) {
+// kquant: K-quant weights' activations, q8_K under ggml's rule (act_blocks.h's BlockScales).
+void quantize(const float* x, int64_t M, int64_t K, int centre, bool wide, int unit, bool kquant, Acts& a) {
   const int64_t blocks = K / 32, halves = 32 / unit;  // int32 sums per block: one, or one per 16 inputs
   a.q.resize(static_cast<size_t>(M * K));
   if (wide) a.q16.resize(static_cast<size_t>(M * K));
@@ -432,10 +433,11 @@ void quantize(const float* x, int64_t M, int64_t K, int centre, bool wide, int u
   a.scaled_sum.resize(static_cast<size_t>(M * blocks));
   a.start.resize(static_cast<size_t>(M * blocks * halves));
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
+    for (int64_t m = m0; m < m1; ++m) {
+      perfxlm_act::BlockScales scales(x + m * K, K, kquant);
       for (int64_t b = 0; b < blocks; ++b) {
         int8_t* q = a.q.data() + m * K + b * 32;
-        const float scale = quantize_block_fast(x + m * K + b * 32, q);
+        const float scale = scales.quantize(b, q);
         int32_t total = 0;
         for (int h = 0; h < halves; ++h) {
           int32_t part = 0;
@@ -452,6 +454,7 @@ void quantize(const float* x, int64_t M, int64_t K, int centre, bool wide, int u
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16 + 16), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1)));
         }
       }
+    }
   });
 }
 
@@ -881,7 +884,7 @@ at::Tensor quant_block_gemm(const at::Tensor& x, const at::Tensor& codes, const 
   // the accumulators start at -centre x sum q, the centre less the panels' shift (signed 8-bit panels: 0
   // for Q8_0's centred codes)
   const bool wide = w.shift != 0;  // 8-bit codes on AVX2 without AVX-VNNI: int16 panels (WideDots)
-  quantize(xc.data_ptr<float>(), M, K, w.centre - w.shift, wide, w.unit, acts);
+  quantize(xc.data_ptr<float>(), M, K, w.centre - w.shift, wide, w.unit, w.kstride > 0 || w.rows8_k, acts);
   // Tasks: 32 columns each, and for few column groups, slices of rows too (each slice repacks its
   // columns again: about 1/100 of a 512-row product per repack)
   const int64_t col_tasks = (w.N + kCols - 1) / kCols;

@@ -707,6 +707,10 @@ std::atomic<bool> g_fold_centre{true};
 // shifts. The codes stay within 0..31: vpmaddubsw's pair sums of two halves (4 x 31 x 127) fit int16 as
 // 4-bit ones do, and the min (-16 x scale) goes with the mins.
 
+// K-quant weights (two-level bytes, not MXFP4's exponents) take q8_K activations under ggml's rule
+// (act_blocks.h: one scale per 256 values, as llama.cpp multiplies them).
+inline bool is_kquant(const QW& w) { return w.kscales != nullptr && !w.kexp; }
+
 BlockActs quantize_blocks(const at::Tensor& x, const QW& w) {
   const int64_t M = x.size(0), K = w.K, chunks = K / 64, gstride = (w.groups + 7) / 8 * 8;
   thread_local std::vector<int8_t> q_buf;
@@ -718,6 +722,7 @@ BlockActs quantize_blocks(const at::Tensor& x, const QW& w) {
   thread_local std::vector<int32_t> starts_buf;
   starts_buf.resize(static_cast<size_t>(M * chunks * 24));
   const bool fold = kCanFold && w.centred && !w.levels && g_fold_centre.load(std::memory_order_relaxed);
+  const bool kquant = is_kquant(w);
   const int centre = static_cast<int>(-w.min_factor);  // 8, 16, 32 or 128 where fold
   int32_t* sp = starts_buf.data();
   const float* xp = x.data_ptr<float>();
@@ -732,6 +737,7 @@ BlockActs quantize_blocks(const at::Tensor& x, const QW& w) {
   at::parallel_for(0, M, std::max<int64_t>(8, 32768 / std::max<int64_t>(K, 1)), [&](int64_t m_begin, int64_t m_end) {
     for (int64_t m = m_begin; m < m_end; ++m) {
       float* gsum = gp + m * gstride;
+      perfxlm_act::BlockScales scales(xp + m * K, K, kquant);
       // a chunk (two blocks, A and B) at a time: its lane scales written as whole vectors, and the group
       // of each 16 inputs counted up (group a multiple of 16), not divided out twice per block
       int64_t g = 0, g_end = w.group;
@@ -739,7 +745,7 @@ BlockActs quantize_blocks(const at::Tensor& x, const QW& w) {
         int8_t block[2][32];
         float scale[2];
         for (int half = 0; half < 2; ++half) {
-          scale[half] = quantize_block_fast(xp + m * K + c * 64 + half * 32, block[half]);
+          scale[half] = scales.quantize(2 * c + half, block[half]);
           int32_t total[2] = {0, 0};  // per 16 inputs: a block spans two groups when group == 16
           for (int j = 0; j < 32; ++j) total[j / 16] += block[half][j];
           for (int h = 0; h < 2; ++h) {
@@ -1107,19 +1113,21 @@ namespace ymm {
 }  // namespace ymm
 
 // x with each block of 32 replaced by its int8 quantization times its scale: what the block GEMV
-// multiplies, rounded exactly as quantize_blocks rounds.
-at::Tensor fake_quantize_blocks(const at::Tensor& x) {
+// multiplies, rounded exactly as quantize_blocks rounds (kquant: is_kquant's weight).
+at::Tensor fake_quantize_blocks(const at::Tensor& x, bool kquant) {
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor out = at::empty_like(x);
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m)
+    for (int64_t m = begin; m < end; ++m) {
+      perfxlm_act::BlockScales scales(xp + m * K, K, kquant);
       for (int64_t b = 0; b < K / 32; ++b) {
         int8_t block[32];
-        const float scale = quantize_block_fast(xp + m * K + b * 32, block);
+        const float scale = scales.quantize(b, block);
         for (int j = 0; j < 32; ++j) op[m * K + b * 32 + j] = static_cast<float>(block[j]) * scale;
       }
+    }
   });
   return out;
 }
@@ -1353,7 +1361,7 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& codes, const at::Tens
     if (spc && M <= gemv_rows) return block_product(xc, w, bp, spc);
     // Many rows: the same int8 activation blocks (dequantized) go to the GEMM, so a token's result does
     // not depend on how many rows its step had (prefix-cache hits, chunking, batch size).
-    if (spc) return float_product(fake_quantize_blocks(xc), w, bp, max_rows, bf16_gemm);
+    if (spc) return float_product(fake_quantize_blocks(xc, is_kquant(w)), w, bp, max_rows, bf16_gemm);
 #endif
     return float_product(xc, w, bp, max_rows, bf16_gemm);
   }
@@ -1501,10 +1509,11 @@ bool set_int8_centre_fold(bool on) {
 #endif
 }
 
-// The arithmetic of every int8 activation block (act_blocks.h: 0 float scales, 1 ggml's fp16 scales);
-// returns the previous one. perfxlm.quant.act_blocks sets it at load and keeps the references in step.
+// The arithmetic of every int8 activation block (act_blocks.h: 0 float scales, 1 ggml's fp16 scales and
+// q8_K for K-quants, 2 ggml's fp16 scales for all); returns the previous one. perfxlm.quant.act_blocks
+// sets it at load and keeps the references in step.
 int64_t set_act_blocks(int64_t mode) {
-  TORCH_CHECK(mode == perfxlm_act::kFloat || mode == perfxlm_act::kGgml, "set_act_blocks: mode 0 or 1, got ", mode);
+  TORCH_CHECK(mode >= perfxlm_act::kFloat && mode <= perfxlm_act::kFine, "set_act_blocks: mode 0, 1 or 2, got ", mode);
   return perfxlm_act::arith().exchange(static_cast<int>(mode));
 }
 

@@ -52,7 +52,7 @@ constexpr int64_t kSuper = 256;
 constexpr int64_t kQ4Params = 160, kQ6Params = 144;  // bytes per 8 rows and super-block (Q5_K: Q4_K's)
 constexpr int64_t kQ4Block = kRows * 16, kQ5Block = kRows * 20, kQ6Block = kRows * 24;  // code bytes per 8 rows, block of 32
 
-// One activation row as int8 blocks (act_blocks.h's rounding, the plain kernels' bytes) and what the
+// One activation row as int8 blocks (act_blocks.h's rounding for K-quants, the plain kernels' bytes) and what the
 // kernels add per block: its scale; Q4_K: scale x the block's int8 sum (the mins' factor); Q6_K: the
 // int8 sums of its two halves, as -32 x sum (vpdpbusd starts) and packed as two int16 (vpmaddwd).
 struct Acts {
@@ -69,9 +69,10 @@ inline void quantize(const float* x, int64_t K, Acts& a) {
   a.start.resize(2 * blocks);
   a.pair.resize(blocks);
   int8_t* q = a.q.data();
+  perfxlm_act::BlockScales scales(x, K, true);  // K-quants: q8_K under ggml's rule
   for (int64_t b = 0; b < blocks; ++b) {
     int32_t half[2];
-    a.dx[b] = perfxlm_act::quantize_block_sums(x + 32 * b, q + 32 * b, half);
+    a.dx[b] = scales.quantize_sums(b, q + 32 * b, half);
     a.xsf[b] = a.dx[b] * static_cast<float>(half[0] + half[1]);
     a.start[2 * b] = -32 * half[0];
     a.start[2 * b + 1] = -32 * half[1];

@@ -143,7 +143,7 @@ def run_linear_q(
         y = ops.quant_block_gemm(rows, w.codes, w.scales, w.mins, w.levels, b)  # type: ignore[attr-defined]
         return y.to(x.dtype).view(*x.shape[:-1], weight.out_features)
     if round_in_torch:
-        rows = fake_quantize_blocks(rows)
+        rows = fake_quantize_blocks(rows, weight.kquant)
     y = ops.linear_q(  # type: ignore[attr-defined]
         rows, weight.codes, weight.scales, weight.mins, weight.levels, b, weight.act == "int8",
         plan.quant_max_rows, plan.gemm == "bf16" and bf16_gemm, int8_blocks, plan.quant_block_max_rows,

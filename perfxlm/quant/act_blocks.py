@@ -6,12 +6,15 @@ native kernels (block GEMVs, row groups, int8 GEMM) and their torch references
            quantize_row_q8_0 / q8_1 computes them: each value times 127 / max |x|, rounded half to even,
            clamped to +-127, and the block's scale max |x| / 127 rounded to fp16 (a block whose fp16 scale
            is 0 is zero). llama.cpp multiplies these fp16 scales, so a GGUF model's products are its own.
-    float  the scale max |x| / 127 in float32, each value divided by it (perfxlm's rule before).
+           K-quant weights (two-level scales: GGUF Q4_K / Q5_K / Q6_K, int4's super-block form) take
+           ggml's q8_K activations instead, as llama.cpp gives them: one float32 scale per 256 values
+           (127 / max |x| and its reciprocal, no fp16 rounding), each block of 32 rounded with it.
+    fine   ggml's blocks of 32 for every weight, K-quants too (the default before q8_K: a scale per 32
+           values is closer to float, but not llama.cpp's products).
+    float  the scale max |x| / 127 in float32, each value divided by it, for every weight (perfxlm's rule
+           before ggml's).
 
-K-quant products keep blocks of 32 under either (ggml rounds their activations per 256 as q8_K blocks,
-one float scale per super-block; not implemented here: coarser, so it would be opt-in).
-
-PERFXLM_ACT_BLOCKS=ggml|float picks it for a process (read when the kernels load); set_mode changes it
+PERFXLM_ACT_BLOCKS=ggml|fine|float picks it for a process (read when the kernels load); set_mode changes it
 at run time (tests, measurements). The two differ by the fp16 rounding of each scale (at most 2^-11
 relative) and, rarely, by one step of a value that lands on a rounding boundary.
 """
@@ -19,10 +22,11 @@ relative) and, rarely, by one step of a value that lands on a rounding boundary.
 from __future__ import annotations
 
 import os
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 ENV = "PERFXLM_ACT_BLOCKS"
-MODES = ("float", "ggml")  # index = the kernels' perfxlm_act::Arith
+MODES = ("float", "ggml", "fine")  # index = the kernels' perfxlm_act::Arith
 DEFAULT = "ggml"
 _state: dict[str, str] = {}
 _appliers: list[Callable[[int], object]] = []
@@ -47,6 +51,12 @@ def index(name: str | None = None) -> int:
     return MODES.index(_check(name or mode()))
 
 
+def super_blocks(kquant: bool) -> bool:
+    """Whether activations for a weight round as q8_K (one scale per 256 values): K-quant weights under
+    ggml's rule."""
+    return kquant and mode() == "ggml"
+
+
 def set_mode(name: str) -> str:
     """Use `name` from now on, in the kernels (if loaded) and the references; returns the previous one."""
     previous = mode()
@@ -54,6 +64,16 @@ def set_mode(name: str) -> str:
     for apply in _appliers:
         apply(index())
     return previous
+
+
+@contextmanager
+def using(name: str) -> Iterator[str]:
+    """`name` for the body of a with-statement (tests, measurements), then the mode before."""
+    previous = set_mode(name)
+    try:
+        yield name
+    finally:
+        set_mode(previous)
 
 
 def applied_by(apply: Callable[[int], object]) -> None:

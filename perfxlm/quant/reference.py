@@ -60,15 +60,36 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def fake_quantize_blocks(x: torch.Tensor) -> torch.Tensor:
+def _super_amax(blocks: torch.Tensor) -> torch.Tensor:
+    """[M, B, 32] -> [M, B, 1]: each block's super-block (8 blocks, 256 values; a row's last may be
+    short) largest |x|."""
+    m, b = blocks.shape[0], blocks.shape[1]
+    per_block = blocks.abs().amax(dim=-1)
+    padded = F.pad(per_block, (0, -b % 8)).view(m, -1, 8).amax(dim=-1)
+    return padded.repeat_interleave(8, dim=1)[:, :b].unsqueeze(-1)
+
+
+def fake_quantize_blocks(x: torch.Tensor, kquant: bool = False) -> torch.Tensor:
     """float32 [M, K] (K a multiple of 32) -> each block of 32 replaced by its symmetric int8 values
     times the block's scale (absmax / 127; an all-zero block stays zero), in the arithmetic that
     perfxlm.quant.act_blocks names: ggml's (values times 127 / absmax, the scale rounded to fp16) or
-    float's (values divided by the float32 scale)."""
+    float's (values divided by the float32 scale). kquant: for a K-quant weight, which under ggml's rule
+    takes q8_K (one scale per 256 values: iscale 127 / absmax, values rounded times it, scale 1 / iscale
+    in float32; ggml's sign convention negates both, which changes no product)."""
     blocks = x.reshape(x.shape[0], -1, ACT_BLOCK)
+    if act_blocks.super_blocks(kquant):
+        amax = _super_amax(blocks)
+        live = amax > 0
+        one = torch.ones_like(amax)
+        iscale = torch.where(live, torch.full_like(amax, 127.0) / torch.where(live, amax, one), torch.zeros_like(amax))
+        live = live & torch.isfinite(iscale)
+        iscale = torch.where(live, iscale, torch.zeros_like(amax))
+        scale = torch.where(live, one / torch.where(live, iscale, one), torch.zeros_like(amax))
+        q = torch.round(blocks * iscale).clamp_(-127, 127)
+        return q.mul_(scale).view(x.shape)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     scale = amax / 127.0
-    if act_blocks.mode() == "ggml":  # ggml's q8_0 / q8_1 blocks
+    if act_blocks.mode() != "float":  # ggml's q8_0 / q8_1 blocks
         scale = scale.half().float()  # round to nearest even, as F16C
         live = scale > 0
         # a true division, as the kernels' 127.f / amax (torch's `127.0 / t` is 127 x reciprocal(t): an ulp off)
@@ -113,7 +134,7 @@ def w8a8_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) 
 def block_reference_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The int8-block GEMVs' product for `w` (either code layout; what csrc/row_groups.h computes): x [M, K]
     rounded to int8 blocks of 32, times the dequantized weight, in float64 then float32."""
-    y = F.linear(fake_quantize_blocks(x.float()).double(), w.dequantize().double())
+    y = F.linear(fake_quantize_blocks(x.float(), w.kquant).double(), w.dequantize().double())
     if bias is not None:
         y = y + bias.double()
     return y.float()
@@ -125,7 +146,7 @@ def reference_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | N
     b = None if bias is None else bias.float()
     # W8A8 blocks, quant_activations="int8" on any format, or a layout whose products always round them
     if w.activations is ActivationMode.INT8 or w.layout is not CodeLayout.PLAIN:
-        rows = fake_quantize_blocks(rows)
+        rows = fake_quantize_blocks(rows, w.kquant)
         w = w.plain()
     y = (w8a8_linear if w.act == "int8" else weight_only_linear)(rows, w, b)
     return y.to(x.dtype).view(*x.shape[:-1], w.out_features)

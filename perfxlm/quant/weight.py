@@ -290,6 +290,12 @@ class QuantizedWeight:
         return self.layout is CodeLayout.PLAIN and super_scales.is_super(self.scales)
 
     @property
+    def kquant(self) -> bool:
+        """Whether this is a K-quant weight (two-level scales, plain or in K-quant row groups): under ggml's
+        activation rule its int8 activations are q8_K, a scale per 256 (perfxlm.quant.act_blocks)."""
+        return self.two_level or self.layout is CodeLayout.ROWS8_K
+
+    @property
     def groups(self) -> int:
         return self.in_features // self.group
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from perfxlm.quant.reference import fake_quantize_blocks
-from perfxlm.quant import joining
+from perfxlm.quant import act_blocks, joining
 from perfxlm import LLM
 from perfxlm.ops import cpu_plan, native
 from perfxlm.ops.linear import gemm_max_code, gemm_takes, run_linear_q
@@ -92,7 +92,14 @@ def test_a_factor_beyond_float16_keeps_the_float_form():
 
 def _block_rounded(x: torch.Tensor) -> torch.Tensor:
     """x as the int8 block kernels see it (perfxlm.quant.act_blocks' arithmetic, ggml's by default)."""
-    return fake_quantize_blocks(x.float().contiguous())
+    return fake_quantize_blocks(x.float().contiguous(), kquant=True)
+
+
+def _in_flat_rounding(call):
+    """call() where the two-level form and its float form round activations alike: under ggml's rule the
+    two-level bytes take q8_K (a scale per 256) and the float form blocks of 32, so both run as fine."""
+    with act_blocks.using("fine" if act_blocks.mode() == "ggml" else act_blocks.mode()):
+        return call()
 
 
 def test_native_products_match_the_reference_and_the_flat_form():
@@ -112,8 +119,10 @@ def test_native_products_match_the_reference_and_the_flat_form():
         ref = F.linear(x_used.double(), q.dequantize().double()).float()
         for max_rows in (40, 3, 0):  # GEMV / block kernels, then the slab GEMM past max_rows
             out = ops.linear_q(x, q.codes, q.scales, q.mins, None, None, False, max_rows, False, blocks, -1)
-            same = ops.linear_q(x, flat.codes, flat.scales, flat.mins, None, None, False, max_rows, False, blocks, -1)
-            assert torch.equal(out, same)
+            same = _in_flat_rounding(
+                lambda: ops.linear_q(x, flat.codes, flat.scales, flat.mins, None, None, False, max_rows, False, blocks, -1))
+            assert torch.equal(_in_flat_rounding(
+                lambda: ops.linear_q(x, q.codes, q.scales, q.mins, None, None, False, max_rows, False, blocks, -1)), same)
             torch.testing.assert_close(out, ref, atol=1e-4 * (ref.abs().max().item() + 1), rtol=1e-4)
     if gemm_max_code() < 15:
         return  # this tier's build has no int8 GEMM for 4-bit codes (test_quant_gemm checks the refusal)
@@ -125,7 +134,9 @@ def test_native_products_match_the_reference_and_the_flat_form():
         fast = run_linear_q(ops, many, q, None, False, True, False)
     finally:
         cpu_plan.use(previous)
-    assert torch.equal(fast, ops.quant_block_gemm(many, flat.codes, flat.scales, flat.mins, None, None))
+    assert torch.equal(fast, ops.quant_block_gemm(many, q.codes, q.scales, q.mins, None, None))
+    assert torch.equal(_in_flat_rounding(lambda: ops.quant_block_gemm(many, q.codes, q.scales, q.mins, None, None)),
+                       _in_flat_rounding(lambda: ops.quant_block_gemm(many, flat.codes, flat.scales, flat.mins, None, None)))
     ref = F.linear(_block_rounded(many).double(), q.dequantize().double()).float()
     torch.testing.assert_close(fast, ref, atol=1e-4 * (ref.abs().max().item() + 1), rtol=1e-4)
 
@@ -148,7 +159,9 @@ def test_every_group_through_the_block_kernels_alone_and_in_a_batch(group):
     blocks = ops.int8_block_dots()
     ref = F.linear((_block_rounded(x) if blocks else x).double(), q.dequantize().double(), b.double()).float()
     together = ops.linear_q(x, q.codes, q.scales, q.mins, None, b, False, 70, False, True, 70)
-    assert torch.equal(together, ops.linear_q(x, flat.codes, flat.scales, flat.mins, None, b, False, 70, False, True, 70))
+    assert torch.equal(
+        _in_flat_rounding(lambda: ops.linear_q(x, q.codes, q.scales, q.mins, None, b, False, 70, False, True, 70)),
+        _in_flat_rounding(lambda: ops.linear_q(x, flat.codes, flat.scales, flat.mins, None, b, False, 70, False, True, 70)))
     torch.testing.assert_close(together, ref, atol=1e-4 * (ref.abs().max().item() + 1), rtol=1e-4)
     for rows in (1, 2, 3, 4, 5, 17, 69):
         part = ops.linear_q(x[:rows], q.codes, q.scales, q.mins, None, b, False, 70, False, True, 70)

@@ -13,7 +13,7 @@ import torch
 
 from perfxlm.ops import cpu_plan, isa, native
 from perfxlm.ops.linear import gemm_max_code, gemm_takes, run_linear_q
-from perfxlm.quant import super_scales
+from perfxlm.quant import act_blocks, super_scales
 from perfxlm.quant.gguf_repack import repack
 from perfxlm.quant.reference import fake_quantize_blocks
 from perfxlm.quant.weight import ActivationMode, QuantizedWeight, pack_codes
@@ -221,7 +221,11 @@ def test_k_quants_two_level_scales_run_the_gemm(qtype):
     finally:
         cpu_plan.use(previous)
     flat = weight.flat()
-    assert torch.equal(fast, ops.quant_block_gemm(x, flat.codes, flat.scales, flat.mins, None, None))
+    # the same bits as the float form where both round alike (the float form is no K-quant: no q8_K)
+    assert torch.equal(fast, ops.quant_block_gemm(x, weight.codes, weight.scales, weight.mins, None, None))
+    with act_blocks.using("float" if act_blocks.mode() == "float" else "fine"):
+        assert torch.equal(ops.quant_block_gemm(x, weight.codes, weight.scales, weight.mins, None, None),
+                           ops.quant_block_gemm(x, flat.codes, flat.scales, flat.mins, None, None))
     torch.testing.assert_close(fast, slow, atol=1e-4 * (slow.abs().max().item() + 1), rtol=1e-4)
 
 
@@ -253,8 +257,13 @@ def test_two_level_bytes_give_the_bits_of_their_float_form(bits, group, signed, 
     x = torch.randn(37, k, generator=g)
     b = torch.randn(n, generator=g)
     raw = ops.quant_block_gemm(x, codes, scales, mins, None, b)
-    assert torch.equal(raw, ops.quant_block_gemm(x, flat.codes, flat.scales, flat.mins, None, b))
-    ref = torch.nn.functional.linear(fake_quantize_blocks(x).double(), weight.dequantize().double(), b.double()).float()
+    # the float form is no K-quant to the GEMM (no q8_K under ggml's rule): the same bits where both take
+    # blocks of 32
+    with act_blocks.using("float" if act_blocks.mode() == "float" else "fine"):
+        assert torch.equal(ops.quant_block_gemm(x, codes, scales, mins, None, b),
+                           ops.quant_block_gemm(x, flat.codes, flat.scales, flat.mins, None, b))
+    ref = torch.nn.functional.linear(fake_quantize_blocks(x, weight.kquant).double(), weight.dequantize().double(),
+                                     b.double()).float()
     torch.testing.assert_close(raw, ref, atol=1e-5 * (ref.abs().max().item() + 1), rtol=1e-5)
 
 
