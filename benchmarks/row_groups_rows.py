@@ -4,6 +4,7 @@ step is one; a verification of k guesses k + 1), and the cost of each row past t
 
     python benchmarks/row_groups_rows.py                   # SmolLM2-135M's shapes, one thread
     python benchmarks/row_groups_rows.py --shapes 1536x576 --rows 1,6
+    python benchmarks/row_groups_rows.py --tiles 4,0       # tiles of at most 4 rows against the build's own
 
 Timing: the engine's ops as the build this Python imports has them, one thread, the thread's CPU time per
 call (robust on a shared machine), row counts alternated batch by batch in one process, medians over
@@ -42,10 +43,12 @@ def main() -> int:
     ap.add_argument("--stream-mb", type=float, default=64.0)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--per-batch", type=int, default=8)
+    ap.add_argument("--tiles", default="0", help="row tile caps to alternate (set_row_tile; 0: the build's)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     ops = native.kernels()
     rows = [int(r) for r in args.rows.split(",")]
+    tiles = [int(t) for t in args.tiles.split(",")]
     rng = np.random.default_rng(0)
     for spec in args.shapes.split(","):
         shape, fmt = spec.split(":")
@@ -66,18 +69,23 @@ def main() -> int:
         for m in rows:  # warm
             for _ in range(copies):
                 call(m)
-        per: dict[int, list[float]] = {m: [] for m in rows}
+        per: dict[tuple[int, int], list[float]] = {(t, m): [] for t in tiles for m in rows}
         for _ in range(args.rounds):
             for m in rows:
-                t = time.thread_time()
-                for _ in range(args.per_batch):
-                    call(m)
-                per[m].append((time.thread_time() - t) / args.per_batch * 1e6)
-        med = {m: statistics.median(v) for m, v in per.items()}
-        one = med[rows[0]]
-        line = "  ".join(f"{m}:{med[m]:7.1f}" + (f" (+{(med[m] - one) / (m - rows[0]):5.1f}/row)" if m != rows[0] else "")
-                         for m in rows)
-        print(f"{shape:>9} {fmt}  us per call  {line}", flush=True)
+                for tile in tiles:
+                    ops.set_row_tile(tile)
+                    t = time.thread_time()
+                    for _ in range(args.per_batch):
+                        call(m)
+                    per[(tile, m)].append((time.thread_time() - t) / args.per_batch * 1e6)
+        ops.set_row_tile(0)
+        for tile in tiles:
+            med = {m: statistics.median(per[(tile, m)]) for m in rows}
+            one = med[rows[0]]
+            line = "  ".join(f"{m}:{med[m]:7.1f}" + (f" (+{(med[m] - one) / (m - rows[0]):5.1f}/row)" if m != rows[0] else "")
+                             for m in rows)
+            label = f"tile {tile}" if tile else "tile -"
+            print(f"{shape:>9} {fmt} {label}  us per call  {line}", flush=True)
     return 0
 
 

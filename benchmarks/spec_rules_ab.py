@@ -6,6 +6,10 @@ the median decode tokens per CPU-second of each engine and whether every output 
 per prompt kind, each rule's speed-up over plain decoding (median over prompts, and each prompt's).
 
     python benchmarks/spec_rules_ab.py --dataset sharegpt_samples_1024.json --rules half,match
+    python benchmarks/spec_rules_ab.py --rules match --row-tiles 4,0   # the row-group GEMVs' tile caps
+
+With --row-tiles each rule's engine runs once per cap of the row-group GEMVs' tile (set_row_tile; 0: the
+build's own), named rule/tN: the same guesses, the verification rows tiled differently.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ def main() -> int:
     ap.add_argument("--passage-tokens", type=int, default=300)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--row-tiles", default=None, help="row tile caps to compare per rule (e.g. 4,0)")
     args = ap.parse_args()
     import torch
 
@@ -57,6 +62,18 @@ def main() -> int:
     rules = args.rules.split(",")
     engines = {"plain": make_engine(None, args.speculative_config)}
     engines.update({rule: make_engine(rule, args.speculative_config) for rule in rules})
+    tile_of: dict[str, int] = {}
+    if args.row_tiles:
+        from perfxlm.ops import native
+
+        ops = native.kernels()
+        caps = [int(t) for t in args.row_tiles.split(",")]
+        for rule in rules:
+            for cap in caps:
+                engines[f"{rule}/t{cap}"] = engines[rule]
+                tile_of[f"{rule}/t{cap}"] = cap
+            del engines[rule]
+        rules = [name for name in engines if name != "plain"]
     tokenizer = engines["plain"][0].get_tokenizer()
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     kinds = make_prompts(tokenizer, args.dataset, args.prompts_per_kind, args.passage_tokens)
@@ -68,6 +85,8 @@ def main() -> int:
             outputs = {}
             for _ in range(args.rounds):
                 for name, (llm, records) in engines.items():
+                    if tile_of:
+                        ops.set_row_tile(tile_of.get(name, 0))
                     records.clear()
                     out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
                     # the first step prefills the prompt: decode is the steps after it

@@ -9,6 +9,10 @@ for quiet figures at --threads N); per row count it prints the median of each an
 
     python benchmarks/verify_rows.py                        # CPU time, one thread
     python benchmarks/verify_rows.py --clock wall --threads 2
+    python benchmarks/verify_rows.py --row-tiles 4,0        # row-group tile caps alternated per prompt
+
+--row-tiles runs each prompt once per cap of the row-group GEMVs' tile (set_row_tile; 0: the build's own)
+and prints the table per cap: the same guesses, the verification rows tiled differently.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ def main() -> int:
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--output-json", default=None)
+    ap.add_argument("--row-tiles", default="0", help="row tile caps to alternate (e.g. 4,0)")
     args = ap.parse_args()
     if args.clock == "cpu" and args.threads != 1:
         raise SystemExit("--clock cpu reads the calling thread's CPU time: it needs --threads 1 (or --clock wall)")
@@ -83,22 +88,42 @@ def main() -> int:
     records = instrument(llm, clock)
     tokenizer = llm.get_tokenizer()
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    from perfxlm.ops import native
+
+    ops = native.kernels()
+    caps = [int(t) for t in args.row_tiles.split(",")]
+    by_cap: dict[int, dict[int, list[dict[str, float]]]] = {c: collections.defaultdict(list) for c in caps}
     for _ in range(args.rounds):
         for text in make_prompts(tokenizer, None, 3, 300)["code edit"]:
             prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                                    add_generation_prompt=True)
-            llm.generate(prompt, params, use_tqdm=False)
-    decode_rows = sorted(r for r in records if r <= 16 and len(records[r]) >= 3)
-    if 1 not in decode_rows:
-        raise SystemExit("no plain decode steps were timed: raise --max-tokens")
-    median = {r: {p: statistics.median(rec.get(p, 0.0) for rec in records[r]) * 1e3 for p in _PARTS}
-              for r in decode_rows}
-    for r in decode_rows:
-        parts = "  ".join(f"{p} {median[r][p]:6.2f} ms (x{median[r][p] / median[1][p]:.2f})" for p in _PARTS)
-        print(f"{r:2} rows  steps {len(records[r]):4}  {parts}", flush=True)
+            for cap in caps:
+                if ops is not None and hasattr(ops, "set_row_tile"):
+                    ops.set_row_tile(cap)
+                records.clear()
+                llm.generate(prompt, params, use_tqdm=False)
+                for r, recs in records.items():
+                    by_cap[cap][r].extend(recs)
+    if ops is not None and hasattr(ops, "set_row_tile"):
+        ops.set_row_tile(0)
+    out = {}
+    for cap in caps:
+        recs_by_rows = by_cap[cap]
+        decode_rows = sorted(r for r in recs_by_rows if r <= 16 and len(recs_by_rows[r]) >= 3)
+        if 1 not in decode_rows:
+            raise SystemExit("no plain decode steps were timed: raise --max-tokens")
+        median = {r: {p: statistics.median(rec.get(p, 0.0) for rec in recs_by_rows[r]) * 1e3 for p in _PARTS}
+                  for r in decode_rows}
+        if len(caps) > 1:
+            print(f"row tile cap {cap if cap else 'of the build'}")
+        for r in decode_rows:
+            parts = "  ".join(f"{p} {median[r][p]:6.2f} ms (x{median[r][p] / median[1][p]:.2f})" for p in _PARTS)
+            print(f"{r:2} rows  steps {len(recs_by_rows[r]):4}  {parts}", flush=True)
+        out[cap] = median
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump({"clock": args.clock, "threads": args.threads, "ms": median}, f, indent=2)
+            ms = out[caps[0]] if len(caps) == 1 else {str(c): m for c, m in out.items()}
+            json.dump({"clock": args.clock, "threads": args.threads, "ms": ms}, f, indent=2)
     return 0
 
 

@@ -1498,6 +1498,14 @@ int64_t set_gemv_streams(int64_t streams) {
 
 int64_t gemv_streams() { return perfxlm_streams::streams_now(); }
 
+// The largest tile of rows the row-group GEMVs run a block's codes for (row_groups_run.h: 0 the build's
+// kRowTile, 1..8 a cap); returns the tile now in force. A row's bits are the same in any tile.
+int64_t set_row_tile(int64_t rows) {
+  TORCH_CHECK(rows >= 0 && rows <= 8, "set_row_tile: expected 0..8, got ", rows);
+  perfxlm_row_groups::g_row_tile.store(static_cast<int>(rows), std::memory_order_relaxed);
+  return perfxlm_row_groups::row_tile_cap();
+}
+
 // Whether the 256-bit tiles fold centred codes' centre into their dot products (BlockActs::starts; on by
 // default where the build can); returns the previous setting. For tests and measurements of both forms.
 bool set_int8_centre_fold(bool on) {
@@ -1559,6 +1567,7 @@ TORCH_LIBRARY_FRAGMENT(perfxlm, m) {
   m.def("set_int8_centre_fold(bool on) -> bool", &perfxlm_quant::set_int8_centre_fold);
   m.def("set_act_blocks(int mode) -> int", &perfxlm_quant::set_act_blocks);
   m.def("set_gemv_streams(int streams) -> int", &perfxlm_quant::set_gemv_streams);
+  m.def("set_row_tile(int rows) -> int", &perfxlm_quant::set_row_tile);
   m.def("gemv_streams() -> int", &perfxlm_quant::gemv_streams);
   m.def("compiled_isa() -> str", &perfxlm_quant::compiled_isa);
   m.def("dequantize_q(Tensor codes, Tensor scales, Tensor? mins, Tensor? levels, int in_features) -> Tensor");

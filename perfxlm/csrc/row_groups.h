@@ -157,7 +157,7 @@ template <bool BITS4, int R>
 inline void group_rows(const uint8_t* codes, const uint16_t* scales, const Acts* const* a, int64_t blocks, float* out) {
   constexpr int64_t bytes = kRows * (BITS4 ? 16 : 32);
   __m256 even[R], odd[R];
-  #pragma GCC unroll 4
+  #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
   auto step = [&](int64_t b, __m256* acc) __attribute__((always_inline)) {
     const uint8_t* blk = codes + b * bytes;
@@ -171,7 +171,7 @@ inline void group_rows(const uint8_t* codes, const uint16_t* scales, const Acts*
     }
     const Codes k = load_codes<BITS4>(blk);
     const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * kRows)));
-    #pragma GCC unroll 4
+    #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256i isum = code_sums<BITS4>(k, a[r]->q.data() + 32 * b, a[r]->start[b]);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(sc, _mm256_set1_ps(a[r]->dx[b])), acc[r]);
@@ -183,7 +183,7 @@ inline void group_rows(const uint8_t* codes, const uint16_t* scales, const Acts*
     step(b + 1, odd);
   }
   if (b < blocks) step(b, even);
-  #pragma GCC unroll 4
+  #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kRows, _mm256_add_ps(even[r], odd[r]));
 }
 

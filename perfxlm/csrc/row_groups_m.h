@@ -52,14 +52,22 @@ inline void quantize(const float* x, int64_t K, Acts& a) {
 }
 
 // One group's 8 outputs for each of R activation rows (out: R x 8): each block's codes unpacked, and its
-// scales and mins widened, once for all R (row_groups.h's group_rows); each row's sums in its own order.
+// scales widened, once for all R (row_groups.h's group_rows); each row's sums in its own order. Up to 4
+// rows the mins' term runs in the same pass; past 4 its accumulators (2 per row) would not fit in the 32
+// registers beside the dots' (2 per row) and the block's 8 code vectors, so a second pass over the
+// group's mins (in L1) sums it: each accumulator sees the same FMAs in the same order either way, so a
+// row's bits do not depend on the tile.
 #ifdef PERFXLM_ROWS8_SIMD
 template <int R>
 inline void group_rows(const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, const Acts* const* a,
                        int64_t blocks, float* out) {
+  constexpr bool kMinsApart = R > 4;
   __m256 acc[2][R], macc[2][R];  // [block parity][row]
-  #pragma GCC unroll 4
+  #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = macc[0][r] = macc[1][r] = _mm256_setzero_ps();
+  auto mins_of = [&](int64_t b) __attribute__((always_inline)) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + b * kRows)));
+  };
   auto step = [&](int64_t b, __m256* dots, __m256* mterm) __attribute__((always_inline)) {
     const uint8_t* blk = codes + b * kBlockBytes;
     // the stream ahead (row_groups.h says why)
@@ -67,12 +75,15 @@ inline void group_rows(const uint8_t* codes, const uint16_t* scales, const uint1
     _mm_prefetch(reinterpret_cast<const char*>(blk + 1024 + 64), _MM_HINT_T0);
     const perfxlm_rows8::Codes k = perfxlm_rows8::load_codes<true>(blk);
     const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * kRows)));
-    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + b * kRows)));
-    #pragma GCC unroll 4
+    #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256i isum = perfxlm_rows8::code_sums<true>(k, a[r]->q.data() + 32 * b, 0);
       dots[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(sc, _mm256_set1_ps(a[r]->dx[b])), dots[r]);
-      mterm[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a[r]->xsum[b]), mterm[r]);
+    }
+    if constexpr (!kMinsApart) {
+      const __m256 m = mins_of(b);
+      #pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) mterm[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a[r]->xsum[b]), mterm[r]);
     }
   };
   int64_t b = 0;
@@ -81,7 +92,19 @@ inline void group_rows(const uint8_t* codes, const uint16_t* scales, const uint1
     step(b + 1, acc[1], macc[1]);
   }
   if (b < blocks) step(b, acc[0], macc[0]);
-  #pragma GCC unroll 4
+  if constexpr (kMinsApart) {
+    auto mstep = [&](int64_t b, __m256* mterm) __attribute__((always_inline)) {
+      const __m256 m = mins_of(b);
+      #pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) mterm[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a[r]->xsum[b]), mterm[r]);
+    };
+    for (b = 0; b + 2 <= blocks; b += 2) {
+      mstep(b, macc[0]);
+      mstep(b + 1, macc[1]);
+    }
+    if (b < blocks) mstep(b, macc[0]);
+  }
+  #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
     _mm256_storeu_ps(out + r * kRows, _mm256_add_ps(_mm256_add_ps(acc[0][r], acc[1][r]), _mm256_add_ps(macc[0][r], macc[1][r])));
 }

@@ -7,7 +7,9 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include "read_streams.h"
@@ -23,19 +25,36 @@ inline void each_group(int64_t g0, int64_t g1, Fn&& fn) {
 
 // Activation rows per pass over a group's blocks: each block's codes are loaded (and 4-bit ones unpacked)
 // once per tile of rows, then every row of the tile takes its dot products from the registers. With 32
-// vector registers (AVX-512VL) 4 rows' accumulators fit beside a block's 8 code vectors; AVX2 has 16.
+// vector registers (AVX-512VL) 8 rows' accumulators fit beside a block's 8 code vectors (Q8_0 / Q4_0: 2 per
+// row; Q4_1 sums its mins in a pass of their own past 4 rows, row_groups_m.h), so a verification step of up
+// to 8 rows unpacks each block once; AVX2 has 16 registers, room for 2 rows.
 #if defined(__AVX512VL__)
-constexpr int kRowTile = 4;
+constexpr int kRowTile = 8;
 #else
 constexpr int kRowTile = 2;
 #endif
 
-// fn(std::integral_constant<int, R>{}, m0) over rows [0, M) in as few tiles of at most kRowTile rows as
-// there can be, their sizes as even as possible (5 rows as 2 + 3, 6 as 3 + 3): a tile of one row pays a
-// block's whole loading and unpacking for one row's dots.
+// The largest tile row_tiles uses, process-wide: kRowTile unless set_row_tile or PERFXLM_ROW_TILE (1..8)
+// caps it (measurements compare tile sizes in one process; a row's bits are the same in any tile).
+inline std::atomic<int> g_row_tile{-1};  // -1: not read yet; 0: kRowTile
+
+inline int row_tile_cap() {
+  int v = g_row_tile.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* env = std::getenv("PERFXLM_ROW_TILE");
+    v = env ? std::max(0, std::min(8, std::atoi(env))) : 0;
+    g_row_tile.store(v, std::memory_order_relaxed);
+  }
+  return v == 0 ? kRowTile : std::min(v, kRowTile);
+}
+
+// fn(std::integral_constant<int, R>{}, m0) over rows [0, M) in as few tiles of at most row_tile_cap() rows
+// as there can be, their sizes as even as possible (with a cap of 4: 5 rows as 2 + 3, 6 as 3 + 3): a tile
+// of one row pays a block's whole loading and unpacking for one row's dots.
 template <class Fn>
 inline void row_tiles(int64_t M, Fn&& fn) {
-  const int64_t tiles = (M + kRowTile - 1) / kRowTile;
+  const int64_t cap = row_tile_cap();
+  const int64_t tiles = (M + cap - 1) / cap;
   int64_t m = 0;
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t size = t + 1 == tiles ? M - m : (M - m) / (tiles - t);
@@ -44,6 +63,10 @@ inline void row_tiles(int64_t M, Fn&& fn) {
       case 2: fn(std::integral_constant<int, 2>{}, m); break;
       case 3: if constexpr (kRowTile >= 3) fn(std::integral_constant<int, 3>{}, m); break;
       case 4: if constexpr (kRowTile >= 4) fn(std::integral_constant<int, 4>{}, m); break;
+      case 5: if constexpr (kRowTile >= 5) fn(std::integral_constant<int, 5>{}, m); break;
+      case 6: if constexpr (kRowTile >= 6) fn(std::integral_constant<int, 6>{}, m); break;
+      case 7: if constexpr (kRowTile >= 7) fn(std::integral_constant<int, 7>{}, m); break;
+      case 8: if constexpr (kRowTile >= 8) fn(std::integral_constant<int, 8>{}, m); break;
       default: break;
     }
     m += size;
