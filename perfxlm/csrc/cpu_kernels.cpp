@@ -492,6 +492,23 @@ PartsLayout parts_layout(at::TensorList parts) {
 at::Tensor project(const at::Tensor& x, at::TensorList parts, int64_t n_out, const c10::optional<at::Tensor>& bias,
                    int64_t max_rows, bool bf16_gemm, bool int8_blocks, int64_t quant_max_rows, int64_t quant_block_max_rows,
                    int64_t gemm_rows) {
+  if (parts.size() > 8 && parts.size() % 8 == 0) {
+    // a split weight (perfxlm/quant/split_rows.py): parts of their own formats, eight native parts each,
+    // each part's product on its own, then their columns side by side (the module path runs the same calls)
+    std::vector<at::Tensor> ys;
+    int64_t at_row = 0;
+    for (size_t i = 0; i < parts.size(); i += 8) {
+      const int64_t n = *parts[i + 7].const_data_ptr<int64_t>();
+      TORCH_CHECK(n > 0, "decode_layer: a split weight's part needs its out_features");
+      const c10::optional<at::Tensor> b =
+          bias.has_value() && bias->defined() ? c10::optional<at::Tensor>(bias->narrow(0, at_row, n)) : c10::nullopt;
+      ys.push_back(project(x, parts.slice(i, 8), n, b, max_rows, bf16_gemm, int8_blocks, quant_max_rows,
+                           quant_block_max_rows, gemm_rows));
+      at_row += n;
+    }
+    TORCH_CHECK(n_out < 0 || at_row == n_out, "decode_layer: a split weight's parts have ", at_row, " rows, not ", n_out);
+    return at::cat(ys, 1);
+  }
   if (parts.size() == 8) {
     const PartsLayout pl = parts_layout(parts);
     const c10::optional<at::Tensor> levels = parts[3].numel() ? c10::optional<at::Tensor>(parts[3]) : c10::nullopt;
@@ -537,6 +554,13 @@ at::Tensor project_lora_in(const at::Tensor& x, at::TensorList weight, int64_t n
                            int64_t max_rows, bool bf16_gemm, bool int8_blocks, int64_t quant_max_rows,
                            int64_t quant_block_max_rows, int64_t gemm_rows, at::TensorList lora, int64_t index,
                            bool one_region) {
+  if (weight.size() > 8) {  // a split weight: its parts' products (project), then the adapters
+    perfxlm_lora::prefetch(lora, index);
+    at::Tensor y = project(x, weight, n_out, bias, max_rows, bf16_gemm, int8_blocks, quant_max_rows,
+                           quant_block_max_rows, gemm_rows);
+    perfxlm_lora::add(y, x, lora, index);
+    return y;
+  }
   const at::Tensor xw = ordered_inputs(x, weight);  // the base product's rows
   const at::TensorList parts = weight.size() >= 6 ? weight.slice(0, 5) : weight;
   const PartsLayout pl = parts_layout(weight);

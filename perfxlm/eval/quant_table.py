@@ -41,13 +41,14 @@ def weight_footprint(model: torch.nn.Module) -> tuple[int, int]:
     """(weights, bytes) of the model's weight matrices: parameters of two or more dimensions (norms and
     biases are noise) and quantized weights, each counted once (a tied head shares its table). Tensors
     are told apart by address, not storage: the weight arena puts every weight in one storage."""
+    from perfxlm.quant.split_rows import pieces
     from perfxlm.quant.weight import QuantizedWeight
 
     seen: set[int] = set()
     count = size = 0
     for module in model.modules():
         found = [p for p in module._parameters.values() if p is not None and p.dim() >= 2]
-        found += [v for v in vars(module).values() if isinstance(v, QuantizedWeight)]
+        found += [p for v in vars(module).values() for p in pieces(v)]  # a split weight's parts each
         for value in found:
             first = value.codes if isinstance(value, QuantizedWeight) else value
             if first.data_ptr() in seen:

@@ -27,6 +27,7 @@ from perfxlm.export.graph_mla import LatentWeights
 from perfxlm.export.graph_moe import Experts, Routing
 from perfxlm.export.graph_ops import AttentionSpec, GraphOps, HeadNorms, LinearWeight, Rope
 from perfxlm.export.perfxlm_ops import HeldBf16
+from perfxlm.quant.split_rows import SplitRows
 from perfxlm.quant.weight import QuantizedWeight
 
 # architecture -> onnxruntime-genai's model type
@@ -91,6 +92,8 @@ def _array(t: Any) -> Any:
     layout (row groups are the engine's run-time choice, not the file's)."""
     if isinstance(t, QuantizedWeight):
         return t.plain()
+    if isinstance(t, SplitRows):  # a file holds one weight per projection: the parts joined (widened)
+        return t.joined()
     return t.detach().float().contiguous().numpy()
 
 

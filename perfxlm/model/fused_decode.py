@@ -33,6 +33,7 @@ from perfxlm.model.layers.linear import Linear
 from perfxlm.model.layers.norm import GemmaRMSNorm, RMSNorm
 from perfxlm.ops import cpu_plan, native
 from perfxlm.ops.linear import native_int8_blocks
+from perfxlm.quant.split_rows import pieces
 from perfxlm.quant.weight import ActivationMode
 
 
@@ -251,6 +252,7 @@ def _int8_blocks(quantized: list[Any]) -> bool | None:
     no flag gives what the module path does: weights differing in activation mode, or int8 blocks asked
     on every path (ActivationMode.INT8) where the kernel would not round some (no int8 dots, a layout its
     block GEMV lacks: the module path rounds those in torch)."""
+    quantized = [p for w in quantized for p in pieces(w)]  # a split weight's parts each
     modes = {w.activations for w in quantized}
     if len(modes) > 1:
         return None

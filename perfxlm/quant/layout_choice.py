@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from perfxlm.quant.layouts import CodeLayout, members
+from perfxlm.quant.split_rows import SplitRows
 from perfxlm.quant.weight import ActivationMode, QuantizedWeight
 
 
@@ -32,12 +33,15 @@ def choose_layouts(model: torch.nn.Module, layout: CodeLayout | Sequence[CodeLay
     done: dict[int, QuantizedWeight] = {}
     for module in model.modules():
         for name, value in list(vars(module).items()):
-            if not isinstance(value, QuantizedWeight):
+            if isinstance(value, SplitRows):  # each part its own layout (its own format)
+                done[id(value)] = value.map(lambda p: chosen_layout(p, layouts))
+            elif isinstance(value, QuantizedWeight):
+                if id(value) not in done:
+                    done[id(value)] = chosen_layout(value, [few_rows, *layouts] if id(value) in heads else layouts)
+            else:
                 continue
-            if id(value) not in done:
-                done[id(value)] = chosen_layout(value, [few_rows, *layouts] if id(value) in heads else layouts)
             setattr(module, name, done[id(value)])
-    return sum(1 for k, w in done.items() if w.layout is not CodeLayout.PLAIN)
+    return sum(1 for w in done.values() for p in getattr(w, "parts", (w,)) if p.layout is not CodeLayout.PLAIN)
 
 
 def chosen_layout(w: QuantizedWeight, layouts: list[CodeLayout]) -> QuantizedWeight:

@@ -14,8 +14,9 @@ llama.cpp's Q4_K_M allocates its bits, an embedding table that is only looked up
 once as int8 (`perfxlm.quant.calibration`, `QuantizedLoader.calibrate`), which weigh each weight's
 squared error in int4's search. Each piece is quantized as it arrives, so a model never exists whole in
 float: shards of a fused weight (q, k, v; gate, up; an expert's gate and up) wait as quantized pieces
-until their weight is complete, then are concatenated (`joining.cat_rows`) and replace the
-module's Parameter, whose untouched float storage is freed.
+until their weight is complete, then are concatenated (`split_rows.join_rows`: one weight, or parts kept
+apart where one form would widen some, as Q6_K beside Q4_K) and replace the module's Parameter, whose
+untouched float storage is freed.
 A tied LM head gets the embedding's `QuantizedWeight`. Each weight takes the
 model's `ActivationMode` as it is installed (`take_activations`, the engine's `quant_activations`).
 A pre-quantized checkpoint (AWQ, GPTQ, ...) stores its embedding table and LM head in float, as vLLM
@@ -35,7 +36,7 @@ from typing import Any
 from torch import nn
 
 from perfxlm.quant import joining
-from perfxlm.quant import mixed
+from perfxlm.quant import mixed, split_rows
 from perfxlm.quant.config import CHECKPOINT_METHODS, GGUF, METHODS, QuantizationConfig
 from perfxlm.quant.formats import PackedCheckpoint
 from perfxlm.quant.targets import TABLE, QuantizableLayer, QuantizableWeight
@@ -224,7 +225,7 @@ class QuantizedLoader:
         if all(s in parts for s in order):
             del self.pending[key]
             try:
-                whole = joining.cat_rows([parts[s] for s in order])
+                whole = split_rows.join_rows([parts[s] for s in order])
             except ValueError as e:  # e.g. act-order shards of one input with different orders
                 where = next((n for n, m in self.model.named_modules() if m is module), type(module).__name__)
                 raise ValueError(f"checkpoint weights of {where}.{local} ({', '.join(order)}): {e}") from None
@@ -275,7 +276,7 @@ class QuantizedLoader:
             del self.experts[(id(module), local)]
             self._install(module, local, joining.stack_experts([done[e] for e in range(module.num_experts)]))
 
-    def _install(self, module: nn.Module, local: str, weight: QuantizedWeight) -> None:
+    def _install(self, module: nn.Module, local: str, weight: "QuantizedWeight | split_rows.SplitRows") -> None:
         weight.use_activations(self.activations, f"{type(module).__name__}.{local}")
         old = install(module, local, weight)
         if old is not None:
@@ -312,23 +313,23 @@ def quantized_bytes(model: nn.Module) -> int:
     seen: dict[int, int] = {}
     for module in model.modules():
         for value in vars(module).values():
-            if isinstance(value, QuantizedWeight):
-                seen[id(value)] = value.nbytes
+            for piece in split_rows.pieces(value):
+                seen[id(piece)] = piece.nbytes
     return sum(seen.values())
 
 
 def unique_quantized_weights(model: nn.Module) -> list[QuantizedWeight]:
-    """The model's QuantizedWeights, each once (a tied head shares the table's)."""
+    """The model's QuantizedWeights, each once (a tied head shares the table's; a split weight's parts)."""
     seen: dict[int, QuantizedWeight] = {}
     for module in model.modules():
         for value in vars(module).values():
-            if isinstance(value, QuantizedWeight):
-                seen.setdefault(id(value), value)
+            for piece in split_rows.pieces(value):
+                seen.setdefault(id(piece), piece)
     return list(seen.values())
 
 
 def has_quantized_weights(model: nn.Module) -> bool:
-    return any(isinstance(v, QuantizedWeight) for m in model.modules() for v in vars(m).values())
+    return any(split_rows.is_quantized(v) for m in model.modules() for v in vars(m).values())
 
 
 def quantized_loader(

@@ -2,7 +2,8 @@
 through llama.cpp's bindings: Q4_K matrices, Q6_K for layer 0's V and down and the tied table, whose
 lookups unpack the groups they read). The CPU plan (PERFXLM_ROW_INTERLEAVE=8, PERFXLM_ROW_GROUPS_K) gives
 them to the LM head only ("head") or to every K-quant matrix ("all": layer 1's fused QKV, both layers' gate|up,
-o and down; layer 0's QKV fuses Q4_K beside Q6_K, widened to 8-bit codes: plain). Greedy text is the plain
+o and down; one layer's QKV fuses Q4_K beside Q6_K: a split weight, q|k and v each in row groups, or with
+PERFXLM_SPLIT_JOINS=0 one weight widened to 8-bit codes, plain). Greedy text is the plain
 layout's (float32 compute, int8 activation blocks), a request alone what it is in a batch, and logprobs
 the plain layout's to float rounding (prompt rows through the int8 GEMM: the plain layout's bits there)."""
 
@@ -15,6 +16,7 @@ from perfxlm.ops import cpu_plan, native
 from perfxlm.quant import row_groups_k
 from perfxlm.quant.layouts import CodeLayout
 from perfxlm.quant.loading import unique_quantized_weights
+from perfxlm.quant.split_rows import SPLIT_ENV, SplitRows
 from tests.conftest import make_llama_checkpoint
 
 pytestmark = pytest.mark.skipif(native.kernels() is None, reason="no compiler for the native kernels")
@@ -82,10 +84,13 @@ def test_every_k_matrix_in_row_groups_gives_the_plain_layouts_text(q4_k_m, inter
         layouts = {w.layout for w in unique_quantized_weights(model)}
         if value == "off":
             assert CodeLayout.ROWS8_K not in layouts and len(k_quants) >= 6
-        else:  # every K-quant matrix (the tied head's table too); the mixed fused QKV stays plain 8-bit
+        else:  # every K-quant matrix (the tied head's table too); the mixed fused QKV's parts as well
             assert not k_quants and model.lm_head.weight.layout is CodeLayout.ROWS8_K
             assert sum(w.layout is CodeLayout.ROWS8_K for w in unique_quantized_weights(model)) >= 6
-            assert CodeLayout.PLAIN in layouts
+            split = [layer.self_attn.qkv_proj.weight for layer in model.model.layers
+                     if isinstance(layer.self_attn.qkv_proj.weight, SplitRows)]
+            assert len(split) == 1 and [p.bits for p in split[0].parts] == [4, 6]
+            assert CodeLayout.PLAIN not in layouts
         batch = _run(llm, PROMPTS)
         alone = [_run(llm, [p])[0] for p in PROMPTS]
         for (ta, la, pa), (tb, lb, pb) in zip(alone, batch):  # a request alone is what it is in the batch
@@ -96,5 +101,23 @@ def test_every_k_matrix_in_row_groups_gives_the_plain_layouts_text(q4_k_m, inter
     # activation blocks, where a float-order difference can move a value across a rounding step (1/127 of
     # its block's largest), layer after layer (the head alone, above, stays within 1e-3)
     for (ta, la, pa), (tb, lb, pb) in zip(runs["off"], runs["all"]):
+        assert ta == tb
+        assert la == pytest.approx(lb, abs=5e-2) and pa == pytest.approx(pb, abs=5e-2)
+
+
+def test_a_split_qkv_gives_the_widened_ones_text(q4_k_m, interleave, monkeypatch):
+    """The Q4_K | Q6_K QKV as a split weight (parts in row groups) or widened to one 8-bit weight: the
+    same greedy text, logprobs to float rounding; the fused decode layer ran."""
+    interleave(8)
+    monkeypatch.setenv("PERFXLM_ROW_GROUPS_K", "all")
+    runs = {}
+    for value in ("0", "1"):
+        monkeypatch.setenv(SPLIT_ENV, value)
+        cpu_plan.reset()
+        llm = LLM(q4_k_m, skip_tokenizer_init=True, dtype="float32", kv_cache_gib=0.05, quant_activations="int8")
+        qkvs = [layer.self_attn.qkv_proj.weight for layer in llm.llm_engine.core.model.model.layers]
+        assert sum(isinstance(w, SplitRows) for w in qkvs) == (value == "1")
+        runs[value] = _run(llm, PROMPTS)
+    for (ta, la, pa), (tb, lb, pb) in zip(runs["0"], runs["1"]):
         assert ta == tb
         assert la == pytest.approx(lb, abs=5e-2) and pa == pytest.approx(pb, abs=5e-2)

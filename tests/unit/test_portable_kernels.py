@@ -20,7 +20,7 @@ KERNEL_TESTS = ["tests/unit/test_linear_ops.py", "tests/unit/test_bf16_dots.py",
                 "tests/unit/test_row_groups_k.py", "tests/unit/test_row_groups_k_layout.py", "tests/unit/test_row_groups_k_gemm.py",
                 "tests/unit/test_row_groups_m.py", "tests/unit/test_row_tiles.py", "tests/unit/test_gemv_streams.py", "tests/unit/test_act_blocks.py",
                 "tests/unit/test_act_blocks_q8k.py",
-                "tests/unit/test_moe_row_groups.py", "tests/unit/test_moe_routed.py",
+                "tests/unit/test_moe_row_groups.py", "tests/unit/test_moe_routed.py", "tests/unit/test_split_rows.py",
                 "tests/quant/test_int4_two_level.py::test_native_products_match_the_reference_and_the_flat_form",
                 "tests/quant/test_int4_two_level.py::test_every_group_through_the_block_kernels_alone_and_in_a_batch",
                 # the fused decode layer's LoRA rows against the module path

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from perfxlm.quant.weight import QuantizedWeight
+from perfxlm.quant.split_rows import pieces
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +39,11 @@ def _slots(model: torch.nn.Module):
             if param is not None and param.device.type == "cpu" and param.nbytes >= MIN_BYTES:
                 yield module, name, param
         for value in vars(module).values():
-            if isinstance(value, QuantizedWeight):
+            for piece in pieces(value):  # a split weight's parts each
                 for name in ("codes", "scales", "mins"):
-                    t = getattr(value, name)
+                    t = getattr(piece, name)
                     if t is not None and t.device.type == "cpu" and t.nbytes >= MIN_BYTES and t.is_contiguous():
-                        yield value, name, t
+                        yield piece, name, t
 
 
 def release_freed_memory() -> None:

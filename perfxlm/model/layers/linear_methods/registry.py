@@ -11,7 +11,8 @@ from perfxlm.model.layers.linear_methods.quantized import QUANTIZED_METHODS
 from perfxlm.model.layers.linear_methods.unquantized import (
     Bf16PanelsLinear, Bf16RowsLinear, UnquantizedLinear,
 )  # fmt: skip
-from perfxlm.quant.weight import QuantizedWeight
+from perfxlm.model.layers.linear_methods.split_rows import SplitRowsLinear
+from perfxlm.quant.split_rows import SplitRows, is_quantized
 
 LINEAR_METHODS: dict[str, type[LinearMethod]] = {
     cls.name: cls for cls in (UnquantizedLinear, Bf16RowsLinear, Bf16PanelsLinear, *QUANTIZED_METHODS)
@@ -22,7 +23,7 @@ def method_for(weight: Any, plan: LinearPlan, panels: bool = True) -> LinearMeth
     """A new method for a layer holding `weight`: the model's quantized format for a QuantizedWeight,
     else the float layout the plan names (`panels` False: a weight read by rows whatever the plan, as
     expert stacks are)."""
-    if isinstance(weight, QuantizedWeight):
+    if is_quantized(weight):
         name = plan.quantized_format
         if name is None:
             raise ValueError("a quantized weight in a model loaded without a quantized format")
@@ -32,6 +33,8 @@ def method_for(weight: Any, plan: LinearPlan, panels: bool = True) -> LinearMeth
             name = "bf16_rows"
     if name not in LINEAR_METHODS:
         raise ValueError(f"no linear method {name!r}; registered: {', '.join(LINEAR_METHODS)}")
+    if isinstance(weight, SplitRows):  # parts of their own formats: the format's method per part
+        return SplitRowsLinear(LINEAR_METHODS[name], len(weight.parts))
     return LINEAR_METHODS[name]()
 
 
