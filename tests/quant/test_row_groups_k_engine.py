@@ -13,7 +13,7 @@ import pytest
 
 from perfxlm import LLM, SamplingParams
 from perfxlm.ops import cpu_plan, native
-from perfxlm.quant import row_groups_k
+from perfxlm.quant import act_blocks, row_groups_k
 from perfxlm.quant.layouts import CodeLayout
 from perfxlm.quant.loading import unique_quantized_weights
 from perfxlm.quant.split_rows import SPLIT_ENV, SplitRows
@@ -107,7 +107,9 @@ def test_every_k_matrix_in_row_groups_gives_the_plain_layouts_text(q4_k_m, inter
 
 def test_a_split_qkv_gives_the_widened_ones_text(q4_k_m, interleave, monkeypatch):
     """The Q4_K | Q6_K QKV as a split weight (parts in row groups) or widened to one 8-bit weight: the
-    same greedy text, logprobs to float rounding; the fused decode layer ran."""
+    same greedy text, logprobs to float rounding; the fused decode layer ran. Activations round in blocks
+    of 32 for both (`fine`): under ggml's rule the split parts, K-quants, take q8_K's blocks of 256 while
+    the widened 8-bit weight is no K-quant, and that rounding, not the join, would part their logprobs."""
     interleave(8)
     monkeypatch.setenv("PERFXLM_ROW_GROUPS_K", "all")
     runs = {}
@@ -117,7 +119,8 @@ def test_a_split_qkv_gives_the_widened_ones_text(q4_k_m, interleave, monkeypatch
         llm = LLM(q4_k_m, skip_tokenizer_init=True, dtype="float32", kv_cache_gib=0.05, quant_activations="int8")
         qkvs = [layer.self_attn.qkv_proj.weight for layer in llm.llm_engine.core.model.model.layers]
         assert sum(isinstance(w, SplitRows) for w in qkvs) == (value == "1")
-        runs[value] = _run(llm, PROMPTS)
+        with act_blocks.using("fine"):
+            runs[value] = _run(llm, PROMPTS)
     for (ta, la, pa), (tb, lb, pb) in zip(runs["0"], runs["1"]):
         assert ta == tb
         assert la == pytest.approx(lb, abs=5e-2) and pa == pytest.approx(pb, abs=5e-2)
