@@ -111,12 +111,12 @@ def test_the_native_rounding_is_the_references_bit_for_bit(mode, rows, k):
     """Past the GEMV's rows (no int8 GEMM) linear_q multiplies its own rounded rows as floats: equal to the
     same product of the reference's rounded rows only where every byte and scale is equal."""
     ops = rgk.ops_or_skip()
-    if not ops.int8_block_dots():
-        pytest.skip("no int8 block products in this build")
     w = _plain_two_level(11, k, rows)
     x = awkward(rows, k, rows * k)
     got = ops.linear_q(x, w.codes, w.scales, w.mins, None, None, False, 8, False, True, 8, -1)
-    plain = ops.linear_q(fake_quantize_blocks(x, w.kquant), w.codes, w.scales, w.mins, None, None, False, 8, False)
+    # a build without int8 block products (scalar) rounds no activations: the float product of x itself
+    rows_in = fake_quantize_blocks(x, w.kquant) if ops.int8_block_dots() else x
+    plain = ops.linear_q(rows_in, w.codes, w.scales, w.mins, None, None, False, 8, False)
     assert torch.equal(got, plain)
 
 
@@ -144,10 +144,8 @@ def test_the_int8_gemm_on_two_level_bytes_under_each_arithmetic(mode, case):
 
 def test_only_k_quant_products_change_with_q8k():
     """ggml against fine: a K-quant weight's product moves (other activation bytes), a Q4_0-like one
-    (float scales per 32) does not move at all."""
+    (float scales per 32) does not move at all; without int8 block products (scalar build) neither moves."""
     ops = rgk.ops_or_skip()
-    if not ops.int8_block_dots():
-        pytest.skip("no int8 block products in this build")
     k = 768
     w = _plain_two_level(9, k, 3)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(2))
@@ -164,22 +162,22 @@ def test_only_k_quant_products_change_with_q8k():
     with act_blocks.using("fine"):
         k_fine, p_fine = both()
     assert torch.equal(p_ggml, p_fine)
-    assert not torch.equal(k_ggml, k_fine)
+    assert torch.equal(k_ggml, k_fine) != ops.int8_block_dots()
 
 
 def test_the_plan_setting_does_not_bypass_the_rule():
     """The module path (run_linear_q) on a plain K-quant weight rounds as the kernels do at every row
     count: the GEMV's rows and the int8 GEMM's."""
     ops = rgk.ops_or_skip()
-    if not ops.int8_block_dots():
-        pytest.skip("no int8 block products in this build")
     from perfxlm.ops.linear import run_linear_q
 
     k = 512
     w = _plain_two_level(21, k, 9)
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(3))
     with act_blocks.using("ggml"):
-        ref = torch.nn.functional.linear(fake_quantize_blocks(x, True).double(), w.dequantize().double()).float()
+        # a build without int8 block products (scalar) rounds no activations on either row path
+        rows_in = fake_quantize_blocks(x, True) if ops.int8_block_dots() else x
+        ref = torch.nn.functional.linear(rows_in.double(), w.dequantize().double()).float()
         for gemm_rows in (1, 1 << 20):
             previous = cpu_plan.use(quant_gemm="int8", quant_gemm_rows=gemm_rows)
             try:
