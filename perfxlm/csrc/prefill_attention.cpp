@@ -130,15 +130,22 @@ inline void accumulate(const float* p, const float* v, int64_t ldv, float* out, 
 #endif
 }
 
-inline void accumulate_all(const float* p, const float* v, int64_t Dp, float* out) {
+// The output's Dp columns (a multiple of 16) in register tiles: 64 columns at a time, then one tile of the
+// 16-48 left; `tile(std::integral_constant<int, NV>, c)` accumulates NV x 16 columns from column c.
+template <typename Tile>
+inline void column_tiles(int64_t Dp, Tile&& tile) {
   int64_t c = 0;
-  for (; c + 64 <= Dp; c += 64) accumulate<4>(p, v + c, Dp, out + c, Dp);
+  for (; c + 64 <= Dp; c += 64) tile(std::integral_constant<int, 4>{}, c);
   switch ((Dp - c) / 16) {
-    case 3: accumulate<3>(p, v + c, Dp, out + c, Dp); break;
-    case 2: accumulate<2>(p, v + c, Dp, out + c, Dp); break;
-    case 1: accumulate<1>(p, v + c, Dp, out + c, Dp); break;
+    case 3: tile(std::integral_constant<int, 3>{}, c); break;
+    case 2: tile(std::integral_constant<int, 2>{}, c); break;
+    case 1: tile(std::integral_constant<int, 1>{}, c); break;
     default: break;
   }
+}
+
+inline void accumulate_all(const float* p, const float* v, int64_t Dp, float* out) {
+  column_tiles(Dp, [&](auto nv, int64_t c) { accumulate<decltype(nv)::value>(p, v + c, Dp, out + c, Dp); });
 }
 
 // Softmax statistics of one row's block: max over the visible keys (j < n), p = e^(s - max) with the
@@ -355,14 +362,7 @@ inline void accumulate_bf16(const uint32_t* pp, const uint32_t* v, int64_t ldv, 
 }
 
 inline void accumulate_all_bf16(const uint32_t* pp, const uint32_t* v, int64_t Dp, float* out) {
-  int64_t c = 0;
-  for (; c + 64 <= Dp; c += 64) accumulate_bf16<4>(pp, v + c, Dp, out + c, Dp);
-  switch ((Dp - c) / 16) {
-    case 3: accumulate_bf16<3>(pp, v + c, Dp, out + c, Dp); break;
-    case 2: accumulate_bf16<2>(pp, v + c, Dp, out + c, Dp); break;
-    case 1: accumulate_bf16<1>(pp, v + c, Dp, out + c, Dp); break;
-    default: break;
-  }
+  column_tiles(Dp, [&](auto nv, int64_t c) { accumulate_bf16<decltype(nv)::value>(pp, v + c, Dp, out + c, Dp); });
 }
 
 // 32 floats to 32 bf16 (nearest even) as 16 pairs.
