@@ -248,6 +248,43 @@ inline void row_softmax(const float* s, float* p, int64_t visible, float& m, flo
     for (int64_t d = 0; d < Dp; ++d) orow[d] *= factor;
 }
 
+// A call's queries (scaled as read) and its float32 output [T, H, D]; rows of a task are position-major,
+// head-minor (row r of a task starting at sequence index i0 is position i0 + r / G, head g G + r % G).
+struct QueryOut {
+  at::Tensor out;
+  const float* q;
+  int64_t qs0, qs1, H, D, G;
+  float sc;
+  QueryOut(const at::Tensor& query, int64_t Hkv, double scale)
+      : out(at::empty({query.size(0), query.size(1), query.size(2)}, query.options().dtype(at::kFloat))),
+        q(query.data_ptr<float>()), qs0(query.stride(0)), qs1(query.stride(1)), H(query.size(1)),
+        D(query.size(2)), G(query.size(1) / Hkv), sc(static_cast<float>(scale)) {}
+  // Row r's query, times the scale, into dst[0 .. D).
+  void read(int64_t i0, int64_t g, int64_t r, float* dst) const {
+    const float* src = q + (i0 + r / G) * qs0 + (g * G + r % G) * qs1;
+    for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * sc;
+  }
+};
+
+// One task's running rows: unnormalised outputs [rows_p][Dp], running max and sum per row.
+struct TaskRows {
+  std::vector<float> obuf, mrow, lrow;
+  int64_t Dp;
+  TaskRows(int64_t rows_p, int64_t Dp_)
+      : obuf(static_cast<size_t>(rows_p * Dp_), 0.f),
+        mrow(static_cast<size_t>(rows_p), -std::numeric_limits<float>::infinity()),
+        lrow(static_cast<size_t>(rows_p), 0.f), Dp(Dp_) {}
+  // The first `rows` rows, divided by their sums, into the output.
+  void write(const QueryOut& io, int64_t i0, int64_t g, int64_t rows) {
+    float* o = io.out.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r) {
+      float* dst = o + ((i0 + r / io.G) * io.H + g * io.G + r % io.G) * io.D;
+      const float inv = 1.f / lrow[r];
+      for (int64_t d = 0; d < io.D; ++d) dst[d] = obuf[r * Dp + d] * inv;
+    }
+  }
+};
+
 template <typename C, typename N>
 at::Tensor run(const at::Tensor& query, const KVSource<C, N>& keys, const KVSource<C, N>& values, int64_t Hkv,
                double scale) {
@@ -272,22 +309,17 @@ at::Tensor run(const at::Tensor& query, const KVSource<C, N>& keys, const KVSour
     }
   });
 
-  at::Tensor out = at::empty({T, H, D}, query.options().dtype(at::kFloat));
-  const float* q = query.data_ptr<float>();
-  const int64_t qs0 = query.stride(0), qs1 = query.stride(1);
-  float* o = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
+  const QueryOut io(query, Hkv, scale);
   for_each_task(context, total, Hkv, [&](int64_t g, int64_t p0, int64_t p1) {
     const int64_t rows = (p1 - p0) * G, rows_p = (rows + R - 1) / R * R;
-    std::vector<float> qbuf(static_cast<size_t>(rows_p * D), 0.f), obuf(static_cast<size_t>(rows_p * Dp), 0.f);
-    std::vector<float> mrow(static_cast<size_t>(rows_p), -std::numeric_limits<float>::infinity());
-    std::vector<float> lrow(static_cast<size_t>(rows_p), 0.f);
+    std::vector<float> qbuf(static_cast<size_t>(rows_p * D), 0.f);
+    TaskRows acc(rows_p, Dp);
+    auto& obuf = acc.obuf;
+    auto& mrow = acc.mrow;
+    auto& lrow = acc.lrow;
     float s[R * BK], p[R * BK];
     // row = position-major, head-minor: rows of one position share its mask
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* src = q + (p0 - context + r / G) * qs0 + (g * G + r % G) * qs1;
-      for (int64_t d = 0; d < D; ++d) qbuf[r * D + d] = src[d] * sc;
-    }
+    for (int64_t r = 0; r < rows; ++r) io.read(p0 - context, g, r, qbuf.data() + r * D);
     const float* ktg = kt.data() + g * D * Tp;
     const float* vpg = vp.data() + g * Tp * Dp;
     const int64_t last_block = (p1 - 1) / BK;
@@ -303,13 +335,9 @@ at::Tensor run(const at::Tensor& query, const KVSource<C, N>& keys, const KVSour
         accumulate_all(p, vpg + kb * BK * Dp, Dp, obuf.data() + r0 * Dp);
       }
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      float* dst = o + ((p0 - context + r / G) * H + g * G + r % G) * D;
-      const float inv = 1.f / lrow[r];
-      for (int64_t d = 0; d < D; ++d) dst[d] = obuf[r * Dp + d] * inv;
-    }
+    acc.write(io, p0 - context, g, rows);
   });
-  return out;
+  return io.out;
 }
 
 #ifdef PERFXLM_PREFILL_BF16
@@ -404,23 +432,19 @@ at::Tensor run_bf16(const at::Tensor& query, const KVSource<C, N>& keys, const K
     }
   });
 
-  at::Tensor out = at::empty({T, H, D}, query.options().dtype(at::kFloat));
-  const float* q = query.data_ptr<float>();
-  const int64_t qs0 = query.stride(0), qs1 = query.stride(1);
-  float* o = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
+  const QueryOut io(query, Hkv, scale);
   for_each_task(context, total, Hkv, [&](int64_t g, int64_t p0, int64_t p1) {
     const int64_t rows = (p1 - p0) * G, rows_p = (rows + R - 1) / R * R;
     std::vector<uint32_t> qbuf(static_cast<size_t>(rows_p * D2), 0u);
-    std::vector<float> obuf(static_cast<size_t>(rows_p * Dp), 0.f);
-    std::vector<float> mrow(static_cast<size_t>(rows_p), -std::numeric_limits<float>::infinity());
-    std::vector<float> lrow(static_cast<size_t>(rows_p), 0.f);
+    TaskRows acc(rows_p, Dp);
+    auto& obuf = acc.obuf;
+    auto& mrow = acc.mrow;
+    auto& lrow = acc.lrow;
     float s[R * BK], p[R * BK];
     uint32_t pp[R * BK / 2];
     std::vector<float> qrow(static_cast<size_t>(2 * ((D2 + 15) / 16) * 16), 0.f);
     for (int64_t r = 0; r < rows; ++r) {
-      const float* src = q + (p0 - context + r / G) * qs0 + (g * G + r % G) * qs1;
-      for (int64_t d = 0; d < D; ++d) qrow[d] = src[d] * sc;
+      io.read(p0 - context, g, r, qrow.data());
       for (int64_t t = 0; t < D2; t += 16) {
         uint32_t chunk[16];
         round_pairs(qrow.data() + 2 * t, chunk);
@@ -443,13 +467,9 @@ at::Tensor run_bf16(const at::Tensor& query, const KVSource<C, N>& keys, const K
         accumulate_all_bf16(pp, vpg + kb * vblock, Dp, obuf.data() + r0 * Dp);
       }
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      float* dst = o + ((p0 - context + r / G) * H + g * G + r % G) * D;
-      const float inv = 1.f / lrow[r];
-      for (int64_t d = 0; d < D; ++d) dst[d] = obuf[r * Dp + d] * inv;
-    }
+    acc.write(io, p0 - context, g, rows);
   });
-  return out;
+  return io.out;
 }
 #endif
 
