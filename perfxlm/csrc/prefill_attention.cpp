@@ -248,6 +248,15 @@ inline void row_softmax(const float* s, float* p, int64_t visible, float& m, flo
     for (int64_t d = 0; d < Dp; ++d) orow[d] *= factor;
 }
 
+// A call's sizes: head_dim D (padded to Dp, whole 16-float vectors), G query heads per KV head, the
+// cached context before the T new tokens, and the key columns packed to Tp, a whole number of blocks.
+struct Sizes {
+  int64_t D, G, context, total, Tp, Dp;
+  Sizes(const at::Tensor& query, int64_t context_, int64_t Hkv)
+      : D(query.size(2)), G(query.size(1) / Hkv), context(context_), total(context_ + query.size(0)),
+        Tp((total + BK - 1) / BK * BK), Dp((D + 15) / 16 * 16) {}
+};
+
 // A call's queries (scaled as read) and its float32 output [T, H, D]; rows of a task are position-major,
 // head-minor (row r of a task starting at sequence index i0 is position i0 + r / G, head g G + r % G).
 struct QueryOut {
@@ -288,11 +297,8 @@ struct TaskRows {
 template <typename C, typename N>
 at::Tensor run(const at::Tensor& query, const KVSource<C, N>& keys, const KVSource<C, N>& values, int64_t Hkv,
                double scale) {
-  const int64_t T = query.size(0), H = query.size(1), D = query.size(2);
-  const int64_t G = H / Hkv;
-  const int64_t context = keys.context, total = context + T;
-  const int64_t Tp = (total + BK - 1) / BK * BK;  // packed key columns, a whole number of blocks
-  const int64_t Dp = (D + 15) / 16 * 16;
+  const Sizes z(query, keys.context, Hkv);
+  const int64_t D = z.D, G = z.G, context = z.context, total = z.total, Tp = z.Tp, Dp = z.Dp;
   // Packed per KV head: keys transposed [D][Tp], values [Tp][Dp], float32, padding zero.
   std::vector<float> kt(static_cast<size_t>(Hkv * D * Tp), 0.f), vp(static_cast<size_t>(Hkv * Tp * Dp), 0.f);
   const int64_t chunks = Tp / BK;
@@ -402,11 +408,9 @@ inline void round_pairs(const float* x, uint32_t* out) {
 template <typename C, typename N>
 at::Tensor run_bf16(const at::Tensor& query, const KVSource<C, N>& keys, const KVSource<C, N>& values, int64_t Hkv,
                     double scale) {
-  const int64_t T = query.size(0), H = query.size(1), D = query.size(2);
-  const int64_t G = H / Hkv;
-  const int64_t context = keys.context, total = context + T;
-  const int64_t Tp = (total + BK - 1) / BK * BK;
-  const int64_t D2 = (D + 1) / 2, Dp = (D + 15) / 16 * 16;
+  const Sizes z(query, keys.context, Hkv);
+  const int64_t D = z.D, G = z.G, context = z.context, total = z.total, Tp = z.Tp, Dp = z.Dp;
+  const int64_t D2 = (D + 1) / 2;
   const int64_t blocks = Tp / BK;
   // Per KV head and key block: keys [D2][64] pairs, values [32][Dp] pairs; padding zero.
   const int64_t kblock = D2 * BK, vblock = (BK / 2) * Dp;
