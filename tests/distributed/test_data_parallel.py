@@ -110,8 +110,12 @@ def test_threaded_engine_routes_aborts_and_dies_cleanly(llama):
         got: dict[str, list] = {"a": [], "b": [], "c": []}
         engine.add_request("a", {"prompt_token_ids": PROMPTS[0]}, long, got["a"].append)
         engine.add_request("b", {"prompt_token_ids": PROMPTS[1]}, long, got["b"].append)
-        _until(lambda: dp.inflight == [1, 1])  # one per replica (commands reach the core between steps)
+        _until(lambda: dp.inflight == [1, 1] and got["b"])  # one per replica, both stepping
         assert dp._owner["a"][0] == 0 and dp._owner["b"][0] == 1
+        # freeze replica 1 so that `b` is certainly still open when it is killed below, however fast
+        # the host (400 tokens of this model can otherwise end before the kill); ties route to replica 0
+        os.kill(pids[1], signal.SIGSTOP)
+        assert not got["b"][-1].finished
         engine.abort("a")  # reaches replica 0, which frees its seat
         _until(lambda: dp.inflight == [0, 1])
         engine.add_request("c", {"prompt_token_ids": PROMPTS[2]}, long, got["c"].append)
