@@ -45,6 +45,14 @@ constexpr int NT = 3;  // weight rows per tile
 constexpr int MT = 8;  // x rows per tile: 24 accumulators, 3 weight and 1 x register of 32
 constexpr int64_t TG = 4;  // tiles per group: 12 weight rows that MT x rows at a time pass over (in L1)
 
+// Where a tile's weight rows lie and what it fetches ahead: row j at w + j * step, and on the k-steps
+// `fetch`, `fetch` + `nfetch`, ... the line `ahead` values past each (fetch < 0: none).
+struct Rows {
+  const uint16_t* w;
+  int64_t step, ahead;
+  int fetch, nfetch;
+};
+
 inline uint16_t round_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof(u));
@@ -84,8 +92,10 @@ inline __m512 dot(__m512 acc, __m512i a, __m512i b) {
 
 // R x rows (bf16, stride Kp) by NW <= NT weight rows (bf16, stride K) -> y rows (stride N) at column n0.
 template <int R, int NW>
-inline void tile(const uint16_t* xb, int64_t Kp, const uint16_t* w, int64_t K, float* y, int64_t N, int64_t n0,
-                 const float* bias, int fetch, int nfetch) {
+inline void tile(const uint16_t* xb, int64_t Kp, const Rows& wr, int64_t K, float* y, int64_t N, int64_t n0,
+                 const float* bias) {
+  const uint16_t* w = wr.w;
+  const int fetch = wr.fetch, nfetch = wr.nfetch;
   __m512 acc[R][NT];
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i)
@@ -99,12 +109,9 @@ inline void tile(const uint16_t* xb, int64_t Kp, const uint16_t* w, int64_t K, f
     __m512i wv[NW];
 #pragma GCC unroll 4
     for (int j = 0; j < NW; ++j) {
-      // the rows of the tile a group ahead (TG * NT * K weights on, contiguous), one line a step per read
-      // stream, spread over the x rows' passes of this group (pass p takes steps p, p + passes, ...):
-      // all in the first pass left memory idle while the later passes ran from L1 (on the 6 x 4 tile
-      // alone, spreading them gave 1.06-1.26x at 32 rows, same measure as above)
-      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(w + (TG * NT + j) * K + k), _MM_HINT_T0);
-      wv[j] = _mm512_loadu_si512(w + j * K + k);
+      // one line a step per read stream, `ahead` on (the walks below say which lines and when)
+      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(w + j * wr.step + wr.ahead + k), _MM_HINT_T0);
+      wv[j] = _mm512_loadu_si512(w + j * wr.step + k);
     }
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
@@ -117,7 +124,7 @@ inline void tile(const uint16_t* xb, int64_t Kp, const uint16_t* w, int64_t K, f
     const __mmask32 m = static_cast<__mmask32>((uint64_t{1} << (K - kfull)) - 1);
     __m512i wv[NW];
 #pragma GCC unroll 4
-    for (int j = 0; j < NW; ++j) wv[j] = _mm512_maskz_loadu_epi16(m, w + j * K + kfull);
+    for (int j = 0; j < NW; ++j) wv[j] = _mm512_maskz_loadu_epi16(m, w + j * wr.step + kfull);
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
       const __m512i xv = _mm512_loadu_si512(xb + i * Kp + kfull);
@@ -148,15 +155,13 @@ inline float reduce16(const float* a) {
 }
 
 template <int R, int NW>
-inline void tile(const uint16_t* xb, int64_t Kp, const uint16_t* w, int64_t K, float* y, int64_t N, int64_t n0,
-                 const float* bias, int fetch, int nfetch) {
-  (void)fetch;  // no prefetch here
-  (void)nfetch;
+inline void tile(const uint16_t* xb, int64_t Kp, const Rows& rows, int64_t K, float* y, int64_t N, int64_t n0,
+                 const float* bias) {
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < NW; ++j) {
       float acc[16] = {};
       const uint16_t* xr = xb + i * Kp;
-      const uint16_t* wr = w + j * K;
+      const uint16_t* wr = rows.w + j * rows.step;  // no prefetch here
       for (int64_t k = 0; k < K; k += 32)
         for (int l = 0; l < 16; ++l) {
           const int64_t k1 = k + 2 * l + 1, k0 = k + 2 * l;
@@ -169,28 +174,91 @@ inline void tile(const uint16_t* xb, int64_t Kp, const uint16_t* w, int64_t K, f
 #endif
 
 template <int NW>
-inline void tile_rows(int64_t r, const uint16_t* xb, int64_t Kp, const uint16_t* w, int64_t K, float* y, int64_t N,
-                      int64_t n0, const float* bias, int fetch, int nfetch) {
+inline void tile_rows(int64_t r, const uint16_t* xb, int64_t Kp, const Rows& w, int64_t K, float* y, int64_t N,
+                      int64_t n0, const float* bias) {
   switch (r) {
-    case 8: tile<8, NW>(xb, Kp, w, K, y, N, n0, bias, fetch, nfetch); break;
-    case 7: tile<7, NW>(xb, Kp, w, K, y, N, n0, bias, fetch, nfetch); break;
-    case 6: tile<6, NW>(xb, Kp, w, K, y, N, n0, bias, fetch, nfetch); break;
-    case 5: tile<5, NW>(xb, Kp, w, K, y, N, n0, bias, fetch, nfetch); break;
-    case 4: tile<4, NW>(xb, Kp, w, K, y, N, n0, bias, fetch, nfetch); break;
-    case 3: tile<3, NW>(xb, Kp, w, K, y, N, n0, bias, fetch, nfetch); break;
-    case 2: tile<2, NW>(xb, Kp, w, K, y, N, n0, bias, fetch, nfetch); break;
-    default: tile<1, NW>(xb, Kp, w, K, y, N, n0, bias, fetch, nfetch); break;
+    case 8: tile<8, NW>(xb, Kp, w, K, y, N, n0, bias); break;
+    case 7: tile<7, NW>(xb, Kp, w, K, y, N, n0, bias); break;
+    case 6: tile<6, NW>(xb, Kp, w, K, y, N, n0, bias); break;
+    case 5: tile<5, NW>(xb, Kp, w, K, y, N, n0, bias); break;
+    case 4: tile<4, NW>(xb, Kp, w, K, y, N, n0, bias); break;
+    case 3: tile<3, NW>(xb, Kp, w, K, y, N, n0, bias); break;
+    case 2: tile<2, NW>(xb, Kp, w, K, y, N, n0, bias); break;
+    default: tile<1, NW>(xb, Kp, w, K, y, N, n0, bias); break;
   }
 }
 
-// r <= MT x rows against weight rows [n0, n0 + NT): the tile for however many of them there are.
-inline void one_tile(int64_t r, const uint16_t* xb, int64_t Kp, const uint16_t* wp, int64_t K, float* y, int64_t N,
-                     int64_t n0, const float* bias, int fetch, int nfetch) {
-  const uint16_t* w = wp + n0 * K;
-  switch (std::min<int64_t>(NT, N - n0)) {
-    case 3: tile_rows<3>(r, xb, Kp, w, K, y, N, n0, bias, fetch, nfetch); break;
-    case 2: tile_rows<2>(r, xb, Kp, w, K, y, N, n0, bias, fetch, nfetch); break;
-    default: tile_rows<1>(r, xb, Kp, w, K, y, N, n0, bias, fetch, nfetch); break;
+// r <= MT x rows against nw <= NT weight rows: the tile for however many of each there are.
+inline void one_tile(int64_t r, int64_t nw, const uint16_t* xb, int64_t Kp, const Rows& w, int64_t K, float* y,
+                     int64_t N, int64_t n0, const float* bias) {
+  switch (nw) {
+    case 3: tile_rows<3>(r, xb, Kp, w, K, y, N, n0, bias); break;
+    case 2: tile_rows<2>(r, xb, Kp, w, K, y, N, n0, bias); break;
+    default: tile_rows<1>(r, xb, Kp, w, K, y, N, n0, bias); break;
+  }
+}
+
+// Many rows (prefill chunks, 64 parallel sequences): a thread walks its tiles, NT adjacent weight rows
+// each, once per block of x rows that stays in L2 (192 KB): past it (prefill chunks of 2048 rows) every
+// tile would stream all of x from L3. Within a block, MT x rows at a time pass over a group of TG tiles
+// (12 weight rows, in L1), so each row's outputs are written a whole 64-byte line at once: tile by tile
+// down the block, rows 12 KB apart (3072 outputs) fell into one cache set, 1.35x slower than oneDNN at
+// 2048 rows. A row's arithmetic is the same in any block.
+void walk_blocks(const uint16_t* xbp, int64_t M, int64_t Kp, const uint16_t* wp, int64_t K, float* yp, int64_t N,
+                 const float* bp, int64_t begin, int64_t end) {
+  const int64_t block = std::max<int64_t>(MT, (int64_t{192} << 10) / (2 * Kp) / MT * MT);
+  for (int64_t m0 = 0; m0 < M; m0 += block) {
+    const int64_t m1 = std::min(M, m0 + block);
+    for (int64_t g = begin; g < end; g += TG) {
+      const int64_t g1 = std::min(end, g + TG);
+      const int passes = static_cast<int>((m1 - m0 + MT - 1) / MT);
+      for (int64_t m = m0; m < m1; m += MT) {
+        const int64_t r = std::min<int64_t>(MT, m1 - m);
+        const int pass = static_cast<int>((m - m0) / MT);
+        for (int64_t t = g; t < g1; ++t) {
+          // the tile a group ahead (TG * NT * K weights on, contiguous), spread over the x rows' passes of
+          // this group (pass p takes steps p, p + passes, ...): all in the first pass left memory idle
+          // while the later passes ran from L1 (on a 6 x 4 tile, spreading gave 1.06-1.26x at 32 rows)
+          const Rows w{wp + t * NT * K, K, TG * NT * K, pass, passes};
+          one_tile(r, std::min<int64_t>(NT, N - t * NT), xbp + m * Kp, Kp, w, K, yp + m * N, N, t * NT, bp);
+        }
+      }
+    }
+  }
+}
+
+// Few rows (up to 2 MT: parallel decode, speculative verification), where the weights stream from memory
+// once and the products barely keep up: a thread's rows are cut into NT parts, a tile taking row s of
+// each, so the thread reads NT sequential streams far apart, which the hardware prefetchers follow at
+// the DRAM rate; NT interleaved rows (adjacent tiles) they follow at about half of it (the batch-1 row
+// kernel's finding, csrc/cpu_kernels.cpp). Each tile's x rows pass over it back to back (its rows in
+// L1), the first pass fetching each stream's line kSplitAhead rows on. The outputs of kSplitTiles tiles
+// gather in a buffer and go to y a part's run at a time. Per call, 2 threads, loaded Zen 4, weights
+// streamed from memory, against the adjacent walk: 16 rows 1.1-1.4x, 8 rows 1.4-1.7x (the default
+// model's projections and its 49152-row head); 32 and 64 rows 0.85-1.15x, so those keep the blocks.
+constexpr int64_t kSplitTiles = 32;
+constexpr int64_t kSplitAhead = 32;
+void walk_split(const uint16_t* xbp, int64_t M, int64_t Kp, const uint16_t* wp, int64_t K, float* yp, int64_t N,
+                const float* bp, int64_t begin, int64_t end) {
+  const int64_t base = begin * NT, n = std::min(N, end * NT) - base, part = (n + NT - 1) / NT;
+  constexpr int64_t row = kSplitTiles * NT;  // the buffer's row: a tile's NT outputs side by side
+  alignas(64) float buf[2 * MT * row];
+  for (int64_t s0 = 0; s0 < part; s0 += kSplitTiles) {
+    const int64_t s1 = std::min(part, s0 + kSplitTiles);
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t nw = std::min<int64_t>(NT, (n - s + part - 1) / part);  // parts holding a row s
+      for (int64_t m = 0; m < M; m += MT) {
+        const Rows w{wp + (base + s) * K, part * K, kSplitAhead * K, m == 0 ? 0 : -1, 1};
+        one_tile(std::min<int64_t>(MT, M - m), nw, xbp + m * Kp, Kp, w, K, buf + m * row, row, (s - s0) * NT,
+                 nullptr);
+      }
+    }
+    for (int64_t i = 0; i < M; ++i)  // a run of outputs per x row and part (rows of y in one cache set)
+      for (int64_t j = 0; j < NT; ++j) {
+        const int64_t c0 = base + j * part, s_end = std::min(s1, n - j * part);
+        for (int64_t s = s0; s < s_end; ++s)
+          yp[i * N + c0 + s] = buf[i * row + (s - s0) * NT + j] + (bp ? bp[c0 + s] : 0.f);
+      }
   }
 }
 
@@ -260,26 +328,9 @@ at::Tensor linear_bf16_dots(const at::Tensor& x, const at::Tensor& weight, const
   const int64_t tiles = (N + NT - 1) / NT;
   // a task's work ~ its tiles' weights times the rows: keep tasks above ~64K multiply-adds
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, M * K * NT));
-  // Each thread walks its weight tiles once per block of x rows that stays in L2 (192 KB): past it
-  // (prefill chunks of 2048 rows) every tile would stream all of x from L3. Within a block, MT x rows
-  // at a time pass over a group of TG tiles (16 weight rows, in L1), so each row's outputs are written a
-  // whole 64-byte line at once: tile by tile down the block, rows 12 KB apart (3072 outputs) fell into
-  // one cache set, 1.35x slower than oneDNN at 2048 rows. A row's arithmetic is the same in any block.
-  const int64_t block = std::max<int64_t>(MT, (int64_t{192} << 10) / (2 * Kp) / MT * MT);
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < M; m0 += block) {
-      const int64_t m1 = std::min(M, m0 + block);
-      for (int64_t g = begin; g < end; g += TG) {
-        const int64_t g1 = std::min(end, g + TG);
-        const int passes = static_cast<int>((m1 - m0 + MT - 1) / MT);
-        for (int64_t m = m0; m < m1; m += MT) {
-          const int64_t r = std::min<int64_t>(MT, m1 - m);
-          const int pass = static_cast<int>((m - m0) / MT);
-          for (int64_t t = g; t < g1; ++t)
-            one_tile(r, xbp + m * Kp, Kp, wp, K, yp + m * N, N, t * NT, bp, pass, passes);
-        }
-      }
-    }
+    if (M <= 2 * MT) walk_split(xbp, M, Kp, wp, K, yp, N, bp, begin, end);
+    else walk_blocks(xbp, M, Kp, wp, K, yp, N, bp, begin, end);
   });
   return y;
 }

@@ -57,6 +57,26 @@ def test_each_row_is_the_same_alone_and_in_any_batch(ops):
     assert torch.equal(ops.linear_bf16_dots(x[17:18], w, b), whole[17:18])
 
 
+@pytest.mark.parametrize("n_out", [1, 2, 4, 5, 7, 97, 200, 1030])
+def test_the_same_bits_with_any_thread_count_and_walk(ops, n_out):
+    # up to 16 rows a thread's weight rows are cut into parts read side by side, past 16 adjacent tiles
+    # are walked: neither the cut (which moves with the thread count and the tails) nor the walk may
+    # change a bit of any output
+    x, w, b, ref = _case(16, n_out, 70, True, n_out)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(ops.linear_bf16_dots(x, w, b))
+    finally:
+        torch.set_num_threads(before)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    torch.testing.assert_close(outs[0], ref, atol=2e-5 * 70**0.5, rtol=1e-5)
+    assert torch.equal(ops.linear_bf16_dots(torch.cat([x, x, x]), w, b)[16:32], outs[0])  # 48 rows: blocks
+
+
 def test_non_finite_and_strided_inputs(ops):
     x, w, _, _ = _case(8, 20, 64, False, 2)
     x[3, 5] = float("inf")
