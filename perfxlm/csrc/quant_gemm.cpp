@@ -560,7 +560,9 @@ struct ByteDots {
   static Sum start(__m256i from) { return from; }
   static constexpr int kGroup = 1;
   static Sum step(Sum s, __m256i w, __m256i, __m256i x) {
-    return _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+    Sum r = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+    asm("" : "+x"(r));  // each row's chain in its register, as WideDots
+    return r;
   }
   static __m256i close(Sum s, __m256i) { return s; }
 };
@@ -593,7 +595,13 @@ struct NibbleDots {
   static __m256i codes(__m256i w) { return w; }
   static constexpr int kGroup = 1;
   static Sum start(__m256i) { return _mm256_setzero_si256(); }
-  static Sum step(Sum s, __m256i w, __m256i, __m256i x) { return _mm256_add_epi16(s, _mm256_maddubs_epi16(w, x)); }
+  static Sum step(Sum s, __m256i w, __m256i, __m256i x) {
+    Sum r = _mm256_add_epi16(s, _mm256_maddubs_epi16(w, x));
+    // as WideDots: without it GCC formed a block's products first and summed them as a tree, spilling
+    // them to the stack (the 4-row tile's loop held ~40 stack moves per block)
+    asm("" : "+x"(r));
+    return r;
+  }
   static __m256i close(Sum s, __m256i from) {
     return _mm256_add_epi32(from, _mm256_madd_epi16(s, _mm256_set1_epi16(1)));
   }
