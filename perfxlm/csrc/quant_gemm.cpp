@@ -437,13 +437,14 @@ void quantize(const float* x, int64_t M, int64_t K, int centre, bool wide, int u
       perfxlm_act::BlockScales scales(x + m * K, K, kquant);
       for (int64_t b = 0; b < blocks; ++b) {
         int8_t* q = a.q.data() + m * K + b * 32;
-        const float scale = scales.quantize(b, q);
-        int32_t total = 0;
-        for (int h = 0; h < halves; ++h) {
-          int32_t part = 0;
-          for (int j = h * unit; j < (h + 1) * unit; ++j) part += q[j];
-          a.start[(m * blocks + b) * halves + h] = -centre * part;
-          total += part;
+        int32_t half[2];  // the sums of the block's values 0-15 and 16-31, from its rounded vectors
+        const float scale = scales.quantize_sums(b, q, half);
+        const int32_t total = half[0] + half[1];
+        if (halves == 2) {
+          a.start[(m * blocks + b) * 2] = -centre * half[0];
+          a.start[(m * blocks + b) * 2 + 1] = -centre * half[1];
+        } else {
+          a.start[m * blocks + b] = -centre * total;
         }
         a.scale[m * blocks + b] = scale;
         a.scaled_sum[m * blocks + b] = scale * static_cast<float>(total);
