@@ -12,7 +12,7 @@ Rows (llama.cpp's own tools measure the same things):
                                                    (llama-batched-bench -npp 512 -ntg 128 -npl 1)
   pN       N sequences of 128 prompt tokens / 128 new, N x 128 / total time incl. prefill
                                                    (llama-batched-bench -npp 128 -ntg 128 -npl N)
---isa avx2 | avx512 runs both engines built for that tier only (benchmarks/isa_tiers.py: perfxlm's
+--isa avx2 | avx512_vnni | avx512 runs both engines built for that tier only (benchmarks/isa_tiers.py: perfxlm's
 kernels and plan, torch's kernels, a llama.cpp built for the tier in its own folder), a proxy on this
 machine for a CPU of that tier; --isa native (the default) builds both for this CPU. The header names it.
 Decoding is greedy and ignores EOS on both sides. llama.cpp runs through llama-cpp-python's low-level

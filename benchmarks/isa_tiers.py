@@ -25,6 +25,10 @@ TIERS = {
     "avx2": ("avx2", "avx2", "AVX2",
              f"{_GGML_BASE} -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF "
              "-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"),
+    # AVX-512 with VNNI, no BF16 and no AMX: Intel Cascade Lake / Ice Lake servers' tier
+    "avx512_vnni": ("avx512_vnni", "avx512", "AVX512_CORE_VNNI",
+                    f"{_GGML_BASE} -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF "
+                    "-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"),
     # AVX-512 with VNNI and BF16, no AMX: AMD Zen 4's tier
     "avx512": ("avx512_bf16", "avx512", "AVX512_CORE_BF16",
                f"{_GGML_BASE} -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=OFF "
@@ -33,7 +37,7 @@ TIERS = {
 
 
 # MKL_ENABLE_INSTRUCTIONS per tier
-_MKL = {"avx2": "AVX2", "avx512": "AVX512"}
+_MKL = {"avx2": "AVX2", "avx512_vnni": "AVX512", "avx512": "AVX512"}
 
 
 def requested(argv: list[str]) -> str:
@@ -75,7 +79,7 @@ def llama_cpp_folder(tier: str) -> Path:
 
 
 def reexec_for_tier(argv: list[str]) -> str:
-    """For --isa avx2 | avx512: re-run this script in a process set up for the tier (returns only in
+    """For --isa avx2 | avx512_vnni | avx512: re-run this script in a process set up for the tier (returns only in
     that process, or for native). Returns the tier this process runs."""
     tier = requested(argv)
     if tier == "native" or os.environ.get(CHILD) == tier:

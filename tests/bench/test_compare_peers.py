@@ -114,6 +114,12 @@ def test_tier_check_reads_the_build_options(tmp_path):
     avx512 = isa_tiers.TIERS["avx512"][3]
     assert "GGML_AVX512=OFF (the tier needs ON)" in peer_tools.tier_mismatches(built, avx512)
     assert "options are unknown" in peer_tools.tier_mismatches({}, avx2)[0]
+    # AVX-512 without BF16: a build with BF16 on is another tier
+    vnni = isa_tiers.TIERS["avx512_vnni"][3]
+    on512 = {**built, "GGML_AVX512": "ON", "GGML_AVX512_VNNI": "ON", "GGML_AVX512_BF16": "OFF"}
+    assert peer_tools.tier_mismatches(on512, vnni) == []
+    assert peer_tools.tier_mismatches({**on512, "GGML_AVX512_BF16": "ON"}, vnni) == [
+        "GGML_AVX512_BF16=ON (the tier needs OFF)"]
 
 
 # ---- running a peer ----------------------------------------------------------------------------------
