@@ -11,7 +11,7 @@ products with many rows (prefill, large decode batches):
   float32 GEMM rate there). A tied LM head shares the embedding table.
 - `panels` layout (AVX-512 without bf16 arithmetic, AVX2): [N/16, K, 16] panels for the native panel
   kernel up to 256 rows (it beats MKL's float32 GEMM there); past that, `panel_gemm` says: the same
-  kernel (AVX2 builds) or panels widened into a reused float32 buffer for MKL (AVX-512 and scalar builds).
+  kernel (AVX2 and AVX-512 builds) or panels widened into a reused float32 buffer for MKL (scalar builds).
 
 Every choice can be forced from the environment, so the tests run each path on whatever CPU they meet
 (a path the CPU lacks is emulated by torch: correct, slow):
@@ -34,8 +34,10 @@ Every choice can be forced from the environment, so the tests run each path on w
                                           default model's projections at 512 rows, one thread's CPU time
                                           per call, alternating, loaded 2-vCPU Zen 4 forced to the avx2
                                           tier (MKL_ENABLE_INSTRUCTIONS=AVX2): 1.17-1.30x MKL's, 1.03-1.26x
-                                          at 2048. float32 on AVX-512 builds (8 x 32 tiles against MKL's
-                                          AVX-512 GEMM: not measured) and scalar ones (no SIMD tile)
+                                          at 2048. Kernel on AVX-512 builds too (the panels layout there
+                                          is AVX-512 without bf16: prefill 512 of the default model's
+                                          BF16 file 1.21x MKL's AVX-512 GEMM end to end, Zen 4 forced to
+                                          avx512_vnni); float32 on scalar ones (no SIMD tile)
 - PERFXLM_NATIVE_MAX_ROWS = N             rows up to which the native kernels run
 - PERFXLM_BF16_COMPUTE = float32 | bfloat16   activations of a bfloat16 model (bfloat16: torch's bf16
                                               ops throughout, no native linear kernels)
@@ -211,11 +213,11 @@ def detect() -> CpuPlan:
     quant_gemm = _quant_gemm(fast_bf16 and isa.has_amx())
     gemm_rows = _rows("PERFXLM_QUANT_GEMM_ROWS", _AUTO_GEMM_ROWS if quant_gemm == "int8" and not fast_bf16 else 0)
     dots = _choice("PERFXLM_BF16_DOTS", BF16_DOTS, "1" if "avx512_bf16" in isa.visible_flags() and not isa.has_amx() else "0")
-    # the panel kernel's many-row tiles were measured against MKL on AVX2 builds only (see the docstring);
-    # a build without AVX2 has only its scalar loop, which MKL outruns at prefill sizes
+    # the panel kernel's many-row tiles against MKL: AVX2 builds 1.17-1.30x per call at 512 rows, AVX-512
+    # without bf16 (a Zen 4 forced to avx512_vnni, the default model's BF16 file, prefill 512 end to end,
+    # alternating) 740 vs 612 tok/s; a build without AVX2 has only its scalar loop, which MKL outruns
     flags = isa.visible_flags()
-    panel_gemm = _choice("PERFXLM_BF16_PANEL_GEMM", PANEL_GEMMS,
-                         "kernel" if "avx2" in flags and "avx512f" not in flags else "float32")
+    panel_gemm = _choice("PERFXLM_BF16_PANEL_GEMM", PANEL_GEMMS, "kernel" if "avx2" in flags else "float32")
     return CpuPlan(layout, gemm, max_rows, compute, quant_rows, tier, block_rows_limit, quant_gemm, gemm_rows,
                    _dot_width(), *_row_groups(), bf16_dots=dots == "1", panel_gemm=panel_gemm)
 

@@ -81,7 +81,7 @@ def test_leading_dims_and_plain_weights():
     torch.testing.assert_close(linear(x, w.bfloat16()), F.linear(x, w.bfloat16().float()), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [2, 5, 6, 7, 16, 64, 131])
+@pytest.mark.parametrize("rows", [2, 5, 6, 7, 13, 16, 25, 64, 131])  # AVX-512: 16-row tiles, 8 + 5, 16 + 8 + 1
 @pytest.mark.parametrize("n_out,k", [(7, 16), (40, 33), (333, 200), (50, 2000)])
 def test_packed_kernel_row_alone_equals_the_row_in_a_batch(ops, rows, n_out, k):
     # every column is one float32 FMA chain over k whatever the row tile, the block of rows (k = 2000:
@@ -186,9 +186,9 @@ def test_plan_from_environment(monkeypatch):
     with pytest.raises(ValueError, match="PERFXLM_BF16_PANEL_GEMM.*kernel, float32"):
         cpu_plan.detect()
     monkeypatch.delenv("PERFXLM_BF16_PANEL_GEMM")
-    # the default per forced tier (a tier this CPU lacks is skipped): the kernel only where its AVX2 tile is
-    # the build's, MKL on widened slabs on the scalar build (its loop) and AVX-512 builds (not measured)
-    for tier, want in (("scalar", "float32"), ("avx2", "kernel"), ("avx512_vnni", "float32")):
+    # the default per forced tier (a tier this CPU lacks is skipped): the kernel on every SIMD build, MKL on
+    # widened slabs on the scalar build (its loop)
+    for tier, want in (("scalar", "float32"), ("avx2", "kernel"), ("avx512_vnni", "kernel")):
         if tier in isa.supported():
             monkeypatch.setenv("PERFXLM_ISA", tier)
             assert cpu_plan.detect().panel_gemm == want, tier
