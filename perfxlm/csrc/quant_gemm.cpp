@@ -538,6 +538,17 @@ inline void tile(const Acts& a, int64_t m0, int64_t K, const Panels& p, int64_t 
 // step multiplies, made once per loaded register and shared by the tile's rows; `start` opens a block's
 // sums from the accumulator's -centre x sum q, `step` adds a step (or `step2` two steps, where kGroup is
 // 2), `close` gives the block's int32 sums.
+#ifndef __AVXVNNI__
+// A row's running sum, kept in its register: integer adds reassociate freely, and unrolled, GCC formed a
+// block's products first and summed them as a tree, spilling most to the stack (WideDots 1.5x slower; the
+// 4-bit step's 4-row tile held ~40 stack moves per block, forced-AVX2 1B Q4_K_M prefill 135 vs 182 tok/s).
+// An empty asm that claims to change the value pins each step's add to the chain.
+inline __m256i chained(__m256i r) {
+  asm("" : "+x"(r));
+  return r;
+}
+#endif
+
 #ifdef __AVXVNNI__
 // Any byte code: vpdpbusd on ymm, one instruction per step.
 struct ByteDots {
@@ -561,9 +572,7 @@ struct ByteDots {
   static Sum start(__m256i from) { return from; }
   static constexpr int kGroup = 1;
   static Sum step(Sum s, __m256i w, __m256i, __m256i x) {
-    Sum r = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
-    asm("" : "+x"(r));  // each row's chain in its register, as WideDots
-    return r;
+    return chained(_mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))));
   }
   static __m256i close(Sum s, __m256i) { return s; }
 };
@@ -580,9 +589,7 @@ struct PairDots {
   static Sum start(__m256i from) { return from; }
   static Sum step2(Sum s, __m256i w0, __m256i w1, __m256i x0, __m256i x1) {
     const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1));
-    Sum r = _mm256_add_epi32(s, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-    asm("" : "+x"(r));  // each row's chain in its register, as WideDots
-    return r;
+    return chained(_mm256_add_epi32(s, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))));
   }
   static __m256i close(Sum s, __m256i) { return s; }
 };
@@ -597,11 +604,7 @@ struct NibbleDots {
   static constexpr int kGroup = 1;
   static Sum start(__m256i) { return _mm256_setzero_si256(); }
   static Sum step(Sum s, __m256i w, __m256i, __m256i x) {
-    Sum r = _mm256_add_epi16(s, _mm256_maddubs_epi16(w, x));
-    // as WideDots: without it GCC formed a block's products first and summed them as a tree, spilling
-    // them to the stack (the 4-row tile's loop held ~40 stack moves per block)
-    asm("" : "+x"(r));
-    return r;
+    return chained(_mm256_add_epi16(s, _mm256_maddubs_epi16(w, x)));
   }
   static __m256i close(Sum s, __m256i from) {
     return _mm256_add_epi32(from, _mm256_madd_epi16(s, _mm256_set1_epi16(1)));
@@ -622,11 +625,7 @@ struct WideDots {
   static __m256i codes(__m256i w) { return w; }
   static Sum start(__m256i from) { return from; }
   static Sum step(Sum s, __m256i w, __m256i, __m256i x) {
-    Sum r = _mm256_add_epi32(s, _mm256_madd_epi16(w, x));
-    // integer adds reassociate freely: unrolled, GCC formed all 192 products of a block first and summed
-    // them as a tree, spilling most to the stack (1.5x slower); an empty asm keeps each chain in its register
-    asm("" : "+x"(r));
-    return r;
+    return chained(_mm256_add_epi32(s, _mm256_madd_epi16(w, x)));
   }
   static __m256i close(Sum s, __m256i) { return s; }
 };

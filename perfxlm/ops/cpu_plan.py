@@ -213,9 +213,8 @@ def detect() -> CpuPlan:
     quant_gemm = _quant_gemm(fast_bf16 and isa.has_amx())
     gemm_rows = _rows("PERFXLM_QUANT_GEMM_ROWS", _AUTO_GEMM_ROWS if quant_gemm == "int8" and not fast_bf16 else 0)
     dots = _choice("PERFXLM_BF16_DOTS", BF16_DOTS, "1" if "avx512_bf16" in isa.visible_flags() and not isa.has_amx() else "0")
-    # the panel kernel's many-row tiles against MKL: AVX2 builds 1.17-1.30x per call at 512 rows, AVX-512
-    # without bf16 (a Zen 4 forced to avx512_vnni, the default model's BF16 file, prefill 512 end to end,
-    # alternating) 740 vs 612 tok/s; a build without AVX2 has only its scalar loop, which MKL outruns
+    # the panel kernel past 256 rows on every SIMD build (measured against MKL: the docstring's
+    # PERFXLM_BF16_PANEL_GEMM); a build without AVX2 has only its scalar loop, which MKL outruns
     flags = isa.visible_flags()
     panel_gemm = _choice("PERFXLM_BF16_PANEL_GEMM", PANEL_GEMMS, "kernel" if "avx2" in flags else "float32")
     return CpuPlan(layout, gemm, max_rows, compute, quant_rows, tier, block_rows_limit, quant_gemm, gemm_rows,
