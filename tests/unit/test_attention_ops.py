@@ -209,36 +209,46 @@ def test_reference_window_semantics():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, "int8"])
-def test_native_decode_row_is_the_same_bits_in_any_batch(threads, cache_dtype):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, "int8", torch.float8_e4m3fn])
+@pytest.mark.parametrize("head_dim,block_size,window", [(64, 16, None), (128, 5, None), (64, 16, 700), (80, 16, None)])
+def test_native_decode_row_is_the_same_bits_in_any_batch(threads, cache_dtype, head_dim, block_size, window):
     """A row's output does not depend on the other rows of its step: a speculative step's verification
     rows (one sequence at lengths n .. n + k) and a batch of long contexts give each row the bits it gets
-    decoded alone, however the kernel cuts long contexts into ranges."""
+    decoded alone, however the kernel cuts long contexts into ranges: with a sliding window, on the fast
+    head sizes and another (80), a block size that is no multiple of 4, every cache dtype."""
     if native.kernels() is None:
         pytest.skip("native kernels unavailable on this machine")
     from perfxlm.ops.kv_quant import quantize
 
-    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 300
+    num_heads, num_kv_heads = 9, 3
+    num_blocks = 2400 // block_size * 3
     k_cache, v_cache = _setup(num_blocks, block_size, num_kv_heads, head_dim, torch.float32, seed=4)
     k_scale = v_scale = None
-    if cache_dtype == "int8":
-        (k_cache, k_scale), (v_cache, v_scale) = quantize(k_cache, torch.int8), quantize(v_cache, torch.int8)
+    if cache_dtype == "int8" or cache_dtype == torch.float8_e4m3fn:
+        dt = torch.int8 if cache_dtype == "int8" else cache_dtype
+        (k_cache, k_scale), (v_cache, v_scale) = quantize(k_cache, dt), quantize(v_cache, dt)
     else:
         k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
-    # verification rows of one sequence, then other sequences: short, past one range, past several
-    seq_lens = [1203, 1204, 1205, 1206, 1207, 1208, 131, 7, 517, 2049]
-    _, bt = _random_tables([1208, 131, 7, 517, 2049], block_size, num_blocks)
-    bt = torch.cat([bt[:1].expand(6, -1), bt[1:]])
+    # verification rows of sequences (lengths n .. n + k), then other sequences: short, past one range,
+    # past several
+    groups = [[1203, 1204, 1205, 1206, 1207, 1208], [1278, 1279, 1280, 1281, 1282], [2046, 2047, 2048, 2049, 2050],
+              [60, 61, 62]]
+    others = [131, 7, 517, 2049, 1]
+    _, bt = _random_tables([g[-1] for g in groups] + others, block_size, num_blocks)
+    bt = torch.cat([bt[i : i + 1].expand(len(g), -1) for i, g in enumerate(groups)] + [bt[len(groups):]])
+    seq_lens = [n for g in groups for n in g] + others
     q = torch.randn(len(seq_lens), num_heads, head_dim)
     n = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    lens = torch.tensor(seq_lens)
+    kw = dict(key_scale=k_scale, value_scale=v_scale, sliding_window=window)
     try:
-        lens = torch.tensor(seq_lens)
-        batch = paged_decode_attention(q, k_cache, v_cache, bt, lens, 0.125, key_scale=k_scale, value_scale=v_scale)
+        torch.set_num_threads(threads)
+        batch = paged_decode_attention(q, k_cache, v_cache, bt, lens, 0.125, **kw)
         for i in range(len(seq_lens)):
-            alone = paged_decode_attention(q[i : i + 1], k_cache, v_cache, bt[i : i + 1], lens[i : i + 1], 0.125,
-                                           key_scale=k_scale, value_scale=v_scale)
+            alone = paged_decode_attention(q[i : i + 1], k_cache, v_cache, bt[i : i + 1], lens[i : i + 1], 0.125, **kw)
             assert torch.equal(batch[i : i + 1], alone), (i, seq_lens[i])
+        reference = paged_decode_attention_torch(q, k_cache, v_cache, bt, lens, 0.125, **kw)
+        torch.testing.assert_close(batch, reference, atol=2e-3, rtol=2e-3)
     finally:
         torch.set_num_threads(n)
 
