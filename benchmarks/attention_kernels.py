@@ -2,7 +2,9 @@
 context, on a cache filled with random values (every page touched, scales of real magnitudes).
 
 - decode: the native `paged_decode_attention` (one query token per sequence, `--batch` sequences of
-  `--context` tokens), and with `--torch` the plain-torch path beside it.
+  `--context` tokens), and with `--torch` the plain-torch path beside it; `--decode-products` times it
+  with float32 and with bf16 products over a bf16 cache (PERFXLM_DECODE_ATTENTION=float32 | bf16: the
+  latter where the build has AVX512-BF16, else it runs float32 too).
 - prefill: `--new` tokens of one sequence after `--context` cached ones, the tiled path
   (`ops/prefill_tiles.py`) against the gathered reference (one dequantized copy of the sequence).
 
@@ -11,12 +13,15 @@ rounds' medians are reported. Defaults: Llama-3.2-1B's attention shapes (32 head
 
     python benchmarks/attention_kernels.py                      # decode and prefill, 4k context
     python benchmarks/attention_kernels.py --dtypes auto,fp8 --context 16384 --output-json att.json
+    python benchmarks/attention_kernels.py --dtypes auto --new 0 --decode-products --batch 6 \
+        --heads 9 --kv-heads 3 --context 650       # the default model's verification rows
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -71,11 +76,31 @@ class Setup:
            self.scale, bf16_model=self.cache.bf16_model, **self.scales)  # fmt: skip
 
 
+def with_decode_products(mode: str):
+    """The native decode under PERFXLM_DECODE_ATTENTION=mode (read at each call)."""
+
+    def call(s: Setup) -> None:
+        previous = os.environ.get("PERFXLM_DECODE_ATTENTION")
+        os.environ["PERFXLM_DECODE_ATTENTION"] = mode
+        try:
+            s.decode(paged_decode_attention)
+        finally:
+            if previous is None:
+                del os.environ["PERFXLM_DECODE_ATTENTION"]
+            else:
+                os.environ["PERFXLM_DECODE_ATTENTION"] = previous
+
+    return call
+
+
 def kernels(args: argparse.Namespace) -> dict:
     out = {}
     if args.batch > 0:
         if native.kernels() is not None:
             out["decode"] = lambda s: s.decode(paged_decode_attention)
+            if args.decode_products:
+                out["decode-float32-products"] = with_decode_products("float32")
+                out["decode-bf16-products"] = with_decode_products("bf16")
         if args.torch or native.kernels() is None:
             out["decode-torch"] = lambda s: s.decode(paged_decode_attention_torch)
     if args.new > 0 and args.context > 0:
@@ -110,6 +135,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--torch", action="store_true", help="also time the plain-torch decode path")
+    ap.add_argument("--decode-products", action="store_true",
+                    help="also time the native decode with float32 and with bf16 products (bf16 caches)")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -250,6 +250,131 @@ void range_fast(const float* q, int64_t G, const T* kc, const T* vc, const Scale
     }
   }
 }
+
+#ifdef __AVX512BF16__
+#define PERFXLM_DECODE_BF16 1
+// A bf16 cache's products by vdpbf16ps where the caller asks for them (the CPU plan attends in bf16, as
+// the prefill kernel does): pairs of bf16 products summed into float32 lanes, half the instructions of
+// the float32 FMAs over widened rows and no widening. The queries (times the scale) and the softmax's
+// weights are rounded to bf16 (to nearest even); maxima, exponentials, sums and outputs stay float32.
+// A row's products do not depend on the other rows of its step, so verification rows keep their bits.
+inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh&>(a), reinterpret_cast<__m512bh&>(b));
+}
+
+// s[h * ns + (t - t0)] = q_h . k_t for GH query heads, q: [GH, 32 * DC] bf16 (pre-scaled, rounded).
+template <int DC, int GH>
+void scores_bf16(const uint16_t* q, const uint16_t* cache, const int64_t* table, int64_t t0, int64_t t1,
+                 const Geometry& geo, float* s, int64_t ns) {
+  constexpr int D = 32 * DC;
+  const int64_t ts = geo.token_stride;
+  walk(cache, static_cast<const ScaleT<uint16_t>*>(nullptr), table, t0, t1, geo,
+       [&](int64_t t, int64_t stop, const uint16_t* k, auto, int64_t next) {
+    prefetch_block(cache, next, geo, D);
+    for (; t + 4 <= stop; t += 4, k += 4 * ts) {
+      __m512 acc[GH][4];
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        for (int h = 0; h < GH; ++h) acc[h][j] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int c = 0; c < DC; ++c) {
+          const __m512i kc = _mm512_loadu_si512(k + j * ts + 32 * c);
+          for (int h = 0; h < GH; ++h) acc[h][j] = dot_pairs(acc[h][j], _mm512_loadu_si512(q + h * D + 32 * c), kc);
+        }
+      }
+      for (int h = 0; h < GH; ++h) _mm_storeu_ps(s + h * ns + (t - t0), reduce4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]));
+    }
+    for (; t < stop; ++t, k += ts)
+      for (int h = 0; h < GH; ++h) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int c = 0; c < DC; ++c) acc = dot_pairs(acc, _mm512_loadu_si512(q + h * D + 32 * c), _mm512_loadu_si512(k + 32 * c));
+        s[h * ns + (t - t0)] = _mm512_reduce_add_ps(acc);
+      }
+  });
+}
+
+// o[h] = sum_t p[h * np + (t - t0)] v_t for GH heads, p: bf16 weights. Two tokens per product: the
+// weights of tokens t, t + 1 as one pair against their rows interleaved per column; a block's odd last
+// token pairs with zero. Up to 4 chunks of 16 columns at a time, as values_fast.
+template <int DV, int GH>
+void values_bf16(const uint16_t* p, int64_t np, const uint16_t* cache, const int64_t* table, int64_t t0, int64_t t1,
+                 const Geometry& geo, float* o) {
+  constexpr int D = 16 * DV, SC = DV < 4 ? DV : 4;
+  const int64_t ts = geo.token_stride;
+  // word 2i: the first row's column i; word 2i + 1: the second row's
+  const __m512i interleave = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
+                                              6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  for (int c0 = 0; c0 < DV; c0 += SC) {
+    __m512 acc[GH][SC];
+    for (int h = 0; h < GH; ++h)
+      for (int c = 0; c < SC; ++c) acc[h][c] = _mm512_setzero_ps();
+    walk(cache, static_cast<const ScaleT<uint16_t>*>(nullptr), table, t0, t1, geo,
+         [&](int64_t t, int64_t stop, const uint16_t* v, auto, int64_t next) {
+      if (c0 == 0) prefetch_block(cache, next, geo, D);
+      for (; t < stop; t += 2, v += 2 * ts) {
+        const bool pair = t + 1 < stop;
+        __m512i w[GH];
+        for (int h = 0; h < GH; ++h) {
+          const uint16_t* ph = p + h * np + (t - t0);
+          w[h] = _mm512_set1_epi32(static_cast<int>(ph[0] | (pair ? static_cast<uint32_t>(ph[1]) << 16 : 0u)));
+        }
+        for (int c = 0; c < SC; ++c) {
+          const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * (c0 + c)));
+          const __m256i b = pair ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + ts + 16 * (c0 + c)))
+                                 : _mm256_setzero_si256();
+          const __m512i vv = _mm512_permutex2var_epi16(_mm512_castsi256_si512(a), interleave, _mm512_castsi256_si512(b));
+          for (int h = 0; h < GH; ++h) acc[h][c] = dot_pairs(acc[h][c], w[h], vv);
+        }
+      }
+    });
+    for (int h = 0; h < GH; ++h)
+      for (int c = 0; c < SC; ++c) _mm512_storeu_ps(o + h * D + 16 * (c0 + c), acc[h][c]);
+  }
+}
+
+// range_fast's task with bf16 products over a bf16 cache. q: float32 [G, 32 * DC] pre-scaled; qb, pb:
+// room for the rounded queries [G, 32 * DC] and weights [G, t1 - t0].
+template <int DC>
+void range_bf16(const float* q, int64_t G, const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t t0,
+                int64_t t1, const Geometry& geo, float cap, float* s, float* o, float* mx, float* sum, uint16_t* qb,
+                uint16_t* pb) {
+  constexpr int D = 32 * DC;
+  const int64_t n = t1 - t0;
+  auto round_bf16 = [](const float* x, int64_t count, uint16_t* out) {
+    int64_t i = 0;
+    for (; i + 16 <= count; i += 16) {
+      const __m256bh r = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + i));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), reinterpret_cast<const __m256i&>(r));
+    }
+    if (i < count) {
+      const __mmask16 m = tail_mask(count - i);
+      const __m256bh r = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, x + i));
+      _mm256_mask_storeu_epi16(out + i, m, reinterpret_cast<const __m256i&>(r));
+    }
+  };
+  round_bf16(q, G * D, qb);
+  auto tiles = [&](auto&& fn) {
+    for (int64_t h = 0; h < G; h += 4) {
+      switch (std::min<int64_t>(4, G - h)) {
+        case 1: fn(std::integral_constant<int, 1>{}, h); break;
+        case 2: fn(std::integral_constant<int, 2>{}, h); break;
+        case 3: fn(std::integral_constant<int, 3>{}, h); break;
+        default: fn(std::integral_constant<int, 4>{}, h); break;
+      }
+    }
+  };
+  tiles([&](auto gh, int64_t h) {
+    scores_bf16<DC, decltype(gh)::value>(qb + h * D, kc, table, t0, t1, geo, s + h * n, n);
+  });
+  for (int64_t h = 0; h < G; ++h) {
+    softmax_partial(s + h * n, n, cap, mx[h], sum[h]);
+    round_bf16(s + h * n, n, pb + h * n);
+  }
+  tiles([&](auto gh, int64_t h) {
+    values_bf16<2 * DC, decltype(gh)::value>(pb + h * n, n, vc, table, t0, t1, geo, o + h * D);
+  });
+}
+#endif
 #elif defined(PERFXLM_AVX2)
 // The same tasks on AVX2 (16 ymm registers): 8-lane chunks, up to 3 query heads per register tile
 // (3 x 4 score accumulators, or 3 x 4 output chunks, plus the widened chunk fit in 16 registers).
@@ -428,7 +553,7 @@ void decode_attention_impl(const float* query, const T* key_cache, const T* valu
                            const int64_t* seq_lens, float* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
                            int64_t block_size, int64_t max_blocks, double scale, int64_t window, double soft_cap,
                            const ScaleT<T>* k_scales = nullptr, const ScaleT<T>* v_scales = nullptr,
-                           int64_t groups = 0, const float* sinks = nullptr) {
+                           int64_t groups = 0, const float* sinks = nullptr, bool bf16_products = false) {
   const int64_t G = H / KVH;
   const Geometry geo{block_size, block_size * KVH * D, KVH * D, block_size * KVH * groups, KVH * groups, groups};
   const float scale_f = static_cast<float>(scale), cap = static_cast<float>(soft_cap);
@@ -465,7 +590,8 @@ void decode_attention_impl(const float* query, const T* key_cache, const T* valu
 #endif
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> buf;
-    const size_t need = static_cast<size_t>(G * (kMaxRange + 2 * D + 2) + D);
+    // scores, queries, outputs, maxima, sums, a widened row, then bf16 queries and weights (in floats)
+    const size_t need = static_cast<size_t>(G * (kMaxRange + 2 * D + 2) + D + G * (D + kMaxRange) / 2 + 2);
     if (buf.size() < need) buf.resize(need);
     float* s = buf.data();  // scores, then weights [G, range]
     float* qs = s + G * kMaxRange;  // pre-scaled queries [G, D]
@@ -473,6 +599,7 @@ void decode_attention_impl(const float* query, const T* key_cache, const T* valu
     float* mx = o + G * D;
     float* sum = mx + G;
     float* row = sum + G;
+    uint16_t* bf16_rows = reinterpret_cast<uint16_t*>(row + D);  // bf16 queries [G, D], then weights
     for (int64_t i = begin; i < end; ++i) {
       const Task& task = tasks[static_cast<size_t>(i)];
       const float* q = query + (task.b * H + task.h * G) * D;
@@ -483,7 +610,24 @@ void decode_attention_impl(const float* query, const T* key_cache, const T* valu
       const ScaleT<T>* vsc = v_scales ? v_scales + task.h * groups : nullptr;
       bool done = false;
 #if defined(PERFXLM_AVX512) || defined(PERFXLM_AVX2)
-      if (fast) {
+#ifdef PERFXLM_DECODE_BF16
+      if constexpr (std::is_same<T, uint16_t>::value) {
+        if (fast && bf16_products && groups == 0) {
+          for (int64_t j = 0; j < G * D; ++j) qs[j] = q[j] * scale_f;
+          uint16_t* qb = bf16_rows;
+          auto run = [&](auto dc) {
+            range_bf16<decltype(dc)::value>(qs, G, kc, vc, table, task.t0, task.t1, geo, cap, s, o, mx, sum, qb, qb + G * D);
+          };
+          switch (D) {  // 32-element chunks per row
+            case 64: run(std::integral_constant<int, 2>{}); break;
+            case 128: run(std::integral_constant<int, 4>{}); break;
+            default: run(std::integral_constant<int, 8>{}); break;
+          }
+          done = true;
+        }
+      }
+#endif
+      if (fast && !done) {
         // load16_fast / load8_fast read values times kFastLoadScale<T> (a power of two): the query and the output
         // are scaled by its inverse, exactly.
         constexpr float f = kFastLoadScale<T>;
@@ -604,7 +748,8 @@ const T* cache_ptr(const at::Tensor& t) { return reinterpret_cast<const T*>(t.co
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                                   int64_t sliding_window, double soft_cap, const c10::optional<at::Tensor>& key_scale,
-                                  const c10::optional<at::Tensor>& value_scale, const c10::optional<at::Tensor>& sinks) {
+                                  const c10::optional<at::Tensor>& value_scale, const c10::optional<at::Tensor>& sinks,
+                                  bool bf16_products) {
   TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat, "query must be float32 [B, H, D]");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
               "caches must be [num_blocks, block_size, num_kv_heads, head_dim], both the same shape");
@@ -648,7 +793,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
     const auto* vs = groups ? reinterpret_cast<const ScaleT<T>*>(value_scale->const_data_ptr()) : nullptr;
     decode_attention_impl<T>(q.data_ptr<float>(), cache_ptr<T>(key_cache), cache_ptr<T>(value_cache),
                              tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KVH, D,
-                             block_size, max_blocks, scale, sliding_window, soft_cap, ks, vs, groups, sink_p);
+                             block_size, max_blocks, scale, sliding_window, soft_cap, ks, vs, groups, sink_p,
+                             bf16_products);
   };
   switch (key_cache.scalar_type()) {
     case at::kFloat: run(float{}); break;
@@ -746,7 +892,7 @@ TORCH_LIBRARY_FRAGMENT(perfxlm, m) {
   m.def(
       "paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor seq_lens, float scale, int sliding_window, float soft_cap, Tensor? key_scale=None, "
-      "Tensor? value_scale=None, Tensor? sinks=None) -> Tensor");
+      "Tensor? value_scale=None, Tensor? sinks=None, bool bf16_products=False) -> Tensor");
   m.def(
       "write_kv_slots(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, "
       "Tensor(c!)? key_scale=None, Tensor(d!)? value_scale=None) -> ()");

@@ -10,12 +10,14 @@ namespace perfxlm_attn {
 // One query token per sequence (query float32 [B, H, D]) over the paged cache, read in place through
 // the block table; `key_scale` / `value_scale` are a quantized cache's group scales, else none; `sinks`
 // float32 [H], one more logit per query head in its softmax's denominator (gpt-oss), else none.
+// `bf16_products`: over a bf16 cache on AVX512-BF16 builds, the products by vdpbf16ps with the queries
+// and softmax weights rounded to bf16 (where the CPU plan attends in bf16); ignored elsewhere.
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                                   int64_t sliding_window, double soft_cap,
                                   const c10::optional<at::Tensor>& key_scale = c10::nullopt,
                                   const c10::optional<at::Tensor>& value_scale = c10::nullopt,
-                                  const c10::optional<at::Tensor>& sinks = c10::nullopt);
+                                  const c10::optional<at::Tensor>& sinks = c10::nullopt, bool bf16_products = false);
 
 // Rows of `src` ([T, width], row stride `src_stride`) into cache slots, quantized as
 // perfxlm/ops/kv_quant.py's quantize() for an int8 or fp8 cache.

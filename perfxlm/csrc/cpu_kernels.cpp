@@ -654,7 +654,8 @@ std::vector<at::Tensor> decode_attention(
     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
     int64_t sliding_window, double soft_cap, int64_t max_rows, bool bf16_gemm, at::TensorList lora,
     const c10::optional<at::Tensor>& key_scale, const c10::optional<at::Tensor>& value_scale, bool int8_blocks,
-    int64_t quant_max_rows, int64_t quant_block_max_rows, const c10::optional<at::Tensor>& sinks, int64_t gemm_rows) {
+    int64_t quant_max_rows, int64_t quant_block_max_rows, const c10::optional<at::Tensor>& sinks, int64_t gemm_rows,
+    bool bf16_attention) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x must be contiguous float32 [T, hidden]");
   const int64_t T = x.size(0), hidden = x.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
@@ -684,7 +685,8 @@ std::vector<at::Tensor> decode_attention(
   perfxlm_attn::write_slots(qkv_p + q_size + kv_size, row, T, kv_size, slots, value_cache, value_scale);
   at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
   at::Tensor attn = perfxlm_attn::paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale,
-                                                         sliding_window, soft_cap, key_scale, value_scale, sinks);
+                                                         sliding_window, soft_cap, key_scale, value_scale, sinks,
+                                                         bf16_attention);
   const at::Tensor attn_rows = attn.view({T, q_size});
   at::Tensor o = project_lora(attn_rows, w_o, hidden, b_o, max_rows, bf16_gemm, int8_blocks, quant_max_rows, quant_block_max_rows, gemm_rows, lora, 1);
   return {o, sandwich ? x : residual};
@@ -731,13 +733,13 @@ std::vector<at::Tensor> decode_layer(
     const at::Tensor& seq_lens, double scale, int64_t sliding_window, double soft_cap, int64_t max_rows,
     bool bf16_gemm, at::TensorList lora, const c10::optional<at::Tensor>& key_scale, const c10::optional<at::Tensor>& value_scale,
     bool int8_blocks, int64_t quant_max_rows, int64_t quant_block_max_rows,
-    const c10::optional<at::Tensor>& sinks, int64_t gemm_rows) {
+    const c10::optional<at::Tensor>& sinks, int64_t gemm_rows, bool bf16_attention) {
   const bool sandwich = pre_ff_norm.has_value() && pre_ff_norm->defined();
   const std::vector<at::Tensor> a = decode_attention(
       x, residual, first, sandwich, in_norm, eps, q_norm, k_norm, head_eps, w_qkv, b_qkv, w_o, b_o, num_heads,
       num_kv_heads, head_dim, cos, sin, key_cache, value_cache, slot_mapping, block_tables, seq_lens, scale,
       sliding_window, soft_cap, max_rows, bf16_gemm, lora, key_scale, value_scale, int8_blocks, quant_max_rows,
-      quant_block_max_rows, sinks, gemm_rows);
+      quant_block_max_rows, sinks, gemm_rows, bf16_attention);
   std::vector<at::Tensor> m = decode_mlp(a[0], a[1], sandwich, post_norm, pre_ff_norm, eps, w_gate_up, b_gate_up,
                                          w_down, b_down, intermediate, activation, max_rows, bf16_gemm, lora,
                                          int8_blocks, quant_max_rows, quant_block_max_rows, gemm_rows);
@@ -784,7 +786,7 @@ TORCH_LIBRARY(perfxlm, m) {
       "Tensor? b_down, int num_heads, int num_kv_heads, int head_dim, int intermediate, int activation, "
       "Tensor cos, Tensor sin, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, "
       "Tensor block_tables, Tensor seq_lens, float scale, int sliding_window, float soft_cap, int max_rows, "
-      "bool bf16_gemm, Tensor[] lora, Tensor(e!)? key_scale=None, Tensor(f!)? value_scale=None, bool int8_blocks=False, int quant_max_rows=-1, int quant_block_max_rows=-1, Tensor? sinks=None, int gemm_rows=-1) -> Tensor[]");
+      "bool bf16_gemm, Tensor[] lora, Tensor(e!)? key_scale=None, Tensor(f!)? value_scale=None, bool int8_blocks=False, int quant_max_rows=-1, int quant_block_max_rows=-1, Tensor? sinks=None, int gemm_rows=-1, bool bf16_attention=False) -> Tensor[]");
   m.def(
       "decode_attention(Tensor(a!) x, Tensor(b!) residual, bool first, bool sandwich, Tensor in_norm, float eps, "
       "Tensor? q_norm, Tensor? k_norm, float head_eps, Tensor[] w_qkv, Tensor? b_qkv, Tensor[] w_o, Tensor? b_o, "
@@ -792,7 +794,7 @@ TORCH_LIBRARY(perfxlm, m) {
       "Tensor(d!) value_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale, "
       "int sliding_window, float soft_cap, int max_rows, bool bf16_gemm, Tensor[] lora, Tensor(e!)? key_scale, "
       "Tensor(f!)? value_scale, bool int8_blocks, int quant_max_rows, int quant_block_max_rows, Tensor? sinks, "
-      "int gemm_rows=-1) -> Tensor[]");
+      "int gemm_rows=-1, bool bf16_attention=False) -> Tensor[]");
   m.def(
       "decode_mlp(Tensor(a!) o, Tensor(b!) stream, bool sandwich, Tensor post_norm, Tensor? pre_ff_norm, float eps, "
       "Tensor[] w_gate_up, Tensor? b_gate_up, Tensor[] w_down, Tensor? b_down, int intermediate, int activation, "

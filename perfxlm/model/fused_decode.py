@@ -32,6 +32,7 @@ from perfxlm.model.layers.activation import GeluAndMul, SiluAndMul
 from perfxlm.model.layers.linear import Linear
 from perfxlm.model.layers.norm import GemmaRMSNorm, RMSNorm
 from perfxlm.ops import cpu_plan, native
+from perfxlm.ops.attention import decode_bf16_products
 from perfxlm.ops.linear import native_int8_blocks
 from perfxlm.quant.split_rows import pieces
 from perfxlm.quant.weight import ActivationMode
@@ -329,6 +330,7 @@ class FusedDecode:
         plan = cpu_plan.plan()
         max_rows = plan.native_max_rows
         bf16_gemm = plan.gemm == "bf16" and self.quant_bf16_gemm
+        bf16_attention = bool(self.layers) and decode_bf16_products(self.layers[0].self_attn.attn.kv_cache.key.dtype)
         # large batches of int8-block weights take the int8 GEMM where the module path does (run_linear_q)
         gemm_rows = plan.quant_gemm_rows if self.int8_blocks and plan.quant_gemm == "int8" else -1
         residual = x
@@ -343,7 +345,7 @@ class FusedDecode:
                     x, residual, i == 0, *call.before, cos, sin, cache.key, cache.value, meta.slot_mapping,
                     meta.decode_block_tables, meta.decode_seq_lens, *call.after, max_rows, bf16_gemm, adapters,
                     cache.key_scale, cache.value_scale, self.int8_blocks, plan.quant_max_rows, plan.quant_block_max_rows, call.sinks,
-                    gemm_rows,
+                    gemm_rows, bf16_attention,
                 )  # fmt: skip
             else:  # a rank's shard: the halves, each row-parallel output all-reduced before it is used
                 h = call.halves
@@ -351,7 +353,7 @@ class FusedDecode:
                     x, residual, i == 0, *h.attention, cos, sin, cache.key, cache.value, meta.slot_mapping,
                     meta.decode_block_tables, meta.decode_seq_lens, *call.after, max_rows, bf16_gemm, adapters,
                     cache.key_scale, cache.value_scale, self.int8_blocks, plan.quant_max_rows, plan.quant_block_max_rows, call.sinks,
-                    gemm_rows,
+                    gemm_rows, bf16_attention,
                 )  # fmt: skip
                 if h.reduce_attention is not None:
                     o = h.reduce_attention(o)

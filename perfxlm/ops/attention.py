@@ -15,6 +15,7 @@ normalisation, and prefill through the log-sum-exp the flash kernel returns: out
 from __future__ import annotations
 
 import functools
+import os
 import torch
 import torch.nn.functional as F
 
@@ -110,6 +111,7 @@ def paged_decode_attention(
         out = ops.paged_decode_attention(
             query.float(), key_cache, value_cache, block_tables, seq_lens, scale, sliding_window or 0,
             soft_cap or 0.0, key_scale, value_scale, None if sinks is None else sinks.float(),
+            decode_bf16_products(key_cache.dtype),
         )  # fmt: skip
         return out.to(query.dtype)
     return paged_decode_attention_torch(
@@ -152,6 +154,23 @@ def paged_decode_attention_torch(
         return out.reshape(batch, num_heads, head_dim)
     out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
     return out.reshape(batch, num_heads, head_dim)
+
+
+DECODE_ATTENTION_MODES = ("auto", "bf16", "float32")
+
+
+def decode_bf16_products(cache_dtype: torch.dtype) -> bool:
+    """Whether the native decode kernel multiplies in bf16 (vdpbf16ps over a bf16 cache, queries and
+    softmax weights rounded to bf16; AVX512-BF16 builds, else it keeps float32): where the CPU plan attends
+    in bf16, as prefill does (_prefill_compute_dtype). PERFXLM_DECODE_ATTENTION=auto | bf16 | float32
+    forces it either way. The fused decode layer asks here too, so a decode row has the same bits in
+    either path (a speculative step's verification rows against plain decoding)."""
+    if cache_dtype != torch.bfloat16:
+        return False
+    mode = os.environ.get("PERFXLM_DECODE_ATTENTION", "auto").strip().lower() or "auto"
+    if mode not in DECODE_ATTENTION_MODES:
+        raise ValueError(f"PERFXLM_DECODE_ATTENTION={mode!r}: expected one of {', '.join(DECODE_ATTENTION_MODES)}.")
+    return mode == "bf16" or (mode == "auto" and cpu_plan.plan().gemm == "bf16")
 
 
 def _prefill_compute_dtype(query_dtype: torch.dtype, cache_dtype: torch.dtype, bf16_model: bool) -> torch.dtype:
