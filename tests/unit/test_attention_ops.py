@@ -382,3 +382,22 @@ def test_prefill_sinks_match_reference(sliding_window, soft_cap, num_context, ti
     torch.testing.assert_close(reference, ref, atol=tol, rtol=tol)
     assert out[:, 0].float().abs().max() < 1e-20
     assert not torch.allclose(out, prefill_attention(*args), atol=1e-2)
+
+
+def test_decode_attention_mode_forces_either_way(monkeypatch):
+    """PERFXLM_DECODE_ATTENTION forces bf16 or float32 products whatever the plan; a cache that is not
+    bf16 never takes them; an unknown value is an error naming the choices."""
+    previous = cpu_plan.use(gemm="float32")
+    try:
+        monkeypatch.setenv("PERFXLM_DECODE_ATTENTION", "bf16")
+        assert decode_bf16_products(torch.bfloat16) and not decode_bf16_products(torch.float32)
+        cpu_plan.use(gemm="bf16")
+        monkeypatch.setenv("PERFXLM_DECODE_ATTENTION", "float32")
+        assert not decode_bf16_products(torch.bfloat16)
+        monkeypatch.setenv("PERFXLM_DECODE_ATTENTION", "auto")
+        assert decode_bf16_products(torch.bfloat16) and not decode_bf16_products(torch.int8)
+        monkeypatch.setenv("PERFXLM_DECODE_ATTENTION", "fp16")
+        with pytest.raises(ValueError, match="auto, bf16, float32"):
+            decode_bf16_products(torch.bfloat16)
+    finally:
+        cpu_plan.use(previous)
