@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -294,41 +295,58 @@ void scores_bf16(const uint16_t* q, const uint16_t* cache, const int64_t* table,
 }
 
 // o[h] = sum_t p[h * np + (t - t0)] v_t for GH heads, p: bf16 weights. Two tokens per product: the
-// weights of tokens t, t + 1 as one pair against their rows interleaved per column; a block's odd last
-// token pairs with zero. Up to 4 chunks of 16 columns at a time, as values_fast.
-template <int DV, int GH>
+// weights of tokens t, t + 1 as one pair (one 32-bit broadcast from the weight row) against their rows
+// interleaved word by word (vpunpcklwd / vpunpckhwd, within 128-bit lanes); a block's odd last token
+// pairs with zero. The in-lane interleave leaves a 32-column chunk's columns in two accumulators in a
+// fixed shuffled order (the low one columns 8L..8L + 3 at lanes 4L.., the high one 8L + 4..), undone
+// once at the store: each column sums the same products in the same order as a full interleave would.
+// Up to 2 chunks of 32 columns at a time; a wider head takes several passes over the range.
+template <int DC, int GH>
 void values_bf16(const uint16_t* p, int64_t np, const uint16_t* cache, const int64_t* table, int64_t t0, int64_t t1,
                  const Geometry& geo, float* o) {
-  constexpr int D = 16 * DV, SC = DV < 4 ? DV : 4;
+  constexpr int D = 32 * DC, SC = DC < 2 ? DC : 2;
   const int64_t ts = geo.token_stride;
-  // word 2i: the first row's column i; word 2i + 1: the second row's
-  const __m512i interleave = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
-                                              6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  for (int c0 = 0; c0 < DV; c0 += SC) {
-    __m512 acc[GH][SC];
+  // column j of a 32-column chunk from its (low, high) accumulators, j < 16 and j >= 16
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int c0 = 0; c0 < DC; c0 += SC) {
+    __m512 lo[GH][SC], hi[GH][SC];
     for (int h = 0; h < GH; ++h)
-      for (int c = 0; c < SC; ++c) acc[h][c] = _mm512_setzero_ps();
+      for (int c = 0; c < SC; ++c) lo[h][c] = hi[h][c] = _mm512_setzero_ps();
+    auto step = [&](const __m512i* w, const uint16_t* v, bool pair) __attribute__((always_inline)) {
+      for (int c = 0; c < SC; ++c) {
+        const __m512i a = _mm512_loadu_si512(v + 32 * (c0 + c));
+        const __m512i b = pair ? _mm512_loadu_si512(v + ts + 32 * (c0 + c)) : _mm512_setzero_si512();
+        const __m512i vl = _mm512_unpacklo_epi16(a, b), vh = _mm512_unpackhi_epi16(a, b);
+        for (int h = 0; h < GH; ++h) {
+          lo[h][c] = dot_pairs(lo[h][c], w[h], vl);
+          hi[h][c] = dot_pairs(hi[h][c], w[h], vh);
+        }
+      }
+    };
     walk(cache, static_cast<const ScaleT<uint16_t>*>(nullptr), table, t0, t1, geo,
          [&](int64_t t, int64_t stop, const uint16_t* v, auto, int64_t next) {
       if (c0 == 0) prefetch_block(cache, next, geo, D);
-      for (; t < stop; t += 2, v += 2 * ts) {
-        const bool pair = t + 1 < stop;
-        __m512i w[GH];
+      __m512i w[GH];
+      for (; t + 2 <= stop; t += 2, v += 2 * ts) {
         for (int h = 0; h < GH; ++h) {
-          const uint16_t* ph = p + h * np + (t - t0);
-          w[h] = _mm512_set1_epi32(static_cast<int>(ph[0] | (pair ? static_cast<uint32_t>(ph[1]) << 16 : 0u)));
+          int32_t both;  // the weights of t (low word) and t + 1
+          std::memcpy(&both, p + h * np + (t - t0), 4);
+          w[h] = _mm512_set1_epi32(both);
         }
-        for (int c = 0; c < SC; ++c) {
-          const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * (c0 + c)));
-          const __m256i b = pair ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + ts + 16 * (c0 + c)))
-                                 : _mm256_setzero_si256();
-          const __m512i vv = _mm512_permutex2var_epi16(_mm512_castsi256_si512(a), interleave, _mm512_castsi256_si512(b));
-          for (int h = 0; h < GH; ++h) acc[h][c] = dot_pairs(acc[h][c], w[h], vv);
-        }
+        step(w, v, true);
+      }
+      if (t < stop) {
+        for (int h = 0; h < GH; ++h) w[h] = _mm512_set1_epi32(p[h * np + (t - t0)]);
+        step(w, v, false);
       }
     });
     for (int h = 0; h < GH; ++h)
-      for (int c = 0; c < SC; ++c) _mm512_storeu_ps(o + h * D + 16 * (c0 + c), acc[h][c]);
+      for (int c = 0; c < SC; ++c) {
+        float* dst = o + h * D + 32 * (c0 + c);
+        _mm512_storeu_ps(dst, _mm512_permutex2var_ps(lo[h][c], first, hi[h][c]));
+        _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(lo[h][c], second, hi[h][c]));
+      }
   }
 }
 
@@ -371,7 +389,7 @@ void range_bf16(const float* q, int64_t G, const uint16_t* kc, const uint16_t* v
     round_bf16(s + h * n, n, pb + h * n);
   }
   tiles([&](auto gh, int64_t h) {
-    values_bf16<2 * DC, decltype(gh)::value>(pb + h * n, n, vc, table, t0, t1, geo, o + h * D);
+    values_bf16<DC, decltype(gh)::value>(pb + h * n, n, vc, table, t0, t1, geo, o + h * D);
   });
 }
 #endif
@@ -544,7 +562,27 @@ void range_generic(const float* q, int64_t G, int64_t D, const T* kc, const T* v
 struct Task {
   int64_t b, h, t0, t1;
   int64_t part;  // its slot among the partial results, or -1: the range is the whole sequence
+  int64_t range;  // which of its row's ranges
 };
+
+// Rows that read one block table (a speculative step's verification rows of one sequence, each the decode
+// step it stands for) take their tasks in the order (KV head, range, row): the rows of a range run back
+// to back on one thread, which reads those K and V rows from memory once and from its own cache for the
+// other rows, instead of each thread streaming the whole sequence for its share of the rows. Only the
+// order changes: every task computes what it did, so a row's bits are the same.
+void order_by_range(std::vector<Task>& tasks, const int64_t* tables, int64_t B, int64_t max_blocks) {
+  std::vector<int64_t> group(static_cast<size_t>(B));  // the first row of each run of rows with one table
+  bool shared = false;
+  for (int64_t b = 0; b < B; ++b) {
+    const bool same = b > 0 && std::equal(tables + b * max_blocks, tables + (b + 1) * max_blocks, tables + (b - 1) * max_blocks);
+    group[b] = same ? group[b - 1] : b;
+    shared = shared || same;
+  }
+  if (!shared) return;
+  std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& x, const Task& y) {
+    return std::make_tuple(group[x.b], x.h, x.range, x.b) < std::make_tuple(group[y.b], y.h, y.range, y.b);
+  });
+}
 
 // `k_scales` / `v_scales`: a quantized cache's [num_blocks, block_size, KVH, groups] scales, else
 // nullptr (groups 0).
@@ -578,9 +616,10 @@ void decode_attention_impl(const float* query, const T* key_cache, const T* valu
     for (int64_t h = 0; h < KVH; ++h) {
       if (splits > 1) merge.insert(merge.end(), {b * KVH + h, parts, splits});
       for (int64_t i = 0; i < splits; ++i)
-        tasks.push_back({b, h, first + i * n / splits, first + (i + 1) * n / splits, splits > 1 ? parts++ : -1});
+        tasks.push_back({b, h, first + i * n / splits, first + (i + 1) * n / splits, splits > 1 ? parts++ : -1, i});
     }
   }
+  order_by_range(tasks, tables, B, max_blocks);
   // A partial result per head: unnormalised output [D], then the softmax max and sum.
   const int64_t part_stride = G * (D + 2);
   std::vector<float> partial(static_cast<size_t>(parts * part_stride));
