@@ -122,6 +122,21 @@ inline void walk(const T* cache, const ScaleT<T>* scales, const int64_t* table, 
 }
 
 #if defined(PERFXLM_AVX512) || defined(PERFXLM_AVX2)
+// fn(std::integral_constant<int, GH>{}, h) over the G query heads of a task in register tiles of at most
+// TILE heads (GH: the tile's size, a template argument of the scores and values kernels).
+template <int TILE, typename Fn>
+inline void head_tiles(int64_t G, Fn&& fn) {
+  static_assert(TILE >= 1 && TILE <= 4, "head tiles of 1 to 4");
+  for (int64_t h = 0; h < G; h += TILE) {
+    switch (std::min<int64_t>(TILE, G - h)) {
+      case 1: fn(std::integral_constant<int, 1>{}, h); break;
+      case 2: if constexpr (TILE >= 2) fn(std::integral_constant<int, 2>{}, h); break;
+      case 3: if constexpr (TILE >= 3) fn(std::integral_constant<int, 3>{}, h); break;
+      default: fn(std::integral_constant<int, TILE>{}, h); break;
+    }
+  }
+}
+
 // The next block's rows of this head, requested while the current block is computed: a head's rows are
 // token_stride apart and its blocks scattered, a pattern the hardware prefetchers do not follow.
 template <typename T>
@@ -233,23 +248,13 @@ void range_fast(const float* q, int64_t G, const T* kc, const T* vc, const Scale
                 float* mx, float* sum) {
   constexpr int D = 16 * DV;
   const int64_t n = t1 - t0;
-  for (int64_t h = 0; h < G; h += 4) {
-    switch (std::min<int64_t>(4, G - h)) {
-      case 1: scores_fast<T, DV, 1, S>(q + h * D, kc, ksc, table, t0, t1, geo, s + h * n, n); break;
-      case 2: scores_fast<T, DV, 2, S>(q + h * D, kc, ksc, table, t0, t1, geo, s + h * n, n); break;
-      case 3: scores_fast<T, DV, 3, S>(q + h * D, kc, ksc, table, t0, t1, geo, s + h * n, n); break;
-      default: scores_fast<T, DV, 4, S>(q + h * D, kc, ksc, table, t0, t1, geo, s + h * n, n); break;
-    }
-  }
+  head_tiles<4>(G, [&](auto gh, int64_t h) {
+    scores_fast<T, DV, decltype(gh)::value, S>(q + h * D, kc, ksc, table, t0, t1, geo, s + h * n, n);
+  });
   for (int64_t h = 0; h < G; ++h) softmax_partial(s + h * n, n, cap, mx[h], sum[h]);
-  for (int64_t h = 0; h < G; h += 4) {
-    switch (std::min<int64_t>(4, G - h)) {
-      case 1: values_fast<T, DV, 1, S>(s + h * n, n, vc, vsc, table, t0, t1, geo, o + h * D); break;
-      case 2: values_fast<T, DV, 2, S>(s + h * n, n, vc, vsc, table, t0, t1, geo, o + h * D); break;
-      case 3: values_fast<T, DV, 3, S>(s + h * n, n, vc, vsc, table, t0, t1, geo, o + h * D); break;
-      default: values_fast<T, DV, 4, S>(s + h * n, n, vc, vsc, table, t0, t1, geo, o + h * D); break;
-    }
-  }
+  head_tiles<4>(G, [&](auto gh, int64_t h) {
+    values_fast<T, DV, decltype(gh)::value, S>(s + h * n, n, vc, vsc, table, t0, t1, geo, o + h * D);
+  });
 }
 
 #ifdef __AVX512BF16__
@@ -259,9 +264,6 @@ void range_fast(const float* q, int64_t G, const T* kc, const T* vc, const Scale
 // the float32 FMAs over widened rows and no widening. The queries (times the scale) and the softmax's
 // weights are rounded to bf16 (to nearest even); maxima, exponentials, sums and outputs stay float32.
 // A row's products do not depend on the other rows of its step, so verification rows keep their bits.
-inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
-  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh&>(a), reinterpret_cast<__m512bh&>(b));
-}
 
 // s[h * ns + (t - t0)] = q_h . k_t for GH query heads, q: [GH, 32 * DC] bf16 (pre-scaled, rounded).
 template <int DC, int GH>
@@ -371,24 +373,14 @@ void range_bf16(const float* q, int64_t G, const uint16_t* kc, const uint16_t* v
     }
   };
   round_bf16(q, G * D, qb);
-  auto tiles = [&](auto&& fn) {
-    for (int64_t h = 0; h < G; h += 4) {
-      switch (std::min<int64_t>(4, G - h)) {
-        case 1: fn(std::integral_constant<int, 1>{}, h); break;
-        case 2: fn(std::integral_constant<int, 2>{}, h); break;
-        case 3: fn(std::integral_constant<int, 3>{}, h); break;
-        default: fn(std::integral_constant<int, 4>{}, h); break;
-      }
-    }
-  };
-  tiles([&](auto gh, int64_t h) {
+  head_tiles<4>(G, [&](auto gh, int64_t h) {
     scores_bf16<DC, decltype(gh)::value>(qb + h * D, kc, table, t0, t1, geo, s + h * n, n);
   });
   for (int64_t h = 0; h < G; ++h) {
     softmax_partial(s + h * n, n, cap, mx[h], sum[h]);
     round_bf16(s + h * n, n, pb + h * n);
   }
-  tiles([&](auto gh, int64_t h) {
+  head_tiles<4>(G, [&](auto gh, int64_t h) {
     values_bf16<DC, decltype(gh)::value>(pb + h * n, n, vc, table, t0, t1, geo, o + h * D);
   });
 }
@@ -488,21 +480,13 @@ void range_fast(const float* q, int64_t G, const T* kc, const T* vc, const Scale
                 const int64_t* table, int64_t t0, int64_t t1, const Geometry& geo, float cap, float* s, float* o,
                 float* mx, float* sum) {
   const int64_t n = t1 - t0;
-  for (int64_t h = 0; h < G; h += kHeadTile) {
-    switch (std::min<int64_t>(kHeadTile, G - h)) {
-      case 1: scores_fast<T, D, 1, S>(q + h * D, kc, ksc, table, t0, t1, geo, s + h * n, n); break;
-      case 2: scores_fast<T, D, 2, S>(q + h * D, kc, ksc, table, t0, t1, geo, s + h * n, n); break;
-      default: scores_fast<T, D, 3, S>(q + h * D, kc, ksc, table, t0, t1, geo, s + h * n, n); break;
-    }
-  }
+  head_tiles<kHeadTile>(G, [&](auto gh, int64_t h) {
+    scores_fast<T, D, decltype(gh)::value, S>(q + h * D, kc, ksc, table, t0, t1, geo, s + h * n, n);
+  });
   for (int64_t h = 0; h < G; ++h) softmax_partial(s + h * n, n, cap, mx[h], sum[h]);
-  for (int64_t h = 0; h < G; h += kHeadTile) {
-    switch (std::min<int64_t>(kHeadTile, G - h)) {
-      case 1: values_fast<T, D, 1, S>(s + h * n, n, vc, vsc, table, t0, t1, geo, o + h * D); break;
-      case 2: values_fast<T, D, 2, S>(s + h * n, n, vc, vsc, table, t0, t1, geo, o + h * D); break;
-      default: values_fast<T, D, 3, S>(s + h * n, n, vc, vsc, table, t0, t1, geo, o + h * D); break;
-    }
-  }
+  head_tiles<kHeadTile>(G, [&](auto gh, int64_t h) {
+    values_fast<T, D, decltype(gh)::value, S>(s + h * n, n, vc, vsc, table, t0, t1, geo, o + h * D);
+  });
 }
 #endif
 

@@ -122,6 +122,14 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, n);
 }
+
+#ifdef __AVX512BF16__
+// acc + the products of 16 pairs of bf16 (a's pair i times b's, summed into lane i) by vdpbf16ps: the
+// bf16 products of the decode and prefill attention kernels.
+inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh&>(a), reinterpret_cast<__m512bh&>(b));
+}
+#endif
 #endif
 
 #ifdef PERFXLM_AVX2

@@ -354,9 +354,7 @@ at::Tensor run(const at::Tensor& query, const KVSource<C, N>& keys, const KVSour
 // and sums stay float32. Each lane's pairs are summed in one fixed order, so the invariance above holds.
 inline uint32_t pair_bits(uint16_t lo, uint16_t hi) { return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16); }
 
-inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
-  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh&>(a), reinterpret_cast<__m512bh&>(b));
-}
+using perfxlm_attn::dot_pairs;
 
 // s[r][j] = q_r . k_j over D2 pairs; kp: the block's keys as [D2][64] pairs (dims 2t, 2t + 1 of a key).
 inline void scores_bf16(const uint32_t* qp, int64_t D2, const uint32_t* kp, float* s) {
