@@ -33,6 +33,10 @@ class ScheduledRequest:
     # Speculative decoding: guesses of the tokens after token_ids[0], which follow it in token_ids. Each
     # is one more decode row; the runner verifies them and returns the accepted prefix plus one token.
     draft_token_ids: list[int] = field(default_factory=list)
+    # Several new tokens computed as decode rows (each seeing the tokens up to itself, as draft tokens are)
+    # instead of as a prefill chunk: a few tokens after a long context (a draft model's catch-up), where
+    # the prefill kernel would pack the whole context's keys for them. The last row samples as usual.
+    decode_rows: bool = False
     lora: Any = None  # the request's adapter (perfxlm.lora.adapter.LoRAAdapter), None for the base model
 
 

@@ -24,6 +24,10 @@ from perfxlm.spec_decode.proposer import DraftRequest, Proposer
 from perfxlm.worker.model_runner import ModelRunner
 
 _GREEDY = SamplingParams(temperature=0, max_tokens=1)
+# New tokens of a catch-up pass up to which they run as decode rows of the draft's step (draft_model's
+# _catch_up): as many as a verification step of 16 guesses has rows; longer chunks (a new prompt, a
+# request back from preemption) prefill.
+CATCH_UP_ROWS = 17
 
 
 @dataclass
@@ -107,7 +111,13 @@ class DraftModelProposer(Proposer):
             self.drop([r.request_id])  # the draft's pool is full: this request decodes plainly for now
             return None
         seq.known = total  # after this pass the cache holds all of the request's tokens
-        return self._scheduled(r.request_id, list(tokens[valid:total]), seq)
+        chunk = list(tokens[valid:total])
+        # After all of the last guesses were accepted the cache lacks the last guess and the target's token:
+        # a few tokens after the whole context run as decode rows (a 2-token prefill chunk packed the
+        # context's keys again: ~3.5x a one-row pass on the default model at ~500 tokens).
+        rows = 1 < len(chunk) <= CATCH_UP_ROWS and valid > 0
+        return self._scheduled(r.request_id, chunk, seq, decode_rows=rows)
 
-    def _scheduled(self, rid: str, token_ids: list[int], seq: _DraftSeq) -> ScheduledRequest:
-        return ScheduledRequest(rid, token_ids, len(seq.computed), self.kv.block_table(rid), True, _GREEDY, [], [])
+    def _scheduled(self, rid: str, token_ids: list[int], seq: _DraftSeq, decode_rows: bool = False) -> ScheduledRequest:
+        return ScheduledRequest(rid, token_ids, len(seq.computed), self.kv.block_table(rid), True, _GREEDY, [], [],
+                                decode_rows=decode_rows)  # fmt: skip

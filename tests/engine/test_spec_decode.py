@@ -180,6 +180,31 @@ def test_draft_model_greedy_is_token_identical(tiny_llama, small_draft, referenc
     assert proposer.kv.check_invariants()["used"] == 0
 
 
+def test_draft_catch_up_runs_as_decode_rows(tiny_llama, reference):
+    """After every guess was accepted the draft lacks its last guess and the target's token: that short
+    catch-up runs as decode rows of the draft's step (not a prefill chunk that packs the whole context
+    again), a new prompt still prefills, and the target's greedy output stays token-identical."""
+    from perfxlm.spec_decode.draft_model import CATCH_UP_ROWS
+
+    llm = LLM(tiny_llama, skip_tokenizer_init=True, dtype="float32", block_size=4, num_kv_blocks=40,
+              max_num_batched_tokens=13, speculative_config={"model": tiny_llama, "num_speculative_tokens": 4})
+    runner = llm.llm_engine.core.proposer.runner
+    seen: list[tuple[int, int, bool]] = []  # (new tokens, cached tokens, as decode rows) per draft request
+    execute = runner.execute
+
+    def spy(so):
+        seen.extend((len(s.token_ids), s.num_computed_tokens, s.decode_rows) for s in so.scheduled)
+        return execute(so)
+
+    runner.execute = spy
+    _same(llm.generate(PROMPTS, PARAMS, use_tqdm=False), reference)
+    assert llm.llm_engine.scheduler.spec_stats.acceptance_rate > 0.9
+    catch_ups = [rows for n, cached, rows in seen if 1 < n <= CATCH_UP_ROWS and cached > 0]
+    assert catch_ups and all(catch_ups), seen
+    assert any(n > 1 and cached == 0 and not rows for n, cached, rows in seen), seen  # the prompts prefill
+    assert_pool_whole(llm)
+
+
 def test_bad_draft_model_refused_before_loading(tiny_llama, tmp_path):
     from tests.conftest import make_llama_checkpoint
 
