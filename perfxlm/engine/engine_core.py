@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from dataclasses import replace
 
 import torch
@@ -21,6 +22,7 @@ from perfxlm.engine.scheduler import Scheduler
 from perfxlm.executor import make_executor
 from perfxlm.ops import cpu_plan
 from perfxlm.spec_decode.factory import make_proposer
+from perfxlm.spec_decode.payoff import SpeculationPayoff, payoff_enabled
 
 logger = logging.getLogger("perfxlm")
 
@@ -69,6 +71,11 @@ class EngineCore:
             if spec is not None and self.executor.proposes_drafts else None  # fmt: skip
         if self.proposer is not None and self.proposer.needs_hidden_states:
             self.runner.keep_hidden_states = True  # in-process: config refuses `mtp` with distributed ranks
+        # A proposer whose guesses cost passes of their own (a draft model) speculates while the engine
+        # measures it paying (spec_decode/payoff.py); the seconds of the proposal that feeds the next step.
+        weigh = self.proposer is not None and self.proposer.weighs_its_cost and payoff_enabled()
+        self.payoff = SpeculationPayoff() if weigh else None
+        self._proposal_seconds = 0.0
         self.verify_row_budget = _verify_row_budget(config)
         if _freeze_gc_at_start:
             # The model and tokenizer are long-lived: take them out of the collector's view, so the GC
@@ -122,8 +129,11 @@ class EngineCore:
         so = self.scheduler.schedule()
         if so.is_empty:
             return []
+        started = time.perf_counter()
         mro = (self.runner or self.executor).execute(so)
         outputs = self.scheduler.update_from_output(so, mro)
+        if self.payoff is not None:
+            self._weigh(so, outputs, time.perf_counter() - started)
         if self.speculating:
             drafts = self._propose(so.finished_request_ids, mro.hidden_states) if self.proposer is not None else {}
             self.scheduler.set_draft_tokens(self.executor.agree_draft_tokens(drafts))
@@ -148,10 +158,23 @@ class EngineCore:
             k = min(k, self.verify_row_budget // max(sched.num_running, 1) - 1)
             if k < 1:
                 return {}
+        if self.payoff is not None and not self.payoff.speculate():
+            return {}
         batch = sched.draft_requests(k, budget=self.proposer.follows_budget)
         if not batch:
             return {}
-        return {r.request_id: list(d[: r.max_drafts]) for r, d in zip(batch, self.proposer.propose(batch)) if d}
+        started = time.perf_counter()
+        proposed = self.proposer.propose(batch)
+        self._proposal_seconds = time.perf_counter() - started
+        return {r.request_id: list(d[: r.max_drafts]) for r, d in zip(batch, proposed) if d}
+
+    def _weigh(self, so, outputs: list[EngineCoreOutput], seconds: float) -> None:
+        """Hand a decode-only step's time (with the proposal that fed it) and tokens to the payoff."""
+        proposal, self._proposal_seconds = self._proposal_seconds, 0.0
+        if any(len(s.token_ids) > 1 and not s.draft_token_ids for s in so.scheduled):
+            return  # a prefill chunk's time says nothing about decoding
+        speculative = any(s.draft_token_ids for s in so.scheduled)
+        self.payoff.record(speculative, seconds + proposal, sum(len(o.new_token_ids) for o in outputs))
 
     def check_health(self) -> None:
         """Raise if the model's worker processes (tensor parallelism) died or failed."""

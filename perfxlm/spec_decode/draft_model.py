@@ -39,6 +39,7 @@ class _DraftSeq:
 
 class DraftModelProposer(Proposer):
     name = "draft_model"
+    weighs_its_cost = True
 
     def __init__(self, spec: Any, target_config: Any, num_kv_blocks: int) -> None:
         from perfxlm.config import EngineConfig

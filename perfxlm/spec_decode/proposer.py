@@ -30,6 +30,9 @@ class Proposer(ABC):
     # whether the scheduler bounds its guesses per request by the last verification (draft_budget.py);
     # a proposer that bounds them by its own confidence (prompt lookup's match length) says False
     follows_budget: bool = True
+    # whether its guesses cost forward passes of their own that may outweigh what they win: the engine then
+    # speculates only while it measures a gain (payoff.py); free guesses (prompt lookup) need not ask
+    weighs_its_cost: bool = False
 
     @abstractmethod
     def propose(self, batch: list[DraftRequest]) -> list[list[int]]:

@@ -180,11 +180,13 @@ def test_draft_model_greedy_is_token_identical(tiny_llama, small_draft, referenc
     assert proposer.kv.check_invariants()["used"] == 0
 
 
-def test_draft_catch_up_runs_as_decode_rows(tiny_llama, reference):
+def test_draft_catch_up_runs_as_decode_rows(tiny_llama, reference, monkeypatch):
     """After every guess was accepted the draft lacks its last guess and the target's token: that short
     catch-up runs as decode rows of the draft's step (not a prefill chunk that packs the whole context
     again), a new prompt still prefills, and the target's greedy output stays token-identical."""
     from perfxlm.spec_decode.draft_model import CATCH_UP_ROWS
+
+    monkeypatch.setenv("PERFXLM_SPEC_PAYOFF", "off")  # every step speculates, whatever it costs here
 
     llm = LLM(tiny_llama, skip_tokenizer_init=True, dtype="float32", block_size=4, num_kv_blocks=40,
               max_num_batched_tokens=13, speculative_config={"model": tiny_llama, "num_speculative_tokens": 4})
@@ -202,6 +204,39 @@ def test_draft_catch_up_runs_as_decode_rows(tiny_llama, reference):
     catch_ups = [rows for n, cached, rows in seen if 1 < n <= CATCH_UP_ROWS and cached > 0]
     assert catch_ups and all(catch_ups), seen
     assert any(n > 1 and cached == 0 and not rows for n, cached, rows in seen), seen  # the prompts prefill
+    assert_pool_whole(llm)
+
+
+@pytest.mark.parametrize("payoff", ["auto", "off"])
+def test_a_draft_that_costs_more_than_it_wins_pauses(tiny_llama, reference, monkeypatch, payoff):
+    """A draft model whose proposals take far longer than the steps they save: the engine measures that
+    and decodes plainly for growing pauses (PERFXLM_SPEC_PAYOFF=auto), or speculates on every step (off);
+    the output is token-identical to decoding without speculation either way."""
+    import time
+
+    monkeypatch.setenv("PERFXLM_SPEC_PAYOFF", payoff)
+    llm = LLM(tiny_llama, skip_tokenizer_init=True, dtype="float32", block_size=4, num_kv_blocks=80,
+              speculative_config={"model": tiny_llama, "num_speculative_tokens": 2})
+    core = llm.llm_engine.core
+    assert (core.payoff is not None) == (payoff == "auto")
+    propose = core.proposer.propose
+
+    def slow(batch):
+        time.sleep(0.05)  # far more than a step of this model
+        return propose(batch)
+
+    core.proposer.propose = slow
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    out = llm.generate(PROMPTS[:1], params, use_tqdm=False)
+    plain = LLM(tiny_llama, skip_tokenizer_init=True, dtype="float32", block_size=4, num_kv_blocks=80)
+    _same(out, [o.outputs[0] for o in plain.generate(PROMPTS[:1], params, use_tqdm=False)])
+    drafts = llm.llm_engine.scheduler.spec_stats.num_drafts  # verification steps
+    # off: every step verifies (the draft is the target itself: ~3 tokens a step, ~20 steps); auto: 4
+    # speculative steps, 2 plain ones and the verdict, a pause of 8 plain steps, 4 more, a pause of 16, ...
+    if payoff == "auto":
+        assert 0 < drafts <= 14, drafts
+    else:
+        assert drafts >= 18, drafts
     assert_pool_whole(llm)
 
 

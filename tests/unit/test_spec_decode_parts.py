@@ -310,3 +310,49 @@ def test_draft_budget_follows_the_last_verification():
     assert b.take(9) == 3
     b.observe(3, 0)
     assert b.take(9) == 0 and b.take(9) == 1
+
+
+def test_payoff_pauses_while_guesses_lose_and_probes_while_they_win(monkeypatch):
+    """SpeculationPayoff: speculation from the start; after MIN_SAMPLES speculative steps, PROBE_PLAIN
+    plain ones for a baseline and a verdict; while guesses cost more per token than plain steps, pauses
+    of 8, 16, ... 256 plain steps; while they win, PROBE_PLAIN plain steps every PROBE_EVERY speculative
+    ones and never a pause."""
+    from perfxlm.spec_decode import payoff as P
+
+    def run(pay, spec_cost, plain_cost, steps):
+        decisions = []
+        for _ in range(steps):
+            s = pay.speculate()
+            decisions.append(s)
+            pay.record(s, spec_cost if s else plain_cost, 3 if s else 1)  # seconds, tokens
+        return decisions
+
+    losing = run(P.SpeculationPayoff(), 0.03, 0.005, 4 + 2 + 8 + 4 + 16 + 4 + 32)
+    assert losing[:4] == [True] * 4 and losing[4:6] == [False] * 2  # the baseline
+    assert losing[6:14] == [False] * 8 and losing[14:18] == [True] * 4
+    assert losing[18:34] == [False] * 16 and losing[34:38] == [True] * 4 and not any(losing[38:])
+    pay = P.SpeculationPayoff()
+    run(pay, 0.03, 0.005, 2000)
+    assert pay.backoff == P.MAX_PAUSE
+    pay = P.SpeculationPayoff()
+    winning = run(pay, 0.006, 0.005, 400)
+    runs = [len(r) for r in "".join("s" if d else "p" for d in winning).split("s") if r]
+    assert max(runs) == P.PROBE_PLAIN and pay.backoff == 0  # probes only
+    assert winning.count(False) <= P.PROBE_PLAIN * (1 + 400 // P.PROBE_EVERY)
+    # a step that emitted nothing, or took no time, says nothing
+    pay = P.SpeculationPayoff()
+    pay.record(True, 0.01, 0)
+    pay.record(False, 0.0, 1)
+    assert not pay.spec and not pay.plain
+
+
+def test_payoff_env_knob(monkeypatch):
+    from perfxlm.spec_decode.payoff import payoff_enabled
+
+    monkeypatch.setenv("PERFXLM_SPEC_PAYOFF", "off")
+    assert not payoff_enabled()
+    monkeypatch.setenv("PERFXLM_SPEC_PAYOFF", "")
+    assert payoff_enabled()
+    monkeypatch.setenv("PERFXLM_SPEC_PAYOFF", "sometimes")
+    with pytest.raises(ValueError, match="auto or off"):
+        payoff_enabled()
