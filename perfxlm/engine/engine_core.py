@@ -171,7 +171,7 @@ class EngineCore:
     def _weigh(self, so, outputs: list[EngineCoreOutput], seconds: float) -> None:
         """Hand a decode-only step's time (with the proposal that fed it) and tokens to the payoff."""
         proposal, self._proposal_seconds = self._proposal_seconds, 0.0
-        if any(len(s.token_ids) > 1 and not s.draft_token_ids for s in so.scheduled):
+        if not all(s.runs_as_decode_rows for s in so.scheduled):
             return  # a prefill chunk's time says nothing about decoding
         speculative = any(s.draft_token_ids for s in so.scheduled)
         self.payoff.record(speculative, seconds + proposal, sum(len(o.new_token_ids) for o in outputs))

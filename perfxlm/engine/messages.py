@@ -39,6 +39,11 @@ class ScheduledRequest:
     decode_rows: bool = False
     lora: Any = None  # the request's adapter (perfxlm.lora.adapter.LoRAAdapter), None for the base model
 
+    @property
+    def runs_as_decode_rows(self) -> bool:
+        """Whether its tokens run as decode rows (a decode, a verification, a catch-up), not a prefill chunk."""
+        return len(self.token_ids) == 1 or bool(self.draft_token_ids) or self.decode_rows
+
 
 @dataclass(slots=True)
 class SchedulerOutput:

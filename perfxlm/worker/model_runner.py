@@ -101,8 +101,8 @@ class ModelRunner:
         self._copy_blocks(so.blocks_to_copy)
         # Decodes (one new token, or one and its draft tokens: one decode row each) first so they form
         # one contiguous slice for batched attention.
-        decodes = [s for s in so.scheduled if len(s.token_ids) == 1 or s.draft_token_ids or s.decode_rows]
-        prefills = [s for s in so.scheduled if len(s.token_ids) > 1 and not (s.draft_token_ids or s.decode_rows)]
+        decodes = [s for s in so.scheduled if s.runs_as_decode_rows]
+        prefills = [s for s in so.scheduled if not s.runs_as_decode_rows]
         order = decodes + prefills
         input_ids, positions, meta, token_starts = self._prepare(order, len(decodes))
         meta.lora = self.lora_slots.batch([s.lora for s in order], [len(s.token_ids) for s in order])

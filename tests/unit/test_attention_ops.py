@@ -45,7 +45,10 @@ def _setup(num_blocks, block_size, num_kv_heads, head_dim, dtype, seed=0):
 
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_dim,block_size",
-    [(6, 2, 32, 16), (4, 4, 17, 5), (9, 3, 64, 7), (8, 2, 128, 16), (2, 1, 256, 3)],
+    # query heads per KV head 1-7: a task's heads in register tiles (4 on AVX-512, 3 on AVX2) and each
+    # remainder (7 = 4 + 3 or 3 + 3 + 1, 5 = 4 + 1 or 3 + 2, 6 = 4 + 2 or 3 + 3)
+    [(6, 2, 32, 16), (4, 4, 17, 5), (9, 3, 64, 7), (8, 2, 128, 16), (2, 1, 256, 3), (7, 1, 64, 16),
+     (10, 2, 64, 5), (12, 2, 128, 16)],
 )
 @pytest.mark.parametrize(
     "dtype,cache_dtype",
