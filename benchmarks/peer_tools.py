@@ -228,3 +228,87 @@ def peer_engines(name: str, folder: Path, gguf: str, threads: int, repack: str) 
         raise SystemExit(f"--peer-repack on: {tools['llama-bench']} has no {REPACK_FLAG}")
     variants = {"off": [False], "on": [True], "both": [False, True] if has_repack else [False]}[repack]
     return [PeerEngine(name, tools, gguf, threads, v) for v in variants]
+
+
+# ---- speculative decoding: llama-spec-bench ----------------------------------------------------------
+
+SPEC_BENCH = "llama-spec-bench"
+
+
+def default_spec_type(spec: dict) -> str:
+    """The peer's --spec-type for a vLLM speculative_config: a draft file's `draft` stage with as many
+    guesses, or for `ngram` its simple lookup (an n-gram of prompt_lookup_min tokens followed by as many
+    guesses; the peer's lookup takes one n-gram size, not a range)."""
+    k = int(spec.get("num_speculative_tokens", 5))
+    if spec.get("model"):
+        return f"draft:n_max={k},p_min=0.0"
+    if spec.get("method") == "ngram":
+        n = int(spec.get("prompt_lookup_min") or spec.get("prompt_lookup_max") or 2)
+        return f"ngram_simple:ngram_size_n={n},ngram_size_m={k}"
+    raise SystemExit(f"no peer speculation matches {spec!r}: give --peer-spec-type")
+
+
+def parse_spec_bench_jsonl(text: str) -> dict:
+    """llama-spec-bench --output-format jsonl -> {"generated", "decode_tps", "acceptance_rate"} from its
+    summary row (acceptance 0.0 for a run without speculation)."""
+    for line in text.splitlines():
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        row = json.loads(line)
+        if row.get("row_type") != "summary":
+            continue
+        if not row.get("successes"):
+            raise ValueError(f"no run succeeded: {line[:300]}")
+        spec = row.get("speculative") or {}
+        return {"generated": int(row["generated"]), "decode_tps": float(row["decode_tps"]),
+                "acceptance_rate": float(spec.get("acceptance_rate", 0.0))}
+    raise ValueError("no summary row in the output")
+
+
+@dataclass
+class SpecBenchPeer:
+    """A llama.cpp-family build's own speculative decoding (ik_llama.cpp's llama-spec-bench), on the same
+    GGUF target and draft and the same user prompt (the model's chat template applied by the peer, --jinja):
+    plain and speculative decode tok/s, greedy, for a given number of new tokens."""
+
+    peer: str
+    bench: Path
+    gguf: str
+    threads: int
+    spec_type: str
+    draft: str | None = None
+
+    @classmethod
+    def find(cls, name: str, folder: Path, gguf: str, threads: int, spec: dict,
+             spec_type: str | None) -> SpecBenchPeer:
+        for candidate in (folder / SPEC_BENCH, folder / "bin" / SPEC_BENCH):
+            if candidate.is_file():
+                return cls(name, candidate, gguf, threads, spec_type or default_spec_type(spec), spec.get("model"))
+        raise SystemExit(f"--peer {name}={folder}: no {SPEC_BENCH} in {folder} or {folder / 'bin'}; build it with "
+                         f"`cmake --build BUILD --target {SPEC_BENCH}` (ik_llama.cpp)")
+
+    def commands(self, prompts: Path, speculative: bool) -> list[str]:
+        cmd = [str(self.bench), "-m", self.gguf, "--prompts", str(prompts), "-t", str(self.threads), "--temp", "0",
+               "--jinja", "-c", "4096", "--output-format", "jsonl"]
+        if speculative:
+            cmd += ["--spec-type", self.spec_type] + (["-md", self.draft] if self.draft else [])
+        return cmd
+
+    def run(self, user_text: str, n: int) -> dict[str, dict]:
+        """{"plain": ..., "spec": ...} as parse_spec_bench_jsonl gives them, for at most n new tokens."""
+        out = {}
+        with tempfile.TemporaryDirectory(prefix="perfxlm-peer-") as cwd:
+            prompts = Path(cwd) / "prompts.jsonl"
+            prompts.write_text(json.dumps({"prompt": user_text, "max_tokens": n}) + "\n")
+            for name, speculative in (("plain", False), ("spec", True)):
+                cmd = self.commands(prompts, speculative)
+                done = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd)
+                try:
+                    if done.returncode != 0:
+                        raise ValueError(f"exited with {done.returncode}")
+                    out[name] = parse_spec_bench_jsonl(done.stdout)
+                except (ValueError, KeyError, json.JSONDecodeError) as exc:
+                    tail = (done.stderr or done.stdout).strip().splitlines()[-8:]
+                    raise PeerError(f"{self.peer}: `{' '.join(cmd)}`: {exc}\n  " + "\n  ".join(tail)) from exc
+        return out

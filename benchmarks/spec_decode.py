@@ -20,17 +20,20 @@ With --parallel N the N prompts (every kind's, in turn) run as one batch instead
 speculation off and on: whole-batch decode tok/s of each and their ratio (speculation should switch itself
 off where verifying the batch's drafts is no longer nearly free, so the ratio should not fall below 1).
 
-With --llama-cpp (a GGUF target and prompt lookup) llama.cpp runs the same file and the same prompt tokens
-through llama-cpp-python, plain and with its prompt lookup (`LlamaPromptLookupDecoding`: the same number
-of guesses, n-grams up to the same length; it takes the earliest match and its full number of guesses,
-where perfxlm takes the match reaching furthest back and fewer guesses for a short one), greedy, for as
-many tokens as perfxlm's plain output has, alternating with perfxlm's runs; the rows then show
-llama.cpp's decode tok/s with and without its lookup and perfxlm's speculative speed over llama.cpp's.
+With --llama-cpp (a GGUF target) llama.cpp runs the same file and the same prompt tokens through
+llama-cpp-python, plain and with its own speculation of the same kind, greedy, for as many tokens as
+perfxlm's plain output has, alternating with perfxlm's runs: for `ngram` its prompt lookup
+(`LlamaPromptLookupDecoding`: the same number of guesses, n-grams up to the same length; it takes the
+earliest match and its full number of guesses, where perfxlm takes the match reaching furthest back and
+fewer guesses for a short one); for a GGUF draft `model` the same draft file, run greedily by a second
+llama.cpp context for the same number of guesses (LlamaCppDraft). The rows then show llama.cpp's decode
+tok/s with and without its speculation and perfxlm's speculative speed over llama.cpp's.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import itertools
 import json
 import os
@@ -73,22 +76,52 @@ def make_prompts(tokenizer, dataset: str | None, per_kind: int, passage_tokens: 
     return kinds
 
 
+class LlamaCppDraft:
+    """llama.cpp's draft-model speculation through llama-cpp-python: its target `Llama` asks a
+    `LlamaDraftModel` for guesses each step; this one runs a second `Llama` on the draft file greedily for
+    `k` tokens after the request's tokens (llama-cpp-python keeps the draft's KV cache over the prefix it
+    shares with the last call, so each call evaluates only the tokens since)."""
+
+    def __init__(self, path: str, k: int, common: dict) -> None:
+        from llama_cpp import Llama
+
+        self.llama = Llama(**{**common, "model_path": path})
+        self.k = k
+
+    def __call__(self, input_ids, /, **kwargs):
+        import numpy as np
+
+        steps = self.llama.generate(input_ids.tolist(), temp=0.0, top_k=1, repeat_penalty=1.0, reset=True)
+        guesses = list(itertools.islice(steps, self.k))
+        steps.close()
+        return np.asarray(guesses, dtype=np.intc)
+
+
 class LlamaCppPair:
-    """llama.cpp on the target's GGUF file (llama-cpp-python), plain and with its prompt lookup, both
-    greedy; each run decodes a given number of tokens after the same prompt tokens perfxlm was given."""
+    """llama.cpp on the target's GGUF file (llama-cpp-python), plain and with its own speculation, both
+    greedy; each run decodes a given number of tokens after the same prompt tokens perfxlm was given. The
+    speculation is the one `spec` asks for: prompt lookup (`LlamaPromptLookupDecoding`) for `ngram`, a
+    draft GGUF file (LlamaCppDraft) for `model`."""
 
     def __init__(self, plain: LLM, spec: dict, threads: int) -> None:
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         path = plain.llm_engine.config.model
-        if not str(path).endswith(".gguf") or spec.get("method") != "ngram":
-            raise SystemExit("--llama-cpp compares prompt lookup on a GGUF target (--model FILE.gguf, method ngram)")
+        draft = spec.get("model")
+        if not str(path).endswith(".gguf") or not (spec.get("method") == "ngram" or str(draft).endswith(".gguf")):
+            raise SystemExit("--llama-cpp compares llama.cpp's speculation on a GGUF target (--model FILE.gguf) with "
+                             "method ngram or a GGUF draft model")
         common = {"model_path": path, "n_ctx": 4096, "n_threads": threads, "n_threads_batch": threads,
                   "verbose": False}
-        lookup = LlamaPromptLookupDecoding(max_ngram_size=spec.get("prompt_lookup_max", 4),
-                                           num_pred_tokens=spec.get("num_speculative_tokens", 5))
-        self.engines = {"llama.cpp": Llama(**common), "llama.cpp lookup": Llama(**common, draft_model=lookup)}
+        k = spec.get("num_speculative_tokens", 5)
+        if draft:
+            guesser = LlamaCppDraft(draft, k, common)
+            self.spec_name = "draft"
+        else:
+            guesser = LlamaPromptLookupDecoding(max_ngram_size=spec.get("prompt_lookup_max", 4), num_pred_tokens=k)
+            self.spec_name = "lookup"
+        self.engines = {"llama.cpp": Llama(**common), "llama.cpp spec": Llama(**common, draft_model=guesser)}
 
     def run(self, prompt_ids: list[int], n: int) -> dict[str, float]:
         """Decode tok/s of each (the tokens after the first over the time after it)."""
@@ -107,6 +140,18 @@ class LlamaCppPair:
                     break
             speeds[name] = (count - 1) / (time.perf_counter() - first) if count > 1 else 0.0
         return speeds
+
+
+def make_peer(plain: LLM, args):
+    """--peer NAME=PATH: the build's llama-spec-bench on the target's GGUF file (benchmarks/peer_tools.py)."""
+    from peer_tools import SpecBenchPeer, parse_peer_arg
+
+    path = str(plain.llm_engine.config.model)
+    if not path.endswith(".gguf"):
+        raise SystemExit("--peer times a llama.cpp-family build on a GGUF target: give --model FILE.gguf")
+    name, folder = parse_peer_arg(args.peer, set())
+    return SpecBenchPeer.find(name, folder, path, args.threads, json.loads(args.speculative_config),
+                              args.peer_spec_type)
 
 
 def run_parallel(plain: LLM, spec: LLM, tokenizer, params: SamplingParams, args) -> int:
@@ -151,7 +196,12 @@ def main() -> int:
                     help="run this many prompts at once (every kind's in turn) instead of one at a time")
     ap.add_argument("--llama-cpp", action="store_true",
                     help="also time llama.cpp (llama-cpp-python) on the same GGUF file and prompts, plain and with "
-                         "its prompt lookup")
+                         "its prompt lookup or the same draft file")
+    ap.add_argument("--peer", default=None, metavar="NAME=PATH",
+                    help="also time a llama.cpp-family build's own speculative decoding (its llama-spec-bench, e.g. "
+                         "ik_llama.cpp's build folder) on the same GGUF target, draft and prompts")
+    ap.add_argument("--peer-spec-type", default=None,
+                    help="the peer's --spec-type (default: draft:n_max=K for a draft file, ngram_simple for ngram)")
     args = ap.parse_args()
     import torch
 
@@ -163,11 +213,12 @@ def main() -> int:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     stats = spec.llm_engine.scheduler.spec_stats
     llama = LlamaCppPair(plain, json.loads(args.speculative_config), args.threads) if args.llama_cpp else None
+    peer = make_peer(plain, args) if args.peer else None
     if args.parallel > 0:
         return run_parallel(plain, spec, tokenizer, params, args)
     report = {}
     for kind, texts in make_prompts(tokenizer, args.dataset, args.prompts_per_kind, args.passage_tokens).items():
-        speeds: dict[str, list[float]] = {"plain": [], "spec": [], "llama.cpp": [], "llama.cpp lookup": []}
+        speeds: dict[str, list[float]] = collections.defaultdict(list)
         same = True
         before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
         for p, text in enumerate(texts):
@@ -184,6 +235,10 @@ def main() -> int:
                     for name, tok_s in llama.run(outs["plain"].prompt_token_ids,
                                                  len(outs["plain"].outputs[0].token_ids)).items():
                         speeds[name].append(tok_s)
+                if peer is not None:
+                    for name, result in peer.run(text, len(outs["plain"].outputs[0].token_ids)).items():
+                        speeds[f"peer {name}"].append(result["decode_tps"])
+                        speeds["peer acceptance"].append(result["acceptance_rate"])
             same &= outs["plain"].outputs[0].token_ids == outs["spec"].outputs[0].token_ids
         drafts, draft_tokens, accepted = (a - b for a, b in zip(
             (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens), before))
@@ -194,10 +249,19 @@ def main() -> int:
         line = ""
         if llama is not None:
             row["llama_cpp_tok_s"] = statistics.median(speeds["llama.cpp"])
-            row["llama_cpp_lookup_tok_s"] = statistics.median(speeds["llama.cpp lookup"])
-            line = (f"  | llama.cpp {row['llama_cpp_tok_s']:7.1f}, with lookup {row['llama_cpp_lookup_tok_s']:7.1f} "
-                    f"tok/s (x{row['llama_cpp_lookup_tok_s'] / row['llama_cpp_tok_s']:.2f}); perfxlm speculative / "
-                    f"llama.cpp lookup x{row['spec_tok_s'] / row['llama_cpp_lookup_tok_s']:.2f}")
+            kind_of = llama.spec_name
+            row[f"llama_cpp_{kind_of}_tok_s"] = spec_tok_s = statistics.median(speeds["llama.cpp spec"])
+            line = (f"  | llama.cpp {row['llama_cpp_tok_s']:7.1f}, with its {kind_of} {spec_tok_s:7.1f} tok/s "
+                    f"(x{spec_tok_s / row['llama_cpp_tok_s']:.2f}); perfxlm speculative / llama.cpp {kind_of} "
+                    f"x{row['spec_tok_s'] / spec_tok_s:.2f}")
+        if peer is not None:
+            row["peer_tok_s"] = statistics.median(speeds["peer plain"])
+            row["peer_spec_tok_s"] = statistics.median(speeds["peer spec"])
+            row["peer_acceptance_rate"] = statistics.median(speeds["peer acceptance"])
+            line += (f"  | {peer.peer} {row['peer_tok_s']:7.1f}, with its {peer.spec_type.split(':')[0]} "
+                     f"{row['peer_spec_tok_s']:7.1f} tok/s (x{row['peer_spec_tok_s'] / row['peer_tok_s']:.2f}, acceptance "
+                     f"{row['peer_acceptance_rate']:.0%}); perfxlm speculative / {peer.peer} speculative "
+                     f"x{row['spec_tok_s'] / row['peer_spec_tok_s']:.2f}")
         report[kind] = row
         print(f"{kind:12} plain {row['plain_tok_s']:7.1f} tok/s  speculative {row['spec_tok_s']:7.1f} tok/s  "
               f"x{row['speedup']:.2f}  acceptance {row['acceptance_rate']:.0%}  mean accepted length "

@@ -220,3 +220,54 @@ def test_outputs_captured_from_an_ik_llama_cpp_build():
     text = (OUTPUTS / "ik_batched_bench_npl_1_3.txt").read_text()
     assert peer_tools.batched_bench_row(text, 32, 4, 1)["T_TG s"] == pytest.approx(0.114)
     assert peer_tools.batched_bench_row(text, 32, 4, 3)["T s"] == pytest.approx(0.342)
+
+
+# ---- benchmarks/spec_decode.py --peer: a build's llama-spec-bench ---------------------------------------
+
+def test_spec_bench_summary_rows_captured_from_an_ik_llama_cpp_build():
+    draft = peer_tools.parse_spec_bench_jsonl((OUTPUTS / "spec_bench_draft.jsonl").read_text())
+    plain = peer_tools.parse_spec_bench_jsonl((OUTPUTS / "spec_bench_plain.jsonl").read_text())
+    assert draft["generated"] > 0 and draft["decode_tps"] > 0 and 0 < draft["acceptance_rate"] <= 1
+    assert plain["acceptance_rate"] == 0.0 and plain["decode_tps"] > 0
+
+
+@pytest.mark.parametrize("text, match", [("", "no summary row"), ('{"row_type": "attempt"}\n', "no summary row"),
+                                         ('{"row_type": "summary", "successes": 0}\n', "no run succeeded")])
+def test_spec_bench_output_without_a_result_is_an_error(text, match):
+    with pytest.raises(ValueError, match=match):
+        peer_tools.parse_spec_bench_jsonl(text)
+
+
+def test_spec_type_follows_the_speculative_config():
+    assert peer_tools.default_spec_type({"model": "d.gguf", "num_speculative_tokens": 4}) == "draft:n_max=4,p_min=0.0"
+    assert (peer_tools.default_spec_type({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2})
+            == "ngram_simple:ngram_size_n=2,ngram_size_m=5")
+    with pytest.raises(SystemExit, match="--peer-spec-type"):
+        peer_tools.default_spec_type({"method": "mtp"})
+
+
+def test_spec_bench_peer_runs_plain_then_speculative(tmp_path):
+    """A fake llama-spec-bench that echoes its arguments into the summary: the speculative run gets the
+    stage and the draft file, the plain one neither, both the same prompt file and token budget."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    exe = tools / peer_tools.SPEC_BENCH
+    exe.write_text(f"#!{sys.executable}\n" + '''import json, sys
+args = sys.argv[1:]
+prompt = json.loads(open(args[args.index("--prompts") + 1]).readline())
+spec = "--spec-type" in args
+print(json.dumps({"row_type": "summary", "successes": 1, "generated": prompt["max_tokens"],
+                  "decode_tps": 200.0 if spec else 100.0, "speculative": {"acceptance_rate": 0.5 if spec else 0.0},
+                  "argv": args}))
+''')
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    with pytest.raises(SystemExit, match="llama-spec-bench"):
+        peer_tools.SpecBenchPeer.find("ik", tmp_path / "elsewhere", "t.gguf", 2, {"model": "d.gguf"}, None)
+    peer = peer_tools.SpecBenchPeer.find("ik", tmp_path, "t.gguf", 2, {"model": "d.gguf", "num_speculative_tokens": 3},
+                                         None)
+    out = peer.run("Say hi.", 17)
+    assert out["plain"] == {"generated": 17, "decode_tps": 100.0, "acceptance_rate": 0.0}
+    assert out["spec"] == {"generated": 17, "decode_tps": 200.0, "acceptance_rate": 0.5}
+    plain_cmd, spec_cmd = (peer.commands(Path("p.jsonl"), s) for s in (False, True))
+    assert "--spec-type" not in plain_cmd and "-md" not in plain_cmd
+    assert spec_cmd[-4:] == ["--spec-type", "draft:n_max=3,p_min=0.0", "-md", "d.gguf"]
