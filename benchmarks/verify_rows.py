@@ -70,6 +70,9 @@ def instrument(llm: LLM, clock) -> dict[int, list[dict[str, float]]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="target model (default: the embedded SmolLM2 GGUF)")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default=None, help="e.g. none: a GGUF target dequantized (its own quantized "
+                                                         "file as the draft model)")
     ap.add_argument("--speculative-config", default=DEFAULT_SPEC)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
@@ -84,7 +87,8 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
-    llm = LLM(args.model, speculative_config=args.speculative_config, kv_cache_gib=0.5, enable_prefix_caching=False)
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, speculative_config=args.speculative_config,
+              kv_cache_gib=0.5, enable_prefix_caching=False)
     records = instrument(llm, clock)
     tokenizer = llm.get_tokenizer()
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)

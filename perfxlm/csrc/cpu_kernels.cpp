@@ -190,7 +190,7 @@ at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed, int
 // ---------------------------------------------------------------------------------------------
 // linear_bf16_rows: the same product with W kept as plain bf16 rows [N, K] (the layout torch's own
 // bf16 GEMM reads, so CPUs with AMX / AVX512-BF16 run many-row products through oneDNN on the very
-// same tensor). Few rows only: batch 1 dots two far-apart weight rows at a time (rows_pairs); more rows: each task
+// same tensor). Few rows only: up to kPairMaxRows x rows dot two far-apart weight rows at a time (rows_pairs); more rows: each task
 // streams NT weight rows and dots them with every x row,
 // accumulating 16 lanes per pair and reducing once at the end (K / 16 FMAs per reduction). The NT
 // rows of a tile stay in L1 while chunks of up to MT x rows pass over them.
@@ -230,27 +230,58 @@ inline void rows_tile(const float* x, int64_t K, const uint16_t* w, float* y, in
     for (int j = 0; j < NT; ++j) y[i * N + n0 + j] = simd16::reduce_add(acc[i][j]) + (bias ? bias[n0 + j] : 0.f);
 }
 
-// Batch 1: a task's rows split in two halves walked side by side, row a of the first half with row a of the
-// second, each pair dotted with one pass over x. A thread then reads two sequential streams far apart,
-// which the hardware prefetchers follow at the DRAM rate: NT interleaved rows (the tile above) read 10-14
-// GB/s from DRAM on Zen 4, one row after another 16-19, two far-apart rows 20-24 (2 threads, model-shaped
-// matrices cycled past the L3); a software prefetch a tile or a few lines ahead did not close the gap.
-inline void rows_pairs(const float* x, int64_t K, const uint16_t* w, float* y, int64_t n, const float* bias) {
-  // One accumulator per row, 16 lanes at a time, reduced once: the summation order of rows_tile, so a row
-  // alone gives the same bits as that row in a batch (memory-bound: one FMA chain per row is enough).
+// Few x rows (batch 1, a verification step's rows): a task's weight rows split in two halves walked side by
+// side, row a of the first half with row a of the second, each pair dotted with every x row while it is in
+// L1. A thread then reads two sequential streams far apart, which the hardware prefetchers follow at the
+// DRAM rate: NT interleaved rows (the tile above) read 10-14 GB/s from DRAM on Zen 4, one row after another
+// 16-19, two far-apart rows 20-24 (2 threads, model-shaped matrices cycled past the L3); a software
+// prefetch a tile or a few lines ahead did not close the gap. With the tile's pattern 2-4 rows cost
+// 1.8-1.9x one row's time on a model's bf16 matrices; walked as pairs they stay near one row's.
+// One accumulator per (x row, weight row), 16 lanes at a time, reduced once: the summation order of
+// rows_tile, so a row alone gives the same bits as that row among others (one FMA chain per row is
+// enough where the weights' reads bound the time).
+template <int C>
+inline void pair_rows(const float* x, int64_t K, const uint16_t* wa, const uint16_t* wb, bool two, float* y,
+                      int64_t N, int64_t ra, int64_t rb, const float* bias) {
+  V a[C], b[C];
+  #pragma GCC unroll 8
+  for (int i = 0; i < C; ++i) a[i] = b[i] = simd16::zero();
+  for (int64_t k = 0; k < K; k += 16) {
+    const V va = simd16::load(wa + k, K - k), vb = simd16::load(wb + k, K - k);
+    #pragma GCC unroll 8
+    for (int i = 0; i < C; ++i) {
+      const V xv = simd16::load(x + i * K + k, K - k);
+      a[i] = simd16::fmadd(xv, va, a[i]);
+      b[i] = simd16::fmadd(xv, vb, b[i]);
+    }
+  }
+  #pragma GCC unroll 8
+  for (int i = 0; i < C; ++i) {
+    y[i * N + ra] = simd16::reduce_add(a[i]) + (bias ? bias[ra] : 0.f);
+    if (two) y[i * N + rb] = simd16::reduce_add(b[i]) + (bias ? bias[rb] : 0.f);
+  }
+}
+
+// Up to this many x rows take the pair walk (beyond, rows_block's tiles reuse each weight load more).
+constexpr int64_t kPairMaxRows = 8;
+
+// Weight rows [0, n) of this task (w, y and bias start at its first row; y's rows are N apart).
+inline void rows_pairs(const float* x, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t N, int64_t n,
+                       const float* bias) {
+  constexpr int C = kRowsChunk;  // x rows per pass over a pair, by register count
   const int64_t half = (n + 1) / 2;
   for (int64_t r = 0; r < half; ++r) {
     const bool two = r + half < n;
     const uint16_t* wa = w + r * K;
     const uint16_t* wb = two ? w + (r + half) * K : wa;
-    V a = simd16::zero(), b = a;
-    for (int64_t k = 0; k < K; k += 16) {
-      const V xv = simd16::load(x + k, K - k);
-      a = simd16::fmadd(xv, simd16::load(wa + k, K - k), a);
-      b = simd16::fmadd(xv, simd16::load(wb + k, K - k), b);
+    int64_t m = 0;
+    for (; m + C <= M; m += C) pair_rows<C>(x + m * K, K, wa, wb, two, y + m * N, N, r, r + half, bias);
+    switch (M - m) {
+      case 3: pair_rows<3>(x + m * K, K, wa, wb, two, y + m * N, N, r, r + half, bias); break;
+      case 2: pair_rows<2>(x + m * K, K, wa, wb, two, y + m * N, N, r, r + half, bias); break;
+      case 1: pair_rows<1>(x + m * K, K, wa, wb, two, y + m * N, N, r, r + half, bias); break;
+      default: break;
     }
-    y[r] = simd16::reduce_add(a) + (bias ? bias[r] : 0.f);
-    if (two) y[r + half] = simd16::reduce_add(b) + (bias ? bias[r + half] : 0.f);
   }
 }
 
@@ -289,9 +320,9 @@ at::Tensor linear_bf16_rows(const at::Tensor& x, const at::Tensor& weight, const
   const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
 #ifdef PERFXLM_SIMD16
-  if (M == 1) {
+  if (M <= kPairMaxRows) {
     at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-      rows_pairs(xp, K, wp + begin * K, yp + begin, end - begin, bp ? bp + begin : nullptr);
+      rows_pairs(xp, M, K, wp + begin * K, yp + begin, N, end - begin, bp ? bp + begin : nullptr);
     });
     return y;
   }

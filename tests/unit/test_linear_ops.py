@@ -142,13 +142,17 @@ def test_rows_kernel_called_directly_and_bad_input(ops):
 
 @pytest.mark.parametrize("n_out", [1, 2, 7, 333])
 @pytest.mark.parametrize("k", [16, 200])
-def test_rows_kernel_row_alone_equals_the_row_in_a_batch(ops, n_out, k):
-    # batch 1 walks a task's rows in two halves side by side; each row keeps the batch path's summation
-    # order, so a bfloat16 model's greedy text does not depend on the batch
-    x, w, b, _ = _case(6, n_out, k, True, n_out + k)
+@pytest.mark.parametrize("m", [6, 11])
+def test_rows_kernel_row_alone_equals_the_row_in_a_batch(ops, n_out, k, m):
+    # up to 8 rows walk a task's weight rows in two halves side by side (past the register chunk of x rows
+    # too), more take the tiles; each row keeps one summation order, so a bfloat16 model's greedy text does
+    # not depend on the batch, nor on how many verification rows a speculative step carries
+    x, w, b, _ = _case(m, n_out, k, True, n_out + k + m)
     batch = ops.linear_bf16_rows(x, w, b)
-    for i in range(x.shape[0]):
+    for i in range(m):
         assert torch.equal(ops.linear_bf16_rows(x[i : i + 1], w, b)[0], batch[i])
+    for rows in range(2, m):
+        assert torch.equal(ops.linear_bf16_rows(x[:rows].contiguous(), w, b), batch[:rows])
 
 
 def test_plan_from_environment(monkeypatch):
