@@ -816,6 +816,27 @@ at::Tensor mlp_activation(const at::Tensor& gate_up, int64_t inter, int64_t acti
 
 at::Tensor take_columns(const at::Tensor& x, const at::Tensor& order) { return ::take_columns(x, order); }
 
+std::vector<at::Tensor> decode_layer(
+    at::Tensor x, at::Tensor residual, bool first, const at::Tensor& in_norm, const at::Tensor& post_norm,
+    const c10::optional<at::Tensor>& pre_ff_norm, const c10::optional<at::Tensor>& post_ff_norm, double eps,
+    const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double head_eps,
+    at::TensorList w_qkv, const c10::optional<at::Tensor>& b_qkv, at::TensorList w_o,
+    const c10::optional<at::Tensor>& b_o, at::TensorList w_gate_up, const c10::optional<at::Tensor>& b_gate_up,
+    at::TensorList w_down, const c10::optional<at::Tensor>& b_down, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t intermediate, int64_t activation, const at::Tensor& cos, const at::Tensor& sin,
+    at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+    const at::Tensor& seq_lens, double scale, int64_t sliding_window, double soft_cap, int64_t max_rows,
+    bool bf16_gemm, at::TensorList lora, const c10::optional<at::Tensor>& key_scale,
+    const c10::optional<at::Tensor>& value_scale, bool int8_blocks, int64_t quant_max_rows,
+    int64_t quant_block_max_rows, const c10::optional<at::Tensor>& sinks, int64_t gemm_rows, bool bf16_attention) {
+  return ::decode_layer(x, residual, first, in_norm, post_norm, pre_ff_norm, post_ff_norm, eps, q_norm, k_norm,
+                        head_eps, w_qkv, b_qkv, w_o, b_o, w_gate_up, b_gate_up, w_down, b_down, num_heads,
+                        num_kv_heads, head_dim, intermediate, activation, cos, sin, key_cache, value_cache,
+                        slot_mapping, block_tables, seq_lens, scale, sliding_window, soft_cap, max_rows, bf16_gemm,
+                        lora, key_scale, value_scale, int8_blocks, quant_max_rows, quant_block_max_rows, sinks,
+                        gemm_rows, bf16_attention);
+}
+
 }  // namespace perfxlm_fused
 
 

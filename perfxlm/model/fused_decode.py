@@ -20,6 +20,7 @@ module path, which stays the reference the tests compare against.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
@@ -36,6 +37,15 @@ from perfxlm.ops.attention import decode_bf16_products
 from perfxlm.ops.linear import native_int8_blocks
 from perfxlm.quant.split_rows import pieces
 from perfxlm.quant.weight import ActivationMode
+
+
+def decode_stack_enabled() -> bool:
+    """PERFXLM_DECODE_STACK: 1 (default) runs an all-decode step's layers in one native call where they
+    allow it; 0 calls decode_layer once per layer from Python (the same kernels, the same bits)."""
+    value = os.environ.get("PERFXLM_DECODE_STACK", "1").strip() or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"PERFXLM_DECODE_STACK={value!r}: expected 1 (one call per step) or 0 (one per layer).")
+    return value == "1"
 
 
 def activation_code(act: nn.Module) -> int | None:
@@ -272,6 +282,14 @@ class FusedDecode:
         self.quant_bf16_gemm = True
         self.int8_blocks = False  # whether the kernel rounds activations to int8 blocks (all weights alike)
         self.steps = 0  # steps run fused (tests and workers' stats read it)
+        # Every layer in one native call (csrc/decode_stack.cpp) where each is one decode_layer call with
+        # its MLP: the layers' fixed operands are handed over once, and a step passes only its own.
+        self.use_stack = decode_stack_enabled()
+        self.stack: Any = None  # torch.classes.perfxlm.DecodeStack, built at the first step that takes it
+        self.stack_attention: list[nn.Module] = []  # the layers' attention modules, whose caches it holds
+        self.stack_caches: list[Any] = []  # those KV caches, one per layer (rebuilt if they change)
+        self.stack_pattern: list[int] = []  # each layer's index into the rope tables a step passes
+        self.stack_steps = 0  # steps run through it (tests read it)
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         if not self.eligible or x.dtype != torch.float32 or meta.prefills or meta.num_decode_tokens != x.shape[0]:
@@ -336,6 +354,15 @@ class FusedDecode:
         residual = x
         lora = meta.lora
         self.steps += 1
+        tables, pattern = ([rope], None) if layer_ropes is None else _rope_tables(layer_ropes)
+        stack = self._stack(pattern) if lora is None else None
+        if stack is not None:
+            self.stack_steps += 1
+            x, residual = stack.run(x, x, [c for c, _ in tables], [s for _, s in tables], meta.slot_mapping,
+                                    meta.decode_block_tables, meta.decode_seq_lens, max_rows, bf16_gemm,
+                                    self.int8_blocks, plan.quant_max_rows, plan.quant_block_max_rows, gemm_rows,
+                                    bf16_attention)  # fmt: skip
+            return x, residual
         for i, (layer, call) in enumerate(zip(self.layers, self.args or [])):
             cos, sin = rope if layer_ropes is None else layer_ropes[i]
             adapters = [] if lora is None else lora.fused_operands(call.projections)
@@ -367,6 +394,44 @@ class FusedDecode:
                 x = call.module_mlp(x).contiguous()
         return x, residual
 
+    def _stack(self, pattern: list[int] | None = None) -> Any:
+        """The DecodeStack of these layers, or None where a layer is not one plain decode_layer call (an
+        expert MLP, a tensor-parallel shard) or the stack is switched off. `pattern`: each layer's rope
+        table (None: one for all). Built on first use; rebuilt when the layers' KV caches are no longer
+        the ones it holds (a new runner on the same model) or the pattern changes."""
+        if not self.use_stack or not self.args:
+            return None
+        pattern = pattern or [0] * len(self.args)
+        if (self.stack is not None and pattern == self.stack_pattern
+                and all(a.kv_cache is c for a, c in zip(self.stack_attention, self.stack_caches))):
+            return self.stack
+        if any(call.halves is not None or call.module_mlp is not None for call in self.args):
+            self.use_stack = False
+            return None
+        self.stack_attention = [layer.self_attn.attn for layer in self.layers]
+        caches = [a.kv_cache for a in self.stack_attention]
+        stack = torch.classes.perfxlm.DecodeStack()
+        for call, cache, table in zip(self.args, caches, pattern):
+            stack.add_layer(*call.before, cache.key, cache.value, *call.after, cache.key_scale, cache.value_scale,
+                            call.sinks, table)  # fmt: skip
+        self.stack, self.stack_caches, self.stack_pattern = stack, caches, pattern
+        return stack
+
+
+
+def _rope_tables(layer_ropes: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list, list[int]]:
+    """(the distinct (cos, sin) tables of a step, each layer's index among them): layers of one kind share
+    their table object (Gemma's local and global bases)."""
+    tables: list[tuple[torch.Tensor, torch.Tensor]] = []
+    index: dict[int, int] = {}
+    pattern = []
+    for rope in layer_ropes:
+        at = index.get(id(rope))
+        if at is None:
+            at = index[id(rope)] = len(tables)
+            tables.append(rope)
+        pattern.append(at)
+    return tables, pattern
 
 
 def fused_decode_steps(model: nn.Module) -> int:

@@ -40,11 +40,13 @@ _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 # integer GEMM (int8_rows.cpp), the int8 GEMM of many rows over block-quantized codes (quant_gemm.cpp),
 # multi-head latent attention's decode step (mla_kernels.cpp), products over FP8 e4m3 weight bytes
 # (fp8_linear.cpp), many rows against bf16 rows by bf16 dot products (bf16_dots.cpp), and causal
-# prefill attention over a prompt's own keys and its cached context (prefill_attention.cpp).
+# prefill attention over a prompt's own keys and its cached context (prefill_attention.cpp), and every
+# decoder layer of an all-decode step in one call (decode_stack.cpp).
 _SOURCES = [_CSRC / "cpu_kernels.cpp", _CSRC / "attention_kernels.cpp", _CSRC / "quant_linear.cpp",
             _CSRC / "quant_search.cpp", _CSRC / "lora_kernels.cpp", _CSRC / "int8_rows.cpp",
             _CSRC / "quant_gemm.cpp", _CSRC / "moe_kernels.cpp", _CSRC / "mla_kernels.cpp",
-            _CSRC / "fp8_linear.cpp", _CSRC / "bf16_dots.cpp", _CSRC / "prefill_attention.cpp"]
+            _CSRC / "fp8_linear.cpp", _CSRC / "bf16_dots.cpp", _CSRC / "prefill_attention.cpp",
+            _CSRC / "decode_stack.cpp"]
 _NAME = "perfxlm_cpu_kernels"
 _lock = threading.Lock()
 _state: dict[str, Any] = {}

@@ -231,3 +231,63 @@ def test_moe_attention_half_adds_attention_adapters(checkpoints, tmp_path, monke
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             for tok in la:
                 assert la[tok].logprob == pytest.approx(lb[tok].logprob, abs=1e-4)
+
+
+def _fused_decodes(llm) -> list[FusedDecode]:
+    model = llm.llm_engine.core.model
+    return [v for m in model.modules() for v in vars(m).values() if isinstance(v, FusedDecode)]
+
+
+# where every layer is one decode_layer call with its MLP, a step's layers run as one DecodeStack call
+# (csrc/decode_stack.cpp; Gemma's local and global rope tables too); layers with expert MLPs loop
+STACK_CASES = {"qwen2-bias-tied-sliding": True, "qwen3-qknorm-headdim-bias": True, "mistral-sliding-mqa": True,
+               "gemma2-softcap-local-global": True, "phi3-longrope-partial-sliding": True,
+               "gemma3-softcaps-untied": True, "glm-partial-interleaved": True, "glm4-post-norms": True,
+               "gptoss-sinks-alternating": False, "qwen2moe-shared-dense-layer": False}  # fmt: skip
+
+
+@pytest.mark.parametrize("setup", ["float32", "bf16-rows-native", "int8-cache"])
+@pytest.mark.parametrize("case", FUSED)
+def test_decode_stack_gives_the_per_layer_calls_bits(checkpoints, case, setup):
+    """One native call for the step's layers runs the same decode_layer per layer as the Python loop
+    does: the same tokens and bit-identical logprobs, over a batch of prompts (several decode rows)."""
+    if native.kernels() is None:
+        pytest.skip("native kernels unavailable on this machine")
+    dtype, changes = PLANS.get(setup, ("float32", {}))
+    if changes:
+        cpu_plan.use(**changes)
+    llm = LLM(checkpoints[case], skip_tokenizer_init=True, dtype=dtype, num_kv_blocks=64, enable_prefix_caching=False,
+              kv_cache_dtype="int8" if setup == "int8-cache" else "auto")  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": p} for p in _prompts()]
+    stacked = llm.generate(prompts, params, use_tqdm=False)
+    decodes = _fused_decodes(llm)
+    steps = sum(f.stack_steps for f in decodes)
+    assert (steps >= 8) if STACK_CASES[case] else (steps == 0)
+    for f in decodes:
+        f.use_stack = False
+    per_layer = llm.generate(prompts, params, use_tqdm=False)
+    assert sum(f.stack_steps for f in decodes) == steps and sum(f.steps for f in decodes) >= 2 * 8
+    for a, b in zip(stacked, per_layer):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [{t: p.logprob for t, p in d.items()} for d in a.outputs[0].logprobs] == \
+            [{t: p.logprob for t, p in d.items()} for d in b.outputs[0].logprobs]  # fmt: skip
+
+
+def test_decode_stack_is_rebuilt_for_new_caches_and_its_knob_is_checked(checkpoints, monkeypatch):
+    if native.kernels() is None:
+        pytest.skip("native kernels unavailable on this machine")
+    llm = LLM(checkpoints["qwen2-bias-tied-sliding"], skip_tokenizer_init=True, dtype="float32", num_kv_blocks=64)
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    (fused,) = _fused_decodes(llm)
+    first = fused.stack
+    assert first is not None and fused._stack() is first  # the same caches: the same stack
+    fused.stack_caches = [object()] + fused.stack_caches[1:]  # as if a new runner had given the layers caches
+    assert fused._stack() is not first and fused.stack_caches[0] is fused.stack_attention[0].kv_cache
+    from perfxlm.model.fused_decode import decode_stack_enabled
+
+    monkeypatch.setenv("PERFXLM_DECODE_STACK", "0")
+    assert decode_stack_enabled() is False
+    monkeypatch.setenv("PERFXLM_DECODE_STACK", "yes")
+    with pytest.raises(ValueError, match="PERFXLM_DECODE_STACK='yes'"):
+        decode_stack_enabled()
