@@ -768,6 +768,11 @@ std::vector<at::Tensor> decode_mlp(
   return {out, stream};
 }
 
+}  // namespace
+
+// The whole layer: decode_attention then decode_mlp (fused_project.h lends it to csrc/decode_stack.cpp).
+namespace perfxlm_fused {
+
 std::vector<at::Tensor> decode_layer(
     at::Tensor x, at::Tensor residual, bool first, const at::Tensor& in_norm, const at::Tensor& post_norm,
     const c10::optional<at::Tensor>& pre_ff_norm, const c10::optional<at::Tensor>& post_ff_norm, double eps,
@@ -797,12 +802,7 @@ std::vector<at::Tensor> decode_layer(
   return m;
 }
 
-
-}  // namespace
-
 // What csrc/moe_kernels.cpp composes its experts from: the fused layer's product and gated activation.
-namespace perfxlm_fused {
-
 at::Tensor project(const at::Tensor& x, at::TensorList parts, int64_t n_out, const c10::optional<at::Tensor>& bias,
                    int64_t max_rows, bool bf16_gemm, bool int8_blocks, int64_t quant_max_rows,
                    int64_t quant_block_max_rows, int64_t gemm_rows) {
@@ -815,27 +815,6 @@ at::Tensor mlp_activation(const at::Tensor& gate_up, int64_t inter, int64_t acti
 }
 
 at::Tensor take_columns(const at::Tensor& x, const at::Tensor& order) { return ::take_columns(x, order); }
-
-std::vector<at::Tensor> decode_layer(
-    at::Tensor x, at::Tensor residual, bool first, const at::Tensor& in_norm, const at::Tensor& post_norm,
-    const c10::optional<at::Tensor>& pre_ff_norm, const c10::optional<at::Tensor>& post_ff_norm, double eps,
-    const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double head_eps,
-    at::TensorList w_qkv, const c10::optional<at::Tensor>& b_qkv, at::TensorList w_o,
-    const c10::optional<at::Tensor>& b_o, at::TensorList w_gate_up, const c10::optional<at::Tensor>& b_gate_up,
-    at::TensorList w_down, const c10::optional<at::Tensor>& b_down, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t intermediate, int64_t activation, const at::Tensor& cos, const at::Tensor& sin,
-    at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-    const at::Tensor& seq_lens, double scale, int64_t sliding_window, double soft_cap, int64_t max_rows,
-    bool bf16_gemm, at::TensorList lora, const c10::optional<at::Tensor>& key_scale,
-    const c10::optional<at::Tensor>& value_scale, bool int8_blocks, int64_t quant_max_rows,
-    int64_t quant_block_max_rows, const c10::optional<at::Tensor>& sinks, int64_t gemm_rows, bool bf16_attention) {
-  return ::decode_layer(x, residual, first, in_norm, post_norm, pre_ff_norm, post_ff_norm, eps, q_norm, k_norm,
-                        head_eps, w_qkv, b_qkv, w_o, b_o, w_gate_up, b_gate_up, w_down, b_down, num_heads,
-                        num_kv_heads, head_dim, intermediate, activation, cos, sin, key_cache, value_cache,
-                        slot_mapping, block_tables, seq_lens, scale, sliding_window, soft_cap, max_rows, bf16_gemm,
-                        lora, key_scale, value_scale, int8_blocks, quant_max_rows, quant_block_max_rows, sinks,
-                        gemm_rows, bf16_attention);
-}
 
 }  // namespace perfxlm_fused
 
@@ -881,7 +860,7 @@ TORCH_LIBRARY_IMPL(perfxlm, CPU, m) {
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary_embedding", &rotary_embedding);
-  m.impl("decode_layer", &decode_layer);
+  m.impl("decode_layer", &perfxlm_fused::decode_layer);
   m.impl("decode_attention", &decode_attention);
   m.impl("decode_mlp", &decode_mlp);
   m.impl("lora_project", &project_lora_one_region);
