@@ -25,7 +25,14 @@ KERNEL_TESTS = ["tests/unit/test_linear_ops.py", "tests/unit/test_bf16_dots.py",
                 "tests/quant/test_int4_two_level.py::test_every_group_through_the_block_kernels_alone_and_in_a_batch",
                 # the fused decode layer's LoRA rows against the module path
                 "tests/unit/test_lora_kernel.py",
-                "tests/lora/test_lora_vs_peft.py::test_fused_decode_adds_the_adapters"]
+                "tests/lora/test_lora_vs_peft.py::test_fused_decode_adds_the_adapters",
+                # the decode stack (one call for a step's layers) against the per-layer calls, bit for bit
+                "tests/model/test_fused_decode_families.py::test_decode_stack_gives_the_per_layer_calls_bits"
+                "[gemma2-softcap-local-global-float32]",
+                "tests/model/test_fused_decode_families.py::test_decode_stack_gives_the_per_layer_calls_bits"
+                "[qwen3-qknorm-headdim-bias-int8-cache]",
+                "tests/model/test_fused_decode_families.py::test_decode_stack_gives_the_per_layer_calls_bits"
+                "[qwen2-bias-tied-sliding-bf16-rows-native]"]
 
 
 @pytest.mark.slow
