@@ -7,7 +7,9 @@ Gemma 2 / 3 (sandwich norms with 1 + w, GELU-tanh, soft-capped attention, local/
 table per layer kind), GLM-4 (interleaved rotary reordered at load, post-sublayer norms), attention sinks
 (gpt-oss), and runs a step whose tokens are all decodes through `torch.ops.perfxlm.decode_layer`, float32
 activations over float32, bf16 or quantized weights, with the step's LoRA adapters added after each
-projection. A layer whose MLP is a mixture of experts (Qwen2/3-MoE,
+projection. Where every layer is one such call with its MLP (and the step has no adapters), all of them
+run as one native call: a DecodeStack (csrc/decode_stack.cpp) holds the layers' fixed operands from the
+first step and calls the same decode_layer per layer, so the per-layer dispatch and the loop here go. A layer whose MLP is a mixture of experts (Qwen2/3-MoE,
 Mixtral, gpt-oss) fuses its attention half: the call stops after the post-attention norm and the layer's
 own MLP module runs on its output. A decoder layer kind joins by implementing `fused_decode_layer()`
 (FusableDecoderLayer), built from `fused_attention`, `fused_mlp` and `fused_layer`; no family is named
