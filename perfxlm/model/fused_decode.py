@@ -9,8 +9,9 @@ table per layer kind), GLM-4 (interleaved rotary reordered at load, post-sublaye
 activations over float32, bf16 or quantized weights, with the step's LoRA adapters added after each
 projection. Where every layer is one such call with its MLP (and the step has no adapters), all of them
 run as one native call: a DecodeStack (csrc/decode_stack.cpp) holds the layers' fixed operands from the
-first step and calls the same decode_layer per layer, so the per-layer dispatch and the loop here go. A layer whose MLP is a mixture of experts (Qwen2/3-MoE,
-Mixtral, gpt-oss) fuses its attention half: the call stops after the post-attention norm and the layer's
+first step and calls the same decode_layer per layer, so the per-layer dispatch and the loop here go.
+A layer whose MLP is a mixture of experts (Qwen2/3-MoE, Mixtral, gpt-oss) fuses its attention half: the
+call stops after the post-attention norm and the layer's
 own MLP module runs on its output. A decoder layer kind joins by implementing `fused_decode_layer()`
 (FusableDecoderLayer), built from `fused_attention`, `fused_mlp` and `fused_layer`; no family is named
 here. Under tensor parallelism each rank runs its shard's layer in two native calls
@@ -290,7 +291,7 @@ class FusedDecode:
         self.stack: Any = None  # torch.classes.perfxlm.DecodeStack, built at the first step that takes it
         self.stack_attention: list[nn.Module] = []  # the layers' attention modules, whose caches it holds
         self.stack_caches: list[Any] = []  # those KV caches, one per layer (rebuilt if they change)
-        self.stack_pattern: list[int] = []  # each layer's index into the rope tables a step passes
+        self.stack_pattern: list[int] | None = None  # each layer's rope table index (None: one table for all)
         self.stack_steps = 0  # steps run through it (tests read it)
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -403,7 +404,6 @@ class FusedDecode:
         the ones it holds (a new runner on the same model) or the pattern changes."""
         if not self.use_stack or not self.args:
             return None
-        pattern = pattern or [0] * len(self.args)
         if (self.stack is not None and pattern == self.stack_pattern
                 and all(a.kv_cache is c for a, c in zip(self.stack_attention, self.stack_caches))):
             return self.stack
@@ -413,12 +413,11 @@ class FusedDecode:
         self.stack_attention = [layer.self_attn.attn for layer in self.layers]
         caches = [a.kv_cache for a in self.stack_attention]
         stack = torch.classes.perfxlm.DecodeStack()
-        for call, cache, table in zip(self.args, caches, pattern):
+        for call, cache, table in zip(self.args, caches, pattern or [0] * len(self.args)):
             stack.add_layer(*call.before, cache.key, cache.value, *call.after, cache.key_scale, cache.value_scale,
                             call.sinks, table)  # fmt: skip
         self.stack, self.stack_caches, self.stack_pattern = stack, caches, pattern
         return stack
-
 
 
 def _rope_tables(layer_ropes: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list, list[int]]:
