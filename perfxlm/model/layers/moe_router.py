@@ -31,6 +31,11 @@ def _mask_to_groups(
     return scores.masked_fill(~keep, fill)
 
 
+# Rows up to which routing runs one row at a time (a decode batch, a speculative step's verification rows);
+# past it, once over the whole chunk (a prefill).
+ROW_BY_ROW = 32
+
+
 class GroupedTopKRouter(nn.Module):
     def __init__(
         self,
@@ -72,7 +77,18 @@ class GroupedTopKRouter(nn.Module):
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, hidden] -> (weights [T, k] float32, expert ids [T, k] int64)."""
+        """[T, hidden] -> (weights [T, k] float32, expert ids [T, k] int64).
+
+        A few rows are routed one at a time: torch's float32 GEMM sums in an order that depends on how many
+        rows it multiplies, and its elementwise sigmoid / softmax take vector steps or scalar ones by where
+        an element falls in the flat tensor, so a speculative step's verification rows would weigh the
+        experts a few ulps off the one-row decode steps they stand for (and could route a near tie apart)."""
+        if 1 < x.shape[0] <= ROW_BY_ROW:
+            parts = [self._route(row) for row in x.split(1)]
+            return torch.cat([w for w, _ in parts]), torch.cat([i for _, i in parts])
+        return self._route(x)
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())
         if self.scoring == "softmax":
             scores = logits.softmax(dim=-1)

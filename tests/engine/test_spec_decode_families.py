@@ -1,0 +1,67 @@
+"""Speculative decoding on every family the engine runs: greedy tokens and their logprobs equal decoding
+without speculation, where the guesses are accepted in runs and rejected mid-way.
+
+A verification step runs a request's guesses as decode rows of one sequence; each family brings its own
+attention (sliding windows, local and global rope bases, soft caps, sinks, latent attention), MLP (routed
+experts, shared experts) and norms into those rows. A random-weight model's output does not repeat its
+prompt, so prompt lookup would rarely be accepted: the guesses are the plain run's own tokens, every
+third proposal's last one wrong (test_spec_decode's oracle).
+
+The tokens are equal everywhere. The logprobs are bit for bit equal except where a row's products are
+known to depend on how many rows share the step, a few ulps apart (KNOWN_ULPS says why); there they are
+held within 1e-5."""
+
+from __future__ import annotations
+
+import pytest
+
+from perfxlm import LLM, SamplingParams
+from tests.conftest import assert_pool_whole
+from tests.engine.test_spec_decode import _Oracle
+from tests.model import test_architectures_vs_hf as older
+from tests.model import test_recent_families_vs_hf as recent
+
+pytestmark = pytest.mark.usefixtures("one_thread", "full_verify_budget")
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+CASES = [("older", c) for c in older.CASES] + [("recent", c) for c in recent.CASES]
+ROUTED = {"qwen2moe-shared-dense-layer", "mixtral-sliding"} | {c for c, spec in recent.CASES.items() if spec[3]}
+# (case, dtype) -> why a verification row's bits may differ from the decode step's
+KNOWN_ULPS = {
+    **{(c, "float32"): "float32 expert stacks take torch's float32 GEMM (moe_kernels.cpp: rows_independent), "
+                       "whose sums depend on the rows an expert gets" for c in ROUTED},
+    ("gptoss-sinks-alternating", "bfloat16"): "the clamped SwiGLU of an expert's rows runs as one flat op, as "
+                                              "the torch loop's (moe_kernels.cpp: act_after), and an "
+                                              "intermediate size off the vector width puts a row's last "
+                                              "elements on vector steps or scalar ones by the rows beside it",
+}
+
+
+def _outputs(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+            for o in outs]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("module,case", CASES, ids=[c for _, c in CASES])
+def test_guesses_verified_as_the_decode_steps_they_stand_for(tmp_path, module, case, dtype):
+    path = str(tmp_path / case)
+    (older if module == "older" else recent).build_checkpoint(path, case)
+    prompts = older._prompts()
+    common = dict(skip_tokenizer_init=True, dtype=dtype, num_kv_blocks=64)
+    plain = _outputs(LLM(path, **common), prompts)
+    llm = LLM(path, speculative_config=SPEC, **common)
+    oracle = _Oracle({tuple(p): tokens for p, (tokens, _) in zip(prompts, plain)}, wrong=3)
+    llm.llm_engine.core.proposer = oracle
+    spec = _outputs(llm, prompts)
+    for prompt, (want, want_lp), (got, got_lp) in zip(prompts, plain, spec):
+        assert got == want, f"{case}: prompt of {len(prompt)} tokens"
+        if (case, dtype) in KNOWN_ULPS:
+            assert max(abs(a - b) for a, b in zip(got_lp, want_lp)) < 1e-5, KNOWN_ULPS[case, dtype]
+        else:
+            assert got_lp == want_lp, f"{case}: prompt of {len(prompt)} tokens: logprobs differ"
+    stats = llm.llm_engine.scheduler.spec_stats
+    assert oracle.calls > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats.as_dict()
+    assert_pool_whole(llm)
