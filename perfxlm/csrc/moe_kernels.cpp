@@ -44,15 +44,19 @@ namespace {
 
 using perfxlm_fused::project;
 
+constexpr int64_t kActRowAlign = 64;  // activation.py's ROW_ALIGN
 constexpr int64_t kRowRun = 32;  // weight rows a task's runs start at multiples of
 
 // act(gate) * up over [T, 2 * inter]; code 3 is gpt-oss's clamped SwiGLU over interleaved gate/up columns:
 // (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit), in ClampedSwiGLU's op order.
 at::Tensor expert_activation(const at::Tensor& gate_up, int64_t inter, int64_t activation, double alpha, double limit) {
   if (activation != 3) return perfxlm_fused::mlp_activation(gate_up, inter, activation);
-  const at::Tensor gate = gate_up.slice(1, 0, c10::nullopt, 2).clamp_max(limit);
+  at::Tensor gate = gate_up.slice(1, 0, c10::nullopt, 2).clamp_max(limit);
   const at::Tensor up = gate_up.slice(1, 1, c10::nullopt, 2).clamp(-limit, limit);
-  return (up + 1) * (gate * at::sigmoid(gate * alpha));
+  // rows padded to whole vector steps, as the module's (activation.py's ROW_ALIGN says why)
+  const int64_t d = gate.size(1), pad = (kActRowAlign - d % kActRowAlign) % kActRowAlign;
+  if (pad) gate = at::constant_pad_nd(gate, {0, pad});
+  return (up + 1) * (gate * at::sigmoid(gate * alpha)).narrow(1, 0, d);
 }
 
 // Rows [r0, r0 + n) (all: n < 0) of expert e out of a stack in row groups (QuantizedWeight.native_parts'
@@ -173,7 +177,7 @@ at::Tensor experts_by_columns(const at::Tensor& x_sorted, const at::Tensor& ws, 
                               const std::vector<Group>& groups, int64_t num_tokens, at::TensorList up_stack,
                               const c10::optional<at::Tensor>& b_gate_up, at::TensorList down_stack,
                               const c10::optional<at::Tensor>& b_down, int64_t inter, const Activation& act,
-                              const Products& product, bool one_row_each) {
+                              const Products& product) {
   const at::Tensor xs = ordered_by_expert(x_sorted, groups, up_stack);
   const at::TensorList w_gate_up = base_parts(up_stack), w_down = base_parts(down_stack);
   const int64_t hidden = xs.size(1), pairs = xs.size(0), active = static_cast<int64_t>(groups.size());
@@ -183,11 +187,6 @@ at::Tensor experts_by_columns(const at::Tensor& x_sorted, const at::Tensor& ws, 
   const int64_t cols = run_length(inter, (4 * threads + active - 1) / active, kRowRun);
   const int64_t col_runs = (inter + cols - 1) / cols;
   at::Tensor h = at::empty({pairs, inter}, xs.options());
-  // gpt-oss's activation over a group of several rows runs after the region on the group's whole
-  // [rows, 2 inter] products, as the torch loop's: torch's elementwise ops see its rows as one flat run,
-  // whose vector steps a run of one row's columns would not keep. One row per expert (decode): per task.
-  const bool act_after = act.interleaved() && !one_row_each;
-  at::Tensor pre = act_after ? at::empty({pairs, 2 * inter}, xs.options()) : at::Tensor();
   // the caller's thread-local state (inference mode above all: writing into h and out, inference tensors
   // under it, is refused on a thread without it) on every thread of the regions
   const at::ThreadLocalState caller;
@@ -201,10 +200,9 @@ at::Tensor experts_by_columns(const at::Tensor& x_sorted, const at::Tensor& ws, 
         // columns [j0, j0 + n) are gate|up rows [2 j0, 2 j0 + 2 n): one run (starting on a multiple of 64)
         const at::Tensor both =
             product(x, expert_rows(w_gate_up, g.expert, 2 * j0, 2 * n), 2 * n, expert_bias(b_gate_up, g.expert, 2 * j0, 2 * n));
-        if (act_after)
-          pre.narrow(0, g.start, g.rows).narrow(1, 2 * j0, 2 * n).copy_(both);
-        else
-          h.select(0, g.start).narrow(0, j0, n).copy_(act(both, n).squeeze(0));
+        // row by row, each row's run padded to whole vector steps (expert_activation): the torch loop's bits
+        for (int64_t r = 0; r < g.rows; ++r)
+          h.select(0, g.start + r).narrow(0, j0, n).copy_(act(both.narrow(0, r, 1), n).squeeze(0));
         continue;
       }
       if (n == inter) {
@@ -226,8 +224,6 @@ at::Tensor experts_by_columns(const at::Tensor& x_sorted, const at::Tensor& ws, 
       }
     }
   });
-  if (act_after)
-    for (const Group& g : groups) h.narrow(0, g.start, g.rows).copy_(act(pre.narrow(0, g.start, g.rows), inter));
   h = ordered_by_expert(h, groups, down_stack);
   const int64_t* tok = token_of.const_data_ptr<int64_t>();
   if (active >= 4 * threads) {
@@ -310,7 +306,7 @@ at::Tensor experts(const at::Tensor& x, const at::Tensor& weights, const at::Ten
   if (whole_groups && rows_independent(w_gate_up, most, max_rows, quant_max_rows, product.gemm_rows) &&
       rows_independent(w_down, most, max_rows, quant_max_rows, product.gemm_rows)) {
     return experts_by_columns(xs, ws, token_of, groups, x.size(0), w_gate_up, b_gate_up, w_down, b_down, inter, act,
-                              product, most <= 1);
+                              product);
   }
   at::Tensor out_sorted = at::empty_like(xs);
   for (const Group& g : groups) {

@@ -31,10 +31,6 @@ ROUTED = {"qwen2moe-shared-dense-layer", "mixtral-sliding"} | {c for c, spec in 
 KNOWN_ULPS = {
     **{(c, "float32"): "float32 expert stacks take torch's float32 GEMM (moe_kernels.cpp: rows_independent), "
                        "whose sums depend on the rows an expert gets" for c in ROUTED},
-    ("gptoss-sinks-alternating", "bfloat16"): "the clamped SwiGLU of an expert's rows runs as one flat op, as "
-                                              "the torch loop's (moe_kernels.cpp: act_after), and an "
-                                              "intermediate size off the vector width puts a row's last "
-                                              "elements on vector steps or scalar ones by the rows beside it",
 }
 
 

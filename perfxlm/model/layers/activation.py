@@ -61,6 +61,14 @@ class GeluAndMul(nn.Module):
         return F.gelu(gate, approximate=self.approximate) * up
 
 
+# torch's elementwise sigmoid takes vector steps over a contiguous run and scalar ones at its tail, and
+# the two round apart: over several rows at once, a row's last elements would land on one or the other by
+# the rows beside it. Rows padded to a multiple of this many elements (two vectors of the widest ISA, and
+# of the experts kernel's column runs) are each computed alone as within any batch: a speculative step's
+# verification rows as the decode steps they stand for (csrc/moe_kernels.cpp pads alike).
+ROW_ALIGN = 64
+
+
 class ClampedSwiGLU(nn.Module):
     """gpt-oss's expert activation: [..., 2 * d] with gate and up interleaved (even, odd columns) ->
     (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
@@ -71,7 +79,11 @@ class ClampedSwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x[..., ::2].clamp(max=self.limit), x[..., 1::2].clamp(-self.limit, self.limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        d = gate.shape[-1]
+        pad = -d % ROW_ALIGN
+        if pad:  # see ROW_ALIGN: the padding's own values are cut off below
+            gate = F.pad(gate, (0, pad))
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))[..., :d]
 
 
 def act_and_mul(name: str) -> nn.Module:
