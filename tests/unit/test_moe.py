@@ -259,3 +259,38 @@ def test_quantized_stacks_under_a_bf16_gemm_plan():
     finally:
         cpu_plan.use(previous)
     assert torch.equal(fused, looped) and fused.abs().sum() > 0
+
+
+@pytest.mark.parametrize("width", [2 * 36, 2 * 18, 2 * 65, 2 * 64, 2 * 2880])
+def test_clamped_swiglu_computes_each_row_as_alone(width):
+    """gpt-oss's activation over several rows gives each row the bits it gets alone, whatever the row width
+    (intermediate sizes off the vector width included): a verification step's rows are the decode steps'."""
+    from perfxlm.model.layers.activation import ClampedSwiGLU
+
+    act = ClampedSwiGLU(1.702, 1.5)
+    h = torch.randn(7, width, generator=torch.Generator().manual_seed(width)) * 3
+    together = act(h)
+    assert together.shape == (7, width // 2)
+    for r in range(7):
+        assert torch.equal(act(h[r : r + 1])[0], together[r]), f"row {r}"
+    # the module's formula, unpadded, within float rounding
+    gate, up = h[:, ::2].clamp(max=1.5), h[:, 1::2].clamp(-1.5, 1.5)
+    torch.testing.assert_close(together, (up + 1) * (gate * torch.sigmoid(gate * 1.702)), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("scoring,topk_method", [("sigmoid", "noaux_tc"), ("softmax", "group_limited_greedy"),
+                                                 ("softmax", "greedy")])
+def test_grouped_router_routes_each_row_as_alone(scoring, topk_method):
+    """DeepSeek's router over a few rows (a decode batch, a verification step) weighs each row's experts
+    with the bits it gets alone: its float32 product and its scoring run row by row there."""
+    from perfxlm.model.layers.moe_router import ROW_BY_ROW, GroupedTopKRouter
+
+    router = GroupedTopKRouter(40, 6, 2, scoring, topk_method, 2, 1, False, 1.0)
+    g = torch.Generator().manual_seed(1)
+    router.weight.copy_(torch.randn(6, 40, generator=g))
+    x = torch.randn(ROW_BY_ROW, 40, generator=g)
+    for rows in (2, 5, ROW_BY_ROW):
+        weights, ids = router(x[:rows])
+        for r in range(rows):
+            alone_w, alone_ids = router(x[r : r + 1])
+            assert torch.equal(alone_w[0], weights[r]) and torch.equal(alone_ids[0], ids[r]), (rows, r)
