@@ -1,0 +1,104 @@
+"""The CPU's throughput of the dot-product instructions the decode kernels are built on, per instruction:
+what an extra verification row of speculative decoding can cost at best (the bound the kernels' per-row
+figures are compared with in the README's CPU sections).
+
+    python benchmarks/dot_throughput.py            # every instruction this CPU has
+    python benchmarks/dot_throughput.py --iters 50000000
+
+Each kernel runs 12 independent accumulator chains (more than any latency needs), so the time per
+step is its reciprocal throughput (a step is one instruction, or the three of AVX2's int8 dot, which
+has no single instruction for it). On a shared machine, run it while nothing else does. It is compiled here with the system's C compiler for this
+CPU (-march=native); instructions the CPU lacks are skipped. One thread; the clock is the wall clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+# name -> (compiler feature guard, C type of the accumulators, their initialiser, the step, operands)
+KERNELS = {
+    "vdpbf16ps zmm (AVX512-BF16)": ("__AVX512BF16__", "__m512", "_mm512_set1_ps(i)",
+                                    "_mm512_dpbf16_ps(a[i], (__m512bh)x, (__m512bh)y)",
+                                    "__m512i x = _mm512_set1_epi16(0x3f80), y = _mm512_set1_epi16(0x3f00);"),
+    "vpdpbusd zmm (AVX512-VNNI)": ("__AVX512VNNI__", "__m512i", "_mm512_set1_epi32(i)",
+                                   "_mm512_dpbusd_epi32(a[i], x, y)",
+                                   "__m512i x = _mm512_set1_epi8(3), y = _mm512_set1_epi8(5);"),
+    "vpdpbusd ymm (AVX512-VNNI/VL)": ("__AVX512VNNI__", "__m256i", "_mm256_set1_epi32(i)",
+                                      "_mm256_dpbusd_epi32(a[i], x, y)",
+                                      "__m256i x = _mm256_set1_epi8(3), y = _mm256_set1_epi8(5);"),
+    "vpmaddubsw+vpmaddwd+vpaddd ymm (AVX2 int8 dot)": ("__AVX2__", "__m256i", "_mm256_set1_epi32(i)",
+                                       # the chain's own value as the signed bytes: x, y alone would be one product per iteration
+                                       "_mm256_add_epi32(a[i], _mm256_madd_epi16(_mm256_maddubs_epi16(x, a[i]), ones))",
+                                       "__m256i x = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);"),
+    "vfmadd231ps zmm (AVX-512F)": ("__AVX512F__", "__m512", "_mm512_set1_ps(i)", "_mm512_fmadd_ps(a[i], x, y)",
+                                   "__m512 x = _mm512_set1_ps(1.0001f), y = _mm512_set1_ps(0.999f);"),
+    "vfmadd231ps ymm (FMA)": ("__FMA__", "__m256", "_mm256_set1_ps(i)", "_mm256_fmadd_ps(a[i], x, y)",
+                              "__m256 x = _mm256_set1_ps(1.0001f), y = _mm256_set1_ps(0.999f);"),
+}
+
+_SOURCE_HEAD = """#include <immintrin.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
+"""
+
+_KERNEL = """
+#ifdef {guard}
+static void run_{n}(long iters) {{
+  {operands}
+  {ctype} a[12];
+  for (int i = 0; i < 12; i++) a[i] = {init};
+  double t = now();
+  for (long it = 0; it < iters; it++) {{
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; i++) a[i] = {step};
+    __asm__ volatile("" : "+v"(x));  /* the operands stay live: no hoisting out of the loop */
+  }}
+  double dt = now() - t;
+  unsigned char sink = 0;
+  for (int i = 0; i < 12; i++) {{ unsigned char b[sizeof(a[0])]; memcpy(b, &a[i], sizeof b); sink ^= b[0]; }}
+  printf("%s\\t%.4f\\t%d\\n", "{name}", dt / (iters * 12.0) * 1e9, sink);  /* printed: the sums stay live */
+}}
+#endif
+"""
+
+
+def source(iters: int) -> str:
+    parts = [_SOURCE_HEAD]
+    calls = []
+    for n, (name, (guard, ctype, init, step, operands)) in enumerate(KERNELS.items()):
+        parts.append(_KERNEL.format(guard=guard, n=n, operands=operands, ctype=ctype, init=init, step=step, name=name))
+        calls.append(f"#ifdef {guard}\n  run_{n}({iters}L);\n#endif")
+    parts.append("int main(void) {\n" + "\n".join(calls) + "\n  return 0;\n}\n")
+    return "".join(parts)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iters", type=int, default=100_000_000, help="loop iterations (12 instructions each)")
+    args = ap.parse_args()
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc") or shutil.which("clang")
+    if cc is None:
+        raise SystemExit("no C compiler found (set CC)")
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = os.path.join(tmp, "dots.c"), os.path.join(tmp, "dots")
+        with open(src, "w") as f:
+            f.write(source(args.iters))
+        subprocess.run([cc, "-O2", "-march=native", src, "-o", exe], check=True)
+        out = subprocess.run([exe], check=True, capture_output=True, text=True).stdout
+    print("| step (one instruction; AVX2's int8 dot is three) | ns per step | steps per ns |")
+    print("|---|---:|---:|")
+    for line in out.strip().splitlines():
+        name, ns, _ = line.split("\t")
+        print(f"| {name} | {float(ns):.3f} | {1 / float(ns):.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
