@@ -20,25 +20,39 @@ import subprocess
 import sys
 import tempfile
 
+
+def _vec(width: int, kind: str) -> tuple[str, str]:
+    """(the intrinsics' prefix, the register type) of a width and element kind ("ps" float, "i" integer)."""
+    prefix = "_mm512" if width == 512 else "_mm256"
+    return prefix, f"__m{width}" + ("i" if kind == "i" else "")
+
+
+def _vnni(width: int) -> tuple[str, str, str, str, str]:
+    p, reg = _vec(width, "i")
+    return ("__AVX512VNNI__", reg, f"{p}_set1_epi32(i)", f"{p}_dpbusd_epi32(a[i], x, y)",
+            f"{reg} x = {p}_set1_epi8(3), y = {p}_set1_epi8(5);")
+
+
+def _fma(width: int) -> tuple[str, str, str, str, str]:
+    p, reg = _vec(width, "ps")
+    return ("__AVX512F__" if width == 512 else "__FMA__", reg, f"{p}_set1_ps(i)", f"{p}_fmadd_ps(a[i], x, y)",
+            f"{reg} x = {p}_set1_ps(1.0001f), y = {p}_set1_ps(0.999f);")
+
+
 # name -> (compiler feature guard, C type of the accumulators, their initialiser, the step, operands)
 KERNELS = {
     "vdpbf16ps zmm (AVX512-BF16)": ("__AVX512BF16__", "__m512", "_mm512_set1_ps(i)",
                                     "_mm512_dpbf16_ps(a[i], (__m512bh)x, (__m512bh)y)",
                                     "__m512i x = _mm512_set1_epi16(0x3f80), y = _mm512_set1_epi16(0x3f00);"),
-    "vpdpbusd zmm (AVX512-VNNI)": ("__AVX512VNNI__", "__m512i", "_mm512_set1_epi32(i)",
-                                   "_mm512_dpbusd_epi32(a[i], x, y)",
-                                   "__m512i x = _mm512_set1_epi8(3), y = _mm512_set1_epi8(5);"),
-    "vpdpbusd ymm (AVX512-VNNI/VL)": ("__AVX512VNNI__", "__m256i", "_mm256_set1_epi32(i)",
-                                      "_mm256_dpbusd_epi32(a[i], x, y)",
-                                      "__m256i x = _mm256_set1_epi8(3), y = _mm256_set1_epi8(5);"),
-    "vpmaddubsw+vpmaddwd+vpaddd ymm (AVX2 int8 dot)": ("__AVX2__", "__m256i", "_mm256_set1_epi32(i)",
-                                       # the chain's own value as the signed bytes: x, y alone would be one product per iteration
-                                       "_mm256_add_epi32(a[i], _mm256_madd_epi16(_mm256_maddubs_epi16(x, a[i]), ones))",
-                                       "__m256i x = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);"),
-    "vfmadd231ps zmm (AVX-512F)": ("__AVX512F__", "__m512", "_mm512_set1_ps(i)", "_mm512_fmadd_ps(a[i], x, y)",
-                                   "__m512 x = _mm512_set1_ps(1.0001f), y = _mm512_set1_ps(0.999f);"),
-    "vfmadd231ps ymm (FMA)": ("__FMA__", "__m256", "_mm256_set1_ps(i)", "_mm256_fmadd_ps(a[i], x, y)",
-                              "__m256 x = _mm256_set1_ps(1.0001f), y = _mm256_set1_ps(0.999f);"),
+    "vpdpbusd zmm (AVX512-VNNI)": _vnni(512),
+    "vpdpbusd ymm (AVX512-VNNI/VL)": _vnni(256),
+    # the chain's own value as the signed bytes: with constant operands the product would be one per iteration
+    "vpmaddubsw+vpmaddwd+vpaddd ymm (AVX2 int8 dot)": (
+        "__AVX2__", "__m256i", "_mm256_set1_epi32(i)",
+        "_mm256_add_epi32(a[i], _mm256_madd_epi16(_mm256_maddubs_epi16(x, a[i]), ones))",
+        "__m256i x = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);"),
+    "vfmadd231ps zmm (AVX-512F)": _fma(512),
+    "vfmadd231ps ymm (FMA)": _fma(256),
 }
 
 _SOURCE_HEAD = """#include <immintrin.h>
