@@ -3,14 +3,15 @@
 A draft model's guesses cost forward passes of their own. Where a draft pass costs a large share of the
 target's step (a quantized draft of the same model, a bf16 target on a CPU without fast bf16 products),
 speculating decodes slower than not, even when most guesses are accepted: on the default model with its
-Q4_0 file as draft for its bf16 weights (2-vCPU Zen 4), a speculative step of 3 guesses took ~28 ms, 14.5
-of them the draft's three passes, against a plain step of ~8.5 ms, and ran 0.8-1.3x from run to run. The engine therefore times what it
-gets: per decode step, seconds per emitted token with guesses (the proposal's passes plus the verifying
-step) and without, over the last WINDOW steps of each kind (medians: one slow step on a shared machine
-does not decide). It speculates from the start; after MIN_SAMPLES such steps a couple of plain ones give
-the baseline, and the verdict follows. While speculating loses, the engine decodes plainly for a pause that doubles with each
-loss (8 to 256 steps), then tries again; while it wins, every PROBE_EVERY speculative steps a couple of
-plain ones keep the comparison current. Only steps that decode and prefill nothing are counted.
+Q4_0 file as draft for its bf16 weights (2-vCPU Zen 4), a speculative step of 3 guesses took ~28 ms,
+14.5 of them the draft's three passes, against a plain step of ~8.5 ms, and ran 0.8-1.3x from run to
+run. The engine therefore times what it gets: per decode step, seconds per emitted token with guesses
+(the proposal's passes plus the verifying step) and without, over the last WINDOW steps of each kind
+(medians: one slow step on a shared machine does not decide). It speculates from the start; after
+MIN_SAMPLES such steps a couple of plain ones give the baseline, and the verdict follows. While
+speculating loses, the engine decodes plainly for a pause that doubles with each loss (8 to 256 steps),
+then tries again; while it wins, every PROBE_EVERY speculative steps a couple of plain ones keep the
+comparison current. Only steps that decode and prefill nothing are counted.
 
 Outputs do not depend on it (verification is exact either way), only the speed. PERFXLM_SPEC_PAYOFF=off
 speculates on every step as asked; prompt lookup (free guesses, sized by their own match) never asks.

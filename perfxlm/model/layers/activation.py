@@ -64,8 +64,9 @@ class GeluAndMul(nn.Module):
 # torch's elementwise sigmoid takes vector steps over a contiguous run and scalar ones at its tail, and
 # the two round apart: over several rows at once, a row's last elements would land on one or the other by
 # the rows beside it. Rows padded to a multiple of this many elements (two vectors of the widest ISA, and
-# of the experts kernel's column runs) are each computed alone as within any batch: a speculative step's
-# verification rows as the decode steps they stand for (csrc/moe_kernels.cpp pads alike).
+# of the experts kernel's column runs) are each computed alone as within any batch of decode rows (below
+# torch's parallel grain, where one thread runs the op): a speculative step's verification rows as the
+# decode steps they stand for (csrc/moe_kernels.cpp pads alike).
 ROW_ALIGN = 64
 
 
