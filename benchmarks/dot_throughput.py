@@ -93,24 +93,28 @@ def source(iters: int) -> str:
     return "".join(parts)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--iters", type=int, default=100_000_000, help="loop iterations (12 instructions each)")
-    args = ap.parse_args()
+def measure(iters: int) -> dict[str, float]:
+    """Nanoseconds per step of every kernel this CPU has, by KERNELS' name (compiled here, one thread)."""
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc") or shutil.which("clang")
     if cc is None:
         raise SystemExit("no C compiler found (set CC)")
     with tempfile.TemporaryDirectory() as tmp:
         src, exe = os.path.join(tmp, "dots.c"), os.path.join(tmp, "dots")
         with open(src, "w") as f:
-            f.write(source(args.iters))
+            f.write(source(iters))
         subprocess.run([cc, "-O2", "-march=native", src, "-o", exe], check=True)
         out = subprocess.run([exe], check=True, capture_output=True, text=True).stdout
+    return {name: float(ns) for name, ns, _ in (line.split("\t") for line in out.strip().splitlines())}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iters", type=int, default=100_000_000, help="loop iterations (12 instructions each)")
+    args = ap.parse_args()
     print("| step (one instruction; AVX2's int8 dot is three) | ns per step | steps per ns |")
     print("|---|---:|---:|")
-    for line in out.strip().splitlines():
-        name, ns, _ = line.split("\t")
-        print(f"| {name} | {float(ns):.3f} | {1 / float(ns):.2f} |")
+    for name, ns in measure(args.iters).items():
+        print(f"| {name} | {ns:.3f} | {1 / ns:.2f} |")
     return 0
 
 

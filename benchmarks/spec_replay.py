@@ -20,6 +20,10 @@ be compared without running the model again; --verbose prints each step's accept
 
     python benchmarks/spec_replay.py --dataset sharegpt_samples_1024.json --outputs plain.json \
         --rules match,reanchor3,oracle --verbose
+    python benchmarks/spec_replay.py --dataset sharegpt_samples_1024.json --outputs plain.json --row-slope 0.064
+
+--row-slope S charges a step of r rows 1 + S (r - 1) instead: at the least a row can cost on this CPU
+(benchmarks/spec_row_floor.py), the speed-up no kernel work can raise.
 """
 
 from __future__ import annotations
@@ -84,11 +88,16 @@ def main() -> int:
     ap.add_argument("--num-speculative-tokens", type=int, default=5)
     ap.add_argument("--lookup", default="2,4", help="prompt_lookup_min,prompt_lookup_max")
     ap.add_argument("--row-costs", default=DEFAULT_COSTS, help="a step's cost by rows (1, 2, ...) over one row's")
+    ap.add_argument("--row-slope", type=float, default=None,
+                    help="instead of --row-costs, each row past the first adds this share of a one-row step "
+                         "(benchmarks/spec_row_floor.py prints this CPU's least)")
     ap.add_argument("--rules", default="budget,half,match,reanchor,oracle")
     ap.add_argument("--outputs", default=None, help="JSON cache of the plain outputs (written if absent)")
     ap.add_argument("--verbose", action="store_true", help="per prompt, each rule's accepted lengths by step")
     args = ap.parse_args()
     costs = [float(c) for c in args.row_costs.split(",")]
+    if args.row_slope is not None:
+        costs = [1 + args.row_slope * r for r in range(args.num_speculative_tokens + 1)]
     step_up = costs[-1] - costs[-2] if len(costs) > 1 else 0.0
 
     def cost(rows: int) -> float:
