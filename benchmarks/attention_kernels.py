@@ -2,7 +2,9 @@
 context, on a cache filled with random values (every page touched, scales of real magnitudes).
 
 - decode: the native `paged_decode_attention` (one query token per sequence, `--batch` sequences of
-  `--context` tokens), and with `--torch` the plain-torch path beside it; `--decode-products` times it
+  `--context` tokens; with `--rows N`, N query rows per sequence reading its one block table, the last
+  seeing `--context` tokens and each before it one fewer: a verification step's rows of N - 1 guesses),
+  and with `--torch` the plain-torch path beside it; `--decode-products` times it
   with float32 and with bf16 products over a bf16 cache (PERFXLM_DECODE_ATTENTION=float32 | bf16: the
   latter where the build has AVX512-BF16, else it runs float32 too).
 - prefill: `--new` tokens of one sequence after `--context` cached ones, the tiled path
@@ -13,7 +15,7 @@ rounds' medians are reported. Defaults: Llama-3.2-1B's attention shapes (32 head
 
     python benchmarks/attention_kernels.py                      # decode and prefill, 4k context
     python benchmarks/attention_kernels.py --dtypes auto,fp8 --context 16384 --output-json att.json
-    python benchmarks/attention_kernels.py --dtypes auto --new 0 --decode-products --batch 6 \
+    python benchmarks/attention_kernels.py --dtypes auto --new 0 --decode-products --rows 6 \
         --heads 9 --kv-heads 3 --context 650       # the default model's verification rows
 """
 
@@ -58,9 +60,14 @@ class Setup:
             write_kv_cache(k.to(model_dtype), v.to(model_dtype), self.cache.key, self.cache.value, slots,
                            self.cache.key_scale, self.cache.value_scale)  # fmt: skip
         order = torch.randperm(num_blocks, generator=g)  # scattered blocks, as a busy pool's
-        self.tables = order.view(max(args.batch, 1), per_seq)
+        rows = args.rows
+        if not 1 <= rows <= args.context:
+            raise ValueError(f"--rows {rows}: expected 1..--context ({args.context}) query rows per sequence")
+        # each sequence's rows read its one table, the last at the whole context (a verification step)
+        self.tables = order.view(max(args.batch, 1), per_seq).repeat_interleave(rows, dim=0)
+        self.lens = (args.context - rows + 1 + torch.arange(rows)).repeat(max(args.batch, 1))
         self.scale = d**-0.5
-        self.query = torch.randn(args.batch, h, d, generator=g)
+        self.query = torch.randn(args.batch * rows, h, d, generator=g)
         self.new_q = torch.randn(args.new, h, d, generator=g).to(model_dtype)
         self.new_k = torch.randn(args.new, kvh, d, generator=g).to(model_dtype)
         self.new_v = torch.randn(args.new, kvh, d, generator=g).to(model_dtype)
@@ -68,8 +75,7 @@ class Setup:
         self.scales = {"key_scale": self.cache.key_scale, "value_scale": self.cache.value_scale}
 
     def decode(self, fn) -> None:
-        lens = torch.full((self.query.shape[0],), self.context, dtype=torch.int64)
-        fn(self.query, self.cache.key, self.cache.value, self.tables, lens, self.scale, None, **self.scales)
+        fn(self.query, self.cache.key, self.cache.value, self.tables, self.lens, self.scale, None, **self.scales)
 
     def prefill(self, fn) -> None:
         fn(self.new_q, self.new_k, self.new_v, self.cache.key, self.cache.value, self.tables[0], self.context,
@@ -126,6 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="what `auto` stores, and the prefill compute dtype")  # fmt: skip
     ap.add_argument("--context", type=int, default=4096, help="cached tokens per sequence")
     ap.add_argument("--batch", type=int, default=1, help="decode sequences (0: no decode)")
+    ap.add_argument("--rows", type=int, default=1, help="decode query rows per sequence (a verification step's)")
     ap.add_argument("--new", type=int, default=512, help="prefill tokens after the context (0: no prefill)")
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
@@ -153,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"round {r + 1} {name} {kv}: {ms:.3f} ms", file=sys.stderr)
     result = {name: {kv: statistics.median(v) for kv, v in per.items()} for name, per in runs.items()}
     shape = (f"{args.heads} heads, {args.kv_heads} KV heads of {args.head_dim}, blocks of {args.block_size}, "
-             f"context {args.context}, decode batch {args.batch}, prefill {args.new} new tokens, "
+             f"context {args.context}, decode batch {args.batch} x {args.rows} rows, prefill {args.new} new tokens, "
              f"{args.threads} threads")  # fmt: skip
     print(f"\n{shape}\n\n| kernel, ms per call | " + " | ".join(dtypes) + " |")
     print("|---|" + "---:|" * len(dtypes))
