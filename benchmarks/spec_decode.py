@@ -1,6 +1,7 @@
 """Batch-1 decode speed with and without speculative decoding, on input-grounded prompts (rewrite a code
-file of this repository with one change; quote a passage; summarise a text) and on open-ended chat
-prompts, with the greedy outputs compared token for token.
+file of this repository: "code edit" renames every `self`, "one change" renames its first function, the
+instruction before the code, "one change, code first" after it; quote a passage; summarise a text) and on
+open-ended chat prompts, with the greedy outputs compared token for token.
 
 Both engines live in one process and run each prompt alternately (plain, speculative, plain, ...), so drift
 on a shared machine hits both alike; per prompt kind it prints the median decode tokens/s of each, their
@@ -37,6 +38,7 @@ import collections
 import itertools
 import json
 import os
+import re
 import statistics
 import sys
 
@@ -57,14 +59,26 @@ def _clip(tokenizer, text: str, max_tokens: int) -> str:
     return tokenizer.decode(ids)
 
 
+def _first_name(code: str) -> str:
+    """The first function (else class, else identifier) the code names: the one change's target."""
+    for pattern in (r"\bdef (\w+)", r"\bclass (\w+)", r"([A-Za-z_]\w*)"):
+        found = re.search(pattern, code)
+        if found:
+            return found.group(1)
+    return "main"
+
+
 def make_prompts(tokenizer, dataset: str | None, per_kind: int, passage_tokens: int) -> dict[str, list[str]]:
     """Chat messages (one user turn each) per prompt kind."""
-    kinds: dict[str, list[str]] = {"code edit": []}
+    kinds: dict[str, list[str]] = {"code edit": [], "one change": [], "one change, code first": []}
     for path in _CODE_FILES[:per_kind]:
         with open(os.path.join(_ROOT, path), encoding="utf-8") as f:
             code = _clip(tokenizer, f.read(), passage_tokens)
         kinds["code edit"].append("Rewrite this Python code with every `self` renamed to `this`. Output only the "
                                   f"whole code.\n\n```python\n{code}\n```")
+        change = f"with the function `{(name := _first_name(code))}` renamed to `{name}_v2`. Output only the whole code."
+        kinds["one change"].append(f"Rewrite this Python code {change}\n\n```python\n{code}\n```")
+        kinds["one change, code first"].append(f"```python\n{code}\n```\n\nRewrite the code above {change}")
     if dataset is None:
         return kinds
     pairs = [(h, r) for h, r in load_sharegpt_pairs(dataset) if len(r) > 1500 and len(h) < 300]
