@@ -64,7 +64,9 @@ def attention_instruction(resolved) -> str:
 
 
 def row_macs(model) -> tuple[int, int]:
-    """(multiply-adds of one token's linear products, attention's per context token) of the model."""
+    """(multiply-adds of one token's linear products, attention's per context token) of the model: a dense
+    model's figures (a mixture of experts' stacked experts are not linear modules and are not counted; a
+    sliding window is not applied)."""
     linear = sum(m.in_features * m.out_features for m in model.modules()
                  if isinstance(getattr(m, "in_features", None), int) and isinstance(getattr(m, "out_features", None), int))
     cfg = model.config
