@@ -76,7 +76,8 @@ def make_prompts(tokenizer, dataset: str | None, per_kind: int, passage_tokens: 
             code = _clip(tokenizer, f.read(), passage_tokens)
         kinds["code edit"].append("Rewrite this Python code with every `self` renamed to `this`. Output only the "
                                   f"whole code.\n\n```python\n{code}\n```")
-        change = f"with the function `{(name := _first_name(code))}` renamed to `{name}_v2`. Output only the whole code."
+        name = _first_name(code)
+        change = f"with the function `{name}` renamed to `{name}_v2`. Output only the whole code."
         kinds["one change"].append(f"Rewrite this Python code {change}\n\n```python\n{code}\n```")
         kinds["one change, code first"].append(f"```python\n{code}\n```\n\nRewrite the code above {change}")
     if dataset is None:

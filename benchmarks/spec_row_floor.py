@@ -68,7 +68,8 @@ def row_macs(model) -> tuple[int, int]:
     model's figures (a mixture of experts' stacked experts are not linear modules and are not counted; a
     sliding window is not applied)."""
     linear = sum(m.in_features * m.out_features for m in model.modules()
-                 if isinstance(getattr(m, "in_features", None), int) and isinstance(getattr(m, "out_features", None), int))
+                 if isinstance(getattr(m, "in_features", None), int)
+                 and isinstance(getattr(m, "out_features", None), int))
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     attention = cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * 2  # q.k and p.v
@@ -103,8 +104,9 @@ def main() -> int:
               enable_prefix_caching=False)
     resolved = llm.llm_engine.config.resolved
     if resolved.isa in ("amx", "scalar"):
-        raise SystemExit(f"the {resolved.isa} tier's products ({'AMX tiles' if resolved.isa == 'amx' else 'scalar loops'}) "
-                         "are not in dot_throughput.py's table; force a vector tier with PERFXLM_ISA")
+        what = "AMX tiles" if resolved.isa == "amx" else "scalar loops"
+        raise SystemExit(f"the {resolved.isa} tier's products ({what}) are not in dot_throughput.py's table; "
+                         "force a vector tier with PERFXLM_ISA")
     linear, per_token = row_macs(llm.llm_engine.core.runner.model)
     step = plain_step_ms(llm, args.context, args.steps, args.rounds)
     floor = 0.0
