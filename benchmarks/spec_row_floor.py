@@ -25,6 +25,7 @@ from dot_throughput import measure
 
 from perfxlm import LLM, SamplingParams
 from perfxlm.bench.latency import measure_batch
+from perfxlm.bench.roofline import model_costs
 
 # dot_throughput.py's kernels: name -> multiply-adds per step
 MACS_PER_STEP = {
@@ -35,7 +36,9 @@ MACS_PER_STEP = {
     "vfmadd231ps zmm (AVX-512F)": 16,
     "vfmadd231ps ymm (FMA)": 8,
 }
-_AVX512 = ("avx512", "avx512_vnni", "avx512_bf16")
+_AVX512 = ("avx512", "avx512_vnni", "avx512_bf16", "amx")
+_VNNI512 = ("avx512_vnni", "avx512_bf16", "amx")
+_BF16 = ("avx512_bf16", "amx")
 _AVX2_INT8 = "vpmaddubsw+vpmaddwd+vpaddd ymm (AVX2 int8 dot)"
 
 
@@ -45,35 +48,33 @@ def _fma(isa: str) -> str:
 
 def linear_instruction(resolved) -> str:
     """The instruction a decode row's linear products take under the engine's plan for this model. The
-    avx512 tier's int8 dot (the same three instructions on zmm) is counted as AVX2's, which the table has."""
+    avx512 tier's int8 dot (the same three instructions on zmm) is counted as AVX2's, which the table has;
+    the amx tier's as AVX-512's (its tiles, not in the table, would lower the floor further)."""
     plan, isa = resolved.cpu_plan, resolved.isa
     if resolved.quantized_source is not None and str(resolved.quant_activations).startswith("int8"):
-        if isa in ("avx512_vnni", "avx512_bf16"):
+        if isa in _VNNI512:
             return "vpdpbusd zmm (AVX512-VNNI)" if plan.dot_width == 512 else "vpdpbusd ymm (AVX512-VNNI/VL)"
         return "vpdpbusd ymm (AVX512-VNNI/VL)" if isa == "avx_vnni" else _AVX2_INT8
-    if "bfloat16" in str(resolved.weight_dtype) and plan.bf16_dots and isa == "avx512_bf16":
+    if "bfloat16" in str(resolved.weight_dtype) and plan.bf16_dots and isa in _BF16:
         return "vdpbf16ps zmm (AVX512-BF16)"
     return _fma(isa)
 
 
 def attention_instruction(resolved) -> str:
     """The instruction decode attention's products take (a bf16 cache's pairs where the CPU has them)."""
-    if resolved.kv_cache_spec.name == "bfloat16" and resolved.isa == "avx512_bf16":
+    if resolved.kv_cache_spec.name == "bfloat16" and resolved.isa in _BF16:
         return "vdpbf16ps zmm (AVX512-BF16)"
     return _fma(resolved.isa)
 
 
-def row_macs(model) -> tuple[int, int]:
-    """(multiply-adds of one token's linear products, attention's per context token) of the model: a dense
-    model's figures (a mixture of experts' stacked experts are not linear modules and are not counted; a
-    sliding window is not applied)."""
-    linear = sum(m.in_features * m.out_features for m in model.modules()
-                 if isinstance(getattr(m, "in_features", None), int)
-                 and isinstance(getattr(m, "out_features", None), int))
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    attention = cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * 2  # q.k and p.v
-    return linear, attention
+def row_macs(llm: LLM) -> tuple[float, float]:
+    """(multiply-adds of one token's linear products and LM head, attention's per context token), from the
+    roofline's count of the model (perfxlm/bench/roofline.py: a mixture of experts counts every expert,
+    so its floor comes out high)."""
+    costs = model_costs(llm)
+    if costs is None:
+        raise SystemExit("the engine's model is not reachable from this process (a multi-process executor)")
+    return costs["matmul_params_per_token"] + costs["lm_head_params"], costs["attn_flops_per_pair"] / 2
 
 
 def plain_step_ms(llm: LLM, context: int, steps: int, rounds: int) -> float:
@@ -103,11 +104,10 @@ def main() -> int:
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, kv_cache_gib=0.5,
               enable_prefix_caching=False)
     resolved = llm.llm_engine.config.resolved
-    if resolved.isa in ("amx", "scalar"):
-        what = "AMX tiles" if resolved.isa == "amx" else "scalar loops"
-        raise SystemExit(f"the {resolved.isa} tier's products ({what}) are not in dot_throughput.py's table; "
+    if resolved.isa == "scalar":
+        raise SystemExit("the scalar tier's products are plain loops, not in dot_throughput.py's table; "
                          "force a vector tier with PERFXLM_ISA")
-    linear, per_token = row_macs(llm.llm_engine.core.runner.model)
+    linear, per_token = row_macs(llm)
     step = plain_step_ms(llm, args.context, args.steps, args.rounds)
     floor = 0.0
     for what, macs, name in (("linear products", linear, linear_instruction(resolved)),
@@ -120,6 +120,8 @@ def main() -> int:
         print(f"{what:28} {macs / 1e6:8.1f} M multiply-adds  {name}: {rates[name]:.3f} ns per step, "
               f"{MACS_PER_STEP[name]} each -> {ms:.3f} ms on {args.threads} threads")
     share = floor / step
+    if resolved.isa == "amx":
+        print("(amx: counted at AVX-512's instructions; its tiles take a step's rows faster, so the floor is lower)")
     print(f"plain decode step ({resolved.isa}, {args.threads} threads, {args.context}-token context): {step:.2f} ms")
     print(f"a verification row costs at least {floor:.3f} ms = {share:.1%} of a step; model prompt lookup there with")
     print(f"    python benchmarks/spec_replay.py --row-slope {share:.3f} --dataset ... --outputs ...")
